@@ -1,0 +1,109 @@
+"""Engine v0: batched prefill, then a jitted decode step over the latent cache.
+
+The model is split once into (graphdef, state); prefill and decode are pure jitted functions of the
+state, so they compile once per (batch bucket, length bucket) and the cache is donated to each step.
+The generation loop on the host only appends tokens and checks stop conditions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kimi_jax.config import ModelConfig
+from kimi_jax.model.transformer import Transformer, init_cache
+from kimi_jax.sampling import SamplingArrays, sample, top_logprobs
+
+
+def bucket(n: int, minimum: int = 8) -> int:
+    """Next power of two >= n (at least `minimum`): bounds the number of compiled shapes."""
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+@dataclasses.dataclass
+class StepOutput:
+    tokens: np.ndarray                      # [B] int32
+    logprob: Optional[np.ndarray] = None    # [B] chosen-token logprob
+    top_ids: Optional[np.ndarray] = None    # [B, n]
+    top_vals: Optional[np.ndarray] = None   # [B, n]
+
+
+def _sample_out(logits_BV, sp, step_B, n_logprobs):
+    tok = sample(logits_BV, sp, step_B)
+    if n_logprobs is None:
+        return (tok,)
+    return (tok, *top_logprobs(logits_BV, tok, n_logprobs))
+
+
+def _prefill(graphdef, state, tokens_BT, lengths_B, sp, cache_len, n_logprobs):
+    """Prefill from an empty cache (expanded MLA); sample the first token of every row."""
+    model = nnx.merge(graphdef, state)
+    B, T = tokens_BT.shape
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    h_BTD, latents = model.hidden_states(tokens_BT, positions, None, absorbed=False)
+    last_BD = h_BTD[jnp.arange(B), lengths_B - 1]
+    logits_BV = model.logits(last_BD[:, None])[:, 0]
+    cache = {k: jnp.zeros((*v.shape[:2], cache_len, v.shape[-1]), v.dtype).at[:, :, :T].set(v)
+             for k, v in latents.items()}
+    return cache, _sample_out(logits_BV, sp, jnp.zeros((B,), jnp.int32), n_logprobs)
+
+
+def _decode(graphdef, state, cache, tokens_B, positions_B, sp, step_B, n_logprobs):
+    """One token per row at its position, absorbed MLA over the cache."""
+    model = nnx.merge(graphdef, state)
+    logits, cache = model(tokens_B[:, None], positions_B[:, None], cache, absorbed=True)
+    return cache, _sample_out(logits[:, 0], sp, step_B, n_logprobs)
+
+
+def _all_logits(graphdef, state, tokens_BT):
+    model = nnx.merge(graphdef, state)
+    B, T = tokens_BT.shape
+    logits, _ = model(tokens_BT, jnp.broadcast_to(jnp.arange(T), (B, T)), None, absorbed=False)
+    return logits
+
+
+class Engine:
+    def __init__(self, model: Transformer, cfg: ModelConfig):
+        self.cfg = cfg
+        self.graphdef, self.state = nnx.split(model)
+        self.cache_dtype = model.dtype
+        self._prefill = jax.jit(functools.partial(_prefill, self.graphdef),
+                                static_argnames=("cache_len", "n_logprobs"))
+        self._decode = jax.jit(functools.partial(_decode, self.graphdef),
+                               static_argnames=("n_logprobs",), donate_argnames=("cache",))
+        self._logits = jax.jit(functools.partial(_all_logits, self.graphdef))
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        T = len(token_ids)
+        padded = np.zeros((1, bucket(T)), np.int32)
+        padded[0, :T] = token_ids
+        return np.asarray(self._logits(self.state, jnp.asarray(padded))[0, :T], np.float32)
+
+    def prefill(self, prompts: Sequence[Sequence[int]], sp: SamplingArrays, cache_len: int,
+                n_logprobs: Optional[int]):
+        B = len(prompts)
+        T = bucket(max(len(p) for p in prompts))
+        tokens = np.zeros((B, T), np.int32)
+        for b, p in enumerate(prompts):
+            tokens[b, :len(p)] = p
+        lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+        cache, out = self._prefill(self.state, jnp.asarray(tokens), lengths, sp,
+                                   cache_len=max(cache_len, T), n_logprobs=n_logprobs)
+        return cache, _to_host(out)
+
+    def decode(self, cache, tokens: np.ndarray, positions: np.ndarray, sp: SamplingArrays,
+               steps: np.ndarray, n_logprobs: Optional[int]):
+        cache, out = self._decode(self.state, cache, jnp.asarray(tokens, jnp.int32),
+                                  jnp.asarray(positions, jnp.int32), sp, jnp.asarray(steps, jnp.int32),
+                                  n_logprobs=n_logprobs)
+        return cache, _to_host(out)
+
+
+def _to_host(out) -> StepOutput:
+    out = jax.device_get(out)
+    return StepOutput(*[np.asarray(o) for o in out])

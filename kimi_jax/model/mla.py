@@ -1,0 +1,115 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3), with both the expanded and the absorbed form.
+
+Per token, the keys and values of all N heads are generated from one latent c_t (A = kv_lora_rank
+values, RMS-normalized) plus one rope key k^R_t (R values) shared by every head. The cache holds just
+those A + R values per token per layer.
+
+Expanded (prefill):   k^C_{t,n} = W^UK_n c_t,  v_{t,n} = W^UV_n c_t,
+                      score = (q^C_n . k^C_{s,n} + q^R_n . k^R_s) * scale
+Absorbed (decode):    q~_n = (W^UK_n)^T q^C_n  (a query in latent space),
+                      score = (q~_n . c_s + q^R_n . k^R_s) * scale,
+                      o_n = W^UV_n sum_s p_s c_s
+The two are the same function; tests check they agree.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kimi_jax.config import ModelConfig
+from kimi_jax.model.layers import Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+
+_NEG = -1e30  # finite mask value: a fully-masked row can't produce NaN
+
+
+class MLA(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        D, N, H, R, A, V = (cfg.hidden_size, cfg.num_attention_heads, cfg.qk_nope_head_dim,
+                            cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim)
+        self.cfg = cfg
+        self.dims = (N, H, R, A, V)
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(D, N * (H + R), ("q_heads", "embed"), dtype=dtype, rngs=rngs)
+        else:
+            Q = cfg.q_lora_rank
+            self.q_a_proj = Linear(D, Q, ("q_lora", "embed"), dtype=dtype, rngs=rngs)
+            self.q_a_layernorm = RMSNorm(Q, cfg.latent_norm_eps, dtype=dtype)
+            self.q_b_proj = Linear(Q, N * (H + R), ("q_heads", "q_lora"), dtype=dtype, rngs=rngs)
+        self.kv_a_proj_with_mqa = Linear(D, A + R, ("kv_latent", "embed"), dtype=dtype, rngs=rngs)
+        self.kv_a_layernorm = RMSNorm(A, cfg.latent_norm_eps, dtype=dtype)
+        self.kv_b_proj = Linear(A, N * (H + V), ("kv_heads", "kv_lora"), dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(N * V, D, ("embed", "o_heads"), dtype=dtype, rngs=rngs)
+
+    # -- projections ------------------------------------------------------------------------------
+    def _queries(self, x_BTD, cos, sin):
+        N, H, R, _, _ = self.dims
+        if self.cfg.q_lora_rank is None:
+            q = self.q_proj(x_BTD)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+        q_BTNK = q.reshape(*x_BTD.shape[:-1], N, H + R)
+        q_nope_BTNH, q_pe_BTNR = q_BTNK[..., :H], q_BTNK[..., H:]
+        return q_nope_BTNH, apply_rope(q_pe_BTNR, cos[..., None, :], sin[..., None, :])
+
+    def latents(self, x_BTD, positions_BT):
+        """What the cache stores for these tokens: [c (A) | rotated k^R (R)] -> [B, T, A + R]."""
+        _, _, _, A, _ = self.dims
+        cos, sin = rope_cos_sin(positions_BT, rope_inv_freq(self.cfg), self.cfg.rope_scaling.cos_sin_scale)
+        kv = self.kv_a_proj_with_mqa(x_BTD)
+        c_BTA = self.kv_a_layernorm(kv[..., :A])
+        kpe_BTR = apply_rope(kv[..., A:], cos, sin)
+        return jnp.concatenate([c_BTA, kpe_BTR], axis=-1)
+
+    def _kv_b(self):
+        N, H, _, A, V = self.dims
+        w = self.kv_b_proj.weight.value.reshape(N, H + V, A)
+        return w[:, :H, :], w[:, H:, :]                     # W_UK [N, H, A], W_UV [N, V, A]
+
+    # -- attention --------------------------------------------------------------------------------
+    def __call__(self, x_BTD, positions_BT, kv_BSL=None, *, absorbed: bool = False):
+        """Attend from x's tokens (at absolute positions) to the cached tokens.
+
+        kv_BSL: the layer's latent cache [B, S, A + R] or None. With a cache, the new tokens' latents
+        are written at their positions (writes at positions >= S are dropped) and every query attends
+        to cache slots s <= its position. Without one, queries attend to the new tokens only (a fresh
+        prefill). Returns (output [B, T, D], updated cache, or the new latents [B, T, A + R]).
+        """
+        N, H, R, A, V = self.dims
+        cos, sin = rope_cos_sin(positions_BT, rope_inv_freq(self.cfg), self.cfg.rope_scaling.cos_sin_scale)
+        q_nope_BTNH, q_pe_BTNR = self._queries(x_BTD, cos, sin)
+        new_BTL = self.latents(x_BTD, positions_BT)
+        if kv_BSL is None:
+            keys_BSL, key_pos_BS, out_kv = new_BTL, positions_BT, new_BTL
+        else:
+            B, S = kv_BSL.shape[:2]
+            rows = jnp.arange(B)[:, None]
+            kv_BSL = kv_BSL.at[rows, positions_BT].set(new_BTL.astype(kv_BSL.dtype), mode="drop")
+            keys_BSL, key_pos_BS, out_kv = kv_BSL, jnp.broadcast_to(jnp.arange(S), (B, S)), kv_BSL
+        mask_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
+        c_BSA, kpe_BSR = keys_BSL[..., :A].astype(x_BTD.dtype), keys_BSL[..., A:].astype(x_BTD.dtype)
+        w_uk, w_uv = self._kv_b()
+        scale = self.cfg.softmax_scale
+        f32 = jnp.float32
+        rope_BNTS = jnp.einsum("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR, preferred_element_type=f32)
+        if absorbed:
+            q_lat_BTNA = jnp.einsum("btnh,nha->btna", q_nope_BTNH, w_uk,
+                                    preferred_element_type=f32).astype(x_BTD.dtype)
+            nope_BNTS = jnp.einsum("btna,bsa->bnts", q_lat_BTNA, c_BSA, preferred_element_type=f32)
+            p_BNTS = _softmax((nope_BNTS + rope_BNTS) * scale, mask_BTS).astype(x_BTD.dtype)
+            o_lat_BTNA = jnp.einsum("bnts,bsa->btna", p_BNTS, c_BSA,
+                                    preferred_element_type=f32).astype(x_BTD.dtype)
+            o_BTNV = jnp.einsum("btna,nva->btnv", o_lat_BTNA, w_uv, preferred_element_type=f32)
+        else:
+            k_BSNH = jnp.einsum("bsa,nha->bsnh", c_BSA, w_uk, preferred_element_type=f32).astype(x_BTD.dtype)
+            v_BSNV = jnp.einsum("bsa,nva->bsnv", c_BSA, w_uv, preferred_element_type=f32).astype(x_BTD.dtype)
+            nope_BNTS = jnp.einsum("btnh,bsnh->bnts", q_nope_BTNH, k_BSNH, preferred_element_type=f32)
+            p_BNTS = _softmax((nope_BNTS + rope_BNTS) * scale, mask_BTS).astype(x_BTD.dtype)
+            o_BTNV = jnp.einsum("bnts,bsnv->btnv", p_BNTS, v_BSNV, preferred_element_type=f32)
+        o_BTD = self.o_proj(o_BTNV.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * V))
+        return o_BTD, out_kv
+
+
+def _softmax(scores_BNTS, mask_BTS):
+    s = jnp.where(mask_BTS[:, None], scores_BNTS, _NEG)
+    return jax.nn.softmax(s, axis=-1)

@@ -1,0 +1,97 @@
+"""DeepSeek-V3 mixture of experts: sigmoid router with group-limited top-k, routed experts, shared experts.
+
+Router (noaux_tc), in float32:
+  s = sigmoid(x W_g^T);  choose with s + b (b = e_score_correction_bias, used ONLY for choosing):
+  keep the topk_group groups whose two best biased scores sum highest, then the top-K experts in them;
+  weights = s at the chosen experts, normalized to sum 1 (norm_topk_prob), times routed_scaling_factor.
+Output = sum_k weight_k * expert_k(x) + shared_experts(x).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kimi_jax import ops
+from kimi_jax.config import ModelConfig
+from kimi_jax.model.layers import MLP, param
+
+
+class Router(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        # kept in float32: the scores that pick experts are computed in float32 (as the reference)
+        self.weight = param(rngs, (cfg.n_routed_experts, cfg.hidden_size), jnp.float32, ("experts", "embed"))
+        self.e_score_correction_bias = param(None, (cfg.n_routed_experts,), jnp.float32, ("experts",),
+                                             init="zeros")
+
+    def __call__(self, x_TD):
+        """-> (expert ids [T, K] int32, weights [T, K] float32)."""
+        cfg = self.cfg
+        E, G, K = cfg.n_routed_experts, cfg.n_group, cfg.num_experts_per_tok
+        logits_TE = jnp.einsum("td,ed->te", x_TD.astype(jnp.float32), self.weight.value,
+                               precision=jax.lax.Precision.HIGHEST)
+        s_TE = jax.nn.sigmoid(logits_TE)
+        choice_TE = s_TE + self.e_score_correction_bias.value
+        if G > 1:
+            T = choice_TE.shape[0]
+            grouped_TGe = choice_TE.reshape(T, G, E // G)
+            group_score_TG = jax.lax.top_k(grouped_TGe, 2)[0].sum(-1)
+            _, keep_TK = jax.lax.top_k(group_score_TG, cfg.topk_group)
+            keep_TG = jnp.zeros((T, G), bool).at[jnp.arange(T)[:, None], keep_TK].set(True)
+            choice_TE = jnp.where(jnp.repeat(keep_TG, E // G, axis=1), choice_TE, -jnp.inf)
+        _, idx_TK = jax.lax.top_k(choice_TE, K)
+        w_TK = jnp.take_along_axis(s_TE, idx_TK, axis=-1)
+        if cfg.norm_topk_prob:
+            w_TK = w_TK / (w_TK.sum(-1, keepdims=True) + 1e-20)
+        return idx_TK.astype(jnp.int32), w_TK * cfg.routed_scaling_factor
+
+
+class RoutedExperts(nnx.Module):
+    """E expert FFNs stacked: gate/up [E, F, D], down [E, D, F]; bf16, or INT4 packed + group scales."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        E, F, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        q = cfg.quantization
+        self.int4 = q is not None
+        shapes = {"gate_proj": (E, F, D), "up_proj": (E, F, D), "down_proj": (E, D, F)}
+        axes = {"gate_proj": ("experts", "expert_mlp", "embed"), "up_proj": ("experts", "expert_mlp", "embed"),
+                "down_proj": ("experts", "embed", "expert_mlp")}
+        for name, (e, n, k) in shapes.items():
+            if self.int4:
+                # random INT4 codes (uniform in [-8, 7]) with scale std/4: roughly std-sized weights
+                packed = jax.random.randint(rngs.params(), (e, n, k // 8), jnp.iinfo(jnp.int32).min,
+                                            jnp.iinfo(jnp.int32).max, dtype=jnp.int32)
+                setattr(self, name + "_packed", nnx.Param(packed, axes=axes[name]))
+                setattr(self, name + "_scale", param(None, (e, n, k // q.group_size), dtype, axes[name],
+                                                     init="ones"))
+                getattr(self, name + "_scale").value = getattr(self, name + "_scale").value * 0.005
+            else:
+                setattr(self, name, param(rngs, (e, n, k), dtype, axes[name]))
+
+    def weights(self) -> ops.ExpertWeights:
+        def w(name):
+            if self.int4:
+                return ops.Int4Weight(getattr(self, name + "_packed").value, getattr(self, name + "_scale").value)
+            return getattr(self, name).value
+        return ops.ExpertWeights(gate=w("gate_proj"), up=w("up_proj"), down=w("down_proj"))
+
+    def __call__(self, x_TD, idx_TK, w_TK):
+        return ops.routed_experts(x_TD, idx_TK, w_TK, self.weights())
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.gate = Router(cfg, rngs=rngs)
+        self.experts = RoutedExperts(cfg, dtype=dtype, rngs=rngs)
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                   dtype=dtype, rngs=rngs, ffn_axis="shared_mlp")
+                               if cfg.n_shared_experts else None)
+
+    def __call__(self, x_BTD):
+        x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
+        idx_TK, w_TK = self.gate(x_TD)
+        y_TD = self.experts(x_TD, idx_TK, w_TK)
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_experts(x_TD)
+        return y_TD.reshape(x_BTD.shape)

@@ -1,0 +1,108 @@
+"""The DeepSeek-V3 / Kimi-K2 decoder: embeddings, dense layers, MoE layers, final norm, LM head.
+
+Layers of one kind (dense FFN, MoE) are stacked along a leading axis and run with `lax.scan`, so a
+forward pass compiles one layer body per kind instead of 61. The latent cache is stacked the same way:
+one array [L, B, S, A + R] per kind.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kimi_jax import ops
+from kimi_jax.config import ModelConfig
+from kimi_jax.model.layers import MLP, RMSNorm, param
+from kimi_jax.model.mla import MLA
+from kimi_jax.model.moe import MoE
+
+
+class DecoderLayer(nnx.Module):
+    """h = x + MLA(norm(x));  out = h + FFN(norm(h)), FFN dense or MoE."""
+
+    def __init__(self, cfg: ModelConfig, *, moe: bool, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = MLA(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = (MoE(cfg, dtype=dtype, rngs=rngs) if moe
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs))
+
+    def __call__(self, x_BTD, positions_BT, kv_BSL=None, *, absorbed=False):
+        a_BTD, kv = self.self_attn(self.input_layernorm(x_BTD), positions_BT, kv_BSL, absorbed=absorbed)
+        h_BTD = x_BTD + a_BTD
+        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD)), kv
+
+
+def stack_modules(make: Callable[[], nnx.Module], n: int) -> Optional[nnx.Module]:
+    """n modules built by `make`, merged into one whose parameters have a leading [n] axis."""
+    if n == 0:
+        return None
+    mods = [make() for _ in range(n)]
+    graphdef, _ = nnx.split(mods[0])
+    states = [nnx.split(m)[1] for m in mods]
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+
+
+def scan_layers(stack: nnx.Module, x_BTD, positions_BT, kv_LBSL, *, absorbed: bool):
+    """Run a stacked layer module over its leading axis; returns (x, per-layer cache or latents)."""
+    graphdef, state = nnx.split(stack)
+
+    def body(x, layer_and_kv):
+        layer_state, kv = layer_and_kv
+        x, kv = nnx.merge(graphdef, layer_state)(x, positions_BT, kv, absorbed=absorbed)
+        return x, kv
+
+    return jax.lax.scan(body, x_BTD, (state, kv_LBSL))
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.dtype = dtype
+        D, V = cfg.hidden_size, cfg.vocab_size
+        self.embed_tokens = nnx.Module()
+        self.embed_tokens.weight = param(rngs, (V, D), dtype, ("vocab", "embed"))
+        self.dense_layers = stack_modules(lambda: DecoderLayer(cfg, moe=False, dtype=dtype, rngs=rngs),
+                                          cfg.num_dense_layers)
+        self.moe_layers = stack_modules(lambda: DecoderLayer(cfg, moe=True, dtype=dtype, rngs=rngs),
+                                        cfg.num_moe_layers)
+        self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nnx.Module()
+            self.lm_head.weight = param(rngs, (V, D), dtype, ("vocab", "embed"))
+
+    @property
+    def layer_stacks(self) -> tuple[tuple[str, Optional[nnx.Module]], ...]:
+        return (("dense", self.dense_layers), ("moe", self.moe_layers))
+
+    def hidden_states(self, tokens_BT, positions_BT, cache=None, *, absorbed=False):
+        """Final-norm hidden states [B, T, D] and the cache dict {kind: [L, B, S, A+R]} (updated), or,
+        without a cache, the new latents {kind: [L, B, T, A+R]}."""
+        x = jnp.take(self.embed_tokens.weight.value, tokens_BT, axis=0)
+        new = {}
+        for kind, stack in self.layer_stacks:
+            if stack is None:
+                continue
+            kv = None if cache is None else cache[kind]
+            x, new[kind] = scan_layers(stack, x, positions_BT, kv, absorbed=absorbed)
+        return self.norm(x), new
+
+    def logits(self, h_BTD):
+        w = (self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head).weight.value
+        return ops.linear(h_BTD, w).astype(jnp.float32) if h_BTD.dtype == jnp.float32 else \
+            jnp.einsum("btd,vd->btv", h_BTD, w, preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens_BT, positions_BT, cache=None, *, absorbed=False):
+        h, new = self.hidden_states(tokens_BT, positions_BT, cache, absorbed=absorbed)
+        return self.logits(h), new
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> dict:
+    """Zeroed latent cache {kind: [L, B, S, A + R]} for the stacks the model has."""
+    out = {}
+    for kind, n in (("dense", cfg.num_dense_layers), ("moe", cfg.num_moe_layers)):
+        if n:
+            out[kind] = jnp.zeros((n, batch, max_len, cfg.latent_dim), dtype)
+    return out

@@ -1,0 +1,133 @@
+"""Kernel selection: the only module that imports `pallas_kernels`.
+
+Each op has an 'xla' implementation (plain jnp/lax, runs everywhere) and, where one exists, a 'pallas'
+implementation (GPU kernels). `impl=None` picks 'pallas' on GPU and 'xla' elsewhere; tests force each
+with `impl=` or with `use_impl(...)`.
+
+Weight layout for routed experts (compressed-tensors / HF, rows are output features):
+  bf16:  ExpertWeights(gate=[E, F, D], up=[E, F, D], down=[E, D, F])
+  INT4:  ExpertWeights(gate=Int4Weight(packed int32 [E, F, D/8], scale bf16 [E, F, D/g]), ...)
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+_FORCED_IMPL: Optional[str] = None
+IMPLS = ("xla", "pallas")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int4Weight:
+    """compressed-tensors pack-quantized INT4: `packed` int32 [..., N, K/8], `scale` [..., N, K/g]."""
+    packed: jax.Array
+    scale: jax.Array
+
+    @property
+    def group_size(self) -> int:
+        return self.packed.shape[-1] * 8 // self.scale.shape[-1]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.packed.shape[:-1], self.packed.shape[-1] * 8)
+
+
+Weight = Union[jax.Array, Int4Weight]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertWeights:
+    """Routed experts of one MoE layer: gate/up [E, F, D], down [E, D, F] (bf16 or INT4)."""
+    gate: Weight
+    up: Weight
+    down: Weight
+
+
+@contextlib.contextmanager
+def use_impl(impl: Optional[str]):
+    """Force every op to one implementation inside the block (for tests and benchmarks)."""
+    global _FORCED_IMPL
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"unknown ops implementation {impl!r}; expected one of {IMPLS}")
+    old, _FORCED_IMPL = _FORCED_IMPL, impl
+    try:
+        yield
+    finally:
+        _FORCED_IMPL = old
+
+
+def resolve_impl(impl: Optional[str] = None) -> str:
+    impl = impl or _FORCED_IMPL
+    if impl is None:
+        impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+    if impl not in IMPLS:
+        raise ValueError(f"unknown ops implementation {impl!r}; expected one of {IMPLS}")
+    return impl
+
+
+def dequantize(w: Weight, dtype) -> jax.Array:
+    """Dense weight [..., N, K] from bf16 or INT4 storage (the XLA path; unfused)."""
+    if isinstance(w, Int4Weight):
+        from checkpoints.int4 import dequantize_jnp
+        return dequantize_jnp(w.packed, w.scale, w.group_size, dtype)
+    return w.astype(dtype)
+
+
+def linear(x: jax.Array, w: Weight, *, impl: Optional[str] = None) -> jax.Array:
+    """y[..., N] = x[..., K] @ w[N, K]^T (HF Linear layout), float32 accumulation."""
+    if isinstance(w, Int4Weight) and resolve_impl(impl) == "pallas":
+        from pallas_kernels import int4_matmul
+        lead = x.shape[:-1]
+        y = int4_matmul.int4_matmul(x.reshape(-1, x.shape[-1]), w.packed, w.scale)
+        return y.reshape(*lead, y.shape[-1])
+    wd = dequantize(w, x.dtype)
+    return jnp.einsum("...k,nk->...n", x, wd, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def routed_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array, experts: ExpertWeights,
+                   *, impl: Optional[str] = None) -> jax.Array:
+    """sum_k weight[t,k] * down(silu(gate(x_t)) * up(x_t)) over the K experts idx[t,k] of each token.
+
+    x_TD: [T, D] activations; idx_TK: [T, K] int32 expert ids in [0, E); weight_TK: [T, K] float32.
+    Returns [T, D] in x's dtype. Experts that receive no token are never read by the pallas path.
+    """
+    if resolve_impl(impl) == "pallas" and isinstance(experts.gate, Int4Weight):
+        from pallas_kernels import moe_gmm
+        g, u, d = experts.gate, experts.up, experts.down
+        return moe_gmm.moe_experts(x_TD, idx_TK, weight_TK, g.packed, g.scale, u.packed, u.scale,
+                                   d.packed, d.scale)
+    return _routed_experts_xla(x_TD, idx_TK, weight_TK, experts)
+
+
+def _routed_experts_xla(x_TD, idx_TK, weight_TK, experts: ExpertWeights):
+    """Sort the T*K (token, expert) pairs by expert and run grouped matmuls (lax.ragged_dot)."""
+    T, K = idx_TK.shape
+    E = _num_experts(experts.gate)
+    dtype = x_TD.dtype
+    flat_e = idx_TK.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    token_of = order // K
+    x_sorted = x_TD[token_of]                                          # [T*K, D]
+    group_sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)    # [E]
+
+    def gmm(lhs, w):  # lhs [M, in], w [E, out, in] -> [M, out]
+        wd = jnp.swapaxes(dequantize(w, dtype), 1, 2)                  # [E, in, out]
+        return jax.lax.ragged_dot(lhs, wd, group_sizes, preferred_element_type=jnp.float32)
+
+    gate = gmm(x_sorted, experts.gate)
+    up = gmm(x_sorted, experts.up)
+    h = (jax.nn.silu(gate) * up).astype(dtype)
+    y_sorted = gmm(h, experts.down)                                    # [T*K, D] float32
+    w_sorted = weight_TK.reshape(-1)[order].astype(jnp.float32)
+    y = jnp.zeros((T, x_TD.shape[-1]), jnp.float32).at[token_of].add(y_sorted * w_sorted[:, None])
+    return y.astype(dtype)
+
+
+def _num_experts(w: Weight) -> int:
+    return (w.packed if isinstance(w, Int4Weight) else w).shape[0]
