@@ -36,7 +36,7 @@ class Linear(nnx.Module):
         self.weight = param(rngs, (out_features, in_features), dtype, axes)
 
     def __call__(self, x):
-        return ops.linear(x, self.weight.value)
+        return ops.linear(x, self.weight[...])
 
 
 class RMSNorm(nnx.Module):
@@ -49,7 +49,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight.value * y.astype(x.dtype)
+        return self.weight[...] * y.astype(x.dtype)
 
 
 class MLP(nnx.Module):

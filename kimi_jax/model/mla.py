@@ -63,7 +63,7 @@ class MLA(nnx.Module):
 
     def _kv_b(self):
         N, H, _, A, V = self.dims
-        w = self.kv_b_proj.weight.value.reshape(N, H + V, A)
+        w = self.kv_b_proj.weight[...].reshape(N, H + V, A)
         return w[:, :H, :], w[:, H:, :]                     # W_UK [N, H, A], W_UV [N, V, A]
 
     # -- attention --------------------------------------------------------------------------------

@@ -29,10 +29,10 @@ class Router(nnx.Module):
         """-> (expert ids [T, K] int32, weights [T, K] float32)."""
         cfg = self.cfg
         E, G, K = cfg.n_routed_experts, cfg.n_group, cfg.num_experts_per_tok
-        logits_TE = jnp.einsum("td,ed->te", x_TD.astype(jnp.float32), self.weight.value,
+        logits_TE = jnp.einsum("td,ed->te", x_TD.astype(jnp.float32), self.weight[...],
                                precision=jax.lax.Precision.HIGHEST)
         s_TE = jax.nn.sigmoid(logits_TE)
-        choice_TE = s_TE + self.e_score_correction_bias.value
+        choice_TE = s_TE + self.e_score_correction_bias[...]
         if G > 1:
             T = choice_TE.shape[0]
             grouped_TGe = choice_TE.reshape(T, G, E // G)
@@ -63,17 +63,16 @@ class RoutedExperts(nnx.Module):
                 packed = jax.random.randint(rngs.params(), (e, n, k // 8), jnp.iinfo(jnp.int32).min,
                                             jnp.iinfo(jnp.int32).max, dtype=jnp.int32)
                 setattr(self, name + "_packed", nnx.Param(packed, axes=axes[name]))
-                setattr(self, name + "_scale", param(None, (e, n, k // q.group_size), dtype, axes[name],
-                                                     init="ones"))
-                getattr(self, name + "_scale").value = getattr(self, name + "_scale").value * 0.005
+                scale = jnp.full((e, n, k // q.group_size), 0.005, dtype)
+                setattr(self, name + "_scale", nnx.Param(scale, axes=axes[name]))
             else:
                 setattr(self, name, param(rngs, (e, n, k), dtype, axes[name]))
 
     def weights(self) -> ops.ExpertWeights:
         def w(name):
             if self.int4:
-                return ops.Int4Weight(getattr(self, name + "_packed").value, getattr(self, name + "_scale").value)
-            return getattr(self, name).value
+                return ops.Int4Weight(getattr(self, name + "_packed")[...], getattr(self, name + "_scale")[...])
+            return getattr(self, name)[...]
         return ops.ExpertWeights(gate=w("gate_proj"), up=w("up_proj"), down=w("down_proj"))
 
     def __call__(self, x_TD, idx_TK, w_TK):

@@ -80,7 +80,7 @@ class Transformer(nnx.Module):
     def hidden_states(self, tokens_BT, positions_BT, cache=None, *, absorbed=False):
         """Final-norm hidden states [B, T, D] and the cache dict {kind: [L, B, S, A+R]} (updated), or,
         without a cache, the new latents {kind: [L, B, T, A+R]}."""
-        x = jnp.take(self.embed_tokens.weight.value, tokens_BT, axis=0)
+        x = jnp.take(self.embed_tokens.weight[...], tokens_BT, axis=0)
         new = {}
         for kind, stack in self.layer_stacks:
             if stack is None:
@@ -90,7 +90,7 @@ class Transformer(nnx.Module):
         return self.norm(x), new
 
     def logits(self, h_BTD):
-        w = (self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head).weight.value
+        w = (self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head).weight[...]
         return ops.linear(h_BTD, w).astype(jnp.float32) if h_BTD.dtype == jnp.float32 else \
             jnp.einsum("btd,vd->btv", h_BTD, w, preferred_element_type=jnp.float32)
 

@@ -1,0 +1,357 @@
+"""Reading (sharded) safetensors checkpoints with precise, one-line errors.
+
+`CheckpointReader(path)` finds `model.safetensors`, or the shards listed by
+`model.safetensors.index.json`, parses every file's header (never the data) and checks it against
+the file size, so a truncated or corrupt shard fails at open. Tensors are then read one at a time
+(`read`), through the safetensors library's numpy backend (bf16 comes back as
+ml_dtypes.bfloat16; torch is never imported). `validate(expected)` compares the checkpoint with
+`layout.expected_tensors(cfg)` after mapping K2.5 names to canonical ones.
+
+Every problem raises `CheckpointError` (a ValueError) whose message names the file and the tensor.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import struct
+from typing import Any, Mapping, Optional
+
+import numpy as np
+
+from checkpoints import layout as layout_lib
+
+log = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+_SHARD_RE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
+_MAX_HEADER = 100 * 1024 * 1024      # the safetensors library refuses headers above 100 MB too
+_OPEN_HANDLES = 4                    # safe_open handles kept open (LRU); bounds open files, not RAM
+
+# safetensors dtype tag -> (numpy-style dtype name, bytes per element)
+DTYPES: dict[str, tuple[str, int]] = {
+    "BOOL": ("bool", 1), "U8": ("uint8", 1), "I8": ("int8", 1), "I16": ("int16", 2),
+    "U16": ("uint16", 2), "F16": ("float16", 2), "BF16": ("bfloat16", 2), "I32": ("int32", 4),
+    "U32": ("uint32", 4), "F32": ("float32", 4), "F64": ("float64", 8), "I64": ("int64", 8),
+    "U64": ("uint64", 8), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
+}
+
+__all__ = ["CheckpointError", "CheckpointReader", "TensorInfo", "read_header", "DTYPES"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, malformed or does not match the model config."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Where one stored tensor lives. `begin`/`end` are absolute byte offsets in `file`."""
+    name: str                 # name as stored
+    file: str                 # shard file name, relative to the checkpoint directory
+    shape: tuple[int, ...]
+    dtype: str                # numpy-style name: 'bfloat16', 'float32', 'int32', ...
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def read_header(file_path: str, display: Optional[str] = None) -> dict[str, TensorInfo]:
+    """Parse one safetensors file's header and check it against the file size (no data read)."""
+    shown = display or file_path
+    fname = os.path.basename(file_path)
+    size = os.path.getsize(file_path)
+    if size < 8:
+        raise CheckpointError(f"{shown}: truncated file ({size} bytes, less than the 8-byte "
+                              "safetensors header length)")
+    with open(file_path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > _MAX_HEADER:
+            raise CheckpointError(f"{shown}: corrupt safetensors file (header length {n} bytes)")
+        if 8 + n > size:
+            raise CheckpointError(f"{shown}: truncated file (header needs {8 + n} bytes, file has "
+                                  f"{size})")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{shown}: corrupt safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{shown}: corrupt safetensors header (not a JSON object)")
+    data_start = 8 + n
+    infos: dict[str, TensorInfo] = {}
+    for name, h in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            tag, shape, (b, e) = h["dtype"], tuple(int(s) for s in h["shape"]), h["data_offsets"]
+            b, e = int(b), int(e)
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{shown}: corrupt header entry for tensor {name!r}: {h!r}") from None
+        if tag not in DTYPES:
+            raise CheckpointError(f"{shown}: tensor {name!r} has unsupported dtype {tag!r}")
+        dtype, itemsize = DTYPES[tag]
+        need = math.prod(shape) * itemsize
+        if b < 0 or e - b != need:
+            raise CheckpointError(f"{shown}: corrupt header: tensor {name!r} {dtype}{list(shape)} "
+                                  f"needs {need} bytes but data_offsets {[b, e]} span {e - b}")
+        infos[name] = TensorInfo(name, fname, shape, dtype, data_start + b, data_start + e)
+    beyond = [t for t in infos.values() if t.end > size]
+    if beyond:
+        t = min(beyond, key=lambda t: t.begin)
+        raise CheckpointError(f"{shown}: truncated file: tensor {t.name!r} needs bytes up to {t.end} "
+                              f"but the file has {size} ({len(beyond)} tensor(s) cut off)")
+    return infos
+
+
+class CheckpointReader:
+    """Header-level view of a safetensors checkpoint directory plus tensor-by-tensor reads.
+
+    Attributes:
+      path: the checkpoint directory.
+      files: shard file names (relative to path), in index order.
+      index_path: path of model.safetensors.index.json, or None for a single model.safetensors.
+      tensors: stored name -> TensorInfo, for every tensor in every shard.
+      config_dict: parsed config.json (None only with require_config=False and no config.json).
+    """
+
+    def __init__(self, path: str, *, require_config: bool = True):
+        self.path = os.fspath(path)
+        if not os.path.isdir(self.path):
+            raise CheckpointError(f"{self.path}: checkpoint directory does not exist")
+        self.config_dict = self._read_config(require_config)
+        self.index_path: Optional[str] = None
+        self.tensors: dict[str, TensorInfo] = {}
+        index = os.path.join(self.path, INDEX_FILE)
+        if os.path.isfile(index):
+            self._open_index(index)
+        elif os.path.isfile(os.path.join(self.path, SINGLE_FILE)):
+            self.files = [SINGLE_FILE]
+            self.tensors = read_header(self._abs(SINGLE_FILE))
+        else:
+            shards = sorted(f for f in os.listdir(self.path) if _SHARD_RE.match(f))
+            if shards:
+                raise CheckpointError(f"{os.path.join(self.path, INDEX_FILE)}: missing index for the "
+                                      f"{len(shards)} shard files ({shards[0]}, ...)")
+            raise CheckpointError(f"{self.path}: no {SINGLE_FILE} or {INDEX_FILE} in the checkpoint "
+                                  "directory")
+        self._handles: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._by_canonical: Optional[dict[str, TensorInfo]] = None
+        self._skip_logged = False
+
+    # ---- opening ---------------------------------------------------------------------
+    def _abs(self, fname: str) -> str:
+        return os.path.join(self.path, fname)
+
+    def _read_config(self, required: bool) -> Optional[dict]:
+        cfg = os.path.join(self.path, CONFIG_FILE)
+        if not os.path.isfile(cfg):
+            if required:
+                raise CheckpointError(f"{cfg}: missing config (no config.json in the checkpoint "
+                                      "directory)")
+            return None
+        try:
+            with open(cfg) as f:
+                d = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{cfg}: config is not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{cfg}: config is not a JSON object")
+        return d
+
+    def _open_index(self, index: str) -> None:
+        self.index_path = index
+        try:
+            with open(index) as f:
+                data = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{index}: index is not valid JSON ({e})") from None
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: index has no weight_map")
+        by_file: dict[str, list[str]] = {}
+        for name, fname in weight_map.items():
+            by_file.setdefault(fname, []).append(name)
+        self.files = list(by_file)
+        for fname, names in by_file.items():
+            if os.path.basename(fname) != fname or not os.path.isfile(self._abs(fname)):
+                others = f" and {len(names) - 1} other tensor(s)" if len(names) > 1 else ""
+                raise CheckpointError(f"{index}: tensor {names[0]!r}{others} mapped to shard file "
+                                      f"{self._abs(fname)}, which does not exist")
+            infos = read_header(self._abs(fname))
+            for name in names:
+                if name not in infos:
+                    raise CheckpointError(f"{self._abs(fname)}: missing tensor {name!r}, which "
+                                          f"{index} says this shard holds")
+            for name, info in infos.items():
+                if name not in weight_map:
+                    raise CheckpointError(f"{self._abs(fname)}: tensor {name!r} is not listed in "
+                                          f"the index {index}")
+                if weight_map[name] != fname:  # also listed under another shard
+                    raise CheckpointError(f"{self._abs(fname)}: tensor {name!r} is also stored here, "
+                                          f"but {index} maps it to {weight_map[name]}")
+                self.tensors[name] = info
+
+    # ---- queries ---------------------------------------------------------------------
+    @property
+    def layout(self) -> str:
+        """'k25' if the text model is stored under `language_model.`, else 'k2'."""
+        return "k25" if any(n.startswith(layout_lib.K25_PREFIX) for n in self.tensors) else "k2"
+
+    def model_config(self):
+        """The ModelConfig of config.json (kimi_jax.config.ConfigError if kimi_jax cannot run it)."""
+        from kimi_jax.config import ModelConfig
+        return ModelConfig.from_pretrained(self.path)
+
+    def _canonical(self) -> dict[str, TensorInfo]:
+        if self._by_canonical is None:
+            m: dict[str, TensorInfo] = {}
+            for name, info in self.tensors.items():
+                c = layout_lib.canonical_name(name)
+                if c is None:
+                    continue
+                if c in m:
+                    a = m[c]
+                    raise CheckpointError(f"{self._abs(info.file)}: tensor {name!r} duplicates "
+                                          f"{a.name!r} in {self._abs(a.file)} (both map to {c!r})")
+                m[c] = info
+            self._by_canonical = m
+        return self._by_canonical
+
+    def info(self, name: str) -> TensorInfo:
+        """TensorInfo by stored name or by canonical name."""
+        if name in self.tensors:
+            return self.tensors[name]
+        info = self._canonical().get(name)
+        if info is None:
+            where = self.index_path or self._abs(SINGLE_FILE)
+            raise CheckpointError(f"{where}: no tensor {name!r} in the checkpoint")
+        return info
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors or name in self._canonical()
+
+    # ---- reading ---------------------------------------------------------------------
+    def _handle(self, fname: str):
+        h = self._handles.get(fname)
+        if h is not None:
+            self._handles.move_to_end(fname)
+            return h
+        from safetensors import safe_open
+        try:
+            h = safe_open(self._abs(fname), framework="numpy")
+        except Exception as e:  # noqa: BLE001 - the library raises its own error types
+            raise CheckpointError(f"{self._abs(fname)}: cannot open ({e})") from None
+        self._handles[fname] = h
+        while len(self._handles) > _OPEN_HANDLES:
+            _, old = self._handles.popitem(last=False)
+            old.__exit__(None, None, None)
+        return h
+
+    def read(self, name: str) -> np.ndarray:
+        """Read one tensor (stored or canonical name) into host memory; bf16 as ml_dtypes.bfloat16."""
+        info = self.info(name)
+        try:
+            arr = self._handle(info.file).get_tensor(info.name)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{self._abs(info.file)}: cannot read tensor {info.name!r} "
+                                  f"({e})") from None
+        if tuple(arr.shape) != info.shape or arr.dtype.name != info.dtype:
+            raise CheckpointError(f"{self._abs(info.file)}: tensor {info.name!r} read back as "
+                                  f"{arr.dtype.name}{list(arr.shape)}, header says "
+                                  f"{info.dtype}{list(info.shape)}")
+        return arr
+
+    def close(self) -> None:
+        while self._handles:
+            _, h = self._handles.popitem()
+            h.__exit__(None, None, None)
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- validation ------------------------------------------------------------------
+    def _num_hidden_layers(self, expected: Mapping[str, Any]) -> Optional[int]:
+        layers = [layout_lib.layer_of(n) for n in expected]
+        layers = [i for i in layers if i is not None]
+        if layers:
+            return max(layers) + 1
+        cfg = self.config_dict or {}
+        text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+        n = text.get("num_hidden_layers")
+        return int(n) if isinstance(n, int) else None
+
+    def validate(self, expected: Mapping[str, layout_lib.TensorSpec]) -> dict[str, TensorInfo]:
+        """Check the checkpoint holds exactly `expected` (canonical name -> (shape, dtype)).
+
+        Tensors skipped by design (vision tower, projector, MTP layers, rotary_emb.inv_freq) are
+        logged in one line. Raises CheckpointError naming the first problem (file and tensor) and
+        how many more there are. Returns canonical name -> TensorInfo for the expected tensors.
+        """
+        n_layers = self._num_hidden_layers(expected)
+        skipped: collections.Counter[str] = collections.Counter()
+        found: dict[str, TensorInfo] = {}
+        problems: list[str] = []
+        for name, info in self.tensors.items():
+            why = layout_lib.skip_reason(name, n_layers)
+            if why is not None:
+                skipped[why] += 1
+                continue
+            c = layout_lib.canonical_name(name)
+            where = self._abs(info.file)
+            if c in found:
+                problems.append(f"{where}: tensor {name!r} duplicates {found[c].name!r} in "
+                                f"{self._abs(found[c].file)}")
+                continue
+            found[c] = info
+            if c not in expected:
+                problems.append(f"{where}: unexpected tensor {name!r} (not part of the model "
+                                "that the config describes)")
+                continue
+            shape, dtype = expected[c]
+            if tuple(info.shape) != tuple(shape):
+                problems.append(f"{where}: tensor {name!r} has shape {list(info.shape)}, expected "
+                                f"{list(shape)}")
+            elif info.dtype not in layout_lib.accepted_dtypes(c, dtype):
+                problems.append(f"{where}: tensor {name!r} has dtype {info.dtype}, expected {dtype}")
+        # Missing tensors first: their message carries the bf16-vs-INT4 hint when that is the cause.
+        problems = [self._missing_message(c, found) for c in expected if c not in found] + problems
+        if skipped and not self._skip_logged:
+            self._skip_logged = True
+            kinds = ", ".join(f"{k}: {v}" for k, v in sorted(skipped.items()))
+            log.info("%s: skipping %d tensors not used by design (%s)", self.path,
+                     sum(skipped.values()), kinds)
+        if problems:
+            more = f" [+{len(problems) - 1} more problem(s)]" if len(problems) > 1 else ""
+            raise CheckpointError(problems[0] + more)
+        return {c: found[c] for c in expected}
+
+    def _missing_message(self, c: str, found: Mapping[str, TensorInfo]) -> str:
+        stored = layout_lib.layout_name(c, self.layout)
+        if self.index_path:
+            where = f"{self.index_path}: missing tensor {stored!r} (not in the index's weight_map"
+            layer = layout_lib.layer_of(c)
+            peers = sorted({i.file for n, i in found.items()
+                            if layer is not None and layout_lib.layer_of(n) == layer})
+            where += f"; other tensors of layer {layer} are in {', '.join(peers)})" if peers else ")"
+        else:
+            where = f"{self._abs(self.files[0])}: missing tensor {stored!r}"
+        base, _, suffix = c.rpartition(".")
+        if suffix in layout_lib.QUANT_SUFFIXES and f"{base}.weight" in found:
+            where += "; the checkpoint has bf16 experts but config.json has a quantization_config"
+        elif suffix == "weight" and f"{base}.weight_packed" in found:
+            where += "; the checkpoint has INT4 experts but config.json has no quantization_config"
+        return where
