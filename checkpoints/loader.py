@@ -97,13 +97,15 @@ def expected_for(reader: CheckpointReader, cfg: ModelConfig) -> dict:
     return exp
 
 
-def load_model(path: str, *, dtype=jnp.bfloat16, cfg: Optional[ModelConfig] = None, place=None):
-    """(ModelConfig, Transformer) from a checkpoint directory, every tensor validated first."""
+def load_model(path: str, *, dtype=jnp.bfloat16, cfg: Optional[ModelConfig] = None, place=None,
+               parallel=None):
+    """(ModelConfig, Transformer) from a checkpoint directory, every tensor validated first.
+    `place(path, host_array)` puts each parameter on its devices; `parallel` as for Transformer."""
     from kimi_jax.model.transformer import Transformer
     cfg = cfg or ModelConfig.from_pretrained(path)
     with CheckpointReader(path) as reader:
         reader.validate(expected_for(reader, cfg))
-        abstract = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+        abstract = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), parallel=parallel))
         graphdef, state = nnx.split(abstract)
         pure = load_params(reader, cfg, state, place)
     nnx.replace_by_pure_dict(state, pure)

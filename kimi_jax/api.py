@@ -10,9 +10,12 @@ from typing import Optional, Sequence, Union
 import jax.numpy as jnp
 import numpy as np
 
+import jax
+
 from kimi_jax.config import PRESETS, ModelConfig, preset
 from kimi_jax.engine import Engine, bucket
 from kimi_jax.sampling import SamplingArrays, SamplingParams
+from kimi_jax.sharding import Layout, check_fits, param_shardings
 
 log = logging.getLogger(__name__)
 Prompt = Union[str, Sequence[int]]
@@ -62,9 +65,6 @@ class LLM:
             raise ValueError(f"dtype={dtype!r} is not supported (choose one of {sorted(_DTYPES)})")
         if tensor_parallel_size < 1 or data_parallel_size < 1:
             raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
-        if tensor_parallel_size * data_parallel_size > 1 or enable_expert_parallel:
-            raise NotImplementedError("multi-device layouts (tensor_parallel_size, data_parallel_size, "
-                                      "enable_expert_parallel) are not implemented yet")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.dtype = _DTYPES[dtype]
@@ -73,24 +73,45 @@ class LLM:
         if model is None:
             log.warning("no demo model installed; using the random 'tiny' preset")
             model = "tiny"
+        self.layout = Layout(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
         if os.path.isdir(model):
-            from checkpoints.loader import load_model
             self.model_path = model
-            self.config, net = load_model(model, dtype=self.dtype)
+            self.config = ModelConfig.from_pretrained(model)
         elif model in PRESETS:
-            from flax import nnx
-            from kimi_jax.model.transformer import Transformer
             self.config = preset(model)
-            net = Transformer(self.config, dtype=self.dtype, rngs=nnx.Rngs(seed))
         else:
             raise ValueError(f"model={model!r} is neither a checkpoint directory nor a preset {PRESETS}")
+        self.layout.check_divisible(self.config)
+        net = self._build(seed)
         self.tokenizer = self._load_tokenizer(tokenizer or self.model_path)
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         self.max_num_seqs = max_num_seqs
-        self.engine = Engine(net, self.config)
+        self.engine = Engine(net, self.config, self.layout)
         self._rng = random.Random(seed)
         self._next_id = 0
+
+    def _build(self, seed: int):
+        """Create or load the model with every parameter placed on its devices under the layout,
+        after checking that the per-device bytes fit."""
+        from flax import nnx
+        from kimi_jax.model.transformer import Transformer
+        cfg, layout, dtype = self.config, self.layout, self.dtype
+        parallel = layout.moe_parallel()
+        make = lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed), parallel=parallel)
+        abstract = nnx.split(nnx.eval_shape(make))[1]
+        check_fits(layout, abstract)
+        shardings = param_shardings(layout, abstract)
+        place = lambda path, a: jax.device_put(a, shardings[path])
+        if self.model_path is not None:
+            from checkpoints.loader import load_model
+            return load_model(self.model_path, dtype=dtype, cfg=cfg, place=place, parallel=parallel)[1]
+        net = make()
+        graphdef, state = nnx.split(net)
+        flat = {tuple(str(k) for k in p): v for p, v in nnx.to_flat_state(state)}
+        for path, var in flat.items():
+            var[...] = place(path, var[...])
+        return nnx.merge(graphdef, state)
 
     @staticmethod
     def _load_tokenizer(path):
@@ -190,7 +211,7 @@ class LLM:
     # ---- the generation loop ------------------------------------------------------------------
     def _run_batch(self, prompts, ids, sps) -> list[RequestOutput]:
         B = len(ids)
-        B_pad = bucket(B, 1)
+        B_pad = self.engine.batch_size(B)
         lens = np.array([len(p) for p in ids] + [1] * (B_pad - B), np.int64)
         max_new = np.array([min(sp.max_tokens or self.max_model_len, self.max_model_len - len(p))
                             for sp, p in zip(sps, ids)] + [1] * (B_pad - B), np.int64)

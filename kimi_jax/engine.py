@@ -40,47 +40,70 @@ def _sample_out(logits_BV, sp, step_B, n_logprobs):
     return (tok, *top_logprobs(logits_BV, tok, n_logprobs))
 
 
-def _prefill(graphdef, state, tokens_BT, lengths_B, sp, cache_len, n_logprobs):
+def _constrain(x, sharding):
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _prefill(graphdef, shard, state, tokens_BT, lengths_B, sp, cache_len, n_logprobs):
     """Prefill from an empty cache (expanded MLA); sample the first token of every row."""
     model = nnx.merge(graphdef, state)
+    tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
     B, T = tokens_BT.shape
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     h_BTD, latents = model.hidden_states(tokens_BT, positions, None, absorbed=False)
     last_BD = h_BTD[jnp.arange(B), lengths_B - 1]
     logits_BV = model.logits(last_BD[:, None])[:, 0]
-    cache = {k: jnp.zeros((*v.shape[:2], cache_len, v.shape[-1]), v.dtype).at[:, :, :T].set(v)
+    cache = {k: _constrain(jnp.zeros((*v.shape[:2], cache_len, v.shape[-1]), v.dtype).at[:, :, :T].set(v),
+                           shard.get("cache"))
              for k, v in latents.items()}
     return cache, _sample_out(logits_BV, sp, jnp.zeros((B,), jnp.int32), n_logprobs)
 
 
-def _decode(graphdef, state, cache, tokens_B, positions_B, sp, step_B, n_logprobs):
+def _decode(graphdef, shard, state, cache, tokens_B, positions_B, sp, step_B, n_logprobs):
     """One token per row at its position, absorbed MLA over the cache."""
     model = nnx.merge(graphdef, state)
+    tokens_B = _constrain(tokens_B, shard.get("batch1"))
     logits, cache = model(tokens_B[:, None], positions_B[:, None], cache, absorbed=True)
+    cache = {k: _constrain(v, shard.get("cache")) for k, v in cache.items()}
     return cache, _sample_out(logits[:, 0], sp, step_B, n_logprobs)
 
 
-def _all_logits(graphdef, state, tokens_BT):
+def _all_logits(graphdef, shard, state, tokens_BT):
     model = nnx.merge(graphdef, state)
+    tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
     B, T = tokens_BT.shape
     logits, _ = model(tokens_BT, jnp.broadcast_to(jnp.arange(T), (B, T)), None, absorbed=False)
     return logits
 
 
 class Engine:
-    def __init__(self, model: Transformer, cfg: ModelConfig):
+    """layout: a kimi_jax.sharding.Layout; the batch is split over its data-parallel axis."""
+
+    def __init__(self, model: Transformer, cfg: ModelConfig, layout=None):
         self.cfg = cfg
         self.graphdef, self.state = nnx.split(model)
         self.cache_dtype = model.dtype
-        self._prefill = jax.jit(functools.partial(_prefill, self.graphdef),
+        self.dp = 1 if layout is None else layout.data_parallel_size
+        shard = {}
+        if layout is not None and layout.world > 1:
+            from jax.sharding import PartitionSpec as P
+            b = layout.axis_rule("batch")
+            shard = {"batch1": layout.sharding(P(b)), "batch2": layout.sharding(P(b, None)),
+                     "cache": layout.sharding(P(None, b, None, None))}
+        self._prefill = jax.jit(functools.partial(_prefill, self.graphdef, shard),
                                 static_argnames=("cache_len", "n_logprobs"))
-        self._decode = jax.jit(functools.partial(_decode, self.graphdef),
+        self._decode = jax.jit(functools.partial(_decode, self.graphdef, shard),
                                static_argnames=("n_logprobs",), donate_argnames=("cache",))
-        self._logits = jax.jit(functools.partial(_all_logits, self.graphdef))
+        self._logits = jax.jit(functools.partial(_all_logits, self.graphdef, shard))
+
+    def batch_size(self, n: int) -> int:
+        """Padded batch: a power of two, and a multiple of the data-parallel size."""
+        b = bucket(n, 1)
+        return -(-b // self.dp) * self.dp
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         T = len(token_ids)
-        padded = np.zeros((1, bucket(T)), np.int32)
+        padded = np.zeros((self.batch_size(1), bucket(T)), np.int32)
         padded[0, :T] = token_ids
         return np.asarray(self._logits(self.state, jnp.asarray(padded))[0, :T], np.float32)
 

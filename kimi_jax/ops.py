@@ -91,12 +91,77 @@ def linear(x: jax.Array, w: Weight, *, impl: Optional[str] = None) -> jax.Array:
 
 
 def routed_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array, experts: ExpertWeights,
-                   *, impl: Optional[str] = None) -> jax.Array:
+                   *, impl: Optional[str] = None, parallel=None) -> jax.Array:
     """sum_k weight[t,k] * down(silu(gate(x_t)) * up(x_t)) over the K experts idx[t,k] of each token.
 
     x_TD: [T, D] activations; idx_TK: [T, K] int32 expert ids in [0, E); weight_TK: [T, K] float32.
     Returns [T, D] in x's dtype. Experts that receive no token are never read by the pallas path.
+    `parallel` (kimi_jax.sharding.MoEParallel) runs the experts sharded inside shard_map.
     """
+    if parallel is not None:
+        return _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts, parallel, impl)
+    return _routed_experts_local(x_TD, idx_TK, weight_TK, experts, impl)
+
+
+def _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts: ExpertWeights, par, impl):
+    """Each device runs the experts (or expert slices) it holds on the tokens of its data-parallel
+    group, then partial sums are reduced. Tokens whose expert lives elsewhere get weight 0 and an
+    out-of-range id (E_local), which both paths skip."""
+    from jax.sharding import PartitionSpec as P
+    reduce_axes = tuple(dict.fromkeys(par.experts + par.expert_mlp))
+    gather = tuple(a for a in par.batch if a in reduce_axes)     # tokens must meet every expert shard
+    psum_axes = tuple(a for a in reduce_axes if a not in gather)
+    batch = par.batch or None
+
+    def spec_of(w, mlp_dim):  # expert dim 0; FFN width at mlp_dim (packed/scale share the layout)
+        dims = [None] * w.ndim
+        dims[0] = par.experts or None
+        if par.expert_mlp:
+            dims[mlp_dim] = par.expert_mlp
+        return P(*dims)
+
+    def specs_for(w, mlp_dim):
+        if isinstance(w, Int4Weight):
+            return Int4Weight(spec_of(w.packed, mlp_dim), spec_of(w.scale, mlp_dim))
+        return spec_of(w, mlp_dim)
+
+    w_specs = ExpertWeights(specs_for(experts.gate, 1), specs_for(experts.up, 1), specs_for(experts.down, 2))
+
+    def local(x, idx, wt, ew: ExpertWeights):
+        if gather:
+            x = jax.lax.all_gather(x, gather, axis=0, tiled=True)
+            idx = jax.lax.all_gather(idx, gather, axis=0, tiled=True)
+            wt = jax.lax.all_gather(wt, gather, axis=0, tiled=True)
+        if par.experts:
+            e_local = _num_experts(ew.gate)
+            shard = 0
+            for a in par.experts:
+                shard = shard * par.mesh.shape[a] + jax.lax.axis_index(a)
+            lidx = idx - shard * e_local
+            mine = (lidx >= 0) & (lidx < e_local)
+            idx = jnp.where(mine, lidx, e_local)
+            wt = jnp.where(mine, wt, 0.0)
+        y = _routed_experts_local(x, idx, wt, ew, impl)
+        if gather:
+            y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
+        if psum_axes:
+            y = jax.lax.psum(y, psum_axes)
+        return y
+
+    fn = _shard_map(local, par.mesh, in_specs=(P(batch, None), P(batch, None), P(batch, None), w_specs),
+                    out_specs=P(batch, None))
+    return fn(x_TD, idx_TK, weight_TK, experts)
+
+
+def _shard_map(f, mesh, in_specs, out_specs):
+    try:
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    except (AttributeError, TypeError):  # older jax
+        from jax.experimental.shard_map import shard_map
+        return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def _routed_experts_local(x_TD, idx_TK, weight_TK, experts: ExpertWeights, impl):
     if resolve_impl(impl) == "pallas" and isinstance(experts.gate, Int4Weight):
         from pallas_kernels import moe_gmm
         g, u, d = experts.gate, experts.up, experts.down
@@ -106,7 +171,8 @@ def routed_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array, exp
 
 
 def _routed_experts_xla(x_TD, idx_TK, weight_TK, experts: ExpertWeights):
-    """Sort the T*K (token, expert) pairs by expert and run grouped matmuls (lax.ragged_dot)."""
+    """Sort the T*K (token, expert) pairs by expert and run grouped matmuls (lax.ragged_dot).
+    Pairs with an id >= E (experts held elsewhere) sort last, fall in no group and contribute 0."""
     T, K = idx_TK.shape
     E = _num_experts(experts.gate)
     dtype = x_TD.dtype
@@ -125,6 +191,8 @@ def _routed_experts_xla(x_TD, idx_TK, weight_TK, experts: ExpertWeights):
     h = (jax.nn.silu(gate) * up).astype(dtype)
     y_sorted = gmm(h, experts.down)                                    # [T*K, D] float32
     w_sorted = weight_TK.reshape(-1)[order].astype(jnp.float32)
+    w_sorted = jnp.where(flat_e[order] < E, w_sorted, 0.0)
+    y_sorted = jnp.where((flat_e[order] < E)[:, None], y_sorted, 0.0)
     y = jnp.zeros((T, x_TD.shape[-1]), jnp.float32).at[token_of].add(y_sorted * w_sorted[:, None])
     return y.astype(dtype)
 

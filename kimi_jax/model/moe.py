@@ -21,8 +21,8 @@ class Router(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         # kept in float32: the scores that pick experts are computed in float32 (as the reference)
-        self.weight = param(rngs, (cfg.n_routed_experts, cfg.hidden_size), jnp.float32, ("experts", "embed"))
-        self.e_score_correction_bias = param(None, (cfg.n_routed_experts,), jnp.float32, ("experts",),
+        self.weight = param(rngs, (cfg.n_routed_experts, cfg.hidden_size), jnp.float32, ("router_experts", "embed"))
+        self.e_score_correction_bias = param(None, (cfg.n_routed_experts,), jnp.float32, ("router_experts",),
                                              init="zeros")
 
     def __call__(self, x_TD):
@@ -50,7 +50,8 @@ class Router(nnx.Module):
 class RoutedExperts(nnx.Module):
     """E expert FFNs stacked: gate/up [E, F, D], down [E, D, F]; bf16, or INT4 packed + group scales."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, parallel=None):
+        self.parallel = parallel  # kimi_jax.sharding.MoEParallel or None (opaque to the model)
         E, F, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
         q = cfg.quantization
         self.int4 = q is not None
@@ -76,13 +77,13 @@ class RoutedExperts(nnx.Module):
         return ops.ExpertWeights(gate=w("gate_proj"), up=w("up_proj"), down=w("down_proj"))
 
     def __call__(self, x_TD, idx_TK, w_TK):
-        return ops.routed_experts(x_TD, idx_TK, w_TK, self.weights())
+        return ops.routed_experts(x_TD, idx_TK, w_TK, self.weights(), parallel=self.parallel)
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, parallel=None):
         self.gate = Router(cfg, rngs=rngs)
-        self.experts = RoutedExperts(cfg, dtype=dtype, rngs=rngs)
+        self.experts = RoutedExperts(cfg, dtype=dtype, rngs=rngs, parallel=parallel)
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
                                    dtype=dtype, rngs=rngs, ffn_axis="shared_mlp")
                                if cfg.n_shared_experts else None)

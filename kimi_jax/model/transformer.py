@@ -22,11 +22,11 @@ from kimi_jax.model.moe import MoE
 class DecoderLayer(nnx.Module):
     """h = x + MLA(norm(x));  out = h + FFN(norm(h)), FFN dense or MoE."""
 
-    def __init__(self, cfg: ModelConfig, *, moe: bool, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, moe: bool, dtype, rngs: nnx.Rngs, parallel=None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = MLA(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = (MoE(cfg, dtype=dtype, rngs=rngs) if moe
+        self.mlp = (MoE(cfg, dtype=dtype, rngs=rngs, parallel=parallel) if moe
                     else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs))
 
     def __call__(self, x_BTD, positions_BT, kv_BSL=None, *, absorbed=False):
@@ -58,7 +58,8 @@ def scan_layers(stack: nnx.Module, x_BTD, positions_BT, kv_LBSL, *, absorbed: bo
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs, parallel=None):
+        """parallel: a kimi_jax.sharding.MoEParallel when the experts run sharded (else None)."""
         self.cfg = cfg
         self.dtype = dtype
         D, V = cfg.hidden_size, cfg.vocab_size
@@ -66,7 +67,8 @@ class Transformer(nnx.Module):
         self.embed_tokens.weight = param(rngs, (V, D), dtype, ("vocab", "embed"))
         self.dense_layers = stack_modules(lambda: DecoderLayer(cfg, moe=False, dtype=dtype, rngs=rngs),
                                           cfg.num_dense_layers)
-        self.moe_layers = stack_modules(lambda: DecoderLayer(cfg, moe=True, dtype=dtype, rngs=rngs),
+        self.moe_layers = stack_modules(lambda: DecoderLayer(cfg, moe=True, dtype=dtype, rngs=rngs,
+                                                             parallel=parallel),
                                         cfg.num_moe_layers)
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
         if not cfg.tie_word_embeddings:
