@@ -33,11 +33,11 @@ class StepOutput:
     top_vals: Optional[np.ndarray] = None   # [B, n]
 
 
-def _sample_out(logits_BV, sp, step_B, n_logprobs):
+def _sample_out(logits_BV, sp, step_B, n_logprobs, shard):
     tok = sample(logits_BV, sp, step_B)
-    if n_logprobs is None:
-        return (tok,)
-    return (tok, *top_logprobs(logits_BV, tok, n_logprobs))
+    out = (tok,) if n_logprobs is None else (tok, *top_logprobs(logits_BV, tok, n_logprobs))
+    # replicated, so every process (multi-host) can read the tokens
+    return tuple(_constrain(o, shard.get("replicated")) for o in out)
 
 
 def _constrain(x, sharding):
@@ -56,7 +56,7 @@ def _prefill(graphdef, shard, state, tokens_BT, lengths_B, sp, cache_len, n_logp
     cache = {k: _constrain(jnp.zeros((*v.shape[:2], cache_len, v.shape[-1]), v.dtype).at[:, :, :T].set(v),
                            shard.get("cache"))
              for k, v in latents.items()}
-    return cache, _sample_out(logits_BV, sp, jnp.zeros((B,), jnp.int32), n_logprobs)
+    return cache, _sample_out(logits_BV, sp, jnp.zeros((B,), jnp.int32), n_logprobs, shard)
 
 
 def _decode(graphdef, shard, state, cache, tokens_B, positions_B, sp, step_B, n_logprobs):
@@ -65,7 +65,7 @@ def _decode(graphdef, shard, state, cache, tokens_B, positions_B, sp, step_B, n_
     tokens_B = _constrain(tokens_B, shard.get("batch1"))
     logits, cache = model(tokens_B[:, None], positions_B[:, None], cache, absorbed=True)
     cache = {k: _constrain(v, shard.get("cache")) for k, v in cache.items()}
-    return cache, _sample_out(logits[:, 0], sp, step_B, n_logprobs)
+    return cache, _sample_out(logits[:, 0], sp, step_B, n_logprobs, shard)
 
 
 def _all_logits(graphdef, shard, state, tokens_BT):
@@ -73,7 +73,7 @@ def _all_logits(graphdef, shard, state, tokens_BT):
     tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
     B, T = tokens_BT.shape
     logits, _ = model(tokens_BT, jnp.broadcast_to(jnp.arange(T), (B, T)), None, absorbed=False)
-    return logits
+    return _constrain(logits, shard.get("replicated"))
 
 
 class Engine:
@@ -89,7 +89,7 @@ class Engine:
             from jax.sharding import PartitionSpec as P
             b = layout.axis_rule("batch")
             shard = {"batch1": layout.sharding(P(b)), "batch2": layout.sharding(P(b, None)),
-                     "cache": layout.sharding(P(None, b, None, None))}
+                     "cache": layout.sharding(P(None, b, None, None)), "replicated": layout.sharding(P())}
         self._prefill = jax.jit(functools.partial(_prefill, self.graphdef, shard),
                                 static_argnames=("cache_len", "n_logprobs"))
         self._decode = jax.jit(functools.partial(_decode, self.graphdef, shard),
