@@ -13,8 +13,9 @@ import numpy as np
 import jax
 
 from kimi_jax.config import PRESETS, ModelConfig, preset
-from kimi_jax.engine import Engine, bucket
-from kimi_jax.sampling import SamplingArrays, SamplingParams
+from kimi_jax.engine import Engine
+from kimi_jax.sampling import SamplingParams
+from kimi_jax.scheduler import BatchEngine, Request, RequestError, validate_prompt
 from kimi_jax.sharding import Layout, check_fits, param_shardings
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,9 @@ class LLM:
     def __init__(self, model: Optional[str] = None, *, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, enable_expert_parallel: bool = False,
                  dtype: str = "bfloat16", max_model_len: Optional[int] = None, max_num_seqs: int = 256,
-                 seed: int = 0, tokenizer: Optional[str] = None):
+                 seed: int = 0, tokenizer: Optional[str] = None, page_size: int = 16,
+                 num_pages: Optional[int] = None, gpu_memory_utilization: float = 0.9,
+                 prefill_chunk: int = 256, max_prefill_tokens: int = 2048):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported (choose one of {sorted(_DTYPES)})")
         if tensor_parallel_size < 1 or data_parallel_size < 1:
@@ -88,8 +91,31 @@ class LLM:
                                  self.config.max_position_embeddings)
         self.max_num_seqs = max_num_seqs
         self.engine = Engine(net, self.config, self.layout)
+        if page_size < 1 or (num_pages is not None and num_pages < 2):
+            raise ValueError("page_size must be >= 1 and num_pages >= 2")
+        self.page_size = page_size
+        self.num_pages = num_pages or self._default_num_pages(gpu_memory_utilization)
+        self.prefill_chunk, self.max_prefill_tokens = prefill_chunk, max_prefill_tokens
         self._rng = random.Random(seed)
         self._next_id = 0
+
+    def _default_num_pages(self, utilization: float) -> int:
+        """Pages from the device memory left after the weights (GPU); on CPU, enough for every sequence
+        slot to reach max_model_len (capped at 64K pages)."""
+        cfg = self.config
+        page_bytes = (cfg.num_hidden_layers * self.page_size * cfg.latent_dim * jnp.dtype(self.dtype).itemsize)
+        full = self.max_num_seqs * -(-self.max_model_len // self.page_size)
+        from kimi_jax.sharding import device_memory_bytes
+        limit = device_memory_bytes()
+        if limit is None:
+            return max(2, min(full, 1 << 16))
+        stats = jax.devices()[0].memory_stats() or {}
+        free = limit * utilization - stats.get("bytes_in_use", 0)
+        pages = int(free // page_bytes)
+        if pages < 2:
+            raise ValueError(f"no memory left for the cache: {free / 2**30:.2f} GiB free after the weights "
+                             f"at gpu_memory_utilization={utilization}")
+        return min(pages, full)
 
     def _build(self, seed: int):
         """Create or load the model with every parameter placed on its devices under the layout,
@@ -125,39 +151,25 @@ class LLM:
 
     # ---- inputs -------------------------------------------------------------------------------
     def _token_ids(self, prompt: Prompt, i: int) -> list[int]:
+        """Token ids of a prompt (text is tokenized); validity is checked by the batch engine."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"request {i}: a text prompt needs a tokenizer, and the checkpoint "
                                  f"{self.model_path or '(preset)'} has no tiktoken.model; pass token ids")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = list(prompt["prompt_token_ids"])
-        else:
-            ids = list(prompt)
-        if not ids:
-            raise ValueError(f"request {i}: empty prompt")
-        V = self.config.vocab_size
-        bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < V]
-        if bad:
-            raise ValueError(f"request {i}: token id {bad[0]!r} is outside the vocabulary [0, {V})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"request {i}: prompt of {len(ids)} tokens leaves no room under "
-                             f"max_model_len={self.max_model_len}")
-        return [int(t) for t in ids]
-
-    def _stop_ids(self, sp: SamplingParams) -> set[int]:
-        ids = set(sp.stop_token_ids or ())
-        if not sp.ignore_eos:
-            ids |= set(self.config.eos_token_id)
-            if self.tokenizer is not None:
-                ids |= set(self.tokenizer.stop_token_ids)
-        return ids
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        return list(prompt)
 
     # ---- API ----------------------------------------------------------------------------------
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """float32 [len(token_ids), vocab]: next-token logits at every position (prefill path)."""
         ids = self._token_ids(token_ids, 0)
-        return self.engine.logits(ids)
+        try:
+            validate_prompt(ids, self.config.vocab_size, self.max_model_len + 1)
+        except RequestError as e:
+            raise ValueError(str(e)) from None
+        return self.engine.logits([int(t) for t in ids])
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -172,25 +184,42 @@ class LLM:
                else list(sampling_params))
         if len(sps) != len(prompts):
             raise ValueError(f"got {len(sps)} SamplingParams for {len(prompts)} prompts")
-        for i, sp in enumerate(sps):
-            try:
-                sp.validate()
-            except ValueError as e:
-                raise ValueError(f"request {i}: {e}") from None
         ids = [self._token_ids(p, i) for i, p in enumerate(prompts)]
-        outs: list[RequestOutput] = []
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-            bar = tqdm(total=len(prompts), desc="requests", unit="req")
-        for s in range(0, len(prompts), self.max_num_seqs):
-            sl = slice(s, s + self.max_num_seqs)
-            outs += self._run_batch(prompts[sl], ids[sl], sps[sl])
-            if bar is not None:
-                bar.update(len(ids[sl]))
-        if bar is not None:
-            bar.close()
-        return outs
+        be = self.batch_engine()
+        reqs = []
+        for i, (p, t, sp) in enumerate(zip(prompts, ids, sps)):
+            seed = sp.seed if sp.seed is not None else self._rng.getrandbits(31)
+            try:
+                reqs.append(be.make_request(str(self._next_id + i), t, sp, seed,
+                                            prompt=p if isinstance(p, str) else None))
+            except RequestError as e:
+                raise ValueError(f"request {i}: {e}") from None
+        self._next_id += len(reqs)
+        for r in reqs:
+            be.add(r)
+        be.run(progress=use_tqdm)
+        return [self.to_output(r) for r in reqs]
+
+    def batch_engine(self) -> BatchEngine:
+        """A continuous-batching engine over this model (a fresh page pool)."""
+        eos = set(self.config.eos_token_id)
+        if self.tokenizer is not None:
+            eos |= set(self.tokenizer.stop_token_ids)
+        return BatchEngine(self.engine, num_pages=self.num_pages, page_size=self.page_size,
+                           max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                           cache_dtype=self.dtype, prefill_chunk=self.prefill_chunk,
+                           max_prefill_tokens=self.max_prefill_tokens, tokenizer=self.tokenizer, eos_ids=eos)
+
+    def to_output(self, r: Request) -> RequestOutput:
+        text = None
+        if self.tokenizer is not None:
+            text = r.text if r.text is not None else self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        return RequestOutput(
+            request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_ids,
+            outputs=[CompletionOutput(index=0, text=text, token_ids=list(r.output_ids),
+                                      cumulative_logprob=r.cumulative_logprob if r.params.logprobs is not None else None,
+                                      logprobs=r.logprobs if r.params.logprobs is not None else None,
+                                      finish_reason=r.finish_reason, stop_reason=r.stop_reason)])
 
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None, *,
              add_generation_prompt: bool = True, tools=None, chat_template: Optional[str] = None):
@@ -207,79 +236,3 @@ class LLM:
             text = tmpl.render(conv, add_generation_prompt=add_generation_prompt, tools=tools)
             prompts.append(self.tokenizer.encode(text, allow_special=True))
         return self.generate(prompts, sampling_params)
-
-    # ---- the generation loop ------------------------------------------------------------------
-    def _run_batch(self, prompts, ids, sps) -> list[RequestOutput]:
-        B = len(ids)
-        B_pad = self.engine.batch_size(B)
-        lens = np.array([len(p) for p in ids] + [1] * (B_pad - B), np.int64)
-        max_new = np.array([min(sp.max_tokens or self.max_model_len, self.max_model_len - len(p))
-                            for sp, p in zip(sps, ids)] + [1] * (B_pad - B), np.int64)
-        cache_len = bucket(int((lens + max_new).max()))
-        seeds = [sp.seed if sp.seed is not None else self._rng.getrandbits(31) for sp in sps]
-        rows_sp = list(sps) + [SamplingParams(temperature=0.0)] * (B_pad - B)
-        arrays = SamplingArrays.build(rows_sp, seeds + [0] * (B_pad - B))
-        n_lp = max((sp.logprobs for sp in sps if sp.logprobs is not None), default=None)
-        stop_ids = [self._stop_ids(sp) for sp in sps]
-        gen: list[list[int]] = [[] for _ in range(B)]
-        lps: list[list[dict]] = [[] for _ in range(B)]
-        cum = [0.0] * B
-        finish: list[Optional[str]] = [None] * B + ["pad"] * (B_pad - B)
-        stop_reason: list = [None] * B
-        texts: list[Optional[str]] = [None] * B
-        cache, out = self.engine.prefill([*ids, *[[0]] * (B_pad - B)], arrays, cache_len, n_lp)
-        step = 0
-        while True:
-            for b in range(B):
-                if finish[b] is not None:
-                    continue
-                t = int(out.tokens[b])
-                gen[b].append(t)
-                if n_lp is not None:
-                    lp = {int(i): float(v) for i, v in
-                          zip(out.top_ids[b][:sps[b].logprobs or 0], out.top_vals[b][:sps[b].logprobs or 0])}
-                    lp[t] = float(out.logprob[b])
-                    cum[b] += float(out.logprob[b])
-                    if sps[b].logprobs is not None:
-                        lps[b].append(lp)
-                if t in stop_ids[b]:
-                    finish[b], stop_reason[b] = "stop", t
-                elif sps[b].stop_strings and self.tokenizer is not None and self._hit_stop(b, gen, sps, texts):
-                    finish[b], stop_reason[b] = "stop", texts[b][1]
-                elif len(gen[b]) >= max_new[b]:
-                    finish[b] = "length"
-            if all(f is not None for f in finish):
-                break
-            step += 1
-            last = np.array([g[-1] if g else 0 for g in gen] + [0] * (B_pad - B), np.int32)
-            n_gen = np.array([len(g) for g in gen] + [1] * (B_pad - B), np.int64)
-            cache, out = self.engine.decode(cache, last, lens + n_gen - 1, arrays, n_gen, n_lp)
-        results = []
-        for b in range(B):
-            sp = sps[b]
-            text = None
-            if self.tokenizer is not None:
-                text = texts[b][0] if texts[b] is not None else self.tokenizer.decode(gen[b], skip_special_tokens=True)
-            self._next_id += 1
-            results.append(RequestOutput(
-                request_id=str(self._next_id - 1), prompt=prompts[b] if isinstance(prompts[b], str) else None,
-                prompt_token_ids=ids[b],
-                outputs=[CompletionOutput(index=0, text=text, token_ids=gen[b],
-                                          cumulative_logprob=cum[b] if n_lp is not None else None,
-                                          logprobs=lps[b] if sp.logprobs is not None else None,
-                                          finish_reason=finish[b], stop_reason=stop_reason[b])]))
-        return results
-
-    def _hit_stop(self, b, gen, sps, texts) -> bool:
-        """Check the decoded text for a stop string; on a hit, store (truncated text, stop string)."""
-        text = self.tokenizer.decode(gen[b], skip_special_tokens=True)
-        best = None
-        for s in sps[b].stop_strings:
-            k = text.find(s)
-            if k >= 0 and (best is None or k < best[0]):
-                best = (k, s)
-        if best is None:
-            return False
-        k, s = best
-        texts[b] = (text[: k + len(s)] if sps[b].include_stop_str_in_output else text[:k], s)
-        return True

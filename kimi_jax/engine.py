@@ -68,6 +68,20 @@ def _decode(graphdef, shard, state, cache, tokens_B, positions_B, sp, step_B, n_
     return cache, _sample_out(logits[:, 0], sp, step_B, n_logprobs, shard)
 
 
+def _paged_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, last_B, sp, step_B,
+                n_logprobs, absorbed):
+    """One continuous-batching step over the paged cache: T query tokens per row (T = 1: decode,
+    absorbed MLA; T > 1: a prefill chunk, expanded MLA). Samples from each row's token at last_B."""
+    model = nnx.merge(graphdef, state)
+    tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
+    h_BTD, pages = model.hidden_states(tokens_BT, positions_BT, pages, absorbed=absorbed,
+                                       block_table_BP=block_table_BP)
+    B = tokens_BT.shape[0]
+    logits_BV = model.logits(h_BTD[jnp.arange(B), last_B][:, None])[:, 0]
+    pages = {k: _constrain(v, shard.get("replicated")) for k, v in pages.items()}
+    return pages, _sample_out(logits_BV, sp, step_B, n_logprobs, shard)
+
+
 def _all_logits(graphdef, shard, state, tokens_BT):
     model = nnx.merge(graphdef, state)
     tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
@@ -95,6 +109,8 @@ class Engine:
         self._decode = jax.jit(functools.partial(_decode, self.graphdef, shard),
                                static_argnames=("n_logprobs",), donate_argnames=("cache",))
         self._logits = jax.jit(functools.partial(_all_logits, self.graphdef, shard))
+        self._step = jax.jit(functools.partial(_paged_step, self.graphdef, shard),
+                             static_argnames=("n_logprobs", "absorbed"), donate_argnames=("pages",))
 
     def batch_size(self, n: int) -> int:
         """Padded batch: a power of two, and a multiple of the data-parallel size."""
@@ -125,6 +141,16 @@ class Engine:
                                   jnp.asarray(positions, jnp.int32), sp, jnp.asarray(steps, jnp.int32),
                                   n_logprobs=n_logprobs)
         return cache, _to_host(out)
+
+
+    def paged_step(self, pages, tokens_BT, positions_BT, block_table_BP, last_B, sp: SamplingArrays,
+                   steps_B, n_logprobs: Optional[int]):
+        T = tokens_BT.shape[1]
+        pages, out = self._step(self.state, pages, jnp.asarray(tokens_BT, jnp.int32),
+                                jnp.asarray(positions_BT, jnp.int32), jnp.asarray(block_table_BP, jnp.int32),
+                                jnp.asarray(last_B, jnp.int32), sp, jnp.asarray(steps_B, jnp.int32),
+                                n_logprobs=n_logprobs, absorbed=T == 1)
+        return pages, _to_host(out)
 
 
 def _to_host(out) -> StepOutput:

@@ -66,14 +66,21 @@ class SamplingArrays:
     key: jax.Array          # [B, 2] uint32 raw PRNG keys (one stream per request)
 
     @staticmethod
-    def build(params: Sequence[SamplingParams], seeds: Sequence[int]) -> "SamplingArrays":
-        keys = np.stack([np.asarray(jax.random.key_data(jax.random.PRNGKey(s))) for s in seeds])
+    def build(params: Sequence[SamplingParams], seeds: Sequence[int], keys=None) -> "SamplingArrays":
+        """keys: precomputed key_data rows (see key_data_for_seed); else derived from seeds."""
+        if keys is None:
+            keys = np.stack([key_data_for_seed(s) for s in seeds])
         return SamplingArrays(
             temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
             top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
             top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
             min_p=jnp.asarray([p.min_p for p in params], jnp.float32),
             key=jnp.asarray(keys, jnp.uint32))
+
+
+def key_data_for_seed(seed: int) -> np.ndarray:
+    """The raw uint32 key of a request's random stream (computed once per request)."""
+    return np.asarray(jax.random.key_data(jax.random.PRNGKey(seed)), np.uint32)
 
 
 def sample(logits_BV: jax.Array, sp: SamplingArrays, step_B: jax.Array) -> jax.Array:

@@ -67,19 +67,28 @@ class MLA(nnx.Module):
         return w[:, :H, :], w[:, H:, :]                     # W_UK [N, H, A], W_UV [N, V, A]
 
     # -- attention --------------------------------------------------------------------------------
-    def __call__(self, x_BTD, positions_BT, kv_BSL=None, *, absorbed: bool = False):
+    def __call__(self, x_BTD, positions_BT, kv_BSL=None, *, absorbed: bool = False, block_table_BP=None):
         """Attend from x's tokens (at absolute positions) to the cached tokens.
 
         kv_BSL: the layer's latent cache [B, S, A + R] or None. With a cache, the new tokens' latents
         are written at their positions (writes at positions >= S are dropped) and every query attends
         to cache slots s <= its position. Without one, queries attend to the new tokens only (a fresh
         prefill). Returns (output [B, T, D], updated cache, or the new latents [B, T, A + R]).
+
+        Paged: with block_table_BP [B, pages per sequence], kv_BSL is the layer's page pool
+        [num_pages, page_size, A + R]; position p of sequence b lives in page block_table[b, p //
+        page_size] at offset p % page_size. Tokens at position < 0 are padding: not written, and
+        their outputs are garbage to be ignored.
         """
         N, H, R, A, V = self.dims
         cos, sin = rope_cos_sin(positions_BT, rope_inv_freq(self.cfg), self.cfg.rope_scaling.cos_sin_scale)
         q_nope_BTNH, q_pe_BTNR = self._queries(x_BTD, cos, sin)
         new_BTL = self.latents(x_BTD, positions_BT)
-        if kv_BSL is None:
+        if block_table_BP is not None:
+            keys_BSL, out_kv = paged_write_and_gather(kv_BSL, block_table_BP, positions_BT, new_BTL)
+            B, S = keys_BSL.shape[:2]
+            key_pos_BS = jnp.broadcast_to(jnp.arange(S), (B, S))
+        elif kv_BSL is None:
             keys_BSL, key_pos_BS, out_kv = new_BTL, positions_BT, new_BTL
         else:
             B, S = kv_BSL.shape[:2]
@@ -108,6 +117,20 @@ class MLA(nnx.Module):
             o_BTNV = jnp.einsum("bnts,bsnv->btnv", p_BNTS, v_BSNV, preferred_element_type=f32)
         o_BTD = self.o_proj(o_BTNV.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * V))
         return o_BTD, out_kv
+
+
+def paged_write_and_gather(pages_PpL, block_table_BP, positions_BT, new_BTL):
+    """Write new latents into their pages; return (each sequence's cache [B, P*page, L], new pages)."""
+    n_pages, page, L = pages_PpL.shape
+    valid = positions_BT >= 0
+    pos = jnp.where(valid, positions_BT, 0)
+    page_of = jnp.take_along_axis(block_table_BP, pos // page, axis=1)
+    slot = jnp.where(valid, page_of * page + pos % page, n_pages * page)        # padding: dropped
+    flat = pages_PpL.reshape(n_pages * page, L).at[slot.reshape(-1)].set(
+        new_BTL.reshape(-1, L).astype(pages_PpL.dtype), mode="drop")
+    pages = flat.reshape(n_pages, page, L)
+    B, P = block_table_BP.shape
+    return pages[block_table_BP].reshape(B, P * page, L), pages
 
 
 def _softmax(scores_BNTS, mask_BTS):

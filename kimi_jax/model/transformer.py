@@ -29,8 +29,9 @@ class DecoderLayer(nnx.Module):
         self.mlp = (MoE(cfg, dtype=dtype, rngs=rngs, parallel=parallel) if moe
                     else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs))
 
-    def __call__(self, x_BTD, positions_BT, kv_BSL=None, *, absorbed=False):
-        a_BTD, kv = self.self_attn(self.input_layernorm(x_BTD), positions_BT, kv_BSL, absorbed=absorbed)
+    def __call__(self, x_BTD, positions_BT, kv_BSL=None, *, absorbed=False, block_table_BP=None):
+        a_BTD, kv = self.self_attn(self.input_layernorm(x_BTD), positions_BT, kv_BSL, absorbed=absorbed,
+                                   block_table_BP=block_table_BP)
         h_BTD = x_BTD + a_BTD
         return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD)), kv
 
@@ -45,13 +46,14 @@ def stack_modules(make: Callable[[], nnx.Module], n: int) -> Optional[nnx.Module
     return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
 
 
-def scan_layers(stack: nnx.Module, x_BTD, positions_BT, kv_LBSL, *, absorbed: bool):
+def scan_layers(stack: nnx.Module, x_BTD, positions_BT, kv_LBSL, *, absorbed: bool, block_table_BP=None):
     """Run a stacked layer module over its leading axis; returns (x, per-layer cache or latents)."""
     graphdef, state = nnx.split(stack)
 
     def body(x, layer_and_kv):
         layer_state, kv = layer_and_kv
-        x, kv = nnx.merge(graphdef, layer_state)(x, positions_BT, kv, absorbed=absorbed)
+        x, kv = nnx.merge(graphdef, layer_state)(x, positions_BT, kv, absorbed=absorbed,
+                                                 block_table_BP=block_table_BP)
         return x, kv
 
     return jax.lax.scan(body, x_BTD, (state, kv_LBSL))
@@ -79,16 +81,18 @@ class Transformer(nnx.Module):
     def layer_stacks(self) -> tuple[tuple[str, Optional[nnx.Module]], ...]:
         return (("dense", self.dense_layers), ("moe", self.moe_layers))
 
-    def hidden_states(self, tokens_BT, positions_BT, cache=None, *, absorbed=False):
+    def hidden_states(self, tokens_BT, positions_BT, cache=None, *, absorbed=False, block_table_BP=None):
         """Final-norm hidden states [B, T, D] and the cache dict {kind: [L, B, S, A+R]} (updated), or,
-        without a cache, the new latents {kind: [L, B, T, A+R]}."""
+        without a cache, the new latents {kind: [L, B, T, A+R]}. With block_table_BP the cache is paged:
+        {kind: [L, num_pages, page_size, A+R]} (see MLA)."""
         x = jnp.take(self.embed_tokens.weight[...], tokens_BT, axis=0)
         new = {}
         for kind, stack in self.layer_stacks:
             if stack is None:
                 continue
             kv = None if cache is None else cache[kind]
-            x, new[kind] = scan_layers(stack, x, positions_BT, kv, absorbed=absorbed)
+            x, new[kind] = scan_layers(stack, x, positions_BT, kv, absorbed=absorbed,
+                                       block_table_BP=block_table_BP)
         return self.norm(x), new
 
     def logits(self, h_BTD):
@@ -99,6 +103,12 @@ class Transformer(nnx.Module):
     def __call__(self, tokens_BT, positions_BT, cache=None, *, absorbed=False):
         h, new = self.hidden_states(tokens_BT, positions_BT, cache, absorbed=absorbed)
         return self.logits(h), new
+
+
+def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> dict:
+    """Zeroed paged latent cache {kind: [L, num_pages, page_size, A + R]}."""
+    return {kind: jnp.zeros((n, num_pages, page_size, cfg.latent_dim), dtype)
+            for kind, n in (("dense", cfg.num_dense_layers), ("moe", cfg.num_moe_layers)) if n}
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> dict:

@@ -1,0 +1,259 @@
+"""Accelerator descriptions for the planner: memory, bandwidths, matmul rate and collective latencies.
+
+A `Hardware` is one device of a homogeneous node plus the fabric between devices. Each number says
+where it comes from (`sources`): "datasheet" (vendor spec), "measured" (on this project's machines or
+a cited profile, see /work/shared/ANCHORS.md and JAX_GPU.md) or "assumed" (an estimate; calibrate it).
+
+Collective time model (NCCL's convention): t(bytes) = latency + wire_bytes / bus_bw, where
+wire_bytes is 2(n-1)/n x the buffer for an all-reduce and (n-1)/n x the full buffer for an
+all-gather, reduce-scatter or all-to-all (n devices in the group); collective-permute moves the
+buffer once. When a measured latency curve [(bytes, seconds), ...] is given for a kind, it replaces
+the formula: log-log linear interpolation between points, the first point's time below it, and the
+last segment's log-log slope beyond it. Curves are measured at one group size (`curve_devices`);
+they are used as-is for other group sizes (stated in the plan's notes).
+
+`Hardware.from_calibration(path)` reads a calibration JSON (see `calibration_dict`, which
+launch/bench.py can call to write one from its measured copy bandwidth, matmul rate and collective
+latency curves); fields it does not give come from the preset named by its "base" key.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import math
+from typing import Mapping, Optional, Sequence
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+CALIBRATION_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveModel:
+    latency_s: float                                     # per call, small messages
+    bus_bw: float                                        # B/s, NCCL "bus bandwidth"
+    curve: tuple[tuple[float, float], ...] = ()          # measured (bytes, seconds), sorted by bytes
+    curve_devices: Optional[int] = None                  # group size the curve was measured at
+
+    def time(self, kind: str, nbytes: float, n: int) -> float:
+        """Seconds for one `kind` collective over `n` devices on a buffer of `nbytes` (all-reduce:
+        the buffer; all-gather: the gathered result; reduce-scatter: the input; all-to-all: the
+        buffer each device sends in total)."""
+        if n <= 1:
+            return 0.0
+        if self.curve:
+            return _loglog(self.curve, max(nbytes, 1.0))
+        if kind == "all-reduce":
+            wire = 2.0 * (n - 1) / n * nbytes
+        elif kind == "collective-permute":
+            wire = nbytes
+        else:
+            wire = (n - 1) / n * nbytes
+        return self.latency_s + wire / self.bus_bw
+
+
+def _loglog(curve: Sequence[tuple[float, float]], x: float) -> float:
+    """Log-log linear interpolation of (bytes, seconds) points; flat below the first point (and for a
+    single point), the last segment's slope beyond the last."""
+    xs = [c[0] for c in curve]
+    if len(curve) == 1 or x <= xs[0]:
+        return curve[0][1]
+    i = min(bisect.bisect_right(xs, x), len(curve) - 1)
+    (x0, y0), (x1, y1) = curve[i - 1], curve[i]
+    if x1 == x0:
+        return y1
+    slope = (math.log(y1) - math.log(y0)) / (math.log(x1) - math.log(x0))
+    return math.exp(math.log(y0) + slope * (math.log(x) - math.log(x0)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    name: str
+    hbm_bytes: float                  # device memory
+    hbm_bw: float                     # achievable copy bandwidth, B/s (bytes read + written / time)
+    bf16_flops: float                 # achievable dense bf16 matmul rate, FLOP/s
+    interconnect: str                 # e.g. "NVLink 4 (NVSwitch)", "PCIe Gen5 x16"
+    link_bw: float                    # per device, per direction, B/s
+    collectives: Mapping[str, CollectiveModel]
+    # fractions of hbm_bw that the decode kernels reach when reading weights / the cache
+    gemv_efficiency: float = 0.88     # bf16 weight-streaming matmuls at small M
+    int4_efficiency: float = 0.45     # fused INT4 expert kernels (Pallas / Marlin class)
+    xla_int4_efficiency: float = 0.08  # XLA's unfused dequant path (materializes bf16 weights)
+    attention_efficiency: float = 0.8  # latent-cache reads in attention
+    matmul_efficiency: float = 1.0     # of bf16_flops (bf16_flops is already an achieved rate)
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def collective_time(self, kind: str, nbytes: float, n: int, *, latency_override_s: Optional[float] = None
+                        ) -> float:
+        model = self.collectives.get(kind) or self.collectives["all-reduce"]
+        if latency_override_s is not None:
+            model = CollectiveModel(latency_override_s, model.bus_bw)
+        return model.time(kind, nbytes, n)
+
+    def replace(self, **kw) -> "Hardware":
+        return dataclasses.replace(self, **kw)
+
+    def describe(self) -> str:
+        ar = self.collectives["all-reduce"]
+        lat = (f"{1e6 * ar.curve[0][1]:.1f} us at {ar.curve[0][0]:.0f} B (curve)" if ar.curve
+               else f"{1e6 * ar.latency_s:.1f} us + bytes/{ar.bus_bw / 1e9:.0f} GB/s")
+        return (f"{self.name}: {self.hbm_bytes / 1e9:.0f} GB at {self.hbm_bw / 1e12:.2f} TB/s, "
+                f"{self.bf16_flops / 1e12:.0f} TFLOP/s bf16, {self.interconnect} "
+                f"{self.link_bw / 1e9:.0f} GB/s/dir, all-reduce {lat}")
+
+    # ---- calibration files ---------------------------------------------------------------------
+    @classmethod
+    def from_calibration(cls, path_or_dict) -> "Hardware":
+        d = path_or_dict
+        if not isinstance(d, Mapping):
+            with open(path_or_dict) as f:
+                d = json.load(f)
+        base = preset(d.get("base", "h200"))
+        colls = dict(base.collectives)
+        n = d.get("n_devices")
+        for kind, pts in (d.get("collectives") or {}).items():
+            if kind not in KINDS:
+                raise ValueError(f"calibration: unknown collective kind {kind!r} (known: {KINDS})")
+            curve = tuple(sorted((float(b), float(s)) for b, s in pts))
+            if not curve or any(b <= 0 or s <= 0 for b, s in curve):
+                raise ValueError(f"calibration: {kind} curve needs positive (bytes, seconds) points")
+            old = colls.get(kind, base.collectives["all-reduce"])
+            colls[kind] = CollectiveModel(curve[0][1], old.bus_bw, curve, n)
+        src = dict(base.sources)
+        tag = f"measured ({d.get('source', 'calibration file')})"
+        kw = {}
+        for key, field in (("hbm_bytes", "hbm_bytes"), ("copy_bw", "hbm_bw"), ("matmul_flops", "bf16_flops"),
+                           ("link_bw", "link_bw"), ("gemv_efficiency", "gemv_efficiency"),
+                           ("int4_efficiency", "int4_efficiency"),
+                           ("xla_int4_efficiency", "xla_int4_efficiency"),
+                           ("attention_efficiency", "attention_efficiency"), ("interconnect", "interconnect")):
+            if d.get(key) is not None:
+                kw[field] = d[key] if field == "interconnect" else float(d[key])
+                src[field] = tag
+        for kind in (d.get("collectives") or {}):
+            src[kind] = tag + (f", n={n}" if n else "")
+        return dataclasses.replace(base, name=d.get("name", base.name + " (calibrated)"),
+                                   collectives=colls, sources=src, **kw)
+
+
+def calibration_dict(name: str, *, copy_bw: float, matmul_flops: Optional[float] = None,
+                     collectives: Optional[Mapping[str, Sequence[tuple[float, float]]]] = None,
+                     n_devices: Optional[int] = None, hbm_bytes: Optional[float] = None, base: str = "h200",
+                     source: str = "launch/bench.py", **extra) -> dict:
+    """The calibration file's contents (json.dump it). copy_bw: measured device-to-device copy B/s
+    (bytes read + written); matmul_flops: measured bf16 FLOP/s; collectives: {kind: [(bytes,
+    seconds), ...]} measured over `n_devices`; extra: any of link_bw, gemv_efficiency,
+    int4_efficiency, xla_int4_efficiency, attention_efficiency, interconnect."""
+    allowed = {"link_bw", "gemv_efficiency", "int4_efficiency", "xla_int4_efficiency",
+               "attention_efficiency", "interconnect", "date", "device", "jax_version"}
+    bad = set(extra) - allowed
+    if bad:
+        raise ValueError(f"calibration_dict: unknown fields {sorted(bad)} (allowed: {sorted(allowed)})")
+    d = {"version": CALIBRATION_VERSION, "name": name, "base": base, "source": source, "copy_bw": float(copy_bw)}
+    if matmul_flops is not None:
+        d["matmul_flops"] = float(matmul_flops)
+    if hbm_bytes is not None:
+        d["hbm_bytes"] = float(hbm_bytes)
+    if n_devices is not None:
+        d["n_devices"] = int(n_devices)
+    if collectives:
+        d["collectives"] = {k: [[float(b), float(s)] for b, s in v] for k, v in collectives.items()}
+    d.update(extra)
+    return d
+
+
+def write_calibration(path: str, d: Mapping) -> str:
+    Hardware.from_calibration(d)   # validate before writing
+    with open(path, "w") as f:
+        json.dump(d, f, indent=1)
+    return path
+
+
+# ---- presets -------------------------------------------------------------------------------------
+
+def _uniform(latency_s: float, bus_bw: float, curve=(), curve_devices=None, kinds=KINDS):
+    m = CollectiveModel(latency_s, bus_bw, tuple(curve), curve_devices)
+    return {k: (m if k == "all-reduce" else CollectiveModel(latency_s, bus_bw)) for k in kinds}
+
+
+# JAX psum of bf16 buffers on 2 x H200, one process, NCCL 2.28.9, NVLS off (JAX_GPU.md section 5)
+_H200_ALLREDUCE_CURVE = ((14336.0, 24.4e-6), (117760.0, 26.0e-6), (940032.0, 24.9e-6), (7654604.0, 43.8e-6))
+
+_PRESETS = {
+    "h200": Hardware(
+        name="H200 SXM", hbm_bytes=141e9, hbm_bw=4.24e12, bf16_flops=790e12,
+        interconnect="NVLink 4 (NVSwitch)", link_bw=450e9,
+        collectives=_uniform(24e-6, 360e9, _H200_ALLREDUCE_CURVE, 2),
+        gemv_efficiency=0.88, int4_efficiency=0.45, xla_int4_efficiency=0.08,
+        sources={"hbm_bytes": "datasheet (141 GB)",
+                 "hbm_bw": "measured: device-to-device copy 4.24 TB/s (ANCHORS.md section 6; datasheet 4.8)",
+                 "bf16_flops": "measured: 790 TFLOP/s bf16 matmul on this project's H200 (datasheet 989)",
+                 "link_bw": "datasheet: NVLink 4, 900 GB/s bidirectional = 450 GB/s per direction",
+                 "all-reduce": "measured: 24.4 / 26.0 / 24.9 / 43.8 us at 14 KB / 115 KB / 918 KB / 7.3 MB "
+                               "(JAX psum, 2 x H200, JAX_GPU.md section 5); n > 2 uses the same curve",
+                 "all-gather": "assumed: 24 us + bytes / 360 GB/s bus bandwidth",
+                 "reduce-scatter": "assumed: 24 us + bytes / 360 GB/s bus bandwidth",
+                 "all-to-all": "assumed: 24 us + bytes / 360 GB/s bus bandwidth",
+                 "collective-permute": "assumed: 24 us + bytes / 360 GB/s",
+                 "gemv_efficiency": "measured: cuBLAS bf16 M=1 N=32768 K=7168 at 88% of copy (ANCHORS.md 6)",
+                 "int4_efficiency": "assumed: 45% of copy for a fused INT4 expert kernel (tinygemm measured "
+                                    "42% at M=1, ANCHORS.md 6; Marlin MoE 31-47% on H20); calibrate",
+                 "xla_int4_efficiency": "measured: XLA dequant path 0.34 TB/s effective = 8% (ANCHORS.md 6)"}),
+    "h100": Hardware(
+        name="H100 SXM", hbm_bytes=80e9, hbm_bw=3.0e12, bf16_flops=700e12,
+        interconnect="NVLink 4 (NVSwitch)", link_bw=450e9, collectives=_uniform(24e-6, 360e9),
+        sources={"hbm_bytes": "datasheet (80 GB)",
+                 "hbm_bw": "assumed: 90% of the 3.35 TB/s datasheet (the H200 copy reaches 88%)",
+                 "bf16_flops": "assumed: ~71% of the 989 TFLOP/s datasheet (the H200 ratio is 80%)",
+                 "link_bw": "datasheet: NVLink 4, 450 GB/s per direction",
+                 "all-reduce": "assumed: 24 us + bytes / 360 GB/s (as H200, same NVLink generation)"}),
+    "b200": Hardware(
+        name="B200", hbm_bytes=180e9, hbm_bw=7.2e12, bf16_flops=1800e12,
+        interconnect="NVLink 5 (NVSwitch)", link_bw=900e9, collectives=_uniform(20e-6, 720e9),
+        sources={"hbm_bytes": "datasheet (HGX B200: 180 GB per GPU; 192 GB physical)",
+                 "hbm_bw": "assumed: 90% of the 8 TB/s datasheet",
+                 "bf16_flops": "assumed: 80% of the 2.25 PFLOP/s dense bf16 datasheet",
+                 "link_bw": "datasheet: NVLink 5, 1.8 TB/s bidirectional = 900 GB/s per direction",
+                 "all-reduce": "assumed: 20 us + bytes / 720 GB/s"}),
+    "rtx-pro-6000": Hardware(
+        name="RTX PRO 6000 Blackwell (PCIe Gen5)", hbm_bytes=96e9, hbm_bw=1.8e12, bf16_flops=400e12,
+        interconnect="PCIe Gen5 x16 (no NVLink)", link_bw=64e9,
+        collectives=_uniform(78e-6, 40e9),
+        gemv_efficiency=0.88, int4_efficiency=0.45,
+        sources={"hbm_bytes": "datasheet (96 GB GDDR7)",
+                 "hbm_bw": "datasheet: 1.79 TB/s GDDR7 ('about 1.8 TB/s', the published input)",
+                 "bf16_flops": "assumed: 80% of ~500 TFLOP/s dense bf16 (derived from the 4 PFLOP/s "
+                               "FP4-sparse datasheet figure)",
+                 "link_bw": "datasheet: PCIe Gen5 x16, 64 GB/s per direction",
+                 "all-reduce": "measured (profiled): 78 us per all-reduce in the 8-GPU TP8 Kimi-K2.5 "
+                               "deployment (issue 9; 127 x 78 us = 9.9 ms). With CUDA graphs NCCL is "
+                               "~36 us (16 GPUs, b12x PR 139) and a custom all-reduce 18 us (ANCHORS.md 2)",
+                 "all-gather": "assumed: 78 us + bytes / 40 GB/s bus bandwidth",
+                 "reduce-scatter": "assumed: 78 us + bytes / 40 GB/s bus bandwidth",
+                 "all-to-all": "assumed: 78 us + bytes / 40 GB/s bus bandwidth",
+                 "collective-permute": "assumed: 78 us + bytes / 40 GB/s",
+                 "gemv_efficiency": "assumed: as H200 (88% of copy)",
+                 "int4_efficiency": "assumed: 45% of copy (Marlin-class INT4 MoE)"}),
+    # the host CPU as the "device" (tests, dry runs): numbers are placeholders
+    "cpu": Hardware(
+        name="CPU (simulated devices)", hbm_bytes=64e9, hbm_bw=20e9, bf16_flops=0.2e12,
+        interconnect="shared memory", link_bw=10e9, collectives=_uniform(50e-6, 10e9),
+        sources={"*": "assumed placeholders for dry runs"}),
+}
+PRESET_ALIASES = {"h200-sxm": "h200", "h100-sxm": "h100", "rtx6000": "rtx-pro-6000", "rtx-pro-6000-pcie": "rtx-pro-6000",
+                  "rtx6kpro": "rtx-pro-6000"}
+PRESETS = tuple(_PRESETS)
+
+
+def preset(name: str) -> Hardware:
+    key = PRESET_ALIASES.get(name.lower(), name.lower())
+    if key not in _PRESETS:
+        raise ValueError(f"unknown hardware preset {name!r} (known: {', '.join(PRESETS)}; or a calibration .json)")
+    return _PRESETS[key]
+
+
+def get(name_or_path: str) -> Hardware:
+    """A preset by name, or a calibration JSON file by path."""
+    if name_or_path.endswith(".json"):
+        return Hardware.from_calibration(name_or_path)
+    return preset(name_or_path)

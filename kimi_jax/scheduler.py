@@ -1,0 +1,279 @@
+"""Continuous batching over a paged latent cache.
+
+Requests wait in a FIFO queue and join the running set as soon as a slot (max_num_seqs) and cache pages
+are free; finished requests leave at once and their pages are reused. Every iteration runs
+  1. one prefill step: prompt chunks (at most `prefill_chunk` tokens of each prompt, at most
+     `max_prefill_tokens` in all), so a long prompt is spread over several iterations, and
+  2. one decode step for every running request whose prompt is done (one token each),
+so decoding never waits behind a long prompt. Shapes are bucketed to powers of two (batch, chunk
+length, pages per sequence) so the number of compiled programs stays small.
+
+When a sequence needs a page and none is free, the most recently admitted other request is preempted:
+its pages are freed and it is recomputed later from its prompt plus the tokens it already produced
+(its output is unchanged: greedy tokens and per-request seeded streams do not depend on batching).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+from kimi_jax.engine import Engine, bucket
+from kimi_jax.sampling import SamplingArrays, SamplingParams, key_data_for_seed
+
+
+class RequestError(ValueError):
+    """A request that cannot run; it fails alone."""
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt: Optional[str]
+    prompt_ids: list[int]
+    params: SamplingParams
+    key: np.ndarray
+    stop_ids: frozenset
+    max_new: int
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0                 # tokens whose latents are in the cache
+    pages: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: Optional[str] = None
+    stop_reason: object = None
+    text: Optional[str] = None            # set when a stop string truncated it
+    num_preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def pending(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
+
+
+def validate_prompt(prompt_ids, vocab_size: int, max_model_len: int) -> None:
+    if not prompt_ids:
+        raise RequestError("empty prompt")
+    bad = [t for t in prompt_ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
+    if len(prompt_ids) >= max_model_len:
+        raise RequestError(f"prompt of {len(prompt_ids)} tokens leaves no room under "
+                           f"max_model_len={max_model_len}")
+
+
+class PagePool:
+    """Free list of cache pages."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self.free = collections.deque(range(num_pages))
+
+    def take(self, n: int) -> Optional[list[int]]:
+        if n > len(self.free):
+            return None
+        return [self.free.popleft() for _ in range(n)]
+
+    def give(self, pages: list[int]) -> None:
+        self.free.extend(pages)
+
+
+class BatchEngine:
+    def __init__(self, engine: Engine, *, num_pages: int, page_size: int, max_num_seqs: int,
+                 max_model_len: int, cache_dtype, prefill_chunk: int = 256, max_prefill_tokens: int = 2048,
+                 tokenizer=None, eos_ids=()):
+        from kimi_jax.model.transformer import init_pages
+        self.engine, self.tokenizer = engine, tokenizer
+        self.page_size, self.max_num_seqs, self.max_model_len = page_size, max_num_seqs, max_model_len
+        self.prefill_chunk, self.max_prefill_tokens = prefill_chunk, max_prefill_tokens
+        self.eos_ids = frozenset(eos_ids)
+        self.pool = PagePool(num_pages)
+        self.pages = init_pages(engine.cfg, num_pages, page_size, cache_dtype)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "preemptions": 0}
+
+    # ---- requests -----------------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
+                     prompt: Optional[str] = None) -> Request:
+        """Validate and build a request; RequestError names what is wrong."""
+        try:
+            params.validate()
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        validate_prompt(prompt_ids, self.engine.cfg.vocab_size, self.max_model_len)
+        if -(-len(prompt_ids) // self.page_size) + 1 > self.pool.num_pages:
+            raise RequestError(f"prompt of {len(prompt_ids)} tokens does not fit in the cache "
+                               f"({self.pool.num_pages} pages of {self.page_size} tokens)")
+        stop = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop |= self.eos_ids
+        max_new = min(params.max_tokens or self.max_model_len, self.max_model_len - len(prompt_ids))
+        return Request(request_id, prompt, [int(t) for t in prompt_ids], params, key_data_for_seed(seed),
+                       frozenset(stop), max_new)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one iteration ------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Admit, run one prefill step and one decode step; return the requests that finished."""
+        self._admit()
+        finished: list[Request] = []
+        budget, rows = self.max_prefill_tokens, []
+        for r in [r for r in self.running if r.pending > 1]:
+            n = min(r.pending, self.prefill_chunk, budget)
+            if n <= 0:
+                break
+            if r in self.running and self._ensure_pages(r, r.num_computed + n, [q for q, _ in rows]):
+                rows.append((r, n))
+                budget -= n
+        if rows:
+            finished += self._run(rows)
+        rows = []
+        for r in [r for r in self.running if r.pending == 1 and r.finish_reason is None]:
+            if r in self.running and self._ensure_pages(r, r.num_computed + 1, [q for q, _ in rows]):
+                rows.append((r, 1))
+        if rows:
+            finished += self._run(rows)
+        for r in finished:
+            self._release(r)
+        return finished
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            r = self.waiting[0]
+            first = min(r.pending, self.prefill_chunk)
+            if -(-first // self.page_size) > len(self.pool.free):
+                break
+            self.running.append(self.waiting.popleft())
+
+    def _ensure_pages(self, r: Request, upto: int, protected=()) -> bool:
+        """Pages for positions [0, upto); preempt the newest other request (never one already in this
+        step's batch) if the pool is dry."""
+        need = -(-upto // self.page_size) - len(r.pages)
+        while need > 0:
+            got = self.pool.take(need)
+            if got is not None:
+                r.pages += got
+                return True
+            victims = [v for v in self.running if v is not r and v not in protected]
+            if not victims:
+                return False
+            self._preempt(victims[-1])
+        return True
+
+    def _preempt(self, r: Request) -> None:
+        self.running.remove(r)
+        self.pool.give(r.pages)
+        r.pages, r.num_computed = [], 0
+        r.num_preemptions += 1
+        self.stats["preemptions"] += 1
+        self.waiting.appendleft(r)
+
+    def _release(self, r: Request) -> None:
+        if r in self.running:
+            self.running.remove(r)
+        self.pool.give(r.pages)
+        r.pages = []
+
+    def _run(self, rows: list[tuple[Request, int]]) -> list[Request]:
+        B = self.engine.batch_size(len(rows))
+        T = 1 if all(n == 1 for _, n in rows) else bucket(max(n for _, n in rows))
+        P = bucket(max(len(r.pages) for r, _ in rows), 1)
+        tokens = np.zeros((B, T), np.int32)
+        positions = np.full((B, T), -1, np.int32)
+        table = np.zeros((B, P), np.int32)
+        last = np.zeros((B,), np.int32)
+        steps = np.zeros((B,), np.int32)
+        keys = np.zeros((B, 2), np.uint32)
+        params = [SamplingParams(temperature=0.0)] * B
+        for b, (r, n) in enumerate(rows):
+            seq = r.tokens
+            tokens[b, :n] = seq[r.num_computed:r.num_computed + n]
+            positions[b, :n] = np.arange(r.num_computed, r.num_computed + n)
+            table[b, :len(r.pages)] = r.pages
+            last[b] = n - 1
+            steps[b] = len(r.output_ids)
+            keys[b] = r.key
+            params[b] = r.params
+        sp = SamplingArrays.build(params, None, keys=keys)
+        n_lp = max((r.params.logprobs for r, _ in rows if r.params.logprobs is not None), default=None)
+        self.pages, out = self.engine.paged_step(self.pages, tokens, positions, table, last, sp, steps, n_lp)
+        self.stats["steps"] += 1
+        finished = []
+        for b, (r, n) in enumerate(rows):
+            prompt_left = len(r.prompt_ids) - r.num_computed
+            self.stats["prompt_tokens"] += max(0, min(n, prompt_left))
+            r.num_computed += n
+            if r.pending > 0:      # a chunk in the middle of a prompt (or of a recompute): no token yet
+                continue
+            self._append(r, b, out)
+            if r.finish_reason is not None:
+                finished.append(r)
+        return finished
+
+    def _append(self, r: Request, b: int, out) -> None:
+        t = int(out.tokens[b])
+        r.output_ids.append(t)
+        self.stats["generated_tokens"] += 1
+        if out.logprob is not None:
+            r.cumulative_logprob += float(out.logprob[b])
+            if r.params.logprobs is not None:
+                k = r.params.logprobs
+                lp = {int(i): float(v) for i, v in zip(out.top_ids[b][:k], out.top_vals[b][:k])}
+                lp[t] = float(out.logprob[b])
+                r.logprobs.append(lp)
+        if t in r.stop_ids:
+            r.finish_reason, r.stop_reason = "stop", t
+        elif r.params.stop_strings and self.tokenizer is not None and self._hit_stop(r):
+            r.finish_reason = "stop"
+        elif len(r.output_ids) >= r.max_new:
+            r.finish_reason = "length"
+
+    def _hit_stop(self, r: Request) -> bool:
+        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        hits = [(text.find(s), s) for s in r.params.stop_strings if s in text]
+        if not hits:
+            return False
+        k, s = min(hits)
+        r.text = text[: k + len(s)] if r.params.include_stop_str_in_output else text[:k]
+        r.stop_reason = s
+        return True
+
+    # ---- driving ------------------------------------------------------------------------------
+    def run(self, on_finish: Optional[Callable[[Request], None]] = None, progress: bool = False,
+            feed: Optional[Callable[[], bool]] = None) -> None:
+        """Step until every request is done. `feed()` is called whenever slots are free so a caller
+        can add requests lazily (returns False when it has no more)."""
+        bar, t0 = None, time.perf_counter()
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(desc="requests", unit="req", total=None)
+        more = feed is not None
+        while True:
+            if more and len(self.waiting) < self.max_num_seqs:
+                more = feed()
+            if not self.has_unfinished():
+                if not more:
+                    break
+                continue
+            for r in self.step():
+                if on_finish is not None:
+                    on_finish(r)
+                if bar is not None:
+                    bar.update(1)
+                    dt = max(time.perf_counter() - t0, 1e-9)
+                    bar.set_postfix(tok_s=f"{self.stats['generated_tokens'] / dt:.1f}",
+                                    running=len(self.running))
+        if bar is not None:
+            bar.close()
