@@ -97,6 +97,7 @@ class LLM:
         self.num_pages = num_pages or self._default_num_pages(gpu_memory_utilization)
         self.prefill_chunk, self.max_prefill_tokens = prefill_chunk, max_prefill_tokens
         self._rng = random.Random(seed)
+        self._chat_template = None
         self._next_id = 0
 
     def _default_num_pages(self, utilization: float) -> int:
@@ -221,18 +222,27 @@ class LLM:
                                       logprobs=r.logprobs if r.params.logprobs is not None else None,
                                       finish_reason=r.finish_reason, stop_reason=r.stop_reason)])
 
-    def chat(self, messages, sampling_params: Optional[SamplingParams] = None, *,
-             add_generation_prompt: bool = True, tools=None, chat_template: Optional[str] = None):
-        """Render the checkpoint's own chat template (sandboxed) and generate; messages may be one
-        conversation (a list of dicts) or a list of conversations."""
+    def render_chat(self, messages, *, add_generation_prompt: bool = True, tools=None,
+                    chat_template: Optional[str] = None) -> str:
+        """One conversation rendered with the checkpoint's own chat template (sandboxed Jinja)."""
         from kimi_jax.chat_template import ChatTemplate
         if self.tokenizer is None:
             raise ValueError(f"chat needs a tokenizer; {self.model_path or 'this preset'} has none")
-        tmpl = (ChatTemplate(chat_template) if chat_template is not None
-                else ChatTemplate.from_pretrained(self.model_path))
+        if self._chat_template is None or chat_template is not None:
+            tmpl = (ChatTemplate(chat_template) if chat_template is not None
+                    else ChatTemplate.from_pretrained(self.model_path))
+            if chat_template is not None:
+                return tmpl.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+            self._chat_template = tmpl
+        return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+
+    def chat(self, messages, sampling_params: Optional[SamplingParams] = None, *,
+             add_generation_prompt: bool = True, tools=None, chat_template: Optional[str] = None,
+             use_tqdm: bool = False):
+        """Render the checkpoint's own chat template (sandboxed) and generate; messages may be one
+        conversation (a list of dicts) or a list of conversations."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = []
-        for conv in convs:
-            text = tmpl.render(conv, add_generation_prompt=add_generation_prompt, tools=tools)
-            prompts.append(self.tokenizer.encode(text, allow_special=True))
-        return self.generate(prompts, sampling_params)
+        prompts = [self.tokenizer.encode(self.render_chat(c, add_generation_prompt=add_generation_prompt,
+                                                          tools=tools, chat_template=chat_template),
+                                         allow_special=True) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
