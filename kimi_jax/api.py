@@ -17,6 +17,7 @@ from kimi_jax.engine import Engine
 from kimi_jax.sampling import SamplingParams
 from kimi_jax.scheduler import BatchEngine, Request, RequestError, validate_prompt
 from kimi_jax.sharding import Layout, check_fits, param_shardings
+from kimi_jax.speculative import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 Prompt = Union[str, Sequence[int]]
@@ -41,6 +42,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    metrics: dict = dataclasses.field(default_factory=dict)
 
 
 def demo_model_path() -> Optional[str]:
@@ -63,7 +65,8 @@ class LLM:
                  dtype: str = "bfloat16", max_model_len: Optional[int] = None, max_num_seqs: int = 256,
                  seed: int = 0, tokenizer: Optional[str] = None, page_size: int = 16,
                  num_pages: Optional[int] = None, gpu_memory_utilization: float = 0.9,
-                 prefill_chunk: int = 256, max_prefill_tokens: int = 2048):
+                 prefill_chunk: int = 256, max_prefill_tokens: int = 2048,
+                 speculative_config=None):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported (choose one of {sorted(_DTYPES)})")
         if tensor_parallel_size < 1 or data_parallel_size < 1:
@@ -96,6 +99,7 @@ class LLM:
         self.page_size = page_size
         self.num_pages = num_pages or self._default_num_pages(gpu_memory_utilization)
         self.prefill_chunk, self.max_prefill_tokens = prefill_chunk, max_prefill_tokens
+        self.speculative = SpeculativeConfig.from_any(speculative_config)
         self._rng = random.Random(seed)
         self._chat_template = None
         self._next_id = 0
@@ -130,9 +134,9 @@ class LLM:
         check_fits(layout, abstract)
         shardings = param_shardings(layout, abstract)
         place = lambda path, a: jax.device_put(a, shardings[path])
-        if self.model_path is not None:
+        if self.model_path is not None:   # safetensors (streamed per-device slices) or orbax (kimi-convert)
             from checkpoints.loader import load_model
-            return load_model(self.model_path, dtype=dtype, cfg=cfg, place=place, parallel=parallel)[1]
+            return load_model(self.model_path, dtype=dtype, cfg=cfg, shardings=shardings, parallel=parallel)[1]
         net = make()
         graphdef, state = nnx.split(net)
         flat = {tuple(str(k) for k in p): v for p, v in nnx.to_flat_state(state)}
@@ -209,7 +213,8 @@ class LLM:
         return BatchEngine(self.engine, num_pages=self.num_pages, page_size=self.page_size,
                            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                            cache_dtype=self.dtype, prefill_chunk=self.prefill_chunk,
-                           max_prefill_tokens=self.max_prefill_tokens, tokenizer=self.tokenizer, eos_ids=eos)
+                           max_prefill_tokens=self.max_prefill_tokens, tokenizer=self.tokenizer, eos_ids=eos,
+                           speculative=self.speculative)
 
     def to_output(self, r: Request) -> RequestOutput:
         text = None
@@ -220,7 +225,9 @@ class LLM:
             outputs=[CompletionOutput(index=0, text=text, token_ids=list(r.output_ids),
                                       cumulative_logprob=r.cumulative_logprob if r.params.logprobs is not None else None,
                                       logprobs=r.logprobs if r.params.logprobs is not None else None,
-                                      finish_reason=r.finish_reason, stop_reason=r.stop_reason)])
+                                      finish_reason=r.finish_reason, stop_reason=r.stop_reason)],
+            metrics={"num_preemptions": r.num_preemptions, "spec_drafted": r.spec.drafted,
+                     "spec_accepted": r.spec.accepted, "spec_verify_steps": r.spec.verify_steps})
 
     def render_chat(self, messages, *, add_generation_prompt: bool = True, tools=None,
                     chat_template: Optional[str] = None) -> str:

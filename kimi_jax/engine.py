@@ -17,7 +17,7 @@ from flax import nnx
 
 from kimi_jax.config import ModelConfig
 from kimi_jax.model.transformer import Transformer, init_cache
-from kimi_jax.sampling import SamplingArrays, sample, top_logprobs
+from kimi_jax.sampling import SamplingArrays, sample, top_logprobs, verify_drafts
 
 
 def bucket(n: int, minimum: int = 8) -> int:
@@ -82,6 +82,18 @@ def _paged_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_ta
     return pages, _sample_out(logits_BV, sp, step_B, n_logprobs, shard)
 
 
+def _verify_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, n_draft_B, sp, step_B):
+    """Speculative verification: row b feeds [last token, drafts...]; returns (accepted [B], next [B])."""
+    model = nnx.merge(graphdef, state)
+    tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
+    h_BTD, pages = model.hidden_states(tokens_BT, positions_BT, pages, absorbed=False,
+                                       block_table_BP=block_table_BP)
+    logits_BTV = model.logits(h_BTD)
+    n_acc, nxt = verify_drafts(logits_BTV, tokens_BT[:, 1:], n_draft_B, sp, step_B)
+    pages = {k: _constrain(v, shard.get("replicated")) for k, v in pages.items()}
+    return pages, tuple(_constrain(o, shard.get("replicated")) for o in (n_acc, nxt))
+
+
 def _all_logits(graphdef, shard, state, tokens_BT):
     model = nnx.merge(graphdef, state)
     tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
@@ -111,6 +123,7 @@ class Engine:
         self._logits = jax.jit(functools.partial(_all_logits, self.graphdef, shard))
         self._step = jax.jit(functools.partial(_paged_step, self.graphdef, shard),
                              static_argnames=("n_logprobs", "absorbed"), donate_argnames=("pages",))
+        self._verify = jax.jit(functools.partial(_verify_step, self.graphdef, shard), donate_argnames=("pages",))
 
     def batch_size(self, n: int) -> int:
         """Padded batch: a power of two, and a multiple of the data-parallel size."""
@@ -151,6 +164,14 @@ class Engine:
                                 jnp.asarray(last_B, jnp.int32), sp, jnp.asarray(steps_B, jnp.int32),
                                 n_logprobs=n_logprobs, absorbed=T == 1)
         return pages, _to_host(out)
+
+
+    def verify_step(self, pages, tokens_BT, positions_BT, block_table_BP, n_draft_B, sp: SamplingArrays, steps_B):
+        pages, (n_acc, nxt) = self._verify(self.state, pages, jnp.asarray(tokens_BT, jnp.int32),
+                                           jnp.asarray(positions_BT, jnp.int32),
+                                           jnp.asarray(block_table_BP, jnp.int32), jnp.asarray(n_draft_B, jnp.int32),
+                                           sp, jnp.asarray(steps_B, jnp.int32))
+        return pages, np.asarray(n_acc), np.asarray(nxt)
 
 
 def _to_host(out) -> StepOutput:

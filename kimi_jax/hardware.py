@@ -83,11 +83,10 @@ class Hardware:
     matmul_efficiency: float = 1.0     # of bf16_flops (bf16_flops is already an achieved rate)
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
-    def collective_time(self, kind: str, nbytes: float, n: int, *, latency_override_s: Optional[float] = None
-                        ) -> float:
+    def collective_time(self, kind: str, nbytes: float, n: int) -> float:
+        """Seconds for one collective (see CollectiveModel.time); kinds without a model of their own
+        use the all-reduce's latency and bus bandwidth."""
         model = self.collectives.get(kind) or self.collectives["all-reduce"]
-        if latency_override_s is not None:
-            model = CollectiveModel(latency_override_s, model.bus_bw)
         return model.time(kind, nbytes, n)
 
     def replace(self, **kw) -> "Hardware":

@@ -34,13 +34,15 @@ Two independent views of one jitted decode step (`Engine._decode`):
 
 Outputs: a `ProfileReport` (per-step totals and shares, per-kind collective counts from the program
 and from the trace), written as JSON plus a stacked-bar PNG (`write_png_chart`, dependency-free),
-with the raw trace directory's path kept for Perfetto / XProf.
+the compiled step's HLO text (decode_step.hlo.txt), and the raw trace directory's path, kept for
+Perfetto / XProf.
 """
 from __future__ import annotations
 
 import dataclasses
 import glob
 import gzip
+import itertools
 import json
 import math
 import os
@@ -427,9 +429,14 @@ def count_decode_collectives(cfg, layout, batch: int = 8, cache_len: int = 64, d
 
 
 def random_engine(cfg, layout, dtype=None, seed: int = 0):
-    """An Engine with random weights placed under `layout` (as LLM does for a preset)."""
+    """An Engine with random weights placed under `layout`, made on the host with numpy (no per-op
+    compiles): norms 1, router bias 0, INT4 scales 0.005, INT4 codes uniform and other weights
+    N(0, 0.02) tiled from 2^20-value pools (fast at any size). For timing and collective counts,
+    not for quality."""
     import jax
     import jax.numpy as jnp
+    import ml_dtypes
+    import numpy as np
     from flax import nnx
     from kimi_jax.engine import Engine
     from kimi_jax.model.transformer import Transformer
@@ -437,17 +444,30 @@ def random_engine(cfg, layout, dtype=None, seed: int = 0):
     dtype = dtype or jnp.bfloat16
     layout.check_divisible(cfg)
     parallel = layout.moe_parallel()
-    make = lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed), parallel=parallel)  # noqa: E731
-    abstract = nnx.split(nnx.eval_shape(make))[1]
-    check_fits(layout, abstract)
-    net = make()
-    if layout.world > 1:
-        shardings = param_shardings(layout, abstract)
-        graphdef, state = nnx.split(net)
-        for path, var in nnx.to_flat_state(state):
-            var[...] = jax.device_put(var[...], shardings[tuple(str(k) for k in path)])
-        net = nnx.merge(graphdef, state)
-    return Engine(net, cfg, layout)
+    model = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed), parallel=parallel))
+    graphdef, state = nnx.split(model)
+    check_fits(layout, state)
+    shardings = param_shardings(layout, state) if layout.world > 1 else None
+    rng = np.random.default_rng(seed)
+    pool_f = 0.02 * rng.standard_normal(1 << 20, dtype=np.float32)          # values are tiled from pools:
+    pool_i = rng.integers(-2**31, 2**31 - 1, 1 << 20, dtype=np.int64)       # fast for 100 GB models too
+    for path, var in nnx.to_flat_state(state):
+        key = tuple(str(k) for k in path)
+        v = var.get_value()
+        name = "/".join(key)
+        np_dtype = np.dtype(ml_dtypes.bfloat16) if v.dtype == jnp.bfloat16 else np.dtype(v.dtype)
+        if np.issubdtype(np_dtype, np.integer):
+            host = np.resize(pool_i[rng.integers(0, 1 << 10):].astype(np_dtype), v.shape)
+        elif "norm" in name:
+            host = np.ones(v.shape, np_dtype)
+        elif "e_score_correction_bias" in name:
+            host = np.zeros(v.shape, np_dtype)
+        elif name.endswith("_scale"):
+            host = np.full(v.shape, 0.005, np_dtype)
+        else:
+            host = np.resize(pool_f[rng.integers(0, 1 << 10):].astype(np_dtype), v.shape)
+        var.set_value(jax.device_put(host, shardings[key]) if shardings else jnp.asarray(host))
+    return Engine(nnx.merge(graphdef, state), cfg, layout)
 
 
 # ---- trace parsing -----------------------------------------------------------------------------------
@@ -469,6 +489,7 @@ class TraceOp:
     dur_us: float
     run_id: Optional[str]
     module: Optional[str]
+    thread: object = None
 
 
 def device_op_events(trace_file: str) -> list[TraceOp]:
@@ -493,29 +514,32 @@ def device_op_events(trace_file: str) -> list[TraceOp]:
             continue
         name = args.get("hlo_op") or e.get("name", "")
         out.append(TraceOp(dev, name, float(e["ts"]), float(e.get("dur", 0.0)),
-                           args.get("run_id"), args.get("hlo_module")))
+                           args.get("run_id"), args.get("hlo_module"), e.get("tid")))
     return out
 
 
-def _drop_containers(ops: list[TraceOp]) -> list[TraceOp]:
-    """Remove events that enclose another event of the same device (while/call wrappers)."""
-    by_dev = defaultdict(list)
+_CONTAINERS = ("while", "conditional", "call", "async-start")
+
+
+def _drop_containers(ops: list[TraceOp], module: Optional[HloModule] = None) -> list[TraceOp]:
+    """Remove the events of container instructions (while / conditional / call) that enclose another
+    event on the same device thread, so no time is counted twice."""
+    instrs = module.instructions if module is not None else {}
+    by_thread = defaultdict(list)
     for o in ops:
-        by_dev[o.device].append(o)
+        by_thread[(o.device, o.thread)].append(o)
     keep = []
-    for dev_ops in by_dev.values():
-        dev_ops.sort(key=lambda o: (o.start_us, -o.dur_us))
-        for i, o in enumerate(dev_ops):
+    for thread_ops in by_thread.values():
+        thread_ops.sort(key=lambda o: (o.start_us, -o.dur_us))
+        for i, o in enumerate(thread_ops):
+            instr = instrs.get(o.name)
+            if instr is None or instr.opcode not in _CONTAINERS:
+                keep.append(o)
+                continue
             end = o.start_us + o.dur_us
-            j = i + 1
-            encloses = False
-            while j < len(dev_ops) and dev_ops[j].start_us < end:
-                p = dev_ops[j]
-                if p.start_us + p.dur_us <= end and p.dur_us < o.dur_us:
-                    encloses = True
-                    break
-                j += 1
-            if not encloses:
+            inner = any(p.start_us + p.dur_us <= end
+                        for p in itertools.takewhile(lambda p: p.start_us < end, thread_ops[i + 1:]))
+            if not inner:
                 keep.append(o)
     return keep
 
@@ -535,8 +559,9 @@ class ProfileReport:
     device_step_ms: float                    # device op time per step (mean over devices)
     ms_per_step: dict[str, float]            # category -> device ms per step (mean over devices)
     share: dict[str, float]                  # category -> fraction of device op time
-    collectives_program: dict[str, int]      # per step, from the compiled program
-    collectives_trace: dict[str, float]      # per step per device, from the trace
+    collectives_program: dict[str, int]      # per step, from the compiled program (groups > 1 device)
+    collectives_trivial: dict[str, int]      # per step, program ops over groups of one device (no data moves)
+    collectives_trace: dict[str, float]      # per step per device, every collective op event in the trace
     per_step_ms: list[dict[str, float]]      # each traced step's categories (mean over devices)
     trace_dir: str
     trace_file: str
@@ -550,12 +575,17 @@ class ProfileReport:
                 f"{self.steps} steps on {self.n_devices} x {self.backend}",
                 f"step: {self.step_ms:.3f} ms wall (host), {self.device_step_ms:.3f} ms of device ops "
                 f"(mean over devices)",
-                f"{'category':<20}{'ms/step':>10}{'share':>9}{'count/step':>12}{'(trace)':>10}"]
+                f"{'category':<20}{'ms/step':>10}{'share':>9}{'count/step':>12}{'in trace':>10}"]
         for c in CATEGORIES:
             cnt = self.collectives_program.get(c)
             tr = self.collectives_trace.get(c)
             rows.append(f"{c:<20}{self.ms_per_step.get(c, 0.0):>10.3f}{100 * self.share.get(c, 0.0):>8.1f}%"
                         f"{'' if cnt is None else cnt:>12}{'' if tr is None else format(tr, '.0f'):>10}")
+        triv = {k: v for k, v in self.collectives_trivial.items() if v}
+        if triv:
+            rows.append("count/step: the compiled program's collectives over groups of more than one device; "
+                        "also executed over groups of one device (no data moves): "
+                        + ", ".join(f"{k} {v}" for k, v in triv.items()))
         rows.append(f"raw trace: {self.trace_dir}  (open {os.path.basename(self.trace_file)} in Perfetto)")
         rows += [f"note: {n}" for n in self.notes]
         return "\n".join(rows)
@@ -567,7 +597,7 @@ def analyze_trace(trace_file: str, module: HloModule, steps: int, *, module_name
     instrs = module.instructions
     ops = [o for o in device_op_events(trace_file)
            if module_name is None or o.module is None or o.module == module_name]
-    ops = _drop_containers(ops)
+    ops = _drop_containers(ops, module)
     devices = sorted({o.device for o in ops})
     if not ops:
         raise ValueError(f"{trace_file}: no device op events of the decode program")
@@ -604,7 +634,9 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
     import numpy as np
     from kimi_jax.engine import bucket
     cache_len = bucket(context + warmup + steps + 1)
-    compiled_text = compile_decode_step(engine, layout, batch, cache_len, abstract=False).as_text()
+    # the executable that runs is the one whose HLO is parsed (compiled once, called directly)
+    compiled = compile_decode_step(engine, layout, batch, cache_len, abstract=False)
+    compiled_text = compiled.as_text()
     module = parse_hlo(compiled_text)
     program = collectives_of_hlo(module)
     m = re.match(r"HloModule\s+([\w.\-]+)", compiled_text)
@@ -614,8 +646,8 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
 
     def step(i, cache):
         pos = np.full((batch,), context + i, np.int32)
-        cache, out = engine._decode(engine.state, cache, jax.numpy.asarray(tokens), jax.numpy.asarray(pos), sp,
-                                    jax.numpy.full((batch,), i + 1, jax.numpy.int32), n_logprobs=None)
+        cache, out = compiled(engine.state, cache, jax.numpy.asarray(tokens), jax.numpy.asarray(pos), sp,
+                              jax.numpy.full((batch,), i + 1, jax.numpy.int32))
         jax.block_until_ready(out)
         return cache
 
@@ -641,9 +673,13 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
         model=model_name, layout=layout.name, batch=batch, context=context, steps=steps,
         backend=jax.default_backend(), n_devices=nd, step_ms=1000 * float(np.median(walls)),
         device_step_ms=busy, ms_per_step=ms, share={c: (ms[c] / busy if busy else 0.0) for c in CATEGORIES},
-        collectives_program=program.by_kind(), collectives_trace=coll_trace, per_step_ms=per_step,
+        collectives_program=program.by_kind(),
+        collectives_trivial={k: v - program.count(k) for k, v in program.by_kind(trivial=True).items()},
+        collectives_trace=coll_trace, per_step_ms=per_step,
         trace_dir=trace_dir, trace_file=trace_file, notes=notes)
     os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "decode_step.hlo.txt"), "w") as f:
+        f.write(compiled_text)
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump({**report.to_json(), "collective_ops": program.to_json()["ops"]}, f, indent=1)
     write_png_chart(report, os.path.join(out_dir, "breakdown.png"))
@@ -681,7 +717,7 @@ _FONT = {
     ":": "00000 01100 01100 00000 01100 01100 00000", "/": "00001 00001 00010 00100 01000 10000 10000",
     "(": "00010 00100 01000 01000 01000 00100 00010", ")": "01000 00100 00010 00010 00010 00100 01000",
     "+": "00000 00100 00100 11111 00100 00100 00000", "=": "00000 00000 11111 00000 11111 00000 00000",
-    "X_": "00000 00000 10001 01010 00100 01010 10001", ",": "00000 00000 00000 00000 01100 00100 01000",
+    ",": "00000 00000 00000 00000 01100 00100 01000",
     "_": "00000 00000 00000 00000 00000 00000 11111",
 }
 
@@ -720,12 +756,12 @@ class _Canvas:
 
 def stacked_bar_png(bars: list[tuple[str, dict[str, float]]], title: str, unit: str = "MS") -> bytes:
     """A stacked-bar chart: one bar per (label, {category: value}), categories in CATEGORIES order."""
-    W, H, left, top, bottom = 900, 520, 80, 50, 60
-    legend_w = 230
+    W, H, left, top, bottom = 960, 520, 80, 56, 60
+    legend_w = 250
     plot_w = W - left - legend_w - 20
     plot_h = H - top - bottom
     cv = _Canvas(W, H)
-    cv.text(left, 14, title[:60], scale=2)
+    cv.text(left, 6, title[:60], scale=2)
     vmax = max([sum(v.values()) for _, v in bars] + [1e-9])
     mag = 10 ** math.floor(math.log10(vmax))
     ymax = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= vmax)
@@ -736,7 +772,7 @@ def stacked_bar_png(bars: list[tuple[str, dict[str, float]]], title: str, unit: 
         y = top + plot_h - plot_h * k / 4
         cv.rect(left - 6, y, left - 2, y + 1, (0, 0, 0))
         cv.text(4, y - 7, f"{v:.3g}", scale=2)
-    cv.text(4, top - 22, unit, scale=2)
+    cv.text(4, top - 20, unit, scale=2)
     n = max(len(bars), 1)
     slot = plot_w / n
     bw = max(4, min(80, slot * 0.7))

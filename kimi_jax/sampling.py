@@ -83,14 +83,13 @@ def key_data_for_seed(seed: int) -> np.ndarray:
     return np.asarray(jax.random.key_data(jax.random.PRNGKey(seed)), np.uint32)
 
 
-def sample(logits_BV: jax.Array, sp: SamplingArrays, step_B: jax.Array) -> jax.Array:
-    """Next token per row [B] int32. temperature 0 -> argmax; else top-k / top-p / min-p filtered
-    sampling at that temperature, with the row's key folded with its step (reproducible per seed)."""
+def _filtered_sorted(logits_BV, sp: SamplingArrays):
+    """(order [B, V] descending, filtered logits in that order): temperature, then top-k, top-p and
+    min-p masks (-inf outside); the best token always survives."""
     logits = logits_BV.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)
     scaled = logits / temp[:, None]
-    order = jnp.argsort(-scaled, axis=-1)                          # descending
+    order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     rank = jnp.arange(logits.shape[-1])[None, :]
@@ -99,16 +98,62 @@ def sample(logits_BV: jax.Array, sp: SamplingArrays, step_B: jax.Array) -> jax.A
     cum_before = jnp.cumsum(probs, axis=-1) - probs                # mass of strictly better tokens
     keep &= cum_before < sp.top_p[:, None]
     keep &= probs >= sp.min_p[:, None] * probs[:, :1]
-    keep = keep.at[:, 0].set(True)                                 # the best token always survives
-    filtered = jnp.where(keep, sorted_logits, -jnp.inf)
+    keep = keep.at[:, 0].set(True)
+    return order, jnp.where(keep, sorted_logits, -jnp.inf)
 
-    def draw(key_data, step, row_logits):
-        key = jax.random.fold_in(jax.random.wrap_key_data(key_data), step)
-        return jax.random.categorical(key, row_logits)
 
-    pick = jax.vmap(draw)(sp.key, step_B, filtered)
+def _row_key(key_data, step, salt=None):
+    key = jax.random.fold_in(jax.random.wrap_key_data(key_data), step)
+    return key if salt is None else jax.random.fold_in(key, salt)
+
+
+def sample(logits_BV: jax.Array, sp: SamplingArrays, step_B: jax.Array) -> jax.Array:
+    """Next token per row [B] int32. temperature 0 -> argmax; else top-k / top-p / min-p filtered
+    sampling at that temperature, with the row's key folded with its step (reproducible per seed)."""
+    greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    order, filtered = _filtered_sorted(logits_BV, sp)
+    pick = jax.vmap(lambda k, s, row: jax.random.categorical(_row_key(k, s), row))(sp.key, step_B, filtered)
     sampled = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
     return jnp.where(sp.temperature > 0, sampled, greedy)
+
+
+def target_probs(logits_BV: jax.Array, sp: SamplingArrays) -> jax.Array:
+    """The distribution `sample` draws from, in vocabulary order [B, V] (float32)."""
+    order, filtered = _filtered_sorted(logits_BV, sp)
+    probs_sorted = jax.nn.softmax(filtered, axis=-1)
+    return jnp.zeros_like(probs_sorted).at[jnp.arange(order.shape[0])[:, None], order].set(probs_sorted)
+
+
+def verify_drafts(logits_BTV: jax.Array, drafts_BK: jax.Array, n_draft_B: jax.Array, sp: SamplingArrays,
+                  step_B: jax.Array):
+    """Speculative verification (lossless). Position i of row b holds the target's next-token logits
+    after draft i (position 0: after the last accepted token); K = T - 1 drafts per row, n_draft_B valid.
+
+    Greedy rows accept draft i while it equals the target's argmax. Sampled rows use the standard
+    rejection rule for a deterministic drafter (q = a point mass on the draft): accept draft i with
+    probability p_i(d_i); at the first rejection draw from p_i with d_i removed (the residual
+    (p - q)+ normalized); if every draft is accepted draw a bonus token from p_n. The output then has
+    exactly the target's distribution. Returns (accepted count [B], next token [B]).
+    """
+    B, T, V = logits_BTV.shape
+    K = T - 1
+    greedy_BT = jnp.argmax(logits_BTV, axis=-1).astype(jnp.int32)
+    sp_T = jax.tree.map(lambda a: jnp.repeat(a, T, axis=0), sp)
+    probs_BTV = target_probs(logits_BTV.reshape(B * T, V), sp_T).reshape(B, T, V)
+    sampled = sp.temperature > 0
+    p_draft_BK = jnp.take_along_axis(probs_BTV[:, :K], drafts_BK[..., None], axis=-1)[..., 0]
+    u_BK = jax.vmap(lambda k, s: jax.random.uniform(_row_key(k, s, 1), (K,)))(sp.key, step_B)
+    ok_BK = jnp.where(sampled[:, None], u_BK < p_draft_BK, drafts_BK == greedy_BT[:, :K])
+    ok_BK &= jnp.arange(K)[None, :] < n_draft_B[:, None]
+    n_acc_B = jnp.cumprod(ok_BK.astype(jnp.int32), axis=1).sum(axis=1)
+    rows = jnp.arange(B)
+    p_next_BV = probs_BTV[rows, n_acc_B]
+    rejected = n_acc_B < n_draft_B
+    d_rej = drafts_BK[rows, jnp.minimum(n_acc_B, K - 1)] if K > 0 else jnp.zeros((B,), jnp.int32)
+    residual = jnp.where(rejected[:, None] & (jnp.arange(V)[None, :] == d_rej[:, None]), 0.0, p_next_BV)
+    draw = jax.vmap(lambda k, s, p: jax.random.categorical(_row_key(k, s, 2), jnp.log(p)))(sp.key, step_B, residual)
+    nxt = jnp.where(sampled, draw.astype(jnp.int32), greedy_BT[rows, n_acc_B])
+    return n_acc_B.astype(jnp.int32), nxt
 
 
 def top_logprobs(logits_BV: jax.Array, tokens_B: jax.Array, n: int):

@@ -23,6 +23,7 @@ import numpy as np
 
 from kimi_jax.engine import Engine, bucket
 from kimi_jax.sampling import SamplingArrays, SamplingParams, key_data_for_seed
+from kimi_jax.speculative import SpecState, SpeculativeConfig
 
 
 class RequestError(ValueError):
@@ -47,6 +48,7 @@ class Request:
     stop_reason: object = None
     text: Optional[str] = None            # set when a stop string truncated it
     num_preemptions: int = 0
+    spec: SpecState = dataclasses.field(default_factory=SpecState)
 
     @property
     def tokens(self) -> list[int]:
@@ -87,7 +89,7 @@ class PagePool:
 class BatchEngine:
     def __init__(self, engine: Engine, *, num_pages: int, page_size: int, max_num_seqs: int,
                  max_model_len: int, cache_dtype, prefill_chunk: int = 256, max_prefill_tokens: int = 2048,
-                 tokenizer=None, eos_ids=()):
+                 tokenizer=None, eos_ids=(), speculative: Optional[SpeculativeConfig] = None):
         from kimi_jax.model.transformer import init_pages
         self.engine, self.tokenizer = engine, tokenizer
         self.page_size, self.max_num_seqs, self.max_model_len = page_size, max_num_seqs, max_model_len
@@ -97,7 +99,10 @@ class BatchEngine:
         self.pages = init_pages(engine.cfg, num_pages, page_size, cache_dtype)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "preemptions": 0}
+        self.spec = speculative
+        self.drafter = speculative.drafter() if speculative else None
+        self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "preemptions": 0,
+                      "drafted": 0, "accepted": 0}
 
     # ---- requests -----------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
@@ -139,12 +144,16 @@ class BatchEngine:
                 budget -= n
         if rows:
             finished += self._run(rows)
-        rows = []
+        rows, spec_rows = [], []
         for r in [r for r in self.running if r.pending == 1 and r.finish_reason is None]:
-            if r in self.running and self._ensure_pages(r, r.num_computed + 1, [q for q, _ in rows]):
-                rows.append((r, 1))
+            drafts = self._drafts(r)
+            taken = [q for q, _ in rows] + [q for q, _ in spec_rows]
+            if r in self.running and self._ensure_pages(r, r.num_computed + 1 + len(drafts), taken):
+                (spec_rows if drafts else rows).append((r, drafts) if drafts else (r, 1))
         if rows:
             finished += self._run(rows)
+        if spec_rows:
+            finished += self._run_verify(spec_rows)
         for r in finished:
             self._release(r)
         return finished
@@ -188,8 +197,8 @@ class BatchEngine:
 
     def _run(self, rows: list[tuple[Request, int]]) -> list[Request]:
         B = self.engine.batch_size(len(rows))
-        T = 1 if all(n == 1 for _, n in rows) else bucket(max(n for _, n in rows))
-        P = bucket(max(len(r.pages) for r, _ in rows), 1)
+        T = 1 if all(n == 1 for _, n in rows) else bucket(max(n for _, n in rows), 16)
+        P = bucket(max(len(r.pages) for r, _ in rows), 4)
         tokens = np.zeros((B, T), np.int32)
         positions = np.full((B, T), -1, np.int32)
         table = np.zeros((B, P), np.int32)
@@ -217,16 +226,60 @@ class BatchEngine:
             r.num_computed += n
             if r.pending > 0:      # a chunk in the middle of a prompt (or of a recompute): no token yet
                 continue
-            self._append(r, b, out)
+            self._append(r, int(out.tokens[b]), out, b)
             if r.finish_reason is not None:
                 finished.append(r)
         return finished
 
-    def _append(self, r: Request, b: int, out) -> None:
-        t = int(out.tokens[b])
+    def _drafts(self, r: Request) -> list[int]:
+        """Draft tokens for a decode-ready request (none without speculation, with logprobs, near the
+        end of its budget, or while it is backing off)."""
+        if self.drafter is None or r.params.logprobs is not None:
+            return []
+        room = min(r.max_new - len(r.output_ids), self.max_model_len - len(r.tokens)) - 1
+        k = min(self.spec.num_speculative_tokens, room)
+        if k <= 0 or not r.spec.should_draft():
+            return []
+        return self.drafter.propose(r.tokens, k)
+
+    def _run_verify(self, rows: list[tuple[Request, list[int]]]) -> list[Request]:
+        B = self.engine.batch_size(len(rows))
+        T = bucket(self.spec.num_speculative_tokens + 1, 2)
+        P = bucket(max(len(r.pages) for r, _ in rows), 4)
+        tokens = np.zeros((B, T), np.int32)
+        positions = np.full((B, T), -1, np.int32)
+        table = np.zeros((B, P), np.int32)
+        n_draft = np.zeros((B,), np.int32)
+        steps = np.zeros((B,), np.int32)
+        keys = np.zeros((B, 2), np.uint32)
+        params = [SamplingParams(temperature=0.0)] * B
+        for b, (r, drafts) in enumerate(rows):
+            n = len(drafts)
+            tokens[b, :n + 1] = [r.tokens[-1], *drafts]
+            positions[b, :n + 1] = np.arange(r.num_computed, r.num_computed + n + 1)
+            table[b, :len(r.pages)] = r.pages
+            n_draft[b], steps[b], keys[b], params[b] = n, len(r.output_ids), r.key, r.params
+        sp = SamplingArrays.build(params, None, keys=keys)
+        self.pages, n_acc, nxt = self.engine.verify_step(self.pages, tokens, positions, table, n_draft, sp, steps)
+        self.stats["steps"] += 1
+        finished = []
+        for b, (r, drafts) in enumerate(rows):
+            a = int(n_acc[b])
+            r.spec.record(len(drafts), a)
+            self.stats["drafted"] += len(drafts)
+            self.stats["accepted"] += a
+            r.num_computed += a + 1          # the last token and the accepted drafts are now cached
+            for t in [*drafts[:a], int(nxt[b])]:
+                self._append(r, t)
+                if r.finish_reason is not None:
+                    finished.append(r)
+                    break
+        return finished
+
+    def _append(self, r: Request, t: int, out=None, b: int = 0) -> None:
         r.output_ids.append(t)
         self.stats["generated_tokens"] += 1
-        if out.logprob is not None:
+        if out is not None and out.logprob is not None:
             r.cumulative_logprob += float(out.logprob[b])
             if r.params.logprobs is not None:
                 k = r.params.logprobs

@@ -9,3 +9,12 @@ if "xla_force_host_platform_device_count" not in _flags:
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# One persistent compilation cache for the whole run: many tests build an LLM over the same tiny
+# model, and identical programs then compile once instead of once per LLM instance.
+import tempfile  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", os.environ.get("KIMI_JAX_TEST_CACHE",
+                                                              os.path.join(tempfile.gettempdir(), "kimi_jax_test_xla_cache")))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
