@@ -57,10 +57,10 @@ def demo_model_path() -> Optional[str]:
 
 
 class LLM:
-    """An engine for one model. `model`: a checkpoint directory, a preset name (random weights), or
-    None for the shipped demo model."""
+    """An engine for one model. `model`: a checkpoint directory, a preset name or a ModelConfig
+    (random weights), or None for the shipped demo model."""
 
-    def __init__(self, model: Optional[str] = None, *, tensor_parallel_size: int = 1,
+    def __init__(self, model: Union[str, ModelConfig, None] = None, *, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, enable_expert_parallel: bool = False,
                  dtype: str = "bfloat16", max_model_len: Optional[int] = None, max_num_seqs: int = 256,
                  seed: int = 0, tokenizer: Optional[str] = None, page_size: int = 16,
@@ -80,7 +80,9 @@ class LLM:
             log.warning("no demo model installed; using the random 'tiny' preset")
             model = "tiny"
         self.layout = Layout(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
-        if os.path.isdir(model):
+        if isinstance(model, ModelConfig):       # random weights of any geometry (benchmarks, tests)
+            self.config = model
+        elif os.path.isdir(model):
             self.model_path = model
             self.config = ModelConfig.from_pretrained(model)
         elif model in PRESETS:

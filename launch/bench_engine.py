@@ -1,0 +1,114 @@
+"""Engine benchmark on a true-geometry Kimi-K2.5 slice (D 7168, 384 INT4 experts, MLA 64 heads):
+decode step time per layout and batch, tokens/s, the profiler's breakdown (collective count and
+share), the planner's prediction beside each measurement, and the copy-bandwidth roofline of the run.
+
+  python -m launch.bench_engine --layers 3 --layouts single,tp2,tp2_ep,dp2_ep --batches 1,16,64,256
+
+Weights are random (kimi_jax.profiling.random_engine: placed directly under each layout); a decode
+step is the engine's jitted step (contiguous latent cache at --context tokens, sampling included),
+timed by wall clock per step with the sampled tokens fetched to the host (what generation pays).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import time
+
+from absl import app, flags
+
+from launch import common
+
+flags.DEFINE_integer("layers", 3, "num_hidden_layers of the slice (first is dense)")
+flags.DEFINE_list("layouts", ["single", "tp2", "tp2_ep", "dp2_ep"], "layouts to run")
+flags.DEFINE_list("batches", ["1", "16", "64", "256"], "batches for the single-device layout")
+flags.DEFINE_list("multi_batches", ["1", "64"], "batches for multi-device layouts")
+flags.DEFINE_integer("context", 1024, "tokens already in the cache")
+flags.DEFINE_integer("steps", 10, "timed decode steps per case")
+flags.DEFINE_string("out", os.environ.get("OUT", "out/bench_engine"), "results directory")
+flags.DEFINE_string("hardware", "h200", "planner hardware preset for the predictions")
+flags.DEFINE_bool("tiny", False, "CPU dry run on the tiny preset")
+FLAGS = flags.FLAGS
+
+LAYOUTS = {"single": (1, 1, False), "tp2": (2, 1, False), "tp2_ep": (2, 1, True), "dp2_ep": (1, 2, True)}
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (the roofline of this run)."""
+    import jax
+    import jax.numpy as jnp
+    n = (1 << 28) if jax.default_backend() == "gpu" else (1 << 22)
+    x = jnp.ones((n,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    f(x).block_until_ready()
+    ts = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        ts.append(time.perf_counter() - t0)
+    return 2 * 4 * n / statistics.median(ts)
+
+
+def main(argv):
+    del argv
+    common.setup()
+    import jax
+    import jax.numpy as jnp
+    from kimi_jax import hardware, planner
+    from kimi_jax.config import preset
+    from kimi_jax.profiling import profile_decode, random_engine
+    from kimi_jax.sharding import Layout
+
+    cfg = preset("tiny") if FLAGS.tiny else preset("kimi-k2.5").replace(num_hidden_layers=FLAGS.layers)
+    os.makedirs(FLAGS.out, exist_ok=True)
+    bw = copy_bandwidth()
+    hw = hardware.get(FLAGS.hardware)
+    rows = []
+    print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  jax {jax.__version__}  "
+          f"copy {bw / 1e12:.2f} TB/s  model: {cfg.num_hidden_layers} layers", flush=True)
+    for name in FLAGS.layouts:
+        tp, dp, ep = LAYOUTS[name]
+        layout = Layout(tp, dp, ep)
+        if layout.world > jax.device_count():
+            print(f"skip {name}: needs {layout.world} devices", flush=True)
+            continue
+        t0 = time.time()
+        engine = random_engine(cfg, layout, dtype=jnp.float32 if FLAGS.tiny else jnp.bfloat16)
+        print(f"{layout.name}: weights placed in {time.time() - t0:.1f}s", flush=True)
+        batches = FLAGS.batches if layout.world == 1 else FLAGS.multi_batches
+        for b in map(int, batches):
+            rep = profile_decode(engine, layout, batch=b, context=FLAGS.context, steps=FLAGS.steps,
+                                 out_dir=os.path.join(FLAGS.out, f"{name}_b{b}"), model_name="kimi-slice")
+            p = planner.plan(cfg, hw, layout, b, FLAGS.context)
+            coll_ms = sum(rep.ms_per_step.get(k, 0.0) for k in ("all-reduce", "all-gather", "reduce-scatter",
+                                                                  "all-to-all", "collective-permute"))
+            n_coll = sum(rep.collectives_program.values())
+            wbytes = sum(t.bytes for t in p.terms)       # bytes one device must read per step
+            row = dict(layout=layout.name, batch=b, step_ms=rep.step_ms, device_ms=rep.device_step_ms,
+                       tok_s=b / (rep.step_ms / 1e3), collectives=n_coll,
+                       collective_ms=coll_ms, collective_share=coll_ms / rep.device_step_ms if rep.device_step_ms else 0,
+                       pred_ms=p.step_s * 1e3, pred_collectives=p.count(),
+                       read_bytes_per_device=wbytes, gbps=wbytes / (rep.step_ms / 1e3) / 1e9,
+                       pct_copy=100 * wbytes / (rep.step_ms / 1e3) / bw, shares=rep.share)
+            rows.append(row)
+            print(json.dumps(row, default=float), flush=True)
+        del engine
+        gc.collect()
+    with open(os.path.join(FLAGS.out, "engine_rows.json"), "w") as f:
+        json.dump(dict(copy_Bps=bw, jax=jax.__version__, device=jax.devices()[0].device_kind, rows=rows), f,
+                  indent=1, default=float)
+    print(f"\n{'layout':10} {'B':>4} {'step ms':>8} {'dev ms':>7} {'tok/s':>8} {'coll':>5} {'coll %':>6} "
+          f"{'pred ms':>8} {'pred coll':>9} {'GB/s':>7} {'%copy':>6}")
+    for r in rows:
+        print(f"{r['layout']:10} {r['batch']:4d} {r['step_ms']:8.2f} {r['device_ms']:7.2f} {r['tok_s']:8.1f} "
+              f"{r['collectives']:5d} {100 * r['collective_share']:5.1f}% {r['pred_ms']:8.2f} "
+              f"{r['pred_collectives']:9d} {r['gbps']:7.0f} {r['pct_copy']:5.1f}%")
+
+
+def run():
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
