@@ -165,11 +165,7 @@ def _routed_experts_local(x_TD, idx_TK, weight_TK, experts: ExpertWeights, impl)
     if resolve_impl(impl) == "pallas" and isinstance(experts.gate, Int4Weight):
         from pallas_kernels import moe_gmm
         g, u, d = experts.gate, experts.up, experts.down
-        E = _num_experts(g)
-        # the kernels need ids in [0, E): a pair whose expert lives on another device (id E, weight 0)
-        # is computed against local expert 0 and multiplied by 0
-        held = idx_TK < E
-        idx_TK, weight_TK = jnp.where(held, idx_TK, 0), jnp.where(held, weight_TK, 0.0)
+        # pairs whose expert lives on another device (id E_local) are skipped by the kernels
         return moe_gmm.moe_experts(x_TD, idx_TK, weight_TK, g.packed, g.scale, u.packed, u.scale,
                                    d.packed, d.scale)
     return _routed_experts_xla(x_TD, idx_TK, weight_TK, experts)

@@ -1,0 +1,209 @@
+"""Dense INT4 W4A16 matmul: y[M, N] = x[M, K] @ dequant(packed, scale)[N, K]^T, float32 accumulation.
+
+Weights stay in the checkpoint layout (compressed-tensors pack-quantized, rows = output features):
+packed int32 [N, K/8] (8 nibbles per word, u = q + 8), scale bf16 [N, K/g]. No repacking: the
+kernel reads the words as int16 half-words; the int32 -> int16 view XLA inserts is free (measured:
+int32 and pre-viewed int16 inputs time the same), so `repack` is optional.
+
+Backend: Pallas **Triton**. Reasons (measured/inspected, see pallas_kernels/NOTES.md):
+  * it runs under plain `interpret=True` on CPU, so the CPU test suite checks the same kernel body
+    (Mosaic GPU needs a private GPU interpreter);
+  * its Triton IR can be compiled to SASS off-GPU (triton 3.6 + ptxas), which is how the kernels
+    were tuned (instruction counts, registers, shared memory) within a ~15-minute GPU budget;
+  * it lowers int32 bit ops, `elementwise_inline_asm` (the lop3/bf16x2 dequantizer) and `dot` to
+    tensor-core MMA on sm_90. Measured on the H200: the MoE kernels alone stream weights at 94-97% of
+    the copy bandwidth at 16 tokens, so wgmma/TMA (Mosaic GPU's advantages) are not what is missing;
+  * it works unchanged on jax 0.10.2 and 0.11.2 (deprecated in 0.11 but present; the deprecation
+    warning is expected). Mosaic GPU's API churns between those versions.
+
+Kernel: grid (cdiv(M, BM), N / BN[, split_k]). Each program streams [BN, BK/4] int16 half-words
+(= BK/8 packed words) + [BN, BK/g] scales per K step, dequantizes them in registers into 4 bf16
+"pair-planes" (int4_tile.py: one lop3 yields two MMA-ready bf16 values, 15 instructions per 8
+weights) and runs 4 MMAs against the activation pair-planes (x's columns permuted once by XLA,
+`x_layout='perm'`). For decode the tokens are the MMA's 16-row side and the 4 warps split the weight
+rows, so no weight is dequantized twice (checked in the SASS). Rows past M are masked.
+
+`interpret=None`: interpret on CPU, compiled on GPU. In interpret mode the 'asm' dequantizer is replaced
+by the bit-identical 'f32' one (inline PTX cannot run on CPU).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import int4_ref
+from pallas_kernels import int4_tile as tile
+
+repack = tile.repack
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4MatmulConfig:
+    block_m: int = 16          # token rows per program (MMA minimum: 16, or 8 with swap_ab)
+    block_n: int = 32          # output features per program
+    block_k: int = 512         # input features per K step (multiple of 128 and of the group size)
+    num_warps: int = 4
+    num_stages: int = 3
+    dequant: str = "asm"       # 'asm' (PTX lop3 + bf16x2) or 'f32' (plain jnp)
+    swap_ab: bool = False      # True: weights on the MMA's M side (needs block_n >= 16*num_warps)
+    x_layout: str = "perm"     # 'perm': XLA permutes x's columns first; 'natural': gathered in-kernel
+    split_k: int = 1           # >1: K split over programs, f32 partials summed by one XLA op
+
+
+def default_config(m: int, n: int, k: int) -> Int4MatmulConfig:
+    """Decode (M <= 32): tokens on the MMA's 16-row side, 4 warps each streaming 8 of the 32
+    weight rows of a program (no weight is dequantized twice), 1024-wide K steps, 4 stages.
+    Measured on H200 (BENCHMARKS.md) as the most even choice over M = 1..16 for both Kimi shapes;
+    split-K and the 8-row swapped variants were within noise or slower for these sizes."""
+    if m <= 32:
+        return Int4MatmulConfig(block_m=16, block_n=32, block_k=1024, num_warps=4, num_stages=4,
+                                swap_ab=False, x_layout="perm")
+    if m <= 128:
+        return Int4MatmulConfig(block_m=64, block_n=64, block_k=256, num_warps=4, num_stages=3,
+                                swap_ab=False)
+    return Int4MatmulConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3,
+                            swap_ab=False)
+
+
+def _kernel(x_ref, w_ref, s_ref, o_ref, *, m, k, group, cfg: Int4MatmulConfig, mode: str):
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    bc, bkg = bk // 4, bk // group              # int16 columns (= pair-plane width), scale columns
+    i, j = pl.program_id(0), pl.program_id(1)
+    k_len = k // cfg.split_k
+    ks = pl.program_id(2) * (k_len // bk) if cfg.split_k > 1 else 0   # first K step of this split
+    # Rows past M: activation loads are masked (no memory traffic at M=1, addresses clamped to M-1)
+    # and so are the stores (unclamped rows; out-of-range masked lanes write nothing).
+    rr = i * bm + jnp.arange(bm, dtype=jnp.int32)
+    valid = (rr < m)[:, None]
+    rows = jnp.minimum(rr, m - 1)[:, None]                                             # [BM, 1]
+    n0 = pl.multiple_of(j * bn, bn)
+    ic = jnp.arange(bc, dtype=jnp.int32)[None, :]                                       # [1, C]
+
+    def body(kk, acc):
+        kk = kk + ks
+        c0 = pl.multiple_of(kk * bc, bc)
+        w = tile.load(w_ref.at[pl.ds(n0, bn), pl.ds(c0, bc)])
+        s = tile.load(s_ref.at[pl.ds(n0, bn), pl.ds(kk * bkg, bkg)])
+        planes = tile.dequant_pairs(w, tile.expand_scale(s, bc), mode)
+        for p in range(tile.NPLANES):
+            if cfg.x_layout == "perm":
+                cols = p * (k // 4) + c0 + ic
+            else:
+                cols = kk * bk + tile.natural_index(p, ic)
+            xp = tile.load(x_ref.at[rows, cols], mask=valid, other=0.0)
+            acc = acc + tile.plane_dot(planes[p], xp, cfg.swap_ab)
+        return acc
+
+    acc_shape = (bn, bm) if cfg.swap_ab else (bm, bn)
+    acc = lax.fori_loop(0, k_len // bk, body, jnp.zeros(acc_shape, jnp.float32))
+    out = acc.T if cfg.swap_ab else acc
+    cols = n0 + jnp.arange(bn, dtype=jnp.int32)[None, :]
+    if cfg.split_k > 1:
+        tile.store(o_ref.at[pl.program_id(2), rr[:, None], cols], out, mask=valid)
+    else:
+        tile.store(o_ref.at[rr[:, None], cols], out.astype(o_ref.dtype), mask=valid)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, *,
+                config: Optional[Int4MatmulConfig] = None, interpret: Optional[bool] = None
+                ) -> jax.Array:
+    """y[M, N] = x[M, K] @ (q * scale)[N, K]^T in x.dtype, float32 accumulation.
+
+    x: [M, K] bf16; packed: int32 [N, K/8] (checkpoint layout) or its int16 view [N, K/4] from
+    `repack` (skips a per-call bitcast); scale: [N, K/g] (g a multiple of 8 dividing block_k).
+    """
+    m, k = x.shape
+    n, kw = packed.shape
+    kw = kw if packed.dtype == jnp.int32 else kw // 2
+    if kw * 8 != k:
+        raise ValueError(f"packed {packed.shape} does not match x {x.shape}")
+    group = k // scale.shape[-1]
+    if scale.shape != (n, k // group) or group % 8:
+        raise ValueError(f"bad scale shape {scale.shape} for weight [{n}, {k}]")
+    interp = tile.resolve_interpret(interpret)
+    cfg = config or default_config(m, n, k)
+    split = cfg.split_k
+    if k % split:
+        raise ValueError(f"split_k={split} must divide K={k}")
+    bk = tile.pick_block_k(k // split, max(cfg.block_k, group))
+    if bk % group:
+        raise ValueError(f"group {group} must divide block_k {bk}")
+    bn = min(cfg.block_n, n)
+    if n % bn:
+        raise ValueError(f"N={n} must be a multiple of block_n={bn}")
+    cfg = dataclasses.replace(cfg, block_k=bk, block_n=bn)
+    mode = "f32" if interp else cfg.dequant
+    xin = tile.perm_columns(x) if cfg.x_layout == "perm" else x
+    kernel = functools.partial(_kernel, m=m, k=k, group=group, cfg=cfg, mode=mode)
+    out_shape = (split, m, n) if split > 1 else (m, n)
+    y = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32 if split > 1 else x.dtype),
+        grid=(pl.cdiv(m, cfg.block_m), n // bn) + ((split,) if split > 1 else ()),
+        interpret=interp,
+        compiler_params=tile.compiler_params(cfg.num_warps, cfg.num_stages, interp),
+        name="int4_matmul",
+    )(xin, tile.as_int16(packed), scale.astype(jnp.bfloat16))
+    if split > 1:
+        y = jnp.sum(y, axis=0).astype(x.dtype)
+    return y
+
+
+def int4_matmul_reference(x: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
+    """Pure jnp: float32 math on the dequantized weight, result in x.dtype."""
+    w = int4_ref.dequantize(packed, scale, jnp.float32)
+    y = jnp.einsum("mk,nk->mn", x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST)
+    return y.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Benchmark sweep: python -m pallas_kernels.int4_matmul [--ms=1,4,16] [--n=4096 --k=7168]
+# (launch/bench.py --suite=int4 is the full acceptance table with baselines.)
+
+def main(argv):
+    del argv
+    from absl import flags
+    f = flags.FLAGS
+    ms = [int(v) for v in f.ms]
+    n, k, nmat = f.n, f.k, f.num_mats
+    key = jax.random.PRNGKey(0)
+    ws = [int4_ref.random_int4(jax.random.fold_in(key, i), (n, k)) for i in range(nmat)]
+    nbytes = n * k // 2 + n * k // 32 * 2
+    configs = [None] + [Int4MatmulConfig(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns,
+                                         dequant=dq)
+                        for bn in (16, 32, 64) for bk in (512, 1024) for nw in (4,) for ns in (3, 4)
+                        for dq in ("asm", "f32")]
+    print(f"{'M':>4} {'config':<70} {'us':>8} {'GB/s':>8}")
+    for m in ms:
+        x = jax.random.normal(jax.random.fold_in(key, 999), (m, k), jnp.bfloat16)
+        for cfg in configs:
+            try:
+                fn = jax.jit(lambda x, ws, cfg=cfg: [int4_matmul(x, p, s, config=cfg) for p, s in ws])
+                jax.block_until_ready(fn(x, ws))
+                ts = []
+                for _ in range(f.reps):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(fn(x, ws))
+                    ts.append((time.perf_counter() - t0) / nmat)
+                t = sorted(ts)[len(ts) // 2]
+                print(f"{m:>4} {str(cfg):<70.70} {t * 1e6:8.1f} {nbytes / t / 1e9:8.0f}")
+            except Exception as e:  # noqa: BLE001
+                print(f"{m:>4} {str(cfg):<70.70} failed: {type(e).__name__}: {str(e)[:80]}")
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+    flags.DEFINE_list("ms", ["1", "4", "16"], "token counts")
+    flags.DEFINE_integer("n", 4096, "output features")
+    flags.DEFINE_integer("k", 7168, "input features")
+    flags.DEFINE_integer("num_mats", 64, "distinct weight matrices rotated over")
+    flags.DEFINE_integer("reps", 20, "timed repetitions")
+    app.run(main)

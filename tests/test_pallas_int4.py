@@ -1,0 +1,222 @@
+"""INT4 W4A16 Pallas kernels (pallas_kernels/) on CPU, in Pallas interpret mode.
+
+Every check compares against a float32 reference computed from the dequantized weights
+(int4_ref.dequantize, exact q * scale in f32) with fresh seeded random inputs.
+
+Tolerance: relative Frobenius error <= 1e-2. The kernels round each dequantized weight q*s to bf16
+(as compressed-tensors' own `q.to(bf16) * scale` does; <= 2^-9 relative per weight), feed bf16
+operands to the MMA with f32 accumulation, round the SiLU(gate)*up intermediate to bf16 (as the
+XLA path does) and return bf16 (2^-9 relative per element). Those roundings give ~2-4e-3 here; an
+indexing or layout bug gives O(1). NaN never passes.
+
+Unwritten outputs: in interpret mode Pallas allocates outputs filled with NaN (checked below), so
+an element a kernel forgets to write stays NaN and fails the finite + allclose checks.
+
+Interpret mode cannot run the inline-PTX dequantizer; it runs the bit-identical 'f32' one. The
+'asm' path is covered here by lowering every kernel to Triton IR for CUDA (no GPU needed) and on the
+H200 by `python -m launch.bench --suite=int4` (section "check").
+"""
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from pallas_kernels import int4_matmul as im
+from pallas_kernels import int4_ref
+from pallas_kernels import moe_gmm as mg
+
+
+def _key(*tags):
+    # fresh inputs per test case, reproducible: the seed is derived from the case's parameters
+    seed = np.random.SeedSequence([zlib.crc32(str(t).encode()) for t in tags]).generate_state(1)[0]
+    return jax.random.PRNGKey(int(seed))
+
+
+def _rel(y, ref):
+    y = np.asarray(y, np.float32)
+    ref = np.asarray(ref, np.float32)
+    assert np.all(np.isfinite(y)), "non-finite (unwritten?) output elements"
+    return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+
+
+def test_interpret_outputs_start_poisoned():
+    """The premise of the unwritten-element checks: an output a kernel never writes is NaN."""
+    def kernel(x_ref, o_ref):
+        o_ref[0:2, :] = x_ref[0:2, :]            # rows 2..7 left unwritten
+    y = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                       interpret=True)(jnp.ones((8, 128), jnp.float32))
+    assert np.all(np.isfinite(np.asarray(y[:2])))
+    assert np.all(np.isnan(np.asarray(y[2:])))
+
+
+def test_unpack_matches_layout():
+    q = np.random.default_rng(0).integers(-8, 8, size=(3, 64))
+    packed = int4_ref.pack_int4_np(q)
+    # element k of a row lives in word k//8, bits 4*(k%8), stored as q + 8
+    assert ((packed[1, 2].view(np.uint32) >> 12) & 0xF) == q[1, 8 * 2 + 3] + 8
+    np.testing.assert_array_equal(np.asarray(int4_ref.unpack_int4(jnp.asarray(packed))), q)
+
+
+# ---------------------------------------------------------------------------------------------
+# dense INT4 matmul
+
+@pytest.mark.parametrize("m", [1, 7, 16, 129])
+def test_int4_matmul_default(m):
+    n, k = 128, 512
+    p, s = int4_ref.random_int4(_key("dense", m, "w"), (n, k))
+    x = jax.random.normal(_key("dense", m, "x"), (m, k), jnp.bfloat16)
+    y = im.int4_matmul(x, p, s)
+    assert y.shape == (m, n) and y.dtype == jnp.bfloat16
+    assert _rel(y, im.int4_matmul_reference(x, p, s)) <= 1e-2
+
+
+@pytest.mark.parametrize("name,m,cfg", [
+    ("swap_bm8_split2", 3, im.Int4MatmulConfig(block_m=8, block_n=64, block_k=256, swap_ab=True,
+                                               split_k=2)),
+    ("swap_bm8_split4_m9", 9, im.Int4MatmulConfig(block_m=8, block_n=64, block_k=128,
+                                                  swap_ab=True, split_k=4)),
+    ("natural_x", 7, im.Int4MatmulConfig(block_n=32, block_k=256, x_layout="natural")),
+    ("bm16_split2_f32", 16, im.Int4MatmulConfig(block_n=32, block_k=512, split_k=2,
+                                                dequant="f32")),
+])
+def test_int4_matmul_configs(name, m, cfg):
+    n, k = 128, 1024
+    p, s = int4_ref.random_int4(_key("cfg", name, "w"), (n, k))
+    x = jax.random.normal(_key("cfg", name, "x"), (m, k), jnp.bfloat16)
+    assert _rel(im.int4_matmul(x, p, s, config=cfg), im.int4_matmul_reference(x, p, s)) <= 1e-2
+
+
+def test_int4_matmul_int16_view_and_group64():
+    m, n, k = 5, 64, 512
+    p, s = int4_ref.random_int4(_key("g64", "w"), (n, k), group=64)
+    x = jax.random.normal(_key("g64", "x"), (m, k), jnp.bfloat16)
+    ref = im.int4_matmul_reference(x, p, s)
+    y32 = im.int4_matmul(x, p, s)
+    y16 = im.int4_matmul(x, im.repack(p), s)
+    assert _rel(y32, ref) <= 1e-2
+    np.testing.assert_array_equal(np.asarray(y32, np.float32), np.asarray(y16, np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# grouped INT4 matmul (rows sorted by expert)
+
+@pytest.mark.parametrize("sizes", [
+    [3, 0, 17, 1, 0, 2],          # odd group sizes, experts with zero rows
+    [0, 0, 23, 0, 0, 0],          # all rows on one expert (several tiles of one expert)
+    [1, 1, 1, 1, 1, 1],
+])
+def test_grouped_int4_matmul(sizes):
+    e_, n, k = len(sizes), 64, 256
+    p, s = int4_ref.random_int4(_key("gmm", sizes, "w"), (e_, n, k))
+    gs = jnp.asarray(sizes, jnp.int32)
+    x = jax.random.normal(_key("gmm", sizes, "x"), (int(sum(sizes)), k), jnp.bfloat16)
+    y = mg.grouped_int4_matmul(x, gs, p, s, config=mg.MoeGmmConfig(block_n_down=32,
+                                                                   block_k_down=128))
+    assert _rel(y, mg.grouped_int4_matmul_reference(x, gs, p, s)) <= 1e-2
+
+
+def test_make_tiles_skips_idle_experts():
+    sizes = jnp.asarray([0, 9, 0, 0, 1, 16, 0], jnp.int32)
+    t = mg.make_tiles(sizes, 26, 8)
+    valid = np.asarray(t.end) > np.asarray(t.start)
+    got = sorted(zip(np.asarray(t.expert)[valid].tolist(), np.asarray(t.start)[valid].tolist(),
+                     np.asarray(t.end)[valid].tolist()))
+    assert got == [(1, 0, 8), (1, 8, 9), (4, 9, 10), (5, 10, 18), (5, 18, 26)]
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE layer
+
+E, D, F, TOPK = 10, 256, 128, 4
+
+
+@pytest.fixture(scope="module")
+def experts():
+    key = _key("moe-experts")
+    g = int4_ref.random_int4(jax.random.fold_in(key, 1), (E, F, D))
+    u = int4_ref.random_int4(jax.random.fold_in(key, 2), (E, F, D))
+    dn = int4_ref.random_int4(jax.random.fold_in(key, 3), (E, D, F))
+    return g, u, dn
+
+
+def _moe_case(t, mode):
+    key = _key("moe", t, mode)
+    x = jax.random.normal(jax.random.fold_in(key, 0), (t, D), jnp.bfloat16)
+    if mode == "distinct":      # router-like: distinct experts per token, some experts idle
+        idx = jax.vmap(lambda kk: jax.random.permutation(kk, E - 3)[:TOPK])(
+            jax.random.split(jax.random.fold_in(key, 1), t))
+    elif mode == "one_expert":  # every (token, k) pair on expert 5
+        idx = jnp.full((t, TOPK), 5)
+    else:                       # arbitrary ids, duplicates allowed
+        idx = jax.random.randint(jax.random.fold_in(key, 1), (t, TOPK), 0, E)
+    w = jax.random.uniform(jax.random.fold_in(key, 2), (t, TOPK), minval=0.1, maxval=1.0)
+    return x, idx.astype(jnp.int32), w
+
+
+@pytest.mark.parametrize("t,mode", [(1, "distinct"), (3, "random"), (7, "distinct"),
+                                    (16, "random"), (9, "one_expert")])
+def test_moe_experts_default(experts, t, mode):
+    g, u, dn = experts
+    x, idx, w = _moe_case(t, mode)
+    y = mg.moe_experts(x, idx, w, *g, *u, *dn)
+    assert y.shape == (t, D) and y.dtype == jnp.bfloat16
+    assert _rel(y, mg.moe_experts_reference(x, idx, w, *g, *u, *dn)) <= 1e-2
+
+
+@pytest.mark.parametrize("name,t,cfg", [
+    ("sorted_decode", 2, mg.MoeGmmConfig(pair_tiles_max_t=0)),
+    ("bm16_mma_rows_tokens", 7, mg.MoeGmmConfig(block_m=16, swap_ab=False, num_warps=4)),
+    ("bm16_swap_w2", 12, mg.MoeGmmConfig(block_m=16, block_n_gate_up=32, num_warps=2)),
+    ("natural_x_f32", 5, mg.MoeGmmConfig(x_layout="natural", dequant="f32",
+                                         pair_tiles_max_t=0)),
+])
+def test_moe_experts_configs(experts, name, t, cfg):
+    g, u, dn = experts
+    x, idx, w = _moe_case(t, "random")
+    y = mg.moe_experts(x, idx, w, *g, *u, *dn, config=cfg)
+    assert _rel(y, mg.moe_experts_reference(x, idx, w, *g, *u, *dn)) <= 1e-2
+
+
+@pytest.mark.parametrize("t", [2, 11])
+def test_moe_experts_skips_foreign_ids(experts, t):
+    """Expert-parallel convention: ids >= E (held elsewhere) contribute nothing and read nothing."""
+    g, u, dn = experts
+    x, idx, w = _moe_case(t, "random")
+    foreign = jax.random.bernoulli(_key("foreign", t), 0.4, idx.shape)
+    idx = jnp.where(foreign, E, idx)
+    y = mg.moe_experts(x, idx, w, *g, *u, *dn)
+    ref = mg.moe_experts_reference(x, idx, w, *g, *u, *dn)
+    assert _rel(y, ref) <= 1e-2
+    w_local = jnp.where(foreign, 0.0, w)
+    ref_local = mg.moe_experts_reference(x, jnp.where(foreign, 0, idx), w_local, *g, *u, *dn)
+    assert _rel(y, ref_local) <= 1e-2
+
+
+def test_moe_experts_int16_view_matches(experts):
+    g, u, dn = experts
+    x, idx, w = _moe_case(6, "random")
+    y32 = mg.moe_experts(x, idx, w, *g, *u, *dn)
+    rp = lambda a: (mg.repack(a[0]), a[1])
+    y16 = mg.moe_experts(x, idx, w, *rp(g), *rp(u), *rp(dn))
+    np.testing.assert_array_equal(np.asarray(y32, np.float32), np.asarray(y16, np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU lowering (Triton IR for CUDA, built on CPU): covers the inline-PTX dequantizer's lowering
+
+def test_kernels_lower_for_cuda():
+    S = jax.ShapeDtypeStruct
+    m, n, k = 4, 256, 1024
+    dense = jax.jit(lambda x, p, s: im.int4_matmul(x, p, s, interpret=False))
+    dense.trace(S((m, k), jnp.bfloat16), S((n, k // 8), jnp.int32),
+                S((n, k // 32), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+    moe = jax.jit(lambda *a: mg.moe_experts(*a, interpret=False))
+    e_, d, f, t = 8, 512, 256, 3
+    args = [S((t, d), jnp.bfloat16), S((t, 2), jnp.int32), S((t, 2), jnp.float32),
+            S((e_, f, d // 8), jnp.int32), S((e_, f, d // 32), jnp.bfloat16),
+            S((e_, f, d // 8), jnp.int32), S((e_, f, d // 32), jnp.bfloat16),
+            S((e_, d, f // 8), jnp.int32), S((e_, d, f // 32), jnp.bfloat16)]
+    moe.trace(*args).lower(lowering_platforms=("cuda",))
