@@ -31,7 +31,22 @@ flags.DEFINE_string("hardware", "h200", "planner hardware preset for the predict
 flags.DEFINE_bool("tiny", False, "CPU dry run on the tiny preset")
 FLAGS = flags.FLAGS
 
-LAYOUTS = {"single": (1, 1, False), "tp2": (2, 1, False), "tp2_ep": (2, 1, True), "dp2_ep": (1, 2, True)}
+def parse_layout(name: str) -> tuple[int, int, bool]:
+    """'single' | 'tp8' | 'tp8_ep' | 'dp8_ep' | 'dp2_tp4_ep' -> (tp, dp, ep)."""
+    if name == "single":
+        return 1, 1, False
+    tp = dp = 1
+    ep = False
+    for part in name.split("_"):
+        if part == "ep":
+            ep = True
+        elif part.startswith("tp") and part[2:].isdigit():
+            tp = int(part[2:])
+        elif part.startswith("dp") and part[2:].isdigit():
+            dp = int(part[2:])
+        else:
+            raise ValueError(f"--layouts: cannot parse {name!r} (e.g. single, tp8, tp8_ep, dp8_ep, dp2_tp4_ep)")
+    return tp, dp, ep
 
 
 def copy_bandwidth() -> float:
@@ -68,7 +83,7 @@ def main(argv):
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  jax {jax.__version__}  "
           f"copy {bw / 1e12:.2f} TB/s  model: {cfg.num_hidden_layers} layers", flush=True)
     for name in FLAGS.layouts:
-        tp, dp, ep = LAYOUTS[name]
+        tp, dp, ep = parse_layout(name)
         layout = Layout(tp, dp, ep)
         if layout.world > jax.device_count():
             print(f"skip {name}: needs {layout.world} devices", flush=True)
