@@ -1,5 +1,5 @@
 """Load a published-layout checkpoint (HF safetensors, optional compressed-tensors INT4 experts) into
-the kimi_jax Transformer.
+the kimi_jax Transformer, streaming each device's slice of each parameter straight from the files.
 
 The model's parameter paths mirror the HF names, with layers of one kind stacked:
   model.layers.{i}.REST            -> dense_layers.REST[j]  (i < first_k_dense_replace, j = i)
@@ -9,46 +9,90 @@ The model's parameter paths mirror the HF names, with layers of one kind stacked
   ...mlp.experts.{e}.P.weight_scale  -> moe_layers.mlp.experts.P_scale[j, e]
 Floating tensors are cast to the parameter dtype (the router stays float32); INT4 words are kept
 packed (the kernels consume them; the XLA path dequantizes on the fly).
+
+Streaming (`load_params(..., shardings=...)`): for every parameter, each addressable device's shard
+is a box of the global array (`sharding.addressable_devices_indices_map`); only the HF tensors that
+fall in the box are read, and of each only the rows/columns in it (`CheckpointReader.read_slice`:
+positioned reads of just those bytes, GIL released, `workers` reads in flight). Devices holding the
+same box (replication) share one read. Shards are put on their devices as they arrive and joined with
+`jax.make_array_from_single_device_arrays` (what `jax.make_array_from_callback` does, except that each
+slice is transferred and released before the next is read, instead of all of a parameter's local
+slices being held for one batched transfer). A parameter whose local shards exceed `chunk_bytes` is
+read in blocks (the same leading-axis block of every local shard at once, `chunk_bytes` in all) that
+are written into the preallocated global array in place (a donated dynamic_update_slice in one
+shard_map: one compile per parameter, whatever the device count). Host memory therefore holds at
+most one chunk being placed plus `readahead_bytes` being read, whatever the model size. Each process
+reads only its own devices' slices. If anything fails, every array placed so far is deleted before the
+error propagates.
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures as cf
+import dataclasses
+import functools
+import itertools
 import logging
-from typing import Callable, Optional
+import math
+import mmap
+import os
+import sys
+import time
+from typing import Callable, Iterator, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from checkpoints import layout as layout_lib
-from checkpoints.safetensors_io import CheckpointError, CheckpointReader
+from checkpoints.safetensors_io import CheckpointError, CheckpointReader, np_dtype
 from kimi_jax.config import ModelConfig
 
 log = logging.getLogger(__name__)
 _FLOATS = ("float32", "bfloat16", "float16")
 _STACKS = {"dense_layers": 0, "moe_layers": 1}
 
+DEFAULT_WORKERS = 4
+DEFAULT_CHUNK_BYTES = 256 << 20        # largest host block of one device shard
+DEFAULT_READAHEAD_BYTES = 512 << 20    # host bytes being read ahead while a chunk is placed
 
-def hf_names_for(path: tuple[str, ...], cfg: ModelConfig, shape: tuple[int, ...]):
-    """Yield (index into the parameter, canonical HF tensor name) for one model parameter path."""
+__all__ = ["load_model", "load_params", "hf_names_for", "hf_name", "expected_for", "LoadStats",
+           "DEFAULT_WORKERS", "DEFAULT_CHUNK_BYTES", "DEFAULT_READAHEAD_BYTES"]
+
+
+# ---- parameter path <-> HF names ------------------------------------------------------------------
+def stack_depth(path: tuple[str, ...]) -> int:
+    """Leading stacked dims of a parameter: 0 (embeddings, norm, head), 1 (layers), 2 (layers, experts)."""
+    if path[0] not in _STACKS:
+        return 0
+    return 2 if path[1:3] == ("mlp", "experts") else 1
+
+
+def hf_name(path: tuple[str, ...], cfg: ModelConfig, idx: tuple[int, ...] = ()) -> str:
+    """Canonical HF tensor name of element `idx` (layer, or (layer, expert)) of a parameter's stack."""
     head = path[0]
     if head not in _STACKS:
-        yield (), ".".join(("model",) + path if head in ("embed_tokens", "norm") else path)
-        return
+        return ".".join(("model",) + path if head in ("embed_tokens", "norm") else path)
     first = 0 if head == "dense_layers" else cfg.num_dense_layers
     rest = path[1:]
     if rest[:2] == ("mlp", "experts"):
-        proj = rest[2]
-        suffix = "weight"
+        proj, suffix = rest[2], "weight"
         for s in ("_packed", "_scale"):
             if proj.endswith(s):
                 proj, suffix = proj[: -len(s)], "weight" + s
-        for j in range(shape[0]):
-            for e in range(shape[1]):
-                yield (j, e), f"model.layers.{first + j}.mlp.experts.{e}.{proj}.{suffix}"
-        return
-    for j in range(shape[0]):
-        yield (j,), f"model.layers.{first + j}." + ".".join(rest)
+        j, e = idx
+        return f"model.layers.{first + j}.mlp.experts.{e}.{proj}.{suffix}"
+    (j,) = idx
+    return f"model.layers.{first + j}." + ".".join(rest)
+
+
+def hf_names_for(path: tuple[str, ...], cfg: ModelConfig, shape: tuple[int, ...]):
+    """Yield (index into the parameter, canonical HF tensor name) for one model parameter path."""
+    depth = stack_depth(path)
+    for idx in itertools.product(*(range(n) for n in shape[:depth])):
+        yield idx, hf_name(path, cfg, idx)
 
 
 def _flat_params(tree, prefix=()):
@@ -65,26 +109,340 @@ def _set(tree, path, value):
     tree[path[-1]] = value
 
 
+# ---- the plan: chunks of device shards ------------------------------------------------------------
+Box = tuple[tuple[int, int], ...]          # (start, stop) per dimension
+
+
+@dataclasses.dataclass
+class _Param:
+    path: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    depth: int
+    sharding: Optional[jax.sharding.Sharding]
+    devices: list = dataclasses.field(default_factory=list)        # addressable, in sharding order
+    done: dict = dataclasses.field(default_factory=dict)           # device -> finished shard array
+    partial: dict = dataclasses.field(default_factory=dict)        # device -> shard being filled
+    buf: Optional[jax.Array] = None                                # global array being filled
+
+
+@dataclasses.dataclass
+class _Chunk:
+    param: _Param
+    groups: list             # [(shard box, devices holding it)] covered by this chunk
+    rel: Optional[Box]       # the block of each shard (box relative to the shard); None: whole shards
+    final: bool              # the parameter's last chunk
+    nbytes: int              # host bytes (parameter dtype)
+
+    def boxes(self) -> list[Box]:
+        """The absolute box read for each group."""
+        if self.rel is None:
+            return [g for g, _ in self.groups]
+        return [tuple((s0 + a, s0 + b) for (s0, _), (a, b) in zip(g, self.rel)) for g, _ in self.groups]
+
+
+@dataclasses.dataclass
+class LoadStats:
+    """What one load did: bytes read from the files, seconds, parameters and device shards placed."""
+    bytes_read: int = 0
+    seconds: float = 0.0
+    params: int = 0
+    shards: int = 0
+    chunks: int = 0                  # host reads units (a whole shard, or one block of every local shard)
+    blocks: int = 0                  # chunks written in place into a larger shard
+    max_host_bytes: int = 0          # largest host bytes held at once by chunks being read or placed
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_read / 1e9 / self.seconds if self.seconds else 0.0
+
+
+def _box_of(index: tuple, shape) -> Box:
+    return tuple(sl.indices(n)[:2] for sl, n in zip(tuple(index) + (slice(None),) * (len(shape) - len(index)),
+                                                     shape))
+
+
+def _split_box(box: Box, itemsize: int, limit: int) -> list[Box]:
+    """Split a box into C-order blocks of at most `limit` bytes along its leading axes."""
+    sizes = [e - s for s, e in box]
+    if math.prod(sizes) * itemsize <= limit:
+        return [box]
+    k = 0
+    while k < len(sizes) - 1 and math.prod(sizes[k + 1:]) * itemsize > limit:
+        k += 1
+    step = max(1, limit // (math.prod(sizes[k + 1:]) * itemsize))
+    out = []
+    for outer in itertools.product(*(range(s, e) for s, e in box[:k])):
+        for a in range(box[k][0], box[k][1], step):
+            out.append(tuple((i, i + 1) for i in outer) + ((a, min(a + step, box[k][1])),) + box[k + 1:])
+    return out
+
+
+def _plan(params: list[_Param], chunk_bytes: int) -> Iterator[_Chunk]:
+    for p in params:
+        groups: dict[Box, list] = {}
+        for d, index in p.sharding.addressable_devices_indices_map(p.shape).items():
+            p.devices.append(d)
+            groups.setdefault(_box_of(index, p.shape), []).append(d)
+        items = [(b, tuple(ds)) for b, ds in groups.items()]
+        shard = [e - s for s, e in items[0][0]]
+        shard_bytes = math.prod(shard) * p.dtype.itemsize
+        # CPU devices adopt the (page-aligned) host buffer itself: a whole shard costs no extra
+        # host memory, and staging it in blocks would only add copies
+        on_cpu = all(d.platform == "cpu" for d in p.devices)
+        if shard_bytes <= chunk_bytes or on_cpu or not items:
+            for i, g in enumerate(items):              # whole shards, one chunk each
+                yield _Chunk(p, [g], None, i == len(items) - 1, shard_bytes)
+            continue
+        # the same block of every local shard at once, chunk_bytes in all
+        blocks = _split_box(tuple((0, n) for n in shard), p.dtype.itemsize,
+                            max(1, chunk_bytes // len(items)))
+        for i, rel in enumerate(blocks):
+            yield _Chunk(p, items, rel, i == len(blocks) - 1,
+                         math.prod(b - a for a, b in rel) * p.dtype.itemsize * len(items))
+
+
+def _pieces(p: _Param, box: Box, cfg: ModelConfig):
+    """(HF name, index into that tensor, leading index into the chunk's host buffer) for a box."""
+    d = p.depth
+    src = tuple(slice(s, e) for s, e in box[d:])
+    for idx in itertools.product(*(range(s, e) for s, e in box[:d])):
+        yield hf_name(p.path, cfg, idx), src, tuple(i - s for i, (s, _) in zip(idx, box[:d]))
+
+
+def _check_shapes(reader: CheckpointReader, params: list[_Param], cfg: ModelConfig) -> None:
+    """Every HF tensor a parameter needs exists with the parameter's per-element shape, before
+    anything is read or allocated."""
+    for p in params:
+        want = list(p.shape[p.depth:])
+        for _, name in hf_names_for(p.path, cfg, p.shape):
+            info = reader.info(name)
+            if list(info.shape) != want:
+                raise CheckpointError(f"{reader.path}/{info.file}: tensor {info.name!r} has shape "
+                                      f"{list(info.shape)}, the model expects {want}")
+
+
+# ---- device side ----------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _zeros_fn(shape, dtype, sharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _update(buf, block, starts):
+    return jax.lax.dynamic_update_slice(buf, block, starts)
+
+
+@functools.lru_cache(maxsize=None)
+def _update_fn(sharding: NamedSharding):
+    """buf[starts + block] = block on every device at once (in place: buf is donated)."""
+    spec = sharding.spec
+    f = jax.shard_map(lambda buf, block, starts: jax.lax.dynamic_update_slice(buf, block, starts),
+                      mesh=sharding.mesh, in_specs=(spec, spec, P()), out_specs=spec)
+    return jax.jit(f, donate_argnums=0)
+
+
+_HUGE = 2 << 20
+
+
+class _HostBuffers:
+    """Page-aligned host arrays from anonymous mmaps advised to use transparent huge pages: first
+    touch (the kernel copying a read into fresh memory) is several times faster than with 4 KiB
+    pages, and JAX's CPU client adopts page-aligned arrays without a copy. Staging buffers of
+    non-CPU devices are recycled (keyed by size, at most `keep` bytes held free)."""
+
+    def __init__(self, keep: int):
+        self.keep, self.free, self.free_bytes = keep, collections.defaultdict(list), 0
+
+    def get(self, shape, dtype: np.dtype) -> np.ndarray:
+        n = math.prod(shape) * dtype.itemsize
+        if n < _HUGE:
+            return np.empty(shape, dtype)
+        if self.free[n]:
+            self.free_bytes -= n
+            raw = self.free[n].pop()
+        else:
+            m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            try:
+                m.madvise(mmap.MADV_HUGEPAGE)
+            except (AttributeError, OSError):   # no THP: plain pages
+                pass
+            raw = np.frombuffer(m, np.uint8)
+        return raw.view(dtype).reshape(shape)
+
+    def give_back(self, arr: np.ndarray) -> None:
+        """Recycle a staging buffer whose device copy is complete (never one a CPU array adopted)."""
+        raw = arr.reshape(-1).view(np.uint8)
+        if raw.nbytes >= _HUGE and self.free_bytes + raw.nbytes <= self.keep:
+            self.free[raw.nbytes].append(raw)
+            self.free_bytes += raw.nbytes
+
+
+def _delete(arrays) -> None:
+    for a in arrays:
+        try:
+            a.delete()
+        except Exception:  # noqa: BLE001 - already deleted / donated
+            pass
+
+
+def _progress_bar(total: int, enabled: Optional[bool], desc: str):
+    from tqdm import tqdm
+    if enabled is None:
+        enabled = sys.stderr.isatty() and jax.process_index() == 0
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=desc,
+                disable=not enabled, dynamic_ncols=True, smoothing=0.1)
+
+
+# ---- loading ---------------------------------------------------------------------------------------
 def load_params(reader: CheckpointReader, cfg: ModelConfig, abstract_state,
-                place: Optional[Callable[[tuple[str, ...], np.ndarray], jax.Array]] = None):
+                place: Optional[Callable[[tuple[str, ...], np.ndarray], jax.Array]] = None, *,
+                shardings: Optional[Mapping[tuple[str, ...], jax.sharding.Sharding]] = None,
+                workers: int = DEFAULT_WORKERS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                readahead_bytes: int = DEFAULT_READAHEAD_BYTES, progress: Optional[bool] = None,
+                stats: Optional[LoadStats] = None):
     """Read every parameter of `abstract_state` (an nnx.State of ShapeDtypeStructs) from `reader`.
 
-    `place(path, host_array)` puts one parameter on its devices (default: jnp.asarray).
+    shardings: {parameter path: Sharding}; each process reads and places only its addressable
+      devices' slices (streamed, see the module docstring). Default (and no `place`): every
+      parameter on the first local device, streamed the same way.
+    place: legacy: `place(path, host_array)` gets each whole parameter as one host array.
+    workers: reads in flight (threads). chunk_bytes / readahead_bytes: host memory bounds.
+    progress: tqdm bar of bytes read (None: only on a terminal, process 0).
+    stats: a LoadStats to fill.
     Returns a pure dict of arrays for nnx.replace_by_pure_dict.
     """
-    place = place or (lambda path, a: jnp.asarray(a))
+    stats = stats if stats is not None else LoadStats()
+    t0 = time.perf_counter()
+    b0 = reader.bytes_read
     pure = nnx.to_pure_dict(abstract_state)
-    for path, spec in list(_flat_params(pure)):
-        shape, dtype = tuple(spec.shape), np.dtype(spec.dtype)
-        host = np.empty(shape, dtype)
-        for idx, name in hf_names_for(path, cfg, shape):
-            t = reader.read(name)
-            if t.shape != host[idx].shape:
-                info = reader.info(name)
-                raise CheckpointError(f"{reader.path}/{info.file}: tensor {info.name!r} has shape "
-                                      f"{list(t.shape)}, the model expects {list(host[idx].shape)}")
-            host[idx] = t.astype(dtype, copy=False)
-        _set(pure, path, place(path, host))
+    legacy = place is not None and shardings is None
+    if shardings is None and not legacy:
+        one = SingleDeviceSharding(jax.local_devices()[0])
+        shardings = {path: one for path, _ in _flat_params(pure)}
+    params = []
+    for path, spec in _flat_params(pure):
+        if not legacy and path not in shardings:
+            raise KeyError(f"no sharding for parameter {'.'.join(path)}")
+        params.append(_Param(path, tuple(spec.shape), np.dtype(spec.dtype), stack_depth(path),
+                             None if legacy else shardings[path]))
+    _check_shapes(reader, params, cfg)
+    if legacy:
+        chunks = iter([_Chunk(p, [(tuple((0, n) for n in p.shape), ())], None, True,
+                              math.prod(p.shape) * p.dtype.itemsize) for p in params])
+        total = sum(math.prod(p.shape) * p.dtype.itemsize for p in params)
+    else:
+        # the bar's total: bytes of the local shards (stored dtype) -- known from shapes alone
+        total = 0
+        for p in params:
+            stored = np_dtype(reader.info(hf_name(p.path, cfg, (0,) * p.depth)).dtype).itemsize
+            boxes = {_box_of(ix, p.shape) for ix in p.sharding.addressable_devices_indices_map(p.shape).values()}
+            total += sum(math.prod(e - s for s, e in b) for b in boxes) * stored
+        chunks = _plan(params, chunk_bytes)
+
+    placed: list[jax.Array] = []           # every device array made so far (deleted on failure)
+    bar = _progress_bar(total, progress, f"loading {os.path.basename(reader.path.rstrip('/'))}")
+    pool = cf.ThreadPoolExecutor(max(1, workers), thread_name_prefix="kimi-load")
+
+    buffers = _HostBuffers(keep=readahead_bytes + chunk_bytes)
+
+    def start(ch: _Chunk):
+        hosts, futs = [], []
+        for box in ch.boxes():
+            host = buffers.get(tuple(e - s for s, e in box), ch.param.dtype)
+            futs += [pool.submit(reader.read_slice, name, src, host[dst])
+                     for name, src, dst in _pieces(ch.param, box, cfg)]
+            hosts.append(host)
+        return ch, hosts, futs
+
+    def finish(ch: _Chunk, hosts: list) -> None:
+        p = ch.param
+        if legacy:
+            _set(pure, p.path, place(p.path, hosts[0]))
+            return
+        new = []
+        if ch.rel is None:                              # whole shards
+            for host, (_, devs) in zip(hosts, ch.groups):
+                for d in devs:
+                    p.done[d] = jax.device_put(host, d)
+                    new.append(p.done[d])
+        elif isinstance(p.sharding, NamedSharding):     # one block of every shard, in place
+            if p.buf is None:
+                p.buf = _zeros_fn(p.shape, p.dtype, p.sharding)()
+                placed.append(p.buf)
+            host_of = {d: h for h, (_, devs) in zip(hosts, ch.groups) for d in devs}
+            block = tuple(b - a for a, b in ch.rel)
+            gshape = tuple(n // (e - s) * k for n, (s, e), k in zip(p.shape, ch.groups[0][0], block))
+            blk = jax.make_array_from_single_device_arrays(
+                gshape, p.sharding, [jax.device_put(host_of[d], d) for d in p.devices])
+            p.buf = _update_fn(p.sharding)(p.buf, blk, tuple(a for a, _ in ch.rel))
+            new.append(p.buf)
+        else:                                           # other shardings: device by device
+            for host, (shard, devs) in zip(hosts, ch.groups):
+                for d in devs:
+                    cur = p.partial.get(d)
+                    if cur is None:
+                        cur = _zeros_fn(tuple(e - s for s, e in shard), p.dtype, SingleDeviceSharding(d))()
+                        placed.append(cur)
+                    p.partial[d] = _update(cur, jax.device_put(host, d), tuple(a for a, _ in ch.rel))
+                    new.append(p.partial[d])
+            if ch.final:
+                p.done.update(p.partial)
+                p.partial.clear()
+        placed.extend(new)
+        for a in new:
+            a.block_until_ready()        # the host blocks are free once this returns
+        if not any(d.platform == "cpu" for d in p.devices):
+            for h in hosts:
+                buffers.give_back(h)
+        stats.chunks += 1
+        stats.blocks += ch.rel is not None
+        if ch.final and p.buf is not None:
+            arr, p.buf = p.buf, None
+        elif len(p.done) == len(p.devices):
+            arr = jax.make_array_from_single_device_arrays(p.shape, p.sharding,
+                                                           [p.done[d] for d in p.devices])
+            placed.append(arr)
+            p.done.clear()
+        else:
+            return
+        stats.shards += len(arr.addressable_shards)
+        stats.params += 1
+        _set(pure, p.path, arr)
+
+    inflight: collections.deque = collections.deque()
+    inflight_bytes = 0
+    try:
+        nxt = next(chunks, None)
+        while nxt is not None or inflight:
+            while nxt is not None and (not inflight or inflight_bytes + nxt.nbytes <= readahead_bytes):
+                inflight.append(start(nxt))
+                inflight_bytes += nxt.nbytes
+                stats.max_host_bytes = max(stats.max_host_bytes, inflight_bytes)
+                nxt = next(chunks, None)
+            ch, hosts, futs = inflight.popleft()
+            for f in futs:
+                f.result()
+            bar.update(reader.bytes_read - b0 - bar.n)
+            finish(ch, hosts)
+            inflight_bytes -= ch.nbytes
+            del hosts
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        bar.close()
+        _delete(placed)
+        for p in params:
+            p.partial.clear()
+            p.done.clear()
+            p.buf = None
+        raise
+    pool.shutdown(wait=True)
+    bar.update(reader.bytes_read - b0 - bar.n)
+    bar.close()
+    stats.bytes_read += reader.bytes_read - b0
+    stats.seconds += time.perf_counter() - t0
+    if legacy:
+        stats.params = len(params)
     return pure
 
 
@@ -98,15 +456,28 @@ def expected_for(reader: CheckpointReader, cfg: ModelConfig) -> dict:
 
 
 def load_model(path: str, *, dtype=jnp.bfloat16, cfg: Optional[ModelConfig] = None, place=None,
-               parallel=None):
-    """(ModelConfig, Transformer) from a checkpoint directory, every tensor validated first.
-    `place(path, host_array)` puts each parameter on its devices; `parallel` as for Transformer."""
+               parallel=None, shardings=None, **load_kw):
+    """(ModelConfig, Transformer) from a checkpoint directory, every tensor validated first (before
+    any device memory is allocated).
+
+    A directory written by `kimi-convert` (checkpoints.orbax_io) is restored with orbax; any other
+    is read as a published-layout safetensors checkpoint.
+    shardings: {parameter path: Sharding} -- stream each device's slices (see load_params).
+    place: legacy `place(path, host_array)` per whole parameter. Neither: the first local device.
+    parallel: as for Transformer. load_kw: workers / chunk_bytes / readahead_bytes / progress /
+    stats, passed to load_params.
+    """
     from kimi_jax.model.transformer import Transformer
+    from checkpoints import orbax_io
+    if orbax_io.is_orbax_checkpoint(path):
+        return orbax_io.load_model(path, dtype=dtype, cfg=cfg, shardings=shardings, place=place,
+                                   parallel=parallel, progress=load_kw.get("progress"),
+                                   stats=load_kw.get("stats"))
     cfg = cfg or ModelConfig.from_pretrained(path)
     with CheckpointReader(path) as reader:
         reader.validate(expected_for(reader, cfg))
         abstract = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), parallel=parallel))
         graphdef, state = nnx.split(abstract)
-        pure = load_params(reader, cfg, state, place)
+        pure = load_params(reader, cfg, state, place, shardings=shardings, **load_kw)
     nnx.replace_by_pure_dict(state, pure)
     return cfg, nnx.merge(graphdef, state)

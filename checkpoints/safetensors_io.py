@@ -2,9 +2,11 @@
 
 `CheckpointReader(path)` finds `model.safetensors`, or the shards listed by
 `model.safetensors.index.json`, parses every file's header (never the data) and checks it against
-the file size, so a truncated or corrupt shard fails at open. Tensors are then read one at a time
-(`read`), through the safetensors library's numpy backend (bf16 comes back as
-ml_dtypes.bfloat16; torch is never imported). `validate(expected)` compares the checkpoint with
+the file size, so a truncated or corrupt shard fails at open. Tensors are then read whole (`read`,
+through the safetensors library's numpy backend; bf16 comes back as ml_dtypes.bfloat16, torch is
+never imported) or in part (`read_slice`: positioned reads, `os.preadv`, of only the byte runs a
+slice needs, straight into the caller's buffer; the GIL is released while the kernel copies, so
+several threads can read at once). `validate(expected)` compares the checkpoint with
 `layout.expected_tensors(cfg)` after mapping K2.5 names to canonical ones.
 
 Every problem raises `CheckpointError` (a ValueError) whose message names the file and the tensor.
@@ -13,14 +15,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import json
 import logging
 import math
 import os
 import re
 import struct
-from typing import Any, Mapping, Optional
+import threading
+from typing import Any, Mapping, Optional, Sequence
 
+import ml_dtypes
 import numpy as np
 
 from checkpoints import layout as layout_lib
@@ -33,6 +38,10 @@ CONFIG_FILE = "config.json"
 _SHARD_RE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
 _MAX_HEADER = 100 * 1024 * 1024      # the safetensors library refuses headers above 100 MB too
 _OPEN_HANDLES = 4                    # safe_open handles kept open (LRU); bounds open files, not RAM
+# read_slice: a slice whose contiguous byte runs are shorter than this is read as the span of whole
+# rows that covers it (one read) and cut in memory; longer runs are read one by one.
+_MIN_RUN_BYTES = 256 * 1024
+_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 
 # safetensors dtype tag -> (numpy-style dtype name, bytes per element)
 DTYPES: dict[str, tuple[str, int]] = {
@@ -42,7 +51,30 @@ DTYPES: dict[str, tuple[str, int]] = {
     "U64": ("uint64", 8), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
 }
 
-__all__ = ["CheckpointError", "CheckpointReader", "TensorInfo", "read_header", "DTYPES"]
+__all__ = ["CheckpointError", "CheckpointReader", "TensorInfo", "read_header", "DTYPES", "np_dtype"]
+
+
+def np_dtype(name: str) -> np.dtype:
+    """numpy dtype for a numpy-style dtype name ('bfloat16' and float8 types via ml_dtypes)."""
+    if hasattr(ml_dtypes, name):
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
+
+
+def _bounds(index, shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """(start, stop) per dimension of `index` (a tuple of step-1 slices, shorter than shape OK)."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    if len(index) != len(shape):
+        raise IndexError(f"index {index} has more dimensions than the tensor {list(shape)}")
+    out = []
+    for sl, n in zip(index, shape):
+        if not isinstance(sl, slice):
+            raise TypeError(f"read_slice takes slices, got {sl!r}")
+        start, stop, step = sl.indices(n)
+        if step != 1:
+            raise ValueError(f"read_slice needs step-1 slices, got {sl!r}")
+        out.append((start, max(start, stop)))
+    return tuple(out)
 
 
 class CheckpointError(ValueError):
@@ -146,6 +178,9 @@ class CheckpointReader:
         self._handles: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self._by_canonical: Optional[dict[str, TensorInfo]] = None
         self._skip_logged = False
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.bytes_read = 0                 # bytes read by read_slice (all threads)
 
     # ---- opening ---------------------------------------------------------------------
     def _abs(self, fname: str) -> str:
@@ -272,10 +307,95 @@ class CheckpointReader:
                                   f"{info.dtype}{list(info.shape)}")
         return arr
 
+    # ---- slice reads (positioned, thread-safe) -------------------------------------------------
+    def _fd(self, fname: str) -> int:
+        with self._lock:
+            fd = self._fds.get(fname)
+            if fd is None:
+                try:
+                    fd = os.open(self._abs(fname), os.O_RDONLY)
+                except OSError as e:
+                    raise CheckpointError(f"{self._abs(fname)}: cannot open ({e.strerror})") from None
+                self._fds[fname] = fd
+            return fd
+
+    def _pread(self, info: TensorInfo, buf: memoryview, offset: int) -> None:
+        """Fill `buf` (bytes) from absolute file offset `offset` of info's file."""
+        fd, n, total = self._fd(info.file), 0, len(buf)
+        while n < total:
+            try:
+                k = os.preadv(fd, [buf[n:]], offset + n)
+            except OSError as e:
+                raise CheckpointError(f"{self._abs(info.file)}: cannot read tensor {info.name!r} "
+                                      f"({e.strerror})") from None
+            if k == 0:
+                raise CheckpointError(f"{self._abs(info.file)}: truncated file: tensor {info.name!r} "
+                                      f"needs bytes up to {offset + total} but the file has "
+                                      f"{os.fstat(fd).st_size}")
+            n += k
+        with self._lock:
+            self.bytes_read += total
+
+    def slice_plan(self, name: str, index=()) -> tuple[TensorInfo, tuple[int, ...], list[tuple[int, int]], bool]:
+        """How `read_slice` reads tensor[index]: (info, result shape, byte runs (absolute offset,
+        length) in C order, whether the runs are read as one covering span of whole rows)."""
+        info = self.info(name)
+        b = _bounds(index, info.shape)
+        shape = tuple(e - s for s, e in b)
+        itemsize = np_dtype(info.dtype).itemsize
+        strides = [itemsize * math.prod(info.shape[d + 1:]) for d in range(len(info.shape))]
+        partial = [d for d, ((s, e), n) in enumerate(zip(b, info.shape)) if (s, e) != (0, n)]
+        if math.prod(shape) == 0:
+            return info, shape, [], False
+        k = partial[-1] if partial else 0          # runs: contiguous over dims k.., one per outer index
+        run = (b[k][1] - b[k][0]) * strides[k]
+        n_runs = math.prod(e - s for s, e in b[:k])
+        if n_runs > 1 and run < _MIN_RUN_BYTES:
+            # one read of the whole rows [s0, e0) of dim 0, cut in memory
+            lo = info.begin + b[0][0] * strides[0]
+            return info, shape, [(lo, (b[0][1] - b[0][0]) * strides[0])], True
+        starts = [info.begin + sum(i * st for i, st in zip(idx, strides)) + b[k][0] * strides[k]
+                  for idx in itertools.product(*(range(s, e) for s, e in b[:k]))]
+        return info, shape, [(s, run) for s in starts], False
+
+    def read_slice(self, name: str, index=(), out: Optional[np.ndarray] = None) -> np.ndarray:
+        """tensor[index] (stored or canonical name; index: step-1 slices of the leading dims), read
+        with positioned reads of only the byte runs it needs (short runs: the covering rows).
+
+        out: a C-contiguous array of the slice's shape to fill (any dtype: the stored values are
+        cast, e.g. bf16 -> float32); default: a new array of the stored dtype. Thread-safe."""
+        info, shape, runs, covering = self.slice_plan(name, index)
+        dt = np_dtype(info.dtype)
+        if out is not None and (tuple(out.shape) != shape or not out.flags.c_contiguous):
+            raise ValueError(f"read_slice({info.name!r}): out is {list(out.shape)} "
+                             f"(contiguous={out.flags.c_contiguous}), the slice is {list(shape)}")
+        direct = out is not None and out.dtype == dt and not covering
+        dst = out if direct else np.empty(shape, dt)
+        if covering:
+            b = _bounds(index, info.shape)
+            rows = np.empty((b[0][1] - b[0][0],) + tuple(info.shape[1:]), dt)
+            self._pread(info, memoryview(rows.reshape(-1).view(np.uint8)), runs[0][0])
+            dst[...] = rows[(slice(None),) + tuple(slice(s, e) for s, e in b[1:])]
+        elif runs:
+            flat = memoryview(dst.reshape(-1).view(np.uint8))
+            pos = 0
+            for off, length in runs:
+                self._pread(info, flat[pos:pos + length], off)
+                pos += length
+        if out is None:
+            return dst
+        if not direct:
+            out[...] = dst
+        return out
+
     def close(self) -> None:
         while self._handles:
             _, h = self._handles.popitem()
             h.__exit__(None, None, None)
+        with self._lock:
+            while self._fds:
+                _, fd = self._fds.popitem()
+                os.close(fd)
 
     def __enter__(self) -> "CheckpointReader":
         return self
@@ -327,8 +447,12 @@ class CheckpointReader:
                                 f"{list(shape)}")
             elif info.dtype not in layout_lib.accepted_dtypes(c, dtype):
                 problems.append(f"{where}: tensor {name!r} has dtype {info.dtype}, expected {dtype}")
-        # Missing tensors first: their message carries the bf16-vs-INT4 hint when that is the cause.
-        problems = [self._missing_message(c, found) for c in expected if c not in found] + problems
+        # Missing tensors first: their message carries the bf16-vs-INT4 hint when that is the cause,
+        # or the layer / expert count the checkpoint has when config.json disagrees with it.
+        missing = [c for c in expected if c not in found]
+        if missing:
+            peers = self._layer_summary(found)
+            problems = [self._missing_message(c, found, peers, expected) for c in missing] + problems
         if skipped and not self._skip_logged:
             self._skip_logged = True
             kinds = ", ".join(f"{k}: {v}" for k, v in sorted(skipped.items()))
@@ -339,19 +463,46 @@ class CheckpointReader:
             raise CheckpointError(problems[0] + more)
         return {c: found[c] for c in expected}
 
-    def _missing_message(self, c: str, found: Mapping[str, TensorInfo]) -> str:
+    @staticmethod
+    def _layer_summary(found: Mapping[str, TensorInfo]) -> dict:
+        """layer -> (files holding its tensors, number of routed experts stored) in one pass."""
+        files: dict[int, set] = collections.defaultdict(set)
+        experts: dict[int, int] = collections.defaultdict(int)
+        for n, i in found.items():
+            layer = layout_lib.layer_of(n)
+            if layer is None:
+                continue
+            files[layer].add(i.file)
+            m = _EXPERT_RE.match(n)
+            if m:
+                experts[layer] = max(experts[layer], int(m.group(2)) + 1)
+        return {"files": files, "experts": experts, "layers": max(files, default=-1) + 1}
+
+    def _config_field(self, name: str):
+        cfg = self.config_dict or {}
+        text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+        return text.get(name)
+
+    def _missing_message(self, c: str, found: Mapping[str, TensorInfo], peers: dict,
+                         expected: Mapping[str, Any]) -> str:
         stored = layout_lib.layout_name(c, self.layout)
+        layer = layout_lib.layer_of(c)
         if self.index_path:
             where = f"{self.index_path}: missing tensor {stored!r} (not in the index's weight_map"
-            layer = layout_lib.layer_of(c)
-            peers = sorted({i.file for n, i in found.items()
-                            if layer is not None and layout_lib.layer_of(n) == layer})
-            where += f"; other tensors of layer {layer} are in {', '.join(peers)})" if peers else ")"
+            files = sorted(peers["files"].get(layer, ())) if layer is not None else []
+            where += f"; other tensors of layer {layer} are in {', '.join(files)})" if files else ")"
         else:
             where = f"{self._abs(self.files[0])}: missing tensor {stored!r}"
         base, _, suffix = c.rpartition(".")
+        m = _EXPERT_RE.match(c)
         if suffix in layout_lib.QUANT_SUFFIXES and f"{base}.weight" in found:
             where += "; the checkpoint has bf16 experts but config.json has a quantization_config"
         elif suffix == "weight" and f"{base}.weight_packed" in found:
             where += "; the checkpoint has INT4 experts but config.json has no quantization_config"
+        elif m and 0 < peers["experts"].get(layer, 0) <= int(m.group(2)):
+            where += (f"; the checkpoint has {peers['experts'][layer]} routed experts in layer {layer} "
+                      f"but config.json says n_routed_experts={self._config_field('n_routed_experts')}")
+        elif layer is not None and layer not in peers["files"] and peers["layers"] > 0:
+            where += (f"; the checkpoint has layers 0..{peers['layers'] - 1} but config.json says "
+                      f"num_hidden_layers={self._config_field('num_hidden_layers')}")
         return where

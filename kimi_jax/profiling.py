@@ -39,6 +39,7 @@ Perfetto / XProf.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import glob
 import gzip
@@ -268,6 +269,7 @@ class CollectiveOp:
 @dataclasses.dataclass
 class CollectiveCounts:
     ops: list[CollectiveOp]
+    hlo_text: str = dataclasses.field(default="", repr=False)   # the program they were counted in
 
     def count(self, kind: Optional[str] = None, *, trivial: bool = False) -> int:
         """Executions per step of `kind` (all kinds if None). Ops whose groups hold one device
@@ -310,6 +312,7 @@ def collectives_of_hlo(text_or_module) -> CollectiveCounts:
 _MATMUL_OPS = ("dot", "convolution", "ragged-dot")
 _GEMM_TARGET = re.compile(r'custom_call_target="[^"]*(gemm|cublas|matmul|triton|mosaic|pallas)[^"]*"', re.I)
 _ATTN_FUNCS = ("MLA.__call__", "_softmax")
+_ATTN_EINSUM = re.compile(r"bnts|bsa->|bsr->")      # MLA's score / value einsums (mla.py)
 _PROJ_FUNCS = ("Linear.__call__", "linear", "MLA._queries", "MLA.latents", "MLA._kv_b", "RMSNorm.__call__",
                "apply_rope", "rope_cos_sin")
 
@@ -354,6 +357,8 @@ def categorize(instr: Optional[HloInstr], module: Optional[HloModule], event_nam
         inner = stack[: next(i for i, f in enumerate(stack) if f in _ATTN_FUNCS)]
         if not any(f in _PROJ_FUNCS for f in inner):
             return "attention"
+    elif not stack and _ATTN_EINSUM.search(instr.op_name):   # no stack frames: the einsum specs
+        return "attention"
     if is_mm or any(f in ("dequantize_jnp", "dequantize") for f in stack):
         return "matmul"
     return "rest"
@@ -425,7 +430,10 @@ def compile_decode_step(engine, layout, batch: int, cache_len: int, *, abstract:
 def count_decode_collectives(cfg, layout, batch: int = 8, cache_len: int = 64, dtype=None) -> CollectiveCounts:
     """Collectives per decode step of `cfg` under `layout`, from the compiled program (shapes only)."""
     engine = abstract_engine(cfg, layout, dtype)
-    return collectives_of_hlo(compile_decode_step(engine, layout, batch, cache_len, abstract=True).as_text())
+    text = compile_decode_step(engine, layout, batch, cache_len, abstract=True).as_text()
+    counts = collectives_of_hlo(text)
+    counts.hlo_text = text
+    return counts
 
 
 def random_engine(cfg, layout, dtype=None, seed: int = 0):
@@ -490,6 +498,7 @@ class TraceOp:
     run_id: Optional[str]
     module: Optional[str]
     thread: object = None
+    kernel: str = ""            # the GPU kernel's name (CPU: empty)
 
 
 def device_op_events(trace_file: str) -> list[TraceOp]:
@@ -513,8 +522,9 @@ def device_op_events(trace_file: str) -> list[TraceOp]:
         else:
             continue
         name = args.get("hlo_op") or e.get("name", "")
+        kernel = "" if "device_ordinal" in args else e.get("name", "")
         out.append(TraceOp(dev, name, float(e["ts"]), float(e.get("dur", 0.0)),
-                           args.get("run_id"), args.get("hlo_module"), e.get("tid")))
+                           args.get("run_id"), args.get("hlo_module"), e.get("tid"), kernel))
     return out
 
 
@@ -565,6 +575,7 @@ class ProfileReport:
     per_step_ms: list[dict[str, float]]      # each traced step's categories (mean over devices)
     trace_dir: str
     trace_file: str
+    top_ops: list[dict] = dataclasses.field(default_factory=list)   # the costliest ops, ms per step
     notes: list[str] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -586,44 +597,108 @@ class ProfileReport:
             rows.append("count/step: the compiled program's collectives over groups of more than one device; "
                         "also executed over groups of one device (no data moves): "
                         + ", ".join(f"{k} {v}" for k, v in triv.items()))
+        if self.top_ops:
+            rows.append("costliest ops (ms/step): " + "; ".join(
+                f"{t['op']} [{t['category']}] {t['ms_per_step']:.3f}" for t in self.top_ops[:6]))
         rows.append(f"raw trace: {self.trace_dir}  (open {os.path.basename(self.trace_file)} in Perfetto)")
         rows += [f"note: {n}" for n in self.notes]
         return "\n".join(rows)
 
 
+_SANITIZE = re.compile(r"[.\-]")
+_OP_PREFIX = re.compile(r"^([a-z][a-z\-]*\.\d+)")
+
+
+class _Resolver:
+    """Trace event -> (HLO instruction or None, category), cached per (hlo_op, kernel name).
+
+    CPU events carry the instruction's name (`hlo_op`). GPU kernels carry `hlo_op` too, but inside a
+    CUDA-graph command buffer it names the buffer (command_buffer_N) and the kernel's own name is the
+    fused instruction's with '.' and '-' written '_' (gemm_fusion_dot_79 <- gemm_fusion_dot.79);
+    thunk-level kernels such as all-reduce.5.0-fusion.1 name the instruction as a prefix."""
+
+    def __init__(self, module: HloModule):
+        self.module = module
+        self.instrs = module.instructions
+        self.sanitized = {_SANITIZE.sub("_", n): i for n, i in self.instrs.items()}
+        self.cache: dict = {}
+
+    def __call__(self, hlo_op: str, kernel: str):
+        key = (hlo_op, kernel)
+        if key not in self.cache:
+            instr = (self.instrs.get(hlo_op) if hlo_op else None)
+            if instr is not None and instr.opcode in ("call", "command-buffer"):
+                instr = None
+            if instr is None:
+                instr = self.instrs.get(kernel) or self.sanitized.get(_SANITIZE.sub("_", kernel))
+            if instr is None and hlo_op:
+                m = _OP_PREFIX.match(hlo_op)
+                instr = self.instrs.get(m.group(1)) if m else None
+            name = " ".join(x for x in (hlo_op, kernel) if x)
+            self.cache[key] = (instr, categorize(instr, self.module, name))
+        return self.cache[key]
+
+
+def _split_steps(ops: list[TraceOp], steps: int) -> list[list[TraceOp]]:
+    """Group events into steps: by run_id where the trace has one (CPU), else at the steps-1 widest
+    idle gaps of the busiest device (each step ends with the host waiting for its outputs)."""
+    if steps <= 1 or not ops:
+        return [ops]
+    if all(o.run_id is not None for o in ops):
+        by_run = defaultdict(list)
+        for o in ops:
+            by_run[o.run_id].append(o)
+        groups = sorted(by_run.values(), key=lambda g: min(o.start_us for o in g))
+        return sorted(groups, key=lambda g: -len(g))[:steps] if len(groups) > steps else groups
+    per_dev = defaultdict(list)
+    for o in ops:
+        per_dev[o.device].append(o)
+    dev_ops = sorted(max(per_dev.values(), key=len), key=lambda o: o.start_us)
+    gaps, end = [], dev_ops[0].start_us + dev_ops[0].dur_us
+    for o in dev_ops[1:]:
+        if o.start_us > end:
+            gaps.append((o.start_us - end, (end + o.start_us) / 2))
+        end = max(end, o.start_us + o.dur_us)
+    cuts = sorted(t for _, t in sorted(gaps, reverse=True)[: steps - 1])
+    groups: list[list[TraceOp]] = [[] for _ in range(len(cuts) + 1)]
+    for o in ops:
+        groups[bisect.bisect_right(cuts, o.start_us)].append(o)
+    return groups
+
+
 def analyze_trace(trace_file: str, module: HloModule, steps: int, *, module_name: Optional[str] = None):
-    """(category ms per step, per-step categories, collective executions per step per device, n_devices)
-    from a trace of `steps` executions of the program whose compiled text is `module`."""
-    instrs = module.instructions
-    ops = [o for o in device_op_events(trace_file)
-           if module_name is None or o.module is None or o.module == module_name]
+    """(category ms per step, per-step categories, collective executions per step per device,
+    n_devices, top ops) from a trace of `steps` executions of the program compiled as `module`."""
+    resolve = _Resolver(module)
+    ops = [o for o in device_op_events(trace_file) if module_name is None or o.module == module_name]
     ops = _drop_containers(ops, module)
     devices = sorted({o.device for o in ops})
     if not ops:
-        raise ValueError(f"{trace_file}: no device op events of the decode program")
+        raise ValueError(f"{trace_file}: no device op events of the decode program {module_name}")
+    nd = max(len(devices), 1)
     totals = defaultdict(float)
     counts = defaultdict(int)
-    runs = defaultdict(lambda: defaultdict(float))
+    by_op = defaultdict(float)
+    cat_of = {}
     for o in ops:
-        instr = instrs.get(o.name)
-        cat = categorize(instr, module, o.name)
+        instr, cat = resolve(o.name, o.kernel)
+        cat_of[id(o)] = cat
         totals[cat] += o.dur_us
-        if instr is not None and instr.kind is not None:
-            counts[instr.kind] += 1
-        elif instr is None and cat in COLLECTIVE_KINDS and "done" not in o.name:
+        label = instr.name if instr is not None else (o.kernel or o.name)
+        by_op[(cat, label)] += o.dur_us
+        if cat in COLLECTIVE_KINDS and not o.name.endswith("-done") and "done" not in o.kernel:
             counts[cat] += 1
-        runs[o.run_id][cat] += o.dur_us
-    nd = max(len(devices), 1)
     ms = {c: totals.get(c, 0.0) / 1000.0 / nd / steps for c in CATEGORIES}
     per_step = []
-    if all(r is not None for r in runs):
-        for rid in sorted(runs, key=lambda r: int(r) if str(r).lstrip("-").isdigit() else str(r)):
-            per_step.append({c: runs[rid].get(c, 0.0) / 1000.0 / nd for c in CATEGORIES})
-    per_step = [p for p in per_step if sum(p.values()) > 0]
-    if len(per_step) > steps:   # drop stray runs (e.g. a warm-up tail caught by the trace)
-        per_step = sorted(per_step, key=lambda p: -sum(p.values()))[:steps]
+    for group in _split_steps(ops, steps):
+        acc = defaultdict(float)
+        for o in group:
+            acc[cat_of[id(o)]] += o.dur_us
+        per_step.append({c: acc.get(c, 0.0) / 1000.0 / nd for c in CATEGORIES})
     coll = {k: counts.get(k, 0) / nd / steps for k in COLLECTIVE_KINDS}
-    return ms, per_step, coll, nd
+    top = [{"category": c, "op": label, "ms_per_step": t / 1000.0 / nd / steps}
+           for (c, label), t in sorted(by_op.items(), key=lambda kv: -kv[1])[:12]]
+    return ms, per_step, coll, nd, top
 
 
 def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_dir: str,
@@ -656,13 +731,17 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
     trace_dir = os.path.abspath(os.path.join(out_dir, "trace"))
     os.makedirs(trace_dir, exist_ok=True)
     walls = []
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    opts = jax.profiler.ProfileOptions()
+    opts.python_tracer_level = 0          # Python function events would dwarf the device ops
+    if jax.default_backend() != "cpu":
+        opts.host_tracer_level = 1        # CPU needs level 2: its per-device op events are host events
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True, profiler_options=opts):
         for i in range(steps):
             t0 = time.perf_counter()
             cache = step(warmup + i, cache)
             walls.append(time.perf_counter() - t0)
     trace_file = _find_trace_file(trace_dir)
-    ms, per_step, coll_trace, nd = analyze_trace(trace_file, module, steps, module_name=module_name)
+    ms, per_step, coll_trace, nd, top = analyze_trace(trace_file, module, steps, module_name=module_name)
     busy = sum(ms.values())
     notes = ["attention vs matmul split is a heuristic on the HLO instructions' Python stacks "
              "(MLA score/value einsums + softmax = attention)"]
@@ -676,7 +755,7 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
         collectives_program=program.by_kind(),
         collectives_trivial={k: v - program.count(k) for k, v in program.by_kind(trivial=True).items()},
         collectives_trace=coll_trace, per_step_ms=per_step,
-        trace_dir=trace_dir, trace_file=trace_file, notes=notes)
+        trace_dir=trace_dir, trace_file=trace_file, top_ops=top, notes=notes)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "decode_step.hlo.txt"), "w") as f:
         f.write(compiled_text)

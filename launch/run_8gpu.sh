@@ -8,8 +8,9 @@
 set -euo pipefail
 layout=${1:?layout: tp8 | tp8_ep | dp8_ep}
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
+case "$layout" in dp*) batches=8,64,256,512 ;; *) batches=1,64,256 ;; esac   # dp needs batch % 8 == 0
 python -m launch.bench_engine --layers 61 --layouts "$layout" \
-    --batches 1 --multi_batches 8,64,256,512 --steps 5 --context 2048 --out "${OUT:-out}/8gpu_$layout"
+    --multi_batches "$batches" --steps 5 --context 2048 --out "${OUT:-out}/8gpu_$layout"
 python -m launch.plan --model kimi-k2.5 --hardware h200 --batch 1 --context 2048 \
     $(python - "$layout" <<'PY'
 import sys
