@@ -239,7 +239,8 @@ _PRESETS = {
         interconnect="shared memory", link_bw=10e9, collectives=_uniform(50e-6, 10e9),
         sources={"*": "assumed placeholders for dry runs"}),
 }
-PRESET_ALIASES = {"h200-sxm": "h200", "h100-sxm": "h100", "rtx6000": "rtx-pro-6000", "rtx-pro-6000-pcie": "rtx-pro-6000",
+PRESET_ALIASES = {"h200-sxm": "h200", "h100-sxm": "h100", "rtx6000": "rtx-pro-6000",
+                  "rtx-pro-6000-pcie": "rtx-pro-6000",
                   "rtx6kpro": "rtx-pro-6000"}
 PRESETS = tuple(_PRESETS)
 

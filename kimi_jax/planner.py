@@ -41,9 +41,10 @@ path) plus a runtime reserve. Capacity: hbm_bytes x mem_fraction.
 **Collectives of one decode step** (L layers, L_d dense, L_m MoE; B rows, B_l = B/dp per device).
 The design of each layout (engine_artifacts=False):
   tp > 1: all-reduce: 1 (vocab-parallel embedding lookup) + L (attention output, f32 partial sums)
-          + L (FFN / MoE output); the sampler over vocab-split logits (as kimi_jax.sampling compiles):
-          GPU 5 all-reduce + 3 all-gather (the full logits once) + 3 all-to-all (distributed argsort);
-          CPU 4 + 6 + 3.
+          + L (FFN / MoE output); the sampler over vocab-split logits (as kimi_jax.sampling compiles,
+          `sampler_collectives`): GPU 5 all-reduce + 3 all-gather (the full logits once) + 3 all-to-all
+          (distributed argsort), recorded at 8 rows per device; CPU 4 + 6 + 3 with rows >= tp, 4 + 8 + 0
+          with 1 < rows < tp, 1 + 3 + 0 with one row (the logits are gathered before sorting).
   dp > 1: 1 all-gather of the sampled tokens; with EP, per MoE layer one dispatch all-gather (tokens,
           expert ids, weights; one combined op on GPU, three on CPU) and one reduce-scatter.
   With dp = 1 and EP the dispatch runs over a mesh axis of size 1: XLA emits it, nothing moves, it is
@@ -59,9 +60,11 @@ What the current engine adds (engine_artifacts=True, the default; each row flagg
 Recorded compiles pin these rules: tests/test_profiler.py compiles the decode step on 8 CPU devices per
 layout; tests/test_planner.py holds the counts of the full Kimi-K2.5 step compiled on 2 x H200.
 
-For Kimi-K2.5 under TP8 the design gives 61 x 2 + 1 + 5 = 128 all-reduces per step; the published
-profile of the deployment kimi_jax replaces (8 x RTX PRO 6000, PCIe Gen5, TP8) counted 127 at 78 us =
-9.9 ms of a 21.7 ms step; see `ANCHOR_RTX6KPRO` and `anchor_report`.
+For Kimi-K2.5 under TP8 the design gives 61 x 2 + 1 + 5 = 128 all-reduces per step (the GPU sampler as
+recorded at 8 rows per device; compiled on CPU at batch 1 the step has 124, its sampler gathering the
+logits before sorting). The published profile of the deployment kimi_jax replaces (8 x RTX PRO 6000,
+PCIe Gen5, TP8) counted 127 = 61 x 2 + 5 at 78 us = 9.9 ms of a 21.7 ms step; `anchor_report` sets the
+plan beside it and says which inputs explain the profiled 21.7 ms and the 82 tokens/s of production.
 """
 from __future__ import annotations
 
@@ -194,11 +197,23 @@ class CollectiveSpec:
 
 
 # The engine's sampler on vocab-split logits (tp > 1), as compiled: kimi_jax.sampling sorts, softmaxes and
-# cumsums over the vocabulary, so the SPMD partitioner distributes the sort and the reductions.
+# cumsums over the vocabulary, so the SPMD partitioner distributes the sort and the reductions. How depends
+# on the backend and on the rows per device (B_l) against tp.
 SAMPLER_VOCAB_SHARDED = {
-    "gpu": {"all-reduce": 5, "all-gather": 3, "all-to-all": 3},   # H200, jax 0.11.2 (recorded compile)
-    "cpu": {"all-reduce": 4, "all-gather": 6, "all-to-all": 3},   # CPU, jax 0.10.2 (tests/test_profiler.py)
+    "gpu": {"all-reduce": 5, "all-gather": 3, "all-to-all": 3},   # H200, jax 0.11.2, B_l=8, tp=2 (recorded)
+    "cpu": {"all-reduce": 4, "all-gather": 6, "all-to-all": 3},   # CPU, jax 0.10.2, B_l >= tp
+    "cpu_rows_lt_tp": {"all-reduce": 4, "all-gather": 8, "all-to-all": 0},   # 1 < B_l < tp
+    "cpu_one_row": {"all-reduce": 1, "all-gather": 3, "all-to-all": 0},      # B_l = 1: logits gathered first
 }
+
+
+def sampler_collectives(program: str, rows: int, tp: int) -> dict[str, int]:
+    """Collectives of the engine's sampler on vocab-split logits with `rows` rows per device."""
+    if program == "cpu":
+        if rows == 1:
+            return SAMPLER_VOCAB_SHARDED["cpu_one_row"]
+        return SAMPLER_VOCAB_SHARDED["cpu_rows_lt_tp" if rows < tp else "cpu"]
+    return SAMPLER_VOCAB_SHARDED["gpu"]   # recorded at B_l >= tp only; used for every batch
 PROGRAMS = ("gpu", "cpu")
 SAMPLER_LOOP_ITER_S = 5e-6   # assumed: one iteration of a device while loop (kernels + predicate to host)
 
@@ -241,10 +256,11 @@ def collective_plan(cfg: ModelConfig, layout: Layout, batch: int, *, program: st
         else:
             add("all-reduce", Lm, Bl * D * (db + shared), tp, "MoE output: shared-expert partial sums + routed "
                                                               "psum in one op")
-        smp = SAMPLER_VOCAB_SHARDED[program]
-        add("all-reduce", smp["all-reduce"], Bl * f32, tp, "sampler on vocab-split logits: max, sum, top-p "
-                                                           "mask, chosen-token gather" + (", scatter" if gpu else ""))
-        n_full = 1 if gpu else 2
+        smp = sampler_collectives(program, Bl, tp)
+        add("all-reduce", smp["all-reduce"], Bl * f32, tp, "sampler on vocab-split logits: "
+            + ("chosen-token gather" if smp["all-reduce"] == 1 else "max, sum, top-p mask, chosen-token gather")
+            + (", scatter" if gpu else ""))
+        n_full = 1 if (gpu or smp["all-to-all"] == 0) else 2
         add("all-gather", n_full, Bl * V * f32, tp, "sampler: the full logits")
         add("all-gather", smp["all-gather"] - n_full, Bl * tp * f32, tp, "sampler: argmax / cumsum pieces")
         add("all-to-all", smp["all-to-all"], Bl * _cdiv(V, tp) * f32, tp, "sampler: distributed argsort")
@@ -464,7 +480,8 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
              cache_bytes * o.cache_passes / (bw * hw.attention_efficiency), core_flops / fl)]
     if Ld:
         f = 2 * Bl * 3 * _cdiv(I, tp) * D * Ld
-        terms.append(Term("dense FFN", weights["dense_ffn"], f, weights["dense_ffn"] / (bw * hw.gemv_efficiency), f / fl))
+        terms.append(Term("dense FFN", weights["dense_ffn"], f, weights["dense_ffn"] / (bw * hw.gemv_efficiency),
+                          f / fl))
     if Lm:
         f = 2 * Bl * E * D * Lm
         terms.append(Term("router (f32)", weights["router"], f, weights["router"] / (bw * hw.gemv_efficiency), f / fl))
@@ -492,12 +509,13 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
     terms.append(Term("lm_head + embedding", lm + emb_read, f, (lm + emb_read) / (bw * hw.gemv_efficiency), f / fl))
 
     program = o.program or ("cpu" if hw.name.startswith("CPU") else "gpu")
-    if Lm and o.engine_artifacts and program == "gpu" and o.impl == "pallas":
+    if Lm >= 2 and o.engine_artifacts and program == "gpu" and o.impl == "pallas":   # a real layer loop
         copied = Lm * experts_local(cfg, layout) * expert_bytes_local(cfg, layout, db)
         terms.append(Term("expert weight copies [artifact]", 2 * copied, 0.0, 2 * copied / bw, 0.0))
         notes.append("[engine artifact] the layer scan slices each MoE layer's stacked expert weights into a copy "
                      "before the Pallas kernel reads them (MemcpyD2D of every local expert, seen in the H200 "
-                     "trace): costed as a read + write of all local expert bytes per step at copy bandwidth")
+                     "trace with 2 MoE layers; a 1-layer stack has no loop and no copy): costed as a read + "
+                     "write of all local expert bytes per step at copy bandwidth")
     if tp > 1 and o.engine_artifacts and program == "gpu":
         iters = 2 * _cdiv(V, tp)
         terms.append(Term(f"sampler loop {iters} iters [artifact]", 0.0, 0.0,
@@ -640,7 +658,8 @@ def anchor_report(p: Plan, anchor: dict = ANCHOR_RTX6KPRO) -> str:
         f"21.7 ms profiled (46 tok/s): the planner's {step_ms:.1f} ms is {ar_n} all-reduces (2 per layer, the "
         f"embedding's and the sampler's) at the profiled 78 us ({ar_ms:.2f} ms; the profile shows "
         f"{anchor['published_nccl_ms']} ms of NCCL) plus "
-        f"{mem_ms:.1f} ms of weight/cache streaming at 1.8 TB/s{f' and {other_ms:.2f} ms of other collectives' if other_ms else ''}. "
+        f"{mem_ms:.1f} ms of weight/cache streaming at 1.8 TB/s"
+        f"{f' and {other_ms:.2f} ms of other collectives' if other_ms else ''}. "
         f"The remaining {residual:.1f} ms are what a profiled run adds and the planner does not model: "
         f"the published {anchor['published_custom_ms']} ms of custom all-reduce kernels, and the launch gaps "
         f"and small kernels (norms, rope, router, sampling) of a step run without CUDA graphs under the profiler.",

@@ -851,7 +851,7 @@ def stacked_bar_png(bars: list[tuple[str, dict[str, float]]], title: str, unit: 
         y = top + plot_h - plot_h * k / 4
         cv.rect(left - 6, y, left - 2, y + 1, (0, 0, 0))
         cv.text(4, y - 7, f"{v:.3g}", scale=2)
-    cv.text(4, top - 20, unit, scale=2)
+    cv.text(4, top - 30, unit, scale=2)
     n = max(len(bars), 1)
     slot = plot_w / n
     bw = max(4, min(80, slot * 0.7))

@@ -1,0 +1,269 @@
+"""The planner: the published RTX PRO 6000 anchor, hand-computed cases, and per-device bytes that agree
+with kimi_jax.sharding on the full Kimi-K2.5 geometry."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from kimi_jax import hardware, planner
+from kimi_jax.config import ModelConfig, QuantConfig, preset
+from kimi_jax.hardware import CollectiveModel, Hardware
+from kimi_jax.model.transformer import Transformer
+from kimi_jax.sharding import Layout, per_device_bytes
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---- acceptance: the published profile of the deployment kimi_jax replaces --------------------------
+def anchor_plan(**opts):
+    a = planner.ANCHOR_RTX6KPRO
+    return planner.plan(preset("kimi-k2.5"), hardware.preset("rtx-pro-6000"), Layout(8), a["batch"], a["context"],
+                        planner.PlanOptions(engine_artifacts=a["engine_artifacts"], **opts), model_name="kimi-k2.5")
+
+
+def test_anchor_127_allreduces_and_9_9_ms():
+    """Kimi-K2.5 INT4, 8 x RTX PRO 6000 (96 GB, ~1.8 TB/s, PCIe Gen5), TP8, 78 us per all-reduce."""
+    p = anchor_plan(allreduce_us=78.0)
+    n = p.count("all-reduce")
+    assert n == 128                      # 61 layers x 2 + the embedding's + 5 in the vocab-split sampler
+    assert abs(n - 127) <= 2
+    ar_ms = 1e3 * p.collective_s_of("all-reduce")
+    assert ar_ms == pytest.approx(128 * 0.078)
+    assert abs(ar_ms - 9.9) <= 0.99      # published 9.88 ms NCCL (+1.16 ms custom)
+    assert p.fits and p.weight_bytes / 2**30 == pytest.approx(71.26, abs=0.01)
+    report = planner.anchor_report(p)
+    print("\n" + report)
+    for x in ("127", "128", "9.88", "21.7", "82", f"{1e3 * p.step_s:.2f}", f"{p.tokens_per_s:.1f}"):
+        assert x in report
+    # the preset's own all-reduce model (78 us + bytes over PCIe) stays within the same 10%
+    q = anchor_plan()
+    assert q.count("all-reduce") == 128
+    assert abs(1e3 * q.collective_s_of("all-reduce") - 9.9) <= 0.99
+
+
+def test_anchor_step_is_between_production_and_profiled():
+    p = anchor_plan(allreduce_us=78.0)
+    assert 1e3 / 82 < 1e3 * p.step_s < 21.7          # 12.2 ms production < planned < 21.7 ms profiled
+
+
+def test_kimi_plan_cli_anchor():
+    out = subprocess.run([sys.executable, "-m", "launch.plan", "--anchor"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "all-reduces per token                          128         127" in out.stdout
+
+
+# ---- hand-computed cases ----------------------------------------------------------------------------
+def small(**kw) -> ModelConfig:
+    base = dict(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=1,
+                num_attention_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=None, qk_nope_head_dim=4, qk_rope_head_dim=2,
+                v_head_dim=4, norm_topk_prob=True, routed_scaling_factor=1.0, rms_norm_eps=1e-6, rope_theta=1e4)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+# round numbers: 1 byte per ns, every kernel at 100%, free compute, 10 us per collective
+TOY = Hardware(name="toy", hbm_bytes=1e6, hbm_bw=1e9, bf16_flops=1e21, interconnect="toy", link_bw=1e21,
+               collectives={"all-reduce": CollectiveModel(10e-6, 1e21)}, gemv_efficiency=1.0, int4_efficiency=1.0,
+               attention_efficiency=1.0)
+
+
+def test_one_dense_layer_by_hand():
+    cfg = small()
+    p = planner.plan(cfg, TOY, Layout(2), batch=1, context=8,
+                     options=planner.PlanOptions(runtime_reserve_bytes=0, engine_artifacts=False))
+    # attention, bf16, TP2: q_proj 12x16/2, kv_a 10x16, kv_a_norm 8, kv_b 16x8/2, o_proj 16x8/2
+    attn = (6 * 16 + 10 * 16 + 8 + 8 * 8 + 16 * 4) * 2
+    assert attn == 784
+    norms = (2 * 16 + 16) * 2
+    dense = 3 * 16 * 16 * 2                         # gate/up/down, width 32 split in two
+    vocab = 32 * 16 * 2                             # embedding and lm_head, vocab split in two
+    assert p.weights == {"attention": attn, "norms": norms, "dense_ffn": dense, "router": 0, "shared_experts": 0,
+                         "routed_experts": 0, "embedding": vocab, "lm_head": vocab}
+    assert p.weight_bytes == 4464
+    assert p.cache_len == 8 and p.cache_bytes == 1 * 1 * 8 * 10 * 2       # L x B x S x (A+R) x bf16
+    # collectives: embedding, attention, dense FFN all-reduces + the vocab-split sampler (GPU form)
+    assert planner.collective_counts(p.collectives) == {"all-reduce": 8, "all-gather": 3, "reduce-scatter": 0,
+                                                        "all-to-all": 3, "collective-permute": 0}
+    # time: weights read once (embedding: one row of 16 bf16), the cache twice, 14 collectives x 10 us
+    read = attn + norms + dense + vocab + 16 * 2
+    assert p.compute_memory_s == pytest.approx((read + 2 * 160) * 1e-9, rel=1e-6)
+    assert p.collective_s == pytest.approx(14 * 10e-6, rel=1e-6)
+    assert p.step_s == pytest.approx(140e-6 + 3.792e-6, rel=1e-6)
+    assert p.tokens_per_s == pytest.approx(1 / 143.792e-6, rel=1e-6)
+    # the current engine on GPU also loops over the vocab in the sampler: 2 x V/tp iterations
+    q = planner.plan(cfg, TOY, Layout(2), batch=1, context=8, options=planner.PlanOptions(runtime_reserve_bytes=0))
+    assert q.step_s - p.step_s == pytest.approx(2 * 32 * planner.SAMPLER_LOOP_ITER_S, rel=1e-6)
+
+
+def test_moe_layer_tp_vs_ep_by_hand():
+    cfg = small(first_k_dense_replace=0)             # one MoE layer: E=4, top-2, F=8, one shared expert
+    design = planner.PlanOptions(engine_artifacts=False)
+    tp = planner.plan(cfg, TOY, Layout(2), batch=1, context=8, options=design)
+    ep = planner.plan(cfg, TOY, Layout(2, 1, True), batch=1, context=8, options=design)
+    dp = planner.plan(cfg, TOY, Layout(1, 2, True), batch=2, context=8, options=design)
+    router = (4 * 16 + 4) * 4                        # float32 weight and bias, replicated
+    slice_ = (2 * 4 * 16 + 16 * 4) * 2               # one expert's half: gate/up 4x16, down 16x4, bf16
+    whole = (2 * 8 * 16 + 16 * 8) * 2
+    assert tp.weights["router"] == ep.weights["router"] == dp.weights["router"] == router
+    assert tp.weights["routed_experts"] == 4 * slice_ == 1536          # every expert, half of each
+    assert ep.weights["routed_experts"] == 2 * whole == 1536           # half the experts, whole
+    assert tp.weights["shared_experts"] == 3 * 4 * 16 * 2 and dp.weights["shared_experts"] == 3 * 8 * 16 * 2
+    assert tp.weight_bytes == ep.weight_bytes == 784 + 96 + router + 384 + 1536 + 2048 == 5120
+    assert dp.weight_bytes == 1232 + 96 + router + 768 + 1536 + 4096 == 8000
+    # collectives: TP and TP+EP all-reduce the MoE output once; DP+EP dispatches instead
+    counts = {n: planner.collective_counts(p.collectives) for n, p in (("tp", tp), ("ep", ep), ("dp", dp))}
+    assert counts["tp"] == counts["ep"] == {"all-reduce": 8, "all-gather": 3, "reduce-scatter": 0, "all-to-all": 3,
+                                            "collective-permute": 0}
+    # DP2+EP: tokens out (1) and the dispatch of tokens/ids/weights (1); one reduce-scatter of the outputs
+    assert counts["dp"] == {"all-reduce": 0, "all-gather": 2, "reduce-scatter": 1, "all-to-all": 0,
+                            "collective-permute": 0}
+    # the current engine on GPU: the routed psum is a second all-reduce per MoE layer
+    cur = planner.plan(cfg, TOY, Layout(2), batch=1, context=8)
+    assert cur.count("all-reduce") == 9 and sum(c.count for c in cur.collectives if c.artifact) == 1
+    # on CPU (what tests/test_profiler.py compiles): 3 dispatch ops, cache-write and router top-k gathers
+    cpu = planner.collective_plan(cfg, Layout(1, 2, True), 2, program="cpu")
+    assert planner.collective_counts(cpu)["all-gather"] == 1 + 3 + (1 + 2) + 1
+    # expert bytes read at batch 1: one token touches k=2 experts
+    mem = {t.name.split(" (")[0]: t for t in tp.terms}
+    assert mem["routed experts"].bytes == pytest.approx(2 * slice_)     # 2 touched slices on every TP device
+    mem_ep = {t.name.split(" (")[0]: t for t in ep.terms}
+    # EP: 2 local experts, each touched with p = 1/2; the busier of two devices: 1 + 0.5642 x sqrt(0.5)
+    assert mem_ep["routed experts"].bytes == pytest.approx((1 + 0.5642 * math.sqrt(0.5)) * whole)
+
+
+def test_int4_expert_bytes_by_hand():
+    cfg = small(first_k_dense_replace=0, moe_intermediate_size=32, quantization=QuantConfig(group_size=8))
+    # gate/up [F=32, D=16]: 16/8 int32 words + 16/8 bf16 scales per row; down [16, 32]: 4 words + 4 scales per row
+    assert planner.expert_bytes_local(cfg, Layout(1, 2, True)) == 2 * 32 * (2 * 4 + 2 * 2) + 16 * (4 * 4 + 4 * 2)
+    assert planner.expert_bytes_local(cfg, Layout(2)) == 2 * 16 * (2 * 4 + 2 * 2) + 16 * (2 * 4 + 2 * 2)
+
+
+def test_expected_touched_experts():
+    assert planner.expected_touched(384, 8, 384, 1) == pytest.approx(8)
+    assert planner.expected_touched(48, 8, 384, 1) == pytest.approx(1)
+    assert planner.expected_touched(384, 8, 384, 10_000) == pytest.approx(384)
+    assert planner.busiest_device_touched(48, 8, 384, 10_000, 8) == 48
+
+
+# ---- the rules against compiled programs of the full model ---------------------------------------
+# Counted by kimi-profile --compile_only on 2 x H200 (jax 0.11.2, JAX_OPTIMIZATION_LEVEL=O1), batch 8
+H200_COMPILED = {
+    Layout(2): {"all-reduce": 188, "all-gather": 3, "reduce-scatter": 0, "all-to-all": 3, "collective-permute": 0},
+    Layout(2, 1, True): {"all-reduce": 188, "all-gather": 3, "reduce-scatter": 0, "all-to-all": 3,
+                         "collective-permute": 0},
+    Layout(1, 2, True): {"all-reduce": 0, "all-gather": 91, "reduce-scatter": 60, "all-to-all": 0,
+                         "collective-permute": 0},
+}
+
+
+@pytest.mark.parametrize("layout", list(H200_COMPILED), ids=lambda l: l.name)
+def test_rules_match_the_kimi_k25_step_compiled_on_h200(layout):
+    specs = planner.collective_plan(preset("kimi-k2.5"), layout, 8, program="gpu")
+    assert planner.collective_counts(specs) == H200_COMPILED[layout]
+
+
+# ---- per-device bytes agree with kimi_jax.sharding ------------------------------------------------------
+KIMI_LAYOUTS = [Layout(1), Layout(8), Layout(8, 1, True), Layout(1, 8, True), Layout(4, 2, True), Layout(2, 4),
+                Layout(2, 4, True)]
+
+
+def test_param_bytes_match_sharding_for_kimi_k25():
+    cfg = preset("kimi-k2.5")
+    abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))[1]
+    for layout in KIMI_LAYOUTS:
+        assert sum(planner.param_bytes(cfg, layout).values()) == per_device_bytes(layout, abstract), layout.name
+
+
+@pytest.mark.parametrize("variant", ["tiny", "bf16_no_qlora", "odd_tp"])
+def test_param_bytes_match_sharding_small(variant):
+    cfg = preset("tiny").replace(num_attention_heads=8, n_routed_experts=16, n_group=1, topk_group=1)
+    layouts = KIMI_LAYOUTS
+    if variant == "bf16_no_qlora":
+        cfg = cfg.replace(q_lora_rank=None, quantization=None, n_shared_experts=2)
+    elif variant == "odd_tp":
+        cfg = cfg.replace(quantization=QuantConfig(group_size=8))
+        layouts = [Layout(3), Layout(1, 3, True), Layout(2, 2, True)]
+    assert planner.param_bytes_from_model(cfg, Layout(1)) == sum(planner.param_bytes(cfg, Layout(1)).values())
+    abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))[1]
+    for layout in layouts:
+        assert sum(planner.param_bytes(cfg, layout).values()) == per_device_bytes(layout, abstract), layout.name
+
+
+# ---- ranking, memory limits, hardware ---------------------------------------------------------------------
+def test_rank_layouts_kimi_on_h200():
+    cfg, hw = preset("kimi-k2.5"), hardware.preset("h200")
+    fits, rejected = planner.rank_layouts(cfg, hw, 8, batch=1, context=8192,
+                                          options=planner.PlanOptions(engine_artifacts=False))
+    names = [p.layout for p in fits]
+    assert names[0] == "TP8"                                            # fewest bytes per device at batch 1
+    # the current engine: the sampler's loop over vocab-split logits sinks every TP layout on GPU
+    now, _ = planner.rank_layouts(cfg, hw, 8, batch=1, context=8192)
+    assert now[0].layout == "DP8+EP"
+    assert [p.tokens_per_s for p in fits] == sorted((p.tokens_per_s for p in fits), reverse=True)
+    assert all(p.fits for p in fits)
+    assert {"DP8", "DP4xTP2", "DP2xTP4"} <= {n for n, _ in rejected}    # replicated experts do not fit
+    table = planner.ranking_table(fits, rejected)
+    assert "TP8" in table and "does not run" in table
+
+
+def test_largest_batch_and_context_fit():
+    cfg, hw = preset("kimi-k2.5"), hardware.preset("h200")
+    p = planner.plan(cfg, hw, Layout(8), batch=4, context=4096)
+    assert p.fits
+    big = planner.plan(cfg, hw, Layout(8), batch=4, context=p.max_context_for_batch)
+    assert big.fits
+    assert not planner.plan(cfg, hw, Layout(8), batch=4, context=2 * p.max_context_for_batch).fits
+    assert planner.plan(cfg, hw, Layout(8), batch=p.max_batch_for_context, context=4096).fits
+    assert not planner.plan(cfg, hw, Layout(8), batch=2 * p.max_batch_for_context, context=4096).fits
+
+
+def test_collective_model_and_calibration(tmp_path):
+    m = CollectiveModel(20e-6, 100e9)
+    assert m.time("all-reduce", 1e6, 8) == pytest.approx(20e-6 + 2 * 7 / 8 * 1e6 / 100e9)
+    assert m.time("all-gather", 1e6, 8) == pytest.approx(20e-6 + 7 / 8 * 1e6 / 100e9)
+    assert m.time("all-reduce", 1e6, 1) == 0.0
+    curve = [(1e4, 20e-6), (1e6, 40e-6)]
+    d = hardware.calibration_dict("my H200", copy_bw=4.1e12, matmul_flops=700e12, n_devices=2,
+                                  collectives={"all-reduce": curve}, int4_efficiency=0.6)
+    path = hardware.write_calibration(str(tmp_path / "cal.json"), d)
+    hw = hardware.get(path)
+    assert json.load(open(path))["copy_bw"] == 4.1e12
+    assert (hw.hbm_bw, hw.bf16_flops, hw.int4_efficiency, hw.hbm_bytes) == (4.1e12, 700e12, 0.6, 141e9)
+    assert hw.collective_time("all-reduce", 1e5, 2) == pytest.approx(math.sqrt(20e-6 * 40e-6))   # log-log midpoint
+    assert hw.collective_time("all-reduce", 1e3, 2) == pytest.approx(20e-6)                      # flat below
+    assert hw.collective_time("all-reduce", 1e8, 2) == pytest.approx(40e-6 * 100 ** (math.log(2) / math.log(100)))
+    assert "measured" in hw.sources["hbm_bw"] and "measured" in hw.sources["all-reduce"]
+    with pytest.raises(ValueError, match="unknown fields"):
+        hardware.calibration_dict("x", copy_bw=1.0, colour="red")
+
+
+def test_presets_say_where_numbers_come_from():
+    for name in ("h200", "h100", "b200", "rtx-pro-6000"):
+        hw = hardware.preset(name)
+        for field in ("hbm_bytes", "hbm_bw", "bf16_flops", "all-reduce"):
+            assert any(w in hw.sources[field] for w in ("datasheet", "measured", "assumed")), (name, field)
+    assert hardware.preset("h200").collectives["all-reduce"].time("all-reduce", 14336, 2) == pytest.approx(24.4e-6)
+    with pytest.raises(ValueError, match="unknown hardware preset"):
+        hardware.preset("tpu-v9")
+
+
+# Device time per decode step measured on one H200 (jax 0.11.2): the first two rows are BENCHMARKS.md
+# "Engine decode step on a true-geometry Kimi-K2.5 slice" (2 layers: 1 dense + 1 MoE, 384 experts); the
+# third is a kimi-profile run of this issue (3 layers: 1 dense + 2 MoE in a layer loop, 64 experts).
+H200_MEASURED = [(2, 384, 1, 1.17), (2, 384, 64, 4.15), (3, 64, 8, 3.73)]
+
+
+@pytest.mark.parametrize("layers,experts,batch,device_ms", H200_MEASURED)
+def test_h200_measured_step_within_20_percent(layers, experts, batch, device_ms):
+    cfg = preset("kimi-k2.5").replace(num_hidden_layers=layers, n_routed_experts=experts)
+    p = planner.plan(cfg, hardware.preset("h200"), Layout(1), batch=batch, context=1024)
+    assert abs(1e3 * p.step_s - device_ms) / device_ms < 0.20
