@@ -34,6 +34,9 @@ class StepOutput:
 
 
 def _sample_out(logits_BV, sp, step_B, n_logprobs, shard):
+    # one all-gather of the (vocab-split) logits; sorting / cumsum over a sharded vocab would compile
+    # to sequential loops and many small collectives
+    logits_BV = _constrain(logits_BV, shard.get("replicated"))
     tok = sample(logits_BV, sp, step_B)
     out = (tok,) if n_logprobs is None else (tok, *top_logprobs(logits_BV, tok, n_logprobs))
     # replicated, so every process (multi-host) can read the tokens
@@ -88,7 +91,7 @@ def _verify_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_t
     tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
     h_BTD, pages = model.hidden_states(tokens_BT, positions_BT, pages, absorbed=False,
                                        block_table_BP=block_table_BP)
-    logits_BTV = model.logits(h_BTD)
+    logits_BTV = _constrain(model.logits(h_BTD), shard.get("replicated"))
     n_acc, nxt = verify_drafts(logits_BTV, tokens_BT[:, 1:], n_draft_B, sp, step_B)
     pages = {k: _constrain(v, shard.get("replicated")) for k, v in pages.items()}
     return pages, tuple(_constrain(o, shard.get("replicated")) for o in (n_acc, nxt))

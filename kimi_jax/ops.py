@@ -87,7 +87,9 @@ def linear(x: jax.Array, w: Weight, *, impl: Optional[str] = None) -> jax.Array:
         y = int4_matmul.int4_matmul(x.reshape(-1, x.shape[-1]), w.packed, w.scale)
         return y.reshape(*lead, y.shape[-1])
     wd = dequantize(w, x.dtype)
-    return jnp.einsum("...k,nk->...n", x, wd, preferred_element_type=jnp.float32).astype(x.dtype)
+    # The dot accumulates in float32 either way (XLA's GPU/CPU dots); asking for the output in the
+    # model dtype keeps tensor-parallel partial sums in bf16 on the wire (half the bytes of f32).
+    return jnp.einsum("...k,nk->...n", x, wd, preferred_element_type=x.dtype)
 
 
 def routed_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array, experts: ExpertWeights,
@@ -108,7 +110,8 @@ def _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts: ExpertWeights, par
     group, then partial sums are reduced. Tokens whose expert lives elsewhere get weight 0 and an
     out-of-range id (E_local), which both paths skip."""
     from jax.sharding import PartitionSpec as P
-    reduce_axes = tuple(dict.fromkeys(par.experts + par.expert_mlp))
+    size1 = {a for a in par.mesh.axis_names if par.mesh.shape[a] == 1}     # nothing to exchange there
+    reduce_axes = tuple(a for a in dict.fromkeys(par.experts + par.expert_mlp) if a not in size1)
     gather = tuple(a for a in par.batch if a in reduce_axes)     # tokens must meet every expert shard
     psum_axes = tuple(a for a in reduce_axes if a not in gather)
     batch = par.batch or None
