@@ -32,9 +32,14 @@ def command(inp, out):
 
 
 def env():
+    import jax
     e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     e["PYTHONPATH"] = ROOT
     e["JAX_PLATFORMS"] = "cpu"
+    # the five runs compile the same programs: share the test session's persistent cache
+    e["JAX_COMPILATION_CACHE_DIR"] = jax.config.jax_compilation_cache_dir or ""
+    e["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    e["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     return e
 
 

@@ -26,7 +26,7 @@ def prompts(n, seed=0):
 
 
 def test_continuous_batching_equals_solo(ckpt):
-    ps = prompts(10)
+    ps = prompts(7)
     params = [SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=True)
               for m in np.random.default_rng(1).integers(1, 12, len(ps))]
     solo_llm = LLM(ckpt, dtype="float32", max_num_seqs=1)
