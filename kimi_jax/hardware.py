@@ -225,7 +225,7 @@ _PRESETS = {
                                "FP4-sparse datasheet figure)",
                  "link_bw": "datasheet: PCIe Gen5 x16, 64 GB/s per direction",
                  "all-reduce": "measured (profiled): 78 us per all-reduce in the 8-GPU TP8 Kimi-K2.5 "
-                               "deployment (issue 9; 127 x 78 us = 9.9 ms). With CUDA graphs NCCL is "
+                               "deployment (issue 9: 127 all-reduces, 9.88 ms of NCCL). With CUDA graphs NCCL is "
                                "~36 us (16 GPUs, b12x PR 139) and a custom all-reduce 18 us (ANCHORS.md 2)",
                  "all-gather": "assumed: 78 us + bytes / 40 GB/s bus bandwidth",
                  "reduce-scatter": "assumed: 78 us + bytes / 40 GB/s bus bandwidth",

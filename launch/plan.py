@@ -3,6 +3,7 @@
   kimi-plan --model=kimi-k2.5 --hardware=h200 --tensor_parallel_size=8 --batch=16 --context=8192
   kimi-plan --model=kimi-k2.5 --hardware=h200 --world=8 --batch=16      # every layout, ranked
   kimi-plan --anchor                                                   # the published RTX PRO 6000 case
+  kimi-plan --engine=vllm --hardware=rtx-pro-6000 --tensor_parallel_size=8 --allreduce_us=78   # vLLM's TP step
   kimi-plan --hardware=calibration.json ...                            # measured numbers (launch/bench.py)
 
 With no layout flag given, every layout of --world devices is planned and those that fit are ranked
@@ -31,8 +32,10 @@ flags.DEFINE_float("allreduce_us", None, "time per all-reduce in us (as profiled
 flags.DEFINE_enum("impl", "pallas", ["pallas", "xla"], "expert kernels: fused INT4 (pallas) or XLA dequant")
 flags.DEFINE_float("mem_fraction", 0.92, "fraction of device memory the engine may use")
 flags.DEFINE_bool("engine_artifacts", True, "include collectives the current engine emits beyond the design")
-flags.DEFINE_bool("anchor", False, "plan the published case (Kimi-K2.5 INT4, 8 x RTX PRO 6000, TP8, 78 us "
-                  "all-reduce) and print it beside the published profile")
+flags.DEFINE_enum("engine", "kimi_jax", ["kimi_jax", "vllm"], "whose decode step's collectives to plan: this "
+                  "engine's, or vLLM's tensor-parallel step (sources in kimi_jax.planner.VLLM_TP_SOURCES)")
+flags.DEFINE_bool("anchor", False, "plan the published case (Kimi-K2.5 INT4, 8 x RTX PRO 6000, TP8 on vLLM, "
+                  "78 us all-reduce) and print it beside the published profile")
 flags.DEFINE_bool("compiled_counts", False, "also count collectives in the compiled decode step (CPU, shapes only)")
 flags.DEFINE_string("json", None, "write the plan(s) as JSON here")
 
@@ -59,7 +62,7 @@ def main(argv):
         cfg, name = planner.preset_or_checkpoint(a["model"])
         hw = hardware.get(a["hardware"])
         opts = planner.PlanOptions(allreduce_us=a["allreduce_us"], mem_fraction=FLAGS.mem_fraction,
-                                   engine_artifacts=a["engine_artifacts"])
+                                   engine=a["engine"])
         p = planner.plan(cfg, hw, Layout(a["tensor_parallel_size"]), a["batch"], a["context"], opts, model_name=name)
         print(p.table())
         print()
@@ -69,13 +72,13 @@ def main(argv):
     cfg, name = _config()
     hw = hardware.get(FLAGS.hardware)
     opts = planner.PlanOptions(impl=FLAGS.impl, allreduce_us=FLAGS.allreduce_us, mem_fraction=FLAGS.mem_fraction,
-                               engine_artifacts=FLAGS.engine_artifacts)
+                               engine_artifacts=FLAGS.engine_artifacts, engine=FLAGS.engine)
     print(hw.describe())
     if _layout_given():
         layout = Layout(FLAGS.tensor_parallel_size, FLAGS.data_parallel_size, FLAGS.enable_expert_parallel)
         p = planner.plan(cfg, hw, layout, FLAGS.batch, FLAGS.context, opts, model_name=name)
         print(p.table())
-        if FLAGS.compiled_counts:
+        if FLAGS.compiled_counts and FLAGS.engine == "kimi_jax":
             _print_compiled(cfg, layout, p)
         _dump([p])
         return

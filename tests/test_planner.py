@@ -25,27 +25,56 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def anchor_plan(**opts):
     a = planner.ANCHOR_RTX6KPRO
     return planner.plan(preset("kimi-k2.5"), hardware.preset("rtx-pro-6000"), Layout(8), a["batch"], a["context"],
-                        planner.PlanOptions(engine_artifacts=a["engine_artifacts"], **opts), model_name="kimi-k2.5")
+                        planner.PlanOptions(engine=a["engine"], **opts), model_name="kimi-k2.5")
 
 
-def test_anchor_127_allreduces_and_9_9_ms():
-    """Kimi-K2.5 INT4, 8 x RTX PRO 6000 (96 GB, ~1.8 TB/s, PCIe Gen5), TP8, 78 us per all-reduce."""
+def test_anchor_allreduces_and_9_9_ms():
+    """Kimi-K2.5 INT4, 8 x RTX PRO 6000 (96 GB, ~1.8 TB/s, PCIe Gen5), TP8, 78 us per all-reduce.
+
+    The published profile is of a vLLM deployment, so the anchor plans vLLM's TP decode step
+    (engine='vllm'), every collective justified by a source in planner.VLLM_TP_SOURCES: 1 embedding +
+    61 o_proj + 1 dense down_proj + 60 MoE all-reduces = 123, and 1 logits all-gather. The profile
+    counted 127 all-reduces; the 4 beyond 123 are not accounted for by the sources (acceptance asked
+    for 127 +- 2: NOT met; this test pins what the sources justify). The all-reduce time is within
+    the acceptance's 10% of 9.9 ms."""
+    assert planner.ANCHOR_RTX6KPRO["engine"] == "vllm"
     p = anchor_plan(allreduce_us=78.0)
-    n = p.count("all-reduce")
-    assert n == 128                      # 61 layers x 2 + the embedding's + 5 in the vocab-split sampler
-    assert abs(n - 127) <= 2
+    counts = planner.collective_counts(p.collectives)
+    assert counts == {"all-reduce": 1 + 61 + 1 + 60, "all-gather": 1, "reduce-scatter": 0, "all-to-all": 0,
+                      "collective-permute": 0}
+    assert p.count() == 124
+    assert 127 - p.count("all-reduce") == 4          # unexplained by the sources (see the report)
+    for c in p.collectives:                          # every row cites vLLM's code
+        assert "[vLLM: vllm/" in c.why or "[vLLM: deepseek_v2.py" in c.why, c.why
     ar_ms = 1e3 * p.collective_s_of("all-reduce")
-    assert ar_ms == pytest.approx(128 * 0.078)
-    assert abs(ar_ms - 9.9) <= 0.99      # published 9.88 ms NCCL (+1.16 ms custom)
+    assert ar_ms == pytest.approx(123 * 0.078)
+    assert abs(ar_ms - 9.9) <= 0.99                  # published 9.88 ms NCCL (+1.16 ms custom)
+    assert abs(ar_ms - 9.88) / 9.88 < 0.10
     assert p.fits and p.weight_bytes / 2**30 == pytest.approx(71.26, abs=0.01)
     report = planner.anchor_report(p)
     print("\n" + report)
-    for x in ("127", "128", "9.88", "21.7", "82", f"{1e3 * p.step_s:.2f}", f"{p.tokens_per_s:.1f}"):
+    for x in ("127", "123", "124", "9.88", "21.7", "82", "Unexplained", f"{1e3 * p.step_s:.2f}",
+              f"{p.tokens_per_s:.1f}"):
         assert x in report
     # the preset's own all-reduce model (78 us + bytes over PCIe) stays within the same 10%
     q = anchor_plan()
-    assert q.count("all-reduce") == 128
+    assert q.count("all-reduce") == 123
     assert abs(1e3 * q.collective_s_of("all-reduce") - 9.9) <= 0.99
+
+
+def test_vllm_and_kimi_jax_collectives_under_tp8():
+    cfg = preset("kimi-k2.5")
+    vllm = planner.collective_counts(planner.collective_plan(cfg, Layout(8), 1, engine="vllm"))
+    ours = planner.collective_counts(planner.collective_plan(cfg, Layout(8), 1))
+    # kimi_jax's step now has the same collectives as vLLM's under TP8: 2 per layer + embedding, 1 gather
+    assert ours == vllm == {"all-reduce": 123, "all-gather": 1, "reduce-scatter": 0, "all-to-all": 0,
+                            "collective-permute": 0}
+    # but kimi_jax gathers f32 logits and vLLM bf16
+    lg = {e: [c for c in planner.collective_plan(cfg, Layout(8), 1, engine=e) if c.kind == "all-gather"][0]
+          for e in ("vllm", "kimi_jax")}
+    assert lg["kimi_jax"].bytes == 2 * lg["vllm"].bytes == 163840 * 4
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        planner.collective_plan(cfg, Layout(1, 8, True), 8, engine="vllm")
 
 
 def test_anchor_step_is_between_production_and_profiled():
@@ -57,7 +86,7 @@ def test_kimi_plan_cli_anchor():
     out = subprocess.run([sys.executable, "-m", "launch.plan", "--anchor"], cwd=REPO, capture_output=True,
                          text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "all-reduces per token                          128         127" in out.stdout
+    assert "all-reduces per token                          123         127" in out.stdout
 
 
 # ---- hand-computed cases ----------------------------------------------------------------------------
@@ -90,18 +119,23 @@ def test_one_dense_layer_by_hand():
                          "routed_experts": 0, "embedding": vocab, "lm_head": vocab}
     assert p.weight_bytes == 4464
     assert p.cache_len == 8 and p.cache_bytes == 1 * 1 * 8 * 10 * 2       # L x B x S x (A+R) x bf16
-    # collectives: embedding, attention, dense FFN all-reduces + the vocab-split sampler (GPU form)
-    assert planner.collective_counts(p.collectives) == {"all-reduce": 8, "all-gather": 3, "reduce-scatter": 0,
-                                                        "all-to-all": 3, "collective-permute": 0}
-    # time: weights read once (embedding: one row of 16 bf16), the cache twice, 14 collectives x 10 us
+    # collectives: embedding, attention, dense FFN all-reduces + one all-gather of the vocab-split logits
+    assert planner.collective_counts(p.collectives) == {"all-reduce": 3, "all-gather": 1, "reduce-scatter": 0,
+                                                        "all-to-all": 0, "collective-permute": 0}
+    # bytes: [1, 16] bf16 partial sums, the [1, 64] f32 logits gathered
+    assert sorted((c.kind, c.bytes) for c in p.collectives) == [("all-gather", 64 * 4)] + [("all-reduce", 32)] * 3
+    # time: weights read once (embedding: one row of 16 bf16), the cache twice, 4 collectives x 10 us
     read = attn + norms + dense + vocab + 16 * 2
     assert p.compute_memory_s == pytest.approx((read + 2 * 160) * 1e-9, rel=1e-6)
-    assert p.collective_s == pytest.approx(14 * 10e-6, rel=1e-6)
-    assert p.step_s == pytest.approx(140e-6 + 3.792e-6, rel=1e-6)
-    assert p.tokens_per_s == pytest.approx(1 / 143.792e-6, rel=1e-6)
-    # the current engine on GPU also loops over the vocab in the sampler: 2 x V/tp iterations
+    assert p.collective_s == pytest.approx(4 * 10e-6, rel=1e-6)
+    assert p.step_s == pytest.approx(40e-6 + 3.792e-6, rel=1e-6)
+    assert p.tokens_per_s == pytest.approx(1 / 43.792e-6, rel=1e-6)
+    # no engine artifacts left in a one-layer TP step (no sampler loop, no layer loop)
     q = planner.plan(cfg, TOY, Layout(2), batch=1, context=8, options=planner.PlanOptions(runtime_reserve_bytes=0))
-    assert q.step_s - p.step_s == pytest.approx(2 * 32 * planner.SAMPLER_LOOP_ITER_S, rel=1e-6)
+    assert q.step_s == pytest.approx(p.step_s, rel=1e-12)
+    # float32 mode: the partial sums go over the wire in f32
+    f = planner.collective_plan(cfg, Layout(2), 1, dtype_bytes=4)
+    assert [c.bytes for c in f if c.kind == "all-reduce"] == [64] * 3
 
 
 def test_moe_layer_tp_vs_ep_by_hand():
@@ -119,16 +153,18 @@ def test_moe_layer_tp_vs_ep_by_hand():
     assert tp.weights["shared_experts"] == 3 * 4 * 16 * 2 and dp.weights["shared_experts"] == 3 * 8 * 16 * 2
     assert tp.weight_bytes == ep.weight_bytes == 784 + 96 + router + 384 + 1536 + 2048 == 5120
     assert dp.weight_bytes == 1232 + 96 + router + 768 + 1536 + 4096 == 8000
-    # collectives: TP and TP+EP all-reduce the MoE output once; DP+EP dispatches instead
+    # collectives: TP and TP+EP all-reduce the MoE output once (shared + routed in one op); DP+EP dispatches
     counts = {n: planner.collective_counts(p.collectives) for n, p in (("tp", tp), ("ep", ep), ("dp", dp))}
-    assert counts["tp"] == counts["ep"] == {"all-reduce": 8, "all-gather": 3, "reduce-scatter": 0, "all-to-all": 3,
+    assert counts["tp"] == counts["ep"] == {"all-reduce": 3, "all-gather": 1, "reduce-scatter": 0, "all-to-all": 0,
                                             "collective-permute": 0}
-    # DP2+EP: tokens out (1) and the dispatch of tokens/ids/weights (1); one reduce-scatter of the outputs
+    moe = [c for c in tp.collectives if c.why.startswith("MoE")]
+    assert [(c.count, c.bytes) for c in moe] == [(1, 2 * 16 * 2)]          # [1, 16] bf16, twice
+    # DP2+EP: the logits' rows (1) and the dispatch of tokens/ids/weights (1); one reduce-scatter of the outputs
     assert counts["dp"] == {"all-reduce": 0, "all-gather": 2, "reduce-scatter": 1, "all-to-all": 0,
                             "collective-permute": 0}
-    # the current engine on GPU: the routed psum is a second all-reduce per MoE layer
+    # the current engine on GPU adds nothing here (one MoE layer: no layer loop, no rematerialized dispatch)
     cur = planner.plan(cfg, TOY, Layout(2), batch=1, context=8)
-    assert cur.count("all-reduce") == 9 and sum(c.count for c in cur.collectives if c.artifact) == 1
+    assert cur.count("all-reduce") == 3 and not any(c.artifact for c in cur.collectives)
     # on CPU (what tests/test_profiler.py compiles): 3 dispatch ops, cache-write and router top-k gathers
     cpu = planner.collective_plan(cfg, Layout(1, 2, True), 2, program="cpu")
     assert planner.collective_counts(cpu)["all-gather"] == 1 + 3 + (1 + 2) + 1
@@ -155,20 +191,33 @@ def test_expected_touched_experts():
 
 
 # ---- the rules against compiled programs of the full model ---------------------------------------
-# Counted by kimi-profile --compile_only on 2 x H200 (jax 0.11.2, JAX_OPTIMIZATION_LEVEL=O1), batch 8
-H200_COMPILED = {
+# Counted by kimi-profile --compile_only on 2 x H200 (jax 0.11.2, JAX_OPTIMIZATION_LEVEL=O1), batch 8, with
+# the engine BEFORE commit 6b06aa3 (sampler over vocab-split logits, f32 shared-expert partial sums)
+H200_RECORDED = {
     Layout(2): {"all-reduce": 188, "all-gather": 3, "reduce-scatter": 0, "all-to-all": 3, "collective-permute": 0},
     Layout(2, 1, True): {"all-reduce": 188, "all-gather": 3, "reduce-scatter": 0, "all-to-all": 3,
                          "collective-permute": 0},
     Layout(1, 2, True): {"all-reduce": 0, "all-gather": 91, "reduce-scatter": 60, "all-to-all": 0,
                          "collective-permute": 0},
 }
+# What 6b06aa3 removed from those programs: under TP the sampler over vocab-split logits (5 all-reduce,
+# 3 all-gather, 3 all-to-all) and the second MoE all-reduce per layer (f32 shared sums could not combine
+# with the bf16 routed psum: planner.GPU_MOE_REDUCE_SPLIT); under DP the all-gather of sampled tokens.
+# What it added: one all-gather of the logits per sharded mesh axis. Both INFERRED from the CPU compile
+# of the new engine (tests/test_profiler.py), not yet re-recorded on an H200.
+REMOVED = {Layout(2): {"all-reduce": 5 + 60, "all-gather": 3, "all-to-all": 3},
+           Layout(2, 1, True): {"all-reduce": 5 + 60, "all-gather": 3, "all-to-all": 3},
+           Layout(1, 2, True): {"all-gather": 1}}
+ADDED = {"all-gather": 1}
 
 
-@pytest.mark.parametrize("layout", list(H200_COMPILED), ids=lambda l: l.name)
+@pytest.mark.parametrize("layout", list(H200_RECORDED), ids=lambda l: l.name)
 def test_rules_match_the_kimi_k25_step_compiled_on_h200(layout):
+    expected = {k: v - REMOVED[layout].get(k, 0) + ADDED.get(k, 0) for k, v in H200_RECORDED[layout].items()}
     specs = planner.collective_plan(preset("kimi-k2.5"), layout, 8, program="gpu")
-    assert planner.collective_counts(specs) == H200_COMPILED[layout]
+    assert planner.collective_counts(specs) == expected
+    if layout.data_parallel_size == 1:
+        assert expected["all-reduce"] == 1 + 61 + 1 + 60 and expected["all-to-all"] == 0
 
 
 # ---- per-device bytes agree with kimi_jax.sharding ------------------------------------------------------
@@ -205,9 +254,14 @@ def test_rank_layouts_kimi_on_h200():
                                           options=planner.PlanOptions(engine_artifacts=False))
     names = [p.layout for p in fits]
     assert names[0] == "TP8"                                            # fewest bytes per device at batch 1
-    # the current engine: the sampler's loop over vocab-split logits sinks every TP layout on GPU
+    # the current engine (sampling on gathered logits: no sampler loop under TP any more) ranks TP8 first too;
+    # its remaining artifact, the per-layer expert weight copy, costs every layout about alike
     now, _ = planner.rank_layouts(cfg, hw, 8, batch=1, context=8192)
-    assert now[0].layout == "DP8+EP"
+    assert now[0].layout == "TP8"
+    assert not any("sampler" in t.name for p in now for t in p.terms)
+    # engine='vllm' plans tensor-parallel layouts only
+    v, v_rejected = planner.rank_layouts(cfg, hw, 8, batch=1, context=8192, options=planner.PlanOptions(engine="vllm"))
+    assert {p.layout for p in v} == {"TP8", "TP8+EP"} and "DP8+EP" in {n for n, _ in v_rejected}
     assert [p.tokens_per_s for p in fits] == sorted((p.tokens_per_s for p in fits), reverse=True)
     assert all(p.fits for p in fits)
     assert {"DP8", "DP4xTP2", "DP2xTP4"} <= {n for n, _ in rejected}    # replicated experts do not fit

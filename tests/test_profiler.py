@@ -20,8 +20,19 @@ CFG = preset("tiny").replace(num_attention_heads=8, n_routed_experts=16, n_group
 BATCH = 8
 
 
-def rule(layout):
-    return planner.collective_counts(planner.collective_plan(CFG, layout, BATCH, program="cpu"))
+def rule(layout, batch=BATCH):
+    return planner.collective_counts(planner.collective_plan(CFG, layout, batch, program="cpu"))
+
+
+def wire_bytes(items, kind):
+    """Bytes one step moves in `kind` collectives over groups of more than one device: count x bytes
+    (planner specs) or executions x result bytes (compiled ops; for all-reduce and all-gather the
+    result is the planner's buffer)."""
+    total = 0
+    for o in items:
+        if o.kind == kind and not getattr(o, "trivial", False):
+            total += (o.count if isinstance(o, planner.CollectiveSpec) else o.executions) * o.bytes
+    return total
 
 
 @pytest.mark.parametrize("name,layout", [("tp8", Layout(8)), ("dp8_ep", Layout(1, 8, True))])
@@ -51,14 +62,28 @@ def test_profile_reports_the_compiled_collectives(tmp_path, name, layout):
         # the MoE layers' while loop (3 trips) holds the attention and MoE all-reduces: 2 ops, 6 executions
         in_loop = [o for o in ops if o.executions == CFG.num_moe_layers]
         assert sorted(o.kind for o in in_loop) == ["all-reduce", "all-reduce"]
-        assert report.collectives_program["all-reduce"] == 2 * 4 + 1 + 4
+        # 2 per layer + the embedding's; the logits are gathered once and sampled replicated (no sampler
+        # collectives over a vocab-split array)
+        assert report.collectives_program["all-reduce"] == 2 * 4 + 1
+        assert report.collectives_program["all-gather"] == 1
+        assert report.collectives_program["all-to-all"] == 0
+        # bytes too: [B, D] partial sums (XLA:CPU sends the bf16 sums as f32) and the [B, V] f32 logits
+        specs = planner.collective_plan(CFG, layout, BATCH, program="cpu")
+        for kind in ("all-reduce", "all-gather"):
+            assert wire_bytes(ops, kind) == wire_bytes(specs, kind), kind
 
 
 @pytest.mark.parametrize("layout,batch", [(Layout(8, 1, True), BATCH), (Layout(4, 2, True), BATCH),
-                                          (Layout(8), 1), (Layout(8), 4)], ids=lambda x: getattr(x, "name", x))
+                                          (Layout(2, 4), BATCH), (Layout(8), 1)],
+                         ids=lambda x: getattr(x, "name", x))
 def test_compiled_counts_match_planner_rules(layout, batch):
     counts = profiling.count_decode_collectives(CFG, layout, batch, 32)
-    assert counts.by_kind() == planner.collective_counts(planner.collective_plan(CFG, layout, batch, program="cpu"))
+    assert counts.by_kind() == rule(layout, batch)
+    specs = planner.collective_plan(CFG, layout, batch, program="cpu")
+    assert wire_bytes(counts.ops, "all-reduce") == wire_bytes(specs, "all-reduce")
+    if layout.enable_expert_parallel and layout.data_parallel_size == 1:
+        # TP+EP with dp = 1: the MoE exchange skips the size-1 dp axis, so nothing runs over one-device groups
+        assert counts.by_kind(trivial=True) == counts.by_kind()
 
 
 HLO = """HloModule m, is_scheduled=true
