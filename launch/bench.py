@@ -1,4 +1,6 @@
-"""Benchmarks. `python -m launch.bench --suite=int4` runs the INT4 kernel acceptance table (issue 3).
+"""Benchmarks. `python -m launch.bench --suite=int4` runs the INT4 kernel acceptance table (issue 3);
+`--suite=throughput` the continuous-batching throughput case (launch/bench_throughput.py);
+launch/bench_engine.py the per-layout decode step on a Kimi slice.
 
 Suite int4 (one GPU run): device/versions, copy and matmul ceilings, GPU correctness of the kernels
 against float32 references, the dense INT4 matmul sweep and the MoE layer sweep with baselines
@@ -40,6 +42,10 @@ flags.DEFINE_string("moe_configs", "default", "name of a config list in MOE_SWEE
 flags.DEFINE_bool("baselines", True, "time the baselines too")
 flags.DEFINE_bool("dry", False, "tiny shapes (CPU dry run of the script itself)")
 flags.DEFINE_float("budget_s", 420.0, "stop starting new sections after this many seconds")
+flags.DEFINE_string("model", None, "throughput suite: checkpoint dir or preset (default: the demo model)")
+flags.DEFINE_list("tp_batches", ["1", "16", "64", "256"], "throughput suite: max batch sizes")
+flags.DEFINE_integer("gen_tokens", 32, "throughput suite: output tokens per request")
+flags.DEFINE_string("dtype", "bfloat16", "throughput suite: compute dtype")
 
 RESULTS: list[dict] = []
 _T0 = time.time()
@@ -668,6 +674,13 @@ def main(argv):
     del argv
     if FLAGS.suite == "int4":
         run_int4()
+    elif FLAGS.suite == "throughput":
+        from launch.bench_throughput import format_rows, throughput_rows
+        rows = throughput_rows(FLAGS.model, [int(b) for b in FLAGS.tp_batches], gen_tokens=FLAGS.gen_tokens,
+                               dtype=FLAGS.dtype)
+        for r in rows:
+            record(suite="throughput", **r)
+        print(format_rows(rows))
     else:
         raise SystemExit(f"unknown suite {FLAGS.suite!r}")
 
