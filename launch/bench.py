@@ -681,6 +681,13 @@ def main(argv):
         for r in rows:
             record(suite="throughput", **r)
         print(format_rows(rows))
+    elif FLAGS.suite == "spec":
+        from launch.bench_spec import format_rows as spec_table, spec_rows
+        rows = spec_rows(FLAGS.model, [int(b) for b in FLAGS.tp_batches], gen_tokens=FLAGS.gen_tokens,
+                         dtype=FLAGS.dtype)
+        for r in rows:
+            record(suite="spec", **r)
+        print(spec_table(rows))
     else:
         raise SystemExit(f"unknown suite {FLAGS.suite!r}")
 
