@@ -10,20 +10,29 @@ The model's parameter paths mirror the HF names, with layers of one kind stacked
 Floating tensors are cast to the parameter dtype (the router stays float32); INT4 words are kept
 packed (the kernels consume them; the XLA path dequantizes on the fly).
 
-Streaming (`load_params(..., shardings=...)`): for every parameter, each addressable device's shard
-is a box of the global array (`sharding.addressable_devices_indices_map`); only the HF tensors that
-fall in the box are read, and of each only the rows/columns in it (`CheckpointReader.read_slice`:
-positioned reads of just those bytes, GIL released, `workers` reads in flight). Devices holding the
-same box (replication) share one read. Shards are put on their devices as they arrive and joined with
-`jax.make_array_from_single_device_arrays` (what `jax.make_array_from_callback` does, except that each
-slice is transferred and released before the next is read, instead of all of a parameter's local
-slices being held for one batched transfer). A parameter whose local shards exceed `chunk_bytes` is
-read in blocks (the same leading-axis block of every local shard at once, `chunk_bytes` in all) that
-are written into the preallocated global array in place (a donated dynamic_update_slice in one
-shard_map: one compile per parameter, whatever the device count). Host memory therefore holds at
-most one chunk being placed plus `readahead_bytes` being read, whatever the model size. Each process
-reads only its own devices' slices. If anything fails, every array placed so far is deleted before the
-error propagates.
+Streaming (`load_params(..., shardings=...)`; `load_model` and `LLM` use it):
+* Per parameter, each addressable device's shard is a box of the global array
+  (`sharding.addressable_devices_indices_map`): only the HF tensors in the box are read, and of each
+  only its rows/columns (`CheckpointReader.read_slice`); devices holding the same box share one read.
+  Each process reads only its own devices' slices. Shards are put on their devices as they arrive and
+  joined with `jax.make_array_from_single_device_arrays` (what `jax.make_array_from_callback` does,
+  except that each slice is transferred and released before the next is read, instead of all of a
+  parameter's local slices being held for one batched transfer).
+* Reads go in file order, not parameter order (a layer's experts interleave gate/up/down in the
+  files; sequential reads are several times faster), `workers` threads in flight (os.preadv releases
+  the GIL), whole tensors that are adjacent in a file (gaps up to 64 KiB, e.g. weight_shape) merged
+  into one vector read of up to 64 MB straight into the destination buffers.
+* Host memory on accelerators: a shard larger than `chunk_bytes` is staged in blocks (the same
+  leading-axis block of every local shard, `chunk_bytes` in all) written into the preallocated global
+  array in place (a donated dynamic_update_slice in one shard_map: one compile per parameter, not per
+  device); staging buffers are recycled; at most `readahead_bytes` are being read while one chunk is
+  placed. On CPU devices the page-aligned host buffer becomes the array (no copy), so shards are read
+  whole into their final memory: peak RSS = the model + a few MB.
+* Buffers are anonymous mappings advised to use transparent huge pages; one thread pre-faults them
+  ahead of the reads; when the checkpoint is large for the RAM, pages read are dropped from the page
+  cache (POSIX_FADV_DONTNEED) so the cache does not force reclaim of the memory being filled.
+* A tqdm bar shows GB read and GB/s (on a terminal). If anything fails, every array placed so far is
+  deleted before the error propagates.
 """
 from __future__ import annotations
 
@@ -47,16 +56,19 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from checkpoints import layout as layout_lib
-from checkpoints.safetensors_io import CheckpointError, CheckpointReader, np_dtype
+from checkpoints.safetensors_io import CheckpointError, CheckpointReader, TensorInfo, np_dtype
 from kimi_jax.config import ModelConfig
 
 log = logging.getLogger(__name__)
 _FLOATS = ("float32", "bfloat16", "float16")
 _STACKS = {"dense_layers": 0, "moe_layers": 1}
 
-DEFAULT_WORKERS = 4
+DEFAULT_WORKERS = 8
 DEFAULT_CHUNK_BYTES = 256 << 20        # largest host block of one device shard
 DEFAULT_READAHEAD_BYTES = 512 << 20    # host bytes being read ahead while a chunk is placed
+# On CPU devices a page-aligned host buffer becomes the device array without a copy, so shards are
+# read whole, straight into their final memory (False: stage and chunk as for accelerators; tests).
+CPU_ADOPTS_HOST_BUFFERS = True
 
 __all__ = ["load_model", "load_params", "hf_names_for", "hf_name", "expected_for", "LoadStats",
            "DEFAULT_WORKERS", "DEFAULT_CHUNK_BYTES", "DEFAULT_READAHEAD_BYTES"]
@@ -124,6 +136,9 @@ class _Param:
     done: dict = dataclasses.field(default_factory=dict)           # device -> finished shard array
     partial: dict = dataclasses.field(default_factory=dict)        # device -> shard being filled
     buf: Optional[jax.Array] = None                                # global array being filled
+    remaining: int = 0                                             # chunks not yet placed
+    on_cpu: bool = False                                           # every device is a CPU device
+    staged: bool = True        # host buffers are staging (bounded, chunked), not the arrays' memory
 
 
 @dataclasses.dataclass
@@ -131,8 +146,14 @@ class _Chunk:
     param: _Param
     groups: list             # [(shard box, devices holding it)] covered by this chunk
     rel: Optional[Box]       # the block of each shard (box relative to the shard); None: whole shards
-    final: bool              # the parameter's last chunk
     nbytes: int              # host bytes (parameter dtype)
+    pos: tuple = ()          # (file index, offset) of its first tensor: chunks are read in file order
+
+    @property
+    def cost(self) -> int:
+        """Host bytes counted against the read-ahead budget: none for CPU devices, which adopt the
+        host buffer as the device array (it is the model's own memory, not staging)."""
+        return self.nbytes if self.param.staged else 0
 
     def boxes(self) -> list[Box]:
         """The absolute box read for each group."""
@@ -185,21 +206,34 @@ def _plan(params: list[_Param], chunk_bytes: int) -> Iterator[_Chunk]:
             p.devices.append(d)
             groups.setdefault(_box_of(index, p.shape), []).append(d)
         items = [(b, tuple(ds)) for b, ds in groups.items()]
+        if not items:
+            continue
         shard = [e - s for s, e in items[0][0]]
         shard_bytes = math.prod(shard) * p.dtype.itemsize
         # CPU devices adopt the (page-aligned) host buffer itself: a whole shard costs no extra
         # host memory, and staging it in blocks would only add copies
-        on_cpu = all(d.platform == "cpu" for d in p.devices)
-        if shard_bytes <= chunk_bytes or on_cpu or not items:
-            for i, g in enumerate(items):              # whole shards, one chunk each
-                yield _Chunk(p, [g], None, i == len(items) - 1, shard_bytes)
-            continue
-        # the same block of every local shard at once, chunk_bytes in all
-        blocks = _split_box(tuple((0, n) for n in shard), p.dtype.itemsize,
-                            max(1, chunk_bytes // len(items)))
-        for i, rel in enumerate(blocks):
-            yield _Chunk(p, items, rel, i == len(blocks) - 1,
-                         math.prod(b - a for a, b in rel) * p.dtype.itemsize * len(items))
+        p.on_cpu = all(d.platform == "cpu" for d in p.devices)
+        p.staged = not (p.on_cpu and CPU_ADOPTS_HOST_BUFFERS)
+        if shard_bytes <= chunk_bytes or not p.staged:
+            chunks = [_Chunk(p, [g], None, shard_bytes) for g in items]      # whole shards
+        else:   # the same block of every local shard at once, chunk_bytes in all
+            blocks = _split_box(tuple((0, n) for n in shard), p.dtype.itemsize,
+                                max(1, chunk_bytes // len(items)))
+            chunks = [_Chunk(p, items, rel, math.prod(b - a for a, b in rel) * p.dtype.itemsize * len(items))
+                      for rel in blocks]
+        p.remaining = len(chunks)
+        yield from chunks
+
+
+def _order_box(ch: _Chunk) -> Box:
+    """The box whose file position orders a chunk. Blocks (which launch SPMD programs over the whole
+    mesh: every process must run them in the same order) use their block of the sharding's first
+    device's shard, the same on every process; whole shards (only device_put) use their own."""
+    if ch.rel is None or ch.param.sharding is None:
+        return ch.boxes()[0]
+    first = min(ch.param.sharding.device_set, key=lambda d: d.id)
+    shard = _box_of(ch.param.sharding.devices_indices_map(ch.param.shape)[first], ch.param.shape)
+    return tuple((s0 + a, s0 + b) for (s0, _), (a, b) in zip(shard, ch.rel))
 
 
 def _pieces(p: _Param, box: Box, cfg: ModelConfig):
@@ -278,6 +312,77 @@ class _HostBuffers:
             self.free_bytes += raw.nbytes
 
 
+def _available_memory() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("inf")
+
+
+_PAGE = mmap.PAGESIZE
+_RUN_BYTES = 64 << 20       # adjacent tensors are read together up to this many bytes
+_MAX_GAP = 64 << 10         # ... across gaps up to this size (e.g. 8-byte weight_shape tensors)
+
+
+@dataclasses.dataclass
+class _Read:
+    """One tensor's part of a chunk: `direct` when it is one contiguous byte run of the file read
+    straight into `out` (same dtype); otherwise CheckpointReader.read_slice cuts/casts it."""
+    file: int
+    offset: int
+    nbytes: int
+    info: TensorInfo
+    name: str
+    src: tuple
+    out: np.ndarray
+    futs: list
+    direct: bool
+
+
+def _coalesce(reads: list[_Read]) -> Iterator[list[_Read]]:
+    """Group file-ordered reads: direct reads of nearby byte ranges (gaps up to _MAX_GAP, read into
+    a scratch buffer) become one sequential vector read (preadv into several buffers) of up to
+    _RUN_BYTES and 256 buffers."""
+    group: list[_Read] = []
+    size = 0
+    for r in reads:
+        gap = r.offset - (group[-1].offset + group[-1].nbytes) if group else -1
+        if (group and r.direct and group[-1].direct and r.file == group[-1].file
+                and 0 <= gap <= _MAX_GAP and len(group) < 256 and size + gap + r.nbytes <= _RUN_BYTES):
+            group.append(r)
+            size += gap + r.nbytes
+            continue
+        if group:
+            yield group
+        group, size = [r], r.nbytes
+    if group:
+        yield group
+
+
+def _read_group(reader: CheckpointReader, group: list[_Read]) -> None:
+    if not group[0].direct:
+        reader.read_slice(group[0].name, group[0].src, out=group[0].out)
+        return
+    bufs, names, end = [], [], group[0].offset
+    for r in group:
+        if r.offset > end:                              # a gap: read and dropped
+            bufs.append(memoryview(bytearray(r.offset - end)))
+            names.append(r.info.name)
+        bufs.append(memoryview(r.out.reshape(-1).view(np.uint8)))
+        names.append(r.info.name)
+        end = r.offset + r.nbytes
+    reader.read_into(group[0].info.file, group[0].offset, bufs, names)
+
+
+def _touch(arr: np.ndarray) -> None:
+    """Fault in every page of a fresh buffer (writes zeros, which fresh pages hold anyway)."""
+    arr.reshape(-1).view(np.uint8)[::_PAGE] = 0
+
+
 def _delete(arrays) -> None:
     for a in arrays:
         try:
@@ -300,7 +405,7 @@ def load_params(reader: CheckpointReader, cfg: ModelConfig, abstract_state,
                 shardings: Optional[Mapping[tuple[str, ...], jax.sharding.Sharding]] = None,
                 workers: int = DEFAULT_WORKERS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                 readahead_bytes: int = DEFAULT_READAHEAD_BYTES, progress: Optional[bool] = None,
-                stats: Optional[LoadStats] = None):
+                stats: Optional[LoadStats] = None, keep_page_cache: Optional[bool] = None):
     """Read every parameter of `abstract_state` (an nnx.State of ShapeDtypeStructs) from `reader`.
 
     shardings: {parameter path: Sharding}; each process reads and places only its addressable
@@ -310,6 +415,10 @@ def load_params(reader: CheckpointReader, cfg: ModelConfig, abstract_state,
     workers: reads in flight (threads). chunk_bytes / readahead_bytes: host memory bounds.
     progress: tqdm bar of bytes read (None: only on a terminal, process 0).
     stats: a LoadStats to fill.
+    keep_page_cache: leave what was read in the kernel's page cache (faster reloads). None: only
+      when this process's share of the checkpoint is under half the available memory; otherwise
+      each range read is dropped from the cache (POSIX_FADV_DONTNEED) so that the page cache does
+      not compete with the model's own memory.
     Returns a pure dict of arrays for nnx.replace_by_pure_dict.
     """
     stats = stats if stats is not None else LoadStats()
@@ -328,35 +437,69 @@ def load_params(reader: CheckpointReader, cfg: ModelConfig, abstract_state,
                              None if legacy else shardings[path]))
     _check_shapes(reader, params, cfg)
     if legacy:
-        chunks = iter([_Chunk(p, [(tuple((0, n) for n in p.shape), ())], None, True,
-                              math.prod(p.shape) * p.dtype.itemsize) for p in params])
-        total = sum(math.prod(p.shape) * p.dtype.itemsize for p in params)
+        plan = [_Chunk(p, [(tuple((0, n) for n in p.shape), ())], None, math.prod(p.shape) * p.dtype.itemsize)
+                for p in params]
+        for p in params:
+            p.remaining = 1
+        total = sum(ch.nbytes for ch in plan)
     else:
+        plan = list(_plan(params, chunk_bytes))
         # the bar's total: bytes of the local shards (stored dtype) -- known from shapes alone
         total = 0
         for p in params:
             stored = np_dtype(reader.info(hf_name(p.path, cfg, (0,) * p.depth)).dtype).itemsize
             boxes = {_box_of(ix, p.shape) for ix in p.sharding.addressable_devices_indices_map(p.shape).values()}
             total += sum(math.prod(e - s for s, e in b) for b in boxes) * stored
-        chunks = _plan(params, chunk_bytes)
+    # Read in file order, not parameter order: parameters interleave in the files (a layer's experts
+    # store gate, up and down next to each other), and disks read sequential ranges much faster.
+    file_index = {f: i for i, f in enumerate(reader.files)}
 
+    def pos(name):
+        info = reader.info(name)
+        return file_index[info.file], info.begin
+
+    for ch in plan:
+        ch.pos = min(pos(name) for name, _, _ in _pieces(ch.param, _order_box(ch), cfg))
+    plan.sort(key=lambda ch: ch.pos)
+    if keep_page_cache is None:
+        keep_page_cache = total < _available_memory() / 2
+    reader.drop_page_cache = not keep_page_cache
     placed: list[jax.Array] = []           # every device array made so far (deleted on failure)
     bar = _progress_bar(total, progress, f"loading {os.path.basename(reader.path.rstrip('/'))}")
     pool = cf.ThreadPoolExecutor(max(1, workers), thread_name_prefix="kimi-load")
-
+    # One thread touches the pages of the buffers ahead of the reads (in the same order), so that the
+    # kernel's page zeroing overlaps disk waits instead of running inside the reads.
+    faulter = cf.ThreadPoolExecutor(1, thread_name_prefix="kimi-prefault")
     buffers = _HostBuffers(keep=readahead_bytes + chunk_bytes)
 
-    def start(ch: _Chunk):
-        hosts, futs = [], []
-        for box in ch.boxes():
-            host = buffers.get(tuple(e - s for s, e in box), ch.param.dtype)
-            futs += [pool.submit(reader.read_slice, name, src, host[dst])
-                     for name, src, dst in _pieces(ch.param, box, cfg)]
-            hosts.append(host)
-        return ch, hosts, futs
+    def start(batch: list[_Chunk]) -> list:
+        """Allocate the chunks' host buffers and queue all their reads, in file order."""
+        started, reads = [], []
+        for ch in batch:
+            hosts, futs = [], []
+            for box in ch.boxes():
+                host = buffers.get(tuple(e - s for s, e in box), ch.param.dtype)
+                for name, src, dst in _pieces(ch.param, box, cfg):
+                    info, _, runs, covering = reader.slice_plan(name, src)
+                    out = host[dst]
+                    off, n = runs[0] if runs else (info.begin, 0)
+                    direct = not covering and len(runs) == 1 and out.dtype == np_dtype(info.dtype)
+                    reads.append(_Read(file_index[info.file], off, n, info, name, src, out, futs, direct))
+                hosts.append(host)
+            started.append((ch, hosts, futs))
+        reads.sort(key=lambda r: (r.file, r.offset))
+        for group in _coalesce(reads):
+            for r in group:
+                if r.out.nbytes >= 16 * _PAGE:
+                    faulter.submit(_touch, r.out)
+            fut = pool.submit(_read_group, reader, group)
+            for futs in {id(r.futs): r.futs for r in group}.values():
+                futs.append(fut)
+        return started
 
     def finish(ch: _Chunk, hosts: list) -> None:
         p = ch.param
+        p.remaining -= 1
         if legacy:
             _set(pure, p.path, place(p.path, hosts[0]))
             return
@@ -386,49 +529,53 @@ def load_params(reader: CheckpointReader, cfg: ModelConfig, abstract_state,
                         placed.append(cur)
                     p.partial[d] = _update(cur, jax.device_put(host, d), tuple(a for a, _ in ch.rel))
                     new.append(p.partial[d])
-            if ch.final:
+            if p.remaining == 0:
                 p.done.update(p.partial)
                 p.partial.clear()
         placed.extend(new)
         for a in new:
             a.block_until_ready()        # the host blocks are free once this returns
-        if not any(d.platform == "cpu" for d in p.devices):
+        if not p.on_cpu:
             for h in hosts:
                 buffers.give_back(h)
         stats.chunks += 1
         stats.blocks += ch.rel is not None
-        if ch.final and p.buf is not None:
+        if p.remaining:
+            return
+        if p.buf is not None:
             arr, p.buf = p.buf, None
-        elif len(p.done) == len(p.devices):
+        else:
             arr = jax.make_array_from_single_device_arrays(p.shape, p.sharding,
                                                            [p.done[d] for d in p.devices])
             placed.append(arr)
             p.done.clear()
-        else:
-            return
         stats.shards += len(arr.addressable_shards)
         stats.params += 1
         _set(pure, p.path, arr)
 
-    inflight: collections.deque = collections.deque()
-    inflight_bytes = 0
+    window: collections.deque = collections.deque()
+    held = 0                               # host bytes of started chunks (staging only)
+    i = 0
     try:
-        nxt = next(chunks, None)
-        while nxt is not None or inflight:
-            while nxt is not None and (not inflight or inflight_bytes + nxt.nbytes <= readahead_bytes):
-                inflight.append(start(nxt))
-                inflight_bytes += nxt.nbytes
-                stats.max_host_bytes = max(stats.max_host_bytes, inflight_bytes)
-                nxt = next(chunks, None)
-            ch, hosts, futs = inflight.popleft()
+        while i < len(plan) or window:
+            batch = []
+            while i < len(plan) and ((not window and not batch) or held + plan[i].cost <= readahead_bytes):
+                batch.append(plan[i])
+                held += plan[i].cost
+                i += 1
+            stats.max_host_bytes = max(stats.max_host_bytes, held)
+            window.extend(start(batch))
+            ch, hosts, futs = window.popleft()
             for f in futs:
                 f.result()
             bar.update(reader.bytes_read - b0 - bar.n)
             finish(ch, hosts)
-            inflight_bytes -= ch.nbytes
+            held -= ch.cost
             del hosts
     except BaseException:
+        faulter.shutdown(wait=True, cancel_futures=True)
         pool.shutdown(wait=True, cancel_futures=True)
+        reader.drop_page_cache = False
         bar.close()
         _delete(placed)
         for p in params:
@@ -437,7 +584,10 @@ def load_params(reader: CheckpointReader, cfg: ModelConfig, abstract_state,
             p.buf = None
         raise
     pool.shutdown(wait=True)
+    faulter.shutdown(wait=True)
+    reader.drop_page_cache = False
     bar.update(reader.bytes_read - b0 - bar.n)
+    bar.total = max(bar.total, bar.n)      # bytes read include small gaps bridged between tensors
     bar.close()
     stats.bytes_read += reader.bytes_read - b0
     stats.seconds += time.perf_counter() - t0

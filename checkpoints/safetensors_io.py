@@ -23,7 +23,7 @@ import os
 import re
 import struct
 import threading
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import ml_dtypes
 import numpy as np
@@ -41,6 +41,7 @@ _OPEN_HANDLES = 4                    # safe_open handles kept open (LRU); bounds
 # read_slice: a slice whose contiguous byte runs are shorter than this is read as the span of whole
 # rows that covers it (one read) and cut in memory; longer runs are read one by one.
 _MIN_RUN_BYTES = 256 * 1024
+_IOV_MAX = 1024                      # buffers per preadv call (Linux IOV_MAX)
 _EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 
 # safetensors dtype tag -> (numpy-style dtype name, bytes per element)
@@ -180,7 +181,11 @@ class CheckpointReader:
         self._skip_logged = False
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
-        self.bytes_read = 0                 # bytes read by read_slice (all threads)
+        self.bytes_read = 0                 # bytes read by read_slice / read_into (all threads)
+        # read_slice / read_into: after reading, tell the kernel the file pages are not needed again
+        # (POSIX_FADV_DONTNEED), so that a model larger than the spare RAM does not fill the page
+        # cache and force reclaim while the model's own memory is being allocated
+        self.drop_page_cache = False
 
     # ---- opening ---------------------------------------------------------------------
     def _abs(self, fname: str) -> str:
@@ -321,18 +326,38 @@ class CheckpointReader:
 
     def _pread(self, info: TensorInfo, buf: memoryview, offset: int) -> None:
         """Fill `buf` (bytes) from absolute file offset `offset` of info's file."""
-        fd, n, total = self._fd(info.file), 0, len(buf)
-        while n < total:
+        self.read_into(info.file, offset, [buf], info.name)
+
+    def read_into(self, fname: str, offset: int, bufs: Sequence[memoryview],
+                  what: Union[str, Sequence[str]] = "") -> None:
+        """Fill the byte buffers `bufs` with the contiguous range of file `fname` that starts at
+        `offset` (one positioned vector read, repeated on short reads). Thread-safe; the GIL is
+        released while the kernel copies. `what`: the tensor name (or one name per buffer) for errors."""
+        fd = self._fd(fname)
+        names = [what] * len(bufs) if isinstance(what, str) else list(what)
+        total = sum(len(b) for b in bufs)
+        done, pending = 0, [(b, n) for b, n in zip(bufs, names) if len(b)]
+        while pending:
             try:
-                k = os.preadv(fd, [buf[n:]], offset + n)
+                k = os.preadv(fd, [b for b, _ in pending[:_IOV_MAX]], offset + done)
             except OSError as e:
-                raise CheckpointError(f"{self._abs(info.file)}: cannot read tensor {info.name!r} "
+                raise CheckpointError(f"{self._abs(fname)}: cannot read tensor {pending[0][1]!r} "
                                       f"({e.strerror})") from None
             if k == 0:
-                raise CheckpointError(f"{self._abs(info.file)}: truncated file: tensor {info.name!r} "
-                                      f"needs bytes up to {offset + total} but the file has "
-                                      f"{os.fstat(fd).st_size}")
-            n += k
+                raise CheckpointError(f"{self._abs(fname)}: truncated file: tensor {pending[0][1]!r} "
+                                      f"needs bytes up to {offset + done + len(pending[0][0])} but the "
+                                      f"file has {os.fstat(fd).st_size}")
+            done += k
+            while pending and k >= len(pending[0][0]):
+                k -= len(pending[0][0])
+                pending.pop(0)
+            if pending and k:
+                pending[0] = (pending[0][0][k:], pending[0][1])
+        if self.drop_page_cache:
+            try:
+                os.posix_fadvise(fd, offset, total, os.POSIX_FADV_DONTNEED)
+            except (AttributeError, OSError):
+                pass
         with self._lock:
             self.bytes_read += total
 

@@ -1,0 +1,201 @@
+r"""kimi-generate: continue a prompt, or answer a chat, with a kimi_jax model.
+
+With no flags it loads the shipped demo model (checkpoints/demo, a small Kimi-K2-architecture model
+trained by launch/train_demo.py) and prints a continuation of a default prompt, on whatever JAX
+backend is present (the CPU is enough).
+
+  kimi-generate                                        # the demo model, default prompt
+  kimi-generate --prompt "The with statement" --max_tokens 64 --temperature 0
+  kimi-generate --messages '[{"role": "user", "content": "What does json.dumps do?"}]'
+  kimi-generate --model /path/to/Kimi-K2.5 --tensor_parallel_size 8 --stream
+
+Plain prompts print the prompt followed by its continuation; chat prints the assistant's reply.
+Sampling flags follow vLLM's SamplingParams. A bad flag or value prints one line
+(`kimi-generate: error: ...`) to stderr and exits with status 2.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from absl import app, flags, logging
+
+PROG = "kimi-generate"
+DEFAULT_PROMPT = "The with statement"
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """Define the CLI's flags (at run time only, so that importing this module defines none)."""
+    if "max_tokens" in FLAGS:
+        return
+    flags.DEFINE_string("model", None, "Checkpoint directory or preset name; default: the shipped demo model.")
+    flags.DEFINE_string("prompt", None, f"Text to continue (default {DEFAULT_PROMPT!r}).")
+    flags.DEFINE_string("messages", None, "Chat messages as a JSON list of {role, content} objects (or "
+                        "@FILE holding one); the reply is generated with the checkpoint's chat template.")
+    flags.DEFINE_integer("max_tokens", 64, "Maximum number of tokens to generate.")
+    flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 is greedy.")
+    flags.DEFINE_float("top_p", 0.95, "Nucleus sampling: smallest set of tokens with this probability mass.")
+    flags.DEFINE_integer("top_k", -1, "Sample among the k most likely tokens (-1: off).")
+    flags.DEFINE_float("min_p", 0.0, "Drop tokens less likely than min_p times the most likely one.")
+    flags.DEFINE_integer("seed", 0, "Sampling seed (the same seed gives the same text).")
+    flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"], "Compute dtype; auto: float32 on "
+                      "CPU (where XLA's bfloat16 is slower), bfloat16 on accelerators.")
+    flags.DEFINE_integer("max_model_len", None, "Longest prompt + output (default: the model's maximum).")
+    flags.DEFINE_bool("stream", False, "Print the text piece by piece as tokens are decoded.")
+    flags.DEFINE_bool("ignore_eos", False, "Keep generating past the end-of-text / end-of-turn tokens.")
+    flags.DEFINE_integer("tensor_parallel_size", 1, "Devices per model replica (tensor parallel).")
+    flags.DEFINE_integer("data_parallel_size", 1, "Model replicas (data parallel).")
+    flags.DEFINE_bool("enable_expert_parallel", False, "Shard routed experts across devices.")
+
+
+class CliError(Exception):
+    """A user error: reported as one line, exit status 2."""
+
+
+def _fail(message: str) -> None:
+    first = " ".join(str(message).split())
+    sys.stderr.write(f"{PROG}: error: {first}\n")
+    sys.stderr.flush()
+    sys.exit(2)
+
+
+def parse_flags(argv):
+    """absl flag parsing, but a bad flag is one line on stderr and exit status 2."""
+    try:
+        rest = FLAGS(argv)
+    except flags.Error as e:
+        _fail(f"{e} (see --helpshort)")
+    if len(rest) > 1:
+        _fail(f"unexpected positional arguments {rest[1:]!r} (use --prompt)")
+    return rest
+
+
+def _messages(value: str):
+    if value.startswith("@"):
+        try:
+            with open(value[1:], encoding="utf-8") as f:
+                value = f.read()
+        except OSError as e:
+            raise CliError(f"--messages: cannot read {value[1:]}: {e.strerror}") from None
+    try:
+        msgs = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise CliError(f"--messages is not valid JSON: {e}") from None
+    if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+        raise CliError("--messages must be a non-empty JSON list of {\"role\": ..., \"content\": ...} objects")
+    return msgs
+
+
+def _dtype(name: str) -> str:
+    if name != "auto":
+        return name
+    import jax
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def _sampling_params():
+    from kimi_jax.sampling import SamplingParams
+    sp = SamplingParams(temperature=FLAGS.temperature, top_p=FLAGS.top_p, top_k=FLAGS.top_k,
+                        min_p=FLAGS.min_p, max_tokens=FLAGS.max_tokens, seed=FLAGS.seed,
+                        ignore_eos=FLAGS.ignore_eos)
+    try:
+        sp.validate()
+    except ValueError as e:
+        raise CliError(f"--{e}") from None
+    return sp
+
+
+def _load(dtype: str):
+    from kimi_jax.api import LLM
+    try:
+        return LLM(FLAGS.model, tensor_parallel_size=FLAGS.tensor_parallel_size,
+                   data_parallel_size=FLAGS.data_parallel_size,
+                   enable_expert_parallel=FLAGS.enable_expert_parallel, dtype=dtype,
+                   max_model_len=FLAGS.max_model_len, seed=FLAGS.seed,
+                   # one request: on CPU this also sizes the page pool for one sequence (LLM's default
+                   # of 256 sequences makes every decode step ~50x slower on the demo model)
+                   max_num_seqs=1)
+    except (ValueError, NotImplementedError, FileNotFoundError) as e:
+        # ValueError covers ConfigError, CheckpointError and TokenizerError: a bad --model or layout
+        raise CliError(str(e)) from None
+
+
+def _emit(text: str, end: str = "") -> None:
+    sys.stdout.write(text + end)
+    sys.stdout.flush()
+
+
+def generate() -> None:
+    if FLAGS.prompt is not None and FLAGS.messages is not None:
+        raise CliError("give --prompt or --messages, not both")
+    if FLAGS.prompt is not None and not FLAGS.prompt:
+        raise CliError("--prompt is empty")
+    messages = _messages(FLAGS.messages) if FLAGS.messages is not None else None
+    sp = _sampling_params()
+    dtype = _dtype(FLAGS.dtype)
+    t0 = time.time()
+    llm = _load(dtype)
+    if llm.tokenizer is None:
+        raise CliError(f"model {FLAGS.model!r} has no tokenizer (tiktoken.model); kimi-generate needs text")
+    logging.info("loaded %s (%s) in %.1fs", llm.model_path or FLAGS.model, dtype, time.time() - t0)
+    prompt = DEFAULT_PROMPT if FLAGS.prompt is None and messages is None else FLAGS.prompt
+    try:
+        if FLAGS.stream:
+            completion = _stream(llm, prompt, messages, sp)
+        elif messages is not None:
+            completion = llm.chat(messages, sp)[0].outputs[0]
+            _emit(completion.text or "", "\n")
+        else:
+            completion = llm.generate(prompt, sp)[0].outputs[0]
+            _emit(prompt + (completion.text or ""), "\n")
+    except ValueError as e:          # prompt too long for max_model_len, a bad chat message, ...
+        raise CliError(str(e)) from None
+    logging.info("%d tokens, finish_reason=%s, %.1fs total", len(completion.token_ids),
+                 completion.finish_reason, time.time() - t0)
+
+
+def _stream(llm, prompt, messages, sp):
+    """Generate one request step by step on LLM's batch engine, printing text as tokens arrive
+    (through the streaming detokenizer, which never splits a UTF-8 character)."""
+    if messages is not None:
+        ids = llm.tokenizer.encode(llm.render_chat(messages), allow_special=True)
+    else:
+        ids = llm.tokenizer.encode(prompt)
+    engine = llm.batch_engine()
+    req = engine.make_request("0", ids, sp, sp.seed, prompt=prompt)    # raises on a bad request
+    engine.add(req)
+    if messages is None:
+        _emit(prompt)
+    dec = llm.tokenizer.incremental_decoder(skip_special_tokens=True)
+    seen = 0
+    while engine.has_unfinished():
+        engine.step()
+        _emit(dec.feed_many(req.output_ids[seen:]))
+        seen = len(req.output_ids)
+    _emit(dec.flush(), "\n")
+    return llm.to_output(req).outputs[0]
+
+
+def main(argv):
+    del argv
+    try:
+        generate()
+    except CliError as e:
+        _fail(str(e))
+
+
+def run():
+    """Console-script entry point (`kimi-generate`)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    if not any(a.startswith(("--verbosity", "-v=", "--v=")) for a in sys.argv[1:]):
+        logging.set_verbosity(logging.WARNING)
+    define_flags()
+    app.run(main, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+    run()
