@@ -108,14 +108,15 @@ class LLM:
 
     def _default_num_pages(self, utilization: float) -> int:
         """Pages from the device memory left after the weights (GPU); on CPU, enough for every sequence
-        slot to reach max_model_len (capped at 64K pages)."""
+        slot to reach max_model_len, capped at 2048 pages (XLA:CPU's cache update costs time in
+        proportion to the pool; a fuller pool preempts and recomputes instead)."""
         cfg = self.config
         page_bytes = (cfg.num_hidden_layers * self.page_size * cfg.latent_dim * jnp.dtype(self.dtype).itemsize)
         full = self.max_num_seqs * -(-self.max_model_len // self.page_size)
         from kimi_jax.sharding import device_memory_bytes
         limit = device_memory_bytes()
         if limit is None:
-            return max(2, min(full, 1 << 16))
+            return max(2, min(full, 2048))
         stats = jax.devices()[0].memory_stats() or {}
         free = limit * utilization - stats.get("bytes_in_use", 0)
         pages = int(free // page_bytes)

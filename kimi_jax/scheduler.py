@@ -101,6 +101,8 @@ class BatchEngine:
         self.running: list[Request] = []
         self.spec = speculative
         self.drafter = speculative.drafter() if speculative else None
+        self._rate: dict[str, float] = {}       # output tokens/s of decode and verify passes (EMA)
+        self._iters = 0
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "preemptions": 0,
                       "drafted": 0, "accepted": 0}
 
@@ -144,16 +146,24 @@ class BatchEngine:
                 budget -= n
         if rows:
             finished += self._run(rows)
-        rows, spec_rows = [], []
-        for r in [r for r in self.running if r.pending == 1 and r.finish_reason is None]:
-            drafts = self._drafts(r)
-            taken = [q for q, _ in rows] + [q for q, _ in spec_rows]
-            if r in self.running and self._ensure_pages(r, r.num_computed + 1 + len(drafts), taken):
-                (spec_rows if drafts else rows).append((r, drafts) if drafts else (r, 1))
+        ready = [r for r in self.running if r.pending == 1 and r.finish_reason is None]
+        drafts = {id(r): self._drafts(r) for r in ready}
+        # any drafts: every ready row goes through ONE verification pass over the weights (rows without
+        # drafts verify nothing and just decode), never a decode pass and a verify pass
+        speculate = any(drafts.values()) and self._speculation_pays()
+        rows, plain = [], []            # plain: decode rows outside verification (rows wanting logprobs)
+        for r in ready:
+            d = drafts[id(r)] if speculate else []
+            taken = [q for q, _ in rows] + [q for q, _ in plain]
+            if r in self.running and self._ensure_pages(r, r.num_computed + 1 + len(d), taken):
+                if speculate and r.params.logprobs is None:
+                    rows.append((r, d))
+                else:
+                    plain.append((r, 1))
+        if plain:
+            finished += self._timed("decode", self._run, plain)
         if rows:
-            finished += self._run(rows)
-        if spec_rows:
-            finished += self._run_verify(spec_rows)
+            finished += self._timed("verify", self._run_verify, rows)
         for r in finished:
             self._release(r)
         return finished
@@ -231,6 +241,29 @@ class BatchEngine:
                 finished.append(r)
         return finished
 
+    def _timed(self, mode: str, fn, rows):
+        """Run a decode or verify pass and keep an average of its output tokens per second."""
+        before = self.stats["generated_tokens"]
+        t0 = time.perf_counter()
+        out = fn(rows)
+        rate = (self.stats["generated_tokens"] - before) / max(time.perf_counter() - t0, 1e-9)
+        old = self._rate.get(mode)
+        self._rate[mode] = rate if old is None else 0.7 * old + 0.3 * rate
+        return out
+
+    def _speculation_pays(self) -> bool:
+        """Verify only while it yields more tokens per second than plain decoding (measured, both
+        averaged); re-try it every 16 decode iterations so a change in the text is noticed. On a
+        memory-bound GPU a verify pass costs about one decode pass, so any acceptance pays; on a
+        compute-bound CPU it costs ~k+1 passes and only high acceptance pays."""
+        self._iters += 1
+        if not self.spec.adaptive:
+            return True
+        v, d = self._rate.get("verify"), self._rate.get("decode")
+        if v is None or d is None or self._iters % 16 == 0:
+            return True
+        return v >= d
+
     def _drafts(self, r: Request) -> list[int]:
         """Draft tokens for a decode-ready request (none without speculation, with logprobs, near the
         end of its budget, or while it is backing off)."""
@@ -244,7 +277,7 @@ class BatchEngine:
 
     def _run_verify(self, rows: list[tuple[Request, list[int]]]) -> list[Request]:
         B = self.engine.batch_size(len(rows))
-        T = bucket(self.spec.num_speculative_tokens + 1, 2)
+        T = self.spec.num_speculative_tokens + 1
         P = bucket(max(len(r.pages) for r, _ in rows), 4)
         tokens = np.zeros((B, T), np.int32)
         positions = np.full((B, T), -1, np.int32)
@@ -265,7 +298,8 @@ class BatchEngine:
         finished = []
         for b, (r, drafts) in enumerate(rows):
             a = int(n_acc[b])
-            r.spec.record(len(drafts), a)
+            if drafts:
+                r.spec.record(len(drafts), a)
             self.stats["drafted"] += len(drafts)
             self.stats["accepted"] += a
             r.num_computed += a + 1          # the last token and the accepted drafts are now cached

@@ -42,8 +42,9 @@ class SpeculativeConfig:
     """vLLM-style: method 'ngram', num_speculative_tokens k, prompt_lookup_max/min n."""
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 3
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int = 2      # a 1-token match is mostly chance: it costs verification, rarely pays
     method: str = "ngram"
+    adaptive: bool = True           # verify only while it beats plain decoding in measured tokens/s
 
     @classmethod
     def from_any(cls, cfg) -> "SpeculativeConfig | None":

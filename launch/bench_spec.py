@@ -10,18 +10,24 @@ import time
 import numpy as np
 
 
-def workloads(tokenizer, vocab: int, n: int, seed: int = 0):
+def workloads(llm, n: int, gen_tokens: int, seed: int = 0):
+    """non-repetitive: distinct prompts (text from the standard library's docs when the model has a
+    tokenizer). repetitive ("say it again"): each prompt is followed by the model's own greedy
+    continuation and then the prompt again, so the text to produce next already stands in the context
+    (the editing / quoting-back case)."""
+    from kimi_jax import SamplingParams
     rng = np.random.default_rng(seed)
-    if tokenizer is not None:
+    if llm.tokenizer is not None:
         import inspect
         import json
-        passages = [inspect.getdoc(m) or "" for m in (json, inspect, time)]
-        passages = [p[:600] for p in passages if len(p) > 200]
-        rep = [tokenizer.encode((p + "\n\n") * 2 + p[: len(p) // 3]) for p in passages]
+        import textwrap
+        docs = " ".join(inspect.getdoc(m) or "" for m in (json, inspect, time, textwrap)).split()
+        starts = rng.integers(0, len(docs) - 40, n)
+        plain = [llm.tokenizer.encode(" ".join(docs[s:s + int(rng.integers(12, 40))])) for s in starts]
     else:
-        rep = [list(rng.integers(2, vocab, 40)) * 3 for _ in range(3)]
-    repetitive = [rep[i % len(rep)] for i in range(n)]
-    plain = [rng.integers(2, vocab, int(rng.integers(20, 80))).tolist() for _ in range(n)]
+        plain = [rng.integers(2, llm.config.vocab_size, int(rng.integers(20, 80))).tolist() for _ in range(n)]
+    first = llm.generate(plain, SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True))
+    repetitive = [p + o.outputs[0].token_ids + p for p, o in zip(plain, first)]
     return {"repetitive": repetitive, "non-repetitive": plain}
 
 
@@ -33,7 +39,7 @@ def spec_rows(model, batches, *, gen_tokens: int = 48, k: int = 4, dtype: str = 
         base = LLM(model, dtype=dtype, max_num_seqs=B)
         spec = LLM(model, dtype=dtype, max_num_seqs=B,
                    speculative_config={"num_speculative_tokens": k, "prompt_lookup_max": 3})
-        for name, prompts in workloads(base.tokenizer, base.config.vocab_size, B).items():
+        for name, prompts in workloads(base, B, gen_tokens).items():
             res = {}
             for label, llm in (("off", base), ("on", spec)):
                 llm.generate(prompts, sp)                      # compile every shape first

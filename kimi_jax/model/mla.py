@@ -75,19 +75,31 @@ class MLA(nnx.Module):
         to cache slots s <= its position. Without one, queries attend to the new tokens only (a fresh
         prefill). Returns (output [B, T, D], updated cache, or the new latents [B, T, A + R]).
 
-        Paged: with block_table_BP [B, pages per sequence], kv_BSL is the layer's page pool
-        [num_pages, page_size, A + R]; position p of sequence b lives in page block_table[b, p //
-        page_size] at offset p % page_size. Tokens at position < 0 are padding: not written, and
+        Paged: with block_table_BP [B, pages per sequence], kv_BSL is this layer's pages of each
+        sequence in position order [B, pages * page_size, A + R] (`gather_pages`); position p of
+        sequence b lives in page block_table[b, p // page_size] at offset p % page_size. Queries
+        attend to the cached positions before the row's first new token plus the new tokens
+        themselves (causally), and the new latents are returned for one write after all layers
+        (`write_pages`), so the layer loop never copies the pool. New tokens of a row must have
+        consecutive positions. Tokens at position < 0 are padding: not written, and
         their outputs are garbage to be ignored.
         """
         N, H, R, A, V = self.dims
         cos, sin = rope_cos_sin(positions_BT, rope_inv_freq(self.cfg), self.cfg.rope_scaling.cos_sin_scale)
         q_nope_BTNH, q_pe_BTNR = self._queries(x_BTD, cos, sin)
         new_BTL = self.latents(x_BTD, positions_BT)
+        mask_BTS = None
         if block_table_BP is not None:
-            keys_BSL, out_kv = paged_write_and_gather(kv_BSL, block_table_BP, positions_BT, new_BTL)
-            B, S = keys_BSL.shape[:2]
-            key_pos_BS = jnp.broadcast_to(jnp.arange(S), (B, S))
+            old_BSL = kv_BSL
+            S = old_BSL.shape[1]
+            first_B = positions_BT[:, 0]                       # cached positions are those before it
+            old_mask_BTS = jnp.broadcast_to((jnp.arange(S)[None, :] < first_B[:, None])[:, None, :],
+                                            (*positions_BT.shape, S))
+            new_mask_BTS = ((positions_BT[:, None, :] <= positions_BT[:, :, None])
+                            & (positions_BT[:, None, :] >= 0))
+            keys_BSL = jnp.concatenate([old_BSL.astype(new_BTL.dtype), new_BTL], axis=1)
+            mask_BTS = jnp.concatenate([old_mask_BTS, new_mask_BTS], axis=-1)
+            out_kv = new_BTL
         elif kv_BSL is None:
             keys_BSL, key_pos_BS, out_kv = new_BTL, positions_BT, new_BTL
         else:
@@ -95,7 +107,8 @@ class MLA(nnx.Module):
             rows = jnp.arange(B)[:, None]
             kv_BSL = kv_BSL.at[rows, positions_BT].set(new_BTL.astype(kv_BSL.dtype), mode="drop")
             keys_BSL, key_pos_BS, out_kv = kv_BSL, jnp.broadcast_to(jnp.arange(S), (B, S)), kv_BSL
-        mask_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
+        if mask_BTS is None:
+            mask_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
         c_BSA, kpe_BSR = keys_BSL[..., :A].astype(x_BTD.dtype), keys_BSL[..., A:].astype(x_BTD.dtype)
         w_uk, w_uv = self._kv_b()
         scale = self.cfg.softmax_scale
@@ -119,18 +132,23 @@ class MLA(nnx.Module):
         return o_BTD, out_kv
 
 
-def paged_write_and_gather(pages_PpL, block_table_BP, positions_BT, new_BTL):
-    """Write new latents into their pages; return (each sequence's cache [B, P*page, L], new pages)."""
-    n_pages, page, L = pages_PpL.shape
+def gather_pages(pool_LPpC, block_table_BP):
+    """Every layer's pages of each sequence, in position order: [L, B, P * page, C]."""
+    B, P = block_table_BP.shape
+    L, _, page, C = pool_LPpC.shape
+    return pool_LPpC[:, block_table_BP].reshape(L, B, P * page, C)
+
+
+def write_pages(pool_LPpC, block_table_BP, positions_BT, new_LBTC):
+    """Write every layer's new latents into their slots (tokens at position < 0 are padding)."""
+    n_layers, n_pages, page, C = pool_LPpC.shape
     valid = positions_BT >= 0
     pos = jnp.where(valid, positions_BT, 0)
     page_of = jnp.take_along_axis(block_table_BP, pos // page, axis=1)
-    slot = jnp.where(valid, page_of * page + pos % page, n_pages * page)        # padding: dropped
-    flat = pages_PpL.reshape(n_pages * page, L).at[slot.reshape(-1)].set(
-        new_BTL.reshape(-1, L).astype(pages_PpL.dtype), mode="drop")
-    pages = flat.reshape(n_pages, page, L)
-    B, P = block_table_BP.shape
-    return pages[block_table_BP].reshape(B, P * page, L), pages
+    slot = jnp.where(valid, page_of * page + pos % page, n_pages * page).reshape(-1)   # padding: dropped
+    flat = pool_LPpC.reshape(n_layers, n_pages * page, C).at[:, slot].set(
+        new_LBTC.reshape(n_layers, -1, C).astype(pool_LPpC.dtype), mode="drop")
+    return flat.reshape(pool_LPpC.shape)
 
 
 def _softmax(scores_BNTS, mask_BTS):

@@ -15,7 +15,7 @@ from flax import nnx
 from kimi_jax import ops
 from kimi_jax.config import ModelConfig
 from kimi_jax.model.layers import MLP, RMSNorm, param
-from kimi_jax.model.mla import MLA
+from kimi_jax.model.mla import MLA, gather_pages, write_pages
 from kimi_jax.model.moe import MoE
 
 
@@ -47,8 +47,21 @@ def stack_modules(make: Callable[[], nnx.Module], n: int) -> Optional[nnx.Module
 
 
 def scan_layers(stack: nnx.Module, x_BTD, positions_BT, kv_LBSL, *, absorbed: bool, block_table_BP=None):
-    """Run a stacked layer module over its leading axis; returns (x, per-layer cache or latents)."""
+    """Run a stacked layer module over its leading axis; returns (x, per-layer cache or latents).
+    A paged pool (block_table_BP given) is only read inside the loop; the new latents of every layer
+    come out of it and are written into the pool once afterwards (no copy of the pool per step)."""
     graphdef, state = nnx.split(stack)
+    if block_table_BP is not None:
+        # every layer's pages of the batch, gathered before the loop (the pool itself stays outside it)
+        old_LBSC = gather_pages(kv_LBSL, block_table_BP)
+
+        def paged_body(x, layer_and_old):
+            layer_state, old_BSC = layer_and_old
+            return nnx.merge(graphdef, layer_state)(x, positions_BT, old_BSC, absorbed=absorbed,
+                                                    block_table_BP=block_table_BP)
+
+        x, new_LBTC = jax.lax.scan(paged_body, x_BTD, (state, old_LBSC))
+        return x, write_pages(kv_LBSL, block_table_BP, positions_BT, new_LBTC)
 
     def body(x, layer_and_kv):
         layer_state, kv = layer_and_kv
