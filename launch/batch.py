@@ -34,10 +34,13 @@ def main(argv):
     try:
         infile = open(FLAGS.input, encoding="utf-8")
     except OSError as e:
-        sys.exit(f"kimi-batch: --input {FLAGS.input}: {e.strerror}")
+        common.fail("kimi-batch", f"--input {FLAGS.input}: {e.strerror}")
     writer = ResultWriter(FLAGS.output)
-    llm = LLM(FLAGS.model, dtype=FLAGS.dtype, max_num_seqs=FLAGS.max_num_seqs,
-              max_model_len=FLAGS.max_model_len, **common.layout_kwargs())
+    try:
+        llm = LLM(FLAGS.model, dtype=FLAGS.dtype, max_num_seqs=FLAGS.max_num_seqs,
+                  max_model_len=FLAGS.max_model_len, **common.layout_kwargs())
+    except (*common.user_errors(), ValueError) as e:
+        common.fail("kimi-batch", e)
     model_name = FLAGS.model or "kimi-jax-demo"
     be = llm.batch_engine()
     jobs: dict[str, Job] = {}
@@ -91,7 +94,7 @@ def main(argv):
 
 
 def run():
-    app.run(main)
+    app.run(main, flags_parser=common.flags_parser("kimi-batch"))
 
 
 if __name__ == "__main__":

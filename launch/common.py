@@ -14,6 +14,7 @@ XLA options set by default on GPU (--xla_perf, on by default):
 from __future__ import annotations
 
 import os
+import sys
 
 from absl import flags
 
@@ -45,3 +46,31 @@ def layout_kwargs() -> dict:
     """The LLM(...) layout arguments from the flags."""
     return dict(tensor_parallel_size=FLAGS.tensor_parallel_size, data_parallel_size=FLAGS.data_parallel_size,
                 enable_expert_parallel=FLAGS.enable_expert_parallel)
+
+
+def fail(prog: str, message) -> None:
+    """A user error (bad checkpoint, config, layout, flag or input): one line on stderr, exit status 2."""
+    sys.stderr.write(f"{prog}: error: {' '.join(str(message).split())}\n")
+    sys.stderr.flush()
+    sys.exit(2)
+
+
+def flags_parser(prog: str, positional_hint: str = ""):
+    """An absl flags_parser for app.run: a bad flag is one line on stderr and exit status 2."""
+    def parse(argv):
+        try:
+            rest = FLAGS(argv)
+        except flags.Error as e:
+            fail(prog, f"{e} (see --helpshort)")
+        if len(rest) > 1:
+            fail(prog, f"unexpected positional arguments {rest[1:]!r}{positional_hint}")
+        return rest
+    return parse
+
+
+def user_errors():
+    """The exception types that launchers report as one line with exit status 2."""
+    from checkpoints.safetensors_io import CheckpointError
+    from kimi_jax.config import ConfigError
+    from kimi_jax.sharding import LayoutError
+    return (CheckpointError, ConfigError, LayoutError)

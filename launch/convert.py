@@ -35,28 +35,12 @@ flags.DEFINE_integer("workers", None, "reads in flight while loading safetensors
 
 
 def fail(message) -> None:
-    """One line on stderr, exit status 2 (a user error: bad checkpoint, config, layout or flag)."""
-    sys.stderr.write(f"{PROG}: error: {' '.join(str(message).split())}\n")
-    sys.stderr.flush()
-    sys.exit(2)
+    common.fail(PROG, message)
 
 
-def parse_flags(argv):
-    try:
-        rest = FLAGS(argv)
-    except flags.Error as e:
-        fail(f"{e} (see --helpshort)")
-    if len(rest) > 1:
-        fail(f"unexpected positional arguments {rest[1:]!r}")
-    return rest
+parse_flags = common.flags_parser(PROG)
 
-
-def user_errors():
-    """The exception types reported as one line with exit status 2."""
-    from checkpoints.safetensors_io import CheckpointError
-    from kimi_jax.config import ConfigError
-    from kimi_jax.sharding import LayoutError
-    return (CheckpointError, ConfigError, LayoutError)
+user_errors = common.user_errors
 
 
 def _say(msg: str) -> None:

@@ -22,6 +22,8 @@ import time
 
 from absl import app, flags, logging
 
+from launch import common
+
 PROG = "kimi-generate"
 DEFAULT_PROMPT = "The with statement"
 
@@ -29,7 +31,7 @@ FLAGS = flags.FLAGS
 
 
 def define_flags() -> None:
-    """Define the CLI's flags (at run time only, so that importing this module defines none)."""
+    """Define the CLI's own flags (the layout, XLA and multi-host flags come from launch.common)."""
     if "max_tokens" in FLAGS:
         return
     flags.DEFINE_string("model", None, "Checkpoint directory or preset name; default: the shipped demo model.")
@@ -47,9 +49,6 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_model_len", None, "Longest prompt + output (default: the model's maximum).")
     flags.DEFINE_bool("stream", False, "Print the text piece by piece as tokens are decoded.")
     flags.DEFINE_bool("ignore_eos", False, "Keep generating past the end-of-text / end-of-turn tokens.")
-    flags.DEFINE_integer("tensor_parallel_size", 1, "Devices per model replica (tensor parallel).")
-    flags.DEFINE_integer("data_parallel_size", 1, "Model replicas (data parallel).")
-    flags.DEFINE_bool("enable_expert_parallel", False, "Shard routed experts across devices.")
 
 
 class CliError(Exception):
@@ -57,21 +56,10 @@ class CliError(Exception):
 
 
 def _fail(message: str) -> None:
-    first = " ".join(str(message).split())
-    sys.stderr.write(f"{PROG}: error: {first}\n")
-    sys.stderr.flush()
-    sys.exit(2)
+    common.fail(PROG, message)
 
 
-def parse_flags(argv):
-    """absl flag parsing, but a bad flag is one line on stderr and exit status 2."""
-    try:
-        rest = FLAGS(argv)
-    except flags.Error as e:
-        _fail(f"{e} (see --helpshort)")
-    if len(rest) > 1:
-        _fail(f"unexpected positional arguments {rest[1:]!r} (use --prompt)")
-    return rest
+parse_flags = common.flags_parser(PROG, " (use --prompt)")
 
 
 def _messages(value: str):

@@ -19,6 +19,8 @@ import time
 
 from absl import app, flags
 
+from launch import common
+
 PROG = "make_synthetic"
 FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "kimi-k2.5", "geometry: kimi-k2.5, kimi-k2-thinking, deepseek-v3, tiny")
@@ -41,19 +43,10 @@ flags.DEFINE_string("tokenizer_dir", None, "copy tokenizer files from this direc
 
 
 def fail(message) -> None:
-    sys.stderr.write(f"{PROG}: error: {' '.join(str(message).split())}\n")
-    sys.stderr.flush()
-    sys.exit(2)
+    common.fail(PROG, message)
 
 
-def parse_flags(argv):
-    try:
-        rest = FLAGS(argv)
-    except flags.Error as e:
-        fail(f"{e} (see --helpshort)")
-    if len(rest) > 1:
-        fail(f"unexpected positional arguments {rest[1:]!r}")
-    return rest
+parse_flags = common.flags_parser(PROG)
 
 
 def config():
