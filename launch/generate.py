@@ -170,6 +170,7 @@ def _stream(llm, prompt, messages, sp):
 
 def main(argv):
     del argv
+    common.setup()
     try:
         generate()
     except CliError as e:
