@@ -103,6 +103,7 @@ class BatchEngine:
         self.drafter = speculative.drafter() if speculative else None
         self._rate: dict[str, float] = {}       # output tokens/s of decode and verify passes (EMA)
         self._iters = 0
+        self._explore_every = 16                # doubles each time a re-try of verification loses
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "preemptions": 0,
                       "drafted": 0, "accepted": 0}
 
@@ -253,16 +254,23 @@ class BatchEngine:
 
     def _speculation_pays(self) -> bool:
         """Verify only while it yields more tokens per second than plain decoding (measured, both
-        averaged); re-try it every 16 decode iterations so a change in the text is noticed. On a
-        memory-bound GPU a verify pass costs about one decode pass, so any acceptance pays; on a
-        compute-bound CPU it costs ~k+1 passes and only high acceptance pays."""
+        averaged); while it loses, re-try it after 16, 32, ... up to 1024 decode iterations so a change
+        in the text is noticed at a bounded cost. On a memory-bound GPU a verify pass costs about one
+        decode pass, so any acceptance pays; on a compute-bound CPU it costs ~k+1 passes and only high
+        acceptance pays."""
         self._iters += 1
         if not self.spec.adaptive:
             return True
         v, d = self._rate.get("verify"), self._rate.get("decode")
-        if v is None or d is None or self._iters % 16 == 0:
+        if v is None or d is None:
             return True
-        return v >= d
+        if v >= d:
+            self._explore_every = 16
+            return True
+        if self._iters % self._explore_every == 0:
+            self._explore_every = min(1024, self._explore_every * 2)
+            return True
+        return False
 
     def _drafts(self, r: Request) -> list[int]:
         """Draft tokens for a decode-ready request (none without speculation, with logprobs, near the
