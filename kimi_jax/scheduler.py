@@ -206,27 +206,30 @@ class BatchEngine:
         self.pool.give(r.pages)
         r.pages = []
 
-    def _run(self, rows: list[tuple[Request, int]]) -> list[Request]:
-        B = self.engine.batch_size(len(rows))
-        T = 1 if all(n == 1 for _, n in rows) else bucket(max(n for _, n in rows), 16)
-        P = bucket(max(len(r.pages) for r, _ in rows), 4)
+    def _inputs(self, feeds: list[tuple[Request, list[int]]], T: int):
+        """Padded step inputs for rows that feed these tokens at their next positions: (tokens [B, T],
+        positions [B, T] (-1: padding), block table [B, P], per-row steps [B], sampling arrays)."""
+        B = self.engine.batch_size(len(feeds))
+        P = bucket(max(len(r.pages) for r, _ in feeds), 4)
         tokens = np.zeros((B, T), np.int32)
         positions = np.full((B, T), -1, np.int32)
         table = np.zeros((B, P), np.int32)
-        last = np.zeros((B,), np.int32)
         steps = np.zeros((B,), np.int32)
         keys = np.zeros((B, 2), np.uint32)
         params = [SamplingParams(temperature=0.0)] * B
-        for b, (r, n) in enumerate(rows):
-            seq = r.tokens
-            tokens[b, :n] = seq[r.num_computed:r.num_computed + n]
-            positions[b, :n] = np.arange(r.num_computed, r.num_computed + n)
+        for b, (r, feed) in enumerate(feeds):
+            tokens[b, :len(feed)] = feed
+            positions[b, :len(feed)] = np.arange(r.num_computed, r.num_computed + len(feed))
             table[b, :len(r.pages)] = r.pages
-            last[b] = n - 1
-            steps[b] = len(r.output_ids)
-            keys[b] = r.key
-            params[b] = r.params
-        sp = SamplingArrays.build(params, None, keys=keys)
+            steps[b], keys[b], params[b] = len(r.output_ids), r.key, r.params
+        return tokens, positions, table, steps, SamplingArrays.build(params, None, keys=keys)
+
+    def _run(self, rows: list[tuple[Request, int]]) -> list[Request]:
+        T = 1 if all(n == 1 for _, n in rows) else bucket(max(n for _, n in rows), 16)
+        tokens, positions, table, steps, sp = self._inputs(
+            [(r, r.tokens[r.num_computed:r.num_computed + n]) for r, n in rows], T)
+        last = np.zeros((tokens.shape[0],), np.int32)
+        last[:len(rows)] = [n - 1 for _, n in rows]
         n_lp = max((r.params.logprobs for r, _ in rows if r.params.logprobs is not None), default=None)
         self.pages, out = self.engine.paged_step(self.pages, tokens, positions, table, last, sp, steps, n_lp)
         self.stats["steps"] += 1
@@ -284,23 +287,10 @@ class BatchEngine:
         return self.drafter.propose(r.tokens, k)
 
     def _run_verify(self, rows: list[tuple[Request, list[int]]]) -> list[Request]:
-        B = self.engine.batch_size(len(rows))
-        T = self.spec.num_speculative_tokens + 1
-        P = bucket(max(len(r.pages) for r, _ in rows), 4)
-        tokens = np.zeros((B, T), np.int32)
-        positions = np.full((B, T), -1, np.int32)
-        table = np.zeros((B, P), np.int32)
-        n_draft = np.zeros((B,), np.int32)
-        steps = np.zeros((B,), np.int32)
-        keys = np.zeros((B, 2), np.uint32)
-        params = [SamplingParams(temperature=0.0)] * B
-        for b, (r, drafts) in enumerate(rows):
-            n = len(drafts)
-            tokens[b, :n + 1] = [r.tokens[-1], *drafts]
-            positions[b, :n + 1] = np.arange(r.num_computed, r.num_computed + n + 1)
-            table[b, :len(r.pages)] = r.pages
-            n_draft[b], steps[b], keys[b], params[b] = n, len(r.output_ids), r.key, r.params
-        sp = SamplingArrays.build(params, None, keys=keys)
+        tokens, positions, table, steps, sp = self._inputs(
+            [(r, [r.tokens[-1], *drafts]) for r, drafts in rows], self.spec.num_speculative_tokens + 1)
+        n_draft = np.zeros((tokens.shape[0],), np.int32)
+        n_draft[:len(rows)] = [len(d) for _, d in rows]
         self.pages, n_acc, nxt = self.engine.verify_step(self.pages, tokens, positions, table, n_draft, sp, steps)
         self.stats["steps"] += 1
         finished = []
