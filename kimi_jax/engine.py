@@ -1,8 +1,10 @@
-"""Engine v0: batched prefill, then a jitted decode step over the latent cache.
+"""The jitted model steps the schedulers drive.
 
-The model is split once into (graphdef, state); prefill and decode are pure jitted functions of the
-state, so they compile once per (batch bucket, length bucket) and the cache is donated to each step.
-The generation loop on the host only appends tokens and checks stop conditions.
+The model is split once into (graphdef, state); each step is a pure jitted function of the state,
+compiled once per shape bucket, with the cache donated: `_paged_step` (prefill chunks and decode over
+the paged latent cache), `_verify_step` (speculative verification), `_all_logits` (LLM.logits) and
+`_decode` (one decode step over a contiguous cache, for the profiler and planner). The generation
+loop (kimi_jax.scheduler) runs on the host and only appends tokens and checks stop conditions.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from kimi_jax.config import ModelConfig
-from kimi_jax.model.transformer import Transformer, init_cache
+from kimi_jax.model.transformer import Transformer
 from kimi_jax.sampling import SamplingArrays, sample, top_logprobs, verify_drafts
 
 
@@ -47,23 +49,9 @@ def _constrain(x, sharding):
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
-def _prefill(graphdef, shard, state, tokens_BT, lengths_B, sp, cache_len, n_logprobs):
-    """Prefill from an empty cache (expanded MLA); sample the first token of every row."""
-    model = nnx.merge(graphdef, state)
-    tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
-    B, T = tokens_BT.shape
-    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-    h_BTD, latents = model.hidden_states(tokens_BT, positions, None, absorbed=False)
-    last_BD = h_BTD[jnp.arange(B), lengths_B - 1]
-    logits_BV = model.logits(last_BD[:, None])[:, 0]
-    cache = {k: _constrain(jnp.zeros((*v.shape[:2], cache_len, v.shape[-1]), v.dtype).at[:, :, :T].set(v),
-                           shard.get("cache"))
-             for k, v in latents.items()}
-    return cache, _sample_out(logits_BV, sp, jnp.zeros((B,), jnp.int32), n_logprobs, shard)
-
-
 def _decode(graphdef, shard, state, cache, tokens_B, positions_B, sp, step_B, n_logprobs):
-    """One token per row at its position, absorbed MLA over the cache."""
+    """One token per row at its position, absorbed MLA over a contiguous cache {kind: [L, B, S, A+R]}
+    (the profiler's and planner's reference step; generation runs `_paged_step`)."""
     model = nnx.merge(graphdef, state)
     tokens_B = _constrain(tokens_B, shard.get("batch1"))
     logits, cache = model(tokens_B[:, None], positions_B[:, None], cache, absorbed=True)
@@ -119,8 +107,6 @@ class Engine:
             b = layout.axis_rule("batch")
             shard = {"batch1": layout.sharding(P(b)), "batch2": layout.sharding(P(b, None)),
                      "cache": layout.sharding(P(None, b, None, None)), "replicated": layout.sharding(P())}
-        self._prefill = jax.jit(functools.partial(_prefill, self.graphdef, shard),
-                                static_argnames=("cache_len", "n_logprobs"))
         self._decode = jax.jit(functools.partial(_decode, self.graphdef, shard),
                                static_argnames=("n_logprobs",), donate_argnames=("cache",))
         self._logits = jax.jit(functools.partial(_all_logits, self.graphdef, shard))
@@ -138,26 +124,6 @@ class Engine:
         padded = np.zeros((self.batch_size(1), bucket(T)), np.int32)
         padded[0, :T] = token_ids
         return np.asarray(self._logits(self.state, jnp.asarray(padded))[0, :T], np.float32)
-
-    def prefill(self, prompts: Sequence[Sequence[int]], sp: SamplingArrays, cache_len: int,
-                n_logprobs: Optional[int]):
-        B = len(prompts)
-        T = bucket(max(len(p) for p in prompts))
-        tokens = np.zeros((B, T), np.int32)
-        for b, p in enumerate(prompts):
-            tokens[b, :len(p)] = p
-        lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-        cache, out = self._prefill(self.state, jnp.asarray(tokens), lengths, sp,
-                                   cache_len=max(cache_len, T), n_logprobs=n_logprobs)
-        return cache, _to_host(out)
-
-    def decode(self, cache, tokens: np.ndarray, positions: np.ndarray, sp: SamplingArrays,
-               steps: np.ndarray, n_logprobs: Optional[int]):
-        cache, out = self._decode(self.state, cache, jnp.asarray(tokens, jnp.int32),
-                                  jnp.asarray(positions, jnp.int32), sp, jnp.asarray(steps, jnp.int32),
-                                  n_logprobs=n_logprobs)
-        return cache, _to_host(out)
-
 
     def paged_step(self, pages, tokens_BT, positions_BT, block_table_BP, last_B, sp: SamplingArrays,
                    steps_B, n_logprobs: Optional[int]):
