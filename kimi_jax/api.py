@@ -136,15 +136,17 @@ class LLM:
         abstract = nnx.split(nnx.eval_shape(make))[1]
         check_fits(layout, abstract)
         shardings = param_shardings(layout, abstract)
-        place = lambda path, a: jax.device_put(a, shardings[path])
         if self.model_path is not None:   # safetensors (streamed per-device slices) or orbax (kimi-convert)
             from checkpoints.loader import load_model
             return load_model(self.model_path, dtype=dtype, cfg=cfg, shardings=shardings, parallel=parallel)[1]
-        net = make()
-        graphdef, state = nnx.split(net)
-        flat = {tuple(str(k) for k in p): v for p, v in nnx.to_flat_state(state)}
-        for path, var in flat.items():
-            var[...] = place(path, var[...])
+        # random weights: one jitted init that creates every parameter on its own devices (no full copy
+        # on one device first; the values do not depend on the layout)
+        paths = [tuple(str(k) for k in p) for p, _ in nnx.to_flat_state(abstract)]
+        init = jax.jit(lambda: [v.get_value() for _, v in nnx.to_flat_state(nnx.split(make())[1])],
+                       out_shardings=[shardings[p] for p in paths])
+        graphdef, state = nnx.split(nnx.eval_shape(make))
+        for (_, var), value in zip(nnx.to_flat_state(state), init()):
+            var.set_value(value)
         return nnx.merge(graphdef, state)
 
     @staticmethod

@@ -93,19 +93,21 @@ def linear(x: jax.Array, w: Weight, *, impl: Optional[str] = None) -> jax.Array:
 
 
 def routed_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array, experts: ExpertWeights,
-                   *, impl: Optional[str] = None, parallel=None) -> jax.Array:
+                   *, impl: Optional[str] = None, parallel=None, layer=None) -> jax.Array:
     """sum_k weight[t,k] * down(silu(gate(x_t)) * up(x_t)) over the K experts idx[t,k] of each token.
 
     x_TD: [T, D] activations; idx_TK: [T, K] int32 expert ids in [0, E); weight_TK: [T, K] float32.
     Returns [T, D] in x's dtype. Experts that receive no token are never read by the pallas path.
     `parallel` (kimi_jax.sharding.MoEParallel) runs the experts sharded inside shard_map.
+    `layer` (a traced int32 scalar): the weights are a whole layer stack [L, E, ...] and this call runs
+    layer `layer` of it without copying that layer's slice out (the kernels offset the expert ids).
     """
     if parallel is not None:
-        return _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts, parallel, impl)
-    return _routed_experts_local(x_TD, idx_TK, weight_TK, experts, impl)
+        return _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts, parallel, impl, layer)
+    return _routed_experts_local(x_TD, idx_TK, weight_TK, experts, impl, layer)
 
 
-def _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts: ExpertWeights, par, impl):
+def _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts: ExpertWeights, par, impl, layer):
     """Each device runs the experts (or expert slices) it holds on the tokens of its data-parallel
     group, then partial sums are reduced. Tokens whose expert lives elsewhere get weight 0 and an
     out-of-range id (E_local), which both paths skip."""
@@ -116,11 +118,13 @@ def _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts: ExpertWeights, par
     psum_axes = tuple(a for a in reduce_axes if a not in gather)
     batch = par.batch or None
 
+    lead = 0 if layer is None else 1          # a layer-stacked weight has the layer axis first
+
     def spec_of(w, mlp_dim):  # expert dim 0; FFN width at mlp_dim (packed/scale share the layout)
         dims = [None] * w.ndim
-        dims[0] = par.experts or None
+        dims[lead] = par.experts or None
         if par.expert_mlp:
-            dims[mlp_dim] = par.expert_mlp
+            dims[lead + mlp_dim] = par.expert_mlp
         return P(*dims)
 
     def specs_for(w, mlp_dim):
@@ -130,13 +134,13 @@ def _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts: ExpertWeights, par
 
     w_specs = ExpertWeights(specs_for(experts.gate, 1), specs_for(experts.up, 1), specs_for(experts.down, 2))
 
-    def local(x, idx, wt, ew: ExpertWeights):
+    def local(x, idx, wt, ew: ExpertWeights, layer):
         if gather:
             x = jax.lax.all_gather(x, gather, axis=0, tiled=True)
             idx = jax.lax.all_gather(idx, gather, axis=0, tiled=True)
             wt = jax.lax.all_gather(wt, gather, axis=0, tiled=True)
         if par.experts:
-            e_local = _num_experts(ew.gate)
+            e_local = _num_experts(ew.gate, stacked=layer is not None)
             shard = 0
             for a in par.experts:
                 shard = shard * par.mesh.shape[a] + jax.lax.axis_index(a)
@@ -144,16 +148,21 @@ def _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts: ExpertWeights, par
             mine = (lidx >= 0) & (lidx < e_local)
             idx = jnp.where(mine, lidx, e_local)
             wt = jnp.where(mine, wt, 0.0)
-        y = _routed_experts_local(x, idx, wt, ew, impl)
+        y = _routed_experts_local(x, idx, wt, ew, impl, layer)
         if gather:
             y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
         if psum_axes:
             y = jax.lax.psum(y, psum_axes)
         return y
 
-    fn = _shard_map(local, par.mesh, in_specs=(P(batch, None), P(batch, None), P(batch, None), w_specs),
+    if layer is None:
+        fn = _shard_map(lambda x, i, w, ew: local(x, i, w, ew, None), par.mesh,
+                        in_specs=(P(batch, None), P(batch, None), P(batch, None), w_specs),
+                        out_specs=P(batch, None))
+        return fn(x_TD, idx_TK, weight_TK, experts)
+    fn = _shard_map(local, par.mesh, in_specs=(P(batch, None), P(batch, None), P(batch, None), w_specs, P()),
                     out_specs=P(batch, None))
-    return fn(x_TD, idx_TK, weight_TK, experts)
+    return fn(x_TD, idx_TK, weight_TK, experts, layer)
 
 
 def _shard_map(f, mesh, in_specs, out_specs):
@@ -164,8 +173,16 @@ def _shard_map(f, mesh, in_specs, out_specs):
         return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
 
-def _routed_experts_local(x_TD, idx_TK, weight_TK, experts: ExpertWeights, impl):
-    if resolve_impl(impl) == "pallas" and isinstance(experts.gate, Int4Weight):
+def _routed_experts_local(x_TD, idx_TK, weight_TK, experts: ExpertWeights, impl, layer=None):
+    pallas = resolve_impl(impl) == "pallas" and isinstance(experts.gate, Int4Weight)
+    if layer is not None:
+        if pallas:   # [L, E, ...] -> [L*E, ...] (a bitcast) and ids offset into it; others stay out of range
+            n_layers, E = _leading(experts.gate)
+            experts = jax.tree.map(lambda a: a.reshape(n_layers * E, *a.shape[2:]), experts)
+            idx_TK = jnp.where((idx_TK >= 0) & (idx_TK < E), idx_TK + layer * E, n_layers * E)
+        else:        # the XLA path reads the layer's slice (XLA fuses the dynamic slice into its users)
+            experts = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), experts)
+    if pallas:
         from pallas_kernels import moe_gmm
         g, u, d = experts.gate, experts.up, experts.down
         # pairs whose expert lives on another device (id E_local) are skipped by the kernels
@@ -201,5 +218,53 @@ def _routed_experts_xla(x_TD, idx_TK, weight_TK, experts: ExpertWeights):
     return y.astype(dtype)
 
 
-def _num_experts(w: Weight) -> int:
-    return (w.packed if isinstance(w, Int4Weight) else w).shape[0]
+def _leading(w: Weight) -> tuple[int, ...]:
+    return (w.packed if isinstance(w, Int4Weight) else w).shape[:2]
+
+
+def _num_experts(w: Weight, stacked: bool = False) -> int:
+    return (w.packed if isinstance(w, Int4Weight) else w).shape[1 if stacked else 0]
+
+
+def gather_pages(pool_XpC: jax.Array, block_table_BP: jax.Array) -> jax.Array:
+    """The pages of each sequence in position order: pool [X, page, C], table [B, P] -> [B, P * page, C]."""
+    B, P = block_table_BP.shape
+    return pool_XpC[block_table_BP].reshape(B, P * pool_XpC.shape[1], pool_XpC.shape[2])
+
+
+def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: jax.Array, pool_XpC: jax.Array,
+                        block_table_BP: jax.Array, positions_BT: jax.Array, scale: float, *,
+                        impl: Optional[str] = None) -> jax.Array:
+    """Absorbed MLA over a paged latent cache plus the step's new tokens; returns o_lat [B, T, N, A].
+
+    q_lat: queries in latent space (W_UK^T q^C); q_pe: rotated rope queries; new_BTC: the new tokens'
+    [c | k^R] (C = A + R), not yet in the pool; pool_XpC [X, page, C]; block_table_BP: page ids into the
+    pool; positions_BT: the new tokens' absolute positions (consecutive per row, < 0 = padding). Row b's
+    cached tokens are positions [0, positions[b, 0]); new token t also sees new tokens t' <= t.
+    score = (q_lat . c + q_pe . k^R) * scale, softmax in float32, output sum_s p_s c_s.
+    """
+    if resolve_impl(impl) == "pallas":
+        from pallas_kernels import mla_decode
+        return mla_decode.mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP,
+                                              positions_BT, scale)
+    return _mla_paged_attention_xla(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP, positions_BT,
+                                    scale)
+
+
+def _mla_paged_attention_xla(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP, positions_BT, scale):
+    A = q_lat_BTNA.shape[-1]
+    dtype = q_lat_BTNA.dtype
+    old_BSC = gather_pages(pool_XpC, block_table_BP).astype(dtype)
+    S = old_BSC.shape[1]
+    first_B = positions_BT[:, 0]
+    old_mask_BTS = jnp.broadcast_to((jnp.arange(S)[None, :] < first_B[:, None])[:, None, :],
+                                    (*positions_BT.shape, S))
+    new_mask_BTS = (positions_BT[:, None, :] <= positions_BT[:, :, None]) & (positions_BT[:, None, :] >= 0)
+    keys_BSC = jnp.concatenate([old_BSC, new_BTC.astype(dtype)], axis=1)
+    mask_BTS = jnp.concatenate([old_mask_BTS, new_mask_BTS], axis=-1)
+    c_BSA, kpe_BSR = keys_BSC[..., :A], keys_BSC[..., A:]
+    f32 = jnp.float32
+    s_BNTS = (jnp.einsum("btna,bsa->bnts", q_lat_BTNA, c_BSA, preferred_element_type=f32)
+              + jnp.einsum("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR, preferred_element_type=f32)) * scale
+    p_BNTS = jax.nn.softmax(jnp.where(mask_BTS[:, None], s_BNTS, -1e30), axis=-1).astype(dtype)
+    return jnp.einsum("bnts,bsa->btna", p_BNTS, c_BSA, preferred_element_type=f32).astype(dtype)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kimi_jax import ops
 from kimi_jax.config import ModelConfig
 from kimi_jax.model.layers import Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
@@ -75,22 +76,33 @@ class MLA(nnx.Module):
         to cache slots s <= its position. Without one, queries attend to the new tokens only (a fresh
         prefill). Returns (output [B, T, D], updated cache, or the new latents [B, T, A + R]).
 
-        Paged: with block_table_BP [B, pages per sequence], kv_BSL is this layer's pages of each
-        sequence in position order [B, pages * page_size, A + R] (`gather_pages`); position p of
-        sequence b lives in page block_table[b, p // page_size] at offset p % page_size. Queries
-        attend to the cached positions before the row's first new token plus the new tokens
-        themselves (causally), and the new latents are returned for one write after all layers
-        (`write_pages`), so the layer loop never copies the pool. New tokens of a row must have
-        consecutive positions. Tokens at position < 0 are padding: not written, and
-        their outputs are garbage to be ignored.
+        Paged: with block_table_BP [B, pages per sequence], kv_BSL is the whole paged pool of the layer
+        stack flattened to [X pages, page_size, A + R] and block_table_BP holds this layer's page ids
+        into it (scan_layers offsets them); position p of sequence b lives in page
+        block_table[b, p // page_size] at offset p % page_size. Queries attend to the cached positions
+        before the row's first new token plus the new tokens themselves (causally), and the new latents
+        are returned for one write after all layers (`write_pages`), so the layer loop never copies the
+        pool. New tokens of a row must have consecutive positions. Tokens at position < 0 are padding:
+        not written, and their outputs are garbage to be ignored. The absorbed paged form runs as one
+        op (`ops.mla_paged_attention`: a GPU kernel reads the pages in place).
         """
         N, H, R, A, V = self.dims
         cos, sin = rope_cos_sin(positions_BT, rope_inv_freq(self.cfg), self.cfg.rope_scaling.cos_sin_scale)
         q_nope_BTNH, q_pe_BTNR = self._queries(x_BTD, cos, sin)
         new_BTL = self.latents(x_BTD, positions_BT)
         mask_BTS = None
+        w_uk, w_uv = self._kv_b()
+        scale = self.cfg.softmax_scale
+        f32 = jnp.float32
+        if block_table_BP is not None and absorbed:
+            q_lat_BTNA = jnp.einsum("btnh,nha->btna", q_nope_BTNH, w_uk,
+                                    preferred_element_type=f32).astype(x_BTD.dtype)
+            o_lat_BTNA = ops.mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTL, kv_BSL, block_table_BP,
+                                                 positions_BT, scale).astype(x_BTD.dtype)
+            o_BTNV = jnp.einsum("btna,nva->btnv", o_lat_BTNA, w_uv, preferred_element_type=f32)
+            return self.o_proj(o_BTNV.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * V)), new_BTL
         if block_table_BP is not None:
-            old_BSL = kv_BSL
+            old_BSL = ops.gather_pages(kv_BSL, block_table_BP)
             S = old_BSL.shape[1]
             first_B = positions_BT[:, 0]                       # cached positions are those before it
             old_mask_BTS = jnp.broadcast_to((jnp.arange(S)[None, :] < first_B[:, None])[:, None, :],
@@ -110,9 +122,6 @@ class MLA(nnx.Module):
         if mask_BTS is None:
             mask_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
         c_BSA, kpe_BSR = keys_BSL[..., :A].astype(x_BTD.dtype), keys_BSL[..., A:].astype(x_BTD.dtype)
-        w_uk, w_uv = self._kv_b()
-        scale = self.cfg.softmax_scale
-        f32 = jnp.float32
         rope_BNTS = jnp.einsum("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR, preferred_element_type=f32)
         if absorbed:
             q_lat_BTNA = jnp.einsum("btnh,nha->btna", q_nope_BTNH, w_uk,
@@ -130,13 +139,6 @@ class MLA(nnx.Module):
             o_BTNV = jnp.einsum("bnts,bsnv->btnv", p_BNTS, v_BSNV, preferred_element_type=f32)
         o_BTD = self.o_proj(o_BTNV.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * V))
         return o_BTD, out_kv
-
-
-def gather_pages(pool_LPpC, block_table_BP):
-    """Every layer's pages of each sequence, in position order: [L, B, P * page, C]."""
-    B, P = block_table_BP.shape
-    L, _, page, C = pool_LPpC.shape
-    return pool_LPpC[:, block_table_BP].reshape(L, B, P * page, C)
 
 
 def write_pages(pool_LPpC, block_table_BP, positions_BT, new_LBTC):

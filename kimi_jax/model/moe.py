@@ -76,8 +76,9 @@ class RoutedExperts(nnx.Module):
             return getattr(self, name)[...]
         return ops.ExpertWeights(gate=w("gate_proj"), up=w("up_proj"), down=w("down_proj"))
 
-    def __call__(self, x_TD, idx_TK, w_TK):
-        return ops.routed_experts(x_TD, idx_TK, w_TK, self.weights(), parallel=self.parallel)
+    def __call__(self, x_TD, idx_TK, w_TK, layer=None):
+        """layer: with weights stacked over layers [L, E, ...] (scan_layers), which layer to run."""
+        return ops.routed_experts(x_TD, idx_TK, w_TK, self.weights(), parallel=self.parallel, layer=layer)
 
 
 class MoE(nnx.Module):
@@ -88,10 +89,10 @@ class MoE(nnx.Module):
                                    dtype=dtype, rngs=rngs, ffn_axis="shared_mlp")
                                if cfg.n_shared_experts else None)
 
-    def __call__(self, x_BTD):
+    def __call__(self, x_BTD, layer=None):
         x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
         idx_TK, w_TK = self.gate(x_TD)
-        y_TD = self.experts(x_TD, idx_TK, w_TK)
+        y_TD = self.experts(x_TD, idx_TK, w_TK, layer)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
         return y_TD.reshape(x_BTD.shape)

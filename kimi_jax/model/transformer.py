@@ -15,7 +15,7 @@ from flax import nnx
 from kimi_jax import ops
 from kimi_jax.config import ModelConfig
 from kimi_jax.model.layers import MLP, RMSNorm, param
-from kimi_jax.model.mla import MLA, gather_pages, write_pages
+from kimi_jax.model.mla import MLA, write_pages
 from kimi_jax.model.moe import MoE
 
 
@@ -29,11 +29,15 @@ class DecoderLayer(nnx.Module):
         self.mlp = (MoE(cfg, dtype=dtype, rngs=rngs, parallel=parallel) if moe
                     else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs))
 
-    def __call__(self, x_BTD, positions_BT, kv_BSL=None, *, absorbed=False, block_table_BP=None):
+    def __call__(self, x_BTD, positions_BT, kv_BSL=None, *, absorbed=False, block_table_BP=None, layer=None):
+        """layer: this layer's index in its stack when the routed experts' weights are the whole stack
+        [L, E, ...] (scan_layers); None when they are this layer's own [E, ...]."""
         a_BTD, kv = self.self_attn(self.input_layernorm(x_BTD), positions_BT, kv_BSL, absorbed=absorbed,
                                    block_table_BP=block_table_BP)
         h_BTD = x_BTD + a_BTD
-        return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD)), kv
+        ffn_in = self.post_attention_layernorm(h_BTD)
+        ffn = self.mlp(ffn_in, layer=layer) if isinstance(self.mlp, MoE) else self.mlp(ffn_in)
+        return h_BTD + ffn, kv
 
 
 def stack_modules(make: Callable[[], nnx.Module], n: int) -> Optional[nnx.Module]:
@@ -48,28 +52,38 @@ def stack_modules(make: Callable[[], nnx.Module], n: int) -> Optional[nnx.Module
 
 def scan_layers(stack: nnx.Module, x_BTD, positions_BT, kv_LBSL, *, absorbed: bool, block_table_BP=None):
     """Run a stacked layer module over its leading axis; returns (x, per-layer cache or latents).
+
+    Two kinds of per-layer data never enter the loop as sliced inputs, because slicing a [L, ...] array
+    inside the loop copies the slice: the routed experts' weights (9.5 GB per Kimi layer) and a paged
+    pool. Both go in whole, and each layer indexes them with its layer number (the MoE kernels take
+    expert ids offset by layer * E; the paged attention takes page ids offset by layer * num_pages).
     A paged pool (block_table_BP given) is only read inside the loop; the new latents of every layer
     come out of it and are written into the pool once afterwards (no copy of the pool per step)."""
-    graphdef, state = nnx.split(stack)
+    graphdef, experts, rest = nnx.split(stack, nnx.PathContains("experts"), ...)
+    layers = jnp.arange(_num_layers(rest), dtype=jnp.int32)
+
     if block_table_BP is not None:
-        # every layer's pages of the batch, gathered before the loop (the pool itself stays outside it)
-        old_LBSC = gather_pages(kv_LBSL, block_table_BP)
+        n_layers, n_pages = kv_LBSL.shape[:2]
+        pool_XpC = kv_LBSL.reshape(n_layers * n_pages, *kv_LBSL.shape[2:])     # free: a bitcast
 
-        def paged_body(x, layer_and_old):
-            layer_state, old_BSC = layer_and_old
-            return nnx.merge(graphdef, layer_state)(x, positions_BT, old_BSC, absorbed=absorbed,
-                                                    block_table_BP=block_table_BP)
+        def paged_body(x, xs):
+            layer, layer_state = xs
+            return nnx.merge(graphdef, experts, layer_state)(
+                x, positions_BT, pool_XpC, absorbed=absorbed, block_table_BP=block_table_BP + layer * n_pages,
+                layer=layer)
 
-        x, new_LBTC = jax.lax.scan(paged_body, x_BTD, (state, old_LBSC))
+        x, new_LBTC = jax.lax.scan(paged_body, x_BTD, (layers, rest))
         return x, write_pages(kv_LBSL, block_table_BP, positions_BT, new_LBTC)
 
-    def body(x, layer_and_kv):
-        layer_state, kv = layer_and_kv
-        x, kv = nnx.merge(graphdef, layer_state)(x, positions_BT, kv, absorbed=absorbed,
-                                                 block_table_BP=block_table_BP)
-        return x, kv
+    def body(x, xs):
+        layer, layer_state, kv = xs
+        return nnx.merge(graphdef, experts, layer_state)(x, positions_BT, kv, absorbed=absorbed, layer=layer)
 
-    return jax.lax.scan(body, x_BTD, (state, kv_LBSL))
+    return jax.lax.scan(body, x_BTD, (layers, rest, kv_LBSL))
+
+
+def _num_layers(state) -> int:
+    return jax.tree.leaves(state)[0].shape[0]
 
 
 class Transformer(nnx.Module):
