@@ -1,0 +1,89 @@
+"""MLA paged decode kernel (pallas_kernels/mla_decode.py, interpret mode) vs its pure-jnp reference.
+
+Tolerances:
+  float32 inputs: 2e-5. Interpret mode computes the kernel's dots in float32 (HIGHEST, conftest) and
+    p is not rounded, so only summation order differs (~1e-6 seen). A key included or dropped by a
+    masking bug moves the output by ~1/len of a unit-variance row, > 1e-2 here, so this catches it.
+  bfloat16 inputs: 3e-2 absolute on outputs of size <= ~3. The kernel rounds p to bf16 before the
+    P.c dot (relative 2^-9 per weight, like the XLA path) and the result to bf16 (2^-9 relative,
+    up to ~6e-3 at |o| ~ 3); the reference keeps everything in float32.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kimi_jax import ops
+from pallas_kernels import mla_decode as md
+
+
+def _case(seed, *, B, T, N, A, R, page, P, cached, dtype, pad_tokens=()):
+    """Random pool (more pages than used, pages shuffled) and queries; cached[b] = row b's length."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    X = B * P + 3
+    pool_XpC = jax.random.normal(ks[0], (X, page, A + R), jnp.float32).astype(dtype)
+    q_lat_BTNA = jax.random.normal(ks[1], (B, T, N, A), jnp.float32).astype(dtype)
+    q_pe_BTNR = jax.random.normal(ks[2], (B, T, N, R), jnp.float32).astype(dtype)
+    new_BTC = jax.random.normal(ks[3], (B, T, A + R), jnp.float32).astype(dtype)
+    table_BP = jax.random.permutation(ks[4], X)[:B * P].reshape(B, P).astype(jnp.int32)
+    first_B = jnp.asarray(cached, jnp.int32)
+    positions_BT = first_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    for b, t in pad_tokens:                                   # padding: position < 0
+        positions_BT = positions_BT.at[b, t:].set(-1)
+    return q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, table_BP, positions_BT
+
+
+def _check(args, scale, config, atol):
+    o, lse = md.mla_paged_attention(*args, scale, config=config, interpret=True, return_lse=True)
+    ro, rlse = md.mla_paged_attention_reference(*args, scale, return_lse=True)
+    assert o.shape == args[0].shape and o.dtype == args[0].dtype
+    valid = np.asarray(args[5] >= 0)                          # padding tokens' outputs are ignored
+    np.testing.assert_allclose(np.asarray(o, np.float32)[valid], np.asarray(ro, np.float32)[valid],
+                               atol=atol, rtol=0)
+    np.testing.assert_allclose(np.asarray(lse)[valid], np.asarray(rlse)[valid], atol=1e-4, rtol=1e-5)
+    assert np.all(np.isfinite(np.asarray(o, np.float32)))    # padding rows too: no NaN downstream
+
+
+# Lengths: 0 (the new token only), 1, exactly on a page boundary (2 * page), mid-page, full table.
+# splits: 1, 3 (more splits than some rows have blocks) and auto; every split count must agree with
+# the reference to 2e-5, which is the flash-decoding combine's test.
+@pytest.mark.parametrize("N,T,splits,page", [(8, 1, 1, 4), (64, 1, 3, 32), (4, 3, 0, 16)])
+def test_kernel_matches_reference_f32(N, T, splits, page):
+    P = 4
+    cached = [0, 1, 2 * page, P * page - 5, P * page - T]
+    args = _case(0, B=len(cached), T=T, N=N, A=32, R=16, page=page, P=P, cached=cached,
+                 dtype=jnp.float32, pad_tokens=[(3, 1)] if T > 1 else [])
+    _check(args, 0.17, md.MlaDecodeConfig(block_k=16, num_splits=splits), atol=2e-5)
+
+
+def test_kernel_matches_reference_bf16_kimi_dims():
+    """Kimi's A = 512, R = 64 in bfloat16; a padding row (position -1) and a one-token row."""
+    page, P = 16, 3
+    cached = [33, 0, 2 * page]
+    args = _case(1, B=3, T=1, N=8, A=512, R=64, page=page, P=P, cached=cached, dtype=jnp.bfloat16)
+    args = args[:5] + (args[5].at[2].set(-1),)
+    _check(args, 512 ** -0.5, md.MlaDecodeConfig(num_splits=2), atol=3e-2)
+
+
+def test_ops_pallas_branch_matches_xla():
+    """kimi_jax.ops selects the kernel with impl='pallas'; it agrees with the 'xla' implementation
+    (float32: the same 2e-5 as against the reference)."""
+    args = _case(3, B=2, T=2, N=8, A=32, R=16, page=4, P=6, cached=[20, 16], dtype=jnp.float32)
+    got = ops.mla_paged_attention(*args, 0.125, impl="pallas")
+    want = ops.mla_paged_attention(*args, 0.125, impl="xla")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+
+
+def test_auto_config():
+    cfg = md.resolve_config(None, batch=1, rows=64, max_tokens=131072)
+    assert (cfg.block_m, cfg.num_warps) == (32, 4) and cfg.num_splits * 2 >= 132   # 2 row blocks
+    assert md.resolve_config(None, batch=64, rows=8, max_tokens=4096).block_m == 16
+    assert md.resolve_config(None, batch=1, rows=8, max_tokens=100).num_splits == 1
+
+
+def test_bad_shapes_are_one_line_errors():
+    args = _case(4, B=1, T=1, N=4, A=32, R=16, page=4, P=2, cached=[3], dtype=jnp.float32)
+    with pytest.raises(ValueError, match="pool must be"):
+        md.mla_paged_attention(*args[:3], args[3][..., :-1], *args[4:], 0.1, interpret=True)
+    with pytest.raises(ValueError, match="block_k"):
+        md.MlaDecodeConfig(block_k=24)
