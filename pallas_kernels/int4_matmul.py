@@ -20,7 +20,9 @@ Kernel: grid (cdiv(M, BM), N / BN[, split_k]). Each program streams [BN, BK/4] i
 (= BK/8 packed words) + [BN, BK/g] scales per K step, dequantizes them in registers into 4 bf16
 "pair-planes" (int4_tile.py: one lop3 yields two MMA-ready bf16 values, 15 instructions per 8
 weights) and runs 4 MMAs against the activation pair-planes (x's columns permuted once by XLA,
-`x_layout='perm'`). For decode the tokens are the MMA's 16-row side and the 4 warps split the weight
+`x_layout='perm'`, or in registers from a contiguous load, `'shuffle'`: one launch per call).
+Split-K partials are summed by one XLA op (`split_reduce='xla'`) or by f32 atomics into a zeroed
+buffer (`'atomic'`). For decode the tokens are the MMA's 16-row side and the 4 warps split the weight
 rows, so no weight is dequantized twice (checked in the SASS). Rows past M are masked.
 
 `interpret=None`: interpret on CPU, compiled on GPU. In interpret mode the 'asm' dequantizer is replaced
@@ -37,11 +39,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import int4_ref
 from pallas_kernels import int4_tile as tile
 
 repack = tile.repack
+SPLIT_REDUCES = ("xla", "atomic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +57,17 @@ class Int4MatmulConfig:
     num_stages: int = 3
     dequant: str = "asm"       # 'asm' (PTX lop3 + bf16x2) or 'f32' (plain jnp)
     swap_ab: bool = False      # True: weights on the MMA's M side (needs block_n >= 16*num_warps)
-    x_layout: str = "perm"     # 'perm': XLA permutes x's columns first; 'natural': gathered in-kernel
-    split_k: int = 1           # >1: K split over programs, f32 partials summed by one XLA op
+    x_layout: str = "perm"     # 'perm': XLA permutes x's columns first; 'natural': strided gather
+                               # in-kernel; 'shuffle': contiguous load split in registers (no XLA op)
+    split_k: int = 1           # >1: K split over programs, partials reduced per split_reduce
+    split_reduce: str = "xla"  # split_k > 1: 'xla' (f32 partials [split, M, N] summed by one XLA op)
+                               # or 'atomic' (f32 atomic adds into a zeroed [M, N] buffer, then cast)
+
+    def __post_init__(self):
+        if self.x_layout not in tile.X_LAYOUTS:
+            raise ValueError(f"x_layout {self.x_layout!r} not in {tile.X_LAYOUTS}")
+        if self.split_reduce not in SPLIT_REDUCES:
+            raise ValueError(f"split_reduce {self.split_reduce!r} not in {SPLIT_REDUCES}")
 
 
 def default_config(m: int, n: int, k: int) -> Int4MatmulConfig:
@@ -72,7 +85,9 @@ def default_config(m: int, n: int, k: int) -> Int4MatmulConfig:
                             swap_ab=False)
 
 
-def _kernel(x_ref, w_ref, s_ref, o_ref, *, m, k, group, cfg: Int4MatmulConfig, mode: str):
+def _kernel(x_ref, w_ref, s_ref, *refs, m, k, group, cfg: Int4MatmulConfig, mode: str,
+            interp: bool):
+    o_ref = refs[-1]            # refs = (o_ref,) or (zeros_ref aliased to o_ref, o_ref)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     bc, bkg = bk // 4, bk // group              # int16 columns (= pair-plane width), scale columns
     i, j = pl.program_id(0), pl.program_id(1)
@@ -84,7 +99,6 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, m, k, group, cfg: Int4MatmulConfig, m
     valid = (rr < m)[:, None]
     rows = jnp.minimum(rr, m - 1)[:, None]                                             # [BM, 1]
     n0 = pl.multiple_of(j * bn, bn)
-    ic = jnp.arange(bc, dtype=jnp.int32)[None, :]                                       # [1, C]
 
     def body(kk, acc):
         kk = kk + ks
@@ -92,20 +106,22 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, m, k, group, cfg: Int4MatmulConfig, m
         w = tile.load(w_ref.at[pl.ds(n0, bn), pl.ds(c0, bc)])
         s = tile.load(s_ref.at[pl.ds(n0, bn), pl.ds(kk * bkg, bkg)])
         planes = tile.dequant_pairs(w, tile.expand_scale(s, bc), mode)
+        xps = tile.load_x_planes(x_ref, rows, valid, kk, c0, k, bk, cfg.x_layout)
         for p in range(tile.NPLANES):
-            if cfg.x_layout == "perm":
-                cols = p * (k // 4) + c0 + ic
-            else:
-                cols = kk * bk + tile.natural_index(p, ic)
-            xp = tile.load(x_ref.at[rows, cols], mask=valid, other=0.0)
-            acc = acc + tile.plane_dot(planes[p], xp, cfg.swap_ab)
+            acc = acc + tile.plane_dot(planes[p], xps[p], cfg.swap_ab)
         return acc
 
     acc_shape = (bn, bm) if cfg.swap_ab else (bm, bn)
     acc = lax.fori_loop(0, k_len // bk, body, jnp.zeros(acc_shape, jnp.float32))
     out = acc.T if cfg.swap_ab else acc
     cols = n0 + jnp.arange(bn, dtype=jnp.int32)[None, :]
-    if cfg.split_k > 1:
+    if cfg.split_k > 1 and cfg.split_reduce == "atomic":
+        # o_ref has cdiv(M, BM) * BM rows, so every lane has its own address: interpret mode's
+        # atomic (no mask support, duplicate indices would drop adds) needs no mask; on the GPU the
+        # mask only saves the padded rows' atomics.
+        mask = None if interp else jnp.broadcast_to(valid, out.shape)
+        plt.atomic_add(o_ref, (rr[:, None], cols), out, mask=mask)
+    elif cfg.split_k > 1:
         tile.store(o_ref.at[pl.program_id(2), rr[:, None], cols], out, mask=valid)
     else:
         tile.store(o_ref.at[rr[:, None], cols], out.astype(o_ref.dtype), mask=valid)
@@ -142,17 +158,30 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, *,
     cfg = dataclasses.replace(cfg, block_k=bk, block_n=bn)
     mode = "f32" if interp else cfg.dequant
     xin = tile.perm_columns(x) if cfg.x_layout == "perm" else x
-    kernel = functools.partial(_kernel, m=m, k=k, group=group, cfg=cfg, mode=mode)
-    out_shape = (split, m, n) if split > 1 else (m, n)
+    kernel = functools.partial(_kernel, m=m, k=k, group=group, cfg=cfg, mode=mode, interp=interp)
+    grid = (pl.cdiv(m, cfg.block_m), n // bn) + ((split,) if split > 1 else ())
+    args = [xin, tile.as_int16(packed), scale.astype(jnp.bfloat16)]
+    aliases = {}
+    if split > 1 and cfg.split_reduce == "atomic":
+        out_shape = (grid[0] * cfg.block_m, n)               # padded rows: see _kernel
+        args.append(jnp.zeros(out_shape, jnp.float32))
+        aliases = {3: 0}
+    elif split > 1:
+        out_shape = (split, m, n)
+    else:
+        out_shape = (m, n)
     y = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32 if split > 1 else x.dtype),
-        grid=(pl.cdiv(m, cfg.block_m), n // bn) + ((split,) if split > 1 else ()),
+        grid=grid,
+        input_output_aliases=aliases,
         interpret=interp,
         compiler_params=tile.compiler_params(cfg.num_warps, cfg.num_stages, interp),
         name="int4_matmul",
-    )(xin, tile.as_int16(packed), scale.astype(jnp.bfloat16))
-    if split > 1:
+    )(*args)
+    if split > 1 and cfg.split_reduce == "atomic":
+        y = y[:m].astype(x.dtype)
+    elif split > 1:
         y = jnp.sum(y, axis=0).astype(x.dtype)
     return y
 

@@ -200,3 +200,41 @@ def perm_index(f: jax.Array, k: int) -> jax.Array:
 def natural_index(j: int, c: jax.Array) -> jax.Array:
     """Natural column of pair-plane j, position c."""
     return ((c >> 1) << 3) + ((c & 1) << 2) + j
+
+
+X_LAYOUTS = ("perm", "natural", "shuffle")
+
+
+def split_planes(xn: jax.Array) -> list[jax.Array]:
+    """Activation tile in natural column order [BM, BK] -> its 4 pair-planes [BM, BK/4] (plane j,
+    column c = 2i + h holds natural column 8i + 4h + j), in registers: two size-2 unstacks (Triton
+    `split`) of one contiguous load, instead of an XLA permute per call ('perm') or a strided
+    per-element gather ('natural', which compiles to scalar LDG.U16, see NOTES.md)."""
+    bm, bk = xn.shape
+    r = xn.reshape(bm, bk // 8, 2, 2, 2)          # [BM, i, h, a, b]: natural column 8i + 4h + 2a + b
+    planes = [None] * NPLANES
+    for b, rb in enumerate(lax.unstack(r, axis=4)):          # [BM, i, h, a]
+        for a, rab in enumerate(lax.unstack(rb, axis=3)):    # [BM, i, h]
+            planes[2 * a + b] = rab.reshape(bm, bk // 4)
+    return planes
+
+
+def load_x_planes(x_ref, rows, valid, kk, c0, k: int, bk: int, layout: str) -> list[jax.Array]:
+    """The 4 activation pair-planes [BM, BK/4] of K step kk (c0 = kk * BK/4) for rows [BM, 1]
+    (masked by valid [BM, 1]; masked rows read nothing and give 0), from x in `layout`:
+    'perm' (columns already in pair-plane order), 'natural' (strided gather) or 'shuffle'
+    (natural order, one contiguous load split in registers)."""
+    if layout == "shuffle":
+        cols = kk * bk + jnp.arange(bk, dtype=jnp.int32)[None, :]
+        return split_planes(load(x_ref.at[rows, cols], mask=valid, other=0.0))
+    ic = jnp.arange(bk // 4, dtype=jnp.int32)[None, :]
+    out = []
+    for p in range(NPLANES):
+        if layout == "perm":
+            cols = p * (k // 4) + c0 + ic
+        elif layout == "natural":
+            cols = kk * bk + natural_index(p, ic)
+        else:
+            raise ValueError(f"unknown x_layout {layout!r}; expected one of {X_LAYOUTS}")
+        out.append(load(x_ref.at[rows, cols], mask=valid, other=0.0))
+    return out

@@ -10,6 +10,8 @@ Pipeline (one jitted function, 2 Pallas kernels + a few tiny XLA ops):
   0. T <= pair_tiles_max_t (decode, default 4): no sort at all; tile i is (token, k) pair i with
      expert idx.flat[i] (a token's top-k experts are distinct; a duplicate across tokens is simply
      read twice). Only x's column permutation and the final sum remain as XLA ops.
+     `decode='fused'` instead runs moe_decode.py: two kernels and no XLA op (routing read
+     in-kernel, the down kernel sums a token's experts itself).
   1. otherwise, routing plan (XLA): stable argsort of the T*K expert ids, group sizes, and a static-size list of
      "tiles" (expert, first sorted row, end row) of at most BM rows each. Only experts that received
      tokens get tiles, so the kernels never touch the weights of idle experts; surplus tiles are empty
@@ -40,8 +42,10 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import int4_ref
 from pallas_kernels import int4_tile as tile
+from pallas_kernels import moe_decode
 
 repack = tile.repack
+DECODE_PATHS = ("tiles", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +62,17 @@ class MoeGmmConfig:
     x_layout: str = "perm"       # 'perm': XLA permutes x columns into plane order; 'natural': strided
     pair_tiles_max_t: int = 4    # T <= this: one tile per (token, k) pair, no sort (top-k ids of a
                                  # token are distinct; duplicates across tokens are re-read)
+    decode: str = "tiles"        # T <= pair_tiles_max_t: 'tiles' (pair tiles through the grouped
+                                 # kernels, scatter + XLA sum over k) or 'fused' (moe_decode.py: two
+                                 # launches, routing read in-kernel, down sums over k in-kernel)
+    num_warps_down: int = 0      # fused decode down kernel (grid T x D/block_n_down); 0: num_warps
+    num_stages_down: int = 0     # 0: num_stages
+
+    def __post_init__(self):
+        if self.x_layout not in tile.X_LAYOUTS:
+            raise ValueError(f"x_layout {self.x_layout!r} not in {tile.X_LAYOUTS}")
+        if self.decode not in DECODE_PATHS:
+            raise ValueError(f"decode {self.decode!r} not in {DECODE_PATHS}")
 
 
 def default_config(num_pairs: int, num_experts: int) -> MoeGmmConfig:
@@ -136,17 +151,10 @@ def _grouped_kernel(*refs, k, n_weights, group, bm, bn, bk, cfg: MoeGmmConfig, m
         else:
             arow = jnp.minimum(rr, rows_a - 1)
         arow = arow[:, None]
-        ic = jnp.arange(bc, dtype=jnp.int32)[None, :]
 
         def body(kk, accs):
             c0 = pl.multiple_of(kk * bc, bc)
-            xs = []
-            for p in range(tile.NPLANES):
-                if a_layout == "perm":
-                    cols = p * (k // 4) + c0 + ic
-                else:
-                    cols = kk * bk + tile.natural_index(p, ic)
-                xs.append(tile.load(a_ref.at[arow, cols], mask=valid[:, None], other=0.0))
+            xs = tile.load_x_planes(a_ref, arow, valid[:, None], kk, c0, k, bk, a_layout)
             new = []
             for (w_ref, s_ref), acc in zip(ws, accs):
                 w = tile.load(w_ref.at[e, pl.ds(n0, bn), pl.ds(c0, bc)])
@@ -235,7 +243,7 @@ def grouped_int4_matmul(x_sorted: jax.Array, group_sizes: jax.Array, packed: jax
     a = perm_columns(x_sorted) if cfg.x_layout == "perm" else x_sorted
     return _grouped_call(tiles, a, [(packed, scale)], out_shape=(r, n), out_dtype=x_sorted.dtype,
                          cfg=cfg, bn=cfg.block_n_down, bk=cfg.block_k_down, interp=interp,
-                         a_layout="perm" if cfg.x_layout == "perm" else "natural",
+                         a_layout=cfg.x_layout,
                          a_rows="direct", out_mode="rows", name="grouped_int4_matmul")
 
 
@@ -260,6 +268,16 @@ def moe_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array,
     cfg = config or default_config(tk, num_experts)
     bm = cfg.block_m
 
+    if t <= cfg.pair_tiles_max_t and cfg.decode == "fused":
+        return moe_decode.moe_decode(
+            x_TD, idx_TK, weight_TK, (tile.as_int16(gate_packed), gate_scale),
+            (tile.as_int16(up_packed), up_scale), (tile.as_int16(down_packed), down_scale),
+            block_m=bm, block_n_gate_up=cfg.block_n_gate_up, block_k_gate_up=cfg.block_k_gate_up,
+            block_n_down=cfg.block_n_down, block_k_down=cfg.block_k_down, swap_ab=cfg.swap_ab,
+            dequant=cfg.dequant, x_layout=cfg.x_layout, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, num_warps_down=cfg.num_warps_down,
+            num_stages_down=cfg.num_stages_down, interp=interp)
+
     flat = idx_TK.reshape(-1).astype(jnp.int32)
     held = (flat >= 0) & (flat < num_experts)      # ids outside [0, E) are skipped (EP: not local)
     pad = lambda v, fill: jnp.concatenate([v, jnp.full((bm,), fill, v.dtype)])
@@ -283,8 +301,7 @@ def moe_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array,
     a = perm_columns(x_TD) if cfg.x_layout == "perm" else x_TD
     h = _grouped_call(tiles, a, [(gate_packed, gate_scale), (up_packed, up_scale)],
                       out_shape=(tk, f), out_dtype=x_TD.dtype, cfg=cfg, bn=cfg.block_n_gate_up,
-                      bk=cfg.block_k_gate_up, interp=interp,
-                      a_layout="perm" if cfg.x_layout == "perm" else "natural",
+                      bk=cfg.block_k_gate_up, interp=interp, a_layout=cfg.x_layout,
                       a_rows="indirect", out_mode="rows_perm", arow=row_token,
                       name="moe_gate_up_int4")
     y_pairs = _grouped_call(tiles, h, [(down_packed, down_scale)], out_shape=(tk + 1, d),

@@ -81,6 +81,13 @@ def test_int4_matmul_default(m):
     ("natural_x", 7, im.Int4MatmulConfig(block_n=32, block_k=256, x_layout="natural")),
     ("bm16_split2_f32", 16, im.Int4MatmulConfig(block_n=32, block_k=512, split_k=2,
                                                 dequant="f32")),
+    # single-launch variants: x permuted in registers ('shuffle'), split-K summed by f32 atomics
+    ("shuffle_x", 7, im.Int4MatmulConfig(block_n=32, block_k=256, x_layout="shuffle")),
+    ("swap_bm8_split4_atomic_shuffle", 3, im.Int4MatmulConfig(
+        block_m=8, block_n=64, block_k=128, swap_ab=True, split_k=4, split_reduce="atomic",
+        x_layout="shuffle")),
+    ("bm16_split2_atomic_m17", 17, im.Int4MatmulConfig(block_n=32, block_k=256, split_k=2,
+                                                       split_reduce="atomic")),
 ])
 def test_int4_matmul_configs(name, m, cfg):
     n, k = 128, 1024
@@ -98,6 +105,24 @@ def test_int4_matmul_int16_view_and_group64():
     y16 = im.int4_matmul(x, im.repack(p), s)
     assert _rel(y32, ref) <= 1e-2
     np.testing.assert_array_equal(np.asarray(y32, np.float32), np.asarray(y16, np.float32))
+
+
+def test_split_planes_is_perm_columns():
+    """The in-register x permutation ('shuffle') gives the same pair-planes as XLA's perm_columns."""
+    from pallas_kernels import int4_tile as tile
+    x = jax.random.normal(_key("split_planes"), (8, 256), jnp.bfloat16)
+    got = jnp.concatenate(tile.split_planes(x), axis=1)
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(tile.perm_columns(x), np.float32))
+
+
+def test_int4_config_rejects_unknown_modes():
+    with pytest.raises(ValueError, match="x_layout"):
+        im.Int4MatmulConfig(x_layout="transposed")
+    with pytest.raises(ValueError, match="split_reduce"):
+        im.Int4MatmulConfig(split_reduce="tree")
+    with pytest.raises(ValueError, match="decode"):
+        mg.MoeGmmConfig(decode="persistent")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,6 +205,59 @@ def test_moe_experts_configs(experts, name, t, cfg):
     assert _rel(y, mg.moe_experts_reference(x, idx, w, *g, *u, *dn)) <= 1e-2
 
 
+FUSED = mg.MoeGmmConfig(decode="fused")
+
+
+@pytest.mark.parametrize("name,t,mode,topk,cfg", [
+    ("t1", 1, "distinct", TOPK, FUSED),
+    ("t3_random", 3, "random", TOPK, FUSED),
+    ("t4_one_expert", 4, "one_expert", TOPK, FUSED),
+    ("t2_topk3_shuffle", 2, "random", 3, mg.MoeGmmConfig(decode="fused", x_layout="shuffle")),
+    ("t4_natural_d32_w2_k64", 4, "random", TOPK, mg.MoeGmmConfig(
+        decode="fused", x_layout="natural", block_n_down=32, num_warps_down=2, block_k_down=64,
+        num_stages_down=4)),
+    ("t3_sorted_shuffle", 3, "random", TOPK, mg.MoeGmmConfig(x_layout="shuffle",
+                                                             pair_tiles_max_t=0)),
+])
+def test_moe_experts_fused_decode(experts, name, t, mode, topk, cfg):
+    """Fused decode (moe_decode.py): routing read in-kernel, down sums the token's experts in one
+    K loop and writes y directly; odd top-k (padded id vector), duplicates, in-register x perm."""
+    g, u, dn = experts
+    x, idx, w = _moe_case(t, mode)
+    idx, w = idx[:, :topk], w[:, :topk]
+    y = mg.moe_experts(x, idx, w, *g, *u, *dn, config=cfg)
+    assert y.shape == (t, D) and y.dtype == jnp.bfloat16
+    assert _rel(y, mg.moe_experts_reference(x, idx, w, *g, *u, *dn)) <= 1e-2
+
+
+def test_moe_fused_decode_is_two_kernels_and_no_xla_ops(experts):
+    """The point of the fused path: one jitted call = the two Pallas kernels and nothing else
+    (no x permute, routing plan or sum over k) when x is already in natural order ('shuffle')."""
+    g, u, dn = experts
+    x, idx, w = _moe_case(1, "distinct")
+    cfg = mg.MoeGmmConfig(decode="fused", x_layout="shuffle")
+    jaxpr = jax.make_jaxpr(lambda *a: mg.moe_experts(*a, config=cfg))(x, idx, w, *g, *u, *dn)
+    eqns = jaxpr.jaxpr.eqns[0].params["jaxpr"].eqns          # inside moe_experts' jit
+    names = [e.primitive.name for e in eqns]
+    assert names.count("pallas_call") == 2
+    heavy = [n for n in names if n not in ("pallas_call", "reshape", "bitcast_convert_type",
+                                           "convert_element_type")]
+    assert heavy == [], heavy
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_moe_fused_decode_skips_foreign_ids(experts, t):
+    """ids >= E and < 0 (held elsewhere / other layers of a stacked array) add 0 and read nothing."""
+    g, u, dn = experts
+    x, idx, w = _moe_case(t, "random")
+    foreign = jax.random.bernoulli(_key("foreign_fused", t), 0.4, idx.shape).at[0, 0].set(True)
+    idx = jnp.where(foreign, jnp.where(jnp.arange(TOPK) % 2 == 0, E + 5, -1), idx)
+    y = mg.moe_experts(x, idx, w, *g, *u, *dn, config=FUSED)
+    ref_local = mg.moe_experts_reference(x, jnp.where(foreign, 0, idx),
+                                         jnp.where(foreign, 0.0, w), *g, *u, *dn)
+    assert _rel(y, ref_local) <= 1e-2
+
+
 @pytest.mark.parametrize("t", [2, 11])
 def test_moe_experts_skips_foreign_ids(experts, t):
     """Expert-parallel convention: ids >= E (held elsewhere) contribute nothing and read nothing."""
@@ -220,3 +298,12 @@ def test_kernels_lower_for_cuda():
             S((e_, f, d // 8), jnp.int32), S((e_, f, d // 32), jnp.bfloat16),
             S((e_, d, f // 8), jnp.int32), S((e_, d, f // 32), jnp.bfloat16)]
     moe.trace(*args).lower(lowering_platforms=("cuda",))
+    # the single-launch variants (in-register x perm, atomics, fused decode) lower too
+    cfg = im.Int4MatmulConfig(block_m=8, block_n=64, block_k=256, swap_ab=True, split_k=2,
+                              split_reduce="atomic", x_layout="shuffle")
+    jax.jit(lambda x, p, s: im.int4_matmul(x, p, s, config=cfg, interpret=False)).trace(
+        S((m, k), jnp.bfloat16), S((n, k // 8), jnp.int32),
+        S((n, k // 32), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+    fused = mg.MoeGmmConfig(decode="fused", x_layout="shuffle")
+    jax.jit(lambda *a: mg.moe_experts(*a, config=fused, interpret=False)).trace(*args).lower(
+        lowering_platforms=("cuda",))
