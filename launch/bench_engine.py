@@ -4,7 +4,9 @@ share), the planner's prediction beside each measurement, and the copy-bandwidth
 
   python -m launch.bench_engine --layers 3 --layouts single,tp2,tp2_ep,dp2_ep --batches 1,16,64,256
 
-Weights are random (kimi_jax.profiling.random_engine: placed directly under each layout); a decode
+Weights are random (kimi_jax.profiling.random_engine: placed directly under each layout), or, with
+--checkpoint, a real-format checkpoint (e.g. `kimi-make-synthetic --preset kimi-k2.5 --num_layers 3`)
+streamed onto the devices of each layout by the loader; a decode
 step is the engine's jitted step (contiguous latent cache at --context tokens, sampling included),
 timed by wall clock per step with the sampled tokens fetched to the host (what generation pays).
 """
@@ -29,6 +31,8 @@ flags.DEFINE_integer("steps", 10, "timed decode steps per case")
 flags.DEFINE_string("out", os.environ.get("OUT", "out/bench_engine"), "results directory")
 flags.DEFINE_string("hardware", "h200", "planner hardware preset for the predictions")
 flags.DEFINE_bool("tiny", False, "CPU dry run on the tiny preset")
+flags.DEFINE_string("checkpoint", None, "load this safetensors/orbax checkpoint under each layout "
+                    "instead of random weights (its config.json sets the model)")
 FLAGS = flags.FLAGS
 
 def parse_layout(name: str) -> tuple[int, int, bool]:
@@ -65,6 +69,22 @@ def copy_bandwidth() -> float:
     return 2 * 4 * n / statistics.median(ts)
 
 
+def load_engine(path, cfg, layout, dtype):
+    """An Engine over a checkpoint, each device reading only its own slices (checkpoints.loader)."""
+    from flax import nnx
+    from checkpoints.loader import load_model
+    from kimi_jax.engine import Engine
+    from kimi_jax.model.transformer import Transformer
+    from kimi_jax.sharding import check_fits, param_shardings
+    parallel = layout.moe_parallel()
+    abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0),
+                                                            parallel=parallel)))[1]
+    check_fits(layout, abstract)
+    _, model = load_model(path, dtype=dtype, cfg=cfg, shardings=param_shardings(layout, abstract),
+                          parallel=parallel)
+    return Engine(model, cfg, layout)
+
+
 def main(argv):
     del argv
     common.setup()
@@ -75,7 +95,11 @@ def main(argv):
     from kimi_jax.profiling import profile_decode, random_engine
     from kimi_jax.sharding import Layout
 
-    cfg = preset("tiny") if FLAGS.tiny else preset("kimi-k2.5").replace(num_hidden_layers=FLAGS.layers)
+    if FLAGS.checkpoint:
+        from kimi_jax.config import ModelConfig
+        cfg = ModelConfig.from_pretrained(FLAGS.checkpoint)
+    else:
+        cfg = preset("tiny") if FLAGS.tiny else preset("kimi-k2.5").replace(num_hidden_layers=FLAGS.layers)
     os.makedirs(FLAGS.out, exist_ok=True)
     bw = copy_bandwidth()
     hw = hardware.get(FLAGS.hardware)
@@ -89,8 +113,14 @@ def main(argv):
             print(f"skip {name}: needs {layout.world} devices", flush=True)
             continue
         t0 = time.time()
-        engine = random_engine(cfg, layout, dtype=jnp.float32 if FLAGS.tiny else jnp.bfloat16)
-        print(f"{layout.name}: weights placed in {time.time() - t0:.1f}s", flush=True)
+        dtype = jnp.float32 if FLAGS.tiny else jnp.bfloat16
+        if FLAGS.checkpoint:
+            engine = load_engine(FLAGS.checkpoint, cfg, layout, dtype)
+            how = f"loaded from {FLAGS.checkpoint}"
+        else:
+            engine = random_engine(cfg, layout, dtype=dtype)
+            how = "random, placed"
+        print(f"{layout.name}: weights {how} in {time.time() - t0:.1f}s", flush=True)
         batches = FLAGS.batches if layout.world == 1 else FLAGS.multi_batches
         for b in map(int, batches):
             rep = profile_decode(engine, layout, batch=b, context=FLAGS.context, steps=FLAGS.steps,
@@ -108,6 +138,8 @@ def main(argv):
                        pct_copy=100 * wbytes / (rep.step_ms / 1e3) / bw, shares=rep.share)
             rows.append(row)
             print(json.dumps(row, default=float), flush=True)
+            with open(os.path.join(FLAGS.out, "engine_rows.partial.jsonl"), "a") as f:   # survives a timeout
+                f.write(json.dumps(row, default=float) + "\n")
         del engine
         gc.collect()
     with open(os.path.join(FLAGS.out, "engine_rows.json"), "w") as f:
