@@ -74,10 +74,13 @@ def _paged_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_ta
 
 
 def _verify_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, n_draft_B, sp, step_B):
-    """Speculative verification: row b feeds [last token, drafts...]; returns (accepted [B], next [B])."""
+    """Speculative verification: row b feeds [last token, drafts...]; returns (accepted [B], next [B]).
+    Absorbed MLA, as in decode: the same math per query token as a decode step (greedy outputs match
+    decoding without speculation), and on a GPU the decode kernel reads the cache once for all T
+    tokens, so a verification pass costs about one decode pass."""
     model = nnx.merge(graphdef, state)
     tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
-    h_BTD, pages = model.hidden_states(tokens_BT, positions_BT, pages, absorbed=False,
+    h_BTD, pages = model.hidden_states(tokens_BT, positions_BT, pages, absorbed=True,
                                        block_table_BP=block_table_BP)
     logits_BTV = _constrain(model.logits(h_BTD), shard.get("replicated"))
     n_acc, nxt = verify_drafts(logits_BTV, tokens_BT[:, 1:], n_draft_B, sp, step_B)
@@ -101,6 +104,9 @@ class Engine:
         self.graphdef, self.state = nnx.split(model)
         self.cache_dtype = model.dtype
         self.dp = 1 if layout is None else layout.data_parallel_size
+        # (batch bucket, page-table bucket) -> (decode pass s, verification pass s): measured once by the
+        # scheduler the first time speculation meets the bucket (kimi_jax.scheduler._pass_costs)
+        self.pass_costs: dict[tuple[int, int], tuple[float, float]] = {}
         shard = {}
         if layout is not None and layout.world > 1:
             from jax.sharding import PartitionSpec as P
@@ -133,7 +139,6 @@ class Engine:
                                 jnp.asarray(last_B, jnp.int32), sp, jnp.asarray(steps_B, jnp.int32),
                                 n_logprobs=n_logprobs, absorbed=T == 1)
         return pages, _to_host(out)
-
 
     def verify_step(self, pages, tokens_BT, positions_BT, block_table_BP, n_draft_B, sp: SamplingArrays, steps_B):
         pages, (n_acc, nxt) = self._verify(self.state, pages, jnp.asarray(tokens_BT, jnp.int32),

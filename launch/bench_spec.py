@@ -1,69 +1,186 @@
-"""Speculative-decoding case of launch/bench.py (`--suite=spec`): n-gram drafting on a repetitive
-workload (the model is asked to continue a text that repeats a passage, so the continuation can be
-quoted back from the prompt) and on a non-repetitive one (distinct random-text prompts), at batch 1
-and 16, speculation off vs on. Reports output tokens/s, the ratio, and the mean accepted length
-(tokens emitted per verification step, 1 + accepted drafts)."""
+"""Speculative decoding benchmark: n-gram drafting on a repetitive workload and a non-repetitive one,
+at several batch sizes, speculation off vs on, on one model (the same weights and compiled programs
+serve both: only the scheduler's speculative config changes).
+
+  python -m launch.bench --suite=spec --tp_batches 1,16 --gen_tokens 48 --dtype float32   # CPU demo
+  python -m launch.bench_spec --model=kimi-k2.5 --num_layers=3 --batches=1,16 --out=$OUT/spec  # GPU
+
+Workloads. non-repetitive: distinct prompts (passages of the standard library's docs with the demo
+model's tokenizer; random token ids for a model without one). repetitive ("say it again"): each
+prompt followed by the model's own greedy continuation and then the prompt again, so the text to
+produce next already stands in the context (the editing / quoting-back case); built from the model's
+own output, so acceptance is real with random weights too.
+
+Method. Each (batch, workload) first runs off and on once untimed: that compiles every program and
+lets the scheduler measure its pass costs (kimi_jax.scheduler._pass_costs); the timed runs take the
+same path (greedy decisions are deterministic given those costs), and the compile events inside them
+are counted and reported (expected 0). Then `reps` timed pairs (off, on), alternating; tokens/s is the
+median, the ratio is the median of the per-pair ratios, with its min and max (the spread of a shared
+machine). Mean accepted length = tokens emitted per verified row step (1 + accepted / verified rows).
+"""
 from __future__ import annotations
 
+import json
+import os
+import statistics
 import time
 
 import numpy as np
 
 
-def workloads(llm, n: int, gen_tokens: int, seed: int = 0):
-    """non-repetitive: distinct prompts (text from the standard library's docs when the model has a
-    tokenizer). repetitive ("say it again"): each prompt is followed by the model's own greedy
-    continuation and then the prompt again, so the text to produce next already stands in the context
-    (the editing / quoting-back case)."""
+def workloads(llm, n: int, gen_tokens: int, seed: int = 0, prompt_len=(20, 80)):
+    """{"repetitive": [ids...], "non-repetitive": [ids...]}, n prompts each (see the module doc)."""
     from kimi_jax import SamplingParams
     rng = np.random.default_rng(seed)
     if llm.tokenizer is not None:
         import inspect
-        import json
         import textwrap
         docs = " ".join(inspect.getdoc(m) or "" for m in (json, inspect, time, textwrap)).split()
         starts = rng.integers(0, len(docs) - 40, n)
         plain = [llm.tokenizer.encode(" ".join(docs[s:s + int(rng.integers(12, 40))])) for s in starts]
     else:
-        plain = [rng.integers(2, llm.config.vocab_size, int(rng.integers(20, 80))).tolist() for _ in range(n)]
+        plain = [rng.integers(2, llm.config.vocab_size, int(rng.integers(*prompt_len))).tolist() for _ in range(n)]
     first = llm.generate(plain, SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True))
     repetitive = [p + o.outputs[0].token_ids + p for p, o in zip(plain, first)]
     return {"repetitive": repetitive, "non-repetitive": plain}
 
 
-def spec_rows(model, batches, *, gen_tokens: int = 48, k: int = 4, dtype: str = "float32") -> list[dict]:
+class _Compiles:
+    """Counts XLA backend compiles while active."""
+
+    def __init__(self):
+        from jax import monitoring
+        self.n, self.on = 0, False
+        monitoring.register_event_duration_secs_listener(self._event)
+
+    def _event(self, event, duration, **kw):
+        if self.on and event.endswith("backend_compile_duration"):
+            self.n += 1
+
+
+def _generate(llm, prompts, sp, spec) -> dict:
+    """One run through a fresh batch engine: wall time, token ids, speculation counts, engine stats."""
+    llm.speculative = spec
+    be = llm.batch_engine()
+    reqs = [be.make_request(str(i), p, sp, seed=i) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    for r in reqs:
+        be.add(r)
+    be.run()
+    wall = time.perf_counter() - t0
+    return dict(wall=wall, tokens=sum(len(r.output_ids) for r in reqs), ids=[r.output_ids for r in reqs],
+                drafted=sum(r.spec.drafted for r in reqs), accepted=sum(r.spec.accepted for r in reqs),
+                verified_rows=sum(r.spec.verify_steps for r in reqs), stats=dict(be.stats))
+
+
+def spec_rows(model, batches, *, gen_tokens: int = 48, k: int = 4, dtype: str = "float32", reps: int = 3,
+              max_model_len: int = 1024, prompt_len=(20, 80), budget_s: float = float("inf"),
+              log=print) -> list[dict]:
+    """model: a checkpoint dir, preset name, ModelConfig (random weights) or None (the demo model).
+    Cases not started within budget_s seconds are skipped (logged)."""
     from kimi_jax import LLM, SamplingParams
+    from kimi_jax.speculative import SpeculativeConfig
+    spec = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=3)
     sp = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm = LLM(model, dtype=dtype, max_num_seqs=max(batches), max_model_len=max_model_len)
+    log(f"[{time.perf_counter() - t0:6.1f}s] model built")
+    compiles = _Compiles()
     rows = []
     for B in batches:
-        base = LLM(model, dtype=dtype, max_num_seqs=B)
-        spec = LLM(model, dtype=dtype, max_num_seqs=B,
-                   speculative_config={"num_speculative_tokens": k, "prompt_lookup_max": 3})
-        for name, prompts in workloads(base, B, gen_tokens).items():
-            res = {}
-            for label, llm in (("off", base), ("on", spec)):
-                llm.generate(prompts, sp)                      # compile every shape first
-                t0 = time.perf_counter()
-                outs = llm.generate(prompts, sp)
-                wall = time.perf_counter() - t0
-                toks = sum(len(o.outputs[0].token_ids) for o in outs)
-                steps = sum(o.metrics["spec_verify_steps"] for o in outs)
-                acc = sum(o.metrics["spec_accepted"] for o in outs)
-                res[label] = dict(tok_s=toks / wall, ids=[o.outputs[0].token_ids for o in outs],
-                                  mean_len=(1 + acc / steps) if steps else 1.0, drafted=sum(
-                                      o.metrics["spec_drafted"] for o in outs), accepted=acc)
-            rows.append(dict(batch=B, workload=name, tok_s_off=res["off"]["tok_s"], tok_s_on=res["on"]["tok_s"],
-                             speedup=res["on"]["tok_s"] / res["off"]["tok_s"], mean_accepted_len=res["on"]["mean_len"],
-                             drafted=res["on"]["drafted"], accepted=res["on"]["accepted"],
-                             identical=res["on"]["ids"] == res["off"]["ids"]))
+        if time.perf_counter() - t0 > budget_s:
+            log(f"budget of {budget_s:.0f}s spent: skipping batch {B}")
+            continue
+        llm.speculative = None
+        for name, prompts in workloads(llm, B, gen_tokens, prompt_len=prompt_len).items():
+            for s in (None, spec):
+                _generate(llm, prompts, sp, s)              # compile; the scheduler measures its pass costs
+            log(f"[{time.perf_counter() - t0:6.1f}s] batch {B} {name}: warmed up")
+            runs = {"off": [], "on": []}
+            compiles.n, compiles.on = 0, True
+            for _ in range(reps):
+                runs["off"].append(_generate(llm, prompts, sp, None))
+                runs["on"].append(_generate(llm, prompts, sp, spec))
+            compiles.on = False
+            ratios = [(on["tokens"] / on["wall"]) / (off["tokens"] / off["wall"])
+                      for off, on in zip(runs["off"], runs["on"])]
+            on, off = runs["on"][-1], runs["off"][-1]
+            row = dict(batch=B, workload=name,
+                       tok_s_off=statistics.median(r["tokens"] / r["wall"] for r in runs["off"]),
+                       tok_s_on=statistics.median(r["tokens"] / r["wall"] for r in runs["on"]),
+                       speedup=statistics.median(ratios), speedup_min=min(ratios), speedup_max=max(ratios),
+                       mean_accepted_len=1 + on["accepted"] / on["verified_rows"] if on["verified_rows"] else 1.0,
+                       drafted=on["drafted"], accepted=on["accepted"],
+                       identical=all(r["ids"] == off["ids"] for r in runs["on"] + runs["off"]),
+                       verify_passes=on["stats"]["verify_passes"], decode_passes=on["stats"]["decode_passes"],
+                       decode_passes_off=off["stats"]["decode_passes"], timed_compiles=compiles.n)
+            rows.append(row)
+            log(f"[{time.perf_counter() - t0:6.1f}s] " + json.dumps(row, default=float))
+    costs = {f"B{b}_P{p}": dict(decode_ms=d * 1e3, verify_ms=v * 1e3, ratio=v / d)
+             for (b, p), (d, v) in sorted(llm.engine.pass_costs.items())}
+    log("measured pass costs (batch bucket, page-table bucket): " + json.dumps(costs))
+    for r in rows:
+        r["pass_costs"] = costs
     return rows
 
 
 def format_rows(rows) -> str:
-    out = [f"{'batch':>5} {'workload':>15} {'off tok/s':>9} {'on tok/s':>9} {'speedup':>7} {'mean len':>8} "
-           f"{'drafted':>7} {'accepted':>8} {'same tokens':>11}"]
+    out = ["| batch | workload | off tok/s | on tok/s | on / off (min-max) | mean accepted length | drafted | "
+           "accepted | verify passes | compiles timed | identical tokens |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"{r['batch']:5d} {r['workload']:>15} {r['tok_s_off']:9.1f} {r['tok_s_on']:9.1f} "
-                   f"{r['speedup']:7.2f} {r['mean_accepted_len']:8.2f} {r['drafted']:7d} {r['accepted']:8d} "
-                   f"{str(r['identical']):>11}")
+        out.append(f"| {r['batch']} | {r['workload']} | {r['tok_s_off']:.1f} | {r['tok_s_on']:.1f} | "
+                   f"{r['speedup']:.2f} ({r.get('speedup_min', r['speedup']):.2f}-"
+                   f"{r.get('speedup_max', r['speedup']):.2f}) | {r['mean_accepted_len']:.2f} | {r['drafted']} | "
+                   f"{r['accepted']} | {r.get('verify_passes', '-')} | {r.get('timed_compiles', '-')} | "
+                   f"{'yes' if r['identical'] else 'NO'} |")
     return "\n".join(out)
+
+
+def main(argv):
+    del argv
+    from absl import flags
+    from launch import common
+    FLAGS = flags.FLAGS
+    common.setup()
+    import jax
+    from kimi_jax.config import PRESETS, preset
+    model = FLAGS.model
+    if model in PRESETS and FLAGS.num_layers:
+        model = preset(model).replace(num_hidden_layers=FLAGS.num_layers)   # random weights, true geometry
+    log = lambda s: print(s, flush=True)
+    log(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  jax {jax.__version__}  model: "
+        f"{FLAGS.model}{f' ({FLAGS.num_layers} layers)' if FLAGS.num_layers else ''}  dtype {FLAGS.dtype}")
+    rows = spec_rows(model, [int(b) for b in FLAGS.batches], gen_tokens=FLAGS.gen_tokens, k=FLAGS.k,
+                     dtype=FLAGS.dtype, reps=FLAGS.reps, max_model_len=FLAGS.max_model_len,
+                     prompt_len=(FLAGS.prompt_min, FLAGS.prompt_max), budget_s=FLAGS.budget_s, log=log)
+    path = FLAGS.out if FLAGS.out.endswith(".json") else os.path.join(FLAGS.out, "spec_rows.json")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, model=FLAGS.model,
+                       num_layers=FLAGS.num_layers, dtype=FLAGS.dtype, rows=rows), f, indent=1, default=float)
+    print(format_rows(rows))
+    print(f"wrote {path}")
+
+
+def _define_flags():
+    from absl import flags
+    flags.DEFINE_string("model", None, "checkpoint dir or preset (default: the demo model)")
+    flags.DEFINE_integer("num_layers", None, "with a preset: a slice of this many layers, random weights")
+    flags.DEFINE_list("batches", ["1", "16"], "batch sizes (max_num_seqs = the largest)")
+    flags.DEFINE_integer("gen_tokens", 32, "output tokens per request")
+    flags.DEFINE_integer("k", 4, "num_speculative_tokens")
+    flags.DEFINE_integer("reps", 3, "timed (off, on) pairs per case")
+    flags.DEFINE_integer("max_model_len", 1024, "bounds the page pool")
+    flags.DEFINE_integer("prompt_min", 20, "prompt length range without a tokenizer")
+    flags.DEFINE_integer("prompt_max", 80, "prompt length range without a tokenizer")
+    flags.DEFINE_string("dtype", "bfloat16", "compute dtype")
+    flags.DEFINE_float("budget_s", 200.0, "start no new batch size after this many seconds")
+    flags.DEFINE_string("out", os.path.join(os.environ.get("OUT", "out"), "bench_spec"), "JSON dir (or .json file)")
+
+
+if __name__ == "__main__":
+    from absl import app
+    from launch import common  # noqa: F401  (defines the shared launcher flags before parsing)
+    _define_flags()
+    app.run(main)

@@ -24,14 +24,36 @@ def test_ngram_drafter_proposes_what_followed_the_last_match():
     assert d.propose([7, 1, 7], 4) == [1, 7]                   # 1-gram fallback, clipped at the end
 
 
-def test_backoff_after_failures():
+@pytest.mark.parametrize("max_n,min_n", [(3, 1), (3, 2), (2, 2)])
+def test_ngram_index_matches_the_scanning_drafter(max_n, min_n):
+    """The incremental index proposes exactly what the reference scan proposes, at every length of
+    seeded random sequences over a small vocabulary (so n-grams repeat often)."""
+    rng = np.random.default_rng(max_n * 10 + min_n)
+    ref = NgramDrafter(max_n, min_n)
+    for _ in range(20):
+        seq = rng.integers(0, 4, int(rng.integers(1, 40))).tolist()
+        idx = ref.index()
+        cut = int(rng.integers(1, len(seq) + 1))                      # prompt seq[:cut], then outputs
+        for L in range(cut, len(seq) + 1):
+            idx.extend(seq[:cut], seq[cut:L])
+            assert idx.propose(3) == ref.propose(seq[:L], 3), (seq[:L], cut)
+
+
+def test_shadow_drafts_are_scored_against_the_tokens_produced():
     s = SpecState()
-    s.record(4, 0)
-    assert [s.should_draft() for _ in range(2)] == [False, True]
-    s.record(4, 0)
-    assert [s.should_draft() for _ in range(3)] == [False, False, True]
-    s.record(4, 2)
-    assert s.should_draft()
+    a0 = s.rate                                   # the prior
+    s.offer_shadow(2, [5, 6, 7])
+    s.check_shadow([1, 1, 5])                     # only the first drafted position produced so far
+    assert s.shadow is not None and s.tried == 0
+    s.check_shadow([1, 1, 5, 6, 9])               # 2 accepted, the 3rd rejected: 3 positions tried
+    assert s.shadow is None and (s.hits, s.tried) == (2, 3)
+    for _ in range(10):                           # drafts that keep failing drive the estimate down
+        s.offer_shadow(0, [4, 4])
+        s.check_shadow([3])
+    assert s.rate < 0.3 < a0 and s.expected_accepted(4) < 0.5
+    assert (s.drafted, s.verify_steps) == (0, 0)  # shadow attempts are not reported as verification
+    s.record(4, 4)
+    assert (s.drafted, s.accepted, s.verify_steps) == (4, 4, 1)
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +119,36 @@ def test_verification_preserves_the_target_distribution():
                      np.random.default_rng(1).choice(V, size=N, p=p0))
     bad = np.bincount(naive, minlength=V)
     assert (((bad - N * p0) ** 2)[support] / (N * p0[support])).sum() > 24.3
+
+
+def _run(llm, prompts, sp):
+    """Generate through a fresh batch engine; (token ids per request, engine stats)."""
+    be = llm.batch_engine()
+    reqs = [be.make_request(str(i), p, sp, seed=i) for i, p in enumerate(prompts)]
+    for r in reqs:
+        be.add(r)
+    be.run()
+    return [r.output_ids for r in reqs], be.stats
+
+
+def test_gate_uses_measured_costs_once_and_is_deterministic(ckpt):
+    """The gate's pass costs are measured the first time a bucket is met; a second identical run
+    measures nothing, compiles nothing and takes the same decisions. With the costs pinned, a
+    GPU-like verify/decode ratio (1.0) verifies and a CPU-like one (100) never does; greedy output
+    is the same in every case."""
+    from jax import monitoring
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = mixed_prompts()
+    base, _ = _run(LLM(ckpt, dtype="float32"), prompts, sp)
+    llm = LLM(ckpt, dtype="float32", speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    first, s1 = _run(llm, prompts, sp)
+    assert first == base and s1["cost_calibrations"] == len(llm.engine.pass_costs) > 0
+    compiles = []
+    monitoring.register_event_duration_secs_listener(
+        lambda ev, d, **kw: compiles.append(ev) if ev.endswith("backend_compile_duration") else None)
+    second, s2 = _run(llm, prompts, sp)
+    assert second == base and not compiles and s2 == {**s1, "cost_calibrations": 0}
+    for ratio, verifies in ((1.0, True), (100.0, False)):
+        llm.engine.pass_costs = {(b, p): (1.0, ratio) for b in (1, 2, 4, 8) for p in (4, 8, 16, 32)}
+        out, st = _run(llm, prompts, sp)
+        assert out == base and (st["verify_passes"] > 0) == verifies and st["cost_calibrations"] == 0, (ratio, st)
