@@ -109,12 +109,28 @@ def _row_key(key_data, step, salt=None):
 
 def sample(logits_BV: jax.Array, sp: SamplingArrays, step_B: jax.Array) -> jax.Array:
     """Next token per row [B] int32. temperature 0 -> argmax; else top-k / top-p / min-p filtered
-    sampling at that temperature, with the row's key folded with its step (reproducible per seed)."""
+    sampling at that temperature, with the row's key folded with its step (reproducible per seed).
+
+    The vocabulary sort that filtering needs (a [B, V] argsort: 1.8 ms at B=64, V=163840 on an H200)
+    runs only when some row in the batch samples with a filter; a row's token depends only on its own
+    parameters and key, never on which path its batch mates needed."""
     greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    order, filtered = _filtered_sorted(logits_BV, sp)
-    pick = jax.vmap(lambda k, s, row: jax.random.categorical(_row_key(k, s), row))(sp.key, step_B, filtered)
-    sampled = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(sp.temperature > 0, sampled, greedy)
+    sampling = sp.temperature > 0
+    filters = sampling & ((sp.top_k > 0) | (sp.top_p < 1.0) | (sp.min_p > 0.0))
+    temp = jnp.where(sampling, sp.temperature, 1.0)
+    draw = jax.vmap(lambda k, s, row: jax.random.categorical(_row_key(k, s), row))
+
+    def plain(_):       # unfiltered sampling needs no sort
+        return draw(sp.key, step_B, logits_BV.astype(jnp.float32) / temp[:, None]).astype(jnp.int32)
+
+    def filtered(_):
+        order, kept = _filtered_sorted(logits_BV, sp)
+        pick = draw(sp.key, step_B, kept)
+        return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+    unfiltered = jax.lax.cond(jnp.any(sampling), plain, lambda _: greedy, None)
+    picked = jax.lax.cond(jnp.any(filters), filtered, lambda _: unfiltered, None)
+    return jnp.where(sampling, jnp.where(filters, picked, unfiltered), greedy)
 
 
 def target_probs(logits_BV: jax.Array, sp: SamplingArrays) -> jax.Array:
