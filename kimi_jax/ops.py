@@ -162,7 +162,7 @@ def _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts: ExpertWeights, par
         return fn(x_TD, idx_TK, weight_TK, experts)
     fn = _shard_map(local, par.mesh, in_specs=(P(batch, None), P(batch, None), P(batch, None), w_specs, P()),
                     out_specs=P(batch, None))
-    return fn(x_TD, idx_TK, weight_TK, experts, layer)
+    return fn(x_TD, idx_TK, weight_TK, experts, jnp.asarray(layer, jnp.int32))
 
 
 def _shard_map(f, mesh, in_specs, out_specs):

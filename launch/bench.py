@@ -46,6 +46,10 @@ flags.DEFINE_string("model", None, "throughput suite: checkpoint dir or preset (
 flags.DEFINE_list("tp_batches", ["1", "16", "64", "256"], "throughput suite: max batch sizes")
 flags.DEFINE_integer("gen_tokens", 32, "throughput suite: output tokens per request")
 flags.DEFINE_string("dtype", "bfloat16", "throughput suite: compute dtype")
+flags.DEFINE_integer("num_layers", None, "throughput/spec suites: with a preset --model, a slice of this many "
+                     "layers (random weights of the true geometry)")
+flags.DEFINE_integer("max_model_len", None, "throughput suite: LLM max_model_len")
+flags.DEFINE_integer("num_pages", None, "throughput suite: LLM num_pages (default: from free memory)")
 
 RESULTS: list[dict] = []
 _T0 = time.time()
@@ -735,8 +739,12 @@ def main(argv):
         run_int4()
     elif FLAGS.suite == "throughput":
         from launch.bench_throughput import format_rows, throughput_rows
-        rows = throughput_rows(FLAGS.model, [int(b) for b in FLAGS.tp_batches], gen_tokens=FLAGS.gen_tokens,
-                               dtype=FLAGS.dtype)
+        model = FLAGS.model
+        if FLAGS.num_layers:
+            from kimi_jax.config import preset
+            model = preset(model).replace(num_hidden_layers=FLAGS.num_layers)
+        rows = throughput_rows(model, [int(b) for b in FLAGS.tp_batches], gen_tokens=FLAGS.gen_tokens,
+                               dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len, num_pages=FLAGS.num_pages)
         for r in rows:
             record(suite="throughput", **r)
         print(format_rows(rows))

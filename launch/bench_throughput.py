@@ -18,9 +18,12 @@ def throughput_rows(model, batches, *, n_min: int = 8, min_prompt: int = 16, max
                     gen_tokens: int = 32, dtype: str = "bfloat16", seed: int = 0, **llm_kw) -> list[dict]:
     from kimi_jax import LLM, SamplingParams
     rows = []
+    # one model for every batch size: the weights are made once and the compiled programs of the
+    # smaller batches' buckets are shared
+    llm = LLM(model, dtype=dtype, max_num_seqs=max(batches), **llm_kw)
+    V = llm.config.vocab_size
     for B in batches:
-        llm = LLM(model, dtype=dtype, max_num_seqs=B, **llm_kw)
-        V = llm.config.vocab_size
+        llm.max_num_seqs = B
         rng = np.random.default_rng(seed)
         n = max(2 * B, n_min)
         lens = np.exp(rng.uniform(np.log(min_prompt), np.log(max_prompt), n)).astype(int)

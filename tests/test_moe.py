@@ -98,12 +98,13 @@ def test_routed_experts_tokens_on_one_expert_and_empty_experts():
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()   # float32 vs float32, reordered sums
 
 
+@pytest.mark.parametrize("loop", ["scan", "unroll"])
 @pytest.mark.parametrize("layout", [(1, 1, False), (1, 2, True)], ids=["single", "dp2-ep"])
-def test_layer_stack_passes_whole_expert_stack_to_each_impl(layout):
+def test_layer_stack_passes_whole_expert_stack_to_each_impl(layout, loop, monkeypatch):
     """scan_layers hands every MoE layer the whole [L, E, ...] expert stack plus its layer index (no
     per-layer slice copy). The pallas path offsets expert ids into the flattened [L*E, ...] stack, the XLA
     path slices; both must equal running each layer's own [E, ...] weights. Three MoE layers with
-    different weights catch a wrong layer offset. Tolerance: both paths accumulate in float32 over the
+    different weights catch a wrong layer offset; both layer loops (lax.scan, unrolled) are run. Tolerance: both paths accumulate in float32 over the
     same bf16-rounded activations; 2e-2 relative to the largest logit covers bf16 rounding of h between
     the two kernels' different summation orders (observed ~3e-3)."""
     import dataclasses
@@ -113,6 +114,8 @@ def test_layer_stack_passes_whole_expert_stack_to_each_impl(layout):
     from kimi_jax.sharding import Layout
     from kimi_jax.model.transformer import Transformer
 
+    from kimi_jax.model import transformer
+    monkeypatch.setattr(transformer, "LAYER_LOOP", loop)
     cfg = dataclasses.replace(preset("tiny"), num_hidden_layers=4, moe_intermediate_size=64,
                               quantization=QuantConfig(group_size=32))   # kernels need K % 64 == 0
     tp, dp, ep = layout

@@ -50,36 +50,58 @@ def stack_modules(make: Callable[[], nnx.Module], n: int) -> Optional[nnx.Module
     return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
 
 
+# How scan_layers runs the layers of a stack: "scan" (lax.scan: one compiled body), "unroll" (a Python
+# loop with static layer indices), or "auto": unroll on GPU, scan elsewhere. Measured on an H200
+# (launch/probe_layer_loop.py, JAX 0.11.2): inside lax.scan / fori_loop XLA copies each layer's slice of
+# the stacked weights before its matmuls read it (950 GB/s effective), while static slices are read in
+# place (2,060 GB/s, the same as separate per-layer arrays). The dynamic-slice-fusion flag does not help.
+LAYER_LOOP = "auto"
+
+
+def _unroll() -> bool:
+    if LAYER_LOOP not in ("auto", "scan", "unroll"):
+        raise ValueError(f"LAYER_LOOP must be 'auto', 'scan' or 'unroll', got {LAYER_LOOP!r}")
+    return LAYER_LOOP == "unroll" or (LAYER_LOOP == "auto" and jax.default_backend() == "gpu")
+
+
 def scan_layers(stack: nnx.Module, x_BTD, positions_BT, kv_LBSL, *, absorbed: bool, block_table_BP=None):
     """Run a stacked layer module over its leading axis; returns (x, per-layer cache or latents).
 
-    Two kinds of per-layer data never enter the loop as sliced inputs, because slicing a [L, ...] array
-    inside the loop copies the slice: the routed experts' weights (9.5 GB per Kimi layer) and a paged
-    pool. Both go in whole, and each layer indexes them with its layer number (the MoE kernels take
-    expert ids offset by layer * E; the paged attention takes page ids offset by layer * num_pages).
-    A paged pool (block_table_BP given) is only read inside the loop; the new latents of every layer
-    come out of it and are written into the pool once afterwards (no copy of the pool per step)."""
+    The routed experts' weights (9.5 GB per Kimi layer) and a paged pool enter the loop whole, never
+    as per-layer slices, and each layer indexes them with its layer number (the MoE kernels take expert
+    ids offset by layer * E; the paged attention takes page ids offset by layer * num_pages). A paged
+    pool (block_table_BP given) is only read inside the loop; the new latents of every layer come out
+    of it and are written into the pool once afterwards (no copy of the pool per step).
+    The other per-layer weights are sliced per layer: by lax.scan, or with static indices when the loop
+    is unrolled (LAYER_LOOP), which on GPU reads them in place instead of copying."""
     graphdef, experts, rest = nnx.split(stack, nnx.PathContains("experts"), ...)
-    layers = jnp.arange(_num_layers(rest), dtype=jnp.int32)
-
-    if block_table_BP is not None:
-        n_layers, n_pages = kv_LBSL.shape[:2]
+    n_layers = _num_layers(rest)
+    paged = block_table_BP is not None
+    if paged:
+        n_pages = kv_LBSL.shape[1]
         pool_XpC = kv_LBSL.reshape(n_layers * n_pages, *kv_LBSL.shape[2:])     # free: a bitcast
 
-        def paged_body(x, xs):
-            layer, layer_state = xs
-            return nnx.merge(graphdef, experts, layer_state)(
-                x, positions_BT, pool_XpC, absorbed=absorbed, block_table_BP=block_table_BP + layer * n_pages,
-                layer=layer)
+    def layer_fn(x, layer, layer_state, kv):
+        module = nnx.merge(graphdef, experts, layer_state)
+        if paged:
+            return module(x, positions_BT, pool_XpC, absorbed=absorbed,
+                          block_table_BP=block_table_BP + layer * n_pages, layer=layer)
+        return module(x, positions_BT, kv, absorbed=absorbed, layer=layer)
 
-        x, new_LBTC = jax.lax.scan(paged_body, x_BTD, (layers, rest))
-        return x, write_pages(kv_LBSL, block_table_BP, positions_BT, new_LBTC)
-
-    def body(x, xs):
-        layer, layer_state, kv = xs
-        return nnx.merge(graphdef, experts, layer_state)(x, positions_BT, kv, absorbed=absorbed, layer=layer)
-
-    return jax.lax.scan(body, x_BTD, (layers, rest, kv_LBSL))
+    if _unroll():
+        outs = []
+        for i in range(n_layers):
+            kv = None if paged or kv_LBSL is None else kv_LBSL[i]
+            x_BTD, out = layer_fn(x_BTD, i, jax.tree.map(lambda a: a[i], rest), kv)
+            outs.append(out)
+        out_L = jnp.stack(outs)
+    else:
+        layers = jnp.arange(n_layers, dtype=jnp.int32)
+        per_layer_kv = None if paged else kv_LBSL
+        x_BTD, out_L = jax.lax.scan(lambda x, xs: layer_fn(x, *xs), x_BTD, (layers, rest, per_layer_kv))
+    if paged:
+        return x_BTD, write_pages(kv_LBSL, block_table_BP, positions_BT, out_L)
+    return x_BTD, out_L
 
 
 def _num_layers(state) -> int:
