@@ -79,6 +79,15 @@ def dequantize(w: Weight, dtype) -> jax.Array:
     return w.astype(dtype)
 
 
+def einsum_f32(eq: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """jnp.einsum accumulating and returning float32. XLA:CPU cannot run some bf16 x bf16 -> f32 dots
+    (batch dimensions that are not leading: "UNIMPLEMENTED ... DotThunk"), so on CPU the operands are
+    widened to f32 first (exact; the products and sums are f32 either way)."""
+    if jax.default_backend() == "cpu":
+        a, b = a.astype(jnp.promote_types(a.dtype, jnp.float32)), b.astype(jnp.promote_types(b.dtype, jnp.float32))
+    return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
+
+
 def linear(x: jax.Array, w: Weight, *, impl: Optional[str] = None) -> jax.Array:
     """y[..., N] = x[..., K] @ w[N, K]^T (HF Linear layout), float32 accumulation."""
     if isinstance(w, Int4Weight) and resolve_impl(impl) == "pallas":
@@ -264,7 +273,7 @@ def _mla_paged_attention_xla(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_tab
     mask_BTS = jnp.concatenate([old_mask_BTS, new_mask_BTS], axis=-1)
     c_BSA, kpe_BSR = keys_BSC[..., :A], keys_BSC[..., A:]
     f32 = jnp.float32
-    s_BNTS = (jnp.einsum("btna,bsa->bnts", q_lat_BTNA, c_BSA, preferred_element_type=f32)
-              + jnp.einsum("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR, preferred_element_type=f32)) * scale
+    s_BNTS = (einsum_f32("btna,bsa->bnts", q_lat_BTNA, c_BSA)
+              + einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR)) * scale
     p_BNTS = jax.nn.softmax(jnp.where(mask_BTS[:, None], s_BNTS, -1e30), axis=-1).astype(dtype)
-    return jnp.einsum("bnts,bsa->btna", p_BNTS, c_BSA, preferred_element_type=f32).astype(dtype)
+    return einsum_f32("bnts,bsa->btna", p_BNTS, c_BSA).astype(dtype)

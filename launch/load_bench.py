@@ -30,6 +30,8 @@ flags.DEFINE_string("model", None, "safetensors checkpoint directory", required=
 flags.DEFINE_string("orbax_dir", None, "where to write the orbax copy (removed afterwards unless "
                     "--keep); none: skip orbax")
 flags.DEFINE_bool("keep", False, "keep the orbax copy")
+flags.DEFINE_bool("delete_source", False, "delete the safetensors checkpoint after the load rounds, before "
+                  "writing the orbax copy (when the disk cannot hold both)")
 flags.DEFINE_integer("rounds", 2, "raw-read + load rounds")
 flags.DEFINE_integer("workers", None, "loader threads (default: the loader's)")
 flags.DEFINE_integer("raw_workers", 8, "threads for the raw read")
@@ -197,6 +199,9 @@ def main(argv):
               f"{row['overhead'] / 1e9:.2f} GB ({row['load_cache']})", flush=True)
         res["rounds"].append(row)
     if FLAGS.orbax_dir:
+        if FLAGS.delete_source:
+            shutil.rmtree(FLAGS.model)
+            print(f"deleted {FLAGS.model} (--delete_source)", flush=True)
         out = FLAGS.orbax_dir
         if os.path.exists(out):
             orbax_io.check_output(out, True)
@@ -204,7 +209,7 @@ def main(argv):
         _reset_peak()
         base = _status("VmRSS")
         t0 = time.perf_counter()
-        meta = orbax_io.save(out, net, cfg, source=FLAGS.model)
+        meta = orbax_io.save(out, net, cfg, source=None if FLAGS.delete_source else FLAGS.model)
         os.sync()
         dt = time.perf_counter() - t0
         res["orbax_save"] = dict(seconds=dt, bytes=meta["bytes"], gbps=meta["bytes"] / 1e9 / dt,

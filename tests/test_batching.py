@@ -82,3 +82,13 @@ def test_unrolled_layer_loop_gives_the_same_tokens(ckpt, monkeypatch):
         llm = LLM(ckpt, dtype="float32", max_num_seqs=2, page_size=4, num_pages=24, prefill_chunk=16)
         out[loop] = [o.outputs[0].token_ids for o in llm.generate(prompts(3), sp)]
     assert out["scan"] == out["unroll"]
+
+
+def test_bfloat16_batch_runs_on_cpu(ckpt):
+    """bf16 with several rows used to fail on XLA:CPU ("Unsupported element type for DotThunk: BF16 x
+    BF16 = F32" for einsums whose batch dimension is not leading); ops.einsum_f32 widens on CPU. Before
+    the fix this raised; now every row must finish with its 4 tokens."""
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm = LLM(ckpt, dtype="bfloat16", max_num_seqs=4, page_size=4, num_pages=64)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts(4, seed=3), sp)]
+    assert all(len(t) == 4 for t in outs)

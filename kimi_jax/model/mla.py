@@ -93,13 +93,11 @@ class MLA(nnx.Module):
         mask_BTS = None
         w_uk, w_uv = self._kv_b()
         scale = self.cfg.softmax_scale
-        f32 = jnp.float32
         if block_table_BP is not None and absorbed:
-            q_lat_BTNA = jnp.einsum("btnh,nha->btna", q_nope_BTNH, w_uk,
-                                    preferred_element_type=f32).astype(x_BTD.dtype)
+            q_lat_BTNA = ops.einsum_f32("btnh,nha->btna", q_nope_BTNH, w_uk).astype(x_BTD.dtype)
             o_lat_BTNA = ops.mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTL, kv_BSL, block_table_BP,
                                                  positions_BT, scale).astype(x_BTD.dtype)
-            o_BTNV = jnp.einsum("btna,nva->btnv", o_lat_BTNA, w_uv, preferred_element_type=f32)
+            o_BTNV = ops.einsum_f32("btna,nva->btnv", o_lat_BTNA, w_uv)
             return self.o_proj(o_BTNV.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * V)), new_BTL
         if block_table_BP is not None:
             old_BSL = ops.gather_pages(kv_BSL, block_table_BP)
@@ -122,21 +120,19 @@ class MLA(nnx.Module):
         if mask_BTS is None:
             mask_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
         c_BSA, kpe_BSR = keys_BSL[..., :A].astype(x_BTD.dtype), keys_BSL[..., A:].astype(x_BTD.dtype)
-        rope_BNTS = jnp.einsum("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR, preferred_element_type=f32)
+        rope_BNTS = ops.einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR)
         if absorbed:
-            q_lat_BTNA = jnp.einsum("btnh,nha->btna", q_nope_BTNH, w_uk,
-                                    preferred_element_type=f32).astype(x_BTD.dtype)
-            nope_BNTS = jnp.einsum("btna,bsa->bnts", q_lat_BTNA, c_BSA, preferred_element_type=f32)
+            q_lat_BTNA = ops.einsum_f32("btnh,nha->btna", q_nope_BTNH, w_uk).astype(x_BTD.dtype)
+            nope_BNTS = ops.einsum_f32("btna,bsa->bnts", q_lat_BTNA, c_BSA)
             p_BNTS = _softmax((nope_BNTS + rope_BNTS) * scale, mask_BTS).astype(x_BTD.dtype)
-            o_lat_BTNA = jnp.einsum("bnts,bsa->btna", p_BNTS, c_BSA,
-                                    preferred_element_type=f32).astype(x_BTD.dtype)
-            o_BTNV = jnp.einsum("btna,nva->btnv", o_lat_BTNA, w_uv, preferred_element_type=f32)
+            o_lat_BTNA = ops.einsum_f32("bnts,bsa->btna", p_BNTS, c_BSA).astype(x_BTD.dtype)
+            o_BTNV = ops.einsum_f32("btna,nva->btnv", o_lat_BTNA, w_uv)
         else:
-            k_BSNH = jnp.einsum("bsa,nha->bsnh", c_BSA, w_uk, preferred_element_type=f32).astype(x_BTD.dtype)
-            v_BSNV = jnp.einsum("bsa,nva->bsnv", c_BSA, w_uv, preferred_element_type=f32).astype(x_BTD.dtype)
-            nope_BNTS = jnp.einsum("btnh,bsnh->bnts", q_nope_BTNH, k_BSNH, preferred_element_type=f32)
+            k_BSNH = ops.einsum_f32("bsa,nha->bsnh", c_BSA, w_uk).astype(x_BTD.dtype)
+            v_BSNV = ops.einsum_f32("bsa,nva->bsnv", c_BSA, w_uv).astype(x_BTD.dtype)
+            nope_BNTS = ops.einsum_f32("btnh,bsnh->bnts", q_nope_BTNH, k_BSNH)
             p_BNTS = _softmax((nope_BNTS + rope_BNTS) * scale, mask_BTS).astype(x_BTD.dtype)
-            o_BTNV = jnp.einsum("bnts,bsnv->btnv", p_BNTS, v_BSNV, preferred_element_type=f32)
+            o_BTNV = ops.einsum_f32("bnts,bsnv->btnv", p_BNTS, v_BSNV)
         o_BTD = self.o_proj(o_BTNV.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * V))
         return o_BTD, out_kv
 
