@@ -52,9 +52,9 @@ Design (engine_artifacts=False):
   are already replicated, the routed outputs are psummed over tp.
 What the current engine adds (engine_artifacts=True, the default; each row flagged "[engine artifact]"):
   GPU: the double-buffered layer loop rematerializes one dispatch all-gather per two MoE layers (DP+EP);
-       the layer scan copies each MoE layer's local expert weights before the Pallas kernel reads them
-       (a MemcpyD2D per layer in the H200 trace; costed as a term, not a collective). Both are from the
-       H200 compile / trace of the previous engine and untouched by its last change.
+       (from the H200 compile of the previous engine). Gone: the per-layer copies of the stacked weights
+       that lax.scan made on GPU (experts: now passed whole with offset ids; the other weights: the
+       layer loop is unrolled with static slices on GPU), so no copy term is modelled.
   CPU: with dp > 1 the cache write (a scatter with an unsharded row index) all-gathers the new latents
        per layer (2 when 1 < tp < dp, plus a collective-permute per layer when tp > 1; 2 more hoisted)
        and the router's top-k all-gathers its scores per MoE layer.
@@ -579,14 +579,6 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
     terms.append(Term("lm_head + embedding", lm + emb_read, f, (lm + emb_read) / (bw * hw.gemv_efficiency), f / fl))
 
     program = o.program or ("cpu" if hw.name.startswith("CPU") else "gpu")
-    if Lm >= 2 and o.engine_artifacts and o.engine == "kimi_jax" and program == "gpu" \
-            and o.impl == "pallas":   # a real layer loop
-        copied = Lm * experts_local(cfg, layout) * expert_bytes_local(cfg, layout, db)
-        terms.append(Term("expert weight copies [artifact]", 2 * copied, 0.0, 2 * copied / bw, 0.0))
-        notes.append("[engine artifact] the layer scan slices each MoE layer's stacked expert weights into a copy "
-                     "before the Pallas kernel reads them (MemcpyD2D of every local expert, seen in the H200 "
-                     "trace with 2 MoE layers; a 1-layer stack has no loop and no copy): costed as a read + "
-                     "write of all local expert bytes per step at copy bandwidth")
     # -- collectives
     specs = collective_plan(cfg, layout, Bp, program=program, engine_artifacts=o.engine_artifacts, dtype_bytes=db,
                             engine=o.engine)

@@ -414,7 +414,10 @@ def decode_args(engine, layout, batch: int, cache_len: int, *, abstract: bool, t
     if sh is not None:
         cache = {k: jax.device_put(v, sh) for k, v in cache.items()}
     z = jnp.zeros((batch,), jnp.int32)
-    return cache, z, z, sp, jnp.ones((batch,), jnp.int32)
+    # distinct tokens per row: identical rows would all route to the same 8 experts and understate the
+    # MoE read at batch > 1 (the first H200 engine rows had this bug)
+    tokens = (jnp.arange(batch, dtype=jnp.int32) * 7919 + 11) % cfg.vocab_size
+    return cache, tokens, z, sp, jnp.ones((batch,), jnp.int32)
 
 
 def compile_decode_step(engine, layout, batch: int, cache_len: int, *, abstract: Optional[bool] = None):

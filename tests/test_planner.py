@@ -255,7 +255,6 @@ def test_rank_layouts_kimi_on_h200():
     names = [p.layout for p in fits]
     assert names[0] == "TP8"                                            # fewest bytes per device at batch 1
     # the current engine (sampling on gathered logits: no sampler loop under TP any more) ranks TP8 first too;
-    # its remaining artifact, the per-layer expert weight copy, costs every layout about alike
     now, _ = planner.rank_layouts(cfg, hw, 8, batch=1, context=8192)
     assert now[0].layout == "TP8"
     assert not any("sampler" in t.name for p in now for t in p.terms)
@@ -310,10 +309,11 @@ def test_presets_say_where_numbers_come_from():
         hardware.preset("tpu-v9")
 
 
-# Device time per decode step measured on one H200 (jax 0.11.2): the first two rows are BENCHMARKS.md
-# "Engine decode step on a true-geometry Kimi-K2.5 slice" (2 layers: 1 dense + 1 MoE, 384 experts); the
-# third is a kimi-profile run of this issue (3 layers: 1 dense + 2 MoE in a layer loop, 64 experts).
-H200_MEASURED = [(2, 384, 1, 1.17), (2, 384, 64, 4.15), (3, 64, 8, 3.73)]
+# Device time per decode step measured on one H200 (jax 0.11.2), batch 1 (BENCHMARKS.md, "Engine decode
+# step"): 2 layers (1 dense + 1 MoE, 384 experts) with the earlier engine, and 3 layers (1 dense + 2 MoE)
+# with the unrolled layer loop (no weight copies). Batch > 1 rows are not pinned: the random-weight
+# engine used there routes rows to far fewer experts than the planner's uniform-routing model assumes.
+H200_MEASURED = [(2, 384, 1, 1.17), (3, 384, 1, 1.28)]
 
 
 @pytest.mark.parametrize("layers,experts,batch,device_ms", H200_MEASURED)
