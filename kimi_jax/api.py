@@ -56,6 +56,25 @@ def demo_model_path() -> Optional[str]:
     return here if os.path.isfile(os.path.join(here, "config.json")) else None
 
 
+def random_model(cfg: ModelConfig, layout: Layout, dtype, seed: int = 0):
+    """A Transformer with the model's own random initializers, made by one jitted init that creates
+    every parameter on its own devices under `layout` (no full copy on one device first; the values do
+    not depend on the layout). Checks that the per-device bytes fit first."""
+    from flax import nnx
+    from kimi_jax.model.transformer import Transformer
+    parallel = layout.moe_parallel()
+    make = lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed), parallel=parallel)
+    graphdef, state = nnx.split(nnx.eval_shape(make))
+    check_fits(layout, state)
+    shardings = param_shardings(layout, state)
+    paths = [tuple(str(k) for k in p) for p, _ in nnx.to_flat_state(state)]
+    init = jax.jit(lambda: [v.get_value() for _, v in nnx.to_flat_state(nnx.split(make())[1])],
+                   out_shardings=[shardings[p] for p in paths])
+    for (_, var), value in zip(nnx.to_flat_state(state), init()):
+        var.set_value(value)
+    return nnx.merge(graphdef, state)
+
+
 class LLM:
     """An engine for one model. `model`: a checkpoint directory, a preset name or a ModelConfig
     (random weights), or None for the shipped demo model."""
@@ -139,15 +158,7 @@ class LLM:
         if self.model_path is not None:   # safetensors (streamed per-device slices) or orbax (kimi-convert)
             from checkpoints.loader import load_model
             return load_model(self.model_path, dtype=dtype, cfg=cfg, shardings=shardings, parallel=parallel)[1]
-        # random weights: one jitted init that creates every parameter on its own devices (no full copy
-        # on one device first; the values do not depend on the layout)
-        paths = [tuple(str(k) for k in p) for p, _ in nnx.to_flat_state(abstract)]
-        init = jax.jit(lambda: [v.get_value() for _, v in nnx.to_flat_state(nnx.split(make())[1])],
-                       out_shardings=[shardings[p] for p in paths])
-        graphdef, state = nnx.split(nnx.eval_shape(make))
-        for (_, var), value in zip(nnx.to_flat_state(state), init()):
-            var.set_value(value)
-        return nnx.merge(graphdef, state)
+        return random_model(cfg, layout, dtype, seed)
 
     @staticmethod
     def _load_tokenizer(path):

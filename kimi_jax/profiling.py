@@ -440,45 +440,14 @@ def count_decode_collectives(cfg, layout, batch: int = 8, cache_len: int = 64, d
 
 
 def random_engine(cfg, layout, dtype=None, seed: int = 0):
-    """An Engine with random weights placed under `layout`, made on the host with numpy (no per-op
-    compiles): norms 1, router bias 0, INT4 scales 0.005, INT4 codes uniform and other weights
-    N(0, 0.02) tiled from 2^20-value pools (fast at any size). For timing and collective counts,
-    not for quality."""
-    import jax
+    """An Engine with the model's own random initializers (kimi_jax.api.random_model: one jitted init
+    that places every parameter under `layout`): the same weights `LLM(ModelConfig)` makes, so engine and
+    throughput benchmarks time the same model. For timing and collective counts, not for quality."""
     import jax.numpy as jnp
-    import ml_dtypes
-    import numpy as np
-    from flax import nnx
+    from kimi_jax.api import random_model
     from kimi_jax.engine import Engine
-    from kimi_jax.model.transformer import Transformer
-    from kimi_jax.sharding import check_fits, param_shardings
-    dtype = dtype or jnp.bfloat16
     layout.check_divisible(cfg)
-    parallel = layout.moe_parallel()
-    model = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed), parallel=parallel))
-    graphdef, state = nnx.split(model)
-    check_fits(layout, state)
-    shardings = param_shardings(layout, state) if layout.world > 1 else None
-    rng = np.random.default_rng(seed)
-    pool_f = 0.02 * rng.standard_normal(1 << 20, dtype=np.float32)          # values are tiled from pools:
-    pool_i = rng.integers(-2**31, 2**31 - 1, 1 << 20, dtype=np.int64)       # fast for 100 GB models too
-    for path, var in nnx.to_flat_state(state):
-        key = tuple(str(k) for k in path)
-        v = var.get_value()
-        name = "/".join(key)
-        np_dtype = np.dtype(ml_dtypes.bfloat16) if v.dtype == jnp.bfloat16 else np.dtype(v.dtype)
-        if np.issubdtype(np_dtype, np.integer):
-            host = np.resize(pool_i[rng.integers(0, 1 << 10):].astype(np_dtype), v.shape)
-        elif "norm" in name:
-            host = np.ones(v.shape, np_dtype)
-        elif "e_score_correction_bias" in name:
-            host = np.zeros(v.shape, np_dtype)
-        elif name.endswith("_scale"):
-            host = np.full(v.shape, 0.005, np_dtype)
-        else:
-            host = np.resize(pool_f[rng.integers(0, 1 << 10):].astype(np_dtype), v.shape)
-        var.set_value(jax.device_put(host, shardings[key]) if shardings else jnp.asarray(host))
-    return Engine(nnx.merge(graphdef, state), cfg, layout)
+    return Engine(random_model(cfg, layout, dtype or jnp.bfloat16, seed), cfg, layout)
 
 
 # ---- trace parsing -----------------------------------------------------------------------------------
@@ -720,7 +689,9 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
     m = re.match(r"HloModule\s+([\w.\-]+)", compiled_text)
     module_name = m.group(1) if m else None
     cache, tok, _, sp, _ = decode_args(engine, layout, batch, cache_len, abstract=False)
-    tokens = np.zeros((batch,), np.int32)
+    # distinct tokens per row (decode_args): identical rows route to the same 8 experts, so batch > 1
+    # would time a best case (the H200 engine rows of 2026-11-29 fed token 0 to every row)
+    tokens = np.asarray(tok)
 
     def step(i, cache):
         pos = np.full((batch,), context + i, np.int32)

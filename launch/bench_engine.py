@@ -4,7 +4,7 @@ share), the planner's prediction beside each measurement, and the copy-bandwidth
 
   python -m launch.bench_engine --layers 3 --layouts single,tp2,tp2_ep,dp2_ep --batches 1,16,64,256
 
-Weights are random (kimi_jax.profiling.random_engine: placed directly under each layout), or, with
+Weights are random (kimi_jax.profiling.random_engine: the model's initializers, made on each layout's devices), or, with
 --checkpoint, a real-format checkpoint (e.g. `kimi-make-synthetic --preset kimi-k2.5 --num_layers 3`)
 streamed onto the devices of each layout by the loader; a decode
 step is the engine's jitted step (contiguous latent cache at --context tokens, sampling included),

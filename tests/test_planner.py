@@ -311,8 +311,8 @@ def test_presets_say_where_numbers_come_from():
 
 # Device time per decode step measured on one H200 (jax 0.11.2), batch 1 (BENCHMARKS.md, "Engine decode
 # step"): 2 layers (1 dense + 1 MoE, 384 experts) with the earlier engine, and 3 layers (1 dense + 2 MoE)
-# with the unrolled layer loop (no weight copies). Batch > 1 rows are not pinned: the random-weight
-# engine used there routes rows to far fewer experts than the planner's uniform-routing model assumes.
+# with the unrolled layer loop (no weight copies). Batch > 1 rows are not pinned: the profiler fed token 0
+# to every row in those runs, so all rows routed to the same 8 experts (fixed since; not re-measured).
 H200_MEASURED = [(2, 384, 1, 1.17), (3, 384, 1, 1.28)]
 
 

@@ -41,16 +41,18 @@ def test_ngram_index_matches_the_scanning_drafter(max_n, min_n):
 
 def test_shadow_drafts_are_scored_against_the_tokens_produced():
     s = SpecState()
-    a0 = s.rate                                   # the prior
+    assert s.rate == 0.0                          # pessimistic prior: nothing verified before evidence
     s.offer_shadow(2, [5, 6, 7])
     s.check_shadow([1, 1, 5])                     # only the first drafted position produced so far
     assert s.shadow is not None and s.tried == 0
     s.check_shadow([1, 1, 5, 6, 9])               # 2 accepted, the 3rd rejected: 3 positions tried
     assert s.shadow is None and (s.hits, s.tried) == (2, 3)
+    a1 = s.rate                                   # evidence of repetition: 2 / 5
+    assert a1 == pytest.approx(0.4)
     for _ in range(10):                           # drafts that keep failing drive the estimate down
         s.offer_shadow(0, [4, 4])
         s.check_shadow([3])
-    assert s.rate < 0.3 < a0 and s.expected_accepted(4) < 0.5
+    assert s.rate < 0.3 < a1 and s.expected_accepted(4) < 0.5
     assert (s.drafted, s.verify_steps) == (0, 0)  # shadow attempts are not reported as verification
     s.record(4, 4)
     assert (s.drafted, s.accepted, s.verify_steps) == (4, 4, 1)
