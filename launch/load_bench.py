@@ -30,6 +30,8 @@ flags.DEFINE_string("model", None, "safetensors checkpoint directory", required=
 flags.DEFINE_string("orbax_dir", None, "where to write the orbax copy (removed afterwards unless "
                     "--keep); none: skip orbax")
 flags.DEFINE_bool("keep", False, "keep the orbax copy")
+flags.DEFINE_string("platform", None, "JAX platform to load onto (cpu, cuda); default: JAX's default device. "
+                    "(Until 2026-11-29 this script forced cpu, so its first H200 run loaded into host memory.)")
 flags.DEFINE_bool("delete_source", False, "delete the safetensors checkpoint after the load rounds, before "
                   "writing the orbax copy (when the disk cannot hold both)")
 flags.DEFINE_integer("rounds", 2, "raw-read + load rounds")
@@ -145,7 +147,8 @@ def raw_read_fresh(paths, workers: int, block: int = 64 << 20) -> tuple[int, flo
 
 def main(argv):
     del argv
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if FLAGS.platform:
+        os.environ["JAX_PLATFORMS"] = FLAGS.platform
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -159,7 +162,7 @@ def main(argv):
     with CheckpointReader(FLAGS.model) as r:
         files = [os.path.join(FLAGS.model, f) for f in r.files]
     res["file_bytes"] = sum(os.path.getsize(f) for f in files)
-    print(f"{FLAGS.model}: {len(files)} files, {res['file_bytes'] / 1e9:.2f} GB", flush=True)
+    print(f"{FLAGS.model}: {len(files)} files, {res['file_bytes'] / 1e9:.2f} GB -> {res['device']}", flush=True)
     kw = {"workers": FLAGS.workers} if FLAGS.workers else {}
     net = None
     for rnd in range(FLAGS.rounds):
