@@ -243,7 +243,7 @@ def gather_pages(pool_XpC: jax.Array, block_table_BP: jax.Array) -> jax.Array:
 
 def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: jax.Array, pool_XpC: jax.Array,
                         block_table_BP: jax.Array, positions_BT: jax.Array, scale: float, *,
-                        impl: Optional[str] = None) -> jax.Array:
+                        impl: Optional[str] = None, parallel=None) -> jax.Array:
     """Absorbed MLA over a paged latent cache plus the step's new tokens; returns o_lat [B, T, N, A].
 
     q_lat: queries in latent space (W_UK^T q^C); q_pe: rotated rope queries; new_BTC: the new tokens'
@@ -251,11 +251,25 @@ def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: ja
     pool; positions_BT: the new tokens' absolute positions (consecutive per row, < 0 = padding). Row b's
     cached tokens are positions [0, positions[b, 0]); new token t also sees new tokens t' <= t.
     score = (q_lat . c + q_pe . k^R) * scale, softmax in float32, output sum_s p_s c_s.
+    parallel: a kimi_jax.sharding.MoEParallel: the GPU kernel then runs per device shard (rows over the
+    batch axes, heads over the head axes).
     """
-    if resolve_impl(impl) == "pallas":
+    A, R = q_lat_BTNA.shape[-1], q_pe_BTNR.shape[-1]
+    kernel_fits = all(v >= 16 and not v & (v - 1) for v in (A, R))   # the kernel's tiles: powers of two >= 16
+    if resolve_impl(impl) == "pallas" and kernel_fits:
         from pallas_kernels import mla_decode
-        return mla_decode.mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP,
-                                              positions_BT, scale)
+        kernel = lambda *a: mla_decode.mla_paged_attention(*a, scale)
+        if parallel is not None and parallel.mesh.size > 1:
+            # a kernel is opaque to XLA's partitioner (it would gather every operand and run the whole
+            # batch and every head on each device): run it per shard, rows split like the batch and
+            # heads like the attention weights; the pool is replicated
+            from jax.sharding import PartitionSpec as P
+            b, h = parallel.batch or None, parallel.heads or None
+            kernel = _shard_map(kernel, parallel.mesh,
+                                in_specs=(P(b, None, h, None), P(b, None, h, None), P(b, None, None), P(),
+                                          P(b, None), P(b, None)),
+                                out_specs=P(b, None, h, None))
+        return kernel(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP, positions_BT)
     return _mla_paged_attention_xla(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP, positions_BT,
                                     scale)
 

@@ -97,7 +97,8 @@ class Layout:
             return None
         return MoEParallel(mesh=self.mesh, batch=_axes(self.axis_rule("batch")),
                            experts=_axes(self.axis_rule("experts")),
-                           expert_mlp=_axes(self.axis_rule("expert_mlp")))
+                           expert_mlp=_axes(self.axis_rule("expert_mlp")),
+                           heads=_axes(self.axis_rule("q_heads")))
 
     def check_divisible(self, cfg) -> None:
         """Refuse a layout the model's dimensions cannot be split by, naming the dimension."""
@@ -122,11 +123,12 @@ class Layout:
 
 @dataclasses.dataclass(frozen=True)
 class MoEParallel:
-    """What ops.routed_experts needs to run experts inside shard_map."""
+    """What the kernels that run inside shard_map need (ops.routed_experts, ops.mla_paged_attention)."""
     mesh: Mesh
     batch: tuple[str, ...]        # mesh axes the tokens are split over
     experts: tuple[str, ...]      # mesh axes the expert dimension is split over
     expert_mlp: tuple[str, ...]   # mesh axes each expert's FFN width is split over
+    heads: tuple[str, ...] = ()   # mesh axes the attention heads are split over
 
 
 def _axes(rule) -> tuple[str, ...]:

@@ -25,7 +25,8 @@ _NEG = -1e30  # finite mask value: a fully-masked row can't produce NaN
 
 
 class MLA(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, parallel=None):
+        self.parallel = parallel  # kimi_jax.sharding.MoEParallel or None: lets the kernel run per shard
         D, N, H, R, A, V = (cfg.hidden_size, cfg.num_attention_heads, cfg.qk_nope_head_dim,
                             cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim)
         self.cfg = cfg
@@ -96,7 +97,7 @@ class MLA(nnx.Module):
         if block_table_BP is not None and absorbed:
             q_lat_BTNA = ops.einsum_f32("btnh,nha->btna", q_nope_BTNH, w_uk).astype(x_BTD.dtype)
             o_lat_BTNA = ops.mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTL, kv_BSL, block_table_BP,
-                                                 positions_BT, scale).astype(x_BTD.dtype)
+                                                 positions_BT, scale, parallel=self.parallel).astype(x_BTD.dtype)
             o_BTNV = ops.einsum_f32("btna,nva->btnv", o_lat_BTNA, w_uv)
             return self.o_proj(o_BTNV.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * V)), new_BTL
         if block_table_BP is not None:

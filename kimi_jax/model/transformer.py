@@ -24,7 +24,7 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, moe: bool, dtype, rngs: nnx.Rngs, parallel=None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = MLA(cfg, dtype=dtype, rngs=rngs)
+        self.self_attn = MLA(cfg, dtype=dtype, rngs=rngs, parallel=parallel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = (MoE(cfg, dtype=dtype, rngs=rngs, parallel=parallel) if moe
                     else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs))
@@ -116,7 +116,8 @@ class Transformer(nnx.Module):
         D, V = cfg.hidden_size, cfg.vocab_size
         self.embed_tokens = nnx.Module()
         self.embed_tokens.weight = param(rngs, (V, D), dtype, ("vocab", "embed"))
-        self.dense_layers = stack_modules(lambda: DecoderLayer(cfg, moe=False, dtype=dtype, rngs=rngs),
+        self.dense_layers = stack_modules(lambda: DecoderLayer(cfg, moe=False, dtype=dtype, rngs=rngs,
+                                                               parallel=parallel),
                                           cfg.num_dense_layers)
         self.moe_layers = stack_modules(lambda: DecoderLayer(cfg, moe=True, dtype=dtype, rngs=rngs,
                                                              parallel=parallel),
