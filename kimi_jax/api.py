@@ -147,18 +147,19 @@ class LLM:
     def _build(self, seed: int):
         """Create or load the model with every parameter placed on its devices under the layout,
         after checking that the per-device bytes fit."""
-        from flax import nnx
-        from kimi_jax.model.transformer import Transformer
         cfg, layout, dtype = self.config, self.layout, self.dtype
+        if self.model_path is None:
+            return random_model(cfg, layout, dtype, seed)
+        # safetensors (streamed per-device slices) or orbax (kimi-convert)
+        from flax import nnx
+        from checkpoints.loader import load_model
+        from kimi_jax.model.transformer import Transformer
         parallel = layout.moe_parallel()
-        make = lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed), parallel=parallel)
-        abstract = nnx.split(nnx.eval_shape(make))[1]
+        abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed),
+                                                                parallel=parallel)))[1]
         check_fits(layout, abstract)
         shardings = param_shardings(layout, abstract)
-        if self.model_path is not None:   # safetensors (streamed per-device slices) or orbax (kimi-convert)
-            from checkpoints.loader import load_model
-            return load_model(self.model_path, dtype=dtype, cfg=cfg, shardings=shardings, parallel=parallel)[1]
-        return random_model(cfg, layout, dtype, seed)
+        return load_model(self.model_path, dtype=dtype, cfg=cfg, shardings=shardings, parallel=parallel)[1]
 
     @staticmethod
     def _load_tokenizer(path):

@@ -108,8 +108,8 @@ def routed_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array, exp
     x_TD: [T, D] activations; idx_TK: [T, K] int32 expert ids in [0, E); weight_TK: [T, K] float32.
     Returns [T, D] in x's dtype. Experts that receive no token are never read by the pallas path.
     `parallel` (kimi_jax.sharding.MoEParallel) runs the experts sharded inside shard_map.
-    `layer` (a traced int32 scalar): the weights are a whole layer stack [L, E, ...] and this call runs
-    layer `layer` of it without copying that layer's slice out (the kernels offset the expert ids).
+    `layer` (an int or a traced int32 scalar): the weights are a whole layer stack [L, E, ...] and this
+    call runs layer `layer` of it without copying that layer's slice out (the kernels offset the ids).
     """
     if parallel is not None:
         return _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts, parallel, impl, layer)
@@ -143,7 +143,8 @@ def _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts: ExpertWeights, par
 
     w_specs = ExpertWeights(specs_for(experts.gate, 1), specs_for(experts.up, 1), specs_for(experts.down, 2))
 
-    def local(x, idx, wt, ew: ExpertWeights, layer):
+    def local(x, idx, wt, ew: ExpertWeights, *layer_arg):
+        layer = layer_arg[0] if layer_arg else None
         if gather:
             x = jax.lax.all_gather(x, gather, axis=0, tiled=True)
             idx = jax.lax.all_gather(idx, gather, axis=0, tiled=True)
@@ -164,14 +165,10 @@ def _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts: ExpertWeights, par
             y = jax.lax.psum(y, psum_axes)
         return y
 
-    if layer is None:
-        fn = _shard_map(lambda x, i, w, ew: local(x, i, w, ew, None), par.mesh,
-                        in_specs=(P(batch, None), P(batch, None), P(batch, None), w_specs),
-                        out_specs=P(batch, None))
-        return fn(x_TD, idx_TK, weight_TK, experts)
-    fn = _shard_map(local, par.mesh, in_specs=(P(batch, None), P(batch, None), P(batch, None), w_specs, P()),
-                    out_specs=P(batch, None))
-    return fn(x_TD, idx_TK, weight_TK, experts, jnp.asarray(layer, jnp.int32))
+    args, specs = (x_TD, idx_TK, weight_TK, experts), (P(batch, None), P(batch, None), P(batch, None), w_specs)
+    if layer is not None:                     # the layer index rides along, replicated
+        args, specs = args + (jnp.asarray(layer, jnp.int32),), specs + (P(),)
+    return _shard_map(local, par.mesh, in_specs=specs, out_specs=P(batch, None))(*args)
 
 
 def _shard_map(f, mesh, in_specs, out_specs):
@@ -274,19 +271,24 @@ def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: ja
                                     scale)
 
 
+def paged_keys(pool_XpC: jax.Array, block_table_BP: jax.Array, new_BTC: jax.Array, positions_BT: jax.Array):
+    """Keys of paged attention, (keys [B, P * page + T, C] in new_BTC's dtype, mask [B, T, P * page + T]):
+    each row's cached pages in position order followed by the step's new tokens. Row b's cached tokens
+    are positions [0, positions[b, 0]); new token t sees new tokens t' <= t (positions < 0: padding)."""
+    old_BSC = gather_pages(pool_XpC, block_table_BP)
+    S = old_BSC.shape[1]
+    old_mask_BTS = jnp.broadcast_to((jnp.arange(S)[None, :] < positions_BT[:, :1])[:, None, :],
+                                    (*positions_BT.shape, S))
+    new_mask_BTS = (positions_BT[:, None, :] <= positions_BT[:, :, None]) & (positions_BT[:, None, :] >= 0)
+    return (jnp.concatenate([old_BSC.astype(new_BTC.dtype), new_BTC], axis=1),
+            jnp.concatenate([old_mask_BTS, new_mask_BTS], axis=-1))
+
+
 def _mla_paged_attention_xla(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP, positions_BT, scale):
     A = q_lat_BTNA.shape[-1]
     dtype = q_lat_BTNA.dtype
-    old_BSC = gather_pages(pool_XpC, block_table_BP).astype(dtype)
-    S = old_BSC.shape[1]
-    first_B = positions_BT[:, 0]
-    old_mask_BTS = jnp.broadcast_to((jnp.arange(S)[None, :] < first_B[:, None])[:, None, :],
-                                    (*positions_BT.shape, S))
-    new_mask_BTS = (positions_BT[:, None, :] <= positions_BT[:, :, None]) & (positions_BT[:, None, :] >= 0)
-    keys_BSC = jnp.concatenate([old_BSC, new_BTC.astype(dtype)], axis=1)
-    mask_BTS = jnp.concatenate([old_mask_BTS, new_mask_BTS], axis=-1)
+    keys_BSC, mask_BTS = paged_keys(pool_XpC, block_table_BP, new_BTC.astype(dtype), positions_BT)
     c_BSA, kpe_BSR = keys_BSC[..., :A], keys_BSC[..., A:]
-    f32 = jnp.float32
     s_BNTS = (einsum_f32("btna,bsa->bnts", q_lat_BTNA, c_BSA)
               + einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR)) * scale
     p_BNTS = jax.nn.softmax(jnp.where(mask_BTS[:, None], s_BNTS, -1e30), axis=-1).astype(dtype)

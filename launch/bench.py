@@ -66,6 +66,13 @@ def record(**row):
         f.write(json.dumps(row, default=str) + "\n")
 
 
+def record_failure(section, case, cname, layout, e: Exception):
+    """A kernel config that failed: recorded with its error, logged, and the sweep goes on."""
+    record(section=section, case=case, impl="pallas", config=cname, layout=layout,
+           error=f"{type(e).__name__}: {str(e)[:2000]}")
+    log(case, cname, "FAILED", type(e).__name__, str(e)[:500])
+
+
 def median(xs):
     return statistics.median(xs)
 
@@ -443,9 +450,7 @@ def section_dense():
                         record(**row)
                         log(case, cname, layout, f"{t * 1e6:.2f}us", f"{nbytes / t / 1e9:.0f}GB/s")
                     except Exception as e:  # noqa: BLE001
-                        record(section="dense", case=case, impl="pallas", config=cname, layout=layout,
-                               error=f"{type(e).__name__}: {str(e)[:2000]}")
-                        log(case, cname, "FAILED", type(e).__name__, str(e)[:500])
+                        record_failure("dense", case, cname, layout, e)
             if not FLAGS.baselines:
                 continue
             # XLA bf16 matmul (rotating bf16 weights) and XLA's dequant path
@@ -557,9 +562,7 @@ def section_moe():
                     log(case, cname, layout, f"{tm * 1e6:.1f}us", f"touched={touched:.1f}",
                         f"x{tm / roof:.2f} of roofline" if roof else "")
                 except Exception as ex:  # noqa: BLE001
-                    record(section="moe", case=case, impl="pallas", config=cname, layout=layout,
-                           error=f"{type(ex).__name__}: {str(ex)[:2000]}")
-                    log(case, cname, "FAILED", type(ex).__name__, str(ex)[:500])
+                    record_failure("moe", case, cname, layout, ex)
         if not FLAGS.baselines:
             continue
         # kernel-only time of the default config (no routing plan / combine): grouped gate/up+down

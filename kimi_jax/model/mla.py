@@ -101,15 +101,7 @@ class MLA(nnx.Module):
             o_BTNV = ops.einsum_f32("btna,nva->btnv", o_lat_BTNA, w_uv)
             return self.o_proj(o_BTNV.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * V)), new_BTL
         if block_table_BP is not None:
-            old_BSL = ops.gather_pages(kv_BSL, block_table_BP)
-            S = old_BSL.shape[1]
-            first_B = positions_BT[:, 0]                       # cached positions are those before it
-            old_mask_BTS = jnp.broadcast_to((jnp.arange(S)[None, :] < first_B[:, None])[:, None, :],
-                                            (*positions_BT.shape, S))
-            new_mask_BTS = ((positions_BT[:, None, :] <= positions_BT[:, :, None])
-                            & (positions_BT[:, None, :] >= 0))
-            keys_BSL = jnp.concatenate([old_BSL.astype(new_BTL.dtype), new_BTL], axis=1)
-            mask_BTS = jnp.concatenate([old_mask_BTS, new_mask_BTS], axis=-1)
+            keys_BSL, mask_BTS = ops.paged_keys(kv_BSL, block_table_BP, new_BTL, positions_BT)
             out_kv = new_BTL
         elif kv_BSL is None:
             keys_BSL, key_pos_BS, out_kv = new_BTL, positions_BT, new_BTL
