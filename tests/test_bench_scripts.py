@@ -1,0 +1,47 @@
+"""The benchmark launchers' options that change what they load and delete, run as a user runs them
+(fresh processes on the CPU, a tiny real-format checkpoint)."""
+import json
+import os
+import subprocess
+import sys
+
+from checkpoints.synthetic import write_checkpoint
+from kimi_jax.config import preset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(module, *args, devices=1, timeout=240):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_load_bench_deletes_the_source_only_when_asked_and_says_where_it_loads(tmp_path):
+    """--delete_source removes the safetensors checkpoint after the load rounds and the orbax copy is
+    still written and restored from the model in memory; the run names the device it loaded onto."""
+    src, orbax, report = str(tmp_path / "ck"), str(tmp_path / "orbax"), str(tmp_path / "load.md")
+    write_checkpoint(src, preset("tiny"), seed=1)
+    r = _run("launch.load_bench", "--model", src, "--orbax_dir", orbax, "--rounds", "1", "--nodrop_caches",
+             "--delete_source", "--keep", "--report", report)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not os.path.exists(src)
+    assert "-> " in r.stdout and "cpu" in r.stdout.lower().split("-> ")[1].split("\n")[0].lower()
+    res = json.load(open(report.replace(".md", ".json")))
+    assert res["orbax_restore"]["bytes"] == res["orbax_save"]["bytes"] > 0
+    assert os.path.isfile(os.path.join(orbax, "config.json"))   # written from the config, source gone
+
+
+def test_bench_engine_loads_a_checkpoint_under_each_layout(tmp_path):
+    """--checkpoint streams a real-format checkpoint onto every layout's devices (2 simulated devices)
+    instead of making random weights; each row is also appended as it finishes."""
+    src, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    write_checkpoint(src, preset("tiny"), seed=2)
+    r = _run("launch.bench_engine", "--checkpoint", src, "--tiny", "--layouts", "single,tp2_ep",
+             "--batches", "1", "--multi_batches", "2", "--steps", "1", "--out", out, devices=2)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count(f"loaded from {src}") == 2
+    rows = [json.loads(line) for line in open(os.path.join(out, "engine_rows.partial.jsonl"))]
+    assert [(x["layout"], x["batch"]) for x in rows] == [("TP1", 1), ("TP2+EP", 2)]
