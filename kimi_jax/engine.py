@@ -64,13 +64,14 @@ def _decode(graphdef, shard, state, cache, tokens_B, positions_B, sp, step_B, n_
 
 
 def _paged_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, last_B, sp, step_B,
-                n_logprobs, absorbed):
+                n_logprobs, absorbed, fresh=False):
     """One continuous-batching step over the paged cache: T query tokens per row (T = 1: decode,
-    absorbed MLA; T > 1: a prefill chunk, expanded MLA). Samples from each row's token at last_B."""
+    absorbed MLA; T > 1: a prefill chunk, expanded MLA; `fresh`: no row has cached tokens, so attention
+    reads only the new tokens, on a GPU with cuDNN). Samples from each row's token at last_B."""
     model = nnx.merge(graphdef, state)
     tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
     h_BTD, pages = model.hidden_states(tokens_BT, positions_BT, pages, absorbed=absorbed,
-                                       block_table_BP=block_table_BP)
+                                       block_table_BP=block_table_BP, fresh=fresh)
     B = tokens_BT.shape[0]
     logits_BV = model.logits(h_BTD[jnp.arange(B), last_B][:, None])[:, 0]
     pages = {k: _constrain(v, shard.get("replicated")) for k, v in pages.items()}
@@ -96,7 +97,7 @@ def _all_logits(graphdef, shard, state, tokens_BT):
     model = nnx.merge(graphdef, state)
     tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
     B, T = tokens_BT.shape
-    logits, _ = model(tokens_BT, jnp.broadcast_to(jnp.arange(T), (B, T)), None, absorbed=False)
+    logits, _ = model(tokens_BT, jnp.broadcast_to(jnp.arange(T), (B, T)), None, absorbed=False, fresh=True)
     return _constrain(_constrain(logits, shard.get("logits3")), shard.get("replicated"))
 
 
@@ -123,7 +124,7 @@ class Engine:
                                static_argnames=("n_logprobs",), donate_argnames=("cache",))
         self._logits = jax.jit(functools.partial(_all_logits, self.graphdef, shard))
         self._step = jax.jit(functools.partial(_paged_step, self.graphdef, shard),
-                             static_argnames=("n_logprobs", "absorbed"), donate_argnames=("pages",))
+                             static_argnames=("n_logprobs", "absorbed", "fresh"), donate_argnames=("pages",))
         self._verify = jax.jit(functools.partial(_verify_step, self.graphdef, shard), donate_argnames=("pages",))
 
     def batch_size(self, n: int) -> int:
@@ -141,13 +142,23 @@ class Engine:
                    steps_B, n_logprobs: Optional[int]):
         T = tokens_BT.shape[1]
         pages, out = self._step(self.state, pages, _i32(tokens_BT), _i32(positions_BT), _i32(block_table_BP),
-                                _i32(last_B), sp, _i32(steps_B), n_logprobs=n_logprobs, absorbed=T == 1)
+                                _i32(last_B), sp, _i32(steps_B), n_logprobs=n_logprobs, absorbed=T == 1,
+                                fresh=T > 1 and is_fresh(positions_BT))
         return pages, _to_host(out)
 
     def verify_step(self, pages, tokens_BT, positions_BT, block_table_BP, n_draft_B, sp: SamplingArrays, steps_B):
         pages, (n_acc, nxt) = self._verify(self.state, pages, _i32(tokens_BT), _i32(positions_BT),
                                            _i32(block_table_BP), _i32(n_draft_B), sp, _i32(steps_B))
         return pages, np.asarray(n_acc), np.asarray(nxt)
+
+
+def is_fresh(positions_BT) -> bool:
+    """Host check (static for the step): every row's real tokens sit at positions 0, 1, ... from its
+    first column, padding (< 0) only after them; no row has cached tokens before them."""
+    pos = np.asarray(positions_BT)
+    valid = pos >= 0
+    return bool(np.all(np.where(valid, pos == np.arange(pos.shape[1]), True))
+                and np.all(valid[:, 1:] <= valid[:, :-1]))
 
 
 def _i32(a) -> np.ndarray:

@@ -78,6 +78,9 @@ class Hardware:
     # fractions of hbm_bw that the decode kernels reach when reading weights / the cache
     gemv_efficiency: float = 0.88     # bf16 weight-streaming matmuls at small M
     int4_efficiency: float = 0.45     # fused INT4 expert kernels (Pallas / Marlin class)
+    # measured (tokens in the MoE call, efficiency) points; when given they replace int4_efficiency:
+    # interpolated linearly in log(tokens), flat beyond the ends
+    int4_curve: tuple = ()
     xla_int4_efficiency: float = 0.08  # XLA's unfused dequant path (materializes bf16 weights)
     attention_efficiency: float = 0.8  # latent-cache reads in attention
     matmul_efficiency: float = 1.0     # of bf16_flops (bf16_flops is already an achieved rate)
@@ -88,6 +91,20 @@ class Hardware:
         use the all-reduce's latency and bus bandwidth."""
         model = self.collectives.get(kind) or self.collectives["all-reduce"]
         return model.time(kind, nbytes, n)
+
+    def int4_efficiency_at(self, tokens: float) -> float:
+        """Fraction of hbm_bw the fused INT4 expert kernels reach with `tokens` rows in one MoE call."""
+        pts = sorted(self.int4_curve)
+        if not pts:
+            return self.int4_efficiency
+        t = max(float(tokens), 1.0)
+        if t <= pts[0][0]:
+            return pts[0][1]
+        for (t0, e0), (t1, e1) in zip(pts, pts[1:]):
+            if t <= t1:
+                w = (math.log(t) - math.log(t0)) / (math.log(t1) - math.log(t0))
+                return e0 + w * (e1 - e0)
+        return pts[-1][1]
 
     def replace(self, **kw) -> "Hardware":
         return dataclasses.replace(self, **kw)
@@ -129,6 +146,11 @@ class Hardware:
             if d.get(key) is not None:
                 kw[field] = d[key] if field == "interconnect" else float(d[key])
                 src[field] = tag
+        if "int4_efficiency" in kw:
+            kw["int4_curve"] = ()          # a measured constant replaces the preset's curve
+        if d.get("int4_curve"):
+            kw["int4_curve"] = tuple((float(t), float(e)) for t, e in d["int4_curve"])
+            src["int4_efficiency"] = tag
         for kind in (d.get("collectives") or {}):
             src[kind] = tag + (f", n={n}" if n else "")
         return dataclasses.replace(base, name=d.get("name", base.name + " (calibrated)"),
@@ -143,7 +165,7 @@ def calibration_dict(name: str, *, copy_bw: float, matmul_flops: Optional[float]
     (bytes read + written); matmul_flops: measured bf16 FLOP/s; collectives: {kind: [(bytes,
     seconds), ...]} measured over `n_devices`; extra: any of link_bw, gemv_efficiency,
     int4_efficiency, xla_int4_efficiency, attention_efficiency, interconnect."""
-    allowed = {"link_bw", "gemv_efficiency", "int4_efficiency", "xla_int4_efficiency",
+    allowed = {"link_bw", "gemv_efficiency", "int4_efficiency", "int4_curve", "xla_int4_efficiency",
                "attention_efficiency", "interconnect", "date", "device", "jax_version"}
     bad = set(extra) - allowed
     if bad:
@@ -178,12 +200,19 @@ def _uniform(latency_s: float, bus_bw: float, curve=(), curve_devices=None, kind
 # JAX psum of bf16 buffers on 2 x H200, one process, NCCL 2.28.9, NVLS off (JAX_GPU.md section 5)
 _H200_ALLREDUCE_CURVE = ((14336.0, 24.4e-6), (117760.0, 26.0e-6), (940032.0, 24.9e-6), (7654604.0, 43.8e-6))
 
+# The Pallas INT4 MoE kernels on one H200 (BENCHMARKS.md, "INT4 W4A16 kernels"): bytes of the touched
+# experts / device time of the gate+up and down kernels plus the routing ops, as a fraction of the
+# 4.24 TB/s copy. T=1: 198.5 MB in 37.8 + 23.4 + 4.2 us; T=16: 2736 MB in 440.6 + 229.1 + ~18 us;
+# T=64: kernels ~94% minus 3-4% routing; T=256: 74% (wall per call, no device-only figure).
+_H200_INT4_CURVE = ((1.0, 0.71), (16.0, 0.94), (64.0, 0.90), (256.0, 0.74))
+
 _PRESETS = {
     "h200": Hardware(
         name="H200 SXM", hbm_bytes=141e9, hbm_bw=4.24e12, bf16_flops=790e12,
         interconnect="NVLink 4 (NVSwitch)", link_bw=450e9,
         collectives=_uniform(24e-6, 360e9, _H200_ALLREDUCE_CURVE, 2),
         gemv_efficiency=0.88, int4_efficiency=0.45, xla_int4_efficiency=0.08,
+        int4_curve=_H200_INT4_CURVE,
         sources={"hbm_bytes": "datasheet (141 GB)",
                  "hbm_bw": "measured: device-to-device copy 4.24 TB/s (ANCHORS.md section 6; datasheet 4.8)",
                  "bf16_flops": "measured: 790 TFLOP/s bf16 matmul on this project's H200 (datasheet 989)",
@@ -195,8 +224,10 @@ _PRESETS = {
                  "all-to-all": "assumed: 24 us + bytes / 360 GB/s bus bandwidth",
                  "collective-permute": "assumed: 24 us + bytes / 360 GB/s",
                  "gemv_efficiency": "measured: cuBLAS bf16 M=1 N=32768 K=7168 at 88% of copy (ANCHORS.md 6)",
-                 "int4_efficiency": "assumed: 45% of copy for a fused INT4 expert kernel (tinygemm measured "
-                                    "42% at M=1, ANCHORS.md 6; Marlin MoE 31-47% on H20); calibrate",
+                 "int4_efficiency": "measured (int4_curve): this project's Pallas MoE kernels on the H200, "
+                                    "device time of kernels + routing ops per call (BENCHMARKS.md, INT4 "
+                                    "section): 71% of copy at 1 token, 94% at 16, ~90% at 64, 74% at 256 "
+                                    "(wall per call there)",
                  "xla_int4_efficiency": "measured: XLA dequant path 0.34 TB/s effective = 8% (ANCHORS.md 6)"}),
     "h100": Hardware(
         name="H100 SXM", hbm_bytes=80e9, hbm_bw=3.0e12, bf16_flops=700e12,

@@ -2,7 +2,8 @@
 
 Each op has an 'xla' implementation (plain jnp/lax, runs everywhere) and, where one exists, a 'pallas'
 implementation (GPU kernels). `impl=None` picks 'pallas' on GPU and 'xla' elsewhere; tests force each
-with `impl=` or with `use_impl(...)`.
+with `impl=` or with `use_impl(...)`. `mla_prefill_attention`'s GPU path is not Pallas but cuDNN flash
+attention (jax.nn.dot_product_attention), for fresh prefills only; `use_prefill_attention` forces it.
 
 Weight layout for routed experts (compressed-tensors / HF, rows are output features):
   bf16:  ExpertWeights(gate=[E, F, D], up=[E, F, D], down=[E, D, F])
@@ -50,16 +51,21 @@ class ExpertWeights:
 
 
 @contextlib.contextmanager
-def use_impl(impl: Optional[str]):
-    """Force every op to one implementation inside the block (for tests and benchmarks)."""
-    global _FORCED_IMPL
-    if impl is not None and impl not in IMPLS:
-        raise ValueError(f"unknown ops implementation {impl!r}; expected one of {IMPLS}")
-    old, _FORCED_IMPL = _FORCED_IMPL, impl
+def _forced(name: str, value: Optional[str], choices: tuple, what: str):
+    """Set the module-level switch `name` to `value` inside the block (None: automatic)."""
+    if value is not None and value not in choices:
+        raise ValueError(f"unknown {what} {value!r}; expected one of {choices}")
+    old = globals()[name]
+    globals()[name] = value
     try:
         yield
     finally:
-        _FORCED_IMPL = old
+        globals()[name] = old
+
+
+def use_impl(impl: Optional[str]):
+    """Force every op to one implementation inside the block (for tests and benchmarks)."""
+    return _forced("_FORCED_IMPL", impl, IMPLS, "ops implementation")
 
 
 def resolve_impl(impl: Optional[str] = None) -> str:
@@ -293,3 +299,121 @@ def _mla_paged_attention_xla(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_tab
               + einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR)) * scale
     p_BNTS = jax.nn.softmax(jnp.where(mask_BTS[:, None], s_BNTS, -1e30), axis=-1).astype(dtype)
     return einsum_f32("bnts,bsa->btna", p_BNTS, c_BSA).astype(dtype)
+
+
+# ---- expanded-form (prefill) attention -------------------------------------------------------------
+
+# How `mla_prefill_attention` runs a fresh causal prefill (`causal=True`): None = automatic (cuDNN flash
+# attention when resolve_impl gives 'pallas' and the case fits, else the XLA einsum path); "einsum":
+# always the XLA einsum path; "cudnn" / "xla": one jax.nn.dot_product_attention call with that
+# implementation (V zero-padded to the qk head dim) for every causal case. "xla" runs the cuDNN
+# formulation anywhere: the CPU stand-in the tests use. Read at trace time, like use_impl: set it before
+# an engine first compiles a step.
+_PREFILL_ATTENTION: Optional[str] = None
+PREFILL_ATTENTION_CHOICES = ("einsum", "cudnn", "xla")
+
+
+def use_prefill_attention(choice: Optional[str]):
+    """Force how fresh causal prefills attend inside the block: None (automatic), 'einsum', 'cudnn' or
+    'xla' (see _PREFILL_ATTENTION)."""
+    return _forced("_PREFILL_ATTENTION", choice, PREFILL_ATTENTION_CHOICES, "prefill attention")
+
+
+def cudnn_attention_fits(qk_dim: int, v_dim: int, dtype) -> bool:
+    """Shapes and dtypes cuDNN flash attention takes through jax.nn.dot_product_attention (after V is
+    padded to the qk head dim): bf16/fp16, head dim a multiple of 8 and at most 256 (Hopper and later;
+    jax refuses > 128 on older GPUs at trace time, and the op then falls back to einsum)."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and qk_dim % 8 == 0 and qk_dim <= 256 and v_dim <= qk_dim)
+
+
+def prefill_attention_path(qk_dim: int, v_dim: int, dtype, *, causal: bool, impl: Optional[str] = None) -> str:
+    """Which path mla_prefill_attention takes, decided at trace time: 'einsum' (XLA einsums and a masked
+    softmax), 'cudnn' or 'xla' (one jax.nn.dot_product_attention call with that implementation).
+    Only a fresh causal prefill (`causal`: the keys are the query tokens themselves, row by row) can use
+    dot_product_attention: cuDNN's causal mask is aligned top-left, and rows with cached tokens before
+    their chunk need it aligned bottom-right, per row."""
+    if not causal:
+        return "einsum"
+    if _PREFILL_ATTENTION is not None:
+        return _PREFILL_ATTENTION
+    if resolve_impl(impl) == "pallas" and cudnn_attention_fits(qk_dim, v_dim, dtype):
+        return "cudnn"
+    return "einsum"
+
+
+def _dot_product_attention(q_BTNK, k_BSNK, v_BSNK, scale, implementation):
+    """jax.nn.dot_product_attention, causal (top-left); a module attribute so tests can wrap it."""
+    return jax.nn.dot_product_attention(q_BTNK, k_BSNK, v_BSNK, scale=scale, is_causal=True,
+                                        implementation=implementation)
+
+
+_warned_fallback = False
+
+
+def mla_prefill_attention(q_nope_BTNH: jax.Array, q_pe_BTNR: jax.Array, k_BSNH: jax.Array, kpe_BSR: jax.Array,
+                          v_BSNV: jax.Array, mask_BTS: jax.Array, scale: float, *, causal: bool = False,
+                          impl: Optional[str] = None, parallel=None) -> jax.Array:
+    """Expanded-form MLA attention; returns o [B, T, N, V] float32.
+
+    score[b,n,t,s] = (q_nope . k + q_pe . kpe) * scale over keys with mask[b,t,s], softmax in float32.
+    q_nope [B, T, N, H], q_pe [B, T, N, R] (rotated), k [B, S, N, H], kpe [B, S, R] (rotated, shared by
+    every head), v [B, S, N, V]; mask [B, T, S] bool.
+    causal (static): a fresh prefill: S == T, the keys are the query tokens, each row's real tokens
+    come first (positions 0, 1, ...) with padding only after them, and for every real query t
+    mask[b,t,s] is exactly s <= t. Then jax.nn.dot_product_attention with is_causal=True gives the same
+    outputs for the real tokens (padding tokens' outputs differ; they stay finite and are ignored). The dot_product_attention path concatenates
+    [q_nope | q_pe] and [k | kpe] to one qk head dim and zero-pads V to it (the public API wants equal
+    qk and v head dims; zero columns of V give zero output columns, sliced off).
+    parallel: a kimi_jax.sharding.MoEParallel: the cuDNN call runs per device shard inside shard_map
+    (rows over the batch axes, heads over the head axes), as the decode kernel does.
+    """
+    global _warned_fallback
+    H, R, V = q_nope_BTNH.shape[-1], q_pe_BTNR.shape[-1], v_BSNV.shape[-1]
+    dtype = q_nope_BTNH.dtype
+    path = prefill_attention_path(H + R, V, dtype, causal=causal and k_BSNH.shape[1] == q_nope_BTNH.shape[1],
+                                  impl=impl)
+    if path != "einsum":
+        try:
+            return _mla_prefill_attention_dpa(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, scale, path,
+                                              parallel)
+        except (NotImplementedError, RuntimeError) as e:
+            # raised while tracing (no cuDNN, an unsupported GPU or shape): take the einsum path
+            if not _warned_fallback:
+                import logging
+                logging.getLogger(__name__).warning("prefill attention: %s path unavailable (%s: %s); "
+                                                    "using XLA einsums", path, type(e).__name__, e)
+                _warned_fallback = True
+    return _mla_prefill_attention_einsum(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, mask_BTS, scale)
+
+
+def _mla_prefill_attention_einsum(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, mask_BTS, scale):
+    dtype = q_nope_BTNH.dtype
+    rope_BNTS = einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR)
+    nope_BNTS = einsum_f32("btnh,bsnh->bnts", q_nope_BTNH, k_BSNH)
+    s_BNTS = jnp.where(mask_BTS[:, None], (nope_BNTS + rope_BNTS) * scale, -1e30)
+    p_BNTS = jax.nn.softmax(s_BNTS, axis=-1).astype(dtype)
+    return einsum_f32("bnts,bsnv->btnv", p_BNTS, v_BSNV)
+
+
+def _mla_prefill_attention_dpa(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, scale, implementation, parallel):
+    def attend(q_nope, q_pe, k, kpe, v):
+        N, K, V = k.shape[2], k.shape[3] + kpe.shape[-1], v.shape[-1]
+        q_BTNK = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1)
+        kpe_BSNR = jnp.broadcast_to(kpe[:, :, None, :], (*kpe.shape[:2], N, kpe.shape[-1])).astype(k.dtype)
+        k_BSNK = jnp.concatenate([k, kpe_BSNR], axis=-1)
+        v_BSNK = jnp.pad(v.astype(k.dtype), ((0, 0), (0, 0), (0, 0), (0, K - V)))
+        o_BTNK = _dot_product_attention(q_BTNK, k_BSNK, v_BSNK, scale, implementation)
+        return o_BTNK[..., :V].astype(jnp.float32)
+
+    if parallel is not None and parallel.mesh.size > 1:
+        # jax's cuDNN attention is a custom call with its own partitioning rule; running it per shard
+        # (rows like the batch, heads like the attention weights) states the placement outright, the same
+        # way as the decode kernel, so the partitioner never gathers heads or rows around it
+        from jax.sharding import PartitionSpec as P
+        b, h = parallel.batch or None, parallel.heads or None
+        attend = _shard_map(attend, parallel.mesh,
+                            in_specs=(P(b, None, h, None), P(b, None, h, None), P(b, None, h, None),
+                                      P(b, None, None), P(b, None, h, None)),
+                            out_specs=P(b, None, h, None))
+    return attend(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV)

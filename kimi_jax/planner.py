@@ -51,8 +51,10 @@ Design (engine_artifacts=False):
   EP inside the TP group (dp = 1) keeps the TP collectives: the experts are split over tp, the tokens
   are already replicated, the routed outputs are psummed over tp.
 What the current engine adds (engine_artifacts=True, the default; each row flagged "[engine artifact]"):
-  GPU: the double-buffered layer loop rematerializes one dispatch all-gather per two MoE layers (DP+EP);
-       (from the H200 compile of the previous engine). Gone: the per-layer copies of the stacked weights
+  GPU: nothing (2 x H200 compile of 2026-11-29, third session: DP2+EP 3 all-gathers + 2 reduce-scatters
+       for 2 MoE layers, TP2 7 all-reduces + 1 all-gather, as the rule above). Gone: the dispatch
+       all-gather per two MoE layers that the double-buffered lax.scan loop rematerialized, and the
+       per-layer copies of the stacked weights
        that lax.scan made on GPU (experts: now passed whole with offset ids; the other weights: the
        layer loop is unrolled with static slices on GPU), so no copy term is modelled.
   CPU: with dp > 1 the cache write (a scatter with an unsharded row index) all-gathers the new latents
@@ -281,8 +283,6 @@ def collective_plan(cfg: ModelConfig, layout: Layout, batch: int, *, program: st
             if gpu:
                 add("all-gather", Lm, batch * (D * w + 2 * K * 4), dp, "EP dispatch: tokens, expert ids and "
                                                                        "weights of the dp group, one op")
-                add("all-gather", Lm // 2, batch * (D * w + 2 * K * 4), dp,
-                    "EP dispatch rematerialized in the double-buffered layer loop", artifact=True)
             else:
                 add("all-gather", 3 * Lm, batch * D * w, dp, "EP dispatch: tokens, expert ids, weights "
                                                              "(3 ops per MoE layer; bytes: the tokens)")
@@ -568,8 +568,8 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
             touched = busiest_device_touched(e_loc, K, E, real_tokens, world)
         per_expert = expert_bytes_local(cfg, layout, db)
         read = Lm * touched * per_expert
-        eff = (hw.xla_int4_efficiency if o.impl == "xla" else hw.int4_efficiency) if cfg.quantization \
-            else hw.gemv_efficiency
+        eff = (hw.xla_int4_efficiency if o.impl == "xla" else hw.int4_efficiency_at(real_tokens)) \
+            if cfg.quantization else hw.gemv_efficiency
         pairs = tokens * K * (e_loc / E if ep else 1.0)
         f = 2 * pairs * 3 * (F if ep else _cdiv(F, tp)) * D * Lm
         terms.append(Term(f"routed experts ({touched:.1f}/{e_loc}/layer)", read, f, read / (bw * eff), f / fl))

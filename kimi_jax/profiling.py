@@ -311,7 +311,10 @@ def collectives_of_hlo(text_or_module) -> CollectiveCounts:
 
 _MATMUL_OPS = ("dot", "convolution", "ragged-dot")
 _GEMM_TARGET = re.compile(r'custom_call_target="[^"]*(gemm|cublas|matmul|triton|mosaic|pallas)[^"]*"', re.I)
-_ATTN_FUNCS = ("MLA.__call__", "_softmax")
+_ATTN_FUNCS = ("MLA.__call__", "_softmax",
+               # the paged step's attention ops (kimi_jax.ops and the kernel wrapper's XLA parts)
+               "mla_paged_attention", "_mla_paged_attention_xla", "paged_keys", "gather_pages",
+               "_new_token_part", "combine", "mla_decode_partials")
 _ATTN_EINSUM = re.compile(r"bnts|bsa->|bsr->")      # MLA's score / value einsums (mla.py)
 _PROJ_FUNCS = ("Linear.__call__", "linear", "MLA._queries", "MLA.latents", "MLA._kv_b", "RMSNorm.__call__",
                "apply_rope", "rope_cos_sin")
@@ -339,7 +342,8 @@ def categorize(instr: Optional[HloInstr], module: Optional[HloModule], event_nam
                         ("collective-permute", ("collective-permute", "sendrecv", "ppermute"))):
             if any(x in n for x in keys):
                 return k
-        if any(x in n for x in ("gemm", "dot", "cublas", "matmul", "ragged", "cutlass")):
+        # Pallas kernels run under their own names: the INT4 expert matmuls and the MLA decode kernel
+        if any(x in n for x in ("gemm", "dot", "cublas", "matmul", "ragged", "cutlass", "nvjet", "int4")):
             return "matmul"
         if any(x in n for x in ("softmax", "attention", "mla")):
             return "attention"
@@ -418,6 +422,30 @@ def decode_args(engine, layout, batch: int, cache_len: int, *, abstract: bool, t
     # MoE read at batch > 1 (the first H200 engine rows had this bug)
     tokens = (jnp.arange(batch, dtype=jnp.int32) * 7919 + 11) % cfg.vocab_size
     return cache, tokens, z, sp, jnp.ones((batch,), jnp.int32)
+
+
+PAGE_SIZE = 16      # as kimi_jax.api.LLM's default
+
+
+def paged_args(engine, layout, batch: int, cache_len: int, page_size: int = PAGE_SIZE):
+    """(pages, tokens [B, 1], block table [B, P], sampling arrays) for the serving decode step
+    (`Engine._step`, absorbed, T = 1): row b owns pages [b * P, (b + 1) * P) of a pool sized for
+    `cache_len` tokens per row, replicated as the scheduler keeps it."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from kimi_jax.model.transformer import init_pages
+    from kimi_jax.sampling import SamplingArrays, SamplingParams
+    cfg = engine.cfg
+    P = -(-cache_len // page_size)
+    pages = init_pages(cfg, batch * P, page_size, engine.cache_dtype)
+    if layout is not None and layout.world > 1:
+        from jax.sharding import PartitionSpec
+        pages = {k: jax.device_put(v, layout.sharding(PartitionSpec())) for k, v in pages.items()}
+    sp = SamplingArrays.build([SamplingParams(temperature=0.0)] * batch, list(range(batch)))
+    tokens = ((np.arange(batch, dtype=np.int32) * 7919 + 11) % cfg.vocab_size)[:, None]   # distinct rows
+    table = np.arange(batch * P, dtype=np.int32).reshape(batch, P)
+    return pages, tokens, table, sp
 
 
 def compile_decode_step(engine, layout, batch: int, cache_len: int, *, abstract: Optional[bool] = None):
@@ -674,29 +702,44 @@ def analyze_trace(trace_file: str, module: HloModule, steps: int, *, module_name
 
 
 def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_dir: str,
-                   model_name: str = "?", warmup: int = 2) -> ProfileReport:
+                   model_name: str = "?", warmup: int = 2, paged: bool = True) -> ProfileReport:
     """Run `steps` decode steps (after `warmup`) under the JAX profiler; write report.json,
-    breakdown.png and the raw trace (out_dir/trace) and return the report."""
+    breakdown.png and the raw trace (out_dir/trace) and return the report.
+
+    paged (default): the step generation runs (`Engine._step`: paged latent cache, absorbed MLA, on a
+    GPU the Pallas decode kernel, one page write after all layers); otherwise the contiguous-cache
+    reference step (`Engine._decode`), which on a GPU uses the XLA attention path and rewrites the cache."""
     import jax
     import numpy as np
     from kimi_jax.engine import bucket
     cache_len = bucket(context + warmup + steps + 1)
+    i32 = lambda x: jax.numpy.asarray(np.asarray(x, np.int32))
+    ones = np.ones((batch,), np.int32)
+    if paged:
+        cache, tok, table, sp = paged_args(engine, layout, batch, cache_len)
+        lowered = engine._step.lower(engine.state, cache, i32(tok), i32(tok), i32(table), i32(0 * ones), sp,
+                                     i32(ones), n_logprobs=None, absorbed=True, fresh=False)
+    else:
+        cache, tok, _, sp, _ = decode_args(engine, layout, batch, cache_len, abstract=False)
+        lowered = engine._decode.lower(engine.state, cache, tok, tok, sp, i32(ones), n_logprobs=None)
     # the executable that runs is the one whose HLO is parsed (compiled once, called directly)
-    compiled = compile_decode_step(engine, layout, batch, cache_len, abstract=False)
+    compiled = lowered.compile()
     compiled_text = compiled.as_text()
     module = parse_hlo(compiled_text)
     program = collectives_of_hlo(module)
     m = re.match(r"HloModule\s+([\w.\-]+)", compiled_text)
     module_name = m.group(1) if m else None
-    cache, tok, _, sp, _ = decode_args(engine, layout, batch, cache_len, abstract=False)
-    # distinct tokens per row (decode_args): identical rows route to the same 8 experts, so batch > 1
-    # would time a best case (the H200 engine rows of 2026-11-29 fed token 0 to every row)
+    # distinct tokens per row: identical rows route to the same 8 experts, so batch > 1 would time a
+    # best case (the H200 engine rows of 2026-11-29 fed token 0 to every row)
     tokens = np.asarray(tok)
 
     def step(i, cache):
-        pos = np.full((batch,), context + i, np.int32)
-        cache, out = compiled(engine.state, cache, jax.numpy.asarray(tokens), jax.numpy.asarray(pos), sp,
-                              jax.numpy.full((batch,), i + 1, jax.numpy.int32))
+        pos = np.full(tokens.shape, context + i, np.int32)
+        if paged:
+            cache, out = compiled(engine.state, cache, i32(tokens), i32(pos), i32(table), i32(0 * ones), sp,
+                                  i32(ones * (i + 1)))
+        else:
+            cache, out = compiled(engine.state, cache, i32(tokens), i32(pos), sp, i32(ones * (i + 1)))
         jax.block_until_ready(out)
         return cache
 
@@ -717,7 +760,9 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
     trace_file = _find_trace_file(trace_dir)
     ms, per_step, coll_trace, nd, top = analyze_trace(trace_file, module, steps, module_name=module_name)
     busy = sum(ms.values())
-    notes = ["attention vs matmul split is a heuristic on the HLO instructions' Python stacks "
+    notes = [("paged" if paged else "contiguous") + "-cache decode step (Engine._step)" * paged
+             + "-cache reference step (Engine._decode)" * (not paged),
+             "attention vs matmul split is a heuristic on the HLO instructions' Python stacks "
              "(MLA score/value einsums + softmax = attention)"]
     if jax.default_backend() == "cpu":
         notes.append("CPU simulated devices: collective time includes waiting for the slowest device "
@@ -868,6 +913,6 @@ def summarize_counts(counts: CollectiveCounts) -> str:
 
 
 __all__ = ["COLLECTIVE_KINDS", "CATEGORIES", "parse_hlo", "collectives_of_hlo", "CollectiveCounts",
-           "abstract_engine", "random_engine", "compile_decode_step", "count_decode_collectives",
+           "abstract_engine", "random_engine", "compile_decode_step", "paged_args", "count_decode_collectives",
            "profile_decode", "analyze_trace", "ProfileReport", "write_png_chart", "stacked_bar_png",
            "categorize"]

@@ -28,6 +28,9 @@ flags.DEFINE_list("batches", ["1", "16", "64", "256"], "batches for the single-d
 flags.DEFINE_list("multi_batches", ["1", "64"], "batches for multi-device layouts")
 flags.DEFINE_integer("context", 1024, "tokens already in the cache")
 flags.DEFINE_integer("steps", 10, "timed decode steps per case")
+flags.DEFINE_bool("paged", True, "time the serving step (paged cache, decode kernel); --nopaged: the "
+                  "contiguous-cache reference step")
+flags.DEFINE_integer("top_ops", 0, "print this many of each case's most expensive device ops")
 flags.DEFINE_string("out", os.environ.get("OUT", "out/bench_engine"), "results directory")
 flags.DEFINE_string("hardware", "h200", "planner hardware preset for the predictions")
 flags.DEFINE_bool("tiny", False, "CPU dry run on the tiny preset")
@@ -124,7 +127,11 @@ def main(argv):
         batches = FLAGS.batches if layout.world == 1 else FLAGS.multi_batches
         for b in map(int, batches):
             rep = profile_decode(engine, layout, batch=b, context=FLAGS.context, steps=FLAGS.steps,
-                                 out_dir=os.path.join(FLAGS.out, f"{name}_b{b}"), model_name="kimi-slice")
+                                 out_dir=os.path.join(FLAGS.out, f"{name}_b{b}"), model_name="kimi-slice",
+                                 paged=FLAGS.paged)
+            for op in rep.top_ops[:FLAGS.top_ops]:
+                print(f"  {name} b{b} {op['category']:<10} {1e3 * op['ms_per_step']:9.1f} us  {op['op'][:70]}",
+                      flush=True)
             p = planner.plan(cfg, hw, layout, b, FLAGS.context)
             coll_ms = sum(rep.ms_per_step.get(k, 0.0) for k in ("all-reduce", "all-gather", "reduce-scatter",
                                                                   "all-to-all", "collective-permute"))

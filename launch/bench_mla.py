@@ -2,6 +2,16 @@
 
     PYTHONPATH=. python -m launch.bench_mla --out=$OUT          # one H200, < 4 minutes
     PYTHONPATH=. python -m launch.bench_mla --out=/tmp/x --dry  # tiny shapes on CPU (the script itself)
+    PYTHONPATH=. python -m launch.bench_mla --sweep --out=$OUT --budget_s=270   # kernel config sweep
+    PYTHONPATH=. python -m launch.bench_mla --sweep --dry --out=/tmp/x          # the sweep on CPU
+
+--sweep (instead of the sections below): copy bandwidth; then per heads (8, 64) every candidate
+config of SWEEP (the auto default, the first version LEGACY, other tilings / stage counts / split
+policies) is checked against the float32 reference on a small ragged case on the device (a failing
+or non-compiling candidate is dropped); then for each case B x context x heads the default, LEGACY
+and the XLA path are timed (phase 1, all cases), then the other candidates (phase 2, as the budget
+allows). One table row per case: the best config, its us, GB/s, % of copy, default and legacy us,
+XLA us and XLA / best. Files under --out: results.jsonl (rows as they come), sweep.json, table.md.
 
 Sections, in order:
   1. copy bandwidth in this run: XLA `x ^ 1` over 2 GiB (bytes read + written), and a read-only sum.
@@ -31,6 +41,11 @@ flags.DEFINE_bool("dry", False, "tiny shapes on CPU (checks the script, not the 
 flags.DEFINE_integer("reps", 5, "timed repetitions (median)")
 flags.DEFINE_float("budget_s", 200.0, "skip remaining decode cases after this many seconds")
 flags.DEFINE_bool("prefill", True, "run the prefill section")
+flags.DEFINE_bool("sweep", False, "kernel config sweep instead of the sections (see the docstring)")
+flags.DEFINE_list("heads", ["8", "64"], "--sweep: head counts")
+flags.DEFINE_list("batches", ["1", "8", "64"], "--sweep: batch sizes")
+flags.DEFINE_list("contexts", ["4096", "32768", "131072"], "--sweep: context lengths")
+flags.DEFINE_list("candidates", [], "--sweep: only these candidate names (default and legacy always)")
 
 _T0 = time.time()
 A, R, C = 512, 64, 576
@@ -215,6 +230,212 @@ def section_decode(copy_bps):
     return rows
 
 
+# ----------------------------------------------------------------------------------------------
+# --sweep: candidate kernel configs.
+
+def sweep_candidates(N):
+    """(name, config) in priority order: phase 2 runs them candidate by candidate, so a budget cut
+    drops the last ones. 'default' = resolve_config's automatic choice, 'legacy' = the first version."""
+    from pallas_kernels.mla_decode import LEGACY, MlaDecodeConfig as Cfg
+    if N <= 16:   # 16-row tiles (8 heads x T = 1): bandwidth / latency
+        extra = [("s3", Cfg(num_stages=3)),                  # pages single-buffered (bt prefetched)
+                 ("s7", Cfg(num_stages=7)),                  # 3 page buffers
+                 ("fuse", Cfg(fuse_new=True)),               # new tokens as the last split's extra block
+                 ("t264", Cfg(target_programs=264)),         # ~2 programs per SM instead of 4
+                 ("split256", Cfg(min_split_tokens=256)),    # fewer, longer splits at short contexts
+                 ("k64", Cfg(block_k=64)),
+                 ("k16s7", Cfg(block_k=16, num_stages=7)),
+                 ("legacy_s5", Cfg(num_stages=5, target_programs=264, min_split_tokens=512,
+                                   fuse_new=False))]
+    else:         # 64 heads: MMA work ~121 flops per cache byte
+        extra = [("m64a256w8", Cfg(block_m=64, block_a=256, num_warps=8)),   # wgmma, 2 column halves
+                 ("m32w8", Cfg(block_m=32, num_warps=8)),
+                 ("m64a128w8", Cfg(block_m=64, block_a=128, num_warps=8)),
+                 ("s7", Cfg(num_stages=7)),
+                 ("t264", Cfg(target_programs=264)),
+                 ("split1k", Cfg(min_split_tokens=1024)),
+                 ("m64a256w8s3", Cfg(block_m=64, block_a=256, num_warps=8, num_stages=3)),
+                 ("m32a256w4", Cfg(block_m=32, block_a=256, num_warps=4)),
+                 ("fuse", Cfg(fuse_new=True))]
+    if FLAGS.candidates:
+        extra = [c for c in extra if c[0] in FLAGS.candidates]
+    return [("default", None), ("legacy", LEGACY)] + extra
+
+
+def _over_budget():
+    return time.time() - _T0 > FLAGS.budget_s
+
+
+def _check_candidate(N, name, cfg, key):
+    """A small ragged case on the device (T = 1, page 16): a padding row (position -1), a one-token
+    row, a row ending on a page, rows of several splits. Returns (ok, max error)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from pallas_kernels import mla_decode as md
+    page, T = 16, 1
+    lengths = [0, 1, 3 * page, 37] if FLAGS.dry else [0, 1, 3 * page, 1000, 3001]
+    P = -(-(max(lengths) + T) // page)
+    pool = _pool(jax.random.fold_in(key, 7), len(lengths) * P + 8, page, jnp.bfloat16)
+    pool = pool + jax.random.normal(jax.random.fold_in(key, 9), pool.shape, jnp.bfloat16) * 0.5
+    q_lat, q_pe, new, table, pos = _inputs(jax.random.fold_in(key, N), len(lengths), T, N, page, lengths,
+                                           P, pool.shape[0], jnp.bfloat16)
+    pos = pos.at[0].set(-1)                                  # a padding row
+    args = (q_lat, q_pe, new, pool, table, pos)
+    scale = 192 ** -0.5
+    got = md.mla_paged_attention(*args, scale, config=cfg)
+    want = md.mla_paged_attention_reference(*args, scale)
+    valid = np.asarray(pos >= 0)
+    g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    err = float(np.max(np.abs(g[valid] - w[valid])))
+    ok = bool(np.isfinite(g).all()) and err <= 3e-2
+    return ok, err
+
+
+class _Case:
+    """Inputs of one decode case and a timer for any op on them (scan over L layers of the pool)."""
+
+    def __init__(self, B, ctx, N, pool, page, key):
+        import jax.numpy as jnp
+        T = 1
+        self.P = -(-ctx // page)
+        self.per_layer = B * self.P
+        self.L = max(1, min(8, pool.shape[0] // self.per_layer))
+        q_lat, q_pe, new, table, pos = _inputs(key, B, T, N, page, [ctx - T] * B, self.P,
+                                               self.per_layer, jnp.bfloat16)
+        self.args = (q_lat, q_pe, new, pool, table, pos)
+        self.nbytes_layer = B * (ctx - T) * C * 2
+
+    def time(self, op):
+        import jax
+        import jax.numpy as jnp
+        from jax import lax
+        L, per_layer = self.L, self.per_layer
+
+        def f(q_lat, q_pe, new, pool, table, pos):
+            def layer(acc, l):
+                o = op(q_lat, q_pe, new, pool, table + l * per_layer, pos)
+                return acc + o[:, :, :, :8].astype(jnp.float32).sum(), None
+            return lax.scan(layer, jnp.float32(0), jnp.arange(L))[0]
+        return time_fn(jax.jit(f), *self.args) / L
+
+
+def section_sweep(copy_bps):
+    import jax
+    import jax.numpy as jnp
+    from kimi_jax import ops
+    from pallas_kernels import mla_decode as md
+    page = 16
+    if FLAGS.dry:
+        batches, ctxs, heads = [1, 2], [64], [8, 32]
+        pool_pages = 2 * 256 // page * 2
+    else:
+        batches, ctxs = [int(x) for x in FLAGS.batches], [int(x) for x in FLAGS.contexts]
+        heads = [int(x) for x in FLAGS.heads]
+        pool_pages = (24 << 30) // (page * C * 2)             # 24 GiB: >= 2 layers of the largest case
+    scale = 192 ** -0.5
+    out = dict(copy_bps=copy_bps, device=str(jax.devices()[0]), jax=jax.__version__, checks={},
+               cases=[], skipped=[])
+
+    # Correctness of every candidate on the device first.
+    cands = {}
+    for N in heads:
+        ok_list = []
+        for name, cfg in sweep_candidates(N):
+            try:
+                ok, err = _check_candidate(N, name, cfg, jax.random.PRNGKey(11))
+            except Exception as e:  # noqa: BLE001 (compile failure: out of shared memory, ...)
+                ok, err = False, f"{type(e).__name__}: {str(e)[:300]}"
+            out["checks"][f"N{N}/{name}"] = dict(ok=ok, err=err)
+            record(section="sweep_check", N=N, name=name, config=str(cfg), ok=ok, err=err)
+            log(f"check N={N} {name}: {'OK' if ok else 'FAIL'} {err if isinstance(err, str) else f'{err:.2e}'}")
+            if ok:
+                ok_list.append((name, cfg))
+        cands[N] = ok_list
+
+    pool = _pool(jax.random.PRNGKey(3), pool_pages, page, jnp.bfloat16)
+    keys = [(N, B, ctx) for N in heads for B in batches for ctx in ctxs]
+    rows = {}
+    cases = {}
+
+    def run(k, name, fn):
+        N, B, ctx = k
+        if k not in cases:
+            cases[k] = _Case(B, ctx, N, pool, page, jax.random.PRNGKey(B + ctx + N))
+            rows[k] = dict(B=B, ctx=ctx, N=N, layers=cases[k].L, bytes_layer=cases[k].nbytes_layer, t={},
+                           failed={})
+        try:
+            t = cases[k].time(fn)
+            rows[k]["t"][name] = t
+        except Exception as e:  # noqa: BLE001
+            rows[k]["failed"][name] = f"{type(e).__name__}: {str(e)[:200]}"
+            log(f"  N={N} B={B} ctx={ctx} {name}: failed {rows[k]['failed'][name][:150]}")
+            return
+        record(section="sweep_time", N=N, B=B, ctx=ctx, name=name, t=t,
+               pct_copy=100 * cases[k].nbytes_layer / t / copy_bps)
+        log(f"  N={N:2d} B={B:3d} ctx={ctx:6d} {name:14s} {t * 1e6:9.1f} us "
+            f"{100 * cases[k].nbytes_layer / t / copy_bps:5.1f}% of copy")
+
+    def kernel(cfg):
+        return lambda *a: md.mla_paged_attention(*a, scale, config=cfg)
+
+    # Phase 1: default, legacy and XLA on every case. Phase 2: the other candidates, one at a time.
+    for k in keys:
+        todo = [(n, kernel(c)) for n, c in cands[k[0]] if n in ("default", "legacy")]
+        todo.append(("xla", lambda *a: ops.mla_paged_attention(*a, scale, impl="xla")))
+        for name, fn in todo:
+            if _over_budget():
+                out["skipped"].append(f"{k} {name}")
+                continue
+            run(k, name, fn)
+    n_extra = max((len(cands[N]) for N in heads), default=0)
+    for ci in range(n_extra):
+        for k in keys:
+            if ci >= len(cands[k[0]]) or cands[k[0]][ci][0] in ("default", "legacy"):
+                continue
+            name, cfg = cands[k[0]][ci]
+            if _over_budget():
+                out["skipped"].append(f"{k} {name}")
+                continue
+            run(k, name, kernel(cfg))
+    if out["skipped"]:
+        log(f"budget {FLAGS.budget_s:.0f}s reached: skipped {len(out['skipped'])} timings "
+            f"(first: {out['skipped'][0]})")
+
+    lines = [f"copy {copy_bps / 1e9:.0f} GB/s (XLA x^1, read+write); {out['device']}; jax {out['jax']}", "",
+             "| B | context | heads | MB/layer | best | best us | GB/s | % copy | default us | legacy us "
+             "| XLA us | XLA/best | timed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    nan = float("nan")
+    for k in keys:
+        if k not in rows:
+            continue
+        r = rows[k]
+        kt = {n: t for n, t in r["t"].items() if n != "xla"}
+        if kt:
+            best = min(kt, key=kt.get)
+            r.update(best=best, t_best=kt[best], best_bps=r["bytes_layer"] / kt[best],
+                     pct_copy=100 * r["bytes_layer"] / kt[best] / copy_bps,
+                     xla_over_best=(r["t"]["xla"] / kt[best]) if "xla" in r["t"] else None)
+        out["cases"].append(r)
+        if not kt:
+            lines.append(f"| {r['B']} | {r['ctx']} | {r['N']} | | failed | | | | | | | | |")
+            continue
+        us = lambda n: r["t"].get(n, nan) * 1e6
+        lines.append(f"| {r['B']} | {r['ctx']} | {r['N']} | {r['bytes_layer'] / 1e6:.1f} | {r['best']} | "
+                     f"{r['t_best'] * 1e6:.1f} | {r['best_bps'] / 1e9:.0f} | {r['pct_copy']:.1f} | "
+                     f"{us('default'):.1f} | {us('legacy'):.1f} | {us('xla'):.1f} | "
+                     f"{r['xla_over_best'] or nan:.2f} | {len(kt)} |")
+    tbl = "\n".join(lines)
+    print(tbl, flush=True)
+    os.makedirs(FLAGS.out, exist_ok=True)
+    with open(os.path.join(FLAGS.out, "table.md"), "w") as f:
+        f.write(tbl + "\n")
+    with open(os.path.join(FLAGS.out, "sweep.json"), "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    return out
+
+
 def section_prefill():
     """Expanded-form causal attention, qk 192 / v 128, one sequence, 64 heads, bf16."""
     import jax
@@ -284,6 +505,10 @@ def main(argv):
     import jax
     log("devices", jax.devices(), "jax", jax.__version__)
     copy_bps, read_bps = section_copy()
+    if FLAGS.sweep:
+        section_sweep(copy_bps)
+        log("sweep done", f"total {time.time() - _T0:.0f}s")
+        return
     ok = section_check()
     rows = section_decode(copy_bps)
     t = table(copy_bps, read_bps, rows)

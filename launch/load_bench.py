@@ -189,17 +189,19 @@ def main(argv):
         dt = time.perf_counter() - t0
         model_bytes = sum(v[...].nbytes for _, v in nnx.to_flat_state(nnx.state(net)))
         peak = _status("VmHWM")
+        on_host = jax.devices()[0].platform == "cpu"     # only CPU "device" arrays live in host memory
         row.update(load_s=dt, load_read_s=stats.seconds, load_bytes=stats.bytes_read,
                    load_gbps=stats.bytes_read / 1e9 / dt, model_bytes=model_bytes, rss_base=base,
-                   rss_peak=peak, overhead=peak - base - model_bytes,
+                   rss_peak=peak, overhead=peak - base - (model_bytes if on_host else 0),
                    max_host_bytes=stats.max_host_bytes)
         row["ratio"] = row["load_gbps"] / row["raw_gbps"]
         row["ratio_fresh"] = row["load_gbps"] / row["fresh_gbps"]
         print(f"round {rnd}: load_model {stats.bytes_read / 1e9:.2f} GB in {dt:.2f}s = "
               f"{row['load_gbps']:.2f} GB/s ({row['ratio']:.0%} of raw, {row['ratio_fresh']:.0%} of raw "
               f"into fresh memory), peak RSS "
-              f"{peak / 1e9:.2f} GB = base {base / 1e9:.2f} + model {model_bytes / 1e9:.2f} + "
-              f"{row['overhead'] / 1e9:.2f} GB ({row['load_cache']})", flush=True)
+              f"{peak / 1e9:.2f} GB = base {base / 1e9:.2f} + "
+              + (f"model {model_bytes / 1e9:.2f} + " if on_host else "") +
+              f"loader {row['overhead'] / 1e9:.2f} GB ({row['load_cache']})", flush=True)
         res["rounds"].append(row)
     if FLAGS.orbax_dir:
         if FLAGS.delete_source:

@@ -33,6 +33,8 @@ flags.DEFINE_integer("steps", 5, "traced decode steps")
 flags.DEFINE_string("out", "out/profile", "output directory (report.json, breakdown.png, trace/)")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "parameter dtype")
 flags.DEFINE_integer("cpu_devices", 0, "run on this many simulated CPU devices (0: the default backend)")
+flags.DEFINE_bool("paged", True, "profile the serving step (paged latent cache; on a GPU the MLA decode kernel); "
+                  "--nopaged: the contiguous-cache reference step")
 flags.DEFINE_bool("compile_only", False, "count collectives in the compiled step (shapes only); no trace")
 
 
@@ -81,7 +83,7 @@ def main(argv):
     else:
         engine = profiling.random_engine(cfg, layout, dtype)
     report = profiling.profile_decode(engine, layout, batch=batch, context=FLAGS.context, steps=FLAGS.steps,
-                                      out_dir=FLAGS.out, model_name=name)
+                                      out_dir=FLAGS.out, model_name=name, paged=FLAGS.paged)
     print(report.table())
     print("planner rule (collectives per step): " + ", ".join(f"{k} {v}" for k, v in rule.items() if v))
     print(f"wrote {os.path.join(FLAGS.out, 'report.json')} and {os.path.join(FLAGS.out, 'breakdown.png')}")

@@ -11,15 +11,18 @@ with the softmax over s in float32. Position p of row b lives in page block_tabl
 offset p % page of the pool [X, page, C]; row b's cached length is positions[b, 0].
 
 Pipeline (`mla_paged_attention`):
-  1. kernel, grid (row blocks, splits, B): program (i, j, b) walks split j of row b's cached tokens in
-     blocks of `block_k` tokens, gathering each token's 576-value row through the block table (one
-     contiguous 1152-byte row per token), s = q_lat c^T + q_pe k^R^T on the tensor cores, online
-     softmax in float32 (exp2), acc += p c. It writes the split's normalized output (f32) and its
-     log-sum-exp. Splits are a fraction of each row's own length (chunk_b = ceil(len_b / splits)
-     rounded up to block_k), so ragged batches give every program of a row the same work; programs
-     past a row's length write lse = -inf and read nothing.
-  2. XLA (tiny): the T new tokens' scores (causal, t' <= t), their lse and output, then the
-     flash-decoding combine of all splits and the new part by their lse.
+  1. kernel, grid (row blocks x column slices, splits, B): program (i, j, b) walks split j of row b's
+     cached tokens in blocks of `block_k` tokens, gathering each token's 576-value row through the
+     block table (one contiguous 1152-byte row per token), s = q_lat c^T + q_pe k^R^T on the tensor
+     cores, online softmax in float32 (exp2), acc += p c. It writes the split's normalized output
+     (f32) and its log-sum-exp. Splits are a fraction of each row's own length (chunk_b =
+     ceil(len_b / splits) rounded up to block_k), so ragged batches give every program of a row the
+     same work; programs past a row's length read nothing. With `fuse_new` (off by default: it timed slower) the last split
+     also takes the step's T new tokens (causal t' <= t, positions >= 0) as one more block, read
+     from new_BTC. With block_a < A, A / block_a adjacent programs share a row block: each computes
+     the full scores and accumulates only its block_a output columns.
+  2. XLA (small): the flash-decoding combine of the splits by their lse (nothing when there is one
+     split); without fuse_new also the new tokens' part (einsums) merged the same way.
 
 Why Triton and not Mosaic GPU: the project's kernels run on the Triton backend because it runs under
 plain `interpret=True` (the CPU tests execute this body) and lowers to SASS off-GPU for inspection
@@ -49,91 +52,170 @@ _LN2 = math.log(2.0)
 
 @dataclasses.dataclass(frozen=True)
 class MlaDecodeConfig:
-    """Tiling. 0 means "choose from the shapes" (`resolve_config`)."""
+    """Tiling. 0 means "choose from the shapes" (`resolve_config`); `LEGACY` is the first version's
+    choice (kept for comparisons in launch/bench_mla.py --sweep)."""
     block_m: int = 0              # query rows (t, n) per program; power of two >= 16
     block_k: int = 32             # cached tokens per inner step; power of two >= 16
+    block_a: int = 0              # latent output columns per program (0: all A). With block_a < A,
+                                  # A / block_a adjacent programs share a row block: each computes
+                                  # the full scores, accumulates p @ c for its column slice only
     num_splits: int = 0           # splits of each row's cached tokens (flash-decoding)
     num_warps: int = 0
-    num_stages: int = 2
-    target_programs: int = 264    # auto splits: aim for ~2 programs per SM (132 SMs on H200) ...
-    min_split_tokens: int = 512   # ... but a split covers at least this many tokens of the longest row
+    num_stages: int = 0           # 0: 5 (see resolve_config: the block-table load is one level of
+                                  # indirection, so Triton double-buffers the pages only from 5)
+    target_programs: int = 0      # auto splits: aim for this many programs (0: 4 per SM) ...
+    min_split_tokens: int = 0     # ... but a split covers at least this many tokens (0: by rows)
+    fuse_new: bool = False        # True: the step's new tokens are a step of the last split
+                                  # (in-kernel) instead of XLA einsums merged afterwards. Off: the H200
+                                  # sweep of 2026-11-29 (BENCHMARKS.md) timed it 2-35% slower at 8 heads
+    max_auto_block_m: int = 16    # auto block_m: pow2 >= rows, in [16, this]
 
     def __post_init__(self):
-        for name in ("block_m", "block_k"):
+        for name in ("block_m", "block_k", "block_a"):
             v = getattr(self, name)
             if v and (v < 16 or v & (v - 1)):
                 raise ValueError(f"MlaDecodeConfig.{name}={v} must be a power of two >= 16")
 
 
-def resolve_config(cfg: Optional[MlaDecodeConfig], batch: int, rows: int, max_tokens: int
-                   ) -> MlaDecodeConfig:
-    """Fill the automatic fields for `rows` = T * N query rows and a table of `max_tokens` slots."""
+# The first version (2026-11 H200 run): 2 pipeline stages (one page buffer, nothing overlapped),
+# >= 512 tokens per split, ~2 programs per SM, new tokens in XLA. block_m auto: as now.
+LEGACY = MlaDecodeConfig(num_warps=4, num_stages=2, target_programs=264, min_split_tokens=512,
+                        fuse_new=False, max_auto_block_m=32)
+
+NUM_SMS = 132                     # H200
+
+
+def resolve_config(cfg: Optional[MlaDecodeConfig], batch: int, rows: int, max_tokens: int,
+                   a: int = 512) -> MlaDecodeConfig:
+    """Fill the automatic fields for `rows` = T * N query rows, a table of `max_tokens` slots and
+    latent width `a`.
+
+    Pipelining (Triton's loop pipeliner, checked in the sm_90 TTGIR with sass_probe): the page rows'
+    addresses come from a block-table load inside the loop, one level of indirection, so Triton gives
+    the page loads a latency of (num_stages - 1) // 2 iterations: num_stages 2-4 keep ONE page buffer
+    (the next block's cp.async is issued after this block's MMAs and waited on at the top of the next
+    iteration: nothing overlaps; the first version's ~4 us per 32-token step), 5 gives two buffers
+    (this block's MMAs overlap the next block's gather), 7 gives three.
+    """
     cfg = cfg or MlaDecodeConfig()
-    # 32 rows, 4 warps by default: off-GPU SASS (sass_probe) shows 64 rows x 8 warps spilling in the
-    # loop (Triton gives a chained dot's first MMA all warps along M, so 2 warpgroups repeat the
-    # 64-row score MMA) while 16 and 32 rows x 4 warps do not; row blocks of one split are adjacent
-    # programs, so their repeated reads of the same pages are served from L2. Not yet timed on GPU.
-    bm = cfg.block_m or min(32, max(16, 1 << (rows - 1).bit_length()))
-    row_blocks = -(-rows // bm)
+    # 16-row tiles by default, also for 64 heads (4 row blocks; adjacent programs, so the pages are
+    # read from HBM once and from L2 by the other three). In the sm_90 SASS at 5 stages the 16-row
+    # x 4-warp loop has no spills and no repeated MMAs (68 HMMA per warp per 32 tokens), 2 programs
+    # fit an SM (~94 KB shared memory); 32 rows x 8 warps repeat the score MMA across warps (104
+    # HMMA per warp) and 64 rows with the whole A spill. 64 rows with block_a=256 x 8 warps use
+    # wgmma without spills in the loop (a sweep candidate: twice the score MMAs, 1 program per SM).
+    bm = cfg.block_m or min(cfg.max_auto_block_m, max(16, 1 << (rows - 1).bit_length()))
+    ba = cfg.block_a or a
+    if ba > a or a % ba:
+        raise ValueError(f"block_a={ba} must divide A={a}")
+    row_blocks = -(-rows // bm) * (a // ba)
+    stages = cfg.num_stages or 5
+    target = cfg.target_programs or 4 * NUM_SMS
+    # Short splits keep short contexts spread over the SMs (each split costs one prologue: two
+    # dependent loads), but every split also writes and the combine reads rows x A f32 partials.
+    min_tok = cfg.min_split_tokens or (64 if rows <= 16 else 256)
     splits = cfg.num_splits
     if not splits:
-        by_occupancy = -(-cfg.target_programs // (batch * row_blocks))
-        by_length = -(-max_tokens // cfg.min_split_tokens)
+        by_occupancy = -(-target // (batch * row_blocks))
+        by_length = -(-max_tokens // min_tok)
         splits = max(1, min(by_occupancy, by_length))
-    warps = cfg.num_warps or (4 if bm <= 32 else 8)   # [bm, A] f32 accumulator: <= 128 regs/thread
-    return dataclasses.replace(cfg, block_m=bm, num_splits=splits, num_warps=warps)
+    warps = cfg.num_warps or (4 if bm * ba <= 16 * 512 else 8)   # [bm, ba] f32 acc: <= 64 regs/thread
+    return dataclasses.replace(cfg, block_m=bm, block_a=ba, num_splits=splits, num_warps=warps,
+                               num_stages=stages, target_programs=target, min_split_tokens=min_tok)
 
 
 # ----------------------------------------------------------------------------------------------
 # The kernel.
 
-def _kernel(len_ref,     # [B] int32 cached tokens per row
-            bt_ref,      # [B, P] int32 page ids into the pool
-            ql_ref,      # [bm, A] latent queries of this row block
-            qp_ref,      # [bm, R] rope queries
-            pool_ref,    # [X, page, C] the paged cache (C = A + R)
-            o_ref,       # [bm, A] f32 normalized output of this split
-            lse_ref,     # [bm] f32 log-sum-exp of this split's scores (-inf: no tokens)
-            *, bk: int, splits: int, scale: float):
-    j, b = pl.program_id(1), pl.program_id(2)
+def _kernel(*refs, bk: int, splits: int, a_blocks: int, scale: float, n_heads: int,
+            fuse_new: bool):
+    if fuse_new:
+        (len_ref,      # [B] int32 cached tokens per row
+         bt_ref,       # [B, P] int32 page ids into the pool
+         ql_ref,       # [bm, A] latent queries of this row block
+         qp_ref,       # [bm, R] rope queries
+         pool_ref,     # [X, page, C] the paged cache (C = A + R)
+         new_ref,      # [B, T, C] the step's new latents
+         pos_ref,      # [B, T] int32 their positions (< 0: padding)
+         o_ref,        # [bm, ba] f32 normalized output of this split (its column slice)
+         lse_ref) = refs  # [bm] f32 log-sum-exp of this split's scores (-inf: no tokens)
+    else:
+        len_ref, bt_ref, ql_ref, qp_ref, pool_ref, o_ref, lse_ref = refs
+    i, j, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     page = pool_ref.shape[1]
     a, r = ql_ref.shape[1], qp_ref.shape[1]
+    ba = o_ref.shape[-1]
+    bm = ql_ref.shape[0]
     length = tile.load(len_ref.at[b])
     chunk = pl.cdiv(pl.cdiv(length, splits), bk) * bk
     start = j * chunk
     end = jnp.minimum(start + chunk, length)
     n_blocks = jnp.where(end > start, pl.cdiv(end - start, bk), 0)
 
-    ql = ql_ref[...]
+    # Column slices of the latent: slice 0 is this program's own (accumulated), the others only
+    # enter the scores. a_blocks == 1: one static slice, the whole latent.
+    ia = i % a_blocks if a_blocks > 1 else 0
+    offs = [((ia + k) % a_blocks) * ba if a_blocks > 1 else 0 for k in range(a_blocks)]
+    if a_blocks > 1:
+        qls = [tile.load(ql_ref.at[:, pl.ds(pl.multiple_of(o, ba), ba)]) for o in offs]
+    else:
+        qls = [ql_ref[...]]
     qp = qp_ref[...]
-    cols_a = jnp.arange(a, dtype=jnp.int32)[None, :]
+    cols = [o + jnp.arange(ba, dtype=jnp.int32)[None, :] for o in offs]
     cols_r = a + jnp.arange(r, dtype=jnp.int32)[None, :]
     ids = jnp.arange(bk, dtype=jnp.int32)
     qk_scale = scale * _LOG2E                         # scores in log2 units: exp2 in the loop
 
-    def body(kb, carry):
+    def step(carry, cs, kr, valid, zero_masked):
+        """One block of keys: cs = the latent's column slices [n, ba] (own first), kr [n, R]."""
         acc, m_prev, l_prev = carry
+        s = jnp.dot(qp, kr.T, preferred_element_type=jnp.float32)
+        for q_k, c_k in zip(qls, cs):
+            s = s + jnp.dot(q_k, c_k.T, preferred_element_type=jnp.float32)
+        s = jnp.where(valid, s * qk_scale, _NEG)
+        m_next = jnp.maximum(m_prev, s.max(axis=1))
+        corr = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(s - m_next[:, None])
+        if zero_masked:                               # rows may have no valid key in this block
+            p = jnp.where(valid, p, 0.0)
+        l_next = l_prev * corr + p.sum(axis=1)
+        acc = acc * corr[:, None] + jnp.dot(p.astype(cs[0].dtype), cs[0],
+                                            preferred_element_type=jnp.float32)
+        return acc, m_next, l_next
+
+    def body(kb, carry):
         pos = start + kb * bk + ids                   # [bk] cached positions of this block
         valid = pos < end
         pos = jnp.minimum(pos, end - 1)               # tail lanes re-read the last row (no OOB)
         pg = tile.load(bt_ref.at[b, pos // page])[:, None]
         off = (pos % page)[:, None]
-        c = tile.load(pool_ref.at[pg, off, cols_a])               # [bk, A]
-        kr = tile.load(pool_ref.at[pg, off, cols_r])              # [bk, R]
-        s = (jnp.dot(ql, c.T, preferred_element_type=jnp.float32)
-             + jnp.dot(qp, kr.T, preferred_element_type=jnp.float32)) * qk_scale
-        s = jnp.where(valid[None, :], s, _NEG)
-        m_next = jnp.maximum(m_prev, s.max(axis=1))
-        corr = jnp.exp2(m_prev - m_next)
-        p = jnp.exp2(s - m_next[:, None])
-        l_next = l_prev * corr + p.sum(axis=1)
-        acc = acc * corr[:, None] + jnp.dot(p.astype(c.dtype), c, preferred_element_type=jnp.float32)
-        return acc, m_next, l_next
+        cs = [tile.load(pool_ref.at[pg, off, c]) for c in cols]     # [bk, ba] each
+        kr = tile.load(pool_ref.at[pg, off, cols_r])                # [bk, R]
+        return step(carry, cs, kr, valid[None, :], False)
 
-    bm = ql.shape[0]
-    init = (jnp.zeros((bm, a), jnp.float32), jnp.full((bm,), _NEG, jnp.float32),
+    init = (jnp.zeros((bm, ba), jnp.float32), jnp.full((bm,), _NEG, jnp.float32),
             jnp.zeros((bm,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, n_blocks, body, init)
+    carry = lax.fori_loop(0, n_blocks, body, init)
+
+    if fuse_new:
+        t_new = new_ref.shape[1]
+        bn = max(16, 1 << (t_new - 1).bit_length())
+
+        def new_tokens(c):   # everything computed in here: nothing stays live across the loop
+            ib = i // a_blocks
+            tt = jnp.minimum(jnp.arange(bn, dtype=jnp.int32), t_new - 1)
+            key_pos = jnp.where(jnp.arange(bn) < t_new, tile.load(pos_ref.at[b, tt]), -1)
+            row_t = jnp.minimum((ib * bm + jnp.arange(bm, dtype=jnp.int32)) // n_heads, t_new - 1)
+            row_pos = tile.load(pos_ref.at[b, row_t])
+            valid_new = (key_pos[None, :] >= 0) & (key_pos[None, :] <= row_pos[:, None])
+            cs = [tile.load(new_ref.at[b, tt[:, None], col]) for col in cols]   # [bn, ba] each
+            kr = tile.load(new_ref.at[b, tt[:, None], cols_r])
+            cs = [x.astype(qls[0].dtype) for x in cs]
+            return step(c, cs, kr.astype(qls[0].dtype), valid_new, True)
+
+        carry = lax.cond(j == splits - 1, new_tokens, lambda c: c, carry)
+
+    acc, m, l = carry
     has = l > 0.0
     l_safe = jnp.where(has, l, 1.0)
     o_ref[...] = jnp.where(has[:, None], acc / l_safe[:, None], 0.0)
@@ -159,34 +241,49 @@ def _check(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP, positions_B
 
 
 def mla_decode_partials(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, lengths_B, *, scale: float,
-                        config: MlaDecodeConfig, interpret: bool):
-    """Kernel call over the cached tokens only. q rows M = T * N (padded to block_m inside).
+                        config: MlaDecodeConfig, interpret: bool, new_BTC=None, positions_BT=None):
+    """Kernel call over the cached tokens (and, with config.fuse_new, the new tokens new_BTC at
+    positions_BT, in the last split). q rows M = T * N (padded to block_m inside).
     Returns o [B, splits, M, A] f32 (each split normalized) and lse [B, splits, M] f32."""
     B, M, A = q_lat_BMA.shape
     R = q_pe_BMR.shape[-1]
-    bm, splits = config.block_m, config.num_splits
+    bm, splits, ba = config.block_m, config.num_splits, config.block_a or A
+    a_blocks = A // ba
     row_blocks = -(-M // bm)
     pad = row_blocks * bm - M
     if pad:
         q_lat_BMA = jnp.pad(q_lat_BMA, ((0, 0), (0, pad), (0, 0)))
         q_pe_BMR = jnp.pad(q_pe_BMR, ((0, 0), (0, pad), (0, 0)))
-    kernel = functools.partial(_kernel, bk=config.block_k, splits=splits, scale=float(scale))
+    fuse = config.fuse_new
+    n_heads = 1
+    if fuse:
+        T = new_BTC.shape[1]
+        n_heads = M // T
+    kernel = functools.partial(_kernel, bk=config.block_k, splits=splits, a_blocks=a_blocks,
+                               scale=float(scale), n_heads=n_heads, fuse_new=fuse)
     whole = pl.no_block_spec
+    in_specs = [whole, whole,
+                pl.BlockSpec((None, bm, A), lambda i, j, b: (b, i // a_blocks, 0)),
+                pl.BlockSpec((None, bm, R), lambda i, j, b: (b, i // a_blocks, 0)),
+                whole]
+    args = [lengths_B.astype(jnp.int32), block_table_BP.astype(jnp.int32), q_lat_BMA, q_pe_BMR,
+            pool_XpC]
+    if fuse:
+        in_specs += [whole, whole]
+        args += [new_BTC, positions_BT.astype(jnp.int32)]
     o, lse = pl.pallas_call(
         kernel,
-        grid=(row_blocks, splits, B),
-        in_specs=[whole, whole,
-                  pl.BlockSpec((None, bm, A), lambda i, j, b: (b, i, 0)),
-                  pl.BlockSpec((None, bm, R), lambda i, j, b: (b, i, 0)),
-                  whole],
-        out_specs=[pl.BlockSpec((None, None, bm, A), lambda i, j, b: (b, j, i, 0)),
-                   pl.BlockSpec((None, None, bm), lambda i, j, b: (b, j, i))],
+        grid=(row_blocks * a_blocks, splits, B),
+        in_specs=in_specs,
+        # every column slice of a row block writes the same lse (identical values)
+        out_specs=[pl.BlockSpec((None, None, bm, ba), lambda i, j, b: (b, j, i // a_blocks, i % a_blocks)),
+                   pl.BlockSpec((None, None, bm), lambda i, j, b: (b, j, i // a_blocks))],
         out_shape=[jax.ShapeDtypeStruct((B, splits, row_blocks * bm, A), jnp.float32),
                    jax.ShapeDtypeStruct((B, splits, row_blocks * bm), jnp.float32)],
         interpret=interpret,
         compiler_params=tile.compiler_params(config.num_warps, config.num_stages, interpret),
         name="mla_decode_paged",
-    )(lengths_B.astype(jnp.int32), block_table_BP.astype(jnp.int32), q_lat_BMA, q_pe_BMR, pool_XpC)
+    )(*args)
     return o[:, :, :M], lse[:, :, :M]
 
 
@@ -241,16 +338,25 @@ def mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP
     interp = tile.resolve_interpret(interpret)
     B, T, N, A = q_lat_BTNA.shape
     R = q_pe_BTNR.shape[-1]
-    cfg = resolve_config(config, B, T * N, block_table_BP.shape[1] * pool_XpC.shape[1])
+    cfg = resolve_config(config, B, T * N, block_table_BP.shape[1] * pool_XpC.shape[1], A)
     lengths_B = jnp.maximum(positions_BT[:, 0], 0)
     o_BKMA, lse_BKM = mla_decode_partials(
         q_lat_BTNA.reshape(B, T * N, A), q_pe_BTNR.astype(q_lat_BTNA.dtype).reshape(B, T * N, R),
-        pool_XpC, block_table_BP, lengths_B, scale=scale, config=cfg, interpret=interp)
-    o_new_BTNA, lse_new_BTN = _new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale)
+        pool_XpC, block_table_BP, lengths_B, scale=scale, config=cfg, interpret=interp,
+        new_BTC=new_BTC, positions_BT=positions_BT)
     K = cfg.num_splits
-    o_BTNKA = o_BKMA.reshape(B, K, T, N, A).transpose(0, 2, 3, 1, 4)
-    lse_BTNK = lse_BKM.reshape(B, K, T, N).transpose(0, 2, 3, 1)
-    o_BTNA, lse_BTN = combine(o_BTNKA, lse_BTNK, o_new_BTNA, lse_new_BTN)
+    if cfg.fuse_new and K == 1:               # one split saw every key: its output is the answer
+        o_BTNA, lse_BTN = o_BKMA[:, 0].reshape(B, T, N, A), lse_BKM[:, 0].reshape(B, T, N)
+    else:
+        o_BTNKA = o_BKMA.reshape(B, K, T, N, A).transpose(0, 2, 3, 1, 4)
+        lse_BTNK = lse_BKM.reshape(B, K, T, N).transpose(0, 2, 3, 1)
+        if cfg.fuse_new:
+            o_new_BTNA = jnp.zeros((B, T, N, A), jnp.float32)
+            lse_new_BTN = jnp.full((B, T, N), -jnp.inf, jnp.float32)
+        else:
+            o_new_BTNA, lse_new_BTN = _new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT,
+                                                      scale)
+        o_BTNA, lse_BTN = combine(o_BTNKA, lse_BTNK, o_new_BTNA, lse_new_BTN)
     o_BTNA = o_BTNA.astype(q_lat_BTNA.dtype)
     return (o_BTNA, lse_BTN) if return_lse else o_BTNA
 

@@ -74,11 +74,55 @@ def test_ops_pallas_branch_matches_xla():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
+# Options (resolve_config fills the rest): new tokens in XLA vs in the kernel's last split, latent
+# column slices (block_a < A: 2 and 4 slices of A = 64), 16/32/64-row tiles, T = 1 and 4, heads 8
+# and 64, the first version's config. Lengths: 0 (a row with only its new tokens), 1, exactly on a
+# page boundary, mid-page, the full table; T = 4 adds padding tokens (position -1) in one row.
+_C = md.MlaDecodeConfig
+
+
+@pytest.mark.parametrize("N,T,cfg", [
+    (8, 1, _C(block_k=16, fuse_new=True)),
+    (8, 4, _C(block_k=16, block_a=16, num_splits=3)),
+    (64, 1, _C(block_k=16, block_m=64, block_a=32, num_splits=2)),
+    (64, 4, _C(block_k=16, block_m=32, block_a=32, fuse_new=True)),
+    (8, 4, md.LEGACY),
+])
+def test_options_match_reference_f32(N, T, cfg):
+    page, P = 16, 3
+    cached = [0, 1, 2 * page, P * page - 5, P * page - T]
+    args = _case(5, B=len(cached), T=T, N=N, A=64, R=16, page=page, P=P, cached=cached,
+                 dtype=jnp.float32, pad_tokens=[(3, 2)] if T > 1 else [])
+    _check(args, 0.11, cfg, atol=2e-5)
+
+
+def test_fused_new_tokens_padding_row_bf16():
+    """In-kernel new tokens with a whole padding row (positions -1, no cached tokens) and a row whose
+    only key is its own new token, bf16, one split: the kernel's output is used as is."""
+    page, P = 16, 2
+    args = _case(6, B=3, T=2, N=8, A=64, R=16, page=page, P=P, cached=[0, 0, page], dtype=jnp.bfloat16)
+    args = args[:5] + (args[5].at[0].set(-1),)
+    _check(args, 0.2, md.MlaDecodeConfig(num_splits=1), atol=3e-2)
+
+
 def test_auto_config():
+    # 8 heads: 16-row tiles, 5 stages (two page buffers), short splits at short contexts.
+    cfg = md.resolve_config(None, batch=1, rows=8, max_tokens=4096)
+    assert (cfg.block_m, cfg.num_warps, cfg.num_stages, cfg.block_a) == (16, 4, 5, 512)
+    assert cfg.num_splits == 4096 // 64 and not cfg.fuse_new
+    assert md.resolve_config(None, batch=1, rows=8, max_tokens=100).num_splits == 2
+    assert md.resolve_config(None, batch=1, rows=8, max_tokens=40).num_splits == 1
+    # 64 heads: 4 row blocks of 16; splits fill ~4 programs per SM.
     cfg = md.resolve_config(None, batch=1, rows=64, max_tokens=131072)
-    assert (cfg.block_m, cfg.num_warps) == (32, 4) and cfg.num_splits * 2 >= 132   # 2 row blocks
-    assert md.resolve_config(None, batch=64, rows=8, max_tokens=4096).block_m == 16
-    assert md.resolve_config(None, batch=1, rows=8, max_tokens=100).num_splits == 1
+    assert (cfg.block_m, cfg.num_warps) == (16, 4) and cfg.num_splits * 4 >= 4 * 132
+    assert md.resolve_config(None, batch=64, rows=64, max_tokens=4096).num_splits == 3
+    cfg = md.resolve_config(_C(block_m=64, block_a=256), batch=1, rows=64, max_tokens=131072)
+    assert cfg.num_warps == 8 and cfg.num_splits * 2 >= 4 * 132
+    # the first version's choice stays reachable
+    cfg = md.resolve_config(md.LEGACY, batch=1, rows=8, max_tokens=4096)
+    assert (cfg.num_stages, cfg.num_splits, cfg.fuse_new) == (2, 8, False)
+    with pytest.raises(ValueError, match="block_a"):
+        md.resolve_config(_C(block_a=1024), batch=1, rows=8, max_tokens=64)
 
 
 def test_bad_shapes_are_one_line_errors():

@@ -39,8 +39,9 @@ def wire_bytes(items, kind):
 def test_profile_reports_the_compiled_collectives(tmp_path, name, layout):
     assert jax.device_count() >= 8
     engine = profiling.random_engine(CFG, layout, jnp.bfloat16)
+    # the contiguous-cache reference step: the program the planner's CPU rule describes
     report = profiling.profile_decode(engine, layout, batch=BATCH, context=20, steps=2, out_dir=str(tmp_path),
-                                      model_name="tiny8", warmup=1)
+                                      model_name="tiny8", warmup=1, paged=False)
     print("\n" + report.table())
     # the compiled program's counts, with the scan over layers unrolled by its trip count, are the planner's
     assert report.collectives_program == rule(layout)
@@ -207,3 +208,19 @@ def test_gpu_trace_events_map_to_instructions(tmp_path):
     assert coll == {"all-reduce": 1, "all-gather": 0, "reduce-scatter": 0, "all-to-all": 1, "collective-permute": 0}
     assert [round(sum(p.values()), 6) for p in per_step] == [0.105, 0.105]
     assert top[0]["op"] == "loop_dynamic_slice_fusion.32"
+
+
+def test_profile_of_the_paged_serving_step(tmp_path):
+    """The default profile times the step generation runs (paged cache). Under TP8 its collectives are
+    the planner's; its trace executes exactly the compiled program's collectives; attention ops (the
+    paged XLA path on CPU) are recognised as attention."""
+    layout = Layout(8)
+    engine = profiling.random_engine(CFG, layout, jnp.bfloat16)
+    report = profiling.profile_decode(engine, layout, batch=BATCH, context=20, steps=2, out_dir=str(tmp_path),
+                                      model_name="tiny8", warmup=1)
+    assert report.notes[0].startswith("paged")
+    assert report.collectives_program == rule(layout)
+    for kind in profiling.COLLECTIVE_KINDS:
+        assert report.collectives_trace[kind] == pytest.approx(
+            report.collectives_program[kind] + report.collectives_trivial[kind]), kind
+    assert report.ms_per_step["attention"] > 0 and report.ms_per_step["matmul"] > 0

@@ -69,7 +69,8 @@ class MLA(nnx.Module):
         return w[:, :H, :], w[:, H:, :]                     # W_UK [N, H, A], W_UV [N, V, A]
 
     # -- attention --------------------------------------------------------------------------------
-    def __call__(self, x_BTD, positions_BT, kv_BSL=None, *, absorbed: bool = False, block_table_BP=None):
+    def __call__(self, x_BTD, positions_BT, kv_BSL=None, *, absorbed: bool = False, block_table_BP=None,
+                 fresh: bool = False):
         """Attend from x's tokens (at absolute positions) to the cached tokens.
 
         kv_BSL: the layer's latent cache [B, S, A + R] or None. With a cache, the new tokens' latents
@@ -86,6 +87,12 @@ class MLA(nnx.Module):
         pool. New tokens of a row must have consecutive positions. Tokens at position < 0 are padding:
         not written, and their outputs are garbage to be ignored. The absorbed paged form runs as one
         op (`ops.mla_paged_attention`: a GPU kernel reads the pages in place).
+
+        fresh (static, expanded form only): the caller guarantees that no row has tokens before this
+        step's: each row's real tokens are at positions 0, 1, ... and its padding (position < 0) comes
+        after them. Queries then attend to the new tokens only (the cache is not read; it is still
+        written as above) through `ops.mla_prefill_attention` with `causal=True`, which on a GPU runs
+        cuDNN flash attention.
         """
         N, H, R, A, V = self.dims
         cos, sin = rope_cos_sin(positions_BT, rope_inv_freq(self.cfg), self.cfg.rope_scaling.cos_sin_scale)
@@ -100,9 +107,13 @@ class MLA(nnx.Module):
                                                  positions_BT, scale, parallel=self.parallel).astype(x_BTD.dtype)
             o_BTNV = ops.einsum_f32("btna,nva->btnv", o_lat_BTNA, w_uv)
             return self.o_proj(o_BTNV.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * V)), new_BTL
+        fresh = fresh and not absorbed
         if block_table_BP is not None:
-            keys_BSL, mask_BTS = ops.paged_keys(kv_BSL, block_table_BP, new_BTL, positions_BT)
             out_kv = new_BTL
+            if fresh:
+                keys_BSL, key_pos_BS = new_BTL, positions_BT
+            else:
+                keys_BSL, mask_BTS = ops.paged_keys(kv_BSL, block_table_BP, new_BTL, positions_BT)
         elif kv_BSL is None:
             keys_BSL, key_pos_BS, out_kv = new_BTL, positions_BT, new_BTL
         else:
@@ -110,11 +121,15 @@ class MLA(nnx.Module):
             rows = jnp.arange(B)[:, None]
             kv_BSL = kv_BSL.at[rows, positions_BT].set(new_BTL.astype(kv_BSL.dtype), mode="drop")
             keys_BSL, key_pos_BS, out_kv = kv_BSL, jnp.broadcast_to(jnp.arange(S), (B, S)), kv_BSL
-        if mask_BTS is None:
+            if fresh:     # the written cache holds nothing a query may see beyond the new tokens
+                keys_BSL, key_pos_BS = new_BTL, positions_BT
+        if fresh:         # the new tokens, causally, padding keys never seen (as ops.paged_keys' new part)
+            mask_BTS = (positions_BT[:, None, :] <= positions_BT[:, :, None]) & (positions_BT[:, None, :] >= 0)
+        elif mask_BTS is None:
             mask_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
         c_BSA, kpe_BSR = keys_BSL[..., :A].astype(x_BTD.dtype), keys_BSL[..., A:].astype(x_BTD.dtype)
-        rope_BNTS = ops.einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR)
         if absorbed:
+            rope_BNTS = ops.einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR)
             q_lat_BTNA = ops.einsum_f32("btnh,nha->btna", q_nope_BTNH, w_uk).astype(x_BTD.dtype)
             nope_BNTS = ops.einsum_f32("btna,bsa->bnts", q_lat_BTNA, c_BSA)
             p_BNTS = _softmax((nope_BNTS + rope_BNTS) * scale, mask_BTS).astype(x_BTD.dtype)
@@ -123,9 +138,8 @@ class MLA(nnx.Module):
         else:
             k_BSNH = ops.einsum_f32("bsa,nha->bsnh", c_BSA, w_uk).astype(x_BTD.dtype)
             v_BSNV = ops.einsum_f32("bsa,nva->bsnv", c_BSA, w_uv).astype(x_BTD.dtype)
-            nope_BNTS = ops.einsum_f32("btnh,bsnh->bnts", q_nope_BTNH, k_BSNH)
-            p_BNTS = _softmax((nope_BNTS + rope_BNTS) * scale, mask_BTS).astype(x_BTD.dtype)
-            o_BTNV = ops.einsum_f32("bnts,bsnv->btnv", p_BNTS, v_BSNV)
+            o_BTNV = ops.mla_prefill_attention(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, mask_BTS, scale,
+                                               causal=fresh, parallel=self.parallel)
         o_BTD = self.o_proj(o_BTNV.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * V))
         return o_BTD, out_kv
 

@@ -29,11 +29,12 @@ class DecoderLayer(nnx.Module):
         self.mlp = (MoE(cfg, dtype=dtype, rngs=rngs, parallel=parallel) if moe
                     else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs))
 
-    def __call__(self, x_BTD, positions_BT, kv_BSL=None, *, absorbed=False, block_table_BP=None, layer=None):
+    def __call__(self, x_BTD, positions_BT, kv_BSL=None, *, absorbed=False, block_table_BP=None, layer=None,
+                 fresh=False):
         """layer: this layer's index in its stack when the routed experts' weights are the whole stack
-        [L, E, ...] (scan_layers); None when they are this layer's own [E, ...]."""
+        [L, E, ...] (scan_layers); None when they are this layer's own [E, ...]. fresh: see MLA."""
         a_BTD, kv = self.self_attn(self.input_layernorm(x_BTD), positions_BT, kv_BSL, absorbed=absorbed,
-                                   block_table_BP=block_table_BP)
+                                   block_table_BP=block_table_BP, fresh=fresh)
         h_BTD = x_BTD + a_BTD
         ffn_in = self.post_attention_layernorm(h_BTD)
         ffn = self.mlp(ffn_in, layer=layer) if isinstance(self.mlp, MoE) else self.mlp(ffn_in)
@@ -64,7 +65,8 @@ def _unroll() -> bool:
     return LAYER_LOOP == "unroll" or (LAYER_LOOP == "auto" and jax.default_backend() == "gpu")
 
 
-def scan_layers(stack: nnx.Module, x_BTD, positions_BT, kv_LBSL, *, absorbed: bool, block_table_BP=None):
+def scan_layers(stack: nnx.Module, x_BTD, positions_BT, kv_LBSL, *, absorbed: bool, block_table_BP=None,
+                fresh: bool = False):
     """Run a stacked layer module over its leading axis; returns (x, per-layer cache or latents).
 
     The routed experts' weights (9.5 GB per Kimi layer) and a paged pool enter the loop whole, never
@@ -73,7 +75,9 @@ def scan_layers(stack: nnx.Module, x_BTD, positions_BT, kv_LBSL, *, absorbed: bo
     pool (block_table_BP given) is only read inside the loop; the new latents of every layer come out
     of it and are written into the pool once afterwards (no copy of the pool per step).
     The other per-layer weights are sliced per layer: by lax.scan, or with static indices when the loop
-    is unrolled (LAYER_LOOP), which on GPU reads them in place instead of copying."""
+    is unrolled (LAYER_LOOP), which on GPU reads them in place instead of copying.
+    fresh (static): no row has tokens before this step's (see MLA): prefill attends to the new tokens
+    only, on a GPU through cuDNN flash attention (ops.mla_prefill_attention)."""
     graphdef, experts, rest = nnx.split(stack, nnx.PathContains("experts"), ...)
     n_layers = _num_layers(rest)
     paged = block_table_BP is not None
@@ -85,8 +89,8 @@ def scan_layers(stack: nnx.Module, x_BTD, positions_BT, kv_LBSL, *, absorbed: bo
         module = nnx.merge(graphdef, experts, layer_state)
         if paged:
             return module(x, positions_BT, pool_XpC, absorbed=absorbed,
-                          block_table_BP=block_table_BP + layer * n_pages, layer=layer)
-        return module(x, positions_BT, kv, absorbed=absorbed, layer=layer)
+                          block_table_BP=block_table_BP + layer * n_pages, layer=layer, fresh=fresh)
+        return module(x, positions_BT, kv, absorbed=absorbed, layer=layer, fresh=fresh)
 
     if _unroll():
         outs = []
@@ -131,10 +135,12 @@ class Transformer(nnx.Module):
     def layer_stacks(self) -> tuple[tuple[str, Optional[nnx.Module]], ...]:
         return (("dense", self.dense_layers), ("moe", self.moe_layers))
 
-    def hidden_states(self, tokens_BT, positions_BT, cache=None, *, absorbed=False, block_table_BP=None):
+    def hidden_states(self, tokens_BT, positions_BT, cache=None, *, absorbed=False, block_table_BP=None,
+                      fresh=False):
         """Final-norm hidden states [B, T, D] and the cache dict {kind: [L, B, S, A+R]} (updated), or,
         without a cache, the new latents {kind: [L, B, T, A+R]}. With block_table_BP the cache is paged:
-        {kind: [L, num_pages, page_size, A+R]} (see MLA)."""
+        {kind: [L, num_pages, page_size, A+R]} (see MLA). fresh (static): every row's tokens start at
+        position 0, padding after them (see MLA)."""
         x = jnp.take(self.embed_tokens.weight[...], tokens_BT, axis=0)
         new = {}
         for kind, stack in self.layer_stacks:
@@ -142,7 +148,7 @@ class Transformer(nnx.Module):
                 continue
             kv = None if cache is None else cache[kind]
             x, new[kind] = scan_layers(stack, x, positions_BT, kv, absorbed=absorbed,
-                                       block_table_BP=block_table_BP)
+                                       block_table_BP=block_table_BP, fresh=fresh)
         return self.norm(x), new
 
     def logits(self, h_BTD):
@@ -150,8 +156,8 @@ class Transformer(nnx.Module):
         return ops.linear(h_BTD, w).astype(jnp.float32) if h_BTD.dtype == jnp.float32 else \
             jnp.einsum("btd,vd->btv", h_BTD, w, preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens_BT, positions_BT, cache=None, *, absorbed=False):
-        h, new = self.hidden_states(tokens_BT, positions_BT, cache, absorbed=absorbed)
+    def __call__(self, tokens_BT, positions_BT, cache=None, *, absorbed=False, fresh=False):
+        h, new = self.hidden_states(tokens_BT, positions_BT, cache, absorbed=absorbed, fresh=fresh)
         return self.logits(h), new
 
 

@@ -1,0 +1,272 @@
+"""Fresh-prefill attention on the GPU (issue #8): cuDNN flash attention vs the XLA einsum path.
+
+    PYTHONPATH=. python -m launch.check_prefill --out=$OUT/prefill          # one H200, < 2 minutes
+    PYTHONPATH=. python -m launch.check_prefill --out=/tmp/prefill --tiny   # CPU: small shapes, the
+                                                                           # 'xla' stand-in for cuDNN
+
+1. Op check and timing, Kimi shapes (64 heads, qk 192 = 128 nope + 64 rope, v 128, bf16), causal
+   fresh prefills B x T in --cases (default 1x4096, 4x2048 with ragged rows, 1x16384, and 8x256 with
+   ragged rows: the largest fresh step the engine takes with its default prefill_chunk=256):
+   `ops.mla_prefill_attention`'s two paths, called directly: 'cudnn' (V zero-padded to 192, one
+   jax.nn.dot_product_attention call) and 'einsum' (two einsums, masked float32 softmax, one einsum).
+   Error: max |cudnn - reference| / max |reference| over the real tokens of two query slices (the
+   first 256 and the last 512 queries of every row), the reference being the einsum path run on those
+   slices only (the full einsum path at 16K needs ~128 GiB of scores and may not fit; its timing is
+   then recorded as failed). bf16 tolerance --tol (default 2e-2: probabilities are rounded to bf16
+   before the PV product in both paths). Also timed when available: cuDNN without the V padding
+   (jax's private cuDNN entry point accepts qk 192 / v 128 directly on Hopper with cuDNN >= 9.10).
+   Times: median of --reps calls after a warmup call, each call blocked on.
+2. Model prefill (--model): a 2-layer slice of Kimi-K2.5 (1 dense + 1 MoE layer of 384 INT4 experts,
+   vocab cut to 4096), the engine's jitted paged step (prefill of --model_tokens tokens, one row,
+   sampling included) three ways: 'paged' (fresh=False: keys gathered from the page table, as before
+   the fresh path existed), 'fresh einsum' and 'fresh cudnn' (the automatic choice on a GPU).
+Prints one table; writes check_prefill.json under --out. Exit status 1 if a check fails.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+from absl import app, flags
+
+from launch import common
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", os.environ.get("OUT", "/tmp/check_prefill"), "output directory")
+flags.DEFINE_bool("tiny", False, "CPU dry run: small shapes, jax.nn.dot_product_attention('xla') for cuDNN")
+flags.DEFINE_list("cases", ["1x4096", "4x2048", "1x16384", "8x256"], "B x T fresh prefills")
+flags.DEFINE_integer("reps", 7, "timed calls per case (median)")
+flags.DEFINE_float("tol", 2e-2, "max error relative to max |reference| (bf16)")
+flags.DEFINE_bool("model", True, "time a model prefill through the engine with the path on and off")
+flags.DEFINE_integer("model_tokens", 2048, "tokens of the model prefill")
+flags.DEFINE_float("budget_s", 100.0, "skip what is left after this many seconds")
+
+_T0 = time.time()
+
+
+def log(*a):
+    print(f"[{time.time() - _T0:6.1f}s]", *a, flush=True)
+
+
+def time_fn(fn, *args, reps):
+    import jax
+    jax.block_until_ready(fn(*args))                 # compile + warm up
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _lengths(B, T):
+    """Row lengths: full rows, or for B > 1 ragged ones (the padding after them is what a batch has)."""
+    if B == 1:
+        return [T]
+    return [T, (3 * T) // 4, T // 3, 1][:B] + [T] * max(0, B - 4)
+
+
+def op_case(B, T, dims, impl, reps):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from kimi_jax import ops
+    N, H, R, V = dims
+    dtype = jnp.bfloat16
+    scale = (H + R) ** -0.5
+    ks = jax.random.split(jax.random.PRNGKey(B * 100003 + T), 5)
+    q_nope = jax.random.normal(ks[0], (B, T, N, H), dtype)
+    q_pe = jax.random.normal(ks[1], (B, T, N, R), dtype)
+    k = jax.random.normal(ks[2], (B, T, N, H), dtype)
+    kpe = jax.random.normal(ks[3], (B, T, R), dtype)
+    v = jax.random.normal(ks[4], (B, T, N, V), dtype)
+    lengths = np.asarray(_lengths(B, T), np.int32)
+    pos_np = np.where(np.arange(T)[None] < lengths[:, None], np.arange(T)[None], -1).astype(np.int32)
+    pos = jnp.asarray(pos_np)
+
+    def mask_of(pos_q, pos_k):
+        return (pos_k[:, None, :] <= pos_q[:, :, None]) & (pos_k[:, None, :] >= 0)
+
+    fused = jax.jit(lambda qn, qp, k, kp, v: ops._mla_prefill_attention_dpa(qn, qp, k, kp, v, scale, impl, None))
+    einsum = jax.jit(lambda qn, qp, k, kp, v, pos: ops._mla_prefill_attention_einsum(
+        qn, qp, k, kp, v, mask_of(pos, pos), scale))
+    args = (q_nope, q_pe, k, kpe, v)
+    flops = 2 * N * (H + R + V) * float(np.sum(lengths.astype(np.float64) * (lengths + 1) / 2))
+    row = dict(B=B, T=T, N=N, qk=H + R, v=V, lengths=lengths.tolist(), impl=impl, flops=flops, finite=True)
+
+    # error on query slices (the reference is the einsum path on those queries only)
+    out = fused(*args)
+    errs = []
+    for lo, hi in ((0, min(T, 256)), (max(0, T - 512), T)):
+        ref = jax.jit(lambda qn, qp, k, kp, v, pos: ops._mla_prefill_attention_einsum(
+            qn[:, lo:hi], qp[:, lo:hi], k, kp, v, mask_of(pos[:, lo:hi], pos), scale))(*args, pos)
+        ref = np.asarray(ref, np.float32)
+        got = np.asarray(out[:, lo:hi], np.float32)
+        valid = (pos_np[:, lo:hi] >= 0)[..., None, None]
+        if not valid.any():
+            continue
+        den = float(np.max(np.abs(np.where(valid, ref, 0))))
+        errs.append(float(np.max(np.abs(np.where(valid, got - ref, 0)))) / max(den, 1e-30))
+        row["finite"] = bool(np.isfinite(got).all()) and row["finite"]
+    del out
+    row["rel_err"] = max(errs)
+    row["ok"] = row["rel_err"] <= FLAGS.tol and row["finite"]
+
+    for name, fn, a in (("fused", fused, args), ("einsum", einsum, args + (pos,))):
+        try:
+            row[f"t_{name}"] = time_fn(fn, *a, reps=reps)
+        except Exception as e:  # noqa: BLE001  (the einsum path at 16K may not fit)
+            row[f"t_{name}"] = None
+            row[f"err_{name}"] = f"{type(e).__name__}: {str(e)[:200]}"
+            log(f"B={B} T={T} {name}: failed {row[f'err_{name}']}")
+    if impl == "cudnn":                           # V not padded: jax's private cuDNN entry point
+        try:
+            from jax._src.cudnn import fused_attention_stablehlo as fa
+
+            @jax.jit
+            def nopad(qn, qp, k, kp, v):
+                q = jnp.concatenate([qn, qp], -1)
+                kk = jnp.concatenate([k, jnp.broadcast_to(kp[:, :, None], (*kp.shape[:2], N, R))], -1)
+                return fa.dot_product_attention(q, kk, v, scale=scale, mask_type=fa.MaskType.CAUSAL)
+
+            o = np.asarray(nopad(*args)[:, -512:], np.float32)
+            o_ref = np.asarray(fused(*args)[:, -512:], np.float32)
+            valid = (pos_np[:, -512:] >= 0)[..., None, None]
+            row["nopad_vs_fused"] = float(np.max(np.abs(np.where(valid, o - o_ref, 0)))) / max(
+                float(np.max(np.abs(np.where(valid, o_ref, 0)))), 1e-30)
+            row["t_nopad"] = time_fn(nopad, *args, reps=reps)
+        except Exception as e:  # noqa: BLE001
+            row["t_nopad"] = None
+            row["err_nopad"] = f"{type(e).__name__}: {str(e)[:200]}"
+    tf, te, tn = row.get("t_fused"), row.get("t_einsum"), row.get("t_nopad")
+    log(f"B={B} T={T}: rel err {row['rel_err']:.2e} ({'ok' if row['ok'] else 'FAILED'}); "
+        f"{impl} {tf * 1e3 if tf else float('nan'):.2f} ms, einsum {te * 1e3 if te else float('nan'):.2f} ms, "
+        f"{impl} unpadded-V {tn * 1e3 if tn else float('nan'):.2f} ms")
+    return row
+
+
+def model_case(T, tiny, reps):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from kimi_jax import ops
+    from kimi_jax.config import preset
+    from kimi_jax.engine import Engine
+    from kimi_jax.model.transformer import init_pages
+    from kimi_jax.profiling import random_engine
+    from kimi_jax.sampling import SamplingArrays, SamplingParams
+    from kimi_jax.sharding import Layout
+    if tiny:
+        cfg = preset("tiny")
+    else:
+        cfg = preset("kimi-k2.5").replace(num_hidden_layers=2, first_k_dense_replace=1, vocab_size=4096)
+    layout = Layout()
+    base = random_engine(cfg, layout, jnp.bfloat16)
+    page = 16
+    P = -(-T // page)
+    pages = init_pages(cfg, P + 1, page, jnp.bfloat16)
+    tokens = np.random.default_rng(0).integers(2, cfg.vocab_size, (1, T)).astype(np.int32)
+    positions = np.arange(T, dtype=np.int32)[None]
+    table = np.arange(P, dtype=np.int32)[None]
+    last = np.array([T - 1], np.int32)
+    steps = np.zeros((1,), np.int32)
+    sp = SamplingArrays.build([SamplingParams(temperature=0.0)], None, keys=np.zeros((1, 2), np.uint32))
+    fused_name = "xla" if tiny else "cudnn"
+    row = dict(T=T, layers=cfg.num_hidden_layers, auto_path=ops.prefill_attention_path(
+        cfg.qk_head_dim, cfg.v_head_dim, jnp.bfloat16, causal=True))
+    toks = {}
+    for name, choice, fresh in (("paged", "einsum", False), ("fresh_einsum", "einsum", True),
+                                ("fresh_" + fused_name, fused_name, True)):
+        if time.time() - _T0 > FLAGS.budget_s:
+            log(f"model {name}: skipped (budget)")
+            continue
+        eng = Engine(nnx.merge(base.graphdef, base.state), cfg, layout)   # own jit cache, same weights
+        box = [pages]
+
+        def step():
+            box[0], out = eng._step(eng.state, box[0], tokens, positions, table, last, sp, steps,
+                                    n_logprobs=None, absorbed=False, fresh=fresh)
+            return out
+        try:
+            with ops.use_prefill_attention(choice):
+                step()       # the first call's fresh pages are laid out unlike the step's output: 2 compiles
+                row[f"t_{name}"] = time_fn(step, reps=reps)
+                toks[name] = int(np.asarray(step()[0])[0])
+        except Exception as e:  # noqa: BLE001
+            row[f"t_{name}"] = None
+            row[f"err_{name}"] = f"{type(e).__name__}: {str(e)[:200]}"
+        pages = box[0]
+        t = row[f"t_{name}"]
+        log(f"model prefill T={T} {name}: {t * 1e3 if t else float('nan'):.1f} ms")
+    row["tokens"] = toks
+    return row
+
+
+def table(rows, model_row):
+    lines = ["| B x T | rows | rel err | ok | fused ms | einsum ms | einsum / fused | fused TFLOP/s | unpadded-V ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tf, te, tn = r.get("t_fused"), r.get("t_einsum"), r.get("t_nopad")
+        ms = lambda t: f"{t * 1e3:.2f}" if t else "failed"
+        lines.append(f"| {r['B']}x{r['T']} | {r['lengths']} | {r['rel_err']:.1e} | {'yes' if r['ok'] else 'NO'} | "
+                     f"{ms(tf)} | {ms(te)} | {te / tf if tf and te else float('nan'):.2f} | "
+                     f"{r['flops'] / tf / 1e12 if tf else float('nan'):.0f} | {ms(tn) if 't_nopad' in r else '-'} |")
+    if model_row:
+        lines += ["", f"model prefill, {model_row['layers']} layers, T={model_row['T']} "
+                      f"(automatic path: {model_row['auto_path']}):"]
+        for k, v in model_row.items():
+            if k.startswith("t_"):
+                lines.append(f"  {k[2:]:14s} {v * 1e3:.1f} ms" if v else f"  {k[2:]:14s} failed")
+        lines.append(f"  first sampled token per variant: {model_row.get('tokens')}")
+    return "\n".join(lines)
+
+
+def main(argv):
+    del argv
+    if FLAGS.tiny:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    common.setup()
+    import jax
+    os.makedirs(FLAGS.out, exist_ok=True)
+    log("devices", jax.devices(), "jax", jax.__version__)
+    impl = "xla" if FLAGS.tiny else "cudnn"
+    dims = (4, 16, 8, 16) if FLAGS.tiny else (64, 128, 64, 128)
+    cases = ["1x64", "3x48"] if FLAGS.tiny else FLAGS.cases
+    reps = 2 if FLAGS.tiny else FLAGS.reps
+    rows = []
+    for c in cases:
+        B, T = (int(x) for x in c.lower().split("x"))
+        if time.time() - _T0 > FLAGS.budget_s:
+            log(f"B={B} T={T}: skipped (budget)")
+            continue
+        try:
+            rows.append(op_case(B, T, dims, impl, reps))
+        except Exception as e:  # noqa: BLE001
+            log(f"B={B} T={T}: failed {type(e).__name__}: {str(e)[:300]}")
+            rows.append(dict(B=B, T=T, lengths=[], rel_err=float("nan"), ok=False, flops=0,
+                             error=f"{type(e).__name__}: {str(e)[:300]}"))
+    model_row = None
+    if FLAGS.model:
+        try:
+            model_row = model_case(32 if FLAGS.tiny else FLAGS.model_tokens, FLAGS.tiny, reps)
+        except Exception as e:  # noqa: BLE001
+            log(f"model prefill: failed {type(e).__name__}: {str(e)[:300]}")
+            model_row = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+    t = table(rows, model_row if model_row and "T" in model_row else None)
+    print(t, flush=True)
+    ok = all(r["ok"] for r in rows)
+    with open(os.path.join(FLAGS.out, "check_prefill.json"), "w") as f:
+        json.dump(dict(device=str(jax.devices()[0]), jax=jax.__version__, impl=impl, dims=dims, ops=rows,
+                       model=model_row, ok=ok, seconds=time.time() - _T0), f, indent=1)
+    with open(os.path.join(FLAGS.out, "table.md"), "w") as f:
+        f.write(t + "\n")
+    log("checks", "OK" if ok else "FAILED")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    app.run(main)
