@@ -305,15 +305,28 @@ def test_presets_say_where_numbers_come_from():
         hardware.preset("tpu-v9")
 
 
-# Device time per decode step measured on one H200 (jax 0.11.2), batch 1 (BENCHMARKS.md, "Engine decode
-# step"): 2 layers (1 dense + 1 MoE, 384 experts) with the earlier engine, and 3 layers (1 dense + 2 MoE)
-# with the unrolled layer loop (no weight copies). Batch > 1 rows are not pinned: the profiler fed token 0
-# to every row in those runs, so all rows routed to the same 8 experts (fixed since; not re-measured).
-H200_MEASURED = [(2, 384, 1, 1.17), (3, 384, 1, 1.28)]
+# Device time per paged decode step (the serving step, Engine._step) measured on H200s (jax 0.11.2,
+# 2026-11-29, BENCHMARKS.md "the paged serving step"): a Kimi-K2.5 slice of 3 layers (1 dense + 2 MoE,
+# 384 experts), context 1024, distinct tokens per row. (layout, batch, device ms)
+H200_MEASURED = [(Layout(1), 1, 1.28), (Layout(1), 16, 2.63), (Layout(1), 64, 5.10),
+                 (Layout(2), 2, 0.92), (Layout(2), 64, 3.20), (Layout(2, 1, True), 2, 0.94),
+                 (Layout(2, 1, True), 64, 3.09), (Layout(1, 2, True), 2, 1.43), (Layout(1, 2, True), 64, 3.54)]
 
 
-@pytest.mark.parametrize("layers,experts,batch,device_ms", H200_MEASURED)
-def test_h200_measured_step_within_20_percent(layers, experts, batch, device_ms):
-    cfg = preset("kimi-k2.5").replace(num_hidden_layers=layers, n_routed_experts=experts)
-    p = planner.plan(cfg, hardware.preset("h200"), Layout(1), batch=batch, context=1024)
+@pytest.mark.parametrize("layout,batch,device_ms", H200_MEASURED, ids=lambda v: getattr(v, "name", str(v)))
+def test_h200_measured_step_within_20_percent(layout, batch, device_ms):
+    cfg = preset("kimi-k2.5").replace(num_hidden_layers=3)
+    p = planner.plan(cfg, hardware.preset("h200"), layout, batch=batch, context=1024)
     assert abs(1e3 * p.step_s - device_ms) / device_ms < 0.20
+
+
+def test_int4_efficiency_curve_and_calibration_override():
+    hw = hardware.preset("h200")
+    assert hw.int4_efficiency_at(1) == pytest.approx(0.71) and hw.int4_efficiency_at(16) == pytest.approx(0.94)
+    assert hw.int4_efficiency_at(4) == pytest.approx((0.71 + 0.94) / 2)   # halfway in log(tokens)
+    assert hw.int4_efficiency_at(10_000) == pytest.approx(0.74)          # flat beyond the last point
+    # a calibration file's measured constant replaces the preset's curve; its own curve replaces both
+    flat = hardware.Hardware.from_calibration({"base": "h200", "copy_bw": 4e12, "int4_efficiency": 0.5})
+    assert flat.int4_efficiency_at(16) == 0.5
+    curve = hardware.Hardware.from_calibration({"base": "h200", "copy_bw": 4e12, "int4_curve": [[1, 0.3], [64, 0.9]]})
+    assert curve.int4_efficiency_at(8) == pytest.approx(0.6)
