@@ -20,6 +20,7 @@ from flax import nnx
 from kimi_jax.config import ModelConfig
 from kimi_jax.model.transformer import Transformer
 from kimi_jax.sampling import SamplingArrays, sample, top_logprobs, verify_drafts
+from kimi_jax.sampling import sample_mode as sample_mode_of
 
 
 def bucket(n: int, minimum: int = 8) -> int:
@@ -35,7 +36,7 @@ class StepOutput:
     top_vals: Optional[np.ndarray] = None   # [B, n]
 
 
-def _sample_out(logits_BV, sp, step_B, n_logprobs, shard):
+def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None):
     # The logits are first pinned vocab-split (each device multiplies its lm_head rows): without that,
     # XLA:GPU's partitioner all-gathered the whole lm_head weight (3.5 GB, 4 ms per step under TP2 on
     # two H200s) to produce the replicated logits directly.
@@ -43,7 +44,7 @@ def _sample_out(logits_BV, sp, step_B, n_logprobs, shard):
     # one all-gather of the (vocab-split) logits; sorting / cumsum over a sharded vocab would compile
     # to sequential loops and many small collectives
     logits_BV = _constrain(logits_BV, shard.get("replicated"))
-    tok = sample(logits_BV, sp, step_B)
+    tok = sample(logits_BV, sp, step_B, mode)
     out = (tok,) if n_logprobs is None else (tok, *top_logprobs(logits_BV, tok, n_logprobs))
     # replicated, so every process (multi-host) can read the tokens
     return tuple(_constrain(o, shard.get("replicated")) for o in out)
@@ -53,18 +54,18 @@ def _constrain(x, sharding):
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
-def _decode(graphdef, shard, state, cache, tokens_B, positions_B, sp, step_B, n_logprobs):
+def _decode(graphdef, shard, state, cache, tokens_B, positions_B, sp, step_B, n_logprobs, sample_mode=None):
     """One token per row at its position, absorbed MLA over a contiguous cache {kind: [L, B, S, A+R]}
     (the profiler's and planner's reference step; generation runs `_paged_step`)."""
     model = nnx.merge(graphdef, state)
     tokens_B = _constrain(tokens_B, shard.get("batch1"))
     logits, cache = model(tokens_B[:, None], positions_B[:, None], cache, absorbed=True)
     cache = {k: _constrain(v, shard.get("cache")) for k, v in cache.items()}
-    return cache, _sample_out(logits[:, 0], sp, step_B, n_logprobs, shard)
+    return cache, _sample_out(logits[:, 0], sp, step_B, n_logprobs, shard, sample_mode)
 
 
 def _paged_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, last_B, sp, step_B,
-                n_logprobs, absorbed, fresh=False):
+                n_logprobs, absorbed, fresh=False, sample_mode=None):
     """One continuous-batching step over the paged cache: T query tokens per row (T = 1: decode,
     absorbed MLA; T > 1: a prefill chunk, expanded MLA; `fresh`: no row has cached tokens, so attention
     reads only the new tokens, on a GPU with cuDNN). Samples from each row's token at last_B."""
@@ -75,7 +76,7 @@ def _paged_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_ta
     B = tokens_BT.shape[0]
     logits_BV = model.logits(h_BTD[jnp.arange(B), last_B][:, None])[:, 0]
     pages = {k: _constrain(v, shard.get("replicated")) for k, v in pages.items()}
-    return pages, _sample_out(logits_BV, sp, step_B, n_logprobs, shard)
+    return pages, _sample_out(logits_BV, sp, step_B, n_logprobs, shard, sample_mode)
 
 
 def _verify_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, n_draft_B, sp, step_B):
@@ -121,10 +122,11 @@ class Engine:
                      "cache": layout.sharding(P(None, b, None, None)), "replicated": layout.sharding(P()),
                      "logits2": layout.sharding(P(b, v)), "logits3": layout.sharding(P(b, None, v))}
         self._decode = jax.jit(functools.partial(_decode, self.graphdef, shard),
-                               static_argnames=("n_logprobs",), donate_argnames=("cache",))
+                               static_argnames=("n_logprobs", "sample_mode"), donate_argnames=("cache",))
         self._logits = jax.jit(functools.partial(_all_logits, self.graphdef, shard))
         self._step = jax.jit(functools.partial(_paged_step, self.graphdef, shard),
-                             static_argnames=("n_logprobs", "absorbed", "fresh"), donate_argnames=("pages",))
+                             static_argnames=("n_logprobs", "absorbed", "fresh", "sample_mode"),
+                             donate_argnames=("pages",))
         self._verify = jax.jit(functools.partial(_verify_step, self.graphdef, shard), donate_argnames=("pages",))
 
     def batch_size(self, n: int) -> int:
@@ -143,7 +145,7 @@ class Engine:
         T = tokens_BT.shape[1]
         pages, out = self._step(self.state, pages, _i32(tokens_BT), _i32(positions_BT), _i32(block_table_BP),
                                 _i32(last_B), sp, _i32(steps_B), n_logprobs=n_logprobs, absorbed=T == 1,
-                                fresh=T > 1 and is_fresh(positions_BT))
+                                fresh=T > 1 and is_fresh(positions_BT), sample_mode=sample_mode_of(sp))
         return pages, _to_host(out)
 
     def verify_step(self, pages, tokens_BT, positions_BT, block_table_BP, n_draft_B, sp: SamplingArrays, steps_B):

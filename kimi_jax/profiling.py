@@ -718,10 +718,12 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
     if paged:
         cache, tok, table, sp = paged_args(engine, layout, batch, cache_len)
         lowered = engine._step.lower(engine.state, cache, i32(tok), i32(tok), i32(table), i32(0 * ones), sp,
-                                     i32(ones), n_logprobs=None, absorbed=True, fresh=False)
+                                     i32(ones), n_logprobs=None, absorbed=True, fresh=False,
+                                     sample_mode="greedy")
     else:
         cache, tok, _, sp, _ = decode_args(engine, layout, batch, cache_len, abstract=False)
-        lowered = engine._decode.lower(engine.state, cache, tok, tok, sp, i32(ones), n_logprobs=None)
+        lowered = engine._decode.lower(engine.state, cache, tok, tok, sp, i32(ones), n_logprobs=None,
+                                       sample_mode="greedy")
     # the executable that runs is the one whose HLO is parsed (compiled once, called directly)
     compiled = lowered.compile()
     compiled_text = compiled.as_text()

@@ -109,13 +109,33 @@ def _row_key(key_data, step, salt=None):
     return key if salt is None else jax.random.fold_in(key, salt)
 
 
-def sample(logits_BV: jax.Array, sp: SamplingArrays, step_B: jax.Array) -> jax.Array:
+SAMPLE_MODES = ("greedy", "plain", "filtered")
+
+
+def sample_mode(sp: SamplingArrays) -> str:
+    """The cheapest `sample` path that serves every row of a host (numpy) SamplingArrays: 'greedy' (no
+    row samples), 'plain' (some rows sample, none filters), 'filtered' (some row uses top-k / top-p /
+    min-p). A static argument of the jitted step: deciding on the host avoids a device conditional,
+    which on a GPU makes the host wait for the device inside every step (it cannot enqueue the next
+    step ahead)."""
+    t = np.asarray(sp.temperature)
+    sampling = t > 0
+    if not sampling.any():
+        return "greedy"
+    filters = sampling & ((np.asarray(sp.top_k) > 0) | (np.asarray(sp.top_p) < 1.0) | (np.asarray(sp.min_p) > 0))
+    return "filtered" if filters.any() else "plain"
+
+
+def sample(logits_BV: jax.Array, sp: SamplingArrays, step_B: jax.Array, mode: Optional[str] = None) -> jax.Array:
     """Next token per row [B] int32. temperature 0 -> argmax; else top-k / top-p / min-p filtered
     sampling at that temperature, with the row's key folded with its step (reproducible per seed).
 
     The vocabulary sort that filtering needs (a [B, V] argsort: 1.8 ms at B=64, V=163840 on an H200)
     runs only when some row in the batch samples with a filter; a row's token depends only on its own
-    parameters and key, never on which path its batch mates needed."""
+    parameters and key, never on which path its batch mates needed. mode (static, see `sample_mode`)
+    picks the path at trace time; None decides on the device (lax.cond), for traced parameters."""
+    if mode is not None and mode not in SAMPLE_MODES:
+        raise ValueError(f"unknown sample mode {mode!r}; expected one of {SAMPLE_MODES}")
     greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     sampling = sp.temperature > 0
     filters = sampling & ((sp.top_k > 0) | (sp.top_p < 1.0) | (sp.min_p > 0.0))
@@ -130,8 +150,14 @@ def sample(logits_BV: jax.Array, sp: SamplingArrays, step_B: jax.Array) -> jax.A
         pick = draw(sp.key, step_B, kept)
         return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
-    unfiltered = jax.lax.cond(jnp.any(sampling), plain, lambda _: greedy, None)
-    picked = jax.lax.cond(jnp.any(filters), filtered, lambda _: unfiltered, None)
+    if mode == "greedy":
+        return greedy
+    if mode is None:
+        unfiltered = jax.lax.cond(jnp.any(sampling), plain, lambda _: greedy, None)
+        picked = jax.lax.cond(jnp.any(filters), filtered, lambda _: unfiltered, None)
+    else:
+        unfiltered = plain(None)
+        picked = filtered(None) if mode == "filtered" else unfiltered
     return jnp.where(sampling, jnp.where(filters, picked, unfiltered), greedy)
 
 

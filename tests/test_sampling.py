@@ -37,3 +37,21 @@ def test_rows_follow_their_own_parameters_and_not_their_batch_mates():
     assert ((counts - expected) ** 2 / expected).sum() < 20.5
     alone = _draws([greedy, plain, greedy])        # same keys for rows 0, 1; no filtered row
     assert (alone[:, 1] == mixed[:, 1]).all()
+
+
+def test_static_modes_match_the_device_decision():
+    """The engine picks the sampler path on the host (`sample_mode`: no device conditional in the step);
+    each static path gives exactly the tokens of the lax.cond path, for batches that need it."""
+    from kimi_jax.sampling import sample_mode
+    plain, topk, greedy = (SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_p=0.5),
+                           SamplingParams(temperature=0.0))
+    logits = jax.random.normal(jax.random.PRNGKey(3), (3, 50))
+    for params, mode in (([greedy] * 3, "greedy"), ([greedy, plain, greedy], "plain"),
+                         ([greedy, plain, topk], "filtered")):
+        sp = SamplingArrays.build(params, [11, 12, 13])
+        assert sample_mode(sp) == mode
+        steps = jnp.arange(3, dtype=jnp.int32)
+        for s in range(20):
+            dev = sample(logits, sp, steps + s)
+            static = jax.jit(sample, static_argnames="mode")(logits, sp, steps + s, mode=mode)
+            assert (np.asarray(dev) == np.asarray(static)).all(), (mode, s)
