@@ -362,9 +362,10 @@ def mla_prefill_attention(q_nope_BTNH: jax.Array, q_pe_BTNR: jax.Array, k_BSNH: 
     causal (static): a fresh prefill: S == T, the keys are the query tokens, each row's real tokens
     come first (positions 0, 1, ...) with padding only after them, and for every real query t
     mask[b,t,s] is exactly s <= t. Then jax.nn.dot_product_attention with is_causal=True gives the same
-    outputs for the real tokens (padding tokens' outputs differ; they stay finite and are ignored). The dot_product_attention path concatenates
-    [q_nope | q_pe] and [k | kpe] to one qk head dim and zero-pads V to it (the public API wants equal
-    qk and v head dims; zero columns of V give zero output columns, sliced off).
+    outputs for the real tokens (padding tokens' outputs differ; they stay finite and are ignored).
+    The dot_product_attention path concatenates [q_nope | q_pe] and [k | kpe] to one qk head dim and
+    zero-pads V to it (the public API wants equal qk and v head dims; zero columns of V give zero
+    output columns, sliced off).
     parallel: a kimi_jax.sharding.MoEParallel: the cuDNN call runs per device shard inside shard_map
     (rows over the batch axes, heads over the head axes), as the decode kernel does.
     """
