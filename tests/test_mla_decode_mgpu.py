@@ -1,0 +1,128 @@
+"""Mosaic GPU MLA decode kernel (pallas_kernels/mla_decode_mgpu.py) on CPU.
+
+1. The kernel body under the Mosaic GPU interpreter (simulated SMEM, TMA page copies with barriers,
+   wgmma) vs `mla_paged_attention_reference`. Skipped when this jax has no GPU interpreter.
+   Tolerances (bf16 inputs, Kimi dims A = 512, R = 64): outputs 3e-2 absolute (values of size <= ~3):
+   the kernel rounds p to bf16 before P @ C (2^-9 relative per weight, as the Triton kernel and the
+   XLA path) and the op's output to bf16 (up to ~6e-3 at |o| ~ 3); the reference is float32 throughout.
+   A token wrongly included or dropped moves an output by ~1/len of a unit-variance row (> 3e-2 for the
+   short rows here, which is where masking bugs live: lengths 1, page +- 1, tile +- 1). lse 1e-3: the
+   scores are exact products of bf16 values accumulated in f32 on both sides (~1e-6 seen).
+   Also the 2-warpgroup variant (two threads, cross-warpgroup barriers, simulated by the interpreter).
+2. The GPU path (no interpreter) traces and lowers to Mosaic GPU MLIR for the cuda platform, in both
+   lowering semantics, so shape / tiling / swizzle / wgmma operand errors surface off-GPU.
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import mla_decode as md
+from pallas_kernels import mla_decode_mgpu as mg
+
+SCALE = 1.0 / math.sqrt(192.0)
+
+_interp = mg.interpret_params() if mg.plgpu is not None else None
+needs_interpreter = pytest.mark.skipif(
+    _interp is None, reason="this jax has no Mosaic GPU interpreter (jax._src.pallas.mosaic_gpu."
+                            "interpret.params.InterpretGPUParams)")
+
+
+def _check(args, config, atol=3e-2):
+    o, lse = mg.mla_paged_attention_mgpu(*args, SCALE, config=config, interpret=True, return_lse=True)
+    ro, rlse = md.mla_paged_attention_reference(*args, SCALE, return_lse=True)
+    assert o.shape == args[0].shape and o.dtype == args[0].dtype
+    o, ro = np.asarray(o, np.float32), np.asarray(ro, np.float32)
+    assert np.all(np.isfinite(o))
+    np.testing.assert_allclose(o, ro, atol=atol, rtol=0)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(rlse), atol=1e-3, rtol=0)
+
+
+# Lengths: 0 (new token only), 1, page - 1, page, page + 1, tile +- 1, several tiles. block_k 64 with
+# page 16 = 4 page copies per tile; block_k 32 with page 64 = half-page copies; splits 1, 3 and auto;
+# 64 heads (one row block), 128 rows (64 heads x T = 2: two row blocks), 8 heads (rows padded to 64).
+@needs_interpreter
+@pytest.mark.parametrize("lengths,heads,t,page,block_k,splits", [
+    ([0, 1, 15, 16, 17, 200], 64, 1, 16, 64, 3),
+    ([63, 64, 65, 129], 64, 1, 64, 32, 0),
+    ([31, 0, 97], 64, 2, 16, 32, 2),
+    ([1, 130], 8, 1, 16, 64, 1),
+])
+def test_kernel_matches_reference(lengths, heads, t, page, block_k, splits):
+    args = mg.make_case(jax.random.key(7), lengths, heads=heads, t=t, page=page)
+    _check(args, mg.MgpuConfig(block_k=block_k, num_splits=splits))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("lengths,heads,t,page,splits", [
+    ([300, 7], 64, 2, 16, 1),          # 10 tiles > 3 stages: refills gated by the consumed barrier
+    ([0, 65], 64, 1, 64, 2),           # half-page copies, an empty row
+])
+def test_two_warpgroup_variant(lengths, heads, t, page, splits):
+    """warpgroups=2: the halves are two warpgroups of one CTA sharing the page tiles (the interpreter
+    runs both threads and checks the barriers: every phase of a waited barrier must be observed)."""
+    args = mg.make_case(jax.random.key(5), lengths, heads=heads, t=t, page=page)
+    _check(args, mg.MgpuConfig(block_k=32, stages=3, num_splits=splits, warpgroups=2))
+
+
+@needs_interpreter
+def test_partials_contract_and_empty_splits():
+    """o [B, splits, M, A] f32 / lse [B, splits, M] f32; a split past a row's length: o = 0, lse = -inf;
+    one split of a short row equals the reference over the cached tokens alone."""
+    lengths = [40, 0]
+    q_lat, q_pe, _, pool, bt, _ = mg.make_case(jax.random.key(3), lengths, heads=64, page=16)
+    B, T, N, A = q_lat.shape
+    o, lse = mg.mla_decode_partials_mgpu(
+        q_lat.reshape(B, N, A), q_pe.reshape(B, N, -1), pool, bt, jnp.asarray(lengths, jnp.int32),
+        scale=SCALE, config=mg.MgpuConfig(block_k=64, num_splits=2), interpret=True)
+    assert o.shape == (B, 2, N, A) and o.dtype == jnp.float32
+    assert lse.shape == (B, 2, N) and lse.dtype == jnp.float32
+    o, lse = np.asarray(o), np.asarray(lse)
+    # 40 tokens, 2 splits: chunk = ceil(20 / 64) * 64 = 64 -> split 0 has all, split 1 none
+    assert np.all(o[0, 1] == 0) and np.all(np.isneginf(lse[0, 1]))
+    assert np.all(o[1] == 0) and np.all(np.isneginf(lse[1]))
+    keys = pool[bt[0]].reshape(-1, pool.shape[-1])[:40].astype(jnp.float32)
+    s = (jnp.einsum("na,sa->ns", q_lat[0, 0].astype(jnp.float32), keys[:, :A],
+                    precision="highest")
+         + jnp.einsum("nr,sr->ns", q_pe[0, 0].astype(jnp.float32), keys[:, A:],
+                      precision="highest")) * SCALE
+    ref_lse = jax.nn.logsumexp(s, axis=-1)
+    ref_o = jax.nn.softmax(s, axis=-1) @ keys[:, :A]
+    np.testing.assert_allclose(lse[0, 0], np.asarray(ref_lse), atol=1e-3, rtol=0)
+    np.testing.assert_allclose(o[0, 0], np.asarray(ref_o), atol=3e-2, rtol=0)
+
+
+@pytest.mark.skipif(mg.plgpu is None, reason="no jax.experimental.pallas.mosaic_gpu")
+@pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
+@pytest.mark.parametrize("block_k,page,wgs", [(64, 16, 1), (32, 64, 1), (32, 16, 2)])
+def test_lowers_for_cuda(semantics, block_k, page, wgs):
+    """The GPU path (no interpreter) lowers to Mosaic GPU MLIR for cuda on a CPU-only host."""
+    B, P = 2, 32
+    S = jax.ShapeDtypeStruct
+    args = (S((B, 1, 64, 512), jnp.bfloat16), S((B, 1, 64, 64), jnp.bfloat16),
+            S((B, 1, 576), jnp.bfloat16), S((B * P, page, 576), jnp.bfloat16), S((B, P), jnp.int32),
+            S((B, 1), jnp.int32))
+    cfg = mg.MgpuConfig(block_k=block_k, semantics=semantics, warpgroups=wgs)
+    f = jax.jit(lambda *a: mg.mla_paged_attention_mgpu(*a, SCALE, config=cfg))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_resolve_config_and_validation():
+    cfg = mg.resolve_config(mg.MgpuConfig(block_k=64), batch=1, rows=64, max_tokens=32768)
+    assert cfg.stages == 2 and cfg.num_splits == 66               # 2 halves x 66 splits = 132 CTAs
+    cfg = mg.resolve_config(mg.MgpuConfig(block_k=32), batch=64, rows=64, max_tokens=4096)
+    assert cfg.stages == 4 and cfg.num_splits == 1
+    assert mg._smem_bytes(64, 2, 576) <= mg._SMEM_LIMIT
+    cfg = mg.resolve_config(mg.MgpuConfig(block_k=32, warpgroups=2), batch=8, rows=64,
+                            max_tokens=32768)
+    assert cfg.stages == 4 and cfg.num_splits == 16                # 8 x 16 = 128 CTAs
+    q_lat, q_pe, _, pool, bt, _ = mg.make_case(jax.random.key(0), [5], heads=64, page=16)
+    with pytest.raises(ValueError, match="bf16"):
+        mg.mla_decode_partials_mgpu(q_lat[:, 0].astype(jnp.float32), q_pe[:, 0], pool, bt,
+                                    jnp.asarray([5]), scale=SCALE, interpret=True)
+    with pytest.raises(ValueError, match="shared memory"):
+        mg.mla_decode_partials_mgpu(q_lat[:, 0], q_pe[:, 0], pool, bt, jnp.asarray([5]),
+                                    scale=SCALE, config=mg.MgpuConfig(block_k=64, stages=3))
