@@ -85,7 +85,7 @@ class LLM:
                  seed: int = 0, tokenizer: Optional[str] = None, page_size: int = 16,
                  num_pages: Optional[int] = None, gpu_memory_utilization: float = 0.9,
                  prefill_chunk: int = 256, max_prefill_tokens: int = 2048,
-                 speculative_config=None):
+                 speculative_config=None, overlap_scheduling: bool = True):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported (choose one of {sorted(_DTYPES)})")
         if tensor_parallel_size < 1 or data_parallel_size < 1:
@@ -121,6 +121,8 @@ class LLM:
         self.num_pages = num_pages or self._default_num_pages(gpu_memory_utilization)
         self.prefill_chunk, self.max_prefill_tokens = prefill_chunk, max_prefill_tokens
         self.speculative = SpeculativeConfig.from_any(speculative_config)
+        # dispatch decode step N+1 before reading step N's tokens (kimi_jax.scheduler); off with speculation
+        self.overlap_scheduling = overlap_scheduling
         self._rng = random.Random(seed)
         self._chat_template = None
         self._next_id = 0
@@ -231,7 +233,7 @@ class LLM:
                            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                            cache_dtype=self.dtype, prefill_chunk=self.prefill_chunk,
                            max_prefill_tokens=self.max_prefill_tokens, tokenizer=self.tokenizer, eos_ids=eos,
-                           speculative=self.speculative)
+                           speculative=self.speculative, overlap=self.overlap_scheduling)
 
     def to_output(self, r: Request) -> RequestOutput:
         text = None

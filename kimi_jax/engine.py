@@ -79,6 +79,16 @@ def _paged_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_ta
     return pages, _sample_out(logits_BV, sp, step_B, n_logprobs, shard, sample_mode)
 
 
+def _decode_step(graphdef, shard, state, pages, tokens_B, positions_B, block_table_BP, sp, step_B, n_logprobs,
+                 sample_mode=None):
+    """`_paged_step` for one token per row (absorbed decode) with tokens_B [B]: the previous step's
+    sampled tokens can be fed as they are (device arrays), so the host never reads them first
+    (overlap scheduling, kimi_jax.scheduler)."""
+    B = tokens_B.shape[0]
+    return _paged_step(graphdef, shard, state, pages, tokens_B[:, None], positions_B[:, None], block_table_BP,
+                       jnp.zeros((B,), jnp.int32), sp, step_B, n_logprobs, absorbed=True, sample_mode=sample_mode)
+
+
 def _verify_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, n_draft_B, sp, step_B):
     """Speculative verification: row b feeds [last token, drafts...]; returns (accepted [B], next [B]).
     Absorbed MLA, as in decode: the same math per query token as a decode step (greedy outputs match
@@ -128,6 +138,9 @@ class Engine:
                              static_argnames=("n_logprobs", "absorbed", "fresh", "sample_mode"),
                              donate_argnames=("pages",))
         self._verify = jax.jit(functools.partial(_verify_step, self.graphdef, shard), donate_argnames=("pages",))
+        self._token_sharding = None          # of decode_step_async's output tokens, once known
+        self._decode_step = jax.jit(functools.partial(_decode_step, self.graphdef, shard),
+                                    static_argnames=("n_logprobs", "sample_mode"), donate_argnames=("pages",))
 
     def batch_size(self, n: int) -> int:
         """Padded batch: a power of two, and a multiple of the data-parallel size."""
@@ -147,6 +160,35 @@ class Engine:
                                 _i32(last_B), sp, _i32(steps_B), n_logprobs=n_logprobs, absorbed=T == 1,
                                 fresh=T > 1 and is_fresh(positions_BT), sample_mode=sample_mode_of(sp))
         return pages, _to_host(out)
+
+    def decode_step_async(self, pages, tokens_B, positions_B, block_table_BP, sp: SamplingArrays, steps_B,
+                          n_logprobs: Optional[int], sample_mode: Optional[str] = None):
+        """One decode step (one token per row) dispatched without waiting for it: tokens_B [B] may be a
+        device array (the previous step's `out[0]`); positions_B [B] (-1: padding row). Returns (pages,
+        outputs as device arrays: (tokens [B], and with n_logprobs: logprob, top ids, top values)),
+        their copy to the host already started; `fetch` reads them. sample_mode: as `paged_step`
+        derives it (pass it when sp is reused, to skip the host check)."""
+        if not isinstance(tokens_B, jax.Array):
+            tokens_B = _i32(tokens_B)
+            if self._token_sharding is not None:
+                # committed like a step's own output tokens: one compiled program serves both feeds
+                # (jit keys its cache on the input shardings; host arrays are uncommitted)
+                host = tokens_B
+                tokens_B = jax.make_array_from_callback(host.shape, self._token_sharding, lambda i: host[i])
+        pages, out = self._decode_step(self.state, pages, tokens_B, _i32(positions_B), _i32(block_table_BP), sp,
+                                       _i32(steps_B), n_logprobs=n_logprobs,
+                                       sample_mode=sample_mode or sample_mode_of(sp))
+        if self._token_sharding is None:
+            self._token_sharding = out[0].sharding
+        for o in out:
+            if o.is_fully_addressable:
+                o.copy_to_host_async()
+        return pages, out
+
+    @staticmethod
+    def fetch(out) -> StepOutput:
+        """Host copy of a `decode_step_async` output (waits for its step)."""
+        return _to_host(out)
 
     def verify_step(self, pages, tokens_BT, positions_BT, block_table_BP, n_draft_B, sp: SamplingArrays, steps_B):
         pages, (n_acc, nxt) = self._verify(self.state, pages, _i32(tokens_BT), _i32(positions_BT),

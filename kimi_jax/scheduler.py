@@ -13,6 +13,18 @@ length, pages per sequence) so the number of compiled programs stays small.
 When a sequence needs a page and none is free, the most recently admitted other request is preempted:
 its pages are freed and it is recomputed later from its prompt plus the tokens it already produced
 (its output is unchanged: greedy tokens and per-request seeded streams do not depend on batching).
+
+Overlap scheduling (`overlap=True`, no speculation): a decode step is dispatched without waiting for
+its tokens, and while the device runs step N the host dispatches step N+1 for the same rows, fed
+step N's sampled tokens as device arrays (positions, block tables, per-row steps and sampling arrays
+do not depend on the token values), then reads step N's tokens and does its bookkeeping (append,
+stop conditions, finished requests) one step behind. A request that finished at step N has already
+been included in step N+1: that extra token is discarded (a row known on the host to reach max_tokens
+at step N is fed as padding instead). Its pages return to the pool at once: every later step that
+could write them is ordered after step N+1 on the device (the page pool is threaded through the
+steps). The chain stops (the host waits for the step in flight, `_drain`, and takes the ordinary
+path) whenever the batch would change: a request finished, one can be admitted, a prompt chunk is
+pending, or a page for the next step would need a preemption. Tokens are those of the ordinary path.
 """
 from __future__ import annotations
 
@@ -25,6 +37,7 @@ import numpy as np
 
 from kimi_jax.engine import Engine, bucket
 from kimi_jax.sampling import SamplingArrays, SamplingParams, key_data_for_seed
+from kimi_jax.sampling import sample_mode as sample_mode_of
 from kimi_jax.speculative import SpecState, SpeculativeConfig
 
 
@@ -72,6 +85,17 @@ def validate_prompt(prompt_ids, vocab_size: int, max_model_len: int) -> None:
                            f"max_model_len={max_model_len}")
 
 
+@dataclasses.dataclass
+class _InFlight:
+    """A decode step dispatched and not yet read (overlap scheduling): its rows in batch order, its
+    device outputs, and what the next step of the same rows reuses."""
+    rows: list[Request]
+    out: tuple
+    sp: SamplingArrays
+    sample_mode: str
+    n_logprobs: Optional[int]
+
+
 class PagePool:
     """Free list of cache pages."""
 
@@ -91,7 +115,8 @@ class PagePool:
 class BatchEngine:
     def __init__(self, engine: Engine, *, num_pages: int, page_size: int, max_num_seqs: int,
                  max_model_len: int, cache_dtype, prefill_chunk: int = 256, max_prefill_tokens: int = 2048,
-                 tokenizer=None, eos_ids=(), speculative: Optional[SpeculativeConfig] = None):
+                 tokenizer=None, eos_ids=(), speculative: Optional[SpeculativeConfig] = None,
+                 overlap: bool = False):
         from kimi_jax.model.transformer import init_pages
         self.engine, self.tokenizer = engine, tokenizer
         self.page_size, self.max_num_seqs, self.max_model_len = page_size, max_num_seqs, max_model_len
@@ -103,9 +128,12 @@ class BatchEngine:
         self.running: list[Request] = []
         self.spec = speculative
         self.drafter = speculative.drafter() if speculative else None
+        # overlap scheduling (module docstring); drafts need the tokens on the host, so not with speculation
+        self.overlap = bool(overlap) and speculative is None
+        self._inflight: Optional[_InFlight] = None
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "preemptions": 0,
                       "drafted": 0, "accepted": 0, "prefill_passes": 0, "decode_passes": 0, "verify_passes": 0,
-                      "cost_calibrations": 0}
+                      "cost_calibrations": 0, "overlapped_steps": 0}
 
     # ---- requests -----------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
@@ -134,9 +162,16 @@ class BatchEngine:
 
     # ---- one iteration ------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Admit, run one prefill step and one decode step; return the requests that finished."""
-        self._admit()
+        """Admit, run one prefill step and one decode step; return the requests that finished.
+        With overlap scheduling a decode step may still be in flight on return (its tokens are read by
+        the next call); while the batch stays the same a call dispatches the next decode step and
+        reads the previous one."""
         finished: list[Request] = []
+        if self._inflight is not None:
+            if self._overlap_continues():
+                return self._overlap_advance()
+            finished += self._drain()
+        self._admit()
         budget, rows = self.max_prefill_tokens, []
         for r in [r for r in self.running if r.pending > 1]:
             n = min(r.pending, self.prefill_chunk, budget)
@@ -167,7 +202,9 @@ class BatchEngine:
                 if d and not self._ensure_pages(r, r.num_computed + 1 + len(d), ready):
                     d = []
                 rows.append((r, d))
-        if plain:
+        if plain and self.overlap:
+            self._dispatch_decode([r for r, _ in plain])
+        elif plain:
             finished += self._run(plain)
         if rows:
             finished += self._run_verify(rows)
@@ -240,8 +277,16 @@ class BatchEngine:
         self.pages, out = self.engine.paged_step(self.pages, tokens, positions, table, last, sp, steps, n_lp)
         self.stats["steps"] += 1
         self.stats["decode_passes" if T == 1 else "prefill_passes"] += 1
+        return self._book(rows, out)
+
+    def _book(self, rows: list[tuple[Request, int]], out) -> list[Request]:
+        """Bookkeeping of a step's host outputs: n tokens of each row are now cached; rows done with
+        their prompt get the sampled token. Rows that finished before (overlap: a step ran past their
+        end) are skipped, their token discarded."""
         finished = []
         for b, (r, n) in enumerate(rows):
+            if r.finish_reason is not None:
+                continue
             prompt_left = len(r.prompt_ids) - r.num_computed
             self.stats["prompt_tokens"] += max(0, min(n, prompt_left))
             r.num_computed += n
@@ -251,6 +296,91 @@ class BatchEngine:
             if r.finish_reason is not None:
                 finished.append(r)
         return finished
+
+    # ---- overlap scheduling (module docstring) -------------------------------------------------
+    def _dispatch_decode(self, rows: list[Request]) -> None:
+        """Start a decode step for rows (pages ensured) without waiting for its tokens."""
+        tokens, positions, table, steps, sp = self._inputs([(r, [r.tokens[r.num_computed]]) for r in rows], 1)
+        n_lp = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
+        mode = sample_mode_of(sp)
+        self.pages, out = self.engine.decode_step_async(self.pages, tokens[:, 0], positions[:, 0], table, sp,
+                                                        steps, n_lp, mode)
+        self.stats["steps"] += 1
+        self.stats["decode_passes"] += 1
+        self._inflight = _InFlight(rows, out, sp, mode, n_lp)
+
+    def _overlap_continues(self) -> bool:
+        """Whether the next decode step can run on the same rows before the step in flight is read:
+        none of them finished, no other request is running or could be admitted, some row is not
+        certain to end with the step in flight, and every page the next step needs is free (no
+        preemption)."""
+        rows = self._inflight.rows
+        if len(rows) != len(self.running) or any(r.finish_reason is not None for r in rows):
+            return False
+        if {id(r) for r in rows} != {id(r) for r in self.running} or self._admissible():
+            return False
+        live = [r for r in rows if not self._ends_in_flight(r)]
+        need = sum(max(0, -(-(r.num_computed + 2) // self.page_size) - len(r.pages)) for r in live)
+        return bool(live) and need <= len(self.pool.free)
+
+    def _ends_in_flight(self, r: Request) -> bool:
+        """The step in flight gives r its last token (max_tokens / max_model_len): known on the host."""
+        return len(r.output_ids) + 1 >= r.max_new
+
+    def _admissible(self) -> bool:
+        """`_admit` would admit a request now."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return False
+        first = min(self.waiting[0].pending, self.prefill_chunk)
+        return -(-first // self.page_size) <= len(self.pool.free)
+
+    def _overlap_advance(self) -> list[Request]:
+        """Dispatch the next decode step of the rows in flight, fed their tokens on the device; then
+        read the step in flight and do its bookkeeping. Rows ending with the step in flight are
+        padding in the new one."""
+        f = self._inflight
+        B = f.out[0].shape[0]
+        positions = np.full((B,), -1, np.int32)
+        steps = np.zeros((B,), np.int32)
+        live = []
+        for b, r in enumerate(f.rows):
+            if self._ends_in_flight(r):
+                continue
+            need = -(-(r.num_computed + 2) // self.page_size) - len(r.pages)
+            if need > 0:
+                r.pages += self.pool.take(need)           # checked free by _overlap_continues
+            # the step in flight feeds position num_computed and samples output number len(output_ids)
+            positions[b], steps[b] = r.num_computed + 1, len(r.output_ids) + 1
+            live.append((b, r))
+        table = np.zeros((B, bucket(max(len(r.pages) for _, r in live), 4)), np.int32)
+        for b, r in live:
+            table[b, :len(r.pages)] = r.pages
+        self.pages, out = self.engine.decode_step_async(self.pages, f.out[0], positions, table, f.sp, steps,
+                                                        f.n_logprobs, f.sample_mode)
+        self.stats["steps"] += 1
+        self.stats["decode_passes"] += 1
+        self.stats["overlapped_steps"] += 1
+        self._inflight = dataclasses.replace(f, out=out)
+        finished = self._book([(r, 1) for r in f.rows], self.engine.fetch(f.out))
+        for r in finished:
+            self._release(r)
+        return finished
+
+    def _drain(self) -> list[Request]:
+        """Wait for the decode step in flight and do its bookkeeping; release and return the requests
+        that finished."""
+        f, self._inflight = self._inflight, None
+        if f is None:
+            return []
+        finished = self._book([(r, 1) for r in f.rows], self.engine.fetch(f.out))
+        for r in finished:
+            self._release(r)
+        return finished
+
+    def drain(self) -> list[Request]:
+        """Finish the bookkeeping of a decode step still in flight (overlap scheduling); returns the
+        requests that finished with it. `run` calls it before returning."""
+        return self._drain()
 
     def _verify_pays(self, ready: list[Request], drafts: dict) -> bool:
         """Verify when it is expected to yield more tokens per second than a decode pass:
@@ -396,5 +526,8 @@ class BatchEngine:
                     dt = max(time.perf_counter() - t0, 1e-9)
                     bar.set_postfix(tok_s=f"{self.stats['generated_tokens'] / dt:.1f}",
                                     running=len(self.running))
+        for r in self.drain():      # a step past every request's end: nothing left to report
+            if on_finish is not None:
+                on_finish(r)
         if bar is not None:
             bar.close()

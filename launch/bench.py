@@ -50,6 +50,8 @@ flags.DEFINE_integer("num_layers", None, "throughput/spec suites: with a preset 
                      "layers (random weights of the true geometry)")
 flags.DEFINE_integer("max_model_len", None, "throughput suite: LLM max_model_len")
 flags.DEFINE_integer("num_pages", None, "throughput suite: LLM num_pages (default: from free memory)")
+flags.DEFINE_bool("overlap", True, "throughput suite: overlap scheduling (LLM overlap_scheduling: decode step "
+                  "N+1 dispatched before step N's tokens are read); --nooverlap for the synchronous scheduler")
 
 RESULTS: list[dict] = []
 _T0 = time.time()
@@ -747,9 +749,10 @@ def main(argv):
             from kimi_jax.config import preset
             model = preset(model).replace(num_hidden_layers=FLAGS.num_layers)
         rows = throughput_rows(model, [int(b) for b in FLAGS.tp_batches], gen_tokens=FLAGS.gen_tokens,
-                               dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len, num_pages=FLAGS.num_pages)
+                               dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len, num_pages=FLAGS.num_pages,
+                               overlap_scheduling=FLAGS.overlap)
         for r in rows:
-            record(suite="throughput", **r)
+            record(suite="throughput", overlap=FLAGS.overlap, **r)
         print(format_rows(rows))
     elif FLAGS.suite == "spec":
         from launch.bench_spec import format_rows as spec_table, spec_rows
