@@ -9,7 +9,8 @@ world size and ranks those that fit by tokens/s.
 logical axes and RULES as kimi_jax.sharding (tests check it equals sharding.per_device_bytes on the
 model's abstract state): attention, norms, dense FFN, bf16 shared experts, float32 router, INT4
 routed experts (packed int32 + group scales) when cfg.quantization is set. Cache: the latent cache
-[L, B, S, A + R] in bf16, split over dp only (replicated over tp, as the engine shards it); the
+[L, B, S, A + R] in bf16, split over dp only (replicated over tp) in the design; the serving engine's
+paged pool is replicated over dp today, which the plan counts as an engine artifact; the
 engine pads the batch to a power of two (a multiple of dp) and the cache length to a power of two,
 and the plan uses the padded sizes. Workspace: the largest transients of one step (the replicated
 f32 logits of the whole batch and the sampler's buffers over the vocabulary, attention scores for one
@@ -416,6 +417,7 @@ class Plan:
     max_context_for_batch: int = 0
     max_batch_for_context: int = 0
     max_cache_tokens: int = 0
+    cache_note: str = "split over dp only (replicated over tp)"
 
     @property
     def weight_bytes(self) -> float:
@@ -470,7 +472,7 @@ class Plan:
                 "memory per device:",
                 f"  weights    {g(self.weight_bytes)}   "
                 + ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.weights.items() if v),
-                f"  cache      {g(self.cache_bytes)}   latent (A+R) bf16, split over dp only",
+                f"  cache      {g(self.cache_bytes)}   latent (A+R) bf16, {self.cache_note}",
                 f"  workspace  {g(self.workspace_bytes)}   "
                 + ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.workspace.items() if v),
                 f"  total      {g(self.total_bytes)}   of {self.capacity / GiB:.2f} GiB usable: "
@@ -522,7 +524,12 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
 
     weights = param_bytes(cfg, layout, db)
     per_token_cache = L * cfg.latent_dim * KV_BYTES
-    cache_bytes = Bl * S * per_token_cache
+    cache_bytes = Bl * S * per_token_cache             # the rows one device attends over (reads)
+    # memory: the serving engine's paged pool is replicated over dp today (every rank holds every
+    # sequence's pages: an engine artifact); the design splits it over dp like the rows
+    replicated_pool = dp > 1 and o.engine_artifacts
+    held_rows = Bp if replicated_pool else Bl
+    cache_held = held_rows * S * per_token_cache
 
     # -- workspace: the largest transients of one step
     Nl = _cdiv(N, tp)
@@ -607,15 +614,20 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
     if Lm:
         assumptions["expert_efficiency"] = eff
     p = Plan(model=model_name, hardware=hw.name, layout=layout.name, world=world, batch=batch, batch_padded=Bp,
-             context=context, cache_len=S, weights=weights, cache_bytes=cache_bytes, workspace=workspace,
+             context=context, cache_len=S, weights=weights, cache_bytes=cache_held, workspace=workspace,
              capacity=capacity, terms=terms, collectives=specs, overhead_s=o.overhead_ms * 1e-3, notes=notes,
              assumptions=assumptions)
     free = capacity - p.weight_bytes - sum(v for k, v in workspace.items() if k != "attention_scores")
     # cache + attention scores grow with rows x cache length: bytes per (row, slot)
     per_row_slot = per_token_cache + 3 * Nl * 4
     p.max_cache_tokens = max(0, int(free // per_row_slot))      # (row, slot) pairs one device can hold
-    p.max_context_for_batch = _pow2_floor(p.max_cache_tokens // Bl)   # cache lengths are powers of two
-    p.max_batch_for_context = _pow2_floor((p.max_cache_tokens // S) * dp)
+    p.max_context_for_batch = _pow2_floor(p.max_cache_tokens // held_rows)   # cache lengths: powers of two
+    p.max_batch_for_context = _pow2_floor((p.max_cache_tokens // S) * (1 if replicated_pool else dp))
+    p.cache_note = ("paged pool replicated over dp [engine artifact]" if replicated_pool
+                    else "split over dp only (replicated over tp)")
+    if replicated_pool:
+        notes.append("the paged latent pool is replicated over dp (every dp rank holds every sequence's pages) "
+                     "[engine artifact]; PlanOptions(engine_artifacts=False) plans it split over dp")
     return p
 
 

@@ -330,3 +330,21 @@ def test_int4_efficiency_curve_and_calibration_override():
     assert flat.int4_efficiency_at(16) == 0.5
     curve = hardware.Hardware.from_calibration({"base": "h200", "copy_bw": 4e12, "int4_curve": [[1, 0.3], [64, 0.9]]})
     assert curve.int4_efficiency_at(8) == pytest.approx(0.6)
+
+
+def test_dp_plans_hold_the_replicated_paged_pool():
+    """The serving engine keeps its paged pool replicated over dp (Engine._paged_step pins it
+    replicated): a DP8 plan holds all 16 rows' cache on every device (8x the design, which splits it),
+    while each device still reads only its own rows."""
+    cfg, h200, lay = preset("kimi-k2.5"), hardware.preset("h200"), Layout(1, 8, True)
+    art = planner.plan(cfg, h200, lay, batch=16, context=8192)
+    design = planner.plan(cfg, h200, lay, batch=16, context=8192,
+                          options=planner.PlanOptions(engine_artifacts=False))
+    assert art.cache_bytes == pytest.approx(8 * design.cache_bytes)
+    reads = lambda p: next(t.bytes for t in p.terms if t.name == "attention (cache)")   # noqa: E731
+    assert reads(art) == reads(design)
+    assert art.max_context_for_batch * 8 == design.max_context_for_batch
+    assert any("replicated over dp" in n for n in art.notes)
+    # one device: nothing to replicate
+    single = planner.plan(cfg.replace(num_hidden_layers=3), h200, Layout(1), batch=16, context=1024)
+    assert "split over dp" in single.cache_note
