@@ -75,7 +75,7 @@ def _paged_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_ta
                                        block_table_BP=block_table_BP, fresh=fresh)
     B = tokens_BT.shape[0]
     logits_BV = model.logits(h_BTD[jnp.arange(B), last_B][:, None])[:, 0]
-    pages = {k: _constrain(v, shard.get("replicated")) for k, v in pages.items()}
+    pages = {k: _constrain(v, shard.get("pages")) for k, v in pages.items()}
     return pages, _sample_out(logits_BV, sp, step_B, n_logprobs, shard, sample_mode)
 
 
@@ -100,7 +100,7 @@ def _verify_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_t
                                        block_table_BP=block_table_BP)
     logits_BTV = _constrain(_constrain(model.logits(h_BTD), shard.get("logits3")), shard.get("replicated"))
     n_acc, nxt = verify_drafts(logits_BTV, tokens_BT[:, 1:], n_draft_B, sp, step_B)
-    pages = {k: _constrain(v, shard.get("replicated")) for k, v in pages.items()}
+    pages = {k: _constrain(v, shard.get("pages")) for k, v in pages.items()}
     return pages, tuple(_constrain(o, shard.get("replicated")) for o in (n_acc, nxt))
 
 
@@ -130,7 +130,11 @@ class Engine:
             v = layout.axis_rule("vocab")
             shard = {"batch1": layout.sharding(P(b)), "batch2": layout.sharding(P(b, None)),
                      "cache": layout.sharding(P(None, b, None, None)), "replicated": layout.sharding(P()),
+                     # the paged pool [L, num_pages, page, C]: pages split like the rows (each dp rank
+                     # holds its own rows' pages; the scheduler gives rows page ids local to their rank)
+                     "pages": layout.sharding(P(None, b if self.dp > 1 else None, None, None)),
                      "logits2": layout.sharding(P(b, v)), "logits3": layout.sharding(P(b, None, v))}
+        self._shard = shard
         self._decode = jax.jit(functools.partial(_decode, self.graphdef, shard),
                                static_argnames=("n_logprobs", "sample_mode"), donate_argnames=("cache",))
         self._logits = jax.jit(functools.partial(_all_logits, self.graphdef, shard))
@@ -141,6 +145,21 @@ class Engine:
         self._token_sharding = None          # of decode_step_async's output tokens, once known
         self._decode_step = jax.jit(functools.partial(_decode_step, self.graphdef, shard),
                                     static_argnames=("n_logprobs", "sample_mode"), donate_argnames=("pages",))
+
+    def init_pages(self, num_pages: int, page_size: int, dtype=None) -> dict:
+        """A zeroed paged pool {kind: [L, num_pages, page_size, A + R]} placed as the steps keep it:
+        under data parallelism its pages are split over the dp ranks in `dp` equal contiguous
+        partitions (num_pages a multiple of dp), rank k holding pages [k * num_pages / dp, ...) and
+        the rows of its batch block; block tables hold ids local to the row's rank. Created on its
+        devices (never whole on one)."""
+        from kimi_jax.model.transformer import init_pages
+        if num_pages % self.dp:
+            raise ValueError(f"num_pages={num_pages} is not a multiple of the data-parallel size {self.dp}")
+        make = functools.partial(init_pages, self.cfg, num_pages, page_size, dtype or self.cache_dtype)
+        sharding = self._shard.get("pages")
+        if sharding is None:
+            return make()
+        return jax.jit(make, out_shardings=sharding)()
 
     def batch_size(self, n: int) -> int:
         """Padded batch: a power of two, and a multiple of the data-parallel size."""

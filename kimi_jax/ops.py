@@ -17,6 +17,7 @@ from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _FORCED_IMPL: Optional[str] = None
 IMPLS = ("xla", "pallas")
@@ -238,50 +239,111 @@ def _num_experts(w: Weight, stacked: bool = False) -> int:
     return (w.packed if isinstance(w, Int4Weight) else w).shape[1 if stacked else 0]
 
 
-def gather_pages(pool_XpC: jax.Array, block_table_BP: jax.Array) -> jax.Array:
-    """The pages of each sequence in position order: pool [X, page, C], table [B, P] -> [B, P * page, C]."""
-    B, P = block_table_BP.shape
-    return pool_XpC[block_table_BP].reshape(B, P * pool_XpC.shape[1], pool_XpC.shape[2])
+def page_split(parallel) -> tuple[str, ...]:
+    """Mesh axes a paged pool's page axis is split over: the batch's (data-parallel) axes when they span
+    more than one device, else () (the pool is whole on every device, as under tensor parallelism).
+    With a split, each data-parallel rank holds the pages of its own batch rows only (rows are split
+    over the same axes in contiguous blocks) and block tables hold page ids LOCAL to the row's rank
+    (kimi_jax.scheduler allocates them from the rank's partition)."""
+    if parallel is None:
+        return ()
+    axes = tuple(parallel.batch)
+    return axes if int(np.prod([parallel.mesh.shape[a] for a in axes])) > 1 else ()
+
+
+def _layer_pages(pool_LNpC: jax.Array, block_table_BP: jax.Array, layer):
+    """One layer's view of a stacked pool [L, N, page, C]: the pool flattened to [L * N, page, C] (a
+    bitcast) and the page ids offset by layer * N. Under a page split this runs per shard, N the
+    shard's own page count (ids are local)."""
+    L, N = pool_LNpC.shape[:2]
+    return pool_LNpC.reshape(L * N, *pool_LNpC.shape[2:]), block_table_BP + layer * N
+
+
+def _stacked(pool, layer):
+    """(stacked pool [L, N, page, C], layer): a flat pool [X, page, C] is a one-layer stack."""
+    return (pool[None], 0) if layer is None else (pool, layer)
+
+
+def _per_page_shard(f, parallel, in_specs, out_specs):
+    """f run per shard of a page-split pool (`page_split`), else f itself. Specs are written with the
+    placeholder "split" for the page / batch axes; it becomes the split's mesh axes."""
+    split = page_split(parallel)
+    if not split:
+        return f
+    from jax.sharding import PartitionSpec as P
+    sub = lambda spec: P(*[split if a == "split" else a for a in spec])   # noqa: E731
+    return _shard_map(f, parallel.mesh, in_specs=tuple(sub(s) for s in in_specs),
+                      out_specs=sub(out_specs))
+
+
+def gather_pages(pool: jax.Array, block_table_BP: jax.Array, *, layer=None, parallel=None) -> jax.Array:
+    """The pages of each sequence in position order -> [B, P * page, C]. pool: [X, page, C] with
+    page ids into it (layer None), or a layer stack [L, N, page, C] with this layer's index and ids
+    into the layer's N pages. parallel: a page-split pool (`page_split`) is gathered per shard, each
+    rank reading its own rows' pages with local ids (the pool never moves)."""
+    pool_L, layer = _stacked(pool, layer)
+
+    def gather(pool_L, table, layer):
+        flat, table = _layer_pages(pool_L, table, layer)
+        B, P = table.shape
+        return flat[table].reshape(B, P * flat.shape[1], flat.shape[2])
+
+    if page_split(parallel):
+        return _per_page_shard(gather, parallel, ((None, "split", None, None), ("split", None), ()),
+                               ("split", None, None))(pool_L, block_table_BP, jnp.asarray(layer, jnp.int32))
+    return gather(pool_L, block_table_BP, layer)
 
 
 def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: jax.Array, pool_XpC: jax.Array,
                         block_table_BP: jax.Array, positions_BT: jax.Array, scale: float, *,
-                        impl: Optional[str] = None, parallel=None) -> jax.Array:
+                        impl: Optional[str] = None, parallel=None, layer=None) -> jax.Array:
     """Absorbed MLA over a paged latent cache plus the step's new tokens; returns o_lat [B, T, N, A].
 
     q_lat: queries in latent space (W_UK^T q^C); q_pe: rotated rope queries; new_BTC: the new tokens'
-    [c | k^R] (C = A + R), not yet in the pool; pool_XpC [X, page, C]; block_table_BP: page ids into the
-    pool; positions_BT: the new tokens' absolute positions (consecutive per row, < 0 = padding). Row b's
+    [c | k^R] (C = A + R), not yet in the pool; pool_XpC [X, page, C] with block_table_BP page ids into
+    it, or (layer given) the layer stack's pool [L, N, page, C] and ids into this layer's N pages;
+    positions_BT: the new tokens' absolute positions (consecutive per row, < 0 = padding). Row b's
     cached tokens are positions [0, positions[b, 0]); new token t also sees new tokens t' <= t.
     score = (q_lat . c + q_pe . k^R) * scale, softmax in float32, output sum_s p_s c_s.
     parallel: a kimi_jax.sharding.MoEParallel: the GPU kernel then runs per device shard (rows over the
-    batch axes, heads over the head axes).
+    batch axes, heads over the head axes); a page-split pool (`page_split`: ids local to each row's
+    data-parallel rank) is read per shard by either path.
     """
     A, R = q_lat_BTNA.shape[-1], q_pe_BTNR.shape[-1]
     kernel_fits = all(v >= 16 and not v & (v - 1) for v in (A, R))   # the kernel's tiles: powers of two >= 16
+    pool_L, layer = _stacked(pool_XpC, layer)
     if resolve_impl(impl) == "pallas" and kernel_fits:
         from pallas_kernels import mla_decode
-        kernel = lambda *a: mla_decode.mla_paged_attention(*a, scale)
+
+        def kernel(q_lat, q_pe, new, pool_L, table, positions, layer):
+            flat, table = _layer_pages(pool_L, table, layer)
+            return mla_decode.mla_paged_attention(q_lat, q_pe, new, flat, table, positions, scale)
+
         if parallel is not None and parallel.mesh.size > 1:
             # a kernel is opaque to XLA's partitioner (it would gather every operand and run the whole
             # batch and every head on each device): run it per shard, rows split like the batch and
-            # heads like the attention weights; the pool is replicated
+            # heads like the attention weights; the pool's pages split like the rows (ids local to the
+            # shard) under data parallelism, else whole on every device
             from jax.sharding import PartitionSpec as P
             b, h = parallel.batch or None, parallel.heads or None
+            split = page_split(parallel) or None
             kernel = _shard_map(kernel, parallel.mesh,
-                                in_specs=(P(b, None, h, None), P(b, None, h, None), P(b, None, None), P(),
-                                          P(b, None), P(b, None)),
+                                in_specs=(P(b, None, h, None), P(b, None, h, None), P(b, None, None),
+                                          P(None, split, None, None), P(b, None), P(b, None), P()),
                                 out_specs=P(b, None, h, None))
-        return kernel(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP, positions_BT)
-    return _mla_paged_attention_xla(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP, positions_BT,
-                                    scale)
+        return kernel(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_L, block_table_BP, positions_BT,
+                      jnp.asarray(layer, jnp.int32))
+    return _mla_paged_attention_xla(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_L, block_table_BP, positions_BT,
+                                    scale, layer=layer, parallel=parallel)
 
 
-def paged_keys(pool_XpC: jax.Array, block_table_BP: jax.Array, new_BTC: jax.Array, positions_BT: jax.Array):
+def paged_keys(pool: jax.Array, block_table_BP: jax.Array, new_BTC: jax.Array, positions_BT: jax.Array, *,
+               layer=None, parallel=None):
     """Keys of paged attention, (keys [B, P * page + T, C] in new_BTC's dtype, mask [B, T, P * page + T]):
     each row's cached pages in position order followed by the step's new tokens. Row b's cached tokens
-    are positions [0, positions[b, 0]); new token t sees new tokens t' <= t (positions < 0: padding)."""
-    old_BSC = gather_pages(pool_XpC, block_table_BP)
+    are positions [0, positions[b, 0]); new token t sees new tokens t' <= t (positions < 0: padding).
+    pool, layer, parallel: as `gather_pages`."""
+    old_BSC = gather_pages(pool, block_table_BP, layer=layer, parallel=parallel)
     S = old_BSC.shape[1]
     old_mask_BTS = jnp.broadcast_to((jnp.arange(S)[None, :] < positions_BT[:, :1])[:, None, :],
                                     (*positions_BT.shape, S))
@@ -290,10 +352,12 @@ def paged_keys(pool_XpC: jax.Array, block_table_BP: jax.Array, new_BTC: jax.Arra
             jnp.concatenate([old_mask_BTS, new_mask_BTS], axis=-1))
 
 
-def _mla_paged_attention_xla(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP, positions_BT, scale):
+def _mla_paged_attention_xla(q_lat_BTNA, q_pe_BTNR, new_BTC, pool, block_table_BP, positions_BT, scale, *,
+                             layer=None, parallel=None):
     A = q_lat_BTNA.shape[-1]
     dtype = q_lat_BTNA.dtype
-    keys_BSC, mask_BTS = paged_keys(pool_XpC, block_table_BP, new_BTC.astype(dtype), positions_BT)
+    keys_BSC, mask_BTS = paged_keys(pool, block_table_BP, new_BTC.astype(dtype), positions_BT, layer=layer,
+                                    parallel=parallel)
     c_BSA, kpe_BSR = keys_BSC[..., :A], keys_BSC[..., A:]
     s_BNTS = (einsum_f32("btna,bsa->bnts", q_lat_BTNA, c_BSA)
               + einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR)) * scale

@@ -9,8 +9,8 @@ world size and ranks those that fit by tokens/s.
 logical axes and RULES as kimi_jax.sharding (tests check it equals sharding.per_device_bytes on the
 model's abstract state): attention, norms, dense FFN, bf16 shared experts, float32 router, INT4
 routed experts (packed int32 + group scales) when cfg.quantization is set. Cache: the latent cache
-[L, B, S, A + R] in bf16, split over dp only (replicated over tp) in the design; the serving engine's
-paged pool is replicated over dp today, which the plan counts as an engine artifact; the
+[L, B, S, A + R] in bf16, split over dp only (replicated over tp), as the serving engine's paged pool
+is (its page axis split over dp, each rank holding its own rows' pages); the
 engine pads the batch to a power of two (a multiple of dp) and the cache length to a power of two,
 and the plan uses the padded sizes. Workspace: the largest transients of one step (the replicated
 f32 logits of the whole batch and the sampler's buffers over the vocabulary, attention scores for one
@@ -525,11 +525,9 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
     weights = param_bytes(cfg, layout, db)
     per_token_cache = L * cfg.latent_dim * KV_BYTES
     cache_bytes = Bl * S * per_token_cache             # the rows one device attends over (reads)
-    # memory: the serving engine's paged pool is replicated over dp today (every rank holds every
-    # sequence's pages: an engine artifact); the design splits it over dp like the rows
-    replicated_pool = dp > 1 and o.engine_artifacts
-    held_rows = Bp if replicated_pool else Bl
-    cache_held = held_rows * S * per_token_cache
+    # memory: the serving engine's paged pool is split over dp like the rows (each rank holds the
+    # pages of its own B_l rows), as the design
+    cache_held = Bl * S * per_token_cache
 
     # -- workspace: the largest transients of one step
     Nl = _cdiv(N, tp)
@@ -621,13 +619,8 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
     # cache + attention scores grow with rows x cache length: bytes per (row, slot)
     per_row_slot = per_token_cache + 3 * Nl * 4
     p.max_cache_tokens = max(0, int(free // per_row_slot))      # (row, slot) pairs one device can hold
-    p.max_context_for_batch = _pow2_floor(p.max_cache_tokens // held_rows)   # cache lengths: powers of two
-    p.max_batch_for_context = _pow2_floor((p.max_cache_tokens // S) * (1 if replicated_pool else dp))
-    p.cache_note = ("paged pool replicated over dp [engine artifact]" if replicated_pool
-                    else "split over dp only (replicated over tp)")
-    if replicated_pool:
-        notes.append("the paged latent pool is replicated over dp (every dp rank holds every sequence's pages) "
-                     "[engine artifact]; PlanOptions(engine_artifacts=False) plans it split over dp")
+    p.max_context_for_batch = _pow2_floor(p.max_cache_tokens // Bl)   # cache lengths: powers of two
+    p.max_batch_for_context = _pow2_floor((p.max_cache_tokens // S) * dp)
     return p
 
 

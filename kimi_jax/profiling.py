@@ -429,22 +429,18 @@ PAGE_SIZE = 16      # as kimi_jax.api.LLM's default
 
 def paged_args(engine, layout, batch: int, cache_len: int, page_size: int = PAGE_SIZE):
     """(pages, tokens [B, 1], block table [B, P], sampling arrays) for the serving decode step
-    (`Engine._step`, absorbed, T = 1): row b owns pages [b * P, (b + 1) * P) of a pool sized for
-    `cache_len` tokens per row, replicated as the scheduler keeps it."""
-    import jax
-    import jax.numpy as jnp
+    (`Engine._step`, absorbed, T = 1): a pool sized for `cache_len` tokens per row, placed as the engine
+    keeps it (`Engine.init_pages`: split over the dp ranks); row b owns P pages of its rank's partition,
+    with ids local to that partition, as the scheduler emits them. `layout`: unused (the engine's own)."""
     import numpy as np
-    from kimi_jax.model.transformer import init_pages
     from kimi_jax.sampling import SamplingArrays, SamplingParams
     cfg = engine.cfg
     P = -(-cache_len // page_size)
-    pages = init_pages(cfg, batch * P, page_size, engine.cache_dtype)
-    if layout is not None and layout.world > 1:
-        from jax.sharding import PartitionSpec
-        pages = {k: jax.device_put(v, layout.sharding(PartitionSpec())) for k, v in pages.items()}
+    dp = engine.dp
+    pages = engine.init_pages(batch * P, page_size)
     sp = SamplingArrays.build([SamplingParams(temperature=0.0)] * batch, list(range(batch)))
     tokens = ((np.arange(batch, dtype=np.int32) * 7919 + 11) % cfg.vocab_size)[:, None]   # distinct rows
-    table = np.arange(batch * P, dtype=np.int32).reshape(batch, P)
+    table = np.arange(batch * P, dtype=np.int32).reshape(batch, P) % (batch * P // dp)   # local ids per rank
     return pages, tokens, table, sp
 
 

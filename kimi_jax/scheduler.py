@@ -25,6 +25,15 @@ could write them is ordered after step N+1 on the device (the page pool is threa
 steps). The chain stops (the host waits for the step in flight, `_drain`, and takes the ordinary
 path) whenever the batch would change: a request finished, one can be admitted, a prompt chunk is
 pending, or a page for the next step would need a preemption. Tokens are those of the ordinary path.
+
+Data parallelism (engine.dp > 1): the batch's rows are split over the dp ranks in contiguous blocks
+(row b on rank b // (B / dp)) and so is the page pool (`Engine.init_pages`: rank k holds the k-th of dp
+equal partitions). A request is placed on one rank when admitted (the least loaded one with room:
+at most ceil(max_num_seqs / dp) requests and the pages of its first chunk), takes its pages from that
+rank's free list and always runs in a row of that rank's block; its block table holds page ids LOCAL
+to the partition, [0, num_pages / dp) (with dp = 1 these are the global ids). Preemption frees pages
+of the same rank only (victims are requests of that rank); a preempted request may be re-admitted on
+any rank. A sequence can then hold at most num_pages / dp pages.
 """
 from __future__ import annotations
 
@@ -63,6 +72,7 @@ class Request:
     stop_reason: object = None
     text: Optional[str] = None            # set when a stop string truncated it
     num_preemptions: int = 0
+    rank: int = 0                         # data-parallel rank whose rows and pages it uses while admitted
     spec: SpecState = dataclasses.field(default_factory=SpecState)
 
     @property
@@ -90,6 +100,7 @@ class _InFlight:
     """A decode step dispatched and not yet read (overlap scheduling): its rows in batch order, its
     device outputs, and what the next step of the same rows reuses."""
     rows: list[Request]
+    slots: list[int]                      # each row's batch row (data parallelism: in its rank's block)
     out: tuple
     sp: SamplingArrays
     sample_mode: str
@@ -97,19 +108,31 @@ class _InFlight:
 
 
 class PagePool:
-    """Free list of cache pages."""
+    """Free lists of cache pages, one per data-parallel partition (`parts` equal partitions of
+    num_pages); page ids are local to their partition, [0, num_pages / parts)."""
 
-    def __init__(self, num_pages: int):
-        self.num_pages = num_pages
-        self.free = collections.deque(range(num_pages))
+    def __init__(self, num_pages: int, parts: int = 1):
+        if num_pages % parts:
+            raise ValueError(f"num_pages={num_pages} is not a multiple of {parts} partitions")
+        self.num_pages, self.parts, self.per_part = num_pages, parts, num_pages // parts
+        self._free = [collections.deque(range(self.per_part)) for _ in range(parts)]
 
-    def take(self, n: int) -> Optional[list[int]]:
-        if n > len(self.free):
+    @property
+    def free(self) -> list[int]:
+        """Every free page of all partitions (local ids: for counting)."""
+        return [p for f in self._free for p in f]
+
+    def free_in(self, part: int) -> int:
+        return len(self._free[part])
+
+    def take(self, n: int, part: int = 0) -> Optional[list[int]]:
+        free = self._free[part]
+        if n > len(free):
             return None
-        return [self.free.popleft() for _ in range(n)]
+        return [free.popleft() for _ in range(n)]
 
-    def give(self, pages: list[int]) -> None:
-        self.free.extend(pages)
+    def give(self, pages: list[int], part: int = 0) -> None:
+        self._free[part].extend(pages)
 
 
 class BatchEngine:
@@ -117,13 +140,18 @@ class BatchEngine:
                  max_model_len: int, cache_dtype, prefill_chunk: int = 256, max_prefill_tokens: int = 2048,
                  tokenizer=None, eos_ids=(), speculative: Optional[SpeculativeConfig] = None,
                  overlap: bool = False):
-        from kimi_jax.model.transformer import init_pages
         self.engine, self.tokenizer = engine, tokenizer
         self.page_size, self.max_num_seqs, self.max_model_len = page_size, max_num_seqs, max_model_len
         self.prefill_chunk, self.max_prefill_tokens = prefill_chunk, max_prefill_tokens
         self.eos_ids = frozenset(eos_ids)
-        self.pool = PagePool(num_pages)
-        self.pages = init_pages(engine.cfg, num_pages, page_size, cache_dtype)
+        # data parallelism: equal page partitions per rank (module docstring); spare pages are dropped
+        self.dp = getattr(engine, "dp", 1)
+        if num_pages < self.dp:
+            raise ValueError(f"num_pages={num_pages} gives no page to some of the {self.dp} data-parallel ranks")
+        num_pages -= num_pages % self.dp
+        self.slots_per_rank = -(-max_num_seqs // self.dp)
+        self.pool = PagePool(num_pages, self.dp)
+        self.pages = engine.init_pages(num_pages, page_size, cache_dtype)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.spec = speculative
@@ -144,9 +172,10 @@ class BatchEngine:
         except ValueError as e:
             raise RequestError(str(e)) from None
         validate_prompt(prompt_ids, self.engine.cfg.vocab_size, self.max_model_len)
-        if -(-len(prompt_ids) // self.page_size) + 1 > self.pool.num_pages:
+        if -(-len(prompt_ids) // self.page_size) + 1 > self.pool.per_part:
             raise RequestError(f"prompt of {len(prompt_ids)} tokens does not fit in the cache "
-                               f"({self.pool.num_pages} pages of {self.page_size} tokens)")
+                               f"({self.pool.per_part} pages of {self.page_size} tokens"
+                               + (f" per data-parallel rank)" if self.dp > 1 else ")"))
         stop = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop |= self.eos_ids
@@ -214,22 +243,31 @@ class BatchEngine:
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:
-            r = self.waiting[0]
-            first = min(r.pending, self.prefill_chunk)
-            if -(-first // self.page_size) > len(self.pool.free):
+            rank = self._rank_for(self.waiting[0])
+            if rank is None:
                 break
-            self.running.append(self.waiting.popleft())
+            r = self.waiting.popleft()
+            r.rank = rank
+            self.running.append(r)
+
+    def _rank_for(self, r: Request) -> Optional[int]:
+        """The data-parallel rank a waiting request would join: among those with a free slot and the
+        pages of its first chunk, the one running fewest requests (then: most free pages); None if none."""
+        first = -(-min(r.pending, self.prefill_chunk) // self.page_size)
+        load = collections.Counter(q.rank for q in self.running)
+        fits = [k for k in range(self.dp) if load[k] < self.slots_per_rank and first <= self.pool.free_in(k)]
+        return min(fits, key=lambda k: (load[k], -self.pool.free_in(k), k), default=None)
 
     def _ensure_pages(self, r: Request, upto: int, protected=()) -> bool:
         """Pages for positions [0, upto); preempt the newest other request (never one already in this
-        step's batch) if the pool is dry."""
+        step's batch) if the pool is dry. Pages and victims come from r's data-parallel rank."""
         need = -(-upto // self.page_size) - len(r.pages)
         while need > 0:
-            got = self.pool.take(need)
+            got = self.pool.take(need, r.rank)
             if got is not None:
                 r.pages += got
                 return True
-            victims = [v for v in self.running if v is not r and v not in protected]
+            victims = [v for v in self.running if v is not r and v not in protected and v.rank == r.rank]
             if not victims:
                 return False
             self._preempt(victims[-1])
@@ -237,7 +275,7 @@ class BatchEngine:
 
     def _preempt(self, r: Request) -> None:
         self.running.remove(r)
-        self.pool.give(r.pages)
+        self.pool.give(r.pages, r.rank)
         r.pages, r.num_computed = [], 0
         r.num_preemptions += 1
         self.stats["preemptions"] += 1
@@ -246,13 +284,25 @@ class BatchEngine:
     def _release(self, r: Request) -> None:
         if r in self.running:
             self.running.remove(r)
-        self.pool.give(r.pages)
+        self.pool.give(r.pages, r.rank)
         r.pages = []
+
+    def _slots(self, reqs: list[Request]) -> tuple[int, list[int]]:
+        """(padded batch B, each request's batch row): in order, each in its data-parallel rank's
+        block of B / dp rows (with dp = 1: rows 0, 1, ...)."""
+        count = collections.Counter(r.rank for r in reqs)
+        B = self.engine.batch_size(self.dp * max(count.values()))
+        per, seen, slots = B // self.dp, collections.Counter(), []
+        for r in reqs:
+            slots.append(r.rank * per + seen[r.rank])
+            seen[r.rank] += 1
+        return B, slots
 
     def _inputs(self, feeds: list[tuple[Request, list[int]]], T: int):
         """Padded step inputs for rows that feed these tokens at their next positions: (tokens [B, T],
-        positions [B, T] (-1: padding), block table [B, P], per-row steps [B], sampling arrays)."""
-        B = self.engine.batch_size(len(feeds))
+        positions [B, T] (-1: padding), block table [B, P], per-row steps [B], sampling arrays, each
+        feed's batch row)."""
+        B, slots = self._slots([r for r, _ in feeds])
         P = bucket(max(len(r.pages) for r, _ in feeds), 4)
         tokens = np.zeros((B, T), np.int32)
         positions = np.full((B, T), -1, np.int32)
@@ -260,31 +310,31 @@ class BatchEngine:
         steps = np.zeros((B,), np.int32)
         keys = np.zeros((B, 2), np.uint32)
         params = [SamplingParams(temperature=0.0)] * B
-        for b, (r, feed) in enumerate(feeds):
+        for b, (r, feed) in zip(slots, feeds):
             tokens[b, :len(feed)] = feed
             positions[b, :len(feed)] = np.arange(r.num_computed, r.num_computed + len(feed))
             table[b, :len(r.pages)] = r.pages
             steps[b], keys[b], params[b] = len(r.output_ids), r.key, r.params
-        return tokens, positions, table, steps, SamplingArrays.build(params, None, keys=keys)
+        return tokens, positions, table, steps, SamplingArrays.build(params, None, keys=keys), slots
 
     def _run(self, rows: list[tuple[Request, int]]) -> list[Request]:
         T = 1 if all(n == 1 for _, n in rows) else bucket(max(n for _, n in rows), 16)
-        tokens, positions, table, steps, sp = self._inputs(
+        tokens, positions, table, steps, sp, slots = self._inputs(
             [(r, r.tokens[r.num_computed:r.num_computed + n]) for r, n in rows], T)
         last = np.zeros((tokens.shape[0],), np.int32)
-        last[:len(rows)] = [n - 1 for _, n in rows]
+        last[slots] = [n - 1 for _, n in rows]
         n_lp = max((r.params.logprobs for r, _ in rows if r.params.logprobs is not None), default=None)
         self.pages, out = self.engine.paged_step(self.pages, tokens, positions, table, last, sp, steps, n_lp)
         self.stats["steps"] += 1
         self.stats["decode_passes" if T == 1 else "prefill_passes"] += 1
-        return self._book(rows, out)
+        return self._book(rows, out, slots)
 
-    def _book(self, rows: list[tuple[Request, int]], out) -> list[Request]:
+    def _book(self, rows: list[tuple[Request, int]], out, slots: list[int]) -> list[Request]:
         """Bookkeeping of a step's host outputs: n tokens of each row are now cached; rows done with
         their prompt get the sampled token. Rows that finished before (overlap: a step ran past their
-        end) are skipped, their token discarded."""
+        end) are skipped, their token discarded. slots: each row's batch row."""
         finished = []
-        for b, (r, n) in enumerate(rows):
+        for b, (r, n) in zip(slots, rows):
             if r.finish_reason is not None:
                 continue
             prompt_left = len(r.prompt_ids) - r.num_computed
@@ -300,14 +350,14 @@ class BatchEngine:
     # ---- overlap scheduling (module docstring) -------------------------------------------------
     def _dispatch_decode(self, rows: list[Request]) -> None:
         """Start a decode step for rows (pages ensured) without waiting for its tokens."""
-        tokens, positions, table, steps, sp = self._inputs([(r, [r.tokens[r.num_computed]]) for r in rows], 1)
+        tokens, positions, table, steps, sp, slots = self._inputs([(r, [r.tokens[r.num_computed]]) for r in rows], 1)
         n_lp = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
         mode = sample_mode_of(sp)
         self.pages, out = self.engine.decode_step_async(self.pages, tokens[:, 0], positions[:, 0], table, sp,
                                                         steps, n_lp, mode)
         self.stats["steps"] += 1
         self.stats["decode_passes"] += 1
-        self._inflight = _InFlight(rows, out, sp, mode, n_lp)
+        self._inflight = _InFlight(rows, slots, out, sp, mode, n_lp)
 
     def _overlap_continues(self) -> bool:
         """Whether the next decode step can run on the same rows before the step in flight is read:
@@ -320,8 +370,10 @@ class BatchEngine:
         if {id(r) for r in rows} != {id(r) for r in self.running} or self._admissible():
             return False
         live = [r for r in rows if not self._ends_in_flight(r)]
-        need = sum(max(0, -(-(r.num_computed + 2) // self.page_size) - len(r.pages)) for r in live)
-        return bool(live) and need <= len(self.pool.free)
+        need = collections.Counter()
+        for r in live:
+            need[r.rank] += max(0, -(-(r.num_computed + 2) // self.page_size) - len(r.pages))
+        return bool(live) and all(n <= self.pool.free_in(k) for k, n in need.items())
 
     def _ends_in_flight(self, r: Request) -> bool:
         """The step in flight gives r its last token (max_tokens / max_model_len): known on the host."""
@@ -331,8 +383,7 @@ class BatchEngine:
         """`_admit` would admit a request now."""
         if not self.waiting or len(self.running) >= self.max_num_seqs:
             return False
-        first = min(self.waiting[0].pending, self.prefill_chunk)
-        return -(-first // self.page_size) <= len(self.pool.free)
+        return self._rank_for(self.waiting[0]) is not None
 
     def _overlap_advance(self) -> list[Request]:
         """Dispatch the next decode step of the rows in flight, fed their tokens on the device; then
@@ -343,12 +394,12 @@ class BatchEngine:
         positions = np.full((B,), -1, np.int32)
         steps = np.zeros((B,), np.int32)
         live = []
-        for b, r in enumerate(f.rows):
+        for b, r in zip(f.slots, f.rows):
             if self._ends_in_flight(r):
                 continue
             need = -(-(r.num_computed + 2) // self.page_size) - len(r.pages)
             if need > 0:
-                r.pages += self.pool.take(need)           # checked free by _overlap_continues
+                r.pages += self.pool.take(need, r.rank)   # checked free by _overlap_continues
             # the step in flight feeds position num_computed and samples output number len(output_ids)
             positions[b], steps[b] = r.num_computed + 1, len(r.output_ids) + 1
             live.append((b, r))
@@ -361,7 +412,7 @@ class BatchEngine:
         self.stats["decode_passes"] += 1
         self.stats["overlapped_steps"] += 1
         self._inflight = dataclasses.replace(f, out=out)
-        finished = self._book([(r, 1) for r in f.rows], self.engine.fetch(f.out))
+        finished = self._book([(r, 1) for r in f.rows], self.engine.fetch(f.out), f.slots)
         for r in finished:
             self._release(r)
         return finished
@@ -372,7 +423,7 @@ class BatchEngine:
         f, self._inflight = self._inflight, None
         if f is None:
             return []
-        finished = self._book([(r, 1) for r in f.rows], self.engine.fetch(f.out))
+        finished = self._book([(r, 1) for r in f.rows], self.engine.fetch(f.out), f.slots)
         for r in finished:
             self._release(r)
         return finished
@@ -402,7 +453,7 @@ class BatchEngine:
         nothing. Measured on the step's own rows: the decode pass writes the latents the real pass
         then writes again; the verification pass feeds only the last token (drafts are padding), so
         nothing is written beyond the cache the rows already have."""
-        key = (self.engine.batch_size(len(ready)), bucket(max(len(r.pages) for r in ready), 4))
+        key = (self._slots(ready)[0], bucket(max(len(r.pages) for r in ready), 4))
         if key not in self.engine.pass_costs:
             self.engine.pass_costs[key] = self._measure_passes(ready)
             self.stats["cost_calibrations"] += 1
@@ -416,11 +467,11 @@ class BatchEngine:
         n_draft = np.zeros((ver[0].shape[0],), np.int32)
 
         def decode():
-            tokens, positions, table, steps, sp = dec
+            tokens, positions, table, steps, sp, _ = dec
             self.pages, _ = self.engine.paged_step(self.pages, tokens, positions, table, last, sp, steps, None)
 
         def verify():
-            tokens, positions, table, steps, sp = ver
+            tokens, positions, table, steps, sp, _ = ver
             self.pages, _, _ = self.engine.verify_step(self.pages, tokens, positions, table, n_draft, sp, steps)
 
         decode(), verify()                    # compile (both return host arrays: each call blocks)
@@ -452,15 +503,15 @@ class BatchEngine:
         return st.index.propose(k) if k > 0 else []
 
     def _run_verify(self, rows: list[tuple[Request, list[int]]]) -> list[Request]:
-        tokens, positions, table, steps, sp = self._inputs(
+        tokens, positions, table, steps, sp, slots = self._inputs(
             [(r, [r.tokens[-1], *drafts]) for r, drafts in rows], self.spec.num_speculative_tokens + 1)
         n_draft = np.zeros((tokens.shape[0],), np.int32)
-        n_draft[:len(rows)] = [len(d) for _, d in rows]
+        n_draft[slots] = [len(d) for _, d in rows]
         self.pages, n_acc, nxt = self.engine.verify_step(self.pages, tokens, positions, table, n_draft, sp, steps)
         self.stats["steps"] += 1
         self.stats["verify_passes"] += 1
         finished = []
-        for b, (r, drafts) in enumerate(rows):
+        for b, (r, drafts) in zip(slots, rows):
             a = int(n_acc[b])
             if drafts:
                 r.spec.record(len(drafts), a)

@@ -32,7 +32,7 @@ flags.DEFINE_float("allreduce_us", None, "time per all-reduce in us (as profiled
 flags.DEFINE_enum("impl", "pallas", ["pallas", "xla"], "expert kernels: fused INT4 (pallas) or XLA dequant")
 flags.DEFINE_float("mem_fraction", 0.92, "fraction of device memory the engine may use")
 flags.DEFINE_bool("engine_artifacts", True, "include what the current engine adds beyond the design "
-                  "(collectives, the dp-replicated paged pool)")
+                  "(collectives; see kimi_jax.planner)")
 flags.DEFINE_enum("engine", "kimi_jax", ["kimi_jax", "vllm"], "whose decode step's collectives to plan: this "
                   "engine's, or vLLM's tensor-parallel step (sources in kimi_jax.planner.VLLM_TP_SOURCES)")
 flags.DEFINE_bool("anchor", False, "plan the published case (Kimi-K2.5 INT4, 8 x RTX PRO 6000, TP8 on vLLM, "

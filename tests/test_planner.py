@@ -332,19 +332,20 @@ def test_int4_efficiency_curve_and_calibration_override():
     assert curve.int4_efficiency_at(8) == pytest.approx(0.6)
 
 
-def test_dp_plans_hold_the_replicated_paged_pool():
-    """The serving engine keeps its paged pool replicated over dp (Engine._paged_step pins it
-    replicated): a DP8 plan holds all 16 rows' cache on every device (8x the design, which splits it),
-    while each device still reads only its own rows."""
+def test_dp_plans_hold_only_their_rows_of_the_paged_pool():
+    """The serving engine splits its paged pool's pages over dp like the rows (tests/test_dp_pages.py):
+    a DP8 plan holds its own 2 of the 16 rows' cache per device, the same as the design."""
     cfg, h200, lay = preset("kimi-k2.5"), hardware.preset("h200"), Layout(1, 8, True)
     art = planner.plan(cfg, h200, lay, batch=16, context=8192)
     design = planner.plan(cfg, h200, lay, batch=16, context=8192,
                           options=planner.PlanOptions(engine_artifacts=False))
-    assert art.cache_bytes == pytest.approx(8 * design.cache_bytes)
+    assert art.cache_bytes == design.cache_bytes
+    assert art.cache_bytes == 2 * 8192 * cfg.num_hidden_layers * cfg.latent_dim * planner.KV_BYTES
     reads = lambda p: next(t.bytes for t in p.terms if t.name == "attention (cache)")   # noqa: E731
     assert reads(art) == reads(design)
-    assert art.max_context_for_batch * 8 == design.max_context_for_batch
-    assert any("replicated over dp" in n for n in art.notes)
-    # one device: nothing to replicate
+    assert art.max_context_for_batch == design.max_context_for_batch
+    assert art.max_batch_for_context == design.max_batch_for_context
+    assert not any("replicated over dp" in n for n in art.notes)
+    assert "split over dp" in art.cache_note
     single = planner.plan(cfg.replace(num_hidden_layers=3), h200, Layout(1), batch=16, context=1024)
     assert "split over dp" in single.cache_note

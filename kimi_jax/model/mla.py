@@ -70,7 +70,7 @@ class MLA(nnx.Module):
 
     # -- attention --------------------------------------------------------------------------------
     def __call__(self, x_BTD, positions_BT, kv_BSL=None, *, absorbed: bool = False, block_table_BP=None,
-                 fresh: bool = False):
+                 fresh: bool = False, layer=None):
         """Attend from x's tokens (at absolute positions) to the cached tokens.
 
         kv_BSL: the layer's latent cache [B, S, A + R] or None. With a cache, the new tokens' latents
@@ -79,10 +79,13 @@ class MLA(nnx.Module):
         prefill). Returns (output [B, T, D], updated cache, or the new latents [B, T, A + R]).
 
         Paged: with block_table_BP [B, pages per sequence], kv_BSL is the whole paged pool of the layer
-        stack flattened to [X pages, page_size, A + R] and block_table_BP holds this layer's page ids
-        into it (scan_layers offsets them); position p of sequence b lives in page
-        block_table[b, p // page_size] at offset p % page_size. Queries attend to the cached positions
-        before the row's first new token plus the new tokens themselves (causally), and the new latents
+        stack [L, num_pages, page_size, A + R], `layer` this layer's index into it, and block_table_BP
+        holds page ids into one layer's pages; position p of sequence b lives in page
+        block_table[b, p // page_size] at offset p % page_size. (Or, layer None: a flat pool
+        [X pages, page_size, A + R] with ids into it.) Under data parallelism the pool's page axis is
+        split over the batch's mesh axes like the rows (`ops.page_split`) and the ids are local to the
+        row's shard: every read and write of the pool then runs per shard. Queries attend to the
+        cached positions before the row's first new token plus the new tokens themselves (causally), and the new latents
         are returned for one write after all layers (`write_pages`), so the layer loop never copies the
         pool. New tokens of a row must have consecutive positions. Tokens at position < 0 are padding:
         not written, and their outputs are garbage to be ignored. The absorbed paged form runs as one
@@ -104,7 +107,8 @@ class MLA(nnx.Module):
         if block_table_BP is not None and absorbed:
             q_lat_BTNA = ops.einsum_f32("btnh,nha->btna", q_nope_BTNH, w_uk).astype(x_BTD.dtype)
             o_lat_BTNA = ops.mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTL, kv_BSL, block_table_BP,
-                                                 positions_BT, scale, parallel=self.parallel).astype(x_BTD.dtype)
+                                                 positions_BT, scale, parallel=self.parallel,
+                                                 layer=layer).astype(x_BTD.dtype)
             o_BTNV = ops.einsum_f32("btna,nva->btnv", o_lat_BTNA, w_uv)
             return self.o_proj(o_BTNV.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * V)), new_BTL
         fresh = fresh and not absorbed
@@ -113,7 +117,8 @@ class MLA(nnx.Module):
             if fresh:
                 keys_BSL, key_pos_BS = new_BTL, positions_BT
             else:
-                keys_BSL, mask_BTS = ops.paged_keys(kv_BSL, block_table_BP, new_BTL, positions_BT)
+                keys_BSL, mask_BTS = ops.paged_keys(kv_BSL, block_table_BP, new_BTL, positions_BT, layer=layer,
+                                                    parallel=self.parallel)
         elif kv_BSL is None:
             keys_BSL, key_pos_BS, out_kv = new_BTL, positions_BT, new_BTL
         else:
@@ -144,16 +149,24 @@ class MLA(nnx.Module):
         return o_BTD, out_kv
 
 
-def write_pages(pool_LPpC, block_table_BP, positions_BT, new_LBTC):
-    """Write every layer's new latents into their slots (tokens at position < 0 are padding)."""
-    n_layers, n_pages, page, C = pool_LPpC.shape
-    valid = positions_BT >= 0
-    pos = jnp.where(valid, positions_BT, 0)
-    page_of = jnp.take_along_axis(block_table_BP, pos // page, axis=1)
-    slot = jnp.where(valid, page_of * page + pos % page, n_pages * page).reshape(-1)   # padding: dropped
-    flat = pool_LPpC.reshape(n_layers, n_pages * page, C).at[:, slot].set(
-        new_LBTC.reshape(n_layers, -1, C).astype(pool_LPpC.dtype), mode="drop")
-    return flat.reshape(pool_LPpC.shape)
+def write_pages(pool_LPpC, block_table_BP, positions_BT, new_LBTC, parallel=None):
+    """Write every layer's new latents into their slots (tokens at position < 0 are padding).
+    parallel: a page-split pool (`ops.page_split`, ids local to each row's shard) is written per shard:
+    each data-parallel rank writes its own rows into its own pages."""
+
+    def write(pool_LPpC, block_table_BP, positions_BT, new_LBTC):
+        n_layers, n_pages, page, C = pool_LPpC.shape
+        valid = positions_BT >= 0
+        pos = jnp.where(valid, positions_BT, 0)
+        page_of = jnp.take_along_axis(block_table_BP, pos // page, axis=1)
+        slot = jnp.where(valid, page_of * page + pos % page, n_pages * page).reshape(-1)   # padding: dropped
+        flat = pool_LPpC.reshape(n_layers, n_pages * page, C).at[:, slot].set(
+            new_LBTC.reshape(n_layers, -1, C).astype(pool_LPpC.dtype), mode="drop")
+        return flat.reshape(pool_LPpC.shape)
+
+    write = ops._per_page_shard(write, parallel, ((None, "split", None, None), ("split", None), ("split", None),
+                                                  (None, "split", None, None)), (None, "split", None, None))
+    return write(pool_LPpC, block_table_BP, positions_BT, new_LBTC)
 
 
 def _softmax(scores_BNTS, mask_BTS):

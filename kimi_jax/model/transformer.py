@@ -34,7 +34,8 @@ class DecoderLayer(nnx.Module):
         """layer: this layer's index in its stack when the routed experts' weights are the whole stack
         [L, E, ...] (scan_layers); None when they are this layer's own [E, ...]. fresh: see MLA."""
         a_BTD, kv = self.self_attn(self.input_layernorm(x_BTD), positions_BT, kv_BSL, absorbed=absorbed,
-                                   block_table_BP=block_table_BP, fresh=fresh)
+                                   block_table_BP=block_table_BP, fresh=fresh,
+                                   layer=layer if block_table_BP is not None else None)
         h_BTD = x_BTD + a_BTD
         ffn_in = self.post_attention_layernorm(h_BTD)
         ffn = self.mlp(ffn_in, layer=layer) if isinstance(self.mlp, MoE) else self.mlp(ffn_in)
@@ -71,7 +72,9 @@ def scan_layers(stack: nnx.Module, x_BTD, positions_BT, kv_LBSL, *, absorbed: bo
 
     The routed experts' weights (9.5 GB per Kimi layer) and a paged pool enter the loop whole, never
     as per-layer slices, and each layer indexes them with its layer number (the MoE kernels take expert
-    ids offset by layer * E; the paged attention takes page ids offset by layer * num_pages). A paged
+    ids offset by layer * E; the paged attention flattens the pool [L, num_pages, ...] and offsets page
+    ids by layer * num_pages, per shard with the shard's num_pages when the pool's pages are split over
+    data parallelism, see ops.page_split). A paged
     pool (block_table_BP given) is only read inside the loop; the new latents of every layer come out
     of it and are written into the pool once afterwards (no copy of the pool per step).
     The other per-layer weights are sliced per layer: by lax.scan, or with static indices when the loop
@@ -81,15 +84,12 @@ def scan_layers(stack: nnx.Module, x_BTD, positions_BT, kv_LBSL, *, absorbed: bo
     graphdef, experts, rest = nnx.split(stack, nnx.PathContains("experts"), ...)
     n_layers = _num_layers(rest)
     paged = block_table_BP is not None
-    if paged:
-        n_pages = kv_LBSL.shape[1]
-        pool_XpC = kv_LBSL.reshape(n_layers * n_pages, *kv_LBSL.shape[2:])     # free: a bitcast
 
     def layer_fn(x, layer, layer_state, kv):
         module = nnx.merge(graphdef, experts, layer_state)
-        if paged:
-            return module(x, positions_BT, pool_XpC, absorbed=absorbed,
-                          block_table_BP=block_table_BP + layer * n_pages, layer=layer, fresh=fresh)
+        if paged:     # the whole stacked pool; the attention reads this layer's pages (ops._layer_pages)
+            return module(x, positions_BT, kv_LBSL, absorbed=absorbed, block_table_BP=block_table_BP,
+                          layer=layer, fresh=fresh)
         return module(x, positions_BT, kv, absorbed=absorbed, layer=layer, fresh=fresh)
 
     if _unroll():
@@ -104,7 +104,7 @@ def scan_layers(stack: nnx.Module, x_BTD, positions_BT, kv_LBSL, *, absorbed: bo
         per_layer_kv = None if paged else kv_LBSL
         x_BTD, out_L = jax.lax.scan(lambda x, xs: layer_fn(x, *xs), x_BTD, (layers, rest, per_layer_kv))
     if paged:
-        return x_BTD, write_pages(kv_LBSL, block_table_BP, positions_BT, out_L)
+        return x_BTD, write_pages(kv_LBSL, block_table_BP, positions_BT, out_L, parallel=stack.self_attn.parallel)
     return x_BTD, out_L
 
 
