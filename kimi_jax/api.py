@@ -128,9 +128,10 @@ class LLM:
         self._next_id = 0
 
     def _default_num_pages(self, utilization: float) -> int:
-        """Pages from the device memory left after the weights (GPU); on CPU, enough for every sequence
-        slot to reach max_model_len, capped at 2048 pages (XLA:CPU's cache update costs time in
-        proportion to the pool; a fuller pool preempts and recomputes instead)."""
+        """Pages from the device memory left after the weights (GPU; under data parallelism each device
+        holds 1/dp of the pool, so the pool is dp times what one device has room for); on CPU, enough for
+        every sequence slot to reach max_model_len, capped at 2048 pages (XLA:CPU's cache update costs
+        time in proportion to the pool; a fuller pool preempts and recomputes instead)."""
         cfg = self.config
         page_bytes = (cfg.num_hidden_layers * self.page_size * cfg.latent_dim * jnp.dtype(self.dtype).itemsize)
         full = self.max_num_seqs * -(-self.max_model_len // self.page_size)
@@ -140,7 +141,7 @@ class LLM:
             return max(2, min(full, 2048))
         stats = jax.devices()[0].memory_stats() or {}
         free = limit * utilization - stats.get("bytes_in_use", 0)
-        pages = int(free // page_bytes)
+        pages = int(free // page_bytes) * self.layout.data_parallel_size
         if pages < 2:
             raise ValueError(f"no memory left for the cache: {free / 2**30:.2f} GiB free after the weights "
                              f"at gpu_memory_utilization={utilization}")

@@ -176,3 +176,22 @@ def test_ops_on_a_split_pool_equal_the_whole_pool(impl):
     want = write_pages(pool, glob, positions, new_L)
     assert got.sharding.is_equivalent_to(split_pool.sharding, 4)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_default_pool_on_a_gpu_counts_every_dp_rank(monkeypatch):
+    """On a device with a memory limit the default pool is what the free memory of one device holds,
+    times dp: each device keeps only its rank's 1/dp of the pages."""
+    import types
+    import jax
+    import jax.numpy as jnp
+    from kimi_jax import api, sharding
+    from kimi_jax.sharding import Layout
+    monkeypatch.setattr(sharding, "device_memory_bytes", lambda: 2 ** 30)
+    cfg = CFG
+    page_bytes = cfg.num_hidden_layers * 16 * cfg.latent_dim * 4
+    for dp in (1, 4):
+        fake = types.SimpleNamespace(config=cfg, page_size=16, dtype=jnp.float32, max_num_seqs=10 ** 6,
+                                     max_model_len=10 ** 6, layout=Layout(1, dp, True))
+        used = jax.devices()[0].memory_stats() or {}
+        expect = int((2 ** 30 * 0.5 - used.get("bytes_in_use", 0)) // page_bytes) * dp
+        assert api.LLM._default_num_pages(fake, 0.5) == expect
