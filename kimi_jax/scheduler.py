@@ -22,7 +22,7 @@ stop conditions, finished requests) one step behind. A request that finished at 
 been included in step N+1: that extra token is discarded (a row known on the host to reach max_tokens
 at step N is fed as padding instead). Its pages return to the pool at once: every later step that
 could write them is ordered after step N+1 on the device (the page pool is threaded through the
-steps). The chain stops (the host waits for the step in flight, `_drain`, and takes the ordinary
+steps). The chain stops (the host waits for the step in flight, `drain`, and takes the ordinary
 path) whenever the batch would change: a request finished, one can be admitted, a prompt chunk is
 pending, or a page for the next step would need a preemption. Tokens are those of the ordinary path.
 
@@ -105,6 +105,11 @@ class _InFlight:
     sp: SamplingArrays
     sample_mode: str
     n_logprobs: Optional[int]
+
+
+def _n_logprobs(reqs) -> Optional[int]:
+    """Top logprobs a step must return: the most any of its requests asks for (None: none asks)."""
+    return max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)
 
 
 class PagePool:
@@ -199,7 +204,7 @@ class BatchEngine:
         if self._inflight is not None:
             if self._overlap_continues():
                 return self._overlap_advance()
-            finished += self._drain()
+            finished += self.drain()
         self._admit()
         budget, rows = self.max_prefill_tokens, []
         for r in [r for r in self.running if r.pending > 1]:
@@ -261,7 +266,7 @@ class BatchEngine:
     def _ensure_pages(self, r: Request, upto: int, protected=()) -> bool:
         """Pages for positions [0, upto); preempt the newest other request (never one already in this
         step's batch) if the pool is dry. Pages and victims come from r's data-parallel rank."""
-        need = -(-upto // self.page_size) - len(r.pages)
+        need = self._pages_short(r, upto)
         while need > 0:
             got = self.pool.take(need, r.rank)
             if got is not None:
@@ -272,6 +277,10 @@ class BatchEngine:
                 return False
             self._preempt(victims[-1])
         return True
+
+    def _pages_short(self, r: Request, upto: int) -> int:
+        """Pages r lacks to hold positions [0, upto) (<= 0: none)."""
+        return -(-upto // self.page_size) - len(r.pages)
 
     def _preempt(self, r: Request) -> None:
         self.running.remove(r)
@@ -323,7 +332,7 @@ class BatchEngine:
             [(r, r.tokens[r.num_computed:r.num_computed + n]) for r, n in rows], T)
         last = np.zeros((tokens.shape[0],), np.int32)
         last[slots] = [n - 1 for _, n in rows]
-        n_lp = max((r.params.logprobs for r, _ in rows if r.params.logprobs is not None), default=None)
+        n_lp = _n_logprobs(r for r, _ in rows)
         self.pages, out = self.engine.paged_step(self.pages, tokens, positions, table, last, sp, steps, n_lp)
         self.stats["steps"] += 1
         self.stats["decode_passes" if T == 1 else "prefill_passes"] += 1
@@ -351,7 +360,7 @@ class BatchEngine:
     def _dispatch_decode(self, rows: list[Request]) -> None:
         """Start a decode step for rows (pages ensured) without waiting for its tokens."""
         tokens, positions, table, steps, sp, slots = self._inputs([(r, [r.tokens[r.num_computed]]) for r in rows], 1)
-        n_lp = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
+        n_lp = _n_logprobs(rows)
         mode = sample_mode_of(sp)
         self.pages, out = self.engine.decode_step_async(self.pages, tokens[:, 0], positions[:, 0], table, sp,
                                                         steps, n_lp, mode)
@@ -372,7 +381,7 @@ class BatchEngine:
         live = [r for r in rows if not self._ends_in_flight(r)]
         need = collections.Counter()
         for r in live:
-            need[r.rank] += max(0, -(-(r.num_computed + 2) // self.page_size) - len(r.pages))
+            need[r.rank] += max(0, self._pages_short(r, r.num_computed + 2))
         return bool(live) and all(n <= self.pool.free_in(k) for k, n in need.items())
 
     def _ends_in_flight(self, r: Request) -> bool:
@@ -397,7 +406,7 @@ class BatchEngine:
         for b, r in zip(f.slots, f.rows):
             if self._ends_in_flight(r):
                 continue
-            need = -(-(r.num_computed + 2) // self.page_size) - len(r.pages)
+            need = self._pages_short(r, r.num_computed + 2)
             if need > 0:
                 r.pages += self.pool.take(need, r.rank)   # checked free by _overlap_continues
             # the step in flight feeds position num_computed and samples output number len(output_ids)
@@ -412,17 +421,11 @@ class BatchEngine:
         self.stats["decode_passes"] += 1
         self.stats["overlapped_steps"] += 1
         self._inflight = dataclasses.replace(f, out=out)
-        finished = self._book([(r, 1) for r in f.rows], self.engine.fetch(f.out), f.slots)
-        for r in finished:
-            self._release(r)
-        return finished
+        return self._read(f)
 
-    def _drain(self) -> list[Request]:
-        """Wait for the decode step in flight and do its bookkeeping; release and return the requests
-        that finished."""
-        f, self._inflight = self._inflight, None
-        if f is None:
-            return []
+    def _read(self, f: _InFlight) -> list[Request]:
+        """Wait for a dispatched decode step and do its bookkeeping; release and return the requests
+        that finished with it."""
         finished = self._book([(r, 1) for r in f.rows], self.engine.fetch(f.out), f.slots)
         for r in finished:
             self._release(r)
@@ -430,8 +433,10 @@ class BatchEngine:
 
     def drain(self) -> list[Request]:
         """Finish the bookkeeping of a decode step still in flight (overlap scheduling); returns the
-        requests that finished with it. `run` calls it before returning."""
-        return self._drain()
+        requests that finished with it. `step` calls it before the batch changes, `run` before
+        returning."""
+        f, self._inflight = self._inflight, None
+        return [] if f is None else self._read(f)
 
     def _verify_pays(self, ready: list[Request], drafts: dict) -> bool:
         """Verify when it is expected to yield more tokens per second than a decode pass:
