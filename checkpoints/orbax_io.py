@@ -300,13 +300,9 @@ def _entry_key(i: int) -> str:
 
 
 def _nest(flat_items) -> dict:
-    out: dict = {}
-    for k, v in flat_items:
-        node = out
-        for part in k[:-1]:
-            node = node.setdefault(part, {})
-        node[k[-1]] = v
-    return out
+    """The nested dict of (key tuple, value) pairs (the inverse of `_flat`)."""
+    from flax import traverse_util
+    return traverse_util.unflatten_dict(dict(flat_items))
 
 
 # ---- saving -------------------------------------------------------------------------------------
