@@ -118,12 +118,16 @@ def sample_mode(sp: SamplingArrays) -> str:
     min-p). A static argument of the jitted step: deciding on the host avoids a device conditional,
     which on a GPU makes the host wait for the device inside every step (it cannot enqueue the next
     step ahead)."""
-    t = np.asarray(sp.temperature)
-    sampling = t > 0
+    sampling, filters = _row_paths(*map(np.asarray, (sp.temperature, sp.top_k, sp.top_p, sp.min_p)))
     if not sampling.any():
         return "greedy"
-    filters = sampling & ((np.asarray(sp.top_k) > 0) | (np.asarray(sp.top_p) < 1.0) | (np.asarray(sp.min_p) > 0))
     return "filtered" if filters.any() else "plain"
+
+
+def _row_paths(temperature, top_k, top_p, min_p):
+    """Per row: (samples at all, samples with a top-k / top-p / min-p filter). numpy or jax arrays."""
+    sampling = temperature > 0
+    return sampling, sampling & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
 
 
 def sample(logits_BV: jax.Array, sp: SamplingArrays, step_B: jax.Array, mode: Optional[str] = None) -> jax.Array:
@@ -137,8 +141,7 @@ def sample(logits_BV: jax.Array, sp: SamplingArrays, step_B: jax.Array, mode: Op
     if mode is not None and mode not in SAMPLE_MODES:
         raise ValueError(f"unknown sample mode {mode!r}; expected one of {SAMPLE_MODES}")
     greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    sampling = sp.temperature > 0
-    filters = sampling & ((sp.top_k > 0) | (sp.top_p < 1.0) | (sp.min_p > 0.0))
+    sampling, filters = _row_paths(sp.temperature, sp.top_k, sp.top_p, sp.min_p)
     temp = jnp.where(sampling, sp.temperature, 1.0)
     draw = jax.vmap(lambda k, s, row: jax.random.categorical(_row_key(k, s), row))
 
