@@ -707,13 +707,13 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
     reference step (`Engine._decode`), which on a GPU uses the XLA attention path and rewrites the cache."""
     import jax
     import numpy as np
+    from kimi_jax.engine import _i32 as i32       # numpy step inputs: jit's fast path, as the engine's
     from kimi_jax.engine import bucket
     cache_len = bucket(context + warmup + steps + 1)
-    i32 = lambda x: jax.numpy.asarray(np.asarray(x, np.int32))
-    ones = np.ones((batch,), np.int32)
+    ones, zeros = np.ones((batch,), np.int32), np.zeros((batch,), np.int32)
     if paged:
         cache, tok, table, sp = paged_args(engine, layout, batch, cache_len)
-        lowered = engine._step.lower(engine.state, cache, i32(tok), i32(tok), i32(table), i32(0 * ones), sp,
+        lowered = engine._step.lower(engine.state, cache, i32(tok), i32(tok), i32(table), zeros, sp,
                                      i32(ones), n_logprobs=None, absorbed=True, fresh=False,
                                      sample_mode="greedy")
     else:
@@ -734,7 +734,7 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
     def step(i, cache):
         pos = np.full(tokens.shape, context + i, np.int32)
         if paged:
-            cache, out = compiled(engine.state, cache, i32(tokens), i32(pos), i32(table), i32(0 * ones), sp,
+            cache, out = compiled(engine.state, cache, i32(tokens), i32(pos), i32(table), zeros, sp,
                                   i32(ones * (i + 1)))
         else:
             cache, out = compiled(engine.state, cache, i32(tokens), i32(pos), sp, i32(ones * (i + 1)))
@@ -758,8 +758,8 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
     trace_file = _find_trace_file(trace_dir)
     ms, per_step, coll_trace, nd, top = analyze_trace(trace_file, module, steps, module_name=module_name)
     busy = sum(ms.values())
-    notes = [("paged" if paged else "contiguous") + "-cache decode step (Engine._step)" * paged
-             + "-cache reference step (Engine._decode)" * (not paged),
+    notes = ["paged-cache decode step (Engine._step)" if paged
+             else "contiguous-cache reference step (Engine._decode)",
              "attention vs matmul split is a heuristic on the HLO instructions' Python stacks "
              "(MLA score/value einsums + softmax = attention)"]
     if jax.default_backend() == "cpu":
