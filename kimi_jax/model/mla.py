@@ -85,11 +85,12 @@ class MLA(nnx.Module):
         [X pages, page_size, A + R] with ids into it.) Under data parallelism the pool's page axis is
         split over the batch's mesh axes like the rows (`ops.page_split`) and the ids are local to the
         row's shard: every read and write of the pool then runs per shard. Queries attend to the
-        cached positions before the row's first new token plus the new tokens themselves (causally), and the new latents
-        are returned for one write after all layers (`write_pages`), so the layer loop never copies the
-        pool. New tokens of a row must have consecutive positions. Tokens at position < 0 are padding:
-        not written, and their outputs are garbage to be ignored. The absorbed paged form runs as one
-        op (`ops.mla_paged_attention`: a GPU kernel reads the pages in place).
+        cached positions before the row's first new token plus the new tokens themselves (causally),
+        and the new latents are returned for one write after all layers (`write_pages`), so the layer
+        loop never copies the pool. New tokens of a row must have consecutive positions. Tokens at
+        position < 0 are padding: not written, and their outputs are garbage to be ignored. The
+        absorbed paged form runs as one op (`ops.mla_paged_attention`: a GPU kernel reads the pages
+        in place).
 
         fresh (static, expanded form only): the caller guarantees that no row has tokens before this
         step's: each row's real tokens are at positions 0, 1, ... and its padding (position < 0) comes

@@ -74,9 +74,9 @@ def scan_layers(stack: nnx.Module, x_BTD, positions_BT, kv_LBSL, *, absorbed: bo
     as per-layer slices, and each layer indexes them with its layer number (the MoE kernels take expert
     ids offset by layer * E; the paged attention flattens the pool [L, num_pages, ...] and offsets page
     ids by layer * num_pages, per shard with the shard's num_pages when the pool's pages are split over
-    data parallelism, see ops.page_split). A paged
-    pool (block_table_BP given) is only read inside the loop; the new latents of every layer come out
-    of it and are written into the pool once afterwards (no copy of the pool per step).
+    data parallelism, see ops.page_split). A paged pool (block_table_BP given) is only read inside the
+    loop; the new latents of every layer come out of it and are written into the pool once afterwards
+    (no copy of the pool per step).
     The other per-layer weights are sliced per layer: by lax.scan, or with static indices when the loop
     is unrolled (LAYER_LOOP), which on GPU reads them in place instead of copying.
     fresh (static): no row has tokens before this step's (see MLA): prefill attends to the new tokens
