@@ -18,3 +18,17 @@ jax.config.update("jax_compilation_cache_dir", os.environ.get("KIMI_JAX_TEST_CAC
                                                               os.path.join(tempfile.gettempdir(), "kimi_jax_test_xla_cache")))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """The tiny preset as a real-format checkpoint (seed 4, std 0.08), written once per test run for
+    every suite that serves it through the engine."""
+    from checkpoints.synthetic import write_checkpoint
+    from kimi_jax.config import preset
+    path = str(tmp_path_factory.mktemp("tiny_ckpt"))
+    write_checkpoint(path, preset("tiny"), seed=4, std=0.08)
+    return path

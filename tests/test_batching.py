@@ -14,10 +14,8 @@ CFG = preset("tiny")
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("batching"))
-    write_checkpoint(path, CFG, seed=4, std=0.08)
-    return path
+def ckpt(tiny_ckpt):
+    return tiny_ckpt
 
 
 def prompts(n, seed=0):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from checkpoints.synthetic import write_checkpoint
 from kimi_jax import LLM, SamplingParams
 from kimi_jax.config import preset
 
@@ -22,10 +21,8 @@ PAGES_PER_RANK, PAGE, SLOTS_PER_RANK = 12, 4, 2
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("dp_pages"))
-    write_checkpoint(path, CFG, seed=4, std=0.08)
-    return path
+def ckpt(tiny_ckpt):
+    return tiny_ckpt
 
 
 def workload(n, seed=0):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from checkpoints.synthetic import write_checkpoint
 from kimi_jax import LLM, SamplingParams
 from kimi_jax.config import preset
 
@@ -15,13 +14,11 @@ CFG = preset("tiny")
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def llm(tiny_ckpt):
     """One engine for every test (its compiled programs are shared): 3 slots (requests join as others
     finish), prompt chunks of 16 (long prompts span several steps), 24 pages of 4 tokens (fewer than
     the longest sequences need at once: preemption and recompute)."""
-    path = str(tmp_path_factory.mktemp("overlap"))
-    write_checkpoint(path, CFG, seed=4, std=0.08)
-    return LLM(path, dtype="float32", max_num_seqs=3, page_size=4, num_pages=24, prefill_chunk=16,
+    return LLM(tiny_ckpt, dtype="float32", max_num_seqs=3, page_size=4, num_pages=24, prefill_chunk=16,
                max_prefill_tokens=24)
 
 
