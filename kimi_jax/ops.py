@@ -294,6 +294,37 @@ def gather_pages(pool: jax.Array, block_table_BP: jax.Array, *, layer=None, para
     return gather(pool_L, block_table_BP, layer)
 
 
+# Which Pallas kernel `mla_paged_attention` runs over the cache (read at trace time, like use_impl):
+# None = automatic (`mla_decode_kernel`), "triton" (pallas_kernels/mla_decode.py, any head count) or
+# "mgpu" (pallas_kernels/mla_decode_mgpu.py: Mosaic GPU wgmma + TMA, 64-row tiles; on CPU it runs in
+# the Mosaic GPU interpreter).
+_MLA_DECODE_KERNEL: Optional[str] = None
+MLA_DECODE_KERNELS = ("triton", "mgpu")
+
+
+def use_mla_decode_kernel(choice: Optional[str]):
+    """Force the paged MLA decode kernel inside the block: None (automatic), 'triton' or 'mgpu'."""
+    return _forced("_MLA_DECODE_KERNEL", choice, MLA_DECODE_KERNELS, "MLA decode kernel")
+
+
+def _is_hopper() -> bool:
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+def mla_decode_kernel(rows: int, A: int, R: int, page: int, dtype) -> str:
+    """The decode kernel for `rows` = T * N query rows per sequence on one device: the Mosaic GPU
+    kernel where its 64-row wgmma tiles are full (rows a multiple of 64: 64 heads at TP1, or T * N
+    under speculation) on a Hopper GPU with bf16 and A a multiple of 256, R = 64, a page size of 8, 16, 32 or a
+    multiple of 64 (measured on the H200 at 64 heads: 2-2.5x the Triton kernel, BENCHMARKS.md); else
+    the Triton kernel (8 heads per device under TP8: the mgpu kernel would pad 8 rows to 64)."""
+    if _MLA_DECODE_KERNEL is not None:
+        return _MLA_DECODE_KERNEL
+    fits = (rows % 64 == 0 and A % 256 == 0 and R == 64 and page % 8 == 0 and (64 % page == 0 or page % 64 == 0)
+            and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16))
+    return "mgpu" if fits and _is_hopper() else "triton"
+
+
 def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: jax.Array, pool_XpC: jax.Array,
                         block_table_BP: jax.Array, positions_BT: jax.Array, scale: float, *,
                         impl: Optional[str] = None, parallel=None, layer=None) -> jax.Array:
@@ -317,6 +348,12 @@ def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: ja
 
         def kernel(q_lat, q_pe, new, pool_L, table, positions, layer):
             flat, table = _layer_pages(pool_L, table, layer)
+            B, T, N, _ = q_lat.shape          # this device's shard under shard_map
+            if mla_decode_kernel(T * N, A, R, flat.shape[1], q_lat.dtype) == "mgpu":
+                from pallas_kernels import mla_decode_mgpu
+                return mla_decode_mgpu.mla_paged_attention_mgpu(
+                    q_lat, q_pe, new, flat, table, positions, scale,
+                    interpret=jax.default_backend() != "gpu")
             return mla_decode.mla_paged_attention(q_lat, q_pe, new, flat, table, positions, scale)
 
         if parallel is not None and parallel.mesh.size > 1:

@@ -1,0 +1,45 @@
+"""kimi_jax.ops picks the paged MLA decode kernel (ops.mla_decode_kernel): the automatic choice off a
+Hopper GPU is the Triton kernel and a forced choice wins; forced to the Mosaic GPU kernel,
+ops.mla_paged_attention (interpreted on CPU) equals the XLA path. Tolerance 3e-2 absolute: as
+tests/test_mla_decode_mgpu.py (bf16 p before P @ C and a bf16 output on values of size <= ~3)."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kimi_jax import ops
+from pallas_kernels import mla_decode_mgpu as mg
+
+SCALE = 1.0 / math.sqrt(192.0)
+_interp = mg.interpret_params() if mg.plgpu is not None else None
+needs_interpreter = pytest.mark.skipif(_interp is None, reason="this jax has no Mosaic GPU interpreter")
+
+
+def test_ops_selects_the_decode_kernel():
+    assert ops.mla_decode_kernel(64, 512, 64, 16, jnp.bfloat16) == "triton"   # CPU: not Hopper
+    with ops.use_mla_decode_kernel("mgpu"):
+        assert ops.mla_decode_kernel(8, 512, 64, 16, jnp.bfloat16) == "mgpu"
+    with pytest.raises(ValueError, match="MLA decode kernel"):
+        with ops.use_mla_decode_kernel("cuda"):
+            pass
+
+
+@needs_interpreter
+def test_ops_runs_the_mgpu_kernel(monkeypatch):
+    calls = []
+    real = mg.mla_paged_attention_mgpu
+    monkeypatch.setattr(mg, "mla_paged_attention_mgpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    q_lat, q_pe, new, pool, bt, pos = mg.make_case(jax.random.key(3), [0, 37, 16], heads=64, page=16)
+    pos = pos.at[0].set(-1)                                     # a padding row reads nothing
+    L = 2
+    stacked = jnp.stack([pool * 0.5, pool])                     # layer 1 is `pool`
+    with ops.use_mla_decode_kernel("mgpu"):
+        got = ops.mla_paged_attention(q_lat, q_pe, new, stacked, bt, pos, SCALE, impl="pallas",
+                                      layer=L - 1)
+    assert calls, "ops did not run the Mosaic GPU kernel"
+    want = ops.mla_paged_attention(q_lat, q_pe, new, pool, bt, pos, SCALE, impl="xla")
+    # rows 1, 2 only: a padding row's output is unspecified (the engine discards it)
+    np.testing.assert_allclose(np.asarray(got[1:], np.float32), np.asarray(want[1:], np.float32),
+                               atol=3e-2, rtol=0)
