@@ -426,6 +426,15 @@ def section_dense():
         ss = [w[1] for w in ws]
         ps16 = [im.repack(p) for p in ps]
         wbytes = n * k // 2 + n * (k // 32) * 2
+        # the ceiling of this harness at this size: nm rotated `x ^ 1` copies moving wbytes each
+        # (read + write), timed exactly like the kernels (one jit, enqueued back to back)
+        srcs = [jax.random.bits(jax.random.fold_in(key, 90000 + i), (wbytes // 8,), jnp.uint32)
+                for i in range(nm)]
+        t = time_jax(jax.jit(lambda vs: [v ^ jnp.uint32(1) for v in vs]), (srcs,), nm)
+        record(section="dense", case=f"dense {shape_name}", impl="copy_same_size", t=t,
+               bytes=wbytes, gbps=wbytes / t / 1e9)
+        log(f"dense {shape_name}", "same-size copy", f"{t * 1e6:.2f}us", f"{wbytes / t / 1e9:.0f}GB/s")
+        del srcs
         for m in [int(v) for v in FLAGS.ms]:
             xs = [jax.random.normal(jax.random.fold_in(key, 7 + j), (m, k), jnp.bfloat16)
                   for j in range(passes * nm)]     # a distinct activation for every call

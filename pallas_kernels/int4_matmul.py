@@ -71,10 +71,15 @@ class Int4MatmulConfig:
 
 
 def default_config(m: int, n: int, k: int) -> Int4MatmulConfig:
-    """Decode (M <= 32): tokens on the MMA's 16-row side, 4 warps each streaming 8 of the 32
-    weight rows of a program (no weight is dequantized twice), 1024-wide K steps, 4 stages.
-    Measured on H200 (BENCHMARKS.md) as the most even choice over M = 1..16 for both Kimi shapes;
-    split-K and the 8-row swapped variants were within noise or slower for these sizes."""
+    """M <= 8: one launch, weights on the MMA's M side (8-row swapped tiles), split-K 4 summed by f32
+    atomics, x permuted in registers ('shuffle'): on the H200 11.9 / 15.5 us (gate+up M = 1 / 4) and
+    10.1 / 10.6 us (down) against 16.3 / 18.4 and 15.2 / 12.9 for the previous default (BENCHMARKS.md,
+    fourth session). 8 < M <= 32: tokens on the MMA's 16-row side, 4 warps each streaming 8 of the 32
+    weight rows of a program (no weight is dequantized twice), 1024-wide K steps, 4 stages: at M = 16
+    every single-launch variant was within noise of it."""
+    if m <= 8 and k % (4 * 256) == 0 and n % 64 == 0:
+        return Int4MatmulConfig(block_m=8, block_n=64, block_k=256, swap_ab=True, split_k=4,
+                                split_reduce="atomic", x_layout="shuffle")
     if m <= 32:
         return Int4MatmulConfig(block_m=16, block_n=32, block_k=1024, num_warps=4, num_stages=4,
                                 swap_ab=False, x_layout="perm")
