@@ -50,6 +50,11 @@ flags.DEFINE_integer("num_layers", None, "throughput/spec suites: with a preset 
                      "layers (random weights of the true geometry)")
 flags.DEFINE_integer("max_model_len", None, "throughput suite: LLM max_model_len")
 flags.DEFINE_integer("num_pages", None, "throughput suite: LLM num_pages (default: from free memory)")
+flags.DEFINE_list("mla_kernels", ["auto"], "throughput suite: paged MLA decode kernels to run the same workload "
+                  "under (auto, triton, mgpu; kimi_jax.ops.use_mla_decode_kernel); later ones are compared token "
+                  "by token with the first")
+flags.DEFINE_integer("min_prompt", 16, "throughput suite: shortest prompt (log-uniform lengths)")
+flags.DEFINE_integer("max_prompt", 256, "throughput suite: longest prompt")
 flags.DEFINE_bool("overlap", True, "throughput suite: overlap scheduling (LLM overlap_scheduling: decode step "
                   "N+1 dispatched before step N's tokens are read); --nooverlap for the synchronous scheduler")
 
@@ -197,6 +202,19 @@ def moe_sweep(name):
             ("fused_shuf_k1024_d32w2", C(decode="fused", x_layout="shuffle", block_k_gate_up=1024,
                                          block_k_down=1024, block_n_down=32, num_warps_down=2)),
             ("tiles_shuf", C(x_layout="shuffle")),
+        ],
+        # fourth session: the pair-tile decode path (T <= 4) with other K steps / stages / program
+        # sizes: the down kernel ran at 66% of copy at T = 1 (896 programs of 4 K steps)
+        "t1": [
+            ("default", None),
+            ("dk256", C(block_k_down=256)),
+            ("dk1024", C(block_k_down=1024)),
+            ("s4", C(num_stages=4)),
+            ("s4_dk256", C(num_stages=4, block_k_down=256)),
+            ("guk1024_s4", C(block_k_gate_up=1024, num_stages=4)),
+            ("gu32_d32_w2", C(block_n_gate_up=32, block_n_down=32, num_warps=2)),
+            ("gu32_d32_w2_s4", C(block_n_gate_up=32, block_n_down=32, num_warps=2, num_stages=4)),
+            ("gu128_d128_w8", C(block_n_gate_up=128, block_n_down=128, num_warps=8)),
         ],
         "small": [("default", None)],
     }
@@ -752,17 +770,33 @@ def main(argv):
     if FLAGS.suite == "int4":
         run_int4()
     elif FLAGS.suite == "throughput":
-        from launch.bench_throughput import format_rows, throughput_rows
+        from launch.bench_throughput import agreement, format_rows, throughput_rows
         model = FLAGS.model
         if FLAGS.num_layers:
             from kimi_jax.config import preset
             model = preset(model).replace(num_hidden_layers=FLAGS.num_layers)
-        rows = throughput_rows(model, [int(b) for b in FLAGS.tp_batches], gen_tokens=FLAGS.gen_tokens,
-                               dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len, num_pages=FLAGS.num_pages,
-                               overlap_scheduling=FLAGS.overlap)
-        for r in rows:
-            record(suite="throughput", overlap=FLAGS.overlap, **r)
-        print(format_rows(rows))
+        from kimi_jax import ops
+        first = None
+        for kernel in FLAGS.mla_kernels:
+            with ops.use_mla_decode_kernel(None if kernel == "auto" else kernel):
+                rows = throughput_rows(model, [int(b) for b in FLAGS.tp_batches], gen_tokens=FLAGS.gen_tokens,
+                                       dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len,
+                                       num_pages=FLAGS.num_pages, overlap_scheduling=FLAGS.overlap,
+                                       min_prompt=FLAGS.min_prompt, max_prompt=FLAGS.max_prompt)
+            for i, r in enumerate(rows):
+                outputs = r.pop("outputs")
+                if first is None:
+                    r["outputs"] = outputs
+                else:
+                    r["agreement"] = agreement(first[i]["outputs"], outputs)
+                record(suite="throughput", overlap=FLAGS.overlap, mla_kernel=kernel,
+                       **{k: v for k, v in r.items() if k != "outputs"})
+            print(f"mla kernel: {kernel}")
+            print(format_rows(rows))
+            for r in rows:
+                if "agreement" in r:
+                    print(f"  batch {r['batch']} vs {FLAGS.mla_kernels[0]}: {r['agreement']}")
+            first = first or rows
     elif FLAGS.suite == "spec":
         from launch.bench_spec import format_rows as spec_table, spec_rows
         rows = spec_rows(FLAGS.model, [int(b) for b in FLAGS.tp_batches], gen_tokens=FLAGS.gen_tokens,

@@ -5,7 +5,8 @@ For each batch size B: N = max(2B, 8) requests with prompt lengths drawn from a 
 distribution over [--min_prompt, --max_prompt] and --gen_tokens output tokens each (ignore_eos, so
 every request produces exactly that many), run after a warm-up pass that compiles every shape.
 Reports output tokens/s, time per output token per sequence (the step time a user sees), and the
-step count.
+step count; each row keeps the greedy outputs (`outputs`, token ids per request) so two runs of the same
+workload under different kernels or schedulers can be compared token by token (`agreement`).
 """
 from __future__ import annotations
 
@@ -34,17 +35,30 @@ def throughput_rows(model, batches, *, n_min: int = 8, min_prompt: int = 16, max
             be = llm.batch_engine()
             for i, p in enumerate(prompts):
                 be.add(be.make_request(str(i), p, sp, seed=i))
+            done = {}
             t0 = time.perf_counter()
-            be.run()
-            return time.perf_counter() - t0, be.stats
+            be.run(on_finish=lambda r: done.__setitem__(r.request_id, list(r.output_ids)))
+            return time.perf_counter() - t0, be.stats, [done[str(i)] for i in range(n)]
 
         once()                                   # compiles every bucket this workload hits
-        wall, stats = once()
+        wall, stats, outputs = once()
         out_tok = stats["generated_tokens"]
         rows.append(dict(batch=B, requests=n, prompt_tokens=int(lens.sum()), output_tokens=out_tok,
                          wall_s=wall, tok_s=out_tok / wall, steps=stats["steps"],
-                         tpot_ms=1e3 * wall / gen_tokens))
+                         tpot_ms=1e3 * wall / gen_tokens, outputs=outputs))
     return rows
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """Token-by-token agreement of two runs' greedy outputs: requests identical, and the mean length of
+    the common prefix as a fraction of the output (bf16 kernels that sum in another order can flip a
+    near-tie and then diverge; a wrong kernel disagrees from the first token)."""
+    same = sum(x == y for x, y in zip(a, b))
+    prefix = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y))) / max(1, len(x))
+              for x, y in zip(a, b)]
+    first = sum(bool(x) and bool(y) and x[0] == y[0] for x, y in zip(a, b))
+    return dict(identical=same, requests=len(a), first_token_equal=first,
+                mean_prefix=sum(prefix) / max(1, len(prefix)))
 
 
 def format_rows(rows) -> str:
