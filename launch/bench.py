@@ -215,6 +215,12 @@ def moe_sweep(name):
             ("gu32_d32_w2", C(block_n_gate_up=32, block_n_down=32, num_warps=2)),
             ("gu32_d32_w2_s4", C(block_n_gate_up=32, block_n_down=32, num_warps=2, num_stages=4)),
             ("gu128_d128_w8", C(block_n_gate_up=128, block_n_down=128, num_warps=8)),
+            # the two-launch path with x permuted by XLA (the 'decode' sweep timed only d64w4 with it)
+            ("fused_perm_d32w2", C(decode="fused", block_n_down=32, num_warps_down=2)),
+            ("fused_perm_d32w2_s4", C(decode="fused", block_n_down=32, num_warps_down=2,
+                                      num_stages_down=4)),
+            ("fused_perm_d16w1_s4", C(decode="fused", block_n_down=16, num_warps_down=1,
+                                      num_stages_down=4)),
         ],
         "small": [("default", None)],
     }
