@@ -312,16 +312,22 @@ def _is_hopper() -> bool:
     return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
 
 
-def mla_decode_kernel(rows: int, A: int, R: int, page: int, dtype) -> str:
-    """The decode kernel for `rows` = T * N query rows per sequence on one device: the Mosaic GPU
-    kernel where its 64-row wgmma tiles are full (rows a multiple of 64: 64 heads at TP1, or T * N
-    under speculation) on a Hopper GPU with bf16 and A a multiple of 256, R = 64, a page size of 8, 16, 32 or a
-    multiple of 64 (measured on the H200 at 64 heads: 2-2.5x the Triton kernel, BENCHMARKS.md); else
-    the Triton kernel (8 heads per device under TP8: the mgpu kernel would pad 8 rows to 64)."""
+def mla_decode_kernel(rows: int, A: int, R: int, page: int, dtype, *, batch: int = 64,
+                      context: int = 1 << 17) -> str:
+    """The decode kernel for `rows` = T * N query rows per sequence on one device, `batch` sequences
+    whose block tables hold up to `context` tokens: the Mosaic GPU kernel where its 64-row wgmma tiles
+    are full (rows a multiple of 64: 64 heads at TP1 / DP, or T * N under speculation) on a Hopper GPU
+    with bf16, A a multiple of 256, R = 64, a page size of 8, 16, 32 or a multiple of 64, and a cache
+    large enough to pay for its fixed cost; else the Triton kernel (8 heads per device under TP8: the
+    mgpu kernel would pad 8 rows to 64). Measured on the H200 at 64 heads (BENCHMARKS.md, fourth
+    session): mgpu 1.1-4.1x the Triton kernel from 32K cached tokens per row or 256K in the batch; at
+    1 x 4K and 8 x 4K Triton's 65-67 us beat mgpu's 76-115 us (the threshold sits between)."""
     if _MLA_DECODE_KERNEL is not None:
         return _MLA_DECODE_KERNEL
     fits = (rows % 64 == 0 and A % 256 == 0 and R == 64 and page % 8 == 0 and (64 % page == 0 or page % 64 == 0)
             and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16))
+    pays = batch * context >= 65536 or context >= 16384
+    fits = fits and pays
     return "mgpu" if fits and _is_hopper() else "triton"
 
 
@@ -349,11 +355,13 @@ def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: ja
         def kernel(q_lat, q_pe, new, pool_L, table, positions, layer):
             flat, table = _layer_pages(pool_L, table, layer)
             B, T, N, _ = q_lat.shape          # this device's shard under shard_map
-            if mla_decode_kernel(T * N, A, R, flat.shape[1], q_lat.dtype) == "mgpu":
+            page = flat.shape[1]
+            if mla_decode_kernel(T * N, A, R, page, q_lat.dtype, batch=B,
+                                 context=table.shape[1] * page) == "mgpu":
                 from pallas_kernels import mla_decode_mgpu
                 return mla_decode_mgpu.mla_paged_attention_mgpu(
                     q_lat, q_pe, new, flat, table, positions, scale,
-                    interpret=jax.default_backend() != "gpu")
+                    config=mla_decode_mgpu.SERVING_CONFIG, interpret=jax.default_backend() != "gpu")
             return mla_decode.mla_paged_attention(q_lat, q_pe, new, flat, table, positions, scale)
 
         if parallel is not None and parallel.mesh.size > 1:

@@ -5,7 +5,8 @@
 
 Builds one Kimi-K2.5 slice (--num_layers; 1 = the dense first layer only: MLA attention over the paged
 cache without the 9.5 GB of experts a MoE layer adds), then for each kernel in --kernels
-(`kimi_jax.ops.use_mla_decode_kernel`: triton, mgpu or auto) a fresh engine over the same weights
+(`kimi_jax.ops.use_mla_decode_kernel`: triton, mgpu or auto; xla: `ops.use_impl("xla")`, the reference
+path of every op) a fresh engine over the same weights
 generates --gen_tokens greedy tokens for --requests prompts of --prompt_len tokens, twice (the first run
 compiles). Prints wall time and output tok/s per kernel and each later kernel's token-by-token agreement
 with the first (bench_throughput.agreement: bf16 kernels that sum in another order may flip a near-tie
@@ -22,7 +23,8 @@ from absl import app, flags
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "kimi-k2.5", "preset or checkpoint directory")
 flags.DEFINE_integer("num_layers", 1, "layers of the preset's slice")
-flags.DEFINE_list("kernels", ["triton", "mgpu"], "decode kernels: triton, mgpu, auto")
+flags.DEFINE_list("kernels", ["xla", "triton", "mgpu"], "decode kernels: triton, mgpu, auto, or xla (every op on "
+                  "its XLA reference path)")
 flags.DEFINE_integer("requests", 8, "prompts")
 flags.DEFINE_integer("prompt_len", 4096, "tokens per prompt")
 flags.DEFINE_integer("gen_tokens", 32, "greedy tokens per request")
@@ -59,7 +61,8 @@ def main(argv):
     rows, first = [], None
     for kernel in FLAGS.kernels:
         llm.engine = Engine(nnx.merge(base.graphdef, base.state), base.cfg)   # own jit cache, same weights
-        with ops.use_mla_decode_kernel(None if kernel == "auto" else kernel):
+        impl = "xla" if kernel == "xla" else None                              # the ops reference path
+        with ops.use_impl(impl), ops.use_mla_decode_kernel(None if kernel in ("auto", "xla") else kernel):
             row = {"kernel": kernel}
             try:
                 for attempt in range(2):                                      # compile, then time
@@ -71,6 +74,8 @@ def main(argv):
                     first = outs
                 else:
                     row["agreement"] = agreement(first, outs)
+                    row["first_difference"] = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None)
+                                               for x, y in zip(first, outs)]
             except Exception as e:  # noqa: BLE001 - report and go on with the next kernel
                 row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
         log(json.dumps(row))

@@ -47,11 +47,20 @@ What was verified on CPU (jax 0.10.2 here, and 0.11.2 in a scratch venv)
 - The GPU path (no interpret) TRACES and LOWERS to the Mosaic GPU MLIR for the cuda platform on CPU
   (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`, Lane semantics, both jax versions):
   TMA descriptors / swizzle / tiling / wgmma shape checks happen in that Python lowering.
-GPU check + timing (one H200, < 150 s): `PYTHONPATH=. python -m pallas_kernels.mla_decode_mgpu
---out=$OUT/mgpu [--semantics=Warpgroup]` (`check_and_time`: ragged correctness per config first, then
-the configs that passed vs the Triton kernel at 64 heads, B x context 1x32K, 8x32K, 64x4K, 64x32K).
-Unverified until the GPU run: ptxas/NVVM compilation and the runtime (shared-memory limit, barrier
-phases, register pressure: ~128 acc + 32 S + P + m, l regs per thread), numerics on hardware, speed.
+  The lowering also counts the CTA's shared memory against sm_90's 227 KiB (the CPU "device" has no
+  `shared_memory_per_block_optin`), so a config that does not fit fails the lowering test.
+- Version 2's barrier protocol under the interpreter's happens-before race detector
+  (`interpret_params(detect_races=True)`, `races_found()`): no race (it does flag a mutant without
+  the P-ready barrier, and found the shared epilogue's double lse store, now warpgroup 0's only).
+GPU check + timing (one H200): `PYTHONPATH=. python -m pallas_kernels.mla_decode_mgpu
+--out=$OUT/mgpu [--semantics=Warpgroup] [--cases=default|full] [--configs=k64,wg2s_k32s4,...]
+[--budget_s=S]` (`check_and_time`: ragged correctness per config first, then the configs that passed
+vs the Triton kernel at 64 heads; default cases B x context 1x32K, 8x32K, 64x4K, 64x32K (~150 s),
+full = B in (1, 8, 64) x (4K, 32K, 128K), the acceptance grid (budget 220 s before the last case
+starts); configs `default_configs()`: k64, wg2_k32s4, wg2s_k32s4 (+ _m256, _m1024)).
+Verified on an H200 (jax 0.11.2, Lane): versions 1 and 1b compile, pass the checks, and time as in
+the version 2 notes below. Unverified until a GPU run: version 2 (compilation, barrier phases on
+hardware, registers, speed).
 
 Known limitations
 -----------------
@@ -73,14 +82,65 @@ loop the leader drains the last releases and both meet on a "done" barrier befor
 the tiles' shared memory. Needs block_k = 32 (Q 72 KB + 3-4 stages x 36 KB + 2 P buffers). While one
 warpgroup does its softmax the other can use the tensor cores. Same CPU verification as version 1.
 
+Version 2: `split_s=True` ("split S", FlashMLA-style; warpgroups=2, block_k=32, stages=4)
+---------------------------------------------------------------------------------------------
+Why: on the H200 (jax 0.11.2, 64 heads, page 16) version 1b (wg2_k32s4) reached 64.8% of copy at
+64 x 32K (914 us) and 47-49% at 8 x 32K / 64 x 4K; it did 447 GFLOP there (QK^T twice, once per
+output half) = 489 TFLOP/s: tensor-core bound. Without the duplication the work is 292 GFLOP.
+What (`_kernel_split_s`): grid (row_blocks, splits, B), 2 warpgroups per CTA; the split's tiles of
+32 tokens go in pairs. Per pair i, warpgroup h (0, 1) waits for tile 2i + h, computes S_h = Q tile^T
+[64, 32] (K = 576), scales / masks it and m_loc = max(m, rowmax S_h); both exchange m_loc through a
+[2, 64] f32 shared buffer x (x[h] = m_loc, commit_smem, arrive + wait on x_bar, read x[1 - h]) so both
+hold the same m_new and corr; p_h = 2^(S_h - m_new) -> P[h] (bf16 [64, 32]), l_h = l_h corr + rowsum,
+acc_h *= corr; arrive + wait on p_bar; then acc_h += P[0] tile_2i[:, cols_h] + P[1] tile_2i+1[:, cols_h]
+(two wgmmas, K = 32; cols_h = this warpgroup's 256 latent columns); release the pair (consumed[pair
+slot], 2 arrivals) and warpgroup 0 (the TMA issuer) refills both slots with pair i + 2. After the loop
+l = l_0 + l_1 through x once more; same partials contract. Splits cover whole pairs (chunk rounded up
+to 64 tokens); an odd tile count (the row's last split) pads the last pair with a tile that starts
+past the end: `_issue_tile` clamps its copies to the split's last real page (finite data), its scores
+are all masked, p = 0 (no uninitialized shared memory is ever multiplied). Auto splits: one CTA per
+(row block, split, b): floor(132 / (B * row_blocks)) capped by ceil(tokens / min_split_tokens),
+min_split_tokens = 512 by default for this variant: each split writes 64 x 512 f32 = 128 KiB of o
+(read back by the combine) vs 1152 B per cached token, so 256-token splits would add ~43% write
+traffic (87% with the combine's read); `wg2s_k32s4_m256` / `_m1024` in the sweep compare.
+Shared memory (the lowering's count): Q 72 KiB + 4 tiles x 36 KiB + P 2 x 4 KiB + x (512 B, in a
+1 KiB allocation) + Mosaic's reduction scratch cut from 2 KiB to 1 KiB (`reduction_scratch_bytes`; the
+row reductions of WGMMA-layout values stay inside a warp and use none) + 9 barriers = 231,496 B of
+232,448 (with the default 2 KiB scratch it would be 232,520: too much).
+Barriers (x_bar, p_bar, consumed: 2 arrivals = one per warpgroup; in Lane semantics Pallas scales a
+barrier's count by 128 and every thread arrives once, so `barrier_arrive` from a warpgroup is one
+arrival; `barrier_wait` keeps a per-thread phase bit per barrier, flipped at each wait, so a thread
+must wait on every phase of a barrier it waits on, and mbarrier parity waits cannot tell phase k from
+k + 2):
+- x[h] is rewritten (pair i + 1, or the final l exchange) only after this warpgroup passed p_bar of
+  pair i, which needs the other's p_bar arrival, which follows its read of x[h] in program order.
+- P[h] is rewritten at pair i + 1 only after passing x_bar of pair i + 1, which needs the other's
+  arrival there, which follows its pair-i P @ C wgmmas and their wait (run_state), the last reads of
+  P[h]; this warpgroup's own wgmmas were waited before too.
+- x_bar and p_bar alternate (x, p, x, p, ... per pair): a warpgroup arrives on one only after passing
+  the other, which needs the other warpgroup's arrival, so neither can arrive twice on a barrier
+  before the other waited on the pending phase: no phase is skipped; both wait on every phase.
+- Tile slots: the refill of a pair slot waits for consumed (both warpgroups' P @ C of that pair
+  done); each tile barrier completes once per use and both warpgroups wait on both tiles of every
+  pair (the other's tile: already complete, waited for the parity bits and so that each warpgroup
+  observes the TMA's writes itself); the leader drains the last consumed phases after the loop.
+- End: the l exchange puts both warpgroups past their loops, and one more p_bar round makes sure both
+  read x before the epilogue's o / lse staging reuses the loop's shared memory.
+Expected: the tensor-core time at 64 x 32K drops from ~914 us to ~600 us (292 GFLOP at the ~490
+TFLOP/s seen), about the copy time of the 2.4 GB of cache (592 us); but the two warpgroups now run in
+lockstep (S, exchange, softmax, P @ C), so one's softmax no longer overlaps the other's MMA as in 1b.
+Unverified until the GPU run: compile, phases on hardware, speed.
+
 Next steps (performance; in order)
 ---------------------------------
-1. Stop duplicating QK^T (FlashMLA): each warpgroup computes S for half of the tile's tokens, they
-   exchange row maxima through shared memory, each writes its half of P into one shared P buffer, then
-   each accumulates its own 256 output columns over all the tile's tokens.
-2. Issue the next tile's S wgmma before this tile's softmax (software pipelining), and a producer
-   warpgroup for the TMA (emit_pipeline_warp_specialized) to free the compute warpgroups.
+1. (Done as version 2, pending the GPU numbers.) Stop duplicating QK^T.
+2. Version 2 serializes S -> exchange -> softmax -> P @ C within a pair in both warpgroups: issue the
+   next pair's S wgmma before this pair's softmax (software pipelining: a second S accumulator; 16
+   more registers), or stagger the warpgroups by one tile; and a producer warpgroup for the TMA
+   (emit_pipeline_warp_specialized) to free the compute warpgroups.
 3. Mask only the last tile (the [64, block_k] int32 iota costs registers every step).
+4. B = 1: the partials (128 KiB of f32 o per split) cost as much as ~230 cached tokens; bf16 o or a
+   fused combine (last CTA of a row merges) would allow more, shorter splits.
 """
 from __future__ import annotations
 
@@ -106,6 +166,18 @@ except ImportError:  # pragma: no cover
 
 from pallas_kernels import mla_decode as tri
 
+
+def _load_needs_idx() -> bool:
+    import inspect
+    try:
+        p = inspect.signature(plgpu.load).parameters.get("idx")
+    except (AttributeError, TypeError, ValueError):
+        return True
+    return p is not None and p.default is inspect.Parameter.empty
+
+
+_LOAD_NEEDS_IDX = plgpu is not None and _load_needs_idx()
+
 _NEG = -1e30
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -118,19 +190,37 @@ _ROWS = 64                        # wgmma M: query rows per CTA
 @dataclasses.dataclass(frozen=True)
 class MgpuConfig:
     block_k: int = 64             # tokens per tile (wgmma N of S, K of P @ C)
-    stages: int = 0               # 0: as many tiles as fit in shared memory (2 at 64, 3 at 32)
+    stages: int = 0               # 0: as many tiles as fit in shared memory (2 at 64, 3-4 at 32)
     halves: int = 2               # CTAs splitting the A latent output columns (A / halves <= 256)
     warpgroups: int = 1           # 2: the two halves are 2 warpgroups of one CTA (shared pages)
+    split_s: bool = False         # version 2 (warpgroups=2): each warpgroup scores one tile of a
+    #                               pair (no duplicated QK^T), row maxima exchanged through smem
     num_splits: int = 0           # 0: auto (fill the SMs once)
-    min_split_tokens: int = 256   # auto splits: at least this many tokens per split
+    min_split_tokens: int = 0     # auto splits: at least this many tokens per split (0: 512 for
+    #                               split_s, where the partials cost matters most, else 256)
     semantics: str = "Lane"       # Mosaic GPU lowering semantics ("Lane" or "Warpgroup")
 
 
-def _smem_bytes(block_k: int, stages: int, c: int, dtype_bytes: int = 2, wgs: int = 1) -> int:
+# split_s: Mosaic's cross-warp reduction scratch (CompilerParams.reduction_scratch_bytes, default
+# 2048) is cut to 1024 to make room for the [2, 64] f32 max / sum exchange buffer (512 B, allocated
+# in 1024 B units): the row reductions of a WGMMA-layout array stay within a warp and use none.
+_SPLIT_S_REDUCTION_SCRATCH = 1024
+
+
+def _smem_bytes(block_k: int, stages: int, c: int, dtype_bytes: int = 2, wgs: int = 1,
+                split_s: bool = False) -> int:
     """Shared memory of one CTA: Q, the K tiles, P, Mosaic's reserve (the epilogue's o / lse
     staging reuses the loop's space; checked against the lowering's estimate: 231,424 B of scratch at
-    block_k 64 x 2 stages, plus the barriers)."""
-    return (_ROWS * c + stages * block_k * c + wgs * _ROWS * block_k) * dtype_bytes + _SMEM_RESERVED
+    block_k 64 x 2 stages, plus the barriers). Each allocation is rounded up to 1 KiB by Mosaic.
+    split_s adds the exchange buffer (1 KiB) and takes 1 KiB off the reduction scratch."""
+    n = (_ROWS * c + stages * block_k * c + wgs * _ROWS * block_k) * dtype_bytes + _SMEM_RESERVED
+    if split_s:
+        n += 1024 - (2048 - _SPLIT_S_REDUCTION_SCRATCH)
+    return n
+
+
+def _default_min_split_tokens(cfg: MgpuConfig) -> int:
+    return cfg.min_split_tokens or (512 if cfg.split_s else 256)
 
 
 def resolve_config(cfg: Optional[MgpuConfig], batch: int, rows: int, max_tokens: int,
@@ -139,28 +229,43 @@ def resolve_config(cfg: Optional[MgpuConfig], batch: int, rows: int, max_tokens:
     stages = cfg.stages
     if not stages:
         stages = 2
-        while (_smem_bytes(cfg.block_k, stages + 1, c, wgs=cfg.warpgroups) <= _SMEM_LIMIT
-               and stages < 4):
+        while (_smem_bytes(cfg.block_k, stages + 1, c, wgs=cfg.warpgroups, split_s=cfg.split_s)
+               <= _SMEM_LIMIT and stages < 4):
             stages += 1
+        if cfg.split_s:
+            stages -= stages % 2          # whole pairs of tiles
     splits = cfg.num_splits
     if not splits:
         ctas = batch * (-(-rows // _ROWS)) * (cfg.halves if cfg.warpgroups == 1 else 1)
         splits = max(1, min(NUM_SMS // ctas if ctas < NUM_SMS else 1,
-                            -(-max_tokens // cfg.min_split_tokens)))
+                            -(-max_tokens // _default_min_split_tokens(cfg))))
     return dataclasses.replace(cfg, stages=stages, num_splits=splits)
 
 
 # ----------------------------------------------------------------------------------------------
 # Interpret-mode support (CPU tests).
 
-def interpret_params():
-    """The Mosaic GPU interpreter's parameters (private path in jax 0.10-0.11), or None."""
+def interpret_params(**kw):
+    """The Mosaic GPU interpreter's parameters (private path in jax 0.10-0.11), or None. `kw`: its
+    fields, e.g. detect_races=True (a happens-before race detector over the simulated shared
+    memory: cross-warpgroup buffer reuse without a barrier shows up as "RACE DETECTED";
+    `races_found()` afterwards)."""
     try:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     except ImportError:
         return None
     _install_interpret_shims()
-    return InterpretGPUParams()
+    return InterpretGPUParams(**kw)
+
+
+def races_found() -> Optional[bool]:
+    """After an interpret run with detect_races=True: whether the detector found a race (None if
+    this jax has no such state)."""
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gc
+        return bool(gc.get_races().races_found)
+    except (ImportError, AttributeError, AssertionError):
+        return None
 
 
 def _install_interpret_shims():
@@ -223,6 +328,26 @@ def _install_interpret_shims():
 # ----------------------------------------------------------------------------------------------
 # The kernel.
 
+def _issue_tile(bt_ref, pool_ref, b, base, end, bk: int, dst, bar):
+    """TMA the `bk` cached tokens [base, base + bk) of row b into dst [bk, C], arriving on `bar`
+    (bk / page whole-page copies, or one part-page copy when page > bk). Positions at or past `end`
+    re-read the split's last real tokens (clamped to end - 1: finite cache data, never an index past
+    the row's block table; their scores are masked), so the copy count and the barrier's arrival
+    count never depend on the length. A tile that starts past `end` (version 2's padding tile of an
+    odd tile count) becomes a copy of the split's last page."""
+    page = pool_ref.shape[1]
+    if page <= bk:
+        for i in range(bk // page):
+            pos = jnp.minimum(base + i * page, end - 1)
+            pg = bt_ref[b, pos // page]
+            plgpu.copy_gmem_to_smem(pool_ref.at[pg], dst.at[pl.ds(i * page, page)], bar)
+    else:
+        pos = jnp.minimum(base, end - 1)
+        pg = bt_ref[b, pos // page]
+        off = pl.multiple_of(pos % page // bk * bk, bk)
+        plgpu.copy_gmem_to_smem(pool_ref.at[pg, pl.ds(off, bk)], dst, bar)
+
+
 def _kernel(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages: int, splits: int,
             halves: int, qk_scale: float, interpret: bool, two_wg: bool):
     """len [B] i32, bt [B, P] i32, q [B, Mp, C] bf16 (latent | rope), pool [X, page, C] bf16 ->
@@ -269,18 +394,8 @@ def _kernel(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, _ROWS)], q_smem, q_bar)
 
         def issue(kb, slot):
-            base = start + kb * bk
-            if page <= bk:
-                for i in range(bk // page):
-                    pos = jnp.minimum(base + i * page, end - 1)     # tail pages: re-read real data
-                    pg = bt_ref[b, pos // page]
-                    plgpu.copy_gmem_to_smem(pool_ref.at[pg], k_smem.at[slot, pl.ds(i * page, page)],
-                                            k_bars.at[slot])
-            else:
-                pg = bt_ref[b, base // page]
-                off = pl.multiple_of(base % page, bk)
-                plgpu.copy_gmem_to_smem(pool_ref.at[pg, pl.ds(off, bk)], k_smem.at[slot],
-                                        k_bars.at[slot])
+            _issue_tile(bt_ref, pool_ref, b, start + kb * bk, end, bk, k_smem.at[slot],
+                        k_bars.at[slot])
 
         for s in range(stages):
             pl.when(jnp.logical_and(leader, s < n_blocks))(functools.partial(issue, s, s))
@@ -358,6 +473,15 @@ def _kernel(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages
         **scoped,
     )
 
+    _write_partials(acc, m, l, o_ref, lse_ref, b=b, j=j, row0=row0, col0=col0, h=h, two_wg=two_wg)
+
+
+def _write_partials(acc, m, l, o_ref, lse_ref, *, b, j, row0, col0, h, two_wg: bool):
+    """Epilogue: o = acc / l (this program's [64, bn] columns), lse = m ln 2 + ln l (-inf and o = 0 for
+    an empty split; acc = 0 there) staged in shared memory and TMA'd out; lse by (warpgroup / half)
+    0. The staging reuses the main loop's shared memory: callers make sure every warpgroup is past
+    its last read of that space first."""
+    bn = acc.shape[1]
     has = l > 0.0
     l_safe = jnp.where(has, l, 1.0)
     o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])     # acc = 0 when there were no tokens
@@ -367,7 +491,10 @@ def _kernel(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages
         if two_wg:
             o_smem = o_smem.at[h]
         o_smem[...] = o
-        lse_smem[...] = lse
+
+        @pl.when(h == 0)   # one writer (two warpgroups share lse_smem; the values are identical,
+        def _():           # but the other's late store would race with this TMA read)
+            lse_smem[...] = lse
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, j, pl.ds(row0, _ROWS), pl.ds(col0, bn)])
 
@@ -378,7 +505,162 @@ def _kernel(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages
 
     pl.run_scoped(epilogue,
                   plgpu.SMEM(((2,) if two_wg else ()) + (_ROWS, bn), jnp.float32),
-                  plgpu.SMEM((_ROWS,), jnp.float32), **scoped)
+                  plgpu.SMEM((_ROWS,), jnp.float32),
+                  **(dict(collective_axes="wg") if two_wg else {}))
+
+
+def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages: int,
+                    splits: int, qk_scale: float, interpret: bool):
+    """Version 2 ("split S", FlashMLA-style): 2 warpgroups per CTA, grid (row_blocks, splits, B).
+    Per pair i of block_k-token tiles (2i, 2i + 1) of the split, warpgroup h:
+      1. waits for tile 2i + h, S_h = Q tile^T [64, bk] (wgmma, K = C), scaled and masked, and
+         m_loc = max(m, rowmax S_h);
+      2. exchanges m_loc through x_smem[h] (commit_smem, arrive + wait on x_bar, 2 arrivals) and
+         takes m_new = max of both, identical in both warpgroups (so is corr = 2^(m - m_new));
+      3. p_h = 2^(S_h - m_new) -> P[h] (bf16), l_h = l_h corr + rowsum p_h, acc_h *= corr; arrive +
+         wait on p_bar (2 arrivals): both P halves written;
+      4. acc_h += P[0] tile_2i[:, cols_h] + P[1] tile_2i+1[:, cols_h] (two wgmmas, K = bk, cols_h =
+         this warpgroup's A / 2 latent columns);
+      5. releases the pair's two slots (consumed[pair slot], 2 arrivals); warpgroup 0 (which issues
+         all TMA) waits for it and refills them with pair i + stages / 2.
+    After the loop l = l_0 + l_1 is exchanged through x_smem once. See the module docstring for the
+    barrier argument (why one P buffer per warpgroup and one x slot per warpgroup are enough)."""
+    rb = lax.axis_index("hr")
+    j = lax.axis_index("split")
+    b = lax.axis_index("b")
+    h = lax.axis_index("wg")
+    c = pool_ref.shape[2]
+    a = o_ref.shape[-1]
+    bn = a // 2
+    dt = q_ref.dtype
+    npairs = stages // 2                      # pair slots: tiles 2 ps and 2 ps + 1 of k_smem
+
+    def lc(x, layout):                         # layouts are a no-op in the interpreter
+        return x if interpret else plgpu.layout_cast(x, layout)
+
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def load_rows(ref):                        # [64] f32 from shared memory, in the WGMMA row layout
+        if interpret:
+            return ref[...]
+        idx = [()] if _LOAD_NEEDS_IDX else []          # 0.10: load(ref, idx, ...); 0.11: no idx
+        return plgpu.load(ref, *idx, layout=row_layout, optimized=False)
+
+    length = len_ref[b]
+    pair_tokens = 2 * bk                       # splits cover whole pairs except the row's last one
+    chunk = ((length + splits - 1) // splits + pair_tokens - 1) // pair_tokens * pair_tokens
+    start = j * chunk
+    end = jnp.minimum(start + chunk, length)
+    n_tiles = jnp.where(end > start, (end - start + bk - 1) // bk, 0)
+    n_pairs = (n_tiles + 1) // 2               # odd n_tiles: the last pair's 2nd tile is padding
+    row0 = pl.multiple_of(rb * _ROWS, _ROWS)
+    col0 = pl.multiple_of(h * bn, bn)
+    swz = min(128, 2 * bk)
+    tiled = (plgpu.TilingTransform((8, swz // 2)), plgpu.SwizzleTransform(swz))
+
+    def main(q_smem, k_smem, p_smem, x_smem, k_bars, q_bar, consumed, x_bar, p_bar):
+        leader = h == 0
+
+        @pl.when(leader)
+        def _():
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, _ROWS)], q_smem, q_bar)
+
+        def issue_pair(i, ps):
+            for u in range(2):                 # the padding tile (2i + 1 == n_tiles) is clamped to
+                slot = 2 * ps + u              # the split's last page: finite, masked, p = 0
+                _issue_tile(bt_ref, pool_ref, b, start + (2 * i + u) * bk, end, bk,
+                            k_smem.at[slot], k_bars.at[slot])
+
+        for s in range(npairs):
+            pl.when(jnp.logical_and(leader, s < n_pairs))(functools.partial(issue_pair, s, s))
+        plgpu.barrier_wait(q_bar)
+
+        def exchange(x, combine):
+            """combine(x, the other warpgroup's x) through x_smem (both warpgroups call it)."""
+            x_smem.at[h][...] = x
+            plgpu.commit_smem()                # all 128 threads' stores done (and fenced)
+            plgpu.barrier_arrive(x_bar)
+            plgpu.barrier_wait(x_bar)
+            return combine(x, load_rows(x_smem.at[1 - h]))
+
+        def step(i, carry):
+            acc, m_prev, l_prev = carry
+            ps = i % npairs
+            mine = 2 * ps + h
+            plgpu.barrier_wait(k_bars.at[mine])
+
+            def qk(s_ref):
+                plgpu.wgmma(s_ref, q_smem, k_smem.at[mine].transpose((1, 0)))
+                return s_ref[...]
+            s = pl.run_scoped(qk, plgpu.ACC((_ROWS, bk), jnp.float32))
+            tok = lc(lax.broadcasted_iota(jnp.int32, (_ROWS, bk), 1), plgpu.Layout.WGMMA)
+            s = jnp.where(tok < end - (start + (2 * i + h) * bk), s * qk_scale, _NEG)
+            m_next = exchange(jnp.maximum(m_prev, s.max(axis=1)), jnp.maximum)
+            corr = jnp.exp2(m_prev - m_next)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
+            l_next = l_prev * corr + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(corr, acc.shape, [0])
+            p_smem.at[h][...] = p.astype(dt)
+            plgpu.commit_smem()                # P visible to both warpgroups' wgmmas
+            plgpu.barrier_arrive(p_bar)
+            plgpu.barrier_wait(p_bar)
+            # the other tile: complete (the other warpgroup waited on it before its x_bar
+            # arrival); waited here too so that this warpgroup sees the TMA's writes directly and
+            # observes every phase of every k barrier (per-thread parity bits)
+            plgpu.barrier_wait(k_bars.at[2 * ps + 1 - h])
+            t0 = k_smem.at[2 * ps].at[:, pl.ds(col0, bn)]
+            t1 = k_smem.at[2 * ps + 1].at[:, pl.ds(col0, bn)]
+            if interpret:   # the interpreters lack run_state: same sum, two steps
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem.at[0], t0)
+                    plgpu.wgmma(acc_ref, p_smem.at[1], t1)
+                    return acc_ref[...]
+                acc = acc + pl.run_scoped(pv, plgpu.ACC((_ROWS, bn), jnp.float32))
+            else:           # accumulate in place; run_state waits for both wgmmas
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem.at[0], t0)
+                    plgpu.wgmma(acc_ref, p_smem.at[1], t1)
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(consumed.at[ps])       # this warpgroup is done with the pair
+
+            @pl.when(jnp.logical_and(leader, i + npairs < n_pairs))
+            def _():
+                plgpu.barrier_wait(consumed.at[ps])     # ... and so is the other one
+                issue_pair(i + npairs, ps)
+            return acc, m_next, l_next
+
+        init = (lc(jnp.zeros((_ROWS, bn), jnp.float32), plgpu.Layout.WGMMA),
+                lc(jnp.full((_ROWS,), _NEG, jnp.float32), row_layout),
+                lc(jnp.zeros((_ROWS,), jnp.float32), row_layout))
+        acc, m, l_part = lax.fori_loop(0, n_pairs, step, init)
+
+        @pl.when(leader)
+        def _():   # drain the last pairs' releases (keeps the leader's consumed phases complete)
+            @pl.loop(jnp.maximum(n_pairs - npairs, 0), n_pairs)
+            def _(i):
+                plgpu.barrier_wait(consumed.at[i % npairs])
+        # l = l_0 + l_1 (x slot h is free: the other warpgroup read it before its last p_bar
+        # arrival). This exchange is also the "both past their loops" point; the p_bar round after
+        # it makes sure both have read x_smem before the epilogue's staging reuses the space.
+        l = exchange(l_part, jnp.add)
+        plgpu.barrier_arrive(p_bar)
+        plgpu.barrier_wait(p_bar)
+        return acc, m, l
+
+    acc, m, l = pl.run_scoped(
+        main,
+        plgpu.SMEM((_ROWS, c), dt, transforms=tiled),
+        plgpu.SMEM((stages, bk, c), dt, transforms=tiled),
+        plgpu.SMEM((2, _ROWS, bk), dt, transforms=tiled),
+        plgpu.SMEM((2, _ROWS), jnp.float32),
+        plgpu.Barrier(num_arrivals=max(1, bk // pool_ref.shape[1]), num_barriers=stages),
+        plgpu.Barrier(num_arrivals=1),
+        plgpu.Barrier(num_arrivals=2, num_barriers=npairs),
+        plgpu.Barrier(num_arrivals=2),
+        plgpu.Barrier(num_arrivals=2),
+        collective_axes="wg",
+    )
+    _write_partials(acc, m, l, o_ref, lse_ref, b=b, j=j, row0=row0, col0=col0, h=h, two_wg=True)
 
 
 def _check_shapes(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, cfg: MgpuConfig):
@@ -397,10 +679,13 @@ def _check_shapes(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, cfg: MgpuConfig
                          f"block_k={bk}")
     if cfg.warpgroups not in (1, 2) or (cfg.warpgroups == 2 and cfg.halves != 2):
         raise ValueError(f"warpgroups={cfg.warpgroups} must be 1, or 2 with halves=2")
-    need = _smem_bytes(bk, cfg.stages, A + R, wgs=cfg.warpgroups)
+    if cfg.split_s and (cfg.warpgroups != 2 or cfg.stages % 2 or cfg.stages < 2):
+        raise ValueError(f"split_s needs warpgroups=2 and an even number of stages (tiles; 2 per "
+                         f"pair), got warpgroups={cfg.warpgroups}, stages={cfg.stages}")
+    need = _smem_bytes(bk, cfg.stages, A + R, wgs=cfg.warpgroups, split_s=cfg.split_s)
     if need > _SMEM_LIMIT:
-        raise ValueError(f"block_k={bk} x stages={cfg.stages} x warpgroups={cfg.warpgroups} needs "
-                         f"{need} B of shared memory "
+        raise ValueError(f"block_k={bk} x stages={cfg.stages} x warpgroups={cfg.warpgroups} "
+                         f"(split_s={cfg.split_s}) needs {need} B of shared memory "
                          f"(> {_SMEM_LIMIT})")
     for x in (q_lat_BMA, q_pe_BMR, pool_XpC):
         if x.dtype != jnp.bfloat16:
@@ -434,11 +719,17 @@ def mla_decode_partials_mgpu(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, leng
     interp = bool(interpret)
     splits = cfg.num_splits
     two_wg = cfg.warpgroups == 2
-    kernel = functools.partial(_kernel, bk=cfg.block_k, stages=cfg.stages, splits=splits,
-                               halves=cfg.halves, qk_scale=float(scale) * _LOG2E, interpret=interp,
-                               two_wg=two_wg)
+    if cfg.split_s:
+        kernel = functools.partial(_kernel_split_s, bk=cfg.block_k, stages=cfg.stages,
+                                   splits=splits, qk_scale=float(scale) * _LOG2E, interpret=interp)
+        extra = dict(reduction_scratch_bytes=_SPLIT_S_REDUCTION_SCRATCH)
+    else:
+        kernel = functools.partial(_kernel, bk=cfg.block_k, stages=cfg.stages, splits=splits,
+                                   halves=cfg.halves, qk_scale=float(scale) * _LOG2E,
+                                   interpret=interp, two_wg=two_wg)
+        extra = {}
     params = plgpu.CompilerParams(
-        lowering_semantics=getattr(plgpu.LoweringSemantics, cfg.semantics))
+        lowering_semantics=getattr(plgpu.LoweringSemantics, cfg.semantics), **extra)
     kw = dict(interpret=interpret) if interp else {}
     if two_wg:
         kw.update(num_threads=2, thread_name="wg")
@@ -535,22 +826,49 @@ def _bench_case(key, B, ctx, heads, page, min_pool_bytes):
             for k in range(copies)]
 
 
+# --cases=default: the version-1 comparison; full: the acceptance grid B in (1, 8, 64) x context
+# (4K, 32K, 128K) at 64 heads, most informative first (a run cut by --budget_s loses the least).
+CASES = {
+    "default": ((1, 32768), (8, 32768), (64, 4096), (64, 32768)),
+    "full": ((64, 32768), (64, 131072), (8, 32768), (1, 32768), (64, 4096), (8, 131072),
+             (1, 131072), (8, 4096), (1, 4096)),
+}
+_MAX_CASE_BYTES = 40e9            # skip a case whose cache alone would exceed this
+
+
+# What kimi_jax.ops runs: version 2 (split S), the fastest config at every case of the 64-head grid from
+# 1 x 32K up on the H200 (BENCHMARKS.md, fourth session: 82-88% of copy at B = 64 x 32K / 128K).
+SERVING_CONFIG = MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True)
+
+
+def default_configs(semantics: str = "Lane") -> dict:
+    """The configs `check_and_time` checks and times: version 1 (k64) and 1b (wg2_k32s4) for
+    comparison, version 2 (wg2s_*: split S) with its auto splits at min_split_tokens 512 (default),
+    256 and 1024 (they differ only where that cap binds: B = 1, and B = 8 at 4K)."""
+    ss = MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True, semantics=semantics)
+    return {
+        "k64": MgpuConfig(block_k=64, semantics=semantics),
+        "wg2_k32s4": MgpuConfig(block_k=32, stages=4, warpgroups=2, semantics=semantics),
+        "wg2s_k32s4": ss,
+        "wg2s_k32s4_m256": dataclasses.replace(ss, min_split_tokens=256),
+        "wg2s_k32s4_m1024": dataclasses.replace(ss, min_split_tokens=1024),
+    }
+
+
 def check_and_time(out: Optional[str] = None, semantics: str = "Lane", budget_s: float = 140.0,
-                   cases=((1, 32768), (8, 32768), (64, 4096), (64, 32768)), heads: int = 64,
+                   cases=CASES["default"], heads: int = 64,
                    page: int = 16, configs=None, interpret: bool = False,
                    copy_bytes: int = 2 << 30, min_pool_bytes: int = 512 << 20, iters: int = 20):
     """On the GPU: correctness vs the f32 reference on small ragged cases (page 16 and 64), then
     us / GB/s / % of copy vs the Triton kernel (default config) at `heads` heads, full-length rows.
+    A config whose resolved kernel (stages, splits) equals one already timed in that case is not
+    timed again ({"same_as": name}); each timing records its resolved splits.
     Writes a JSON to `out` (a directory or a .json path) if given; returns the record.
     `interpret=True` (CPU smoke test of this harness only: tiny `cases`, small copy_bytes)."""
     t_start = time.time()
     rec = {"jax": jax.__version__, "device": str(jax.devices()[0]), "semantics": semantics,
            "checks": [], "timings": []}
-    configs = configs or {
-        "k64": MgpuConfig(block_k=64, semantics=semantics),
-        "k32": MgpuConfig(block_k=32, semantics=semantics),
-        "wg2_k32s3": MgpuConfig(block_k=32, stages=3, warpgroups=2, semantics=semantics),
-        "wg2_k32s4": MgpuConfig(block_k=32, stages=4, warpgroups=2, semantics=semantics)}
+    configs = configs or default_configs(semantics)
     scale = 1.0 / math.sqrt(192.0)
     ok_configs = {}
     for name, cfg in configs.items():
@@ -584,20 +902,34 @@ def check_and_time(out: Optional[str] = None, semantics: str = "Lane", budget_s:
         fns[f"mgpu_{name}"] = jax.jit(functools.partial(mla_paged_attention_mgpu, scale=scale,
                                                         config=cfg, interpret=interpret))
     for (B, ctx) in cases:
-        if time.time() - t_start > budget_s:
-            rec["timings"].append({"B": B, "context": ctx, "skipped": "budget"})
+        nbytes = B * ctx * 576 * 2
+        skip = ("budget" if time.time() - t_start > budget_s else
+                f"cache {nbytes / 1e9:.1f} GB > {_MAX_CASE_BYTES / 1e9:.0f}"
+                if nbytes > _MAX_CASE_BYTES else None)
+        if skip:
+            rec["timings"].append({"B": B, "context": ctx, "skipped": skip})
             print(json.dumps(rec["timings"][-1]), flush=True)
             continue
         arg_sets = _bench_case(jax.random.key(2), B, ctx, heads, page, min_pool_bytes)
-        nbytes = B * ctx * 576 * 2
         row = {"B": B, "context": ctx, "heads": heads, "MB": nbytes / 1e6,
                "pool_copies": len(arg_sets)}
+        timed = {}                                   # resolved config -> the name timed with it
         for name, fn in fns.items():
+            cfg = ok_configs.get(name[len("mgpu_"):]) if name.startswith("mgpu_") else None
+            if cfg is not None:
+                cfg = resolve_config(cfg, B, heads, -(-ctx // page) * page)
+                key = dataclasses.replace(cfg, min_split_tokens=0)   # spent on num_splits
+                if key in timed:
+                    row[name] = {"same_as": timed[key], "splits": cfg.num_splits}
+                    continue
+                timed[key] = name
             try:
                 us = _time(fn, arg_sets, iters=iters)
                 gbs = nbytes / (us * 1e-6) / 1e9
                 row[name] = {"us": round(us, 1), "GBs": round(gbs, 1),
                              "pct_copy": round(100 * gbs / rec["copy_gbs"], 1)}
+                if cfg is not None:
+                    row[name]["splits"] = cfg.num_splits
             except Exception as e:  # noqa: BLE001
                 row[name] = {"error": f"{type(e).__name__}: {str(e)[:1000]}"}
         rec["timings"].append(row)
@@ -614,7 +946,7 @@ def check_and_time(out: Optional[str] = None, semantics: str = "Lane", budget_s:
 
 
 def _main(argv):
-    out, semantics, budget = None, "Lane", 140.0
+    out, semantics, budget, cases, names = None, "Lane", None, "default", None
     for arg in argv:
         if arg.startswith("--out="):
             out = arg.split("=", 1)[1]
@@ -622,10 +954,25 @@ def _main(argv):
             semantics = arg.split("=", 1)[1]
         elif arg.startswith("--budget_s="):
             budget = float(arg.split("=", 1)[1])
+        elif arg.startswith("--cases="):
+            cases = arg.split("=", 1)[1]
+        elif arg.startswith("--configs="):
+            names = arg.split("=", 1)[1].split(",")
         else:
             raise SystemExit(f"unknown argument {arg} (--out=DIR, --semantics=Lane|Warpgroup, "
-                             f"--budget_s=S)")
-    check_and_time(out, semantics=semantics, budget_s=budget)
+                             f"--budget_s=S, --cases={'|'.join(CASES)}, --configs=NAME,... of "
+                             f"{','.join(default_configs())})")
+    if cases not in CASES:
+        raise SystemExit(f"--cases={cases}: one of {', '.join(CASES)}")
+    configs = default_configs(semantics)
+    if names:
+        unknown = set(names) - set(configs)
+        if unknown:
+            raise SystemExit(f"unknown configs {sorted(unknown)}: known {', '.join(configs)}")
+        configs = {n: configs[n] for n in names}
+    if budget is None:   # seconds after which no new timing case starts (the run ends ~1 case later)
+        budget = 140.0 if cases == "default" else 220.0
+    check_and_time(out, semantics=semantics, budget_s=budget, cases=CASES[cases], configs=configs)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,14 @@
    A token wrongly included or dropped moves an output by ~1/len of a unit-variance row (> 3e-2 for the
    short rows here, which is where masking bugs live: lengths 1, page +- 1, tile +- 1). lse 1e-3: the
    scores are exact products of bf16 values accumulated in f32 on both sides (~1e-6 seen).
-   Also the 2-warpgroup variant (two threads, cross-warpgroup barriers, simulated by the interpreter).
+   Also the 2-warpgroup variants (two threads, cross-warpgroup barriers, simulated by the interpreter);
+   version 2 (split_s) also under the interpreter's happens-before race detector (a buffer reused
+   across warpgroups without a barrier in between is a race there; the interpreter completes wgmma
+   and TMA at once, so it checks the barrier protocol, not asynchrony).
 2. The GPU path (no interpreter) traces and lowers to Mosaic GPU MLIR for the cuda platform, in both
    lowering semantics, so shape / tiling / swizzle / wgmma operand errors surface off-GPU.
 """
+import dataclasses
 import math
 
 import jax
@@ -30,8 +34,9 @@ needs_interpreter = pytest.mark.skipif(
                             "interpret.params.InterpretGPUParams)")
 
 
-def _check(args, config, atol=3e-2):
-    o, lse = mg.mla_paged_attention_mgpu(*args, SCALE, config=config, interpret=True, return_lse=True)
+def _check(args, config, atol=3e-2, interpret=True):
+    o, lse = mg.mla_paged_attention_mgpu(*args, SCALE, config=config, interpret=interpret,
+                                         return_lse=True)
     ro, rlse = md.mla_paged_attention_reference(*args, SCALE, return_lse=True)
     assert o.shape == args[0].shape and o.dtype == args[0].dtype
     o, ro = np.asarray(o, np.float32), np.asarray(ro, np.float32)
@@ -67,6 +72,27 @@ def test_two_warpgroup_variant(lengths, heads, t, page, splits):
     _check(args, mg.MgpuConfig(block_k=32, stages=3, num_splits=splits, warpgroups=2))
 
 
+# Version 2 (split S): tiles of 32 tokens in pairs, 2 pairs in flight (stages=4 tiles).
+# (a) lengths 1 and 16 (a page boundary; one tile: an odd count, the pair's 2nd tile is padding, and
+#     the second split is empty), 97 split in 2 (chunks round to 64 tokens: 64 + 33 -> the second
+#     split has 2 tiles, the last with 1 token: a page copy past the end, clamped);
+# (b) 0 (new token only), 128 rows (two row blocks), page 64 (half-page copies, the padding tile's
+#     clamped part-page copy), 280 tokens = 9 tiles = 5 pairs > 2 pair slots (refills gated by the
+#     consumed barrier). The interpreter costs ~2-4 s per CTA: 6 + 4 CTAs here.
+@needs_interpreter
+@pytest.mark.parametrize("lengths,t,page,splits", [
+    ([1, 16, 97], 1, 16, 2),
+    ([280, 0], 2, 64, 1),
+])
+def test_split_s_variant(lengths, t, page, splits):
+    """split_s: each warpgroup scores one tile of a pair, the row maxima and the final row sums are
+    exchanged through shared memory; run under the race detector (no cross-warpgroup race)."""
+    args = mg.make_case(jax.random.key(11), lengths, heads=64, t=t, page=page)
+    cfg = mg.MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True, num_splits=splits)
+    _check(args, cfg, interpret=mg.interpret_params(detect_races=True))
+    assert mg.races_found() in (False, None)
+
+
 @needs_interpreter
 def test_partials_contract_and_empty_splits():
     """o [B, splits, M, A] f32 / lse [B, splits, M] f32; a split past a row's length: o = 0, lse = -inf;
@@ -96,15 +122,19 @@ def test_partials_contract_and_empty_splits():
 
 @pytest.mark.skipif(mg.plgpu is None, reason="no jax.experimental.pallas.mosaic_gpu")
 @pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
-@pytest.mark.parametrize("block_k,page,wgs", [(64, 16, 1), (32, 64, 1), (32, 16, 2)])
-def test_lowers_for_cuda(semantics, block_k, page, wgs):
-    """The GPU path (no interpreter) lowers to Mosaic GPU MLIR for cuda on a CPU-only host."""
+@pytest.mark.parametrize("block_k,page,wgs,split_s", [
+    (64, 16, 1, False), (32, 64, 1, False), (32, 16, 2, False), (32, 16, 2, True),
+    (32, 64, 2, True)])
+def test_lowers_for_cuda(semantics, block_k, page, wgs, split_s):
+    """The GPU path (no interpreter) lowers to Mosaic GPU MLIR for cuda on a CPU-only host (the
+    lowering also checks the CTA's shared memory against the 227 KiB of sm_90: the split_s config
+    resolves to 4 stages, 231,496 B)."""
     B, P = 2, 32
     S = jax.ShapeDtypeStruct
     args = (S((B, 1, 64, 512), jnp.bfloat16), S((B, 1, 64, 64), jnp.bfloat16),
             S((B, 1, 576), jnp.bfloat16), S((B * P, page, 576), jnp.bfloat16), S((B, P), jnp.int32),
             S((B, 1), jnp.int32))
-    cfg = mg.MgpuConfig(block_k=block_k, semantics=semantics, warpgroups=wgs)
+    cfg = mg.MgpuConfig(block_k=block_k, semantics=semantics, warpgroups=wgs, split_s=split_s)
     f = jax.jit(lambda *a: mg.mla_paged_attention_mgpu(*a, SCALE, config=cfg))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -119,7 +149,23 @@ def test_resolve_config_and_validation():
     cfg = mg.resolve_config(mg.MgpuConfig(block_k=32, warpgroups=2), batch=8, rows=64,
                             max_tokens=32768)
     assert cfg.stages == 4 and cfg.num_splits == 16                # 8 x 16 = 128 CTAs
+    # split_s: 4 tiles (2 pairs) fit; auto splits fill the SMs, at least 512 tokens each
+    ss = mg.MgpuConfig(block_k=32, warpgroups=2, split_s=True)
+    assert mg._smem_bytes(32, 4, 576, wgs=2, split_s=True) <= mg._SMEM_LIMIT
+    assert mg._smem_bytes(32, 6, 576, wgs=2, split_s=True) > mg._SMEM_LIMIT
+    cfg = mg.resolve_config(ss, batch=1, rows=64, max_tokens=32768)
+    assert cfg.stages == 4 and cfg.num_splits == 64                # 32768 / 512
+    assert mg.resolve_config(ss, batch=1, rows=64, max_tokens=131072).num_splits == 132
+    assert mg.resolve_config(ss, batch=8, rows=64, max_tokens=32768).num_splits == 16
+    assert mg.resolve_config(ss, batch=64, rows=64, max_tokens=4096).num_splits == 2
+    assert mg.resolve_config(dataclasses.replace(ss, min_split_tokens=1024), batch=1, rows=64,
+                             max_tokens=32768).num_splits == 32
     q_lat, q_pe, _, pool, bt, _ = mg.make_case(jax.random.key(0), [5], heads=64, page=16)
+    for bad in (mg.MgpuConfig(block_k=32, split_s=True),                      # warpgroups=1
+                mg.MgpuConfig(block_k=32, warpgroups=2, split_s=True, stages=3)):
+        with pytest.raises(ValueError, match="split_s"):
+            mg.mla_decode_partials_mgpu(q_lat[:, 0], q_pe[:, 0], pool, bt, jnp.asarray([5]),
+                                        scale=SCALE, config=bad)
     with pytest.raises(ValueError, match="bf16"):
         mg.mla_decode_partials_mgpu(q_lat[:, 0].astype(jnp.float32), q_pe[:, 0], pool, bt,
                                     jnp.asarray([5]), scale=SCALE, interpret=True)
