@@ -320,8 +320,9 @@ def mla_decode_kernel(rows: int, A: int, R: int, page: int, dtype, *, batch: int
     with bf16, A a multiple of 256, R = 64, a page size of 8, 16, 32 or a multiple of 64, and a cache
     large enough to pay for its fixed cost; else the Triton kernel (8 heads per device under TP8: the
     mgpu kernel would pad 8 rows to 64). Measured on the H200 at 64 heads (BENCHMARKS.md, fourth
-    session): mgpu 1.1-4.1x the Triton kernel from 32K cached tokens per row or 256K in the batch; at
-    1 x 4K and 8 x 4K Triton's 65-67 us beat mgpu's 76-115 us (the threshold sits between)."""
+    session): mgpu 1.1-4.1x the Triton kernel at 1 x 32K and every larger case; at 1 x 4K and 8 x 4K
+    Triton's 65-67 us beat mgpu's 76-115 us, so mgpu needs tables of >= 16K tokens per row or >= 64K in
+    the batch (`context`: the block table's capacity, a bucket)."""
     if _MLA_DECODE_KERNEL is not None:
         return _MLA_DECODE_KERNEL
     fits = (rows % 64 == 0 and A % 256 == 0 and R == 64 and page % 8 == 0 and (64 % page == 0 or page % 64 == 0)
