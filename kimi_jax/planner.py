@@ -25,8 +25,9 @@ layer, the materialized bf16 experts of the XLA INT4 path) plus a runtime reserv
   (`busiest_device_touched`: expected maximum over devices, normal approximation); TP devices all
   read the same slices, so they are balanced. impl='xla' reads every local expert (unfused dequant).
   Each group of weights streams at hbm_bw x its kernel efficiency (bf16 GEMV, INT4 experts).
-- cache reads: the whole allocated latent cache of the local rows, `cache_passes` times (the
-  engine's absorbed attention is two einsums over it: scores, then values).
+- cache reads: the whole allocated latent cache of the local rows, `cache_passes` times: once on a
+  GPU (the Pallas decode kernels stream each page once), twice on the XLA path (two einsums over it:
+  scores, then values).
 - compute: 2 x FLOPs of every matmul (projections, attention scores/values, FFNs, router, experts,
   LM head) at bf16_flops.
 - Roofline per op group, summed: each group (attention projections, attention over the cache, dense
@@ -367,7 +368,9 @@ def collective_counts(specs: list[CollectiveSpec]) -> dict[str, int]:
 @dataclasses.dataclass(frozen=True)
 class PlanOptions:
     impl: str = "pallas"              # 'pallas': fused INT4 experts read touched experts only; 'xla'
-    cache_passes: float = 2.0         # reads of the latent cache per step (the engine's two einsums)
+    cache_passes: Optional[float] = None   # reads of the latent cache per step; None: 1 on a GPU with impl
+                                           # 'pallas' (the decode kernels read each page once), else 2 (the
+                                           # XLA path's two einsums: scores, then values)
     mem_fraction: float = 0.92        # of hbm_bytes usable by the engine (set XLA_PYTHON_CLIENT_MEM_FRACTION)
     runtime_reserve_bytes: float = 1.0 * GiB
     allreduce_us: Optional[float] = None   # time per all-reduce (us, as a profile reports it): replaces the model
@@ -548,11 +551,14 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
     attn_params_local = weights["attention"] / db / L
     proj_flops = 2 * Bl * attn_params_local * L
     core_flops = 2 * Bl * Nl * S * (2 * A + R) * L
+    program = o.program or ("cpu" if hw.name.startswith("CPU") else "gpu")
+    passes = o.cache_passes if o.cache_passes is not None else (
+        1.0 if o.impl == "pallas" and program == "gpu" else 2.0)
     terms = [
         Term("attention (weights)", weights["attention"] + weights["norms"], proj_flops,
              (weights["attention"] + weights["norms"]) / (bw * hw.gemv_efficiency), proj_flops / fl),
-        Term("attention (cache)", cache_bytes * o.cache_passes, core_flops,
-             cache_bytes * o.cache_passes / (bw * hw.attention_efficiency), core_flops / fl)]
+        Term("attention (cache)", cache_bytes * passes, core_flops,
+             cache_bytes * passes / (bw * hw.attention_efficiency), core_flops / fl)]
     if Ld:
         f = 2 * Bl * 3 * _cdiv(I, tp) * D * Ld
         terms.append(Term("dense FFN", weights["dense_ffn"], f, weights["dense_ffn"] / (bw * hw.gemv_efficiency),
@@ -583,7 +589,6 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
     emb_read = Bl * D * db                                     # the embedding rows of this step's tokens
     terms.append(Term("lm_head + embedding", lm + emb_read, f, (lm + emb_read) / (bw * hw.gemv_efficiency), f / fl))
 
-    program = o.program or ("cpu" if hw.name.startswith("CPU") else "gpu")
     # -- collectives
     specs = collective_plan(cfg, layout, Bp, program=program, engine_artifacts=o.engine_artifacts, dtype_bytes=db,
                             engine=o.engine)
@@ -607,7 +612,7 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
         notes.append("impl=xla: every local expert is dequantized each step (unfused path)")
 
     assumptions = {"hbm_bw": hw.hbm_bw, "bf16_flops": hw.bf16_flops, "gemv_efficiency": hw.gemv_efficiency,
-                   "attention_efficiency": hw.attention_efficiency, "cache_passes": o.cache_passes,
+                   "attention_efficiency": hw.attention_efficiency, "cache_passes": passes,
                    "impl": o.impl, "allreduce_us": o.allreduce_us}
     if Lm:
         assumptions["expert_efficiency"] = eff
