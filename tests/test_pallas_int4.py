@@ -289,8 +289,13 @@ def test_kernels_lower_for_cuda():
     S = jax.ShapeDtypeStruct
     m, n, k = 4, 256, 1024
     dense = jax.jit(lambda x, p, s: im.int4_matmul(x, p, s, interpret=False))
-    dense.trace(S((m, k), jnp.bfloat16), S((n, k // 8), jnp.int32),
-                S((n, k // 32), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+    try:
+        dense.trace(S((m, k), jnp.bfloat16), S((n, k // 8), jnp.int32),
+                    S((n, k // 32), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+    except RuntimeError as e:   # jax >= 0.11's Triton lowering asks a GPU for its compute capability
+        if "No supported GPU devices found" in str(e):
+            pytest.skip(f"this jax lowers Pallas Triton only with a GPU present ({jax.__version__})")
+        raise
     moe = jax.jit(lambda *a: mg.moe_experts(*a, interpret=False))
     e_, d, f, t = 8, 512, 256, 3
     args = [S((t, d), jnp.bfloat16), S((t, 2), jnp.int32), S((t, 2), jnp.float32),
