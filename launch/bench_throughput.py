@@ -21,7 +21,10 @@ def throughput_rows(model, batches, *, n_min: int = 8, min_prompt: int = 16, max
     rows = []
     # one model for every batch size: the weights are made once and the compiled programs of the
     # smaller batches' buckets are shared
+    t_start = time.perf_counter()
+    progress = lambda *a: print(f"[throughput {time.perf_counter() - t_start:7.1f}s]", *a, flush=True)  # noqa: E731
     llm = LLM(model, dtype=dtype, max_num_seqs=max(batches), **llm_kw)
+    progress("model ready")
     V = llm.config.vocab_size
     for B in batches:
         llm.max_num_seqs = B
@@ -40,7 +43,9 @@ def throughput_rows(model, batches, *, n_min: int = 8, min_prompt: int = 16, max
             be.run(on_finish=lambda r: done.__setitem__(r.request_id, list(r.output_ids)))
             return time.perf_counter() - t0, be.stats, [done[str(i)] for i in range(n)]
 
-        once()                                   # compiles every bucket this workload hits
+        progress(f"batch {B}: warm-up pass (compiles every bucket this workload hits)")
+        once()
+        progress(f"batch {B}: timed pass")
         wall, stats, outputs = once()
         out_tok = stats["generated_tokens"]
         rows.append(dict(batch=B, requests=n, prompt_tokens=int(lens.sum()), output_tokens=out_tok,
