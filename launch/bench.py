@@ -40,6 +40,8 @@ flags.DEFINE_list("batches", ["1", "16", "64", "256"], "MoE token counts")
 flags.DEFINE_string("dense_configs", "default", "name of a config list in DENSE_SWEEPS")
 flags.DEFINE_string("moe_configs", "default", "name of a config list in MOE_SWEEPS")
 flags.DEFINE_bool("baselines", True, "time the baselines too")
+flags.DEFINE_list("check_tokens", ["1", "3", "7", "33"], "check section: MoE token counts every swept config is "
+                  "checked at (random and all-on-one-expert routing each); fewer makes a wide sweep's check cheaper")
 flags.DEFINE_bool("dry", False, "tiny shapes (CPU dry run of the script itself)")
 flags.DEFINE_float("budget_s", 420.0, "stop starting new sections after this many seconds")
 flags.DEFINE_string("model", None, "throughput suite: checkpoint dir or preset (default: the demo model)")
@@ -355,7 +357,7 @@ def section_check():
     u = int4_ref.random_int4(jax.random.fold_in(key, 12), (e_, f, d))
     dn = int4_ref.random_int4(jax.random.fold_in(key, 13), (e_, d, f))
     moe_cfgs = [c for _, c in moe_sweep(FLAGS.moe_configs)]
-    for t in ((1, 7) if FLAGS.dry else (1, 3, 7, 33)):
+    for t in ((1, 7) if FLAGS.dry else [int(v) for v in FLAGS.check_tokens]):
         x = jax.random.normal(jax.random.fold_in(key, 100 + t), (t, d), jnp.bfloat16)
         for mode in ("random", "one_expert"):
             if mode == "random":

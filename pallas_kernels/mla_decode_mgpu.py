@@ -195,6 +195,8 @@ class MgpuConfig:
     warpgroups: int = 1           # 2: the two halves are 2 warpgroups of one CTA (shared pages)
     split_s: bool = False         # version 2 (warpgroups=2): each warpgroup scores one tile of a
     #                               pair (no duplicated QK^T), row maxima exchanged through smem
+    seesaw: bool = False          # version 3 (split_s): FlashMLA's seesaw schedule (warpgroup 0's
+    #                               P @ C overlaps warpgroup 1's softmax; no lockstep)
     num_splits: int = 0           # 0: auto (fill the SMs once)
     min_split_tokens: int = 0     # auto splits: at least this many tokens per split (0: 512 for
     #                               split_s, where the partials cost matters most, else 256)
@@ -663,6 +665,224 @@ def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int
     _write_partials(acc, m, l, o_ref, lse_ref, b=b, j=j, row0=row0, col0=col0, h=h, two_wg=True)
 
 
+def _kernel_seesaw(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages: int,
+                   splits: int, qk_scale: float, interpret: bool):
+    """Version 3 ("seesaw", FlashMLA's schedule): version 2's pairs and partials contract, but the
+    warpgroups no longer run in lockstep. Per pair i (tile a = 2i, b = 2i + 1; m = the shared running
+    max after pair i - 1, identical in both warpgroups), warpgroup 0 (output columns L = [0, A/2)):
+      S_a = Q K_a^T; m_a = max(m, rowmax S_a); P_a = 2^(S_a - m_a) -> P[0], m_a -> x[0] (after
+      a_free: warpgroup 1 is done with the previous P[0] / x[0]); arrive bar_A;
+      acc_L = acc_L 2^(m - m_a) + P_a C_a[:, L]; l_0 = l_0 2^(m - m_a) + rowsum P_a;
+      wait bar_B; m_b = x[1]; f = 2^(m_a - m_b); acc_L *= f; l_0 *= f; acc_L += P_b C_b[:, L];
+      arrive b_free and consumed[pair slot]; m = m_b.
+    warpgroup 1 (columns R = [A/2, A); it also issues the tile TMA):
+      S_b = Q K_b^T (concurrently with S_a); wait bar_A; m_a = x[0]; m_b = max(m_a, rowmax S_b);
+      P_b = 2^(S_b - m_b); l_1 = l_1 2^(m - m_b) + rowsum P_b; P_b -> P[1], m_b -> x[1] (after
+      b_free); arrive bar_B; acc_R = acc_R 2^(m - m_a) + P_a C_a[:, R]; arrive a_free;
+      acc_R = acc_R 2^(m_a - m_b) + P_b C_b[:, R]; arrive consumed[pair slot], wait for it and
+      refill the pair slot with pair i + stages / 2; m = m_b.
+    So warpgroup 0's P_a @ C_a overlaps warpgroup 1's softmax, and warpgroup 1's P @ C overlaps
+    warpgroup 0's next S. Every accumulator and l ends a pair relative to m_b (see the module
+    docstring for the algebra and the barrier argument); after the loop l = l_0 + l_1 through x."""
+    rb = lax.axis_index("hr")
+    j = lax.axis_index("split")
+    b = lax.axis_index("b")
+    h = lax.axis_index("wg")
+    c = pool_ref.shape[2]
+    a = o_ref.shape[-1]
+    bn = a // 2
+    dt = q_ref.dtype
+    npairs = stages // 2
+
+    def lc(x, layout):
+        return x if interpret else plgpu.layout_cast(x, layout)
+
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def load_rows(ref):
+        if interpret:
+            return ref[...]
+        idx = [()] if _LOAD_NEEDS_IDX else []
+        return plgpu.load(ref, *idx, layout=row_layout, optimized=False)
+
+    def bcast(v, shape):
+        return lax.broadcast_in_dim(v, shape, [0])
+
+    length = len_ref[b]
+    pair_tokens = 2 * bk
+    chunk = ((length + splits - 1) // splits + pair_tokens - 1) // pair_tokens * pair_tokens
+    start = j * chunk
+    end = jnp.minimum(start + chunk, length)
+    n_tiles = jnp.where(end > start, (end - start + bk - 1) // bk, 0)
+    n_pairs = (n_tiles + 1) // 2
+    row0 = pl.multiple_of(rb * _ROWS, _ROWS)
+    col0 = pl.multiple_of(h * bn, bn)
+    swz = min(128, 2 * bk)
+    tiled = (plgpu.TilingTransform((8, swz // 2)), plgpu.SwizzleTransform(swz))
+
+    def main(q_smem, k_smem, p_smem, x_smem, k_bars, q_bar, consumed, bar_a, bar_b, a_free,
+             b_free):
+        wg0, wg1 = h == 0, h == 1
+
+        @pl.when(wg0)
+        def _():
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, _ROWS)], q_smem, q_bar)
+
+        def issue_pair(i, ps):
+            for u in range(2):
+                slot = 2 * ps + u
+                _issue_tile(bt_ref, pool_ref, b, start + (2 * i + u) * bk, end, bk,
+                            k_smem.at[slot], k_bars.at[slot])
+
+        for s in range(npairs):
+            pl.when(jnp.logical_and(wg1, s < n_pairs))(functools.partial(issue_pair, s, s))
+        plgpu.barrier_wait(q_bar)
+
+        def scores(i, slot, u):
+            """S of tile 2i + u (in k_smem slot), scaled (log2 units) and masked."""
+            plgpu.barrier_wait(k_bars.at[slot])
+
+            def qk(s_ref):
+                plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                return s_ref[...]
+            s = pl.run_scoped(qk, plgpu.ACC((_ROWS, bk), jnp.float32))
+            tok = lc(lax.broadcasted_iota(jnp.int32, (_ROWS, bk), 1), plgpu.Layout.WGMMA)
+            return jnp.where(tok < end - (start + (2 * i + u) * bk), s * qk_scale, _NEG)
+
+        # P buffer indices as traced values: a literal index closed over by run_state comes back
+        # from its lowering as a Python int, which Warpgroup semantics rejects inside lax.cond
+        zero = h * 0
+
+        def pv(acc, k, slot):
+            """acc + P[k] @ tile[slot][:, this warpgroup's columns]; waits for the wgmma."""
+            p_ref = p_smem.at[zero + k]
+            cols = k_smem.at[slot].at[:, pl.ds(col0, bn)]
+            if interpret:   # the interpreters lack run_state: same sum, two steps
+                def f(acc_ref):
+                    plgpu.wgmma(acc_ref, p_ref, cols)
+                    return acc_ref[...]
+                return acc + pl.run_scoped(f, plgpu.ACC((_ROWS, bn), jnp.float32))
+
+            def f(acc_ref):
+                plgpu.wgmma(acc_ref, p_ref, cols)
+            return pl.run_state(f)(plgpu.ACC.init(acc))
+
+        def publish(k, p, m, bar):
+            p_smem.at[k][...] = p.astype(dt)
+            x_smem.at[k][...] = m
+            plgpu.commit_smem()                # all 128 threads' stores done (and fenced)
+            plgpu.barrier_arrive(bar)
+
+        def step0(i, carry):                   # warpgroup 0: tile a, columns L
+            acc, m_prev, l_prev = carry
+            ps = i % npairs
+            s = scores(i, 2 * ps, 0)
+            m_a = jnp.maximum(m_prev, s.max(axis=1))
+            p = jnp.exp2(s - bcast(m_a, s.shape))
+            corr = jnp.exp2(m_prev - m_a)
+            pl.when(i > 0)(lambda: plgpu.barrier_wait(a_free))   # WG1 done with P[0], x[0]
+            publish(0, p, m_a, bar_a)
+            l_next = l_prev * corr + p.sum(axis=1)
+            acc = pv(acc * bcast(corr, acc.shape), 0, 2 * ps)
+            plgpu.barrier_wait(bar_b)
+            m_b = load_rows(x_smem.at[1])
+            f = jnp.exp2(m_a - m_b)
+            plgpu.barrier_wait(k_bars.at[2 * ps + 1])   # complete (WG1 scored it): phase bits
+            acc = pv(acc * bcast(f, acc.shape), 1, 2 * ps + 1)
+            plgpu.barrier_arrive(b_free)                # done with P[1], x[1]
+            plgpu.barrier_arrive(consumed.at[ps])       # done with both tiles
+            return acc, m_b, l_next * f
+
+        def step1(i, carry):                   # warpgroup 1: tile b, columns R; the TMA issuer
+            acc, m_prev, l_prev = carry
+            ps = i % npairs
+            s = scores(i, 2 * ps + 1, 1)
+            plgpu.barrier_wait(bar_a)
+            m_a = load_rows(x_smem.at[0])
+            m_b = jnp.maximum(m_a, s.max(axis=1))
+            p = jnp.exp2(s - bcast(m_b, s.shape))
+            l_next = l_prev * jnp.exp2(m_prev - m_b) + p.sum(axis=1)
+            pl.when(i > 0)(lambda: plgpu.barrier_wait(b_free))   # WG0 done with P[1], x[1]
+            publish(1, p, m_b, bar_b)
+            plgpu.barrier_wait(k_bars.at[2 * ps])       # complete (WG0 scored it): phase bits
+            acc = pv(acc * bcast(jnp.exp2(m_prev - m_a), acc.shape), 0, 2 * ps)
+            plgpu.barrier_arrive(a_free)                # done with P[0], x[0]
+            acc = pv(acc * bcast(jnp.exp2(m_a - m_b), acc.shape), 1, 2 * ps + 1)
+            plgpu.barrier_arrive(consumed.at[ps])
+
+            @pl.when(i + npairs < n_pairs)
+            def _():
+                plgpu.barrier_wait(consumed.at[ps])     # ... and warpgroup 0 too
+                issue_pair(i + npairs, ps)
+            return acc, m_b, l_next
+
+        init = (lc(jnp.zeros((_ROWS, bn), jnp.float32), plgpu.Layout.WGMMA),
+                lc(jnp.full((_ROWS,), _NEG, jnp.float32), row_layout),
+                lc(jnp.zeros((_ROWS,), jnp.float32), row_layout))
+        acc, m, l_part = lax.cond(wg0, lambda: lax.fori_loop(0, n_pairs, step0, init),
+                                  lambda: lax.fori_loop(0, n_pairs, step1, init))
+
+        # After the loop: warpgroup 0 waits for the last a_free (warpgroup 1 done with P[0] and
+        # x[0]), warpgroup 1 for the last b_free and drains the last pairs' consumed phases; then
+        # l = l_0 + l_1 through x (bar_A / bar_B once more), and a last a_free / b_free round makes
+        # sure both read x before the epilogue's staging reuses the loop's shared memory.
+        @pl.when(jnp.logical_and(wg0, n_pairs > 0))
+        def _():
+            plgpu.barrier_wait(a_free)
+
+        @pl.when(jnp.logical_and(wg1, n_pairs > 0))
+        def _():
+            plgpu.barrier_wait(b_free)
+
+        @pl.when(wg1)
+        def _():
+            @pl.loop(jnp.maximum(n_pairs - npairs, 0), n_pairs)
+            def _(i):
+                plgpu.barrier_wait(consumed.at[i % npairs])
+
+        x_smem.at[h][...] = l_part
+        plgpu.commit_smem()
+
+        @pl.when(wg0)
+        def _():
+            plgpu.barrier_arrive(bar_a)
+            plgpu.barrier_wait(bar_b)
+
+        @pl.when(wg1)
+        def _():
+            plgpu.barrier_arrive(bar_b)
+            plgpu.barrier_wait(bar_a)
+        l = l_part + load_rows(x_smem.at[1 - h])
+
+        @pl.when(wg0)
+        def _():
+            plgpu.barrier_arrive(b_free)
+            plgpu.barrier_wait(a_free)
+
+        @pl.when(wg1)
+        def _():
+            plgpu.barrier_arrive(a_free)
+            plgpu.barrier_wait(b_free)
+        return acc, m, l
+
+    acc, m, l = pl.run_scoped(
+        main,
+        plgpu.SMEM((_ROWS, c), dt, transforms=tiled),
+        plgpu.SMEM((stages, bk, c), dt, transforms=tiled),
+        plgpu.SMEM((2, _ROWS, bk), dt, transforms=tiled),
+        plgpu.SMEM((2, _ROWS), jnp.float32),
+        plgpu.Barrier(num_arrivals=max(1, bk // pool_ref.shape[1]), num_barriers=stages),
+        plgpu.Barrier(num_arrivals=1),
+        plgpu.Barrier(num_arrivals=2, num_barriers=npairs),
+        plgpu.Barrier(num_arrivals=1),          # bar_A: P[0], x[0] written (warpgroup 0)
+        plgpu.Barrier(num_arrivals=1),          # bar_B: P[1], x[1] written (warpgroup 1)
+        plgpu.Barrier(num_arrivals=1),          # a_free: warpgroup 1 done reading P[0], x[0]
+        plgpu.Barrier(num_arrivals=1),          # b_free: warpgroup 0 done reading P[1], x[1]
+        collective_axes="wg",
+    )
+    _write_partials(acc, m, l, o_ref, lse_ref, b=b, j=j, row0=row0, col0=col0, h=h, two_wg=True)
+
+
 def _check_shapes(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, cfg: MgpuConfig):
     B, M, A = q_lat_BMA.shape
     R = q_pe_BMR.shape[-1]
@@ -679,6 +899,8 @@ def _check_shapes(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, cfg: MgpuConfig
                          f"block_k={bk}")
     if cfg.warpgroups not in (1, 2) or (cfg.warpgroups == 2 and cfg.halves != 2):
         raise ValueError(f"warpgroups={cfg.warpgroups} must be 1, or 2 with halves=2")
+    if cfg.seesaw and not cfg.split_s:
+        raise ValueError("seesaw (version 3) needs split_s=True (and warpgroups=2)")
     if cfg.split_s and (cfg.warpgroups != 2 or cfg.stages % 2 or cfg.stages < 2):
         raise ValueError(f"split_s needs warpgroups=2 and an even number of stages (tiles; 2 per "
                          f"pair), got warpgroups={cfg.warpgroups}, stages={cfg.stages}")
@@ -720,7 +942,8 @@ def mla_decode_partials_mgpu(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, leng
     splits = cfg.num_splits
     two_wg = cfg.warpgroups == 2
     if cfg.split_s:
-        kernel = functools.partial(_kernel_split_s, bk=cfg.block_k, stages=cfg.stages,
+        kernel = functools.partial(_kernel_seesaw if cfg.seesaw else _kernel_split_s,
+                                   bk=cfg.block_k, stages=cfg.stages,
                                    splits=splits, qk_scale=float(scale) * _LOG2E, interpret=interp)
         extra = dict(reduction_scratch_bytes=_SPLIT_S_REDUCTION_SCRATCH)
     else:
@@ -852,6 +1075,7 @@ def default_configs(semantics: str = "Lane") -> dict:
         "wg2s_k32s4": ss,
         "wg2s_k32s4_m256": dataclasses.replace(ss, min_split_tokens=256),
         "wg2s_k32s4_m1024": dataclasses.replace(ss, min_split_tokens=1024),
+        "wg2ss_k32s4": dataclasses.replace(ss, seesaw=True),
     }
 
 

@@ -93,6 +93,26 @@ def test_split_s_variant(lengths, t, page, splits):
     assert mg.races_found() in (False, None)
 
 
+# Version 3 (seesaw): the same pair structure on an asynchronous schedule (warpgroup 0 publishes P_a and
+# its max, warpgroup 1 builds P_b on top; P / max buffers reused after a_free / b_free).
+# (a) 1 (one tile: odd count, padding 2nd tile, the second split empty) and 97 in 2 splits (64 + 33:
+#     the second split's last tile has 1 token, clamped copy), page 16;
+# (b) 0 (empty row: o = 0 path through the final l exchange), 128 rows (T = 2), page 64 (part-page
+#     copies), 280 tokens = 9 tiles = 5 pairs > 2 pair slots (refills by warpgroup 1, odd count).
+@needs_interpreter
+@pytest.mark.parametrize("lengths,t,page,splits", [
+    ([1, 97], 1, 16, 2),
+    ([280, 0], 2, 64, 1),
+])
+def test_seesaw_variant(lengths, t, page, splits):
+    """seesaw: matches the reference and has no cross-warpgroup race under the race detector."""
+    args = mg.make_case(jax.random.key(13), lengths, heads=64, t=t, page=page)
+    cfg = mg.MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True, seesaw=True,
+                        num_splits=splits)
+    _check(args, cfg, interpret=mg.interpret_params(detect_races=True))
+    assert mg.races_found() in (False, None)
+
+
 @needs_interpreter
 def test_partials_contract_and_empty_splits():
     """o [B, splits, M, A] f32 / lse [B, splits, M] f32; a split past a row's length: o = 0, lse = -inf;
@@ -122,19 +142,20 @@ def test_partials_contract_and_empty_splits():
 
 @pytest.mark.skipif(mg.plgpu is None, reason="no jax.experimental.pallas.mosaic_gpu")
 @pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
-@pytest.mark.parametrize("block_k,page,wgs,split_s", [
-    (64, 16, 1, False), (32, 64, 1, False), (32, 16, 2, False), (32, 16, 2, True),
-    (32, 64, 2, True)])
-def test_lowers_for_cuda(semantics, block_k, page, wgs, split_s):
+@pytest.mark.parametrize("block_k,page,wgs,split_s,seesaw", [
+    (64, 16, 1, False, False), (32, 64, 1, False, False), (32, 16, 2, False, False),
+    (32, 16, 2, True, False), (32, 64, 2, True, False), (32, 16, 2, True, True)])
+def test_lowers_for_cuda(semantics, block_k, page, wgs, split_s, seesaw):
     """The GPU path (no interpreter) lowers to Mosaic GPU MLIR for cuda on a CPU-only host (the
     lowering also checks the CTA's shared memory against the 227 KiB of sm_90: the split_s config
-    resolves to 4 stages, 231,496 B)."""
+    resolves to 4 stages, 231,496 B; seesaw: 2 more barriers, 231,512 B)."""
     B, P = 2, 32
     S = jax.ShapeDtypeStruct
     args = (S((B, 1, 64, 512), jnp.bfloat16), S((B, 1, 64, 64), jnp.bfloat16),
             S((B, 1, 576), jnp.bfloat16), S((B * P, page, 576), jnp.bfloat16), S((B, P), jnp.int32),
             S((B, 1), jnp.int32))
-    cfg = mg.MgpuConfig(block_k=block_k, semantics=semantics, warpgroups=wgs, split_s=split_s)
+    cfg = mg.MgpuConfig(block_k=block_k, semantics=semantics, warpgroups=wgs, split_s=split_s,
+                        seesaw=seesaw)
     f = jax.jit(lambda *a: mg.mla_paged_attention_mgpu(*a, SCALE, config=cfg))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -161,6 +182,10 @@ def test_resolve_config_and_validation():
     assert mg.resolve_config(dataclasses.replace(ss, min_split_tokens=1024), batch=1, rows=64,
                              max_tokens=32768).num_splits == 32
     q_lat, q_pe, _, pool, bt, _ = mg.make_case(jax.random.key(0), [5], heads=64, page=16)
+    with pytest.raises(ValueError, match="seesaw"):
+        mg.mla_decode_partials_mgpu(q_lat[:, 0], q_pe[:, 0], pool, bt, jnp.asarray([5]),
+                                    scale=SCALE, config=mg.MgpuConfig(block_k=32, warpgroups=2,
+                                                                      seesaw=True))
     for bad in (mg.MgpuConfig(block_k=32, split_s=True),                      # warpgroups=1
                 mg.MgpuConfig(block_k=32, warpgroups=2, split_s=True, stages=3)):
         with pytest.raises(ValueError, match="split_s"):
