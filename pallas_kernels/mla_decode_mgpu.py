@@ -57,7 +57,8 @@ GPU check + timing (one H200): `PYTHONPATH=. python -m pallas_kernels.mla_decode
 [--budget_s=S]` (`check_and_time`: ragged correctness per config first, then the configs that passed
 vs the Triton kernel at 64 heads; default cases B x context 1x32K, 8x32K, 64x4K, 64x32K (~150 s),
 full = B in (1, 8, 64) x (4K, 32K, 128K), the acceptance grid (budget 220 s before the last case
-starts); configs `default_configs()`: k64, wg2_k32s4, wg2s_k32s4 (+ _m256, _m1024)).
+starts); configs `default_configs()`: k64, wg2_k32s4, wg2s_k32s4 (+ _m256, _m1024), wg2ss_k32s4
+(version 3, seesaw)).
 Verified on an H200 (jax 0.11.2, Lane): versions 1 and 1b compile, pass the checks, and time as in
 the version 2 notes below. Unverified until a GPU run: version 2 (compilation, barrier phases on
 hardware, registers, speed).
@@ -131,13 +132,91 @@ TFLOP/s seen), about the copy time of the 2.4 GB of cache (592 us); but the two 
 lockstep (S, exchange, softmax, P @ C), so one's softmax no longer overlaps the other's MMA as in 1b.
 Unverified until the GPU run: compile, phases on hardware, speed.
 
+Version 3: `seesaw=True` (with split_s; FlashMLA's "seesaw" schedule; config `wg2ss_k32s4`)
+---------------------------------------------------------------------------------------------
+Why: on the H200 version 2 reached 88.4% of copy at 64 x 128K, 82.2% at 64 x 32K, 77.6% at
+8 x 128K (target 85%); its warpgroups run in lockstep per pair, so the tensor cores idle while both
+do their softmax. What (`_kernel_seesaw`): same grid, pairs, shared memory, splits, padding tile,
+masking, epilogue and partials contract as version 2; the two warpgroups run different loops
+(`lax.cond` on the warpgroup index). Per pair i (tile a = 2i, b = 2i + 1), m = the running max after
+pair i - 1 (held by both, bit-identical: warpgroup 0 reads it from x[1]), L / R = the first / second
+256 latent columns:
+- warpgroup 0: S_a = Q K_a^T; m_a = max(m, rowmax S_a); P_a = 2^(S_a - m_a); [wait a_free of pair
+  i - 1]; P_a -> P[0], m_a -> x[0], commit_smem, arrive bar_A; acc_L = acc_L 2^(m - m_a) + P_a C_a[:, L]
+  (overlaps warpgroup 1's softmax); l_0 = l_0 2^(m - m_a) + rowsum P_a; wait bar_B; m_b = x[1];
+  f = 2^(m_a - m_b); acc_L *= f, l_0 *= f; acc_L += P_b C_b[:, L]; arrive b_free, consumed[pair slot].
+- warpgroup 1 (also issues all tile TMA: it is usually the later one to finish a pair): S_b = Q K_b^T
+  (concurrently with S_a); wait bar_A; m_a = x[0]; m_b = max(m_a, rowmax S_b); P_b = 2^(S_b - m_b);
+  l_1 = l_1 2^(m - m_b) + rowsum P_b; [wait b_free of pair i - 1]; P_b -> P[1], m_b -> x[1],
+  commit_smem, arrive bar_B; acc_R = acc_R 2^(m - m_a) + P_a C_a[:, R]; arrive a_free;
+  acc_R = acc_R 2^(m_a - m_b) + P_b C_b[:, R]; arrive consumed[pair slot], wait it (warpgroup 0 done
+  with the pair too) and refill the slot with pair i + stages / 2 (the leader-waits-for-both refill of
+  version 2 would make warpgroup 0 wait for warpgroup 1's last P @ C, i.e. lockstep again).
+Algebra (invariant after pair i: acc_L, acc_R, l_0, l_1 are all relative to m_b(i), and m_b(i) >=
+m_a(i) >= m_b(i - 1), so every exponent is <= 0): acc_L 2^(m - m_a) + P_a C_a is relative to m_a, times
+2^(m_a - m_b) relative to m_b, + P_b C_b (P_b against m_b) stays so; l_0 holds the sums of the a tiles
+(same factors), l_1 those of the b tiles, each brought to m_b every pair; acc_R takes the same two
+factors as acc_L. After the last pair both warpgroups hold m = the last m_b, so l = l_0 + l_1 (through
+x once more) and lse = m ln 2 + ln l. A padding tile b (odd tile count) is all masked: m_b = m_a,
+P_b = 0. An empty split runs no pair: acc = 0, l = 0 -> o = 0, lse = -inf (as version 2).
+Barriers (bar_A, bar_B, a_free, b_free: 1 arrival = one warpgroup; consumed[2]: 2 arrivals; the same
+per-thread phase rules as version 2: every waiter waits on every phase, and no barrier may complete
+twice before its waiter observed the first completion):
+- bar_A (WG0 arrives, WG1 waits, once per pair): WG0 arrives for pair i + 1 only after waiting
+  a_free(i), which WG1 arrives after its bar_A(i) wait. bar_B symmetric through b_free(i), which WG0
+  arrives after its bar_B(i) wait.
+- a_free (WG1 arrives after its P_a C_a[:, R] wgmma has completed, the last read of P[0] and after
+  its read of x[0]; WG0 waits before rewriting P[0] / x[0] at pair i + 1): WG1 arrives a_free(i + 1)
+  only after bar_A(i + 1), which WG0 arrives after waiting a_free(i). b_free symmetric (WG0 arrives
+  after its P_b C_b[:, L] wgmma, after reading x[1]). So WG0 may run a whole S_a + softmax ahead into
+  pair i + 1 while WG1 still runs P_b C_b[:, R] of pair i, but P / x are single-buffered (no smem
+  for a second P: see below) and reused only after the reader released them. Cost: WG0 at pair
+  i + 1 waits for WG1's P_a C_a[:, R] of pair i, which WG1 issues right after publishing P_b, so
+  WG0's S_a + softmax of pair i + 1 normally cover it.
+- Tiles: each warpgroup arrives consumed[ps] after its last P @ C of the pair (both tiles); WG1
+  waits for it and refills; WG0 arrives consumed[ps] for pair i + stages / 2 only after waiting that
+  pair's tiles, which WG1 issues after observing the phase of pair i. Both warpgroups wait on both
+  tile barriers of every pair (the other's tile: for the parity bits and the TMA visibility).
+- End: WG0 waits the last a_free, WG1 the last b_free and drains the consumed phases it did not
+  wait in the loop; l_h -> x[h], commit, bar_A / bar_B once more (phase n_pairs + 1: the arrivals
+  follow the last a_free / b_free waits), read x[1 - h]; then arrive b_free / a_free and wait a_free /
+  b_free so that both have read x before the epilogue's staging reuses the loop's shared memory.
+Shared memory: as version 2 plus 2 barriers (16 B): the lowering's 227 KiB check passes at stages=4
+(version 2: 231,496 B). A second P buffer pair (8 KiB) would not fit, hence the free barriers.
+Lowering note: the P buffer index is a traced value (h * 0 + k): a literal index closed over by
+`run_state` comes back from its lowering as a Python int, which Warpgroup semantics rejects inside
+`lax.cond`.
+CPU verification: interpreter vs the reference (ragged: 0, 1, 97 in 2 splits = 64 + 33, 280 = 9
+tiles = 5 pairs, odd counts, page 16 and 64, T = 2) under the race detector (no race; a mutant that
+arrives bar_A before writing P[0] / x[0] is flagged; a mutant without the a_free wait fails the
+interpreter's "completed again before observed" phase check). The detector checks read-after-write
+only: a mutant that releases P[0] (a_free) BEFORE its P_a C_a wgmma is NOT flagged, so the
+write-after-read side of a_free / b_free rests on the argument above and on the GPU run. Lowers for
+cuda in Lane and Warpgroup semantics on jax 0.10.2 and 0.11.2.
+Expected / to measure on the GPU: compile (the two loops in an scf.index_switch; registers: acc
+128 + S 16 + P per thread, as version 2), correctness, and speed vs wg2s_k32s4. Costs added vs
+version 2: two rescales of the [64, 256] accumulator per pair in each warpgroup (128 FMUL per thread
+each, vs one in version 2) and the a_free / b_free round trips.
+
+Option `o_bmsa=True` (any variant; configs `wg2s_k32s4_bmsa`, `wg2ss_k32s4_bmsa`)
+-------------------------------------------------------------------------------
+The kernel writes o as [B, M, splits, A] instead of [B, splits, M, A]: each CTA's [64, 256] f32
+block goes to rows strided by splits * A * 4 bytes (same TMA box, other strides), and
+`mla_paged_attention_mgpu` reshapes it to the combine's [B, T, N, K, A] without a transpose (with
+the default layout XLA may materialize a transposed copy of o: up to 128 KiB per split and row block
+written and read once more). lse stays [B, splits, M] (a TMA store of a 64-float column with a
+splits-float stride is not expressible: the innermost dimension must be contiguous and >= 16 B); its
+transpose is B * splits * M * 4 bytes, negligible. CPU: interpreter (seesaw + o_bmsa, 2 splits both
+holding data, rows padded 8 -> 64) and cuda lowering in both semantics. To measure on the GPU:
+whether XLA fused the transpose into the combine anyway (then no gain).
+
 Next steps (performance; in order)
 ---------------------------------
 1. (Done as version 2, pending the GPU numbers.) Stop duplicating QK^T.
-2. Version 2 serializes S -> exchange -> softmax -> P @ C within a pair in both warpgroups: issue the
-   next pair's S wgmma before this pair's softmax (software pipelining: a second S accumulator; 16
-   more registers), or stagger the warpgroups by one tile; and a producer warpgroup for the TMA
-   (emit_pipeline_warp_specialized) to free the compute warpgroups.
+2. (Done as version 3 `seesaw`, pending the GPU numbers.) Overlap one warpgroup's softmax with the
+   other's P @ C. If it helps: skip the accumulator rescale when the row max did not move (a warp
+   vote on the factor), issue the next pair's S wgmma before waiting bar_B in warpgroup 0 (a second
+   S accumulator), and a producer warpgroup for the TMA (emit_pipeline_warp_specialized).
 3. Mask only the last tile (the [64, block_k] int32 iota costs registers every step).
 4. B = 1: the partials (128 KiB of f32 o per split) cost as much as ~230 cached tokens; bf16 o or a
    fused combine (last CTA of a row merges) would allow more, shorter splits.
@@ -197,6 +276,8 @@ class MgpuConfig:
     #                               pair (no duplicated QK^T), row maxima exchanged through smem
     seesaw: bool = False          # version 3 (split_s): FlashMLA's seesaw schedule (warpgroup 0's
     #                               P @ C overlaps warpgroup 1's softmax; no lockstep)
+    o_bmsa: bool = False          # partials o as [B, M, splits, A] (the combine's order: no
+    #                               transpose before it) instead of [B, splits, M, A]
     num_splits: int = 0           # 0: auto (fill the SMs once)
     min_split_tokens: int = 0     # auto splits: at least this many tokens per split (0: 512 for
     #                               split_s, where the partials cost matters most, else 256)
@@ -351,7 +432,7 @@ def _issue_tile(bt_ref, pool_ref, b, base, end, bk: int, dst, bar):
 
 
 def _kernel(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages: int, splits: int,
-            halves: int, qk_scale: float, interpret: bool, two_wg: bool):
+            halves: int, qk_scale: float, interpret: bool, two_wg: bool, o_bmsa: bool = False):
     """len [B] i32, bt [B, P] i32, q [B, Mp, C] bf16 (latent | rope), pool [X, page, C] bf16 ->
     o [B, splits, Mp, A] f32, lse [B, splits, Mp] f32.
 
@@ -475,10 +556,12 @@ def _kernel(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages
         **scoped,
     )
 
-    _write_partials(acc, m, l, o_ref, lse_ref, b=b, j=j, row0=row0, col0=col0, h=h, two_wg=two_wg)
+    _write_partials(acc, m, l, o_ref, lse_ref, b=b, j=j, row0=row0, col0=col0, h=h, two_wg=two_wg,
+                    o_bmsa=o_bmsa)
 
 
-def _write_partials(acc, m, l, o_ref, lse_ref, *, b, j, row0, col0, h, two_wg: bool):
+def _write_partials(acc, m, l, o_ref, lse_ref, *, b, j, row0, col0, h, two_wg: bool,
+                    o_bmsa: bool = False):
     """Epilogue: o = acc / l (this program's [64, bn] columns), lse = m ln 2 + ln l (-inf and o = 0 for
     an empty split; acc = 0 there) staged in shared memory and TMA'd out; lse by (warpgroup / half)
     0. The staging reuses the main loop's shared memory: callers make sure every warpgroup is past
@@ -498,7 +581,11 @@ def _write_partials(acc, m, l, o_ref, lse_ref, *, b, j, row0, col0, h, two_wg: b
         def _():           # but the other's late store would race with this TMA read)
             lse_smem[...] = lse
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, j, pl.ds(row0, _ROWS), pl.ds(col0, bn)])
+        if o_bmsa:   # o [B, Mp, splits, A]: rows strided by splits * A (the combine's order)
+            o_dst = o_ref.at[b, pl.ds(row0, _ROWS), j, pl.ds(col0, bn)]
+        else:        # o [B, splits, Mp, A]
+            o_dst = o_ref.at[b, j, pl.ds(row0, _ROWS), pl.ds(col0, bn)]
+        plgpu.copy_smem_to_gmem(o_smem, o_dst)
 
         @pl.when(h == 0)
         def _():
@@ -512,7 +599,7 @@ def _write_partials(acc, m, l, o_ref, lse_ref, *, b, j, row0, col0, h, two_wg: b
 
 
 def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages: int,
-                    splits: int, qk_scale: float, interpret: bool):
+                    splits: int, qk_scale: float, interpret: bool, o_bmsa: bool = False):
     """Version 2 ("split S", FlashMLA-style): 2 warpgroups per CTA, grid (row_blocks, splits, B).
     Per pair i of block_k-token tiles (2i, 2i + 1) of the split, warpgroup h:
       1. waits for tile 2i + h, S_h = Q tile^T [64, bk] (wgmma, K = C), scaled and masked, and
@@ -662,11 +749,12 @@ def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int
         plgpu.Barrier(num_arrivals=2),
         collective_axes="wg",
     )
-    _write_partials(acc, m, l, o_ref, lse_ref, b=b, j=j, row0=row0, col0=col0, h=h, two_wg=True)
+    _write_partials(acc, m, l, o_ref, lse_ref, b=b, j=j, row0=row0, col0=col0, h=h, two_wg=True,
+                    o_bmsa=o_bmsa)
 
 
 def _kernel_seesaw(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages: int,
-                   splits: int, qk_scale: float, interpret: bool):
+                   splits: int, qk_scale: float, interpret: bool, o_bmsa: bool = False):
     """Version 3 ("seesaw", FlashMLA's schedule): version 2's pairs and partials contract, but the
     warpgroups no longer run in lockstep. Per pair i (tile a = 2i, b = 2i + 1; m = the shared running
     max after pair i - 1, identical in both warpgroups), warpgroup 0 (output columns L = [0, A/2)):
@@ -880,7 +968,8 @@ def _kernel_seesaw(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int,
         plgpu.Barrier(num_arrivals=1),          # b_free: warpgroup 0 done reading P[1], x[1]
         collective_axes="wg",
     )
-    _write_partials(acc, m, l, o_ref, lse_ref, b=b, j=j, row0=row0, col0=col0, h=h, two_wg=True)
+    _write_partials(acc, m, l, o_ref, lse_ref, b=b, j=j, row0=row0, col0=col0, h=h, two_wg=True,
+                    o_bmsa=o_bmsa)
 
 
 def _check_shapes(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, cfg: MgpuConfig):
@@ -920,8 +1009,8 @@ def mla_decode_partials_mgpu(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, leng
                              scale: float, config: Optional[MgpuConfig] = None,
                              interpret=False):
     """Flash-decoding partials over the cached tokens (see the module docstring): o [B, splits, M, A]
-    f32 (each split normalized) and lse [B, splits, M] f32. `interpret`: False (GPU), True (the
-    Mosaic GPU interpreter on CPU) or an InterpretGPUParams."""
+    f32 (each split normalized; [B, M, splits, A] with config.o_bmsa) and lse [B, splits, M] f32.
+    `interpret`: False (GPU), True (the Mosaic GPU interpreter on CPU) or an InterpretGPUParams."""
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available")
     B, M, A = q_lat_BMA.shape
@@ -944,12 +1033,13 @@ def mla_decode_partials_mgpu(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, leng
     if cfg.split_s:
         kernel = functools.partial(_kernel_seesaw if cfg.seesaw else _kernel_split_s,
                                    bk=cfg.block_k, stages=cfg.stages,
-                                   splits=splits, qk_scale=float(scale) * _LOG2E, interpret=interp)
+                                   splits=splits, qk_scale=float(scale) * _LOG2E, interpret=interp,
+                                   o_bmsa=cfg.o_bmsa)
         extra = dict(reduction_scratch_bytes=_SPLIT_S_REDUCTION_SCRATCH)
     else:
         kernel = functools.partial(_kernel, bk=cfg.block_k, stages=cfg.stages, splits=splits,
                                    halves=cfg.halves, qk_scale=float(scale) * _LOG2E,
-                                   interpret=interp, two_wg=two_wg)
+                                   interpret=interp, two_wg=two_wg, o_bmsa=cfg.o_bmsa)
         extra = {}
     params = plgpu.CompilerParams(
         lowering_semantics=getattr(plgpu.LoweringSemantics, cfg.semantics), **extra)
@@ -958,14 +1048,15 @@ def mla_decode_partials_mgpu(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, leng
         kw.update(num_threads=2, thread_name="wg")
     o, lse = plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((B, splits, Mp, A), jnp.float32),
+        out_type=(jax.ShapeDtypeStruct((B, Mp, splits, A) if cfg.o_bmsa else (B, splits, Mp, A),
+                                       jnp.float32),
                   jax.ShapeDtypeStruct((B, splits, Mp), jnp.float32)),
         grid=(row_blocks * (1 if two_wg else cfg.halves), splits, B),
         grid_names=("hr", "split", "b"),
         compiler_params=params,
         **kw,
     )(lengths_B.astype(jnp.int32), block_table_BP.astype(jnp.int32), q_BMC, pool_XpC)
-    return o[:, :, :M], lse[:, :, :M]
+    return (o[:, :M] if cfg.o_bmsa else o[:, :, :M]), lse[:, :, :M]
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret", "return_lse"))
@@ -980,8 +1071,11 @@ def mla_paged_attention_mgpu(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_tab
     o_BKMA, lse_BKM = mla_decode_partials_mgpu(
         q_lat_BTNA.reshape(B, T * N, A), q_pe_BTNR.astype(q_lat_BTNA.dtype).reshape(B, T * N, R),
         pool_XpC, block_table_BP, lengths_B, scale=scale, config=config, interpret=interpret)
-    K = o_BKMA.shape[1]
-    o_BTNKA = o_BKMA.reshape(B, K, T, N, A).transpose(0, 2, 3, 1, 4)
+    K = lse_BKM.shape[1]
+    if config is not None and config.o_bmsa:   # already [B, M, K, A]: no transpose of o
+        o_BTNKA = o_BKMA.reshape(B, T, N, K, A)
+    else:
+        o_BTNKA = o_BKMA.reshape(B, K, T, N, A).transpose(0, 2, 3, 1, 4)
     lse_BTNK = lse_BKM.reshape(B, K, T, N).transpose(0, 2, 3, 1)
     o_new, lse_new = tri._new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale)
     o_BTNA, lse_BTN = tri.combine(o_BTNKA, lse_BTNK, o_new, lse_new)
@@ -1067,7 +1161,9 @@ SERVING_CONFIG = MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True)
 def default_configs(semantics: str = "Lane") -> dict:
     """The configs `check_and_time` checks and times: version 1 (k64) and 1b (wg2_k32s4) for
     comparison, version 2 (wg2s_*: split S) with its auto splits at min_split_tokens 512 (default),
-    256 and 1024 (they differ only where that cap binds: B = 1, and B = 8 at 4K)."""
+    256 and 1024 (they differ only where that cap binds: B = 1, and B = 8 at 4K), and version 3
+    (wg2ss_k32s4: split S on the seesaw schedule, otherwise as wg2s_k32s4); *_bmsa: o written as
+    [B, M, splits, A] (no transpose before the combine)."""
     ss = MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True, semantics=semantics)
     return {
         "k64": MgpuConfig(block_k=64, semantics=semantics),
@@ -1076,6 +1172,8 @@ def default_configs(semantics: str = "Lane") -> dict:
         "wg2s_k32s4_m256": dataclasses.replace(ss, min_split_tokens=256),
         "wg2s_k32s4_m1024": dataclasses.replace(ss, min_split_tokens=1024),
         "wg2ss_k32s4": dataclasses.replace(ss, seesaw=True),
+        "wg2s_k32s4_bmsa": dataclasses.replace(ss, o_bmsa=True),
+        "wg2ss_k32s4_bmsa": dataclasses.replace(ss, seesaw=True, o_bmsa=True),
     }
 
 

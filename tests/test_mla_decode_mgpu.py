@@ -11,7 +11,9 @@
    Also the 2-warpgroup variants (two threads, cross-warpgroup barriers, simulated by the interpreter);
    version 2 (split_s) also under the interpreter's happens-before race detector (a buffer reused
    across warpgroups without a barrier in between is a race there; the interpreter completes wgmma
-   and TMA at once, so it checks the barrier protocol, not asynchrony).
+   and TMA at once, so it checks the barrier protocol, not asynchrony); version 3 (seesaw) too (the
+   detector flags read-after-write races only: buffer releases issued too early are not caught).
+   The o_bmsa option (o written as [B, M, splits, A]) through the full op.
 2. The GPU path (no interpreter) traces and lowers to Mosaic GPU MLIR for the cuda platform, in both
    lowering semantics, so shape / tiling / swizzle / wgmma operand errors surface off-GPU.
 """
@@ -140,11 +142,30 @@ def test_partials_contract_and_empty_splits():
     np.testing.assert_allclose(o[0, 0], np.asarray(ref_o), atol=3e-2, rtol=0)
 
 
+@needs_interpreter
+def test_o_bmsa_layout():
+    """o_bmsa: the kernel writes o as [B, M, splits, A] (the combine's order, no transpose before
+    it). 70 tokens in 2 splits (64 + 6): both splits of row 0 hold data, so a mixed-up layout would
+    break the match; 8 heads: rows padded to 64 and cut on the M axis (1 with o_bmsa)."""
+    lengths = [70, 0]
+    args = mg.make_case(jax.random.key(17), lengths, heads=8, page=16)
+    q_lat, q_pe, _, pool, bt, _ = args
+    B, T, N, A = q_lat.shape
+    cfg = mg.MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True, seesaw=True,
+                        num_splits=2, o_bmsa=True)
+    o, lse = jax.eval_shape(lambda *a: mg.mla_decode_partials_mgpu(
+        *a, scale=SCALE, config=cfg, interpret=True), q_lat.reshape(B, N, A),
+        q_pe.reshape(B, N, -1), pool, bt, jnp.asarray(lengths, jnp.int32))
+    assert o.shape == (B, N, 2, A) and lse.shape == (B, 2, N)
+    _check(args, cfg)
+
+
 @pytest.mark.skipif(mg.plgpu is None, reason="no jax.experimental.pallas.mosaic_gpu")
 @pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
 @pytest.mark.parametrize("block_k,page,wgs,split_s,seesaw", [
     (64, 16, 1, False, False), (32, 64, 1, False, False), (32, 16, 2, False, False),
-    (32, 16, 2, True, False), (32, 64, 2, True, False), (32, 16, 2, True, True)])
+    (32, 16, 2, True, False), (32, 64, 2, True, False), (32, 16, 2, True, True),
+    (32, 16, 2, True, "bmsa")])
 def test_lowers_for_cuda(semantics, block_k, page, wgs, split_s, seesaw):
     """The GPU path (no interpreter) lowers to Mosaic GPU MLIR for cuda on a CPU-only host (the
     lowering also checks the CTA's shared memory against the 227 KiB of sm_90: the split_s config
@@ -155,7 +176,7 @@ def test_lowers_for_cuda(semantics, block_k, page, wgs, split_s, seesaw):
             S((B, 1, 576), jnp.bfloat16), S((B * P, page, 576), jnp.bfloat16), S((B, P), jnp.int32),
             S((B, 1), jnp.int32))
     cfg = mg.MgpuConfig(block_k=block_k, semantics=semantics, warpgroups=wgs, split_s=split_s,
-                        seesaw=seesaw)
+                        seesaw=bool(seesaw), o_bmsa=seesaw == "bmsa")   # "bmsa": seesaw + o_bmsa
     f = jax.jit(lambda *a: mg.mla_paged_attention_mgpu(*a, SCALE, config=cfg))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
