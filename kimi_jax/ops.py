@@ -357,8 +357,9 @@ def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: ja
             flat, table = _layer_pages(pool_L, table, layer)
             B, T, N, _ = q_lat.shape          # this device's shard under shard_map
             page = flat.shape[1]
-            if mla_decode_kernel(T * N, A, R, page, q_lat.dtype, batch=B,
-                                 context=table.shape[1] * page) == "mgpu":
+            same = flat.dtype == q_lat.dtype == new.dtype       # the mgpu kernel takes bf16 throughout
+            if same and mla_decode_kernel(T * N, A, R, page, q_lat.dtype, batch=B,
+                                          context=table.shape[1] * page) == "mgpu":
                 from pallas_kernels import mla_decode_mgpu
                 return mla_decode_mgpu.mla_paged_attention_mgpu(
                     q_lat, q_pe, new, flat, table, positions, scale,
