@@ -431,6 +431,98 @@ def _issue_tile(bt_ref, pool_ref, b, base, end, bk: int, dst, bar):
         plgpu.copy_gmem_to_smem(pool_ref.at[pg, pl.ds(off, bk)], dst, bar)
 
 
+def _lc(x, layout, interpret: bool):
+    """layout_cast, a no-op in the interpreter (0.10.2 lacks an impl for it)."""
+    return x if interpret else plgpu.layout_cast(x, layout)
+
+
+_ROW_LAYOUT = None if plgpu is None else plgpu.Layout.WGMMA.reduce(1)
+
+
+def _load_rows(ref, interpret: bool):
+    """[64] f32 from shared memory, in the WGMMA row layout."""
+    if interpret:
+        return ref[...]
+    idx = [()] if _LOAD_NEEDS_IDX else []          # 0.10: load(ref, idx, ...); 0.11: no idx
+    return plgpu.load(ref, *idx, layout=_ROW_LAYOUT, optimized=False)
+
+
+def _tiled(bk: int):
+    """Shared-memory transforms of Q, the tiles and P: wgmma wants both operands with the same
+    swizzle, and P [64, bk] allows 2 * bk bytes per row."""
+    swz = min(128, 2 * bk)
+    return (plgpu.TilingTransform((8, swz // 2)), plgpu.SwizzleTransform(swz))
+
+
+def _split_range(len_ref, b, j, splits: int, quantum: int):
+    """Split j of row b: [start, end) of its cached tokens, chunks rounded up to `quantum` tokens."""
+    length = len_ref[b]
+    chunk = ((length + splits - 1) // splits + quantum - 1) // quantum * quantum
+    start = j * chunk
+    return start, jnp.minimum(start + chunk, length)
+
+
+def _init_carry(bn: int, interpret: bool):
+    """(acc [64, bn], running max m [64], row sum l [64]) before the first tile."""
+    return (_lc(jnp.zeros((_ROWS, bn), jnp.float32), plgpu.Layout.WGMMA, interpret),
+            _lc(jnp.full((_ROWS,), _NEG, jnp.float32), _ROW_LAYOUT, interpret),
+            _lc(jnp.zeros((_ROWS,), jnp.float32), _ROW_LAYOUT, interpret))
+
+
+def _scores(q_smem, tile, valid, qk_scale: float, interpret: bool):
+    """S = Q tile^T [64, bk] f32 (wgmma, K = C), scaled (log2 units); tokens >= `valid` masked."""
+    bk = tile.shape[0]
+
+    def qk(s_ref):
+        plgpu.wgmma(s_ref, q_smem, tile.transpose((1, 0)))
+        return s_ref[...]
+    s = pl.run_scoped(qk, plgpu.ACC((_ROWS, bk), jnp.float32))
+    tok = _lc(lax.broadcasted_iota(jnp.int32, (_ROWS, bk), 1), plgpu.Layout.WGMMA, interpret)
+    return jnp.where(tok < valid, s * qk_scale, _NEG)
+
+
+def _accumulate(acc, operands, interpret: bool):
+    """acc + sum of P @ C over operands() = [(P ref [64, bk], C ref [bk, bn]), ...]; waits for the
+    wgmmas (so their shared memory is free afterwards). `operands` is called inside the scope: a ref
+    sliced by a literal index outside it comes back from run_state's lowering as a Python int, which
+    Warpgroup semantics rejects."""
+    if interpret:   # the interpreters (0.10.2, 0.11.2) lack run_state: same sum, two steps
+        def f(acc_ref):
+            for p_ref, c_ref in operands():
+                plgpu.wgmma(acc_ref, p_ref, c_ref)
+            return acc_ref[...]
+        return acc + pl.run_scoped(f, plgpu.ACC(acc.shape, jnp.float32))
+
+    def g(acc_ref):   # accumulate in place (no second [64, bn] f32 in registers)
+        for p_ref, c_ref in operands():
+            plgpu.wgmma(acc_ref, p_ref, c_ref)
+    return pl.run_state(g)(plgpu.ACC.init(acc))
+
+
+def _pair_scratch(c: int, dt, bk: int, stages: int, page: int):
+    """The shared memory and barriers both pair kernels (versions 2 and 3) start with: Q, the tiles,
+    P [2, 64, bk] (one per warpgroup), x [2, 64] f32 (one exchanged row vector per warpgroup), one
+    barrier per tile slot, Q's barrier, and one 2-arrival "consumed" barrier per pair slot."""
+    tiled = _tiled(bk)
+    return (plgpu.SMEM((_ROWS, c), dt, transforms=tiled),
+            plgpu.SMEM((stages, bk, c), dt, transforms=tiled),
+            plgpu.SMEM((2, _ROWS, bk), dt, transforms=tiled),
+            plgpu.SMEM((2, _ROWS), jnp.float32),
+            plgpu.Barrier(num_arrivals=max(1, bk // page), num_barriers=stages),
+            plgpu.Barrier(num_arrivals=1),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages // 2))
+
+
+def _issue_pair(bt_ref, pool_ref, b, start, end, bk: int, k_smem, k_bars, i, ps):
+    """TMA tiles 2i and 2i + 1 of the split into pair slot ps (tile slots 2 ps, 2 ps + 1). The padding
+    tile of an odd tile count (2i + 1 == n_tiles) is clamped to the split's last page: finite, masked,
+    p = 0."""
+    for u in range(2):
+        slot = 2 * ps + u
+        _issue_tile(bt_ref, pool_ref, b, start + (2 * i + u) * bk, end, bk, k_smem.at[slot],
+                    k_bars.at[slot])
+
+
 def _kernel(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages: int, splits: int,
             halves: int, qk_scale: float, interpret: bool, two_wg: bool, o_bmsa: bool = False):
     """len [B] i32, bt [B, P] i32, q [B, Mp, C] bf16 (latent | rope), pool [X, page, C] bf16 ->
@@ -449,21 +541,11 @@ def _kernel(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages
     a = o_ref.shape[-1]
     bn = a // halves
     dt = q_ref.dtype
-
-    def lc(x, layout):                         # layouts are a no-op in the interpreter (0.10.2 lacks
-        return x if interpret else plgpu.layout_cast(x, layout)   # an impl for layout_cast)
-
-    length = len_ref[b]
-    chunk = ((length + splits - 1) // splits + bk - 1) // bk * bk
-    start = j * chunk
-    end = jnp.minimum(start + chunk, length)
+    start, end = _split_range(len_ref, b, j, splits, bk)
     n_blocks = jnp.where(end > start, (end - start + bk - 1) // bk, 0)
     row0 = pl.multiple_of(rb * _ROWS, _ROWS)
     col0 = pl.multiple_of(h * bn, bn)
-
-    # wgmma wants both operands with the same swizzle; P [64, bk] allows 2 * bk bytes per row
-    swz = min(128, 2 * bk)
-    tiled = (plgpu.TilingTransform((8, swz // 2)), plgpu.SwizzleTransform(swz))
+    tiled = _tiled(bk)
 
     def main(q_smem, k_smem, p_smem, k_bars, q_bar, *consumed):
         if two_wg:
@@ -489,13 +571,7 @@ def _kernel(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages
             slot = kb % stages
             plgpu.barrier_wait(k_bars.at[slot])
             tile = k_smem.at[slot]
-
-            def qk(s_ref):
-                plgpu.wgmma(s_ref, q_smem, tile.transpose((1, 0)))
-                return s_ref[...]
-            s = pl.run_scoped(qk, plgpu.ACC((_ROWS, bk), jnp.float32))
-            tok = lc(lax.broadcasted_iota(jnp.int32, (_ROWS, bk), 1), plgpu.Layout.WGMMA)
-            s = jnp.where(tok < end - (start + kb * bk), s * qk_scale, _NEG)
+            s = _scores(q_smem, tile, end - (start + kb * bk), qk_scale, interpret)
             m_next = jnp.maximum(m_prev, s.max(axis=1))
             corr = jnp.exp2(m_prev - m_next)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
@@ -504,16 +580,8 @@ def _kernel(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages
             p_smem[...] = p.astype(dt)
             plgpu.commit_smem()                   # P visible to the wgmma (fence + WG barrier)
 
-            c_half = tile.at[:, pl.ds(col0, bn)]
-            if interpret:   # the interpreters (0.10.2, 0.11.2) lack run_state: same sum, two steps
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem, c_half)
-                    return acc_ref[...]
-                acc = acc + pl.run_scoped(pv, plgpu.ACC((_ROWS, bn), jnp.float32))
-            else:           # accumulate in place (no second [64, bn] f32 in registers)
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem, c_half)
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))   # waits for the wgmma: slot is free
+            acc = _accumulate(acc, lambda: [(p_smem, tile.at[:, pl.ds(col0, bn)])],  # slot free
+                              interpret)
             if two_wg:
                 plgpu.barrier_arrive(consumed[0][0].at[slot])   # this warpgroup is done with slot
 
@@ -525,10 +593,7 @@ def _kernel(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages
                 pl.when(kb + stages < n_blocks)(functools.partial(issue, kb + stages, slot))
             return acc, m_next, l_next
 
-        init = (lc(jnp.zeros((_ROWS, bn), jnp.float32), plgpu.Layout.WGMMA),
-                lc(jnp.full((_ROWS,), _NEG, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-                lc(jnp.zeros((_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
-        out = lax.fori_loop(0, n_blocks, step, init)
+        out = lax.fori_loop(0, n_blocks, step, _init_carry(bn, interpret))
         if two_wg:
             consumed_bars, done_bar = consumed[0]
 
@@ -623,29 +688,12 @@ def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int
     bn = a // 2
     dt = q_ref.dtype
     npairs = stages // 2                      # pair slots: tiles 2 ps and 2 ps + 1 of k_smem
-
-    def lc(x, layout):                         # layouts are a no-op in the interpreter
-        return x if interpret else plgpu.layout_cast(x, layout)
-
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-
-    def load_rows(ref):                        # [64] f32 from shared memory, in the WGMMA row layout
-        if interpret:
-            return ref[...]
-        idx = [()] if _LOAD_NEEDS_IDX else []          # 0.10: load(ref, idx, ...); 0.11: no idx
-        return plgpu.load(ref, *idx, layout=row_layout, optimized=False)
-
-    length = len_ref[b]
-    pair_tokens = 2 * bk                       # splits cover whole pairs except the row's last one
-    chunk = ((length + splits - 1) // splits + pair_tokens - 1) // pair_tokens * pair_tokens
-    start = j * chunk
-    end = jnp.minimum(start + chunk, length)
+    start, end = _split_range(len_ref, b, j, splits, 2 * bk)   # whole pairs but the row's last
     n_tiles = jnp.where(end > start, (end - start + bk - 1) // bk, 0)
     n_pairs = (n_tiles + 1) // 2               # odd n_tiles: the last pair's 2nd tile is padding
     row0 = pl.multiple_of(rb * _ROWS, _ROWS)
     col0 = pl.multiple_of(h * bn, bn)
-    swz = min(128, 2 * bk)
-    tiled = (plgpu.TilingTransform((8, swz // 2)), plgpu.SwizzleTransform(swz))
+    issue_pair = functools.partial(_issue_pair, bt_ref, pool_ref, b, start, end, bk)
 
     def main(q_smem, k_smem, p_smem, x_smem, k_bars, q_bar, consumed, x_bar, p_bar):
         leader = h == 0
@@ -654,14 +702,9 @@ def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int
         def _():
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, _ROWS)], q_smem, q_bar)
 
-        def issue_pair(i, ps):
-            for u in range(2):                 # the padding tile (2i + 1 == n_tiles) is clamped to
-                slot = 2 * ps + u              # the split's last page: finite, masked, p = 0
-                _issue_tile(bt_ref, pool_ref, b, start + (2 * i + u) * bk, end, bk,
-                            k_smem.at[slot], k_bars.at[slot])
-
         for s in range(npairs):
-            pl.when(jnp.logical_and(leader, s < n_pairs))(functools.partial(issue_pair, s, s))
+            pl.when(jnp.logical_and(leader, s < n_pairs))(
+                functools.partial(issue_pair, k_smem, k_bars, s, s))
         plgpu.barrier_wait(q_bar)
 
         def exchange(x, combine):
@@ -670,20 +713,15 @@ def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int
             plgpu.commit_smem()                # all 128 threads' stores done (and fenced)
             plgpu.barrier_arrive(x_bar)
             plgpu.barrier_wait(x_bar)
-            return combine(x, load_rows(x_smem.at[1 - h]))
+            return combine(x, _load_rows(x_smem.at[1 - h], interpret))
 
         def step(i, carry):
             acc, m_prev, l_prev = carry
             ps = i % npairs
             mine = 2 * ps + h
             plgpu.barrier_wait(k_bars.at[mine])
-
-            def qk(s_ref):
-                plgpu.wgmma(s_ref, q_smem, k_smem.at[mine].transpose((1, 0)))
-                return s_ref[...]
-            s = pl.run_scoped(qk, plgpu.ACC((_ROWS, bk), jnp.float32))
-            tok = lc(lax.broadcasted_iota(jnp.int32, (_ROWS, bk), 1), plgpu.Layout.WGMMA)
-            s = jnp.where(tok < end - (start + (2 * i + h) * bk), s * qk_scale, _NEG)
+            s = _scores(q_smem, k_smem.at[mine], end - (start + (2 * i + h) * bk), qk_scale,
+                        interpret)
             m_next = exchange(jnp.maximum(m_prev, s.max(axis=1)), jnp.maximum)
             corr = jnp.exp2(m_prev - m_next)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
@@ -697,31 +735,17 @@ def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int
             # arrival); waited here too so that this warpgroup sees the TMA's writes directly and
             # observes every phase of every k barrier (per-thread parity bits)
             plgpu.barrier_wait(k_bars.at[2 * ps + 1 - h])
-            t0 = k_smem.at[2 * ps].at[:, pl.ds(col0, bn)]
-            t1 = k_smem.at[2 * ps + 1].at[:, pl.ds(col0, bn)]
-            if interpret:   # the interpreters lack run_state: same sum, two steps
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem.at[0], t0)
-                    plgpu.wgmma(acc_ref, p_smem.at[1], t1)
-                    return acc_ref[...]
-                acc = acc + pl.run_scoped(pv, plgpu.ACC((_ROWS, bn), jnp.float32))
-            else:           # accumulate in place; run_state waits for both wgmmas
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem.at[0], t0)
-                    plgpu.wgmma(acc_ref, p_smem.at[1], t1)
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            acc = _accumulate(acc, lambda: [(p_smem.at[u], k_smem.at[2 * ps + u].at[:, pl.ds(col0, bn)])
+                                            for u in range(2)], interpret)
             plgpu.barrier_arrive(consumed.at[ps])       # this warpgroup is done with the pair
 
             @pl.when(jnp.logical_and(leader, i + npairs < n_pairs))
             def _():
                 plgpu.barrier_wait(consumed.at[ps])     # ... and so is the other one
-                issue_pair(i + npairs, ps)
+                issue_pair(k_smem, k_bars, i + npairs, ps)
             return acc, m_next, l_next
 
-        init = (lc(jnp.zeros((_ROWS, bn), jnp.float32), plgpu.Layout.WGMMA),
-                lc(jnp.full((_ROWS,), _NEG, jnp.float32), row_layout),
-                lc(jnp.zeros((_ROWS,), jnp.float32), row_layout))
-        acc, m, l_part = lax.fori_loop(0, n_pairs, step, init)
+        acc, m, l_part = lax.fori_loop(0, n_pairs, step, _init_carry(bn, interpret))
 
         @pl.when(leader)
         def _():   # drain the last pairs' releases (keeps the leader's consumed phases complete)
@@ -738,15 +762,9 @@ def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int
 
     acc, m, l = pl.run_scoped(
         main,
-        plgpu.SMEM((_ROWS, c), dt, transforms=tiled),
-        plgpu.SMEM((stages, bk, c), dt, transforms=tiled),
-        plgpu.SMEM((2, _ROWS, bk), dt, transforms=tiled),
-        plgpu.SMEM((2, _ROWS), jnp.float32),
-        plgpu.Barrier(num_arrivals=max(1, bk // pool_ref.shape[1]), num_barriers=stages),
-        plgpu.Barrier(num_arrivals=1),
-        plgpu.Barrier(num_arrivals=2, num_barriers=npairs),
-        plgpu.Barrier(num_arrivals=2),
-        plgpu.Barrier(num_arrivals=2),
+        *_pair_scratch(c, dt, bk, stages, pool_ref.shape[1]),
+        plgpu.Barrier(num_arrivals=2),          # x_bar: both warpgroups' x written
+        plgpu.Barrier(num_arrivals=2),          # p_bar: both warpgroups' P written
         collective_axes="wg",
     )
     _write_partials(acc, m, l, o_ref, lse_ref, b=b, j=j, row0=row0, col0=col0, h=h, two_wg=True,
@@ -780,33 +798,16 @@ def _kernel_seesaw(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int,
     a = o_ref.shape[-1]
     bn = a // 2
     dt = q_ref.dtype
-    npairs = stages // 2
-
-    def lc(x, layout):
-        return x if interpret else plgpu.layout_cast(x, layout)
-
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-
-    def load_rows(ref):
-        if interpret:
-            return ref[...]
-        idx = [()] if _LOAD_NEEDS_IDX else []
-        return plgpu.load(ref, *idx, layout=row_layout, optimized=False)
+    npairs = stages // 2                      # pair slots: tiles 2 ps and 2 ps + 1 of k_smem
+    start, end = _split_range(len_ref, b, j, splits, 2 * bk)   # whole pairs but the row's last
+    n_tiles = jnp.where(end > start, (end - start + bk - 1) // bk, 0)
+    n_pairs = (n_tiles + 1) // 2               # odd n_tiles: the last pair's 2nd tile is padding
+    row0 = pl.multiple_of(rb * _ROWS, _ROWS)
+    col0 = pl.multiple_of(h * bn, bn)
+    issue_pair = functools.partial(_issue_pair, bt_ref, pool_ref, b, start, end, bk)
 
     def bcast(v, shape):
         return lax.broadcast_in_dim(v, shape, [0])
-
-    length = len_ref[b]
-    pair_tokens = 2 * bk
-    chunk = ((length + splits - 1) // splits + pair_tokens - 1) // pair_tokens * pair_tokens
-    start = j * chunk
-    end = jnp.minimum(start + chunk, length)
-    n_tiles = jnp.where(end > start, (end - start + bk - 1) // bk, 0)
-    n_pairs = (n_tiles + 1) // 2
-    row0 = pl.multiple_of(rb * _ROWS, _ROWS)
-    col0 = pl.multiple_of(h * bn, bn)
-    swz = min(128, 2 * bk)
-    tiled = (plgpu.TilingTransform((8, swz // 2)), plgpu.SwizzleTransform(swz))
 
     def main(q_smem, k_smem, p_smem, x_smem, k_bars, q_bar, consumed, bar_a, bar_b, a_free,
              b_free):
@@ -816,26 +817,16 @@ def _kernel_seesaw(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int,
         def _():
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, _ROWS)], q_smem, q_bar)
 
-        def issue_pair(i, ps):
-            for u in range(2):
-                slot = 2 * ps + u
-                _issue_tile(bt_ref, pool_ref, b, start + (2 * i + u) * bk, end, bk,
-                            k_smem.at[slot], k_bars.at[slot])
-
         for s in range(npairs):
-            pl.when(jnp.logical_and(wg1, s < n_pairs))(functools.partial(issue_pair, s, s))
+            pl.when(jnp.logical_and(wg1, s < n_pairs))(
+                functools.partial(issue_pair, k_smem, k_bars, s, s))
         plgpu.barrier_wait(q_bar)
 
         def scores(i, slot, u):
             """S of tile 2i + u (in k_smem slot), scaled (log2 units) and masked."""
             plgpu.barrier_wait(k_bars.at[slot])
-
-            def qk(s_ref):
-                plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                return s_ref[...]
-            s = pl.run_scoped(qk, plgpu.ACC((_ROWS, bk), jnp.float32))
-            tok = lc(lax.broadcasted_iota(jnp.int32, (_ROWS, bk), 1), plgpu.Layout.WGMMA)
-            return jnp.where(tok < end - (start + (2 * i + u) * bk), s * qk_scale, _NEG)
+            return _scores(q_smem, k_smem.at[slot], end - (start + (2 * i + u) * bk), qk_scale,
+                           interpret)
 
         # P buffer indices as traced values: a literal index closed over by run_state comes back
         # from its lowering as a Python int, which Warpgroup semantics rejects inside lax.cond
@@ -843,17 +834,8 @@ def _kernel_seesaw(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int,
 
         def pv(acc, k, slot):
             """acc + P[k] @ tile[slot][:, this warpgroup's columns]; waits for the wgmma."""
-            p_ref = p_smem.at[zero + k]
-            cols = k_smem.at[slot].at[:, pl.ds(col0, bn)]
-            if interpret:   # the interpreters lack run_state: same sum, two steps
-                def f(acc_ref):
-                    plgpu.wgmma(acc_ref, p_ref, cols)
-                    return acc_ref[...]
-                return acc + pl.run_scoped(f, plgpu.ACC((_ROWS, bn), jnp.float32))
-
-            def f(acc_ref):
-                plgpu.wgmma(acc_ref, p_ref, cols)
-            return pl.run_state(f)(plgpu.ACC.init(acc))
+            return _accumulate(acc, lambda: [(p_smem.at[zero + k], k_smem.at[slot].at[:, pl.ds(col0, bn)])],
+                               interpret)
 
         def publish(k, p, m, bar):
             p_smem.at[k][...] = p.astype(dt)
@@ -873,7 +855,7 @@ def _kernel_seesaw(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int,
             l_next = l_prev * corr + p.sum(axis=1)
             acc = pv(acc * bcast(corr, acc.shape), 0, 2 * ps)
             plgpu.barrier_wait(bar_b)
-            m_b = load_rows(x_smem.at[1])
+            m_b = _load_rows(x_smem.at[1], interpret)
             f = jnp.exp2(m_a - m_b)
             plgpu.barrier_wait(k_bars.at[2 * ps + 1])   # complete (WG1 scored it): phase bits
             acc = pv(acc * bcast(f, acc.shape), 1, 2 * ps + 1)
@@ -886,7 +868,7 @@ def _kernel_seesaw(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int,
             ps = i % npairs
             s = scores(i, 2 * ps + 1, 1)
             plgpu.barrier_wait(bar_a)
-            m_a = load_rows(x_smem.at[0])
+            m_a = _load_rows(x_smem.at[0], interpret)
             m_b = jnp.maximum(m_a, s.max(axis=1))
             p = jnp.exp2(s - bcast(m_b, s.shape))
             l_next = l_prev * jnp.exp2(m_prev - m_b) + p.sum(axis=1)
@@ -901,12 +883,10 @@ def _kernel_seesaw(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int,
             @pl.when(i + npairs < n_pairs)
             def _():
                 plgpu.barrier_wait(consumed.at[ps])     # ... and warpgroup 0 too
-                issue_pair(i + npairs, ps)
+                issue_pair(k_smem, k_bars, i + npairs, ps)
             return acc, m_b, l_next
 
-        init = (lc(jnp.zeros((_ROWS, bn), jnp.float32), plgpu.Layout.WGMMA),
-                lc(jnp.full((_ROWS,), _NEG, jnp.float32), row_layout),
-                lc(jnp.zeros((_ROWS,), jnp.float32), row_layout))
+        init = _init_carry(bn, interpret)
         acc, m, l_part = lax.cond(wg0, lambda: lax.fori_loop(0, n_pairs, step0, init),
                                   lambda: lax.fori_loop(0, n_pairs, step1, init))
 
@@ -940,7 +920,7 @@ def _kernel_seesaw(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int,
         def _():
             plgpu.barrier_arrive(bar_b)
             plgpu.barrier_wait(bar_a)
-        l = l_part + load_rows(x_smem.at[1 - h])
+        l = l_part + _load_rows(x_smem.at[1 - h], interpret)
 
         @pl.when(wg0)
         def _():
@@ -955,13 +935,7 @@ def _kernel_seesaw(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int,
 
     acc, m, l = pl.run_scoped(
         main,
-        plgpu.SMEM((_ROWS, c), dt, transforms=tiled),
-        plgpu.SMEM((stages, bk, c), dt, transforms=tiled),
-        plgpu.SMEM((2, _ROWS, bk), dt, transforms=tiled),
-        plgpu.SMEM((2, _ROWS), jnp.float32),
-        plgpu.Barrier(num_arrivals=max(1, bk // pool_ref.shape[1]), num_barriers=stages),
-        plgpu.Barrier(num_arrivals=1),
-        plgpu.Barrier(num_arrivals=2, num_barriers=npairs),
+        *_pair_scratch(c, dt, bk, stages, pool_ref.shape[1]),
         plgpu.Barrier(num_arrivals=1),          # bar_A: P[0], x[0] written (warpgroup 0)
         plgpu.Barrier(num_arrivals=1),          # bar_B: P[1], x[1] written (warpgroup 1)
         plgpu.Barrier(num_arrivals=1),          # a_free: warpgroup 1 done reading P[0], x[0]
