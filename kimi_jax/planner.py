@@ -527,10 +527,9 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
 
     weights = param_bytes(cfg, layout, db)
     per_token_cache = L * cfg.latent_dim * KV_BYTES
-    cache_bytes = Bl * S * per_token_cache             # the rows one device attends over (reads)
-    # memory: the serving engine's paged pool is split over dp like the rows (each rank holds the
-    # pages of its own B_l rows), as the design
-    cache_held = Bl * S * per_token_cache
+    # the rows one device attends over, which are also the pages it holds: the serving engine's
+    # paged pool is split over dp like the rows (each rank holds its own B_l rows' pages)
+    cache_bytes = Bl * S * per_token_cache
 
     # -- workspace: the largest transients of one step
     Nl = _cdiv(N, tp)
@@ -617,7 +616,7 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
     if Lm:
         assumptions["expert_efficiency"] = eff
     p = Plan(model=model_name, hardware=hw.name, layout=layout.name, world=world, batch=batch, batch_padded=Bp,
-             context=context, cache_len=S, weights=weights, cache_bytes=cache_held, workspace=workspace,
+             context=context, cache_len=S, weights=weights, cache_bytes=cache_bytes, workspace=workspace,
              capacity=capacity, terms=terms, collectives=specs, overhead_s=o.overhead_ms * 1e-3, notes=notes,
              assumptions=assumptions)
     free = capacity - p.weight_bytes - sum(v for k, v in workspace.items() if k != "attention_scores")

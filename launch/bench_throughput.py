@@ -55,15 +55,15 @@ def throughput_rows(model, batches, *, n_min: int = 8, min_prompt: int = 16, max
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
-    """Token-by-token agreement of two runs' greedy outputs: requests identical, and the mean length of
-    the common prefix as a fraction of the output (bf16 kernels that sum in another order can flip a
-    near-tie and then diverge; a wrong kernel disagrees from the first token)."""
-    same = sum(x == y for x, y in zip(a, b))
-    prefix = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y))) / max(1, len(x))
-              for x, y in zip(a, b)]
+    """Token-by-token agreement of two runs' greedy outputs: requests identical, each request's first
+    differing position (None: none), and the mean length of the common prefix as a fraction of the
+    output (bf16 kernels that sum in another order can flip a near-tie and then diverge; a wrong kernel
+    disagrees from the first token)."""
+    diff = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None) for x, y in zip(a, b)]
+    prefix = [(min(len(x), len(y)) if d is None else d) / max(1, len(x)) for d, x, y in zip(diff, a, b)]
     first = sum(bool(x) and bool(y) and x[0] == y[0] for x, y in zip(a, b))
-    return dict(identical=same, requests=len(a), first_token_equal=first,
-                mean_prefix=sum(prefix) / max(1, len(prefix)))
+    return dict(identical=sum(x == y for x, y in zip(a, b)), requests=len(a), first_token_equal=first,
+                mean_prefix=sum(prefix) / max(1, len(prefix)), first_difference=diff)
 
 
 def format_rows(rows) -> str:

@@ -74,8 +74,6 @@ def main(argv):
                     first = outs
                 else:
                     row["agreement"] = agreement(first, outs)
-                    row["first_difference"] = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None)
-                                               for x, y in zip(first, outs)]
             except Exception as e:  # noqa: BLE001 - report and go on with the next kernel
                 row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
         log(json.dumps(row))

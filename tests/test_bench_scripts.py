@@ -45,3 +45,11 @@ def test_bench_engine_loads_a_checkpoint_under_each_layout(tmp_path):
     assert r.stdout.count(f"loaded from {src}") == 2
     rows = [json.loads(line) for line in open(os.path.join(out, "engine_rows.partial.jsonl"))]
     assert [(x["layout"], x["batch"]) for x in rows] == [("TP1", 1), ("TP2+EP", 2)]
+
+
+def test_throughput_agreement():
+    """bench_throughput.agreement: identical requests, first differing positions, common-prefix share."""
+    from launch.bench_throughput import agreement
+    got = agreement([[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]], [[1, 2, 3, 4], [5, 6, 0, 0], [1, 9]])
+    assert got == dict(identical=1, requests=3, first_token_equal=2, first_difference=[None, 2, 0],
+                       mean_prefix=(1.0 + 0.5 + 0.0) / 3)
