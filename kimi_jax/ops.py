@@ -328,8 +328,7 @@ def mla_decode_kernel(rows: int, A: int, R: int, page: int, dtype, *, batch: int
     fits = (rows % 64 == 0 and A % 256 == 0 and R == 64 and page % 8 == 0 and (64 % page == 0 or page % 64 == 0)
             and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16))
     pays = batch * context >= 65536 or context >= 16384
-    fits = fits and pays
-    return "mgpu" if fits and _is_hopper() else "triton"
+    return "mgpu" if fits and pays and _is_hopper() else "triton"
 
 
 def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: jax.Array, pool_XpC: jax.Array,
