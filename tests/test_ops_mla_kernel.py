@@ -49,3 +49,19 @@ def test_ops_runs_the_mgpu_kernel(monkeypatch):
     # rows 1, 2 only: a padding row's output is unspecified (the engine discards it)
     np.testing.assert_allclose(np.asarray(got[1:], np.float32), np.asarray(want[1:], np.float32),
                                atol=3e-2, rtol=0)
+
+
+def test_ops_keeps_the_triton_kernel_for_a_float32_pool(monkeypatch):
+    """Automatic choice on a (pretended) Hopper GPU, 64 heads, a large table: bf16 queries over a bf16
+    pool take the Mosaic GPU kernel, over a float32 pool the Triton kernel (the mgpu kernel reads bf16
+    pages only). Both kernels are replaced by spies: only the decision is under test."""
+    from pallas_kernels import mla_decode as md
+    monkeypatch.setattr(ops, "_is_hopper", lambda: True)
+    calls = []
+    monkeypatch.setattr(mg, "mla_paged_attention_mgpu", lambda q, *a, **k: calls.append("mgpu") or q)
+    monkeypatch.setattr(md, "mla_paged_attention", lambda q, *a, **k: calls.append("triton") or q)
+    q_lat, q_pe, new, pool, bt, pos = mg.make_case(jax.random.key(4), [5, 17], heads=64, page=16)
+    bt = jnp.zeros((2, 1024), jnp.int32)                       # a 16K-token table: the cache pays
+    for p in (pool, pool.astype(jnp.float32)):
+        ops.mla_paged_attention(q_lat, q_pe, new, p, bt, pos, SCALE, impl="pallas")
+    assert calls == ["mgpu", "triton"]
