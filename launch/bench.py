@@ -59,6 +59,8 @@ flags.DEFINE_integer("min_prompt", 16, "throughput suite: shortest prompt (log-u
 flags.DEFINE_integer("max_prompt", 256, "throughput suite: longest prompt")
 flags.DEFINE_bool("overlap", True, "throughput suite: overlap scheduling (LLM overlap_scheduling: decode step "
                   "N+1 dispatched before step N's tokens are read); --nooverlap for the synchronous scheduler")
+flags.DEFINE_bool("overlap_compare", False, "throughput suite: run every batch size with overlap scheduling on and "
+                  "off on one model (shared weights and compiled programs) and compare their greedy outputs")
 
 RESULTS: list[dict] = []
 _T0 = time.time()
@@ -789,21 +791,26 @@ def main(argv):
             with ops.use_mla_decode_kernel(None if kernel == "auto" else kernel):
                 rows = throughput_rows(model, [int(b) for b in FLAGS.tp_batches], gen_tokens=FLAGS.gen_tokens,
                                        dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len,
-                                       num_pages=FLAGS.num_pages, overlap_scheduling=FLAGS.overlap,
+                                       num_pages=FLAGS.num_pages,
+                                       overlaps=(True, False) if FLAGS.overlap_compare else (FLAGS.overlap,),
                                        min_prompt=FLAGS.min_prompt, max_prompt=FLAGS.max_prompt)
+            # the scheduler must not change what is generated: overlap on vs off, row pairs of one batch size
+            sched = [(on["batch"], agreement(on["outputs"], off["outputs"]))
+                     for on, off in zip(rows[0::2], rows[1::2])] if FLAGS.overlap_compare else []
             for i, r in enumerate(rows):
                 outputs = r.pop("outputs")
                 if first is None:
                     r["outputs"] = outputs
                 else:
                     r["agreement"] = agreement(first[i]["outputs"], outputs)
-                record(suite="throughput", overlap=FLAGS.overlap, mla_kernel=kernel,
-                       **{k: v for k, v in r.items() if k != "outputs"})
+                record(suite="throughput", mla_kernel=kernel, **{k: v for k, v in r.items() if k != "outputs"})
             print(f"mla kernel: {kernel}")
             print(format_rows(rows))
             for r in rows:
                 if "agreement" in r:
-                    print(f"  batch {r['batch']} vs {FLAGS.mla_kernels[0]}: {r['agreement']}")
+                    print(f"  batch {r['batch']} overlap {r['overlap']} vs {FLAGS.mla_kernels[0]}: {r['agreement']}")
+            for batch, a in sched:
+                print(f"  batch {batch} overlap on vs off: {a}")
             first = first or rows
     elif FLAGS.suite == "spec":
         from launch.bench_spec import format_rows as spec_table, spec_rows

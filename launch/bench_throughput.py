@@ -4,9 +4,13 @@ through the continuous-batching engine, at several max batch sizes.
 For each batch size B: N = max(2B, 8) requests with prompt lengths drawn from a log-uniform
 distribution over [--min_prompt, --max_prompt] and --gen_tokens output tokens each (ignore_eos, so
 every request produces exactly that many), run after a warm-up pass that compiles every shape.
-Reports output tokens/s, time per output token per sequence (the step time a user sees), and the
-step count; each row keeps the greedy outputs (`outputs`, token ids per request) so two runs of the same
-workload under different kernels or schedulers can be compared token by token (`agreement`).
+Reports output tokens/s, the engine step count and the wall time per step (each running sequence
+gains one token per step, so this is the time between a user's tokens; up to the fifth session the
+column was wall / gen_tokens, which overstates it whenever the requests outnumber the batch).
+`overlaps` runs each batch size under each scheduler (overlap scheduling on / off) on the one model,
+so the comparison shares the weights and the compiled programs. Each row keeps the greedy outputs
+(`outputs`, token ids per request) so two runs of the same workload under different kernels or
+schedulers can be compared token by token (`agreement`).
 """
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ import numpy as np
 
 
 def throughput_rows(model, batches, *, n_min: int = 8, min_prompt: int = 16, max_prompt: int = 256,
-                    gen_tokens: int = 32, dtype: str = "bfloat16", seed: int = 0, **llm_kw) -> list[dict]:
+                    gen_tokens: int = 32, dtype: str = "bfloat16", seed: int = 0,
+                    overlaps: tuple[bool, ...] = (True,), **llm_kw) -> list[dict]:
     from kimi_jax import LLM, SamplingParams
     rows = []
     # one model for every batch size: the weights are made once and the compiled programs of the
@@ -43,14 +48,16 @@ def throughput_rows(model, batches, *, n_min: int = 8, min_prompt: int = 16, max
             be.run(on_finish=lambda r: done.__setitem__(r.request_id, list(r.output_ids)))
             return time.perf_counter() - t0, be.stats, [done[str(i)] for i in range(n)]
 
-        progress(f"batch {B}: warm-up pass (compiles every bucket this workload hits)")
-        once()
-        progress(f"batch {B}: timed pass")
-        wall, stats, outputs = once()
-        out_tok = stats["generated_tokens"]
-        rows.append(dict(batch=B, requests=n, prompt_tokens=int(lens.sum()), output_tokens=out_tok,
-                         wall_s=wall, tok_s=out_tok / wall, steps=stats["steps"],
-                         tpot_ms=1e3 * wall / gen_tokens, outputs=outputs))
+        for overlap in overlaps:
+            llm.overlap_scheduling = overlap
+            progress(f"batch {B}, overlap {overlap}: warm-up pass (compiles every bucket this workload hits)")
+            once()
+            progress(f"batch {B}, overlap {overlap}: timed pass")
+            wall, stats, outputs = once()
+            out_tok = stats["generated_tokens"]
+            rows.append(dict(batch=B, overlap=overlap, requests=n, prompt_tokens=int(lens.sum()),
+                             output_tokens=out_tok, wall_s=wall, tok_s=out_tok / wall, steps=stats["steps"],
+                             step_ms=1e3 * wall / max(1, stats["steps"]), outputs=outputs))
     return rows
 
 
@@ -67,9 +74,10 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 def format_rows(rows) -> str:
-    out = [f"{'max batch':>9} {'requests':>8} {'prompt tok':>10} {'out tok':>8} {'wall s':>7} "
-           f"{'out tok/s':>9} {'ms/token/seq':>12} {'steps':>6}"]
+    out = [f"{'max batch':>9} {'overlap':>7} {'requests':>8} {'prompt tok':>10} {'out tok':>8} {'wall s':>7} "
+           f"{'out tok/s':>9} {'ms/step':>12} {'steps':>6}"]
     for r in rows:
-        out.append(f"{r['batch']:9d} {r['requests']:8d} {r['prompt_tokens']:10d} {r['output_tokens']:8d} "
-                   f"{r['wall_s']:7.2f} {r['tok_s']:9.1f} {r['tpot_ms']:12.1f} {r['steps']:6d}")
+        out.append(f"{r['batch']:9d} {str(r.get('overlap', '')):>7} {r['requests']:8d} "
+                   f"{r['prompt_tokens']:10d} {r['output_tokens']:8d} "
+                   f"{r['wall_s']:7.2f} {r['tok_s']:9.1f} {r['step_ms']:12.2f} {r['steps']:6d}")
     return "\n".join(out)
