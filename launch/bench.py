@@ -226,6 +226,26 @@ def moe_sweep(name):
             ("fused_perm_d16w1_s4", C(decode="fused", block_n_down=16, num_warps_down=1,
                                       num_stages_down=4)),
         ],
+        # fifth session: the whole layer in one launch (moe_decode_single; T <= 4 only). f<BF>: F
+        # features per program (T=1: 8 x 2048/BF programs), d<BN>: D columns per down step (atomics
+        # of one step), k: gate/up K step, w/s: warps / stages; against the default and the two-launch path.
+        "single": [
+            ("default", None),
+            ("fused_perm_d64w4", C(decode="fused")),
+            ("single_f128_d256", C(decode="single", block_n_gate_up=128, block_n_down=256)),
+            ("single_f128_d256_shuf", C(decode="single", block_n_gate_up=128, block_n_down=256,
+                                        x_layout="shuffle")),
+            ("single_f128_d128", C(decode="single", block_n_gate_up=128, block_n_down=128)),
+            ("single_f128_d512_w8", C(decode="single", block_n_gate_up=128, block_n_down=512,
+                                      num_warps=8)),
+            ("single_f64_d256", C(decode="single", block_n_gate_up=64, block_n_down=256)),
+            ("single_f64_d128_s4", C(decode="single", block_n_gate_up=64, block_n_down=128,
+                                     num_stages=4)),
+            ("single_f128_k256_d256_s4", C(decode="single", block_n_gate_up=128, block_k_gate_up=256,
+                                           block_n_down=256, num_stages=4)),
+            ("single_f256_d256_w8", C(decode="single", block_n_gate_up=256, block_n_down=256,
+                                      num_warps=8)),
+        ],
         "small": [("default", None)],
     }
     return sweeps[name]
@@ -584,7 +604,7 @@ def section_moe():
         for cname, cfg in moe_sweep(FLAGS.moe_configs):
             if cname == "bm8_sorted_always" and t > 4:
                 continue
-            if cname.startswith("fused") and t > (cfg.pair_tiles_max_t if cfg else 4):
+            if cname.startswith(("fused", "single")) and t > (cfg.pair_tiles_max_t if cfg else 4):
                 continue        # the fused decode path does not apply: same kernels as default
             for layout, (gg, uu, dd) in (("i16", (g16, u16, dn16)), ("i32", (g, u, dn))):
                 if layout == "i32" and cname != "default":

@@ -29,12 +29,40 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import int4_tile as tile
 
 
 def _next_pow2(v: int) -> int:
     return 1 << max(1, (v - 1).bit_length())
+
+
+def _gate_up_tile(x_ref, gw_ref, gs_ref, uw_ref, us_ref, e, token, n0, *, d, group, bm, bn, bk,
+                  swap_ab, mode, x_layout):
+    """h = silu(gate) * up of F rows [n0, n0 + bn) of expert e for one token row (row 0 of a BM-row
+    MMA tile; rows 1..BM-1 are masked loads: no traffic, zeros). f32 [BN, BM] if swap_ab else
+    [BM, BN]."""
+    bc, bkg = bk // 4, bk // group
+    live = (jnp.arange(bm, dtype=jnp.int32) == 0)[:, None]        # [BM, 1]: row 0 only
+    rows = jnp.zeros((bm, 1), jnp.int32) + token
+
+    def body(kk, accs):
+        c0 = pl.multiple_of(kk * bc, bc)
+        xps = tile.load_x_planes(x_ref, rows, live, kk, c0, d, bk, x_layout)
+        new = []
+        for (w_ref, s_ref), acc in zip(((gw_ref, gs_ref), (uw_ref, us_ref)), accs):
+            w = tile.load(w_ref.at[e, pl.ds(n0, bn), pl.ds(c0, bc)])
+            s = tile.load(s_ref.at[e, pl.ds(n0, bn), pl.ds(kk * bkg, bkg)])
+            planes = tile.dequant_pairs(w, tile.expand_scale(s, bc), mode)
+            for q in range(tile.NPLANES):
+                acc = acc + tile.plane_dot(planes[q], xps[q], swap_ab)
+            new.append(acc)
+        return tuple(new)
+
+    shape = (bn, bm) if swap_ab else (bm, bn)
+    g, u = lax.fori_loop(0, d // bk, body, (jnp.zeros(shape, jnp.float32),) * 2)
+    return g / (1.0 + jnp.exp(-g)) * u
 
 
 def _gate_up_kernel(idx_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, h_ref, *, num_experts, topk,
@@ -47,34 +75,66 @@ def _gate_up_kernel(idx_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, h_ref, *, nu
 
     @pl.when((e >= 0) & (e < num_experts))
     def _():
-        bc, bkg = bk // 4, bk // group
         n0 = pl.multiple_of(j * bn, bn)
-        live = (jnp.arange(bm, dtype=jnp.int32) == 0)[:, None]        # [BM, 1]: row 0 only
-        rows = jnp.zeros((bm, 1), jnp.int32) + p // topk               # x row = the pair's token
-
-        def body(kk, accs):
-            c0 = pl.multiple_of(kk * bc, bc)
-            xps = tile.load_x_planes(x_ref, rows, live, kk, c0, d, bk, x_layout)
-            new = []
-            for (w_ref, s_ref), acc in zip(((gw_ref, gs_ref), (uw_ref, us_ref)), accs):
-                w = tile.load(w_ref.at[e, pl.ds(n0, bn), pl.ds(c0, bc)])
-                s = tile.load(s_ref.at[e, pl.ds(n0, bn), pl.ds(kk * bkg, bkg)])
-                planes = tile.dequant_pairs(w, tile.expand_scale(s, bc), mode)
-                for q in range(tile.NPLANES):
-                    acc = acc + tile.plane_dot(planes[q], xps[q], swap_ab)
-                new.append(acc)
-            return tuple(new)
-
-        shape = (bn, bm) if swap_ab else (bm, bn)
-        g, u = lax.fori_loop(0, d // bk, body, (jnp.zeros(shape, jnp.float32),) * 2)
+        h = _gate_up_tile(x_ref, gw_ref, gs_ref, uw_ref, us_ref, e, p // topk, n0, d=d, group=group,
+                          bm=bm, bn=bn, bk=bk, swap_ab=swap_ab, mode=mode, x_layout=x_layout)
         if swap_ab:
-            g, u = g.T, u.T                                            # [BM, BN]
-        h = g / (1.0 + jnp.exp(-g)) * u
+            h = h.T                                                    # [BM, BN]
+        live = (jnp.arange(bm, dtype=jnp.int32) == 0)[:, None]
         pc = tile.perm_index(n0 + jnp.arange(bn, dtype=jnp.int32), f)
         # distinct row per lane (masked lanes past the end write nothing): a masked store with
         # duplicate indices is ambiguous in interpret mode
         out_rows = p + jnp.arange(bm, dtype=jnp.int32)[:, None]
         tile.store(h_ref.at[out_rows, pc[None, :]], h.astype(h_ref.dtype), mask=live)
+
+
+def _single_kernel(idx_ref, wt_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, dw_ref, ds_ref, y0_ref,
+                   y_ref, *, num_experts, topk, d, group_d, group_f, bm, bf, bk, bn_down, swap_ab,
+                   mode, x_layout, masked_atomics):
+    # Program (p, j): pair p = (token p // K, expert idx[p]), F slice [j*BF, (j+1)*BF).
+    # y0_ref (aliased to y_ref) f32 [T + BM, D], zeroed: lane l of a tile adds to row token + l.
+    del y0_ref
+    p, j = pl.program_id(0), pl.program_id(1)
+    e = idx_ref[p]
+
+    @pl.when((e >= 0) & (e < num_experts))
+    def _():
+        t = p // topk
+        n0 = pl.multiple_of(j * bf, bf)
+        h = _gate_up_tile(x_ref, gw_ref, gs_ref, uw_ref, us_ref, e, t, n0, d=d, group=group_d,
+                          bm=bm, bn=bf, bk=bk, swap_ab=swap_ab, mode=mode, x_layout=x_layout)
+        hT = (h.T if swap_ab else h).astype(x_ref.dtype)              # [BM, BF] natural F order
+        hps = tile.split_planes(hT)                                    # 4 x [BM, BF/4]: plane q
+        #                                                                col c = F n0 + 4c + q
+        wk = wt_ref[p]
+        bc = bf // 4
+        c0 = pl.multiple_of(n0 // 4, bc)
+        nsteps = d // bn_down
+        # programs start at different output chunks so their atomics do not queue on one address
+        start = (p * pl.num_programs(1) + j) % nsteps
+        lanes = t + jnp.arange(bm, dtype=jnp.int32)[:, None]           # distinct rows per lane
+        live = jnp.arange(bm, dtype=jnp.int32)[:, None] == 0
+
+        def body(i, carry):
+            step = i + start
+            step = jnp.where(step >= nsteps, step - nsteps, step)
+            d0 = pl.multiple_of(step * bn_down, bn_down)
+            w = tile.load(dw_ref.at[e, pl.ds(d0, bn_down), pl.ds(c0, bc)])
+            s = tile.load(ds_ref.at[e, pl.ds(d0, bn_down), pl.ds(n0 // group_f, bf // group_f)])
+            planes = tile.dequant_pairs(w, tile.expand_scale(s, bc), mode)
+            part = None
+            for q in range(tile.NPLANES):
+                dq = tile.plane_dot(planes[q], hps[q], swap_ab)
+                part = dq if part is None else part + dq
+            out = wk * (part.T if swap_ab else part)                     # [BM, BN_down] f32
+            cols = d0 + jnp.arange(bn_down, dtype=jnp.int32)[None, :]
+            # lanes 1..BM-1 hold zeros (masked x rows); the GPU skips their atomics, interpret mode
+            # (whose atomics take no mask) adds the zeros to distinct padded rows
+            mask = jnp.broadcast_to(live, out.shape) if masked_atomics else None
+            plt.atomic_add(y_ref, (lanes, cols), out, mask=mask)
+            return carry
+
+        lax.fori_loop(0, nsteps, body, 0)
 
 
 def _down_kernel(idx_ref, wt_ref, h_ref, dw_ref, ds_ref, y_ref, *, num_experts, topk, kp, group,
@@ -160,3 +220,44 @@ def moe_decode(x_TD, idx_TK, weight_TK, gate, up, down, *, block_m, block_n_gate
                                              num_stages_down or num_stages, interp),
         name="moe_decode_down_int4",
     )(idx, wts, h, dw, ds.astype(jnp.bfloat16))
+
+
+def moe_decode_single(x_TD, idx_TK, weight_TK, gate, up, down, *, block_m, block_f, block_k,
+                      block_n_down, swap_ab, dequant, x_layout, num_warps, num_stages, interp):
+    """The whole routed-expert layer in ONE launch. Program (pair p, F slice j) computes
+    h = silu(gate) * up for F features [j*BF, (j+1)*BF) of its pair's expert (full D reduction), then
+    multiplies that h slice by the matching K-slice of the expert's down weight (D x BF) and adds
+    weight[p] * (h_slice @ down_slice^T) to y[token] with f32 atomics: the down projection is split
+    along F exactly where gate/up produced it, so no program waits for another and h never leaves
+    registers. Every weight byte of a touched expert is read once (gate/up rows by one program, down
+    columns by the same one). y is accumulated in f32 ([T + BM, D], zeroed by XLA) and cast after.
+    gate/up/down: (int16 packed, scale) pairs. Returns y [T, D] in x.dtype."""
+    t, d = x_TD.shape
+    topk = idx_TK.shape[1]
+    (gw, gs), (uw, us), (dw, ds) = gate, up, down
+    num_experts, f, _ = gw.shape
+    group_d, group_f = d // gs.shape[-1], f // ds.shape[-1]
+    bk = tile.pick_block_k(d, max(block_k, group_d))
+    bf, bn_dn = min(block_f, f), min(block_n_down, d)
+    if (f % bf or d % bn_dn or bk % group_d or bf % group_f or group_d % 8 or group_f % 8
+            or bf % 64):
+        raise ValueError(f"unsupported single-launch MoE shape: D={d} F={f} groups "
+                         f"{group_d}/{group_f} block_f {bf} (a multiple of 64 dividing F and of the "
+                         f"down group) block_n_down {bn_dn} block_k {bk}")
+    mode = "f32" if interp else dequant
+    idx = idx_TK.reshape(-1).astype(jnp.int32)
+    wts = weight_TK.reshape(-1).astype(jnp.float32)
+    if x_layout == "perm":
+        x_TD = tile.perm_columns(x_TD)
+    kernel = functools.partial(
+        _single_kernel, num_experts=num_experts, topk=topk, d=d, group_d=group_d, group_f=group_f,
+        bm=block_m, bf=bf, bk=bk, bn_down=bn_dn, swap_ab=swap_ab, mode=mode, x_layout=x_layout,
+        masked_atomics=not interp)
+    y = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((t + block_m, d), jnp.float32),
+        grid=(t * topk, f // bf), input_output_aliases={9: 0}, interpret=interp,
+        compiler_params=tile.compiler_params(num_warps, num_stages, interp),
+        name="moe_decode_single_int4",
+    )(idx, wts, x_TD, gw, gs.astype(jnp.bfloat16), uw, us.astype(jnp.bfloat16), dw,
+      ds.astype(jnp.bfloat16), jnp.zeros((t + block_m, d), jnp.float32))
+    return y[:t].astype(x_TD.dtype)

@@ -45,7 +45,7 @@ from pallas_kernels import int4_tile as tile
 from pallas_kernels import moe_decode
 
 repack = tile.repack
-DECODE_PATHS = ("tiles", "fused")
+DECODE_PATHS = ("tiles", "fused", "single")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +65,8 @@ class MoeGmmConfig:
     decode: str = "tiles"        # T <= pair_tiles_max_t: 'tiles' (pair tiles through the grouped
                                  # kernels, scatter + XLA sum over k) or 'fused' (moe_decode.py: two
                                  # launches, routing read in-kernel, down sums over k in-kernel)
+                                 # or 'single' (moe_decode.moe_decode_single: one launch, program =
+                                 # (pair, block_n_gate_up F slice), down split along F, f32 atomics)
     num_warps_down: int = 0      # fused decode down kernel (grid T x D/block_n_down); 0: num_warps
     num_stages_down: int = 0     # 0: num_stages
 
@@ -277,6 +279,14 @@ def moe_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array,
             dequant=cfg.dequant, x_layout=cfg.x_layout, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, num_warps_down=cfg.num_warps_down,
             num_stages_down=cfg.num_stages_down, interp=interp)
+
+    if t <= cfg.pair_tiles_max_t and cfg.decode == "single":
+        return moe_decode.moe_decode_single(
+            x_TD, idx_TK, weight_TK, (tile.as_int16(gate_packed), gate_scale),
+            (tile.as_int16(up_packed), up_scale), (tile.as_int16(down_packed), down_scale),
+            block_m=bm, block_f=cfg.block_n_gate_up, block_k=cfg.block_k_gate_up,
+            block_n_down=cfg.block_n_down, swap_ab=cfg.swap_ab, dequant=cfg.dequant,
+            x_layout=cfg.x_layout, num_warps=cfg.num_warps, num_stages=cfg.num_stages, interp=interp)
 
     flat = idx_TK.reshape(-1).astype(jnp.int32)
     held = (flat >= 0) & (flat < num_experts)      # ids outside [0, E) are skipped (EP: not local)

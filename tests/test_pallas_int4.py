@@ -206,6 +206,7 @@ def test_moe_experts_configs(experts, name, t, cfg):
 
 
 FUSED = mg.MoeGmmConfig(decode="fused")
+SINGLE = mg.MoeGmmConfig(decode="single", block_n_down=128)
 
 
 @pytest.mark.parametrize("name,t,mode,topk,cfg", [
@@ -218,6 +219,13 @@ FUSED = mg.MoeGmmConfig(decode="fused")
         num_stages_down=4)),
     ("t3_sorted_shuffle", 3, "random", TOPK, mg.MoeGmmConfig(x_layout="shuffle",
                                                              pair_tiles_max_t=0)),
+    # single launch (moe_decode_single): F slices of 64 (2 per expert) and 128 (the whole F here)
+    ("single_t1", 1, "distinct", TOPK, SINGLE),
+    ("single_t4_one_expert", 4, "one_expert", TOPK, SINGLE),
+    ("single_t3_topk3_shuffle_f128_d128", 3, "random", 3, mg.MoeGmmConfig(
+        decode="single", x_layout="shuffle", block_n_gate_up=128, block_n_down=128)),
+    ("single_t2_natural_k64", 2, "random", TOPK, mg.MoeGmmConfig(
+        decode="single", x_layout="natural", block_k_gate_up=64, block_n_down=32, num_warps=2)),
 ])
 def test_moe_experts_fused_decode(experts, name, t, mode, topk, cfg):
     """Fused decode (moe_decode.py): routing read in-kernel, down sums the token's experts in one
@@ -245,14 +253,29 @@ def test_moe_fused_decode_is_two_kernels_and_no_xla_ops(experts):
     assert heavy == [], heavy
 
 
-@pytest.mark.parametrize("t", [1, 4])
-def test_moe_fused_decode_skips_foreign_ids(experts, t):
+def test_moe_single_decode_is_one_kernel(experts):
+    """The single-launch path: one Pallas kernel; besides it only the zero fill of the f32 output,
+    the final slice / cast and layout no-ops (x in natural order: 'shuffle')."""
+    g, u, dn = experts
+    x, idx, w = _moe_case(1, "distinct")
+    cfg = mg.MoeGmmConfig(decode="single", x_layout="shuffle")
+    jaxpr = jax.make_jaxpr(lambda *a: mg.moe_experts(*a, config=cfg))(x, idx, w, *g, *u, *dn)
+    eqns = jaxpr.jaxpr.eqns[0].params["jaxpr"].eqns          # inside moe_experts' jit
+    names = [e.primitive.name for e in eqns]
+    assert names.count("pallas_call") == 1
+    heavy = [n for n in names if n not in ("pallas_call", "reshape", "bitcast_convert_type",
+                                           "convert_element_type", "broadcast_in_dim", "slice")]
+    assert heavy == [], heavy
+
+
+@pytest.mark.parametrize("t,cfg", [(1, FUSED), (4, FUSED), (1, SINGLE), (4, SINGLE)])
+def test_moe_fused_decode_skips_foreign_ids(experts, t, cfg):
     """ids >= E and < 0 (held elsewhere / other layers of a stacked array) add 0 and read nothing."""
     g, u, dn = experts
     x, idx, w = _moe_case(t, "random")
     foreign = jax.random.bernoulli(_key("foreign_fused", t), 0.4, idx.shape).at[0, 0].set(True)
     idx = jnp.where(foreign, jnp.where(jnp.arange(TOPK) % 2 == 0, E + 5, -1), idx)
-    y = mg.moe_experts(x, idx, w, *g, *u, *dn, config=FUSED)
+    y = mg.moe_experts(x, idx, w, *g, *u, *dn, config=cfg)
     ref_local = mg.moe_experts_reference(x, jnp.where(foreign, 0, idx),
                                          jnp.where(foreign, 0.0, w), *g, *u, *dn)
     assert _rel(y, ref_local) <= 1e-2
@@ -309,6 +332,7 @@ def test_kernels_lower_for_cuda():
     jax.jit(lambda x, p, s: im.int4_matmul(x, p, s, config=cfg, interpret=False)).trace(
         S((m, k), jnp.bfloat16), S((n, k // 8), jnp.int32),
         S((n, k // 32), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
-    fused = mg.MoeGmmConfig(decode="fused", x_layout="shuffle")
-    jax.jit(lambda *a: mg.moe_experts(*a, config=fused, interpret=False)).trace(*args).lower(
-        lowering_platforms=("cuda",))
+    for decode in ("fused", "single"):
+        cfg = mg.MoeGmmConfig(decode=decode, x_layout="shuffle")
+        jax.jit(lambda *a, c=cfg: mg.moe_experts(*a, config=c, interpret=False)).trace(*args).lower(
+            lowering_platforms=("cuda",))
