@@ -246,6 +246,26 @@ def moe_sweep(name):
             ("single_f256_d256_w8", C(decode="single", block_n_gate_up=256, block_n_down=256,
                                       num_warps=8)),
         ],
+        # fifth session, second run: is the single launch's down phase slowed by the atomics' order
+        # (Pallas lowers them acquire-release) or by the atomics at all? _relaxed: relaxed-order
+        # atomics; _store: each program stores its partial row and XLA sums them (no atomics)
+        "single2": [
+            ("default", None),
+            ("single_f128_d512_w8", C(decode="single", block_n_gate_up=128, block_n_down=512,
+                                      num_warps=8)),
+            ("single_f128_d512_w8_relaxed", C(decode="single", block_n_gate_up=128, block_n_down=512,
+                                              num_warps=8, single_reduce="relaxed")),
+            ("single_f128_d512_w8_store", C(decode="single", block_n_gate_up=128, block_n_down=512,
+                                            num_warps=8, single_reduce="store")),
+            ("single_f128_d256_relaxed", C(decode="single", block_n_gate_up=128, block_n_down=256,
+                                           single_reduce="relaxed")),
+            ("single_f128_d128_relaxed", C(decode="single", block_n_gate_up=128, block_n_down=128,
+                                           single_reduce="relaxed")),
+            ("single_f128_d256_store", C(decode="single", block_n_gate_up=128, block_n_down=256,
+                                         single_reduce="store")),
+            ("single_f64_d256_relaxed", C(decode="single", block_n_gate_up=64, block_n_down=256,
+                                          single_reduce="relaxed")),
+        ],
         "small": [("default", None)],
     }
     return sweeps[name]

@@ -19,6 +19,9 @@ Dequantization modes:
 """
 from __future__ import annotations
 
+import enum
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -88,6 +91,61 @@ def _install_multi_result_inline_asm_lowering() -> bool:
 
 
 MULTI_RESULT_ASM_OK = _install_multi_result_inline_asm_lowering()
+
+
+class _RelaxedAtomic(enum.Enum):
+    """`atomic_type` of an atomic_rmw that lowers with relaxed memory order (see below)."""
+    ADD = "add"
+
+
+def _install_relaxed_atomic_add_lowering() -> bool:
+    """Pallas-Triton lowers every atomic with acquire-release order at GPU scope, which orders the
+    atomic after all of the thread's earlier memory operations; an accumulation needs no ordering
+    (the kernel's end makes every add visible). Register a rule that lowers atomic_rmw with
+    `atomic_type=_RelaxedAtomic.ADD` as a relaxed add and passes every other atomic to the stock
+    rule unchanged. Private API: guarded; if it cannot be installed `atomic_add_relaxed` falls back to
+    the acquire-release add."""
+    try:
+        from jax._src.lib.triton import dialect as tt_dialect
+        from jax._src.pallas.triton import lowering as tlow
+        from jax._src.pallas.triton import primitives as tprim
+        prim = tprim.atomic_rmw_p
+        stock = tlow.triton_lowering_rules[prim]
+        stock_rmw = tlow._atomic_rmw
+        relaxed = tt_dialect.MemSemantic.RELAXED
+        add = tprim.AtomicOpType.ADD
+    except Exception:  # noqa: BLE001
+        return False
+    if getattr(stock, "_int4_relaxed_add", False):
+        return True
+
+    def rule(ctx, *args, args_tree, atomic_type):
+        if atomic_type is not _RelaxedAtomic.ADD:
+            return stock(ctx, *args, args_tree=args_tree, atomic_type=atomic_type)
+        tlow._atomic_rmw = functools.partial(stock_rmw, semantic=relaxed)   # read by the stock rule
+        try:
+            return stock(ctx, *args, args_tree=args_tree, atomic_type=add)
+        finally:
+            tlow._atomic_rmw = stock_rmw
+
+    rule._int4_relaxed_add = True
+    tlow.triton_lowering_rules[prim] = rule
+    return True
+
+
+RELAXED_ATOMIC_OK = _install_relaxed_atomic_add_lowering()
+
+
+def atomic_add_relaxed(ref, idx, val, mask=None):
+    """ref[idx] += val with relaxed memory order on the GPU (acquire-release where the rule above is
+    not installed). Not for interpret mode (its discharge rule knows only the stock types)."""
+    if not RELAXED_ATOMIC_OK:
+        return plt.atomic_add(ref, idx, val, mask=mask)
+    from jax._src.pallas.triton import primitives as tprim
+    from jax._src.state import primitives as state_primitives
+    x_ref, transforms = state_primitives.get_ref_and_transforms(ref, idx, "atomic_rmw")
+    args_flat, args_tree = jax.tree_util.tree_flatten((x_ref, transforms, val, mask))
+    return tprim.atomic_rmw_p.bind(*args_flat, args_tree=args_tree, atomic_type=_RelaxedAtomic.ADD)
 
 
 def resolve_interpret(interpret) -> bool:

@@ -90,9 +90,11 @@ def _gate_up_kernel(idx_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, h_ref, *, nu
 
 def _single_kernel(idx_ref, wt_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, dw_ref, ds_ref, y0_ref,
                    y_ref, *, num_experts, topk, d, group_d, group_f, bm, bf, bk, bn_down, swap_ab,
-                   mode, x_layout, masked_atomics):
+                   mode, x_layout, reduce, interp):
     # Program (p, j): pair p = (token p // K, expert idx[p]), F slice [j*BF, (j+1)*BF).
-    # y0_ref (aliased to y_ref) f32 [T + BM, D], zeroed: lane l of a tile adds to row token + l.
+    # y0_ref (aliased to y_ref), zeroed, f32: reduce 'atomic' / 'relaxed': [T + BM, D], lane l of a
+    # tile adds to row token + l; 'store': [T*K*S + BM, D] (S = F/BF slices), lane l of program
+    # (p, j) writes row p*S + j + l (lane 0 live).
     del y0_ref
     p, j = pl.program_id(0), pl.program_id(1)
     e = idx_ref[p]
@@ -112,7 +114,8 @@ def _single_kernel(idx_ref, wt_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, dw_re
         nsteps = d // bn_down
         # programs start at different output chunks so their atomics do not queue on one address
         start = (p * pl.num_programs(1) + j) % nsteps
-        lanes = t + jnp.arange(bm, dtype=jnp.int32)[:, None]           # distinct rows per lane
+        base = t if reduce != "store" else p * pl.num_programs(1) + j
+        lanes = base + jnp.arange(bm, dtype=jnp.int32)[:, None]        # distinct rows per lane
         live = jnp.arange(bm, dtype=jnp.int32)[:, None] == 0
 
         def body(i, carry):
@@ -130,8 +133,13 @@ def _single_kernel(idx_ref, wt_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, dw_re
             cols = d0 + jnp.arange(bn_down, dtype=jnp.int32)[None, :]
             # lanes 1..BM-1 hold zeros (masked x rows); the GPU skips their atomics, interpret mode
             # (whose atomics take no mask) adds the zeros to distinct padded rows
-            mask = jnp.broadcast_to(live, out.shape) if masked_atomics else None
-            plt.atomic_add(y_ref, (lanes, cols), out, mask=mask)
+            mask = None if interp else jnp.broadcast_to(live, out.shape)
+            if reduce == "store":
+                tile.store(y_ref.at[lanes, cols], out, mask=jnp.broadcast_to(live, out.shape))
+            elif reduce == "relaxed" and not interp:
+                tile.atomic_add_relaxed(y_ref, (lanes, cols), out, mask=mask)
+            else:
+                plt.atomic_add(y_ref, (lanes, cols), out, mask=mask)
             return carry
 
         lax.fori_loop(0, nsteps, body, 0)
@@ -222,8 +230,12 @@ def moe_decode(x_TD, idx_TK, weight_TK, gate, up, down, *, block_m, block_n_gate
     )(idx, wts, h, dw, ds.astype(jnp.bfloat16))
 
 
+SINGLE_REDUCES = ("atomic", "relaxed", "store")
+
+
 def moe_decode_single(x_TD, idx_TK, weight_TK, gate, up, down, *, block_m, block_f, block_k,
-                      block_n_down, swap_ab, dequant, x_layout, num_warps, num_stages, interp):
+                      block_n_down, swap_ab, dequant, x_layout, num_warps, num_stages, interp,
+                      reduce="atomic"):
     """The whole routed-expert layer in ONE launch. Program (pair p, F slice j) computes
     h = silu(gate) * up for F features [j*BF, (j+1)*BF) of its pair's expert (full D reduction), then
     multiplies that h slice by the matching K-slice of the expert's down weight (D x BF) and adds
@@ -231,7 +243,10 @@ def moe_decode_single(x_TD, idx_TK, weight_TK, gate, up, down, *, block_m, block
     along F exactly where gate/up produced it, so no program waits for another and h never leaves
     registers. Every weight byte of a touched expert is read once (gate/up rows by one program, down
     columns by the same one). y is accumulated in f32 ([T + BM, D], zeroed by XLA) and cast after.
-    gate/up/down: (int16 packed, scale) pairs. Returns y [T, D] in x.dtype."""
+    reduce: 'atomic' (Pallas' acquire-release f32 atomics), 'relaxed' (relaxed-order atomics:
+    `int4_tile.atomic_add_relaxed`) or 'store' (each program stores its [D] partial, XLA sums the
+    T*K*F/BF partials after: no atomics, one more op). gate/up/down: (int16 packed, scale) pairs.
+    Returns y [T, D] in x.dtype."""
     t, d = x_TD.shape
     topk = idx_TK.shape[1]
     (gw, gs), (uw, us), (dw, ds) = gate, up, down
@@ -244,20 +259,26 @@ def moe_decode_single(x_TD, idx_TK, weight_TK, gate, up, down, *, block_m, block
         raise ValueError(f"unsupported single-launch MoE shape: D={d} F={f} groups "
                          f"{group_d}/{group_f} block_f {bf} (a multiple of 64 dividing F and of the "
                          f"down group) block_n_down {bn_dn} block_k {bk}")
+    if reduce not in SINGLE_REDUCES:
+        raise ValueError(f"reduce {reduce!r} not in {SINGLE_REDUCES}")
     mode = "f32" if interp else dequant
     idx = idx_TK.reshape(-1).astype(jnp.int32)
     wts = weight_TK.reshape(-1).astype(jnp.float32)
     if x_layout == "perm":
         x_TD = tile.perm_columns(x_TD)
+    slices = f // bf
+    rows = (t * topk * slices if reduce == "store" else t) + block_m
     kernel = functools.partial(
         _single_kernel, num_experts=num_experts, topk=topk, d=d, group_d=group_d, group_f=group_f,
         bm=block_m, bf=bf, bk=bk, bn_down=bn_dn, swap_ab=swap_ab, mode=mode, x_layout=x_layout,
-        masked_atomics=not interp)
+        reduce=reduce, interp=interp)
     y = pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((t + block_m, d), jnp.float32),
+        kernel, out_shape=jax.ShapeDtypeStruct((rows, d), jnp.float32),
         grid=(t * topk, f // bf), input_output_aliases={9: 0}, interpret=interp,
         compiler_params=tile.compiler_params(num_warps, num_stages, interp),
         name="moe_decode_single_int4",
     )(idx, wts, x_TD, gw, gs.astype(jnp.bfloat16), uw, us.astype(jnp.bfloat16), dw,
-      ds.astype(jnp.bfloat16), jnp.zeros((t + block_m, d), jnp.float32))
+      ds.astype(jnp.bfloat16), jnp.zeros((rows, d), jnp.float32))
+    if reduce == "store":
+        return y[:rows - block_m].reshape(t, topk * slices, d).sum(axis=1).astype(x_TD.dtype)
     return y[:t].astype(x_TD.dtype)

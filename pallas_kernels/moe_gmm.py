@@ -69,6 +69,7 @@ class MoeGmmConfig:
                                  # (pair, block_n_gate_up F slice), down split along F, f32 atomics)
     num_warps_down: int = 0      # fused decode down kernel (grid T x D/block_n_down); 0: num_warps
     num_stages_down: int = 0     # 0: num_stages
+    single_reduce: str = "atomic"  # decode='single': 'atomic' | 'relaxed' | 'store' (moe_decode_single)
 
     def __post_init__(self):
         if self.x_layout not in tile.X_LAYOUTS:
@@ -286,7 +287,8 @@ def moe_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array,
             (tile.as_int16(up_packed), up_scale), (tile.as_int16(down_packed), down_scale),
             block_m=bm, block_f=cfg.block_n_gate_up, block_k=cfg.block_k_gate_up,
             block_n_down=cfg.block_n_down, swap_ab=cfg.swap_ab, dequant=cfg.dequant,
-            x_layout=cfg.x_layout, num_warps=cfg.num_warps, num_stages=cfg.num_stages, interp=interp)
+            x_layout=cfg.x_layout, num_warps=cfg.num_warps, num_stages=cfg.num_stages, interp=interp,
+            reduce=cfg.single_reduce)
 
     flat = idx_TK.reshape(-1).astype(jnp.int32)
     held = (flat >= 0) & (flat < num_experts)      # ids outside [0, E) are skipped (EP: not local)

@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import int4_matmul as im
 from pallas_kernels import int4_ref
+from pallas_kernels import int4_tile as tile
 from pallas_kernels import moe_gmm as mg
 
 
@@ -226,6 +227,9 @@ SINGLE = mg.MoeGmmConfig(decode="single", block_n_down=128)
         decode="single", x_layout="shuffle", block_n_gate_up=128, block_n_down=128)),
     ("single_t2_natural_k64", 2, "random", TOPK, mg.MoeGmmConfig(
         decode="single", x_layout="natural", block_k_gate_up=64, block_n_down=32, num_warps=2)),
+    ("single_t3_store", 3, "random", TOPK, mg.MoeGmmConfig(decode="single", single_reduce="store")),
+    ("single_t1_relaxed", 1, "distinct", TOPK, mg.MoeGmmConfig(decode="single",
+                                                                single_reduce="relaxed")),
 ])
 def test_moe_experts_fused_decode(experts, name, t, mode, topk, cfg):
     """Fused decode (moe_decode.py): routing read in-kernel, down sums the token's experts in one
@@ -266,6 +270,41 @@ def test_moe_single_decode_is_one_kernel(experts):
     heavy = [n for n in names if n not in ("pallas_call", "reshape", "bitcast_convert_type",
                                            "convert_element_type", "broadcast_in_dim", "slice")]
     assert heavy == [], heavy
+
+
+def test_relaxed_atomic_add_lowers_relaxed(monkeypatch):
+    """`single_reduce='relaxed'` lowers its atomics with relaxed order and 'atomic' keeps Pallas'
+    acquire-release (records the `sem` of every Triton atomic built while lowering for cuda)."""
+    S = jax.ShapeDtypeStruct
+    if not tile.RELAXED_ATOMIC_OK:
+        pytest.skip("the relaxed-atomic lowering rule could not be installed on this jax")
+    from jax._src.pallas.triton import lowering as tlow
+    seen = []
+    stock = tlow.tt_dialect.atomic_rmw
+
+    def spy(*a, **kw):
+        seen.append(str(kw.get("sem")))
+        return stock(*a, **kw)
+
+    monkeypatch.setattr(tlow.tt_dialect, "atomic_rmw", spy)
+    e_, d, f, t = 8, 512, 256, 1
+    args = [S((t, d), jnp.bfloat16), S((t, 2), jnp.int32), S((t, 2), jnp.float32),
+            S((e_, f, d // 8), jnp.int32), S((e_, f, d // 32), jnp.bfloat16),
+            S((e_, f, d // 8), jnp.int32), S((e_, f, d // 32), jnp.bfloat16),
+            S((e_, d, f // 8), jnp.int32), S((e_, d, f // 32), jnp.bfloat16)]
+    for reduce in ("relaxed", "atomic"):
+        seen.clear()
+        cfg = mg.MoeGmmConfig(decode="single", single_reduce=reduce)
+        try:
+            jax.jit(lambda *a, c=cfg: mg.moe_experts(*a, config=c, interpret=False)).trace(
+                *args).lower(lowering_platforms=("cuda",))
+        except RuntimeError as e:
+            if "No supported GPU devices found" in str(e):
+                pytest.skip(f"this jax lowers Pallas Triton only with a GPU present ({jax.__version__})")
+            raise
+        assert seen, reduce
+        want = "relaxed" if reduce == "relaxed" else "acq_rel"
+        assert all(want in v.lower() for v in seen), (reduce, seen)
 
 
 @pytest.mark.parametrize("t,cfg", [(1, FUSED), (4, FUSED), (1, SINGLE), (4, SINGLE)])
