@@ -22,7 +22,8 @@ def test_ops_selects_the_decode_kernel(monkeypatch):
     monkeypatch.setattr(ops, "_is_hopper", lambda: True)
     pick = lambda rows=64, page=16, dtype=jnp.bfloat16, **kw: ops.mla_decode_kernel(rows, 512, 64, page, dtype, **kw)
     assert pick(batch=1, context=32768) == pick(batch=64, context=4096) == pick(rows=128) == "mgpu"
-    assert pick(batch=1, context=4096) == pick(batch=8, context=4096) == "triton"   # too little cache
+    assert pick(batch=8, context=4096) == pick(batch=2, context=16384) == "mgpu"
+    assert pick(batch=1, context=4096) == pick(batch=4, context=4096) == "triton"   # too little cache
     assert pick(rows=8) == pick(rows=96) == "triton"                                 # 64-row tiles not full
     assert pick(page=24) == pick(dtype=jnp.float32) == "triton"
     with ops.use_mla_decode_kernel("mgpu"):
