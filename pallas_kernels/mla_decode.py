@@ -55,7 +55,8 @@ class MlaDecodeConfig:
     """Tiling. 0 means "choose from the shapes" (`resolve_config`); `LEGACY` is the first version's
     choice (kept for comparisons in launch/bench_mla.py --sweep)."""
     block_m: int = 0              # query rows (t, n) per program; power of two >= 16
-    block_k: int = 32             # cached tokens per inner step; power of two >= 16
+    block_k: int = 0              # cached tokens per inner step; power of two >= 16 (0: 64 for
+    #                               <= 16 rows at batch >= 64, else 32; see resolve_config)
     block_a: int = 0              # latent output columns per program (0: all A). With block_a < A,
                                   # A / block_a adjacent programs share a row block: each computes
                                   # the full scores, accumulates p @ c for its column slice only
@@ -79,8 +80,8 @@ class MlaDecodeConfig:
 
 # The first version (2026-11 H200 run): 2 pipeline stages (one page buffer, nothing overlapped),
 # >= 512 tokens per split, ~2 programs per SM, new tokens in XLA. block_m auto: as now.
-LEGACY = MlaDecodeConfig(num_warps=4, num_stages=2, target_programs=264, min_split_tokens=512,
-                        fuse_new=False, max_auto_block_m=32)
+LEGACY = MlaDecodeConfig(block_k=32, num_warps=4, num_stages=2, target_programs=264,
+                        min_split_tokens=512, fuse_new=False, max_auto_block_m=32)
 
 NUM_SMS = 132                     # H200
 
@@ -120,7 +121,12 @@ def resolve_config(cfg: Optional[MlaDecodeConfig], batch: int, rows: int, max_to
         by_length = -(-max_tokens // min_tok)
         splits = max(1, min(by_occupancy, by_length))
     warps = cfg.num_warps or (4 if bm * ba <= 16 * 512 else 8)   # [bm, ba] f32 acc: <= 64 regs/thread
-    return dataclasses.replace(cfg, block_m=bm, block_a=ba, num_splits=splits, num_warps=warps,
+    # 64-token steps at <= 16 rows (8 heads) and batch >= 64: on the H200 (BENCHMARKS.md, fifth
+    # session, one sweep run) 657 vs 760 us at 64 x 32K, 2,556 vs 2,940 us at 64 x 128K (95% of
+    # copy), 123 vs 126 us at 64 x 4K; at batch 8 the 32-token steps stay ahead (112 vs 121 us at 32K,
+    # 318 vs 335 us at 128K). Batches 9-63 were not measured and keep 32.
+    bk = cfg.block_k or (64 if rows <= 16 and batch >= 64 else 32)
+    return dataclasses.replace(cfg, block_m=bm, block_a=ba, block_k=bk, num_splits=splits, num_warps=warps,
                                num_stages=stages, target_programs=target, min_split_tokens=min_tok)
 
 

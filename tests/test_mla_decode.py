@@ -87,6 +87,7 @@ _C = md.MlaDecodeConfig
     (64, 1, _C(block_k=16, block_m=64, block_a=32, num_splits=2)),
     (64, 4, _C(block_k=16, block_m=32, block_a=32, fuse_new=True)),
     (8, 4, md.LEGACY),
+    (8, 1, _C(block_k=64, num_splits=2)),          # 64-token steps (the 8-head batch >= 64 default)
 ])
 def test_options_match_reference_f32(N, T, cfg):
     page, P = 16, 3
@@ -118,9 +119,14 @@ def test_auto_config():
     assert md.resolve_config(None, batch=64, rows=64, max_tokens=4096).num_splits == 3
     cfg = md.resolve_config(_C(block_m=64, block_a=256), batch=1, rows=64, max_tokens=131072)
     assert cfg.num_warps == 8 and cfg.num_splits * 2 >= 4 * 132
+    # 32-token steps, 64 at <= 16 rows and batch >= 64 (measured on the H200, BENCHMARKS.md)
+    assert md.resolve_config(None, batch=8, rows=8, max_tokens=32768).block_k == 32
+    assert md.resolve_config(None, batch=64, rows=8, max_tokens=32768).block_k == 64
+    assert md.resolve_config(None, batch=64, rows=64, max_tokens=32768).block_k == 32
+    assert md.resolve_config(_C(block_k=16), batch=64, rows=8, max_tokens=32768).block_k == 16
     # the first version's choice stays reachable
     cfg = md.resolve_config(md.LEGACY, batch=1, rows=8, max_tokens=4096)
-    assert (cfg.num_stages, cfg.num_splits, cfg.fuse_new) == (2, 8, False)
+    assert (cfg.num_stages, cfg.num_splits, cfg.fuse_new, cfg.block_k) == (2, 8, False, 32)
     with pytest.raises(ValueError, match="block_a"):
         md.resolve_config(_C(block_a=1024), batch=1, rows=8, max_tokens=64)
 
