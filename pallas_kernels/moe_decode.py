@@ -189,15 +189,26 @@ def _down_kernel(idx_ref, wt_ref, h_ref, dw_ref, ds_ref, y_ref, *, num_experts, 
     tile.store(y_ref.at[rows, cols], out.astype(y_ref.dtype), mask=live)
 
 
+def _dims(x_TD, idx_TK, gate, down):
+    """(T, D, top-k, E, F, D's scale group, F's scale group) of a decode call."""
+    t, d = x_TD.shape
+    num_experts, f, _ = gate[0].shape
+    return t, d, idx_TK.shape[1], num_experts, f, d // gate[1].shape[-1], f // down[1].shape[-1]
+
+
+def _routing_inputs(x_TD, idx_TK, weight_TK, x_layout):
+    """x in the kernels' column order, the flat expert ids (int32) and weights (f32) per pair."""
+    if x_layout == "perm":
+        x_TD = tile.perm_columns(x_TD)
+    return x_TD, idx_TK.reshape(-1).astype(jnp.int32), weight_TK.reshape(-1).astype(jnp.float32)
+
+
 def moe_decode(x_TD, idx_TK, weight_TK, gate, up, down, *, block_m, block_n_gate_up, block_k_gate_up,
                block_n_down, block_k_down, swap_ab, dequant, x_layout, num_warps, num_stages,
                num_warps_down, num_stages_down, interp):
     """The two kernels. gate/up/down: (int16 packed, scale) pairs. Returns y [T, D] in x.dtype."""
-    t, d = x_TD.shape
-    topk = idx_TK.shape[1]
+    t, d, topk, num_experts, f, group_d, group_f = _dims(x_TD, idx_TK, gate, down)
     (gw, gs), (uw, us), (dw, ds) = gate, up, down
-    num_experts, f, _ = gw.shape
-    group_d, group_f = d // gs.shape[-1], f // ds.shape[-1]
     bk_gu = tile.pick_block_k(d, max(block_k_gate_up, group_d))
     bk_dn = tile.pick_block_k(f, max(block_k_down, group_f))
     bn_gu, bn_dn = min(block_n_gate_up, f), min(block_n_down, d)
@@ -205,10 +216,7 @@ def moe_decode(x_TD, idx_TK, weight_TK, gate, up, down, *, block_m, block_n_gate
         raise ValueError(f"unsupported MoE shape: D={d} F={f} groups {group_d}/{group_f} "
                          f"blocks n {bn_gu}/{bn_dn} k {bk_gu}/{bk_dn}")
     mode = "f32" if interp else dequant
-    idx = idx_TK.reshape(-1).astype(jnp.int32)
-    wts = weight_TK.reshape(-1).astype(jnp.float32)
-    if x_layout == "perm":
-        x_TD = tile.perm_columns(x_TD)
+    x_TD, idx, wts = _routing_inputs(x_TD, idx_TK, weight_TK, x_layout)
     gu_kernel = functools.partial(
         _gate_up_kernel, num_experts=num_experts, topk=topk, d=d, group=group_d, bm=block_m,
         bn=bn_gu, bk=bk_gu, swap_ab=swap_ab, mode=mode, x_layout=x_layout)
@@ -247,11 +255,8 @@ def moe_decode_single(x_TD, idx_TK, weight_TK, gate, up, down, *, block_m, block
     `int4_tile.atomic_add_relaxed`) or 'store' (each program stores its [D] partial, XLA sums the
     T*K*F/BF partials after: no atomics, one more op). gate/up/down: (int16 packed, scale) pairs.
     Returns y [T, D] in x.dtype."""
-    t, d = x_TD.shape
-    topk = idx_TK.shape[1]
+    t, d, topk, num_experts, f, group_d, group_f = _dims(x_TD, idx_TK, gate, down)
     (gw, gs), (uw, us), (dw, ds) = gate, up, down
-    num_experts, f, _ = gw.shape
-    group_d, group_f = d // gs.shape[-1], f // ds.shape[-1]
     bk = tile.pick_block_k(d, max(block_k, group_d))
     bf, bn_dn = min(block_f, f), min(block_n_down, d)
     if (f % bf or d % bn_dn or bk % group_d or bf % group_f or group_d % 8 or group_f % 8
@@ -262,10 +267,7 @@ def moe_decode_single(x_TD, idx_TK, weight_TK, gate, up, down, *, block_m, block
     if reduce not in SINGLE_REDUCES:
         raise ValueError(f"reduce {reduce!r} not in {SINGLE_REDUCES}")
     mode = "f32" if interp else dequant
-    idx = idx_TK.reshape(-1).astype(jnp.int32)
-    wts = weight_TK.reshape(-1).astype(jnp.float32)
-    if x_layout == "perm":
-        x_TD = tile.perm_columns(x_TD)
+    x_TD, idx, wts = _routing_inputs(x_TD, idx_TK, weight_TK, x_layout)
     slices = f // bf
     rows = (t * topk * slices if reduce == "store" else t) + block_m
     kernel = functools.partial(

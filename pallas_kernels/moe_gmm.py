@@ -271,24 +271,20 @@ def moe_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array,
     cfg = config or default_config(tk, num_experts)
     bm = cfg.block_m
 
-    if t <= cfg.pair_tiles_max_t and cfg.decode == "fused":
+    if t <= cfg.pair_tiles_max_t and cfg.decode != "tiles":
+        weights = ((tile.as_int16(gate_packed), gate_scale), (tile.as_int16(up_packed), up_scale),
+                   (tile.as_int16(down_packed), down_scale))
+        common = dict(block_m=bm, block_n_down=cfg.block_n_down, swap_ab=cfg.swap_ab,
+                      dequant=cfg.dequant, x_layout=cfg.x_layout, num_warps=cfg.num_warps,
+                      num_stages=cfg.num_stages, interp=interp)
+        if cfg.decode == "single":
+            return moe_decode.moe_decode_single(
+                x_TD, idx_TK, weight_TK, *weights, block_f=cfg.block_n_gate_up,
+                block_k=cfg.block_k_gate_up, reduce=cfg.single_reduce, **common)
         return moe_decode.moe_decode(
-            x_TD, idx_TK, weight_TK, (tile.as_int16(gate_packed), gate_scale),
-            (tile.as_int16(up_packed), up_scale), (tile.as_int16(down_packed), down_scale),
-            block_m=bm, block_n_gate_up=cfg.block_n_gate_up, block_k_gate_up=cfg.block_k_gate_up,
-            block_n_down=cfg.block_n_down, block_k_down=cfg.block_k_down, swap_ab=cfg.swap_ab,
-            dequant=cfg.dequant, x_layout=cfg.x_layout, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, num_warps_down=cfg.num_warps_down,
-            num_stages_down=cfg.num_stages_down, interp=interp)
-
-    if t <= cfg.pair_tiles_max_t and cfg.decode == "single":
-        return moe_decode.moe_decode_single(
-            x_TD, idx_TK, weight_TK, (tile.as_int16(gate_packed), gate_scale),
-            (tile.as_int16(up_packed), up_scale), (tile.as_int16(down_packed), down_scale),
-            block_m=bm, block_f=cfg.block_n_gate_up, block_k=cfg.block_k_gate_up,
-            block_n_down=cfg.block_n_down, swap_ab=cfg.swap_ab, dequant=cfg.dequant,
-            x_layout=cfg.x_layout, num_warps=cfg.num_warps, num_stages=cfg.num_stages, interp=interp,
-            reduce=cfg.single_reduce)
+            x_TD, idx_TK, weight_TK, *weights, block_n_gate_up=cfg.block_n_gate_up,
+            block_k_gate_up=cfg.block_k_gate_up, block_k_down=cfg.block_k_down,
+            num_warps_down=cfg.num_warps_down, num_stages_down=cfg.num_stages_down, **common)
 
     flat = idx_TK.reshape(-1).astype(jnp.int32)
     held = (flat >= 0) & (flat < num_experts)      # ids outside [0, E) are skipped (EP: not local)

@@ -242,33 +242,23 @@ def test_moe_experts_fused_decode(experts, name, t, mode, topk, cfg):
     assert _rel(y, mg.moe_experts_reference(x, idx, w, *g, *u, *dn)) <= 1e-2
 
 
-def test_moe_fused_decode_is_two_kernels_and_no_xla_ops(experts):
-    """The point of the fused path: one jitted call = the two Pallas kernels and nothing else
-    (no x permute, routing plan or sum over k) when x is already in natural order ('shuffle')."""
+@pytest.mark.parametrize("decode,kernels,extra_ops", [
+    ("fused", 2, ()),
+    ("single", 1, ("broadcast_in_dim", "slice")),     # the f32 output's zero fill, its final slice
+])
+def test_moe_decode_paths_are_only_their_kernels(experts, decode, kernels, extra_ops):
+    """The point of the fused (two launches) and single (one launch) decode paths: one jitted call is
+    the Pallas kernels and nothing else (no x permute, routing plan or sum over k) when x is already
+    in natural order ('shuffle')."""
     g, u, dn = experts
     x, idx, w = _moe_case(1, "distinct")
-    cfg = mg.MoeGmmConfig(decode="fused", x_layout="shuffle")
+    cfg = mg.MoeGmmConfig(decode=decode, x_layout="shuffle")
     jaxpr = jax.make_jaxpr(lambda *a: mg.moe_experts(*a, config=cfg))(x, idx, w, *g, *u, *dn)
     eqns = jaxpr.jaxpr.eqns[0].params["jaxpr"].eqns          # inside moe_experts' jit
     names = [e.primitive.name for e in eqns]
-    assert names.count("pallas_call") == 2
-    heavy = [n for n in names if n not in ("pallas_call", "reshape", "bitcast_convert_type",
-                                           "convert_element_type")]
-    assert heavy == [], heavy
-
-
-def test_moe_single_decode_is_one_kernel(experts):
-    """The single-launch path: one Pallas kernel; besides it only the zero fill of the f32 output,
-    the final slice / cast and layout no-ops (x in natural order: 'shuffle')."""
-    g, u, dn = experts
-    x, idx, w = _moe_case(1, "distinct")
-    cfg = mg.MoeGmmConfig(decode="single", x_layout="shuffle")
-    jaxpr = jax.make_jaxpr(lambda *a: mg.moe_experts(*a, config=cfg))(x, idx, w, *g, *u, *dn)
-    eqns = jaxpr.jaxpr.eqns[0].params["jaxpr"].eqns          # inside moe_experts' jit
-    names = [e.primitive.name for e in eqns]
-    assert names.count("pallas_call") == 1
-    heavy = [n for n in names if n not in ("pallas_call", "reshape", "bitcast_convert_type",
-                                           "convert_element_type", "broadcast_in_dim", "slice")]
+    assert names.count("pallas_call") == kernels
+    light = ("pallas_call", "reshape", "bitcast_convert_type", "convert_element_type") + extra_ops
+    heavy = [n for n in names if n not in light]
     assert heavy == [], heavy
 
 
