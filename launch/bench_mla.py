@@ -46,6 +46,10 @@ flags.DEFINE_list("heads", ["8", "64"], "--sweep: head counts")
 flags.DEFINE_list("batches", ["1", "8", "64"], "--sweep: batch sizes")
 flags.DEFINE_list("contexts", ["4096", "32768", "131072"], "--sweep: context lengths")
 flags.DEFINE_list("candidates", [], "--sweep: only these candidate names (default and legacy always)")
+flags.DEFINE_list("pages", ["16"], "decode section: page sizes (each case runs on a pool of each); "
+                  "--heads / --batches / --contexts given explicitly also narrow the decode grid")
+flags.DEFINE_list("check_cases", [], "check section: N:T:page cases instead of the built-in list "
+                  "(8:1:16, 64:1:16, 64:4:16, 8:1:64, 64:1:64)")
 
 _T0 = time.time()
 A, R, C = 512, 64, 576
@@ -125,7 +129,9 @@ def section_check():
     from pallas_kernels import mla_decode as md
     ok_all = True
     key = jax.random.PRNGKey(1)
-    cases = [(8, 1, 16), (64, 1, 16), (64, 4, 16), (8, 1, 64)] if not FLAGS.dry else [(8, 1, 16)]
+    cases = [(8, 1, 16), (64, 1, 16), (64, 4, 16), (8, 1, 64), (64, 1, 64)] if not FLAGS.dry else [(8, 1, 16)]
+    if FLAGS.check_cases:
+        cases = [tuple(int(v) for v in c.split(":")) for c in FLAGS.check_cases]
     for N, T, page in cases:
         lengths = [0, page * 3, 1000, 20000] if not FLAGS.dry else [0, page, 37]
         P = -(-(max(lengths) + T) // page)
@@ -183,7 +189,7 @@ def _decode_case(B, ctx, N, copy_bps, pool, page, configs, key):
             return lax.scan(layer, jnp.float32(0), jnp.arange(L))[0]
         return jax.jit(f)
 
-    row = dict(section="decode", B=B, ctx=ctx, N=N, layers=L, bytes_per_row=(ctx - T) * C * 2,
+    row = dict(section="decode", B=B, ctx=ctx, N=N, page=page, layers=L, bytes_per_row=(ctx - T) * C * 2,
                bytes=nbytes)
     args = (q_lat, q_pe, new, pool, table, pos)
     best = None
@@ -224,16 +230,27 @@ def section_decode(copy_bps):
     import jax
     import jax.numpy as jnp
     from pallas_kernels.mla_decode import MlaDecodeConfig as Cfg
-    page = 16
     if FLAGS.dry:
         batches, ctxs, heads = [1, 2], [64, 256], [8, 16]
-        pool_pages = 2 * 256 // page * 2
     else:
         batches, ctxs, heads = [1, 8, 64], [4096, 32768, 131072], [64, 8]
-        pool_pages = (24 << 30) // (page * C * 2)             # 24 GiB pool: >= 2 layers of the largest case
-    pool = _pool(jax.random.PRNGKey(3), pool_pages, page, jnp.bfloat16)
+    explicit = lambda name, default: ([int(v) for v in FLAGS[name].value] if FLAGS[name].present  # noqa: E731
+                                      else default)
+    batches, ctxs, heads = explicit("batches", batches), explicit("contexts", ctxs), explicit("heads", heads)
     # Triton tilings tried on the largest cases (8 heads; at 64 heads the Mosaic GPU kernel is timed)
     sweep = {8: [("bk64", Cfg(block_k=64)), ("bk32s3", Cfg(block_k=32, num_stages=3))]}
+    rows = []
+    for page in [int(p) for p in FLAGS.pages]:
+        # 24 GiB pool: >= 2 layers of the largest case; pages scattered over all of it
+        pool_pages = 2 * 256 // page * 2 if FLAGS.dry else (24 << 30) // (page * C * 2)
+        pool = _pool(jax.random.PRNGKey(3), pool_pages, page, jnp.bfloat16)
+        rows += _decode_grid(copy_bps, pool, page, heads, batches, ctxs, sweep)
+        del pool
+    return rows
+
+
+def _decode_grid(copy_bps, pool, page, heads, batches, ctxs, sweep):
+    import jax
     rows = []
     for N in heads:
         for B in batches:
@@ -248,7 +265,7 @@ def section_decode(copy_bps):
                     configs += sweep.get(N, [])
                 r = _decode_case(B, ctx, N, copy_bps, pool, page, configs, jax.random.PRNGKey(B + ctx + N))
                 rows.append(r)
-                log(f"decode B={B:3d} ctx={ctx:6d} N={N:2d}: " + (
+                log(f"decode page={page} B={B:3d} ctx={ctx:6d} N={N:2d}: " + (
                     f"serving {r['serving']} {(r['t_serving'] or float('nan')) * 1e6:8.1f} us; best "
                     f"{r['t_kernel'] * 1e6:8.1f} us ({r['best']}) {r['kernel_bps'] / 1e9:6.0f} GB/s "
                     f"{r['pct_copy']:5.1f}% of copy; xla {r['t_xla'] * 1e6 if r['t_xla'] else float('nan'):8.1f} us"
@@ -510,17 +527,17 @@ def section_prefill():
 
 def table(copy_bps, read_bps, rows):
     lines = [f"copy {copy_bps / 1e9:.0f} GB/s (XLA x^1, read+write), read-only {read_bps / 1e9:.0f} GB/s", "",
-             "| B | context | heads | layers | MB/layer | serving kernel | serving us | serving % copy | "
+             "| B | context | heads | page | layers | MB/layer | serving kernel | serving us | serving % copy | "
              "best us | best | best GB/s | best % copy | Triton default us | XLA us | XLA/serving |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "t_kernel" not in r:
-            lines.append(f"| {r['B']} | {r['ctx']} | {r['N']} | | | failed | | | | | | | | | |")
+            lines.append(f"| {r['B']} | {r['ctx']} | {r['N']} | {r.get('page')} | | | failed | | | | | | | | | |")
             continue
         tx, ts = r["t_xla"], r.get("t_serving")
         mb = r["bytes"] / r["layers"]
         nan = float("nan")
-        lines.append(f"| {r['B']} | {r['ctx']} | {r['N']} | {r['layers']} | {mb / 1e6:.1f} | "
+        lines.append(f"| {r['B']} | {r['ctx']} | {r['N']} | {r.get('page')} | {r['layers']} | {mb / 1e6:.1f} | "
                      f"{r.get('serving')} | {ts * 1e6 if ts else nan:.1f} | "
                      f"{100 * mb / ts / copy_bps if ts else nan:.1f} | "
                      f"{r['t_kernel'] * 1e6:.1f} | {r['best']} | {r['kernel_bps'] / 1e9:.0f} | {r['pct_copy']:.1f} | "
