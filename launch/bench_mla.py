@@ -4,6 +4,7 @@
     PYTHONPATH=. python -m launch.bench_mla --out=/tmp/x --dry  # tiny shapes on CPU (the script itself)
     PYTHONPATH=. python -m launch.bench_mla --sweep --out=$OUT --budget_s=270   # kernel config sweep
     PYTHONPATH=. python -m launch.bench_mla --sweep --dry --out=/tmp/x          # the sweep on CPU
+    PYTHONPATH=. python -m launch.bench_mla --profile=64:32768:64,8:131072:64 --out=$OUT   # device ops per call
 
 --sweep (instead of the sections below): copy bandwidth; then per heads (8, 64) every candidate
 config of SWEEP (the auto default, the first version LEGACY, other tilings / stage counts / split
@@ -48,6 +49,9 @@ flags.DEFINE_list("contexts", ["4096", "32768", "131072"], "--sweep: context len
 flags.DEFINE_list("candidates", [], "--sweep: only these candidate names (default and legacy always)")
 flags.DEFINE_list("pages", ["16"], "decode section: page sizes (each case runs on a pool of each); "
                   "--heads / --batches / --contexts given explicitly also narrow the decode grid")
+flags.DEFINE_list("profile", [], "instead of the sections: B:context:heads[:kernel] cases (kernel: auto, "
+                  "triton, mgpu); each op's device time per call from a profiler trace of one layer's "
+                  "calls, and the call's device span vs its ops (what a fixed cost per call is made of)")
 flags.DEFINE_list("check_cases", [], "check section: N:T:page cases instead of the built-in list "
                   "(8:1:16, 64:1:16, 64:4:16, 8:1:64, 64:1:64)")
 
@@ -546,6 +550,63 @@ def table(copy_bps, read_bps, rows):
     return "\n".join(lines)
 
 
+def section_profile(copy_bps):
+    """--profile: for each case, `calls` calls of the engine's op (kimi_jax.ops.mla_paged_attention,
+    one layer, pool copies so consecutive calls miss L2) under jax.profiler; per call: every device
+    op's time (kernels and XLA fusions by name), their sum, and the span from the first op's start to
+    the last op's end (span - sum = idle gaps between ops)."""
+    import tempfile
+    from collections import defaultdict
+
+    import jax
+    import jax.numpy as jnp
+    from kimi_jax import ops, profiling
+    page, T, calls = 16, 1, 4 if FLAGS.dry else 20
+    rows = []
+    for spec in FLAGS.profile:
+        parts = spec.split(":")
+        if len(parts) not in (3, 4):
+            raise SystemExit(f"--profile={spec}: want B:context:heads[:kernel]")
+        B, ctx, N = (int(v) for v in parts[:3])
+        kernel = parts[3] if len(parts) == 4 else "auto"
+        P = -(-ctx // page)
+        copies = max(2, min(8, (2 << 30) // max(1, B * P * page * C * 2)))   # >= 2 GiB of pages in turn
+        pool = _pool(jax.random.PRNGKey(5), copies * B * P, page, jnp.bfloat16)
+        q_lat, q_pe, new, table, pos = _inputs(jax.random.PRNGKey(B + ctx + N), B, T, N, page,
+                                               [ctx - T] * B, P, B * P, jnp.bfloat16)
+        tables = [table + k * B * P for k in range(copies)]
+        scale = 192 ** -0.5
+        with ops.use_mla_decode_kernel(None if kernel == "auto" else kernel):
+            f = jax.jit(lambda ql, qp, nw, pl_, tb, ps: ops.mla_paged_attention(ql, qp, nw, pl_, tb, ps, scale,
+                                                                                 impl="pallas"))
+            for k in range(copies):                      # compile and warm every table
+                jax.block_until_ready(f(q_lat, q_pe, new, pool, tables[k], pos))
+            tdir = tempfile.mkdtemp(prefix="mla_profile_")      # traces stay out of --out (deep trees)
+            with jax.profiler.trace(tdir):
+                outs = [f(q_lat, q_pe, new, pool, tables[k % copies], pos) for k in range(calls)]
+                jax.block_until_ready(outs)
+        evs = [o for o in profiling.device_op_events(profiling._find_trace_file(tdir))
+               if o.dur_us > 0 and not o.name.startswith(("while", "conditional", "call"))]
+        per_op = defaultdict(float)
+        for o in evs:
+            per_op[o.kernel or o.name] += o.dur_us / calls
+        busy = sum(per_op.values())
+        span = (max(o.start_us + o.dur_us for o in evs) - min(o.start_us for o in evs)) / calls if evs else 0.0
+        nbytes = B * (ctx - T) * C * 2
+        row = dict(section="profile", B=B, ctx=ctx, N=N, kernel=kernel,
+                   serving=ops.mla_decode_kernel(T * N, A, R, page, jnp.bfloat16, batch=B, context=P * page),
+                   calls=calls, ops_us=dict(sorted(per_op.items(), key=lambda kv: -kv[1])), busy_us=busy,
+                   span_us=span, bytes=nbytes, copy_us=nbytes / copy_bps * 1e6, trace_dir=tdir)
+        record(**row)
+        rows.append(row)
+        log(f"profile B={B} ctx={ctx} N={N} kernel={kernel}: span {span:.1f} us/call, device ops "
+            f"{busy:.1f} us, gaps {span - busy:.1f} us; the cache at copy speed {row['copy_us']:.1f} us")
+        for name, us in list(row["ops_us"].items())[:10]:
+            log(f"    {us:9.1f} us  {name[:110]}")
+        del pool, outs
+    return rows
+
+
 def main(argv):
     del argv
     if FLAGS.dry:
@@ -553,6 +614,10 @@ def main(argv):
     import jax
     log("devices", jax.devices(), "jax", jax.__version__)
     copy_bps, read_bps = section_copy()
+    if FLAGS.profile:
+        section_profile(copy_bps)
+        log("profile done", f"total {time.time() - _T0:.0f}s")
+        return
     if FLAGS.sweep:
         section_sweep(copy_bps)
         log("sweep done", f"total {time.time() - _T0:.0f}s")

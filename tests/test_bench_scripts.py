@@ -53,3 +53,19 @@ def test_throughput_agreement():
     got = agreement([[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]], [[1, 2, 3, 4], [5, 6, 0, 0], [1, 9]])
     assert got == dict(identical=1, requests=3, first_token_equal=2, first_difference=[None, 2, 0],
                        mean_prefix=(1.0 + 0.5 + 0.0) / 3)
+
+
+def test_bench_mla_profile_lists_each_cases_device_ops(tmp_path):
+    """--profile traces a few calls of the engine's op per case and writes each op's device time per
+    call with the call's span (the CPU run exercises the script: interpret-mode kernels); a malformed
+    case is a one-line error naming it."""
+    out = str(tmp_path / "out")
+    r = _run("launch.bench_mla", "--dry", "--profile=2:256:8:triton", "--out", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in open(os.path.join(out, "results.jsonl"))]
+    prof = [x for x in rows if x.get("section") == "profile"]
+    assert [(x["B"], x["ctx"], x["N"], x["kernel"]) for x in prof] == [(2, 256, 8, "triton")]
+    assert prof[0]["ops_us"] and prof[0]["busy_us"] > 0 and prof[0]["span_us"] > 0
+    assert "profile B=2 ctx=256 N=8 kernel=triton: span" in r.stdout
+    bad = _run("launch.bench_mla", "--dry", "--profile=2:256", "--out", out)
+    assert bad.returncode != 0 and "--profile=2:256: want B:context:heads[:kernel]" in bad.stderr
