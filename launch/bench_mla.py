@@ -50,8 +50,10 @@ flags.DEFINE_list("candidates", [], "--sweep: only these candidate names (defaul
 flags.DEFINE_list("pages", ["16"], "decode section: page sizes (each case runs on a pool of each); "
                   "--heads / --batches / --contexts given explicitly also narrow the decode grid")
 flags.DEFINE_list("profile", [], "instead of the sections: B:context:heads[:kernel] cases (kernel: auto, "
-                  "triton, mgpu); each op's device time per call from a profiler trace of one layer's "
+                  "triton, mgpu, triton_fin, mgpu_fin); each op's device time per call from a profiler trace of one layer's "
                   "calls, and the call's device span vs its ops (what a fixed cost per call is made of)")
+flags.DEFINE_bool("finish_variants", False, "decode section: also time the one-launch finish of the step "
+                  "(mla_finish.py) after the Triton kernel ('fin') and the Mosaic GPU kernel ('mgpu_fin')")
 flags.DEFINE_list("check_cases", [], "check section: N:T:page cases instead of the built-in list "
                   "(8:1:16, 64:1:16, 64:4:16, 8:1:64, 64:1:64)")
 
@@ -157,11 +159,19 @@ def section_check():
         finite = bool(np.isfinite(np.asarray(got, np.float32)).all())
         ok = finite and err <= 3e-2        # bf16: p and the output rounded to bf16 (tests/test_mla_decode.py)
         err_mgpu = None
+        variants = []
         if (T * N) % 64 == 0 and jax.default_backend() == "gpu":   # the Mosaic GPU kernel, via ops
-            with ops.use_mla_decode_kernel("mgpu"):
-                mg = ops.mla_paged_attention(*args, scale, impl="pallas")
-            err_mgpu = float(jnp.max(jnp.abs(mg.astype(jnp.float32) - want.astype(jnp.float32))))
-            ok = ok and bool(np.isfinite(np.asarray(mg, np.float32)).all()) and err_mgpu <= 3e-2
+            variants.append("mgpu")
+        if FLAGS.finish_variants:
+            variants += ["fin"] + (["mgpu_fin"] if "mgpu" in variants else [])
+        for name in variants:
+            with _forced(name):
+                got_v = _op(name, md.MlaDecodeConfig(finish="kernel") if name == "fin" else None, scale)(*args)
+            err_v = float(jnp.max(jnp.abs(got_v.astype(jnp.float32) - want.astype(jnp.float32))))
+            ok = ok and bool(np.isfinite(np.asarray(got_v, np.float32)).all()) and err_v <= 3e-2
+            err_mgpu = err_v if name == "mgpu" else err_mgpu
+            if name != "mgpu":
+                log(f"  check {name}: max|{name}-ref|={err_v:.2e}")
         ok_all &= ok
         log(f"check N={N} T={T} page={page} lengths={lengths}: max|kernel-ref|={err:.2e} "
             f"max|mgpu-ref|={err_mgpu if err_mgpu is not None else float('nan'):.2e} "
@@ -171,12 +181,35 @@ def section_check():
     return ok_all
 
 
+def _forced(name):
+    """The ops-level kernel choice a named variant runs under (a no-op context for the others)."""
+    import contextlib
+    from kimi_jax import ops
+    return ops.use_mla_decode_kernel(name) if name in ("triton", "mgpu") else contextlib.nullcontext()
+
+
+def _op(name, cfg, scale):
+    """The op a named variant times, (q_lat, q_pe, new, pool, table, positions) -> o: 'auto' /
+    'triton' / 'mgpu' = kimi_jax.ops as the engine calls it (auto: its own choice; call under
+    `_forced(name)`); 'mgpu_fin' = the Mosaic GPU serving config with the one-launch finish
+    (mla_finish.py); any other name = the Triton kernel with `cfg` (None: its automatic config)."""
+    from kimi_jax import ops
+    from pallas_kernels import mla_decode as md
+    if name in ("auto", "triton", "mgpu"):
+        return lambda *a: ops.mla_paged_attention(*a, scale, impl="pallas")
+    if name == "mgpu_fin":
+        import dataclasses
+        from pallas_kernels import mla_decode_mgpu as mg
+        fin = dataclasses.replace(mg.SERVING_CONFIG, finish="kernel")
+        return lambda *a: mg.mla_paged_attention_mgpu(*a, scale, config=fin)
+    return lambda *a: md.mla_paged_attention(*a, scale, config=cfg)
+
+
 def _decode_case(B, ctx, N, copy_bps, pool, page, configs, key):
     import jax
     import jax.numpy as jnp
     from jax import lax
     from kimi_jax import ops
-    from pallas_kernels import mla_decode as md
     T = 1
     P = -(-ctx // page)
     per_layer = B * P
@@ -199,13 +232,8 @@ def _decode_case(B, ctx, N, copy_bps, pool, page, configs, key):
     best = None
     for name, cfg in configs:
         try:
-            if name == "mgpu":      # the Mosaic GPU kernel, through kimi_jax.ops as the engine calls it
-                with ops.use_mla_decode_kernel("mgpu"):
-                    t = time_fn(scan_fn(lambda *a: ops.mla_paged_attention(*a, scale, impl="pallas")),
-                                *args) / L
-            else:
-                t = time_fn(scan_fn(lambda *a, cfg=cfg: md.mla_paged_attention(*a, scale, config=cfg)),
-                            *args) / L
+            with _forced(name):
+                t = time_fn(scan_fn(_op(name, cfg, scale)), *args) / L
         except Exception as e:  # noqa: BLE001
             log(f"  B={B} ctx={ctx} N={N} {name}: failed {type(e).__name__}: {str(e)[:120]}")
             continue
@@ -255,6 +283,7 @@ def section_decode(copy_bps):
 
 def _decode_grid(copy_bps, pool, page, heads, batches, ctxs, sweep):
     import jax
+    from pallas_kernels.mla_decode import MlaDecodeConfig as Cfg
     rows = []
     for N in heads:
         for B in batches:
@@ -265,6 +294,10 @@ def _decode_grid(copy_bps, pool, page, heads, batches, ctxs, sweep):
                 configs = [("default", None)]
                 if N % 64 == 0 and jax.default_backend() == "gpu":
                     configs.append(("mgpu", None))      # rows a multiple of 64: the Mosaic GPU kernel
+                    if FLAGS.finish_variants:
+                        configs.append(("mgpu_fin", None))
+                if FLAGS.finish_variants:
+                    configs.append(("fin", Cfg(finish="kernel")))
                 if (B, ctx) in ((1, 131072), (8, 131072), (64, 32768)) and not FLAGS.dry:   # try tilings
                     configs += sweep.get(N, [])
                 r = _decode_case(B, ctx, N, copy_bps, pool, page, configs, jax.random.PRNGKey(B + ctx + N))
@@ -576,9 +609,11 @@ def section_profile(copy_bps):
                                                [ctx - T] * B, P, B * P, jnp.bfloat16)
         tables = [table + k * B * P for k in range(copies)]
         scale = 192 ** -0.5
-        with ops.use_mla_decode_kernel(None if kernel == "auto" else kernel):
-            f = jax.jit(lambda ql, qp, nw, pl_, tb, ps: ops.mla_paged_attention(ql, qp, nw, pl_, tb, ps, scale,
-                                                                                 impl="pallas"))
+        if kernel not in ("auto", "triton", "mgpu", "mgpu_fin", "triton_fin"):
+            raise SystemExit(f"--profile={spec}: kernel one of auto, triton, mgpu, triton_fin, mgpu_fin")
+        from pallas_kernels.mla_decode import MlaDecodeConfig
+        with _forced(kernel):
+            f = jax.jit(_op(kernel, MlaDecodeConfig(finish="kernel"), scale))
             for k in range(copies):                      # compile and warm every table
                 jax.block_until_ready(f(q_lat, q_pe, new, pool, tables[k], pos))
             tdir = tempfile.mkdtemp(prefix="mla_profile_")      # traces stay out of --out (deep trees)

@@ -22,7 +22,8 @@ Pipeline (`mla_paged_attention`):
      from new_BTC. With block_a < A, A / block_a adjacent programs share a row block: each computes
      the full scores and accumulates only its block_a output columns.
   2. XLA (small): the flash-decoding combine of the splits by their lse (nothing when there is one
-     split); without fuse_new also the new tokens' part (einsums) merged the same way.
+     split); without fuse_new also the new tokens' part (einsums) merged the same way. With
+     `finish='kernel'` both are one more Pallas launch instead (`mla_finish.py`).
 
 Why Triton and not Mosaic GPU: the project's kernels run on the Triton backend because it runs under
 plain `interpret=True` (the CPU tests execute this body) and lowers to SASS off-GPU for inspection
@@ -44,6 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import int4_tile as tile
+from pallas_kernels import mla_finish
 
 _NEG = -1e30          # finite "minus infinity" for masked scores (no inf - inf = NaN anywhere)
 _LOG2E = math.log2(math.e)
@@ -70,12 +72,16 @@ class MlaDecodeConfig:
                                   # (in-kernel) instead of XLA einsums merged afterwards. Off: the H200
                                   # sweep of 2026-11-29 (BENCHMARKS.md) timed it 2-35% slower at 8 heads
     max_auto_block_m: int = 16    # auto block_m: pow2 >= rows, in [16, this]
+    finish: str = "xla"           # new tokens + combine: 'xla' (einsums and merge) or 'kernel'
+    #                               (mla_finish.finish_partials: one launch; not yet timed on a GPU)
 
     def __post_init__(self):
         for name in ("block_m", "block_k", "block_a"):
             v = getattr(self, name)
             if v and (v < 16 or v & (v - 1)):
                 raise ValueError(f"MlaDecodeConfig.{name}={v} must be a power of two >= 16")
+        if self.finish not in mla_finish.FINISHES:
+            raise ValueError(f"MlaDecodeConfig.finish={self.finish!r} not in {mla_finish.FINISHES}")
 
 
 # The first version (2026-11 H200 run): 2 pipeline stages (one page buffer, nothing overlapped),
@@ -351,7 +357,10 @@ def mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP
         pool_XpC, block_table_BP, lengths_B, scale=scale, config=cfg, interpret=interp,
         new_BTC=new_BTC, positions_BT=positions_BT)
     K = cfg.num_splits
-    if cfg.fuse_new and K == 1:               # one split saw every key: its output is the answer
+    if cfg.finish == "kernel" and not cfg.fuse_new and mla_finish.supported(T):
+        o_BTNA, lse_BTN = mla_finish.finish_partials(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC,
+                                                     positions_BT, scale, interpret=interp)
+    elif cfg.fuse_new and K == 1:             # one split saw every key: its output is the answer
         o_BTNA, lse_BTN = o_BKMA[:, 0].reshape(B, T, N, A), lse_BKM[:, 0].reshape(B, T, N)
     else:
         o_BTNKA = o_BKMA.reshape(B, K, T, N, A).transpose(0, 2, 3, 1, 4)

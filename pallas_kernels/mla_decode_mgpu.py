@@ -244,6 +244,7 @@ except ImportError:  # pragma: no cover
     plgpu = None
 
 from pallas_kernels import mla_decode as tri
+from pallas_kernels import mla_finish
 
 
 def _load_needs_idx() -> bool:
@@ -282,6 +283,12 @@ class MgpuConfig:
     min_split_tokens: int = 0     # auto splits: at least this many tokens per split (0: 512 for
     #                               split_s, where the partials cost matters most, else 256)
     semantics: str = "Lane"       # Mosaic GPU lowering semantics ("Lane" or "Warpgroup")
+    finish: str = "xla"           # new tokens + combine: 'xla' or 'kernel' (mla_finish.finish_partials,
+    #                               one Triton launch; [B, splits, M, A] partials only, not o_bmsa)
+
+    def __post_init__(self):
+        if self.finish not in mla_finish.FINISHES:
+            raise ValueError(f"MgpuConfig.finish={self.finish!r} not in {mla_finish.FINISHES}")
 
 
 # split_s: Mosaic's cross-warp reduction scratch (CompilerParams.reduction_scratch_bytes, default
@@ -1046,6 +1053,11 @@ def mla_paged_attention_mgpu(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_tab
         q_lat_BTNA.reshape(B, T * N, A), q_pe_BTNR.astype(q_lat_BTNA.dtype).reshape(B, T * N, R),
         pool_XpC, block_table_BP, lengths_B, scale=scale, config=config, interpret=interpret)
     K = lse_BKM.shape[1]
+    if (config is not None and config.finish == "kernel" and not config.o_bmsa
+            and mla_finish.supported(T)):
+        o_BTNA, lse_BTN = mla_finish.finish_partials(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC,
+                                                     positions_BT, scale, interpret=bool(interpret))
+        return (o_BTNA, lse_BTN) if return_lse else o_BTNA
     if config is not None and config.o_bmsa:   # already [B, M, K, A]: no transpose of o
         o_BTNKA = o_BKMA.reshape(B, T, N, K, A)
     else:
@@ -1137,7 +1149,8 @@ def default_configs(semantics: str = "Lane") -> dict:
     comparison, version 2 (wg2s_*: split S) with its auto splits at min_split_tokens 512 (default),
     256 and 1024 (they differ only where that cap binds: B = 1, and B = 8 at 4K), and version 3
     (wg2ss_k32s4: split S on the seesaw schedule, otherwise as wg2s_k32s4); *_bmsa: o written as
-    [B, M, splits, A] (no transpose before the combine)."""
+    [B, M, splits, A] (no transpose before the combine); *_fin: new tokens + combine in one Triton
+    launch (mla_finish.py)."""
     ss = MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True, semantics=semantics)
     return {
         "k64": MgpuConfig(block_k=64, semantics=semantics),
@@ -1148,6 +1161,7 @@ def default_configs(semantics: str = "Lane") -> dict:
         "wg2ss_k32s4": dataclasses.replace(ss, seesaw=True),
         "wg2s_k32s4_bmsa": dataclasses.replace(ss, o_bmsa=True),
         "wg2ss_k32s4_bmsa": dataclasses.replace(ss, seesaw=True, o_bmsa=True),
+        "wg2s_k32s4_fin": dataclasses.replace(ss, finish="kernel"),
     }
 
 
