@@ -266,6 +266,21 @@ def moe_sweep(name):
             ("single_f64_d256_relaxed", C(decode="single", block_n_gate_up=64, block_n_down=256,
                                           single_reduce="relaxed")),
         ],
+        # fifth session, prepared (not yet timed): the two-launch path with the down kernel's K loop
+        # (8 experts x F/512 steps at Kimi's shape) split over sk programs per 64-column block, partials
+        # added by relaxed f32 atomics (T=1: 112 x sk programs instead of 112)
+        "fused_splitk": [
+            ("default", None),
+            ("fused_perm_d64w4", C(decode="fused")),
+            ("fused_perm_d64w4_sk2", C(decode="fused", split_k_down=2)),
+            ("fused_perm_d64w4_sk4", C(decode="fused", split_k_down=4)),
+            ("fused_perm_d64w4_sk8", C(decode="fused", split_k_down=8)),
+            ("fused_perm_d128w8_sk4", C(decode="fused", block_n_down=128, num_warps_down=8,
+                                        split_k_down=4)),
+            ("fused_shuf_d64w4_sk4", C(decode="fused", x_layout="shuffle", split_k_down=4)),
+            ("fused_perm_d32w2_sk4", C(decode="fused", block_n_down=32, num_warps_down=2,
+                                       split_k_down=4)),
+        ],
         "small": [("default", None)],
     }
     return sweeps[name]

@@ -145,10 +145,12 @@ def _single_kernel(idx_ref, wt_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, dw_re
         lax.fori_loop(0, nsteps, body, 0)
 
 
-def _down_kernel(idx_ref, wt_ref, h_ref, dw_ref, ds_ref, y_ref, *, num_experts, topk, kp, group,
-                 bm, bn, bk, swap_ab, mode):
+def _down_kernel(idx_ref, wt_ref, h_ref, dw_ref, ds_ref, *y_refs, num_experts, topk, kp, group,
+                 bm, bn, bk, swap_ab, mode, split, interp):
     # idx_ref [T*K] int32, wt_ref [T*K] f32; h_ref [T*K, F] (pair-plane columns);
-    # dw_ref int16 [E, D, F/4], ds_ref bf16 [E, D, F/g]; y_ref [T, D].
+    # dw_ref int16 [E, D, F/4], ds_ref bf16 [E, D, F/g]; y_refs: (y [T, D],) or, split > 1,
+    # (zeros, y) f32 [T + BM, D] aliased: program (t, j, s) adds its share of the K loop by atomics.
+    y_ref = y_refs[-1]
     t, j = pl.program_id(0), pl.program_id(1)
     f = h_ref.shape[1]
     bc, bkg = bk // 4, bk // group
@@ -182,11 +184,18 @@ def _down_kernel(idx_ref, wt_ref, h_ref, dw_ref, ds_ref, y_ref, *, num_experts, 
         return acc + wk * part
 
     shape = (bn, bm) if swap_ab else (bm, bn)
-    acc = lax.fori_loop(0, topk * steps, body, jnp.zeros(shape, jnp.float32))
+    chunk = topk * steps // split                                       # this program's K steps
+    lo = pl.program_id(2) * chunk if split > 1 else 0
+    acc = lax.fori_loop(0, chunk, lambda i, acc: body(i + lo, acc), jnp.zeros(shape, jnp.float32))
     out = acc.T if swap_ab else acc                                     # [BM, BN]
     rows = t + jnp.arange(bm, dtype=jnp.int32)[:, None]                # distinct, row 0 live
     cols = n0 + jnp.arange(bn, dtype=jnp.int32)[None, :]
-    tile.store(y_ref.at[rows, cols], out.astype(y_ref.dtype), mask=live)
+    if split == 1:
+        tile.store(y_ref.at[rows, cols], out.astype(y_ref.dtype), mask=live)
+    elif interp:     # interpret mode's atomics take no mask: lanes 1.. add zeros to padded rows
+        plt.atomic_add(y_ref, (rows, cols), out)
+    else:
+        tile.atomic_add_relaxed(y_ref, (rows, cols), out, mask=jnp.broadcast_to(live, out.shape))
 
 
 def _dims(x_TD, idx_TK, gate, down):
@@ -205,8 +214,11 @@ def _routing_inputs(x_TD, idx_TK, weight_TK, x_layout):
 
 def moe_decode(x_TD, idx_TK, weight_TK, gate, up, down, *, block_m, block_n_gate_up, block_k_gate_up,
                block_n_down, block_k_down, swap_ab, dequant, x_layout, num_warps, num_stages,
-               num_warps_down, num_stages_down, interp):
-    """The two kernels. gate/up/down: (int16 packed, scale) pairs. Returns y [T, D] in x.dtype."""
+               num_warps_down, num_stages_down, interp, split_k_down=1):
+    """The two kernels. gate/up/down: (int16 packed, scale) pairs. Returns y [T, D] in x.dtype.
+    split_k_down > 1: the down kernel's K loop (the token's K experts x F steps) is split over that many
+    programs per output block, which add their partials with relaxed f32 atomics into a zeroed
+    [T + BM, D] buffer (cast to x.dtype after): more programs, shorter loops."""
     t, d, topk, num_experts, f, group_d, group_f = _dims(x_TD, idx_TK, gate, down)
     (gw, gs), (uw, us), (dw, ds) = gate, up, down
     bk_gu = tile.pick_block_k(d, max(block_k_gate_up, group_d))
@@ -226,16 +238,25 @@ def moe_decode(x_TD, idx_TK, weight_TK, gate, up, down, *, block_m, block_n_gate
         compiler_params=tile.compiler_params(num_warps, num_stages, interp),
         name="moe_decode_gate_up_int4",
     )(idx, x_TD, gw, gs.astype(jnp.bfloat16), uw, us.astype(jnp.bfloat16))
+    split = split_k_down
+    if split < 1 or (topk * (f // bk_dn)) % split:
+        raise ValueError(f"split_k_down={split} must divide the down K loop's {topk} x {f // bk_dn} steps")
     dn_kernel = functools.partial(
         _down_kernel, num_experts=num_experts, topk=topk, kp=_next_pow2(topk), group=group_f,
-        bm=block_m, bn=bn_dn, bk=bk_dn, swap_ab=swap_ab, mode=mode)
-    return pl.pallas_call(
-        dn_kernel, out_shape=jax.ShapeDtypeStruct((t, d), x_TD.dtype),
-        grid=(t, d // bn_dn), interpret=interp,
-        compiler_params=tile.compiler_params(num_warps_down or num_warps,
-                                             num_stages_down or num_stages, interp),
-        name="moe_decode_down_int4",
-    )(idx, wts, h, dw, ds.astype(jnp.bfloat16))
+        bm=block_m, bn=bn_dn, bk=bk_dn, swap_ab=swap_ab, mode=mode, split=split, interp=interp)
+    params = tile.compiler_params(num_warps_down or num_warps, num_stages_down or num_stages, interp)
+    args = (idx, wts, h, dw, ds.astype(jnp.bfloat16))
+    if split == 1:
+        return pl.pallas_call(
+            dn_kernel, out_shape=jax.ShapeDtypeStruct((t, d), x_TD.dtype), grid=(t, d // bn_dn),
+            interpret=interp, compiler_params=params, name="moe_decode_down_int4")(*args)
+    rows = t + block_m
+    y = pl.pallas_call(
+        dn_kernel, out_shape=jax.ShapeDtypeStruct((rows, d), jnp.float32), grid=(t, d // bn_dn, split),
+        input_output_aliases={5: 0}, interpret=interp, compiler_params=params,
+        name="moe_decode_down_int4_splitk",
+    )(*args, jnp.zeros((rows, d), jnp.float32))
+    return y[:t].astype(x_TD.dtype)
 
 
 SINGLE_REDUCES = ("atomic", "relaxed", "store")

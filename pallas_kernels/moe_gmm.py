@@ -70,6 +70,7 @@ class MoeGmmConfig:
     num_warps_down: int = 0      # fused decode down kernel (grid T x D/block_n_down); 0: num_warps
     num_stages_down: int = 0     # 0: num_stages
     single_reduce: str = "atomic"  # decode='single': 'atomic' | 'relaxed' | 'store' (moe_decode_single)
+    split_k_down: int = 1        # decode='fused': down K loop split over this many programs (atomics)
 
     def __post_init__(self):
         if self.x_layout not in tile.X_LAYOUTS:
@@ -284,7 +285,8 @@ def moe_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array,
         return moe_decode.moe_decode(
             x_TD, idx_TK, weight_TK, *weights, block_n_gate_up=cfg.block_n_gate_up,
             block_k_gate_up=cfg.block_k_gate_up, block_k_down=cfg.block_k_down,
-            num_warps_down=cfg.num_warps_down, num_stages_down=cfg.num_stages_down, **common)
+            num_warps_down=cfg.num_warps_down, num_stages_down=cfg.num_stages_down,
+            split_k_down=cfg.split_k_down, **common)
 
     flat = idx_TK.reshape(-1).astype(jnp.int32)
     held = (flat >= 0) & (flat < num_experts)      # ids outside [0, E) are skipped (EP: not local)

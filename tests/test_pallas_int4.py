@@ -227,6 +227,9 @@ SINGLE = mg.MoeGmmConfig(decode="single", block_n_down=128)
         decode="single", x_layout="shuffle", block_n_gate_up=128, block_n_down=128)),
     ("single_t2_natural_k64", 2, "random", TOPK, mg.MoeGmmConfig(
         decode="single", x_layout="natural", block_k_gate_up=64, block_n_down=32, num_warps=2)),
+    ("fused_t1_split4", 1, "distinct", TOPK, mg.MoeGmmConfig(decode="fused", split_k_down=4)),
+    ("fused_t3_topk3_split3_shuffle", 3, "random", 3, mg.MoeGmmConfig(
+        decode="fused", x_layout="shuffle", split_k_down=3, block_k_down=128)),
     ("single_t3_store", 3, "random", TOPK, mg.MoeGmmConfig(decode="single", single_reduce="store")),
     ("single_t1_relaxed", 1, "distinct", TOPK, mg.MoeGmmConfig(decode="single",
                                                                 single_reduce="relaxed")),
@@ -297,7 +300,8 @@ def test_relaxed_atomic_add_lowers_relaxed(monkeypatch):
         assert all(want in v.lower() for v in seen), (reduce, seen)
 
 
-@pytest.mark.parametrize("t,cfg", [(1, FUSED), (4, FUSED), (1, SINGLE), (4, SINGLE)])
+@pytest.mark.parametrize("t,cfg", [(1, FUSED), (4, FUSED), (1, SINGLE), (4, SINGLE),
+                                   (4, mg.MoeGmmConfig(decode="fused", split_k_down=2))])
 def test_moe_fused_decode_skips_foreign_ids(experts, t, cfg):
     """ids >= E and < 0 (held elsewhere / other layers of a stacked array) add 0 and read nothing."""
     g, u, dn = experts
@@ -361,7 +365,7 @@ def test_kernels_lower_for_cuda():
     jax.jit(lambda x, p, s: im.int4_matmul(x, p, s, config=cfg, interpret=False)).trace(
         S((m, k), jnp.bfloat16), S((n, k // 8), jnp.int32),
         S((n, k // 32), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
-    for decode in ("fused", "single"):
-        cfg = mg.MoeGmmConfig(decode=decode, x_layout="shuffle")
+    for decode, split in (("fused", 1), ("single", 1), ("fused", 2)):
+        cfg = mg.MoeGmmConfig(decode=decode, x_layout="shuffle", split_k_down=split)
         jax.jit(lambda *a, c=cfg: mg.moe_experts(*a, config=c, interpret=False)).trace(*args).lower(
             lowering_platforms=("cuda",))
