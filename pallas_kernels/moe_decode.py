@@ -20,6 +20,12 @@ over k) plus routing ops; on the H200 the launch gaps were ~13 us of a 77.8 us c
 
 Only the pair's own token row of each 8-row MMA tile is live (rows 1..7 are masked loads: no
 memory traffic), as in moe_gmm's pair tiles. Duplicate experts across tokens are re-read (from L2).
+
+Variants (MoeGmmConfig): `split_k_down` splits the down kernel's K loop over several programs per
+output block (relaxed f32 atomics into a zeroed buffer; prepared in the fifth session, not yet timed).
+`moe_decode_single` (decode='single') is the whole layer in ONE launch, the down projection split
+along F where gate/up produced h; on the H200 it was slower than the default (95-152 vs 77-80 us at
+T = 1, BENCHMARKS.md), so it stays a measured option.
 """
 from __future__ import annotations
 
