@@ -670,6 +670,23 @@ def _write_partials(acc, m, l, o_ref, lse_ref, *, b, j, row0, col0, h, two_wg: b
                   **(dict(collective_axes="wg") if two_wg else {}))
 
 
+def _pair_program(len_ref, bt_ref, q_ref, pool_ref, o_ref, *, bk: int, stages: int, splits: int):
+    """What versions 2 and 3 know about their program before the loop: (b, split j, warpgroup h, C,
+    the warpgroup's latent columns bn = A / 2, dtype, pair slots, the split's token range [start,
+    end), its pairs of bk-token tiles (an odd tile count pads the last pair), the first query row,
+    the warpgroup's first latent column, and `issue_pair` (the TMA of one pair into a slot))."""
+    rb = lax.axis_index("hr")
+    j = lax.axis_index("split")
+    b = lax.axis_index("b")
+    h = lax.axis_index("wg")
+    bn = o_ref.shape[-1] // 2
+    start, end = _split_range(len_ref, b, j, splits, 2 * bk)   # whole pairs but the row's last
+    n_tiles = jnp.where(end > start, (end - start + bk - 1) // bk, 0)
+    return (b, j, h, pool_ref.shape[2], bn, q_ref.dtype, stages // 2, start, end, (n_tiles + 1) // 2,
+            pl.multiple_of(rb * _ROWS, _ROWS), pl.multiple_of(h * bn, bn),
+            functools.partial(_issue_pair, bt_ref, pool_ref, b, start, end, bk))
+
+
 def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages: int,
                     splits: int, qk_scale: float, interpret: bool, o_bmsa: bool = False):
     """Version 2 ("split S", FlashMLA-style): 2 warpgroups per CTA, grid (row_blocks, splits, B).
@@ -686,21 +703,8 @@ def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int
          all TMA) waits for it and refills them with pair i + stages / 2.
     After the loop l = l_0 + l_1 is exchanged through x_smem once. See the module docstring for the
     barrier argument (why one P buffer per warpgroup and one x slot per warpgroup are enough)."""
-    rb = lax.axis_index("hr")
-    j = lax.axis_index("split")
-    b = lax.axis_index("b")
-    h = lax.axis_index("wg")
-    c = pool_ref.shape[2]
-    a = o_ref.shape[-1]
-    bn = a // 2
-    dt = q_ref.dtype
-    npairs = stages // 2                      # pair slots: tiles 2 ps and 2 ps + 1 of k_smem
-    start, end = _split_range(len_ref, b, j, splits, 2 * bk)   # whole pairs but the row's last
-    n_tiles = jnp.where(end > start, (end - start + bk - 1) // bk, 0)
-    n_pairs = (n_tiles + 1) // 2               # odd n_tiles: the last pair's 2nd tile is padding
-    row0 = pl.multiple_of(rb * _ROWS, _ROWS)
-    col0 = pl.multiple_of(h * bn, bn)
-    issue_pair = functools.partial(_issue_pair, bt_ref, pool_ref, b, start, end, bk)
+    (b, j, h, c, bn, dt, npairs, start, end, n_pairs, row0, col0,
+     issue_pair) = _pair_program(len_ref, bt_ref, q_ref, pool_ref, o_ref, bk=bk, stages=stages, splits=splits)
 
     def main(q_smem, k_smem, p_smem, x_smem, k_bars, q_bar, consumed, x_bar, p_bar):
         leader = h == 0
@@ -797,21 +801,8 @@ def _kernel_seesaw(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int,
     So warpgroup 0's P_a @ C_a overlaps warpgroup 1's softmax, and warpgroup 1's P @ C overlaps
     warpgroup 0's next S. Every accumulator and l ends a pair relative to m_b (see the module
     docstring for the algebra and the barrier argument); after the loop l = l_0 + l_1 through x."""
-    rb = lax.axis_index("hr")
-    j = lax.axis_index("split")
-    b = lax.axis_index("b")
-    h = lax.axis_index("wg")
-    c = pool_ref.shape[2]
-    a = o_ref.shape[-1]
-    bn = a // 2
-    dt = q_ref.dtype
-    npairs = stages // 2                      # pair slots: tiles 2 ps and 2 ps + 1 of k_smem
-    start, end = _split_range(len_ref, b, j, splits, 2 * bk)   # whole pairs but the row's last
-    n_tiles = jnp.where(end > start, (end - start + bk - 1) // bk, 0)
-    n_pairs = (n_tiles + 1) // 2               # odd n_tiles: the last pair's 2nd tile is padding
-    row0 = pl.multiple_of(rb * _ROWS, _ROWS)
-    col0 = pl.multiple_of(h * bn, bn)
-    issue_pair = functools.partial(_issue_pair, bt_ref, pool_ref, b, start, end, bk)
+    (b, j, h, c, bn, dt, npairs, start, end, n_pairs, row0, col0,
+     issue_pair) = _pair_program(len_ref, bt_ref, q_ref, pool_ref, o_ref, bk=bk, stages=stages, splits=splits)
 
     def bcast(v, shape):
         return lax.broadcast_in_dim(v, shape, [0])
