@@ -39,7 +39,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import int4_ref
 from pallas_kernels import int4_tile as tile
@@ -121,11 +120,9 @@ def _kernel(x_ref, w_ref, s_ref, *refs, m, k, group, cfg: Int4MatmulConfig, mode
     out = acc.T if cfg.swap_ab else acc
     cols = n0 + jnp.arange(bn, dtype=jnp.int32)[None, :]
     if cfg.split_k > 1 and cfg.split_reduce == "atomic":
-        # o_ref has cdiv(M, BM) * BM rows, so every lane has its own address: interpret mode's
-        # atomic (no mask support, duplicate indices would drop adds) needs no mask; on the GPU the
-        # mask only saves the padded rows' atomics.
-        mask = None if interp else jnp.broadcast_to(valid, out.shape)
-        plt.atomic_add(o_ref, (rr[:, None], cols), out, mask=mask)
+        # o_ref has cdiv(M, BM) * BM rows, so every lane has its own address (interpret mode adds
+        # the padded rows' zeros too); on the GPU the mask only saves the padded rows' atomics.
+        tile.atomic_accumulate(o_ref, (rr[:, None], cols), out, valid, interp=interp, relaxed=False)
     elif cfg.split_k > 1:
         tile.store(o_ref.at[pl.program_id(2), rr[:, None], cols], out, mask=valid)
     else:

@@ -148,6 +148,19 @@ def atomic_add_relaxed(ref, idx, val, mask=None):
     return tprim.atomic_rmw_p.bind(*args_flat, args_tree=args_tree, atomic_type=_RelaxedAtomic.ADD)
 
 
+def atomic_accumulate(ref, idx, val, live, *, interp: bool, relaxed: bool):
+    """ref[idx] += val with f32 atomics from a tile whose `live` lanes (broadcast to val's shape) hold
+    real values. On the GPU only live lanes add (relaxed order if `relaxed`, else Pallas' acquire-
+    release); interpret mode's atomics take no mask, so every lane adds: the caller gives the other
+    lanes distinct padded rows and zeros (duplicate indices would drop adds there)."""
+    if interp:
+        return plt.atomic_add(ref, idx, val)
+    mask = jnp.broadcast_to(live, val.shape)
+    if relaxed:
+        return atomic_add_relaxed(ref, idx, val, mask=mask)
+    return plt.atomic_add(ref, idx, val, mask=mask)
+
+
 def resolve_interpret(interpret) -> bool:
     """None -> interpret everywhere except on GPU."""
     if interpret is None:

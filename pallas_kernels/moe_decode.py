@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import int4_tile as tile
 
@@ -137,15 +136,12 @@ def _single_kernel(idx_ref, wt_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, dw_re
                 part = dq if part is None else part + dq
             out = wk * (part.T if swap_ab else part)                     # [BM, BN_down] f32
             cols = d0 + jnp.arange(bn_down, dtype=jnp.int32)[None, :]
-            # lanes 1..BM-1 hold zeros (masked x rows); the GPU skips their atomics, interpret mode
-            # (whose atomics take no mask) adds the zeros to distinct padded rows
-            mask = None if interp else jnp.broadcast_to(live, out.shape)
+            # lanes 1..BM-1 hold zeros (masked x rows) and have distinct padded rows
             if reduce == "store":
                 tile.store(y_ref.at[lanes, cols], out, mask=jnp.broadcast_to(live, out.shape))
-            elif reduce == "relaxed" and not interp:
-                tile.atomic_add_relaxed(y_ref, (lanes, cols), out, mask=mask)
             else:
-                plt.atomic_add(y_ref, (lanes, cols), out, mask=mask)
+                tile.atomic_accumulate(y_ref, (lanes, cols), out, live, interp=interp,
+                                       relaxed=reduce == "relaxed")
             return carry
 
         lax.fori_loop(0, nsteps, body, 0)
@@ -198,10 +194,8 @@ def _down_kernel(idx_ref, wt_ref, h_ref, dw_ref, ds_ref, *y_refs, num_experts, t
     cols = n0 + jnp.arange(bn, dtype=jnp.int32)[None, :]
     if split == 1:
         tile.store(y_ref.at[rows, cols], out.astype(y_ref.dtype), mask=live)
-    elif interp:     # interpret mode's atomics take no mask: lanes 1.. add zeros to padded rows
-        plt.atomic_add(y_ref, (rows, cols), out)
-    else:
-        tile.atomic_add_relaxed(y_ref, (rows, cols), out, mask=jnp.broadcast_to(live, out.shape))
+    else:            # lanes 1.. hold zeros and have distinct padded rows
+        tile.atomic_accumulate(y_ref, (rows, cols), out, live, interp=interp, relaxed=True)
 
 
 def _dims(x_TD, idx_TK, gate, down):
