@@ -687,6 +687,20 @@ def _pair_program(len_ref, bt_ref, q_ref, pool_ref, o_ref, *, bk: int, stages: i
             functools.partial(_issue_pair, bt_ref, pool_ref, b, start, end, bk))
 
 
+def _prologue(q_ref, q_smem, q_bar, k_smem, k_bars, b, row0, issue_pair, npairs, n_pairs, *, q_wg,
+              tma_wg):
+    """Versions 2 and 3 before their loop: warpgroup `q_wg` loads the 64 query rows, warpgroup
+    `tma_wg` issues the first pairs into every pair slot (as many as the split has), and both wait
+    for Q."""
+    @pl.when(q_wg)
+    def _():
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, _ROWS)], q_smem, q_bar)
+
+    for s in range(npairs):
+        pl.when(jnp.logical_and(tma_wg, s < n_pairs))(functools.partial(issue_pair, k_smem, k_bars, s, s))
+    plgpu.barrier_wait(q_bar)
+
+
 def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages: int,
                     splits: int, qk_scale: float, interpret: bool, o_bmsa: bool = False):
     """Version 2 ("split S", FlashMLA-style): 2 warpgroups per CTA, grid (row_blocks, splits, B).
@@ -708,15 +722,8 @@ def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int
 
     def main(q_smem, k_smem, p_smem, x_smem, k_bars, q_bar, consumed, x_bar, p_bar):
         leader = h == 0
-
-        @pl.when(leader)
-        def _():
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, _ROWS)], q_smem, q_bar)
-
-        for s in range(npairs):
-            pl.when(jnp.logical_and(leader, s < n_pairs))(
-                functools.partial(issue_pair, k_smem, k_bars, s, s))
-        plgpu.barrier_wait(q_bar)
+        _prologue(q_ref, q_smem, q_bar, k_smem, k_bars, b, row0, issue_pair, npairs, n_pairs,
+                  q_wg=leader, tma_wg=leader)
 
         def exchange(x, combine):
             """combine(x, the other warpgroup's x) through x_smem (both warpgroups call it)."""
@@ -810,15 +817,8 @@ def _kernel_seesaw(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int,
     def main(q_smem, k_smem, p_smem, x_smem, k_bars, q_bar, consumed, bar_a, bar_b, a_free,
              b_free):
         wg0, wg1 = h == 0, h == 1
-
-        @pl.when(wg0)
-        def _():
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, _ROWS)], q_smem, q_bar)
-
-        for s in range(npairs):
-            pl.when(jnp.logical_and(wg1, s < n_pairs))(
-                functools.partial(issue_pair, k_smem, k_bars, s, s))
-        plgpu.barrier_wait(q_bar)
+        _prologue(q_ref, q_smem, q_bar, k_smem, k_bars, b, row0, issue_pair, npairs, n_pairs,
+                  q_wg=wg0, tma_wg=wg1)
 
         def scores(i, slot, u):
             """S of tile 2i + u (in k_smem slot), scaled (log2 units) and masked."""
