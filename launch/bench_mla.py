@@ -594,6 +594,7 @@ def section_profile(copy_bps):
     import jax
     import jax.numpy as jnp
     from kimi_jax import ops, profiling
+    from pallas_kernels.mla_decode import MlaDecodeConfig
     page, T, calls = 16, 1, 4 if FLAGS.dry else 20
     rows = []
     for spec in FLAGS.profile:
@@ -602,6 +603,8 @@ def section_profile(copy_bps):
             raise SystemExit(f"--profile={spec}: want B:context:heads[:kernel]")
         B, ctx, N = (int(v) for v in parts[:3])
         kernel = parts[3] if len(parts) == 4 else "auto"
+        if kernel not in ("auto", "triton", "mgpu", "mgpu_fin", "triton_fin"):
+            raise SystemExit(f"--profile={spec}: kernel one of auto, triton, mgpu, triton_fin, mgpu_fin")
         P = -(-ctx // page)
         copies = max(2, min(8, (2 << 30) // max(1, B * P * page * C * 2)))   # >= 2 GiB of pages in turn
         pool = _pool(jax.random.PRNGKey(5), copies * B * P, page, jnp.bfloat16)
@@ -609,19 +612,18 @@ def section_profile(copy_bps):
                                                [ctx - T] * B, P, B * P, jnp.bfloat16)
         tables = [table + k * B * P for k in range(copies)]
         scale = 192 ** -0.5
-        if kernel not in ("auto", "triton", "mgpu", "mgpu_fin", "triton_fin"):
-            raise SystemExit(f"--profile={spec}: kernel one of auto, triton, mgpu, triton_fin, mgpu_fin")
-        from pallas_kernels.mla_decode import MlaDecodeConfig
+        fin = MlaDecodeConfig(finish="kernel") if kernel == "triton_fin" else None
         with _forced(kernel):
-            f = jax.jit(_op(kernel, MlaDecodeConfig(finish="kernel"), scale))
+            f = jax.jit(_op(kernel, fin, scale)).lower(q_lat, q_pe, new, pool, tables[0], pos).compile()
+            module = profiling.parse_hlo(f.as_text())     # names the trace's container ops
             for k in range(copies):                      # compile and warm every table
                 jax.block_until_ready(f(q_lat, q_pe, new, pool, tables[k], pos))
             tdir = tempfile.mkdtemp(prefix="mla_profile_")      # traces stay out of --out (deep trees)
             with jax.profiler.trace(tdir):
                 outs = [f(q_lat, q_pe, new, pool, tables[k % copies], pos) for k in range(calls)]
                 jax.block_until_ready(outs)
-        evs = [o for o in profiling.device_op_events(profiling._find_trace_file(tdir))
-               if o.dur_us > 0 and not o.name.startswith(("while", "conditional", "call"))]
+        evs = [o for o in profiling._drop_containers(
+            profiling.device_op_events(profiling._find_trace_file(tdir)), module) if o.dur_us > 0]
         per_op = defaultdict(float)
         for o in evs:
             per_op[o.kernel or o.name] += o.dur_us / calls
