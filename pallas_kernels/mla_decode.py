@@ -335,6 +335,27 @@ def combine(o_BTNKA, lse_BTNK, o_new_BTNA, lse_new_BTN):
     return o, jnp.where(has, m + jnp.log(den), -jnp.inf)
 
 
+def finish_xla(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale, *,
+               new_tokens: bool = True, splits_minor: bool = False):
+    """The XLA end of a decode step: the new tokens' part (unless the kernel took them: new_tokens
+    False) merged with the K split partials o [B, K, M, A] f32 (splits_minor: [B, M, K, A]) and lse
+    [B, K, M] over M = T * N rows. Returns o [B, T, N, A] f32 and lse [B, T, N]
+    (`mla_finish.finish_partials` is the same in one Pallas launch)."""
+    B, T, N, A = q_lat_BTNA.shape
+    K = lse_BKM.shape[1]
+    if splits_minor:
+        o_BTNKA = o_BKMA.reshape(B, T, N, K, A)
+    else:
+        o_BTNKA = o_BKMA.reshape(B, K, T, N, A).transpose(0, 2, 3, 1, 4)
+    lse_BTNK = lse_BKM.reshape(B, K, T, N).transpose(0, 2, 3, 1)
+    if new_tokens:
+        o_new_BTNA, lse_new_BTN = _new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale)
+    else:
+        o_new_BTNA = jnp.zeros((B, T, N, A), jnp.float32)
+        lse_new_BTN = jnp.full((B, T, N), -jnp.inf, jnp.float32)
+    return combine(o_BTNKA, lse_BTNK, o_new_BTNA, lse_new_BTN)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret", "return_lse"))
 def mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP, positions_BT,
                         scale: float, *, config: Optional[MlaDecodeConfig] = None,
@@ -363,15 +384,8 @@ def mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP
     elif cfg.fuse_new and K == 1:             # one split saw every key: its output is the answer
         o_BTNA, lse_BTN = o_BKMA[:, 0].reshape(B, T, N, A), lse_BKM[:, 0].reshape(B, T, N)
     else:
-        o_BTNKA = o_BKMA.reshape(B, K, T, N, A).transpose(0, 2, 3, 1, 4)
-        lse_BTNK = lse_BKM.reshape(B, K, T, N).transpose(0, 2, 3, 1)
-        if cfg.fuse_new:
-            o_new_BTNA = jnp.zeros((B, T, N, A), jnp.float32)
-            lse_new_BTN = jnp.full((B, T, N), -jnp.inf, jnp.float32)
-        else:
-            o_new_BTNA, lse_new_BTN = _new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT,
-                                                      scale)
-        o_BTNA, lse_BTN = combine(o_BTNKA, lse_BTNK, o_new_BTNA, lse_new_BTN)
+        o_BTNA, lse_BTN = finish_xla(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,
+                                     new_tokens=not cfg.fuse_new)
     o_BTNA = o_BTNA.astype(q_lat_BTNA.dtype)
     return (o_BTNA, lse_BTN) if return_lse else o_BTNA
 

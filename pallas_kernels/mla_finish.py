@@ -9,7 +9,7 @@ tokens, every query row (t, n) = divmod(m, N) still needs
   2. the merge of the K splits and the new-token part by their log-sum-exps:
      o = sum_parts exp(lse_part - m) o_part / sum_parts exp(lse_part - m).
 
-`mla_decode._new_token_part` + `mla_decode.combine` do this in XLA (the reference here): a transpose,
+`mla_decode.finish_xla` does this in XLA (the reference here): a transpose,
 two score einsums, a softmax, a third einsum and the merge, i.e. several small launches after the
 decode kernel, each a few microseconds at decode sizes. `finish_partials` does it in one Pallas
 (Triton backend) launch, grid (B, M / block_m): a program loads its 16 query rows, the row's (up to
@@ -127,12 +127,7 @@ def finish_partials(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_B
 
 
 def finish_reference(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale: float):
-    """The XLA path it replaces (mla_decode's new-token einsums and combine), same contract."""
+    """The XLA path it replaces (`mla_decode.finish_xla`), same contract."""
     from pallas_kernels import mla_decode as md
-    B, T, N, A = q_lat_BTNA.shape
-    K = o_BKMA.shape[1]
-    o_BTNKA = o_BKMA.reshape(B, K, T, N, A).transpose(0, 2, 3, 1, 4)
-    lse_BTNK = lse_BKM.reshape(B, K, T, N).transpose(0, 2, 3, 1)
-    o_new, lse_new = md._new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale)
-    o, lse = md.combine(o_BTNKA, lse_BTNK, o_new, lse_new)
+    o, lse = md.finish_xla(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale)
     return o.astype(q_lat_BTNA.dtype), lse
