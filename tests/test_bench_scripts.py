@@ -69,3 +69,5 @@ def test_bench_mla_profile_lists_each_cases_device_ops(tmp_path):
     assert "profile B=2 ctx=256 N=8 kernel=triton: span" in r.stdout
     bad = _run("launch.bench_mla", "--dry", "--profile=2:256", "--out", out)
     assert bad.returncode != 0 and "--profile=2:256: want B:context:heads[:kernel]" in bad.stderr
+    bad = _run("launch.bench_mla", "--dry", "--profile=2:256:8:cuda", "--out", out)
+    assert bad.returncode != 0 and "--profile=2:256:8:cuda: kernel one of auto, triton" in bad.stderr
