@@ -71,3 +71,36 @@ def test_bench_mla_profile_lists_each_cases_device_ops(tmp_path):
     assert bad.returncode != 0 and "--profile=2:256: want B:context:heads[:kernel]" in bad.stderr
     bad = _run("launch.bench_mla", "--dry", "--profile=2:256:8:cuda", "--out", out)
     assert bad.returncode != 0 and "--profile=2:256:8:cuda: kernel one of auto, triton" in bad.stderr
+
+
+def test_bench_mla_decode_times_each_page_order_against_the_higher_copy(tmp_path):
+    """The decode section runs each case once per --table_orders entry, measures the copy ceiling at
+    the start and the end and divides by the higher of the two; an unknown order fails before any
+    work, in one line naming it. (CPU, --dry: this checks the script, not the speed.)"""
+    out = str(tmp_path / "out")
+    r = _run("launch.bench_mla", "--dry", "--noprefill", "--heads=8", "--batches=2", "--contexts=64",
+             "--check_cases=8:1:16", "--table_orders=sequential,interleaved", "--layer_loop=scan", "--out", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in open(os.path.join(out, "results.jsonl"))]
+    copies = [x for x in rows if x.get("section") == "copy"]
+    assert [x["when"] for x in copies] == ["start", "end"]
+    dec = [x for x in rows if x.get("section") == "decode"]
+    assert [x["table_order"] for x in dec] == ["sequential", "interleaved"]
+    table = open(os.path.join(out, "table.md")).read()
+    assert f"copy {max(x['copy_bps'] for x in copies) / 1e9:.0f} GB/s" in table
+    assert "| 2 | 64 | 8 | 16 | sequential |" in table and "| 2 | 64 | 8 | 16 | interleaved |" in table
+    bad = _run("launch.bench_mla", "--dry", "--table_orders=zigzag", "--out", out)
+    assert bad.returncode != 0 and "--table_orders: 'zigzag' is not random" in bad.stderr
+    assert "copy (start)" not in bad.stdout
+
+
+def test_bench_mla_tables_are_row_orders():
+    """_table: distinct pages; sequential = one run per row; interleaved = page j of row b is j B + b."""
+    import jax
+    import numpy as np
+    from launch import bench_mla
+    for order in ("random", "sequential", "interleaved"):
+        t = np.asarray(bench_mla._table(jax.random.PRNGKey(0), 3, 4, 20, order))
+        assert t.shape == (3, 4) and len(set(t.ravel())) == 12 and t.max() < 20
+    np.testing.assert_array_equal(bench_mla._table(None, 2, 3, 6, "sequential"), [[0, 1, 2], [3, 4, 5]])
+    np.testing.assert_array_equal(bench_mla._table(None, 2, 3, 6, "interleaved"), [[0, 2, 4], [1, 3, 5]])

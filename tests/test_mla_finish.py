@@ -55,6 +55,23 @@ def test_finish_matches_the_xla_path(name, B, K, T, N, dtype, empty, positions, 
     assert np.all(np.isfinite(np.asarray(o, np.float32)))
 
 
+@pytest.mark.parametrize("block_a", [32, 0])
+def test_finish_split_over_latent_columns(block_a):
+    """The grid's third axis: each program writes block_a of the A columns (the first block also lse);
+    interpret-mode outputs start as NaN, so a column block nobody wrote fails. block_a=0: the automatic
+    width (_block_a), which narrows to 64 here (2 x 1 row blocks x 128 columns is far below 264
+    programs)."""
+    assert mf._block_a(2, 128) == 64 and mf._block_a(512, 512) == 512 and mf._block_a(8, 512) == 64
+    args = _partials(11, B=2, K=3, T=2, N=8, A=128, R=16, dtype=jnp.float32, empty=((1, 2),),
+                     positions=[[6, 7], [3, -1]])
+    o, lse = mf.finish_partials(*args, 0.125, interpret=True, block_a=block_a)
+    ro, rlse = mf.finish_reference(*args, 0.125)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(ro), atol=2e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(rlse), atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="block_a=48 does not divide"):
+        mf.finish_partials(*args, 0.125, interpret=True, block_a=48)
+
+
 def test_finish_in_the_triton_decode_path():
     """`MlaDecodeConfig(finish='kernel')` through the whole op vs its f32 reference: ragged rows,
     a page-boundary end, T = 4 with padding tokens."""
