@@ -55,16 +55,18 @@ def test_finish_matches_the_xla_path(name, B, K, T, N, dtype, empty, positions, 
     assert np.all(np.isfinite(np.asarray(o, np.float32)))
 
 
-@pytest.mark.parametrize("block_a", [32, 0])
-def test_finish_split_over_latent_columns(block_a):
-    """The grid's third axis: each program writes block_a of the A columns (the first block also lse);
-    interpret-mode outputs start as NaN, so a column block nobody wrote fails. block_a=0: the automatic
-    width (_block_a), which narrows to 64 here (2 x 1 row blocks x 128 columns is far below 264
-    programs)."""
-    assert mf._block_a(2, 128) == 64 and mf._block_a(512, 512) == 512 and mf._block_a(8, 512) == 64
-    args = _partials(11, B=2, K=3, T=2, N=8, A=128, R=16, dtype=jnp.float32, empty=((1, 2),),
+@pytest.mark.parametrize("block_a,block_k", [(32, 2), (0, 0)])
+def test_finish_split_over_columns_and_split_chunks(block_a, block_k):
+    """The grid's third axis and the chunked split loop: each program writes block_a of the A columns
+    (the first block also lse) and reads the K = 5 splits block_k at a time (3 chunks, the last one
+    partly past K); interpret-mode outputs start as NaN, so a column block nobody wrote fails.
+    block_a = block_k = 0: the automatic `_blocks`."""
+    assert mf._blocks(2 * 16, 5, 128) == (8, 32)        # few programs: columns narrowed to 32
+    assert mf._blocks(64 * 64, 2, 512) == (2, 512)      # batch 64 x 64 heads, 2 splits: whole rows
+    assert mf._blocks(8, 300, 512) == (64, 32)
+    args = _partials(11, B=2, K=5, T=2, N=8, A=128, R=16, dtype=jnp.float32, empty=((1, 2),),
                      positions=[[6, 7], [3, -1]])
-    o, lse = mf.finish_partials(*args, 0.125, interpret=True, block_a=block_a)
+    o, lse = mf.finish_partials(*args, 0.125, interpret=True, block_a=block_a, block_k=block_k)
     ro, rlse = mf.finish_reference(*args, 0.125)
     np.testing.assert_allclose(np.asarray(o), np.asarray(ro), atol=2e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(rlse), atol=1e-4, rtol=1e-5)
