@@ -73,7 +73,7 @@ class MlaDecodeConfig:
                                   # sweep of 2026-11-29 (BENCHMARKS.md) timed it 2-35% slower at 8 heads
     max_auto_block_m: int = 16    # auto block_m: pow2 >= rows, in [16, this]
     finish: str = "xla"           # new tokens + combine: 'xla' (einsums and merge) or 'kernel'
-    #                               (mla_finish.finish_partials: one launch; not yet timed on a GPU)
+    #                               (mla_finish.finish_partials: one launch; timed no faster)
 
     def __post_init__(self):
         for name in ("block_m", "block_k", "block_a"):

@@ -22,8 +22,10 @@ per chunk, reduced over the splits in registers -- and writes its columns of o i
 History (measured, H200, sixth session): a first version had one program per 16 rows walking the
 splits one at a time (grid (B, M / 16), then also split over columns). It took 9.3-10 us at 64 heads
 but 31-46 us at 8 heads x batch 8 and 198 us at batch 1 x 128K (hundreds of splits, one dependent
-load each), never shortening a call. Selected by `MlaDecodeConfig.finish` / `MgpuConfig.finish` =
-'kernel' (default 'xla').
+load each), never shortening a call. This version takes 7-20 us alone, yet inside an executable of
+layers the calls are no shorter than with XLA's finish beyond the run-to-run spread (even to slower
+after the Triton kernel, 4-7% faster after the Mosaic GPU kernel at batch 1 only; BENCHMARKS.md MLA
+round 9). Selected by `MlaDecodeConfig.finish` / `MgpuConfig.finish` = 'kernel' (default 'xla').
 """
 from __future__ import annotations
 
