@@ -82,7 +82,11 @@ class Hardware:
     # interpolated linearly in log(tokens), flat beyond the ends
     int4_curve: tuple = ()
     xla_int4_efficiency: float = 0.08  # XLA's unfused dequant path (materializes bf16 weights)
-    attention_efficiency: float = 0.8  # latent-cache reads in attention
+    attention_efficiency: float = 0.8  # latent-cache reads in attention (steady state)
+    # measured (query rows per device, efficiency) points; when given they replace attention_efficiency:
+    # interpolated linearly in log(rows), flat beyond the ends
+    attention_curve: tuple = ()
+    attention_call_s: float = 0.0      # device time of one layer's attention call beside its cache read
     matmul_efficiency: float = 1.0     # of bf16_flops (bf16_flops is already an achieved rate)
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
@@ -94,17 +98,12 @@ class Hardware:
 
     def int4_efficiency_at(self, tokens: float) -> float:
         """Fraction of hbm_bw the fused INT4 expert kernels reach with `tokens` rows in one MoE call."""
-        pts = sorted(self.int4_curve)
-        if not pts:
-            return self.int4_efficiency
-        t = max(float(tokens), 1.0)
-        if t <= pts[0][0]:
-            return pts[0][1]
-        for (t0, e0), (t1, e1) in zip(pts, pts[1:]):
-            if t <= t1:
-                w = (math.log(t) - math.log(t0)) / (math.log(t1) - math.log(t0))
-                return e0 + w * (e1 - e0)
-        return pts[-1][1]
+        return _log_interp(self.int4_curve, tokens, self.int4_efficiency)
+
+    def attention_efficiency_at(self, rows: float) -> float:
+        """Fraction of hbm_bw the decode attention kernels stream the latent cache at with `rows`
+        query rows per device (heads per device x new tokens per row)."""
+        return _log_interp(self.attention_curve, rows, self.attention_efficiency)
 
     def replace(self, **kw) -> "Hardware":
         return dataclasses.replace(self, **kw)
@@ -142,7 +141,8 @@ class Hardware:
                            ("link_bw", "link_bw"), ("gemv_efficiency", "gemv_efficiency"),
                            ("int4_efficiency", "int4_efficiency"),
                            ("xla_int4_efficiency", "xla_int4_efficiency"),
-                           ("attention_efficiency", "attention_efficiency"), ("interconnect", "interconnect")):
+                           ("attention_efficiency", "attention_efficiency"),
+                           ("attention_call_s", "attention_call_s"), ("interconnect", "interconnect")):
             if d.get(key) is not None:
                 kw[field] = d[key] if field == "interconnect" else float(d[key])
                 src[field] = tag
@@ -151,6 +151,11 @@ class Hardware:
         if d.get("int4_curve"):
             kw["int4_curve"] = tuple((float(t), float(e)) for t, e in d["int4_curve"])
             src["int4_efficiency"] = tag
+        if "attention_efficiency" in kw:
+            kw["attention_curve"] = ()     # likewise for the attention kernels
+        if d.get("attention_curve"):
+            kw["attention_curve"] = tuple((float(t), float(e)) for t, e in d["attention_curve"])
+            src["attention_efficiency"] = tag
         for kind in (d.get("collectives") or {}):
             src[kind] = tag + (f", n={n}" if n else "")
         return dataclasses.replace(base, name=d.get("name", base.name + " (calibrated)"),
@@ -164,9 +169,11 @@ def calibration_dict(name: str, *, copy_bw: float, matmul_flops: Optional[float]
     """The calibration file's contents (json.dump it). copy_bw: measured device-to-device copy B/s
     (bytes read + written); matmul_flops: measured bf16 FLOP/s; collectives: {kind: [(bytes,
     seconds), ...]} measured over `n_devices`; extra: any of link_bw, gemv_efficiency,
-    int4_efficiency, xla_int4_efficiency, attention_efficiency, interconnect."""
+    int4_efficiency, int4_curve, xla_int4_efficiency, attention_efficiency, attention_curve,
+    attention_call_s, interconnect."""
     allowed = {"link_bw", "gemv_efficiency", "int4_efficiency", "int4_curve", "xla_int4_efficiency",
-               "attention_efficiency", "interconnect", "date", "device", "jax_version"}
+               "attention_efficiency", "attention_curve", "attention_call_s", "interconnect", "date",
+               "device", "jax_version"}
     bad = set(extra) - allowed
     if bad:
         raise ValueError(f"calibration_dict: unknown fields {sorted(bad)} (allowed: {sorted(allowed)})")
@@ -190,6 +197,21 @@ def write_calibration(path: str, d: Mapping) -> str:
     return path
 
 
+def _log_interp(points, x: float, default: float) -> float:
+    """points [(x, y), ...] interpolated linearly in log(x), flat beyond the ends; `default` if none."""
+    pts = sorted(points)
+    if not pts:
+        return default
+    x = max(float(x), 1.0)
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + w * (y1 - y0)
+    return pts[-1][1]
+
+
 # ---- presets -------------------------------------------------------------------------------------
 
 def _uniform(latency_s: float, bus_bw: float, curve=(), curve_devices=None, kinds=KINDS):
@@ -205,6 +227,13 @@ _H200_ALLREDUCE_CURVE = ((14336.0, 24.4e-6), (117760.0, 26.0e-6), (940032.0, 24.
 # 4.24 TB/s copy. T=1: 198.5 MB in 37.8 + 23.4 + 4.2 us; T=16: 2736 MB in 440.6 + 229.1 + ~18 us;
 # T=64: kernels ~94% minus 3-4% routing; T=256: 74% (wall per call, no device-only figure).
 _H200_INT4_CURVE = ((1.0, 0.71), (16.0, 0.94), (64.0, 0.90), (256.0, 0.74))
+# MLA absorbed decode as the engine calls it (ops.mla_paged_attention: the kernel plus XLA's finishing
+# ops), one H200, jax 0.11.2, 2026-11-30 (BENCHMARKS.md MLA round 9, runs C, F, G): per layer
+# time = 38 us + cache bytes / (4.24 TB/s x eff), eff 0.95 at 8 query rows (Triton kernel), 0.82 at
+# 64 (Mosaic GPU kernel); a least-squares fit of 36 timings (batch 1-64 x context 32-128K) within
+# -7% / +11%. It over-predicts tiny caches (batch 1 x 4K: 16-27 us measured, 39 predicted).
+_H200_ATTENTION_CURVE = ((8.0, 0.95), (64.0, 0.82))
+_H200_ATTENTION_CALL_S = 38e-6
 
 _PRESETS = {
     "h200": Hardware(
@@ -212,7 +241,8 @@ _PRESETS = {
         interconnect="NVLink 4 (NVSwitch)", link_bw=450e9,
         collectives=_uniform(24e-6, 360e9, _H200_ALLREDUCE_CURVE, 2),
         gemv_efficiency=0.88, int4_efficiency=0.45, xla_int4_efficiency=0.08,
-        int4_curve=_H200_INT4_CURVE,
+        int4_curve=_H200_INT4_CURVE, attention_curve=_H200_ATTENTION_CURVE,
+        attention_call_s=_H200_ATTENTION_CALL_S,
         sources={"hbm_bytes": "datasheet (141 GB)",
                  "hbm_bw": "measured: device-to-device copy 4.24 TB/s (ANCHORS.md section 6; datasheet 4.8)",
                  "bf16_flops": "measured: 790 TFLOP/s bf16 matmul on this project's H200 (datasheet 989)",
@@ -228,7 +258,10 @@ _PRESETS = {
                                     "device time of kernels + routing ops per call (BENCHMARKS.md, INT4 "
                                     "section): 71% of copy at 1 token, 94% at 16, ~90% at 64, 74% at 256 "
                                     "(wall per call there)",
-                 "xla_int4_efficiency": "measured: XLA dequant path 0.34 TB/s effective = 8% (ANCHORS.md 6)"}),
+                 "xla_int4_efficiency": "measured: XLA dequant path 0.34 TB/s effective = 8% (ANCHORS.md 6)",
+                 "attention_efficiency": "measured (attention_curve, attention_call_s): this project's MLA "
+                                         "decode op on the H200, 38 us per layer + the cache at 95% (8 heads) "
+                                         "/ 82% (64 heads) of hbm_bw (BENCHMARKS.md, MLA round 9)"}),
     "h100": Hardware(
         name="H100 SXM", hbm_bytes=80e9, hbm_bw=3.0e12, bf16_flops=700e12,
         interconnect="NVLink 4 (NVSwitch)", link_bw=450e9, collectives=_uniform(24e-6, 360e9),

@@ -27,7 +27,9 @@ layer, the materialized bf16 experts of the XLA INT4 path) plus a runtime reserv
   Each group of weights streams at hbm_bw x its kernel efficiency (bf16 GEMV, INT4 experts).
 - cache reads: the whole allocated latent cache of the local rows, `cache_passes` times: once on a
   GPU (the Pallas decode kernels stream each page once), twice on the XLA path (two einsums over it:
-  scores, then values).
+  scores, then values), at hbm_bw x the attention efficiency for the device's query rows (heads per
+  device: `Hardware.attention_efficiency_at`), plus `Hardware.attention_call_s` per layer (the
+  call's fixed device time beside the read: launch, pipeline ramp, the split combine).
 - compute: 2 x FLOPs of every matmul (projections, attention scores/values, FFNs, router, experts,
   LM head) at bf16_flops.
 - Roofline per op group, summed: each group (attention projections, attention over the cache, dense
@@ -557,7 +559,8 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
         Term("attention (weights)", weights["attention"] + weights["norms"], proj_flops,
              (weights["attention"] + weights["norms"]) / (bw * hw.gemv_efficiency), proj_flops / fl),
         Term("attention (cache)", cache_bytes * passes, core_flops,
-             cache_bytes * passes / (bw * hw.attention_efficiency), core_flops / fl)]
+             L * hw.attention_call_s + cache_bytes * passes / (bw * hw.attention_efficiency_at(Nl)),
+             core_flops / fl)]
     if Ld:
         f = 2 * Bl * 3 * _cdiv(I, tp) * D * Ld
         terms.append(Term("dense FFN", weights["dense_ffn"], f, weights["dense_ffn"] / (bw * hw.gemv_efficiency),
@@ -611,7 +614,8 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
         notes.append("impl=xla: every local expert is dequantized each step (unfused path)")
 
     assumptions = {"hbm_bw": hw.hbm_bw, "bf16_flops": hw.bf16_flops, "gemv_efficiency": hw.gemv_efficiency,
-                   "attention_efficiency": hw.attention_efficiency, "cache_passes": passes,
+                   "attention_efficiency": hw.attention_efficiency_at(Nl),
+                   "attention_call_us": 1e6 * hw.attention_call_s, "cache_passes": passes,
                    "impl": o.impl, "allreduce_us": o.allreduce_us}
     if Lm:
         assumptions["expert_efficiency"] = eff
