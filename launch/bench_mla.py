@@ -93,6 +93,21 @@ def time_fn(fn, *args, inner: int = 5, reps: int = 0):
     return statistics.median(ts)
 
 
+def gpu_clocks() -> dict:
+    """GPU 0's SM and memory clocks (MHz), power (W) and temperature (C) from `nvidia-smi` (read
+    only; {} where there is none). The 64-head kernel's time moved ~10% between machine starts while
+    the copy did not (MLA round 9): the SM clock is the suspect these readings test."""
+    import subprocess
+    fields = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu")
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits",
+                              "-i", "0"], capture_output=True, text=True, timeout=10).stdout
+        vals = [float(v) for v in out.strip().split(",")]
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return {}
+    return dict(zip(("sm_mhz", "mem_mhz", "power_w", "temp_c"), vals)) if len(vals) == 4 else {}
+
+
 def layers_fn(op, L: int, per_layer: int):
     """One jitted call of `op` over L layers of one pool (layer l reads block table + l * per_layer,
     so consecutive layers miss L2), each layer's output the next one's latent query: every column of
@@ -134,9 +149,11 @@ def section_copy(when: str = "start"):
     g = jax.jit(lambda v: jnp.sum(v, dtype=jnp.uint32))
     read = 4 * n / time_fn(g, x, reps=reps)
     del x
-    log(f"copy ({when}) {copy / 1e9:.0f} GB/s (read+write), read-only {read / 1e9:.0f} GB/s")
+    clocks = gpu_clocks()
+    log(f"copy ({when}) {copy / 1e9:.0f} GB/s (read+write), read-only {read / 1e9:.0f} GB/s"
+        + (f"; clocks {clocks}" if clocks else ""))
     record(section="copy", when=when, copy_bps=copy, read_bps=read, device=str(jax.devices()[0]),
-           jax=jax.__version__)
+           jax=jax.__version__, clocks=clocks)
     return copy, read
 
 
@@ -293,6 +310,7 @@ def _decode_case(B, ctx, N, copy_bps, pool, page, configs, key, order="random"):
     except Exception as e:  # noqa: BLE001
         log(f"  xla path failed: {type(e).__name__}: {str(e)[:120]}")
         t_xla = None
+    row["clocks"] = gpu_clocks()      # right after this case's timings
     # what kimi_jax.ops picks for this case in the engine ('triton' = the default config here)
     serving = ops.mla_decode_kernel(T * N, A, R, page, jnp.bfloat16, batch=B, context=P * page)
     row.update(t_xla=t_xla, serving=serving,
@@ -352,7 +370,9 @@ def _decode_grid(copy_bps, pool, page, heads, batches, ctxs, sweep):
                     r = _decode_case(B, ctx, N, copy_bps, pool, page, configs, jax.random.PRNGKey(B + ctx + N),
                                      order)
                     rows.append(r)
-                    log(f"decode page={page} B={B:3d} ctx={ctx:6d} N={N:2d} {order}: " + (
+                    clk = r.get("clocks") or {}
+                    log(f"decode page={page} B={B:3d} ctx={ctx:6d} N={N:2d} {order}"
+                        + (f" (sm {clk['sm_mhz']:.0f} MHz, {clk['power_w']:.0f} W)" if clk else "") + ": " + (
                         f"serving {r['serving']} {(r['t_serving'] or float('nan')) * 1e6:8.1f} us; best "
                         f"{r['t_kernel'] * 1e6:8.1f} us ({r['best']}) {r['kernel_bps'] / 1e9:6.0f} GB/s "
                         f"{r['pct_copy']:5.1f}% of copy; xla "
