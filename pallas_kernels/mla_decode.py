@@ -15,7 +15,8 @@ Pipeline (`mla_paged_attention`):
      cached tokens in blocks of `block_k` tokens, gathering each token's 576-value row through the
      block table (one contiguous 1152-byte row per token), s = q_lat c^T + q_pe k^R^T on the tensor
      cores, online softmax in float32 (exp2), acc += p c. It writes the split's normalized output
-     (f32) and its log-sum-exp. Splits are a fraction of each row's own length (chunk_b =
+     (f32) and its log-sum-exp for the M real query rows (masked stores: a 16-row tile of 8 heads
+     writes 8 rows, not 16 with 8 of padding). Splits are a fraction of each row's own length (chunk_b =
      ceil(len_b / splits) rounded up to block_k), so ragged batches give every program of a row the
      same work; programs past a row's length read nothing. With `fuse_new` (off by default: it timed slower) the last split
      also takes the step's T new tokens (causal t' <= t, positions >= 0) as one more block, read
@@ -139,25 +140,30 @@ def resolve_config(cfg: Optional[MlaDecodeConfig], batch: int, rows: int, max_to
 # ----------------------------------------------------------------------------------------------
 # The kernel.
 
-def _kernel(*refs, bk: int, splits: int, a_blocks: int, scale: float, n_heads: int,
+def _kernel(*refs, bk: int, bm: int, ba: int, splits: int, a_blocks: int, scale: float, n_heads: int,
             fuse_new: bool):
     if fuse_new:
         (len_ref,      # [B] int32 cached tokens per row
          bt_ref,       # [B, P] int32 page ids into the pool
-         ql_ref,       # [bm, A] latent queries of this row block
+         ql_ref,       # [bm, A] latent queries of this row block (q padded to whole row blocks)
          qp_ref,       # [bm, R] rope queries
          pool_ref,     # [X, page, C] the paged cache (C = A + R)
          new_ref,      # [B, T, C] the step's new latents
          pos_ref,      # [B, T] int32 their positions (< 0: padding)
-         o_ref,        # [bm, ba] f32 normalized output of this split (its column slice)
-         lse_ref) = refs  # [bm] f32 log-sum-exp of this split's scores (-inf: no tokens)
+         o_ref,        # [B, splits, M, A] f32 normalized output of each split (this program: its
+         #               rows of split j, its column slice)
+         lse_ref) = refs  # [B, splits, M] f32 log-sum-exp of each split's scores (-inf: no tokens)
     else:
         len_ref, bt_ref, ql_ref, qp_ref, pool_ref, o_ref, lse_ref = refs
     i, j, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     page = pool_ref.shape[1]
-    a, r = ql_ref.shape[1], qp_ref.shape[1]
-    ba = o_ref.shape[-1]
-    bm = ql_ref.shape[0]
+    M, a, r = o_ref.shape[2], ql_ref.shape[1], qp_ref.shape[1]
+    # this program's query rows: the partials hold the M real rows only (with 8 heads and 16-row
+    # tiles, half of every partial row block used to be padding, written here and sliced off after).
+    # q stays padded: masked q loads instead cost 2 spills and 3x the shared-memory loads in the
+    # sm_90 SASS of the 8-head loop (sass_probe --op=mla, sixth session)
+    rows = (i // a_blocks) * bm + jnp.arange(bm, dtype=jnp.int32)
+    live = rows < M
     length = tile.load(len_ref.at[b])
     chunk = pl.cdiv(pl.cdiv(length, splits), bk) * bk
     start = j * chunk
@@ -168,13 +174,13 @@ def _kernel(*refs, bk: int, splits: int, a_blocks: int, scale: float, n_heads: i
     # enter the scores. a_blocks == 1: one static slice, the whole latent.
     ia = i % a_blocks if a_blocks > 1 else 0
     offs = [((ia + k) % a_blocks) * ba if a_blocks > 1 else 0 for k in range(a_blocks)]
+    cols = [o + jnp.arange(ba, dtype=jnp.int32)[None, :] for o in offs]
+    cols_r = a + jnp.arange(r, dtype=jnp.int32)[None, :]
     if a_blocks > 1:
         qls = [tile.load(ql_ref.at[:, pl.ds(pl.multiple_of(o, ba), ba)]) for o in offs]
     else:
         qls = [ql_ref[...]]
     qp = qp_ref[...]
-    cols = [o + jnp.arange(ba, dtype=jnp.int32)[None, :] for o in offs]
-    cols_r = a + jnp.arange(r, dtype=jnp.int32)[None, :]
     ids = jnp.arange(bk, dtype=jnp.int32)
     qk_scale = scale * _LOG2E                         # scores in log2 units: exp2 in the loop
 
@@ -214,10 +220,9 @@ def _kernel(*refs, bk: int, splits: int, a_blocks: int, scale: float, n_heads: i
         bn = max(16, 1 << (t_new - 1).bit_length())
 
         def new_tokens(c):   # everything computed in here: nothing stays live across the loop
-            ib = i // a_blocks
             tt = jnp.minimum(jnp.arange(bn, dtype=jnp.int32), t_new - 1)
             key_pos = jnp.where(jnp.arange(bn) < t_new, tile.load(pos_ref.at[b, tt]), -1)
-            row_t = jnp.minimum((ib * bm + jnp.arange(bm, dtype=jnp.int32)) // n_heads, t_new - 1)
+            row_t = jnp.minimum(rows // n_heads, t_new - 1)
             row_pos = tile.load(pos_ref.at[b, row_t])
             valid_new = (key_pos[None, :] >= 0) & (key_pos[None, :] <= row_pos[:, None])
             cs = [tile.load(new_ref.at[b, tt[:, None], col]) for col in cols]   # [bn, ba] each
@@ -230,8 +235,12 @@ def _kernel(*refs, bk: int, splits: int, a_blocks: int, scale: float, n_heads: i
     acc, m, l = carry
     has = l > 0.0
     l_safe = jnp.where(has, l, 1.0)
-    o_ref[...] = jnp.where(has[:, None], acc / l_safe[:, None], 0.0)
-    lse_ref[...] = jnp.where(has, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+    # stores index the rows unclamped: masked lanes past M are dropped in both modes, where clamped
+    # duplicates of row M - 1 could write interpret mode's stale value over the real one
+    tile.store(o_ref.at[b, j, rows[:, None], cols[0]], jnp.where(has[:, None], acc / l_safe[:, None], 0.0),
+               mask=live[:, None])
+    # every column slice of a row block writes the same lse (identical values)
+    tile.store(lse_ref.at[b, j, rows], jnp.where(has, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf), mask=live)
 
 
 def _check(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP, positions_BT):
@@ -271,7 +280,7 @@ def mla_decode_partials(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, lengths_B
     if fuse:
         T = new_BTC.shape[1]
         n_heads = M // T
-    kernel = functools.partial(_kernel, bk=config.block_k, splits=splits, a_blocks=a_blocks,
+    kernel = functools.partial(_kernel, bk=config.block_k, bm=bm, ba=ba, splits=splits, a_blocks=a_blocks,
                                scale=float(scale), n_heads=n_heads, fuse_new=fuse)
     whole = pl.no_block_spec
     in_specs = [whole, whole,
@@ -287,16 +296,14 @@ def mla_decode_partials(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, lengths_B
         kernel,
         grid=(row_blocks * a_blocks, splits, B),
         in_specs=in_specs,
-        # every column slice of a row block writes the same lse (identical values)
-        out_specs=[pl.BlockSpec((None, None, bm, ba), lambda i, j, b: (b, j, i // a_blocks, i % a_blocks)),
-                   pl.BlockSpec((None, None, bm), lambda i, j, b: (b, j, i // a_blocks))],
-        out_shape=[jax.ShapeDtypeStruct((B, splits, row_blocks * bm, A), jnp.float32),
-                   jax.ShapeDtypeStruct((B, splits, row_blocks * bm), jnp.float32)],
+        out_specs=[whole, whole],
+        out_shape=[jax.ShapeDtypeStruct((B, splits, M, A), jnp.float32),
+                   jax.ShapeDtypeStruct((B, splits, M), jnp.float32)],
         interpret=interpret,
         compiler_params=tile.compiler_params(config.num_warps, config.num_stages, interpret),
         name="mla_decode_paged",
     )(*args)
-    return o[:, :, :M], lse[:, :, :M]
+    return o, lse
 
 
 def _new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale):

@@ -5,6 +5,7 @@ memory, spills and the SASS instruction mix. No GPU needed.
   pip install --target /tmp/tritonlib triton==3.6.0          # once (matches the GPU image)
   JAX_PLATFORMS=cpu PYTHONPATH=. python -m pallas_kernels.sass_probe --triton_path=/tmp/tritonlib \\
       --op=moe --t=16          # or --op=dense --m=1 --n=4096 --k=7168
+      # or --op=mla --heads=8 --batch=8 --context=32768 (the Triton MLA decode and finish kernels)
 
 "alu/word" = ALU+FMA-pipe instructions in the whole kernel / packed words each thread dequantizes
 per K step; the main loop alone costs ~23 per word (15 of them the dequantizer). A config whose
@@ -23,7 +24,10 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("triton_path", "/tmp/tritonlib", "directory holding a `triton` package")
-flags.DEFINE_string("op", "moe", "moe | dense")
+flags.DEFINE_string("op", "moe", "moe | dense | mla (the Triton MLA decode kernel and the finish kernel)")
+flags.DEFINE_integer("heads", 8, "mla: query heads per device")
+flags.DEFINE_integer("batch", 8, "mla: batch rows")
+flags.DEFINE_integer("context", 32768, "mla: cached tokens per row")
 flags.DEFINE_integer("t", 16, "MoE tokens")
 flags.DEFINE_integer("m", 1, "dense rows")
 flags.DEFINE_integer("n", 4096, "dense N")
@@ -111,6 +115,17 @@ def main(argv):
                               (S((m, k), jnp.bfloat16), S((n, k // 8), jnp.int32),
                                S((n, k // 32), jnp.bfloat16)), workdir, "dense")
         wpt = [cfg.block_n * cfg.block_k / 8 / (32 * cfg.num_warps)]
+    elif FLAGS.op == "mla":
+        from pallas_kernels import mla_decode as md, mla_finish as mf
+        B, N, ctx, page = FLAGS.batch, FLAGS.heads, FLAGS.context, 16
+        P = ctx // page
+        cfg = md.resolve_config(md.MlaDecodeConfig(finish="kernel"), B, N, P * page)
+        args = (S((B, 1, N, 512), jnp.bfloat16), S((B, 1, N, 64), jnp.bfloat16), S((B, 1, 576), jnp.bfloat16),
+                S((B * P, page, 576), jnp.bfloat16), S((B, P), jnp.int32), S((B, 1), jnp.int32))
+        paths = lower_to_ttir(lambda *a: md.mla_paged_attention(*a, 0.07, config=cfg, interpret=False), args,
+                              workdir, "mla")
+        wpt = [0, 0]       # no packed words: alu/word is meaningless here
+        print("finish blocks (block_k, block_a):", mf._blocks(B * N, cfg.num_splits, 512))
     else:
         e_, d, f, t, kk = 384, 7168, 2048, FLAGS.t, 8
         cfg = mg.default_config(t * kk, e_)

@@ -137,3 +137,21 @@ def test_bad_shapes_are_one_line_errors():
         md.mla_paged_attention(*args[:3], args[3][..., :-1], *args[4:], 0.1, interpret=True)
     with pytest.raises(ValueError, match="block_k"):
         md.MlaDecodeConfig(block_k=24)
+
+
+@pytest.mark.parametrize("N,T,cfg", [(8, 1, None), (64, 1, None), (8, 4, _C(block_a=256)),
+                                     (8, 1, _C(fuse_new=True))])
+def test_kernel_lowers_for_cuda(N, T, cfg):
+    """The Triton lowering at Kimi's A = 512, R = 64: 8 heads (fewer rows than a 16-row tile, so the
+    partials' stores are masked), 64 heads, column slices, the fused new tokens."""
+    S = jax.ShapeDtypeStruct
+    B, P, page = 4, 64, 16
+    args = (S((B, T, N, 512), jnp.bfloat16), S((B, T, N, 64), jnp.bfloat16), S((B, T, 576), jnp.bfloat16),
+            S((B * P, page, 576), jnp.bfloat16), S((B, P), jnp.int32), S((B, T), jnp.int32))
+    try:
+        jax.jit(lambda *a: md.mla_paged_attention(*a, 0.07, config=cfg, interpret=False)).trace(*args).lower(
+            lowering_platforms=("cuda",))
+    except RuntimeError as e:   # jax >= 0.11's Triton lowering asks a GPU for its compute capability
+        if "No supported GPU devices found" in str(e):
+            pytest.skip(f"this jax lowers Pallas Triton only with a GPU present ({jax.__version__})")
+        raise
