@@ -40,6 +40,9 @@ flags.DEFINE_list("batches", ["1", "16", "64", "256"], "MoE token counts")
 flags.DEFINE_string("dense_configs", "default", "name of a config list in DENSE_SWEEPS")
 flags.DEFINE_string("moe_configs", "default", "name of a config list in MOE_SWEEPS")
 flags.DEFINE_bool("baselines", True, "time the baselines too")
+flags.DEFINE_list("sweep_layouts", ["i32"], "int4 suite: weight layouts every swept config is timed in (the "
+                  "default config always in both): i32 = compressed-tensors' words as loaded, what the engine "
+                  "serves; i16 = repacked half-words (up to the sixth session the swept configs ran in i16 only)")
 flags.DEFINE_list("check_tokens", ["1", "3", "7", "33"], "check section: MoE token counts every swept config is "
                   "checked at (random and all-on-one-expert routing each); fewer makes a wide sweep's check cheaper")
 flags.DEFINE_bool("dry", False, "tiny shapes (CPU dry run of the script itself)")
@@ -533,7 +536,7 @@ def section_dense():
 
             for cname, cfg in dense_sweep(FLAGS.dense_configs, k):
                 for layout, packed in (("i16", ps16), ("i32", ps)):
-                    if layout == "i32" and cname != "default":
+                    if layout not in FLAGS.sweep_layouts and cname != "default":
                         continue
                     try:
                         t = run_ours(cfg, packed)
@@ -642,7 +645,7 @@ def section_moe():
             if cname.startswith(("fused", "single")) and t > (cfg.pair_tiles_max_t if cfg else 4):
                 continue        # the fused decode path does not apply: same kernels as default
             for layout, (gg, uu, dd) in (("i16", (g16, u16, dn16)), ("i32", (g, u, dn))):
-                if layout == "i32" and cname != "default":
+                if layout not in FLAGS.sweep_layouts and cname != "default":
                     continue
                 try:
                     fn = jax.jit(lambda x, routes, gg, uu, dd, cfg=cfg: [
@@ -833,6 +836,9 @@ def run_int4():
 def main(argv):
     del argv
     if FLAGS.suite == "int4":
+        bad = [v for v in FLAGS.sweep_layouts if v not in ("i16", "i32")]
+        if bad:
+            raise app.UsageError(f"--sweep_layouts: {bad[0]!r} is not i16 or i32")
         run_int4()
     elif FLAGS.suite == "throughput":
         from launch.bench_throughput import agreement, format_rows, throughput_rows

@@ -104,3 +104,10 @@ def test_bench_mla_tables_are_row_orders():
         assert t.shape == (3, 4) and len(set(t.ravel())) == 12 and t.max() < 20
     np.testing.assert_array_equal(bench_mla._table(None, 2, 3, 6, "sequential"), [[0, 1, 2], [3, 4, 5]])
     np.testing.assert_array_equal(bench_mla._table(None, 2, 3, 6, "interleaved"), [[0, 2, 4], [1, 3, 5]])
+
+
+def test_bench_int4_bad_sweep_layout_is_a_one_line_error(tmp_path):
+    """--sweep_layouts takes i16 / i32 only and says so before any section runs."""
+    bad = _run("launch.bench", "--suite=int4", "--dry", "--sweep_layouts=i32,i4", "--out", str(tmp_path))
+    assert bad.returncode != 0 and "--sweep_layouts: 'i4' is not i16 or i32" in bad.stderr
+    assert "== section" not in bad.stdout
