@@ -108,9 +108,10 @@ def gpu_clocks() -> dict:
     return dict(zip(("sm_mhz", "mem_mhz", "power_w", "temp_c"), vals)) if len(vals) == 4 else {}
 
 
-def layers_fn(op, L: int, per_layer: int):
+def layers_fn(op, L: int, per_layer: int, copies: int = 0):
     """One jitted call of `op` over L layers of one pool (layer l reads block table + l * per_layer,
-    so consecutive layers miss L2), each layer's output the next one's latent query: every column of
+    so consecutive layers miss L2; with `copies`, layer l reads copy l % copies), each layer's output
+    the next one's latent query: every column of
     every output is used, and layers run in order, as in the engine. (Up to the sixth session only
     8 of the 512 output columns fed a sum, which XLA may narrow its own finishing ops to, but not a
     kernel's.) --layer_loop=unrolled (default): L static calls, as the engine's
@@ -123,7 +124,8 @@ def layers_fn(op, L: int, per_layer: int):
 
     def f(q_lat, q_pe, new, pool, table, pos):
         def layer(q, l):      # the next layer's latent query is this layer's output, all of it
-            return op(q, q_pe, new, pool, table + l * per_layer, pos).astype(q.dtype)
+            return op(q, q_pe, new, pool, table + (l % copies if copies else l) * per_layer,
+                      pos).astype(q.dtype)
         if FLAGS.layer_loop == "scan":
             q = lax.scan(lambda q, l: (layer(q, l), None), q_lat, jnp.arange(L))[0]
         else:
@@ -647,10 +649,13 @@ def table(copy_bps, read_bps, rows):
 
 
 def section_profile(copy_bps):
-    """--profile: for each case, `calls` calls of the engine's op (kimi_jax.ops.mla_paged_attention,
-    one layer, pool copies so consecutive calls miss L2) under jax.profiler; per call: every device
-    op's time (kernels and XLA fusions by name), their sum, and the span from the first op's start to
-    the last op's end (span - sum = idle gaps between ops)."""
+    """--profile: for each case, one executable of `calls` layers of the engine's op
+    (kimi_jax.ops.mla_paged_attention; `layers_fn`: pool copies in turn so consecutive layers miss
+    L2, each layer's output the next one's query) under jax.profiler; per call: every device op's
+    time (kernels and XLA fusions by name), their sum, and the span from the first op's start to the
+    last op's end over calls (span - sum = idle gaps between ops inside the executable, as in the
+    engine; the first version timed separately dispatched calls, whose gaps were the host's below
+    ~150 us per call)."""
     import tempfile
     from collections import defaultdict
 
@@ -673,17 +678,16 @@ def section_profile(copy_bps):
         pool = _pool(jax.random.PRNGKey(5), copies * B * P, page, jnp.bfloat16)
         q_lat, q_pe, new, table, pos = _inputs(jax.random.PRNGKey(B + ctx + N), B, T, N, page,
                                                [ctx - T] * B, P, B * P, jnp.bfloat16)
-        tables = [table + k * B * P for k in range(copies)]
         scale = 192 ** -0.5
         fin = MlaDecodeConfig(finish="kernel") if kernel == "triton_fin" else None
         with _forced(kernel):
-            f = jax.jit(_op(kernel, fin, scale)).lower(q_lat, q_pe, new, pool, tables[0], pos).compile()
+            args = (q_lat, q_pe, new, pool, table, pos)
+            f = layers_fn(_op(kernel, fin, scale), calls, B * P, copies).lower(*args).compile()
             module = profiling.parse_hlo(f.as_text())     # names the trace's container ops
-            for k in range(copies):                      # compile and warm every table
-                jax.block_until_ready(f(q_lat, q_pe, new, pool, tables[k], pos))
+            jax.block_until_ready(f(*args))              # warm
             tdir = tempfile.mkdtemp(prefix="mla_profile_")      # traces stay out of --out (deep trees)
             with jax.profiler.trace(tdir):
-                outs = [f(q_lat, q_pe, new, pool, tables[k % copies], pos) for k in range(calls)]
+                outs = f(*args)
                 jax.block_until_ready(outs)
         evs = [o for o in profiling._drop_containers(
             profiling.device_op_events(profiling._find_trace_file(tdir)), module) if o.dur_us > 0]
