@@ -51,14 +51,16 @@ flags.DEFINE_list("candidates", [], "--sweep: only these candidate names (defaul
 flags.DEFINE_list("pages", ["16"], "decode section: page sizes (each case runs on a pool of each); "
                   "--heads / --batches / --contexts given explicitly also narrow the decode grid")
 flags.DEFINE_list("profile", [], "instead of the sections: B:context:heads[:kernel] cases (kernel: auto, "
-                  "triton, mgpu, triton_fin, mgpu_fin); each op's device time per call from a profiler trace of one layer's "
-                  "calls, and the call's device span vs its ops (what a fixed cost per call is made of)")
+                  "triton, mgpu, triton_fin, mgpu_fin); each op's device time per call from a profiler trace of "
+                  "one executable of 20 calls, and the calls' device span vs their ops (what a fixed cost per "
+                  "call is made of)")
 flags.DEFINE_bool("finish_variants", False, "decode section: also time the one-launch finish of the step "
                   "(mla_finish.py) after the Triton kernel ('fin') and the Mosaic GPU kernel ('mgpu_fin')")
 flags.DEFINE_enum("layer_loop", "unrolled", ["unrolled", "scan"], "decode timings: L layers per call as "
                   "static calls (the engine's loop on GPU) or a lax.scan (the harness before the sixth session)")
+TABLE_ORDERS = ("random", "sequential", "interleaved")
 flags.DEFINE_list("table_orders", ["random"], "decode section: where each row's pages lie in the pool "
-                  "(random, sequential, interleaved: see _table); each case runs with each")
+                  f"({', '.join(TABLE_ORDERS)}: see _table); each case runs with each")
 flags.DEFINE_list("check_cases", [], "check section: N:T:page cases instead of the built-in list "
                   "(8:1:16, 64:1:16, 64:4:16, 8:1:64, 64:1:64)")
 
@@ -77,9 +79,10 @@ def record(**row):
 
 
 def time_fn(fn, *args, inner: int = 5, reps: int = 0):
-    """Median over `reps` (0: --reps) of (wall of `inner` calls enqueued back to back) / inner: the host's dispatch
-    and the final sync are paid once per `inner` calls, not per call (one call per timing put them
-    into every time: the 2 GiB copy then read ~15% below the other harnesses, fifth session)."""
+    """Median over `reps` (0: --reps) of (wall of `inner` calls enqueued back to back) / inner: the
+    host's dispatch and the final sync are paid once per `inner` calls, not per call (one call per
+    timing put them into every time: the 2 GiB copy then read ~15% below the other harnesses, fifth
+    session)."""
     import jax
     jax.block_until_ready(fn(*args))
     inner = 1 if FLAGS.dry else inner
@@ -111,13 +114,12 @@ def gpu_clocks() -> dict:
 def layers_fn(op, L: int, per_layer: int, copies: int = 0):
     """One jitted call of `op` over L layers of one pool (layer l reads block table + l * per_layer,
     so consecutive layers miss L2; with `copies`, layer l reads copy l % copies), each layer's output
-    the next one's latent query: every column of
-    every output is used, and layers run in order, as in the engine. (Up to the sixth session only
-    8 of the 512 output columns fed a sum, which XLA may narrow its own finishing ops to, but not a
-    kernel's.) --layer_loop=unrolled (default): L static calls, as the engine's
-    layer loop on GPU (kimi_jax.model.transformer.LAYER_LOOP 'auto'); 'scan': a lax.scan (the
-    first five sessions' harness: 734 us per layer at 64 heads 64 x 32K where a profiler trace of the
-    same op, called alone, spans 687 us; sixth session)."""
+    the next one's latent query: every column of every output is used, and layers run in order, as
+    in the engine. (Up to the sixth session only 8 of the 512 output columns fed a sum, which XLA may
+    narrow its own finishing ops to, but not a kernel's.) --layer_loop=unrolled (default): L static
+    calls, as the engine's layer loop on GPU (kimi_jax.model.transformer.LAYER_LOOP 'auto'); 'scan':
+    a lax.scan (the first five sessions' harness: 734 us per layer at 64 heads 64 x 32K where a
+    profiler trace of the same op, called alone, spans 687 us; sixth session)."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -715,7 +717,7 @@ def main(argv):
     del argv
     if FLAGS.dry:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    bad = [o for o in FLAGS.table_orders if o not in ("random", "sequential", "interleaved")]
+    bad = [o for o in FLAGS.table_orders if o not in TABLE_ORDERS]
     if bad:
         raise app.UsageError(f"--table_orders: {bad[0]!r} is not random, sequential or interleaved")
     import jax

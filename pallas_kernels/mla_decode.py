@@ -140,7 +140,7 @@ def resolve_config(cfg: Optional[MlaDecodeConfig], batch: int, rows: int, max_to
 # ----------------------------------------------------------------------------------------------
 # The kernel.
 
-def _kernel(*refs, bk: int, bm: int, ba: int, splits: int, a_blocks: int, scale: float, n_heads: int,
+def _kernel(*refs, bk: int, ba: int, splits: int, a_blocks: int, scale: float, n_heads: int,
             fuse_new: bool):
     if fuse_new:
         (len_ref,      # [B] int32 cached tokens per row
@@ -157,7 +157,7 @@ def _kernel(*refs, bk: int, bm: int, ba: int, splits: int, a_blocks: int, scale:
         len_ref, bt_ref, ql_ref, qp_ref, pool_ref, o_ref, lse_ref = refs
     i, j, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     page = pool_ref.shape[1]
-    M, a, r = o_ref.shape[2], ql_ref.shape[1], qp_ref.shape[1]
+    bm, a, r, M = ql_ref.shape[0], ql_ref.shape[1], qp_ref.shape[1], o_ref.shape[2]
     # this program's query rows: the partials hold the M real rows only (with 8 heads and 16-row
     # tiles, half of every partial row block used to be padding, written here and sliced off after).
     # q stays padded: masked q loads instead cost 2 spills and 3x the shared-memory loads in the
@@ -280,7 +280,7 @@ def mla_decode_partials(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, lengths_B
     if fuse:
         T = new_BTC.shape[1]
         n_heads = M // T
-    kernel = functools.partial(_kernel, bk=config.block_k, bm=bm, ba=ba, splits=splits, a_blocks=a_blocks,
+    kernel = functools.partial(_kernel, bk=config.block_k, ba=ba, splits=splits, a_blocks=a_blocks,
                                scale=float(scale), n_heads=n_heads, fuse_new=fuse)
     whole = pl.no_block_spec
     in_specs = [whole, whole,
@@ -363,6 +363,19 @@ def finish_xla(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, sc
     return combine(o_BTNKA, lse_BTNK, o_new_BTNA, lse_new_BTN)
 
 
+def finish(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale, *, kernel: bool,
+           interpret: bool, new_tokens: bool = True, splits_minor: bool = False):
+    """The end of a decode step for both decode kernels' wrappers: `mla_finish.finish_partials` (one
+    launch) where `kernel` asks for it and it applies (the new tokens still to do, [B, K, M, A]
+    partials, T <= mla_finish.MAX_NEW), else `finish_xla`. Returns o [B, T, N, A] (f32, or q's dtype
+    from the kernel) and lse [B, T, N]."""
+    if kernel and new_tokens and not splits_minor and mla_finish.supported(q_lat_BTNA.shape[1]):
+        return mla_finish.finish_partials(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT,
+                                          scale, interpret=interpret)
+    return finish_xla(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,
+                      new_tokens=new_tokens, splits_minor=splits_minor)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret", "return_lse"))
 def mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP, positions_BT,
                         scale: float, *, config: Optional[MlaDecodeConfig] = None,
@@ -384,15 +397,11 @@ def mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP
         q_lat_BTNA.reshape(B, T * N, A), q_pe_BTNR.astype(q_lat_BTNA.dtype).reshape(B, T * N, R),
         pool_XpC, block_table_BP, lengths_B, scale=scale, config=cfg, interpret=interp,
         new_BTC=new_BTC, positions_BT=positions_BT)
-    K = cfg.num_splits
-    if cfg.finish == "kernel" and not cfg.fuse_new and mla_finish.supported(T):
-        o_BTNA, lse_BTN = mla_finish.finish_partials(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC,
-                                                     positions_BT, scale, interpret=interp)
-    elif cfg.fuse_new and K == 1:             # one split saw every key: its output is the answer
+    if cfg.fuse_new and cfg.num_splits == 1:   # one split saw every key: its output is the answer
         o_BTNA, lse_BTN = o_BKMA[:, 0].reshape(B, T, N, A), lse_BKM[:, 0].reshape(B, T, N)
     else:
-        o_BTNA, lse_BTN = finish_xla(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,
-                                     new_tokens=not cfg.fuse_new)
+        o_BTNA, lse_BTN = finish(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,
+                                 kernel=cfg.finish == "kernel", interpret=interp, new_tokens=not cfg.fuse_new)
     o_BTNA = o_BTNA.astype(q_lat_BTNA.dtype)
     return (o_BTNA, lse_BTN) if return_lse else o_BTNA
 

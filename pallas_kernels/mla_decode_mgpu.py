@@ -1043,13 +1043,9 @@ def mla_paged_attention_mgpu(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_tab
     o_BKMA, lse_BKM = mla_decode_partials_mgpu(
         q_lat_BTNA.reshape(B, T * N, A), q_pe_BTNR.astype(q_lat_BTNA.dtype).reshape(B, T * N, R),
         pool_XpC, block_table_BP, lengths_B, scale=scale, config=config, interpret=interpret)
-    if (config is not None and config.finish == "kernel" and not config.o_bmsa
-            and mla_finish.supported(T)):
-        o_BTNA, lse_BTN = mla_finish.finish_partials(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC,
-                                                     positions_BT, scale, interpret=bool(interpret))
-    else:
-        o_BTNA, lse_BTN = tri.finish_xla(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT,
-                                         scale, splits_minor=config is not None and config.o_bmsa)
+    o_BTNA, lse_BTN = tri.finish(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,
+                                 kernel=config is not None and config.finish == "kernel",
+                                 interpret=bool(interpret), splits_minor=config is not None and config.o_bmsa)
     o_BTNA = o_BTNA.astype(q_lat_BTNA.dtype)
     return (o_BTNA, lse_BTN) if return_lse else o_BTNA
 

@@ -22,7 +22,9 @@ Only the pair's own token row of each 8-row MMA tile is live (rows 1..7 are mask
 memory traffic), as in moe_gmm's pair tiles. Duplicate experts across tokens are re-read (from L2).
 
 Variants (MoeGmmConfig): `split_k_down` splits the down kernel's K loop over several programs per
-output block (relaxed f32 atomics into a zeroed buffer; prepared in the fifth session, not yet timed).
+output block (relaxed f32 atomics into a zeroed buffer); on the H200 (sixth session, swept configs
+in the repacked i16 layout only) 2 splits timed 71.1 us at T = 1 against the default's 72.8 us in i32,
+inside the run-to-run spread, so it stays an option.
 `moe_decode_single` (decode='single') is the whole layer in ONE launch, the down projection split
 along F where gate/up produced h; on the H200 it was slower than the default (95-152 vs 77-80 us at
 T = 1, BENCHMARKS.md), so it stays a measured option.
