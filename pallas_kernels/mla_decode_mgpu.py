@@ -53,12 +53,13 @@ What was verified on CPU (jax 0.10.2 here, and 0.11.2 in a scratch venv)
   (`interpret_params(detect_races=True)`, `races_found()`): no race (it does flag a mutant without
   the P-ready barrier, and found the shared epilogue's double lse store, now warpgroup 0's only).
 GPU check + timing (one H200): `PYTHONPATH=. python -m pallas_kernels.mla_decode_mgpu
---out=$OUT/mgpu [--semantics=Warpgroup] [--cases=default|full] [--configs=k64,wg2s_k32s4,...]
+--out=$OUT/mgpu [--semantics=Warpgroup] [--cases=default|full|large] [--configs=k64,wg2s_k32s4,...]
 [--budget_s=S]` (`check_and_time`: ragged correctness per config first, then the configs that passed
 vs the Triton kernel at 64 heads; default cases B x context 1x32K, 8x32K, 64x4K, 64x32K (~150 s),
 full = B in (1, 8, 64) x (4K, 32K, 128K), the acceptance grid (budget 220 s before the last case
-starts); configs `default_configs()`: k64, wg2_k32s4, wg2s_k32s4 (+ _m256, _m1024), wg2ss_k32s4
-(version 3, seesaw)).
+starts), large = its four memory-bound cases; configs `default_configs()`: k64, wg2_k32s4, wg2s_k32s4
+(+ _m256, _m1024, _bmsa, _fin, _bta_epv = SERVING_CONFIG), wg2ss_k32s4 (version 3, seesaw); the
+measured one-off variants of `variant_configs()` by name).
 Verified on an H200 (jax 0.11.2, Lane): versions 1 and 1b compile, pass the checks, and time as in
 the version 2 notes below. Unverified until a GPU run: version 2 (compilation, barrier phases on
 hardware, registers, speed).
@@ -210,8 +211,33 @@ transpose is B * splits * M * 4 bytes, negligible. CPU: interpreter (seesaw + o_
 holding data, rows padded 8 -> 64) and cuda lowering in both semantics. To measure on the GPU:
 whether XLA fused the transpose into the combine anyway (then no gain).
 
+Version 2 options `bt_ahead`, `early_pv` (SERVING_CONFIG since the seventh session), `l2_prefetch`
+-----------------------------------------------------------------------------------------------------
+What bounds version 2 at 64 heads (H200, jax 0.11.2, 2026-11-30; BENCHMARKS.md "MLA round 10"):
+- Pipeline depth: one pair of tiles in flight (`stages=2`) streams at 42-44% of copy, two pairs (the
+  default 4 stages) at 80-88%: twice the bytes in flight, twice the speed. Q (72 KiB) and 4 tiles of
+  36 KiB fill the 227 KiB, so a third pair does not fit. 16-token tiles (8 or 6 stages: 4 or 3
+  pairs of the same bytes) are slower (57-61%): S = Q K^T with N = 16 re-reads Q from shared memory
+  per 16 tokens instead of 32.
+- Ablations (`pallas_kernels/mla_ablate.py`: the same kernel with one piece removed, timing only):
+  with NO wgmma at all (neither S nor P @ C) the kernel is no faster than the full one (~85% of copy):
+  the tile pipeline and the per-pair handshakes, not the tensor cores, set the pace. Removing the
+  max exchange and the P exchange barriers saved ~10%, the accumulator rescale ~4-6%, the
+  block-table loads before each refill ~5%, the mask ~2-4%.
+- `l2_prefetch` (TMA prefetch of the pair d pairs past each one issued into L2, no shared memory):
+  slower at every case (d = 1, 2: 66-69% vs 73-81%; d = 4: 51-56%): not used. A page is prefetched
+  as 3 boxes of [rows, 192] (a TMA box is <= 256 per dimension).
+- `bt_ahead` (the next refill's page ids loaded at the top of each step and carried in registers)
+  plus `early_pv` (the own tile's P @ C issued before the P exchange wait): in 4 processes on two
+  machines, 1-4% faster than plain version 2 at 64 x 32K, 8 x 128K and (3 of 4) 64 x 128K; each
+  alone within noise. SERVING_CONFIG takes both.
+
 Next steps (performance; in order)
 ---------------------------------
+0. Deeper tile pipeline at 64 heads (the measured bound): a cluster of 2 CTAs that splits the 576
+   columns (CTA 0: latent 0-255 + rope, CTA 1: latent 256-511) halves each SM's Q and tile bytes,
+   so ~3x the tokens fit in flight; the partial scores [64, bk] f32 are summed through distributed
+   shared memory each tile, each CTA keeps its 256 output columns.
 1. (Done as version 2, pending the GPU numbers.) Stop duplicating QK^T.
 2. (Done as version 3 `seesaw`, pending the GPU numbers.) Overlap one warpgroup's softmax with the
    other's P @ C. If it helps: skip the accumulator rescale when the row max did not move (a warp
@@ -265,6 +291,7 @@ NUM_SMS = 132
 _SMEM_LIMIT = 227 * 1024          # max dynamic shared memory per CTA on sm_90 (232,448 B)
 _SMEM_RESERVED = 2048 + 512       # Mosaic's reduction scratch (CompilerParams default) + barriers
 _ROWS = 64                        # wgmma M: query rows per CTA
+_TMA_BOX_MAX = 256                # elements per dimension of one TMA box
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,10 +310,17 @@ class MgpuConfig:
     min_split_tokens: int = 0     # auto splits: at least this many tokens per split (0: 512 for
     #                               split_s, where the partials cost matters most, else 256)
     semantics: str = "Lane"       # Mosaic GPU lowering semantics ("Lane" or "Warpgroup")
+    l2_prefetch: int = 0          # split_s (versions 2, 3): also prefetch the pair this many pairs
+    #                               past each one issued into L2 (TMA prefetch: more bytes in flight
+    #                               than the shared-memory slots hold; 0: off)
+    bt_ahead: bool = False        # version 2: block-table entries read one step ahead (carried)
+    early_pv: bool = False        # version 2: own-tile P @ C issued before the P exchange wait
     finish: str = "xla"           # new tokens + combine: 'xla' or 'kernel' (mla_finish.finish_partials,
     #                               one Triton launch; [B, splits, M, A] partials only, not o_bmsa)
 
     def __post_init__(self):
+        if self.l2_prefetch < 0:
+            raise ValueError(f"MgpuConfig.l2_prefetch={self.l2_prefetch} must be >= 0")
         if self.finish not in mla_finish.FINISHES:
             raise ValueError(f"MgpuConfig.finish={self.finish!r} not in {mla_finish.FINISHES}")
 
@@ -418,24 +452,57 @@ def _install_interpret_shims():
 # ----------------------------------------------------------------------------------------------
 # The kernel.
 
-def _issue_tile(bt_ref, pool_ref, b, base, end, bk: int, dst, bar):
-    """TMA the `bk` cached tokens [base, base + bk) of row b into dst [bk, C], arriving on `bar`
-    (bk / page whole-page copies, or one part-page copy when page > bk). Positions at or past `end`
-    re-read the split's last real tokens (clamped to end - 1: finite cache data, never an index past
-    the row's block table; their scores are masked), so the copy count and the barrier's arrival
-    count never depend on the length. A tile that starts past `end` (version 2's padding tile of an
-    odd tile count) becomes a copy of the split's last page."""
+def _tile_positions(page: int, base, end, bk: int):
+    """The first cached position of each page copy of the `bk` tokens [base, base + bk): bk / page
+    whole pages, or one part of a page when page > bk. Positions at or past `end` re-read the split's
+    last real tokens (clamped to end - 1: finite cache data, never an index past the row's block
+    table; their scores are masked), so the copy count never depends on the length; and to >= 0, so a
+    look-ahead past an empty split still reads a valid block-table entry. A tile that starts past
+    `end` (version 2's padding tile of an odd tile count) becomes a copy of the split's last page."""
+    return [jnp.maximum(jnp.minimum(base + i * page, end - 1), 0)
+            for i in range(max(1, bk // page))]
+
+
+def _tile_page_ids(bt_ref, page: int, b, base, end, bk: int):
+    """The pool pages (block-table entries of row b) of the tile's copies."""
+    return tuple(bt_ref[b, pos // page] for pos in _tile_positions(page, base, end, bk))
+
+
+def _tile_copies(bt_ref, pool_ref, b, base, end, bk: int, pgs=None):
+    """The page copies of the tile [base, base + bk) of row b: [(source ref in the pool, destination
+    rows of the [bk, C] tile or None for all)]; `pgs`: its page ids if already loaded
+    (`_tile_page_ids`), else read from the block table here."""
     page = pool_ref.shape[1]
+    pos = _tile_positions(page, base, end, bk)
+    if pgs is None:
+        pgs = _tile_page_ids(bt_ref, page, b, base, end, bk)
     if page <= bk:
-        for i in range(bk // page):
-            pos = jnp.minimum(base + i * page, end - 1)
-            pg = bt_ref[b, pos // page]
-            plgpu.copy_gmem_to_smem(pool_ref.at[pg], dst.at[pl.ds(i * page, page)], bar)
-    else:
-        pos = jnp.minimum(base, end - 1)
-        pg = bt_ref[b, pos // page]
-        off = pl.multiple_of(pos % page // bk * bk, bk)
-        plgpu.copy_gmem_to_smem(pool_ref.at[pg, pl.ds(off, bk)], dst, bar)
+        return [(pool_ref.at[pg], pl.ds(i * page, page)) for i, pg in enumerate(pgs)]
+    off = pl.multiple_of(pos[0] % page // bk * bk, bk)
+    return [(pool_ref.at[pgs[0], pl.ds(off, bk)], None)]
+
+
+def _issue_tile(bt_ref, pool_ref, b, base, end, bk: int, dst, bar, pgs=None):
+    """TMA the tile's page copies (`_tile_copies`) into dst [bk, C], all arriving on `bar` (so the
+    barrier's arrival count never depends on the length)."""
+    for src, rows in _tile_copies(bt_ref, pool_ref, b, base, end, bk, pgs):
+        plgpu.copy_gmem_to_smem(src, dst if rows is None else dst.at[rows], bar)
+
+
+def _prefetch_tile(bt_ref, pool_ref, b, base, end, bk: int):
+    """L2 prefetch (TMA; no shared memory, no barrier) of the pages `_issue_tile` would copy for the
+    same tile: a hint only, so the values and the barrier protocol are the same with or without it.
+    The Mosaic GPU interpreter has no rule for it: the kernels drop it there (`prefetch=0`). One
+    prefetch is one TMA box, whose every dimension must be <= 256 (the GPU run rejected a [16, 576]
+    box: "Window shape must be in [0, 256]"), so a page goes as equal column parts."""
+    c = pool_ref.shape[-1]
+    parts = -(-c // _TMA_BOX_MAX)
+    while c % parts:
+        parts += 1
+    w = c // parts                          # 576 -> 3 boxes of 192 columns (a TMA box is <= 256)
+    for src, _ in _tile_copies(bt_ref, pool_ref, b, base, end, bk):
+        for k in range(parts):
+            plgpu.async_prefetch(src.at[:, pl.ds(k * w, w)])
 
 
 def _lc(x, layout, interpret: bool):
@@ -489,21 +556,25 @@ def _scores(q_smem, tile, valid, qk_scale: float, interpret: bool):
 
 
 def _accumulate(acc, operands, interpret: bool):
-    """acc + sum of P @ C over operands() = [(P ref [64, bk], C ref [bk, bn]), ...]; waits for the
-    wgmmas (so their shared memory is free afterwards). `operands` is called inside the scope: a ref
+    """acc + sum of P @ C over operands() = [(P ref [64, bk], C ref [bk, bn]), ...] (an item may
+    instead be a callable, called in order between the wgmma issues); waits for the wgmmas (so their
+    shared memory is free afterwards). `operands` is called inside the scope: a ref
     sliced by a literal index outside it comes back from run_state's lowering as a Python int, which
     Warpgroup semantics rejects."""
+    def issue(acc_ref):
+        for item in operands():
+            if callable(item):   # e.g. a barrier between the wgmmas (version 2's early_pv)
+                item()
+            else:
+                plgpu.wgmma(acc_ref, *item)
+
     if interpret:   # the interpreters (0.10.2, 0.11.2) lack run_state: same sum, two steps
         def f(acc_ref):
-            for p_ref, c_ref in operands():
-                plgpu.wgmma(acc_ref, p_ref, c_ref)
+            issue(acc_ref)
             return acc_ref[...]
         return acc + pl.run_scoped(f, plgpu.ACC(acc.shape, jnp.float32))
 
-    def g(acc_ref):   # accumulate in place (no second [64, bn] f32 in registers)
-        for p_ref, c_ref in operands():
-            plgpu.wgmma(acc_ref, p_ref, c_ref)
-    return pl.run_state(g)(plgpu.ACC.init(acc))
+    return pl.run_state(issue)(plgpu.ACC.init(acc))   # in place (no second [64, bn] f32 in registers)
 
 
 def _pair_scratch(c: int, dt, bk: int, stages: int, page: int):
@@ -520,14 +591,27 @@ def _pair_scratch(c: int, dt, bk: int, stages: int, page: int):
             plgpu.Barrier(num_arrivals=2, num_barriers=stages // 2))
 
 
-def _issue_pair(bt_ref, pool_ref, b, start, end, bk: int, k_smem, k_bars, i, ps):
+def _pair_page_ids(bt_ref, page: int, b, start, end, bk: int, i):
+    """The page ids of pair i's two tiles (read ahead of its `_issue_pair` with `bt_ahead`)."""
+    return tuple(_tile_page_ids(bt_ref, page, b, start + (2 * i + u) * bk, end, bk) for u in range(2))
+
+
+def _issue_pair(bt_ref, pool_ref, b, start, end, bk: int, prefetch: int, n_pairs, k_smem, k_bars,
+                i, ps, pgs=None):
     """TMA tiles 2i and 2i + 1 of the split into pair slot ps (tile slots 2 ps, 2 ps + 1). The padding
     tile of an odd tile count (2i + 1 == n_tiles) is clamped to the split's last page: finite, masked,
-    p = 0."""
+    p = 0. prefetch > 0: also an L2 prefetch of pair i + prefetch if the split has it (every pair
+    from `prefetch` on is prefetched once, `prefetch` pairs before its copy is issued). pgs: the
+    pair's page ids (`_pair_page_ids`) if already loaded."""
     for u in range(2):
         slot = 2 * ps + u
         _issue_tile(bt_ref, pool_ref, b, start + (2 * i + u) * bk, end, bk, k_smem.at[slot],
-                    k_bars.at[slot])
+                    k_bars.at[slot], None if pgs is None else pgs[u])
+    if prefetch:
+        @pl.when(i + prefetch < n_pairs)
+        def _():
+            for u in range(2):
+                _prefetch_tile(bt_ref, pool_ref, b, start + (2 * (i + prefetch) + u) * bk, end, bk)
 
 
 def _kernel(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages: int, splits: int,
@@ -670,7 +754,8 @@ def _write_partials(acc, m, l, o_ref, lse_ref, *, b, j, row0, col0, h, two_wg: b
                   **(dict(collective_axes="wg") if two_wg else {}))
 
 
-def _pair_program(len_ref, bt_ref, q_ref, pool_ref, o_ref, *, bk: int, stages: int, splits: int):
+def _pair_program(len_ref, bt_ref, q_ref, pool_ref, o_ref, *, bk: int, stages: int, splits: int,
+                  prefetch: int = 0):
     """What versions 2 and 3 know about their program before the loop: (b, split j, warpgroup h, C,
     the warpgroup's latent columns bn = A / 2, dtype, pair slots, the split's token range [start,
     end), its pairs of bk-token tiles (an odd tile count pads the last pair), the first query row,
@@ -682,9 +767,10 @@ def _pair_program(len_ref, bt_ref, q_ref, pool_ref, o_ref, *, bk: int, stages: i
     bn = o_ref.shape[-1] // 2
     start, end = _split_range(len_ref, b, j, splits, 2 * bk)   # whole pairs but the row's last
     n_tiles = jnp.where(end > start, (end - start + bk - 1) // bk, 0)
-    return (b, j, h, pool_ref.shape[2], bn, q_ref.dtype, stages // 2, start, end, (n_tiles + 1) // 2,
+    n_pairs = (n_tiles + 1) // 2
+    return (b, j, h, pool_ref.shape[2], bn, q_ref.dtype, stages // 2, start, end, n_pairs,
             pl.multiple_of(rb * _ROWS, _ROWS), pl.multiple_of(h * bn, bn),
-            functools.partial(_issue_pair, bt_ref, pool_ref, b, start, end, bk))
+            functools.partial(_issue_pair, bt_ref, pool_ref, b, start, end, bk, prefetch, n_pairs))
 
 
 def _prologue(q_ref, q_smem, q_bar, k_smem, k_bars, b, row0, issue_pair, npairs, n_pairs, *, q_wg,
@@ -701,8 +787,26 @@ def _prologue(q_ref, q_smem, q_bar, k_smem, k_bars, b, row0, issue_pair, npairs,
     plgpu.barrier_wait(q_bar)
 
 
+def _split_s_row_sums(leader, consumed, n_pairs, npairs, exchange, l_part, p_bar):
+    """Version 2 after its loop: warpgroup 0 drains the last pairs' releases (keeps its consumed
+    phases complete), then l = l_0 + l_1 through `exchange` (x slot h is free: the other warpgroup
+    read it before its last p_bar arrival). That exchange is also the "both past their loops" point;
+    the p_bar round after it makes sure both have read x_smem before the epilogue's staging reuses
+    the space. Returns l."""
+    @pl.when(leader)
+    def _():
+        @pl.loop(jnp.maximum(n_pairs - npairs, 0), n_pairs)
+        def _(i):
+            plgpu.barrier_wait(consumed.at[i % npairs])
+    l = exchange(l_part, jnp.add)
+    plgpu.barrier_arrive(p_bar)
+    plgpu.barrier_wait(p_bar)
+    return l
+
+
 def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages: int,
-                    splits: int, qk_scale: float, interpret: bool, o_bmsa: bool = False):
+                    splits: int, qk_scale: float, interpret: bool, o_bmsa: bool = False,
+                    prefetch: int = 0, bt_ahead: bool = False, early_pv: bool = False):
     """Version 2 ("split S", FlashMLA-style): 2 warpgroups per CTA, grid (row_blocks, splits, B).
     Per pair i of block_k-token tiles (2i, 2i + 1) of the split, warpgroup h:
       1. waits for tile 2i + h, S_h = Q tile^T [64, bk] (wgmma, K = C), scaled and masked, and
@@ -716,9 +820,16 @@ def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int
       5. releases the pair's two slots (consumed[pair slot], 2 arrivals); warpgroup 0 (which issues
          all TMA) waits for it and refills them with pair i + stages / 2.
     After the loop l = l_0 + l_1 is exchanged through x_smem once. See the module docstring for the
-    barrier argument (why one P buffer per warpgroup and one x slot per warpgroup are enough)."""
+    barrier argument (why one P buffer per warpgroup and one x slot per warpgroup are enough).
+    bt_ahead: the page ids of the pair the next refill issues are read from the block table at the
+    top of each step and carried, so the refill (on warpgroup 0's path, which the other warpgroup
+    waits for at the next exchange) issues its copies without a dependent global load.
+    early_pv: step 4's wgmma on this warpgroup's own P and tile is issued before the p_bar wait
+    (its P is written and fenced, its tile waited on), the other's after it, so the tensor cores
+    start while the warpgroups meet (same sum, the two products added in the other order)."""
     (b, j, h, c, bn, dt, npairs, start, end, n_pairs, row0, col0,
-     issue_pair) = _pair_program(len_ref, bt_ref, q_ref, pool_ref, o_ref, bk=bk, stages=stages, splits=splits)
+     issue_pair) = _pair_program(len_ref, bt_ref, q_ref, pool_ref, o_ref, bk=bk, stages=stages, splits=splits,
+                                  prefetch=prefetch)
 
     def main(q_smem, k_smem, p_smem, x_smem, k_bars, q_bar, consumed, x_bar, p_bar):
         leader = h == 0
@@ -733,10 +844,15 @@ def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int
             plgpu.barrier_wait(x_bar)
             return combine(x, _load_rows(x_smem.at[1 - h], interpret))
 
+        page = pool_ref.shape[1]
+
         def step(i, carry):
-            acc, m_prev, l_prev = carry
+            acc, m_prev, l_prev, pgs = carry
+            pgs_next = (_pair_page_ids(bt_ref, page, b, start, end, bk, i + npairs + 1)
+                        if bt_ahead else ())           # in flight for the whole step
             ps = i % npairs
             mine = 2 * ps + h
+            other = 2 * ps + 1 - h
             plgpu.barrier_wait(k_bars.at[mine])
             s = _scores(q_smem, k_smem.at[mine], end - (start + (2 * i + h) * bk), qk_scale,
                         interpret)
@@ -747,36 +863,34 @@ def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int
             acc = acc * lax.broadcast_in_dim(corr, acc.shape, [0])
             p_smem.at[h][...] = p.astype(dt)
             plgpu.commit_smem()                # P visible to both warpgroups' wgmmas
-            plgpu.barrier_arrive(p_bar)
-            plgpu.barrier_wait(p_bar)
-            # the other tile: complete (the other warpgroup waited on it before its x_bar
-            # arrival); waited here too so that this warpgroup sees the TMA's writes directly and
-            # observes every phase of every k barrier (per-thread parity bits)
-            plgpu.barrier_wait(k_bars.at[2 * ps + 1 - h])
-            acc = _accumulate(acc, lambda: [(p_smem.at[u], k_smem.at[2 * ps + u].at[:, pl.ds(col0, bn)])
-                                            for u in range(2)], interpret)
+
+            def meet():
+                plgpu.barrier_arrive(p_bar)
+                plgpu.barrier_wait(p_bar)
+                # the other tile: complete (the other warpgroup waited on it before its x_bar
+                # arrival); waited here too so that this warpgroup sees the TMA's writes directly
+                # and observes every phase of every k barrier (per-thread parity bits)
+                plgpu.barrier_wait(k_bars.at[other])
+
+            def pv(u):
+                return p_smem.at[u], k_smem.at[2 * ps + u].at[:, pl.ds(col0, bn)]
+            if early_pv:
+                acc = _accumulate(acc, lambda: [pv(h), meet, pv(1 - h)], interpret)
+            else:
+                meet()
+                acc = _accumulate(acc, lambda: [pv(u) for u in range(2)], interpret)
             plgpu.barrier_arrive(consumed.at[ps])       # this warpgroup is done with the pair
 
             @pl.when(jnp.logical_and(leader, i + npairs < n_pairs))
             def _():
                 plgpu.barrier_wait(consumed.at[ps])     # ... and so is the other one
-                issue_pair(k_smem, k_bars, i + npairs, ps)
-            return acc, m_next, l_next
+                issue_pair(k_smem, k_bars, i + npairs, ps, pgs or None)
+            return acc, m_next, l_next, pgs_next
 
-        acc, m, l_part = lax.fori_loop(0, n_pairs, step, _init_carry(bn, interpret))
+        pgs0 = _pair_page_ids(bt_ref, page, b, start, end, bk, npairs) if bt_ahead else ()
+        acc, m, l_part, _ = lax.fori_loop(0, n_pairs, step, _init_carry(bn, interpret) + (pgs0,))
 
-        @pl.when(leader)
-        def _():   # drain the last pairs' releases (keeps the leader's consumed phases complete)
-            @pl.loop(jnp.maximum(n_pairs - npairs, 0), n_pairs)
-            def _(i):
-                plgpu.barrier_wait(consumed.at[i % npairs])
-        # l = l_0 + l_1 (x slot h is free: the other warpgroup read it before its last p_bar
-        # arrival). This exchange is also the "both past their loops" point; the p_bar round after
-        # it makes sure both have read x_smem before the epilogue's staging reuses the space.
-        l = exchange(l_part, jnp.add)
-        plgpu.barrier_arrive(p_bar)
-        plgpu.barrier_wait(p_bar)
-        return acc, m, l
+        return acc, m, _split_s_row_sums(leader, consumed, n_pairs, npairs, exchange, l_part, p_bar)
 
     acc, m, l = pl.run_scoped(
         main,
@@ -790,7 +904,8 @@ def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int
 
 
 def _kernel_seesaw(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages: int,
-                   splits: int, qk_scale: float, interpret: bool, o_bmsa: bool = False):
+                   splits: int, qk_scale: float, interpret: bool, o_bmsa: bool = False,
+                   prefetch: int = 0):
     """Version 3 ("seesaw", FlashMLA's schedule): version 2's pairs and partials contract, but the
     warpgroups no longer run in lockstep. Per pair i (tile a = 2i, b = 2i + 1; m = the shared running
     max after pair i - 1, identical in both warpgroups), warpgroup 0 (output columns L = [0, A/2)):
@@ -809,7 +924,8 @@ def _kernel_seesaw(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int,
     warpgroup 0's next S. Every accumulator and l ends a pair relative to m_b (see the module
     docstring for the algebra and the barrier argument); after the loop l = l_0 + l_1 through x."""
     (b, j, h, c, bn, dt, npairs, start, end, n_pairs, row0, col0,
-     issue_pair) = _pair_program(len_ref, bt_ref, q_ref, pool_ref, o_ref, bk=bk, stages=stages, splits=splits)
+     issue_pair) = _pair_program(len_ref, bt_ref, q_ref, pool_ref, o_ref, bk=bk, stages=stages, splits=splits,
+                                  prefetch=prefetch)
 
     def bcast(v, shape):
         return lax.broadcast_in_dim(v, shape, [0])
@@ -1006,7 +1122,10 @@ def mla_decode_partials_mgpu(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, leng
         kernel = functools.partial(_kernel_seesaw if cfg.seesaw else _kernel_split_s,
                                    bk=cfg.block_k, stages=cfg.stages,
                                    splits=splits, qk_scale=float(scale) * _LOG2E, interpret=interp,
-                                   o_bmsa=cfg.o_bmsa)
+                                   o_bmsa=cfg.o_bmsa,
+                                   prefetch=0 if interp else cfg.l2_prefetch,
+                                   **({} if cfg.seesaw else dict(bt_ahead=cfg.bt_ahead,
+                                                                 early_pv=cfg.early_pv)))
         extra = dict(reduction_scratch_bytes=_SPLIT_S_REDUCTION_SCRATCH)
     else:
         kernel = functools.partial(_kernel, bk=cfg.block_k, stages=cfg.stages, splits=splits,
@@ -1116,13 +1235,16 @@ CASES = {
     "default": ((1, 32768), (8, 32768), (64, 4096), (64, 32768)),
     "full": ((64, 32768), (64, 131072), (8, 32768), (1, 32768), (64, 4096), (8, 131072),
              (1, 131072), (8, 4096), (1, 4096)),
+    "large": ((64, 32768), (64, 131072), (8, 131072), (8, 32768)),   # the memory-bound cases
 }
 _MAX_CASE_BYTES = 40e9            # skip a case whose cache alone would exceed this
 
 
 # What kimi_jax.ops runs: version 2 (split S), the fastest config at every case of the 64-head grid from
-# 1 x 32K up on the H200 (BENCHMARKS.md, fourth session: 82-88% of copy at B = 64 x 32K / 128K).
-SERVING_CONFIG = MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True)
+# 1 x 32K up on the H200 (BENCHMARKS.md, fourth session: 82-88% of copy at B = 64 x 32K / 128K), with
+# the page ids read a step ahead and the own-tile P @ C before the P exchange (round 10: 1-4% faster).
+SERVING_CONFIG = MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True, bt_ahead=True,
+                            early_pv=True)
 
 
 def default_configs(semantics: str = "Lane") -> dict:
@@ -1143,6 +1265,22 @@ def default_configs(semantics: str = "Lane") -> dict:
         "wg2s_k32s4_bmsa": dataclasses.replace(ss, o_bmsa=True),
         "wg2ss_k32s4_bmsa": dataclasses.replace(ss, seesaw=True, o_bmsa=True),
         "wg2s_k32s4_fin": dataclasses.replace(ss, finish="kernel"),
+        "wg2s_k32s4_bta_epv": dataclasses.replace(ss, bt_ahead=True, early_pv=True),  # serving
+    }
+
+
+def variant_configs(semantics: str = "Lane") -> dict:
+    """Measured one-off variants of version 2, by name for `--configs` (not in the default run):
+    the serving options alone (_bta, _epv), the pipeline depth (k32s2: one pair of tiles in flight;
+    k16s8 / k16s6: 16-token tiles, 4 / 3 pairs) and L2 prefetches 1, 2, 4 pairs ahead (_pf*)."""
+    ss = MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True, semantics=semantics)
+    return {
+        "wg2s_k32s4_bta": dataclasses.replace(ss, bt_ahead=True),
+        "wg2s_k32s4_epv": dataclasses.replace(ss, early_pv=True),
+        "wg2s_k32s2": dataclasses.replace(ss, stages=2),
+        "wg2s_k16s8": dataclasses.replace(ss, block_k=16, stages=8),
+        "wg2s_k16s6": dataclasses.replace(ss, block_k=16, stages=6),
+        **{f"wg2s_k32s4_pf{d}": dataclasses.replace(ss, l2_prefetch=d) for d in (1, 2, 4)},
     }
 
 
@@ -1252,15 +1390,16 @@ def _main(argv):
         else:
             raise SystemExit(f"unknown argument {arg} (--out=DIR, --semantics=Lane|Warpgroup, "
                              f"--budget_s=S, --cases={'|'.join(CASES)}, --configs=NAME,... of "
-                             f"{','.join(default_configs())})")
+                             f"{','.join({**default_configs(), **variant_configs()})})")
     if cases not in CASES:
         raise SystemExit(f"--cases={cases}: one of {', '.join(CASES)}")
     configs = default_configs(semantics)
     if names:
-        unknown = set(names) - set(configs)
+        known = {**configs, **variant_configs(semantics)}
+        unknown = set(names) - set(known)
         if unknown:
-            raise SystemExit(f"unknown configs {sorted(unknown)}: known {', '.join(configs)}")
-        configs = {n: configs[n] for n in names}
+            raise SystemExit(f"unknown configs {sorted(unknown)}: known {', '.join(known)}")
+        configs = {n: known[n] for n in names}
     if budget is None:   # seconds after which no new timing case starts (the run ends ~1 case later)
         budget = 140.0 if cases == "default" else 220.0
     check_and_time(out, semantics=semantics, budget_s=budget, cases=CASES[cases], configs=configs)

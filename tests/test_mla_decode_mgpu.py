@@ -81,16 +81,21 @@ def test_two_warpgroup_variant(lengths, heads, t, page, splits):
 # (b) 0 (new token only), 128 rows (two row blocks), page 64 (half-page copies, the padding tile's
 #     clamped part-page copy), 280 tokens = 9 tiles = 5 pairs > 2 pair slots (refills gated by the
 #     consumed barrier). The interpreter costs ~2-4 s per CTA: 6 + 4 CTAs here.
+# The serving options on top (bt_ahead: page ids read one step ahead and carried; early_pv: the own
+# tile's P @ C issued before the P exchange; l2_prefetch: a GPU-only hint the interpreter drops).
 @needs_interpreter
-@pytest.mark.parametrize("lengths,t,page,splits", [
-    ([1, 16, 97], 1, 16, 2),
-    ([280, 0], 2, 64, 1),
+@pytest.mark.parametrize("lengths,t,page,splits,options", [
+    ([1, 16, 97], 1, 16, 2, {}),
+    ([280, 0], 2, 64, 1, {}),
+    ([1, 16, 97], 1, 16, 2, dict(bt_ahead=True, early_pv=True)),
+    ([280, 0], 2, 64, 1, dict(bt_ahead=True, early_pv=True, l2_prefetch=1)),
 ])
-def test_split_s_variant(lengths, t, page, splits):
+def test_split_s_variant(lengths, t, page, splits, options):
     """split_s: each warpgroup scores one tile of a pair, the row maxima and the final row sums are
     exchanged through shared memory; run under the race detector (no cross-warpgroup race)."""
     args = mg.make_case(jax.random.key(11), lengths, heads=64, t=t, page=page)
-    cfg = mg.MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True, num_splits=splits)
+    cfg = mg.MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True, num_splits=splits,
+                        **options)
     _check(args, cfg, interpret=mg.interpret_params(detect_races=True))
     assert mg.races_found() in (False, None)
 
@@ -165,8 +170,9 @@ def test_o_bmsa_layout():
 @pytest.mark.parametrize("block_k,page,wgs,split_s,seesaw", [
     (64, 16, 1, False, False), (32, 64, 1, False, False), (32, 16, 2, False, False),
     (32, 16, 2, True, False), (32, 64, 2, True, False), (32, 16, 2, True, True),
-    (32, 16, 2, True, "bmsa")])
-def test_lowers_for_cuda(semantics, block_k, page, wgs, split_s, seesaw):
+    (32, 16, 2, True, "bmsa"), (32, 16, 2, True, "serving"), (32, 64, 2, True, "serving"),
+    (32, 16, 2, True, "prefetch"), (32, 64, 2, True, "prefetch")])
+def test_lowers_for_cuda(semantics, block_k, page, wgs, split_s, seesaw, monkeypatch):
     """The GPU path (no interpreter) lowers to Mosaic GPU MLIR for cuda on a CPU-only host (the
     lowering also checks the CTA's shared memory against the 227 KiB of sm_90: the split_s config
     resolves to 4 stages, 231,496 B; seesaw: 2 more barriers, 231,512 B)."""
@@ -175,14 +181,33 @@ def test_lowers_for_cuda(semantics, block_k, page, wgs, split_s, seesaw):
     args = (S((B, 1, 64, 512), jnp.bfloat16), S((B, 1, 64, 64), jnp.bfloat16),
             S((B, 1, 576), jnp.bfloat16), S((B * P, page, 576), jnp.bfloat16), S((B, P), jnp.int32),
             S((B, 1), jnp.int32))
+    # "bmsa": seesaw + o_bmsa; "serving": SERVING_CONFIG's options; "prefetch": L2 prefetches
+    variant = seesaw if isinstance(seesaw, str) else ""
     cfg = mg.MgpuConfig(block_k=block_k, semantics=semantics, warpgroups=wgs, split_s=split_s,
-                        seesaw=bool(seesaw), o_bmsa=seesaw == "bmsa")   # "bmsa": seesaw + o_bmsa
+                        seesaw=variant == "bmsa" or seesaw is True, o_bmsa=variant == "bmsa",
+                        bt_ahead=variant == "serving", early_pv=variant == "serving",
+                        l2_prefetch=2 if variant == "prefetch" else 0)
+    boxes = []
+    prefetch = mg.plgpu.async_prefetch
+
+    def recorded(ref, **kw):
+        boxes.append(tuple(ref.shape))
+        return prefetch(ref, **kw)
+    monkeypatch.setattr(mg.plgpu, "async_prefetch", recorded)
     f = jax.jit(lambda *a: mg.mla_paged_attention_mgpu(*a, SCALE, config=cfg))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+    if variant == "prefetch":   # one TMA box is <= 256 per dimension: a [rows, 576] page goes in 3
+        # parts (the H200 rejected a [16, 576] box at run time, which lowering on CPU does not check)
+        assert boxes and set(boxes) == {(min(page, block_k), 192)}, boxes[:3]
+    else:
+        assert not boxes
 
 
 def test_resolve_config_and_validation():
+    with pytest.raises(ValueError, match="l2_prefetch"):
+        mg.MgpuConfig(l2_prefetch=-1)
+    assert mg.SERVING_CONFIG.bt_ahead and mg.SERVING_CONFIG.early_pv and mg.SERVING_CONFIG.split_s
     cfg = mg.resolve_config(mg.MgpuConfig(block_k=64), batch=1, rows=64, max_tokens=32768)
     assert cfg.stages == 2 and cfg.num_splits == 66               # 2 halves x 66 splits = 132 CTAs
     cfg = mg.resolve_config(mg.MgpuConfig(block_k=32), batch=64, rows=64, max_tokens=4096)
@@ -218,3 +243,20 @@ def test_resolve_config_and_validation():
     with pytest.raises(ValueError, match="shared memory"):
         mg.mla_decode_partials_mgpu(q_lat[:, 0], q_pe[:, 0], pool, bt, jnp.asarray([5]),
                                     scale=SCALE, config=mg.MgpuConfig(block_k=64, stages=3))
+
+
+@pytest.mark.skipif(mg.plgpu is None, reason="no jax.experimental.pallas.mosaic_gpu")
+def test_ablation_variants_lower_for_cuda():
+    """pallas_kernels/mla_ablate.py (timing-only variants of version 2): every variant still lowers
+    for cuda, and swapping the kernel in for tracing leaves the module's own kernel in place."""
+    from pallas_kernels import mla_ablate
+    B, P = 2, 32
+    S = jax.ShapeDtypeStruct
+    args = (S((B, 1, 64, 512), jnp.bfloat16), S((B, 1, 64, 64), jnp.bfloat16),
+            S((B, 1, 576), jnp.bfloat16), S((B * P, 16, 576), jnp.bfloat16), S((B, P), jnp.int32),
+            S((B, 1), jnp.int32))
+    kernel = mg._kernel_split_s
+    for name in mla_ablate.VARIANTS:
+        text = mla_ablate.partials_fn(name).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text, name
+    assert mg._kernel_split_s is kernel
