@@ -14,6 +14,8 @@ Variants (names as printed):
   noPV       no P @ C wgmma
   noS        no S = Q K^T wgmma (scores = 0)
   noS_noPV   no wgmma at all: the tile pipeline, barriers and softmax alone
+  pipeline_only  no wgmma and no exchanges: the tile waits, softmax and refills (added after the
+             measured run below: untimed)
   full2      the full kernel again, last (the spread of the run)
 
 Run on the GPU (one H200, ~45 s): `PYTHONPATH=. python -m pallas_kernels.mla_ablate` -> per case (64 x 32K
@@ -37,7 +39,8 @@ plgpu = mg.plgpu
 
 VARIANTS = {"full": frozenset(), "nobt": {"nobt"}, "nomask": {"nomask"}, "norescale": {"norescale"},
             "nox": {"nox"}, "nop": {"nop"}, "nox_nop": {"nox", "nop"}, "noPV": {"noPV"},
-            "noS": {"noS"}, "noS_noPV": {"noS", "noPV"}, "full2": frozenset()}
+            "noS": {"noS"}, "noS_noPV": {"noS", "noPV"},
+            "pipeline_only": {"noS", "noPV", "nox", "nop"}, "full2": frozenset()}
 CASES = ((64, 32768), (64, 131072))
 
 

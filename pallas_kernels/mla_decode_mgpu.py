@@ -234,10 +234,12 @@ What bounds version 2 at 64 heads (H200, jax 0.11.2, 2026-11-30; BENCHMARKS.md "
 
 Next steps (performance; in order)
 ---------------------------------
-0. Deeper tile pipeline at 64 heads (the measured bound): a cluster of 2 CTAs that splits the 576
-   columns (CTA 0: latent 0-255 + rope, CTA 1: latent 256-511) halves each SM's Q and tile bytes,
-   so ~3x the tokens fit in flight; the partial scores [64, bk] f32 are summed through distributed
-   shared memory each tile, each CTA keeps its 256 output columns.
+0. Find which half of the measured bound it is: `mla_ablate`'s `pipeline_only` variant (no wgmma
+   and no exchanges: only the tile waits and refills) is untimed. If it streams near the copy, the
+   per-pair handshakes are the cost (fewer, or overlapped with the next pair's S); if it stays near
+   85%, the pair-granular refill is (tiles released one at a time, or a 2-CTA cluster splitting the
+   576 columns: Q 40 / 32 KiB per SM instead of 72, ~20% more tile bytes in flight, partial scores
+   summed through distributed shared memory; the Mosaic GPU interpreter does not model clusters).
 1. (Done as version 2, pending the GPU numbers.) Stop duplicating QK^T.
 2. (Done as version 3 `seesaw`, pending the GPU numbers.) Overlap one warpgroup's softmax with the
    other's P @ C. If it helps: skip the accumulator rescale when the row max did not move (a warp
