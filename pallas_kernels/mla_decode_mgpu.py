@@ -64,6 +64,13 @@ Verified on an H200 (jax 0.11.2, Lane): versions 1 and 1b compile, pass the chec
 the version 2 notes below. Unverified until a GPU run: version 2 (compilation, barrier phases on
 hardware, registers, speed).
 
+Interpreter runs outside the test suite: run them with the suite's
+`XLA_FLAGS=--xla_force_host_platform_device_count=8` (tests/conftest.py). With the default single CPU
+device on a 2-core machine the two-warpgroup kernels deadlocked the interpreter in 3 of 4 runs
+(seventh session, jax 0.10.2 and 0.11.2, plain version 2 as well as the new options): one warpgroup's
+barrier-wait callback blocks while the other warpgroup's XLA execution makes no progress (a host
+thread pool too small for the blocked callbacks, by the stacks); with 8 devices 5 of 5 runs finished.
+
 Known limitations
 -----------------
 - bf16 only (cache and queries), A a multiple of 256 (halves of 256 columns), R = 64 (so C = A + R is
