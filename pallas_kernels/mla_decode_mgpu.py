@@ -221,10 +221,10 @@ whether XLA fused the transpose into the combine anyway (then no gain).
 Version 2 options `bt_ahead`, `early_pv` (SERVING_CONFIG since the seventh session), `l2_prefetch`
 -----------------------------------------------------------------------------------------------------
 What bounds version 2 at 64 heads (H200, jax 0.11.2, 2026-11-30; BENCHMARKS.md "MLA round 10"):
-- Pipeline depth: one pair of tiles in flight (`stages=2`) streams at 42-44% of copy, two pairs (the
-  default 4 stages) at 80-88%: twice the bytes in flight, twice the speed. Q (72 KiB) and 4 tiles of
+- Pipeline depth: one pair of tiles in flight (`stages=2`) streams at 41-44% of copy, two pairs (the
+  default 4 stages) at 73-88%: twice the bytes in flight, twice the speed. Q (72 KiB) and 4 tiles of
   36 KiB fill the 227 KiB, so a third pair does not fit. 16-token tiles (8 or 6 stages: 4 or 3
-  pairs of the same bytes) are slower (57-61%): S = Q K^T with N = 16 re-reads Q from shared memory
+  pairs of the same bytes) are slower (55-61%): S = Q K^T with N = 16 re-reads Q from shared memory
   per 16 tokens instead of 32.
 - Ablations (`pallas_kernels/mla_ablate.py`: the same kernel with one piece removed, timing only):
   with NO wgmma at all (neither S nor P @ C) the kernel is no faster than the full one (~85% of copy):
