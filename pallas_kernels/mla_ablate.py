@@ -129,7 +129,7 @@ def make_kernel(drop):
 def partials_fn(name: str):
     """A jitted (q_lat, q_pe, new, pool, block_table, positions) -> partials of variant `name` (the
     plain version 2 config; the variant's kernel swapped in while it is traced)."""
-    cfg = mg.MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True)
+    cfg = mg.VERSION_2
 
     def f(q_lat, q_pe, new, pool, bt, pos):
         del new

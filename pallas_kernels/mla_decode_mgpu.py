@@ -1252,8 +1252,8 @@ _MAX_CASE_BYTES = 40e9            # skip a case whose cache alone would exceed t
 # What kimi_jax.ops runs: version 2 (split S), the fastest config at every case of the 64-head grid from
 # 1 x 32K up on the H200 (BENCHMARKS.md, fourth session: 82-88% of copy at B = 64 x 32K / 128K), with
 # the page ids read a step ahead and the own-tile P @ C before the P exchange (round 10: 1-4% faster).
-SERVING_CONFIG = MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True, bt_ahead=True,
-                            early_pv=True)
+VERSION_2 = MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True)   # plain, no options
+SERVING_CONFIG = dataclasses.replace(VERSION_2, bt_ahead=True, early_pv=True)
 
 
 def default_configs(semantics: str = "Lane") -> dict:
@@ -1262,8 +1262,8 @@ def default_configs(semantics: str = "Lane") -> dict:
     256 and 1024 (they differ only where that cap binds: B = 1, and B = 8 at 4K), and version 3
     (wg2ss_k32s4: split S on the seesaw schedule, otherwise as wg2s_k32s4); *_bmsa: o written as
     [B, M, splits, A] (no transpose before the combine); *_fin: new tokens + combine in one Triton
-    launch (mla_finish.py)."""
-    ss = MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True, semantics=semantics)
+    launch (mla_finish.py); *_bta_epv: SERVING_CONFIG."""
+    ss = dataclasses.replace(VERSION_2, semantics=semantics)
     return {
         "k64": MgpuConfig(block_k=64, semantics=semantics),
         "wg2_k32s4": MgpuConfig(block_k=32, stages=4, warpgroups=2, semantics=semantics),
@@ -1274,7 +1274,7 @@ def default_configs(semantics: str = "Lane") -> dict:
         "wg2s_k32s4_bmsa": dataclasses.replace(ss, o_bmsa=True),
         "wg2ss_k32s4_bmsa": dataclasses.replace(ss, seesaw=True, o_bmsa=True),
         "wg2s_k32s4_fin": dataclasses.replace(ss, finish="kernel"),
-        "wg2s_k32s4_bta_epv": dataclasses.replace(ss, bt_ahead=True, early_pv=True),  # serving
+        "wg2s_k32s4_bta_epv": dataclasses.replace(SERVING_CONFIG, semantics=semantics),
     }
 
 
@@ -1282,7 +1282,7 @@ def variant_configs(semantics: str = "Lane") -> dict:
     """Measured one-off variants of version 2, by name for `--configs` (not in the default run):
     the serving options alone (_bta, _epv), the pipeline depth (k32s2: one pair of tiles in flight;
     k16s8 / k16s6: 16-token tiles, 4 / 3 pairs) and L2 prefetches 1, 2, 4 pairs ahead (_pf*)."""
-    ss = MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True, semantics=semantics)
+    ss = dataclasses.replace(VERSION_2, semantics=semantics)
     return {
         "wg2s_k32s4_bta": dataclasses.replace(ss, bt_ahead=True),
         "wg2s_k32s4_epv": dataclasses.replace(ss, early_pv=True),

@@ -24,7 +24,9 @@ memory traffic), as in moe_gmm's pair tiles. Duplicate experts across tokens are
 Variants (MoeGmmConfig): `split_k_down` splits the down kernel's K loop over several programs per
 output block (relaxed f32 atomics into a zeroed buffer); on the H200 (sixth session, swept configs
 in the repacked i16 layout only) 2 splits timed 71.1 us at T = 1 against the default's 72.8 us in i32,
-inside the run-to-run spread, so it stays an option.
+inside the run-to-run spread; in i32 (seventh session, one run) the split configs took 70.5-72.5 us
+against the default's 76.7, while the default itself moved 72.8 -> 76.7 us between the runs: it stays
+an option until a repeat.
 `moe_decode_single` (decode='single') is the whole layer in ONE launch, the down projection split
 along F where gate/up produced h; on the H200 it was slower than the default (95-152 vs 77-80 us at
 T = 1, BENCHMARKS.md), so it stays a measured option.

@@ -165,6 +165,14 @@ def test_o_bmsa_layout():
     _check(args, cfg)
 
 
+def _abstract_args(page: int, B: int = 2, P: int = 32):
+    """The full op's arguments as shapes (64 heads, T = 1, Kimi's A / R), for lowering on CPU."""
+    S = jax.ShapeDtypeStruct
+    return (S((B, 1, 64, 512), jnp.bfloat16), S((B, 1, 64, 64), jnp.bfloat16),
+            S((B, 1, 576), jnp.bfloat16), S((B * P, page, 576), jnp.bfloat16), S((B, P), jnp.int32),
+            S((B, 1), jnp.int32))
+
+
 @pytest.mark.skipif(mg.plgpu is None, reason="no jax.experimental.pallas.mosaic_gpu")
 @pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
 @pytest.mark.parametrize("block_k,page,wgs,split_s,seesaw", [
@@ -176,11 +184,7 @@ def test_lowers_for_cuda(semantics, block_k, page, wgs, split_s, seesaw, monkeyp
     """The GPU path (no interpreter) lowers to Mosaic GPU MLIR for cuda on a CPU-only host (the
     lowering also checks the CTA's shared memory against the 227 KiB of sm_90: the split_s config
     resolves to 4 stages, 231,496 B; seesaw: 2 more barriers, 231,512 B)."""
-    B, P = 2, 32
-    S = jax.ShapeDtypeStruct
-    args = (S((B, 1, 64, 512), jnp.bfloat16), S((B, 1, 64, 64), jnp.bfloat16),
-            S((B, 1, 576), jnp.bfloat16), S((B * P, page, 576), jnp.bfloat16), S((B, P), jnp.int32),
-            S((B, 1), jnp.int32))
+    args = _abstract_args(page)
     # "bmsa": seesaw + o_bmsa; "serving": SERVING_CONFIG's options; "prefetch": L2 prefetches
     variant = seesaw if isinstance(seesaw, str) else ""
     cfg = mg.MgpuConfig(block_k=block_k, semantics=semantics, warpgroups=wgs, split_s=split_s,
@@ -250,11 +254,7 @@ def test_ablation_variants_lower_for_cuda():
     """pallas_kernels/mla_ablate.py (timing-only variants of version 2): every variant still lowers
     for cuda, and swapping the kernel in for tracing leaves the module's own kernel in place."""
     from pallas_kernels import mla_ablate
-    B, P = 2, 32
-    S = jax.ShapeDtypeStruct
-    args = (S((B, 1, 64, 512), jnp.bfloat16), S((B, 1, 64, 64), jnp.bfloat16),
-            S((B, 1, 576), jnp.bfloat16), S((B * P, 16, 576), jnp.bfloat16), S((B, P), jnp.int32),
-            S((B, 1), jnp.int32))
+    args = _abstract_args(16)
     kernel = mg._kernel_split_s
     for name in mla_ablate.VARIANTS:
         text = mla_ablate.partials_fn(name).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
