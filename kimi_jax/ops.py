@@ -307,6 +307,21 @@ def use_mla_decode_kernel(choice: Optional[str]):
     return _forced("_MLA_DECODE_KERNEL", choice, MLA_DECODE_KERNELS, "MLA decode kernel")
 
 
+# How the decode kernels share a step's cached tokens among their programs (read at trace time):
+# None = each kernel's default, 'rows' (every row split into the same number of parts of its own
+# length) or 'balanced' (pallas_kernels.mla_decode.balanced_items: parts of one size across the
+# batch). Measured on the H200 (BENCHMARKS.md, eighth session): 'balanced' is 1.5-6.5x faster on
+# batches of one long row among short ones and 0-20% slower on equal lengths at batch 64 (its
+# combine), so it is not the default; a caller that knows its batch is mixed can ask for it.
+_MLA_SCHEDULE: Optional[str] = None
+
+
+def use_mla_schedule(schedule: Optional[str]):
+    """Force the paged MLA decode kernels' work schedule inside the block: None, 'rows' or 'balanced'."""
+    from pallas_kernels.mla_decode import SCHEDULES
+    return _forced("_MLA_SCHEDULE", schedule, SCHEDULES, "MLA decode schedule")
+
+
 def _is_hopper() -> bool:
     dev = jax.devices()[0]
     return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
@@ -362,10 +377,14 @@ def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: ja
             if same and mla_decode_kernel(T * N, A, R, page, q_lat.dtype, batch=B,
                                           context=table.shape[1] * page) == "mgpu":
                 from pallas_kernels import mla_decode_mgpu
+                cfg = mla_decode_mgpu.SERVING_CONFIG
+                if _MLA_SCHEDULE is not None:
+                    cfg = dataclasses.replace(cfg, schedule=_MLA_SCHEDULE)
                 return mla_decode_mgpu.mla_paged_attention_mgpu(
                     q_lat, q_pe, new, flat, table, positions, scale,
-                    config=mla_decode_mgpu.SERVING_CONFIG, interpret=jax.default_backend() != "gpu")
-            return mla_decode.mla_paged_attention(q_lat, q_pe, new, flat, table, positions, scale)
+                    config=cfg, interpret=jax.default_backend() != "gpu")
+            cfg = None if _MLA_SCHEDULE is None else mla_decode.MlaDecodeConfig(schedule=_MLA_SCHEDULE)
+            return mla_decode.mla_paged_attention(q_lat, q_pe, new, flat, table, positions, scale, config=cfg)
 
         if parallel is not None and parallel.mesh.size > 1:
             # a kernel is opaque to XLA's partitioner (it would gather every operand and run the whole

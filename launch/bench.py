@@ -284,6 +284,17 @@ def moe_sweep(name):
             ("fused_perm_d32w2_sk4", C(decode="fused", block_n_down=32, num_warps_down=2,
                                        split_k_down=4)),
         ],
+        # seventh session's i32 sweep put fused d32w2 sk4 at 70.5 us against the default's 76.7 (T=1),
+        # with the default itself moving 72.8 -> 76.7 between runs: both timed twice, alternately
+        "t1_pick": [
+            ("default", None),
+            ("fused_perm_d32w2_sk4", C(decode="fused", block_n_down=32, num_warps_down=2, split_k_down=4)),
+            ("fused_perm_d64w4_sk2", C(decode="fused", split_k_down=2)),
+            ("default_again", C()),
+            ("fused_perm_d32w2_sk4_again", C(decode="fused", block_n_down=32, num_warps_down=2,
+                                             split_k_down=4)),
+            ("fused_perm_d64w4_sk2_again", C(decode="fused", split_k_down=2)),
+        ],
         "small": [("default", None)],
     }
     return sweeps[name]

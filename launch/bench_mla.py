@@ -63,6 +63,11 @@ flags.DEFINE_list("table_orders", ["random"], "decode section: where each row's 
                   f"({', '.join(TABLE_ORDERS)}: see _table); each case runs with each")
 flags.DEFINE_list("check_cases", [], "check section: N:T:page cases instead of the built-in list "
                   "(8:1:16, 64:1:16, 64:4:16, 8:1:64, 64:1:64)")
+flags.DEFINE_list("mixed", [], "decode section: also mixed-length batches, B:long:short:heads cases (one row of "
+                  "`long` cached tokens, B - 1 rows of `short`), e.g. 8:131072:4096:64; --mixed_only skips the grid")
+flags.DEFINE_bool("mixed_only", False, "decode section: only the --mixed cases")
+flags.DEFINE_bool("balanced", False, "decode section: also time both kernels on the balanced schedule "
+                  "(MlaDecodeConfig / MgpuConfig schedule='balanced'; the --mixed cases always do)")
 
 _T0 = time.time()
 A, R, C = 512, 64, 576
@@ -268,33 +273,37 @@ def _op(name, cfg, scale):
     """The op a named variant times, (q_lat, q_pe, new, pool, table, positions) -> o: 'auto' /
     'triton' / 'mgpu' = kimi_jax.ops as the engine calls it (auto: its own choice; call under
     `_forced(name)`); 'mgpu_fin' = the Mosaic GPU serving config with the one-launch finish
-    (mla_finish.py); any other name = the Triton kernel with `cfg` (None: its automatic config)."""
+    (mla_finish.py); 'mgpu_bal' = it on the balanced schedule; any other name = the Triton kernel with `cfg` (None: its automatic config)."""
     from kimi_jax import ops
     from pallas_kernels import mla_decode as md
     if name in ("auto", "triton", "mgpu"):
         return lambda *a: ops.mla_paged_attention(*a, scale, impl="pallas")
-    if name == "mgpu_fin":
+    if name in ("mgpu_fin", "mgpu_bal"):
         import dataclasses
         from pallas_kernels import mla_decode_mgpu as mg
-        fin = dataclasses.replace(mg.SERVING_CONFIG, finish="kernel")
-        return lambda *a: mg.mla_paged_attention_mgpu(*a, scale, config=fin)
+        cfg = dataclasses.replace(mg.SERVING_CONFIG, **({"finish": "kernel"} if name == "mgpu_fin"
+                                                        else {"schedule": "balanced"}))
+        return lambda *a: mg.mla_paged_attention_mgpu(*a, scale, config=cfg)
     return lambda *a: md.mla_paged_attention(*a, scale, config=cfg)
 
 
-def _decode_case(B, ctx, N, copy_bps, pool, page, configs, key, order="random"):
+def _decode_case(B, ctx, N, copy_bps, pool, page, configs, key, order="random", lengths=None):
+    """One grid case: B rows of ctx - 1 cached tokens (or `lengths`, a mixed batch; ctx is then
+    the longest row + 1), each variant timed over L layers; returns the record."""
     import jax.numpy as jnp
     from kimi_jax import ops
     T = 1
     P = -(-ctx // page)
     per_layer = B * P
     L = max(1, min(8, pool.shape[0] // per_layer))
-    q_lat, q_pe, new, table, pos = _inputs(key, B, T, N, page, [ctx - T] * B, P, per_layer, jnp.bfloat16,
+    lengths = list(lengths) if lengths is not None else [ctx - T] * B
+    q_lat, q_pe, new, table, pos = _inputs(key, B, T, N, page, lengths, P, per_layer, jnp.bfloat16,
                                            order)
     scale = 192 ** -0.5
-    nbytes = L * B * (ctx - T) * C * 2
+    nbytes = L * sum(lengths) * C * 2
 
     row = dict(section="decode", B=B, ctx=ctx, N=N, page=page, layers=L, table_order=order,
-               bytes_per_row=(ctx - T) * C * 2,
+               bytes_per_row=(ctx - T) * C * 2, lengths=None if len(set(lengths)) == 1 else lengths,
                bytes=nbytes)
     args = (q_lat, q_pe, new, pool, table, pos)
     best = None
@@ -346,7 +355,9 @@ def section_decode(copy_bps):
         # 24 GiB pool: >= 2 layers of the largest case; pages scattered over all of it
         pool_pages = 2 * 256 // page * 2 if FLAGS.dry else (24 << 30) // (page * C * 2)
         pool = _pool(jax.random.PRNGKey(3), pool_pages, page, jnp.bfloat16)
-        rows += _decode_grid(copy_bps, pool, page, heads, batches, ctxs, sweep)
+        if not FLAGS.mixed_only:
+            rows += _decode_grid(copy_bps, pool, page, heads, batches, ctxs, sweep)
+        rows += _decode_mixed(copy_bps, pool, page)
         del pool
     return rows
 
@@ -368,6 +379,7 @@ def _decode_grid(copy_bps, pool, page, heads, batches, ctxs, sweep):
                         configs.append(("mgpu_fin", None))
                 if FLAGS.finish_variants:
                     configs.append(("fin", Cfg(finish="kernel")))
+                configs += _balanced_configs(N) if FLAGS.balanced else []
                 if (B, ctx) in ((1, 131072), (8, 131072), (64, 32768)) and not FLAGS.dry:   # try tilings
                     configs += sweep.get(N, [])
                 for order in FLAGS.table_orders:
@@ -380,7 +392,79 @@ def _decode_grid(copy_bps, pool, page, heads, batches, ctxs, sweep):
                         f"serving {r['serving']} {(r['t_serving'] or float('nan')) * 1e6:8.1f} us; best "
                         f"{r['t_kernel'] * 1e6:8.1f} us ({r['best']}) {r['kernel_bps'] / 1e9:6.0f} GB/s "
                         f"{r['pct_copy']:5.1f}% of copy; xla "
-                        f"{r['t_xla'] * 1e6 if r['t_xla'] else float('nan'):8.1f} us" if 't_kernel' in r else "failed"))
+                        f"{r['t_xla'] * 1e6 if r['t_xla'] else float('nan'):8.1f} us" if 't_kernel' in r else "failed") + "; " + _variant_times(r))
+    return rows
+
+
+def _check_mixed(spec, N, page, pool, configs, key, lengths):
+    """Each variant's output on one layer of a mixed case against the XLA path (bf16 outputs: the
+    same 1.6e-2 bound the check section's kernels meet); logged, and recorded as section 'check'."""
+    import jax.numpy as jnp
+    import numpy as np
+    from kimi_jax import ops
+    B, P = len(lengths), -(-(max(lengths) + 1) // page)
+    args = _inputs(key, B, 1, N, page, lengths, P, B * P, jnp.bfloat16)
+    scale = 192 ** -0.5
+    ref = np.asarray(ops.mla_paged_attention(*args[:3], pool, *args[3:], scale, impl="xla"), np.float32)
+    errs = {}
+    for name, cfg in configs:
+        with _forced(name):
+            out = _op(name, cfg, scale)(*args[:3], pool, *args[3:])
+        errs[name] = float(np.abs(np.asarray(out, np.float32) - ref).max())
+    ok = all(e <= 1.6e-2 for e in errs.values())
+    log(f"check mixed {spec}: max|variant-xla| " + " ".join(f"{k}={v:.2e}" for k, v in errs.items())
+        + (" OK" if ok else " FAILED"))
+    record(section="check", mixed=spec, errs=errs, ok=ok)
+
+
+def _variant_times(r):
+    """'name=us' of every variant timed in a case's record (the table shows the best only)."""
+    skip = ("t_kernel", "t_serving")
+    return " ".join(f"{k[2:]}={v * 1e6:.1f}" for k, v in r.items()
+                    if k.startswith("t_") and k not in skip and isinstance(v, float))
+
+
+def _balanced_configs(N):
+    """The balanced-schedule variants of a case: Triton ('bal') and, at 64-row multiples on a GPU,
+    the Mosaic GPU serving config ('mgpu_bal')."""
+    import jax
+    from pallas_kernels.mla_decode import MlaDecodeConfig as Cfg
+    return [("bal", Cfg(schedule="balanced"))] + (
+        [("mgpu_bal", None)] if N % 64 == 0 and jax.default_backend() == "gpu" else [])
+
+
+def _parse_mixed(spec):
+    try:
+        B, long, short, N = (int(v) for v in spec.split(":"))
+    except ValueError:
+        raise app.UsageError(f"--mixed: {spec!r} is not B:long:short:heads (four integers)") from None
+    if B < 2 or not 0 <= short <= long or N < 1:
+        raise app.UsageError(f"--mixed: {spec!r} needs B >= 2, 0 <= short <= long, heads >= 1")
+    return B, long, short, N
+
+
+def _decode_mixed(copy_bps, pool, page):
+    """--mixed: one long row and B - 1 short ones, the kernels the engine picks (for the longest
+    row, as kimi_jax.ops does) against the XLA path; % of copy over the bytes actually cached."""
+    import jax
+    rows = []
+    for spec in FLAGS.mixed:
+        B, long, short, N = _parse_mixed(spec)
+        if _over_budget():
+            log(f"budget reached: skipping mixed {spec}")
+            continue
+        configs = [("default", None)] + ([("mgpu", None)] if N % 64 == 0 and jax.default_backend() == "gpu"
+                                          else []) + _balanced_configs(N)
+        key = jax.random.PRNGKey(B + long + short + N)
+        lengths = [long] + [short] * (B - 1)
+        _check_mixed(spec, N, page, pool, configs, key, lengths)
+        r = _decode_case(B, long + 1, N, copy_bps, pool, page, configs, key, lengths=lengths)
+        rows.append(r)
+        log(f"mixed page={page} B={B} 1 x {long} + {B - 1} x {short} N={N}: " + (
+            f"serving {r['serving']} {(r['t_serving'] or float('nan')) * 1e6:8.1f} us; best "
+            f"{r['t_kernel'] * 1e6:8.1f} us ({r['best']}) {r['kernel_bps'] / 1e9:6.0f} GB/s "
+            f"{r['pct_copy']:5.1f}% of copy; xla {r['t_xla'] * 1e6 if r['t_xla'] else float('nan'):8.1f} us"
+            if 't_kernel' in r else "failed") + "; " + _variant_times(r))
     return rows
 
 
@@ -640,7 +724,9 @@ def table(copy_bps, read_bps, rows):
         tx, ts = r["t_xla"], r.get("t_serving")
         mb = r["bytes"] / r["layers"]
         nan = float("nan")
-        lines.append(f"| {r['B']} | {r['ctx']} | {r['N']} | {r.get('page')} | {r.get('table_order')} | "
+        ln = r.get("lengths")
+        ctx = f"1 x {ln[0]} + {len(ln) - 1} x {ln[1]}" if ln else r["ctx"]
+        lines.append(f"| {r['B']} | {ctx} | {r['N']} | {r.get('page')} | {r.get('table_order')} | "
                      f"{r['layers']} | {mb / 1e6:.1f} | "
                      f"{r.get('serving')} | {ts * 1e6 if ts else nan:.1f} | "
                      f"{100 * mb / ts / copy_bps if ts else nan:.1f} | "

@@ -121,7 +121,7 @@ def make_kernel(drop):
         acc, m, l = pl.run_scoped(main, *mg._pair_scratch(c, dt, bk, stages, page),
                                   plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2),
                                   collective_axes="wg")
-        mg._write_partials(acc, m, l, o_ref, lse_ref, b=b, j=j, row0=row0, col0=col0, h=h,
+        mg._write_partials(acc, m, l, o_ref, lse_ref, b=lax.axis_index("b"), j=j, row0=row0, col0=col0, h=h,
                            two_wg=True)
     return kernel
 

@@ -75,6 +75,11 @@ class MlaDecodeConfig:
     max_auto_block_m: int = 16    # auto block_m: pow2 >= rows, in [16, this]
     finish: str = "xla"           # new tokens + combine: 'xla' (einsums and merge) or 'kernel'
     #                               (mla_finish.finish_partials: one launch; timed no faster)
+    schedule: str = "rows"        # who reads which tokens (SCHEDULES): 'rows' (each row split into
+    #                               num_splits equal parts of its own length) or 'balanced' (the
+    #                               B x num_splits programs share the batch's tokens by length:
+    #                               `balanced_items`; a mixed-length batch no longer waits on its
+    #                               longest row's few programs). 'balanced' needs finish='xla', no fuse_new
 
     def __post_init__(self):
         for name in ("block_m", "block_k", "block_a"):
@@ -83,6 +88,22 @@ class MlaDecodeConfig:
                 raise ValueError(f"MlaDecodeConfig.{name}={v} must be a power of two >= 16")
         if self.finish not in mla_finish.FINISHES:
             raise ValueError(f"MlaDecodeConfig.finish={self.finish!r} not in {mla_finish.FINISHES}")
+        check_schedule("MlaDecodeConfig", self.schedule, self.finish, fuse_new=self.fuse_new)
+
+
+SCHEDULES = ("rows", "balanced")
+
+
+def check_schedule(owner: str, schedule: str, finish: str, *, fuse_new: bool = False, o_bmsa: bool = False):
+    """The schedule field of a decode config (both kernels): a known name, and 'balanced' only with
+    the XLA finish over [B, splits, M, A] partials (the combine then goes by each item's row)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"{owner}.schedule={schedule!r} not in {SCHEDULES}")
+    if schedule == "balanced":
+        bad = [n for n, v in (("finish='kernel'", finish == "kernel"), ("fuse_new", fuse_new),
+                              ("o_bmsa", o_bmsa)) if v]
+        if bad:
+            raise ValueError(f"{owner}.schedule='balanced' does not combine with {bad[0]}")
 
 
 # The first version (2026-11 H200 run): 2 pipeline stages (one page buffer, nothing overlapped),
@@ -141,7 +162,7 @@ def resolve_config(cfg: Optional[MlaDecodeConfig], batch: int, rows: int, max_to
 # The kernel.
 
 def _kernel(*refs, bk: int, ba: int, splits: int, a_blocks: int, scale: float, n_heads: int,
-            fuse_new: bool):
+            fuse_new: bool, balanced: bool = False, block_m: int = 0):
     if fuse_new:
         (len_ref,      # [B] int32 cached tokens per row
          bt_ref,       # [B, P] int32 page ids into the pool
@@ -156,7 +177,14 @@ def _kernel(*refs, bk: int, ba: int, splits: int, a_blocks: int, scale: float, n
     else:
         len_ref, bt_ref, ql_ref, qp_ref, pool_ref, o_ref, lse_ref = refs
     i, j, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    slot_b = b                                        # the partials slot (b, j) is the program's
     page = pool_ref.shape[1]
+    if balanced:   # len_ref is the work table [3, B * splits] flattened: this program's item
+        g = b * splits + j   # (row, start, end); q is whole [B, Mp, .]: this item's row block of its row
+        n_items = pl.num_programs(2) * splits
+        b = tile.load(len_ref.at[g])
+        q_rows = pl.ds(pl.multiple_of((i // a_blocks) * block_m, block_m), block_m)
+        ql_ref, qp_ref = ql_ref.at[b, q_rows], qp_ref.at[b, q_rows]
     bm, a, r, M = ql_ref.shape[0], ql_ref.shape[1], qp_ref.shape[1], o_ref.shape[2]
     # this program's query rows: the partials hold the M real rows only (with 8 heads and 16-row
     # tiles, half of every partial row block used to be padding, written here and sliced off after).
@@ -164,10 +192,13 @@ def _kernel(*refs, bk: int, ba: int, splits: int, a_blocks: int, scale: float, n
     # sm_90 SASS of the 8-head loop (sass_probe --op=mla, sixth session)
     rows = (i // a_blocks) * bm + jnp.arange(bm, dtype=jnp.int32)
     live = rows < M
-    length = tile.load(len_ref.at[b])
-    chunk = pl.cdiv(pl.cdiv(length, splits), bk) * bk
-    start = j * chunk
-    end = jnp.minimum(start + chunk, length)
+    if balanced:
+        start, end = tile.load(len_ref.at[n_items + g]), tile.load(len_ref.at[2 * n_items + g])
+    else:
+        length = tile.load(len_ref.at[b])
+        chunk = pl.cdiv(pl.cdiv(length, splits), bk) * bk
+        start = j * chunk
+        end = jnp.minimum(start + chunk, length)
     n_blocks = jnp.where(end > start, pl.cdiv(end - start, bk), 0)
 
     # Column slices of the latent: slice 0 is this program's own (accumulated), the others only
@@ -237,10 +268,10 @@ def _kernel(*refs, bk: int, ba: int, splits: int, a_blocks: int, scale: float, n
     l_safe = jnp.where(has, l, 1.0)
     # stores index the rows unclamped: masked lanes past M are dropped in both modes, where clamped
     # duplicates of row M - 1 could write interpret mode's stale value over the real one
-    tile.store(o_ref.at[b, j, rows[:, None], cols[0]], jnp.where(has[:, None], acc / l_safe[:, None], 0.0),
+    tile.store(o_ref.at[slot_b, j, rows[:, None], cols[0]], jnp.where(has[:, None], acc / l_safe[:, None], 0.0),
                mask=live[:, None])
     # every column slice of a row block writes the same lse (identical values)
-    tile.store(lse_ref.at[b, j, rows], jnp.where(has, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf), mask=live)
+    tile.store(lse_ref.at[slot_b, j, rows], jnp.where(has, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf), mask=live)
 
 
 def _check(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP, positions_BT):
@@ -265,7 +296,9 @@ def mla_decode_partials(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, lengths_B
                         config: MlaDecodeConfig, interpret: bool, new_BTC=None, positions_BT=None):
     """Kernel call over the cached tokens (and, with config.fuse_new, the new tokens new_BTC at
     positions_BT, in the last split). q rows M = T * N (padded to block_m inside).
-    Returns o [B, splits, M, A] f32 (each split normalized) and lse [B, splits, M] f32."""
+    Returns o [B, splits, M, A] f32 (each split normalized) and lse [B, splits, M] f32; with
+    config.schedule 'balanced' slot (b, j) holds work item b * splits + j of
+    `balanced_items(lengths_B, B * splits, block_k)` (its row: that table's row 0)."""
     B, M, A = q_lat_BMA.shape
     R = q_pe_BMR.shape[-1]
     bm, splits, ba = config.block_m, config.num_splits, config.block_a or A
@@ -280,15 +313,20 @@ def mla_decode_partials(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, lengths_B
     if fuse:
         T = new_BTC.shape[1]
         n_heads = M // T
+    balanced = config.schedule == "balanced"
     kernel = functools.partial(_kernel, bk=config.block_k, ba=ba, splits=splits, a_blocks=a_blocks,
-                               scale=float(scale), n_heads=n_heads, fuse_new=fuse)
+                               scale=float(scale), n_heads=n_heads, fuse_new=fuse, balanced=balanced,
+                               block_m=bm)
     whole = pl.no_block_spec
-    in_specs = [whole, whole,
-                pl.BlockSpec((None, bm, A), lambda i, j, b: (b, i // a_blocks, 0)),
-                pl.BlockSpec((None, bm, R), lambda i, j, b: (b, i // a_blocks, 0)),
-                whole]
-    args = [lengths_B.astype(jnp.int32), block_table_BP.astype(jnp.int32), q_lat_BMA, q_pe_BMR,
-            pool_XpC]
+    if balanced:     # a program's row comes from the table: q whole, sliced in the kernel
+        q_specs = [whole, whole]
+        work = balanced_items(lengths_B, B * splits, config.block_k).reshape(-1)
+    else:
+        q_specs = [pl.BlockSpec((None, bm, A), lambda i, j, b: (b, i // a_blocks, 0)),
+                   pl.BlockSpec((None, bm, R), lambda i, j, b: (b, i // a_blocks, 0))]
+        work = lengths_B.astype(jnp.int32)
+    in_specs = [whole, whole, *q_specs, whole]
+    args = [work, block_table_BP.astype(jnp.int32), q_lat_BMA, q_pe_BMR, pool_XpC]
     if fuse:
         in_specs += [whole, whole]
         args += [new_BTC, positions_BT.astype(jnp.int32)]
@@ -304,6 +342,70 @@ def mla_decode_partials(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, lengths_B
         name="mla_decode_paged",
     )(*args)
     return o, lse
+
+
+# Candidate chunk sizes of the balanced schedule: the rows schedule's chunk times 2^(-i/16), i <
+# _CHUNK_STEPS (steps of 4.4%, down to 1/1024 of it), rounded up to the quantum.
+_CHUNK_STEPS = 160
+
+
+def balanced_items(lengths_B, items: int, quantum: int):
+    """The 'balanced' schedule: `items` work items (the kernel's B x splits programs) share the
+    batch's cached tokens. Every item reads at most `chunk` tokens of ONE row, chunk a multiple of
+    `quantum` (the kernel's tokens per step), the smallest candidate for which the rows' items
+    ceil(len_b / chunk) fit in `items`. The rows schedule's chunk (ceil(max len / splits), rounded
+    up) is a candidate, so no item is ever longer than under 'rows' and a batch of equal lengths gets
+    the same chunks; a row of 128K among rows of 4K gets most of the items instead of 1 / B of them.
+    Items go to rows in order (row b's items are contiguous, empty rows get none); unused items
+    read nothing (row B - 1, start = end = 0). Returns int32 [3, items]: row, start, end."""
+    L = jnp.maximum(lengths_B.astype(jnp.int32), 0)
+    B = L.shape[0]
+    splits = max(1, items // B)
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    rows_chunk = jnp.maximum(cdiv(cdiv(jnp.max(L), splits), quantum) * quantum, quantum)
+    scale = 2.0 ** (-jnp.arange(_CHUNK_STEPS, dtype=jnp.float32) / 16)
+    cand = jnp.ceil(rows_chunk.astype(jnp.float32) * scale / quantum).astype(jnp.int32) * quantum
+    cand = jnp.maximum(cand, quantum).at[0].set(rows_chunk)
+    need = cdiv(L[None, :], cand[:, None]).sum(axis=1)
+    chunk = jnp.min(jnp.where(need <= items, cand, rows_chunk))
+    n_B = cdiv(L, chunk)
+    incl_B = jnp.cumsum(n_B)
+    g = jnp.arange(items, dtype=jnp.int32)
+    row = (incl_B[None, :] <= g[:, None]).sum(axis=1).astype(jnp.int32)
+    used = row < B
+    row = jnp.minimum(row, B - 1)
+    start = (g - (incl_B - n_B)[row]) * chunk
+    end = jnp.minimum(start + chunk, L[row])
+    return jnp.stack([row, jnp.where(used, start, 0), jnp.where(used, end, 0)]).astype(jnp.int32)
+
+
+def combine_items(o_GMA, lse_GM, row_G, o_new_BMA, lse_new_BM):
+    """`combine` for partials that are work items of any row (row_G, from `balanced_items`): each
+    row's items and its new-token part merged by their lse. The per-row sums are a one-hot
+    contraction at full f32 precision (deterministic, unlike a scatter-add)."""
+    B = o_new_BMA.shape[0]
+    mask_BG = row_G[None, :] == jnp.arange(B, dtype=row_G.dtype)[:, None]
+    m_BM = jnp.max(jnp.where(mask_BG[:, :, None], lse_GM[None], -jnp.inf), axis=1)
+    m_BM = jnp.maximum(m_BM, lse_new_BM)
+    m_BM = jnp.where(jnp.isfinite(m_BM), m_BM, 0.0)
+    w_GM = jnp.exp(lse_GM - m_BM[row_G])                            # 0 for empty items
+    w_new_BM = jnp.exp(lse_new_BM - m_BM)
+    den_BM = jnp.where(mask_BG[:, :, None], w_GM[None], 0.0).sum(axis=1) + w_new_BM
+    num_BMA = jnp.einsum("bgm,gma->bma", jnp.where(mask_BG[:, :, None], w_GM[None], 0.0), o_GMA,
+                         precision=lax.Precision.HIGHEST) + w_new_BM[..., None] * o_new_BMA
+    has = den_BM > 0
+    den_BM = jnp.where(has, den_BM, 1.0)
+    return num_BMA / den_BM[..., None], jnp.where(has, m_BM + jnp.log(den_BM), -jnp.inf)
+
+
+def finish_items(o_BKMA, lse_BKM, work, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale):
+    """`finish_xla` for the balanced schedule: `work` = the kernel's `balanced_items` table."""
+    B, T, N, A = q_lat_BTNA.shape
+    G = o_BKMA.shape[0] * o_BKMA.shape[1]
+    o_new_BTNA, lse_new_BTN = _new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale)
+    o, lse = combine_items(o_BKMA.reshape(G, T * N, A), lse_BKM.reshape(G, T * N), work[0],
+                           o_new_BTNA.reshape(B, T * N, A), lse_new_BTN.reshape(B, T * N))
+    return o.reshape(B, T, N, A), lse.reshape(B, T, N)
 
 
 def _new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale):
@@ -397,7 +499,10 @@ def mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP
         q_lat_BTNA.reshape(B, T * N, A), q_pe_BTNR.astype(q_lat_BTNA.dtype).reshape(B, T * N, R),
         pool_XpC, block_table_BP, lengths_B, scale=scale, config=cfg, interpret=interp,
         new_BTC=new_BTC, positions_BT=positions_BT)
-    if cfg.fuse_new and cfg.num_splits == 1:   # one split saw every key: its output is the answer
+    if cfg.schedule == "balanced":
+        o_BTNA, lse_BTN = finish_items(o_BKMA, lse_BKM, balanced_items(lengths_B, B * cfg.num_splits, cfg.block_k),
+                                       q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale)
+    elif cfg.fuse_new and cfg.num_splits == 1:   # one split saw every key: its output is the answer
         o_BTNA, lse_BTN = o_BKMA[:, 0].reshape(B, T, N, A), lse_BKM[:, 0].reshape(B, T, N)
     else:
         o_BTNA, lse_BTN = finish(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,

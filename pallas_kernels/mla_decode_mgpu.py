@@ -326,12 +326,14 @@ class MgpuConfig:
     early_pv: bool = False        # version 2: own-tile P @ C issued before the P exchange wait
     finish: str = "xla"           # new tokens + combine: 'xla' or 'kernel' (mla_finish.finish_partials,
     #                               one Triton launch; [B, splits, M, A] partials only, not o_bmsa)
+    schedule: str = "rows"        # 'rows' or 'balanced' (mla_decode.MlaDecodeConfig.schedule)
 
     def __post_init__(self):
         if self.l2_prefetch < 0:
             raise ValueError(f"MgpuConfig.l2_prefetch={self.l2_prefetch} must be >= 0")
         if self.finish not in mla_finish.FINISHES:
             raise ValueError(f"MgpuConfig.finish={self.finish!r} not in {mla_finish.FINISHES}")
+        tri.check_schedule("MgpuConfig", self.schedule, self.finish, o_bmsa=self.o_bmsa)
 
 
 # split_s: Mosaic's cross-warp reduction scratch (CompilerParams.reduction_scratch_bytes, default
@@ -350,6 +352,11 @@ def _smem_bytes(block_k: int, stages: int, c: int, dtype_bytes: int = 2, wgs: in
     if split_s:
         n += 1024 - (2048 - _SPLIT_S_REDUCTION_SCRATCH)
     return n
+
+
+def _quantum(cfg: MgpuConfig) -> int:
+    """Tokens a split's length is rounded to: whole pairs of tiles (split_s) or whole tiles."""
+    return 2 * cfg.block_k if cfg.split_s else cfg.block_k
 
 
 def _default_min_split_tokens(cfg: MgpuConfig) -> int:
@@ -545,6 +552,16 @@ def _split_range(len_ref, b, j, splits: int, quantum: int):
     return start, jnp.minimum(start + chunk, length)
 
 
+def _work_item(len_ref, b, j, splits: int, quantum: int):
+    """Program (b, j)'s work: (the row it reads, start, end). len_ref is the lengths [B] (schedule
+    'rows': split j of row b) or the balanced work table [3, B * splits] (item b * splits + j,
+    `mla_decode.balanced_items`). The partials slot stays (b, j) either way."""
+    if len(len_ref.shape) == 2:
+        g = b * splits + j
+        return len_ref[0, g], len_ref[1, g], len_ref[2, g]
+    return (b, *_split_range(len_ref, b, j, splits, quantum))
+
+
 def _init_carry(bn: int, interpret: bool):
     """(acc [64, bn], running max m [64], row sum l [64]) before the first tile."""
     return (_lc(jnp.zeros((_ROWS, bn), jnp.float32), plgpu.Layout.WGMMA, interpret),
@@ -641,7 +658,8 @@ def _kernel(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages
     a = o_ref.shape[-1]
     bn = a // halves
     dt = q_ref.dtype
-    start, end = _split_range(len_ref, b, j, splits, bk)
+    slot_b = b                               # partials slot (b, j); b becomes the row read
+    b, start, end = _work_item(len_ref, b, j, splits, bk)
     n_blocks = jnp.where(end > start, (end - start + bk - 1) // bk, 0)
     row0 = pl.multiple_of(rb * _ROWS, _ROWS)
     col0 = pl.multiple_of(h * bn, bn)
@@ -721,7 +739,7 @@ def _kernel(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages
         **scoped,
     )
 
-    _write_partials(acc, m, l, o_ref, lse_ref, b=b, j=j, row0=row0, col0=col0, h=h, two_wg=two_wg,
+    _write_partials(acc, m, l, o_ref, lse_ref, b=slot_b, j=j, row0=row0, col0=col0, h=h, two_wg=two_wg,
                     o_bmsa=o_bmsa)
 
 
@@ -765,16 +783,17 @@ def _write_partials(acc, m, l, o_ref, lse_ref, *, b, j, row0, col0, h, two_wg: b
 
 def _pair_program(len_ref, bt_ref, q_ref, pool_ref, o_ref, *, bk: int, stages: int, splits: int,
                   prefetch: int = 0):
-    """What versions 2 and 3 know about their program before the loop: (b, split j, warpgroup h, C,
+    """What versions 2 and 3 know about their program before the loop: (the row b it reads (the
+    program's own b unless the schedule is balanced: `_work_item`), split j, warpgroup h, C,
     the warpgroup's latent columns bn = A / 2, dtype, pair slots, the split's token range [start,
     end), its pairs of bk-token tiles (an odd tile count pads the last pair), the first query row,
     the warpgroup's first latent column, and `issue_pair` (the TMA of one pair into a slot))."""
     rb = lax.axis_index("hr")
     j = lax.axis_index("split")
-    b = lax.axis_index("b")
     h = lax.axis_index("wg")
     bn = o_ref.shape[-1] // 2
-    start, end = _split_range(len_ref, b, j, splits, 2 * bk)   # whole pairs but the row's last
+    b, start, end = _work_item(len_ref, lax.axis_index("b"), j, splits, 2 * bk)  # whole pairs but
+    #                                                           the row's last; b: the row read
     n_tiles = jnp.where(end > start, (end - start + bk - 1) // bk, 0)
     n_pairs = (n_tiles + 1) // 2
     return (b, j, h, pool_ref.shape[2], bn, q_ref.dtype, stages // 2, start, end, n_pairs,
@@ -908,7 +927,7 @@ def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int
         plgpu.Barrier(num_arrivals=2),          # p_bar: both warpgroups' P written
         collective_axes="wg",
     )
-    _write_partials(acc, m, l, o_ref, lse_ref, b=b, j=j, row0=row0, col0=col0, h=h, two_wg=True,
+    _write_partials(acc, m, l, o_ref, lse_ref, b=lax.axis_index("b"), j=j, row0=row0, col0=col0, h=h, two_wg=True,
                     o_bmsa=o_bmsa)
 
 
@@ -1065,7 +1084,7 @@ def _kernel_seesaw(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int,
         plgpu.Barrier(num_arrivals=1),          # b_free: warpgroup 0 done reading P[1], x[1]
         collective_axes="wg",
     )
-    _write_partials(acc, m, l, o_ref, lse_ref, b=b, j=j, row0=row0, col0=col0, h=h, two_wg=True,
+    _write_partials(acc, m, l, o_ref, lse_ref, b=lax.axis_index("b"), j=j, row0=row0, col0=col0, h=h, two_wg=True,
                     o_bmsa=o_bmsa)
 
 
@@ -1107,6 +1126,8 @@ def mla_decode_partials_mgpu(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, leng
                              interpret=False):
     """Flash-decoding partials over the cached tokens (see the module docstring): o [B, splits, M, A]
     f32 (each split normalized; [B, M, splits, A] with config.o_bmsa) and lse [B, splits, M] f32.
+    With config.schedule 'balanced', slot (b, j) holds item b * splits + j of
+    `mla_decode.balanced_items(lengths_B, B * splits, _quantum(config))`.
     `interpret`: False (GPU), True (the Mosaic GPU interpreter on CPU) or an InterpretGPUParams."""
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available")
@@ -1141,6 +1162,8 @@ def mla_decode_partials_mgpu(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, leng
                                    halves=cfg.halves, qk_scale=float(scale) * _LOG2E,
                                    interpret=interp, two_wg=two_wg, o_bmsa=cfg.o_bmsa)
         extra = {}
+    work = (tri.balanced_items(lengths_B, B * splits, _quantum(cfg)) if cfg.schedule == "balanced"
+            else lengths_B.astype(jnp.int32))
     params = plgpu.CompilerParams(
         lowering_semantics=getattr(plgpu.LoweringSemantics, cfg.semantics), **extra)
     kw = dict(interpret=interpret) if interp else {}
@@ -1155,7 +1178,7 @@ def mla_decode_partials_mgpu(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, leng
         grid_names=("hr", "split", "b"),
         compiler_params=params,
         **kw,
-    )(lengths_B.astype(jnp.int32), block_table_BP.astype(jnp.int32), q_BMC, pool_XpC)
+    )(work, block_table_BP.astype(jnp.int32), q_BMC, pool_XpC)
     return (o[:, :M] if cfg.o_bmsa else o[:, :, :M]), lse[:, :, :M]
 
 
@@ -1171,6 +1194,13 @@ def mla_paged_attention_mgpu(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_tab
     o_BKMA, lse_BKM = mla_decode_partials_mgpu(
         q_lat_BTNA.reshape(B, T * N, A), q_pe_BTNR.astype(q_lat_BTNA.dtype).reshape(B, T * N, R),
         pool_XpC, block_table_BP, lengths_B, scale=scale, config=config, interpret=interpret)
+    if config is not None and config.schedule == "balanced":   # the same table as the kernel's
+        cfg = resolve_config(config, B, T * N, block_table_BP.shape[1] * pool_XpC.shape[1], A + R)
+        work = tri.balanced_items(lengths_B, B * cfg.num_splits, _quantum(cfg))
+        o_BTNA, lse_BTN = tri.finish_items(o_BKMA, lse_BKM, work, q_lat_BTNA, q_pe_BTNR, new_BTC,
+                                           positions_BT, scale)
+        o_BTNA = o_BTNA.astype(q_lat_BTNA.dtype)
+        return (o_BTNA, lse_BTN) if return_lse else o_BTNA
     o_BTNA, lse_BTN = tri.finish(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,
                                  kernel=config is not None and config.finish == "kernel",
                                  interpret=bool(interpret), splits_minor=config is not None and config.o_bmsa)

@@ -139,8 +139,86 @@ def test_bad_shapes_are_one_line_errors():
         md.MlaDecodeConfig(block_k=24)
 
 
+# The balanced schedule (work items of one size shared across the batch, `balanced_items`).
+
+def _optimal_chunk(lengths, items, quantum):
+    """Plain loop: the smallest multiple of quantum whose per-row item counts fit in `items`."""
+    c = quantum
+    while sum(-(-n // c) for n in lengths) > items:
+        c += quantum
+    return c
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_balanced_items_cover_every_token_once(seed):
+    """Random ragged batches (seeded; zeros included): every row's tokens [0, len) are covered
+    exactly once by its items, in order and contiguous; every item reads <= chunk tokens of one row;
+    chunk is a multiple of the quantum, no longer than the rows schedule's, and within 4.4% (one
+    candidate step) of the smallest chunk that fits (plain-loop search)."""
+    rng = np.random.default_rng(seed)
+    B = int(rng.integers(1, 9))
+    splits = int(rng.integers(1, 6))
+    quantum = int(rng.choice([16, 32, 64]))
+    lengths = [int(v) for v in rng.integers(0, 3000, B) * rng.integers(0, 2, B)]
+    lengths[0] = int(rng.integers(1, 40000))                     # one long row
+    items = B * splits
+    row, start, end = np.asarray(md.balanced_items(jnp.asarray(lengths), items, quantum))
+    sizes = end - start
+    assert np.all(sizes >= 0) and np.all(np.diff(row) >= 0)      # rows in order
+    assert np.all(start[sizes == 0] == 0) and np.all(end[sizes == 0] == 0)
+    for b, n in enumerate(lengths):
+        mine = np.nonzero((row == b) & (sizes > 0))[0]
+        assert np.all(np.diff(mine) == 1)                        # contiguous items
+        got = [(int(start[g]), int(end[g])) for g in mine]
+        assert [s for s, _ in got] == [0] + [e for _, e in got[:-1]] if got else n == 0
+        assert (got[-1][1] if got else 0) == n
+    chunk = int(sizes.max()) if sizes.any() else 0
+    rows_chunk = -(-(-(-max(lengths) // splits)) // quantum) * quantum
+    best = _optimal_chunk(lengths, items, quantum)
+    if chunk:
+        assert all(int(s) % quantum == 0 for s in start)
+        assert chunk <= rows_chunk and chunk <= best * 1.045 + quantum, (chunk, best, rows_chunk)
+
+
+def test_balanced_items_equal_lengths_and_one_long_row():
+    """Equal lengths: the rows schedule's chunks (row b's items are its own K). One 128K row among
+    seven of 4K, 128 items of 32-token steps: ~1.3K tokens per item instead of the rows schedule's 8K."""
+    row, start, end = np.asarray(md.balanced_items(jnp.asarray([32768] * 64), 128, 64))
+    assert np.array_equal(row, np.repeat(np.arange(64), 2)) and set(end - start) == {16384}
+    row, start, end = np.asarray(md.balanced_items(jnp.asarray([131072] + [4096] * 7), 128, 32))
+    assert (end - start).max() <= 1400 and np.sum(row == 0) > 90
+    assert not np.asarray(md.balanced_items(jnp.asarray([0, 0]), 4, 32))[1:].any()  # nothing to read
+
+
+@pytest.mark.parametrize("N,T,splits", [(8, 1, 3), (64, 1, 0), (4, 3, 2)])
+def test_balanced_schedule_matches_reference_f32(N, T, splits):
+    """The kernel on the balanced schedule (programs read other rows' tokens; the combine goes by
+    each item's row): a long row among short ones, a row with only its new tokens, a page boundary,
+    one token; f32, the same 2e-5 as the rows schedule."""
+    page, P = 16, 12
+    cached = [P * page - T, 0, 1, 2 * page, 5]
+    args = _case(8, B=len(cached), T=T, N=N, A=32, R=16, page=page, P=P, cached=cached,
+                 dtype=jnp.float32, pad_tokens=[(2, 1)] if T > 1 else [])
+    _check(args, 0.17, _C(block_k=16, num_splits=splits, schedule="balanced"), atol=2e-5)
+
+
+def test_schedule_validation_and_ops_switch():
+    for bad, msg in ((dict(schedule="fair"), "schedule"), (dict(schedule="balanced", fuse_new=True), "fuse_new"),
+                     (dict(schedule="balanced", finish="kernel"), "finish")):
+        with pytest.raises(ValueError, match=msg):
+            _C(**bad)
+    with pytest.raises(ValueError, match="MLA decode schedule"):
+        with ops.use_mla_schedule("fair"):
+            pass
+    args = _case(9, B=3, T=1, N=8, A=32, R=16, page=4, P=10, cached=[37, 2, 0], dtype=jnp.float32)
+    want = ops.mla_paged_attention(*args, 0.125, impl="xla")
+    with ops.use_mla_schedule("balanced"):
+        got = ops.mla_paged_attention(*args, 0.125, impl="pallas")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+
+
 @pytest.mark.parametrize("N,T,cfg", [(8, 1, None), (64, 1, None), (8, 4, _C(block_a=256)),
-                                     (8, 1, _C(fuse_new=True))])
+                                     (8, 1, _C(fuse_new=True)), (8, 1, _C(schedule="balanced"))])
 def test_kernel_lowers_for_cuda(N, T, cfg):
     """The Triton lowering at Kimi's A = 512, R = 64: 8 heads (fewer rows than a 16-row tile, so the
     partials' stores are masked), 64 heads, column slices, the fused new tokens."""

@@ -120,6 +120,23 @@ def test_seesaw_variant(lengths, t, page, splits):
     assert mg.races_found() in (False, None)
 
 
+# The balanced schedule (mla_decode.balanced_items: programs take items of one size across the
+# batch, so CTA (b, j) may read another row's pages and queries; the combine goes by item row):
+# a long row beside short and empty ones. Version 1 (one warpgroup, 64-token tiles) and the serving
+# config (version 2 with bt_ahead / early_pv) under the race detector.
+@needs_interpreter
+@pytest.mark.parametrize("lengths,t,page,cfg", [
+    ([300, 7, 0, 65], 1, 16, mg.MgpuConfig(block_k=64, num_splits=3, schedule="balanced")),
+    ([300, 7, 0], 1, 16, dataclasses.replace(mg.SERVING_CONFIG, num_splits=2, schedule="balanced")),
+])
+def test_balanced_schedule(lengths, t, page, cfg):
+    args = mg.make_case(jax.random.key(19), lengths, heads=64, t=t, page=page)
+    _check(args, cfg, interpret=mg.interpret_params(detect_races=True))
+    assert mg.races_found() in (False, None)
+    with pytest.raises(ValueError, match="o_bmsa"):
+        dataclasses.replace(cfg, o_bmsa=True)
+
+
 @needs_interpreter
 def test_partials_contract_and_empty_splits():
     """o [B, splits, M, A] f32 / lse [B, splits, M] f32; a split past a row's length: o = 0, lse = -inf;
@@ -179,18 +196,21 @@ def _abstract_args(page: int, B: int = 2, P: int = 32):
     (64, 16, 1, False, False), (32, 64, 1, False, False), (32, 16, 2, False, False),
     (32, 16, 2, True, False), (32, 64, 2, True, False), (32, 16, 2, True, True),
     (32, 16, 2, True, "bmsa"), (32, 16, 2, True, "serving"), (32, 64, 2, True, "serving"),
-    (32, 16, 2, True, "prefetch"), (32, 64, 2, True, "prefetch")])
+    (32, 16, 2, True, "prefetch"), (32, 64, 2, True, "prefetch"), (32, 16, 2, True, "balanced"),
+    (64, 16, 1, False, "balanced")])
 def test_lowers_for_cuda(semantics, block_k, page, wgs, split_s, seesaw, monkeypatch):
     """The GPU path (no interpreter) lowers to Mosaic GPU MLIR for cuda on a CPU-only host (the
     lowering also checks the CTA's shared memory against the 227 KiB of sm_90: the split_s config
     resolves to 4 stages, 231,496 B; seesaw: 2 more barriers, 231,512 B)."""
     args = _abstract_args(page)
-    # "bmsa": seesaw + o_bmsa; "serving": SERVING_CONFIG's options; "prefetch": L2 prefetches
+    # "bmsa": seesaw + o_bmsa; "serving": SERVING_CONFIG's options; "prefetch": L2 prefetches;
+    # "balanced": the balanced schedule (the serving options too with split_s)
     variant = seesaw if isinstance(seesaw, str) else ""
+    serving = variant == "serving" or (variant == "balanced" and split_s)
     cfg = mg.MgpuConfig(block_k=block_k, semantics=semantics, warpgroups=wgs, split_s=split_s,
                         seesaw=variant == "bmsa" or seesaw is True, o_bmsa=variant == "bmsa",
-                        bt_ahead=variant == "serving", early_pv=variant == "serving",
-                        l2_prefetch=2 if variant == "prefetch" else 0)
+                        bt_ahead=serving, early_pv=serving, l2_prefetch=2 if variant == "prefetch" else 0,
+                        schedule="balanced" if variant == "balanced" else "rows")
     boxes = []
     prefetch = mg.plgpu.async_prefetch
 
