@@ -759,15 +759,17 @@ def section_profile(copy_bps):
             raise SystemExit(f"--profile={spec}: want B:context:heads[:kernel]")
         B, ctx, N = (int(v) for v in parts[:3])
         kernel = parts[3] if len(parts) == 4 else "auto"
-        if kernel not in ("auto", "triton", "mgpu", "mgpu_fin", "triton_fin"):
-            raise SystemExit(f"--profile={spec}: kernel one of auto, triton, mgpu, triton_fin, mgpu_fin")
+        kernels = ("auto", "triton", "mgpu", "mgpu_fin", "triton_fin", "mgpu_bal", "triton_bal")
+        if kernel not in kernels:
+            raise SystemExit(f"--profile={spec}: kernel one of {', '.join(kernels)}")
         P = -(-ctx // page)
         copies = max(2, min(8, (2 << 30) // max(1, B * P * page * C * 2)))   # >= 2 GiB of pages in turn
         pool = _pool(jax.random.PRNGKey(5), copies * B * P, page, jnp.bfloat16)
         q_lat, q_pe, new, table, pos = _inputs(jax.random.PRNGKey(B + ctx + N), B, T, N, page,
                                                [ctx - T] * B, P, B * P, jnp.bfloat16)
         scale = 192 ** -0.5
-        fin = MlaDecodeConfig(finish="kernel") if kernel == "triton_fin" else None
+        fin = {"triton_fin": MlaDecodeConfig(finish="kernel"),
+               "triton_bal": MlaDecodeConfig(schedule="balanced")}.get(kernel)
         with _forced(kernel):
             args = (q_lat, q_pe, new, pool, table, pos)
             f = layers_fn(_op(kernel, fin, scale), calls, B * P, copies).lower(*args).compile()

@@ -18,7 +18,11 @@ Pipeline (`mla_paged_attention`):
      (f32) and its log-sum-exp for the M real query rows (masked stores: a 16-row tile of 8 heads
      writes 8 rows, not 16 with 8 of padding). Splits are a fraction of each row's own length (chunk_b =
      ceil(len_b / splits) rounded up to block_k), so ragged batches give every program of a row the
-     same work; programs past a row's length read nothing. With `fuse_new` (off by default: it timed slower) the last split
+     same work; programs past a row's length read nothing. That is schedule 'rows'; with
+     schedule='balanced' program (i, j, b) instead reads work item b * splits + j of
+     `balanced_items` (items of one size shared across the batch, each within one row; a long row
+     among short ones gets most of the programs: 1.4-6.3x faster on such batches, up to 21% slower
+     on equal short ones, BENCHMARKS.md MLA round 11) and the combine goes by each item's row (`mla_combine`). With `fuse_new` (off by default: it timed slower) the last split
      also takes the step's T new tokens (causal t' <= t, positions >= 0) as one more block, read
      from new_BTC. With block_a < A, A / block_a adjacent programs share a row block: each computes
      the full scores and accumulates only its block_a output columns.
@@ -46,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import int4_tile as tile
-from pallas_kernels import mla_finish
+from pallas_kernels import mla_combine, mla_finish
 
 _NEG = -1e30          # finite "minus infinity" for masked scores (no inf - inf = NaN anywhere)
 _LOG2E = math.log2(math.e)
@@ -357,7 +361,9 @@ def balanced_items(lengths_B, items: int, quantum: int):
     up) is a candidate, so no item is ever longer than under 'rows' and a batch of equal lengths gets
     the same chunks; a row of 128K among rows of 4K gets most of the items instead of 1 / B of them.
     Items go to rows in order (row b's items are contiguous, empty rows get none); unused items
-    read nothing (row B - 1, start = end = 0). Returns int32 [3, items]: row, start, end."""
+    read nothing (row B - 1, start = end = 0). Returns int32 [5, items]: each item's row, start,
+    end; then, in the first B entries (items >= B), each row's first item and item count (the
+    combine's spans, `mla_combine.combine_items`)."""
     L = jnp.maximum(lengths_B.astype(jnp.int32), 0)
     B = L.shape[0]
     splits = max(1, items // B)
@@ -376,35 +382,21 @@ def balanced_items(lengths_B, items: int, quantum: int):
     row = jnp.minimum(row, B - 1)
     start = (g - (incl_B - n_B)[row]) * chunk
     end = jnp.minimum(start + chunk, L[row])
-    return jnp.stack([row, jnp.where(used, start, 0), jnp.where(used, end, 0)]).astype(jnp.int32)
+    spans = jnp.zeros((2, items), jnp.int32).at[:, :B].set(jnp.stack([incl_B - n_B, n_B]))
+    return jnp.concatenate([jnp.stack([row, jnp.where(used, start, 0), jnp.where(used, end, 0)]),
+                            spans]).astype(jnp.int32)
 
 
-def combine_items(o_GMA, lse_GM, row_G, o_new_BMA, lse_new_BM):
-    """`combine` for partials that are work items of any row (row_G, from `balanced_items`): each
-    row's items and its new-token part merged by their lse. The per-row sums are a one-hot
-    contraction at full f32 precision (deterministic, unlike a scatter-add)."""
-    B = o_new_BMA.shape[0]
-    mask_BG = row_G[None, :] == jnp.arange(B, dtype=row_G.dtype)[:, None]
-    m_BM = jnp.max(jnp.where(mask_BG[:, :, None], lse_GM[None], -jnp.inf), axis=1)
-    m_BM = jnp.maximum(m_BM, lse_new_BM)
-    m_BM = jnp.where(jnp.isfinite(m_BM), m_BM, 0.0)
-    w_GM = jnp.exp(lse_GM - m_BM[row_G])                            # 0 for empty items
-    w_new_BM = jnp.exp(lse_new_BM - m_BM)
-    den_BM = jnp.where(mask_BG[:, :, None], w_GM[None], 0.0).sum(axis=1) + w_new_BM
-    num_BMA = jnp.einsum("bgm,gma->bma", jnp.where(mask_BG[:, :, None], w_GM[None], 0.0), o_GMA,
-                         precision=lax.Precision.HIGHEST) + w_new_BM[..., None] * o_new_BMA
-    has = den_BM > 0
-    den_BM = jnp.where(has, den_BM, 1.0)
-    return num_BMA / den_BM[..., None], jnp.where(has, m_BM + jnp.log(den_BM), -jnp.inf)
-
-
-def finish_items(o_BKMA, lse_BKM, work, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale):
-    """`finish_xla` for the balanced schedule: `work` = the kernel's `balanced_items` table."""
+def finish_items(o_BKMA, lse_BKM, work, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale, *,
+                 interpret: bool):
+    """`finish_xla` for the balanced schedule (`work`: the kernel's `balanced_items` table): the new
+    tokens' part in XLA, the merge by `mla_combine.combine` (XLA or one launch, by size)."""
     B, T, N, A = q_lat_BTNA.shape
     G = o_BKMA.shape[0] * o_BKMA.shape[1]
     o_new_BTNA, lse_new_BTN = _new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale)
-    o, lse = combine_items(o_BKMA.reshape(G, T * N, A), lse_BKM.reshape(G, T * N), work[0],
-                           o_new_BTNA.reshape(B, T * N, A), lse_new_BTN.reshape(B, T * N))
+    o, lse = mla_combine.combine(o_BKMA.reshape(G, T * N, A), lse_BKM.reshape(G, T * N), work,
+                                 o_new_BTNA.reshape(B, T * N, A), lse_new_BTN.reshape(B, T * N),
+                                 interpret=interpret)
     return o.reshape(B, T, N, A), lse.reshape(B, T, N)
 
 
@@ -501,7 +493,7 @@ def mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP
         new_BTC=new_BTC, positions_BT=positions_BT)
     if cfg.schedule == "balanced":
         o_BTNA, lse_BTN = finish_items(o_BKMA, lse_BKM, balanced_items(lengths_B, B * cfg.num_splits, cfg.block_k),
-                                       q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale)
+                                       q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale, interpret=interp)
     elif cfg.fuse_new and cfg.num_splits == 1:   # one split saw every key: its output is the answer
         o_BTNA, lse_BTN = o_BKMA[:, 0].reshape(B, T, N, A), lse_BKM[:, 0].reshape(B, T, N)
     else:

@@ -1198,7 +1198,7 @@ def mla_paged_attention_mgpu(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_tab
         cfg = resolve_config(config, B, T * N, block_table_BP.shape[1] * pool_XpC.shape[1], A + R)
         work = tri.balanced_items(lengths_B, B * cfg.num_splits, _quantum(cfg))
         o_BTNA, lse_BTN = tri.finish_items(o_BKMA, lse_BKM, work, q_lat_BTNA, q_pe_BTNR, new_BTC,
-                                           positions_BT, scale)
+                                           positions_BT, scale, interpret=bool(interpret))
         o_BTNA = o_BTNA.astype(q_lat_BTNA.dtype)
         return (o_BTNA, lse_BTN) if return_lse else o_BTNA
     o_BTNA, lse_BTN = tri.finish(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,
