@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kimi_jax import ops
 from kimi_jax.config import ModelConfig
 from kimi_jax.model.transformer import Transformer
 from kimi_jax.sampling import SamplingArrays, sample, top_logprobs, verify_drafts
@@ -80,13 +81,38 @@ def _paged_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_ta
 
 
 def _decode_step(graphdef, shard, state, pages, tokens_B, positions_B, block_table_BP, sp, step_B, n_logprobs,
-                 sample_mode=None):
+                 sample_mode=None, mla_schedule=None):
     """`_paged_step` for one token per row (absorbed decode) with tokens_B [B]: the previous step's
     sampled tokens can be fed as they are (device arrays), so the host never reads them first
-    (overlap scheduling, kimi_jax.scheduler)."""
+    (overlap scheduling, kimi_jax.scheduler). mla_schedule: the MLA decode kernels' work schedule
+    (`mla_schedule_for`; static: each value is its own compiled step)."""
     B = tokens_B.shape[0]
-    return _paged_step(graphdef, shard, state, pages, tokens_B[:, None], positions_B[:, None], block_table_BP,
-                       jnp.zeros((B,), jnp.int32), sp, step_B, n_logprobs, absorbed=True, sample_mode=sample_mode)
+    with ops.use_mla_schedule(mla_schedule):
+        return _paged_step(graphdef, shard, state, pages, tokens_B[:, None], positions_B[:, None], block_table_BP,
+                           jnp.zeros((B,), jnp.int32), sp, step_B, n_logprobs, absorbed=True,
+                           sample_mode=sample_mode)
+
+
+# A decode step runs the MLA kernels on the balanced schedule (pallas_kernels/mla_decode.py) when its
+# rows' cached tokens total at least BALANCE_MIN_TOKENS and the longest row holds at least
+# BALANCE_MIN_SKEW times the mean. Measured per layer on the H200 (BENCHMARKS.md MLA round 11): one
+# long row among short ones (totals 96K-192K tokens, skew 4-22) 1.4-7.3x faster balanced; equal rows
+# (skew 1) stay on the rows schedule, where balanced was 3-21% slower at 4K; of two 46K-token skewed
+# batches one was 1.8x faster (64 heads), the other 5% slower (8 heads).
+BALANCE_MIN_TOKENS = 1 << 16
+BALANCE_MIN_SKEW = 2.0
+
+
+def mla_schedule_for(positions_B, pallas: bool) -> Optional[str]:
+    """The decode step's MLA schedule from the rows' host-side positions (= cached tokens; < 0:
+    padding): 'balanced' for a large, skewed batch on the Pallas kernels, else None (the default)."""
+    if not pallas:
+        return None
+    lengths = np.maximum(np.asarray(positions_B, np.int64), 0)
+    total = int(lengths.sum())
+    if total < BALANCE_MIN_TOKENS or lengths.max() * lengths.size < BALANCE_MIN_SKEW * total:
+        return None
+    return "balanced"
 
 
 def _verify_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, n_draft_B, sp, step_B):
@@ -144,7 +170,8 @@ class Engine:
         self._verify = jax.jit(functools.partial(_verify_step, self.graphdef, shard), donate_argnames=("pages",))
         self._token_sharding = None          # of decode_step_async's output tokens, once known
         self._decode_step = jax.jit(functools.partial(_decode_step, self.graphdef, shard),
-                                    static_argnames=("n_logprobs", "sample_mode"), donate_argnames=("pages",))
+                                    static_argnames=("n_logprobs", "sample_mode", "mla_schedule"),
+                                    donate_argnames=("pages",))
 
     def init_pages(self, num_pages: int, page_size: int, dtype=None) -> dict:
         """A zeroed paged pool {kind: [L, num_pages, page_size, A + R]} placed as the steps keep it:
@@ -194,9 +221,11 @@ class Engine:
                 # (jit keys its cache on the input shardings; host arrays are uncommitted)
                 host = tokens_B
                 tokens_B = jax.make_array_from_callback(host.shape, self._token_sharding, lambda i: host[i])
-        pages, out = self._decode_step(self.state, pages, tokens_B, _i32(positions_B), _i32(block_table_BP), sp,
+        positions_B = _i32(positions_B)
+        pages, out = self._decode_step(self.state, pages, tokens_B, positions_B, _i32(block_table_BP), sp,
                                        _i32(steps_B), n_logprobs=n_logprobs,
-                                       sample_mode=sample_mode or sample_mode_of(sp))
+                                       sample_mode=sample_mode or sample_mode_of(sp),
+                                       mla_schedule=mla_schedule_for(positions_B, ops.resolve_impl() == "pallas"))
         if self._token_sharding is None:
             self._token_sharding = out[0].sharding
         for o in out:

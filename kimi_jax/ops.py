@@ -310,10 +310,10 @@ def use_mla_decode_kernel(choice: Optional[str]):
 # How the decode kernels share a step's cached tokens among their programs (read at trace time):
 # None = each kernel's default, 'rows' (every row split into the same number of parts of its own
 # length) or 'balanced' (pallas_kernels.mla_decode.balanced_items: parts of one size across the
-# batch). Measured on the H200 (BENCHMARKS.md MLA round 11): 'balanced' is 1.4-6.3x faster on
-# batches of one long row among short ones; on equal rows within 3% from 32K up, 3-21% slower at 4K
-# (its item table and combine cost ~25 us per call at batch 64), so it is not the default; a caller
-# that knows its batch is mixed can ask for it.
+# batch). Measured on the H200 (BENCHMARKS.md MLA round 11): 'balanced' is 1.4-7.3x faster on
+# batches of one long row among short ones; on equal rows within 4% from 32K up, 3-21% slower at 4K
+# (its item table and combine cost ~25 us per call at batch 64), so it is not the ops default: the
+# engine asks for it per decode step when a batch is skewed (kimi_jax.engine.mla_schedule_for).
 _MLA_SCHEDULE: Optional[str] = None
 
 
