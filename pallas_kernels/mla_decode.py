@@ -21,8 +21,9 @@ Pipeline (`mla_paged_attention`):
      same work; programs past a row's length read nothing. That is schedule 'rows'; with
      schedule='balanced' program (i, j, b) instead reads work item b * splits + j of
      `balanced_items` (items of one size shared across the batch, each within one row; a long row
-     among short ones gets most of the programs: 1.4-6.3x faster on such batches, up to 21% slower
-     on equal short ones, BENCHMARKS.md MLA round 11) and the combine goes by each item's row (`mla_combine`). With `fuse_new` (off by default: it timed slower) the last split
+     among short ones gets most of the programs: 1.4-7.3x faster on such batches, up to 21% slower
+     on equal short ones, BENCHMARKS.md MLA round 11) and the combine goes by each item's row
+     (`mla_combine`). With `fuse_new` (off by default: it timed slower) the last split
      also takes the step's T new tokens (causal t' <= t, positions >= 0) as one more block, read
      from new_BTC. With block_a < A, A / block_a adjacent programs share a row block: each computes
      the full scores and accumulates only its block_a output columns.
@@ -183,7 +184,7 @@ def _kernel(*refs, bk: int, ba: int, splits: int, a_blocks: int, scale: float, n
     i, j, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot_b = b                                        # the partials slot (b, j) is the program's
     page = pool_ref.shape[1]
-    if balanced:   # len_ref is the work table [3, B * splits] flattened: this program's item
+    if balanced:   # len_ref is the work table [5, B * splits] flattened: this program's item
         g = b * splits + j   # (row, start, end); q is whole [B, Mp, .]: this item's row block of its row
         n_items = pl.num_programs(2) * splits
         b = tile.load(len_ref.at[g])

@@ -554,7 +554,7 @@ def _split_range(len_ref, b, j, splits: int, quantum: int):
 
 def _work_item(len_ref, b, j, splits: int, quantum: int):
     """Program (b, j)'s work: (the row it reads, start, end). len_ref is the lengths [B] (schedule
-    'rows': split j of row b) or the balanced work table [3, B * splits] (item b * splits + j,
+    'rows': split j of row b) or the balanced work table [5, B * splits] (item b * splits + j,
     `mla_decode.balanced_items`). The partials slot stays (b, j) either way."""
     if len(len_ref.shape) == 2:
         g = b * splits + j
@@ -1199,11 +1199,10 @@ def mla_paged_attention_mgpu(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_tab
         work = tri.balanced_items(lengths_B, B * cfg.num_splits, _quantum(cfg))
         o_BTNA, lse_BTN = tri.finish_items(o_BKMA, lse_BKM, work, q_lat_BTNA, q_pe_BTNR, new_BTC,
                                            positions_BT, scale, interpret=bool(interpret))
-        o_BTNA = o_BTNA.astype(q_lat_BTNA.dtype)
-        return (o_BTNA, lse_BTN) if return_lse else o_BTNA
-    o_BTNA, lse_BTN = tri.finish(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,
-                                 kernel=config is not None and config.finish == "kernel",
-                                 interpret=bool(interpret), splits_minor=config is not None and config.o_bmsa)
+    else:
+        o_BTNA, lse_BTN = tri.finish(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,
+                                     kernel=config is not None and config.finish == "kernel",
+                                     interpret=bool(interpret), splits_minor=config is not None and config.o_bmsa)
     o_BTNA = o_BTNA.astype(q_lat_BTNA.dtype)
     return (o_BTNA, lse_BTN) if return_lse else o_BTNA
 
