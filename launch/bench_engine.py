@@ -34,6 +34,9 @@ flags.DEFINE_integer("top_ops", 0, "print this many of each case's most expensiv
 flags.DEFINE_string("out", os.environ.get("OUT", "out/bench_engine"), "results directory")
 flags.DEFINE_string("hardware", "h200", "planner hardware preset for the predictions")
 flags.DEFINE_bool("tiny", False, "CPU dry run on the tiny preset")
+flags.DEFINE_list("mixed", [], "also time the engine's decode step (Engine.decode_step_async, what generation "
+                  "runs) on mixed-length batches B:long:short (one row of `long` cached tokens, B - 1 of `short`), "
+                  "on the first layout, with the engine's per-step MLA schedule choice and with the rows schedule")
 flags.DEFINE_string("checkpoint", None, "load this safetensors/orbax checkpoint under each layout "
                     "instead of random weights (its config.json sets the model)")
 FLAGS = flags.FLAGS
@@ -72,6 +75,52 @@ def copy_bandwidth() -> float:
     return 2 * 4 * n / statistics.median(ts)
 
 
+def parse_mixed(spec: str) -> tuple[int, int, int]:
+    try:
+        B, long, short = (int(v) for v in spec.split(":"))
+    except ValueError:
+        raise app.UsageError(f"--mixed: {spec!r} is not B:long:short (three integers)") from None
+    if B < 2 or not 0 <= short <= long:
+        raise app.UsageError(f"--mixed: {spec!r} needs B >= 2 and 0 <= short <= long")
+    return B, long, short
+
+
+def time_mixed(engine, layout, spec: str, steps: int) -> dict:
+    """Seconds per decode step (`Engine.decode_step_async`, each step's tokens fed to the next, one
+    wait at the end) for one long row among short ones: as the engine schedules the MLA kernels
+    (`kimi_jax.engine.mla_schedule_for`) and with its balanced choice switched off (rows schedule)."""
+    import numpy as np
+    from kimi_jax import engine as eng
+    from kimi_jax import ops
+    from kimi_jax.profiling import paged_args
+    B, long, short = parse_mixed(spec)
+    cache_len = long + steps + 2
+    pages, tokens, table, sp = paged_args(engine, layout, B, cache_len)
+    start = np.asarray([long] + [short] * (B - 1), np.int32)
+    row = dict(mixed=spec, batch=B, cached_tokens=int(start.sum()),
+               chosen=eng.mla_schedule_for(start, ops.resolve_impl() == "pallas"))
+    for name, min_tokens in (("engine", eng.BALANCE_MIN_TOKENS), ("rows", float("inf"))):
+        saved, eng.BALANCE_MIN_TOKENS = eng.BALANCE_MIN_TOKENS, min_tokens
+        try:
+            tok = tokens[:, 0]
+            for i in range(2 + steps):                     # 2 warm-up steps (compile), then timed
+                if i == 2:
+                    jax_block(tok)
+                    t0 = time.perf_counter()
+                pages, out = engine.decode_step_async(pages, tok, start + i, table, sp, np.full(B, i, np.int32), None)
+                tok = out[0]
+            jax_block(tok)
+            row[f"{name}_ms"] = (time.perf_counter() - t0) / steps * 1e3
+        finally:
+            eng.BALANCE_MIN_TOKENS = saved
+    return row
+
+
+def jax_block(x):
+    import jax
+    jax.block_until_ready(x)
+
+
 def load_engine(path, cfg, layout, dtype):
     """An Engine over a checkpoint, each device reading only its own slices (checkpoints.loader)."""
     from flax import nnx
@@ -106,7 +155,7 @@ def main(argv):
     os.makedirs(FLAGS.out, exist_ok=True)
     bw = copy_bandwidth()
     hw = hardware.get(FLAGS.hardware)
-    rows = []
+    rows, mixed_rows = [], []
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  jax {jax.__version__}  "
           f"copy {bw / 1e12:.2f} TB/s  model: {cfg.num_hidden_layers} layers", flush=True)
     for name in FLAGS.layouts:
@@ -147,10 +196,17 @@ def main(argv):
             print(json.dumps(row, default=float), flush=True)
             with open(os.path.join(FLAGS.out, "engine_rows.partial.jsonl"), "a") as f:   # survives a timeout
                 f.write(json.dumps(row, default=float) + "\n")
+        if FLAGS.mixed and name == FLAGS.layouts[0]:
+            for spec in FLAGS.mixed:
+                row = time_mixed(engine, layout, spec, FLAGS.steps)
+                print(f"mixed {spec}: step {row['engine_ms']:.3f} ms as the engine schedules it "
+                      f"({row['chosen'] or 'rows'}), {row['rows_ms']:.3f} ms on the rows schedule", flush=True)
+                mixed_rows.append(dict(layout=layout.name, **row))
         del engine
         gc.collect()
     with open(os.path.join(FLAGS.out, "engine_rows.json"), "w") as f:
-        json.dump(dict(copy_Bps=bw, jax=jax.__version__, device=jax.devices()[0].device_kind, rows=rows), f,
+        json.dump(dict(copy_Bps=bw, jax=jax.__version__, device=jax.devices()[0].device_kind, rows=rows,
+                       mixed=mixed_rows), f,
                   indent=1, default=float)
     print(f"\n{'layout':10} {'B':>4} {'step ms':>8} {'dev ms':>7} {'tok/s':>8} {'coll':>5} {'coll %':>6} "
           f"{'pred ms':>8} {'pred coll':>9} {'GB/s':>7} {'%copy':>6}")

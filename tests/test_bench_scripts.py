@@ -40,11 +40,17 @@ def test_bench_engine_loads_a_checkpoint_under_each_layout(tmp_path):
     src, out = str(tmp_path / "ck"), str(tmp_path / "out")
     write_checkpoint(src, preset("tiny"), seed=2)
     r = _run("launch.bench_engine", "--checkpoint", src, "--tiny", "--layouts", "single,tp2_ep",
-             "--batches", "1", "--multi_batches", "2", "--steps", "1", "--out", out, devices=2)
+             "--batches", "1", "--multi_batches", "2", "--steps", "1", "--mixed", "3:40:5", "--out", out,
+             devices=2)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count(f"loaded from {src}") == 2
     rows = [json.loads(line) for line in open(os.path.join(out, "engine_rows.partial.jsonl"))]
     assert [(x["layout"], x["batch"]) for x in rows] == [("TP1", 1), ("TP2+EP", 2)]
+    # --mixed: the engine's decode step on one long row among short ones, first layout only (on CPU
+    # the XLA path runs, so the engine keeps the rows schedule: chosen None)
+    mixed = json.load(open(os.path.join(out, "engine_rows.json")))["mixed"]
+    assert [(m["layout"], m["mixed"], m["chosen"]) for m in mixed] == [("TP1", "3:40:5", None)]
+    assert all(m["engine_ms"] > 0 and m["rows_ms"] > 0 for m in mixed)
 
 
 def test_throughput_agreement():
