@@ -5,7 +5,9 @@ merges the splits: `mla_decode_partials_mgpu(q_lat [B, M, A], q_pe [B, M, R], po
 block_table [B, P], lengths [B]) -> o [B, splits, M, A] f32 (each split normalized), lse [B, splits, M]
 f32 (natural log, -inf for an empty split)`. `mla_paged_attention_mgpu` is the full op (cached tokens
 here, the step's new tokens by `mla_decode._new_token_part`, merged by `combine`), a drop-in for
-`mla_decode.mla_paged_attention`.
+`mla_decode.mla_paged_attention`. Every version also runs on `schedule='balanced'` (`MgpuConfig`):
+CTA (b, j) then reads work item b * splits + j of `mla_decode.balanced_items` (`_work_item`: its row's
+queries, pages and token range) and `mla_combine` merges the items by row (BENCHMARKS.md MLA round 11).
 
 Design (version 1: the simplest correct one; one warpgroup per CTA, no warp specialization)
 -------------------------------------------------------------------------------------------
