@@ -298,12 +298,13 @@ def _check(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP, positions_B
 
 
 def mla_decode_partials(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, lengths_B, *, scale: float,
-                        config: MlaDecodeConfig, interpret: bool, new_BTC=None, positions_BT=None):
+                        config: MlaDecodeConfig, interpret: bool, new_BTC=None, positions_BT=None,
+                        work=None):
     """Kernel call over the cached tokens (and, with config.fuse_new, the new tokens new_BTC at
     positions_BT, in the last split). q rows M = T * N (padded to block_m inside).
     Returns o [B, splits, M, A] f32 (each split normalized) and lse [B, splits, M] f32; with
-    config.schedule 'balanced' slot (b, j) holds work item b * splits + j of
-    `balanced_items(lengths_B, B * splits, block_k)` (its row: that table's row 0)."""
+    config.schedule 'balanced' slot (b, j) holds work item b * splits + j of `work` (default
+    `balanced_items(lengths_B, B * splits, block_k)`; its row: that table's row 0)."""
     B, M, A = q_lat_BMA.shape
     R = q_pe_BMR.shape[-1]
     bm, splits, ba = config.block_m, config.num_splits, config.block_a or A
@@ -325,7 +326,7 @@ def mla_decode_partials(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, lengths_B
     whole = pl.no_block_spec
     if balanced:     # a program's row comes from the table: q whole, sliced in the kernel
         q_specs = [whole, whole]
-        work = balanced_items(lengths_B, B * splits, config.block_k).reshape(-1)
+        work = (balanced_items(lengths_B, B * splits, config.block_k) if work is None else work).reshape(-1)
     else:
         q_specs = [pl.BlockSpec((None, bm, A), lambda i, j, b: (b, i // a_blocks, 0)),
                    pl.BlockSpec((None, bm, R), lambda i, j, b: (b, i // a_blocks, 0))]
@@ -488,13 +489,15 @@ def mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP
     R = q_pe_BTNR.shape[-1]
     cfg = resolve_config(config, B, T * N, block_table_BP.shape[1] * pool_XpC.shape[1], A)
     lengths_B = jnp.maximum(positions_BT[:, 0], 0)
+    work = (balanced_items(lengths_B, B * cfg.num_splits, cfg.block_k) if cfg.schedule == "balanced"
+            else None)       # one table for the kernel and the combine
     o_BKMA, lse_BKM = mla_decode_partials(
         q_lat_BTNA.reshape(B, T * N, A), q_pe_BTNR.astype(q_lat_BTNA.dtype).reshape(B, T * N, R),
         pool_XpC, block_table_BP, lengths_B, scale=scale, config=cfg, interpret=interp,
-        new_BTC=new_BTC, positions_BT=positions_BT)
-    if cfg.schedule == "balanced":
-        o_BTNA, lse_BTN = finish_items(o_BKMA, lse_BKM, balanced_items(lengths_B, B * cfg.num_splits, cfg.block_k),
-                                       q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale, interpret=interp)
+        new_BTC=new_BTC, positions_BT=positions_BT, work=work)
+    if work is not None:
+        o_BTNA, lse_BTN = finish_items(o_BKMA, lse_BKM, work, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT,
+                                       scale, interpret=interp)
     elif cfg.fuse_new and cfg.num_splits == 1:   # one split saw every key: its output is the answer
         o_BTNA, lse_BTN = o_BKMA[:, 0].reshape(B, T, N, A), lse_BKM[:, 0].reshape(B, T, N)
     else:

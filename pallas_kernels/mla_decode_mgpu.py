@@ -361,6 +361,11 @@ def _quantum(cfg: MgpuConfig) -> int:
     return 2 * cfg.block_k if cfg.split_s else cfg.block_k
 
 
+def _balanced_work(lengths_B, cfg: MgpuConfig):
+    """The balanced schedule's work table for a resolved config (one item per CTA slot (b, j))."""
+    return tri.balanced_items(lengths_B, lengths_B.shape[0] * cfg.num_splits, _quantum(cfg))
+
+
 def _default_min_split_tokens(cfg: MgpuConfig) -> int:
     return cfg.min_split_tokens or (512 if cfg.split_s else 256)
 
@@ -1125,11 +1130,11 @@ def _check_shapes(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, cfg: MgpuConfig
 
 def mla_decode_partials_mgpu(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, lengths_B, *,
                              scale: float, config: Optional[MgpuConfig] = None,
-                             interpret=False):
+                             interpret=False, work=None):
     """Flash-decoding partials over the cached tokens (see the module docstring): o [B, splits, M, A]
     f32 (each split normalized; [B, M, splits, A] with config.o_bmsa) and lse [B, splits, M] f32.
-    With config.schedule 'balanced', slot (b, j) holds item b * splits + j of
-    `mla_decode.balanced_items(lengths_B, B * splits, _quantum(config))`.
+    With config.schedule 'balanced', slot (b, j) holds item b * splits + j of `work` (default
+    `_balanced_work(lengths_B, resolved config)`).
     `interpret`: False (GPU), True (the Mosaic GPU interpreter on CPU) or an InterpretGPUParams."""
     if plgpu is None:
         raise RuntimeError("jax.experimental.pallas.mosaic_gpu is not available")
@@ -1164,8 +1169,10 @@ def mla_decode_partials_mgpu(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, leng
                                    halves=cfg.halves, qk_scale=float(scale) * _LOG2E,
                                    interpret=interp, two_wg=two_wg, o_bmsa=cfg.o_bmsa)
         extra = {}
-    work = (tri.balanced_items(lengths_B, B * splits, _quantum(cfg)) if cfg.schedule == "balanced"
-            else lengths_B.astype(jnp.int32))
+    if cfg.schedule != "balanced":
+        work = lengths_B.astype(jnp.int32)
+    elif work is None:
+        work = _balanced_work(lengths_B, cfg)
     params = plgpu.CompilerParams(
         lowering_semantics=getattr(plgpu.LoweringSemantics, cfg.semantics), **extra)
     kw = dict(interpret=interpret) if interp else {}
@@ -1193,12 +1200,14 @@ def mla_paged_attention_mgpu(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_tab
     B, T, N, A = q_lat_BTNA.shape
     R = q_pe_BTNR.shape[-1]
     lengths_B = jnp.maximum(positions_BT[:, 0], 0)
+    work = None
+    if config is not None and config.schedule == "balanced":   # one table for the kernel and the combine
+        work = _balanced_work(lengths_B, resolve_config(config, B, T * N,
+                                                        block_table_BP.shape[1] * pool_XpC.shape[1], A + R))
     o_BKMA, lse_BKM = mla_decode_partials_mgpu(
         q_lat_BTNA.reshape(B, T * N, A), q_pe_BTNR.astype(q_lat_BTNA.dtype).reshape(B, T * N, R),
-        pool_XpC, block_table_BP, lengths_B, scale=scale, config=config, interpret=interpret)
-    if config is not None and config.schedule == "balanced":   # the same table as the kernel's
-        cfg = resolve_config(config, B, T * N, block_table_BP.shape[1] * pool_XpC.shape[1], A + R)
-        work = tri.balanced_items(lengths_B, B * cfg.num_splits, _quantum(cfg))
+        pool_XpC, block_table_BP, lengths_B, scale=scale, config=config, interpret=interpret, work=work)
+    if work is not None:
         o_BTNA, lse_BTN = tri.finish_items(o_BKMA, lse_BKM, work, q_lat_BTNA, q_pe_BTNR, new_BTC,
                                            positions_BT, scale, interpret=bool(interpret))
     else:
