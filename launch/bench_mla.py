@@ -273,7 +273,8 @@ def _op(name, cfg, scale):
     """The op a named variant times, (q_lat, q_pe, new, pool, table, positions) -> o: 'auto' /
     'triton' / 'mgpu' = kimi_jax.ops as the engine calls it (auto: its own choice; call under
     `_forced(name)`); 'mgpu_fin' = the Mosaic GPU serving config with the one-launch finish
-    (mla_finish.py); 'mgpu_bal' = it on the balanced schedule; any other name = the Triton kernel with `cfg` (None: its automatic config)."""
+    (mla_finish.py); 'mgpu_bal' = it on the balanced schedule; any other name = the Triton kernel
+    with `cfg` (None: its automatic config)."""
     from kimi_jax import ops
     from pallas_kernels import mla_decode as md
     if name in ("auto", "triton", "mgpu"):
@@ -373,7 +374,7 @@ def _decode_grid(copy_bps, pool, page, heads, batches, ctxs, sweep):
                     log(f"budget reached: skipping B={B} ctx={ctx} N={N}")
                     continue
                 configs = [("default", None)]
-                if N % 64 == 0 and jax.default_backend() == "gpu":
+                if _mgpu_runs(N):
                     configs.append(("mgpu", None))      # rows a multiple of 64: the Mosaic GPU kernel
                     if FLAGS.finish_variants:
                         configs.append(("mgpu_fin", None))
@@ -388,11 +389,8 @@ def _decode_grid(copy_bps, pool, page, heads, batches, ctxs, sweep):
                     rows.append(r)
                     clk = r.get("clocks") or {}
                     log(f"decode page={page} B={B:3d} ctx={ctx:6d} N={N:2d} {order}"
-                        + (f" (sm {clk['sm_mhz']:.0f} MHz, {clk['power_w']:.0f} W)" if clk else "") + ": " + (
-                        f"serving {r['serving']} {(r['t_serving'] or float('nan')) * 1e6:8.1f} us; best "
-                        f"{r['t_kernel'] * 1e6:8.1f} us ({r['best']}) {r['kernel_bps'] / 1e9:6.0f} GB/s "
-                        f"{r['pct_copy']:5.1f}% of copy; xla "
-                        f"{r['t_xla'] * 1e6 if r['t_xla'] else float('nan'):8.1f} us" if 't_kernel' in r else "failed") + "; " + _variant_times(r))
+                        + (f" (sm {clk['sm_mhz']:.0f} MHz, {clk['power_w']:.0f} W)" if clk else "") + ": "
+                        + _case_summary(r))
     return rows
 
 
@@ -417,20 +415,30 @@ def _check_mixed(spec, N, page, pool, configs, key, lengths):
     record(section="check", mixed=spec, errs=errs, ok=ok)
 
 
-def _variant_times(r):
-    """'name=us' of every variant timed in a case's record (the table shows the best only)."""
-    skip = ("t_kernel", "t_serving")
-    return " ".join(f"{k[2:]}={v * 1e6:.1f}" for k, v in r.items()
-                    if k.startswith("t_") and k not in skip and isinstance(v, float))
+def _case_summary(r):
+    """A decode case's log line: the serving kernel, the best variant, the XLA path, and every
+    variant's time ('name=us'; the table shows the best only)."""
+    if "t_kernel" not in r:
+        return "failed"
+    nan = float("nan")
+    variants = " ".join(f"{k[2:]}={v * 1e6:.1f}" for k, v in r.items()
+                        if k.startswith("t_") and k not in ("t_kernel", "t_serving") and isinstance(v, float))
+    return (f"serving {r['serving']} {(r['t_serving'] or nan) * 1e6:8.1f} us; best "
+            f"{r['t_kernel'] * 1e6:8.1f} us ({r['best']}) {r['kernel_bps'] / 1e9:6.0f} GB/s "
+            f"{r['pct_copy']:5.1f}% of copy; xla {r['t_xla'] * 1e6 if r['t_xla'] else nan:8.1f} us; {variants}")
+
+
+def _mgpu_runs(N):
+    """Whether the Mosaic GPU kernel can be timed for N heads here (64-row tiles, a GPU)."""
+    import jax
+    return N % 64 == 0 and jax.default_backend() == "gpu"
 
 
 def _balanced_configs(N):
     """The balanced-schedule variants of a case: Triton ('bal') and, at 64-row multiples on a GPU,
     the Mosaic GPU serving config ('mgpu_bal')."""
-    import jax
     from pallas_kernels.mla_decode import MlaDecodeConfig as Cfg
-    return [("bal", Cfg(schedule="balanced"))] + (
-        [("mgpu_bal", None)] if N % 64 == 0 and jax.default_backend() == "gpu" else [])
+    return [("bal", Cfg(schedule="balanced"))] + ([("mgpu_bal", None)] if _mgpu_runs(N) else [])
 
 
 def _parse_mixed(spec):
@@ -453,18 +461,13 @@ def _decode_mixed(copy_bps, pool, page):
         if _over_budget():
             log(f"budget reached: skipping mixed {spec}")
             continue
-        configs = [("default", None)] + ([("mgpu", None)] if N % 64 == 0 and jax.default_backend() == "gpu"
-                                          else []) + _balanced_configs(N)
+        configs = [("default", None)] + ([("mgpu", None)] if _mgpu_runs(N) else []) + _balanced_configs(N)
         key = jax.random.PRNGKey(B + long + short + N)
         lengths = [long] + [short] * (B - 1)
         _check_mixed(spec, N, page, pool, configs, key, lengths)
         r = _decode_case(B, long + 1, N, copy_bps, pool, page, configs, key, lengths=lengths)
         rows.append(r)
-        log(f"mixed page={page} B={B} 1 x {long} + {B - 1} x {short} N={N}: " + (
-            f"serving {r['serving']} {(r['t_serving'] or float('nan')) * 1e6:8.1f} us; best "
-            f"{r['t_kernel'] * 1e6:8.1f} us ({r['best']}) {r['kernel_bps'] / 1e9:6.0f} GB/s "
-            f"{r['pct_copy']:5.1f}% of copy; xla {r['t_xla'] * 1e6 if r['t_xla'] else float('nan'):8.1f} us"
-            if 't_kernel' in r else "failed") + "; " + _variant_times(r))
+        log(f"mixed page={page} B={B} 1 x {long} + {B - 1} x {short} N={N}: " + _case_summary(r))
     return rows
 
 
