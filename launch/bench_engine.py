@@ -89,6 +89,7 @@ def time_mixed(engine, layout, spec: str, steps: int) -> dict:
     """Seconds per decode step (`Engine.decode_step_async`, each step's tokens fed to the next, one
     wait at the end) for one long row among short ones: as the engine schedules the MLA kernels
     (`kimi_jax.engine.mla_schedule_for`) and with its balanced choice switched off (rows schedule)."""
+    import jax
     import numpy as np
     from kimi_jax import engine as eng
     from kimi_jax import ops
@@ -105,20 +106,15 @@ def time_mixed(engine, layout, spec: str, steps: int) -> dict:
             tok = tokens[:, 0]
             for i in range(2 + steps):                     # 2 warm-up steps (compile), then timed
                 if i == 2:
-                    jax_block(tok)
+                    jax.block_until_ready(tok)
                     t0 = time.perf_counter()
                 pages, out = engine.decode_step_async(pages, tok, start + i, table, sp, np.full(B, i, np.int32), None)
                 tok = out[0]
-            jax_block(tok)
+            jax.block_until_ready(tok)
             row[f"{name}_ms"] = (time.perf_counter() - t0) / steps * 1e3
         finally:
             eng.BALANCE_MIN_TOKENS = saved
     return row
-
-
-def jax_block(x):
-    import jax
-    jax.block_until_ready(x)
 
 
 def load_engine(path, cfg, layout, dtype):
