@@ -135,6 +135,8 @@ def load_engine(path, cfg, layout, dtype):
 
 def main(argv):
     del argv
+    for spec in FLAGS.mixed:           # before any engine is built
+        parse_mixed(spec)
     common.setup()
     import jax
     import jax.numpy as jnp

@@ -811,6 +811,8 @@ def main(argv):
     bad = [o for o in FLAGS.table_orders if o not in TABLE_ORDERS]
     if bad:
         raise app.UsageError(f"--table_orders: {bad[0]!r} is not random, sequential or interleaved")
+    for spec in FLAGS.mixed:           # before any section runs
+        _parse_mixed(spec)
     import jax
     log("devices", jax.devices(), "jax", jax.__version__)
     copy_bps, read_bps = section_copy()

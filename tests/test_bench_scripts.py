@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from checkpoints.synthetic import write_checkpoint
 from kimi_jax.config import preset
 
@@ -117,3 +119,17 @@ def test_bench_int4_bad_sweep_layout_is_a_one_line_error(tmp_path):
     bad = _run("launch.bench", "--suite=int4", "--dry", "--sweep_layouts=i32,i4", "--out", str(tmp_path))
     assert bad.returncode != 0 and "--sweep_layouts: 'i4' is not i16 or i32" in bad.stderr
     assert "== section" not in bad.stdout
+
+
+@pytest.mark.parametrize("module,spec,msg", [
+    ("launch.bench_mla", "8:4096:64", "is not B:long:short:heads (four integers)"),
+    ("launch.bench_mla", "1:4096:64:8", "needs B >= 2, 0 <= short <= long, heads >= 1"),
+    ("launch.bench_engine", "8:100:200", "needs B >= 2 and 0 <= short <= long"),
+    ("launch.bench_engine", "8:x:1", "is not B:long:short (three integers)"),
+])
+def test_bad_mixed_case_is_a_one_line_error_before_any_work(tmp_path, module, spec, msg):
+    """--mixed cases are checked before any section / engine starts, and the error names the case."""
+    extra = ["--dry", "--noprefill"] if module.endswith("mla") else ["--tiny"]
+    bad = _run(module, *extra, f"--mixed={spec}", "--out", str(tmp_path))
+    assert bad.returncode != 0 and f"--mixed: {spec!r} {msg}" in bad.stderr, bad.stderr[-500:]
+    assert "copy (start)" not in bad.stdout and "device:" not in bad.stdout
