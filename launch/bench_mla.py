@@ -68,6 +68,9 @@ flags.DEFINE_list("mixed", [], "decode section: also mixed-length batches, B:lon
 flags.DEFINE_bool("mixed_only", False, "decode section: only the --mixed cases")
 flags.DEFINE_bool("balanced", False, "decode section: also time both kernels on the balanced schedule "
                   "(MlaDecodeConfig / MgpuConfig schedule='balanced'; the --mixed cases always do)")
+flags.DEFINE_integer("combine_xla_max_macs", None, "set pallas_kernels.mla_combine.XLA_MAX_MACS for this run "
+                     "(the balanced schedule's merge: the XLA contraction up to this many multiply-adds, "
+                     "the kernel above; 0: always the kernel)")
 
 _T0 = time.time()
 A, R, C = 512, 64, 576
@@ -814,6 +817,10 @@ def main(argv):
     for spec in FLAGS.mixed:           # before any section runs
         _parse_mixed(spec)
     import jax
+    if FLAGS.combine_xla_max_macs is not None:
+        from pallas_kernels import mla_combine
+        mla_combine.XLA_MAX_MACS = FLAGS.combine_xla_max_macs
+        log("mla_combine.XLA_MAX_MACS =", mla_combine.XLA_MAX_MACS)
     log("devices", jax.devices(), "jax", jax.__version__)
     copy_bps, read_bps = section_copy()
     if FLAGS.profile:

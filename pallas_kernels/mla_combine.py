@@ -13,10 +13,11 @@ answer merges its items g in [first_b, first_b + count_b) and the step's new-tok
 numerator a one-hot contraction at full f32 precision. Its cost is B x G x M x A multiply-adds, which
 at batch 64 x 2 splits x 64 heads (537 MFLOP of f32) made the balanced schedule 0-20% slower than
 the rows schedule on equal lengths (BENCHMARKS.md MLA round 11). `combine_items` is the same merge
-reading each item once (`combine` picks one by size): grid (B, M, A / block_a), one program per (row, query row, column block)
-walks the row's items in chunks of `block_g` ([block_g, block_a] loads, an online max across
-chunks), in item order (deterministic). Items past count_b are masked; a row with no items and no
-new-token part gives o = 0, lse = -inf.
+reading each item once (`combine` picks one by size): grid (B, M, A / block_a), one program per
+(row, query row, column block) walks the row's items in chunks of `block_g` ([block_g, block_a]
+loads, an online max across chunks; a row of at most FEW_ITEMS items one item at a time), in item
+order (deterministic). Items past count_b are masked; a row with no items and no new-token part gives
+o = 0, lse = -inf.
 """
 from __future__ import annotations
 
@@ -79,7 +80,25 @@ def _kernel(span_ref, o_ref, lse_ref, onew_ref, lsenew_ref, out_ref, lseout_ref,
         w = jnp.where(live & (lse > -jnp.inf), jnp.exp(lse - mx_new), 0.0)
         return mx_new, acc * scale + jnp.sum(w[:, None] * o, axis=0), den * scale + jnp.sum(w)
 
-    mx, acc, den = lax.fori_loop(0, pl.cdiv(count, bg), chunk, (mx, acc, den))
+    # A row of few items (every row of an equal-length batch: the rows schedule's splits) is merged in
+    # one step: its FEW_ITEMS [ba] loads (masked past count) issued together, no masked chunk lanes
+    # and no load waiting on the previous one. A longer row is walked in chunks of bg items below.
+    few = count <= FEW_ITEMS
+    lse_i, o_i = [], []
+    for i in range(FEW_ITEMS):
+        ok = few & (i < count)
+        g = jnp.where(ok, first + i, 0)                              # masked loads stay in bounds
+        lse_i.append(tile.load(lse_ref.at[g * n_rows + m], mask=ok, other=-jnp.inf))
+        o_i.append(tile.load(o_ref.at[g, cols], mask=jnp.full((ba,), ok), other=0.0))
+    mx_new = functools.reduce(jnp.maximum, lse_i, mx)
+    live = mx_new > -jnp.inf
+    scale = jnp.where(live & (mx > -jnp.inf), jnp.exp(mx - mx_new), 0.0)
+    acc, den = acc * scale, den * scale
+    for lse, o in zip(lse_i, o_i):
+        w = jnp.where(live & (lse > -jnp.inf), jnp.exp(lse - mx_new), 0.0)
+        acc, den = acc + w * o, den + w
+    # (not few: every lse_i is -inf, so mx_new = mx and acc / den are unchanged)
+    mx, acc, den = lax.fori_loop(0, jnp.where(few, 0, pl.cdiv(count, bg)), chunk, (mx_new, acc, den))
     has = den > 0.0
     tile.store(out_ref.at[b, cols], jnp.where(has, acc / jnp.where(has, den, 1.0), 0.0))
 
@@ -94,6 +113,9 @@ def _kernel(span_ref, o_ref, lse_ref, onew_ref, lsenew_ref, out_ref, lseout_ref,
 # measured on the H200 (BENCHMARKS.md MLA round 11) the contraction was the faster at batch <= 8
 # (8 x 128 items x 64 heads: 34M) and 20-100 us slower at batch 64 (268M).
 XLA_MAX_MACS = 1 << 27
+# A row of at most this many items is merged item by item ([block_a] loads) instead of in chunks of
+# block_g: at batch 64 x 2 splits a [16, 512] chunk held 2 live items and 14 masked ones.
+FEW_ITEMS = 4
 _PROGRAMS = 2048          # the kernel's automatic block_a aims for about this many programs
 
 

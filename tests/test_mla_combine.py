@@ -40,6 +40,7 @@ def _parts(seed, lengths, splits, M, A, quantum=16):
     ([0, 0], 3, 4, 32, 0, 2),                     # nothing cached: the new-token parts alone (row 1: none)
     ([70000], 5, 8, 64, 32, 8),                   # one row, every item its own
     ([5000, 7, 7, 7], 3, 4, 128, 0, 0),           # automatic blocks (columns split: few programs)
+    ([640, 512, 600, 16], 4, 4, 32, 0, 2),        # 5 / 4 / 5 / 1 items: both sides of FEW_ITEMS
 ])
 def test_kernel_matches_reference(lengths, splits, M, A, block_a, block_g):
     work, o, lse, o_new, lse_new = _parts(len(lengths) * 10 + splits, lengths, splits, M, A)
