@@ -403,7 +403,6 @@ def decode_args(engine, layout, batch: int, cache_len: int, *, abstract: bool, t
     """(cache, tokens, positions, sampling arrays, steps) for one decode step of `batch` rows."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from kimi_jax.model.transformer import init_cache
     from kimi_jax.sampling import SamplingArrays, SamplingParams
     cfg = engine.cfg
@@ -548,6 +547,25 @@ def _drop_containers(ops: list[TraceOp], module: Optional[HloModule] = None) -> 
             if not inner:
                 keep.append(o)
     return keep
+
+
+def device_ops_per_call(compiled, args, calls: int) -> tuple[dict, float]:
+    """Run a compiled executable of `calls` repeated calls once under jax.profiler (after one warm
+    run): (device us per call of each op, by kernel name on GPU, most expensive first; the span of
+    its device ops per call, first start to last end)."""
+    import tempfile
+    import jax
+    module = parse_hlo(compiled.as_text())         # names the trace's container ops
+    jax.block_until_ready(compiled(*args))
+    tdir = tempfile.mkdtemp(prefix="kimi_ops_")      # the caller's output stays free of deep trees
+    with jax.profiler.trace(tdir):
+        jax.block_until_ready(compiled(*args))
+    evs = [o for o in _drop_containers(device_op_events(_find_trace_file(tdir)), module) if o.dur_us > 0]
+    per_op = defaultdict(float)
+    for o in evs:
+        per_op[o.kernel or o.name] += o.dur_us / calls
+    span = (max(o.start_us + o.dur_us for o in evs) - min(o.start_us for o in evs)) / calls if evs else 0.0
+    return dict(sorted(per_op.items(), key=lambda kv: -kv[1])), span
 
 
 # ---- the report --------------------------------------------------------------------------------------

@@ -750,9 +750,6 @@ def section_profile(copy_bps):
     last op's end over calls (span - sum = idle gaps between ops inside the executable, as in the
     engine; the first version timed separately dispatched calls, whose gaps were the host's below
     ~150 us per call)."""
-    import tempfile
-    from collections import defaultdict
-
     import jax
     import jax.numpy as jnp
     from kimi_jax import ops, profiling
@@ -779,31 +776,20 @@ def section_profile(copy_bps):
         with _forced(kernel):
             args = (q_lat, q_pe, new, pool, table, pos)
             f = layers_fn(_op(kernel, fin, scale), calls, B * P, copies).lower(*args).compile()
-            module = profiling.parse_hlo(f.as_text())     # names the trace's container ops
-            jax.block_until_ready(f(*args))              # warm
-            tdir = tempfile.mkdtemp(prefix="mla_profile_")      # traces stay out of --out (deep trees)
-            with jax.profiler.trace(tdir):
-                outs = f(*args)
-                jax.block_until_ready(outs)
-        evs = [o for o in profiling._drop_containers(
-            profiling.device_op_events(profiling._find_trace_file(tdir)), module) if o.dur_us > 0]
-        per_op = defaultdict(float)
-        for o in evs:
-            per_op[o.kernel or o.name] += o.dur_us / calls
+            per_op, span = profiling.device_ops_per_call(f, args, calls)
         busy = sum(per_op.values())
-        span = (max(o.start_us + o.dur_us for o in evs) - min(o.start_us for o in evs)) / calls if evs else 0.0
         nbytes = B * (ctx - T) * C * 2
         row = dict(section="profile", B=B, ctx=ctx, N=N, kernel=kernel,
                    serving=ops.mla_decode_kernel(T * N, A, R, page, jnp.bfloat16, batch=B, context=P * page),
-                   calls=calls, ops_us=dict(sorted(per_op.items(), key=lambda kv: -kv[1])), busy_us=busy,
-                   span_us=span, bytes=nbytes, copy_us=nbytes / copy_bps * 1e6, trace_dir=tdir)
+                   calls=calls, ops_us=per_op, busy_us=busy,
+                   span_us=span, bytes=nbytes, copy_us=nbytes / copy_bps * 1e6)
         record(**row)
         rows.append(row)
         log(f"profile B={B} ctx={ctx} N={N} kernel={kernel}: span {span:.1f} us/call, device ops "
             f"{busy:.1f} us, gaps {span - busy:.1f} us; the cache at copy speed {row['copy_us']:.1f} us")
         for name, us in list(row["ops_us"].items())[:10]:
             log(f"    {us:9.1f} us  {name[:110]}")
-        del pool, outs
+        del pool, args
     return rows
 
 
