@@ -490,7 +490,12 @@ def sweep_candidates(N):
                  ("k64", Cfg(block_k=64)),
                  ("k16s7", Cfg(block_k=16, num_stages=7)),
                  ("legacy_s5", Cfg(num_stages=5, target_programs=264, min_split_tokens=512,
-                                   fuse_new=False))]
+                                   fuse_new=False)),
+                 # batch 1 at long context (TP8's single stream): 528 splits of ~250 tokens write 8.6
+                 # MB of f32 partials at 1 x 128K and fill 5 of 8 steps with the pipeline's prologue
+                 ("t132", Cfg(target_programs=132)),         # one program per SM, 4x longer splits
+                 ("t1056", Cfg(target_programs=1056)),       # 8 per SM, shorter splits
+                 ("split1k", Cfg(min_split_tokens=1024))]    # at least 1K tokens a split
     else:         # 64 heads: MMA work ~121 flops per cache byte
         extra = [("m64a256w8", Cfg(block_m=64, block_a=256, num_warps=8)),   # wgmma, 2 column halves
                  ("m32w8", Cfg(block_m=32, num_warps=8)),
