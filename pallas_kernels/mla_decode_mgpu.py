@@ -257,6 +257,17 @@ Next steps (performance; in order)
 3. Mask only the last tile (the [64, block_k] int32 iota costs registers every step).
 4. B = 1: the partials (128 KiB of f32 o per split) cost as much as ~230 cached tokens; bf16 o or a
    fused combine (last CTA of a row merges) would allow more, shorter splits.
+5. (Ninth session, not built.) Every large 64-head case runs 128 CTAs on the 132 SMs: the rows
+   schedule gives each of B rows floor(132 / B) splits (B = 8: 16, B = 64: 2), and the balanced
+   schedule cannot do better with one row per CTA (8 equal rows over 132 CTAs: some row still has
+   16 items of 8K tokens). The ablation's no-P @ C variant streams at the copy's speed on the same
+   128 CTAs, so the kernel is bound per SM, not by HBM, and the 4 idle SMs are ~3% of every large
+   case (8 x 128K read 83.7% of copy in round 11, 1.3 points short). Recovering them needs a CTA
+   that runs up to two segments of different rows in turn (FlashMLA's tile-scheduler metadata):
+   a work table of per-CTA (row, start, end) pairs splitting the total tokens into 132 equal
+   shares, a second prologue (Q of the next row, its first pairs) after the first segment's
+   epilogue has left shared memory (its TMA store waited), the tile barriers' phases running on
+   across segments, and one partial slot per segment merged by `mla_combine` as items.
 """
 from __future__ import annotations
 
