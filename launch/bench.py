@@ -295,6 +295,20 @@ def moe_sweep(name):
                                              split_k_down=4)),
             ("fused_perm_d64w4_sk2_again", C(decode="fused", split_k_down=2)),
         ],
+        # ninth session, prepared (not yet timed): the two-launch path's down kernel as stream-K (the
+        # T x 112 blocks' K loops cut into P equal shares; at T = 1 the 112 one-per-block programs leave
+        # 20 of the 132 SMs idle), against the default and the best split-K config
+        "fused_stream": [
+            ("default", None),
+            ("fused_perm_d64w4_sk2", C(decode="fused", split_k_down=2)),
+            ("fused_perm_d64w4_st132", C(decode="fused", stream_k_down=132)),
+            ("fused_perm_d64w4_st264", C(decode="fused", stream_k_down=264)),
+            ("fused_perm_d32w2_st264", C(decode="fused", block_n_down=32, num_warps_down=2,
+                                         stream_k_down=264)),
+            ("fused_perm_d64w4_st528", C(decode="fused", stream_k_down=528)),
+            ("default_again", C()),
+            ("fused_perm_d64w4_st264_again", C(decode="fused", stream_k_down=264)),
+        ],
         "small": [("default", None)],
     }
     return sweeps[name]

@@ -27,6 +27,12 @@ in the repacked i16 layout only) 2 splits timed 71.1 us at T = 1 against the def
 inside the run-to-run spread; in i32 (seventh session, one run) the split configs took 70.5-72.5 us
 against the default's 76.7, while the default itself moved 72.8 -> 76.7 us between the runs: it stays
 an option until a repeat.
+`stream_k_down` (ninth session, prepared, not yet timed) lays the T x D/BN output blocks' K loops end
+to end and cuts them into P equal shares (stream-K; relaxed f32 atomics at each block a program
+leaves): at T = 1 the 112 one-per-block programs of the default leave 20 of the H200's 132 SMs idle
+and split-K 2-4 gives 224-448 programs, ~1.7-3.4 per SM, uneven; P = 132 or 264 is even. Checked in
+interpret mode and compiled for sm_90 off-GPU (128 registers, no spills, the same cp.async pipeline as
+the one-block kernel); `launch/bench.py --moe_configs=fused_stream` times it.
 `moe_decode_single` (decode='single') is the whole layer in ONE launch, the down projection split
 along F where gate/up produced h; on the H200 it was slower than the default (95-152 vs 77-80 us at
 T = 1, BENCHMARKS.md), so it stays a measured option.
@@ -151,17 +157,13 @@ def _single_kernel(idx_ref, wt_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, dw_re
         lax.fori_loop(0, nsteps, body, 0)
 
 
-def _down_kernel(idx_ref, wt_ref, h_ref, dw_ref, ds_ref, *y_refs, num_experts, topk, kp, group,
-                 bm, bn, bk, swap_ab, mode, split, interp):
-    # idx_ref [T*K] int32, wt_ref [T*K] f32; h_ref [T*K, F] (pair-plane columns);
-    # dw_ref int16 [E, D, F/4], ds_ref bf16 [E, D, F/g]; y_refs: (y [T, D],) or, split > 1,
-    # (zeros, y) f32 [T + BM, D] aliased: program (t, j, s) adds its share of the K loop by atomics.
-    y_ref = y_refs[-1]
-    t, j = pl.program_id(0), pl.program_id(1)
+def _down_steps(idx_ref, wt_ref, h_ref, dw_ref, ds_ref, t, n0, lo, hi, *, num_experts, topk, kp, group,
+                bm, bn, bk, swap_ab, mode):
+    """Steps [lo, hi) of token t's down K loop (its K experts x F / bk steps, routing weights applied)
+    for output columns [n0, n0 + bn): f32 [BN, BM] if swap_ab else [BM, BN] (row 0 live)."""
     f = h_ref.shape[1]
     bc, bkg = bk // 4, bk // group
     steps = f // bk
-    n0 = pl.multiple_of(j * bn, bn)
     ak = jnp.arange(kp, dtype=jnp.int32)
     kmask = ak < topk
     ids = tile.load(idx_ref.at[t * topk + ak], mask=kmask, other=-1)   # [Kp] this token's experts
@@ -190,16 +192,56 @@ def _down_kernel(idx_ref, wt_ref, h_ref, dw_ref, ds_ref, *y_refs, num_experts, t
         return acc + wk * part
 
     shape = (bn, bm) if swap_ab else (bm, bn)
-    chunk = topk * steps // split                                       # this program's K steps
-    lo = pl.program_id(2) * chunk if split > 1 else 0
-    acc = lax.fori_loop(0, chunk, lambda i, acc: body(i + lo, acc), jnp.zeros(shape, jnp.float32))
+    return lax.fori_loop(lo, hi, body, jnp.zeros(shape, jnp.float32))
+
+
+def _down_write(y_ref, acc, t, n0, *, bm, bn, swap_ab, atomic, interp):
+    """Token t's columns [n0, n0 + bn) of y: stored, or added by relaxed f32 atomics (lanes 1.. hold
+    zeros and have distinct padded rows)."""
     out = acc.T if swap_ab else acc                                     # [BM, BN]
     rows = t + jnp.arange(bm, dtype=jnp.int32)[:, None]                # distinct, row 0 live
     cols = n0 + jnp.arange(bn, dtype=jnp.int32)[None, :]
-    if split == 1:
-        tile.store(y_ref.at[rows, cols], out.astype(y_ref.dtype), mask=live)
-    else:            # lanes 1.. hold zeros and have distinct padded rows
+    live = (jnp.arange(bm, dtype=jnp.int32) == 0)[:, None]
+    if atomic:
         tile.atomic_accumulate(y_ref, (rows, cols), out, live, interp=interp, relaxed=True)
+    else:
+        tile.store(y_ref.at[rows, cols], out.astype(y_ref.dtype), mask=live)
+
+
+def _down_kernel(idx_ref, wt_ref, h_ref, dw_ref, ds_ref, *y_refs, split, interp, **kw):
+    # idx_ref [T*K] int32, wt_ref [T*K] f32; h_ref [T*K, F] (pair-plane columns);
+    # dw_ref int16 [E, D, F/4], ds_ref bf16 [E, D, F/g]; y_refs: (y [T, D],) or, split > 1,
+    # (zeros, y) f32 [T + BM, D] aliased: program (t, j, s) adds its share of the K loop by atomics.
+    t, j = pl.program_id(0), pl.program_id(1)
+    n0 = pl.multiple_of(j * kw["bn"], kw["bn"])
+    chunk = kw["topk"] * (h_ref.shape[1] // kw["bk"]) // split          # this program's K steps
+    lo = pl.program_id(2) * chunk if split > 1 else 0
+    acc = _down_steps(idx_ref, wt_ref, h_ref, dw_ref, ds_ref, t, n0, lo, lo + chunk, **kw)
+    _down_write(y_refs[-1], acc, t, n0, bm=kw["bm"], bn=kw["bn"], swap_ab=kw["swap_ab"], atomic=split > 1,
+                interp=interp)
+
+
+def _down_stream_kernel(idx_ref, wt_ref, h_ref, dw_ref, ds_ref, y0_ref, y_ref, *, n_blocks, per_program,
+                        total, interp, **kw):
+    # Stream-K: the T x n_blocks output blocks' K loops laid end to end (total steps), program i takes
+    # steps [i * per_program, (i + 1) * per_program): the tail of one block, whole blocks, the head of
+    # another; each block's share is added to y (zeroed f32 [T + BM, D], aliased) by relaxed atomics.
+    del y0_ref
+    steps = kw["topk"] * (h_ref.shape[1] // kw["bk"])                   # one block's K loop
+    lo = pl.program_id(0) * per_program
+    hi = jnp.minimum(lo + per_program, total)
+
+    def block(u, carry):
+        t = u // n_blocks
+        n0 = pl.multiple_of((u - t * n_blocks) * kw["bn"], kw["bn"])
+        acc = _down_steps(idx_ref, wt_ref, h_ref, dw_ref, ds_ref, t, n0, jnp.maximum(lo - u * steps, 0),
+                          jnp.minimum(hi - u * steps, steps), **kw)
+        _down_write(y_ref, acc, t, n0, bm=kw["bm"], bn=kw["bn"], swap_ab=kw["swap_ab"], atomic=True,
+                    interp=interp)
+        return carry
+
+    last = jnp.where(hi > lo, (hi + steps - 1) // steps, lo // steps)   # blocks [lo // steps, last)
+    lax.fori_loop(lo // steps, last, block, 0)
 
 
 def _dims(x_TD, idx_TK, gate, down):
@@ -218,11 +260,14 @@ def _routing_inputs(x_TD, idx_TK, weight_TK, x_layout):
 
 def moe_decode(x_TD, idx_TK, weight_TK, gate, up, down, *, block_m, block_n_gate_up, block_k_gate_up,
                block_n_down, block_k_down, swap_ab, dequant, x_layout, num_warps, num_stages,
-               num_warps_down, num_stages_down, interp, split_k_down=1):
+               num_warps_down, num_stages_down, interp, split_k_down=1, stream_k_down=0):
     """The two kernels. gate/up/down: (int16 packed, scale) pairs. Returns y [T, D] in x.dtype.
     split_k_down > 1: the down kernel's K loop (the token's K experts x F steps) is split over that many
     programs per output block, which add their partials with relaxed f32 atomics into a zeroed
-    [T + BM, D] buffer (cast to x.dtype after): more programs, shorter loops."""
+    [T + BM, D] buffer (cast to x.dtype after): more programs, shorter loops. stream_k_down = P > 0:
+    the T x D/block_n_down blocks' K loops laid end to end and cut into P equal shares (stream-K:
+    a program may end one block and start the next), added the same way; P = the SM count or a
+    multiple balances the SMs, which T x D/block_n_down blocks (112 at T = 1) do not."""
     t, d, topk, num_experts, f, group_d, group_f = _dims(x_TD, idx_TK, gate, down)
     (gw, gs), (uw, us), (dw, ds) = gate, up, down
     bk_gu = tile.pick_block_k(d, max(block_k_gate_up, group_d))
@@ -245,20 +290,31 @@ def moe_decode(x_TD, idx_TK, weight_TK, gate, up, down, *, block_m, block_n_gate
     split = split_k_down
     if split < 1 or (topk * (f // bk_dn)) % split:
         raise ValueError(f"split_k_down={split} must divide the down K loop's {topk} x {f // bk_dn} steps")
-    dn_kernel = functools.partial(
-        _down_kernel, num_experts=num_experts, topk=topk, kp=_next_pow2(topk), group=group_f,
-        bm=block_m, bn=bn_dn, bk=bk_dn, swap_ab=swap_ab, mode=mode, split=split, interp=interp)
+    if stream_k_down < 0 or (stream_k_down and split > 1):
+        raise ValueError(f"stream_k_down={stream_k_down}: a program count >= 0, not with split_k_down > 1")
+    common = dict(num_experts=num_experts, topk=topk, kp=_next_pow2(topk), group=group_f, bm=block_m,
+                  bn=bn_dn, bk=bk_dn, swap_ab=swap_ab, mode=mode)
     params = tile.compiler_params(num_warps_down or num_warps, num_stages_down or num_stages, interp)
     args = (idx, wts, h, dw, ds.astype(jnp.bfloat16))
-    if split == 1:
+    if split == 1 and not stream_k_down:
         return pl.pallas_call(
-            dn_kernel, out_shape=jax.ShapeDtypeStruct((t, d), x_TD.dtype), grid=(t, d // bn_dn),
+            functools.partial(_down_kernel, split=1, interp=interp, **common),
+            out_shape=jax.ShapeDtypeStruct((t, d), x_TD.dtype), grid=(t, d // bn_dn),
             interpret=interp, compiler_params=params, name="moe_decode_down_int4")(*args)
     rows = t + block_m
+    if stream_k_down:
+        n_blocks = d // bn_dn
+        total = t * n_blocks * topk * (f // bk_dn)
+        per = -(-total // stream_k_down)
+        kernel = functools.partial(_down_stream_kernel, n_blocks=n_blocks, per_program=per, total=total,
+                                   interp=interp, **common)
+        grid, name = (-(-total // per),), "moe_decode_down_int4_streamk"
+    else:
+        kernel = functools.partial(_down_kernel, split=split, interp=interp, **common)
+        grid, name = (t, d // bn_dn, split), "moe_decode_down_int4_splitk"
     y = pl.pallas_call(
-        dn_kernel, out_shape=jax.ShapeDtypeStruct((rows, d), jnp.float32), grid=(t, d // bn_dn, split),
-        input_output_aliases={5: 0}, interpret=interp, compiler_params=params,
-        name="moe_decode_down_int4_splitk",
+        kernel, out_shape=jax.ShapeDtypeStruct((rows, d), jnp.float32), grid=grid,
+        input_output_aliases={5: 0}, interpret=interp, compiler_params=params, name=name,
     )(*args, jnp.zeros((rows, d), jnp.float32))
     return y[:t].astype(x_TD.dtype)
 

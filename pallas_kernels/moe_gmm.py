@@ -71,6 +71,8 @@ class MoeGmmConfig:
     num_stages_down: int = 0     # 0: num_stages
     single_reduce: str = "atomic"  # decode='single': 'atomic' | 'relaxed' | 'store' (moe_decode_single)
     split_k_down: int = 1        # decode='fused': down K loop split over this many programs (atomics)
+    stream_k_down: int = 0       # decode='fused': > 0: the down blocks' K loops shared evenly by this
+                                 # many programs (stream-K, atomics); 0: one program per block
 
     def __post_init__(self):
         if self.x_layout not in tile.X_LAYOUTS:
@@ -286,7 +288,7 @@ def moe_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array,
             x_TD, idx_TK, weight_TK, *weights, block_n_gate_up=cfg.block_n_gate_up,
             block_k_gate_up=cfg.block_k_gate_up, block_k_down=cfg.block_k_down,
             num_warps_down=cfg.num_warps_down, num_stages_down=cfg.num_stages_down,
-            split_k_down=cfg.split_k_down, **common)
+            split_k_down=cfg.split_k_down, stream_k_down=cfg.stream_k_down, **common)
 
     flat = idx_TK.reshape(-1).astype(jnp.int32)
     held = (flat >= 0) & (flat < num_experts)      # ids outside [0, E) are skipped (EP: not local)
