@@ -98,3 +98,7 @@ def test_sweep_checks_every_config_on_the_device_it_runs():
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [x for x in r.stdout.splitlines() if x.startswith(("4:2:8", "3:2:6"))]
     assert len(lines) == 4 and all(" OK " in x for x in lines), r.stdout
+    bad = subprocess.run([sys.executable, "-m", "pallas_kernels.mla_combine", "--cases=4:2:8:300:20,4:2:3:5:5"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "'4:2:3:5:5' needs" in bad.stderr + bad.stdout
+    assert "4:2:8:300:20" not in bad.stdout                 # rejected before any case ran
