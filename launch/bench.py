@@ -309,6 +309,17 @@ def moe_sweep(name):
             ("default_again", C()),
             ("fused_perm_d64w4_st264_again", C(decode="fused", stream_k_down=264)),
         ],
+        # ninth session, prepared (not yet timed; its own list because a kernel that waited forever would
+        # stall the whole run): both phases in one launch, down programs waiting in-kernel for their h
+        "chained": [
+            ("default", None),
+            ("fused_perm_d64w4", C(decode="fused")),
+            ("chained_d64w4", C(decode="chained")),
+            ("chained_d64w4_st132", C(decode="chained", stream_k_down=132)),
+            ("chained_d64w4_st264", C(decode="chained", stream_k_down=264)),
+            ("default_again", C()),
+            ("chained_d64w4_again", C(decode="chained")),
+        ],
         "small": [("default", None)],
     }
     return sweeps[name]

@@ -33,6 +33,13 @@ leaves): at T = 1 the 112 one-per-block programs of the default leave 20 of the 
 and split-K 2-4 gives 224-448 programs, ~1.7-3.4 per SM, uneven; P = 132 or 264 is even. Checked in
 interpret mode and compiled for sm_90 off-GPU (128 registers, no spills, the same cp.async pipeline as
 the one-block kernel); `launch/bench.py --moe_configs=fused_stream` times it.
+`chained=True` (decode='chained'; ninth session, prepared, not yet timed) is the fused path in ONE
+launch: tickets from an atomic counter make the first programs to start the gate/up work and the
+rest stream-K down shares, which wait (volatile loads, then an acquire) until their token's pairs
+have all their h blocks; no launch boundary between the phases (~3 us each on the H200), no
+assumption on the hardware's block order. Interpret-mode tests and sm_90 compile off-GPU (167
+registers, no spills; 90 KB shared memory: two programs per SM). `launch/bench.py
+--moe_configs=chained` times it (run it on its own: a wait that never ends would stall the run).
 `moe_decode_single` (decode='single') is the whole layer in ONE launch, the down projection split
 along F where gate/up produced h; on the H200 it was slower than the default (95-152 vs 77-80 us at
 T = 1, BENCHMARKS.md), so it stays a measured option.
@@ -45,6 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import int4_tile as tile
 
@@ -80,11 +88,11 @@ def _gate_up_tile(x_ref, gw_ref, gs_ref, uw_ref, us_ref, e, token, n0, *, d, gro
     return g / (1.0 + jnp.exp(-g)) * u
 
 
-def _gate_up_kernel(idx_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, h_ref, *, num_experts, topk,
-                    d, group, bm, bn, bk, swap_ab, mode, x_layout):
-    # idx_ref [T*K] int32; x_ref [T, D]; g/u w_ref int16 [E, F, D/4], s_ref bf16 [E, F, D/g];
-    # h_ref [T*K, F] bf16, columns in pair-plane order.
-    p, j = pl.program_id(0), pl.program_id(1)
+def _gate_up_work(idx_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, h_ref, p, j, *, num_experts, topk,
+                  d, group, bm, bn, bk, swap_ab, mode, x_layout):
+    """Pair p's F columns [j * bn, (j + 1) * bn) of h = silu(gate) * up (nothing for an id outside
+    [0, E)). idx_ref [T*K] int32; x_ref [T, D]; g/u w_ref int16 [E, F, D/4], s_ref bf16 [E, F, D/g];
+    h_ref [T*K, F] bf16, columns in pair-plane order."""
     e = idx_ref[p]
     f = h_ref.shape[1]
 
@@ -101,6 +109,10 @@ def _gate_up_kernel(idx_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, h_ref, *, nu
         # duplicate indices is ambiguous in interpret mode
         out_rows = p + jnp.arange(bm, dtype=jnp.int32)[:, None]
         tile.store(h_ref.at[out_rows, pc[None, :]], h.astype(h_ref.dtype), mask=live)
+
+
+def _gate_up_kernel(*refs, **kw):
+    _gate_up_work(*refs, pl.program_id(0), pl.program_id(1), **kw)
 
 
 def _single_kernel(idx_ref, wt_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, dw_ref, ds_ref, y0_ref,
@@ -221,19 +233,21 @@ def _down_kernel(idx_ref, wt_ref, h_ref, dw_ref, ds_ref, *y_refs, split, interp,
                 interp=interp)
 
 
-def _down_stream_kernel(idx_ref, wt_ref, h_ref, dw_ref, ds_ref, y0_ref, y_ref, *, n_blocks, per_program,
-                        total, interp, **kw):
-    # Stream-K: the T x n_blocks output blocks' K loops laid end to end (total steps), program i takes
-    # steps [i * per_program, (i + 1) * per_program): the tail of one block, whole blocks, the head of
-    # another; each block's share is added to y (zeroed f32 [T + BM, D], aliased) by relaxed atomics.
-    del y0_ref
+def _down_stream_work(idx_ref, wt_ref, h_ref, dw_ref, ds_ref, y_ref, i, *, n_blocks, per_program, total,
+                      interp, before_block=None, **kw):
+    """Stream-K share i: the T x n_blocks output blocks' K loops laid end to end (total steps), share i
+    is steps [i * per_program, (i + 1) * per_program): the tail of one block, whole blocks, the head of
+    another; each block's part is added to y (zeroed f32 [T + BM, D]) by relaxed atomics.
+    before_block(t): called before a block of token t is computed (the chained kernel's wait)."""
     steps = kw["topk"] * (h_ref.shape[1] // kw["bk"])                   # one block's K loop
-    lo = pl.program_id(0) * per_program
+    lo = i * per_program
     hi = jnp.minimum(lo + per_program, total)
 
     def block(u, carry):
         t = u // n_blocks
         n0 = pl.multiple_of((u - t * n_blocks) * kw["bn"], kw["bn"])
+        if before_block is not None:
+            before_block(t)
         acc = _down_steps(idx_ref, wt_ref, h_ref, dw_ref, ds_ref, t, n0, jnp.maximum(lo - u * steps, 0),
                           jnp.minimum(hi - u * steps, steps), **kw)
         _down_write(y_ref, acc, t, n0, bm=kw["bm"], bn=kw["bn"], swap_ab=kw["swap_ab"], atomic=True,
@@ -242,6 +256,53 @@ def _down_stream_kernel(idx_ref, wt_ref, h_ref, dw_ref, ds_ref, y0_ref, y_ref, *
 
     last = jnp.where(hi > lo, (hi + steps - 1) // steps, lo // steps)   # blocks [lo // steps, last)
     lax.fori_loop(lo // steps, last, block, 0)
+
+
+def _down_stream_kernel(idx_ref, wt_ref, h_ref, dw_ref, ds_ref, y0_ref, y_ref, **kw):
+    del y0_ref                                                          # aliased to y_ref
+    _down_stream_work(idx_ref, wt_ref, h_ref, dw_ref, ds_ref, y_ref, pl.program_id(0), **kw)
+
+
+def _chained_kernel(idx_ref, wt_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, dw_ref, ds_ref, c0_ref, y0_ref,
+                    c_ref, y_ref, h_ref, *, n_gate_up, f_blocks, gu_kw, dn_kw, interp):
+    """Both phases in ONE launch. Each program first takes a ticket (an atomic counter, the last
+    slot of c_ref): tickets [0, n_gate_up) are gate/up work (pair p, F block j), the rest stream-K
+    down shares. Gate/up work stores its h block, then (all threads' stores done: a CTA barrier)
+    adds 1 to pair p's counter; down work first waits until each of its token's pairs with a held
+    expert has f_blocks done, then (an acquire: an atomic read, then a CTA barrier) reads h. Tickets
+    are handed out in the order programs start, so every gate/up ticket belongs to a running program
+    that never waits: the waiting down programs cannot starve it (no assumption on the hardware's
+    block order). c0_ref / y0_ref: zeroed, aliased to c_ref [T*K + 1] int32 / y_ref [T + BM, D] f32."""
+    del c0_ref, y0_ref
+    tickets = c_ref.shape[0] - 1
+    one = jnp.int32(1)
+    q = plt.atomic_add(c_ref, (jnp.int32(tickets),), one)
+
+    @pl.when(q < n_gate_up)
+    def _():
+        p = q // f_blocks
+        _gate_up_work(idx_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, h_ref, p, q - p * f_blocks, **gu_kw)
+        if not interp:
+            plt.debug_barrier()                       # every thread's h stores issued before the release
+        plt.atomic_add(c_ref, (p,), one)              # acquire-release, GPU scope
+
+    topk, num_experts = dn_kw["topk"], dn_kw["num_experts"]
+
+    def wait_token(t):
+        for k in range(topk):
+            p = t * topk + k
+            e = idx_ref[p]
+            held = (e >= 0) & (e < num_experts)
+            lax.while_loop(lambda c: held & (c < f_blocks),
+                           lambda c: plt.load(c_ref.at[p], volatile=True), plt.load(c_ref.at[p], volatile=True))
+            plt.atomic_add(c_ref, (p,), one * 0)      # acquire: h's stores are visible from here on
+        if not interp:
+            plt.debug_barrier()                       # ... to every thread of this program
+
+    @pl.when(q >= n_gate_up)
+    def _():
+        _down_stream_work(idx_ref, wt_ref, h_ref, dw_ref, ds_ref, y_ref, q - n_gate_up, interp=interp,
+                          before_block=wait_token, **dn_kw)
 
 
 def _dims(x_TD, idx_TK, gate, down):
@@ -260,14 +321,17 @@ def _routing_inputs(x_TD, idx_TK, weight_TK, x_layout):
 
 def moe_decode(x_TD, idx_TK, weight_TK, gate, up, down, *, block_m, block_n_gate_up, block_k_gate_up,
                block_n_down, block_k_down, swap_ab, dequant, x_layout, num_warps, num_stages,
-               num_warps_down, num_stages_down, interp, split_k_down=1, stream_k_down=0):
+               num_warps_down, num_stages_down, interp, split_k_down=1, stream_k_down=0, chained=False):
     """The two kernels. gate/up/down: (int16 packed, scale) pairs. Returns y [T, D] in x.dtype.
     split_k_down > 1: the down kernel's K loop (the token's K experts x F steps) is split over that many
     programs per output block, which add their partials with relaxed f32 atomics into a zeroed
     [T + BM, D] buffer (cast to x.dtype after): more programs, shorter loops. stream_k_down = P > 0:
     the T x D/block_n_down blocks' K loops laid end to end and cut into P equal shares (stream-K:
     a program may end one block and start the next), added the same way; P = the SM count or a
-    multiple balances the SMs, which T x D/block_n_down blocks (112 at T = 1) do not."""
+    multiple balances the SMs, which T x D/block_n_down blocks (112 at T = 1) do not.
+    chained: both phases in ONE launch (`_chained_kernel`: down shares wait in-kernel for their
+    token's h), the down phase as stream-K shares (stream_k_down, default one block each); the gate/
+    up phase's num_warps / num_stages serve both."""
     t, d, topk, num_experts, f, group_d, group_f = _dims(x_TD, idx_TK, gate, down)
     (gw, gs), (uw, us), (dw, ds) = gate, up, down
     bk_gu = tile.pick_block_k(d, max(block_k_gate_up, group_d))
@@ -276,38 +340,54 @@ def moe_decode(x_TD, idx_TK, weight_TK, gate, up, down, *, block_m, block_n_gate
     if f % bn_gu or d % bn_dn or bk_gu % group_d or bk_dn % group_f or group_d % 8 or group_f % 8:
         raise ValueError(f"unsupported MoE shape: D={d} F={f} groups {group_d}/{group_f} "
                          f"blocks n {bn_gu}/{bn_dn} k {bk_gu}/{bk_dn}")
+    split = split_k_down
+    if split < 1 or (topk * (f // bk_dn)) % split:
+        raise ValueError(f"split_k_down={split} must divide the down K loop's {topk} x {f // bk_dn} steps")
+    if stream_k_down < 0 or ((stream_k_down or chained) and split > 1):
+        raise ValueError(f"stream_k_down={stream_k_down} (a program count >= 0) and chained={chained} "
+                         f"do not take split_k_down={split} > 1")
     mode = "f32" if interp else dequant
     x_TD, idx, wts = _routing_inputs(x_TD, idx_TK, weight_TK, x_layout)
-    gu_kernel = functools.partial(
-        _gate_up_kernel, num_experts=num_experts, topk=topk, d=d, group=group_d, bm=block_m,
-        bn=bn_gu, bk=bk_gu, swap_ab=swap_ab, mode=mode, x_layout=x_layout)
+    gu_kw = dict(num_experts=num_experts, topk=topk, d=d, group=group_d, bm=block_m, bn=bn_gu, bk=bk_gu,
+                 swap_ab=swap_ab, mode=mode, x_layout=x_layout)
+    common = dict(num_experts=num_experts, topk=topk, kp=_next_pow2(topk), group=group_f, bm=block_m,
+                  bn=bn_dn, bk=bk_dn, swap_ab=swap_ab, mode=mode)
+    rows = t + block_m
+    n_blocks = d // bn_dn
+    total = t * n_blocks * topk * (f // bk_dn)
+    per = -(-total // (stream_k_down or t * n_blocks))
+    stream_kw = dict(n_blocks=n_blocks, per_program=per, total=total, **common)
+    ds16 = ds.astype(jnp.bfloat16)
+    if chained:
+        n_gate_up = t * topk * (f // bn_gu)
+        kernel = functools.partial(_chained_kernel, n_gate_up=n_gate_up, f_blocks=f // bn_gu, gu_kw=gu_kw,
+                                   dn_kw=stream_kw, interp=interp)
+        _, y, _ = pl.pallas_call(
+            kernel, grid=(n_gate_up + -(-total // per),), interpret=interp,
+            out_shape=[jax.ShapeDtypeStruct((t * topk + 1,), jnp.int32),
+                       jax.ShapeDtypeStruct((rows, d), jnp.float32),
+                       jax.ShapeDtypeStruct((t * topk, f), x_TD.dtype)],
+            input_output_aliases={9: 0, 10: 1},
+            compiler_params=tile.compiler_params(num_warps, num_stages, interp),
+            name="moe_decode_chained_int4",
+        )(idx, wts, x_TD, gw, gs.astype(jnp.bfloat16), uw, us.astype(jnp.bfloat16), dw, ds16,
+          jnp.zeros((t * topk + 1,), jnp.int32), jnp.zeros((rows, d), jnp.float32))
+        return y[:t].astype(x_TD.dtype)
     h = pl.pallas_call(
-        gu_kernel, out_shape=jax.ShapeDtypeStruct((t * topk, f), x_TD.dtype),
+        functools.partial(_gate_up_kernel, **gu_kw), out_shape=jax.ShapeDtypeStruct((t * topk, f), x_TD.dtype),
         grid=(t * topk, f // bn_gu), interpret=interp,
         compiler_params=tile.compiler_params(num_warps, num_stages, interp),
         name="moe_decode_gate_up_int4",
     )(idx, x_TD, gw, gs.astype(jnp.bfloat16), uw, us.astype(jnp.bfloat16))
-    split = split_k_down
-    if split < 1 or (topk * (f // bk_dn)) % split:
-        raise ValueError(f"split_k_down={split} must divide the down K loop's {topk} x {f // bk_dn} steps")
-    if stream_k_down < 0 or (stream_k_down and split > 1):
-        raise ValueError(f"stream_k_down={stream_k_down}: a program count >= 0, not with split_k_down > 1")
-    common = dict(num_experts=num_experts, topk=topk, kp=_next_pow2(topk), group=group_f, bm=block_m,
-                  bn=bn_dn, bk=bk_dn, swap_ab=swap_ab, mode=mode)
     params = tile.compiler_params(num_warps_down or num_warps, num_stages_down or num_stages, interp)
-    args = (idx, wts, h, dw, ds.astype(jnp.bfloat16))
+    args = (idx, wts, h, dw, ds16)
     if split == 1 and not stream_k_down:
         return pl.pallas_call(
             functools.partial(_down_kernel, split=1, interp=interp, **common),
             out_shape=jax.ShapeDtypeStruct((t, d), x_TD.dtype), grid=(t, d // bn_dn),
             interpret=interp, compiler_params=params, name="moe_decode_down_int4")(*args)
-    rows = t + block_m
     if stream_k_down:
-        n_blocks = d // bn_dn
-        total = t * n_blocks * topk * (f // bk_dn)
-        per = -(-total // stream_k_down)
-        kernel = functools.partial(_down_stream_kernel, n_blocks=n_blocks, per_program=per, total=total,
-                                   interp=interp, **common)
+        kernel = functools.partial(_down_stream_kernel, interp=interp, **stream_kw)
         grid, name = (-(-total // per),), "moe_decode_down_int4_streamk"
     else:
         kernel = functools.partial(_down_kernel, split=split, interp=interp, **common)

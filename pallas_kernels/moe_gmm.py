@@ -45,7 +45,7 @@ from pallas_kernels import int4_tile as tile
 from pallas_kernels import moe_decode
 
 repack = tile.repack
-DECODE_PATHS = ("tiles", "fused", "single")
+DECODE_PATHS = ("tiles", "fused", "single", "chained")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +67,8 @@ class MoeGmmConfig:
                                  # launches, routing read in-kernel, down sums over k in-kernel)
                                  # or 'single' (moe_decode.moe_decode_single: one launch, program =
                                  # (pair, block_n_gate_up F slice), down split along F, f32 atomics)
+                                 # or 'chained' (moe_decode, chained=True: 'fused' in ONE launch, the
+                                 # down programs wait in-kernel for their token's h)
     num_warps_down: int = 0      # fused decode down kernel (grid T x D/block_n_down); 0: num_warps
     num_stages_down: int = 0     # 0: num_stages
     single_reduce: str = "atomic"  # decode='single': 'atomic' | 'relaxed' | 'store' (moe_decode_single)
@@ -288,7 +290,8 @@ def moe_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array,
             x_TD, idx_TK, weight_TK, *weights, block_n_gate_up=cfg.block_n_gate_up,
             block_k_gate_up=cfg.block_k_gate_up, block_k_down=cfg.block_k_down,
             num_warps_down=cfg.num_warps_down, num_stages_down=cfg.num_stages_down,
-            split_k_down=cfg.split_k_down, stream_k_down=cfg.stream_k_down, **common)
+            split_k_down=cfg.split_k_down, stream_k_down=cfg.stream_k_down,
+            chained=cfg.decode == "chained", **common)
 
     flat = idx_TK.reshape(-1).astype(jnp.int32)
     held = (flat >= 0) & (flat < num_experts)      # ids outside [0, E) are skipped (EP: not local)

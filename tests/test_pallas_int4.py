@@ -235,6 +235,11 @@ SINGLE = mg.MoeGmmConfig(decode="single", block_n_down=128)
     ("fused_t1_stream3", 1, "distinct", TOPK, mg.MoeGmmConfig(decode="fused", stream_k_down=3)),
     ("fused_t3_topk3_stream7", 3, "random", 3, mg.MoeGmmConfig(decode="fused", stream_k_down=7,
                                                                block_k_down=64)),
+    # chained (one launch, tickets, in-kernel wait): one block per down share, and stream-K shares
+    ("chained_t1", 1, "distinct", TOPK, mg.MoeGmmConfig(decode="chained")),
+    ("chained_t3_topk3_stream7_shuffle", 3, "random", 3, mg.MoeGmmConfig(
+        decode="chained", stream_k_down=7, block_k_down=64, x_layout="shuffle")),
+    ("chained_t4_one_expert", 4, "one_expert", TOPK, mg.MoeGmmConfig(decode="chained", stream_k_down=5)),
     ("single_t3_store", 3, "random", TOPK, mg.MoeGmmConfig(decode="single", single_reduce="store")),
     ("single_t1_relaxed", 1, "distinct", TOPK, mg.MoeGmmConfig(decode="single",
                                                                 single_reduce="relaxed")),
@@ -307,7 +312,8 @@ def test_relaxed_atomic_add_lowers_relaxed(monkeypatch):
 
 @pytest.mark.parametrize("t,cfg", [(1, FUSED), (4, FUSED), (1, SINGLE), (4, SINGLE),
                                    (4, mg.MoeGmmConfig(decode="fused", split_k_down=2)),
-                                   (4, mg.MoeGmmConfig(decode="fused", stream_k_down=6))])
+                                   (4, mg.MoeGmmConfig(decode="fused", stream_k_down=6)),
+                                   (3, mg.MoeGmmConfig(decode="chained", stream_k_down=6))])
 def test_moe_fused_decode_skips_foreign_ids(experts, t, cfg):
     """ids >= E and < 0 (held elsewhere / other layers of a stacked array) add 0 and read nothing."""
     g, u, dn = experts
@@ -371,7 +377,8 @@ def test_kernels_lower_for_cuda():
     jax.jit(lambda x, p, s: im.int4_matmul(x, p, s, config=cfg, interpret=False)).trace(
         S((m, k), jnp.bfloat16), S((n, k // 8), jnp.int32),
         S((n, k // 32), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
-    for decode, split, stream in (("fused", 1, 0), ("single", 1, 0), ("fused", 2, 0), ("fused", 1, 132)):
+    for decode, split, stream in (("fused", 1, 0), ("single", 1, 0), ("fused", 2, 0), ("fused", 1, 132),
+                                  ("chained", 1, 0), ("chained", 1, 132)):
         cfg = mg.MoeGmmConfig(decode=decode, x_layout="shuffle", split_k_down=split, stream_k_down=stream)
         jax.jit(lambda *a, c=cfg: mg.moe_experts(*a, config=c, interpret=False)).trace(*args).lower(
             lowering_platforms=("cuda",))
