@@ -412,6 +412,22 @@ def _rel(a, b):
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
+# A config whose programs wait on each other in-kernel (decode='chained') is checked this many times:
+# a missing memory order would show as an intermittent wrong answer, not a crash.
+CHAINED_CHECK_REPEATS = 20
+
+
+def _moe_check(mg, x, idx, w, g, u, dn, cfg, ref):
+    """(max relative error over the repeats, all finite) of moe_experts against ref."""
+    import jax.numpy as jnp
+    reps = CHAINED_CHECK_REPEATS if cfg is not None and cfg.decode == "chained" else 1
+    err, fin = 0.0, True
+    for _ in range(reps):
+        y = mg.moe_experts(x, idx, w, *g, *u, *dn, config=cfg)
+        err, fin = max(err, _rel(y, ref)), fin and bool(jnp.isfinite(y).all())
+    return err, fin
+
+
 def section_check():
     """GPU correctness vs float32 references (fresh random inputs, several shapes and configs)."""
     import jax
@@ -468,9 +484,7 @@ def section_check():
                 cfgs += moe_cfgs[1:]
             for cfg in cfgs:
                 try:
-                    y = mg.moe_experts(x, idx, w, *g, *u, *dn, config=cfg)
-                    err = _rel(y, ref)
-                    fin = bool(jnp.isfinite(y).all())
+                    err, fin = _moe_check(mg, x, idx, w, g, u, dn, cfg, ref)
                     good = fin and err < 1e-2
                 except Exception as ex:  # noqa: BLE001
                     err, fin, good = f"{type(ex).__name__}: {str(ex)[:300]}", False, False
@@ -499,9 +513,8 @@ def section_check():
     ref = mg.moe_experts_reference(x, idx, w, *g, *u, *dn)
     for cfg in [None] + moe_cfgs[1:]:                  # every swept config at the Kimi shape
         try:
-            y = mg.moe_experts(x, idx, w, *g, *u, *dn, config=cfg)
-            err = _rel(y, ref)
-            good = bool(jnp.isfinite(y).all()) and err < 1e-2
+            err, fin = _moe_check(mg, x, idx, w, g, u, dn, cfg, ref)
+            good = fin and err < 1e-2
         except Exception as ex:  # noqa: BLE001
             err, good = f"{type(ex).__name__}: {str(ex)[:300]}", False
         ok &= good
