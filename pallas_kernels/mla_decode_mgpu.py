@@ -260,17 +260,20 @@ Next steps (performance; in order)
 5. (Ninth session, not built.) Every large 64-head case runs 128 CTAs on the 132 SMs: the rows
    schedule gives each of B rows floor(132 / B) splits (B = 8: 16, B = 64: 2), and the balanced
    schedule cannot do better with one row per CTA (8 equal rows over 132 CTAs: some row still has
-   16 items of 8K tokens). The ablation's no-P @ C variant streams at the copy's speed on the same
-   128 CTAs, so the kernel is bound per SM, not by HBM, and the 4 idle SMs are ~3% of every large
-   case (8 x 128K read 83.7% of copy in round 11, 1.3 points short). Recovering them needs a CTA
-   that runs up to two segments of different rows in turn (FlashMLA's tile-scheduler metadata):
-   a work table of per-CTA (row, start, end) pairs splitting the total tokens into 132 equal
-   shares, a second prologue (Q of the next row, its first pairs) after the first segment's
-   epilogue has left shared memory (its TMA store waited), the tile barriers' phases running on
-   across segments, and one partial slot per segment merged by `mla_combine` as items. Expected
-   net gain is small: at 8 x 128K ~10 us of 350 from the 4 SMs, less the items' merge (the balanced
-   combine, ~3-12 us against ~5 us for the rows schedule's) and a second prologue (~1-2 us), so
-   ~1.5%, inside the run-to-run spread of these cases.
+   16 items of 8K tokens; 64 rows of 32K: 4 items of 8K each). The ablation's no-P @ C variant
+   streams at the copy's speed on the same 128 CTAs, so the kernel is bound per SM, not by HBM, and
+   the 4 idle SMs are ~3% of every large case (8 x 128K read 83.7% of copy in round 11, 1.3 points
+   short). Recovering them needs CTAs that run up to two segments of different rows in turn
+   (FlashMLA's tile-scheduler metadata): CTA c takes tokens [c S, (c + 1) S) of the rows laid end
+   to end (S = total / 132, whole pairs), i.e. the tail of one row and the head of the next; its
+   segments write items c + (crossings before c) and the next one, so a row's items stay contiguous
+   for `mla_combine` (G = 132 + B items, the tail unused and never read, so never written). Rows
+   shorter than S would need more than two segments: then the table falls back to balanced_items.
+   Kernel side: a second pass of the pair loop after the first segment's epilogue (Q of the next
+   row, its first pairs; the tile barriers' phases run on, the staging's TMA store waited before Q
+   is overwritten). Expected: ~2-3% at the large 64-head cases (the extra merge is the balanced
+   combine's, ~3-12 us vs ~5 us for the rows schedule's; one more prologue, ~1-2 us, in the ~7
+   CTAs that cross a row).
 """
 from __future__ import annotations
 
