@@ -271,9 +271,12 @@ Next steps (performance; in order)
    shorter than S would need more than two segments: then the table falls back to balanced_items.
    Kernel side: a second pass of the pair loop after the first segment's epilogue (Q of the next
    row, its first pairs; the tile barriers' phases run on, the staging's TMA store waited before Q
-   is overwritten). Expected: ~2-3% at the large 64-head cases (the extra merge is the balanced
-   combine's, ~3-12 us vs ~5 us for the rows schedule's; one more prologue, ~1-2 us, in the ~7
-   CTAs that cross a row).
+   is overwritten). Expected, worked out with such a table (built and checked off-GPU, then
+   dropped): shares are whole pairs, so the longest CTA gets ceil(pairs / 132) pairs: 8 x 128K 125
+   instead of 128 (2.4%), 64 x 32K 249 instead of 256 (2.8%), 64 x 4K 32 either way (nothing); less
+   a second prologue and epilogue in every CTA that crosses a row (the slowest CTAs: 67 of 132 at
+   64 x 32K) and the items' merge (the combine kernel, ~9-13 us, against ~5 us of XLA for the rows
+   schedule's): ~0.5-1% at 8 x 128K, ~2% at 64 x 32K. Not worth the kernel change by itself.
 """
 from __future__ import annotations
 
