@@ -32,7 +32,9 @@ to end and cuts them into P equal shares (stream-K; relaxed f32 atomics at each 
 leaves): at T = 1 the 112 one-per-block programs of the default leave 20 of the H200's 132 SMs idle
 and split-K 2-4 gives 224-448 programs, ~1.7-3.4 per SM, uneven; P = 132 or 264 is even. Checked in
 interpret mode and compiled for sm_90 off-GPU (128 registers, no spills, the same cp.async pipeline as
-the one-block kernel); `launch/bench.py --moe_configs=fused_stream` times it.
+the one-block kernel); `launch/bench.py --moe_configs=fused_stream` times it. Like split_k_down, its
+f32 atomics add a block's parts in whatever order the programs finish: y may differ in the last bits
+between runs (the default one-program-per-block kernel is deterministic).
 `chained=True` (decode='chained'; ninth session, prepared, not yet timed) is the fused path in ONE
 launch: tickets from an atomic counter make the first programs to start the gate/up work and the
 rest stream-K down shares, which wait (volatile loads, then an acquire) until their token's pairs
