@@ -3,7 +3,9 @@
 Each op has an 'xla' implementation (plain jnp/lax, runs everywhere) and, where one exists, a 'pallas'
 implementation (GPU kernels). `impl=None` picks 'pallas' on GPU and 'xla' elsewhere; tests force each
 with `impl=` or with `use_impl(...)`. `mla_prefill_attention`'s GPU path is not Pallas but cuDNN flash
-attention (jax.nn.dot_product_attention), for fresh prefills only; `use_prefill_attention` forces it.
+attention (jax.nn.dot_product_attention), for fresh prefills; `use_prefill_attention` forces it. Prefill
+chunks after cached tokens take the einsum path unless `use_chunk_attention` forces the same call with
+their mask (prepared, not yet measured on a GPU).
 
 Weight layout for routed experts (compressed-tensors / HF, rows are output features):
   bf16:  ExpertWeights(gate=[E, F, D], up=[E, F, D], down=[E, D, F])
@@ -451,6 +453,20 @@ def use_prefill_attention(choice: Optional[str]):
     return _forced("_PREFILL_ATTENTION", choice, PREFILL_ATTENTION_CHOICES, "prefill attention")
 
 
+# Prefill chunks that follow cached tokens (the scheduler's later prompt chunks, recomputes): their mask
+# is each row's cached prefix plus the chunk causally, which cuDNN's top-left causal mask cannot
+# express; jax.nn.dot_product_attention takes it as an explicit mask instead (cuDNN: an additive bias
+# [B, 1, T, S], 64x smaller than the einsum path's f32 scores [B, N, T, S]). Automatic: 'einsum' until
+# the masked call is measured on a GPU (BENCHMARKS.md); `use_chunk_attention` forces a path.
+_CHUNK_ATTENTION: Optional[str] = None
+
+
+def use_chunk_attention(choice: Optional[str]):
+    """Force how prefill chunks after cached tokens attend inside the block: None (automatic: 'einsum'),
+    'einsum', 'cudnn' or 'xla' (one masked jax.nn.dot_product_attention call)."""
+    return _forced("_CHUNK_ATTENTION", choice, PREFILL_ATTENTION_CHOICES, "chunk attention")
+
+
 def cudnn_attention_fits(qk_dim: int, v_dim: int, dtype) -> bool:
     """Shapes and dtypes cuDNN flash attention takes through jax.nn.dot_product_attention (after V is
     padded to the qk head dim): bf16/fp16, head dim a multiple of 8 and at most 256 (Hopper and later;
@@ -464,9 +480,10 @@ def prefill_attention_path(qk_dim: int, v_dim: int, dtype, *, causal: bool, impl
     softmax), 'cudnn' or 'xla' (one jax.nn.dot_product_attention call with that implementation).
     Only a fresh causal prefill (`causal`: the keys are the query tokens themselves, row by row) can use
     dot_product_attention: cuDNN's causal mask is aligned top-left, and rows with cached tokens before
-    their chunk need it aligned bottom-right, per row."""
+    their chunk need it aligned bottom-right, per row: they take `_CHUNK_ATTENTION` (default 'einsum'),
+    a dot_product_attention call with their mask."""
     if not causal:
-        return "einsum"
+        return _CHUNK_ATTENTION or "einsum"
     if _PREFILL_ATTENTION is not None:
         return _PREFILL_ATTENTION
     if resolve_impl(impl) == "pallas" and cudnn_attention_fits(qk_dim, v_dim, dtype):
@@ -477,6 +494,12 @@ def prefill_attention_path(qk_dim: int, v_dim: int, dtype, *, causal: bool, impl
 def _dot_product_attention(q_BTNK, k_BSNK, v_BSNK, scale, implementation):
     """jax.nn.dot_product_attention, causal (top-left); a module attribute so tests can wrap it."""
     return jax.nn.dot_product_attention(q_BTNK, k_BSNK, v_BSNK, scale=scale, is_causal=True,
+                                        implementation=implementation)
+
+
+def _masked_dot_product_attention(q_BTNK, k_BSNK, v_BSNK, mask_BTS, scale, implementation):
+    """jax.nn.dot_product_attention with an explicit mask [B, T, S] (shared by the heads)."""
+    return jax.nn.dot_product_attention(q_BTNK, k_BSNK, v_BSNK, mask=mask_BTS[:, None], scale=scale,
                                         implementation=implementation)
 
 
@@ -497,19 +520,21 @@ def mla_prefill_attention(q_nope_BTNH: jax.Array, q_pe_BTNR: jax.Array, k_BSNH: 
     outputs for the real tokens (padding tokens' outputs differ; they stay finite and are ignored).
     The dot_product_attention path concatenates [q_nope | q_pe] and [k | kpe] to one qk head dim and
     zero-pads V to it (the public API wants equal qk and v head dims; zero columns of V give zero
-    output columns, sliced off).
+    output columns, sliced off). Otherwise (keys = a cached prefix plus the chunk) the path is
+    `_CHUNK_ATTENTION`'s: einsums, or the same call with `mask` (a row whose real queries see no key
+    cannot occur: a real query always sees itself).
     parallel: a kimi_jax.sharding.MoEParallel: the cuDNN call runs per device shard inside shard_map
     (rows over the batch axes, heads over the head axes), as the decode kernel does.
     """
     global _warned_fallback
     H, R, V = q_nope_BTNH.shape[-1], q_pe_BTNR.shape[-1], v_BSNV.shape[-1]
     dtype = q_nope_BTNH.dtype
-    path = prefill_attention_path(H + R, V, dtype, causal=causal and k_BSNH.shape[1] == q_nope_BTNH.shape[1],
-                                  impl=impl)
+    fresh = causal and k_BSNH.shape[1] == q_nope_BTNH.shape[1]
+    path = prefill_attention_path(H + R, V, dtype, causal=fresh, impl=impl)
     if path != "einsum":
         try:
             return _mla_prefill_attention_dpa(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, scale, path,
-                                              parallel)
+                                              parallel, mask_BTS=None if fresh else mask_BTS)
         except (NotImplementedError, RuntimeError) as e:
             # raised while tracing (no cuDNN, an unsupported GPU or shape): take the einsum path
             if not _warned_fallback:
@@ -529,14 +554,18 @@ def _mla_prefill_attention_einsum(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSN
     return einsum_f32("bnts,bsnv->btnv", p_BNTS, v_BSNV)
 
 
-def _mla_prefill_attention_dpa(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, scale, implementation, parallel):
-    def attend(q_nope, q_pe, k, kpe, v):
+def _mla_prefill_attention_dpa(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, scale, implementation, parallel,
+                               mask_BTS=None):
+    def attend(q_nope, q_pe, k, kpe, v, *mask):
         N, K, V = k.shape[2], k.shape[3] + kpe.shape[-1], v.shape[-1]
         q_BTNK = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1)
         kpe_BSNR = jnp.broadcast_to(kpe[:, :, None, :], (*kpe.shape[:2], N, kpe.shape[-1])).astype(k.dtype)
         k_BSNK = jnp.concatenate([k, kpe_BSNR], axis=-1)
         v_BSNK = jnp.pad(v.astype(k.dtype), ((0, 0), (0, 0), (0, 0), (0, K - V)))
-        o_BTNK = _dot_product_attention(q_BTNK, k_BSNK, v_BSNK, scale, implementation)
+        if mask:
+            o_BTNK = _masked_dot_product_attention(q_BTNK, k_BSNK, v_BSNK, mask[0], scale, implementation)
+        else:
+            o_BTNK = _dot_product_attention(q_BTNK, k_BSNK, v_BSNK, scale, implementation)
         return o_BTNK[..., :V].astype(jnp.float32)
 
     if parallel is not None and parallel.mesh.size > 1:
@@ -547,6 +576,7 @@ def _mla_prefill_attention_dpa(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, 
         b, h = parallel.batch or None, parallel.heads or None
         attend = _shard_map(attend, parallel.mesh,
                             in_specs=(P(b, None, h, None), P(b, None, h, None), P(b, None, h, None),
-                                      P(b, None, None), P(b, None, h, None)),
+                                      P(b, None, None), P(b, None, h, None))
+                            + ((P(b, None, None),) if mask_BTS is not None else ()),
                             out_specs=P(b, None, h, None))
-    return attend(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV)
+    return attend(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, *(() if mask_BTS is None else (mask_BTS,)))

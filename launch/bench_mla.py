@@ -43,6 +43,7 @@ flags.DEFINE_bool("dry", False, "tiny shapes on CPU (checks the script, not the 
 flags.DEFINE_integer("reps", 5, "timed repetitions (median)")
 flags.DEFINE_float("budget_s", 200.0, "skip remaining decode cases after this many seconds")
 flags.DEFINE_bool("prefill", True, "run the prefill section")
+flags.DEFINE_bool("prefill_only", False, "only the prefill section (fresh prefills and chunks after cached tokens)")
 flags.DEFINE_bool("sweep", False, "kernel config sweep instead of the sections (see the docstring)")
 flags.DEFINE_list("heads", ["8", "64"], "--sweep: head counts")
 flags.DEFINE_list("batches", ["1", "8", "64"], "--sweep: batch sizes")
@@ -718,6 +719,52 @@ def section_prefill():
                 log(f"prefill S={S} {name}: failed {type(e).__name__}: {str(e)[:160]}")
         record(**row)
         rows.append(row)
+    rows += _prefill_chunks()
+    return rows
+
+
+def _prefill_chunks():
+    """A prompt chunk after cached tokens (the scheduler's later chunks: 256 tokens per row by default):
+    `ops.mla_prefill_attention` on its einsum path (f32 scores [B, N, T, S] materialized) against the
+    masked dot_product_attention call (`ops.use_chunk_attention('cudnn')`), checked against the einsum
+    path, Kimi's head dims (nope 128, rope 64, v 128), 64 heads, bf16."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from kimi_jax import ops
+    rows = []
+    N, H, R, V, T = 64, 128, 64, 128, (16 if FLAGS.dry else 256)
+    for B, prefix in ([(1, 64)] if FLAGS.dry else [(1, 4096), (1, 32768), (4, 32768)]):
+        S = prefix + T
+        ks = jax.random.split(jax.random.PRNGKey(prefix + B), 5)
+        bf = jnp.bfloat16
+        args = (jax.random.normal(ks[0], (B, T, N, H), bf), jax.random.normal(ks[1], (B, T, N, R), bf),
+                jax.random.normal(ks[2], (B, S, N, H), bf), jax.random.normal(ks[3], (B, S, R), bf),
+                jax.random.normal(ks[4], (B, S, N, V), bf))
+        cached = np.asarray([prefix - 7 * b for b in range(B)])        # ragged prefixes
+        pos = cached[:, None] + np.arange(T)[None, :]
+        old = np.broadcast_to((np.arange(prefix)[None, :] < cached[:, None])[:, None, :], (B, T, prefix))
+        mask = jnp.asarray(np.concatenate([old, np.broadcast_to(np.tril(np.ones((T, T), bool)), (B, T, T))], -1))
+        scale = (H + R) ** -0.5
+        flops = 2 * B * N * T * S * (H + R + V)
+        row = dict(section="prefill_chunk", B=B, prefix=prefix, T=T, N=N, flops=flops)
+        ref = None
+        for name in ("einsum", "cudnn"):
+            try:
+                with ops.use_chunk_attention(name):
+                    fn = jax.jit(lambda *a: ops.mla_prefill_attention(*a, mask, scale, impl="pallas"))
+                    t = time_fn(fn, *args)
+                    out = np.asarray(fn(*args))
+                ref = out if ref is None else ref
+                err = float(np.max(np.abs(out - ref)))
+                row.update({f"t_{name}": t, f"err_{name}": err})
+                log(f"prefill chunk B={B} prefix={prefix} T={T} {name}: {t * 1e3:.2f} ms "
+                    f"{flops / t / 1e12:.0f} TFLOP/s max|diff vs einsum|={err:.1e}")
+            except Exception as e:  # noqa: BLE001
+                row[f"t_{name}"] = None
+                log(f"prefill chunk B={B} prefix={prefix} {name}: failed {type(e).__name__}: {str(e)[:160]}")
+        record(**row)
+        rows.append(row)
     return rows
 
 
@@ -821,6 +868,10 @@ def main(argv):
     if FLAGS.sweep:
         section_sweep(copy_bps)
         log("sweep done", f"total {time.time() - _T0:.0f}s")
+        return
+    if FLAGS.prefill_only:
+        section_prefill()
+        log("prefill done", f"total {time.time() - _T0:.0f}s")
         return
     ok = section_check()
     rows = section_decode(copy_bps)

@@ -133,3 +133,13 @@ def test_bad_mixed_case_is_a_one_line_error_before_any_work(tmp_path, module, sp
     bad = _run(module, *extra, f"--mixed={spec}", "--out", str(tmp_path))
     assert bad.returncode != 0 and f"--mixed: {spec!r} {msg}" in bad.stderr, bad.stderr[-500:]
     assert "copy (start)" not in bad.stdout and "device:" not in bad.stdout
+
+
+def test_bench_mla_prefill_only_times_chunks_after_cached_tokens(tmp_path):
+    """--prefill_only: the fresh-prefill rows and the chunk-after-cached-tokens rows (einsum path vs the
+    masked call; on CPU the cuDNN request falls back to einsums with a warning), nothing else."""
+    r = _run("launch.bench_mla", "--dry", "--prefill_only", "--reps=1", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout
+    assert "prefill chunk B=1 prefix=64 T=16 einsum" in out and "prefill chunk B=1 prefix=64 T=16 cudnn" in out
+    assert "decode page" not in out and "check N=" not in out

@@ -190,3 +190,65 @@ def test_engine_generation_same_tokens(recorder, monkeypatch):
         after = [o.outputs[0].token_ids for o in LLM("tiny", **kw).generate(prompts, sp)]
     assert recorder and set(recorder) == {"xla"}       # fresh prefills went through it
     assert after == before
+
+
+# ---- (d) prefill chunks after cached tokens: the masked dot_product_attention call --------------------
+
+def test_chunk_after_cached_tokens_masked_call_matches_einsum(monkeypatch):
+    """A chunk of new tokens after each row's cached prefix (the paged keys' layout: cached slots, then
+    the chunk): `use_chunk_attention('xla')` (cuDNN's stand-in: the same padded inputs and mask through
+    jax.nn.dot_product_attention) against the einsum path, float32 (summation order only: ~1e-6), for
+    ragged prefixes (none, partial pages), a padded chunk and an all-padding row; the fresh path is
+    untouched (the causal call, no mask)."""
+    B, T, P, N, H, R, V = 4, 6, 20, 3, 16, 8, 16
+    ks = jax.random.split(jax.random.PRNGKey(11), 5)
+    f32 = jnp.float32
+    q_nope = jax.random.normal(ks[0], (B, T, N, H), f32)
+    q_pe = jax.random.normal(ks[1], (B, T, N, R), f32)
+    k = jax.random.normal(ks[2], (B, P + T, N, H), f32)
+    kpe = jax.random.normal(ks[3], (B, P + T, R), f32)
+    v = jax.random.normal(ks[4], (B, P + T, N, V), f32)
+    cached, n_new = np.array([0, 7, 20, 3]), np.array([6, 4, 2, 0])
+    pos = np.where(np.arange(T)[None] < n_new[:, None], cached[:, None] + np.arange(T)[None], -1)
+    old = np.broadcast_to((np.arange(P)[None, :] < cached[:, None])[:, None, :], (B, T, P))
+    new = (pos[:, None, :] <= pos[:, :, None]) & (pos[:, None, :] >= 0)
+    mask = jnp.asarray(np.concatenate([old, new], axis=-1))
+    scale = (H + R) ** -0.5
+    calls = []
+    real = ops._masked_dot_product_attention
+    monkeypatch.setattr(ops, "_masked_dot_product_attention", lambda *a: calls.append(a[-1]) or real(*a))
+    run = lambda: np.asarray(jax.jit(lambda *a: ops.mla_prefill_attention(*a, scale))(  # noqa: E731
+        q_nope, q_pe, k, kpe, v, mask))
+    ref = run()
+    assert calls == []                                       # automatic: einsum
+    with ops.use_chunk_attention("xla"):
+        assert ops.prefill_attention_path(H + R, V, f32, causal=False) == "xla"
+        out = run()
+    assert calls == ["xla"]
+    valid = (pos >= 0)[..., None, None]
+    np.testing.assert_allclose(np.where(valid, out, 0), np.where(valid, ref, 0), rtol=1e-4, atol=1e-5)
+    assert np.isfinite(out).all()
+    with pytest.raises(ValueError):
+        with ops.use_chunk_attention("flash"):
+            pass
+
+
+def test_engine_chunked_prefill_through_the_masked_call(monkeypatch):
+    """Generation whose prompts are prefilled in several chunks (prefill_chunk 8: every chunk after a
+    prompt's first follows cached tokens) gives the same greedy tokens with those chunks' attention
+    through the masked dot_product_attention call as through the einsum path (float32 tiny model: the
+    two differ in summation order only)."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(2, CFG.vocab_size, n).tolist() for n in (21, 9, 30)]
+    sp = [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 3
+    kw = dict(dtype="float32", max_num_seqs=4, page_size=16, num_pages=16, prefill_chunk=8,
+              max_prefill_tokens=24)
+    calls = []
+    real = ops._masked_dot_product_attention
+    monkeypatch.setattr(ops, "_masked_dot_product_attention", lambda *a: calls.append(a[-1]) or real(*a))
+    outs = []
+    for choice in ("einsum", "xla"):
+        with ops.use_chunk_attention(choice):
+            outs.append([o.outputs[0].token_ids for o in LLM("tiny", **kw).generate(prompts, sp)])
+    assert calls and set(calls) == {"xla"}
+    assert outs[0] == outs[1] and all(len(t) == 4 for t in outs[0])
