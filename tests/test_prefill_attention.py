@@ -166,6 +166,24 @@ def test_sharded_dot_product_attention_per_shard(recorder, monkeypatch):
     assert recorder == ["xla", "xla"]
     assert shapes == [(B, T, N, H + R), (B // 2, T, N // 2, H + R)]      # the second call saw one shard
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    # a chunk after cached tokens (keys: 5 cached slots, then the chunk): the masked call per shard too,
+    # its mask split over the rows like the queries
+    S = 5 + T
+    k2 = jax.random.normal(ks[2], (B, S, N, H))
+    kpe2, v2 = jax.random.normal(ks[3], (B, S, R)), jax.random.normal(ks[4], (B, S, N, V))
+    cached = np.array([5, 0, 3, 1])
+    old = np.broadcast_to((np.arange(5)[None, :] < cached[:, None])[:, None, :], (B, T, 5))
+    cmask = jnp.asarray(np.concatenate([old, np.broadcast_to(np.tril(np.ones((T, T), bool)), (B, T, T))], -1))
+    masked, inner_m = [], ops._masked_dot_product_attention
+    monkeypatch.setattr(ops, "_masked_dot_product_attention",
+                        lambda q, k, v, m, *a: (masked.append(m.shape), inner_m(q, k, v, m, *a))[1])
+    chunk = (args[0], args[1], k2, kpe2, v2, cmask)
+    with ops.use_chunk_attention("einsum"):
+        ref = ops.mla_prefill_attention(*chunk, 0.2)
+    with ops.use_chunk_attention("xla"):
+        out = jax.jit(lambda *a: ops.mla_prefill_attention(*a, 0.2, parallel=par))(*chunk)
+    assert masked == [(B // 2, T, S)]
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
 # ---- (c) engine generation ----------------------------------------------------------------------------
