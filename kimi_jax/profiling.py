@@ -549,10 +549,10 @@ def _drop_containers(ops: list[TraceOp], module: Optional[HloModule] = None) -> 
     return keep
 
 
-def device_ops_per_call(compiled, args, calls: int) -> tuple[dict, float]:
+def device_ops_per_call(compiled, args, calls: int) -> tuple[dict, float, str]:
     """Run a compiled executable of `calls` repeated calls once under jax.profiler (after one warm
     run): (device us per call of each op, by kernel name on GPU, most expensive first; the span of
-    its device ops per call, first start to last end)."""
+    its device ops per call, first start to last end; the trace's directory)."""
     import tempfile
     import jax
     module = parse_hlo(compiled.as_text())         # names the trace's container ops
@@ -565,7 +565,7 @@ def device_ops_per_call(compiled, args, calls: int) -> tuple[dict, float]:
     for o in evs:
         per_op[o.kernel or o.name] += o.dur_us / calls
     span = (max(o.start_us + o.dur_us for o in evs) - min(o.start_us for o in evs)) / calls if evs else 0.0
-    return dict(sorted(per_op.items(), key=lambda kv: -kv[1])), span
+    return dict(sorted(per_op.items(), key=lambda kv: -kv[1])), span, tdir
 
 
 # ---- the report --------------------------------------------------------------------------------------

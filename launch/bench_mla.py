@@ -742,7 +742,6 @@ def _prefill_chunks():
                 jax.random.normal(ks[2], (B, S, N, H), bf), jax.random.normal(ks[3], (B, S, R), bf),
                 jax.random.normal(ks[4], (B, S, N, V), bf))
         cached = np.asarray([prefix - 7 * b for b in range(B)])        # ragged prefixes
-        pos = cached[:, None] + np.arange(T)[None, :]
         old = np.broadcast_to((np.arange(prefix)[None, :] < cached[:, None])[:, None, :], (B, T, prefix))
         mask = jnp.asarray(np.concatenate([old, np.broadcast_to(np.tril(np.ones((T, T), bool)), (B, T, T))], -1))
         scale = (H + R) ** -0.5
@@ -828,13 +827,13 @@ def section_profile(copy_bps):
         with _forced(kernel):
             args = (q_lat, q_pe, new, pool, table, pos)
             f = layers_fn(_op(kernel, fin, scale), calls, B * P, copies).lower(*args).compile()
-            per_op, span = profiling.device_ops_per_call(f, args, calls)
+            per_op, span, tdir = profiling.device_ops_per_call(f, args, calls)
         busy = sum(per_op.values())
         nbytes = B * (ctx - T) * C * 2
         row = dict(section="profile", B=B, ctx=ctx, N=N, kernel=kernel,
                    serving=ops.mla_decode_kernel(T * N, A, R, page, jnp.bfloat16, batch=B, context=P * page),
                    calls=calls, ops_us=per_op, busy_us=busy,
-                   span_us=span, bytes=nbytes, copy_us=nbytes / copy_bps * 1e6)
+                   span_us=span, bytes=nbytes, copy_us=nbytes / copy_bps * 1e6, trace_dir=tdir)
         record(**row)
         rows.append(row)
         log(f"profile B={B} ctx={ctx} N={N} kernel={kernel}: span {span:.1f} us/call, device ops "

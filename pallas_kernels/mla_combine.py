@@ -232,7 +232,7 @@ def main(argv):
                 err = max(float(jnp.max(jnp.abs(got[0] - want[0]))),
                           float(jnp.max(jnp.where(jnp.isfinite(want[1]), jnp.abs(got[1] - want[1]), 0.0))))
                 many = jax.jit(lambda ns, fn=fn: [fn(n) for n in ns]).lower(news).compile()
-                per_op, _ = profiling.device_ops_per_call(many, (news,), f.calls)
+                per_op, _, _ = profiling.device_ops_per_call(many, (news,), f.calls)
                 t = max(sum(per_op.values()), 1e-3) * 1e-6
                 top = ", ".join(f"{k[:24]} {v:.1f}" for k, v in list(per_op.items())[:3])
                 print(f"{spec:<28} {nbytes / 1e6:6.1f} {str(name):<34} {t * 1e6:8.1f} "

@@ -358,21 +358,22 @@ def moe_decode(x_TD, idx_TK, weight_TK, gate, up, down, *, block_m, block_n_gate
     n_blocks = d // bn_dn
     total = t * n_blocks * topk * (f // bk_dn)
     per = -(-total // (stream_k_down or t * n_blocks))
+    n_stream = -(-total // per)                                        # stream-K down programs
     stream_kw = dict(n_blocks=n_blocks, per_program=per, total=total, **common)
-    ds16 = ds.astype(jnp.bfloat16)
+    gs16, us16, ds16 = (s.astype(jnp.bfloat16) for s in (gs, us, ds))
     if chained:
         n_gate_up = t * topk * (f // bn_gu)
         kernel = functools.partial(_chained_kernel, n_gate_up=n_gate_up, f_blocks=f // bn_gu, gu_kw=gu_kw,
                                    dn_kw=stream_kw, interp=interp)
         _, y, _ = pl.pallas_call(
-            kernel, grid=(n_gate_up + -(-total // per),), interpret=interp,
+            kernel, grid=(n_gate_up + n_stream,), interpret=interp,
             out_shape=[jax.ShapeDtypeStruct((t * topk + 1,), jnp.int32),
                        jax.ShapeDtypeStruct((rows, d), jnp.float32),
                        jax.ShapeDtypeStruct((t * topk, f), x_TD.dtype)],
             input_output_aliases={9: 0, 10: 1},
             compiler_params=tile.compiler_params(num_warps, num_stages, interp),
             name="moe_decode_chained_int4",
-        )(idx, wts, x_TD, gw, gs.astype(jnp.bfloat16), uw, us.astype(jnp.bfloat16), dw, ds16,
+        )(idx, wts, x_TD, gw, gs16, uw, us16, dw, ds16,
           jnp.zeros((t * topk + 1,), jnp.int32), jnp.zeros((rows, d), jnp.float32))
         return y[:t].astype(x_TD.dtype)
     h = pl.pallas_call(
@@ -380,7 +381,7 @@ def moe_decode(x_TD, idx_TK, weight_TK, gate, up, down, *, block_m, block_n_gate
         grid=(t * topk, f // bn_gu), interpret=interp,
         compiler_params=tile.compiler_params(num_warps, num_stages, interp),
         name="moe_decode_gate_up_int4",
-    )(idx, x_TD, gw, gs.astype(jnp.bfloat16), uw, us.astype(jnp.bfloat16))
+    )(idx, x_TD, gw, gs16, uw, us16)
     params = tile.compiler_params(num_warps_down or num_warps, num_stages_down or num_stages, interp)
     args = (idx, wts, h, dw, ds16)
     if split == 1 and not stream_k_down:
@@ -390,7 +391,7 @@ def moe_decode(x_TD, idx_TK, weight_TK, gate, up, down, *, block_m, block_n_gate
             interpret=interp, compiler_params=params, name="moe_decode_down_int4")(*args)
     if stream_k_down:
         kernel = functools.partial(_down_stream_kernel, interp=interp, **stream_kw)
-        grid, name = (-(-total // per),), "moe_decode_down_int4_streamk"
+        grid, name = (n_stream,), "moe_decode_down_int4_streamk"
     else:
         kernel = functools.partial(_down_kernel, split=split, interp=interp, **common)
         grid, name = (t, d // bn_dn, split), "moe_decode_down_int4_splitk"

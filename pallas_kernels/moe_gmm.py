@@ -73,8 +73,8 @@ class MoeGmmConfig:
     num_stages_down: int = 0     # 0: num_stages
     single_reduce: str = "atomic"  # decode='single': 'atomic' | 'relaxed' | 'store' (moe_decode_single)
     split_k_down: int = 1        # decode='fused': down K loop split over this many programs (atomics)
-    stream_k_down: int = 0       # decode='fused': > 0: the down blocks' K loops shared evenly by this
-                                 # many programs (stream-K, atomics); 0: one program per block
+    stream_k_down: int = 0       # decode='fused' / 'chained': > 0: the down blocks' K loops shared evenly
+                                 # by this many programs (stream-K, atomics); 0: one program per block
 
     def __post_init__(self):
         if self.x_layout not in tile.X_LAYOUTS:
