@@ -95,10 +95,12 @@ def _decode_step(graphdef, shard, state, pages, tokens_B, positions_B, block_tab
 
 # A decode step runs the MLA kernels on the balanced schedule (pallas_kernels/mla_decode.py) when its
 # rows' cached tokens total at least BALANCE_MIN_TOKENS and the longest row holds at least
-# BALANCE_MIN_SKEW times the mean. Measured per layer on the H200 (BENCHMARKS.md MLA round 11): one
-# long row among short ones (totals 96K-192K tokens, skew 4-22) 1.4-7.3x faster balanced; equal rows
-# (skew 1) stay on the rows schedule, where balanced was 3-21% slower at 4K; of two 46K-token skewed
-# batches one was 1.8x faster (64 heads), the other 5% slower (8 heads).
+# BALANCE_MIN_SKEW times the mean. Measured per layer on the H200 (BENCHMARKS.md MLA rounds 11-12): one
+# long row among short ones (totals 96K-192K tokens, skew 4-22) 1.4-7.3x faster balanced (0.2-0.5 ms
+# per layer inside the engine's step); equal rows (skew 1) stay on the rows schedule, where balanced
+# is slower at 4K; at skew 1.2-1.9 (totals 70K-264K) the rows schedule was as fast or faster at 8
+# heads and up to skew 1.5 at 64 heads (64 heads at 1.9: balanced 1.12-1.36x); of two 46K-token
+# skewed batches one was 1.8x faster (64 heads), the other 5% slower (8 heads).
 BALANCE_MIN_TOKENS = 1 << 16
 BALANCE_MIN_SKEW = 2.0
 

@@ -312,10 +312,11 @@ def use_mla_decode_kernel(choice: Optional[str]):
 # How the decode kernels share a step's cached tokens among their programs (read at trace time):
 # None = each kernel's default, 'rows' (every row split into the same number of parts of its own
 # length) or 'balanced' (pallas_kernels.mla_decode.balanced_items: parts of one size across the
-# batch). Measured on the H200 (BENCHMARKS.md MLA round 11): 'balanced' is 1.4-7.3x faster on
-# batches of one long row among short ones; on equal rows within 4% from 32K up, 3-21% slower at 4K
-# (its item table and combine cost ~25 us per call at batch 64), so it is not the ops default: the
-# engine asks for it per decode step when a batch is skewed (kimi_jax.engine.mla_schedule_for).
+# batch). Measured on the H200 (BENCHMARKS.md MLA rounds 11-12): 'balanced' is 1.4-7.3x faster on
+# batches of one long row among short ones; on equal rows within 4% from 32K up, slower at 4K (its
+# item table and combine: 4-7% at batch 64 since round 12's combine, up to 37% at batch 8-16), so it
+# is not the ops default: the engine asks for it per decode step when a batch is skewed
+# (kimi_jax.engine.mla_schedule_for: longest row >= 2x the mean, BENCHMARKS.md round 12's mild skew).
 _MLA_SCHEDULE: Optional[str] = None
 
 

@@ -21,8 +21,8 @@ Pipeline (`mla_paged_attention`):
      same work; programs past a row's length read nothing. That is schedule 'rows'; with
      schedule='balanced' program (i, j, b) instead reads work item b * splits + j of
      `balanced_items` (items of one size shared across the batch, each within one row; a long row
-     among short ones gets most of the programs: 1.4-7.3x faster on such batches, up to 21% slower
-     on equal short ones, BENCHMARKS.md MLA round 11) and the combine goes by each item's row
+     among short ones gets most of the programs: 1.4-7.3x faster on such batches, up to 37% slower
+     on equal 4K rows, BENCHMARKS.md MLA rounds 11-12) and the combine goes by each item's row
      (`mla_combine`). With `fuse_new` (off by default: it timed slower) the last split
      also takes the step's T new tokens (causal t' <= t, positions >= 0) as one more block, read
      from new_BTC. With block_a < A, A / block_a adjacent programs share a row block: each computes
