@@ -3,9 +3,8 @@
 Each op has an 'xla' implementation (plain jnp/lax, runs everywhere) and, where one exists, a 'pallas'
 implementation (GPU kernels). `impl=None` picks 'pallas' on GPU and 'xla' elsewhere; tests force each
 with `impl=` or with `use_impl(...)`. `mla_prefill_attention`'s GPU path is not Pallas but cuDNN flash
-attention (jax.nn.dot_product_attention), for fresh prefills; `use_prefill_attention` forces it. Prefill
-chunks after cached tokens take the einsum path unless `use_chunk_attention` forces the same call with
-their mask (prepared, not yet measured on a GPU).
+attention (jax.nn.dot_product_attention): one causal call for fresh prefills, one call with an explicit
+mask for prefill chunks after cached tokens; `use_prefill_attention` / `use_chunk_attention` force a path.
 
 Weight layout for routed experts (compressed-tensors / HF, rows are output features):
   bf16:  ExpertWeights(gate=[E, F, D], up=[E, F, D], down=[E, D, F])
@@ -457,14 +456,16 @@ def use_prefill_attention(choice: Optional[str]):
 # Prefill chunks that follow cached tokens (the scheduler's later prompt chunks, recomputes): their mask
 # is each row's cached prefix plus the chunk causally, which cuDNN's top-left causal mask cannot
 # express; jax.nn.dot_product_attention takes it as an explicit mask instead (cuDNN: an additive bias
-# [B, 1, T, S], 64x smaller than the einsum path's f32 scores [B, N, T, S]). Automatic: 'einsum' until
-# the masked call is measured on a GPU (BENCHMARKS.md); `use_chunk_attention` forces a path.
+# [B, 1, T, S], 64x smaller than the einsum path's f32 scores [B, N, T, S]). Automatic: as fresh prefills
+# (cuDNN where resolve_impl gives 'pallas' and the case fits, else einsum): on the H200 256-token chunks
+# after 4K / 32K cached tokens at 64 heads took 0.51 / 3.48 ms vs 0.70 / 5.12 ms on the einsum path, and
+# 13.5 vs 22.5 ms at batch 4 x 32K (BENCHMARKS.md MLA round 13); `use_chunk_attention` forces a path.
 _CHUNK_ATTENTION: Optional[str] = None
 
 
 def use_chunk_attention(choice: Optional[str]):
-    """Force how prefill chunks after cached tokens attend inside the block: None (automatic: 'einsum'),
-    'einsum', 'cudnn' or 'xla' (one masked jax.nn.dot_product_attention call)."""
+    """Force how prefill chunks after cached tokens attend inside the block: None (automatic, as fresh
+    prefills), 'einsum', 'cudnn' or 'xla' (one masked jax.nn.dot_product_attention call)."""
     return _forced("_CHUNK_ATTENTION", choice, PREFILL_ATTENTION_CHOICES, "chunk attention")
 
 
@@ -481,12 +482,11 @@ def prefill_attention_path(qk_dim: int, v_dim: int, dtype, *, causal: bool, impl
     softmax), 'cudnn' or 'xla' (one jax.nn.dot_product_attention call with that implementation).
     Only a fresh causal prefill (`causal`: the keys are the query tokens themselves, row by row) can use
     dot_product_attention: cuDNN's causal mask is aligned top-left, and rows with cached tokens before
-    their chunk need it aligned bottom-right, per row: they take `_CHUNK_ATTENTION` (default 'einsum'),
-    a dot_product_attention call with their mask."""
-    if not causal:
-        return _CHUNK_ATTENTION or "einsum"
-    if _PREFILL_ATTENTION is not None:
-        return _PREFILL_ATTENTION
+    their chunk need it aligned bottom-right, per row: they take `_CHUNK_ATTENTION` if forced, else the
+    same automatic choice (a dot_product_attention call with their mask)."""
+    forced = _PREFILL_ATTENTION if causal else _CHUNK_ATTENTION
+    if forced is not None:
+        return forced
     if resolve_impl(impl) == "pallas" and cudnn_attention_fits(qk_dim, v_dim, dtype):
         return "cudnn"
     return "einsum"
@@ -522,8 +522,8 @@ def mla_prefill_attention(q_nope_BTNH: jax.Array, q_pe_BTNR: jax.Array, k_BSNH: 
     The dot_product_attention path concatenates [q_nope | q_pe] and [k | kpe] to one qk head dim and
     zero-pads V to it (the public API wants equal qk and v head dims; zero columns of V give zero
     output columns, sliced off). Otherwise (keys = a cached prefix plus the chunk) the path is
-    `_CHUNK_ATTENTION`'s: einsums, or the same call with `mask` (a row whose real queries see no key
-    cannot occur: a real query always sees itself).
+    `prefill_attention_path(causal=False)`'s: einsums, or the same call with `mask` (a real query always
+    sees itself; a padding query that sees no key is given key 0, so no kernel meets an empty row).
     parallel: a kimi_jax.sharding.MoEParallel: the cuDNN call runs per device shard inside shard_map
     (rows over the batch axes, heads over the head axes), as the decode kernel does.
     """
@@ -564,7 +564,9 @@ def _mla_prefill_attention_dpa(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, 
         k_BSNK = jnp.concatenate([k, kpe_BSNR], axis=-1)
         v_BSNK = jnp.pad(v.astype(k.dtype), ((0, 0), (0, 0), (0, 0), (0, K - V)))
         if mask:
-            o_BTNK = _masked_dot_product_attention(q_BTNK, k_BSNK, v_BSNK, mask[0], scale, implementation)
+            m_BTS = mask[0]
+            m_BTS = m_BTS.at[:, :, 0].set(m_BTS[:, :, 0] | ~m_BTS.any(axis=-1))   # padding queries
+            o_BTNK = _masked_dot_product_attention(q_BTNK, k_BSNK, v_BSNK, m_BTS, scale, implementation)
         else:
             o_BTNK = _dot_product_attention(q_BTNK, k_BSNK, v_BSNK, scale, implementation)
         return o_BTNK[..., :V].astype(jnp.float32)

@@ -496,7 +496,12 @@ def sweep_candidates(N):
                  # MB of f32 partials at 1 x 128K and fill 5 of 8 steps with the pipeline's prologue
                  ("t132", Cfg(target_programs=132)),         # one program per SM, 4x longer splits
                  ("t1056", Cfg(target_programs=1056)),       # 8 per SM, shorter splits
-                 ("split1k", Cfg(min_split_tokens=1024))]    # at least 1K tokens a split
+                 ("split1k", Cfg(min_split_tokens=1024)),    # at least 1K tokens a split
+                 # the split rule before the few-rows rule (batch <= FEW_ROWS: 2 per SM, >= 256 tokens)
+                 ("t528s64", Cfg(target_programs=528, min_split_tokens=64)),
+                 ("t264s256", Cfg(target_programs=264, min_split_tokens=256)),   # the few-rows rule
+                 # the rounding before whole waves: batch 32 / 64 took ceil(528 / B) splits
+                 ("n17", Cfg(num_splits=17)), ("n9", Cfg(num_splits=9))]
     else:         # 64 heads: MMA work ~121 flops per cache byte
         extra = [("m64a256w8", Cfg(block_m=64, block_a=256, num_warps=8)),   # wgmma, 2 column halves
                  ("m32w8", Cfg(block_m=32, num_warps=8)),

@@ -20,6 +20,8 @@
    vocab cut to 4096), the engine's jitted paged step (prefill of --model_tokens tokens, one row,
    sampling included) three ways: 'paged' (fresh=False: keys gathered from the page table, as before
    the fresh path existed), 'fresh einsum' and 'fresh cudnn' (the automatic choice on a GPU).
+   Then a later prompt chunk (256 tokens after --chunk_prefix cached tokens, fresh=False) two ways:
+   'chunk einsum' and 'chunk cudnn' (one masked dot_product_attention call; the automatic choice).
 Prints one table; writes check_prefill.json under --out. Exit status 1 if a check fails.
 """
 from __future__ import annotations
@@ -42,6 +44,7 @@ flags.DEFINE_integer("reps", 7, "timed calls per case (median)")
 flags.DEFINE_float("tol", 2e-2, "max error relative to max |reference| (bf16)")
 flags.DEFINE_bool("model", True, "time a model prefill through the engine with the path on and off")
 flags.DEFINE_integer("model_tokens", 2048, "tokens of the model prefill")
+flags.DEFINE_integer("chunk_prefix", 16384, "cached tokens before the model's later-chunk case")
 flags.DEFINE_float("budget_s", 100.0, "skip what is left after this many seconds")
 
 _T0 = time.time()
@@ -149,13 +152,10 @@ def op_case(B, T, dims, impl, reps):
 
 
 def model_case(T, tiny, reps):
-    import jax
     import jax.numpy as jnp
     import numpy as np
-    from flax import nnx
     from kimi_jax import ops
     from kimi_jax.config import preset
-    from kimi_jax.engine import Engine
     from kimi_jax.model.transformer import init_pages
     from kimi_jax.profiling import random_engine
     from kimi_jax.sampling import SamplingArrays, SamplingParams
@@ -167,41 +167,50 @@ def model_case(T, tiny, reps):
     layout = Layout()
     base = random_engine(cfg, layout, jnp.bfloat16)
     page = 16
-    P = -(-T // page)
-    pages = init_pages(cfg, P + 1, page, jnp.bfloat16)
-    tokens = np.random.default_rng(0).integers(2, cfg.vocab_size, (1, T)).astype(np.int32)
-    positions = np.arange(T, dtype=np.int32)[None]
-    table = np.arange(P, dtype=np.int32)[None]
-    last = np.array([T - 1], np.int32)
-    steps = np.zeros((1,), np.int32)
     sp = SamplingArrays.build([SamplingParams(temperature=0.0)], None, keys=np.zeros((1, 2), np.uint32))
     fused_name = "xla" if tiny else "cudnn"
     row = dict(T=T, layers=cfg.num_hidden_layers, auto_path=ops.prefill_attention_path(
         cfg.qk_head_dim, cfg.v_head_dim, jnp.bfloat16, causal=True))
     toks = {}
-    for name, choice, fresh in (("paged", "einsum", False), ("fresh_einsum", "einsum", True),
-                                ("fresh_" + fused_name, fused_name, True)):
+
+    def timed(name, use, choice, start, n, fresh, seed):
+        """One row's step over n new tokens at positions start.. (start cached tokens before them, their
+        pages zero), with `use(choice)` forcing the attention path: time, first sampled token."""
         if time.time() - _T0 > FLAGS.budget_s:
             log(f"model {name}: skipped (budget)")
-            continue
+            return
+        P, rng = -(-(start + n) // page), np.random.default_rng(seed)
+        box = [init_pages(cfg, P + 1, page, jnp.bfloat16)]
         eng = Engine(nnx.merge(base.graphdef, base.state), cfg, layout)   # own jit cache, same weights
-        box = [pages]
+        args = (rng.integers(2, cfg.vocab_size, (1, n)).astype(np.int32),
+                start + np.arange(n, dtype=np.int32)[None], np.arange(P, dtype=np.int32)[None],
+                np.array([n - 1], np.int32), sp, np.zeros((1,), np.int32))
 
         def step():
-            box[0], out = eng._step(eng.state, box[0], tokens, positions, table, last, sp, steps,
-                                    n_logprobs=None, absorbed=False, fresh=fresh)
+            box[0], out = eng._step(eng.state, box[0], *args, n_logprobs=None, absorbed=False, fresh=fresh)
             return out
         try:
-            with ops.use_prefill_attention(choice):
+            with use(choice):
                 step()       # the first call's fresh pages are laid out unlike the step's output: 2 compiles
                 row[f"t_{name}"] = time_fn(step, reps=reps)
                 toks[name] = int(np.asarray(step()[0])[0])
         except Exception as e:  # noqa: BLE001
             row[f"t_{name}"] = None
             row[f"err_{name}"] = f"{type(e).__name__}: {str(e)[:200]}"
-        pages = box[0]
         t = row[f"t_{name}"]
-        log(f"model prefill T={T} {name}: {t * 1e3 if t else float('nan'):.1f} ms")
+        log(f"model {name} ({n} tokens after {start}): {t * 1e3 if t else float('nan'):.1f} ms")
+
+    from flax import nnx
+    from kimi_jax.engine import Engine
+    for name, choice, fresh in (("paged", "einsum", False), ("fresh_einsum", "einsum", True),
+                                ("fresh_" + fused_name, fused_name, True)):
+        timed(name, ops.use_prefill_attention, choice, 0, T, fresh, seed=0)   # the same prompt each time
+    # a later prompt chunk (the scheduler's default 256 tokens) after --chunk_prefix cached tokens: the
+    # masked dot_product_attention call vs the einsum path (ops.use_chunk_attention)
+    C, prefix = (16, 48) if tiny else (256, FLAGS.chunk_prefix)
+    row.update(chunk=C, chunk_prefix=prefix)
+    for choice in ("einsum", fused_name):
+        timed("chunk_" + choice, ops.use_chunk_attention, choice, prefix, C, False, seed=1)
     row["tokens"] = toks
     return row
 

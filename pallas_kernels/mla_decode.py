@@ -72,7 +72,8 @@ class MlaDecodeConfig:
     num_warps: int = 0
     num_stages: int = 0           # 0: 5 (see resolve_config: the block-table load is one level of
                                   # indirection, so Triton double-buffers the pages only from 5)
-    target_programs: int = 0      # auto splits: aim for this many programs (0: 4 per SM) ...
+    target_programs: int = 0      # auto splits: aim for this many programs (0: 4 per SM, 2 per SM
+    #                               for a few 8-head rows; see resolve_config) ...
     min_split_tokens: int = 0     # ... but a split covers at least this many tokens (0: by rows)
     fuse_new: bool = False        # True: the step's new tokens are a step of the last split
                                   # (in-kernel) instead of XLA einsums merged afterwards. Off: the H200
@@ -119,6 +120,10 @@ LEGACY = MlaDecodeConfig(block_k=32, num_warps=4, num_stages=2, target_programs=
 NUM_SMS = 132                     # H200
 
 
+# Batches of at most this many rows of <= 16 query rows take the few-rows split rule (resolve_config).
+FEW_ROWS = 8
+
+
 def resolve_config(cfg: Optional[MlaDecodeConfig], batch: int, rows: int, max_tokens: int,
                    a: int = 512) -> MlaDecodeConfig:
     """Fill the automatic fields for `rows` = T * N query rows, a table of `max_tokens` slots and
@@ -144,13 +149,23 @@ def resolve_config(cfg: Optional[MlaDecodeConfig], batch: int, rows: int, max_to
         raise ValueError(f"block_a={ba} must divide A={a}")
     row_blocks = -(-rows // bm) * (a // ba)
     stages = cfg.num_stages or 5
-    target = cfg.target_programs or 4 * NUM_SMS
     # Short splits keep short contexts spread over the SMs (each split costs one prologue: two
     # dependent loads), but every split also writes and the combine reads rows x A f32 partials.
-    min_tok = cfg.min_split_tokens or (64 if rows <= 16 else 256)
+    # A few 8-head rows (batch <= FEW_ROWS, T = 1: TP8's decode batches) take ~2 programs per SM of
+    # >= 256 tokens instead of 4 of >= 64: on the H200 (BENCHMARKS.md MLA round 13) batch 1 x 32K
+    # 44.4 -> 31.3 us (512 splits of 64 tokens -> 128 of 256), 1 x 128K 72.5 -> 64.1 us (528 -> 264),
+    # batch 8 x 4K / 32K / 128K 38.9 / 114.5 / 317.0 -> 32.1 / 103.8 / 303.7 us.
+    few = rows <= 16 and batch <= FEW_ROWS
+    target = cfg.target_programs or (2 if few else 4) * NUM_SMS
+    min_tok = cfg.min_split_tokens or (256 if few or rows > 16 else 64)
     splits = cfg.num_splits
     if not splits:
-        by_occupancy = -(-target // (batch * row_blocks))
+        # 16-row tiles: at most `target` programs (splits rounded down). Two are resident per SM, so
+        # a count just above a multiple of 2 * NUM_SMS runs a last wave of a few programs while the
+        # other SMs idle. H200, round 13: batch 32 x 128K 17 splits (544 programs) 1,527 us, 78% of
+        # copy -> 16 (512) 1,147-1,161 us; batch 64 x 128K 9 -> 8 splits 2,555 -> 2,307 us.
+        rb = batch * row_blocks
+        by_occupancy = max(1, target // rb) if rows <= 16 else -(-target // rb)
         by_length = -(-max_tokens // min_tok)
         splits = max(1, min(by_occupancy, by_length))
     warps = cfg.num_warps or (4 if bm * ba <= 16 * 512 else 8)   # [bm, ba] f32 acc: <= 64 regs/thread

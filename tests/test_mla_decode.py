@@ -107,12 +107,25 @@ def test_fused_new_tokens_padding_row_bf16():
 
 
 def test_auto_config():
-    # 8 heads: 16-row tiles, 5 stages (two page buffers), short splits at short contexts.
-    cfg = md.resolve_config(None, batch=1, rows=8, max_tokens=4096)
+    # 8 heads: 16-row tiles, 5 stages (two page buffers), short splits at short contexts: >= 64
+    # tokens, at most ~4 programs per SM (528) and never just above a whole wave
+    cfg = md.resolve_config(None, batch=16, rows=8, max_tokens=1024)
     assert (cfg.block_m, cfg.num_warps, cfg.num_stages, cfg.block_a) == (16, 4, 5, 512)
-    assert cfg.num_splits == 4096 // 64 and not cfg.fuse_new
-    assert md.resolve_config(None, batch=1, rows=8, max_tokens=100).num_splits == 2
+    assert cfg.num_splits == 1024 // 64 and not cfg.fuse_new
+    assert md.resolve_config(None, batch=16, rows=8, max_tokens=131072).num_splits == 33     # 528 programs
+    assert md.resolve_config(None, batch=32, rows=8, max_tokens=131072).num_splits == 16     # 512, not 544
+    assert md.resolve_config(None, batch=64, rows=8, max_tokens=131072).num_splits == 8      # 512, not 576
+    assert md.resolve_config(None, batch=1024, rows=8, max_tokens=131072).num_splits == 1
+    assert md.resolve_config(None, batch=16, rows=8, max_tokens=100).num_splits == 2
+    # ... but a few rows (batch <= FEW_ROWS) at most ~2 programs per SM (264) of >= 256 tokens
+    assert md.resolve_config(None, batch=1, rows=8, max_tokens=32768).num_splits == 32768 // 256
+    assert md.resolve_config(None, batch=1, rows=8, max_tokens=131072).num_splits == 264
+    assert md.resolve_config(None, batch=8, rows=8, max_tokens=131072).num_splits == 33
+    assert md.resolve_config(None, batch=5, rows=8, max_tokens=131072).num_splits == 52      # 260, not 265
+    assert md.resolve_config(None, batch=1, rows=8, max_tokens=300).num_splits == 2
     assert md.resolve_config(None, batch=1, rows=8, max_tokens=40).num_splits == 1
+    assert md.resolve_config(_C(target_programs=528, min_split_tokens=64), batch=1, rows=8,
+                             max_tokens=32768).num_splits == 512                              # explicit wins
     # 64 heads: 4 row blocks of 16; splits fill ~4 programs per SM.
     cfg = md.resolve_config(None, batch=1, rows=64, max_tokens=131072)
     assert (cfg.block_m, cfg.num_warps) == (16, 4) and cfg.num_splits * 4 >= 4 * 132

@@ -39,7 +39,7 @@ def test_path_selection():
     kimi = (192, 128)                                   # qk = 128 nope + 64 rope; v 128
     assert ops.prefill_attention_path(*kimi, bf16, causal=True, impl="pallas") == "cudnn"
     assert ops.prefill_attention_path(*kimi, jnp.float16, causal=True, impl="pallas") == "cudnn"
-    assert ops.prefill_attention_path(*kimi, bf16, causal=False, impl="pallas") == "einsum"  # cached prefix
+    assert ops.prefill_attention_path(*kimi, bf16, causal=False, impl="pallas") == "cudnn"  # chunk: masked call
     assert ops.prefill_attention_path(*kimi, bf16, causal=True, impl="xla") == "einsum"      # not a GPU
     assert ops.prefill_attention_path(*kimi, f32, causal=True, impl="pallas") == "einsum"    # cuDNN: 16-bit
     assert ops.prefill_attention_path(264, 128, bf16, causal=True, impl="pallas") == "einsum"  # head > 256
@@ -238,7 +238,11 @@ def test_chunk_after_cached_tokens_masked_call_matches_einsum(monkeypatch):
     run = lambda: np.asarray(jax.jit(lambda *a: ops.mla_prefill_attention(*a, scale))(  # noqa: E731
         q_nope, q_pe, k, kpe, v, mask))
     ref = run()
-    assert calls == []                                       # automatic: einsum
+    assert calls == []                                       # automatic on CPU: einsum
+    # automatic on GPU (impl 'pallas'): cuDNN where it fits (bf16), as fresh prefills; einsum otherwise
+    assert ops.prefill_attention_path(H + R, V, jnp.bfloat16, causal=False, impl="pallas") == "cudnn"
+    assert ops.prefill_attention_path(H + R, V, f32, causal=False, impl="pallas") == "einsum"
+    assert ops.prefill_attention_path(H + R, V, jnp.bfloat16, causal=False, impl="xla") == "einsum"
     with ops.use_chunk_attention("xla"):
         assert ops.prefill_attention_path(H + R, V, f32, causal=False) == "xla"
         out = run()
