@@ -460,13 +460,18 @@ def use_prefill_attention(choice: Optional[str]):
 # (cuDNN where resolve_impl gives 'pallas' and the case fits, else einsum): on the H200 256-token chunks
 # after 4K / 32K cached tokens at 64 heads took 0.51 / 3.48 ms vs 0.70 / 5.12 ms on the einsum path, and
 # 13.5 vs 22.5 ms at batch 4 x 32K (BENCHMARKS.md MLA round 13); `use_chunk_attention` forces a path.
+# 'cudnn_split' / 'xla_split': no mask at all, two calls merged by their log-sum-exps (`_split_attention`):
+# the chunk against the row's cached keys (per-row key lengths) and against itself (causal), for callers
+# that pass `chunk_lens`; cuDNN's masked call ran at ~100 TFLOP/s against ~500 for the unmasked one.
 _CHUNK_ATTENTION: Optional[str] = None
+CHUNK_ATTENTION_CHOICES = PREFILL_ATTENTION_CHOICES + ("cudnn_split", "xla_split")
 
 
 def use_chunk_attention(choice: Optional[str]):
     """Force how prefill chunks after cached tokens attend inside the block: None (automatic, as fresh
-    prefills), 'einsum', 'cudnn' or 'xla' (one masked jax.nn.dot_product_attention call)."""
-    return _forced("_CHUNK_ATTENTION", choice, PREFILL_ATTENTION_CHOICES, "chunk attention")
+    prefills), 'einsum', 'cudnn' or 'xla' (one masked jax.nn.dot_product_attention call), 'cudnn_split'
+    or 'xla_split' (two unmasked calls merged; see _CHUNK_ATTENTION)."""
+    return _forced("_CHUNK_ATTENTION", choice, CHUNK_ATTENTION_CHOICES, "chunk attention")
 
 
 def cudnn_attention_fits(qk_dim: int, v_dim: int, dtype) -> bool:
@@ -509,7 +514,7 @@ _warned_fallback = False
 
 def mla_prefill_attention(q_nope_BTNH: jax.Array, q_pe_BTNR: jax.Array, k_BSNH: jax.Array, kpe_BSR: jax.Array,
                           v_BSNV: jax.Array, mask_BTS: jax.Array, scale: float, *, causal: bool = False,
-                          impl: Optional[str] = None, parallel=None) -> jax.Array:
+                          impl: Optional[str] = None, parallel=None, chunk_lens=None) -> jax.Array:
     """Expanded-form MLA attention; returns o [B, T, N, V] float32.
 
     score[b,n,t,s] = (q_nope . k + q_pe . kpe) * scale over keys with mask[b,t,s], softmax in float32.
@@ -526,16 +531,22 @@ def mla_prefill_attention(q_nope_BTNH: jax.Array, q_pe_BTNR: jax.Array, k_BSNH: 
     sees itself; a padding query that sees no key is given key 0, so no kernel meets an empty row).
     parallel: a kimi_jax.sharding.MoEParallel: the cuDNN call runs per device shard inside shard_map
     (rows over the batch axes, heads over the head axes), as the decode kernel does.
+    chunk_lens: (cached [B], new [B]) int32 when the keys are `paged_keys`' layout (S - T cached slots,
+    row b's first cached[b] real, then the chunk, its first new[b] tokens real): the '_split' paths
+    need it (without it they take the masked call).
     """
     global _warned_fallback
     H, R, V = q_nope_BTNH.shape[-1], q_pe_BTNR.shape[-1], v_BSNV.shape[-1]
     dtype = q_nope_BTNH.dtype
     fresh = causal and k_BSNH.shape[1] == q_nope_BTNH.shape[1]
     path = prefill_attention_path(H + R, V, dtype, causal=fresh, impl=impl)
+    if path.endswith("_split") and (fresh or chunk_lens is None):
+        path = path[:-len("_split")]
     if path != "einsum":
         try:
             return _mla_prefill_attention_dpa(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, scale, path,
-                                              parallel, mask_BTS=None if fresh else mask_BTS)
+                                              parallel, mask_BTS=None if fresh else mask_BTS,
+                                              chunk_lens=chunk_lens if path.endswith("_split") else None)
         except (NotImplementedError, RuntimeError) as e:
             # raised while tracing (no cuDNN, an unsupported GPU or shape): take the einsum path
             if not _warned_fallback:
@@ -556,15 +567,19 @@ def _mla_prefill_attention_einsum(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSN
 
 
 def _mla_prefill_attention_dpa(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, scale, implementation, parallel,
-                               mask_BTS=None):
-    def attend(q_nope, q_pe, k, kpe, v, *mask):
+                               mask_BTS=None, chunk_lens=None):
+    extra = tuple(chunk_lens) if chunk_lens is not None else (mask_BTS,) if mask_BTS is not None else ()
+
+    def attend(q_nope, q_pe, k, kpe, v, *extra):
         N, K, V = k.shape[2], k.shape[3] + kpe.shape[-1], v.shape[-1]
         q_BTNK = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1)
         kpe_BSNR = jnp.broadcast_to(kpe[:, :, None, :], (*kpe.shape[:2], N, kpe.shape[-1])).astype(k.dtype)
         k_BSNK = jnp.concatenate([k, kpe_BSNR], axis=-1)
         v_BSNK = jnp.pad(v.astype(k.dtype), ((0, 0), (0, 0), (0, 0), (0, K - V)))
-        if mask:
-            m_BTS = mask[0]
+        if chunk_lens is not None:
+            o_BTNK = _split_attention(q_BTNK, k_BSNK, v_BSNK, *extra, scale, implementation[:-len("_split")])
+        elif extra:
+            m_BTS = extra[0]
             m_BTS = m_BTS.at[:, :, 0].set(m_BTS[:, :, 0] | ~m_BTS.any(axis=-1))   # padding queries
             o_BTNK = _masked_dot_product_attention(q_BTNK, k_BSNK, v_BSNK, m_BTS, scale, implementation)
         else:
@@ -577,9 +592,61 @@ def _mla_prefill_attention_dpa(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, 
         # way as the decode kernel, so the partitioner never gathers heads or rows around it
         from jax.sharding import PartitionSpec as P
         b, h = parallel.batch or None, parallel.heads or None
+        extra_specs = (P(b),) * 2 if chunk_lens is not None else (P(b, None, None),) * len(extra)
         attend = _shard_map(attend, parallel.mesh,
                             in_specs=(P(b, None, h, None), P(b, None, h, None), P(b, None, h, None),
-                                      P(b, None, None), P(b, None, h, None))
-                            + ((P(b, None, None),) if mask_BTS is not None else ()),
+                                      P(b, None, None), P(b, None, h, None)) + extra_specs,
                             out_specs=P(b, None, h, None))
-    return attend(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, *(() if mask_BTS is None else (mask_BTS,)))
+    return attend(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, *extra)
+
+
+def _split_attention(q_BTNK, k_BSNK, v_BSNK, cached_B, new_B, scale, implementation):
+    """Attention of a chunk after cached tokens without a mask: keys = S - T cached slots (row b's first
+    cached[b] real), then the chunk's T tokens (its first new[b] real, attending causally). Two
+    attention calls, each returning its log-sum-exp: queries x cached keys (per-row key lengths) and
+    queries x chunk keys (causal, per-row lengths), merged as flash-decoding merges splits. Queries past
+    new[b] (padding) get 0. implementation: 'cudnn' (jax's cuDNN entry point with per-row lengths) or
+    'xla' (its CPU stand-in, jnp)."""
+    T = q_BTNK.shape[1]
+    S0 = k_BSNK.shape[1] - T
+    parts = _attention_lse_cudnn if implementation == "cudnn" else _attention_lse_xla
+    has_old = (cached_B > 0)[:, None, None]
+    new_len = jnp.maximum(new_B, 1).astype(jnp.int32)          # no kernel meets a zero length
+    o_old, lse_old = parts(q_BTNK, k_BSNK[:, :S0], v_BSNK[:, :S0], new_len,
+                           jnp.maximum(cached_B, 1).astype(jnp.int32), scale, causal=False)
+    o_new, lse_new = parts(q_BTNK, k_BSNK[:, S0:], v_BSNK[:, S0:], new_len, new_len, scale, causal=True)
+    lse_old = jnp.where(has_old, lse_old, -jnp.inf)             # [B, T, N]
+    m = jnp.maximum(lse_old, lse_new)
+    w_old, w_new = jnp.exp(lse_old - m), jnp.exp(lse_new - m)
+    o_old = jnp.where(has_old[..., None], o_old.astype(jnp.float32), 0.0)
+    o = (o_old * w_old[..., None] + o_new.astype(jnp.float32) * w_new[..., None]) / (w_old + w_new)[..., None]
+    real = (jnp.arange(T)[None, :] < new_B[:, None])[:, :, None, None]
+    return jnp.where(real, o, 0.0)
+
+
+def _attention_lse_cudnn(q_BTNK, k_BSNK, v_BSNK, q_len_B, kv_len_B, scale, *, causal):
+    """cuDNN flash attention with per-row lengths, (o [B, T, N, K], log-sum-exp [B, T, N] float32), through
+    jax's cuDNN entry point: the public jax.nn.dot_product_attention returns the log-sum-exp rounded to
+    the inputs' dtype (bf16: merge weights off by up to ~3%)."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+    mask_type = fa.MaskType.PADDING_CAUSAL if causal else fa.MaskType.PADDING
+    try:
+        o, lse_BNT = fa.dot_product_attention(q_BTNK, k_BSNK, v_BSNK, q_seqlen=q_len_B, kv_seqlen=kv_len_B,
+                                              scale=scale, mask_type=mask_type, return_residual=True)
+    except TypeError as e:            # a JAX whose private signature differs: the caller falls back
+        raise NotImplementedError(f"jax's cuDNN entry point: {e}") from e
+    return o, jnp.transpose(lse_BNT, (0, 2, 1)).astype(jnp.float32)
+
+
+def _attention_lse_xla(q_BTNK, k_BSNK, v_BSNK, q_len_B, kv_len_B, scale, *, causal):
+    """The same in jnp (float32 scores): the CPU stand-in of _attention_lse_cudnn."""
+    del q_len_B                       # rows past it are padding, zeroed by the caller
+    s_BNTS = einsum_f32("btnk,bsnk->bnts", q_BTNK, k_BSNK) * scale
+    S, T = k_BSNK.shape[1], q_BTNK.shape[1]
+    see = jnp.arange(S)[None, None, :] < kv_len_B[:, None, None]                       # [B, 1, S]
+    if causal:
+        see = see & (jnp.arange(S)[None, None, :] <= jnp.arange(T)[None, :, None])     # [B, T, S]
+    s_BNTS = jnp.where(see[:, None], s_BNTS, -jnp.inf)
+    lse_BNT = jax.nn.logsumexp(s_BNTS, axis=-1)
+    p_BNTS = jnp.exp(s_BNTS - lse_BNT[..., None]).astype(q_BTNK.dtype)
+    return einsum_f32("bnts,bsnk->btnk", p_BNTS, v_BSNK).astype(q_BTNK.dtype), jnp.transpose(lse_BNT, (0, 2, 1))

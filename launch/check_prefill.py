@@ -21,7 +21,8 @@
    sampling included) three ways: 'paged' (fresh=False: keys gathered from the page table, as before
    the fresh path existed), 'fresh einsum' and 'fresh cudnn' (the automatic choice on a GPU).
    Then a later prompt chunk (256 tokens after --chunk_prefix cached tokens, fresh=False) two ways:
-   'chunk einsum' and 'chunk cudnn' (one masked dot_product_attention call; the automatic choice).
+   'chunk einsum', 'chunk cudnn' (one masked dot_product_attention call; the automatic choice) and
+   'chunk cudnn_split' (two unmasked calls merged by log-sum-exp).
 Prints one table; writes check_prefill.json under --out. Exit status 1 if a check fails.
 """
 from __future__ import annotations
@@ -209,7 +210,7 @@ def model_case(T, tiny, reps):
     # masked dot_product_attention call vs the einsum path (ops.use_chunk_attention)
     C, prefix = (16, 48) if tiny else (256, FLAGS.chunk_prefix)
     row.update(chunk=C, chunk_prefix=prefix)
-    for choice in ("einsum", fused_name):
+    for choice in ("einsum", fused_name, fused_name + "_split"):
         timed("chunk_" + choice, ops.use_chunk_attention, choice, prefix, C, False, seed=1)
     row["tokens"] = toks
     return row

@@ -184,6 +184,16 @@ def test_sharded_dot_product_attention_per_shard(recorder, monkeypatch):
         out = jax.jit(lambda *a: ops.mla_prefill_attention(*a, 0.2, parallel=par))(*chunk)
     assert masked == [(B // 2, T, S)]
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    # the two unmasked calls merged ('xla_split'), per shard: the lengths split over the rows too
+    parts, inner_p = [], ops._attention_lse_xla
+    monkeypatch.setattr(ops, "_attention_lse_xla", lambda q, k, *a, **kw: (parts.append(k.shape),
+                                                                             inner_p(q, k, *a, **kw))[1])
+    lens = (jnp.asarray(cached, jnp.int32), jnp.full((B,), T, jnp.int32))
+    with ops.use_chunk_attention("xla_split"):
+        out = jax.jit(lambda *a, lens: ops.mla_prefill_attention(*a, 0.2, parallel=par, chunk_lens=lens))(
+            *chunk, lens=lens)
+    assert parts == [(B // 2, 5, N // 2, H + R), (B // 2, T, N // 2, H + R)]     # cached keys, then the chunk
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
 # ---- (c) engine generation ----------------------------------------------------------------------------
@@ -250,6 +260,18 @@ def test_chunk_after_cached_tokens_masked_call_matches_einsum(monkeypatch):
     valid = (pos >= 0)[..., None, None]
     np.testing.assert_allclose(np.where(valid, out, 0), np.where(valid, ref, 0), rtol=1e-4, atol=1e-5)
     assert np.isfinite(out).all()
+    # 'xla_split': the chunk against the cached keys and against itself, merged by log-sum-exp (no
+    # mask); a row without cached tokens (0) takes the chunk part only, the all-padding row gives 0s
+    lens = (jnp.asarray(np.maximum(pos[:, 0], 0), jnp.int32), jnp.asarray((pos >= 0).sum(1), jnp.int32))
+    with ops.use_chunk_attention("xla_split"):
+        split = np.asarray(jax.jit(lambda *a: ops.mla_prefill_attention(*a[:-2], scale, chunk_lens=a[-2:]))(
+            q_nope, q_pe, k, kpe, v, mask, *lens))
+        assert len(calls) == 1                                # no masked call
+        masked = run()                                        # without chunk_lens: the masked call
+        assert len(calls) == 2
+    np.testing.assert_allclose(np.where(valid, masked, 0), np.where(valid, ref, 0), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.where(valid, split, 0), np.where(valid, ref, 0), rtol=1e-4, atol=1e-5)
+    assert np.isfinite(split).all() and not split[3].any()
     with pytest.raises(ValueError):
         with ops.use_chunk_attention("flash"):
             pass
@@ -268,9 +290,13 @@ def test_engine_chunked_prefill_through_the_masked_call(monkeypatch):
     calls = []
     real = ops._masked_dot_product_attention
     monkeypatch.setattr(ops, "_masked_dot_product_attention", lambda *a: calls.append(a[-1]) or real(*a))
+    parts = []
+    real_p = ops._attention_lse_xla
+    monkeypatch.setattr(ops, "_attention_lse_xla", lambda *a, **kw: parts.append(kw["causal"]) or real_p(*a, **kw))
     outs = []
-    for choice in ("einsum", "xla"):
+    for choice in ("einsum", "xla", "xla_split"):
         with ops.use_chunk_attention(choice):
             outs.append([o.outputs[0].token_ids for o in LLM("tiny", **kw).generate(prompts, sp)])
     assert calls and set(calls) == {"xla"}
-    assert outs[0] == outs[1] and all(len(t) == 4 for t in outs[0])
+    assert parts and set(parts) == {False, True}           # the split path ran (both halves)
+    assert outs[0] == outs[1] == outs[2] and all(len(t) == 4 for t in outs[0])

@@ -87,8 +87,9 @@ class MLA(nnx.Module):
         row's shard: every read and write of the pool then runs per shard. Queries attend to the
         cached positions before the row's first new token plus the new tokens themselves (causally),
         and the new latents are returned for one write after all layers (`write_pages`), so the layer
-        loop never copies the pool. New tokens of a row must have consecutive positions. Tokens at
-        position < 0 are padding: not written, and their outputs are garbage to be ignored. The
+        loop never copies the pool. New tokens of a row must have consecutive positions, padding
+        (position < 0) only after them (as the scheduler lays rows out): padding is not written and
+        its outputs are garbage to be ignored. The
         absorbed paged form runs as one op (`ops.mla_paged_attention`: a GPU kernel reads the pages
         in place).
 
@@ -102,7 +103,7 @@ class MLA(nnx.Module):
         cos, sin = rope_cos_sin(positions_BT, rope_inv_freq(self.cfg), self.cfg.rope_scaling.cos_sin_scale)
         q_nope_BTNH, q_pe_BTNR = self._queries(x_BTD, cos, sin)
         new_BTL = self.latents(x_BTD, positions_BT)
-        mask_BTS = None
+        mask_BTS = chunk_lens = None
         w_uk, w_uv = self._kv_b()
         scale = self.cfg.softmax_scale
         if block_table_BP is not None and absorbed:
@@ -120,6 +121,8 @@ class MLA(nnx.Module):
             else:
                 keys_BSL, mask_BTS = ops.paged_keys(kv_BSL, block_table_BP, new_BTL, positions_BT, layer=layer,
                                                     parallel=self.parallel)
+                # the same layout as lengths: cached tokens before the row's first, then its real new ones
+                chunk_lens = (jnp.maximum(positions_BT[:, 0], 0), jnp.sum(positions_BT >= 0, axis=1))
         elif kv_BSL is None:
             keys_BSL, key_pos_BS, out_kv = new_BTL, positions_BT, new_BTL
         else:
@@ -145,7 +148,7 @@ class MLA(nnx.Module):
             k_BSNH = ops.einsum_f32("bsa,nha->bsnh", c_BSA, w_uk).astype(x_BTD.dtype)
             v_BSNV = ops.einsum_f32("bsa,nva->bsnv", c_BSA, w_uv).astype(x_BTD.dtype)
             o_BTNV = ops.mla_prefill_attention(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, mask_BTS, scale,
-                                               causal=fresh, parallel=self.parallel)
+                                               causal=fresh, parallel=self.parallel, chunk_lens=chunk_lens)
         o_BTD = self.o_proj(o_BTNV.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * V))
         return o_BTD, out_kv
 
