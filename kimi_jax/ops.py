@@ -3,8 +3,9 @@
 Each op has an 'xla' implementation (plain jnp/lax, runs everywhere) and, where one exists, a 'pallas'
 implementation (GPU kernels). `impl=None` picks 'pallas' on GPU and 'xla' elsewhere; tests force each
 with `impl=` or with `use_impl(...)`. `mla_prefill_attention`'s GPU path is not Pallas but cuDNN flash
-attention (jax.nn.dot_product_attention): one causal call for fresh prefills, one call with an explicit
-mask for prefill chunks after cached tokens; `use_prefill_attention` / `use_chunk_attention` force a path.
+attention: one causal jax.nn.dot_product_attention call for fresh prefills; for prefill chunks after
+cached tokens two unmasked calls (chunk x cached keys, chunk x itself) merged by log-sum-exp;
+`use_prefill_attention` / `use_chunk_attention` force a path.
 
 Weight layout for routed experts (compressed-tensors / HF, rows are output features):
   bf16:  ExpertWeights(gate=[E, F, D], up=[E, F, D], down=[E, D, F])
@@ -455,14 +456,13 @@ def use_prefill_attention(choice: Optional[str]):
 
 # Prefill chunks that follow cached tokens (the scheduler's later prompt chunks, recomputes): their mask
 # is each row's cached prefix plus the chunk causally, which cuDNN's top-left causal mask cannot
-# express; jax.nn.dot_product_attention takes it as an explicit mask instead (cuDNN: an additive bias
-# [B, 1, T, S], 64x smaller than the einsum path's f32 scores [B, N, T, S]). Automatic: as fresh prefills
-# (cuDNN where resolve_impl gives 'pallas' and the case fits, else einsum): on the H200 256-token chunks
-# after 4K / 32K cached tokens at 64 heads took 0.51 / 3.48 ms vs 0.70 / 5.12 ms on the einsum path, and
-# 13.5 vs 22.5 ms at batch 4 x 32K (BENCHMARKS.md MLA round 13); `use_chunk_attention` forces a path.
-# 'cudnn_split' / 'xla_split': no mask at all, two calls merged by their log-sum-exps (`_split_attention`):
-# the chunk against the row's cached keys (per-row key lengths) and against itself (causal), for callers
-# that pass `chunk_lens`; cuDNN's masked call ran at ~100 TFLOP/s against ~500 for the unmasked one.
+# express. 'cudnn' / 'xla': jax.nn.dot_product_attention with the explicit mask (cuDNN: an additive bias
+# [B, 1, T, S], 64x smaller than the einsum path's f32 scores [B, N, T, S]). 'cudnn_split' / 'xla_split':
+# no mask, two calls merged by their log-sum-exps (`_split_attention`): the chunk against the row's
+# cached keys (per-row key lengths) and against itself (causal), for callers that pass `chunk_lens`.
+# Automatic where resolve_impl gives 'pallas' and cuDNN fits: 'cudnn_split'. On the H200 (BENCHMARKS.md
+# MLA round 13), 256-token chunks at 64 heads after 4K / 32K cached tokens and 4 x 32K: einsum 0.70 /
+# 5.08 / 22.5 ms, masked 0.53 / 3.47 / 13.5 ms, split 0.34 / 1.79 / 6.9 ms. `use_chunk_attention` forces.
 _CHUNK_ATTENTION: Optional[str] = None
 CHUNK_ATTENTION_CHOICES = PREFILL_ATTENTION_CHOICES + ("cudnn_split", "xla_split")
 
@@ -487,13 +487,14 @@ def prefill_attention_path(qk_dim: int, v_dim: int, dtype, *, causal: bool, impl
     softmax), 'cudnn' or 'xla' (one jax.nn.dot_product_attention call with that implementation).
     Only a fresh causal prefill (`causal`: the keys are the query tokens themselves, row by row) can use
     dot_product_attention: cuDNN's causal mask is aligned top-left, and rows with cached tokens before
-    their chunk need it aligned bottom-right, per row: they take `_CHUNK_ATTENTION` if forced, else the
-    same automatic choice (a dot_product_attention call with their mask)."""
+    their chunk need it aligned bottom-right, per row: they take `_CHUNK_ATTENTION` if forced, else
+    'cudnn_split' where cuDNN fits (two unmasked calls merged; the masked call where the caller gives no
+    chunk_lens or the split is unavailable)."""
     forced = _PREFILL_ATTENTION if causal else _CHUNK_ATTENTION
     if forced is not None:
         return forced
     if resolve_impl(impl) == "pallas" and cudnn_attention_fits(qk_dim, v_dim, dtype):
-        return "cudnn"
+        return "cudnn" if causal else "cudnn_split"
     return "einsum"
 
 
@@ -527,8 +528,9 @@ def mla_prefill_attention(q_nope_BTNH: jax.Array, q_pe_BTNR: jax.Array, k_BSNH: 
     The dot_product_attention path concatenates [q_nope | q_pe] and [k | kpe] to one qk head dim and
     zero-pads V to it (the public API wants equal qk and v head dims; zero columns of V give zero
     output columns, sliced off). Otherwise (keys = a cached prefix plus the chunk) the path is
-    `prefill_attention_path(causal=False)`'s: einsums, or the same call with `mask` (a real query always
-    sees itself; a padding query that sees no key is given key 0, so no kernel meets an empty row).
+    `prefill_attention_path(causal=False)`'s: einsums; the same call with `mask` (a real query always
+    sees itself; a padding query that sees no key is given key 0, so no kernel meets an empty row); or,
+    given chunk_lens, two unmasked calls merged (`_split_attention`).
     parallel: a kimi_jax.sharding.MoEParallel: the cuDNN call runs per device shard inside shard_map
     (rows over the batch axes, heads over the head axes), as the decode kernel does.
     chunk_lens: (cached [B], new [B]) int32 when the keys are `paged_keys`' layout (S - T cached slots,
@@ -540,19 +542,23 @@ def mla_prefill_attention(q_nope_BTNH: jax.Array, q_pe_BTNR: jax.Array, k_BSNH: 
     dtype = q_nope_BTNH.dtype
     fresh = causal and k_BSNH.shape[1] == q_nope_BTNH.shape[1]
     path = prefill_attention_path(H + R, V, dtype, causal=fresh, impl=impl)
-    if path.endswith("_split") and (fresh or chunk_lens is None):
-        path = path[:-len("_split")]
-    if path != "einsum":
+    split = path.endswith("_split")
+    paths = [path, path[:-len("_split")]] if split and not fresh and chunk_lens is not None else \
+        [path[:-len("_split")] if split else path]
+    for p in paths:
+        if p == "einsum":
+            break
         try:
-            return _mla_prefill_attention_dpa(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, scale, path,
+            return _mla_prefill_attention_dpa(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, scale, p,
                                               parallel, mask_BTS=None if fresh else mask_BTS,
-                                              chunk_lens=chunk_lens if path.endswith("_split") else None)
+                                              chunk_lens=chunk_lens if p.endswith("_split") else None)
         except (NotImplementedError, RuntimeError) as e:
-            # raised while tracing (no cuDNN, an unsupported GPU or shape): take the einsum path
+            # raised while tracing (no cuDNN, an unsupported GPU or shape, jax's private cuDNN entry point
+            # changed): take the next path (split -> masked call -> einsums)
             if not _warned_fallback:
                 import logging
                 logging.getLogger(__name__).warning("prefill attention: %s path unavailable (%s: %s); "
-                                                    "using XLA einsums", path, type(e).__name__, e)
+                                                    "falling back", p, type(e).__name__, e)
                 _warned_fallback = True
     return _mla_prefill_attention_einsum(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, mask_BTS, scale)
 
