@@ -23,6 +23,10 @@
    Then a later prompt chunk (256 tokens after --chunk_prefix cached tokens, fresh=False) two ways:
    'chunk einsum', 'chunk cudnn' (one masked dot_product_attention call; the automatic choice) and
    'chunk cudnn_split' (two unmasked calls merged by log-sum-exp).
+3. Time to first token (--ttft_tokens L): one prompt of L tokens through `LLM.generate` (max_tokens 1,
+   greedy) on the same 2-layer slice, at each --ttft_chunks prefill_chunk (max_prefill_tokens the same):
+   the prompt takes ceil(L / chunk) engine steps, each reading every weight once. A warm-up generate
+   of the same prompt compiles each step shape first; the first sampled tokens must agree.
 Prints one table; writes check_prefill.json under --out. Exit status 1 if a check fails.
 """
 from __future__ import annotations
@@ -46,6 +50,9 @@ flags.DEFINE_float("tol", 2e-2, "max error relative to max |reference| (bf16)")
 flags.DEFINE_bool("model", True, "time a model prefill through the engine with the path on and off")
 flags.DEFINE_integer("model_tokens", 2048, "tokens of the model prefill")
 flags.DEFINE_integer("chunk_prefix", 16384, "cached tokens before the model's later-chunk case")
+flags.DEFINE_integer("ttft_tokens", 0, "if > 0: time to first token of one prompt this long through LLM.generate "
+                     "on the 2-layer slice, at each --ttft_chunks prefill_chunk")
+flags.DEFINE_list("ttft_chunks", ["256", "1024", "2048"], "prefill_chunk values for --ttft_tokens")
 flags.DEFINE_float("budget_s", 100.0, "skip what is left after this many seconds")
 
 _T0 = time.time()
@@ -216,6 +223,43 @@ def model_case(T, tiny, reps):
     return row
 
 
+def ttft_case(tiny):
+    """Time to first token of one long prompt at each prefill_chunk (section 3 of the docstring)."""
+    import numpy as np
+    from kimi_jax import LLM, SamplingParams
+    from kimi_jax.config import preset
+    cfg = preset("tiny") if tiny else preset("kimi-k2.5").replace(num_hidden_layers=2, first_k_dense_replace=1,
+                                                                  vocab_size=4096)
+    L = 200 if tiny else FLAGS.ttft_tokens
+    chunks = [16, 64] if tiny else [int(c) for c in FLAGS.ttft_chunks]
+    llm = LLM(cfg, dtype="bfloat16", max_num_seqs=1, max_model_len=L + 16)
+    prompt = np.random.default_rng(2).integers(2, cfg.vocab_size, L).tolist()
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    out = dict(tokens=L, chunks={}, first_tokens={})
+    for c in chunks:
+        if time.time() - _T0 > FLAGS.budget_s:
+            log(f"ttft chunk={c}: skipped (budget)")
+            continue
+        llm.prefill_chunk = llm.max_prefill_tokens = c
+        try:
+            llm.generate([prompt], sp, use_tqdm=False)                         # compiles the step shapes
+            times = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                res = llm.generate([prompt], sp, use_tqdm=False)
+                times.append(time.perf_counter() - t0)
+            out["chunks"][c] = min(times)
+            out["first_tokens"][c] = res[0].outputs[0].token_ids[0]
+        except Exception as e:  # noqa: BLE001
+            out["chunks"][c] = None
+            log(f"ttft chunk={c}: failed {type(e).__name__}: {str(e)[:200]}")
+            continue
+        log(f"ttft L={L} chunk={c}: {out['chunks'][c] * 1e3:.1f} ms ({-(-L // c)} steps), "
+            f"first token {out['first_tokens'][c]}")
+    out["agree"] = len(set(out["first_tokens"].values())) <= 1
+    return out
+
+
 def table(rows, model_row):
     lines = ["| B x T | rows | rel err | ok | fused ms | einsum ms | einsum / fused | fused TFLOP/s | unpadded-V ms |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -266,12 +310,23 @@ def main(argv):
         except Exception as e:  # noqa: BLE001
             log(f"model prefill: failed {type(e).__name__}: {str(e)[:300]}")
             model_row = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+    ttft = None
+    if FLAGS.ttft_tokens or FLAGS.tiny:
+        try:
+            ttft = ttft_case(FLAGS.tiny)
+        except Exception as e:  # noqa: BLE001
+            log(f"ttft: failed {type(e).__name__}: {str(e)[:300]}")
+            ttft = dict(error=f"{type(e).__name__}: {str(e)[:300]}", agree=False)
     t = table(rows, model_row if model_row and "T" in model_row else None)
+    if ttft and "chunks" in ttft:
+        t += "\n\n" + f"time to first token, one prompt of {ttft['tokens']} tokens (2-layer slice):\n" + "\n".join(
+            f"  prefill_chunk {c:5d}: " + (f"{v * 1e3:.1f} ms" if v else "failed") for c, v in ttft["chunks"].items())
+        t += f"\n  first tokens agree: {ttft['agree']}"
     print(t, flush=True)
-    ok = all(r["ok"] for r in rows)
+    ok = all(r["ok"] for r in rows) and (ttft is None or ttft["agree"])
     with open(os.path.join(FLAGS.out, "check_prefill.json"), "w") as f:
         json.dump(dict(device=str(jax.devices()[0]), jax=jax.__version__, impl=impl, dims=dims, ops=rows,
-                       model=model_row, ok=ok, seconds=time.time() - _T0), f, indent=1)
+                       model=model_row, ttft=ttft, ok=ok, seconds=time.time() - _T0), f, indent=1)
     with open(os.path.join(FLAGS.out, "table.md"), "w") as f:
         f.write(t + "\n")
     log("checks", "OK" if ok else "FAILED")
