@@ -192,3 +192,22 @@ def test_default_pool_on_a_gpu_counts_every_dp_rank(monkeypatch):
         used = jax.devices()[0].memory_stats() or {}
         expect = int((2 ** 30 * 0.5 - used.get("bytes_in_use", 0)) // page_bytes) * dp
         assert api.LLM._default_num_pages(fake, 0.5) == expect
+
+
+def test_split_chunk_attention_under_dp_tp_ep_equals_single_device(ckpt, monkeypatch):
+    """Prompt chunks after cached tokens through the unmasked split path ('xla_split', the CPU stand-in of
+    the GPU default 'cudnn_split': the chunk against its cached keys and against itself, merged by
+    log-sum-exp) under dp2 x tp2 + EP with a split pool give the single-device einsum path's greedy
+    tokens (float32: the two differ in summation order only)."""
+    from kimi_jax import ops
+    lay = LAYOUTS["dp2_tp2_ep"]
+    ps, params = workload(8, seed=5)
+    kw = dict(dtype="float32", page_size=PAGE, prefill_chunk=8, max_prefill_tokens=24)
+    ref, _ = run(LLM(ckpt, max_num_seqs=1, num_pages=PAGES_PER_RANK, **kw), ps, params)
+    halves, real = [], ops._attention_lse_xla
+    monkeypatch.setattr(ops, "_attention_lse_xla", lambda *a, **k: halves.append(k["causal"]) or real(*a, **k))
+    with ops.use_chunk_attention("xla_split"):
+        got, _ = run(LLM(ckpt, max_num_seqs=2 * SLOTS_PER_RANK, num_pages=2 * PAGES_PER_RANK, **kw, **lay),
+                     ps, params)
+    assert set(halves) == {False, True}                  # traced: both halves of the split path
+    assert got == ref
