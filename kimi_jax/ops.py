@@ -616,6 +616,10 @@ def _split_attention(q_BTNK, k_BSNK, v_BSNK, cached_B, new_B, scale, implementat
     T = q_BTNK.shape[1]
     S0 = k_BSNK.shape[1] - T
     parts = _attention_lse_cudnn if implementation == "cudnn" else _attention_lse_xla
+    if S0 == 0:                                                 # no cached slots at all: the chunk only
+        cached_B = jnp.zeros_like(cached_B)
+        pad = ((0, 0), (1, 0), (0, 0), (0, 0))                  # one slot no query sees
+        k_BSNK, v_BSNK, S0 = jnp.pad(k_BSNK, pad), jnp.pad(v_BSNK, pad), 1
     has_old = (cached_B > 0)[:, None, None]
     new_len = jnp.maximum(new_B, 1).astype(jnp.int32)          # no kernel meets a zero length
     o_old, lse_old = parts(q_BTNK, k_BSNK[:, :S0], v_BSNK[:, :S0], new_len,

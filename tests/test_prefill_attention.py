@@ -272,6 +272,14 @@ def test_chunk_after_cached_tokens_masked_call_matches_einsum(monkeypatch):
     np.testing.assert_allclose(np.where(valid, masked, 0), np.where(valid, ref, 0), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.where(valid, split, 0), np.where(valid, ref, 0), rtol=1e-4, atol=1e-5)
     assert np.isfinite(split).all() and not split[3].any()
+    # keys of the chunk alone (no cached slots): the chunk part only, as the einsum path over them
+    only = (q_nope, q_pe, k[:, P:], kpe[:, P:], v[:, P:], mask[:, :, P:])
+    zero = (jnp.zeros((B,), jnp.int32), lens[1])
+    with ops.use_chunk_attention("xla_split"):
+        alone = np.asarray(ops.mla_prefill_attention(*only, scale, chunk_lens=zero))
+    with ops.use_chunk_attention("einsum"):
+        alone_ref = np.asarray(ops.mla_prefill_attention(*only, scale))
+    np.testing.assert_allclose(np.where(valid, alone, 0), np.where(valid, alone_ref, 0), rtol=1e-4, atol=1e-5)
     # the split unavailable (jax's private cuDNN entry point changed, say): the masked call instead
     def unavailable(*a, **kw):
         raise NotImplementedError("no entry point")
