@@ -44,6 +44,8 @@ flags.DEFINE_integer("reps", 5, "timed repetitions (median)")
 flags.DEFINE_float("budget_s", 200.0, "skip remaining decode cases after this many seconds")
 flags.DEFINE_bool("prefill", True, "run the prefill section")
 flags.DEFINE_bool("prefill_only", False, "only the prefill section (fresh prefills and chunks after cached tokens)")
+flags.DEFINE_list("chunk_cases", ["1:4096:256", "1:32768:256", "4:32768:256"],
+                  "prefill chunks after cached tokens, B:cached prefix:chunk tokens")
 flags.DEFINE_bool("sweep", False, "kernel config sweep instead of the sections (see the docstring)")
 flags.DEFINE_list("heads", ["8", "64"], "--sweep: head counts")
 flags.DEFINE_list("batches", ["1", "8", "64"], "--sweep: batch sizes")
@@ -738,7 +740,7 @@ def _prefill_chunks():
     import numpy as np
     from kimi_jax import ops
     rows = []
-    N, H, R, V, T = 64, 128, 64, 128, (16 if FLAGS.dry else 256)
+    N, H, R, V = 64, 128, 64, 128
     # 'cudnn_split' (two unmasked calls through jax's private cuDNN entry point, merged): does the entry
     # point take our call here? (If not, the op falls back to einsums and its timing would mislead.)
     split_ok = not FLAGS.dry
@@ -750,7 +752,8 @@ def _prefill_chunks():
         except Exception as e:  # noqa: BLE001
             split_ok = False
             log(f"prefill chunk cudnn_split: cuDNN entry point failed {type(e).__name__}: {str(e)[:200]}")
-    for B, prefix in ([(1, 64)] if FLAGS.dry else [(1, 4096), (1, 32768), (4, 32768)]):
+    cases = [(1, 64, 16)] if FLAGS.dry else [tuple(int(x) for x in c.split(":")) for c in FLAGS.chunk_cases]
+    for B, prefix, T in cases:
         S = prefix + T
         ks = jax.random.split(jax.random.PRNGKey(prefix + B), 5)
         bf = jnp.bfloat16
