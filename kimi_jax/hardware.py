@@ -228,11 +228,12 @@ _H200_ALLREDUCE_CURVE = ((14336.0, 24.4e-6), (117760.0, 26.0e-6), (940032.0, 24.
 # T=64: kernels ~94% minus 3-4% routing; T=256: 74% (wall per call, no device-only figure).
 _H200_INT4_CURVE = ((1.0, 0.71), (16.0, 0.94), (64.0, 0.90), (256.0, 0.74))
 # MLA absorbed decode as the engine calls it (ops.mla_paged_attention: the kernel plus XLA's finishing
-# ops), one H200, jax 0.11.2, 2026-11-30 (BENCHMARKS.md MLA round 9, runs C, F, G): per layer
-# time = 38 us + cache bytes / (4.24 TB/s x eff), eff 0.95 at 8 query rows (Triton kernel), 0.82 at
-# 64 (Mosaic GPU kernel); a least-squares fit of 36 timings (batch 1-64 x context 32-128K) within
-# -7% / +11%. It over-predicts tiny caches (batch 1 x 4K: 16-27 us measured, 39 predicted).
-_H200_ATTENTION_CURVE = ((8.0, 0.95), (64.0, 0.82))
+# ops), one H200, jax 0.11.2, 2026-11-30: per layer time = 38 us + cache bytes / (4.24 TB/s x eff).
+# 64 query rows (Mosaic GPU kernel): eff 0.82, a least-squares fit of 36 timings (batch 1-64 x context
+# 32-128K, BENCHMARKS.md MLA round 9, runs C, F, G) within -7% / +11%. 8 rows (Triton kernel): eff 1.0
+# since its split rule changed (round 13, run A: batch 1-64 x 32-128K within -5% / +9%; 0.95 before).
+# Both over-predict tiny caches (batch 1 x 4K: 16-27 us measured, 39 predicted; 1 x 32K at 8 rows +33%).
+_H200_ATTENTION_CURVE = ((8.0, 1.0), (64.0, 0.82))
 _H200_ATTENTION_CALL_S = 38e-6
 
 _PRESETS = {
@@ -260,8 +261,8 @@ _PRESETS = {
                                     "(wall per call there)",
                  "xla_int4_efficiency": "measured: XLA dequant path 0.34 TB/s effective = 8% (ANCHORS.md 6)",
                  "attention_efficiency": "measured (attention_curve, attention_call_s): this project's MLA "
-                                         "decode op on the H200, 38 us per layer + the cache at 95% (8 heads) "
-                                         "/ 82% (64 heads) of hbm_bw (BENCHMARKS.md, MLA round 9)"}),
+                                         "decode op on the H200, 38 us per layer + the cache at 100% (8 heads, "
+                                         "MLA round 13) / 82% (64 heads, round 9) of hbm_bw (BENCHMARKS.md)"}),
     "h100": Hardware(
         name="H100 SXM", hbm_bytes=80e9, hbm_bw=3.0e12, bf16_flops=700e12,
         interconnect="NVLink 4 (NVSwitch)", link_bw=450e9, collectives=_uniform(24e-6, 360e9),
