@@ -87,6 +87,8 @@ class Hardware:
     # interpolated linearly in log(rows), flat beyond the ends
     attention_curve: tuple = ()
     attention_call_s: float = 0.0      # device time of one layer's attention call beside its cache read
+    # measured (query rows per device, seconds) points; when given they replace attention_call_s
+    attention_call_curve: tuple = ()
     matmul_efficiency: float = 1.0     # of bf16_flops (bf16_flops is already an achieved rate)
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
@@ -104,6 +106,11 @@ class Hardware:
         """Fraction of hbm_bw the decode attention kernels stream the latent cache at with `rows`
         query rows per device (heads per device x new tokens per row)."""
         return _log_interp(self.attention_curve, rows, self.attention_efficiency)
+
+    def attention_call_at(self, rows: float) -> float:
+        """Device seconds of one layer's decode attention call beside its cache read with `rows` query rows
+        per device (launch, pipeline ramp, the split combine)."""
+        return _log_interp(self.attention_call_curve, rows, self.attention_call_s)
 
     def replace(self, **kw) -> "Hardware":
         return dataclasses.replace(self, **kw)
@@ -156,6 +163,11 @@ class Hardware:
         if d.get("attention_curve"):
             kw["attention_curve"] = tuple((float(t), float(e)) for t, e in d["attention_curve"])
             src["attention_efficiency"] = tag
+        if "attention_call_s" in kw:
+            kw["attention_call_curve"] = ()
+        if d.get("attention_call_curve"):
+            kw["attention_call_curve"] = tuple((float(t), float(c)) for t, c in d["attention_call_curve"])
+            src["attention_call_s"] = tag
         for kind in (d.get("collectives") or {}):
             src[kind] = tag + (f", n={n}" if n else "")
         return dataclasses.replace(base, name=d.get("name", base.name + " (calibrated)"),
@@ -170,10 +182,10 @@ def calibration_dict(name: str, *, copy_bw: float, matmul_flops: Optional[float]
     (bytes read + written); matmul_flops: measured bf16 FLOP/s; collectives: {kind: [(bytes,
     seconds), ...]} measured over `n_devices`; extra: any of link_bw, gemv_efficiency,
     int4_efficiency, int4_curve, xla_int4_efficiency, attention_efficiency, attention_curve,
-    attention_call_s, interconnect."""
+    attention_call_s, attention_call_curve, interconnect."""
     allowed = {"link_bw", "gemv_efficiency", "int4_efficiency", "int4_curve", "xla_int4_efficiency",
-               "attention_efficiency", "attention_curve", "attention_call_s", "interconnect", "date",
-               "device", "jax_version"}
+               "attention_efficiency", "attention_curve", "attention_call_s", "attention_call_curve",
+               "interconnect", "date", "device", "jax_version"}
     bad = set(extra) - allowed
     if bad:
         raise ValueError(f"calibration_dict: unknown fields {sorted(bad)} (allowed: {sorted(allowed)})")
@@ -228,13 +240,15 @@ _H200_ALLREDUCE_CURVE = ((14336.0, 24.4e-6), (117760.0, 26.0e-6), (940032.0, 24.
 # T=64: kernels ~94% minus 3-4% routing; T=256: 74% (wall per call, no device-only figure).
 _H200_INT4_CURVE = ((1.0, 0.71), (16.0, 0.94), (64.0, 0.90), (256.0, 0.74))
 # MLA absorbed decode as the engine calls it (ops.mla_paged_attention: the kernel plus XLA's finishing
-# ops), one H200, jax 0.11.2, 2026-11-30: per layer time = 38 us + cache bytes / (4.24 TB/s x eff).
-# 64 query rows (Mosaic GPU kernel): eff 0.82, a least-squares fit of 36 timings (batch 1-64 x context
-# 32-128K, BENCHMARKS.md MLA round 9, runs C, F, G) within -7% / +11%. 8 rows (Triton kernel): eff 1.0
-# since its split rule changed (round 13, run A: batch 1-64 x 32-128K within -5% / +9%; 0.95 before).
-# Both over-predict tiny caches (batch 1 x 4K: 16-27 us measured, 39 predicted; 1 x 32K at 8 rows +33%).
-_H200_ATTENTION_CURVE = ((8.0, 1.0), (64.0, 0.82))
+# ops), one H200, jax 0.11.2, 2026-11-30: per layer time = call + cache bytes / (4.24 TB/s x eff).
+# 64 query rows (Mosaic GPU kernel): 38 us, eff 0.82, a least-squares fit of 36 timings (batch 1-64 x
+# context 32-128K, BENCHMARKS.md MLA round 9, runs C, F, G) within -7% / +11%; it over-predicts tiny
+# caches (batch 1 x 4K: 16-27 us measured, 39 predicted). 8 rows (Triton kernel, after its split rule
+# changed): 28 us, eff 0.97, a least-squares fit (relative error) of the 15 timings of round 13 run A
+# (batch 1-64 x 4K-128K) within -14% / +18% (38 us / 0.95 before: up to +48% on small caches).
+_H200_ATTENTION_CURVE = ((8.0, 0.97), (64.0, 0.82))
 _H200_ATTENTION_CALL_S = 38e-6
+_H200_ATTENTION_CALL_CURVE = ((8.0, 28e-6), (64.0, 38e-6))
 
 _PRESETS = {
     "h200": Hardware(
@@ -243,7 +257,7 @@ _PRESETS = {
         collectives=_uniform(24e-6, 360e9, _H200_ALLREDUCE_CURVE, 2),
         gemv_efficiency=0.88, int4_efficiency=0.45, xla_int4_efficiency=0.08,
         int4_curve=_H200_INT4_CURVE, attention_curve=_H200_ATTENTION_CURVE,
-        attention_call_s=_H200_ATTENTION_CALL_S,
+        attention_call_s=_H200_ATTENTION_CALL_S, attention_call_curve=_H200_ATTENTION_CALL_CURVE,
         sources={"hbm_bytes": "datasheet (141 GB)",
                  "hbm_bw": "measured: device-to-device copy 4.24 TB/s (ANCHORS.md section 6; datasheet 4.8)",
                  "bf16_flops": "measured: 790 TFLOP/s bf16 matmul on this project's H200 (datasheet 989)",
@@ -261,8 +275,9 @@ _PRESETS = {
                                     "(wall per call there)",
                  "xla_int4_efficiency": "measured: XLA dequant path 0.34 TB/s effective = 8% (ANCHORS.md 6)",
                  "attention_efficiency": "measured (attention_curve, attention_call_s): this project's MLA "
-                                         "decode op on the H200, 38 us per layer + the cache at 100% (8 heads, "
-                                         "MLA round 13) / 82% (64 heads, round 9) of hbm_bw (BENCHMARKS.md)"}),
+                                         "decode op on the H200, per layer 28 us + the cache at 97% of hbm_bw "
+                                         "(8 heads, MLA round 13) / 38 us + 82% (64 heads, round 9; "
+                                         "BENCHMARKS.md)"}),
     "h100": Hardware(
         name="H100 SXM", hbm_bytes=80e9, hbm_bw=3.0e12, bf16_flops=700e12,
         interconnect="NVLink 4 (NVSwitch)", link_bw=450e9, collectives=_uniform(24e-6, 360e9),

@@ -28,7 +28,7 @@ layer, the materialized bf16 experts of the XLA INT4 path) plus a runtime reserv
 - cache reads: the whole allocated latent cache of the local rows, `cache_passes` times: once on a
   GPU (the Pallas decode kernels stream each page once), twice on the XLA path (two einsums over it:
   scores, then values), at hbm_bw x the attention efficiency for the device's query rows (heads per
-  device: `Hardware.attention_efficiency_at`), plus `Hardware.attention_call_s` per layer (the
+  device: `Hardware.attention_efficiency_at`), plus `Hardware.attention_call_at` per layer (the
   call's fixed device time beside the read: launch, pipeline ramp, the split combine).
 - compute: 2 x FLOPs of every matmul (projections, attention scores/values, FFNs, router, experts,
   LM head) at bf16_flops.
@@ -559,7 +559,7 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
         Term("attention (weights)", weights["attention"] + weights["norms"], proj_flops,
              (weights["attention"] + weights["norms"]) / (bw * hw.gemv_efficiency), proj_flops / fl),
         Term("attention (cache)", cache_bytes * passes, core_flops,
-             L * hw.attention_call_s + cache_bytes * passes / (bw * hw.attention_efficiency_at(Nl)),
+             L * hw.attention_call_at(Nl) + cache_bytes * passes / (bw * hw.attention_efficiency_at(Nl)),
              core_flops / fl)]
     if Ld:
         f = 2 * Bl * 3 * _cdiv(I, tp) * D * Ld
@@ -615,7 +615,7 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
 
     assumptions = {"hbm_bw": hw.hbm_bw, "bf16_flops": hw.bf16_flops, "gemv_efficiency": hw.gemv_efficiency,
                    "attention_efficiency": hw.attention_efficiency_at(Nl),
-                   "attention_call_us": 1e6 * hw.attention_call_s, "cache_passes": passes,
+                   "attention_call_us": 1e6 * hw.attention_call_at(Nl), "cache_passes": passes,
                    "impl": o.impl, "allreduce_us": o.allreduce_us}
     if Lm:
         assumptions["expert_efficiency"] = eff
