@@ -752,7 +752,7 @@ def _prefill_chunks():
         except Exception as e:  # noqa: BLE001
             split_ok = False
             log(f"prefill chunk cudnn_split: cuDNN entry point failed {type(e).__name__}: {str(e)[:200]}")
-    cases = [(1, 64, 16)] if FLAGS.dry else [tuple(int(x) for x in c.split(":")) for c in FLAGS.chunk_cases]
+    cases = [(3, 64, 16)] if FLAGS.dry else [tuple(int(x) for x in c.split(":")) for c in FLAGS.chunk_cases]
     for B, prefix, T in cases:
         S = prefix + T
         ks = jax.random.split(jax.random.PRNGKey(prefix + B), 5)
@@ -761,12 +761,16 @@ def _prefill_chunks():
                 jax.random.normal(ks[2], (B, S, N, H), bf), jax.random.normal(ks[3], (B, S, R), bf),
                 jax.random.normal(ks[4], (B, S, N, V), bf))
         cached = np.asarray([prefix - 7 * b for b in range(B)])        # ragged prefixes
+        n_new = np.asarray([T - 5 * b for b in range(B)])               # ... and chunks: padding queries
         old = np.broadcast_to((np.arange(prefix)[None, :] < cached[:, None])[:, None, :], (B, T, prefix))
-        mask = jnp.asarray(np.concatenate([old, np.broadcast_to(np.tril(np.ones((T, T), bool)), (B, T, T))], -1))
+        real = np.arange(T)[None, :] < n_new[:, None]                   # [B, T]
+        new = np.tril(np.ones((T, T), bool))[None] & real[:, None, :]
+        mask = jnp.asarray(np.concatenate([old, new], -1))
+        valid = real[:, :, None, None]                                  # compare real queries only
         scale = (H + R) ** -0.5
         flops = 2 * B * N * T * S * (H + R + V)
         row = dict(section="prefill_chunk", B=B, prefix=prefix, T=T, N=N, flops=flops)
-        lens = (jnp.asarray(cached, jnp.int32), jnp.full((B,), T, jnp.int32))
+        lens = (jnp.asarray(cached, jnp.int32), jnp.asarray(n_new, jnp.int32))
         ref = None
         for name in ("einsum", "cudnn", "cudnn_split"):
             if name == "cudnn_split" and not split_ok:
@@ -776,7 +780,7 @@ def _prefill_chunks():
                     fn = jax.jit(lambda *a: ops.mla_prefill_attention(*a, mask, scale, impl="pallas",
                                                                       chunk_lens=lens))
                     t = time_fn(fn, *args)
-                    out = np.asarray(fn(*args))
+                    out = np.where(valid, np.asarray(fn(*args)), 0.0)
                 ref = out if ref is None else ref
                 err = float(np.max(np.abs(out - ref)))
                 row.update({f"t_{name}": t, f"err_{name}": err})
