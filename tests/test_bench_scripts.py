@@ -141,5 +141,5 @@ def test_bench_mla_prefill_only_times_chunks_after_cached_tokens(tmp_path):
     r = _run("launch.bench_mla", "--dry", "--prefill_only", "--reps=1", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout
-    assert "prefill chunk B=1 prefix=64 T=16 einsum" in out and "prefill chunk B=1 prefix=64 T=16 cudnn" in out
+    assert "prefill chunk B=3 prefix=64 T=16 einsum" in out and "prefill chunk B=3 prefix=64 T=16 cudnn" in out
     assert "decode page" not in out and "check N=" not in out
