@@ -92,6 +92,9 @@ class LLM:
             raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if prefill_chunk < 1 or max_prefill_tokens < 1:
+            raise ValueError(f"prefill_chunk and max_prefill_tokens must be >= 1, got {prefill_chunk} and "
+                             f"{max_prefill_tokens}")
         self.dtype = _DTYPES[dtype]
         model = model if model is not None else demo_model_path()
         self.model_path = None

@@ -38,7 +38,7 @@ def main(argv):
     writer = ResultWriter(FLAGS.output)
     try:
         llm = LLM(FLAGS.model, dtype=FLAGS.dtype, max_num_seqs=FLAGS.max_num_seqs,
-                  max_model_len=FLAGS.max_model_len, **common.layout_kwargs())
+                  max_model_len=FLAGS.max_model_len, **common.engine_kwargs())
     except (*common.user_errors(), ValueError) as e:
         common.fail("kimi-batch", e)
     model_name = FLAGS.model or "kimi-jax-demo"

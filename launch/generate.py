@@ -100,9 +100,7 @@ def _sampling_params():
 def _load(dtype: str):
     from kimi_jax.api import LLM
     try:
-        return LLM(FLAGS.model, tensor_parallel_size=FLAGS.tensor_parallel_size,
-                   data_parallel_size=FLAGS.data_parallel_size,
-                   enable_expert_parallel=FLAGS.enable_expert_parallel, dtype=dtype,
+        return LLM(FLAGS.model, **common.engine_kwargs(), dtype=dtype,
                    max_model_len=FLAGS.max_model_len, seed=FLAGS.seed,
                    # one request: on CPU this also sizes the page pool for one sequence (LLM's default
                    # of 256 sequences makes every decode step ~50x slower on the demo model)

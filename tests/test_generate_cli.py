@@ -24,6 +24,15 @@ def test_default_prints_a_continuation():
     assert len(r.stdout.strip()) > len(DEFAULT_PROMPT), r.stdout
 
 
+def test_prompt_prefilled_in_small_chunks_gives_the_same_text():
+    """--prefill_chunk 4: the default prompt (more than 4 tokens) is prefilled over several steps, each
+    chunk attending to the cached ones; greedy float32 text equals the one-step prefill's."""
+    base = _run("--max_tokens", "8", "--temperature", "0")
+    small = _run("--max_tokens", "8", "--temperature", "0", "--prefill_chunk", "4", "--max_prefill_tokens", "4")
+    assert base.returncode == 0 and small.returncode == 0, (base.stderr[-1000:], small.stderr[-1000:])
+    assert small.stdout == base.stdout and base.stdout.strip()
+
+
 def test_chat_messages_stream():
     msgs = json.dumps([{"role": "user", "content": "What does json.dumps do?"}])
     r = _run("--messages", msgs, "--max_tokens", "8", "--temperature", "0", "--stream")
@@ -40,6 +49,7 @@ def test_chat_messages_stream():
     ("--messages", "not json"),
     ("--prompt", "x", "--messages", "[]"),
     ("--tensor_parallel_size", "2"),          # one CPU device here
+    ("--prefill_chunk", "0"),
     ("positional",),
 ])
 def test_bad_flags_exit_2_with_one_line(args):
