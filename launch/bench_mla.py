@@ -503,7 +503,8 @@ def sweep_candidates(N):
                  ("t528s64", Cfg(target_programs=528, min_split_tokens=64)),
                  ("t264s256", Cfg(target_programs=264, min_split_tokens=256)),   # the few-rows rule
                  # the rounding before whole waves: batch 32 / 64 took ceil(528 / B) splits
-                 ("n17", Cfg(num_splits=17)), ("n9", Cfg(num_splits=9))]
+                 ("n17", Cfg(num_splits=17)), ("n9", Cfg(num_splits=9)),
+                 ("trim", Cfg(trim_splits=True))]     # no split left empty by the rounding to steps
     else:         # 64 heads: MMA work ~121 flops per cache byte
         extra = [("m64a256w8", Cfg(block_m=64, block_a=256, num_warps=8)),   # wgmma, 2 column halves
                  ("m32w8", Cfg(block_m=32, num_warps=8)),

@@ -79,6 +79,9 @@ class MlaDecodeConfig:
                                   # (in-kernel) instead of XLA einsums merged afterwards. Off: the H200
                                   # sweep of 2026-11-29 (BENCHMARKS.md) timed it 2-35% slower at 8 heads
     max_auto_block_m: int = 16    # auto block_m: pow2 >= rows, in [16, this]
+    trim_splits: bool = False     # auto splits: drop the splits a row of max_tokens leaves empty
+    #                               (a sweep candidate: batch 8 x 32K, 32 splits vs 33 with the last
+    #                               empty, timed 95.5 vs 101.9-114.7 us; pallas_kernels/NOTES.md)
     finish: str = "xla"           # new tokens + combine: 'xla' (einsums and merge) or 'kernel'
     #                               (mla_finish.finish_partials: one launch; timed no faster)
     schedule: str = "rows"        # who reads which tokens (SCHEDULES): 'rows' (each row split into
@@ -174,6 +177,12 @@ def resolve_config(cfg: Optional[MlaDecodeConfig], batch: int, rows: int, max_to
     # copy), 123 vs 126 us at 64 x 4K; at batch 8 the 32-token steps stay ahead (112 vs 121 us at 32K,
     # 318 vs 335 us at 128K). Batches 9-63 were not measured and keep 32.
     bk = cfg.block_k or (64 if rows <= 16 and batch >= 64 else 32)
+    if cfg.trim_splits and not cfg.num_splits:
+        # a row of max_tokens splits into chunks of cdiv(max_tokens, splits) rounded up to whole steps,
+        # so its last splits can be empty (batch 8 x 32K: 33 splits of 1,024 tokens, the 33rd empty):
+        # keep only the splits that the longest row fills
+        chunk = -(-(-(-max_tokens // splits)) // bk) * bk
+        splits = -(-max_tokens // chunk)
     return dataclasses.replace(cfg, block_m=bm, block_a=ba, block_k=bk, num_splits=splits, num_warps=warps,
                                num_stages=stages, target_programs=target, min_split_tokens=min_tok)
 
