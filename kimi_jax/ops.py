@@ -484,7 +484,8 @@ def cudnn_attention_fits(qk_dim: int, v_dim: int, dtype) -> bool:
 
 def prefill_attention_path(qk_dim: int, v_dim: int, dtype, *, causal: bool, impl: Optional[str] = None) -> str:
     """Which path mla_prefill_attention takes, decided at trace time: 'einsum' (XLA einsums and a masked
-    softmax), 'cudnn' or 'xla' (one jax.nn.dot_product_attention call with that implementation).
+    softmax), 'cudnn' or 'xla' (one jax.nn.dot_product_attention call with that implementation), or for
+    a chunk after cached tokens 'cudnn_split' / 'xla_split' (two unmasked calls merged).
     Only a fresh causal prefill (`causal`: the keys are the query tokens themselves, row by row) can use
     dot_product_attention: cuDNN's causal mask is aligned top-left, and rows with cached tokens before
     their chunk need it aligned bottom-right, per row: they take `_CHUNK_ATTENTION` if forced, else

@@ -20,9 +20,9 @@
    vocab cut to 4096), the engine's jitted paged step (prefill of --model_tokens tokens, one row,
    sampling included) three ways: 'paged' (fresh=False: keys gathered from the page table, as before
    the fresh path existed), 'fresh einsum' and 'fresh cudnn' (the automatic choice on a GPU).
-   Then a later prompt chunk (256 tokens after --chunk_prefix cached tokens, fresh=False) two ways:
-   'chunk einsum', 'chunk cudnn' (one masked dot_product_attention call; the automatic choice) and
-   'chunk cudnn_split' (two unmasked calls merged by log-sum-exp).
+   Then a later prompt chunk (256 tokens after --chunk_prefix cached tokens, fresh=False) three ways:
+   'chunk einsum', 'chunk cudnn' (one masked dot_product_attention call) and 'chunk cudnn_split' (two
+   unmasked calls merged by log-sum-exp; the automatic choice on a GPU).
 3. Time to first token (--ttft_tokens L): one prompt of L tokens through `LLM.generate` (max_tokens 1,
    greedy) on the same 2-layer slice, at each --ttft_chunks prefill_chunk (max_prefill_tokens the same):
    the prompt takes ceil(L / chunk) engine steps, each reading every weight once. A warm-up generate
