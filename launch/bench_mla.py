@@ -57,6 +57,8 @@ flags.DEFINE_list("profile", [], "instead of the sections: B:context:heads[:kern
                   "triton, mgpu, triton_fin, mgpu_fin); each op's device time per call from a profiler trace of "
                   "one executable of 20 calls, and the calls' device span vs their ops (what a fixed cost per "
                   "call is made of)")
+flags.DEFINE_bool("two_waves", False, "decode section: also time the Mosaic GPU serving config with CTAs for two "
+                  "rounds of one per SM ('mgpu_2w': batch 8 uses all 132 SMs instead of 128)")
 flags.DEFINE_bool("finish_variants", False, "decode section: also time the one-launch finish of the step "
                   "(mla_finish.py) after the Triton kernel ('fin') and the Mosaic GPU kernel ('mgpu_fin')")
 flags.DEFINE_enum("layer_loop", "unrolled", ["unrolled", "scan"], "decode timings: L layers per call as "
@@ -251,6 +253,8 @@ def section_check():
             variants.append("mgpu")
         if FLAGS.finish_variants:
             variants += ["fin"] + (["mgpu_fin"] if "mgpu" in variants else [])
+        if FLAGS.two_waves and "mgpu" in variants:
+            variants.append("mgpu_2w")
         for name in variants:
             with _forced(name):
                 got_v = _op(name, md.MlaDecodeConfig(finish="kernel") if name == "fin" else None, scale)(*args)
@@ -279,17 +283,17 @@ def _op(name, cfg, scale):
     """The op a named variant times, (q_lat, q_pe, new, pool, table, positions) -> o: 'auto' /
     'triton' / 'mgpu' = kimi_jax.ops as the engine calls it (auto: its own choice; call under
     `_forced(name)`); 'mgpu_fin' = the Mosaic GPU serving config with the one-launch finish
-    (mla_finish.py); 'mgpu_bal' = it on the balanced schedule; any other name = the Triton kernel
-    with `cfg` (None: its automatic config)."""
+    (mla_finish.py); 'mgpu_bal' = it on the balanced schedule; 'mgpu_2w' = it with CTAs for two rounds
+    of one per SM; any other name = the Triton kernel with `cfg` (None: its automatic config)."""
     from kimi_jax import ops
     from pallas_kernels import mla_decode as md
     if name in ("auto", "triton", "mgpu"):
         return lambda *a: ops.mla_paged_attention(*a, scale, impl="pallas")
-    if name in ("mgpu_fin", "mgpu_bal"):
+    if name in ("mgpu_fin", "mgpu_bal", "mgpu_2w"):
         import dataclasses
         from pallas_kernels import mla_decode_mgpu as mg
-        cfg = dataclasses.replace(mg.SERVING_CONFIG, **({"finish": "kernel"} if name == "mgpu_fin"
-                                                        else {"schedule": "balanced"}))
+        change = {"mgpu_fin": {"finish": "kernel"}, "mgpu_bal": {"schedule": "balanced"}, "mgpu_2w": {"waves": 2}}
+        cfg = dataclasses.replace(mg.SERVING_CONFIG, **change[name])
         return lambda *a: mg.mla_paged_attention_mgpu(*a, scale, config=cfg)
     return lambda *a: md.mla_paged_attention(*a, scale, config=cfg)
 
@@ -384,6 +388,8 @@ def _decode_grid(copy_bps, pool, page, heads, batches, ctxs, sweep):
                     configs.append(("mgpu", None))      # rows a multiple of 64: the Mosaic GPU kernel
                     if FLAGS.finish_variants:
                         configs.append(("mgpu_fin", None))
+                    if FLAGS.two_waves:
+                        configs.append(("mgpu_2w", None))
                 if FLAGS.finish_variants:
                     configs.append(("fin", Cfg(finish="kernel")))
                 configs += _balanced_configs(N) if FLAGS.balanced else []
@@ -841,7 +847,7 @@ def section_profile(copy_bps):
             raise SystemExit(f"--profile={spec}: want B:context:heads[:kernel]")
         B, ctx, N = (int(v) for v in parts[:3])
         kernel = parts[3] if len(parts) == 4 else "auto"
-        kernels = ("auto", "triton", "mgpu", "mgpu_fin", "triton_fin", "mgpu_bal", "triton_bal")
+        kernels = ("auto", "triton", "mgpu", "mgpu_fin", "triton_fin", "mgpu_bal", "triton_bal", "mgpu_2w")
         if kernel not in kernels:
             raise SystemExit(f"--profile={spec}: kernel one of {', '.join(kernels)}")
         P = -(-ctx // page)

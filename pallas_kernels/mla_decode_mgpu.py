@@ -337,7 +337,11 @@ class MgpuConfig:
     #                               P @ C overlaps warpgroup 1's softmax; no lockstep)
     o_bmsa: bool = False          # partials o as [B, M, splits, A] (the combine's order: no
     #                               transpose before it) instead of [B, splits, M, A]
-    num_splits: int = 0           # 0: auto (fill the SMs once)
+    num_splits: int = 0           # 0: auto (fill the SMs `waves` times)
+    waves: int = 1                # auto splits: CTAs for this many rounds of one CTA per SM. 2 at batch
+    #                               8: 33 splits = 264 CTAs on the 132 SMs instead of 16 = 128 (4 SMs
+    #                               idle), at the cost of a second prologue / epilogue per SM (a sweep
+    #                               candidate; see "Next steps" 5)
     min_split_tokens: int = 0     # auto splits: at least this many tokens per split (0: 512 for
     #                               split_s, where the partials cost matters most, else 256)
     semantics: str = "Lane"       # Mosaic GPU lowering semantics ("Lane" or "Warpgroup")
@@ -404,7 +408,8 @@ def resolve_config(cfg: Optional[MgpuConfig], batch: int, rows: int, max_tokens:
     splits = cfg.num_splits
     if not splits:
         ctas = batch * (-(-rows // _ROWS)) * (cfg.halves if cfg.warpgroups == 1 else 1)
-        splits = max(1, min(NUM_SMS // ctas if ctas < NUM_SMS else 1,
+        slots = NUM_SMS * max(1, cfg.waves)
+        splits = max(1, min(slots // ctas if ctas < slots else 1,
                             -(-max_tokens // _default_min_split_tokens(cfg))))
     return dataclasses.replace(cfg, stages=stages, num_splits=splits)
 

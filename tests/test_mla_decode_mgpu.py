@@ -249,6 +249,11 @@ def test_resolve_config_and_validation():
     assert mg.resolve_config(ss, batch=1, rows=64, max_tokens=131072).num_splits == 132
     assert mg.resolve_config(ss, batch=8, rows=64, max_tokens=32768).num_splits == 16
     assert mg.resolve_config(ss, batch=64, rows=64, max_tokens=4096).num_splits == 2
+    # waves=2: CTAs for two rounds of one per SM (batch 8: 33 x 8 = 264 = 2 x 132, no SM idle)
+    two = dataclasses.replace(ss, waves=2)
+    assert mg.resolve_config(two, batch=8, rows=64, max_tokens=131072).num_splits == 33
+    assert mg.resolve_config(two, batch=1, rows=64, max_tokens=131072).num_splits == 256   # >= 512 tokens
+    assert mg.resolve_config(two, batch=64, rows=64, max_tokens=131072).num_splits == 4
     assert mg.resolve_config(dataclasses.replace(ss, min_split_tokens=1024), batch=1, rows=64,
                              max_tokens=32768).num_splits == 32
     q_lat, q_pe, _, pool, bt, _ = mg.make_case(jax.random.key(0), [5], heads=64, page=16)
