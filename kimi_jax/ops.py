@@ -644,8 +644,8 @@ def _attention_lse_cudnn(q_BTNK, k_BSNK, v_BSNK, q_len_B, kv_len_B, scale, *, ca
     try:
         o, lse_BNT = fa.dot_product_attention(q_BTNK, k_BSNK, v_BSNK, q_seqlen=q_len_B, kv_seqlen=kv_len_B,
                                               scale=scale, mask_type=mask_type, return_residual=True)
-    except TypeError as e:            # a JAX whose private signature differs: the caller falls back
-        raise NotImplementedError(f"jax's cuDNN entry point: {e}") from e
+    except (TypeError, ValueError) as e:   # a JAX whose private signature differs, a shape this cuDNN
+        raise NotImplementedError(f"jax's cuDNN entry point: {e}") from e   # refuses: the caller falls back
     return o, jnp.transpose(lse_BNT, (0, 2, 1)).astype(jnp.float32)
 
 
