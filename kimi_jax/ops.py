@@ -468,9 +468,10 @@ CHUNK_ATTENTION_CHOICES = PREFILL_ATTENTION_CHOICES + ("cudnn_split", "xla_split
 
 
 def use_chunk_attention(choice: Optional[str]):
-    """Force how prefill chunks after cached tokens attend inside the block: None (automatic, as fresh
-    prefills), 'einsum', 'cudnn' or 'xla' (one masked jax.nn.dot_product_attention call), 'cudnn_split'
-    or 'xla_split' (two unmasked calls merged; see _CHUNK_ATTENTION)."""
+    """Force how prefill chunks after cached tokens attend inside the block: None (automatic:
+    'cudnn_split' on a GPU where cuDNN fits, else 'einsum'), 'einsum', 'cudnn' or 'xla' (one masked
+    jax.nn.dot_product_attention call), 'cudnn_split' or 'xla_split' (two unmasked calls merged; see
+    _CHUNK_ATTENTION)."""
     return _forced("_CHUNK_ATTENTION", choice, CHUNK_ATTENTION_CHOICES, "chunk attention")
 
 
@@ -543,10 +544,8 @@ def mla_prefill_attention(q_nope_BTNH: jax.Array, q_pe_BTNR: jax.Array, k_BSNH: 
     dtype = q_nope_BTNH.dtype
     fresh = causal and k_BSNH.shape[1] == q_nope_BTNH.shape[1]
     path = prefill_attention_path(H + R, V, dtype, causal=fresh, impl=impl)
-    split = path.endswith("_split")
-    paths = [path, path[:-len("_split")]] if split and not fresh and chunk_lens is not None else \
-        [path[:-len("_split")] if split else path]
-    for p in paths:
+    masked = path.removesuffix("_split")      # a split path falls back to the masked call (chunks only)
+    for p in ([path, masked] if path != masked and chunk_lens is not None else [masked]):
         if p == "einsum":
             break
         try:
@@ -584,7 +583,7 @@ def _mla_prefill_attention_dpa(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, 
         k_BSNK = jnp.concatenate([k, kpe_BSNR], axis=-1)
         v_BSNK = jnp.pad(v.astype(k.dtype), ((0, 0), (0, 0), (0, 0), (0, K - V)))
         if chunk_lens is not None:
-            o_BTNK = _split_attention(q_BTNK, k_BSNK, v_BSNK, *extra, scale, implementation[:-len("_split")])
+            o_BTNK = _split_attention(q_BTNK, k_BSNK, v_BSNK, *extra, scale, implementation.removesuffix("_split"))
         elif extra:
             m_BTS = extra[0]
             m_BTS = m_BTS.at[:, :, 0].set(m_BTS[:, :, 0] | ~m_BTS.any(axis=-1))   # padding queries

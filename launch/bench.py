@@ -295,9 +295,9 @@ def moe_sweep(name):
                                              split_k_down=4)),
             ("fused_perm_d64w4_sk2_again", C(decode="fused", split_k_down=2)),
         ],
-        # ninth session, prepared (not yet timed): the two-launch path's down kernel as stream-K (the
-        # T x 112 blocks' K loops cut into P equal shares; at T = 1 the 112 one-per-block programs leave
-        # 20 of the 132 SMs idle), against the default and the best split-K config
+        # ninth session (timed in the tenth: not adopted, BENCHMARKS.md): the two-launch path's down
+        # kernel as stream-K (the T x 112 blocks' K loops cut into P equal shares; at T = 1 the 112
+        # one-per-block programs leave 20 of the 132 SMs idle), against the default and the best split-K config
         "fused_stream": [
             ("default", None),
             ("fused_perm_d64w4_sk2", C(decode="fused", split_k_down=2)),
@@ -309,7 +309,7 @@ def moe_sweep(name):
             ("default_again", C()),
             ("fused_perm_d64w4_st264_again", C(decode="fused", stream_k_down=264)),
         ],
-        # ninth session, prepared (not yet timed; its own list because a kernel that waited forever would
+        # ninth session (timed in the tenth: slower; its own list because a kernel that waited forever would
         # stall the whole run): both phases in one launch, down programs waiting in-kernel for their h
         "chained": [
             ("default", None),

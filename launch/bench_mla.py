@@ -279,6 +279,10 @@ def _forced(name):
     return ops.use_mla_decode_kernel(name) if name in ("triton", "mgpu") else contextlib.nullcontext()
 
 
+# Named variants of the Mosaic GPU serving config: the fields they change.
+MGPU_VARIANTS = {"mgpu_fin": {"finish": "kernel"}, "mgpu_bal": {"schedule": "balanced"}, "mgpu_2w": {"waves": 2}}
+
+
 def _op(name, cfg, scale):
     """The op a named variant times, (q_lat, q_pe, new, pool, table, positions) -> o: 'auto' /
     'triton' / 'mgpu' = kimi_jax.ops as the engine calls it (auto: its own choice; call under
@@ -289,11 +293,10 @@ def _op(name, cfg, scale):
     from pallas_kernels import mla_decode as md
     if name in ("auto", "triton", "mgpu"):
         return lambda *a: ops.mla_paged_attention(*a, scale, impl="pallas")
-    if name in ("mgpu_fin", "mgpu_bal", "mgpu_2w"):
+    if name in MGPU_VARIANTS:
         import dataclasses
         from pallas_kernels import mla_decode_mgpu as mg
-        change = {"mgpu_fin": {"finish": "kernel"}, "mgpu_bal": {"schedule": "balanced"}, "mgpu_2w": {"waves": 2}}
-        cfg = dataclasses.replace(mg.SERVING_CONFIG, **change[name])
+        cfg = dataclasses.replace(mg.SERVING_CONFIG, **MGPU_VARIANTS[name])
         return lambda *a: mg.mla_paged_attention_mgpu(*a, scale, config=cfg)
     return lambda *a: md.mla_paged_attention(*a, scale, config=cfg)
 
@@ -847,7 +850,7 @@ def section_profile(copy_bps):
             raise SystemExit(f"--profile={spec}: want B:context:heads[:kernel]")
         B, ctx, N = (int(v) for v in parts[:3])
         kernel = parts[3] if len(parts) == 4 else "auto"
-        kernels = ("auto", "triton", "mgpu", "mgpu_fin", "triton_fin", "mgpu_bal", "triton_bal", "mgpu_2w")
+        kernels = ("auto", "triton", "mgpu", "triton_fin", "triton_bal", *MGPU_VARIANTS)
         if kernel not in kernels:
             raise SystemExit(f"--profile={spec}: kernel one of {', '.join(kernels)}")
         P = -(-ctx // page)

@@ -159,19 +159,23 @@ def op_case(B, T, dims, impl, reps):
     return row
 
 
+def _slice_config(tiny):
+    """The model of sections 2 and 3: Kimi-K2.5's first two layers (1 dense + 1 MoE), vocab cut to 4096."""
+    from kimi_jax.config import preset
+    if tiny:
+        return preset("tiny")
+    return preset("kimi-k2.5").replace(num_hidden_layers=2, first_k_dense_replace=1, vocab_size=4096)
+
+
 def model_case(T, tiny, reps):
     import jax.numpy as jnp
     import numpy as np
     from kimi_jax import ops
-    from kimi_jax.config import preset
     from kimi_jax.model.transformer import init_pages
     from kimi_jax.profiling import random_engine
     from kimi_jax.sampling import SamplingArrays, SamplingParams
     from kimi_jax.sharding import Layout
-    if tiny:
-        cfg = preset("tiny")
-    else:
-        cfg = preset("kimi-k2.5").replace(num_hidden_layers=2, first_k_dense_replace=1, vocab_size=4096)
+    cfg = _slice_config(tiny)
     layout = Layout()
     base = random_engine(cfg, layout, jnp.bfloat16)
     page = 16
@@ -214,7 +218,7 @@ def model_case(T, tiny, reps):
                                 ("fresh_" + fused_name, fused_name, True)):
         timed(name, ops.use_prefill_attention, choice, 0, T, fresh, seed=0)   # the same prompt each time
     # a later prompt chunk (the scheduler's default 256 tokens) after --chunk_prefix cached tokens: the
-    # masked dot_product_attention call vs the einsum path (ops.use_chunk_attention)
+    # einsum path, the masked dot_product_attention call and the split one (ops.use_chunk_attention)
     C, prefix = (16, 48) if tiny else (256, FLAGS.chunk_prefix)
     row.update(chunk=C, chunk_prefix=prefix)
     for choice in ("einsum", fused_name, fused_name + "_split"):
@@ -227,9 +231,7 @@ def ttft_case(tiny):
     """Time to first token of one long prompt at each prefill_chunk (section 3 of the docstring)."""
     import numpy as np
     from kimi_jax import LLM, SamplingParams
-    from kimi_jax.config import preset
-    cfg = preset("tiny") if tiny else preset("kimi-k2.5").replace(num_hidden_layers=2, first_k_dense_replace=1,
-                                                                  vocab_size=4096)
+    cfg = _slice_config(tiny)
     L = 200 if tiny else FLAGS.ttft_tokens
     chunks = [16, 64] if tiny else [int(c) for c in FLAGS.ttft_chunks]
     llm = LLM(cfg, dtype="bfloat16", max_num_seqs=1, max_model_len=L + 16)

@@ -23,9 +23,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("tensor_parallel_size", 1, "devices that split heads / FFN width (TP)")
 flags.DEFINE_integer("data_parallel_size", 1, "devices that split the batch (DP attention)")
 flags.DEFINE_bool("enable_expert_parallel", False, "whole experts per device (EP) instead of TP slices")
-flags.DEFINE_integer("prefill_chunk", 256, "prompt tokens of one request per prefill step (a longer prompt "
-                     "takes several steps, interleaved with decode steps)")
-flags.DEFINE_integer("max_prefill_tokens", 2048, "prompt tokens of all requests per prefill step")
+flags.DEFINE_integer("prefill_chunk", None, "prompt tokens of one request per prefill step (a longer prompt "
+                     "takes several steps, interleaved with decode steps); default: LLM's")
+flags.DEFINE_integer("max_prefill_tokens", None, "prompt tokens of all requests per prefill step; default: LLM's")
 flags.DEFINE_bool("xla_perf", True, "set XLA options that overlap collectives with compute (see launch/common.py)")
 flags.DEFINE_string("coordinator_address", None, "multi-host: host:port of process 0")
 flags.DEFINE_integer("num_processes", None, "multi-host: number of processes")
@@ -52,8 +52,10 @@ def layout_kwargs() -> dict:
 
 
 def engine_kwargs() -> dict:
-    """The LLM(...) layout and scheduling arguments from the flags."""
-    return dict(layout_kwargs(), prefill_chunk=FLAGS.prefill_chunk, max_prefill_tokens=FLAGS.max_prefill_tokens)
+    """The LLM(...) layout arguments and the scheduling ones given on the command line (the others keep
+    LLM's defaults)."""
+    sched = {k: getattr(FLAGS, k) for k in ("prefill_chunk", "max_prefill_tokens") if getattr(FLAGS, k) is not None}
+    return dict(layout_kwargs(), **sched)
 
 
 def fail(prog: str, message) -> None:

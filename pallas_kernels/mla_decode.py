@@ -181,7 +181,8 @@ def resolve_config(cfg: Optional[MlaDecodeConfig], batch: int, rows: int, max_to
         # a row of max_tokens splits into chunks of cdiv(max_tokens, splits) rounded up to whole steps,
         # so its last splits can be empty (batch 8 x 32K: 33 splits of 1,024 tokens, the 33rd empty):
         # keep only the splits that the longest row fills
-        chunk = -(-(-(-max_tokens // splits)) // bk) * bk
+        per_split = -(-max_tokens // splits)
+        chunk = -(-per_split // bk) * bk
         splits = -(-max_tokens // chunk)
     return dataclasses.replace(cfg, block_m=bm, block_a=ba, block_k=bk, num_splits=splits, num_warps=warps,
                                num_stages=stages, target_programs=target, min_split_tokens=min_tok)

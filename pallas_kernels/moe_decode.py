@@ -27,21 +27,24 @@ in the repacked i16 layout only) 2 splits timed 71.1 us at T = 1 against the def
 inside the run-to-run spread; in i32 (seventh session, one run) the split configs took 70.5-72.5 us
 against the default's 76.7, while the default itself moved 72.8 -> 76.7 us between the runs: it stays
 an option until a repeat.
-`stream_k_down` (ninth session, prepared, not yet timed) lays the T x D/BN output blocks' K loops end
-to end and cuts them into P equal shares (stream-K; relaxed f32 atomics at each block a program
-leaves): at T = 1 the 112 one-per-block programs of the default leave 20 of the H200's 132 SMs idle
-and split-K 2-4 gives 224-448 programs, ~1.7-3.4 per SM, uneven; P = 132 or 264 is even. Checked in
-interpret mode and compiled for sm_90 off-GPU (128 registers, no spills, the same cp.async pipeline as
-the one-block kernel); `launch/bench.py --moe_configs=fused_stream` times it. Like split_k_down, its
-f32 atomics add a block's parts in whatever order the programs finish: y may differ in the last bits
-between runs (the default one-program-per-block kernel is deterministic).
-`chained=True` (decode='chained'; ninth session, prepared, not yet timed) is the fused path in ONE
-launch: tickets from an atomic counter make the first programs to start the gate/up work and the
-rest stream-K down shares, which wait (volatile loads, then an acquire) until their token's pairs
-have all their h blocks; no launch boundary between the phases (~3 us each on the H200), no
-assumption on the hardware's block order. Interpret-mode tests and sm_90 compile off-GPU (167
-registers, no spills; 90 KB shared memory: two programs per SM). `launch/bench.py
---moe_configs=chained` times it (run it on its own: a wait that never ends would stall the run).
+`stream_k_down` (ninth session; timed in the tenth, BENCHMARKS.md "Stream-K down and both phases in
+one launch": P = 264 ties the default at T = 1 inside the spread and is slower at T = 4) lays the T
+x D/BN output blocks' K loops end to end and cuts them into P equal shares (stream-K; relaxed f32
+atomics at each block a program leaves): at T = 1 the 112 one-per-block programs of the default
+leave 20 of the H200's 132 SMs idle and split-K 2-4 gives 224-448 programs, ~1.7-3.4 per SM, uneven;
+P = 132 or 264 is even. Checked in interpret mode and compiled for sm_90 off-GPU (128 registers, no
+spills, the same cp.async pipeline as the one-block kernel); `launch/bench.py
+--moe_configs=fused_stream` times it. Like split_k_down, its f32 atomics add a block's parts in
+whatever order the programs finish: y may differ in the last bits between runs (the default
+one-program-per-block kernel is deterministic).
+`chained=True` (decode='chained'; ninth session; timed in the tenth: 19-35% slower than the default
+at T = 1, 11-13% at T = 4, same BENCHMARKS.md section) is the fused path in ONE launch: tickets from
+an atomic counter make the first programs to start the gate/up work and the rest stream-K down
+shares, which wait (volatile loads, then an acquire) until their token's pairs have all their h
+blocks; no launch boundary between the phases (~3 us each on the H200), no assumption on the
+hardware's block order. Interpret-mode tests and sm_90 compile off-GPU (167 registers, no spills; 90
+KB shared memory: two programs per SM). `launch/bench.py --moe_configs=chained` times it (run it on
+its own: a wait that never ends would stall the run).
 `moe_decode_single` (decode='single') is the whole layer in ONE launch, the down projection split
 along F where gate/up produced h; on the H200 it was slower than the default (95-152 vs 77-80 us at
 T = 1, BENCHMARKS.md), so it stays a measured option.
