@@ -245,7 +245,7 @@ _H200_INT4_CURVE = ((1.0, 0.71), (16.0, 0.94), (64.0, 0.90), (256.0, 0.74))
 # context 32-128K, BENCHMARKS.md MLA round 9, runs C, F, G) within -7% / +11%; it over-predicts tiny
 # caches (batch 1 x 4K: 16-27 us measured, 39 predicted). 8 rows (Triton kernel, after its split rule
 # changed): 28 us, eff 0.97, a least-squares fit (relative error) of the 15 timings of round 13 run A
-# (batch 1-64 x 4K-128K) within -14% / +18% (38 us / 0.95 before: up to +48% on small caches).
+# (batch 1-64 x 4K-128K) within -14% / +18% (38 us / 0.95 before: up to +50% on small caches, batch 8 x 4K).
 _H200_ATTENTION_CURVE = ((8.0, 0.97), (64.0, 0.82))
 _H200_ATTENTION_CALL_S = 38e-6
 _H200_ATTENTION_CALL_CURVE = ((8.0, 28e-6), (64.0, 38e-6))
