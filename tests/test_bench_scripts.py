@@ -143,3 +143,23 @@ def test_bench_mla_prefill_only_times_chunks_after_cached_tokens(tmp_path):
     out = r.stdout
     assert "prefill chunk B=3 prefix=64 T=16 einsum" in out and "prefill chunk B=3 prefix=64 T=16 cudnn" in out
     assert "decode page" not in out and "check N=" not in out
+
+
+def test_check_prefill_tiny_runs_every_path_and_the_ttft_section(tmp_path):
+    """`check_prefill --tiny` (CPU: jax.nn.dot_product_attention's 'xla' stands in for cuDNN): the op
+    checks pass, the model step runs the fresh paths and the later chunk three ways (einsum, masked,
+    split) with one first token per prompt, and the time-to-first-token section prefills one prompt
+    at two chunk sizes with the same first token; the JSON records all of it."""
+    r = _run("launch.check_prefill", "--tiny", "--out", str(tmp_path), timeout=400)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.load(open(tmp_path / "check_prefill.json"))
+    assert res["ok"] and all(row["ok"] for row in res["ops"])
+    model = res["model"]
+    assert {"t_chunk_einsum", "t_chunk_xla", "t_chunk_xla_split"} <= set(model)
+    assert all(model[k] for k in ("t_chunk_einsum", "t_chunk_xla", "t_chunk_xla_split"))
+    toks = model["tokens"]
+    assert toks["chunk_einsum"] == toks["chunk_xla"] == toks["chunk_xla_split"]
+    assert toks["paged"] == toks["fresh_einsum"] == toks["fresh_xla"]
+    ttft = res["ttft"]
+    assert ttft["agree"] and len(ttft["chunks"]) == 2 and all(ttft["chunks"].values())
+    assert "first tokens agree: True" in r.stdout
