@@ -12,6 +12,7 @@ import numpy as np
 
 import jax
 
+from kimi_jax import ops
 from kimi_jax.config import PRESETS, ModelConfig, preset
 from kimi_jax.engine import Engine
 from kimi_jax.sampling import SamplingParams
@@ -75,6 +76,17 @@ def random_model(cfg: ModelConfig, layout: Layout, dtype, seed: int = 0):
     return nnx.merge(graphdef, state)
 
 
+def default_prefill_chunk(cfg: ModelConfig, dtype) -> int:
+    """prefill_chunk when the caller gives none: 2048 where a chunk after cached tokens attends by the
+    split path (ops.prefill_attention_path: two unmasked cuDNN calls, no [B, N, T, S] scores; on the
+    H200 the time to first token of a 16K prompt was 438 / 231 / 181 / 155 ms at chunks of 256 / 1024
+    / 2048 / 4096, BENCHMARKS.md "Prefill chunk size"; 2048 is also max_prefill_tokens' default, so a
+    step holds one such chunk), else 256: the einsum path holds the f32 scores, which for 2048 tokens
+    after 128K cached ones at 64 heads are 70 GB per layer."""
+    path = ops.prefill_attention_path(cfg.qk_head_dim, cfg.v_head_dim, dtype, causal=False)
+    return 2048 if path.endswith("_split") else 256
+
+
 class LLM:
     """An engine for one model. `model`: a checkpoint directory, a preset name or a ModelConfig
     (random weights), or None for the shipped demo model."""
@@ -84,7 +96,7 @@ class LLM:
                  dtype: str = "bfloat16", max_model_len: Optional[int] = None, max_num_seqs: int = 256,
                  seed: int = 0, tokenizer: Optional[str] = None, page_size: int = 16,
                  num_pages: Optional[int] = None, gpu_memory_utilization: float = 0.9,
-                 prefill_chunk: int = 256, max_prefill_tokens: int = 2048,
+                 prefill_chunk: Optional[int] = None, max_prefill_tokens: int = 2048,
                  speculative_config=None, overlap_scheduling: bool = True):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported (choose one of {sorted(_DTYPES)})")
@@ -92,7 +104,7 @@ class LLM:
             raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if prefill_chunk < 1 or max_prefill_tokens < 1:
+        if (prefill_chunk is not None and prefill_chunk < 1) or max_prefill_tokens < 1:
             raise ValueError(f"prefill_chunk and max_prefill_tokens must be >= 1, got {prefill_chunk} and "
                              f"{max_prefill_tokens}")
         self.dtype = _DTYPES[dtype]
@@ -122,7 +134,8 @@ class LLM:
             raise ValueError("page_size must be >= 1 and num_pages >= 2")
         self.page_size = page_size
         self.num_pages = num_pages or self._default_num_pages(gpu_memory_utilization)
-        self.prefill_chunk, self.max_prefill_tokens = prefill_chunk, max_prefill_tokens
+        self.prefill_chunk = prefill_chunk or default_prefill_chunk(self.config, self.dtype)
+        self.max_prefill_tokens = max_prefill_tokens
         self.speculative = SpeculativeConfig.from_any(speculative_config)
         # dispatch decode step N+1 before reading step N's tokens (kimi_jax.scheduler); off with speculation
         self.overlap_scheduling = overlap_scheduling

@@ -6,7 +6,7 @@
 
 1. Op check and timing, Kimi shapes (64 heads, qk 192 = 128 nope + 64 rope, v 128, bf16), causal
    fresh prefills B x T in --cases (default 1x4096, 4x2048 with ragged rows, 1x16384, and 8x256 with
-   ragged rows: the largest fresh step the engine takes with its default prefill_chunk=256):
+   ragged rows: the largest fresh step the engine took with its former default prefill_chunk=256):
    `ops.mla_prefill_attention`'s two paths, called directly: 'cudnn' (V zero-padded to 192, one
    jax.nn.dot_product_attention call) and 'einsum' (two einsums, masked float32 softmax, one einsum).
    Error: max |cudnn - reference| / max |reference| over the real tokens of two query slices (the

@@ -79,9 +79,10 @@ class MlaDecodeConfig:
                                   # (in-kernel) instead of XLA einsums merged afterwards. Off: the H200
                                   # sweep of 2026-11-29 (BENCHMARKS.md) timed it 2-35% slower at 8 heads
     max_auto_block_m: int = 16    # auto block_m: pow2 >= rows, in [16, this]
-    trim_splits: bool = False     # auto splits: drop the splits a row of max_tokens leaves empty
-    #                               (a sweep candidate: batch 8 x 32K, 32 splits vs 33 with the last
-    #                               empty, timed 95.5 vs 101.9-114.7 us; pallas_kernels/NOTES.md)
+    trim_splits: bool = True      # auto splits, <= 16 rows: drop the splits a row of max_tokens leaves empty.
+    #                               H200 (BENCHMARKS.md MLA round 14): batch 8 x 32K at 8 heads, 32
+    #                               splits 95.5 / 95.9 / 97.2 us in three runs vs 100.8-114.7 us in
+    #                               eight with 33 (the last empty); a tie at batch 1 / 2 / 8 x 128K
     finish: str = "xla"           # new tokens + combine: 'xla' (einsums and merge) or 'kernel'
     #                               (mla_finish.finish_partials: one launch; timed no faster)
     schedule: str = "rows"        # who reads which tokens (SCHEDULES): 'rows' (each row split into
@@ -118,7 +119,7 @@ def check_schedule(owner: str, schedule: str, finish: str, *, fuse_new: bool = F
 # The first version (2026-11 H200 run): 2 pipeline stages (one page buffer, nothing overlapped),
 # >= 512 tokens per split, ~2 programs per SM, new tokens in XLA. block_m auto: as now.
 LEGACY = MlaDecodeConfig(block_k=32, num_warps=4, num_stages=2, target_programs=264,
-                        min_split_tokens=512, fuse_new=False, max_auto_block_m=32)
+                        min_split_tokens=512, fuse_new=False, max_auto_block_m=32, trim_splits=False)
 
 NUM_SMS = 132                     # H200
 
@@ -177,7 +178,7 @@ def resolve_config(cfg: Optional[MlaDecodeConfig], batch: int, rows: int, max_to
     # copy), 123 vs 126 us at 64 x 4K; at batch 8 the 32-token steps stay ahead (112 vs 121 us at 32K,
     # 318 vs 335 us at 128K). Batches 9-63 were not measured and keep 32.
     bk = cfg.block_k or (64 if rows <= 16 and batch >= 64 else 32)
-    if cfg.trim_splits and not cfg.num_splits:
+    if cfg.trim_splits and not cfg.num_splits and rows <= 16:   # timed at 8 heads only
         # a row of max_tokens splits into chunks of cdiv(max_tokens, splits) rounded up to whole steps,
         # so its last splits can be empty (batch 8 x 32K: 33 splits of 1,024 tokens, the 33rd empty):
         # keep only the splits that the longest row fills

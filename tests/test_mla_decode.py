@@ -119,19 +119,21 @@ def test_auto_config():
     assert md.resolve_config(None, batch=16, rows=8, max_tokens=100).num_splits == 2
     # ... but a few rows (batch <= FEW_ROWS) at most ~2 programs per SM (264) of >= 256 tokens
     assert md.resolve_config(None, batch=1, rows=8, max_tokens=32768).num_splits == 32768 // 256
-    assert md.resolve_config(None, batch=1, rows=8, max_tokens=131072).num_splits == 264
+    assert md.resolve_config(None, batch=1, rows=8, max_tokens=131072).num_splits == 256      # 264, trimmed
     assert md.resolve_config(None, batch=8, rows=8, max_tokens=131072).num_splits == 33
     assert md.resolve_config(None, batch=5, rows=8, max_tokens=131072).num_splits == 52      # 260, not 265
     assert md.resolve_config(None, batch=1, rows=8, max_tokens=300).num_splits == 2
     assert md.resolve_config(None, batch=1, rows=8, max_tokens=40).num_splits == 1
     assert md.resolve_config(_C(target_programs=528, min_split_tokens=64), batch=1, rows=8,
                              max_tokens=32768).num_splits == 512                              # explicit wins
-    # trim_splits: the splits a row of max_tokens leaves empty after rounding chunks to whole steps go
-    trim = _C(trim_splits=True)
-    assert md.resolve_config(trim, batch=8, rows=8, max_tokens=32768).num_splits == 32        # 33 -> 32
-    assert md.resolve_config(trim, batch=1, rows=8, max_tokens=131072).num_splits == 256      # 264 -> 256
-    assert md.resolve_config(trim, batch=1, rows=8, max_tokens=32768).num_splits == 128       # exact: kept
-    assert md.resolve_config(trim, batch=4, rows=8, max_tokens=131072).num_splits == 66
+    # trim_splits (default): the splits a row of max_tokens leaves empty after rounding chunks to whole
+    # steps go
+    keep = _C(trim_splits=False)
+    assert md.resolve_config(None, batch=8, rows=8, max_tokens=32768).num_splits == 32        # 33 -> 32
+    assert md.resolve_config(keep, batch=8, rows=8, max_tokens=32768).num_splits == 33
+    assert md.resolve_config(keep, batch=1, rows=8, max_tokens=131072).num_splits == 264
+    assert md.resolve_config(None, batch=1, rows=8, max_tokens=32768).num_splits == 128       # exact: kept
+    assert md.resolve_config(None, batch=4, rows=8, max_tokens=131072).num_splits == 66
     # 64 heads: 4 row blocks of 16; splits fill ~4 programs per SM.
     cfg = md.resolve_config(None, batch=1, rows=64, max_tokens=131072)
     assert (cfg.block_m, cfg.num_warps) == (16, 4) and cfg.num_splits * 4 >= 4 * 132

@@ -54,6 +54,24 @@ def test_path_selection():
             pass
 
 
+def test_default_prefill_chunk():
+    """LLM's prefill_chunk default follows the chunk path: 2048 where chunks after cached tokens take
+    the split path (no [B, N, T, S] scores; a GPU with cuDNN), 256 where they take the einsum path."""
+    from kimi_jax.api import default_prefill_chunk
+    cfg = preset("tiny")
+    assert default_prefill_chunk(cfg, jnp.bfloat16) == 256                     # CPU: einsum
+    with ops.use_impl("pallas"):                                               # as on a GPU
+        assert default_prefill_chunk(cfg, jnp.bfloat16) == 2048                # cudnn_split
+        assert default_prefill_chunk(cfg, jnp.float32) == 256                  # cuDNN takes 16-bit only
+    with ops.use_chunk_attention("xla_split"):
+        assert default_prefill_chunk(cfg, jnp.float32) == 2048
+        assert LLM("tiny", dtype="float32", num_pages=8).prefill_chunk == 2048
+        assert LLM("tiny", dtype="float32", num_pages=8, prefill_chunk=64).prefill_chunk == 64
+    with ops.use_chunk_attention("cudnn"):                                     # one masked call
+        assert default_prefill_chunk(cfg, jnp.bfloat16) == 256
+    assert LLM("tiny", dtype="float32", num_pages=8).prefill_chunk == 256
+
+
 def test_is_fresh():
     P = -1
     assert engine_mod.is_fresh(np.array([[0, 1, 2, 3], [0, 1, P, P], [P, P, P, P]]))
