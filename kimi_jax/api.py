@@ -76,6 +76,19 @@ def random_model(cfg: ModelConfig, layout: Layout, dtype, seed: int = 0):
     return nnx.merge(graphdef, state)
 
 
+def latency_metrics(r: Request) -> dict:
+    """A finished request's timing as the host saw it: arrival_time, first_token_time and finished_time
+    (time.time()), time_to_first_token (seconds from arrival, queueing included) and
+    time_per_output_token (mean seconds between its later tokens; None with fewer than two)."""
+    n = len(r.output_ids)
+    ttft = (r.first_token_time - r.arrival_time
+            if r.first_token_time is not None and r.arrival_time is not None else None)
+    tpot = ((r.finished_time - r.first_token_time) / (n - 1)
+            if n > 1 and r.finished_time is not None and r.first_token_time is not None else None)
+    return {"arrival_time": r.arrival_time, "first_token_time": r.first_token_time,
+            "finished_time": r.finished_time, "time_to_first_token": ttft, "time_per_output_token": tpot}
+
+
 def default_prefill_chunk(cfg: ModelConfig, dtype) -> int:
     """prefill_chunk when the caller gives none: 2048 where a chunk after cached tokens attends by the
     split path (ops.prefill_attention_path: two unmasked cuDNN calls, no [B, N, T, S] scores; on the
@@ -263,7 +276,8 @@ class LLM:
                                       logprobs=r.logprobs if r.params.logprobs is not None else None,
                                       finish_reason=r.finish_reason, stop_reason=r.stop_reason)],
             metrics={"num_preemptions": r.num_preemptions, "spec_drafted": r.spec.drafted,
-                     "spec_accepted": r.spec.accepted, "spec_verify_steps": r.spec.verify_steps})
+                     "spec_accepted": r.spec.accepted, "spec_verify_steps": r.spec.verify_steps,
+                     **latency_metrics(r)})
 
     def render_chat(self, messages, *, add_generation_prompt: bool = True, tools=None,
                     chat_template: Optional[str] = None) -> str:

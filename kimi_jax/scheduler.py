@@ -74,6 +74,12 @@ class Request:
     num_preemptions: int = 0
     rank: int = 0                         # data-parallel rank whose rows and pages it uses while admitted
     spec: SpecState = dataclasses.field(default_factory=SpecState)
+    # wall-clock times (time.time()) the host saw: queued (`BatchEngine.add`), first output token and
+    # last one appended. With overlap scheduling a token is appended one step after it was sampled,
+    # which is when a caller could first have it.
+    arrival_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
 
     @property
     def tokens(self) -> list[int]:
@@ -189,6 +195,8 @@ class BatchEngine:
                        frozenset(stop), max_new)
 
     def add(self, req: Request) -> None:
+        if req.arrival_time is None:
+            req.arrival_time = time.time()
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
@@ -532,6 +540,9 @@ class BatchEngine:
 
     def _append(self, r: Request, t: int, out=None, b: int = 0) -> None:
         r.output_ids.append(t)
+        now = time.time()
+        if r.first_token_time is None:
+            r.first_token_time = now
         self.stats["generated_tokens"] += 1
         if out is not None and out.logprob is not None:
             r.cumulative_logprob += float(out.logprob[b])
@@ -546,6 +557,8 @@ class BatchEngine:
             r.finish_reason = "stop"
         elif len(r.output_ids) >= r.max_new:
             r.finish_reason = "length"
+        if r.finish_reason is not None:
+            r.finished_time = now
 
     def _hit_stop(self, r: Request) -> bool:
         text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)

@@ -62,6 +62,8 @@ flags.DEFINE_integer("min_prompt", 16, "throughput suite: shortest prompt (log-u
 flags.DEFINE_integer("max_prompt", 256, "throughput suite: longest prompt")
 flags.DEFINE_bool("overlap", True, "throughput suite: overlap scheduling (LLM overlap_scheduling: decode step "
                   "N+1 dispatched before step N's tokens are read); --nooverlap for the synchronous scheduler")
+flags.DEFINE_list("tp_prefill_chunks", [], "throughput suite: run the workload at each of these prefill_chunk "
+                  "values (default: LLM's)")
 flags.DEFINE_bool("overlap_compare", False, "throughput suite: run every batch size with overlap scheduling on and "
                   "off on one model (shared weights and compiled programs) and compare their greedy outputs")
 
@@ -903,10 +905,17 @@ def main(argv):
                                        dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len,
                                        num_pages=FLAGS.num_pages,
                                        overlaps=(True, False) if FLAGS.overlap_compare else (FLAGS.overlap,),
-                                       min_prompt=FLAGS.min_prompt, max_prompt=FLAGS.max_prompt)
+                                       min_prompt=FLAGS.min_prompt, max_prompt=FLAGS.max_prompt,
+                                       prefill_chunks=tuple(int(c) for c in FLAGS.tp_prefill_chunks) or (None,))
             # the scheduler must not change what is generated: overlap on vs off, row pairs of one batch size
             sched = [(on["batch"], agreement(on["outputs"], off["outputs"]))
                      for on, off in zip(rows[0::2], rows[1::2])] if FLAGS.overlap_compare else []
+            # ... nor the prefill chunk size: each row against the first chunk size's row of its batch / overlap
+            base = {}
+            for r in rows:
+                base.setdefault((r["batch"], r["overlap"]), r)
+            chunked = [(r, agreement(base[(r["batch"], r["overlap"])]["outputs"], r["outputs"])) for r in rows
+                       if base[(r["batch"], r["overlap"])] is not r]
             for i, r in enumerate(rows):
                 outputs = r.pop("outputs")
                 if first is None:
@@ -921,6 +930,9 @@ def main(argv):
                     print(f"  batch {r['batch']} overlap {r['overlap']} vs {FLAGS.mla_kernels[0]}: {r['agreement']}")
             for batch, a in sched:
                 print(f"  batch {batch} overlap on vs off: {a}")
+            for r, a in chunked:
+                print(f"  batch {r['batch']} overlap {r['overlap']} prefill_chunk {r['prefill_chunk']} vs "
+                      f"{base[(r['batch'], r['overlap'])]['prefill_chunk']}: {a}")
             first = first or rows
     elif FLAGS.suite == "spec":
         from launch.bench_spec import format_rows as spec_table, spec_rows

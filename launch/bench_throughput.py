@@ -6,7 +6,11 @@ distribution over [--min_prompt, --max_prompt] and --gen_tokens output tokens ea
 every request produces exactly that many), run after a warm-up pass that compiles every shape.
 Reports output tokens/s, the engine step count and the wall time per step (each running sequence
 gains one token per step, so this is the time between a user's tokens; up to the fifth session the
-column was wall / gen_tokens, which overstates it whenever the requests outnumber the batch).
+column was wall / gen_tokens, which overstates it whenever the requests outnumber the batch), and
+the requests' own latencies (`RequestOutput.metrics`, as the host saw them): time to first token
+(median and max; every request arrives at the start, so queueing behind the batch is included) and
+time per output token after the first (median and max over requests).
+`prefill_chunks` runs the workload at each prefill_chunk (None: LLM's default) on the one model.
 `overlaps` runs each batch size under each scheduler (overlap scheduling on / off) on the one model,
 so the comparison shares the weights and the compiled programs. Each row keeps the greedy outputs
 (`outputs`, token ids per request) so two runs of the same workload under different kernels or
@@ -21,14 +25,17 @@ import numpy as np
 
 def throughput_rows(model, batches, *, n_min: int = 8, min_prompt: int = 16, max_prompt: int = 256,
                     gen_tokens: int = 32, dtype: str = "bfloat16", seed: int = 0,
-                    overlaps: tuple[bool, ...] = (True,), **llm_kw) -> list[dict]:
+                    overlaps: tuple[bool, ...] = (True,), prefill_chunks: tuple = (None,),
+                    **llm_kw) -> list[dict]:
     from kimi_jax import LLM, SamplingParams
+    from kimi_jax.api import latency_metrics
     rows = []
     # one model for every batch size: the weights are made once and the compiled programs of the
     # smaller batches' buckets are shared
     t_start = time.perf_counter()
     progress = lambda *a: print(f"[throughput {time.perf_counter() - t_start:7.1f}s]", *a, flush=True)  # noqa: E731
     llm = LLM(model, dtype=dtype, max_num_seqs=max(batches), **llm_kw)
+    default_chunk = llm.prefill_chunk
     progress("model ready")
     V = llm.config.vocab_size
     for B in batches:
@@ -41,23 +48,33 @@ def throughput_rows(model, batches, *, n_min: int = 8, min_prompt: int = 16, max
 
         def once():
             be = llm.batch_engine()
-            for i, p in enumerate(prompts):
-                be.add(be.make_request(str(i), p, sp, seed=i))
-            done = {}
+            reqs = [be.make_request(str(i), p, sp, seed=i) for i, p in enumerate(prompts)]
             t0 = time.perf_counter()
-            be.run(on_finish=lambda r: done.__setitem__(r.request_id, list(r.output_ids)))
-            return time.perf_counter() - t0, be.stats, [done[str(i)] for i in range(n)]
+            for r in reqs:               # every request arrives at the start (queueing is in its TTFT)
+                be.add(r)
+            be.run()
+            return time.perf_counter() - t0, be.stats, reqs
 
-        for overlap in overlaps:
+        for chunk, overlap in [(c, o) for c in prefill_chunks for o in overlaps]:
             llm.overlap_scheduling = overlap
-            progress(f"batch {B}, overlap {overlap}: warm-up pass (compiles every bucket this workload hits)")
+            llm.prefill_chunk = chunk or default_chunk
+            what = f"batch {B}, overlap {overlap}, prefill_chunk {llm.prefill_chunk}"
+            progress(f"{what}: warm-up pass (compiles every bucket this workload hits)")
             once()
-            progress(f"batch {B}, overlap {overlap}: timed pass")
-            wall, stats, outputs = once()
+            progress(f"{what}: timed pass")
+            wall, stats, reqs = once()
             out_tok = stats["generated_tokens"]
-            rows.append(dict(batch=B, overlap=overlap, requests=n, prompt_tokens=int(lens.sum()),
-                             output_tokens=out_tok, wall_s=wall, tok_s=out_tok / wall, steps=stats["steps"],
-                             step_ms=1e3 * wall / max(1, stats["steps"]), outputs=outputs))
+            lat = [latency_metrics(r) for r in reqs]
+            ttft = np.asarray([m["time_to_first_token"] for m in lat], float)
+            tpot = np.asarray([m["time_per_output_token"] for m in lat if m["time_per_output_token"]], float)
+            rows.append(dict(batch=B, overlap=overlap, prefill_chunk=llm.prefill_chunk, requests=n,
+                             prompt_tokens=int(lens.sum()), output_tokens=out_tok, wall_s=wall,
+                             tok_s=out_tok / wall, steps=stats["steps"],
+                             step_ms=1e3 * wall / max(1, stats["steps"]),
+                             ttft_p50_ms=1e3 * float(np.median(ttft)), ttft_max_ms=1e3 * float(ttft.max()),
+                             tpot_p50_ms=1e3 * float(np.median(tpot)) if tpot.size else float("nan"),
+                             tpot_max_ms=1e3 * float(tpot.max()) if tpot.size else float("nan"),
+                             outputs=[list(r.output_ids) for r in reqs]))
     return rows
 
 
@@ -74,10 +91,12 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 def format_rows(rows) -> str:
-    out = [f"{'max batch':>9} {'overlap':>7} {'requests':>8} {'prompt tok':>10} {'out tok':>8} {'wall s':>7} "
-           f"{'out tok/s':>9} {'ms/step':>12} {'steps':>6}"]
+    out = [f"{'max batch':>9} {'overlap':>7} {'chunk':>5} {'requests':>8} {'prompt tok':>10} {'out tok':>8} "
+           f"{'wall s':>7} {'out tok/s':>9} {'ms/step':>8} {'steps':>6} {'TTFT p50/max ms':>17} "
+           f"{'TPOT p50/max ms':>17}"]
     for r in rows:
-        out.append(f"{r['batch']:9d} {str(r.get('overlap', '')):>7} {r['requests']:8d} "
+        out.append(f"{r['batch']:9d} {str(r.get('overlap', '')):>7} {r['prefill_chunk']:5d} {r['requests']:8d} "
                    f"{r['prompt_tokens']:10d} {r['output_tokens']:8d} "
-                   f"{r['wall_s']:7.2f} {r['tok_s']:9.1f} {r['step_ms']:12.2f} {r['steps']:6d}")
+                   f"{r['wall_s']:7.2f} {r['tok_s']:9.1f} {r['step_ms']:8.2f} {r['steps']:6d} "
+                   f"{r['ttft_p50_ms']:8.1f}/{r['ttft_max_ms']:8.1f} {r['tpot_p50_ms']:8.2f}/{r['tpot_max_ms']:8.2f}")
     return "\n".join(out)

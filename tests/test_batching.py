@@ -2,6 +2,8 @@
 others finish, and preemption under page pressure all give each request's solo tokens."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -41,6 +43,28 @@ def test_continuous_batching_equals_solo(ckpt):
     assert [r.output_ids for r in reqs] == solo
     assert be.stats["preemptions"] > 0          # the page pool really ran dry
     assert len(be.pool.free) == be.pool.num_pages  # every page came back
+
+
+def test_latency_metrics(ckpt):
+    """RequestOutput.metrics' times are ordered, inside the generate call, consistent with the derived
+    figures, and show queueing: with 2 slots the third request starts only after the first finished."""
+    ps = prompts(5, seed=3)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (1, 5, 9, 2, 7)]
+    llm = LLM(ckpt, dtype="float32", max_num_seqs=2, page_size=4, num_pages=24, prefill_chunk=16)
+    t0 = time.time()
+    outs = llm.generate(ps, params)
+    t1 = time.time()
+    for o in outs:
+        m, n = o.metrics, len(o.outputs[0].token_ids)
+        assert t0 <= m["arrival_time"] <= m["first_token_time"] <= m["finished_time"] <= t1
+        assert m["time_to_first_token"] == pytest.approx(m["first_token_time"] - m["arrival_time"])
+        if n == 1:
+            assert m["time_per_output_token"] is None and m["finished_time"] == m["first_token_time"]
+        else:
+            assert m["time_per_output_token"] == pytest.approx((m["finished_time"] - m["first_token_time"]) / (n - 1))
+            assert m["time_per_output_token"] > 0
+    assert outs[2].metrics["first_token_time"] >= outs[0].metrics["finished_time"]
+    assert outs[2].metrics["time_to_first_token"] > outs[0].metrics["time_to_first_token"]
 
 
 def test_seeded_sampling_does_not_depend_on_batch(ckpt):

@@ -63,6 +63,20 @@ def test_throughput_agreement():
                        mean_prefix=(1.0 + 0.5 + 0.0) / 3)
 
 
+def test_throughput_rows_per_prefill_chunk():
+    """bench_throughput at two prefill_chunk values on one model: the default resolves to LLM's (256
+    on CPU), both give the same greedy tokens, smaller chunks take more steps, and the latency columns
+    are filled (TTFT p50 <= max; every request has several tokens, so TPOT too)."""
+    from launch.bench_throughput import format_rows, throughput_rows
+    rows = throughput_rows("tiny", [2], gen_tokens=4, dtype="float32", min_prompt=20, max_prompt=60,
+                           prefill_chunks=(8, None), num_pages=64)
+    assert [r["prefill_chunk"] for r in rows] == [8, 256]
+    assert rows[0]["outputs"] == rows[1]["outputs"] and rows[0]["steps"] > rows[1]["steps"]
+    for r in rows:
+        assert 0 < r["ttft_p50_ms"] <= r["ttft_max_ms"] and 0 < r["tpot_p50_ms"] <= r["tpot_max_ms"]
+    assert "TTFT p50/max ms" in format_rows(rows)
+
+
 def test_bench_mla_profile_lists_each_cases_device_ops(tmp_path):
     """--profile traces a few calls of the engine's op per case and writes each op's device time per
     call with the call's span (the CPU run exercises the script: interpret-mode kernels); a malformed
