@@ -45,6 +45,8 @@ flags.DEFINE_list("sweep_layouts", ["i32"], "int4 suite: weight layouts every sw
                   "serves; i16 = repacked half-words (up to the sixth session the swept configs ran in i16 only)")
 flags.DEFINE_list("check_tokens", ["1", "3", "7", "33"], "check section: MoE token counts every swept config is "
                   "checked at (random and all-on-one-expert routing each); fewer makes a wide sweep's check cheaper")
+flags.DEFINE_bool("moe_profile", False, "int4 suite, moe section: also profile the default config (i32) at each "
+                  "T: device time per op and the gaps between them (kimi_jax.profiling.device_ops_per_call)")
 flags.DEFINE_bool("dry", False, "tiny shapes (CPU dry run of the script itself)")
 flags.DEFINE_float("budget_s", 420.0, "stop starting new sections after this many seconds")
 flags.DEFINE_string("model", None, "throughput suite: checkpoint dir or preset (default: the demo model)")
@@ -663,6 +665,20 @@ def _routing(key, t, e_, topk):
     return idx.astype(jnp.int32), w / w.sum(-1, keepdims=True)
 
 
+def _moe_profile(case, fn, args, calls, wall_t):
+    """Where a MoE call's time goes: device us per op (by kernel), their sum, the span from the first
+    op's start to the last op's end per call, and the gaps (span - ops: launch boundaries, ramps)."""
+    from kimi_jax import profiling
+    per_op, span, tdir = profiling.device_ops_per_call(fn.lower(*args).compile(), args, calls)
+    busy = sum(per_op.values())
+    record(section="moe_profile", case=case, ops_us=per_op, busy_us=busy, span_us=span,
+           wall_us=wall_t * 1e6, trace_dir=tdir)
+    log(case, f"profile: wall {wall_t * 1e6:.1f} us/call, device span {span:.1f}, ops {busy:.1f}, "
+              f"gaps {span - busy:.1f}")
+    for name, us in list(per_op.items())[:8]:
+        log(f"    {us:8.1f} us  {name[:110]}")
+
+
 def section_moe():
     import jax
     import jax.numpy as jnp
@@ -709,6 +725,8 @@ def section_moe():
                            pct_copy=(nbytes / tm / copy_bw * 100) if copy_bw else None)
                     log(case, cname, layout, f"{tm * 1e6:.1f}us", f"touched={touched:.1f}",
                         f"x{tm / roof:.2f} of roofline" if roof else "")
+                    if FLAGS.moe_profile and cname == "default" and layout == "i32":
+                        _moe_profile(case, fn, (x, routes, gg, uu, dd), R, tm)
                 except Exception as ex:  # noqa: BLE001
                     record_failure("moe", case, cname, layout, ex)
         if not FLAGS.baselines:
