@@ -45,7 +45,7 @@ flags.DEFINE_list("sweep_layouts", ["i32"], "int4 suite: weight layouts every sw
                   "serves; i16 = repacked half-words (up to the sixth session the swept configs ran in i16 only)")
 flags.DEFINE_list("check_tokens", ["1", "3", "7", "33"], "check section: MoE token counts every swept config is "
                   "checked at (random and all-on-one-expert routing each); fewer makes a wide sweep's check cheaper")
-flags.DEFINE_bool("moe_profile", False, "int4 suite, moe section: also profile the default config (i32) at each "
+flags.DEFINE_bool("moe_profile", False, "int4 suite, moe section: also profile every timed config (i32) at each "
                   "T: device time per op and the gaps between them (kimi_jax.profiling.device_ops_per_call)")
 flags.DEFINE_bool("dry", False, "tiny shapes (CPU dry run of the script itself)")
 flags.DEFINE_float("budget_s", 420.0, "stop starting new sections after this many seconds")
@@ -179,6 +179,18 @@ def dense_sweep(name, k=7168):
                                                split_reduce="atomic", x_layout="shuffle")),
         ],
         "small": [("default", None)],
+        # eleventh session: the T = 1 candidates again, read by device time per kernel (--moe_profile)
+        # instead of wall clock (T = 1 wall timings spread ~5%): which gate/up and which down kernel
+        "t1_device": [
+            ("default", None),
+            ("fused_perm_d64w4_sk2", C(decode="fused", split_k_down=2)),
+            ("fused_perm_d32w2_sk4", C(decode="fused", block_n_down=32, num_warps_down=2, split_k_down=4)),
+            ("fused_perm_d64w4_st264", C(decode="fused", stream_k_down=264)),
+            ("dk256", C(block_k_down=256)),
+            ("gu32_d32_w2", C(block_n_gate_up=32, block_n_down=32, num_warps=2)),
+            ("gu128_d128_w8", C(block_n_gate_up=128, block_n_down=128, num_warps=8)),
+            ("guk1024_s4", C(block_k_gate_up=1024, num_stages=4)),
+        ],
     }
     return sweeps[name]
 
@@ -325,6 +337,18 @@ def moe_sweep(name):
             ("chained_d64w4_again", C(decode="chained")),
         ],
         "small": [("default", None)],
+        # eleventh session: the T = 1 candidates again, read by device time per kernel (--moe_profile)
+        # instead of wall clock (T = 1 wall timings spread ~5%): which gate/up and which down kernel
+        "t1_device": [
+            ("default", None),
+            ("fused_perm_d64w4_sk2", C(decode="fused", split_k_down=2)),
+            ("fused_perm_d32w2_sk4", C(decode="fused", block_n_down=32, num_warps_down=2, split_k_down=4)),
+            ("fused_perm_d64w4_st264", C(decode="fused", stream_k_down=264)),
+            ("dk256", C(block_k_down=256)),
+            ("gu32_d32_w2", C(block_n_gate_up=32, block_n_down=32, num_warps=2)),
+            ("gu128_d128_w8", C(block_n_gate_up=128, block_n_down=128, num_warps=8)),
+            ("guk1024_s4", C(block_k_gate_up=1024, num_stages=4)),
+        ],
     }
     return sweeps[name]
 
@@ -725,7 +749,7 @@ def section_moe():
                            pct_copy=(nbytes / tm / copy_bw * 100) if copy_bw else None)
                     log(case, cname, layout, f"{tm * 1e6:.1f}us", f"touched={touched:.1f}",
                         f"x{tm / roof:.2f} of roofline" if roof else "")
-                    if FLAGS.moe_profile and cname == "default" and layout == "i32":
+                    if FLAGS.moe_profile and layout == "i32":
                         _moe_profile(case, fn, (x, routes, gg, uu, dd), R, tm)
                 except Exception as ex:  # noqa: BLE001
                     record_failure("moe", case, cname, layout, ex)
