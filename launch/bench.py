@@ -179,18 +179,6 @@ def dense_sweep(name, k=7168):
                                                split_reduce="atomic", x_layout="shuffle")),
         ],
         "small": [("default", None)],
-        # eleventh session: the T = 1 candidates again, read by device time per kernel (--moe_profile)
-        # instead of wall clock (T = 1 wall timings spread ~5%): which gate/up and which down kernel
-        "t1_device": [
-            ("default", None),
-            ("fused_perm_d64w4_sk2", C(decode="fused", split_k_down=2)),
-            ("fused_perm_d32w2_sk4", C(decode="fused", block_n_down=32, num_warps_down=2, split_k_down=4)),
-            ("fused_perm_d64w4_st264", C(decode="fused", stream_k_down=264)),
-            ("dk256", C(block_k_down=256)),
-            ("gu32_d32_w2", C(block_n_gate_up=32, block_n_down=32, num_warps=2)),
-            ("gu128_d128_w8", C(block_n_gate_up=128, block_n_down=128, num_warps=8)),
-            ("guk1024_s4", C(block_k_gate_up=1024, num_stages=4)),
-        ],
     }
     return sweeps[name]
 

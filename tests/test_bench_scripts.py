@@ -177,3 +177,14 @@ def test_check_prefill_tiny_runs_every_path_and_the_ttft_section(tmp_path):
     ttft = res["ttft"]
     assert ttft["agree"] and len(ttft["chunks"]) == 2 and all(ttft["chunks"].values())
     assert "first tokens agree: True" in r.stdout
+
+
+def test_bench_sweep_tables_build():
+    """Every config list of launch/bench.py's two sweep tables is built when any one is asked for, so one
+    entry with a field its config class lacks breaks the whole table (it once broke the dense and
+    check sections): both tables build and hold their config classes."""
+    from launch import bench
+    from pallas_kernels.int4_matmul import Int4MatmulConfig
+    from pallas_kernels.moe_gmm import MoeGmmConfig
+    assert all(c is None or isinstance(c, Int4MatmulConfig) for _, c in bench.dense_sweep("default"))
+    assert all(c is None or isinstance(c, MoeGmmConfig) for _, c in bench.moe_sweep("t1_device"))
