@@ -188,3 +188,38 @@ def test_bench_sweep_tables_build():
     from pallas_kernels.moe_gmm import MoeGmmConfig
     assert all(c is None or isinstance(c, Int4MatmulConfig) for _, c in bench.dense_sweep("default"))
     assert all(c is None or isinstance(c, MoeGmmConfig) for _, c in bench.moe_sweep("t1_device"))
+
+
+def test_check_chunking_float32_agrees_and_rejects_bad_settings(tmp_path):
+    """launch.check_chunking in float32 on the tiny preset: whole prompts, 16-token chunks through the
+    einsum and the split path, and 7-token chunks with 20-token steps (several rows per step) give the
+    same first-token log-probabilities (it exits 1 otherwise; a 1% error in the split path's merge made
+    it fail when tried); a malformed setting is a one-line usage error naming it."""
+    out = str(tmp_path / "cc")
+    r = _run("launch.check_chunking", "--model=tiny", "--num_layers=2", "--dtype=float32", "--requests=6",
+             "--min_prompt=20", "--max_prompt=90", "--max_num_seqs=3",
+             "--settings=256:1024:auto,16:64:einsum,16:64:xla_split,7:20:xla_split", f"--out={out}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.load(open(os.path.join(out, "check_chunking.json")))
+    assert got["ok"] and len(got["rows"]) == 4
+    assert all(row["flips"] == [] and row["max_diff"] <= 1e-4 for row in got["rows"][1:])
+    bad = _run("launch.check_chunking", "--model=tiny", "--settings=256:1024:auto,16:x:einsum", f"--out={out}")
+    assert bad.returncode != 0 and "16:x:einsum" in bad.stderr
+
+
+def test_check_chunking_fixed_routing_pins_the_experts():
+    """--fixed_routing's control: after fix_routing a router picks experts 0..K-1 for any input (before,
+    random inputs pick others; 384 experts as Kimi), while its weights still depend on the input."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from kimi_jax.model.moe import Router
+    from launch.check_chunking import fix_routing
+    cfg = preset("tiny").replace(n_routed_experts=384, num_experts_per_tok=8)
+    graphdef, state = nnx.split(Router(cfg, rngs=nnx.Rngs(0)))
+    x = jax.random.normal(jax.random.PRNGKey(0), (64, cfg.hidden_size))
+    idx0, _ = nnx.merge(graphdef, state)(x)
+    assert not (jnp.sort(idx0, -1) == jnp.arange(8)).all()
+    assert fix_routing(state, 8) == 1
+    idx, w = nnx.merge(graphdef, state)(x)
+    assert (jnp.sort(idx, -1) == jnp.arange(8)).all() and float(jnp.std(w[:, 0])) > 0
