@@ -66,25 +66,6 @@ def parse_setting(text: str) -> tuple[int, int, str]:
     return chunk, budget, path
 
 
-def fix_routing(state, k: int) -> int:
-    """Set every router's choice bias to 2 for experts 0..k-1 and 0 for the rest: the sigmoid scores
-    (0..1) cannot outweigh it, so the top-k experts are the first k for every token. Returns the
-    number of biases set."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    n = 0
-    for path, var in nnx.to_flat_state(state):
-        if str(path[-1]) == "e_score_correction_bias":
-            old = var.get_value()
-            first = jnp.where(jnp.arange(old.shape[-1]) < k, 2.0, 0.0).astype(old.dtype)
-            var.set_value(jax.device_put(jnp.broadcast_to(first, old.shape), old.sharding))
-            n += 1
-    if not n:
-        raise app.UsageError("--fixed_routing: the model has no router (e_score_correction_bias)")
-    return n
-
-
 def compare(ref: list, got: list) -> dict:
     """Top-1 flips and |difference| of the top log-probability, `got` against `ref` (per request:
     [(token, logprob), ...] best first)."""
@@ -123,7 +104,9 @@ def main(argv):
         f"tokens")
     base = llm.engine
     if FLAGS.fixed_routing:
-        fix_routing(base.state, llm.config.num_experts_per_tok)
+        from kimi_jax.model.moe import pin_routing
+        if not pin_routing(base.state, llm.config.num_experts_per_tok):
+            raise app.UsageError("--fixed_routing: the model has no router (e_score_correction_bias)")
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=2)
     rows, ref, ok = [], None, True
     for chunk, budget, path in settings:

@@ -146,3 +146,21 @@ def _logits_layer_by_layer(model, tokens, pos):
             layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
             x, _ = layer(x, pos, None, absorbed=False)
     return model.logits(model.norm(x))
+
+
+def test_pin_routing_pins_the_experts():
+    """check_chunking --fixed_routing's control (kimi_jax.model.moe.pin_routing): afterwards a router picks
+    experts 0..K-1 for any input (before, random inputs pick others; 384 experts as Kimi), while its
+    weights still depend on the input."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from kimi_jax.model.moe import Router, pin_routing
+    cfg = preset("tiny").replace(n_routed_experts=384, num_experts_per_tok=8)
+    graphdef, state = nnx.split(Router(cfg, rngs=nnx.Rngs(0)))
+    x = jax.random.normal(jax.random.PRNGKey(0), (64, cfg.hidden_size))
+    idx0, _ = nnx.merge(graphdef, state)(x)
+    assert not (jnp.sort(idx0, -1) == jnp.arange(8)).all()
+    assert pin_routing(state, 8) == 1
+    idx, w = nnx.merge(graphdef, state)(x)
+    assert (jnp.sort(idx, -1) == jnp.arange(8)).all() and float(jnp.std(w[:, 0])) > 0

@@ -47,6 +47,21 @@ class Router(nnx.Module):
         return idx_TK.astype(jnp.int32), w_TK * cfg.routed_scaling_factor
 
 
+def pin_routing(state, k: int) -> int:
+    """A diagnostic control (launch/check_chunking --fixed_routing): set every router's choice bias in
+    `state` (an nnx.State) to 2 for experts 0..k-1 and 0 for the rest. Sigmoid scores (0..1) cannot
+    outweigh it, so every token picks experts 0..k-1 while the routing weights still follow the scores.
+    Returns the number of biases set (0: no router)."""
+    n = 0
+    for path, var in nnx.to_flat_state(state):
+        if str(path[-1]) == "e_score_correction_bias":
+            old = var.get_value()
+            first = jnp.where(jnp.arange(old.shape[-1]) < k, 2.0, 0.0).astype(old.dtype)
+            var.set_value(jax.device_put(jnp.broadcast_to(first, old.shape), old.sharding))
+            n += 1
+    return n
+
+
 class RoutedExperts(nnx.Module):
     """E expert FFNs stacked: gate/up [E, F, D], down [E, D, F]; bf16, or INT4 packed + group scales."""
 
