@@ -337,6 +337,24 @@ def moe_sweep(name):
             ("gu128_d128_w8", C(block_n_gate_up=128, block_n_down=128, num_warps=8)),
             ("guk1024_s4", C(block_k_gate_up=1024, num_stages=4)),
         ],
+        # eleventh session, prepared (compiled for sm_90 off-GPU: no spills; smem in KB): the fused path's
+        # down kernel, whose programs at T = 1 are long (8 experts x 4 K steps, 112 programs, one per SM),
+        # with deeper pipelines. 3 stages keep at most 2 x 16 KB of weights in flight per SM, which by
+        # Little's law covers ~1 us of latency at an SM's ~38 GB/s share: one candidate for down's 67% of
+        # copy (gate/up keeps 2 x 32 KB in flight and reaches ~83%). Against it: the default tiles path's
+        # down (896 short programs, several resident per SM) is at the same 67%. Read by device time
+        # (--moe_profile).
+        "t1_down": [
+            ("default", None),
+            ("fused_perm_d64w4", C(decode="fused")),                                      # 53 KB
+            ("fused_perm_d64w4_ds5", C(decode="fused", num_stages_down=5)),               # 106 KB
+            ("fused_perm_d64w4_ds7", C(decode="fused", num_stages_down=7)),               # 160 KB
+            ("fused_perm_d64w4_dk1024", C(decode="fused", block_k_down=1024)),            # 106 KB
+            ("fused_perm_d128w8_ds4", C(decode="fused", block_n_down=128, num_warps_down=8,
+                                        num_stages_down=4)),                              # 135 KB
+            ("fused_perm_d64w4_ds5_st264", C(decode="fused", num_stages_down=5, stream_k_down=264)),
+            ("default_again", C()),
+        ],
     }
     return sweeps[name]
 

@@ -32,6 +32,8 @@ flags.DEFINE_integer("t", 16, "MoE tokens")
 flags.DEFINE_integer("m", 1, "dense rows")
 flags.DEFINE_integer("n", 4096, "dense N")
 flags.DEFINE_integer("k", 7168, "dense K")
+flags.DEFINE_string("moe_config", "", "moe: MoeGmmConfig fields as JSON (default: the automatic config), e.g. "
+                    "'{\"decode\": \"fused\", \"num_stages_down\": 5}'")
 flags.DEFINE_string("workdir", "", "where to keep .ttir/.ptx/.cubin/.sass (default: a temp dir)")
 
 _COMPILE = r'''
@@ -128,16 +130,24 @@ def main(argv):
         print("finish blocks (block_k, block_a):", mf._blocks(B * N, cfg.num_splits, 512))
     else:
         e_, d, f, t, kk = 384, 7168, 2048, FLAGS.t, 8
-        cfg = mg.default_config(t * kk, e_)
+        import json
+        explicit = mg.MoeGmmConfig(**json.loads(FLAGS.moe_config)) if FLAGS.moe_config else None
+        cfg = explicit or mg.default_config(t * kk, e_)
         args = ([S((t, d), jnp.bfloat16), S((t, kk), jnp.int32), S((t, kk), jnp.float32)]
                 + [S((e_, f, d // 8), jnp.int32), S((e_, f, d // 32), jnp.bfloat16)] * 2
                 + [S((e_, d, f // 8), jnp.int32), S((e_, d, f // 32), jnp.bfloat16)])
-        paths = lower_to_ttir(lambda *a: mg.moe_experts(*a, interpret=False), args, workdir, "moe")
+        paths = lower_to_ttir(lambda *a: mg.moe_experts(*a, config=explicit, interpret=False), args, workdir,
+                              "moe")
+        warps_down = cfg.num_warps_down or cfg.num_warps
         wpt = [2 * cfg.block_n_gate_up * cfg.block_k_gate_up / 8 / (32 * cfg.num_warps),
-               cfg.block_n_down * cfg.block_k_down / 8 / (32 * cfg.num_warps)]
+               cfg.block_n_down * cfg.block_k_down / 8 / (32 * warps_down)]
     print("config:", cfg)
-    for p, w in zip(paths, wpt):
-        print(os.path.basename(p), sass_stats(p, cfg.num_warps, cfg.num_stages, w, FLAGS.triton_path))
+    # (warps, stages) per kernel: the MoE down kernel may have its own (num_warps_down / num_stages_down)
+    launch = [(cfg.num_warps, cfg.num_stages)] * len(paths)
+    if FLAGS.op == "moe" and len(paths) > 1:
+        launch[1] = (cfg.num_warps_down or cfg.num_warps, cfg.num_stages_down or cfg.num_stages)
+    for p, w, (warps, stages) in zip(paths, wpt, launch):
+        print(os.path.basename(p), f"warps={warps} stages={stages}", sass_stats(p, warps, stages, w, FLAGS.triton_path))
     print("files in", workdir)
 
 
