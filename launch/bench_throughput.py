@@ -23,6 +23,14 @@ import time
 import numpy as np
 
 
+def random_prompts(seed: int, n: int, min_prompt: int, max_prompt: int, vocab: int):
+    """The workload's prompts: n lengths log-uniform in [min_prompt, max_prompt], then random token ids
+    in [2, vocab) (one generator, seeded). Returns (lengths [n] int array, prompts as id lists)."""
+    rng = np.random.default_rng(seed)
+    lens = np.exp(rng.uniform(np.log(min_prompt), np.log(max_prompt), n)).astype(int)
+    return lens, [rng.integers(2, vocab, int(L)).tolist() for L in lens]
+
+
 def throughput_rows(model, batches, *, n_min: int = 8, min_prompt: int = 16, max_prompt: int = 256,
                     gen_tokens: int = 32, dtype: str = "bfloat16", seed: int = 0,
                     overlaps: tuple[bool, ...] = (True,), prefill_chunks: tuple = (None,),
@@ -40,10 +48,8 @@ def throughput_rows(model, batches, *, n_min: int = 8, min_prompt: int = 16, max
     V = llm.config.vocab_size
     for B in batches:
         llm.max_num_seqs = B
-        rng = np.random.default_rng(seed)
         n = max(2 * B, n_min)
-        lens = np.exp(rng.uniform(np.log(min_prompt), np.log(max_prompt), n)).astype(int)
-        prompts = [rng.integers(2, V, int(L)).tolist() for L in lens]
+        lens, prompts = random_prompts(seed, n, min_prompt, max_prompt, V)
         sp = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
 
         def once():
@@ -66,7 +72,8 @@ def throughput_rows(model, batches, *, n_min: int = 8, min_prompt: int = 16, max
             out_tok = stats["generated_tokens"]
             lat = [latency_metrics(r) for r in reqs]
             ttft = np.asarray([m["time_to_first_token"] for m in lat], float)
-            tpot = np.asarray([m["time_per_output_token"] for m in lat if m["time_per_output_token"]], float)
+            tpot = np.asarray([m["time_per_output_token"] for m in lat if m["time_per_output_token"] is not None],
+                              float)
             rows.append(dict(batch=B, overlap=overlap, prefill_chunk=llm.prefill_chunk, requests=n,
                              prompt_tokens=int(lens.sum()), output_tokens=out_tok, wall_s=wall,
                              tok_s=out_tok / wall, steps=stats["steps"],

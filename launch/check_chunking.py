@@ -78,28 +78,28 @@ def compare(ref: list, got: list) -> dict:
 
 def main(argv):
     del argv
-    import numpy as np
     from flax import nnx
 
     from kimi_jax import LLM, SamplingParams, ops
-    from kimi_jax.config import preset
+    from kimi_jax.config import ModelConfig, preset
     from kimi_jax.engine import Engine
+    from launch.bench_throughput import random_prompts
 
     settings = [parse_setting(s) for s in FLAGS.settings]
     model = FLAGS.model
-    if not os.path.isdir(model):
+    if os.path.isdir(model):
+        cfg = ModelConfig.from_pretrained(model)
+    else:
         cfg = preset(model).replace(num_hidden_layers=FLAGS.num_layers)
         if FLAGS.small:
             cfg = cfg.replace(hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256,
                               n_routed_experts=64, num_attention_heads=8, vocab_size=8192, q_lora_rank=512)
         model = cfg
-    rng = np.random.default_rng(0)
     n = FLAGS.requests
-    lens = np.exp(rng.uniform(np.log(FLAGS.min_prompt), np.log(FLAGS.max_prompt), n)).astype(int)
+    lens, prompts = random_prompts(0, n, FLAGS.min_prompt, FLAGS.max_prompt, cfg.vocab_size)
     pages = int(FLAGS.max_num_seqs * -(-(int(lens.max()) + 2) // 16) + 16)
     llm = LLM(model, dtype=FLAGS.dtype, max_num_seqs=FLAGS.max_num_seqs, max_model_len=int(lens.max()) + 2,
               num_pages=pages)
-    prompts = [rng.integers(2, llm.config.vocab_size, int(L)).tolist() for L in lens]
     log(f"model: {llm.config.num_hidden_layers} layers, {FLAGS.dtype}; {n} prompts of {lens.min()}-{lens.max()} "
         f"tokens")
     base = llm.engine

@@ -170,7 +170,9 @@ def _slice_config(tiny):
 def model_case(T, tiny, reps):
     import jax.numpy as jnp
     import numpy as np
+    from flax import nnx
     from kimi_jax import ops
+    from kimi_jax.engine import Engine
     from kimi_jax.model.transformer import init_pages
     from kimi_jax.profiling import random_engine
     from kimi_jax.sampling import SamplingArrays, SamplingParams
@@ -212,8 +214,6 @@ def model_case(T, tiny, reps):
         t = row[f"t_{name}"]
         log(f"model {name} ({n} tokens after {start}): {t * 1e3 if t else float('nan'):.1f} ms")
 
-    from flax import nnx
-    from kimi_jax.engine import Engine
     for name, choice, fresh in (("paged", "einsum", False), ("fresh_einsum", "einsum", True),
                                 ("fresh_" + fused_name, fused_name, True)):
         timed(name, ops.use_prefill_attention, choice, 0, T, fresh, seed=0)   # the same prompt each time
