@@ -212,3 +212,30 @@ def test_check_chunking_float32_agrees_and_rejects_bad_settings(tmp_path):
     assert all(row["flips"] == [] and row["max_diff"] <= 1e-4 for row in got["rows"][1:])
     bad = _run("launch.check_chunking", "--model=tiny", "--settings=256:1024:auto,16:x:einsum", f"--out={out}")
     assert bad.returncode != 0 and "16:x:einsum" in bad.stderr
+
+
+def test_bench_moe_profile_records_device_time_per_kernel(tmp_path):
+    """bench --moe_profile (dry shapes, CPU): each timed i32 config gets a moe_profile record with its
+    ops' device time per call (positive), their sum and the span; i16 timings are not profiled."""
+    out = str(tmp_path / "mp")
+    r = _run("launch.bench", "--suite=int4", "--dry", "--sections=moe", "--batches=1", "--moe_configs=small",
+             "--rotations=2", "--reps=1", "--nobaselines", "--moe_profile", "--out", out, timeout=400)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in open(os.path.join(out, "results.jsonl"))]
+    prof = [x for x in rows if x.get("section") == "moe_profile"]
+    timed = [x for x in rows if x.get("section") == "moe" and "t" in x]
+    assert [x["layout"] for x in timed] == ["i16", "i32"] and len(prof) == 1
+    p = prof[0]
+    assert p["case"] == "moe T=1" and p["ops_us"] and all(v > 0 for v in p["ops_us"].values())
+    assert p["busy_us"] == pytest.approx(sum(p["ops_us"].values())) and p["span_us"] > 0
+
+
+def test_bench_throughput_cli_compares_prefill_chunks(tmp_path):
+    """bench --suite=throughput --tp_prefill_chunks: one table row per chunk size with the latency columns,
+    and each later size's greedy tokens compared with the first's (identical on CPU in float32)."""
+    r = _run("launch.bench", "--suite=throughput", "--model=tiny", "--num_layers=2", "--dtype=float32",
+             "--tp_batches=2", "--gen_tokens=3", "--min_prompt=20", "--max_prompt=60", "--max_model_len=80",
+             "--num_pages=64", "--tp_prefill_chunks=8,32", "--out", str(tmp_path), timeout=400)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "TTFT p50/max ms" in r.stdout
+    assert "batch 2 overlap True prefill_chunk 32 vs 8: {'identical': 8, 'requests': 8" in r.stdout
