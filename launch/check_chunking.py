@@ -19,7 +19,10 @@ In float32 chunking must not change the result: the run fails (exit status 1) if
 from the first by more than --tol or flips a token. In bf16 it reports: the rounding of a step's
 values depends on the step's shapes, and a random-weight router's near-tied top-k choices can turn
 that into visible differences (BENCHMARKS.md). --fixed_routing is the control for the latter: every
-token then picks the same experts, so what differences remain come from elsewhere.
+token then picks the same experts, so what differences remain come from elsewhere. --reference is the
+control for rounding: one setting run again in float32 over the same (upcast) weights, and every setting's
+distance to it; if the chunked settings are no further from it than the whole-prompt one, chunking
+changes the result only as much as bf16 rounding does.
 """
 from __future__ import annotations
 
@@ -40,10 +43,13 @@ flags.DEFINE_integer("min_prompt", 100, "shortest prompt (log-uniform lengths)")
 flags.DEFINE_integer("max_prompt", 400, "longest prompt")
 flags.DEFINE_integer("max_num_seqs", 8, "requests running at once")
 flags.DEFINE_list("settings", ["512:512:auto", "32:256:einsum", "32:256:xla_split"],
-                  "prefill_chunk:max_prefill_tokens:path; the first is the reference")
+                  "prefill_chunk:max_prefill_tokens:path; the others are compared to the first")
 flags.DEFINE_bool("fixed_routing", False, "control: every MoE layer's e_score_correction_bias set so that "
                   "every token picks experts 0..k-1 (no near-tied top-k choice can flip); the routing weights "
                   "still follow the scores")
+flags.DEFINE_string("reference", "", "a setting (prefill_chunk:max_prefill_tokens:path) run once more in float32 over the "
+                    "same weights (the --dtype ones, upcast): each setting's distance to it is reported, so a chunked "
+                    "result can be told apart from rounding (is it further from float32 than the first setting?)")
 flags.DEFINE_float("tol", 1e-4, "float32: largest allowed |difference| of the top log-probability")
 flags.DEFINE_string("out", os.environ.get("OUT", "/tmp/check_chunking"), "output directory")
 
@@ -78,6 +84,7 @@ def compare(ref: list, got: list) -> dict:
 
 def main(argv):
     del argv
+    import jax
     from flax import nnx
 
     from kimi_jax import LLM, SamplingParams, ops
@@ -86,6 +93,8 @@ def main(argv):
     from launch.bench_throughput import random_prompts
 
     settings = [parse_setting(s) for s in FLAGS.settings]
+    if FLAGS.reference:
+        parse_setting(FLAGS.reference)           # a bad --reference fails before any model is built
     model = FLAGS.model
     if os.path.isdir(model):
         cfg = ModelConfig.from_pretrained(model)
@@ -127,12 +136,38 @@ def main(argv):
             log(f"{row['setting']}: flips {row['flips']}, |d top logprob| max {row['max_diff']:.4f} "
                 f"median {row['median_diff']:.4f}, largest at requests {row['largest']}" + ("  FAIL" if bad else ""))
         rows.append(row)
-    log("per request (prompt tokens): top token and log-probability per setting")
+    shown = list(rows)
+    if FLAGS.reference:
+        chunk, budget, path = parse_setting(FLAGS.reference)
+        # the same weights in float32: a float32 engine's own (random) state replaced by the upcast one
+        ref_llm = LLM(model, dtype="float32", max_num_seqs=FLAGS.max_num_seqs, max_model_len=int(lens.max()) + 2,
+                      num_pages=pages)
+        e32 = ref_llm.engine
+        state = jax.tree.map(lambda a32, a: a.astype(a32.dtype), e32.state, base.state)
+        ref_llm.engine = e32 = Engine(nnx.merge(e32.graphdef, state), e32.cfg, ref_llm.layout)
+        del state
+        ref_llm.prefill_chunk, ref_llm.max_prefill_tokens = chunk, budget
+        # full float32 dots: on GPUs XLA's default precision may run float32 dots as TF32
+        with ops.use_chunk_attention(None if path == "auto" else path), jax.default_matmul_precision("highest"):
+            outs = ref_llm.generate(prompts, sp)
+        del ref_llm, e32
+        top32 = [sorted(((int(t), float(v)) for t, v in o.outputs[0].logprobs[0].items()), key=lambda kv: -kv[1])
+                 for o in outs]
+        reference = dict(setting=f"float32 {chunk}:{budget}:{path}", top=top32)
+        log(f"against the reference ({reference['setting']}, same weights):")
+        for row in rows:
+            row["vs_reference"] = d = compare(top32, row["top"])
+            log(f"  {row['setting']}: flips {d['flips']}, |d top logprob| max {d['max_diff']:.4f} "
+                f"median {d['median_diff']:.4f}, largest at requests {d['largest']}")
+        shown.append(reference)
+    log("per request (prompt tokens): top token and log-probability per setting"
+        + (" (last: the float32 reference)" if FLAGS.reference else ""))
     for i in range(n):
-        log(f"  {i:2d} ({lens[i]:5d}): " + " | ".join(f"{r['top'][i][0][0]} {r['top'][i][0][1]:.3f}" for r in rows))
+        log(f"  {i:2d} ({lens[i]:5d}): " + " | ".join(f"{r['top'][i][0][0]} {r['top'][i][0][1]:.3f}" for r in shown))
     os.makedirs(FLAGS.out, exist_ok=True)
     with open(os.path.join(FLAGS.out, "check_chunking.json"), "w") as f:
-        json.dump(dict(dtype=FLAGS.dtype, lens=[int(x) for x in lens], rows=rows, ok=ok), f, indent=1)
+        json.dump(dict(dtype=FLAGS.dtype, lens=[int(x) for x in lens], rows=rows, ok=ok,
+                       reference=shown[-1] if FLAGS.reference else None), f, indent=1)
     log("OK" if ok else "FAILED: chunking changed a float32 result")
     if not ok:
         raise SystemExit(1)

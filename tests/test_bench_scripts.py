@@ -214,6 +214,22 @@ def test_check_chunking_float32_agrees_and_rejects_bad_settings(tmp_path):
     assert bad.returncode != 0 and "16:x:einsum" in bad.stderr
 
 
+def test_check_chunking_reference_runs_the_same_weights_in_float32(tmp_path):
+    """--reference: one setting again in a float32 engine over the first engine's weights. With routing
+    pinned (pin_routing edits the weights after they are made) the float32 reference must give every
+    setting's numbers (<= 1e-4, the float32 tolerance above); a reference built from its own freshly
+    made weights would route differently and fail."""
+    out = str(tmp_path / "ref")
+    r = _run("launch.check_chunking", "--model=tiny", "--num_layers=2", "--dtype=float32", "--requests=4",
+             "--min_prompt=20", "--max_prompt=60", "--max_num_seqs=2", "--settings=256:1024:auto,7:20:xla_split",
+             "--fixed_routing", "--reference=16:64:einsum", f"--out={out}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.load(open(os.path.join(out, "check_chunking.json")))
+    assert got["reference"]["setting"] == "float32 16:64:einsum" and len(got["reference"]["top"]) == 4
+    for row in got["rows"]:
+        assert row["vs_reference"]["flips"] == [] and row["vs_reference"]["max_diff"] <= 1e-4, row
+
+
 def test_bench_moe_profile_records_device_time_per_kernel(tmp_path):
     """bench --moe_profile (dry shapes, CPU): each timed i32 config gets a moe_profile record with its
     ops' device time per call (positive), their sum and the span; i16 timings are not profiled."""
