@@ -200,9 +200,12 @@ def _routed_experts_local(x_TD, idx_TK, weight_TK, experts: ExpertWeights, impl,
     if pallas:
         from pallas_kernels import moe_gmm
         g, u, d = experts.gate, experts.up, experts.down
-        # pairs whose expert lives on another device (id E_local) are skipped by the kernels
-        return moe_gmm.moe_experts(x_TD, idx_TK, weight_TK, g.packed, g.scale, u.packed, u.scale,
-                                   d.packed, d.scale)
+        # The kernels are W4A16, bf16 activations in and out: a float32 model's experts see their input
+        # and return their sum rounded to bf16 (accumulation is float32 inside). Pairs whose expert lives
+        # on another device (id E_local) are skipped by the kernels.
+        y = moe_gmm.moe_experts(x_TD.astype(jnp.bfloat16), idx_TK, weight_TK, g.packed, g.scale, u.packed,
+                                u.scale, d.packed, d.scale)
+        return y.astype(x_TD.dtype)
     return _routed_experts_xla(x_TD, idx_TK, weight_TK, experts)
 
 

@@ -355,6 +355,20 @@ def moe_sweep(name):
             ("fused_perm_d64w4_ds5_st264", C(decode="fused", num_stages_down=5, stream_k_down=264)),
             ("default_again", C()),
         ],
+        # twelfth session: how much of each kernel's time is the dequantizer's ALU work? 'raw' (a timing
+        # probe, int4_tile.PROBE_MODES: not checked, wrong results) runs every load, shared-memory move and
+        # MMA of the same config with the dequantizer replaced by a bitcast. Raw ~ asm: the loads / grid
+        # bound the kernel; raw much faster: fewer dequant instructions per word is the lever. By device
+        # time per kernel (--moe_profile).
+        "t1_raw": [
+            ("default", None),
+            ("default_raw", C(dequant="raw")),
+            ("fused_perm_d64w4", C(decode="fused")),
+            ("fused_perm_d64w4_raw", C(decode="fused", dequant="raw")),
+            ("gu32_d32_w2_raw", C(block_n_gate_up=32, block_n_down=32, num_warps=2, dequant="raw")),
+            ("default_again", C()),
+            ("default_raw_again", C(dequant="raw")),
+        ],
     }
     return sweeps[name]
 
@@ -467,7 +481,7 @@ def section_check():
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from pallas_kernels import int4_matmul as im, int4_ref, moe_gmm as mg
+    from pallas_kernels import int4_matmul as im, int4_ref, int4_tile as tile, moe_gmm as mg
     key = jax.random.PRNGKey(int(time.time()))
     ok = True
     dense_cfgs = [c for _, c in dense_sweep(FLAGS.dense_configs, 1024)]
@@ -502,7 +516,8 @@ def section_check():
     g = int4_ref.random_int4(jax.random.fold_in(key, 11), (e_, f, d))
     u = int4_ref.random_int4(jax.random.fold_in(key, 12), (e_, f, d))
     dn = int4_ref.random_int4(jax.random.fold_in(key, 13), (e_, d, f))
-    moe_cfgs = [c for _, c in moe_sweep(FLAGS.moe_configs)]
+    # timing probes (int4_tile.PROBE_MODES) compute nothing meaningful: not checked
+    moe_cfgs = [c for _, c in moe_sweep(FLAGS.moe_configs) if c is None or c.dequant not in tile.PROBE_MODES]
     for t in ((1, 7) if FLAGS.dry else [int(v) for v in FLAGS.check_tokens]):
         x = jax.random.normal(jax.random.fold_in(key, 100 + t), (t, d), jnp.bfloat16)
         for mode in ("random", "one_expert"):

@@ -1,6 +1,7 @@
 """Acceptance 4 of the foundation: the MoE layer equals a per-expert Python loop (float64 numpy)."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -164,3 +165,21 @@ def test_pin_routing_pins_the_experts():
     assert pin_routing(state, 8) == 1
     idx, w = nnx.merge(graphdef, state)(x)
     assert (jnp.sort(idx, -1) == jnp.arange(8)).all() and float(jnp.std(w[:, 0])) > 0
+
+
+def test_routed_experts_pallas_takes_float32_activations_as_bf16():
+    """The INT4 kernels are W4A16: a float32 model's routed experts round their input to bf16 and return
+    float32 (the pallas path on CPU runs the kernels in interpret mode). Without the rounding the
+    interpret-mode kernels would compute on the float32 input and differ."""
+    from pallas_kernels import int4_ref
+    key = jax.random.PRNGKey(7)
+    E, F, D, T = 6, 64, 128, 3
+    ew = ops.ExpertWeights(*(ops.Int4Weight(*int4_ref.random_int4(jax.random.fold_in(key, i), shape))
+                             for i, shape in enumerate(((E, F, D), (E, F, D), (E, D, F)))))
+    x = jax.random.normal(jax.random.fold_in(key, 9), (T, D), jnp.float32)
+    idx = jnp.array([[0, 3], [5, 1], [3, 2]], jnp.int32)
+    wt = jnp.full((T, 2), 0.5, jnp.float32)
+    got = ops.routed_experts(x, idx, wt, ew, impl="pallas")
+    want = ops.routed_experts(x.astype(jnp.bfloat16), idx, wt, ew, impl="pallas")
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.float32)))
