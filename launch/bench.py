@@ -343,7 +343,8 @@ def moe_sweep(name):
         # Little's law covers ~1 us of latency at an SM's ~38 GB/s share: one candidate for down's 67% of
         # copy (gate/up keeps 2 x 32 KB in flight and reaches ~83%). Against it: the default tiles path's
         # down (896 short programs, several resident per SM) is at the same 67%. Read by device time
-        # (--moe_profile).
+        # (--moe_profile). Timed in the twelfth session: deeper pipelines make the fused down no faster (31.2 ->
+        # 31.3 / 37.7 us at 5 / 7 stages); none beats the default's 23.2 us down (BENCHMARKS.md).
         "t1_down": [
             ("default", None),
             ("fused_perm_d64w4", C(decode="fused")),                                      # 53 KB
@@ -355,19 +356,19 @@ def moe_sweep(name):
             ("fused_perm_d64w4_ds5_st264", C(decode="fused", num_stages_down=5, stream_k_down=264)),
             ("default_again", C()),
         ],
-        # twelfth session: how much of each kernel's time is the dequantizer's ALU work? 'raw' (a timing
-        # probe, int4_tile.PROBE_MODES: not checked, wrong results) runs every load, shared-memory move and
-        # MMA of the same config with the dequantizer replaced by a bitcast. Raw ~ asm: the loads / grid
-        # bound the kernel; raw much faster: fewer dequant instructions per word is the lever. By device
-        # time per kernel (--moe_profile).
-        "t1_raw": [
+        # twelfth session: ncu at T = 1 shows gate/up issue-latency bound (54% issue-active, 1.9 warps per
+        # scheduler: 2 CTAs per SM, held there by 90 KB of shared memory and 162 registers). Configs with
+        # more CTAs per SM (sass_probe, sm_90: regs / smem -> CTAs per SM): s2 168 / 45 KB -> 3;
+        # gate/up K step 256: 167 / 45 KB (s3), 68 KB (s4) -> 3; K step 128: 72 / 34 KB (s4) -> 6.
+        # Timed (BENCHMARKS.md, twelfth session): every one slower at T = 1 and 16; the default stays.
+        "t1_occ": [
             ("default", None),
-            ("default_raw", C(dequant="raw")),
-            ("fused_perm_d64w4", C(decode="fused")),
-            ("fused_perm_d64w4_raw", C(decode="fused", dequant="raw")),
-            ("gu32_d32_w2_raw", C(block_n_gate_up=32, block_n_down=32, num_warps=2, dequant="raw")),
+            ("s2", C(num_stages=2)),
+            ("guk256", C(block_k_gate_up=256)),
+            ("guk256_s4", C(block_k_gate_up=256, num_stages=4)),
+            ("guk128_s4", C(block_k_gate_up=128, num_stages=4)),
+            ("guk128_s6", C(block_k_gate_up=128, num_stages=6)),
             ("default_again", C()),
-            ("default_raw_again", C(dequant="raw")),
         ],
     }
     return sweeps[name]
@@ -481,7 +482,7 @@ def section_check():
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from pallas_kernels import int4_matmul as im, int4_ref, int4_tile as tile, moe_gmm as mg
+    from pallas_kernels import int4_matmul as im, int4_ref, moe_gmm as mg
     key = jax.random.PRNGKey(int(time.time()))
     ok = True
     dense_cfgs = [c for _, c in dense_sweep(FLAGS.dense_configs, 1024)]
@@ -516,8 +517,7 @@ def section_check():
     g = int4_ref.random_int4(jax.random.fold_in(key, 11), (e_, f, d))
     u = int4_ref.random_int4(jax.random.fold_in(key, 12), (e_, f, d))
     dn = int4_ref.random_int4(jax.random.fold_in(key, 13), (e_, d, f))
-    # timing probes (int4_tile.PROBE_MODES) compute nothing meaningful: not checked
-    moe_cfgs = [c for _, c in moe_sweep(FLAGS.moe_configs) if c is None or c.dequant not in tile.PROBE_MODES]
+    moe_cfgs = [c for _, c in moe_sweep(FLAGS.moe_configs)]
     for t in ((1, 7) if FLAGS.dry else [int(v) for v in FLAGS.check_tokens]):
         x = jax.random.normal(jax.random.fold_in(key, 100 + t), (t, d), jnp.bfloat16)
         for mode in ("random", "one_expert"):

@@ -28,11 +28,6 @@ from jax import lax
 from jax.experimental.pallas import triton as plt
 
 DEQUANT_MODES = ("asm", "f32")
-# Timing probes, never for results: 'raw' feeds the MMAs the packed words' bits as bf16 with no
-# dequantization (one XOR folds the scale in so its loads stay), so a kernel timed with it runs every
-# load, shared-memory move and MMA of the real one minus the dequantizer's ALU work. launch/bench.py's
-# check section skips probe configs.
-PROBE_MODES = ("raw",)
 NPLANES = 4
 
 # pack=2: $4 = the packed word (two int16 elements), $5 = (scale, scale) as bf16x2;
@@ -231,10 +226,6 @@ def dequant_pairs(w16: jax.Array, s_exp: jax.Array, mode: str) -> list[jax.Array
             _ASM, args=[w16, s16], constraints="=r,=r,=r,=r,r,r", pack=2,
             result_shape_dtypes=[jax.ShapeDtypeStruct(w16.shape, jnp.int16)] * NPLANES)
         return [lax.bitcast_convert_type(o, jnp.bfloat16) for o in outs]
-    if mode == "raw":
-        s16 = lax.bitcast_convert_type(s_exp, jnp.int16)
-        plain = lax.bitcast_convert_type(w16, jnp.bfloat16)
-        return [lax.bitcast_convert_type(w16 ^ s16, jnp.bfloat16)] + [plain] * (NPLANES - 1)
     if mode == "f32":
         sf = s_exp.astype(jnp.float32)
         w = w16.astype(jnp.int32) & 0xFFFF
@@ -244,7 +235,7 @@ def dequant_pairs(w16: jax.Array, s_exp: jax.Array, mode: str) -> list[jax.Array
             q = lax.bitcast_convert_type(u | 0x4B000000, jnp.float32) - 8388616.0   # 2^23 + 8
             planes.append((q * sf).astype(jnp.bfloat16))
         return planes
-    raise ValueError(f"unknown dequant mode {mode!r}; expected one of {DEQUANT_MODES + PROBE_MODES}")
+    raise ValueError(f"unknown dequant mode {mode!r}; expected one of {DEQUANT_MODES}")
 
 
 def plane_dot(plane: jax.Array, xp: jax.Array, swap_ab: bool) -> jax.Array:

@@ -2,6 +2,14 @@
 
   python -m pallas_kernels.profile_int4 --mode=ncu        # a few launches of each kernel, for ncu -k
   python -m pallas_kernels.profile_int4 --mode=trace      # jax.profiler trace -> per-op device time
+
+ncu replays each kernel, saving and restoring the memory it may touch: with 384 experts (~10 GB) that
+took minutes per kernel, so give it fewer experts (16 already holds 400 MB, far past the 50 MB L2, and
+T = 1 touches 8 of them); the twelfth session's stall breakdown (BENCHMARKS.md) came from
+
+  ncu --clock-control none -k regex:moe_ --launch-skip 2 --launch-count 2 \
+      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum" \
+      python -m pallas_kernels.profile_int4 --mode=ncu --experts=16 --batches=1 --ms=
 """
 from __future__ import annotations
 
@@ -19,14 +27,15 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("mode", "trace", "ncu | trace")
 flags.DEFINE_list("batches", ["1", "16"], "MoE token counts")
 flags.DEFINE_list("ms", ["1"], "dense token counts")
+flags.DEFINE_integer("experts", 384, "MoE: Kimi-shaped INT4 experts in the layer (fewer for ncu)")
 flags.DEFINE_string("out", os.environ.get("OUT", "out/profile"), "output directory")
 
 
-def _setup(key):
+def _setup(key, e_):
     import jax
     import jax.numpy as jnp
     from pallas_kernels import int4_ref, moe_gmm as mg
-    e_, d, f = 384, 7168, 2048
+    d, f = 7168, 2048
     g = int4_ref.random_int4(jax.random.fold_in(key, 1), (e_, f, d))
     u = int4_ref.random_int4(jax.random.fold_in(key, 2), (e_, f, d))
     dn = int4_ref.random_int4(jax.random.fold_in(key, 3), (e_, d, f))
@@ -89,12 +98,12 @@ def main(argv):
     import jax.numpy as jnp
     from pallas_kernels import int4_matmul as im, int4_ref, moe_gmm as mg
     key = jax.random.PRNGKey(0)
-    experts = _setup(key)
+    experts = _setup(key, FLAGS.experts)
     os.makedirs(FLAGS.out, exist_ok=True)
     results = {}
     for t in [int(v) for v in FLAGS.batches]:
         x = jax.random.normal(jax.random.fold_in(key, 5), (t, 7168), jnp.bfloat16)
-        routes = [_routing(jax.random.fold_in(key, 100 + r), t) for r in range(4)]
+        routes = [_routing(jax.random.fold_in(key, 100 + r), t, FLAGS.experts) for r in range(4)]
         fn = jax.jit(lambda x, routes, ex: [mg.moe_experts(x, i, w, *ex[0], *ex[1], *ex[2])
                                             for i, w in routes])
         if FLAGS.mode == "ncu":

@@ -117,23 +117,6 @@ def test_split_planes_is_perm_columns():
                                   np.asarray(tile.perm_columns(x), np.float32))
 
 
-def test_raw_probe_feeds_the_words_bits_with_the_scale_folded_in():
-    """dequant 'raw' (a timing probe): 4 bf16 planes of the word tile's shape, plane 0 the words XOR the
-    scales' bits (so the scale loads stay live), planes 1-3 the words' bits; an unknown mode names the
-    modes it knows."""
-    from pallas_kernels import int4_tile as tile
-    w = jax.random.randint(_key("raw"), (16, 32), -2**15, 2**15 - 1, jnp.int32).astype(jnp.int16)
-    s = jax.random.uniform(_key("raw_s"), (16, 32)).astype(jnp.bfloat16)
-    planes = tile.dequant_pairs(w, s, "raw")
-    bits = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.int16))
-    assert len(planes) == tile.NPLANES and all(p.shape == w.shape and p.dtype == jnp.bfloat16 for p in planes)
-    np.testing.assert_array_equal(bits(planes[0]), np.asarray(w) ^ bits(s))
-    for p in planes[1:]:
-        np.testing.assert_array_equal(bits(p), np.asarray(w))
-    with pytest.raises(ValueError, match="raw"):
-        tile.dequant_pairs(w, s, "lut")
-
-
 def test_int4_config_rejects_unknown_modes():
     with pytest.raises(ValueError, match="x_layout"):
         im.Int4MatmulConfig(x_layout="transposed")
@@ -397,10 +380,5 @@ def test_kernels_lower_for_cuda():
     for decode, split, stream in (("fused", 1, 0), ("single", 1, 0), ("fused", 2, 0), ("fused", 1, 132),
                                   ("chained", 1, 0), ("chained", 1, 132)):
         cfg = mg.MoeGmmConfig(decode=decode, x_layout="shuffle", split_k_down=split, stream_k_down=stream)
-        jax.jit(lambda *a, c=cfg: mg.moe_experts(*a, config=c, interpret=False)).trace(*args).lower(
-            lowering_platforms=("cuda",))
-    # the 'raw' timing probe lowers on the default and the fused decode path
-    for decode in ("tiles", "fused"):
-        cfg = mg.MoeGmmConfig(decode=decode, dequant="raw")
         jax.jit(lambda *a, c=cfg: mg.moe_experts(*a, config=c, interpret=False)).trace(*args).lower(
             lowering_platforms=("cuda",))
