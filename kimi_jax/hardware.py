@@ -236,9 +236,11 @@ _H200_ALLREDUCE_CURVE = ((14336.0, 24.4e-6), (117760.0, 26.0e-6), (940032.0, 24.
 
 # The Pallas INT4 MoE kernels on one H200 (BENCHMARKS.md, "INT4 W4A16 kernels"): bytes of the touched
 # experts / device time of the gate+up and down kernels plus the routing ops, as a fraction of the
-# 4.24 TB/s copy. T=1: 198.5 MB in 37.8 + 23.4 + 4.2 us; T=16: 2736 MB in 440.6 + 229.1 + ~18 us;
-# T=64: kernels ~94% minus 3-4% routing; T=256: 74% (wall per call, no device-only figure).
-_H200_INT4_CURVE = ((1.0, 0.71), (16.0, 0.94), (64.0, 0.90), (256.0, 0.74))
+# 4.24 TB/s copy. T=1: 198.5 MB in a device span of 62.0-63.3 us (BENCHMARKS.md "Where the T = 1 time
+# goes, by device time" and the twelfth session's runs; 37.8 + 23.4 + 4.2 us in the first session gave
+# 0.71); T=16: 2736 MB in 440.6 + 229.1 + ~18 us; T=64: kernels ~94% minus 3-4% routing; T=256: 74%
+# (wall per call, no device-only figure).
+_H200_INT4_CURVE = ((1.0, 0.75), (16.0, 0.94), (64.0, 0.90), (256.0, 0.74))
 # MLA absorbed decode as the engine calls it (ops.mla_paged_attention: the kernel plus XLA's finishing
 # ops), one H200, jax 0.11.2, 2026-11-30: per layer time = call + cache bytes / (4.24 TB/s x eff).
 # 64 query rows (Mosaic GPU kernel): 38 us, eff 0.82, a least-squares fit of 36 timings (batch 1-64 x

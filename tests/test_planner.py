@@ -372,8 +372,8 @@ def test_attention_efficiency_curve_and_calibration_override():
 
 def test_int4_efficiency_curve_and_calibration_override():
     hw = hardware.preset("h200")
-    assert hw.int4_efficiency_at(1) == pytest.approx(0.71) and hw.int4_efficiency_at(16) == pytest.approx(0.94)
-    assert hw.int4_efficiency_at(4) == pytest.approx((0.71 + 0.94) / 2)   # halfway in log(tokens)
+    assert hw.int4_efficiency_at(1) == pytest.approx(0.75) and hw.int4_efficiency_at(16) == pytest.approx(0.94)
+    assert hw.int4_efficiency_at(4) == pytest.approx((0.75 + 0.94) / 2)   # halfway in log(tokens)
     assert hw.int4_efficiency_at(10_000) == pytest.approx(0.74)          # flat beyond the last point
     # a calibration file's measured constant replaces the preset's curve; its own curve replaces both
     flat = hardware.Hardware.from_calibration({"base": "h200", "copy_bw": 4e12, "int4_efficiency": 0.5})
