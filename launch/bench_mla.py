@@ -749,7 +749,7 @@ def _prefill_chunks():
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from kimi_jax import ops
+    from kimi_jax import ops, prefill_attention
     rows = []
     N, H, R, V = 64, 128, 64, 128
     # 'cudnn_split' (two unmasked calls through jax's private cuDNN entry point, merged): does the entry
@@ -759,7 +759,8 @@ def _prefill_chunks():
         try:
             x = jnp.ones((1, 128, 2, 192), jnp.bfloat16)
             n = jnp.full((1,), 100, jnp.int32)
-            jax.block_until_ready(jax.jit(lambda x, n: ops._attention_lse_cudnn(x, x, x, n, n, 0.1, causal=True))(x, n))
+            lse = prefill_attention._attention_lse_cudnn
+            jax.block_until_ready(jax.jit(lambda x, n: lse(x, x, x, n, n, 0.1, causal=True))(x, n))
         except Exception as e:  # noqa: BLE001
             split_ok = False
             log(f"prefill chunk cudnn_split: cuDNN entry point failed {type(e).__name__}: {str(e)[:200]}")

@@ -84,7 +84,7 @@ def op_case(B, T, dims, impl, reps):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from kimi_jax import ops
+    from kimi_jax import ops, prefill_attention
     N, H, R, V = dims
     dtype = jnp.bfloat16
     scale = (H + R) ** -0.5
@@ -101,8 +101,9 @@ def op_case(B, T, dims, impl, reps):
     def mask_of(pos_q, pos_k):
         return (pos_k[:, None, :] <= pos_q[:, :, None]) & (pos_k[:, None, :] >= 0)
 
-    fused = jax.jit(lambda qn, qp, k, kp, v: ops._mla_prefill_attention_dpa(qn, qp, k, kp, v, scale, impl, None))
-    einsum = jax.jit(lambda qn, qp, k, kp, v, pos: ops._mla_prefill_attention_einsum(
+    fused = jax.jit(lambda qn, qp, k, kp, v: prefill_attention._mla_prefill_attention_dpa(qn, qp, k, kp, v, scale,
+                                                                                          impl, None))
+    einsum = jax.jit(lambda qn, qp, k, kp, v, pos: prefill_attention._mla_prefill_attention_einsum(
         qn, qp, k, kp, v, mask_of(pos, pos), scale))
     args = (q_nope, q_pe, k, kpe, v)
     flops = 2 * N * (H + R + V) * float(np.sum(lengths.astype(np.float64) * (lengths + 1) / 2))
@@ -112,7 +113,7 @@ def op_case(B, T, dims, impl, reps):
     out = fused(*args)
     errs = []
     for lo, hi in ((0, min(T, 256)), (max(0, T - 512), T)):
-        ref = jax.jit(lambda qn, qp, k, kp, v, pos: ops._mla_prefill_attention_einsum(
+        ref = jax.jit(lambda qn, qp, k, kp, v, pos: prefill_attention._mla_prefill_attention_einsum(
             qn[:, lo:hi], qp[:, lo:hi], k, kp, v, mask_of(pos[:, lo:hi], pos), scale))(*args, pos)
         ref = np.asarray(ref, np.float32)
         got = np.asarray(out[:, lo:hi], np.float32)

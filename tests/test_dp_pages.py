@@ -199,13 +199,14 @@ def test_split_chunk_attention_under_dp_tp_ep_equals_single_device(ckpt, monkeyp
     the GPU default 'cudnn_split': the chunk against its cached keys and against itself, merged by
     log-sum-exp) under dp2 x tp2 + EP with a split pool give the single-device einsum path's greedy
     tokens (float32: the two differ in summation order only)."""
-    from kimi_jax import ops
+    from kimi_jax import ops, prefill_attention
     lay = LAYOUTS["dp2_tp2_ep"]
     ps, params = workload(8, seed=5)
     kw = dict(dtype="float32", page_size=PAGE, prefill_chunk=8, max_prefill_tokens=24)
     ref, _ = run(LLM(ckpt, max_num_seqs=1, num_pages=PAGES_PER_RANK, **kw), ps, params)
-    halves, real = [], ops._attention_lse_xla
-    monkeypatch.setattr(ops, "_attention_lse_xla", lambda *a, **k: halves.append(k["causal"]) or real(*a, **k))
+    halves, real = [], prefill_attention._attention_lse_xla
+    monkeypatch.setattr(prefill_attention, "_attention_lse_xla",
+                        lambda *a, **k: halves.append(k["causal"]) or real(*a, **k))
     with ops.use_chunk_attention("xla_split"):
         got, _ = run(LLM(ckpt, max_num_seqs=2 * SLOTS_PER_RANK, num_pages=2 * PAGES_PER_RANK, **kw, **lay),
                      ps, params)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kimi_jax import LLM, SamplingParams, ops
+from kimi_jax import LLM, SamplingParams, ops, prefill_attention
 from kimi_jax import engine as engine_mod
 from kimi_jax.config import preset
 from kimi_jax.model.mla import MLA
@@ -20,7 +20,7 @@ CFG = preset("tiny")
 
 @pytest.fixture
 def recorder(monkeypatch):
-    """Wraps ops._dot_product_attention: records the implementation each call asked for and runs the
+    """Wraps prefill_attention._dot_product_attention: records the implementation each call asked for and runs the
     XLA implementation instead (so a 'cudnn' choice is checked without executing cuDNN)."""
     calls = []
 
@@ -28,7 +28,7 @@ def recorder(monkeypatch):
         calls.append(implementation)
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="xla")
 
-    monkeypatch.setattr(ops, "_dot_product_attention", fake)
+    monkeypatch.setattr(prefill_attention, "_dot_product_attention", fake)
     return calls
 
 
@@ -176,8 +176,9 @@ def test_sharded_dot_product_attention_per_shard(recorder, monkeypatch):
             jax.random.normal(ks[2], (B, T, N, H)), jax.random.normal(ks[3], (B, T, R)),
             jax.random.normal(ks[4], (B, T, N, V)))
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
-    shapes, inner = [], ops._dot_product_attention
-    monkeypatch.setattr(ops, "_dot_product_attention", lambda q, *a: (shapes.append(q.shape), inner(q, *a))[1])
+    shapes, inner = [], prefill_attention._dot_product_attention
+    monkeypatch.setattr(prefill_attention, "_dot_product_attention",
+                        lambda q, *a: (shapes.append(q.shape), inner(q, *a))[1])
     with ops.use_prefill_attention("xla"):
         ref = ops.mla_prefill_attention(*args, mask, 0.2, causal=True)
         out = jax.jit(lambda *a: ops.mla_prefill_attention(*a, mask, 0.2, causal=True, parallel=par))(*args)
@@ -192,8 +193,8 @@ def test_sharded_dot_product_attention_per_shard(recorder, monkeypatch):
     cached = np.array([5, 0, 3, 1])
     old = np.broadcast_to((np.arange(5)[None, :] < cached[:, None])[:, None, :], (B, T, 5))
     cmask = jnp.asarray(np.concatenate([old, np.broadcast_to(np.tril(np.ones((T, T), bool)), (B, T, T))], -1))
-    masked, inner_m = [], ops._masked_dot_product_attention
-    monkeypatch.setattr(ops, "_masked_dot_product_attention",
+    masked, inner_m = [], prefill_attention._masked_dot_product_attention
+    monkeypatch.setattr(prefill_attention, "_masked_dot_product_attention",
                         lambda q, k, v, m, *a: (masked.append(m.shape), inner_m(q, k, v, m, *a))[1])
     chunk = (args[0], args[1], k2, kpe2, v2, cmask)
     with ops.use_chunk_attention("einsum"):
@@ -203,8 +204,8 @@ def test_sharded_dot_product_attention_per_shard(recorder, monkeypatch):
     assert masked == [(B // 2, T, S)]
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
     # the two unmasked calls merged ('xla_split'), per shard: the lengths split over the rows too
-    parts, inner_p = [], ops._attention_lse_xla
-    monkeypatch.setattr(ops, "_attention_lse_xla", lambda q, k, *a, **kw: (parts.append(k.shape),
+    parts, inner_p = [], prefill_attention._attention_lse_xla
+    monkeypatch.setattr(prefill_attention, "_attention_lse_xla", lambda q, k, *a, **kw: (parts.append(k.shape),
                                                                              inner_p(q, k, *a, **kw))[1])
     lens = (jnp.asarray(cached, jnp.int32), jnp.full((B,), T, jnp.int32))
     with ops.use_chunk_attention("xla_split"):
@@ -261,8 +262,8 @@ def test_chunk_after_cached_tokens_masked_call_matches_einsum(monkeypatch):
     mask = jnp.asarray(np.concatenate([old, new], axis=-1))
     scale = (H + R) ** -0.5
     calls = []
-    real = ops._masked_dot_product_attention
-    monkeypatch.setattr(ops, "_masked_dot_product_attention", lambda *a: calls.append(a[-1]) or real(*a))
+    real = prefill_attention._masked_dot_product_attention
+    monkeypatch.setattr(prefill_attention, "_masked_dot_product_attention", lambda *a: calls.append(a[-1]) or real(*a))
     run = lambda: np.asarray(jax.jit(lambda *a: ops.mla_prefill_attention(*a, scale))(  # noqa: E731
         q_nope, q_pe, k, kpe, v, mask))
     ref = run()
@@ -301,7 +302,7 @@ def test_chunk_after_cached_tokens_masked_call_matches_einsum(monkeypatch):
     # the split unavailable (jax's private cuDNN entry point changed, say): the masked call instead
     def unavailable(*a, **kw):
         raise NotImplementedError("no entry point")
-    monkeypatch.setattr(ops, "_attention_lse_xla", unavailable)
+    monkeypatch.setattr(prefill_attention, "_attention_lse_xla", unavailable)
     with ops.use_chunk_attention("xla_split"):
         fallback = np.asarray(ops.mla_prefill_attention(q_nope, q_pe, k, kpe, v, mask, scale, chunk_lens=lens))
     assert len(calls) == 3
@@ -322,11 +323,12 @@ def test_engine_chunked_prefill_through_the_masked_call(monkeypatch):
     kw = dict(dtype="float32", max_num_seqs=4, page_size=16, num_pages=16, prefill_chunk=8,
               max_prefill_tokens=24)
     calls = []
-    real = ops._masked_dot_product_attention
-    monkeypatch.setattr(ops, "_masked_dot_product_attention", lambda *a: calls.append(a[-1]) or real(*a))
+    real = prefill_attention._masked_dot_product_attention
+    monkeypatch.setattr(prefill_attention, "_masked_dot_product_attention", lambda *a: calls.append(a[-1]) or real(*a))
     parts = []
-    real_p = ops._attention_lse_xla
-    monkeypatch.setattr(ops, "_attention_lse_xla", lambda *a, **kw: parts.append(kw["causal"]) or real_p(*a, **kw))
+    real_p = prefill_attention._attention_lse_xla
+    monkeypatch.setattr(prefill_attention, "_attention_lse_xla",
+                        lambda *a, **kw: parts.append(kw["causal"]) or real_p(*a, **kw))
     outs = []
     for choice in ("einsum", "xla", "xla_split"):
         with ops.use_chunk_attention(choice):
