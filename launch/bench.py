@@ -370,6 +370,19 @@ def moe_sweep(name):
             ("guk128_s6", C(block_k_gate_up=128, num_stages=6)),
             ("default_again", C()),
         ],
+        # thirteenth session: gate and up rows in separate programs (`split_gate_up`): one weight stream
+        # per program halves the registers and shared memory at the same K step (sass_probe, sm_90:
+        # 128 regs / 53 KB -> 4 CTAs = 16 warps per SM, against 2 CTAs = 8 warps for the fused pair),
+        # so the latency-bound dequantizer gets twice the warps to hide behind; silu(gate) * up then
+        # runs as one small XLA op. bn32_w2: 128 / 35 KB -> 6 CTAs of 2 warps; bn128_w8: 128 / 90 KB
+        # -> 2 CTAs of 8 warps.
+        "t1_split": [
+            ("default", None),
+            ("split_gu", C(split_gate_up=True)),
+            ("split_gu_bn32_w2", C(split_gate_up=True, block_n_gate_up=32, num_warps=2, num_warps_down=4)),
+            ("split_gu_bn128_w8", C(split_gate_up=True, block_n_gate_up=128, num_warps=8, num_warps_down=4)),
+            ("default_again", C()),
+        ],
     }
     return sweeps[name]
 

@@ -53,10 +53,15 @@ flags.DEFINE_list("contexts", ["4096", "32768", "131072"], "--sweep: context len
 flags.DEFINE_list("candidates", [], "--sweep: only these candidate names (default and legacy always)")
 flags.DEFINE_list("pages", ["16"], "decode section: page sizes (each case runs on a pool of each); "
                   "--heads / --batches / --contexts given explicitly also narrow the decode grid")
-flags.DEFINE_list("profile", [], "instead of the sections: B:context:heads[:kernel] cases (kernel: auto, "
+flags.DEFINE_list("profile", [], "instead of the sections: B:context:heads[:kernel] cases or 'grid' (the "
+                  "acceptance grid; kernel: auto, "
                   "triton, mgpu, triton_fin, mgpu_fin); each op's device time per call from a profiler trace of "
                   "one executable of 20 calls, and the calls' device span vs their ops (what a fixed cost per "
                   "call is made of)")
+flags.DEFINE_integer("profile_copies", 0, "--profile: pool copies read in turn by consecutive calls (0: enough "
+                     "for >= 2 GiB of pages, 2 to 8); the decode grid's harness reads 8 distinct regions")
+flags.DEFINE_bool("profile_wall", True, "--profile: also time the same executable by wall clock (`time_fn`) "
+                  "and print it beside the device span")
 flags.DEFINE_bool("two_waves", False, "decode section: also time the Mosaic GPU serving config with CTAs for two "
                   "rounds of one per SM ('mgpu_2w': batch 8 uses all 132 SMs instead of 128)")
 flags.DEFINE_bool("finish_variants", False, "decode section: also time the one-launch finish of the step "
@@ -71,6 +76,8 @@ flags.DEFINE_list("check_cases", [], "check section: N:T:page cases instead of t
 flags.DEFINE_list("mixed", [], "decode section: also mixed-length batches, B:long:short:heads cases (one row of "
                   "`long` cached tokens, B - 1 rows of `short`), e.g. 8:131072:4096:64; --mixed_only skips the grid")
 flags.DEFINE_bool("mixed_only", False, "decode section: only the --mixed cases")
+flags.DEFINE_bool("new_token_einsum", False, "the step's new token in the general einsum form at T = 1 too "
+                  "(mla_decode.ONE_NEW_TOKEN_ELEMENTWISE off: the form before the thirteenth session), to time both")
 flags.DEFINE_bool("balanced", False, "decode section: also time both kernels on the balanced schedule "
                   "(MlaDecodeConfig / MgpuConfig schedule='balanced'; the --mixed cases always do)")
 flags.DEFINE_integer("combine_xla_max_macs", None, "set pallas_kernels.mla_combine.XLA_MAX_MACS for this run "
@@ -833,6 +840,64 @@ def table(copy_bps, read_bps, rows):
     return "\n".join(lines)
 
 
+def device_copy_bps(calls: int = 8) -> float:
+    """The copy ceiling by device time, as --profile measures the op: one executable of `calls`
+    chained XLA `x ^ 1` over 2 GiB (each call's output the next one's input), traced once; bytes read +
+    written per call over the device span per call. A wall-clock copy pays the host's start of each
+    timing, which the profiled op does not (thirteenth session: wall clock ran 5-16% over the device
+    span of the same executable)."""
+    import jax
+    import jax.numpy as jnp
+    from kimi_jax import profiling
+    n = (1 << 16) if FLAGS.dry else (1 << 29)          # uint32 words: 2 GiB
+    x = jax.random.bits(jax.random.PRNGKey(0), (n,), jnp.uint32)
+
+    def f(v):
+        for _ in range(calls):
+            v = v ^ jnp.uint32(1)
+        return v
+    compiled = jax.jit(f).lower(x).compile()
+    _, span, _ = profiling.device_ops_per_call(compiled, (x,), calls)
+    del x
+    return 2 * 4 * n / (span * 1e-6)
+
+
+def _profile_specs():
+    """--profile entries as (B, context, heads, kernel); 'grid' = the acceptance grid (B 1 / 8 / 64 x
+    context 4K / 32K / 128K x heads 64 / 8, the kernel ops picks)."""
+    specs = []
+    for spec in FLAGS.profile:
+        if spec == "grid":
+            specs += [(B, ctx, N, "auto") for N in (64, 8) for B in (1, 8, 64) for ctx in (4096, 32768, 131072)]
+            continue
+        parts = spec.split(":")
+        if len(parts) not in (3, 4):
+            raise SystemExit(f"--profile={spec}: want B:context:heads[:kernel]")
+        kernel = parts[3] if len(parts) == 4 else "auto"
+        kernels = ("auto", "triton", "mgpu", "triton_fin", "triton_bal", *MGPU_VARIANTS)
+        if kernel not in kernels:
+            raise SystemExit(f"--profile={spec}: kernel one of {', '.join(kernels)}")
+        specs.append((*(int(v) for v in parts[:3]), kernel))
+    return specs
+
+
+def profile_table(rows, dev_copy_bps) -> str:
+    """The --profile cases against the device-time copy: span (the op's every device op, first start
+    to last end, per call), its largest op (the kernel), the rest, and the wall clock of the same
+    executable; % of copy = the cache's bytes over the span (and over the kernel alone)."""
+    lines = [f"copy by device time {dev_copy_bps / 1e9:.0f} GB/s (XLA x^1 over 2 GiB, read + write)", "",
+             "| B | context | heads | kernel | MB/layer | span us | kernel us | other ops us | wall us | "
+             "% copy (span) | % copy (kernel) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        k = max(r["ops_us"].values())
+        wall = f"{r['wall_us']:.1f}" if r.get("wall_us") else "-"
+        lines.append(f"| {r['B']} | {r['ctx']} | {r['N']} | {r['serving'] if r['kernel'] == 'auto' else r['kernel']} | "
+                     f"{r['bytes'] / 1e6:.1f} | {r['span_us']:.1f} | {k:.1f} | {r['busy_us'] - k:.1f} | {wall} | "
+                     f"{100 * r['bytes'] / (r['span_us'] * 1e-6) / dev_copy_bps:.1f} | "
+                     f"{100 * r['bytes'] / (k * 1e-6) / dev_copy_bps:.1f} |")
+    return "\n".join(lines)
+
+
 def section_profile(copy_bps):
     """--profile: for each case, one executable of `calls` layers of the engine's op
     (kimi_jax.ops.mla_paged_attention; `layers_fn`: pool copies in turn so consecutive layers miss
@@ -847,17 +912,16 @@ def section_profile(copy_bps):
     from pallas_kernels.mla_decode import MlaDecodeConfig
     page, T, calls = 16, 1, 4 if FLAGS.dry else 20
     rows = []
-    for spec in FLAGS.profile:
-        parts = spec.split(":")
-        if len(parts) not in (3, 4):
-            raise SystemExit(f"--profile={spec}: want B:context:heads[:kernel]")
-        B, ctx, N = (int(v) for v in parts[:3])
-        kernel = parts[3] if len(parts) == 4 else "auto"
-        kernels = ("auto", "triton", "mgpu", "triton_fin", "triton_bal", *MGPU_VARIANTS)
-        if kernel not in kernels:
-            raise SystemExit(f"--profile={spec}: kernel one of {', '.join(kernels)}")
+    specs = _profile_specs()
+    dev_copy = device_copy_bps()
+    log(f"copy by device time {dev_copy / 1e9:.0f} GB/s (read+write)")
+    record(section="copy_device", copy_bps=dev_copy)
+    for B, ctx, N, kernel in specs:
+        if time.time() - _T0 > FLAGS.budget_s:
+            log(f"budget reached: skipping profile B={B} ctx={ctx} N={N}")
+            continue
         P = -(-ctx // page)
-        copies = max(2, min(8, (2 << 30) // max(1, B * P * page * C * 2)))   # >= 2 GiB of pages in turn
+        copies = FLAGS.profile_copies or max(2, min(8, (2 << 30) // max(1, B * P * page * C * 2)))   # >= 2 GiB in turn
         pool = _pool(jax.random.PRNGKey(5), copies * B * P, page, jnp.bfloat16)
         q_lat, q_pe, new, table, pos = _inputs(jax.random.PRNGKey(B + ctx + N), B, T, N, page,
                                                [ctx - T] * B, P, B * P, jnp.bfloat16)
@@ -868,19 +932,27 @@ def section_profile(copy_bps):
             args = (q_lat, q_pe, new, pool, table, pos)
             f = layers_fn(_op(kernel, fin, scale), calls, B * P, copies).lower(*args).compile()
             per_op, span, tdir = profiling.device_ops_per_call(f, args, calls)
+            wall = time_fn(f, *args) / calls * 1e6 if FLAGS.profile_wall else None
         busy = sum(per_op.values())
         nbytes = B * (ctx - T) * C * 2
         row = dict(section="profile", B=B, ctx=ctx, N=N, kernel=kernel,
                    serving=ops.mla_decode_kernel(T * N, A, R, page, jnp.bfloat16, batch=B, context=P * page),
                    calls=calls, ops_us=per_op, busy_us=busy,
-                   span_us=span, bytes=nbytes, copy_us=nbytes / copy_bps * 1e6, trace_dir=tdir)
+                   span_us=span, wall_us=wall, copies=copies, bytes=nbytes, copy_us=nbytes / copy_bps * 1e6,
+                   trace_dir=tdir)
         record(**row)
         rows.append(row)
         log(f"profile B={B} ctx={ctx} N={N} kernel={kernel}: span {span:.1f} us/call, device ops "
-            f"{busy:.1f} us, gaps {span - busy:.1f} us; the cache at copy speed {row['copy_us']:.1f} us")
+            f"{busy:.1f} us, gaps {span - busy:.1f} us"
+            + (f", wall {wall:.1f} us/call" if wall is not None else "")
+            + f" ({copies} pool copies); the cache at copy speed {row['copy_us']:.1f} us")
         for name, us in list(row["ops_us"].items())[:10]:
             log(f"    {us:9.1f} us  {name[:110]}")
         del pool, args
+    t = profile_table(rows, dev_copy)
+    print(t, flush=True)
+    with open(os.path.join(FLAGS.out, "profile_table.md"), "w") as f:
+        f.write(t + "\n")
     return rows
 
 
@@ -898,6 +970,10 @@ def main(argv):
         from pallas_kernels import mla_combine
         mla_combine.XLA_MAX_MACS = FLAGS.combine_xla_max_macs
         log("mla_combine.XLA_MAX_MACS =", mla_combine.XLA_MAX_MACS)
+    if FLAGS.new_token_einsum:
+        from pallas_kernels import mla_decode
+        mla_decode.ONE_NEW_TOKEN_ELEMENTWISE = False
+        log("mla_decode.ONE_NEW_TOKEN_ELEMENTWISE = False (the new token in the einsum form)")
     log("devices", jax.devices(), "jax", jax.__version__)
     copy_bps, read_bps = section_copy()
     if FLAGS.profile:

@@ -428,8 +428,32 @@ def finish_items(o_BKMA, lse_BKM, work, q_lat_BTNA, q_pe_BTNR, new_BTC, position
     return o.reshape(B, T, N, A), lse.reshape(B, T, N)
 
 
+# One new token per row (T = 1, every plain decode step): `_one_new_token_part` instead of the general
+# einsum form. The benchmark (`launch/bench_mla.py --new_token_einsum`) turns it off to time both.
+ONE_NEW_TOKEN_ELEMENTWISE = True
+
+
+def _one_new_token_part(q_lat_B1NA, q_pe_B1NR, new_B1C, positions_B1, scale):
+    """`_new_token_part` at T = 1. The new token is the query's only new key, so its softmax weight is
+    exactly 1: the output is the token's latent c and the lse its score. The score is an elementwise
+    product summed over the last axis in f32 (what the einsum computes; products of bf16 values are
+    exact in f32): XLA fuses it with the combine's elementwise work instead of launching the general
+    form's three small matmuls and its softmax ops (a few us per layer at any batch)."""
+    B, _, N, A = q_lat_B1NA.shape
+    f32 = jnp.float32
+    new = new_B1C.astype(q_lat_B1NA.dtype).astype(f32)            # as the general form rounds it
+    c_B1A, kr_B1R = new[..., :A], new[..., A:]
+    s_B1N = (jnp.sum(q_lat_B1NA.astype(f32) * c_B1A[:, :, None, :], axis=-1)
+             + jnp.sum(q_pe_B1NR.astype(f32) * kr_B1R[:, :, None, :], axis=-1)) * scale
+    has_B1 = positions_B1 >= 0
+    o_B1NA = jnp.where(has_B1[:, :, None, None], jnp.broadcast_to(c_B1A[:, :, None, :], (B, 1, N, A)), 0.0)
+    return o_B1NA, jnp.where(has_B1[:, :, None], s_B1N, -jnp.inf)
+
+
 def _new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale):
     """Scores of each query against the step's new tokens t' <= t (f32): output and lse [B, T, N]."""
+    if q_lat_BTNA.shape[1] == 1 and ONE_NEW_TOKEN_ELEMENTWISE:
+        return _one_new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale)
     A = q_lat_BTNA.shape[-1]
     f32 = jnp.float32
     new = new_BTC.astype(q_lat_BTNA.dtype)

@@ -69,12 +69,15 @@ class MoeGmmConfig:
                                  # (pair, block_n_gate_up F slice), down split along F, f32 atomics)
                                  # or 'chained' (moe_decode, chained=True: 'fused' in ONE launch, the
                                  # down programs wait in-kernel for their token's h)
-    num_warps_down: int = 0      # fused decode down kernel (grid T x D/block_n_down); 0: num_warps
-    num_stages_down: int = 0     # 0: num_stages
+    num_warps_down: int = 0      # the down kernel's warps (every path; 0: num_warps)
+    num_stages_down: int = 0     # the down kernel's stages (0: num_stages)
     single_reduce: str = "atomic"  # decode='single': 'atomic' | 'relaxed' | 'store' (moe_decode_single)
     split_k_down: int = 1        # decode='fused': down K loop split over this many programs (atomics)
     stream_k_down: int = 0       # decode='fused' / 'chained': > 0: the down blocks' K loops shared evenly
                                  # by this many programs (stream-K, atomics); 0: one program per block
+    split_gate_up: bool = False  # decode='tiles', T <= pair_tiles_max_t: gate and up rows in separate
+                                 # programs (one weight stream each: about half the registers and shared
+                                 # memory, so twice the CTAs per SM), f32 results, silu(gate) * up by XLA
 
     def __post_init__(self):
         if self.x_layout not in tile.X_LAYOUTS:
@@ -174,6 +177,30 @@ def _grouped_kernel(*refs, k, n_weights, group, bm, bn, bk, cfg: MoeGmmConfig, m
             return tuple(new)
 
         acc_shape = (bn, bm) if cfg.swap_ab else (bm, bn)
+        if out_mode == "halves":
+            # program column j: weight j // nb (gate 0, up 1), its rows n0 % F; each program streams
+            # ONE weight (pl.when, not a select of refs: each branch loads from a static ref)
+            nb = n_out // bn
+            which, n0h = j // nb, pl.multiple_of((j % nb) * bn, bn)
+            pc = tile.perm_index(n0h + jnp.arange(bn, dtype=jnp.int32), n_out)
+            for w_i, (w_ref, s_ref) in enumerate(ws):
+                @pl.when(which == w_i)
+                def _(w_ref=w_ref, s_ref=s_ref, w_i=w_i):
+                    def body1(kk, acc):
+                        c0 = pl.multiple_of(kk * bc, bc)
+                        xs = tile.load_x_planes(a_ref, arow, valid[:, None], kk, c0, k, bk, a_layout)
+                        w = tile.load(w_ref.at[e, pl.ds(n0h, bn), pl.ds(c0, bc)])
+                        s = tile.load(s_ref.at[e, pl.ds(n0h, bn), pl.ds(kk * bkg, bkg)])
+                        planes = tile.dequant_pairs(w, tile.expand_scale(s, bc), mode)
+                        for p in range(tile.NPLANES):
+                            acc = acc + tile.plane_dot(planes[p], xs[p], cfg.swap_ab)
+                        return acc
+                    acc = lax.fori_loop(0, k // bk, body1, jnp.zeros(acc_shape, jnp.float32))
+                    acc = acc.T if cfg.swap_ab else acc                    # [BM, BN]
+                    tile.store(o_ref.at[rr[:, None], w_i * n_out + pc[None, :]], acc.astype(o_ref.dtype),
+                               mask=valid[:, None])
+            return
+
         init = tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(n_weights))
         accs = lax.fori_loop(0, k // bk, body, init)
         accs = [a.T if cfg.swap_ab else a for a in accs]              # [BM, BN]
@@ -227,7 +254,7 @@ def _grouped_call(tiles: Tiles, a, weights, *, out_shape, out_dtype, cfg: MoeGmm
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
-        grid=(tiles.expert.shape[0], n // bn),
+        grid=(tiles.expert.shape[0], (n // bn) * (n_weights if out_mode == "halves" else 1)),
         interpret=interp,
         compiler_params=tile.compiler_params(cfg.num_warps, cfg.num_stages, interp),
         name=name,
@@ -314,13 +341,24 @@ def moe_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array,
         row_w = pad(w_flat[order], 0.0)
 
     a = perm_columns(x_TD) if cfg.x_layout == "perm" else x_TD
-    h = _grouped_call(tiles, a, [(gate_packed, gate_scale), (up_packed, up_scale)],
-                      out_shape=(tk, f), out_dtype=x_TD.dtype, cfg=cfg, bn=cfg.block_n_gate_up,
-                      bk=cfg.block_k_gate_up, interp=interp, a_layout=cfg.x_layout,
-                      a_rows="indirect", out_mode="rows_perm", arow=row_token,
-                      name="moe_gate_up_int4")
+    if cfg.split_gate_up and t <= cfg.pair_tiles_max_t:
+        # gate and up in separate programs -> [gate | up] f32, both in plane column order
+        gu = _grouped_call(tiles, a, [(gate_packed, gate_scale), (up_packed, up_scale)],
+                           out_shape=(tk, 2 * f), out_dtype=jnp.float32, cfg=cfg, bn=cfg.block_n_gate_up,
+                           bk=cfg.block_k_gate_up, interp=interp, a_layout=cfg.x_layout,
+                           a_rows="indirect", out_mode="halves", arow=row_token, name="moe_gate_up_int4")
+        g, u = gu[:, :f], gu[:, f:]
+        h = (g / (1.0 + jnp.exp(-g)) * u).astype(x_TD.dtype)          # as the fused epilogue rounds it
+    else:
+        h = _grouped_call(tiles, a, [(gate_packed, gate_scale), (up_packed, up_scale)],
+                          out_shape=(tk, f), out_dtype=x_TD.dtype, cfg=cfg, bn=cfg.block_n_gate_up,
+                          bk=cfg.block_k_gate_up, interp=interp, a_layout=cfg.x_layout,
+                          a_rows="indirect", out_mode="rows_perm", arow=row_token,
+                          name="moe_gate_up_int4")
+    down_cfg = dataclasses.replace(cfg, num_warps=cfg.num_warps_down or cfg.num_warps,
+                                   num_stages=cfg.num_stages_down or cfg.num_stages)
     y_pairs = _grouped_call(tiles, h, [(down_packed, down_scale)], out_shape=(tk + 1, d),
-                            out_dtype=jnp.float32, cfg=cfg, bn=cfg.block_n_down,
+                            out_dtype=jnp.float32, cfg=down_cfg, bn=cfg.block_n_down,
                             bk=cfg.block_k_down, interp=interp, a_layout="perm", a_rows="direct",
                             out_mode="scatter", dest=row_dest, rw=row_w, name="moe_down_int4")
     y = jnp.where(held[:, None], y_pairs[:tk], 0.0)        # rows of skipped pairs are never written

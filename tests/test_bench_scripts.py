@@ -89,6 +89,11 @@ def test_bench_mla_profile_lists_each_cases_device_ops(tmp_path):
     assert [(x["B"], x["ctx"], x["N"], x["kernel"]) for x in prof] == [(2, 256, 8, "triton")]
     assert prof[0]["ops_us"] and prof[0]["busy_us"] > 0 and prof[0]["span_us"] > 0
     assert "profile B=2 ctx=256 N=8 kernel=triton: span" in r.stdout
+    # the table divides by the copy measured by device time in the same run
+    dev_copy = [x for x in rows if x.get("section") == "copy_device"]
+    assert len(dev_copy) == 1 and dev_copy[0]["copy_bps"] > 0
+    table = open(os.path.join(out, "profile_table.md")).read()
+    assert table.startswith("copy by device time") and "| 2 | 256 | 8 | triton | " in table
     bad = _run("launch.bench_mla", "--dry", "--profile=2:256", "--out", out)
     assert bad.returncode != 0 and "--profile=2:256: want B:context:heads[:kernel]" in bad.stderr
     bad = _run("launch.bench_mla", "--dry", "--profile=2:256:8:cuda", "--out", out)

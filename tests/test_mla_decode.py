@@ -254,3 +254,21 @@ def test_kernel_lowers_for_cuda(N, T, cfg):
         if "No supported GPU devices found" in str(e):
             pytest.skip(f"this jax lowers Pallas Triton only with a GPU present ({jax.__version__})")
         raise
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_one_new_token_part_matches_general_form(dtype, monkeypatch):
+    """T = 1's elementwise new-token part (o = the token's latent, lse = its score) against the general
+    einsum form it replaces, including a padding row (position -1: o = 0, lse = -inf). Same math in
+    f32 (products of the inputs are exact in f32), only the summation order of the score differs:
+    rtol 1e-5. A wrong half of C (latent vs rope), a missing scale or mask moves them by >> 1e-3."""
+    args = _case(11, B=3, T=1, N=8, A=64, R=16, page=16, P=2, cached=[5, 0, 17], dtype=dtype)
+    q_lat, q_pe, new, _, _, pos = args
+    pos = pos.at[1].set(-1)
+    o1, lse1 = md._new_token_part(q_lat, q_pe, new, pos, 0.13)
+    monkeypatch.setattr(md, "ONE_NEW_TOKEN_ELEMENTWISE", False)
+    o2, lse2 = md._new_token_part(q_lat, q_pe, new, pos, 0.13)
+    assert o1.shape == o2.shape and lse1.shape == lse2.shape and o1.dtype == o2.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(o1), np.asarray(o2), rtol=1e-5, atol=0)
+    np.testing.assert_allclose(np.asarray(lse1), np.asarray(lse2), rtol=1e-5, atol=1e-6)
+    assert np.all(np.isneginf(np.asarray(lse1)[1])) and not np.any(np.asarray(o1)[1])

@@ -240,6 +240,11 @@ SINGLE = mg.MoeGmmConfig(decode="single", block_n_down=128)
     ("chained_t3_topk3_stream7_shuffle", 3, "random", 3, mg.MoeGmmConfig(
         decode="chained", stream_k_down=7, block_k_down=64, x_layout="shuffle")),
     ("chained_t4_one_expert", 4, "one_expert", TOPK, mg.MoeGmmConfig(decode="chained", stream_k_down=5)),
+    # gate and up rows in separate programs (pair tiles), silu(gate) * up by XLA
+    ("split_gu_t1", 1, "distinct", TOPK, mg.MoeGmmConfig(split_gate_up=True)),
+    ("split_gu_t3_topk3_shuffle", 3, "random", 3, mg.MoeGmmConfig(split_gate_up=True, x_layout="shuffle")),
+    ("split_gu_t4_one_expert_bn32_w2", 4, "one_expert", TOPK, mg.MoeGmmConfig(
+        split_gate_up=True, block_n_gate_up=32, num_warps=2)),
     ("single_t3_store", 3, "random", TOPK, mg.MoeGmmConfig(decode="single", single_reduce="store")),
     ("single_t1_relaxed", 1, "distinct", TOPK, mg.MoeGmmConfig(decode="single",
                                                                 single_reduce="relaxed")),
@@ -253,6 +258,19 @@ def test_moe_experts_fused_decode(experts, name, t, mode, topk, cfg):
     y = mg.moe_experts(x, idx, w, *g, *u, *dn, config=cfg)
     assert y.shape == (t, D) and y.dtype == jnp.bfloat16
     assert _rel(y, mg.moe_experts_reference(x, idx, w, *g, *u, *dn)) <= 1e-2
+
+
+def test_split_gate_up_matches_fused_epilogue(experts):
+    """Separate gate / up programs give the same h as the fused kernel's epilogue: both accumulate the
+    same f32 dots in the same order and round silu(gate) * up to bf16 once, so y agrees to float32
+    rounding of the XLA-side silu (1e-6 relative; a swapped gate/up half, a wrong column order or a
+    program writing the other weight's rows moves y by > 1e-2)."""
+    g, u, dn = experts
+    x, idx, w = _moe_case(2, "random")
+    y0 = mg.moe_experts(x, idx, w, *g, *u, *dn)
+    y1 = mg.moe_experts(x, idx, w, *g, *u, *dn, config=mg.MoeGmmConfig(split_gate_up=True))
+    assert y1.shape == y0.shape and y1.dtype == y0.dtype
+    assert _rel(y1, y0) <= 1e-6
 
 
 @pytest.mark.parametrize("decode,kernels,extra_ops", [
