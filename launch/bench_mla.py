@@ -841,25 +841,29 @@ def table(copy_bps, read_bps, rows):
 
 
 def device_copy_bps(calls: int = 8) -> float:
-    """The copy ceiling by device time, as --profile measures the op: one executable of `calls`
-    chained XLA `x ^ 1` over 2 GiB (each call's output the next one's input), traced once; bytes read +
-    written per call over the device span per call. A wall-clock copy pays the host's start of each
-    timing, which the profiled op does not (thirteenth session: wall clock ran 5-16% over the device
-    span of the same executable)."""
+    """The copy ceiling by device time, as --profile measures the op: `calls` XLA `x ^ 1` over 2 GiB
+    (each call's output the next one's input) traced; bytes read + written over the median kernel
+    duration. A wall-clock copy pays the host's start of each timing, which the profiled op's span
+    does not. (One executable of chained copies does not work: XLA fuses the chain into one pass.)"""
+    import statistics
+    import tempfile
     import jax
     import jax.numpy as jnp
     from kimi_jax import profiling
     n = (1 << 16) if FLAGS.dry else (1 << 29)          # uint32 words: 2 GiB
     x = jax.random.bits(jax.random.PRNGKey(0), (n,), jnp.uint32)
-
-    def f(v):
+    f = jax.jit(lambda v: v ^ jnp.uint32(1))
+    x = jax.block_until_ready(f(x))
+    tdir = tempfile.mkdtemp(prefix="kimi_copy_")
+    with jax.profiler.trace(tdir):
         for _ in range(calls):
-            v = v ^ jnp.uint32(1)
-        return v
-    compiled = jax.jit(f).lower(x).compile()
-    _, span, _ = profiling.device_ops_per_call(compiled, (x,), calls)
+            x = f(x)
+        jax.block_until_ready(x)
+    durs = [o.dur_us for o in profiling.device_op_events(profiling._find_trace_file(tdir)) if o.dur_us > 0]
     del x
-    return 2 * 4 * n / (span * 1e-6)
+    if len(durs) < calls:
+        raise RuntimeError(f"device copy: {len(durs)} device ops traced for {calls} copies")
+    return 2 * 4 * n / (statistics.median(durs) * 1e-6)
 
 
 def _profile_specs():
