@@ -178,6 +178,25 @@ def dense_sweep(name, k=7168):
             ("shuf_bm16_bn32_s4_st4_atomic", C(block_n=32, block_k=256, num_stages=4, split_k=4,
                                                split_reduce="atomic", x_layout="shuffle")),
         ],
+        # thirteenth session: the K split inside the program (split_reduce='cta'; one launch, bf16 out, no
+        # zero fill or cast): under ncu the default's kernel alone beats tinygemm's, its two extra XLA
+        # launches lose M = 1 (BENCHMARKS.md). sass_probe, sm_90, gate+up M = 1: 96 registers, 27 KB.
+        "cta": [
+            ("default", None),
+            ("shuf_cta_s4_w4_k256", C(block_n=64, block_k=256, swap_ab=True, split_k=4, split_reduce="cta",
+                                      x_layout="shuffle")),
+            ("shuf_cta_s4_w4_k256_st4", C(block_n=64, block_k=256, swap_ab=True, split_k=4, split_reduce="cta",
+                                          x_layout="shuffle", num_stages=4)),
+            ("shuf_cta_s2_w4_k256", C(block_n=64, block_k=256, swap_ab=True, split_k=2, split_reduce="cta",
+                                      x_layout="shuffle")),
+            ("perm_cta_s4_w4_k256", C(block_n=64, block_k=256, swap_ab=True, split_k=4, split_reduce="cta")),
+            ("shuf_cta_s4_w4_k128", C(block_n=64, block_k=128, swap_ab=True, split_k=4, split_reduce="cta",
+                                      x_layout="shuffle")),
+            ("shuf_cta_s4_w4_k128_st4", C(block_n=64, block_k=128, swap_ab=True, split_k=4, split_reduce="cta",
+                                          x_layout="shuffle", num_stages=4)),
+            ("default_again", C(block_m=8, block_n=64, block_k=256, swap_ab=True, split_k=4,
+                                split_reduce="atomic", x_layout="shuffle")),
+        ],
         "small": [("default", None)],
     }
     return sweeps[name]

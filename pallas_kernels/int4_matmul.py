@@ -44,7 +44,7 @@ from pallas_kernels import int4_ref
 from pallas_kernels import int4_tile as tile
 
 repack = tile.repack
-SPLIT_REDUCES = ("xla", "atomic")
+SPLIT_REDUCES = ("xla", "atomic", "cta")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +61,8 @@ class Int4MatmulConfig:
     split_k: int = 1           # >1: K split over programs, partials reduced per split_reduce
     split_reduce: str = "xla"  # split_k > 1: 'xla' (f32 partials [split, M, N] summed by one XLA op)
                                # or 'atomic' (f32 atomic adds into a zeroed [M, N] buffer, then cast)
+                               # or 'cta' (the K split inside each program: `_kernel_cta`, one launch,
+                               # x.dtype out; swap_ab, block_n = the program's 16 * num_warps MMA rows)
 
     def __post_init__(self):
         if self.x_layout not in tile.X_LAYOUTS:
@@ -69,13 +71,28 @@ class Int4MatmulConfig:
             raise ValueError(f"split_reduce {self.split_reduce!r} not in {SPLIT_REDUCES}")
 
 
+def _cta_split(m: int, n: int, k: int) -> int:
+    """split_k for the one-launch 'cta' kernel at M <= 8 (0: the shape does not tile): 4 K-slices of 16
+    rows for M <= 2 at K >= 4096, else 2 of 32 (H200, ncu, thirteenth session: gate+up M = 1 10.0 us
+    at 4 slices vs 11.8 at 2; M = 4 12.3 vs 12.0; down 7.6 / 9.0 vs 7.5 / 7.3)."""
+    split = 4 if m <= 2 and k >= 4096 else 2
+    return split if m <= 8 and k % (split * 256) == 0 and n % (64 // split) == 0 else 0
+
+
 def default_config(m: int, n: int, k: int) -> Int4MatmulConfig:
-    """M <= 8: one launch, weights on the MMA's M side (8-row swapped tiles), split-K 4 summed by f32
-    atomics, x permuted in registers ('shuffle'): on the H200 11.9 / 15.5 us (gate+up M = 1 / 4) and
-    10.1 / 10.6 us (down) against 16.3 / 18.4 and 15.2 / 12.9 for the previous default (BENCHMARKS.md,
-    fourth session). 8 < M <= 32: tokens on the MMA's 16-row side, 4 warps each streaming 8 of the 32
-    weight rows of a program (no weight is dequantized twice), 1024-wide K steps, 4 stages: at M = 16
-    every single-launch variant was within noise of it."""
+    """M <= 8: ONE launch with the K split inside the program (split_reduce='cta': MMA rows are K-slices
+    of the program's weight rows, x permuted in registers, bf16 out): under ncu on the H200 (thirteenth
+    session) 10.0 / 12.3 us (gate+up 4096 x 7168, M = 1 / 4) and 7.5 / 7.3 us (down 7168 x 2048) for the
+    whole op, against torch's INT4 kernel's 12.5 / 16.9 and 8.6 / 11.1 and the previous default's
+    10.3 / 10.0 and 8.1 / 8.1 kernel plus an XLA zero fill and a cast (~2.5 us each under ncu). Shapes it
+    cannot tile take that previous default (split-K 4 summed by f32 atomics). 8 < M <= 32: tokens on
+    the MMA's 16-row side, 4 warps each streaming 8 of the 32 weight rows of a program (no weight is
+    dequantized twice), 1024-wide K steps, 4 stages: at M = 16 every single-launch variant was within
+    noise of it."""
+    split = _cta_split(m, n, k)
+    if split:
+        return Int4MatmulConfig(block_n=64, block_k=256, swap_ab=True, split_k=split, split_reduce="cta",
+                                x_layout="shuffle")
     if m <= 8 and k % (4 * 256) == 0 and n % 64 == 0:
         return Int4MatmulConfig(block_m=8, block_n=64, block_k=256, swap_ab=True, split_k=4,
                                 split_reduce="atomic", x_layout="shuffle")
@@ -129,6 +146,86 @@ def _kernel(x_ref, w_ref, s_ref, *refs, m, k, group, cfg: Int4MatmulConfig, mode
         tile.store(o_ref.at[rr[:, None], cols], out.astype(o_ref.dtype), mask=valid)
 
 
+def _kernel_cta(x_ref, w_ref, s_ref, o_ref, *, m, k, group, cfg: Int4MatmulConfig, mode: str, mp: int):
+    """split_reduce='cta': the K split inside the program, so no partials leave it (one launch, no
+    zero fill, no cast: what the atomic split-K default pays two extra launches for at M <= 8).
+
+    The program's block_n MMA rows are S = split_k K-slices of R = block_n / S real weight rows: MMA
+    row v = q * R + r holds weight row n0 + r over K-slice q (natural columns [q K/S, (q+1) K/S)), so
+    each warp's 16 rows stream one slice (R = 16: warp q streams slice q). The activations are the
+    MMA's other side: column c = q' * mp + t holds token t's slice q' (mp = M padded to a power of
+    two). acc[v, c] is then a partial dot for (row r, token t, slice q) wherever q' = q; the epilogue
+    keeps those and sums the S slices in registers."""
+    bn, bm, bk, S = cfg.block_n, cfg.block_m, cfg.block_k, cfg.split_k
+    R = bn // S
+    bc, bkg = bk // 4, bk // group
+    kq = k // S                                          # natural columns per slice
+    v = jnp.arange(bn, dtype=jnp.int32)
+    q_v, r_v = v // R, v % R
+    c = jnp.arange(bm, dtype=jnp.int32)
+    q_c, t_c = c // mp, c % mp
+    live_c = (q_c < S) & (t_c < m)                       # [BM]
+    rows_c = jnp.minimum(t_c, m - 1)[:, None]            # [BM, 1] token rows (clamped; masked)
+    n0 = pl.multiple_of(pl.program_id(1) * R, R)
+    wrow = (n0 + r_v)[:, None]                           # [BN, 1]
+    ic = jnp.arange(bc, dtype=jnp.int32)[None, :]
+    ig = jnp.arange(bkg, dtype=jnp.int32)[None, :]
+
+    def body(kk, acc):
+        w = tile.load(w_ref.at[wrow, (q_v * (kq // 4))[:, None] + kk * bc + ic])
+        sc = tile.load(s_ref.at[wrow, (q_v * (kq // group))[:, None] + kk * bkg + ig])
+        planes = tile.dequant_pairs(w, tile.expand_scale(sc, bc), mode)
+        if cfg.x_layout == "shuffle":
+            cols = (q_c * kq)[:, None] + kk * bk + jnp.arange(bk, dtype=jnp.int32)[None, :]
+            xps = tile.split_planes(tile.load(x_ref.at[rows_c, cols], mask=live_c[:, None], other=0.0))
+        else:                                            # 'perm': plane p at columns [p K/4, (p+1) K/4)
+            xps = [tile.load(x_ref.at[rows_c, p * (k // 4) + (q_c * (kq // 4))[:, None] + kk * bc + ic],
+                             mask=live_c[:, None], other=0.0) for p in range(tile.NPLANES)]
+        for p in range(tile.NPLANES):
+            acc = acc + tile.plane_dot(planes[p], xps[p], True)
+        return acc
+
+    acc = lax.fori_loop(0, kq // bk, body, jnp.zeros((bn, bm), jnp.float32))
+    keep = (q_v[:, None] == q_c[None, :]) & live_c[None, :]
+    part = jnp.where(keep, acc, 0.0).reshape(S, R, bm).sum(axis=0)       # [R, BM]: slices summed
+    y = part.reshape(R, bm // mp, mp).sum(axis=1)                        # [R, mp]: token t's column
+    t = jnp.arange(mp, dtype=jnp.int32)
+    # rows t >= M are masked lanes at distinct (out-of-range) addresses: a masked store with duplicate
+    # indices is ambiguous in interpret mode (NOTES.md, "Things learned" 2)
+    tile.store(o_ref.at[t[:, None], (n0 + jnp.arange(R, dtype=jnp.int32))[None, :]],
+               y.T.astype(o_ref.dtype), mask=(t < m)[:, None])
+
+
+def _int4_matmul_cta(x, packed, scale, cfg: Int4MatmulConfig, group: int, interp: bool):
+    """split_reduce='cta' (see `_kernel_cta`): grid (1, N / R), one launch, y in x.dtype."""
+    m, k = x.shape
+    n = packed.shape[0]
+    S = cfg.split_k
+    if not cfg.swap_ab or cfg.block_n != 16 * cfg.num_warps or cfg.block_n % S or cfg.x_layout == "natural":
+        raise ValueError(f"split_reduce='cta' needs swap_ab, block_n = 16 * num_warps divisible by split_k "
+                         f"and x_layout 'shuffle' or 'perm': {cfg}")
+    R = cfg.block_n // S
+    mp = 1 << max(0, (m - 1).bit_length())
+    bm = max(8, S * mp)
+    if k % S or n % R or bm > 64:
+        raise ValueError(f"split_reduce='cta': K={k} must divide by split_k={S}, N={n} by {R} rows per "
+                         f"program, and split_k * M (padded to a power of two) <= 64 (M={m})")
+    bk = tile.pick_block_k(k // S, max(cfg.block_k, group))
+    if bk % group:
+        raise ValueError(f"group {group} must divide block_k {bk}")
+    cfg = dataclasses.replace(cfg, block_k=bk, block_m=bm)
+    mode = "f32" if interp else cfg.dequant
+    xin = tile.perm_columns(x) if cfg.x_layout == "perm" else x
+    return pl.pallas_call(
+        functools.partial(_kernel_cta, m=m, k=k, group=group, cfg=cfg, mode=mode, mp=mp),
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        grid=(1, n // R),
+        interpret=interp,
+        compiler_params=tile.compiler_params(cfg.num_warps, cfg.num_stages, interp),
+        name="int4_matmul_cta",
+    )(xin, tile.as_int16(packed), scale.astype(jnp.bfloat16))
+
+
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, *,
                 config: Optional[Int4MatmulConfig] = None, interpret: Optional[bool] = None
@@ -148,6 +245,8 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, *,
         raise ValueError(f"bad scale shape {scale.shape} for weight [{n}, {k}]")
     interp = tile.resolve_interpret(interpret)
     cfg = config or default_config(m, n, k)
+    if cfg.split_reduce == "cta":
+        return _int4_matmul_cta(x, packed, scale, cfg, group, interp)
     split = cfg.split_k
     if k % split:
         raise ValueError(f"split_k={split} must divide K={k}")

@@ -34,6 +34,8 @@ flags.DEFINE_integer("n", 4096, "dense N")
 flags.DEFINE_integer("k", 7168, "dense K")
 flags.DEFINE_string("moe_config", "", "moe: MoeGmmConfig fields as JSON (default: the automatic config), e.g. "
                     "'{\"decode\": \"fused\", \"num_stages_down\": 5}'")
+flags.DEFINE_string("dense_config", "", "dense: Int4MatmulConfig fields as JSON (default: default_config), e.g. "
+                    "'{\"split_k\": 4, \"split_reduce\": \"cta\", \"swap_ab\": true, \"block_n\": 64}'")
 flags.DEFINE_string("workdir", "", "where to keep .ttir/.ptx/.cubin/.sass (default: a temp dir)")
 
 _COMPILE = r'''
@@ -112,8 +114,10 @@ def main(argv):
     os.makedirs(workdir, exist_ok=True)
     if FLAGS.op == "dense":
         m, n, k = FLAGS.m, FLAGS.n, FLAGS.k
-        cfg = im.default_config(m, n, k)
-        paths = lower_to_ttir(lambda x, p, s: im.int4_matmul(x, p, s, interpret=False),
+        import json
+        explicit = im.Int4MatmulConfig(**json.loads(FLAGS.dense_config)) if FLAGS.dense_config else None
+        cfg = explicit or im.default_config(m, n, k)
+        paths = lower_to_ttir(lambda x, p, s: im.int4_matmul(x, p, s, config=explicit, interpret=False),
                               (S((m, k), jnp.bfloat16), S((n, k // 8), jnp.int32),
                                S((n, k // 32), jnp.bfloat16)), workdir, "dense")
         wpt = [cfg.block_n * cfg.block_k / 8 / (32 * cfg.num_warps)]

@@ -74,6 +74,21 @@ def test_int4_matmul_default(m):
     assert _rel(y, im.int4_matmul_reference(x, p, s)) <= 1e-2
 
 
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_int4_matmul_default_one_launch_at_large_k(m):
+    """K >= 4096 at M <= 8: the default is the one-launch 'cta' kernel (4 K-slices for M <= 2, 2 above):
+    one pallas_call and no zero fill / cast around it."""
+    n, k = 64, 4096
+    cfg = im.default_config(m, n, k)
+    assert cfg.split_reduce == "cta" and cfg.split_k == (4 if m <= 2 else 2)
+    p, s = int4_ref.random_int4(_key("dense_cta", m, "w"), (n, k))
+    x = jax.random.normal(_key("dense_cta", m, "x"), (m, k), jnp.bfloat16)
+    assert _rel(im.int4_matmul(x, p, s), im.int4_matmul_reference(x, p, s)) <= 1e-2
+    eqns = jax.make_jaxpr(lambda *a: im.int4_matmul(*a))(x, p, s).jaxpr.eqns[0].params["jaxpr"].eqns
+    names = [e.primitive.name for e in eqns]
+    assert names.count("pallas_call") == 1 and "broadcast_in_dim" not in names, names
+
+
 @pytest.mark.parametrize("name,m,cfg", [
     ("swap_bm8_split2", 3, im.Int4MatmulConfig(block_m=8, block_n=64, block_k=256, swap_ab=True,
                                                split_k=2)),
@@ -89,6 +104,18 @@ def test_int4_matmul_default(m):
         x_layout="shuffle")),
     ("bm16_split2_atomic_m17", 17, im.Int4MatmulConfig(block_n=32, block_k=256, split_k=2,
                                                        split_reduce="atomic")),
+    # the K split inside the program (one launch, no atomics): MMA rows = K-slices x real rows, the
+    # tokens' slices on the other side; odd M (padded token columns), 2 / 4 / 8 slices, M = 16 (64 columns)
+    ("cta_split4_shuffle_m1", 1, im.Int4MatmulConfig(block_n=64, block_k=128, swap_ab=True, split_k=4,
+                                                     split_reduce="cta", x_layout="shuffle")),
+    ("cta_split4_perm_m3", 3, im.Int4MatmulConfig(block_n=64, block_k=128, swap_ab=True, split_k=4,
+                                                  split_reduce="cta")),
+    ("cta_split2_w2_m7", 7, im.Int4MatmulConfig(block_n=32, block_k=256, num_warps=2, swap_ab=True, split_k=2,
+                                                split_reduce="cta", x_layout="shuffle")),
+    ("cta_split8_w8_m2", 2, im.Int4MatmulConfig(block_n=128, block_k=128, num_warps=8, swap_ab=True, split_k=8,
+                                                split_reduce="cta", x_layout="shuffle")),
+    ("cta_split4_m16", 16, im.Int4MatmulConfig(block_n=64, block_k=128, swap_ab=True, split_k=4,
+                                               split_reduce="cta", x_layout="shuffle")),
 ])
 def test_int4_matmul_configs(name, m, cfg):
     n, k = 128, 1024
@@ -115,6 +142,16 @@ def test_split_planes_is_perm_columns():
     got = jnp.concatenate(tile.split_planes(x), axis=1)
     np.testing.assert_array_equal(np.asarray(got, np.float32),
                                   np.asarray(tile.perm_columns(x), np.float32))
+
+
+def test_int4_matmul_cta_rejects_what_it_cannot_tile():
+    p, s = int4_ref.random_int4(_key("cta_bad", "w"), (128, 1024))
+    cfg = im.Int4MatmulConfig(block_n=64, block_k=128, swap_ab=True, split_k=4, split_reduce="cta")
+    x = jnp.zeros((17, 1024), jnp.bfloat16)                  # 4 slices x 32 padded tokens > 64 columns
+    with pytest.raises(ValueError, match="M=17"):
+        im.int4_matmul(x, p, s, config=cfg)
+    with pytest.raises(ValueError, match="swap_ab"):
+        im.int4_matmul(x[:1], p, s, config=im.Int4MatmulConfig(split_k=4, split_reduce="cta"))
 
 
 def test_int4_config_rejects_unknown_modes():
