@@ -45,6 +45,9 @@ flags.DEFINE_list("sweep_layouts", ["i32"], "int4 suite: weight layouts every sw
                   "serves; i16 = repacked half-words (up to the sixth session the swept configs ran in i16 only)")
 flags.DEFINE_list("check_tokens", ["1", "3", "7", "33"], "check section: MoE token counts every swept config is "
                   "checked at (random and all-on-one-expert routing each); fewer makes a wide sweep's check cheaper")
+flags.DEFINE_bool("dense_profile", False, "int4 suite, dense section: also profile every timed config (i32): "
+                  "device us per op and the span per call (at 8-17 MB per call the wall clock spread up to 70 percent "
+                  "between runs in the thirteenth session)")
 flags.DEFINE_bool("moe_profile", False, "int4 suite, moe section: also profile every timed config (i32) at each "
                   "T: device time per op and the gaps between them (kimi_jax.profiling.device_ops_per_call)")
 flags.DEFINE_bool("dry", False, "tiny shapes (CPU dry run of the script itself)")
@@ -662,14 +665,17 @@ def section_dense():
                 fn = jax.jit(lambda xs, ps, ss: [
                     im.int4_matmul(xs[c], ps[c % nm], ss[c % nm], config=cfg)
                     for c in range(passes * nm)])
-                return time_jax(fn, (xs, packed, ss), passes * nm)
+                return fn, time_jax(fn, (xs, packed, ss), passes * nm)
 
             for cname, cfg in dense_sweep(FLAGS.dense_configs, k):
                 for layout, packed in (("i16", ps16), ("i32", ps)):
                     if layout not in FLAGS.sweep_layouts and cname != "default":
                         continue
                     try:
-                        t = run_ours(cfg, packed)
+                        fn, t = run_ours(cfg, packed)
+                        if FLAGS.dense_profile and layout == "i32":
+                            _moe_profile(case, fn, (xs, packed, ss), passes * nm, t, section="dense_profile",
+                                         config=cname)
                         row = dict(section="dense", case=case, impl="pallas", config=cname,
                                    layout=layout, t=t, bytes=nbytes, flops=flops,
                                    gbps=nbytes / t / 1e9,
@@ -742,14 +748,15 @@ def _routing(key, t, e_, topk):
     return idx.astype(jnp.int32), w / w.sum(-1, keepdims=True)
 
 
-def _moe_profile(case, fn, args, calls, wall_t):
-    """Where a MoE call's time goes: device us per op (by kernel), their sum, the span from the first
-    op's start to the last op's end per call, and the gaps (span - ops: launch boundaries, ramps)."""
+def _moe_profile(case, fn, args, calls, wall_t, section="moe_profile", **extra):
+    """Where a MoE (or, section 'dense_profile', a dense) call's time goes: device us per op (by kernel),
+    their sum, the span from the first op's start to the last op's end per call, and the gaps (span - ops:
+    launch boundaries, ramps)."""
     from kimi_jax import profiling
     per_op, span, tdir = profiling.device_ops_per_call(fn.lower(*args).compile(), args, calls)
     busy = sum(per_op.values())
-    record(section="moe_profile", case=case, ops_us=per_op, busy_us=busy, span_us=span,
-           wall_us=wall_t * 1e6, trace_dir=tdir)
+    record(section=section, case=case, ops_us=per_op, busy_us=busy, span_us=span,
+           wall_us=wall_t * 1e6, trace_dir=tdir, **extra)
     log(case, f"profile: wall {wall_t * 1e6:.1f} us/call, device span {span:.1f}, ops {busy:.1f}, "
               f"gaps {span - busy:.1f}")
     for name, us in list(per_op.items())[:8]:

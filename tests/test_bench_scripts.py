@@ -242,6 +242,20 @@ def test_bench_moe_profile_records_device_time_per_kernel(tmp_path):
     assert p["busy_us"] == pytest.approx(sum(p["ops_us"].values())) and p["span_us"] > 0
 
 
+def test_bench_dense_profile_records_device_time_per_call(tmp_path):
+    """bench --dense_profile (dry shapes, CPU): each timed i32 dense config gets a dense_profile record
+    (per-op device time, the span per call); the i16 timings are not profiled."""
+    out = str(tmp_path / "dp")
+    r = _run("launch.bench", "--suite=int4", "--dry", "--sections=dense", "--ms=1", "--dense_configs=small",
+             "--num_mats=2", "--reps=1", "--nobaselines", "--dense_profile", "--out", out, timeout=400)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in open(os.path.join(out, "results.jsonl"))]
+    prof = [x for x in rows if x.get("section") == "dense_profile"]
+    assert [(x["case"], x["config"]) for x in prof] == [("dense gate_up M=1", "default"),
+                                                         ("dense down M=1", "default")]
+    assert all(x["ops_us"] and x["span_us"] > 0 for x in prof)
+
+
 def test_bench_throughput_cli_compares_prefill_chunks(tmp_path):
     """bench --suite=throughput --tp_prefill_chunks: one table row per chunk size with the latency columns,
     and each later size's greedy tokens compared with the first's (identical on CPU in float32)."""
