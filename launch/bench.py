@@ -674,7 +674,7 @@ def section_dense():
                     try:
                         fn, t = run_ours(cfg, packed)
                         if FLAGS.dense_profile and layout == "i32":
-                            _moe_profile(case, fn, (xs, packed, ss), passes * nm, t, section="dense_profile",
+                            _profile_ops(case, fn, (xs, packed, ss), passes * nm, t, section="dense_profile",
                                          config=cname)
                         row = dict(section="dense", case=case, impl="pallas", config=cname,
                                    layout=layout, t=t, bytes=nbytes, flops=flops,
@@ -748,7 +748,7 @@ def _routing(key, t, e_, topk):
     return idx.astype(jnp.int32), w / w.sum(-1, keepdims=True)
 
 
-def _moe_profile(case, fn, args, calls, wall_t, section="moe_profile", **extra):
+def _profile_ops(case, fn, args, calls, wall_t, section="moe_profile", **extra):
     """Where a MoE (or, section 'dense_profile', a dense) call's time goes: device us per op (by kernel),
     their sum, the span from the first op's start to the last op's end per call, and the gaps (span - ops:
     launch boundaries, ramps)."""
@@ -810,7 +810,7 @@ def section_moe():
                     log(case, cname, layout, f"{tm * 1e6:.1f}us", f"touched={touched:.1f}",
                         f"x{tm / roof:.2f} of roofline" if roof else "")
                     if FLAGS.moe_profile and layout == "i32":
-                        _moe_profile(case, fn, (x, routes, gg, uu, dd), R, tm)
+                        _profile_ops(case, fn, (x, routes, gg, uu, dd), R, tm)
                 except Exception as ex:  # noqa: BLE001
                     record_failure("moe", case, cname, layout, ex)
         if not FLAGS.baselines:

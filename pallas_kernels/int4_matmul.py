@@ -23,8 +23,9 @@ weights) and runs 4 MMAs against the activation pair-planes (x's columns permute
 `x_layout='perm'`, or in registers from a contiguous load, `'shuffle'`: one launch per call).
 Split-K partials are summed by one XLA op (`split_reduce='xla'`), by f32 atomics into a zeroed
 buffer (`'atomic'`), or never leave the program (`'cta'`, the default at M <= 8: its MMA rows are
-K-slices of its weight rows, `_kernel_cta`; one launch, bf16 out). For decode the tokens are the MMA's 16-row side and the 4 warps split the weight
-rows, so no weight is dequantized twice (checked in the SASS). Rows past M are masked.
+K-slices of its weight rows, `_kernel_cta`; one launch, bf16 out). For decode the tokens are the
+MMA's 16-row side and the 4 warps split the weight rows, so no weight is dequantized twice (checked
+in the SASS). Rows past M are masked.
 
 `interpret=None`: interpret on CPU, compiled on GPU. In interpret mode the 'asm' dequantizer is replaced
 by the bit-identical 'f32' one (inline PTX cannot run on CPU).

@@ -163,46 +163,42 @@ def _grouped_kernel(*refs, k, n_weights, group, bm, bn, bk, cfg: MoeGmmConfig, m
             arow = jnp.minimum(rr, rows_a - 1)
         arow = arow[:, None]
 
-        def body(kk, accs):
-            c0 = pl.multiple_of(kk * bc, bc)
-            xs = tile.load_x_planes(a_ref, arow, valid[:, None], kk, c0, k, bk, a_layout)
-            new = []
-            for (w_ref, s_ref), acc in zip(ws, accs):
-                w = tile.load(w_ref.at[e, pl.ds(n0, bn), pl.ds(c0, bc)])
-                s = tile.load(s_ref.at[e, pl.ds(n0, bn), pl.ds(kk * bkg, bkg)])
-                planes = tile.dequant_pairs(w, tile.expand_scale(s, bc), mode)
-                for p in range(tile.NPLANES):
-                    acc = acc + tile.plane_dot(planes[p], xs[p], cfg.swap_ab)
-                new.append(acc)
-            return tuple(new)
-
         acc_shape = (bn, bm) if cfg.swap_ab else (bm, bn)
+
+        def k_loop(weights, row0):
+            """The K loop over D for rows [row0, row0 + bn) of each (packed, scale) weight: one f32
+            accumulator per weight, the activation planes loaded once per step for all of them."""
+            def body(kk, accs):
+                c0 = pl.multiple_of(kk * bc, bc)
+                xs = tile.load_x_planes(a_ref, arow, valid[:, None], kk, c0, k, bk, a_layout)
+                new = []
+                for (w_ref, s_ref), acc in zip(weights, accs):
+                    w = tile.load(w_ref.at[e, pl.ds(row0, bn), pl.ds(c0, bc)])
+                    s = tile.load(s_ref.at[e, pl.ds(row0, bn), pl.ds(kk * bkg, bkg)])
+                    planes = tile.dequant_pairs(w, tile.expand_scale(s, bc), mode)
+                    for p in range(tile.NPLANES):
+                        acc = acc + tile.plane_dot(planes[p], xs[p], cfg.swap_ab)
+                    new.append(acc)
+                return tuple(new)
+            init = tuple(jnp.zeros(acc_shape, jnp.float32) for _ in weights)
+            return lax.fori_loop(0, k // bk, body, init)
+
         if out_mode == "halves":
             # program column j: weight j // nb (gate 0, up 1), its rows n0 % F; each program streams
             # ONE weight (pl.when, not a select of refs: each branch loads from a static ref)
             nb = n_out // bn
             which, n0h = j // nb, pl.multiple_of((j % nb) * bn, bn)
             pc = tile.perm_index(n0h + jnp.arange(bn, dtype=jnp.int32), n_out)
-            for w_i, (w_ref, s_ref) in enumerate(ws):
+            for w_i, weight in enumerate(ws):
                 @pl.when(which == w_i)
-                def _(w_ref=w_ref, s_ref=s_ref, w_i=w_i):
-                    def body1(kk, acc):
-                        c0 = pl.multiple_of(kk * bc, bc)
-                        xs = tile.load_x_planes(a_ref, arow, valid[:, None], kk, c0, k, bk, a_layout)
-                        w = tile.load(w_ref.at[e, pl.ds(n0h, bn), pl.ds(c0, bc)])
-                        s = tile.load(s_ref.at[e, pl.ds(n0h, bn), pl.ds(kk * bkg, bkg)])
-                        planes = tile.dequant_pairs(w, tile.expand_scale(s, bc), mode)
-                        for p in range(tile.NPLANES):
-                            acc = acc + tile.plane_dot(planes[p], xs[p], cfg.swap_ab)
-                        return acc
-                    acc = lax.fori_loop(0, k // bk, body1, jnp.zeros(acc_shape, jnp.float32))
+                def _(weight=weight, w_i=w_i):
+                    acc, = k_loop([weight], n0h)
                     acc = acc.T if cfg.swap_ab else acc                    # [BM, BN]
                     tile.store(o_ref.at[rr[:, None], w_i * n_out + pc[None, :]], acc.astype(o_ref.dtype),
                                mask=valid[:, None])
             return
 
-        init = tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(n_weights))
-        accs = lax.fori_loop(0, k // bk, body, init)
+        accs = k_loop(ws, n0)
         accs = [a.T if cfg.swap_ab else a for a in accs]              # [BM, BN]
         if n_weights == 2:
             g, u = accs

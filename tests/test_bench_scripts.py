@@ -226,14 +226,18 @@ def test_check_chunking_float32_agrees_and_rejects_bad_settings(tmp_path):
     assert bad.returncode != 0 and "16:x:einsum" in bad.stderr
 
 
+def _int4_bench_rows(out, *args):
+    """Run `bench --suite=int4 --dry` with args (CPU); its results.jsonl rows."""
+    r = _run("launch.bench", "--suite=int4", "--dry", "--reps=1", "--nobaselines", *args, "--out", out, timeout=400)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return [json.loads(line) for line in open(os.path.join(out, "results.jsonl"))]
+
+
 def test_bench_moe_profile_records_device_time_per_kernel(tmp_path):
     """bench --moe_profile (dry shapes, CPU): each timed i32 config gets a moe_profile record with its
     ops' device time per call (positive), their sum and the span; i16 timings are not profiled."""
-    out = str(tmp_path / "mp")
-    r = _run("launch.bench", "--suite=int4", "--dry", "--sections=moe", "--batches=1", "--moe_configs=small",
-             "--rotations=2", "--reps=1", "--nobaselines", "--moe_profile", "--out", out, timeout=400)
-    assert r.returncode == 0, r.stderr[-2000:]
-    rows = [json.loads(line) for line in open(os.path.join(out, "results.jsonl"))]
+    rows = _int4_bench_rows(str(tmp_path / "mp"), "--sections=moe", "--batches=1", "--moe_configs=small",
+                            "--rotations=2", "--moe_profile")
     prof = [x for x in rows if x.get("section") == "moe_profile"]
     timed = [x for x in rows if x.get("section") == "moe" and "t" in x]
     assert [x["layout"] for x in timed] == ["i16", "i32"] and len(prof) == 1
@@ -245,11 +249,8 @@ def test_bench_moe_profile_records_device_time_per_kernel(tmp_path):
 def test_bench_dense_profile_records_device_time_per_call(tmp_path):
     """bench --dense_profile (dry shapes, CPU): each timed i32 dense config gets a dense_profile record
     (per-op device time, the span per call); the i16 timings are not profiled."""
-    out = str(tmp_path / "dp")
-    r = _run("launch.bench", "--suite=int4", "--dry", "--sections=dense", "--ms=1", "--dense_configs=small",
-             "--num_mats=2", "--reps=1", "--nobaselines", "--dense_profile", "--out", out, timeout=400)
-    assert r.returncode == 0, r.stderr[-2000:]
-    rows = [json.loads(line) for line in open(os.path.join(out, "results.jsonl"))]
+    rows = _int4_bench_rows(str(tmp_path / "dp"), "--sections=dense", "--ms=1", "--dense_configs=small",
+                            "--num_mats=2", "--dense_profile")
     prof = [x for x in rows if x.get("section") == "dense_profile"]
     assert [(x["case"], x["config"]) for x in prof] == [("dense gate_up M=1", "default"),
                                                          ("dense down M=1", "default")]
