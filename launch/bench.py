@@ -34,6 +34,9 @@ flags.DEFINE_string("out", os.environ.get("OUT", "out/bench"), "directory for de
 flags.DEFINE_list("sections", ["info", "ceil", "check", "moe", "dense"], "sections to run")
 flags.DEFINE_integer("num_mats", 64, "distinct weight matrices rotated over (dense)")
 flags.DEFINE_integer("rotations", 8, "distinct routings rotated over (MoE)")
+flags.DEFINE_integer("moe_experts", 384, "MoE section: routed experts allocated (Kimi: 384; fewer spans less "
+                     "memory with the same experts touched per call, e.g. to see what the weights' footprint "
+                     "costs beyond the bytes read)")
 flags.DEFINE_integer("reps", 7, "timed repetitions (median)")
 flags.DEFINE_list("ms", ["1", "4", "16"], "dense token counts")
 flags.DEFINE_list("batches", ["1", "16", "64", "256"], "MoE token counts")
@@ -199,6 +202,22 @@ def dense_sweep(name, k=7168):
                                           x_layout="shuffle", num_stages=4)),
             ("default_again", C(block_m=8, block_n=64, block_k=256, swap_ab=True, split_k=4,
                                 split_reduce="atomic", x_layout="shuffle")),
+        ],
+        # fourteenth session: every K step of a program in flight at once. At M = 1 a gate+up program
+        # streams 16 rows x 7168 in 7 steps with 2 in flight (3 stages): ~64 KB over a few us, so its
+        # ramp is the kernel's time (ncu: 10.0 us for 16.5 MB, 38% of copy). sass_probe, sm_90, gate+up
+        # M = 1: 8 stages = 96 registers, 91 KB shared memory (2 CTAs per SM, the 256 programs' one wave).
+        "cta_deep": [
+            ("default", None),
+            ("shuf_cta_s4_k256_st5", C(block_n=64, block_k=256, swap_ab=True, split_k=4, split_reduce="cta",
+                                       x_layout="shuffle", num_stages=5)),
+            ("shuf_cta_s4_k256_st8", C(block_n=64, block_k=256, swap_ab=True, split_k=4, split_reduce="cta",
+                                       x_layout="shuffle", num_stages=8)),
+            ("shuf_cta_s2_k256_st5", C(block_n=64, block_k=256, swap_ab=True, split_k=2, split_reduce="cta",
+                                       x_layout="shuffle", num_stages=5)),
+            ("shuf_cta_s2_k256_st8", C(block_n=64, block_k=256, swap_ab=True, split_k=2, split_reduce="cta",
+                                       x_layout="shuffle", num_stages=8)),
+            ("default_again", None),
         ],
         "small": [("default", None)],
     }
@@ -649,10 +668,22 @@ def section_dense():
         # (read + write), timed exactly like the kernels (one jit, enqueued back to back)
         srcs = [jax.random.bits(jax.random.fold_in(key, 90000 + i), (wbytes // 8,), jnp.uint32)
                 for i in range(nm)]
-        t = time_jax(jax.jit(lambda vs: [v ^ jnp.uint32(1) for v in vs]), (srcs,), nm)
+        copy_fn = jax.jit(lambda vs: [v ^ jnp.uint32(1) for v in vs])
+        t = time_jax(copy_fn, (srcs,), nm)
         record(section="dense", case=f"dense {shape_name}", impl="copy_same_size", t=t,
                bytes=wbytes, gbps=wbytes / t / 1e9)
         log(f"dense {shape_name}", "same-size copy", f"{t * 1e6:.2f}us", f"{wbytes / t / 1e9:.0f}GB/s")
+        if FLAGS.dense_profile:
+            # the floor of any op that reads these bytes, by device time like the kernels' rows: the
+            # same-size copy (reads and writes wbytes) and a same-size read (an XLA sum: reads wbytes)
+            _profile_ops(f"dense {shape_name}", copy_fn, (srcs,), nm, t, section="dense_profile",
+                         config="copy_same_size")
+            read_fn = jax.jit(lambda vs: [jnp.sum(v, dtype=jnp.uint32) for v in vs])
+            t_read = time_jax(read_fn, (srcs,), nm)
+            record(section="dense", case=f"dense {shape_name}", impl="read_same_size", t=t_read,
+                   bytes=wbytes, gbps=wbytes / t_read / 1e9)
+            _profile_ops(f"dense {shape_name}", read_fn, (srcs,), nm, t_read, section="dense_profile",
+                         config="read_same_size")
         del srcs
         for m in [int(v) for v in FLAGS.ms]:
             xs = [jax.random.normal(jax.random.fold_in(key, 7 + j), (m, k), jnp.bfloat16)
@@ -698,6 +729,8 @@ def section_dense():
                 record(section="dense", case=case, impl="xla_bf16", t=t,
                        bytes=n * k * 2 + m * k * 2 + m * n * 2, flops=flops)
                 log(case, "xla_bf16", f"{t * 1e6:.2f}us")
+                if FLAGS.dense_profile:
+                    _profile_ops(case, fn, (xs, wb), passes * nm, t, section="dense_profile", config="xla_bf16")
                 # cuBLAS bf16 (torch), same weights through dlpack
                 import torch
                 tw = [torch.from_dlpack(w) for w in wb]
@@ -757,7 +790,7 @@ def _profile_ops(case, fn, args, calls, wall_t, section="moe_profile", **extra):
     busy = sum(per_op.values())
     record(section=section, case=case, ops_us=per_op, busy_us=busy, span_us=span,
            wall_us=wall_t * 1e6, trace_dir=tdir, **extra)
-    log(case, f"profile: wall {wall_t * 1e6:.1f} us/call, device span {span:.1f}, ops {busy:.1f}, "
+    log(case, extra.get("config", ""), f"profile: wall {wall_t * 1e6:.1f} us/call, device span {span:.1f}, ops {busy:.1f}, "
               f"gaps {span - busy:.1f}")
     for name, us in list(per_op.items())[:8]:
         log(f"    {us:8.1f} us  {name[:110]}")
@@ -768,7 +801,9 @@ def section_moe():
     import jax.numpy as jnp
     import numpy as np
     from pallas_kernels import int4_ref, moe_gmm as mg
-    e_, d, f, topk = (24, 512, 256, 8) if FLAGS.dry else (384, 7168, 2048, 8)
+    e_, d, f, topk = (24, 512, 256, 8) if FLAGS.dry else (FLAGS.moe_experts, 7168, 2048, 8)
+    if e_ < topk:
+        raise app.UsageError(f"--moe_experts={e_}: fewer experts than top-{topk}")
     key = jax.random.PRNGKey(2)
     g = int4_ref.random_int4(jax.random.fold_in(key, 1), (e_, f, d))
     u = int4_ref.random_int4(jax.random.fold_in(key, 2), (e_, f, d))
@@ -782,7 +817,7 @@ def section_moe():
         if time.time() - _T0 > FLAGS.budget_s:
             log("budget exhausted; skipping moe T =", t)
             break
-        case = f"moe T={t}"
+        case = f"moe T={t}" + (f" E={e_}" if FLAGS.moe_experts != 384 else "")
         x = jax.random.normal(jax.random.fold_in(key, 10 + t), (t, d), jnp.bfloat16)
         routes = [_routing(jax.random.fold_in(key, 1000 * t + r), t, e_, topk) for r in range(R)]
         touched = float(np.mean([np.unique(np.asarray(i)).size for i, _ in routes]))

@@ -248,13 +248,17 @@ def test_bench_moe_profile_records_device_time_per_kernel(tmp_path):
 
 def test_bench_dense_profile_records_device_time_per_call(tmp_path):
     """bench --dense_profile (dry shapes, CPU): each timed i32 dense config gets a dense_profile record
-    (per-op device time, the span per call); the i16 timings are not profiled."""
+    (per-op device time, the span per call), and so do each shape's same-size copy and read (the floor
+    of any op moving those bytes); the i16 timings are not profiled."""
     rows = _int4_bench_rows(str(tmp_path / "dp"), "--sections=dense", "--ms=1", "--dense_configs=small",
                             "--num_mats=2", "--dense_profile")
     prof = [x for x in rows if x.get("section") == "dense_profile"]
-    assert [(x["case"], x["config"]) for x in prof] == [("dense gate_up M=1", "default"),
-                                                         ("dense down M=1", "default")]
+    assert [(x["case"], x["config"]) for x in prof] == [
+        ("dense gate_up", "copy_same_size"), ("dense gate_up", "read_same_size"), ("dense gate_up M=1", "default"),
+        ("dense down", "copy_same_size"), ("dense down", "read_same_size"), ("dense down M=1", "default")]
     assert all(x["ops_us"] and x["span_us"] > 0 for x in prof)
+    assert [x["impl"] for x in rows if x.get("section") == "dense" and x.get("impl", "").endswith("_size")] == [
+        "copy_same_size", "read_same_size"] * 2
 
 
 def test_bench_throughput_cli_compares_prefill_chunks(tmp_path):
