@@ -219,6 +219,26 @@ def dense_sweep(name, k=7168):
                                        x_layout="shuffle", num_stages=8)),
             ("default_again", None),
         ],
+        # fourteenth session: M = 4 and 16 by device time (--dense_profile). The default at M = 16 (32 rows per
+        # program, 128 programs at gate+up) ran 14.5 us for 16.9 MB, near XLA's bf16 matmul; every program
+        # re-reads x (M x K bf16) from L2, so 4096 / R programs move 4096 / R x 229 KB of activations at
+        # M = 16: 29 MB at R = 32, 59 MB at R = 16 (the 4-slice 'cta' kernel) against 16.5 MB of weights.
+        # More rows per program with split-K keeps the programs without the activation traffic.
+        "m16": [
+            ("default", None),
+            ("cta_s2_shuf", C(block_n=64, block_k=256, swap_ab=True, split_k=2, split_reduce="cta",
+                              x_layout="shuffle")),
+            ("cta_s2_perm", C(block_n=64, block_k=256, swap_ab=True, split_k=2, split_reduce="cta")),
+            ("cta_s4_shuf", C(block_n=64, block_k=256, swap_ab=True, split_k=4, split_reduce="cta",
+                              x_layout="shuffle")),
+            ("sw_bm16_bn64_s4_xla", C(block_m=16, block_n=64, block_k=256, swap_ab=True, split_k=4)),
+            ("sw_bm16_bn64_s4_atomic_shuf", C(block_m=16, block_n=64, block_k=256, swap_ab=True, split_k=4,
+                                              split_reduce="atomic", x_layout="shuffle")),
+            ("sw_bm16_bn64_s8_k128_xla", C(block_m=16, block_n=64, block_k=128, swap_ab=True, split_k=8)),
+            ("sw_bm16_bn128_w8_s4_xla", C(block_m=16, block_n=128, block_k=256, num_warps=8, swap_ab=True,
+                                          split_k=4)),
+            ("default_again", None),
+        ],
         "small": [("default", None)],
     }
     return sweeps[name]
