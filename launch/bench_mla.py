@@ -287,7 +287,8 @@ def _forced(name):
 
 
 # Named variants of the Mosaic GPU serving config: the fields they change.
-MGPU_VARIANTS = {"mgpu_fin": {"finish": "kernel"}, "mgpu_bal": {"schedule": "balanced"}, "mgpu_2w": {"waves": 2}}
+MGPU_VARIANTS = {"mgpu_fin": {"finish": "kernel"}, "mgpu_bal": {"schedule": "balanced"}, "mgpu_2w": {"waves": 2},
+                 "mgpu_mtail": {"mask_tail_only": True}}
 
 
 def _op(name, cfg, scale):
@@ -303,8 +304,10 @@ def _op(name, cfg, scale):
     if name in MGPU_VARIANTS:
         import dataclasses
         from pallas_kernels import mla_decode_mgpu as mg
+        import jax
         cfg = dataclasses.replace(mg.SERVING_CONFIG, **MGPU_VARIANTS[name])
-        return lambda *a: mg.mla_paged_attention_mgpu(*a, scale, config=cfg)
+        interpret = jax.default_backend() == "cpu"          # --dry on CPU: the Mosaic GPU interpreter
+        return lambda *a: mg.mla_paged_attention_mgpu(*a, scale, config=cfg, interpret=interpret)
     return lambda *a: md.mla_paged_attention(*a, scale, config=cfg)
 
 

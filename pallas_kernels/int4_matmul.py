@@ -89,8 +89,10 @@ def default_config(m: int, n: int, k: int) -> Int4MatmulConfig:
     10.3 / 10.0 and 8.1 / 8.1 kernel plus an XLA zero fill and a cast (~2.5 us each under ncu). Shapes it
     cannot tile take that previous default (split-K 4 summed by f32 atomics). 8 < M <= 32: tokens on
     the MMA's 16-row side, 4 warps each streaming 8 of the 32 weight rows of a program (no weight is
-    dequantized twice), 1024-wide K steps, 4 stages: at M = 16 every single-launch variant was within
-    noise of it."""
+    dequantized twice), 1024-wide K steps, 4 stages. 8 < M <= 16 (fourteenth session, device time in
+    the stream, BENCHMARKS.md): K < 4096 (down 7168 x 2048) the 'cta' kernel with 2 slices, 8.6-9.0 us
+    against that config's 11.4-12.1; K >= 4096 (gate+up 4096 x 7168) 64 weight rows per program on the
+    MMA's M side, split-K 4 summed by one XLA op, 12.9 us against 14.5."""
     split = _cta_split(m, n, k)
     if split:
         return Int4MatmulConfig(block_n=64, block_k=256, swap_ab=True, split_k=split, split_reduce="cta",
@@ -98,6 +100,11 @@ def default_config(m: int, n: int, k: int) -> Int4MatmulConfig:
     if m <= 8 and k % (4 * 256) == 0 and n % 64 == 0:
         return Int4MatmulConfig(block_m=8, block_n=64, block_k=256, swap_ab=True, split_k=4,
                                 split_reduce="atomic", x_layout="shuffle")
+    if 8 < m <= 16 and k < 4096 and k % 512 == 0 and n % 32 == 0:
+        return Int4MatmulConfig(block_n=64, block_k=256, swap_ab=True, split_k=2, split_reduce="cta",
+                                x_layout="shuffle")
+    if 8 < m <= 16 and k % 1024 == 0 and n % 64 == 0:
+        return Int4MatmulConfig(block_m=16, block_n=64, block_k=256, swap_ab=True, split_k=4)
     if m <= 32:
         return Int4MatmulConfig(block_m=16, block_n=32, block_k=1024, num_warps=4, num_stages=4,
                                 swap_ab=False, x_layout="perm")

@@ -350,6 +350,7 @@ class MgpuConfig:
     #                               than the shared-memory slots hold; 0: off)
     bt_ahead: bool = False        # version 2: block-table entries read one step ahead (carried)
     early_pv: bool = False        # version 2: own-tile P @ C issued before the P exchange wait
+    mask_tail_only: bool = False  # version 2: scores masked only in tiles that reach past the split's end
     finish: str = "xla"           # new tokens + combine: 'xla' or 'kernel' (mla_finish.finish_partials,
     #                               one Triton launch; [B, splits, M, A] partials only, not o_bmsa)
     schedule: str = "rows"        # 'rows' or 'balanced' (mla_decode.MlaDecodeConfig.schedule)
@@ -601,16 +602,23 @@ def _init_carry(bn: int, interpret: bool):
             _lc(jnp.zeros((_ROWS,), jnp.float32), _ROW_LAYOUT, interpret))
 
 
-def _scores(q_smem, tile, valid, qk_scale: float, interpret: bool):
-    """S = Q tile^T [64, bk] f32 (wgmma, K = C), scaled (log2 units); tokens >= `valid` masked."""
+def _scores(q_smem, tile, valid, qk_scale: float, interpret: bool, mask_tail_only: bool = False):
+    """S = Q tile^T [64, bk] f32 (wgmma, K = C), scaled (log2 units); tokens >= `valid` masked.
+    mask_tail_only: the mask (an iota, a compare and a select per score) only where the tile reaches
+    past the end (valid < bk: the split's last tile, or a padding tile), a branch elsewhere."""
     bk = tile.shape[0]
 
     def qk(s_ref):
         plgpu.wgmma(s_ref, q_smem, tile.transpose((1, 0)))
         return s_ref[...]
-    s = pl.run_scoped(qk, plgpu.ACC((_ROWS, bk), jnp.float32))
-    tok = _lc(lax.broadcasted_iota(jnp.int32, (_ROWS, bk), 1), plgpu.Layout.WGMMA, interpret)
-    return jnp.where(tok < valid, s * qk_scale, _NEG)
+    s = pl.run_scoped(qk, plgpu.ACC((_ROWS, bk), jnp.float32)) * qk_scale
+
+    def masked(s):
+        tok = _lc(lax.broadcasted_iota(jnp.int32, (_ROWS, bk), 1), plgpu.Layout.WGMMA, interpret)
+        return jnp.where(tok < valid, s, _NEG)
+    if not mask_tail_only:
+        return masked(s)
+    return lax.cond(valid >= bk, lambda s: s, masked, s)
 
 
 def _accumulate(acc, operands, interpret: bool):
@@ -866,7 +874,8 @@ def _split_s_row_sums(leader, consumed, n_pairs, npairs, exchange, l_part, p_bar
 
 def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages: int,
                     splits: int, qk_scale: float, interpret: bool, o_bmsa: bool = False,
-                    prefetch: int = 0, bt_ahead: bool = False, early_pv: bool = False):
+                    prefetch: int = 0, bt_ahead: bool = False, early_pv: bool = False,
+                    mask_tail_only: bool = False):
     """Version 2 ("split S", FlashMLA-style): 2 warpgroups per CTA, grid (row_blocks, splits, B).
     Per pair i of block_k-token tiles (2i, 2i + 1) of the split, warpgroup h:
       1. waits for tile 2i + h, S_h = Q tile^T [64, bk] (wgmma, K = C), scaled and masked, and
@@ -915,7 +924,7 @@ def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int
             other = 2 * ps + 1 - h
             plgpu.barrier_wait(k_bars.at[mine])
             s = _scores(q_smem, k_smem.at[mine], end - (start + (2 * i + h) * bk), qk_scale,
-                        interpret)
+                        interpret, mask_tail_only)
             m_next = exchange(jnp.maximum(m_prev, s.max(axis=1)), jnp.maximum)
             corr = jnp.exp2(m_prev - m_next)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
@@ -1187,7 +1196,8 @@ def mla_decode_partials_mgpu(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, leng
                                    o_bmsa=cfg.o_bmsa,
                                    prefetch=0 if interp else cfg.l2_prefetch,
                                    **({} if cfg.seesaw else dict(bt_ahead=cfg.bt_ahead,
-                                                                 early_pv=cfg.early_pv)))
+                                                                 early_pv=cfg.early_pv,
+                                                                 mask_tail_only=cfg.mask_tail_only)))
         extra = dict(reduction_scratch_bytes=_SPLIT_S_REDUCTION_SCRATCH)
     else:
         kernel = functools.partial(_kernel, bk=cfg.block_k, stages=cfg.stages, splits=splits,
@@ -1351,6 +1361,7 @@ def variant_configs(semantics: str = "Lane") -> dict:
     return {
         "wg2s_k32s4_bta": dataclasses.replace(ss, bt_ahead=True),
         "wg2s_k32s4_epv": dataclasses.replace(ss, early_pv=True),
+        "serving_mtail": dataclasses.replace(SERVING_CONFIG, semantics=semantics, mask_tail_only=True),
         "wg2s_k32s2": dataclasses.replace(ss, stages=2),
         "wg2s_k16s8": dataclasses.replace(ss, block_k=16, stages=8),
         "wg2s_k16s6": dataclasses.replace(ss, block_k=16, stages=6),

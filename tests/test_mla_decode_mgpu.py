@@ -89,6 +89,7 @@ def test_two_warpgroup_variant(lengths, heads, t, page, splits):
     ([280, 0], 2, 64, 1, {}),
     ([1, 16, 97], 1, 16, 2, dict(bt_ahead=True, early_pv=True)),
     ([280, 0], 2, 64, 1, dict(bt_ahead=True, early_pv=True, l2_prefetch=1)),
+    ([1, 16, 97], 1, 16, 2, dict(bt_ahead=True, early_pv=True, mask_tail_only=True)),
 ])
 def test_split_s_variant(lengths, t, page, splits, options):
     """split_s: each warpgroup scores one tile of a pair, the row maxima and the final row sums are
@@ -197,20 +198,22 @@ def _abstract_args(page: int, B: int = 2, P: int = 32):
     (32, 16, 2, True, False), (32, 64, 2, True, False), (32, 16, 2, True, True),
     (32, 16, 2, True, "bmsa"), (32, 16, 2, True, "serving"), (32, 64, 2, True, "serving"),
     (32, 16, 2, True, "prefetch"), (32, 64, 2, True, "prefetch"), (32, 16, 2, True, "balanced"),
-    (64, 16, 1, False, "balanced")])
+    (64, 16, 1, False, "balanced"), (32, 16, 2, True, "mtail")])
 def test_lowers_for_cuda(semantics, block_k, page, wgs, split_s, seesaw, monkeypatch):
     """The GPU path (no interpreter) lowers to Mosaic GPU MLIR for cuda on a CPU-only host (the
     lowering also checks the CTA's shared memory against the 227 KiB of sm_90: the split_s config
     resolves to 4 stages, 231,496 B; seesaw: 2 more barriers, 231,512 B)."""
     args = _abstract_args(page)
     # "bmsa": seesaw + o_bmsa; "serving": SERVING_CONFIG's options; "prefetch": L2 prefetches;
-    # "balanced": the balanced schedule (the serving options too with split_s)
+    # "balanced": the balanced schedule (the serving options too with split_s); "mtail": the serving
+    # options with the scores masked only in a split's tail tiles (a branch on the tile)
     variant = seesaw if isinstance(seesaw, str) else ""
-    serving = variant == "serving" or (variant == "balanced" and split_s)
+    serving = variant in ("serving", "mtail") or (variant == "balanced" and split_s)
     cfg = mg.MgpuConfig(block_k=block_k, semantics=semantics, warpgroups=wgs, split_s=split_s,
                         seesaw=variant == "bmsa" or seesaw is True, o_bmsa=variant == "bmsa",
                         bt_ahead=serving, early_pv=serving, l2_prefetch=2 if variant == "prefetch" else 0,
-                        schedule="balanced" if variant == "balanced" else "rows")
+                        schedule="balanced" if variant == "balanced" else "rows",
+                        mask_tail_only=variant == "mtail")
     boxes = []
     prefetch = mg.plgpu.async_prefetch
 

@@ -89,6 +89,18 @@ def test_int4_matmul_default_one_launch_at_large_k(m):
     assert names.count("pallas_call") == 1 and "broadcast_in_dim" not in names, names
 
 
+@pytest.mark.parametrize("m", [9, 16])
+@pytest.mark.parametrize("n,k,kind", [(64, 1024, "cta"), (64, 4096, "split4")])
+def test_int4_matmul_default_m9_to_16(m, n, k, kind):
+    """8 < M <= 16: K < 4096 takes the 'cta' kernel (2 slices, 2 * 16 token columns), K >= 4096 split-K 4
+    over 64-row programs summed by XLA; both against the reference."""
+    cfg = im.default_config(m, n, k)
+    assert (cfg.split_reduce, cfg.split_k) == (("cta", 2) if kind == "cta" else ("xla", 4))
+    p, s = int4_ref.random_int4(_key("dense_m16", m, k, "w"), (n, k))
+    x = jax.random.normal(_key("dense_m16", m, k, "x"), (m, k), jnp.bfloat16)
+    assert _rel(im.int4_matmul(x, p, s), im.int4_matmul_reference(x, p, s)) <= 1e-2
+
+
 @pytest.mark.parametrize("name,m,cfg", [
     ("swap_bm8_split2", 3, im.Int4MatmulConfig(block_m=8, block_n=64, block_k=256, swap_ab=True,
                                                split_k=2)),
