@@ -34,7 +34,8 @@ flags.DEFINE_string("out", os.environ.get("OUT", "out/bench"), "directory for de
 flags.DEFINE_list("sections", ["info", "ceil", "check", "moe", "dense"], "sections to run")
 flags.DEFINE_integer("num_mats", 64, "distinct weight matrices rotated over (dense)")
 flags.DEFINE_integer("rotations", 8, "distinct routings rotated over (MoE)")
-flags.DEFINE_integer("moe_experts", 384, "MoE section: routed experts allocated (Kimi: 384; fewer spans less "
+KIMI_EXPERTS, KIMI_TOPK = 384, 8      # Kimi-K2.5's routed experts and top-k (the MoE section's shapes)
+flags.DEFINE_integer("moe_experts", KIMI_EXPERTS, "MoE section: routed experts allocated (Kimi: 384; fewer spans less "
                      "memory with the same experts touched per call, e.g. to see what the weights' footprint "
                      "costs beyond the bytes read)")
 flags.DEFINE_integer("reps", 7, "timed repetitions (median)")
@@ -810,8 +811,8 @@ def _profile_ops(case, fn, args, calls, wall_t, section="moe_profile", **extra):
     busy = sum(per_op.values())
     record(section=section, case=case, ops_us=per_op, busy_us=busy, span_us=span,
            wall_us=wall_t * 1e6, trace_dir=tdir, **extra)
-    log(case, extra.get("config", ""), f"profile: wall {wall_t * 1e6:.1f} us/call, device span {span:.1f}, ops {busy:.1f}, "
-              f"gaps {span - busy:.1f}")
+    log(case, extra.get("config", ""), f"profile: wall {wall_t * 1e6:.1f} us/call, device span {span:.1f}, "
+              f"ops {busy:.1f}, gaps {span - busy:.1f}")
     for name, us in list(per_op.items())[:8]:
         log(f"    {us:8.1f} us  {name[:110]}")
 
@@ -821,9 +822,7 @@ def section_moe():
     import jax.numpy as jnp
     import numpy as np
     from pallas_kernels import int4_ref, moe_gmm as mg
-    e_, d, f, topk = (24, 512, 256, 8) if FLAGS.dry else (FLAGS.moe_experts, 7168, 2048, 8)
-    if e_ < topk:
-        raise app.UsageError(f"--moe_experts={e_}: fewer experts than top-{topk}")
+    e_, d, f, topk = (24, 512, 256, KIMI_TOPK) if FLAGS.dry else (FLAGS.moe_experts, 7168, 2048, KIMI_TOPK)
     key = jax.random.PRNGKey(2)
     g = int4_ref.random_int4(jax.random.fold_in(key, 1), (e_, f, d))
     u = int4_ref.random_int4(jax.random.fold_in(key, 2), (e_, f, d))
@@ -837,7 +836,7 @@ def section_moe():
         if time.time() - _T0 > FLAGS.budget_s:
             log("budget exhausted; skipping moe T =", t)
             break
-        case = f"moe T={t}" + (f" E={e_}" if FLAGS.moe_experts != 384 else "")
+        case = f"moe T={t}" + (f" E={e_}" if FLAGS.moe_experts != KIMI_EXPERTS else "")
         x = jax.random.normal(jax.random.fold_in(key, 10 + t), (t, d), jnp.bfloat16)
         routes = [_routing(jax.random.fold_in(key, 1000 * t + r), t, e_, topk) for r in range(R)]
         touched = float(np.mean([np.unique(np.asarray(i)).size for i, _ in routes]))
@@ -1047,6 +1046,8 @@ def main(argv):
         bad = [v for v in FLAGS.sweep_layouts if v not in ("i16", "i32")]
         if bad:
             raise app.UsageError(f"--sweep_layouts: {bad[0]!r} is not i16 or i32")
+        if FLAGS.moe_experts < KIMI_TOPK:
+            raise app.UsageError(f"--moe_experts={FLAGS.moe_experts}: fewer routed experts than top-{KIMI_TOPK}")
         run_int4()
     elif FLAGS.suite == "throughput":
         from launch.bench_throughput import agreement, format_rows, throughput_rows

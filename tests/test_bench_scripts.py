@@ -246,6 +246,13 @@ def test_bench_moe_profile_records_device_time_per_kernel(tmp_path):
     assert p["busy_us"] == pytest.approx(sum(p["ops_us"].values())) and p["span_us"] > 0
 
 
+def test_bench_rejects_fewer_experts_than_top_k(tmp_path):
+    """--moe_experts below top-8 is a one-line usage error naming the flag, before any section runs."""
+    r = _run("launch.bench", "--suite=int4", "--moe_experts=4", "--out", str(tmp_path), timeout=120)
+    assert r.returncode != 0 and "--moe_experts=4: fewer routed experts than top-8" in r.stderr
+    assert not os.path.exists(tmp_path / "results.jsonl")
+
+
 def test_bench_dense_profile_records_device_time_per_call(tmp_path):
     """bench --dense_profile (dry shapes, CPU): each timed i32 dense config gets a dense_profile record
     (per-op device time, the span per call), and so do each shape's same-size copy and read (the floor
