@@ -245,6 +245,21 @@ def dense_sweep(name, k=7168):
     return sweeps[name]
 
 
+BLOCKED_SUFFIX = "_blk"
+
+
+def down_for(cname, cfg, dn, cache):
+    """The down weight a swept MoE config reads: moe_gmm.block_down's layout (blocked for the config's F
+    slice, built once per slice width and kept in cache) for names ending in BLOCKED_SUFFIX, else dn."""
+    if not cname.endswith(BLOCKED_SUFFIX):
+        return dn
+    from pallas_kernels import moe_gmm as mg
+    bf = cfg.block_n_gate_up
+    if bf not in cache:
+        cache[bf] = mg.block_down(*dn, bf)
+    return cache[bf]
+
+
 def moe_sweep(name):
     from pallas_kernels.moe_gmm import MoeGmmConfig as C
     sweeps = {
@@ -445,6 +460,47 @@ def moe_sweep(name):
             ("split_gu_bn128_w8", C(split_gate_up=True, block_n_gate_up=128, num_warps=8, num_warps_down=4)),
             ("default_again", C()),
         ],
+        # fifteenth session: the single launch again, its down phase reading moe_gmm.block_down's layout
+        # (`_blk`: each program's D x BF slice one contiguous block). The fifth session's single launch
+        # (95-152 us at T = 1) read BF/2 bytes of every 1 KB down row and 4-byte scale runs out of 32-byte
+        # sectors (8x over-fetch on scales at BF = 64); blocked, every byte it reads is one it uses, and
+        # the layer is one wave with no phase barrier. sass_probe (sm_90): f64 d256 168 regs / 90 KB
+        # (2 CTAs per SM, 256 programs at T = 1); f128 w8 254 regs / 160 KB (1 CTA per SM, 128 programs).
+        "single_blk": [
+            ("default", None),
+            ("single_f64_d256_relaxed_blk", C(decode="single", block_n_gate_up=64, block_n_down=256,
+                                              single_reduce="relaxed")),
+            ("single_f64_d512_relaxed_blk", C(decode="single", block_n_gate_up=64, block_n_down=512,
+                                              single_reduce="relaxed")),
+            ("single_f64_d128_relaxed_blk", C(decode="single", block_n_gate_up=64, block_n_down=128,
+                                              single_reduce="relaxed")),
+            ("single_f64_d256_atomic_blk", C(decode="single", block_n_gate_up=64, block_n_down=256)),
+            ("single_f64_d256_store_blk", C(decode="single", block_n_gate_up=64, block_n_down=256,
+                                            single_reduce="store")),
+            ("single_f128_d512_w8_relaxed_blk", C(decode="single", block_n_gate_up=128, block_n_down=512,
+                                                  num_warps=8, single_reduce="relaxed")),
+            ("single_f64_d256_relaxed", C(decode="single", block_n_gate_up=64, block_n_down=256,
+                                          single_reduce="relaxed")),
+            ("default_again", C()),
+        ],
+        # fifteenth session, second run: longer down steps (d1024: 219 regs, 2 CTAs per SM), the first down
+        # tile loaded before the gate/up loop (timed as `_pf`, 254 regs: 58.5 us at T = 1 against 57.2, so the
+        # option was removed), gate/up K step 1024 with 2 stages, 8 warps on 128-wide slices; T = 1 and 2
+        "single_blk2": [
+            ("default", None),
+            ("single_f64_d512_relaxed_blk", C(decode="single", block_n_gate_up=64, block_n_down=512,
+                                              single_reduce="relaxed")),
+            ("single_f64_d1024_relaxed_blk", C(decode="single", block_n_gate_up=64, block_n_down=1024,
+                                               single_reduce="relaxed")),
+            ("single_f64_d512_guk1024_s2_relaxed_blk", C(decode="single", block_n_gate_up=64,
+                                                         block_n_down=512, block_k_gate_up=1024,
+                                                         num_stages=2, single_reduce="relaxed")),
+            ("single_f128_d1024_w8_relaxed_blk", C(decode="single", block_n_gate_up=128, block_n_down=1024,
+                                                   num_warps=8, single_reduce="relaxed")),
+            ("default_again", C()),
+            ("single_f64_d512_relaxed_again_blk", C(decode="single", block_n_gate_up=64, block_n_down=512,
+                                                    single_reduce="relaxed", num_warps=4)),
+        ],
     }
     return sweeps[name]
 
@@ -592,7 +648,7 @@ def section_check():
     g = int4_ref.random_int4(jax.random.fold_in(key, 11), (e_, f, d))
     u = int4_ref.random_int4(jax.random.fold_in(key, 12), (e_, f, d))
     dn = int4_ref.random_int4(jax.random.fold_in(key, 13), (e_, d, f))
-    moe_cfgs = [c for _, c in moe_sweep(FLAGS.moe_configs)]
+    moe_named = moe_sweep(FLAGS.moe_configs)[1:]
     for t in ((1, 7) if FLAGS.dry else [int(v) for v in FLAGS.check_tokens]):
         x = jax.random.normal(jax.random.fold_in(key, 100 + t), (t, d), jnp.bfloat16)
         for mode in ("random", "one_expert"):
@@ -603,12 +659,14 @@ def section_check():
                 idx = jnp.full((t, 8), 5, jnp.int32)
             w = jax.random.uniform(jax.random.fold_in(key, 300 + t), (t, 8))
             ref = mg.moe_experts_reference(x, idx, w, *g, *u, *dn)
-            cfgs = [None, mg.MoeGmmConfig(dequant="f32")]
+            cfgs = [("default", None), ("f32", mg.MoeGmmConfig(dequant="f32"))]
             if t in (3, 7) and mode == "random":      # t=3: the decode (T <= 4) paths
-                cfgs += moe_cfgs[1:]
-            for cfg in cfgs:
+                cfgs += [(n, c) for n, c in moe_named       # block_down's layout: decode-path sizes only
+                         if not (n.endswith(BLOCKED_SUFFIX) and t > c.pair_tiles_max_t)]
+            blocked = {}
+            for cname, cfg in cfgs:
                 try:
-                    err, fin = _moe_check(mg, x, idx, w, g, u, dn, cfg, ref)
+                    err, fin = _moe_check(mg, x, idx, w, g, u, down_for(cname, cfg, dn, blocked), cfg, ref)
                     good = fin and err < 1e-2
                 except Exception as ex:  # noqa: BLE001
                     err, fin, good = f"{type(ex).__name__}: {str(ex)[:300]}", False, False
@@ -635,9 +693,10 @@ def section_check():
         jax.random.split(jax.random.fold_in(key, 25), t)).astype(jnp.int32)
     w = jax.random.uniform(jax.random.fold_in(key, 26), (t, 8))
     ref = mg.moe_experts_reference(x, idx, w, *g, *u, *dn)
-    for cfg in [None] + moe_cfgs[1:]:                  # every swept config at the Kimi shape
+    blocked = {}
+    for cname, cfg in [("default", None)] + moe_named:  # every swept config at the Kimi shape
         try:
-            err, fin = _moe_check(mg, x, idx, w, g, u, dn, cfg, ref)
+            err, fin = _moe_check(mg, x, idx, w, g, u, down_for(cname, cfg, dn, blocked), cfg, ref)
             good = fin and err < 1e-2
         except Exception as ex:  # noqa: BLE001
             err, good = f"{type(ex).__name__}: {str(ex)[:300]}", False
@@ -832,6 +891,7 @@ def section_moe():
     copy_bw, peak = CEIL.get("copy_bw"), CEIL.get("bf16_flops")
     R = FLAGS.rotations
     wb = None
+    blocked = {}                  # block_down's layouts of dn (i32 words), one per swept F slice width
     for t in [int(v) for v in FLAGS.batches]:
         if time.time() - _T0 > FLAGS.budget_s:
             log("budget exhausted; skipping moe T =", t)
@@ -852,6 +912,10 @@ def section_moe():
             for layout, (gg, uu, dd) in (("i16", (g16, u16, dn16)), ("i32", (g, u, dn))):
                 if layout not in FLAGS.sweep_layouts and cname != "default":
                     continue
+                if cname.endswith(BLOCKED_SUFFIX):
+                    if layout != "i32":
+                        continue
+                    dd = down_for(cname, cfg, dn, blocked)
                 try:
                     fn = jax.jit(lambda x, routes, gg, uu, dd, cfg=cfg: [
                         mg.moe_experts(x, i, w, *gg, *uu, *dd, config=cfg) for i, w in routes])

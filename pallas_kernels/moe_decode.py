@@ -122,7 +122,7 @@ def _gate_up_kernel(*refs, **kw):
 
 def _single_kernel(idx_ref, wt_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, dw_ref, ds_ref, y0_ref,
                    y_ref, *, num_experts, topk, d, group_d, group_f, bm, bf, bk, bn_down, swap_ab,
-                   mode, x_layout, reduce, interp):
+                   mode, x_layout, reduce, interp, blocked):
     # Program (p, j): pair p = (token p // K, expert idx[p]), F slice [j*BF, (j+1)*BF).
     # y0_ref (aliased to y_ref), zeroed, f32: reduce 'atomic' / 'relaxed': [T + BM, D], lane l of a
     # tile adds to row token + l; 'store': [T*K*S + BM, D] (S = F/BF slices), lane l of program
@@ -135,27 +135,36 @@ def _single_kernel(idx_ref, wt_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, dw_re
     def _():
         t = p // topk
         n0 = pl.multiple_of(j * bf, bf)
+        bc = bf // 4
+        c0 = pl.multiple_of(n0 // 4, bc)
+        nsteps = d // bn_down
+        # programs start at different output chunks so their atomics do not queue on one address
+        start = (p * pl.num_programs(1) + j) % nsteps
+
+        def down_tile(i):
+            """Step i's down weight tile (D rows [d0, d0 + bn_down) of the slice) and scales."""
+            step = i + start
+            step = jnp.where(step >= nsteps, step - nsteps, step)
+            d0 = pl.multiple_of(step * bn_down, bn_down)
+            if blocked:     # [E, F/BF, D, BF/4]: the slice's rows are one contiguous block
+                w = tile.load(dw_ref.at[e, j, pl.ds(d0, bn_down), pl.ds(0, bc)])
+                s = tile.load(ds_ref.at[e, j, pl.ds(d0, bn_down), pl.ds(0, bf // group_f)])
+            else:           # [E, D, F/4]: BF/2 bytes of each D row
+                w = tile.load(dw_ref.at[e, pl.ds(d0, bn_down), pl.ds(c0, bc)])
+                s = tile.load(ds_ref.at[e, pl.ds(d0, bn_down), pl.ds(n0 // group_f, bf // group_f)])
+            return d0, w, s
+
         h = _gate_up_tile(x_ref, gw_ref, gs_ref, uw_ref, us_ref, e, t, n0, d=d, group=group_d,
                           bm=bm, bn=bf, bk=bk, swap_ab=swap_ab, mode=mode, x_layout=x_layout)
         hT = (h.T if swap_ab else h).astype(x_ref.dtype)              # [BM, BF] natural F order
         hps = tile.split_planes(hT)                                    # 4 x [BM, BF/4]: plane q
         #                                                                col c = F n0 + 4c + q
         wk = wt_ref[p]
-        bc = bf // 4
-        c0 = pl.multiple_of(n0 // 4, bc)
-        nsteps = d // bn_down
-        # programs start at different output chunks so their atomics do not queue on one address
-        start = (p * pl.num_programs(1) + j) % nsteps
         base = t if reduce != "store" else p * pl.num_programs(1) + j
         lanes = base + jnp.arange(bm, dtype=jnp.int32)[:, None]        # distinct rows per lane
         live = jnp.arange(bm, dtype=jnp.int32)[:, None] == 0
 
-        def body(i, carry):
-            step = i + start
-            step = jnp.where(step >= nsteps, step - nsteps, step)
-            d0 = pl.multiple_of(step * bn_down, bn_down)
-            w = tile.load(dw_ref.at[e, pl.ds(d0, bn_down), pl.ds(c0, bc)])
-            s = tile.load(ds_ref.at[e, pl.ds(d0, bn_down), pl.ds(n0 // group_f, bf // group_f)])
+        def down_step(d0, w, s):
             planes = tile.dequant_pairs(w, tile.expand_scale(s, bc), mode)
             part = None
             for q in range(tile.NPLANES):
@@ -169,6 +178,9 @@ def _single_kernel(idx_ref, wt_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, dw_re
             else:
                 tile.atomic_accumulate(y_ref, (lanes, cols), out, live, interp=interp,
                                        relaxed=reduce == "relaxed")
+
+        def body(i, carry):
+            down_step(*down_tile(i))
             return carry
 
         lax.fori_loop(0, nsteps, body, 0)
@@ -311,10 +323,32 @@ def _chained_kernel(idx_ref, wt_ref, x_ref, gw_ref, gs_ref, uw_ref, us_ref, dw_r
 
 
 def _dims(x_TD, idx_TK, gate, down):
-    """(T, D, top-k, E, F, D's scale group, F's scale group) of a decode call."""
+    """(T, D, top-k, E, F, D's scale group, F's scale group) of a decode call (down in either layout:
+    [E, D, F/g] scales, or `block_down`'s [E, F/BF, D, BF/g])."""
     t, d = x_TD.shape
     num_experts, f, _ = gate[0].shape
-    return t, d, idx_TK.shape[1], num_experts, f, d // gate[1].shape[-1], f // down[1].shape[-1]
+    f_scales = down[1].shape[-1] * (down[1].shape[1] if down[1].ndim == 4 else 1)
+    return t, d, idx_TK.shape[1], num_experts, f, d // gate[1].shape[-1], f // f_scales
+
+
+def block_down(packed: jax.Array, scale: jax.Array, block_f: int) -> tuple[jax.Array, jax.Array]:
+    """One-time load step for `moe_decode_single`: the down weight [E, D, F/8] int32 (or its int16 view
+    [E, D, F/4]) and scales [E, D, F/g] -> [E, F/BF, D, BF/8] (BF/4) and [E, F/BF, D, BF/g]: the D x BF
+    slice one program multiplies becomes one contiguous block (BF/2 bytes per row in the checkpoint
+    layout, a 32-byte sector per row at BF = 64 and scales at 4 bytes per 32-byte sector). Same bytes,
+    same packing along F (the MMA's K side), so the dequantizer is unchanged."""
+    e, d, words = packed.shape
+    per = 8 if packed.dtype == jnp.int32 else 4                     # weights per word
+    f = words * per
+    groups = scale.shape[-1]
+    if block_f <= 0 or f % block_f or block_f % per or (groups * block_f) % f:
+        raise ValueError(f"block_down: block_f={block_f} must divide F={f} in whole words and scale groups "
+                         f"(F/{f // groups} per group)")
+    s = f // block_f
+
+    def blocked(a):
+        return a.reshape(e, d, s, a.shape[-1] // s).transpose(0, 2, 1, 3)
+    return blocked(packed), blocked(scale)
 
 
 def _routing_inputs(x_TD, idx_TK, weight_TK, x_layout):
@@ -420,12 +454,19 @@ def moe_decode_single(x_TD, idx_TK, weight_TK, gate, up, down, *, block_m, block
     columns by the same one). y is accumulated in f32 ([T + BM, D], zeroed by XLA) and cast after.
     reduce: 'atomic' (Pallas' acquire-release f32 atomics), 'relaxed' (relaxed-order atomics:
     `int4_tile.atomic_add_relaxed`) or 'store' (each program stores its [D] partial, XLA sums the
-    T*K*F/BF partials after: no atomics, one more op). gate/up/down: (int16 packed, scale) pairs.
-    Returns y [T, D] in x.dtype."""
+    T*K*F/BF partials after: no atomics, one more op). gate/up/down: (int16 packed, scale) pairs;
+    down may come in `block_down`'s layout (4-D, blocked for this block_f), where each program's down
+    slice is one contiguous block instead of BF/2 bytes of every D row (T = 1 on the H200, fifteenth
+    session: 81.7 -> 57.2 us of device span; loading the first down tile before the gate/up loop was
+    tried and lost: 254 registers, 58.5 us). Returns y [T, D] in x.dtype."""
     t, d, topk, num_experts, f, group_d, group_f = _dims(x_TD, idx_TK, gate, down)
     (gw, gs), (uw, us), (dw, ds) = gate, up, down
     bk = tile.pick_block_k(d, max(block_k, group_d))
     bf, bn_dn = min(block_f, f), min(block_n_down, d)
+    blocked = dw.ndim == 4
+    if blocked and f // dw.shape[1] != bf:
+        raise ValueError(f"the down weight is blocked by block_down for F slices of {f // dw.shape[1]}, "
+                         f"but this call's block_f is {bf}: block it with block_f={bf}")
     if (f % bf or d % bn_dn or bk % group_d or bf % group_f or group_d % 8 or group_f % 8
             or bf % 64):
         raise ValueError(f"unsupported single-launch MoE shape: D={d} F={f} groups "
@@ -440,7 +481,7 @@ def moe_decode_single(x_TD, idx_TK, weight_TK, gate, up, down, *, block_m, block
     kernel = functools.partial(
         _single_kernel, num_experts=num_experts, topk=topk, d=d, group_d=group_d, group_f=group_f,
         bm=block_m, bf=bf, bk=bk, bn_down=bn_dn, swap_ab=swap_ab, mode=mode, x_layout=x_layout,
-        reduce=reduce, interp=interp)
+        reduce=reduce, interp=interp, blocked=blocked)
     y = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((rows, d), jnp.float32),
         grid=(t * topk, f // bf), input_output_aliases={9: 0}, interpret=interp,

@@ -45,6 +45,7 @@ from pallas_kernels import int4_tile as tile
 from pallas_kernels import moe_decode
 
 repack = tile.repack
+block_down = moe_decode.block_down
 DECODE_PATHS = ("tiles", "fused", "single", "chained")
 
 
@@ -289,7 +290,10 @@ def moe_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array,
 
     Pairs whose id lies outside [0, E) are skipped (contribute 0, read nothing): with expert
     parallelism pass the ids of experts held on other devices as E. Experts that receive no token
-    are never read.
+    are never read. down_packed / down_scale may be in `block_down`'s layout (4-D) for the
+    single-launch decode path (decode='single', T <= pair_tiles_max_t); the other paths reject it (a
+    grouped down kernel reading it, one contiguous [BN, 16] tile per F block, measured 3-5x slower:
+    BENCHMARKS.md, fifteenth session).
     """
     interp = tile.resolve_interpret(interpret)
     t, d = x_TD.shape
@@ -299,6 +303,10 @@ def moe_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array,
     cfg = config or default_config(tk, num_experts)
     bm = cfg.block_m
 
+    if down_packed.ndim == 4 and not (t <= cfg.pair_tiles_max_t and cfg.decode == "single"):
+        raise ValueError(f"down weight {down_packed.shape} is in block_down's layout, which only the "
+                         f"single-launch decode path reads (decode='single', T <= {cfg.pair_tiles_max_t}); "
+                         f"this call has decode={cfg.decode!r}, T={t}")
     if t <= cfg.pair_tiles_max_t and cfg.decode != "tiles":
         weights = ((tile.as_int16(gate_packed), gate_scale), (tile.as_int16(up_packed), up_scale),
                    (tile.as_int16(down_packed), down_scale))

@@ -36,6 +36,8 @@ flags.DEFINE_string("moe_config", "", "moe: MoeGmmConfig fields as JSON (default
                     "'{\"decode\": \"fused\", \"num_stages_down\": 5}'")
 flags.DEFINE_string("dense_config", "", "dense: Int4MatmulConfig fields as JSON (default: default_config), e.g. "
                     "'{\"split_k\": 4, \"split_reduce\": \"cta\", \"swap_ab\": true, \"block_n\": 64}'")
+flags.DEFINE_bool("blocked_down", False, "moe, decode='single': the down weight in moe_gmm.block_down's layout "
+                  "(F slices of block_n_gate_up)")
 flags.DEFINE_string("workdir", "", "where to keep .ttir/.ptx/.cubin/.sass (default: a temp dir)")
 
 _COMPILE = r'''
@@ -140,6 +142,9 @@ def main(argv):
         args = ([S((t, d), jnp.bfloat16), S((t, kk), jnp.int32), S((t, kk), jnp.float32)]
                 + [S((e_, f, d // 8), jnp.int32), S((e_, f, d // 32), jnp.bfloat16)] * 2
                 + [S((e_, d, f // 8), jnp.int32), S((e_, d, f // 32), jnp.bfloat16)])
+        if FLAGS.blocked_down:
+            bf = cfg.block_n_gate_up
+            args[-2:] = [S((e_, f // bf, d, bf // 8), jnp.int32), S((e_, f // bf, d, bf // 32), jnp.bfloat16)]
         paths = lower_to_ttir(lambda *a: mg.moe_experts(*a, config=explicit, interpret=False), args, workdir,
                               "moe")
         warps_down = cfg.num_warps_down or cfg.num_warps

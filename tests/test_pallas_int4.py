@@ -309,6 +309,49 @@ def test_moe_experts_fused_decode(experts, name, t, mode, topk, cfg):
     assert _rel(y, mg.moe_experts_reference(x, idx, w, *g, *u, *dn)) <= 1e-2
 
 
+@pytest.mark.parametrize("name,t,mode,topk,bf,cfg", [
+    ("t1_f64_d128", 1, "distinct", TOPK, 64, SINGLE),
+    ("t3_topk3_shuffle_f128_relaxed", 3, "random", 3, 128, mg.MoeGmmConfig(
+        decode="single", x_layout="shuffle", block_n_gate_up=128, block_n_down=64, single_reduce="relaxed")),
+    ("t4_one_expert_store", 4, "one_expert", TOPK, 64, mg.MoeGmmConfig(decode="single",
+                                                                               single_reduce="store")),
+])
+def test_moe_single_blocked_down(experts, name, t, mode, topk, bf, cfg):
+    """The single launch reading the down weight in block_down's layout (each program's D x BF slice one
+    contiguous block) gives the reference's y: a block read at the wrong F slice or expert moves y by far
+    more than the 1e-2 bound (a bf16 h and f32 accumulation are ~3e-3)."""
+    g, u, dn = experts
+    x, idx, w = _moe_case(t, mode)
+    idx, w = idx[:, :topk], w[:, :topk]
+    dn_blk = mg.block_down(*dn, bf)
+    y = mg.moe_experts(x, idx, w, *g, *u, *dn_blk, config=cfg)
+    assert y.shape == (t, D) and y.dtype == jnp.bfloat16
+    assert _rel(y, mg.moe_experts_reference(x, idx, w, *g, *u, *dn)) <= 1e-2
+
+
+def test_block_down_layout_and_errors(experts):
+    """block_down is a pure relayout (block j of expert e holds columns [j*BF, (j+1)*BF) of every D row,
+    words and scales alike, for int32 words and their int16 view); the paths that cannot read it and a
+    block size other than the call's say so."""
+    g, u, (dp, ds) = experts
+    bf = 64
+    bp, bs = mg.block_down(dp, ds, bf)
+    e_, d_, words = dp.shape
+    assert bp.shape == (e_, words * 8 // bf, d_, bf // 8) and bs.shape[:3] == bp.shape[:3]
+    np.testing.assert_array_equal(np.asarray(bp[3, 1]), np.asarray(dp[3, :, bf // 8:2 * bf // 8]))
+    gs = ds.shape[-1] * bf // (words * 8)              # scale groups per block
+    np.testing.assert_array_equal(np.asarray(bs[3, 1]), np.asarray(ds[3, :, gs:2 * gs]))
+    b16, _ = mg.block_down(mg.repack(dp), ds, bf)
+    np.testing.assert_array_equal(np.asarray(mg.repack(bp)), np.asarray(b16))
+    with pytest.raises(ValueError, match="block_f=48"):
+        mg.block_down(dp, ds, 48)
+    x, idx, w = _moe_case(1, "distinct")
+    with pytest.raises(ValueError, match="only the single-launch decode path"):
+        mg.moe_experts(x, idx, w, *g, *u, bp, bs, config=FUSED)
+    with pytest.raises(ValueError, match="block_f=128"):
+        mg.moe_experts(x, idx, w, *g, *u, bp, bs, config=mg.MoeGmmConfig(decode="single", block_n_gate_up=128))
+
+
 def test_split_gate_up_matches_fused_epilogue(experts):
     """Separate gate / up programs give the same h as the fused kernel's epilogue: both accumulate the
     same f32 dots in the same order and round silu(gate) * up to bf16 once, so y agrees to float32
