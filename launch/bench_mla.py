@@ -843,6 +843,9 @@ def table(copy_bps, read_bps, rows):
     return "\n".join(lines)
 
 
+GPU_BUSY_W = 200.0     # --profile's GPU samples: only those drawing more (the H200 idles at ~75-160 W)
+
+
 def device_copy_bps(calls: int = 8) -> float:
     """The copy ceiling by device time, as --profile measures the op: `calls` XLA `x ^ 1` over 2 GiB
     (each call's output the next one's input) traced; bytes read + written over the median kernel
@@ -891,17 +894,21 @@ def _profile_specs():
 def profile_table(rows, dev_copy_bps) -> str:
     """The --profile cases against the device-time copy: span (the op's every device op, first start
     to last end, per call), its largest op (the kernel), the rest, and the wall clock of the same
-    executable; % of copy = the cache's bytes over the span (and over the kernel alone)."""
+    executable; % of copy = the cache's bytes over the span (and over the kernel alone); the SM clock and
+    board power sampled while the case ran (kimi_jax.telemetry: 'capped' = samples under the power cap)."""
+    from kimi_jax import telemetry
     lines = [f"copy by device time {dev_copy_bps / 1e9:.0f} GB/s (XLA x^1 over 2 GiB, read + write)", "",
              "| B | context | heads | kernel | MB/layer | span us | kernel us | other ops us | wall us | "
-             "% copy (span) | % copy (kernel) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "% copy (span) | % copy (kernel) | SM clock, power while timed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         k = max(r["ops_us"].values())
         wall = f"{r['wall_us']:.1f}" if r.get("wall_us") else "-"
         lines.append(f"| {r['B']} | {r['ctx']} | {r['N']} | {r['serving'] if r['kernel'] == 'auto' else r['kernel']} | "
                      f"{r['bytes'] / 1e6:.1f} | {r['span_us']:.1f} | {k:.1f} | {r['busy_us'] - k:.1f} | {wall} | "
                      f"{100 * r['bytes'] / (r['span_us'] * 1e-6) / dev_copy_bps:.1f} | "
-                     f"{100 * r['bytes'] / (k * 1e-6) / dev_copy_bps:.1f} |")
+                     f"{100 * r['bytes'] / (k * 1e-6) / dev_copy_bps:.1f} | "
+                     f"{telemetry.describe(r.get('gpu') or {})} |")
     return "\n".join(lines)
 
 
@@ -915,7 +922,7 @@ def section_profile(copy_bps):
     ~150 us per call)."""
     import jax
     import jax.numpy as jnp
-    from kimi_jax import ops, profiling
+    from kimi_jax import ops, profiling, telemetry
     from pallas_kernels.mla_decode import MlaDecodeConfig
     page, T, calls = 16, 1, 4 if FLAGS.dry else 20
     rows = []
@@ -938,21 +945,23 @@ def section_profile(copy_bps):
         with _forced(kernel):
             args = (q_lat, q_pe, new, pool, table, pos)
             f = layers_fn(_op(kernel, fin, scale), calls, B * P, copies).lower(*args).compile()
-            per_op, span, tdir = profiling.device_ops_per_call(f, args, calls)
-            wall = time_fn(f, *args) / calls * 1e6 if FLAGS.profile_wall else None
+            with telemetry.GpuSampler(busy_w=GPU_BUSY_W) as gpu:     # clocks / power while it runs
+                per_op, span, tdir = profiling.device_ops_per_call(f, args, calls)
+                wall = time_fn(f, *args) / calls * 1e6 if FLAGS.profile_wall else None
         busy = sum(per_op.values())
         nbytes = B * (ctx - T) * C * 2
         row = dict(section="profile", B=B, ctx=ctx, N=N, kernel=kernel,
                    serving=ops.mla_decode_kernel(T * N, A, R, page, jnp.bfloat16, batch=B, context=P * page),
                    calls=calls, ops_us=per_op, busy_us=busy,
                    span_us=span, wall_us=wall, copies=copies, bytes=nbytes, copy_us=nbytes / copy_bps * 1e6,
-                   trace_dir=tdir)
+                   trace_dir=tdir, gpu=gpu.summary)
         record(**row)
         rows.append(row)
         log(f"profile B={B} ctx={ctx} N={N} kernel={kernel}: span {span:.1f} us/call, device ops "
             f"{busy:.1f} us, gaps {span - busy:.1f} us"
             + (f", wall {wall:.1f} us/call" if wall is not None else "")
-            + f" ({copies} pool copies); the cache at copy speed {row['copy_us']:.1f} us")
+            + f" ({copies} pool copies); the cache at copy speed {row['copy_us']:.1f} us; "
+            + f"GPU while timed: {telemetry.describe(gpu.summary)}")
         for name, us in list(row["ops_us"].items())[:10]:
             log(f"    {us:9.1f} us  {name[:110]}")
         del pool, args

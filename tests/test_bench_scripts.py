@@ -79,8 +79,8 @@ def test_throughput_rows_per_prefill_chunk():
 
 def test_bench_mla_profile_lists_each_cases_device_ops(tmp_path):
     """--profile traces a few calls of the engine's op per case and writes each op's device time per
-    call with the call's span (the CPU run exercises the script: interpret-mode kernels); a malformed
-    case is a one-line error naming it."""
+    call with the call's span and the GPU's clock / power while it ran (the CPU run exercises the script:
+    interpret-mode kernels, no nvidia-smi); a malformed case is a one-line error naming it."""
     out = str(tmp_path / "out")
     r = _run("launch.bench_mla", "--dry", "--profile=2:256:8:triton", "--out", out)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -94,6 +94,9 @@ def test_bench_mla_profile_lists_each_cases_device_ops(tmp_path):
     assert len(dev_copy) == 1 and dev_copy[0]["copy_bps"] > 0
     table = open(os.path.join(out, "profile_table.md")).read()
     assert table.startswith("copy by device time") and "| 2 | 256 | 8 | triton | " in table
+    # the GPU's clock / power while each case ran (kimi_jax.telemetry): none on a CPU machine
+    assert table.splitlines()[2].endswith("| SM clock, power while timed |") and table.rstrip().endswith("| - |")
+    assert prof[0]["gpu"] == {}
     bad = _run("launch.bench_mla", "--dry", "--profile=2:256", "--out", out)
     assert bad.returncode != 0 and "--profile=2:256: want B:context:heads[:kernel]" in bad.stderr
     bad = _run("launch.bench_mla", "--dry", "--profile=2:256:8:cuda", "--out", out)
