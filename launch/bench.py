@@ -105,18 +105,28 @@ def median(xs):
 # ---------------------------------------------------------------------------------------------
 # timing helpers
 
-def time_jax(fn, args, calls, inner=5, reps=None):
+def time_jax(fn, args, calls, inner=5, reps=None, gpu=None):
+    """Median seconds per call over reps rounds of `inner` back-to-back executions of `calls` calls.
+    gpu: a dict that receives the SM clock / power / power-cap share sampled while the rounds ran
+    (kimi_jax.telemetry; stays empty without nvidia-smi)."""
     import jax
+    from kimi_jax import telemetry
     reps = reps or FLAGS.reps
     jax.block_until_ready(fn(*args))
     ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        outs = [fn(*args) for _ in range(inner)]
-        jax.block_until_ready(outs)
-        ts.append((time.perf_counter() - t0) / (inner * calls))
-        del outs
+    with telemetry.GpuSampler(busy_w=GPU_BUSY_W) as sampler:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            outs = [fn(*args) for _ in range(inner)]
+            jax.block_until_ready(outs)
+            ts.append((time.perf_counter() - t0) / (inner * calls))
+            del outs
+    if gpu is not None:
+        gpu.update(sampler.summary)
     return median(ts)
+
+
+GPU_BUSY_W = 200.0     # GPU samples counted while timing: those drawing more (the H200 idles at ~75-160 W)
 
 
 def time_torch_graph(body, calls, reps=None, replays=5):
@@ -772,23 +782,24 @@ def section_dense():
             flops = 2 * m * n * k
             case = f"dense {shape_name} M={m}"
 
-            def run_ours(cfg, packed):
+            def run_ours(cfg, packed, gpu):
                 fn = jax.jit(lambda xs, ps, ss: [
                     im.int4_matmul(xs[c], ps[c % nm], ss[c % nm], config=cfg)
                     for c in range(passes * nm)])
-                return fn, time_jax(fn, (xs, packed, ss), passes * nm)
+                return fn, time_jax(fn, (xs, packed, ss), passes * nm, gpu=gpu)
 
             for cname, cfg in dense_sweep(FLAGS.dense_configs, k):
                 for layout, packed in (("i16", ps16), ("i32", ps)):
                     if layout not in FLAGS.sweep_layouts and cname != "default":
                         continue
                     try:
-                        fn, t = run_ours(cfg, packed)
+                        gpu = {}
+                        fn, t = run_ours(cfg, packed, gpu)
                         if FLAGS.dense_profile and layout == "i32":
                             _profile_ops(case, fn, (xs, packed, ss), passes * nm, t, section="dense_profile",
                                          config=cname)
                         row = dict(section="dense", case=case, impl="pallas", config=cname,
-                                   layout=layout, t=t, bytes=nbytes, flops=flops,
+                                   layout=layout, t=t, bytes=nbytes, flops=flops, gpu=gpu,
                                    gbps=nbytes / t / 1e9,
                                    pct_copy=(nbytes / t / copy_bw * 100) if copy_bw else None)
                         record(**row)
@@ -880,6 +891,7 @@ def section_moe():
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from kimi_jax import telemetry
     from pallas_kernels import int4_ref, moe_gmm as mg
     e_, d, f, topk = (24, 512, 256, KIMI_TOPK) if FLAGS.dry else (FLAGS.moe_experts, 7168, 2048, KIMI_TOPK)
     key = jax.random.PRNGKey(2)
@@ -919,14 +931,16 @@ def section_moe():
                 try:
                     fn = jax.jit(lambda x, routes, gg, uu, dd, cfg=cfg: [
                         mg.moe_experts(x, i, w, *gg, *uu, *dd, config=cfg) for i, w in routes])
-                    tm = time_jax(fn, (x, routes, gg, uu, dd), R)
+                    gpu = {}
+                    tm = time_jax(fn, (x, routes, gg, uu, dd), R, gpu=gpu)
                     record(section="moe", case=case, impl="pallas", config=cname, layout=layout,
-                           t=tm, bytes=nbytes, flops=flops, touched=touched,
+                           t=tm, bytes=nbytes, flops=flops, touched=touched, gpu=gpu,
                            gbps=nbytes / tm / 1e9, roofline_t=roof,
                            ratio_roof=(tm / roof) if roof else None,
                            pct_copy=(nbytes / tm / copy_bw * 100) if copy_bw else None)
                     log(case, cname, layout, f"{tm * 1e6:.1f}us", f"touched={touched:.1f}",
-                        f"x{tm / roof:.2f} of roofline" if roof else "")
+                        f"x{tm / roof:.2f} of roofline" if roof else "",
+                        f"(GPU: {telemetry.describe(gpu)})" if gpu.get("samples") else "")
                     if FLAGS.moe_profile and layout == "i32":
                         _profile_ops(case, fn, (x, routes, gg, uu, dd), R, tm)
                 except Exception as ex:  # noqa: BLE001
@@ -1038,6 +1052,7 @@ def section_moe():
 # table
 
 def print_table():
+    from kimi_jax import telemetry
     copy_bw = CEIL.get("copy_bw")
     rows = [r for r in RESULTS if r.get("section") in ("dense", "moe") and "t" in r]
     cases = []
@@ -1046,9 +1061,10 @@ def print_table():
             cases.append(r["case"])
     lines = []
     hdr = ("| case | best config | time us | MB moved | GFLOP | GB/s | % copy | x roofline | "
-           "vs XLA bf16 | vs XLA dequant | vs ragged_dot bf16 | vs torch int4 | vs cuBLAS bf16 |")
+           "vs XLA bf16 | vs XLA dequant | vs ragged_dot bf16 | vs torch int4 | vs cuBLAS bf16 | "
+           "SM clock, power while timed |")
     lines.append(hdr)
-    lines.append("|" + "---|" * 13)
+    lines.append("|" + "---|" * 14)
     for c in cases:
         ours = [r for r in rows if r["case"] == c and r["impl"] == "pallas"]
         if not ours:
@@ -1068,7 +1084,8 @@ def print_table():
             f"{(best['bytes'] / best['t'] / copy_bw * 100) if copy_bw else float('nan'):.0f}% | "
             f"{f'{roof:.2f}' if roof else '-'} | {ratio('xla_bf16')} | "
             f"{ratio('xla_dequant', 'xla_dequant_ragged')} | {ratio('ragged_dot_bf16')} | "
-            f"{ratio('torch_int4', 'torch_int4_loop')} | {ratio('cublas_bf16', 'cublas_bf16_loop')} |")
+            f"{ratio('torch_int4', 'torch_int4_loop')} | {ratio('cublas_bf16', 'cublas_bf16_loop')} | "
+            f"{telemetry.describe(best.get('gpu') or {})} |")
     lines.append("")
     lines.append("All variants (us): " + "; ".join(
         f"{r['case']}|{r.get('impl')}|{r.get('config', '')}|{r.get('layout', '')}={r['t'] * 1e6:.1f}"

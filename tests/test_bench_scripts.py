@@ -244,6 +244,11 @@ def test_bench_moe_profile_records_device_time_per_kernel(tmp_path):
     prof = [x for x in rows if x.get("section") == "moe_profile"]
     timed = [x for x in rows if x.get("section") == "moe" and "t" in x]
     assert [x["layout"] for x in timed] == ["i16", "i32"] and len(prof) == 1
+    # each timed row carries the GPU's clock / power while it ran (none on a CPU machine), and so
+    # does the table's last column
+    assert all(x["gpu"] == {} for x in timed)
+    table = open(os.path.join(str(tmp_path / "mp"), "table.md")).read().splitlines()
+    assert table[0].endswith("| SM clock, power while timed |") and table[2].endswith("| - |")
     p = prof[0]
     assert p["case"] == "moe T=1" and p["ops_us"] and all(v > 0 for v in p["ops_us"].values())
     assert p["busy_us"] == pytest.approx(sum(p["ops_us"].values())) and p["span_us"] > 0
