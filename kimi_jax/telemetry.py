@@ -58,12 +58,15 @@ def summarize(samples: Sequence[tuple[float, float, int]], busy_w: float = 0.0) 
             "thermal_capped": frac(SW_THERMAL)}
 
 
-class GpuSampler:
-    """Context manager: samples GPU `gpu` every interval_ms through `nvidia-smi -lms` while the block runs;
-    `summary` afterwards (summarize() of the samples; {} without nvidia-smi). busy_w: only samples above
-    this draw count (the idle gaps of a benchmark harness would otherwise dilute a kernel's window)."""
+BUSY_W = 200.0          # an H200 idles at ~75-160 W: samples above this are the benchmark's
 
-    def __init__(self, interval_ms: int = 50, gpu: int = 0, busy_w: float = 0.0,
+
+class GpuSampler:
+    """Context manager: samples GPU `gpu` every interval_ms through `nvidia-smi --loop-ms` while the block
+    runs; `summary` afterwards (summarize() of the samples; {} without nvidia-smi). busy_w: only samples
+    above this draw count (the idle gaps of a benchmark harness would otherwise dilute a kernel's window)."""
+
+    def __init__(self, interval_ms: int = 50, gpu: int = 0, busy_w: float = BUSY_W,
                  command: Optional[str] = None):
         self.interval_ms, self.gpu, self.busy_w = interval_ms, gpu, busy_w
         self.command = command or shutil.which("nvidia-smi")

@@ -114,7 +114,7 @@ def time_jax(fn, args, calls, inner=5, reps=None, gpu=None):
     reps = reps or FLAGS.reps
     jax.block_until_ready(fn(*args))
     ts = []
-    with telemetry.GpuSampler(busy_w=GPU_BUSY_W) as sampler:
+    with telemetry.GpuSampler() as sampler:
         for _ in range(reps):
             t0 = time.perf_counter()
             outs = [fn(*args) for _ in range(inner)]
@@ -125,8 +125,6 @@ def time_jax(fn, args, calls, inner=5, reps=None, gpu=None):
         gpu.update(sampler.summary)
     return median(ts)
 
-
-GPU_BUSY_W = 200.0     # GPU samples counted while timing: those drawing more (the H200 idles at ~75-160 W)
 
 
 def time_torch_graph(body, calls, reps=None, replays=5):

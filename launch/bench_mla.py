@@ -843,9 +843,6 @@ def table(copy_bps, read_bps, rows):
     return "\n".join(lines)
 
 
-GPU_BUSY_W = 200.0     # --profile's GPU samples: only those drawing more (the H200 idles at ~75-160 W)
-
-
 def device_copy_bps(calls: int = 8) -> float:
     """The copy ceiling by device time, as --profile measures the op: `calls` XLA `x ^ 1` over 2 GiB
     (each call's output the next one's input) traced; bytes read + written over the median kernel
@@ -945,7 +942,7 @@ def section_profile(copy_bps):
         with _forced(kernel):
             args = (q_lat, q_pe, new, pool, table, pos)
             f = layers_fn(_op(kernel, fin, scale), calls, B * P, copies).lower(*args).compile()
-            with telemetry.GpuSampler(busy_w=GPU_BUSY_W) as gpu:     # clocks / power while it runs
+            with telemetry.GpuSampler() as gpu:     # clocks / power while it runs
                 per_op, span, tdir = profiling.device_ops_per_call(f, args, calls)
                 wall = time_fn(f, *args) / calls * 1e6 if FLAGS.profile_wall else None
         busy = sum(per_op.values())
