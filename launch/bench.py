@@ -38,6 +38,10 @@ KIMI_EXPERTS, KIMI_TOPK = 384, 8      # Kimi-K2.5's routed experts and top-k (th
 flags.DEFINE_integer("moe_experts", KIMI_EXPERTS, "MoE section: routed experts allocated (Kimi: 384; fewer spans less "
                      "memory with the same experts touched per call, e.g. to see what the weights' footprint "
                      "costs beyond the bytes read)")
+flags.DEFINE_integer("moe_held_pairs", 0, "MoE section: of each token's top-8 pairs, how many have their expert on "
+                     "this device (the rest get id E, as expert parallelism passes them: skipped, read nothing); "
+                     "1 is EP8 at batch 1, where a device runs about one expert per token. 0: all 8 (one "
+                     "device holds every expert). Below 8 the baselines (which would run every pair) are skipped")
 flags.DEFINE_integer("reps", 7, "timed repetitions (median)")
 flags.DEFINE_list("ms", ["1", "4", "16"], "dense token counts")
 flags.DEFINE_list("batches", ["1", "16", "64", "256"], "MoE token counts")
@@ -906,11 +910,15 @@ def section_moe():
         if time.time() - _T0 > FLAGS.budget_s:
             log("budget exhausted; skipping moe T =", t)
             break
-        case = f"moe T={t}" + (f" E={e_}" if FLAGS.moe_experts != KIMI_EXPERTS else "")
+        held = FLAGS.moe_held_pairs or topk
+        case = (f"moe T={t}" + (f" E={e_}" if FLAGS.moe_experts != KIMI_EXPERTS else "")
+                + (f" held={held}/{topk}" if held < topk else ""))
         x = jax.random.normal(jax.random.fold_in(key, 10 + t), (t, d), jnp.bfloat16)
         routes = [_routing(jax.random.fold_in(key, 1000 * t + r), t, e_, topk) for r in range(R)]
-        touched = float(np.mean([np.unique(np.asarray(i)).size for i, _ in routes]))
-        nbytes = touched * per_expert + t * d * 2 * 2 + t * topk * (f * 2 * 2 + d * 4)
+        if held < topk:     # expert parallelism: pairs held elsewhere carry id E (skipped by the kernels)
+            routes = [(i.at[:, held:].set(e_), w) for i, w in routes]
+        touched = float(np.mean([np.unique(np.asarray(i)[np.asarray(i) < e_]).size for i, _ in routes]))
+        nbytes = touched * per_expert + t * d * 2 * 2 + t * held * (f * 2 * 2 + d * 4)
         flops = 2 * t * topk * 3 * f * d
         roof_bw = nbytes / copy_bw if copy_bw else None
         roof = max(roof_bw, flops / peak) if (copy_bw and peak) else roof_bw
@@ -943,7 +951,7 @@ def section_moe():
                         _profile_ops(case, fn, (x, routes, gg, uu, dd), R, tm)
                 except Exception as ex:  # noqa: BLE001
                     record_failure("moe", case, cname, layout, ex)
-        if not FLAGS.baselines:
+        if not FLAGS.baselines or held < topk:
             continue
         # kernel-only time of the default config (no routing plan / combine): grouped gate/up+down
         # is not separable without internals; skipped.
@@ -1127,6 +1135,8 @@ def main(argv):
             raise app.UsageError(f"--sweep_layouts: {bad[0]!r} is not i16 or i32")
         if FLAGS.moe_experts < KIMI_TOPK:
             raise app.UsageError(f"--moe_experts={FLAGS.moe_experts}: fewer routed experts than top-{KIMI_TOPK}")
+        if not 0 <= FLAGS.moe_held_pairs <= KIMI_TOPK:
+            raise app.UsageError(f"--moe_held_pairs={FLAGS.moe_held_pairs}: not between 0 (all) and {KIMI_TOPK}")
         run_int4()
     elif FLAGS.suite == "throughput":
         from launch.bench_throughput import agreement, format_rows, throughput_rows

@@ -255,10 +255,23 @@ def test_bench_moe_profile_records_device_time_per_kernel(tmp_path):
 
 
 def test_bench_rejects_fewer_experts_than_top_k(tmp_path):
-    """--moe_experts below top-8 is a one-line usage error naming the flag, before any section runs."""
+    """--moe_experts below top-8 (and --moe_held_pairs above it) is a one-line usage error naming the flag,
+    before any section runs."""
     r = _run("launch.bench", "--suite=int4", "--moe_experts=4", "--out", str(tmp_path), timeout=120)
     assert r.returncode != 0 and "--moe_experts=4: fewer routed experts than top-8" in r.stderr
+    r = _run("launch.bench", "--suite=int4", "--moe_held_pairs=9", "--out", str(tmp_path), timeout=120)
+    assert r.returncode != 0 and "--moe_held_pairs=9: not between 0 (all) and 8" in r.stderr
     assert not os.path.exists(tmp_path / "results.jsonl")
+
+
+def test_bench_moe_held_pairs_times_the_expert_parallel_share(tmp_path):
+    """--moe_held_pairs=1 (EP8 at batch 1): each token keeps one held pair, the others get the skipped id,
+    so one expert per token is touched and the roofline counts only its bytes; baselines are skipped."""
+    rows = _int4_bench_rows(str(tmp_path / "ep"), "--sections=moe", "--batches=2", "--moe_configs=small",
+                            "--rotations=2", "--moe_held_pairs=1", "--sweep_layouts=i32", "--baselines")
+    timed = [x for x in rows if x.get("section") == "moe" and "t" in x]
+    assert {x["case"] for x in timed} == {"moe T=2 held=1/8"} and {x["impl"] for x in timed} == {"pallas"}
+    assert all(1 <= x["touched"] <= 2 for x in timed)          # 2 tokens, one held expert each
 
 
 def test_bench_dense_profile_records_device_time_per_call(tmp_path):
