@@ -498,6 +498,32 @@ def moe_sweep(name):
         # fifteenth session, second run: longer down steps (d1024: 219 regs, 2 CTAs per SM), the first down
         # tile loaded before the gate/up loop (timed as `_pf`, 254 regs: 58.5 us at T = 1 against 57.2, so the
         # option was removed), gate/up K step 1024 with 2 stages, 8 warps on 128-wide slices; T = 1 and 2
+        # fifteenth session: expert parallelism's decode share (--moe_held_pairs=1: one pair per token held
+        # here): the default gives a lone pair 32 gate/up and 112 down programs; configs with more programs
+        # per pair (32-row gate/up, gate and up in separate programs, split-K down) and the single launch
+        "ep1": [
+            ("default", None),
+            ("gu32_d32_w2", C(block_n_gate_up=32, block_n_down=32, num_warps=2)),
+            ("split_gu_bn32_w2", C(split_gate_up=True, block_n_gate_up=32, num_warps=2, num_warps_down=4)),
+            ("fused_perm_d32w2_sk4", C(decode="fused", block_n_down=32, num_warps_down=2, split_k_down=4)),
+            ("single_f64_d512_relaxed_blk", C(decode="single", block_n_gate_up=64, block_n_down=512,
+                                              single_reduce="relaxed")),
+            ("default_again", C(num_warps=4)),
+        ],
+        # fifteenth session, prepared (NOT yet timed): the EP decode share through dense-style programs per
+        # pair (`pairs_cta`: int4_matmul's 'cta' program aimed at one expert's rows, R = 16 rows with the K
+        # split 4 ways, or 32 rows split 2 ways), against the default's 44.5 us for one held pair (T = 1,
+        # held=1: gate/up 30.4 us for 16.5 MB on 32 programs; the dense kernel reads those bytes in 8.6 us).
+        # sass_probe (sm_90): 92-96 regs, 26 KB shared memory, cp.async pipelined. pt8: the pair path up
+        # to 8 tokens (EP8 at batch 8 holds ~8 pairs; the default sorts them and plans tiles).
+        "ep1_cta": [
+            ("default", None),
+            ("pairs_cta4", C(pairs_cta=4, block_k_gate_up=256, block_k_down=256)),
+            ("pairs_cta2", C(pairs_cta=2, block_k_gate_up=256, block_k_down=256)),
+            ("pairs_cta4_pt8", C(pairs_cta=4, block_k_gate_up=256, block_k_down=256, pair_tiles_max_t=8)),
+            ("pairs_cta4_s4", C(pairs_cta=4, block_k_gate_up=256, block_k_down=256, num_stages=4)),
+            ("default_again", C(num_warps=4)),
+        ],
         "single_blk2": [
             ("default", None),
             ("single_f64_d512_relaxed_blk", C(decode="single", block_n_gate_up=64, block_n_down=512,

@@ -155,16 +155,12 @@ def _kernel(x_ref, w_ref, s_ref, *refs, m, k, group, cfg: Int4MatmulConfig, mode
         tile.store(o_ref.at[rr[:, None], cols], out.astype(o_ref.dtype), mask=valid)
 
 
-def _kernel_cta(x_ref, w_ref, s_ref, o_ref, *, m, k, group, cfg: Int4MatmulConfig, mode: str, mp: int):
-    """split_reduce='cta': the K split inside the program, so no partials leave it (one launch, no
-    zero fill, no cast: what the atomic split-K default pays two extra launches for at M <= 8).
-
-    The program's block_n MMA rows are S = split_k K-slices of R = block_n / S real weight rows: MMA
-    row v = q * R + r holds weight row n0 + r over K-slice q (natural columns [q K/S, (q+1) K/S)), so
-    each warp's 16 rows stream one slice (R = 16: warp q streams slice q). The activations are the
-    MMA's other side: column c = q' * mp + t holds token t's slice q' (mp = M padded to a power of
-    two). acc[v, c] is then a partial dot for (row r, token t, slice q) wherever q' = q; the epilogue
-    keeps those and sums the S slices in registers."""
+def cta_partials(x_ref, w_ref, s_ref, wrow0, xrow0, *, m, k, group, cfg: Int4MatmulConfig, mode: str,
+                 mp: int) -> jax.Array:
+    """The 'cta' program's product: f32 [R, mp], weight rows [wrow0, wrow0 + R) of w_ref (int16 half-words
+    [rows, K/4], scales s_ref [rows, K/g]) times token rows [xrow0, xrow0 + m) of x_ref (natural or perm
+    columns per cfg.x_layout); column t >= m is zero. (R = block_n / split_k; see `_kernel_cta`. Also the
+    MoE decode path's gate/up programs, `moe_decode.gate_up_cta`, which point wrow0 into one expert.)"""
     bn, bm, bk, S = cfg.block_n, cfg.block_m, cfg.block_k, cfg.split_k
     R = bn // S
     bc, bkg = bk // 4, bk // group
@@ -174,9 +170,8 @@ def _kernel_cta(x_ref, w_ref, s_ref, o_ref, *, m, k, group, cfg: Int4MatmulConfi
     c = jnp.arange(bm, dtype=jnp.int32)
     q_c, t_c = c // mp, c % mp
     live_c = (q_c < S) & (t_c < m)                       # [BM]
-    rows_c = jnp.minimum(t_c, m - 1)[:, None]            # [BM, 1] token rows (clamped; masked)
-    n0 = pl.multiple_of(pl.program_id(1) * R, R)
-    wrow = (n0 + r_v)[:, None]                           # [BN, 1]
+    rows_c = (xrow0 + jnp.minimum(t_c, m - 1))[:, None]  # [BM, 1] token rows (clamped; masked)
+    wrow = (wrow0 + r_v)[:, None]                        # [BN, 1]
     ic = jnp.arange(bc, dtype=jnp.int32)[None, :]
     ig = jnp.arange(bkg, dtype=jnp.int32)[None, :]
 
@@ -197,7 +192,22 @@ def _kernel_cta(x_ref, w_ref, s_ref, o_ref, *, m, k, group, cfg: Int4MatmulConfi
     acc = lax.fori_loop(0, kq // bk, body, jnp.zeros((bn, bm), jnp.float32))
     keep = (q_v[:, None] == q_c[None, :]) & live_c[None, :]
     part = jnp.where(keep, acc, 0.0).reshape(S, R, bm).sum(axis=0)       # [R, BM]: slices summed
-    y = part.reshape(R, bm // mp, mp).sum(axis=1)                        # [R, mp]: token t's column
+    return part.reshape(R, bm // mp, mp).sum(axis=1)                     # [R, mp]: token t's column
+
+
+def _kernel_cta(x_ref, w_ref, s_ref, o_ref, *, m, k, group, cfg: Int4MatmulConfig, mode: str, mp: int):
+    """split_reduce='cta': the K split inside the program, so no partials leave it (one launch, no
+    zero fill, no cast: what the atomic split-K default pays two extra launches for at M <= 8).
+
+    The program's block_n MMA rows are S = split_k K-slices of R = block_n / S real weight rows: MMA
+    row v = q * R + r holds weight row n0 + r over K-slice q (natural columns [q K/S, (q+1) K/S)), so
+    each warp's 16 rows stream one slice (R = 16: warp q streams slice q). The activations are the
+    MMA's other side: column c = q' * mp + t holds token t's slice q' (mp = M padded to a power of
+    two). acc[v, c] is then a partial dot for (row r, token t, slice q) wherever q' = q; the epilogue
+    keeps those and sums the S slices in registers (`cta_partials`)."""
+    R = cfg.block_n // cfg.split_k
+    n0 = pl.multiple_of(pl.program_id(1) * R, R)
+    y = cta_partials(x_ref, w_ref, s_ref, n0, 0, m=m, k=k, group=group, cfg=cfg, mode=mode, mp=mp)
     t = jnp.arange(mp, dtype=jnp.int32)
     # rows t >= M are masked lanes at distinct (out-of-range) addresses: a masked store with duplicate
     # indices is ambiguous in interpret mode (NOTES.md, "Things learned" 2)
@@ -205,24 +215,32 @@ def _kernel_cta(x_ref, w_ref, s_ref, o_ref, *, m, k, group, cfg: Int4MatmulConfi
                y.T.astype(o_ref.dtype), mask=(t < m)[:, None])
 
 
-def _int4_matmul_cta(x, packed, scale, cfg: Int4MatmulConfig, group: int, interp: bool):
-    """split_reduce='cta' (see `_kernel_cta`): grid (1, N / R), one launch, y in x.dtype."""
-    m, k = x.shape
-    n = packed.shape[0]
+def cta_config(cfg: Int4MatmulConfig, m: int, k: int, group: int) -> tuple[Int4MatmulConfig, int]:
+    """A 'cta' config resolved for M tokens and K: (block_k fitted to a slice, block_m = split_k x mp;
+    mp = M padded to a power of two), or ValueError naming what does not tile."""
     S = cfg.split_k
     if not cfg.swap_ab or cfg.block_n != 16 * cfg.num_warps or cfg.block_n % S or cfg.x_layout == "natural":
         raise ValueError(f"split_reduce='cta' needs swap_ab, block_n = 16 * num_warps divisible by split_k "
                          f"and x_layout 'shuffle' or 'perm': {cfg}")
-    R = cfg.block_n // S
     mp = 1 << max(0, (m - 1).bit_length())
     bm = max(8, S * mp)
-    if k % S or n % R or bm > 64:
-        raise ValueError(f"split_reduce='cta': K={k} must divide by split_k={S}, N={n} by {R} rows per "
-                         f"program, and split_k * M (padded to a power of two) <= 64 (M={m})")
+    if k % S or bm > 64:
+        raise ValueError(f"split_reduce='cta': K={k} must divide by split_k={S} and split_k * M (padded to a "
+                         f"power of two) <= 64 (M={m})")
     bk = tile.pick_block_k(k // S, max(cfg.block_k, group))
     if bk % group:
         raise ValueError(f"group {group} must divide block_k {bk}")
-    cfg = dataclasses.replace(cfg, block_k=bk, block_m=bm)
+    return dataclasses.replace(cfg, block_k=bk, block_m=bm), mp
+
+
+def _int4_matmul_cta(x, packed, scale, cfg: Int4MatmulConfig, group: int, interp: bool):
+    """split_reduce='cta' (see `_kernel_cta`): grid (1, N / R), one launch, y in x.dtype."""
+    m, k = x.shape
+    n = packed.shape[0]
+    cfg, mp = cta_config(cfg, m, k, group)
+    R = cfg.block_n // cfg.split_k
+    if n % R:
+        raise ValueError(f"split_reduce='cta': N={n} must divide by {R} rows per program")
     mode = "f32" if interp else cfg.dequant
     xin = tile.perm_columns(x) if cfg.x_layout == "perm" else x
     return pl.pallas_call(

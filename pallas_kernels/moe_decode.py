@@ -59,6 +59,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels import int4_matmul as im
 from pallas_kernels import int4_tile as tile
 
 
@@ -437,6 +438,70 @@ def moe_decode(x_TD, idx_TK, weight_TK, gate, up, down, *, block_m, block_n_gate
         input_output_aliases={5: 0}, interpret=interp, compiler_params=params, name=name,
     )(*args, jnp.zeros((rows, d), jnp.float32))
     return y[:t].astype(x_TD.dtype)
+
+
+def _pairs_cta_kernel(idx_ref, a_ref, *refs, n_weights, topk, num_experts, n, k, group, a_per_token,
+                      perm_out, cfg, mode, mp):
+    """Program (pair p, block j): weight j // (N/R) (gate / up, or the one down weight), rows
+    [n0, n0 + R) of expert idx[p], times the pair's activation row (x's token p // K, or h's row p),
+    with int4_matmul's 'cta' program (`cta_partials`: the K split over the warps inside the program).
+    Pairs with an id outside [0, E) write nothing."""
+    ws = [(refs[2 * i], refs[2 * i + 1]) for i in range(n_weights)]
+    o_ref = refs[-1]
+    p, j = pl.program_id(0), pl.program_id(1)
+    e = idx_ref[p]
+    R = cfg.block_n // cfg.split_k
+    nb = n // R
+    which, n0 = j // nb, pl.multiple_of((j % nb) * R, R)
+    row = p // topk if a_per_token else p
+    rr = n0 + jnp.arange(R, dtype=jnp.int32)
+    cols = tile.perm_index(rr, n) if perm_out else rr
+    for w_i, (w_ref, s_ref) in enumerate(ws):
+        @pl.when((e >= 0) & (e < num_experts) & (which == w_i))
+        def _(w_ref=w_ref, s_ref=s_ref, w_i=w_i):
+            y = im.cta_partials(a_ref, w_ref, s_ref, e * n + n0, row, m=1, k=k, group=group, cfg=cfg,
+                                mode=mode, mp=mp)                              # [R, 1]
+            tile.store(o_ref.at[(p + jnp.arange(mp, dtype=jnp.int32))[:, None], (w_i * n + cols)[None, :]],
+                       y.T)
+
+
+def pairs_matmul_cta(a, idx_TK, weights, *, a_per_token: bool, perm_out: bool, split: int, num_warps: int,
+                     num_stages: int, block_k: int, dequant: str, x_layout: str, interp: bool):
+    """Each (token, k) pair's row times its expert's weight(s), one dense-style program per R weight rows:
+    int4_matmul's split_reduce='cta' program (16 * num_warps MMA rows = `split` K-slices of R rows) aimed
+    at one expert's rows. For decode steps that hold few pairs (expert parallelism at small batch: about
+    one pair per token and device at EP8), where the grouped kernels give a lone pair 32 gate/up programs
+    of 128 rows (one per SM, latency-bound: 30 us for one expert's 16.5 MB on the H200, fifteenth
+    session) and this shape gives it 2F/R programs of R rows with the K split 4 ways, as the dense
+    kernel does (8.6 us for the same bytes). a: [T, K_in] (a_per_token: row = token, e.g. x) or
+    [T*K, K_in] (row = pair, e.g. h); weights: (int16 packed [E, N, K_in/4], scale [E, N, K_in/g]) x 1
+    or 2; x_layout 'shuffle' (a in natural columns) or 'perm' (a's columns in pair-plane order).
+    Returns f32 [T*K, n_weights * N] (weight w at columns [w N, (w+1) N); in pair-plane order if
+    perm_out); rows of pairs with an id outside [0, E) are not written."""
+    num_experts, n, kw = weights[0][0].shape
+    k = kw * 4
+    group = k // weights[0][1].shape[-1]
+    cfg = im.Int4MatmulConfig(block_n=16 * num_warps, block_k=block_k, num_warps=num_warps,
+                              num_stages=num_stages, dequant=dequant, swap_ab=True, x_layout=x_layout,
+                              split_k=split, split_reduce="cta")
+    cfg, mp = im.cta_config(cfg, 1, k, group)
+    R = cfg.block_n // split
+    if n % R:
+        raise ValueError(f"pairs_matmul_cta: N={n} must divide by {R} rows per program")
+    idx = idx_TK.reshape(-1).astype(jnp.int32)
+    pairs = idx.shape[0]
+    args = [idx, a]
+    for p_, s_ in weights:      # [E, N, .] -> [E * N, .]: a free reshape; rows e * N + n
+        args += [p_.reshape(num_experts * n, -1), s_.astype(jnp.bfloat16).reshape(num_experts * n, -1)]
+    kernel = functools.partial(
+        _pairs_cta_kernel, n_weights=len(weights), topk=idx_TK.shape[1], num_experts=num_experts, n=n, k=k,
+        group=group, a_per_token=a_per_token, perm_out=perm_out, cfg=cfg,
+        mode="f32" if interp else dequant, mp=mp)
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((pairs, len(weights) * n), jnp.float32),
+        grid=(pairs, len(weights) * (n // R)), interpret=interp,
+        compiler_params=tile.compiler_params(num_warps, num_stages, interp), name="moe_pairs_cta_int4",
+    )(*args)
 
 
 SINGLE_REDUCES = ("atomic", "relaxed", "store")

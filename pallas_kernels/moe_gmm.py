@@ -76,6 +76,10 @@ class MoeGmmConfig:
     split_k_down: int = 1        # decode='fused': down K loop split over this many programs (atomics)
     stream_k_down: int = 0       # decode='fused' / 'chained': > 0: the down blocks' K loops shared evenly
                                  # by this many programs (stream-K, atomics); 0: one program per block
+    pairs_cta: int = 0           # decode='tiles', T <= pair_tiles_max_t, > 0: gate/up and down as dense-
+                                 # style programs per pair (moe_decode.pairs_matmul_cta: 16 * num_warps / S
+                                 # weight rows each, the K split S = pairs_cta ways inside the program), for
+                                 # steps that hold few pairs (EP decode); silu and the sum over k by XLA
     split_gate_up: bool = False  # decode='tiles', T <= pair_tiles_max_t: gate and up rows in separate
                                  # programs (one weight stream each: about half the registers and shared
                                  # memory, so twice the CTAs per SM), f32 results, silu(gate) * up by XLA
@@ -328,6 +332,20 @@ def moe_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array,
     held = (flat >= 0) & (flat < num_experts)      # ids outside [0, E) are skipped (EP: not local)
     pad = lambda v, fill: jnp.concatenate([v, jnp.full((bm,), fill, v.dtype)])
     w_flat = weight_TK.reshape(-1).astype(jnp.float32)
+    if cfg.pairs_cta and t <= cfg.pair_tiles_max_t:
+        common = dict(split=cfg.pairs_cta, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                      dequant=cfg.dequant, interp=interp)
+        gu = moe_decode.pairs_matmul_cta(
+            x_TD, idx_TK, [(tile.as_int16(gate_packed), gate_scale), (tile.as_int16(up_packed), up_scale)],
+            a_per_token=True, perm_out=True, block_k=cfg.block_k_gate_up, x_layout="shuffle", **common)
+        g, u = gu[:, :f], gu[:, f:]                                    # pair-plane column order
+        h = (g / (1.0 + jnp.exp(-g)) * u).astype(x_TD.dtype)          # as the fused epilogue rounds it
+        y_pairs = moe_decode.pairs_matmul_cta(
+            h, idx_TK, [(tile.as_int16(down_packed), down_scale)], a_per_token=False, perm_out=False,
+            block_k=cfg.block_k_down, x_layout="perm", **common)
+        # rows of pairs held elsewhere are never written (where, not a product, keeps them out)
+        y = jnp.where(held[:, None], y_pairs * w_flat[:, None], 0.0)
+        return y.reshape(t, kk, d).sum(axis=1).astype(x_TD.dtype)
     if t <= cfg.pair_tiles_max_t:
         # Decode fast path: tile i = pair i (one row, expert idx.flat[i]); no sort, no plan ops.
         pairs = jnp.arange(tk, dtype=jnp.int32)

@@ -329,6 +329,25 @@ def test_moe_single_blocked_down(experts, name, t, mode, topk, bf, cfg):
     assert _rel(y, mg.moe_experts_reference(x, idx, w, *g, *u, *dn)) <= 1e-2
 
 
+@pytest.mark.parametrize("name,t,mode,held,cfg", [
+    ("t1_one_held_pair", 1, "distinct", 1, mg.MoeGmmConfig(pairs_cta=2)),
+    ("t3_two_held_w2", 3, "random", 2, mg.MoeGmmConfig(pairs_cta=2, num_warps=2, block_k_gate_up=64)),
+    ("t4_one_expert_all_held_perm_x", 4, "one_expert", TOPK, mg.MoeGmmConfig(pairs_cta=2, x_layout="perm")),
+    ("t2_split1", 2, "random", 3, mg.MoeGmmConfig(pairs_cta=1)),
+])
+def test_moe_pairs_cta(experts, name, t, mode, held, cfg):
+    """Dense-style programs per pair (`pairs_cta`, for steps holding few pairs): the first `held` pairs of
+    each token are on this device, the rest carry id E (skipped, as expert parallelism passes them);
+    y matches the reference on the same ids. A program reading the wrong activation row (pair instead of
+    token), expert rows or K slice moves y far past the 1e-2 bound (bf16 h and output: ~3e-3)."""
+    g, u, dn = experts
+    x, idx, w = _moe_case(t, mode)
+    idx = idx.at[:, held:].set(E)
+    y = mg.moe_experts(x, idx, w, *g, *u, *dn, config=cfg)
+    assert y.shape == (t, D) and y.dtype == jnp.bfloat16
+    assert _rel(y, mg.moe_experts_reference(x, idx, w, *g, *u, *dn)) <= 1e-2
+
+
 def test_block_down_layout_and_errors(experts):
     """block_down is a pure relayout (block j of expert e holds columns [j*BF, (j+1)*BF) of every D row,
     words and scales alike, for int32 words and their int16 view); the paths that cannot read it and a
