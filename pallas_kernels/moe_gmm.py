@@ -79,7 +79,8 @@ class MoeGmmConfig:
     pairs_cta: int = 0           # decode='tiles', T <= pair_tiles_max_t, > 0: gate/up and down as dense-
                                  # style programs per pair (moe_decode.pairs_matmul_cta: 16 * num_warps / S
                                  # weight rows each, the K split S = pairs_cta ways inside the program), for
-                                 # steps that hold few pairs (EP decode); silu and the sum over k by XLA
+                                 # steps that hold few pairs (EP decode); silu and the sum over k by XLA;
+                                 # x read in natural order (split in registers) whatever x_layout says
     split_gate_up: bool = False  # decode='tiles', T <= pair_tiles_max_t: gate and up rows in separate
                                  # programs (one weight stream each: about half the registers and shared
                                  # memory, so twice the CTAs per SM), f32 results, silu(gate) * up by XLA

@@ -332,7 +332,7 @@ def test_moe_single_blocked_down(experts, name, t, mode, topk, bf, cfg):
 @pytest.mark.parametrize("name,t,mode,held,cfg", [
     ("t1_one_held_pair", 1, "distinct", 1, mg.MoeGmmConfig(pairs_cta=2)),
     ("t3_two_held_w2", 3, "random", 2, mg.MoeGmmConfig(pairs_cta=2, num_warps=2, block_k_gate_up=64)),
-    ("t4_one_expert_all_held_perm_x", 4, "one_expert", TOPK, mg.MoeGmmConfig(pairs_cta=2, x_layout="perm")),
+    ("t4_one_expert_all_held", 4, "one_expert", TOPK, mg.MoeGmmConfig(pairs_cta=2)),
     ("t2_split1", 2, "random", 3, mg.MoeGmmConfig(pairs_cta=1)),
 ])
 def test_moe_pairs_cta(experts, name, t, mode, held, cfg):
