@@ -130,7 +130,6 @@ def time_jax(fn, args, calls, inner=5, reps=None, gpu=None):
     return median(ts)
 
 
-
 def time_torch_graph(body, calls, reps=None, replays=5):
     """body(): enqueues `calls` ops. Captured in a CUDA graph; returns median seconds per call."""
     import torch
@@ -495,9 +494,6 @@ def moe_sweep(name):
                                           single_reduce="relaxed")),
             ("default_again", C()),
         ],
-        # fifteenth session, second run: longer down steps (d1024: 219 regs, 2 CTAs per SM), the first down
-        # tile loaded before the gate/up loop (timed as `_pf`, 254 regs: 58.5 us at T = 1 against 57.2, so the
-        # option was removed), gate/up K step 1024 with 2 stages, 8 warps on 128-wide slices; T = 1 and 2
         # fifteenth session: expert parallelism's decode share (--moe_held_pairs=1: one pair per token held
         # here): the default gives a lone pair 32 gate/up and 112 down programs; configs with more programs
         # per pair (32-row gate/up, gate and up in separate programs, split-K down) and the single launch
@@ -524,6 +520,9 @@ def moe_sweep(name):
             ("pairs_cta4_s4", C(pairs_cta=4, block_k_gate_up=256, block_k_down=256, num_stages=4)),
             ("default_again", C(num_warps=4)),
         ],
+        # fifteenth session, second run: longer down steps (d1024: 219 regs, 2 CTAs per SM), the first down
+        # tile loaded before the gate/up loop (timed as `_pf`, 254 regs: 58.5 us at T = 1 against 57.2, so the
+        # option was removed), gate/up K step 1024 with 2 stages, 8 warps on 128-wide slices; T = 1 and 2
         "single_blk2": [
             ("default", None),
             ("single_f64_d512_relaxed_blk", C(decode="single", block_n_gate_up=64, block_n_down=512,
@@ -945,7 +944,7 @@ def section_moe():
             routes = [(i.at[:, held:].set(e_), w) for i, w in routes]
         touched = float(np.mean([np.unique(np.asarray(i)[np.asarray(i) < e_]).size for i, _ in routes]))
         nbytes = touched * per_expert + t * d * 2 * 2 + t * held * (f * 2 * 2 + d * 4)
-        flops = 2 * t * topk * 3 * f * d
+        flops = 2 * t * held * 3 * f * d
         roof_bw = nbytes / copy_bw if copy_bw else None
         roof = max(roof_bw, flops / peak) if (copy_bw and peak) else roof_bw
         for cname, cfg in moe_sweep(FLAGS.moe_configs):

@@ -160,7 +160,7 @@ def cta_partials(x_ref, w_ref, s_ref, wrow0, xrow0, *, m, k, group, cfg: Int4Mat
     """The 'cta' program's product: f32 [R, mp], weight rows [wrow0, wrow0 + R) of w_ref (int16 half-words
     [rows, K/4], scales s_ref [rows, K/g]) times token rows [xrow0, xrow0 + m) of x_ref (natural or perm
     columns per cfg.x_layout); column t >= m is zero. (R = block_n / split_k; see `_kernel_cta`. Also the
-    MoE decode path's gate/up programs, `moe_decode.gate_up_cta`, which point wrow0 into one expert.)"""
+    MoE decode path's per-pair programs, `moe_decode.pairs_matmul_cta`, which point wrow0 into one expert.)"""
     bn, bm, bk, S = cfg.block_n, cfg.block_m, cfg.block_k, cfg.split_k
     R = bn // S
     bc, bkg = bk // 4, bk // group

@@ -284,6 +284,14 @@ def grouped_int4_matmul(x_sorted: jax.Array, group_sizes: jax.Array, packed: jax
                          a_rows="direct", out_mode="rows", name="grouped_int4_matmul")
 
 
+def _silu_mul_halves(gu: jax.Array, dtype) -> jax.Array:
+    """[rows, 2F] f32 gate | up halves -> h = silu(gate) * up in dtype, rounded once as the fused
+    gate/up kernel's epilogue rounds it."""
+    f = gu.shape[1] // 2
+    g, u = gu[:, :f], gu[:, f:]
+    return (g / (1.0 + jnp.exp(-g)) * u).astype(dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def moe_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array,
                 gate_packed: jax.Array, gate_scale: jax.Array,
@@ -339,8 +347,7 @@ def moe_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array,
         gu = moe_decode.pairs_matmul_cta(
             x_TD, idx_TK, [(tile.as_int16(gate_packed), gate_scale), (tile.as_int16(up_packed), up_scale)],
             a_per_token=True, perm_out=True, block_k=cfg.block_k_gate_up, x_layout="shuffle", **common)
-        g, u = gu[:, :f], gu[:, f:]                                    # pair-plane column order
-        h = (g / (1.0 + jnp.exp(-g)) * u).astype(x_TD.dtype)          # as the fused epilogue rounds it
+        h = _silu_mul_halves(gu, x_TD.dtype)                          # pair-plane column order
         y_pairs = moe_decode.pairs_matmul_cta(
             h, idx_TK, [(tile.as_int16(down_packed), down_scale)], a_per_token=False, perm_out=False,
             block_k=cfg.block_k_down, x_layout="perm", **common)
@@ -370,8 +377,7 @@ def moe_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array,
                            out_shape=(tk, 2 * f), out_dtype=jnp.float32, cfg=cfg, bn=cfg.block_n_gate_up,
                            bk=cfg.block_k_gate_up, interp=interp, a_layout=cfg.x_layout,
                            a_rows="indirect", out_mode="halves", arow=row_token, name="moe_gate_up_int4")
-        g, u = gu[:, :f], gu[:, f:]
-        h = (g / (1.0 + jnp.exp(-g)) * u).astype(x_TD.dtype)          # as the fused epilogue rounds it
+        h = _silu_mul_halves(gu, x_TD.dtype)
     else:
         h = _grouped_call(tiles, a, [(gate_packed, gate_scale), (up_packed, up_scale)],
                           out_shape=(tk, f), out_dtype=x_TD.dtype, cfg=cfg, bn=cfg.block_n_gate_up,
