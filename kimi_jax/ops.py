@@ -101,6 +101,7 @@ def _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts: ExpertWeights, par
     batch = par.batch or None
 
     lead = 0 if layer is None else 1          # a layer-stacked weight has the layer axis first
+    ep_degree = int(np.prod([par.mesh.shape[a] for a in par.experts]))   # each device holds 1/ep of the pairs
 
     def spec_of(w, mlp_dim):  # expert dim 0; FFN width at mlp_dim (packed/scale share the layout)
         dims = [None] * w.ndim
@@ -131,7 +132,7 @@ def _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts: ExpertWeights, par
             mine = (lidx >= 0) & (lidx < e_local)
             idx = jnp.where(mine, lidx, e_local)
             wt = jnp.where(mine, wt, 0.0)
-        y = _routed_experts_local(x, idx, wt, ew, impl, layer)
+        y = _routed_experts_local(x, idx, wt, ew, impl, layer, held_share=1.0 / ep_degree)
         if gather:
             y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
         if psum_axes:
@@ -144,7 +145,8 @@ def _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts: ExpertWeights, par
     return shard_map(local, par.mesh, in_specs=specs, out_specs=P(batch, None))(*args)
 
 
-def _routed_experts_local(x_TD, idx_TK, weight_TK, experts: ExpertWeights, impl, layer=None):
+def _routed_experts_local(x_TD, idx_TK, weight_TK, experts: ExpertWeights, impl, layer=None,
+                          held_share: float = 1.0):
     pallas = resolve_impl(impl) == "pallas" and isinstance(experts.gate, Int4Weight)
     if layer is not None:
         if pallas:   # [L, E, ...] -> [L*E, ...] (a bitcast) and ids offset into it; others stay out of range
@@ -160,7 +162,7 @@ def _routed_experts_local(x_TD, idx_TK, weight_TK, experts: ExpertWeights, impl,
         # and return their sum rounded to bf16 (accumulation is float32 inside). Pairs whose expert lives
         # on another device (id E_local) are skipped by the kernels.
         y = moe_gmm.moe_experts(x_TD.astype(jnp.bfloat16), idx_TK, weight_TK, g.packed, g.scale, u.packed,
-                                u.scale, d.packed, d.scale)
+                                u.scale, d.packed, d.scale, held_share=held_share)
         return y.astype(x_TD.dtype)
     return _routed_experts_xla(x_TD, idx_TK, weight_TK, experts)
 

@@ -961,7 +961,8 @@ def section_moe():
                     dd = down_for(cname, cfg, dn, blocked)
                 try:
                     fn = jax.jit(lambda x, routes, gg, uu, dd, cfg=cfg: [
-                        mg.moe_experts(x, i, w, *gg, *uu, *dd, config=cfg) for i, w in routes])
+                        mg.moe_experts(x, i, w, *gg, *uu, *dd, config=cfg, held_share=held / topk)
+                        for i, w in routes])
                     gpu = {}
                     tm = time_jax(fn, (x, routes, gg, uu, dd), R, gpu=gpu)
                     record(section="moe", case=case, impl="pallas", config=cname, layout=layout,

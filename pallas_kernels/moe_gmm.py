@@ -92,10 +92,27 @@ class MoeGmmConfig:
             raise ValueError(f"decode {self.decode!r} not in {DECODE_PATHS}")
 
 
-def default_config(num_pairs: int, num_experts: int) -> MoeGmmConfig:
+# Expected pairs held on this device (T * top-k * held share) at or below which the default runs each
+# held pair as dense-style programs (`pairs_cta`). H200, sixteenth session (BENCHMARKS.md, "expert
+# parallelism's decode share"), device span: 1 held pair at T = 1 23.6 us vs 45.6 for the pair tiles,
+# 2 held pairs 29.9 vs 49.2; with 8 held pairs it loses (T = 1 all held 72.8 vs 62.0, T = 4 with 2 of
+# 8 held 82.4 vs 66.8) or ties (T = 8 with 1 of 8 held: 92.0 vs 91.5).
+PAIRS_CTA_MAX_HELD = 2.0
+
+
+def default_config(num_pairs: int, num_experts: int, held_share: float = 1.0,
+                   dims: Optional[tuple[int, int]] = None) -> MoeGmmConfig:
     """Measured on H200 (BENCHMARKS.md): 8-row tiles with weights on the MMA's M side win for decode
     up to 256 tokens (<= ~5 rows per expert). Larger batches use bigger token tiles (fewer weight
-    re-reads); those two configs are checked for correctness but not tuned."""
+    re-reads); those two configs are checked for correctness but not tuned. `held_share`: the expected
+    fraction of the pairs whose expert is on this device (1 / the expert-parallel degree); a step
+    expected to hold at most PAIRS_CTA_MAX_HELD pairs takes `pairs_cta` (EP decode) if `dims` (D, F)
+    allow its K split (slices of 64: the demo presets' small experts do not)."""
+    split = 4
+    fits = dims is None or all(k % (64 * split) == 0 for k in dims)
+    if num_pairs * held_share <= PAIRS_CTA_MAX_HELD and fits:
+        return MoeGmmConfig(pairs_cta=split, block_k_gate_up=256, block_k_down=256,
+                            pair_tiles_max_t=max(4, num_pairs))
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
     if rows_per_expert <= 8:
         return MoeGmmConfig()
@@ -292,13 +309,13 @@ def _silu_mul_halves(gu: jax.Array, dtype) -> jax.Array:
     return (g / (1.0 + jnp.exp(-g)) * u).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "held_share"))
 def moe_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array,
                 gate_packed: jax.Array, gate_scale: jax.Array,
                 up_packed: jax.Array, up_scale: jax.Array,
                 down_packed: jax.Array, down_scale: jax.Array, *,
-                config: Optional[MoeGmmConfig] = None, interpret: Optional[bool] = None
-                ) -> jax.Array:
+                config: Optional[MoeGmmConfig] = None, interpret: Optional[bool] = None,
+                held_share: float = 1.0) -> jax.Array:
     """sum_k weight[t,k] * down(silu(gate(x_t)) * up(x_t)) over experts idx[t,k]. Returns [T, D] x.dtype.
 
     Pairs whose id lies outside [0, E) are skipped (contribute 0, read nothing): with expert
@@ -306,14 +323,15 @@ def moe_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array,
     are never read. down_packed / down_scale may be in `block_down`'s layout (4-D) for the
     single-launch decode path (decode='single', T <= pair_tiles_max_t); the other paths reject it (a
     grouped down kernel reading it, one contiguous [BN, 16] tile per F block, measured 3-5x slower:
-    BENCHMARKS.md, fifteenth session).
+    BENCHMARKS.md, fifteenth session). `held_share` (1 / the expert-parallel degree) only steers the
+    default config (`default_config`); the result does not depend on it.
     """
     interp = tile.resolve_interpret(interpret)
     t, d = x_TD.shape
     kk = idx_TK.shape[1]
     num_experts, f, _ = gate_packed.shape
     tk = t * kk
-    cfg = config or default_config(tk, num_experts)
+    cfg = config or default_config(tk, num_experts, held_share, dims=(d, f))
     bm = cfg.block_m
 
     if down_packed.ndim == 4 and not (t <= cfg.pair_tiles_max_t and cfg.decode == "single"):

@@ -186,3 +186,53 @@ def test_routed_experts_pallas_takes_float32_activations_as_bf16():
     want = ops.routed_experts(x.astype(jnp.bfloat16), idx, wt, ew, impl="pallas")
     assert got.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.float32)))
+
+
+def test_expert_parallel_steers_the_decode_config(monkeypatch):
+    """Under expert parallelism each device holds 1/ep of the (token, expert) pairs, and the routed
+    experts say so (`held_share`): a step expected to hold <= 2 pairs takes `pairs_cta` (H200: 1.6-1.9x
+    faster there, BENCHMARKS.md), otherwise the default is unchanged. The answer does not depend on it:
+    EP8 over 16 experts equals the unsharded call (same kernels' math per pair, bf16 output rounding:
+    1e-2 relative; `pairs_cta` itself is checked against the float32 reference in test_pallas_int4)."""
+    from kimi_jax.sharding import Layout
+    from pallas_kernels import int4_ref, moe_gmm
+    assert moe_gmm.default_config(8, 48, 1 / 8).pairs_cta == 4       # Kimi at T = 1 under EP8: 1 pair
+    assert moe_gmm.default_config(16, 48, 1 / 8).pairs_cta == 4      # T = 2: 2 pairs
+    assert moe_gmm.default_config(24, 48, 1 / 8).pairs_cta == 0      # T = 3: 3 pairs
+    assert moe_gmm.default_config(8, 384).pairs_cta == 0             # no EP: 8 pairs
+    seen = []
+    real = moe_gmm.moe_experts
+
+    def spy(*a, **k):
+        seen.append(k.get("held_share"))
+        return real(*a, **k)
+    monkeypatch.setattr(moe_gmm, "moe_experts", spy)
+    key = jax.random.PRNGKey(11)
+    E, F, D, T, K = 16, 256, 256, 3, 2         # pairs_cta splits K 4 ways: K / 4 >= 64
+    ew = ops.ExpertWeights(*(ops.Int4Weight(*int4_ref.random_int4(jax.random.fold_in(key, i), shape))
+                             for i, shape in enumerate(((E, F, D), (E, F, D), (E, D, F)))))
+    x = jax.random.normal(jax.random.fold_in(key, 9), (T, D), jnp.bfloat16)
+    idx = jnp.array([[0, 5], [9, 15], [5, 2]], jnp.int32)
+    wt = jnp.full((T, K), 0.5, jnp.float32)
+    par = Layout(tensor_parallel_size=8, enable_expert_parallel=True).moe_parallel()
+    got = np.asarray(ops.routed_experts(x, idx, wt, ew, impl="pallas", parallel=par), np.float32)
+    want = np.asarray(ops.routed_experts(x, idx, wt, ew, impl="pallas"), np.float32)
+    assert seen == [1 / 8, 1.0]                  # 6 pairs: 0.75 held per device (pairs_cta) vs 6
+    np.testing.assert_allclose(got, want, atol=1e-2 * np.abs(want).max())
+
+
+def test_pairs_cta_default_falls_back_on_small_dims():
+    """A model too small for pairs_cta's K split (D or F not a multiple of 64 * 4: the demo presets)
+    keeps the pair-tile default even when few pairs are held, and still matches the reference."""
+    from pallas_kernels import int4_ref, moe_gmm
+    key = jax.random.PRNGKey(5)
+    E, F, D, T = 4, 64, 128, 1
+    g, u, dn = (int4_ref.random_int4(jax.random.fold_in(key, i), shape)
+                for i, shape in enumerate(((E, F, D), (E, F, D), (E, D, F))))
+    x = jax.random.normal(jax.random.fold_in(key, 9), (T, D), jnp.bfloat16)
+    idx = jnp.array([[1, 3]], jnp.int32)
+    wt = jnp.full((T, 2), 0.5, jnp.float32)
+    y = moe_gmm.moe_experts(x, idx, wt, *g, *u, *dn, held_share=0.5)
+    ref = moe_gmm.moe_experts_reference(x, idx, wt, *g, *u, *dn)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref, np.float32),
+                               atol=1e-2 * float(jnp.abs(ref.astype(jnp.float32)).max()))
