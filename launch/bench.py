@@ -506,12 +506,11 @@ def moe_sweep(name):
                                               single_reduce="relaxed")),
             ("default_again", C(num_warps=4)),
         ],
-        # fifteenth session, prepared (NOT yet timed): the EP decode share through dense-style programs per
-        # pair (`pairs_cta`: int4_matmul's 'cta' program aimed at one expert's rows, R = 16 rows with the K
-        # split 4 ways, or 32 rows split 2 ways), against the default's 44.5 us for one held pair (T = 1,
-        # held=1: gate/up 30.4 us for 16.5 MB on 32 programs; the dense kernel reads those bytes in 8.6 us).
-        # sass_probe (sm_90): 92-96 regs, 26 KB shared memory, cp.async pipelined. pt8: the pair path up
-        # to 8 tokens (EP8 at batch 8 holds ~8 pairs; the default sorts them and plans tiles).
+        # the EP decode share through dense-style programs per pair (`pairs_cta`: int4_matmul's 'cta'
+        # program aimed at one expert's rows, R = 16 rows with the K split 4 ways, or 32 rows split 2
+        # ways); pt8: the pair path up to 8 tokens. Timed in the sixteenth session (BENCHMARKS.md): one
+        # held pair 23.6 us against 45.6 for the pair tiles, so `default` (whose config follows the held
+        # share since then) IS pairs_cta4 where <= 2 pairs are held; `default_again` stays the pair tiles.
         "ep1_cta": [
             ("default", None),
             ("pairs_cta4", C(pairs_cta=4, block_k_gate_up=256, block_k_down=256)),
