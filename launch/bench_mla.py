@@ -288,9 +288,7 @@ def _forced(name):
 
 # Named variants of the Mosaic GPU serving config: the fields they change.
 MGPU_VARIANTS = {"mgpu_fin": {"finish": "kernel"}, "mgpu_bal": {"schedule": "balanced"}, "mgpu_2w": {"waves": 2},
-                 "mgpu_mtail": {"mask_tail_only": True},
-                 "mgpu_v4": {"block_k": 64, "stages": 0, "column_refill": True, "bt_ahead": False,
-                             "early_pv": False}}
+                 "mgpu_mtail": {"mask_tail_only": True}}
 
 
 def _op(name, cfg, scale):

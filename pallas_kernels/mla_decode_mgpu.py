@@ -335,8 +335,6 @@ class MgpuConfig:
     #                               pair (no duplicated QK^T), row maxima exchanged through smem
     seesaw: bool = False          # version 3 (split_s): FlashMLA's seesaw schedule (warpgroup 0's
     #                               P @ C overlaps warpgroup 1's softmax; no lockstep)
-    column_refill: bool = False   # version 4 (mla_decode_v4.py; split_s, block_k 64, one pair slot
-    #                               refilled by column part, one P buffer, own P @ C from registers)
     o_bmsa: bool = False          # partials o as [B, M, splits, A] (the combine's order: no
     #                               transpose before it) instead of [B, splits, M, A]
     num_splits: int = 0           # 0: auto (fill the SMs `waves` times)
@@ -408,8 +406,6 @@ def resolve_config(cfg: Optional[MgpuConfig], batch: int, rows: int, max_tokens:
             stages += 1
         if cfg.split_s:
             stages -= stages % 2          # whole pairs of tiles
-        if cfg.column_refill:
-            stages = 2                    # one pair slot (version 4)
     splits = cfg.num_splits
     if not splits:
         ctas = batch * (-(-rows // _ROWS)) * (cfg.halves if cfg.warpgroups == 1 else 1)
@@ -1154,14 +1150,7 @@ def _check_shapes(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, cfg: MgpuConfig
     if cfg.split_s and (cfg.warpgroups != 2 or cfg.stages % 2 or cfg.stages < 2):
         raise ValueError(f"split_s needs warpgroups=2 and an even number of stages (tiles; 2 per "
                          f"pair), got warpgroups={cfg.warpgroups}, stages={cfg.stages}")
-    if cfg.column_refill:
-        if not cfg.split_s or cfg.seesaw:
-            raise ValueError("column_refill (version 4) needs split_s=True, seesaw=False")
-        from pallas_kernels import mla_decode_v4
-        mla_decode_v4.check_config(bk, cfg.stages, A + R, A)
-        need = 0
-    else:
-        need = _smem_bytes(bk, cfg.stages, A + R, wgs=cfg.warpgroups, split_s=cfg.split_s)
+    need = _smem_bytes(bk, cfg.stages, A + R, wgs=cfg.warpgroups, split_s=cfg.split_s)
     if need > _SMEM_LIMIT:
         raise ValueError(f"block_k={bk} x stages={cfg.stages} x warpgroups={cfg.warpgroups} "
                          f"(split_s={cfg.split_s}) needs {need} B of shared memory "
@@ -1200,12 +1189,7 @@ def mla_decode_partials_mgpu(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, leng
     interp = bool(interpret)
     splits = cfg.num_splits
     two_wg = cfg.warpgroups == 2
-    if cfg.column_refill:
-        from pallas_kernels import mla_decode_v4
-        kernel = functools.partial(mla_decode_v4.kernel, bk=cfg.block_k, splits=splits,
-                                   qk_scale=float(scale) * _LOG2E, interpret=interp, o_bmsa=cfg.o_bmsa)
-        extra = dict(reduction_scratch_bytes=_SPLIT_S_REDUCTION_SCRATCH)
-    elif cfg.split_s:
+    if cfg.split_s:
         kernel = functools.partial(_kernel_seesaw if cfg.seesaw else _kernel_split_s,
                                    bk=cfg.block_k, stages=cfg.stages,
                                    splits=splits, qk_scale=float(scale) * _LOG2E, interpret=interp,
@@ -1382,7 +1366,6 @@ def variant_configs(semantics: str = "Lane") -> dict:
         "wg2s_k16s8": dataclasses.replace(ss, block_k=16, stages=8),
         "wg2s_k16s6": dataclasses.replace(ss, block_k=16, stages=6),
         **{f"wg2s_k32s4_pf{d}": dataclasses.replace(ss, l2_prefetch=d) for d in (1, 2, 4)},
-        "v4": dataclasses.replace(ss, block_k=64, stages=0, column_refill=True),
     }
 
 
