@@ -81,6 +81,11 @@ class Hardware:
     # measured (tokens in the MoE call, efficiency) points; when given they replace int4_efficiency:
     # interpolated linearly in log(tokens), flat beyond the ends
     int4_curve: tuple = ()
+    # measured under expert parallelism, where a device holds a share of the experts and sees every token
+    # of its group: ((share, ((tokens, efficiency), ...)), ...); between shares interpolated linearly in
+    # log(share), flat below the smallest; above the largest share and past a curve's last token count
+    # int4_curve's value (unmeasured there: the EP penalty is applied only where it was measured)
+    int4_ep_curves: tuple = ()
     xla_int4_efficiency: float = 0.08  # XLA's unfused dequant path (materializes bf16 weights)
     attention_efficiency: float = 0.8  # latent-cache reads in attention (steady state)
     # measured (query rows per device, efficiency) points; when given they replace attention_efficiency:
@@ -101,6 +106,20 @@ class Hardware:
     def int4_efficiency_at(self, tokens: float) -> float:
         """Fraction of hbm_bw the fused INT4 expert kernels reach with `tokens` rows in one MoE call."""
         return _log_interp(self.int4_curve, tokens, self.int4_efficiency)
+
+    def int4_efficiency_ep(self, tokens: float, share: float) -> float:
+        """Fraction of hbm_bw the fused INT4 expert kernels reach with `tokens` rows in one MoE call on a
+        device holding `share` of the experts (1: no expert parallelism, `int4_efficiency_at`)."""
+        curves = sorted((float(sh), pts) for sh, pts in self.int4_ep_curves if sh < 1.0)
+        if share >= 1.0 or not curves:
+            return self.int4_efficiency_at(tokens)
+        no_ep = self.int4_efficiency_at(tokens)
+        # past a curve's last measured token count it gives way to no EP's (unmeasured there)
+        pts = [(sh, _log_interp(c, tokens, self.int4_efficiency) if tokens <= max(t for t, _ in c) else no_ep)
+               for sh, c in curves]
+        if share > pts[-1][0]:
+            return no_ep       # above the largest measured share (e.g. EP2's 1/2): unmeasured, no penalty
+        return _log_interp(pts, share, no_ep, floor=0.0)
 
     def attention_efficiency_at(self, rows: float) -> float:
         """Fraction of hbm_bw the decode attention kernels stream the latent cache at with `rows`
@@ -158,6 +177,8 @@ class Hardware:
         if d.get("int4_curve"):
             kw["int4_curve"] = tuple((float(t), float(e)) for t, e in d["int4_curve"])
             src["int4_efficiency"] = tag
+        if "int4_curve" in kw:
+            kw["int4_ep_curves"] = ()      # the preset's EP curves belong to the preset's kernels
         if "attention_efficiency" in kw:
             kw["attention_curve"] = ()     # likewise for the attention kernels
         if d.get("attention_curve"):
@@ -209,12 +230,13 @@ def write_calibration(path: str, d: Mapping) -> str:
     return path
 
 
-def _log_interp(points, x: float, default: float) -> float:
-    """points [(x, y), ...] interpolated linearly in log(x), flat beyond the ends; `default` if none."""
+def _log_interp(points, x: float, default: float, floor: float = 1.0) -> float:
+    """points [(x, y), ...] interpolated linearly in log(x), flat beyond the ends; `default` if none; x is
+    taken as at least `floor` (token and row counts: 1)."""
     pts = sorted(points)
     if not pts:
         return default
-    x = max(float(x), 1.0)
+    x = max(float(x), floor)
     if x <= pts[0][0]:
         return pts[0][1]
     for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
@@ -241,6 +263,15 @@ _H200_ALLREDUCE_CURVE = ((14336.0, 24.4e-6), (117760.0, 26.0e-6), (940032.0, 24.
 # 0.71); T=16: 2736 MB in 440.6 + 229.1 + ~18 us; T=64: kernels ~94% minus 3-4% routing; T=256: 74%
 # (wall per call, no device-only figure).
 _H200_INT4_CURVE = ((1.0, 0.75), (16.0, 0.94), (64.0, 0.90), (256.0, 0.74))
+# The same kernels on a device holding 1/8 (EP8) or 1/4 (EP4) of the experts, one H200, jax 0.11.2,
+# 2026-12-01 (BENCHMARKS.md "Sixteenth session: `pairs_cta` halves the EP decode share", device span per
+# call of the engine's default config, 24.84 MB per held expert): 1/8: T = 1 (1 held pair, pairs_cta)
+# 23.6 us, T = 8 (8 held pairs, pair tiles) 91.5 us; 1/4: T = 1 (2 pairs) 29.9 us, T = 4 (8 pairs)
+# 66.8 us, T = 8 (16 pairs) 136.5 us. Unmeasured beyond T = 8 and above 1/4 (EP2), where the planner
+# uses int4_curve (the EP2 engine steps of tests/test_planner.py's H200_MEASURED agree best without a
+# penalty: batch 2 within +5.3% / +1.7%, +8.1% / +3.5% with one interpolated to share 1/2).
+_H200_INT4_EP_CURVES = ((0.125, ((1.0, 0.248), (8.0, 0.512))),
+                        (0.25, ((1.0, 0.392), (4.0, 0.702), (8.0, 0.687))))
 # MLA absorbed decode as the engine calls it (ops.mla_paged_attention: the kernel plus XLA's finishing
 # ops), one H200, jax 0.11.2, 2026-11-30: per layer time = call + cache bytes / (4.24 TB/s x eff).
 # 64 query rows (Mosaic GPU kernel): 38 us, eff 0.82, a least-squares fit of 36 timings (batch 1-64 x
@@ -258,7 +289,8 @@ _PRESETS = {
         interconnect="NVLink 4 (NVSwitch)", link_bw=450e9,
         collectives=_uniform(24e-6, 360e9, _H200_ALLREDUCE_CURVE, 2),
         gemv_efficiency=0.88, int4_efficiency=0.45, xla_int4_efficiency=0.08,
-        int4_curve=_H200_INT4_CURVE, attention_curve=_H200_ATTENTION_CURVE,
+        int4_curve=_H200_INT4_CURVE, int4_ep_curves=_H200_INT4_EP_CURVES,
+        attention_curve=_H200_ATTENTION_CURVE,
         attention_call_s=_H200_ATTENTION_CALL_S, attention_call_curve=_H200_ATTENTION_CALL_CURVE,
         sources={"hbm_bytes": "datasheet (141 GB)",
                  "hbm_bw": "measured: device-to-device copy 4.24 TB/s (ANCHORS.md section 6; datasheet 4.8)",
@@ -274,7 +306,9 @@ _PRESETS = {
                  "int4_efficiency": "measured (int4_curve): this project's Pallas MoE kernels on the H200, "
                                     "device time of kernels + routing ops per call (BENCHMARKS.md, INT4 "
                                     "section): 71% of copy at 1 token, 94% at 16, ~90% at 64, 74% at 256 "
-                                    "(wall per call there)",
+                                    "(wall per call there); under EP (int4_ep_curves) 25% at 1 token and "
+                                    "51% at 8 holding 1/8 of the experts, 39% / 70% / 69% at 1 / 4 / 8 "
+                                    "holding 1/4 (sixteenth session)",
                  "xla_int4_efficiency": "measured: XLA dequant path 0.34 TB/s effective = 8% (ANCHORS.md 6)",
                  "attention_efficiency": "measured (attention_curve, attention_call_s): this project's MLA "
                                          "decode op on the H200, per layer 28 us + the cache at 97% of hbm_bw "

@@ -24,7 +24,9 @@ layer, the materialized bf16 experts of the XLA INT4 path) plus a runtime reserv
   tokens of its dp group (all-gathered), and the step waits for the device that touched the most
   (`busiest_device_touched`: expected maximum over devices, normal approximation); TP devices all
   read the same slices, so they are balanced. impl='xla' reads every local expert (unfused dequant).
-  Each group of weights streams at hbm_bw x its kernel efficiency (bf16 GEMV, INT4 experts).
+  Each group of weights streams at hbm_bw x its kernel efficiency (bf16 GEMV, INT4 experts; under EP
+  the INT4 kernels' efficiency by tokens and the share of the experts held, `Hardware.int4_efficiency_ep`:
+  a device holding 1/8 of them streams 1 held pair per token at 25% of the copy where no EP reaches 75%).
 - cache reads: the whole allocated latent cache of the local rows, `cache_passes` times: once on a
   GPU (the Pallas decode kernels stream each page once), twice on the XLA path (two einsums over it:
   scores, then values), at hbm_bw x the attention efficiency for the device's query rows (heads per
@@ -581,7 +583,8 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
             touched = busiest_device_touched(e_loc, K, E, real_tokens, world)
         per_expert = expert_bytes_local(cfg, layout, db)
         read = Lm * touched * per_expert
-        eff = (hw.xla_int4_efficiency if o.impl == "xla" else hw.int4_efficiency_at(real_tokens)) \
+        share = e_loc / E if ep else 1.0            # of the experts this device holds whole
+        eff = (hw.xla_int4_efficiency if o.impl == "xla" else hw.int4_efficiency_ep(real_tokens, share)) \
             if cfg.quantization else hw.gemv_efficiency
         pairs = tokens * K * (e_loc / E if ep else 1.0)
         f = 2 * pairs * 3 * (F if ep else _cdiv(F, tp)) * D * Lm

@@ -382,6 +382,32 @@ def test_int4_efficiency_curve_and_calibration_override():
     assert curve.int4_efficiency_at(8) == pytest.approx(0.6)
 
 
+def test_int4_efficiency_under_expert_parallelism():
+    """The H200 preset's EP curves (BENCHMARKS.md, sixteenth session: device span of the engine's
+    default MoE config holding 1/8 or 1/4 of the experts) apply where they were measured (T <= 8, shares
+    <= 1/4); elsewhere the no-EP curve; between the two shares, linear in log(share)."""
+    hw = hardware.preset("h200")
+    assert hw.int4_efficiency_ep(1, 1 / 8) == pytest.approx(0.248)     # 24.84 MB in 23.6 us of 4.24 TB/s
+    assert hw.int4_efficiency_ep(8, 1 / 8) == pytest.approx(0.512)
+    assert hw.int4_efficiency_ep(4, 1 / 4) == pytest.approx(0.702)
+    assert hw.int4_efficiency_ep(1, 1 / 16) == hw.int4_efficiency_ep(1, 1 / 8)           # flat below
+    assert hw.int4_efficiency_ep(1, (1 / 8 * 1 / 4) ** 0.5) == pytest.approx((0.248 + 0.392) / 2)   # log(share)
+    assert hw.int4_efficiency_ep(1, 1 / 2) == hw.int4_efficiency_at(1)     # above the measured shares
+    for t in (1, 4, 16, 64):
+        assert hw.int4_efficiency_ep(t, 1.0) == hw.int4_efficiency_at(t)
+    assert hw.int4_efficiency_ep(16, 1 / 8) == hw.int4_efficiency_at(16)                # unmeasured: no penalty
+    # a calibrated INT4 curve drops the preset's EP curves (they belong to the preset's kernels)
+    cal = hardware.Hardware.from_calibration({"base": "h200", "copy_bw": 4e12, "int4_curve": [[1, 0.3], [64, 0.9]]})
+    assert cal.int4_efficiency_ep(1, 1 / 8) == pytest.approx(0.3)
+
+    # the plan: Kimi-K2.5 at batch 1 streams its routed experts at 25% of the copy under TP8+EP, 75% under TP8
+    cfg = preset("kimi-k2.5")
+    for lay, eff in ((Layout(8, 1, True), 0.248), (Layout(8), 0.75)):
+        p = planner.plan(cfg, hw, lay, batch=1, context=8192)
+        routed = next(t for t in p.terms if t.name.startswith("routed experts"))
+        assert routed.mem_s == pytest.approx(routed.bytes / (hw.hbm_bw * eff)), lay
+
+
 def test_dp_plans_hold_only_their_rows_of_the_paged_pool():
     """The serving engine splits its paged pool's pages over dp like the rows (tests/test_dp_pages.py):
     a DP8 plan holds its own 2 of the 16 rows' cache per device, the same as the design."""
