@@ -118,7 +118,7 @@ class Hardware:
         pts = [(sh, _log_interp(c, tokens, self.int4_efficiency) if tokens <= max(t for t, _ in c) else no_ep)
                for sh, c in curves]
         if share > pts[-1][0]:
-            return no_ep       # above the largest measured share (e.g. EP2's 1/2): unmeasured, no penalty
+            return no_ep       # above the largest measured share: unmeasured, no penalty
         return _log_interp(pts, share, no_ep, floor=0.0)
 
     def attention_efficiency_at(self, rows: float) -> float:
@@ -263,15 +263,16 @@ _H200_ALLREDUCE_CURVE = ((14336.0, 24.4e-6), (117760.0, 26.0e-6), (940032.0, 24.
 # 0.71); T=16: 2736 MB in 440.6 + 229.1 + ~18 us; T=64: kernels ~94% minus 3-4% routing; T=256: 74%
 # (wall per call, no device-only figure).
 _H200_INT4_CURVE = ((1.0, 0.75), (16.0, 0.94), (64.0, 0.90), (256.0, 0.74))
-# The same kernels on a device holding 1/8 (EP8) or 1/4 (EP4) of the experts, one H200, jax 0.11.2,
-# 2026-12-01 (BENCHMARKS.md "Sixteenth session: `pairs_cta` halves the EP decode share", device span per
-# call of the engine's default config, 24.84 MB per held expert): 1/8: T = 1 (1 held pair, pairs_cta)
-# 23.6 us, T = 8 (8 held pairs, pair tiles) 91.5 us; 1/4: T = 1 (2 pairs) 29.9 us, T = 4 (8 pairs)
-# 66.8 us, T = 8 (16 pairs) 136.5 us. Unmeasured beyond T = 8 and above 1/4 (EP2), where the planner
-# uses int4_curve (the EP2 engine steps of tests/test_planner.py's H200_MEASURED agree best without a
-# penalty: batch 2 within +5.3% / +1.7%, +8.1% / +3.5% with one interpolated to share 1/2).
-_H200_INT4_EP_CURVES = ((0.125, ((1.0, 0.248), (8.0, 0.512))),
-                        (0.25, ((1.0, 0.392), (4.0, 0.702), (8.0, 0.687))))
+# The same kernels on a device holding 1/8 (EP8), 1/4 (EP4) or 1/2 (EP2) of the experts, one H200, jax
+# 0.11.2, 2026-12-01: device span per call of the engine's default config (`launch.bench --suite=int4
+# --moe_held_pairs=1|2|4 --moe_profile`: each token's first 1 / 2 / 4 of its 8 pairs held), bytes of the
+# touched experts (24.84 MB each) / span / 4.24 TB/s. 1/8: T = 1, 8 (sixteenth session: 23.6, 91.5 us),
+# T = 2, 4 (seventeenth: 33.4, 53.5 us); 1/4: T = 1, 4, 8 (sixteenth: 29.9, 66.8, 136.5 us), T = 2
+# (seventeenth: 53.0 us); 1/2: T = 1, 2, 4, 8 (seventeenth: 51.7, 66.1, 114.8, 224.4 us). Unmeasured beyond
+# T = 8, where the planner uses int4_curve (BENCHMARKS.md "Seventeenth session: the INT4 experts under EP").
+_H200_INT4_EP_CURVES = ((0.125, ((1.0, 0.248), (2.0, 0.351), (4.0, 0.435), (8.0, 0.512))),
+                        (0.25, ((1.0, 0.392), (2.0, 0.442), (4.0, 0.702), (8.0, 0.687))),
+                        (0.5, ((1.0, 0.453), (2.0, 0.703), (4.0, 0.800), (8.0, 0.811))))
 # MLA absorbed decode as the engine calls it (ops.mla_paged_attention: the kernel plus XLA's finishing
 # ops), one H200, jax 0.11.2, 2026-11-30: per layer time = call + cache bytes / (4.24 TB/s x eff).
 # 64 query rows (Mosaic GPU kernel): 38 us, eff 0.82, a least-squares fit of 36 timings (batch 1-64 x
@@ -306,9 +307,9 @@ _PRESETS = {
                  "int4_efficiency": "measured (int4_curve): this project's Pallas MoE kernels on the H200, "
                                     "device time of kernels + routing ops per call (BENCHMARKS.md, INT4 "
                                     "section): 71% of copy at 1 token, 94% at 16, ~90% at 64, 74% at 256 "
-                                    "(wall per call there); under EP (int4_ep_curves) 25% at 1 token and "
-                                    "51% at 8 holding 1/8 of the experts, 39% / 70% / 69% at 1 / 4 / 8 "
-                                    "holding 1/4 (sixteenth session)",
+                                    "(wall per call there); under EP (int4_ep_curves), device span at 1 / "
+                                    "8 tokens: 25% / 51% holding 1/8 of the experts, 39% / 69% holding "
+                                    "1/4, 45% / 81% holding 1/2 (sixteenth and seventeenth sessions)",
                  "xla_int4_efficiency": "measured: XLA dequant path 0.34 TB/s effective = 8% (ANCHORS.md 6)",
                  "attention_efficiency": "measured (attention_curve, attention_call_s): this project's MLA "
                                          "decode op on the H200, per layer 28 us + the cache at 97% of hbm_bw "
