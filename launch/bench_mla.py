@@ -288,7 +288,8 @@ def _forced(name):
 
 # Named variants of the Mosaic GPU serving config: the fields they change.
 MGPU_VARIANTS = {"mgpu_fin": {"finish": "kernel"}, "mgpu_bal": {"schedule": "balanced"}, "mgpu_2w": {"waves": 2},
-                 "mgpu_mtail": {"mask_tail_only": True}}
+                 "mgpu_mtail": {"mask_tail_only": True},
+                 "mgpu_v2": {"producer": False, "bt_ahead": True}}   # the serving config until the 17th session
 
 
 def _op(name, cfg, scale):
@@ -296,7 +297,9 @@ def _op(name, cfg, scale):
     'triton' / 'mgpu' = kimi_jax.ops as the engine calls it (auto: its own choice; call under
     `_forced(name)`); 'mgpu_fin' = the Mosaic GPU serving config with the one-launch finish
     (mla_finish.py); 'mgpu_bal' = it on the balanced schedule; 'mgpu_2w' = it with CTAs for two rounds
-    of one per SM; any other name = the Triton kernel with `cfg` (None: its automatic config)."""
+    of one per SM; 'mgpu_mtail' = it with the scores masked only in tail tiles; 'mgpu_v2' = the serving
+    config before the producer warpgroup (SERVING_V2); any other name = the Triton kernel with `cfg`
+    (None: its automatic config)."""
     from kimi_jax import ops
     from pallas_kernels import mla_decode as md
     if name in ("auto", "triton", "mgpu"):

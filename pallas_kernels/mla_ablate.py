@@ -47,8 +47,10 @@ CASES = ((64, 32768), (64, 131072))
 def make_kernel(drop):
     """Version 2's kernel with the pieces in `drop` removed (see the module docstring)."""
     def kernel(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk, stages, splits, qk_scale,
-               interpret, o_bmsa=False, prefetch=0, bt_ahead=False, early_pv=False, mask_tail_only=False):
+               interpret, o_bmsa=False, prefetch=0, bt_ahead=False, early_pv=False, mask_tail_only=False,
+               producer=False):
         del interpret, o_bmsa, prefetch, bt_ahead, early_pv, mask_tail_only   # GPU only, version 2 plain
+        assert not producer, "the ablations are of version 2 without the producer warpgroup"
         (b, j, h, c, bn, dt, npairs, start, end, n_pairs, row0, col0,
          issue_pair) = mg._pair_program(len_ref, bt_ref, q_ref, pool_ref, o_ref, bk=bk,
                                         stages=stages, splits=splits)

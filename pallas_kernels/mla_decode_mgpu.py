@@ -241,6 +241,21 @@ What bounds version 2 at 64 heads (H200, jax 0.11.2, 2026-11-30; BENCHMARKS.md "
   machines, 1-4% faster than plain version 2 at 64 x 32K, 8 x 128K and (3 of 4) 64 x 128K; each
   alone within noise. SERVING_CONFIG takes both.
 
+Version 2 option `producer` (SERVING_CONFIG since the seventeenth session)
+-------------------------------------------------------------------------
+A third warpgroup (h = 2; `num_threads=3`) does all the TMA: Q, the first pairs, and the refill of a
+pair slot as soon as both computing warpgroups released it (it waits the 2-arrival consumed barrier,
+every phase, then issues the pair two ahead; it reads the block table itself, so bt_ahead does not
+apply). The computing warpgroups run version 2's loop without the refill, so warpgroup 0 no longer
+waits at the end of every pair for warpgroup 1's P @ C and then issues the copies on its own path.
+Registers: `plgpu.set_max_registers` (setmaxnreg) 40 for the producer, 232 for the two others (384
+threads start at 168; ptxas: 168, no spill). The epilogue runs inside the computing branch (values do not
+leave a `pl.when`), staging o / lse in buffers that share the loop's shared memory through
+`plgpu.RefUnion` (the l exchange's last barrier round puts both computing warpgroups past their loop
+reads; the producer's last copy was waited by them). In interpret mode the staging is separate
+buffers (the 0.10.2 interpreter has no aliased refs). Measured (BENCHMARKS.md MLA round 20): 1-2%
+faster at 64 x 32K and 8 x 128K in two runs, mixed at 64 x 128K (power-capped), ties below.
+
 Next steps (performance; in order)
 ---------------------------------
 0. Find which half of the measured bound it is: `mla_ablate`'s `pipeline_only` variant (no wgmma
@@ -351,6 +366,7 @@ class MgpuConfig:
     bt_ahead: bool = False        # version 2: block-table entries read one step ahead (carried)
     early_pv: bool = False        # version 2: own-tile P @ C issued before the P exchange wait
     mask_tail_only: bool = False  # version 2: scores masked only in tiles that reach past the split's end
+    producer: bool = False        # version 2: a third warpgroup issues the TMA (setmaxnreg 40 / 232)
     finish: str = "xla"           # new tokens + combine: 'xla' or 'kernel' (mla_finish.finish_partials,
     #                               one Triton launch; [B, splits, M, A] partials only, not o_bmsa)
     schedule: str = "rows"        # 'rows' or 'balanced' (mla_decode.MlaDecodeConfig.schedule)
@@ -367,6 +383,10 @@ class MgpuConfig:
 # 2048) is cut to 1024 to make room for the [2, 64] f32 max / sum exchange buffer (512 B, allocated
 # in 1024 B units): the row reductions of a WGMMA-layout array stay within a warp and use none.
 _SPLIT_S_REDUCTION_SCRATCH = 1024
+# producer (version 2 option): registers per thread of the TMA warpgroup and of the two computing ones
+# (setmaxnreg; 384 threads start at 65536 / 384 = 170; 40 + 2 x 232 = 504 <= 512 per lane of 128)
+_PRODUCER_REGS = 40
+_CONSUMER_REGS = 232
 
 
 def _smem_bytes(block_k: int, stages: int, c: int, dtype_bytes: int = 2, wgs: int = 1,
@@ -789,36 +809,41 @@ def _write_partials(acc, m, l, o_ref, lse_ref, *, b, j, row0, col0, h, two_wg: b
     an empty split; acc = 0 there) staged in shared memory and TMA'd out; lse by (warpgroup / half)
     0. The staging reuses the main loop's shared memory: callers make sure every warpgroup is past
     its last read of that space first."""
+    def epilogue(o_smem, lse_smem):
+        _store_partials(acc, m, l, o_smem.at[h] if two_wg else o_smem, lse_smem, o_ref, lse_ref, b=b,
+                        j=j, row0=row0, col0=col0, h=h, o_bmsa=o_bmsa)
+
+    pl.run_scoped(epilogue,
+                  plgpu.SMEM(((2,) if two_wg else ()) + (_ROWS, acc.shape[1]), jnp.float32),
+                  plgpu.SMEM((_ROWS,), jnp.float32),
+                  **(dict(collective_axes="wg") if two_wg else {}))
+
+
+def _store_partials(acc, m, l, o_smem, lse_smem, o_ref, lse_ref, *, b, j, row0, col0, h,
+                    o_bmsa: bool = False):
+    """`_write_partials` through given staging buffers: o_smem [64, bn] (this warpgroup's), lse_smem
+    [64] (written by h == 0 only)."""
     bn = acc.shape[1]
     has = l > 0.0
     l_safe = jnp.where(has, l, 1.0)
     o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])     # acc = 0 when there were no tokens
     lse = jnp.where(has, m * _LN2 + jnp.log(l_safe), -jnp.inf)
+    o_smem[...] = o
 
-    def epilogue(o_smem, lse_smem):
-        if two_wg:
-            o_smem = o_smem.at[h]
-        o_smem[...] = o
+    @pl.when(h == 0)   # one writer (two warpgroups share lse_smem; the values are identical,
+    def _():           # but the other's late store would race with this TMA read)
+        lse_smem[...] = lse
+    plgpu.commit_smem()
+    if o_bmsa:   # o [B, Mp, splits, A]: rows strided by splits * A (the combine's order)
+        o_dst = o_ref.at[b, pl.ds(row0, _ROWS), j, pl.ds(col0, bn)]
+    else:        # o [B, splits, Mp, A]
+        o_dst = o_ref.at[b, j, pl.ds(row0, _ROWS), pl.ds(col0, bn)]
+    plgpu.copy_smem_to_gmem(o_smem, o_dst)
 
-        @pl.when(h == 0)   # one writer (two warpgroups share lse_smem; the values are identical,
-        def _():           # but the other's late store would race with this TMA read)
-            lse_smem[...] = lse
-        plgpu.commit_smem()
-        if o_bmsa:   # o [B, Mp, splits, A]: rows strided by splits * A (the combine's order)
-            o_dst = o_ref.at[b, pl.ds(row0, _ROWS), j, pl.ds(col0, bn)]
-        else:        # o [B, splits, Mp, A]
-            o_dst = o_ref.at[b, j, pl.ds(row0, _ROWS), pl.ds(col0, bn)]
-        plgpu.copy_smem_to_gmem(o_smem, o_dst)
-
-        @pl.when(h == 0)
-        def _():
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, j, pl.ds(row0, _ROWS)])
-        plgpu.wait_smem_to_gmem(0)
-
-    pl.run_scoped(epilogue,
-                  plgpu.SMEM(((2,) if two_wg else ()) + (_ROWS, bn), jnp.float32),
-                  plgpu.SMEM((_ROWS,), jnp.float32),
-                  **(dict(collective_axes="wg") if two_wg else {}))
+    @pl.when(h == 0)
+    def _():
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, j, pl.ds(row0, _ROWS)])
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _pair_program(len_ref, bt_ref, q_ref, pool_ref, o_ref, *, bk: int, stages: int, splits: int,
@@ -855,17 +880,18 @@ def _prologue(q_ref, q_smem, q_bar, k_smem, k_bars, b, row0, issue_pair, npairs,
     plgpu.barrier_wait(q_bar)
 
 
-def _split_s_row_sums(leader, consumed, n_pairs, npairs, exchange, l_part, p_bar):
+def _split_s_row_sums(leader, consumed, n_pairs, npairs, exchange, l_part, p_bar, drain: bool = True):
     """Version 2 after its loop: warpgroup 0 drains the last pairs' releases (keeps its consumed
     phases complete), then l = l_0 + l_1 through `exchange` (x slot h is free: the other warpgroup
     read it before its last p_bar arrival). That exchange is also the "both past their loops" point;
     the p_bar round after it makes sure both have read x_smem before the epilogue's staging reuses
-    the space. Returns l."""
-    @pl.when(leader)
-    def _():
-        @pl.loop(jnp.maximum(n_pairs - npairs, 0), n_pairs)
-        def _(i):
-            plgpu.barrier_wait(consumed.at[i % npairs])
+    the space. Returns l. drain=False: the producer warpgroup drains instead."""
+    if drain:
+        @pl.when(leader)
+        def _():
+            @pl.loop(jnp.maximum(n_pairs - npairs, 0), n_pairs)
+            def _(i):
+                plgpu.barrier_wait(consumed.at[i % npairs])
     l = exchange(l_part, jnp.add)
     plgpu.barrier_arrive(p_bar)
     plgpu.barrier_wait(p_bar)
@@ -875,7 +901,7 @@ def _split_s_row_sums(leader, consumed, n_pairs, npairs, exchange, l_part, p_bar
 def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages: int,
                     splits: int, qk_scale: float, interpret: bool, o_bmsa: bool = False,
                     prefetch: int = 0, bt_ahead: bool = False, early_pv: bool = False,
-                    mask_tail_only: bool = False):
+                    mask_tail_only: bool = False, producer: bool = False):
     """Version 2 ("split S", FlashMLA-style): 2 warpgroups per CTA, grid (row_blocks, splits, B).
     Per pair i of block_k-token tiles (2i, 2i + 1) of the split, warpgroup h:
       1. waits for tile 2i + h, S_h = Q tile^T [64, bk] (wgmma, K = C), scaled and masked, and
@@ -895,15 +921,25 @@ def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int
     waits for at the next exchange) issues its copies without a dependent global load.
     early_pv: step 4's wgmma on this warpgroup's own P and tile is issued before the p_bar wait
     (its P is written and fenced, its tile waited on), the other's after it, so the tensor cores
-    start while the warpgroups meet (same sum, the two products added in the other order)."""
+    start while the warpgroups meet (same sum, the two products added in the other order).
+    producer: a third warpgroup (h = 2, its registers cut to _PRODUCER_REGS, the two others' raised to
+    _CONSUMER_REGS) loads Q, issues every tile copy and refills a pair slot as soon as both warpgroups
+    released it (waiting the consumed barrier off their path), then drains the last releases; the two
+    warpgroups only compute (no refill, no block-table loads, no wait for the other's P @ C at the end
+    of a pair) and write their partials from inside their branch, through staging that shares the
+    loop's shared memory (plgpu.RefUnion; separate buffers in interpret mode, whose 0.10.2 interpreter
+    has no aliased refs). bt_ahead does not apply (the producer reads the block table)."""
     (b, j, h, c, bn, dt, npairs, start, end, n_pairs, row0, col0,
      issue_pair) = _pair_program(len_ref, bt_ref, q_ref, pool_ref, o_ref, bk=bk, stages=stages, splits=splits,
                                   prefetch=prefetch)
 
-    def main(q_smem, k_smem, p_smem, x_smem, k_bars, q_bar, consumed, x_bar, p_bar):
+    def main(*refs):
+        if producer:
+            ((q_smem, k_smem, p_smem, x_smem), (o_stage, lse_stage)), *bars = refs
+        else:
+            q_smem, k_smem, p_smem, x_smem, *bars = refs
+        k_bars, q_bar, consumed, x_bar, p_bar = bars
         leader = h == 0
-        _prologue(q_ref, q_smem, q_bar, k_smem, k_bars, b, row0, issue_pair, npairs, n_pairs,
-                  q_wg=leader, tma_wg=leader)
 
         def exchange(x, combine):
             """combine(x, the other warpgroup's x) through x_smem (both warpgroups call it)."""
@@ -950,24 +986,55 @@ def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int
                 acc = _accumulate(acc, lambda: [pv(u) for u in range(2)], interpret)
             plgpu.barrier_arrive(consumed.at[ps])       # this warpgroup is done with the pair
 
-            @pl.when(jnp.logical_and(leader, i + npairs < n_pairs))
-            def _():
-                plgpu.barrier_wait(consumed.at[ps])     # ... and so is the other one
-                issue_pair(k_smem, k_bars, i + npairs, ps, pgs or None)
+            if not producer:
+                @pl.when(jnp.logical_and(leader, i + npairs < n_pairs))
+                def _():
+                    plgpu.barrier_wait(consumed.at[ps])     # ... and so is the other one
+                    issue_pair(k_smem, k_bars, i + npairs, ps, pgs or None)
             return acc, m_next, l_next, pgs_next
 
-        pgs0 = _pair_page_ids(bt_ref, page, b, start, end, bk, npairs) if bt_ahead else ()
-        acc, m, l_part, _ = lax.fori_loop(0, n_pairs, step, _init_carry(bn, interpret) + (pgs0,))
+        def compute():
+            pgs0 = _pair_page_ids(bt_ref, page, b, start, end, bk, npairs) if bt_ahead else ()
+            acc, m, l_part, _ = lax.fori_loop(0, n_pairs, step, _init_carry(bn, interpret) + (pgs0,))
+            return acc, m, _split_s_row_sums(leader, consumed, n_pairs, npairs, exchange, l_part,
+                                             p_bar, drain=not producer)
 
-        return acc, m, _split_s_row_sums(leader, consumed, n_pairs, npairs, exchange, l_part, p_bar)
+        if not producer:
+            _prologue(q_ref, q_smem, q_bar, k_smem, k_bars, b, row0, issue_pair, npairs, n_pairs,
+                      q_wg=leader, tma_wg=leader)
+            return compute()
 
-    acc, m, l = pl.run_scoped(
-        main,
-        *_pair_scratch(c, dt, bk, stages, pool_ref.shape[1]),
-        plgpu.Barrier(num_arrivals=2),          # x_bar: both warpgroups' x written
-        plgpu.Barrier(num_arrivals=2),          # p_bar: both warpgroups' P written
-        collective_axes="wg",
-    )
+        @pl.when(h < 2)
+        def _():
+            plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+            plgpu.barrier_wait(q_bar)
+            acc, m, l = compute()
+            _store_partials(acc, m, l, o_stage.at[h], lse_stage, o_ref, lse_ref, b=lax.axis_index("b"),
+                            j=j, row0=row0, col0=col0, h=h, o_bmsa=o_bmsa)
+
+        @pl.when(h == 2)
+        def _():
+            plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+            _prologue(q_ref, q_smem, q_bar, k_smem, k_bars, b, row0, issue_pair, npairs, n_pairs,
+                      q_wg=True, tma_wg=True)
+
+            @pl.loop(0, n_pairs)
+            def _(i):
+                ps = i % npairs
+                plgpu.barrier_wait(consumed.at[ps])     # both warpgroups done with pair i
+                pl.when(i + npairs < n_pairs)(lambda: issue_pair(k_smem, k_bars, i + npairs, ps))
+
+    bufs = _pair_scratch(c, dt, bk, stages, pool_ref.shape[1])
+    bars = (*bufs[4:],
+            plgpu.Barrier(num_arrivals=2),          # x_bar: both warpgroups' x written
+            plgpu.Barrier(num_arrivals=2))          # p_bar: both warpgroups' P written
+    if producer:
+        staging = (plgpu.SMEM((2, _ROWS, bn), jnp.float32), plgpu.SMEM((_ROWS,), jnp.float32))
+        loop = tuple(bufs[:4])
+        pl.run_scoped(main, (loop, staging) if interpret else plgpu.RefUnion(loop, staging), *bars,
+                      collective_axes="wg")
+        return
+    acc, m, l = pl.run_scoped(main, *bufs[:4], *bars, collective_axes="wg")
     _write_partials(acc, m, l, o_ref, lse_ref, b=lax.axis_index("b"), j=j, row0=row0, col0=col0, h=h, two_wg=True,
                     o_bmsa=o_bmsa)
 
@@ -1145,6 +1212,8 @@ def _check_shapes(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, cfg: MgpuConfig
                          f"block_k={bk}")
     if cfg.warpgroups not in (1, 2) or (cfg.warpgroups == 2 and cfg.halves != 2):
         raise ValueError(f"warpgroups={cfg.warpgroups} must be 1, or 2 with halves=2")
+    if cfg.producer and (not cfg.split_s or cfg.seesaw):
+        raise ValueError("producer (a TMA warpgroup) is a version 2 option: split_s=True, seesaw=False")
     if cfg.seesaw and not cfg.split_s:
         raise ValueError("seesaw (version 3) needs split_s=True (and warpgroups=2)")
     if cfg.split_s and (cfg.warpgroups != 2 or cfg.stages % 2 or cfg.stages < 2):
@@ -1195,9 +1264,10 @@ def mla_decode_partials_mgpu(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, leng
                                    splits=splits, qk_scale=float(scale) * _LOG2E, interpret=interp,
                                    o_bmsa=cfg.o_bmsa,
                                    prefetch=0 if interp else cfg.l2_prefetch,
-                                   **({} if cfg.seesaw else dict(bt_ahead=cfg.bt_ahead,
+                                   **({} if cfg.seesaw else dict(bt_ahead=cfg.bt_ahead and not cfg.producer,
                                                                  early_pv=cfg.early_pv,
-                                                                 mask_tail_only=cfg.mask_tail_only)))
+                                                                 mask_tail_only=cfg.mask_tail_only,
+                                                                 producer=cfg.producer)))
         extra = dict(reduction_scratch_bytes=_SPLIT_S_REDUCTION_SCRATCH)
     else:
         kernel = functools.partial(_kernel, bk=cfg.block_k, stages=cfg.stages, splits=splits,
@@ -1212,7 +1282,7 @@ def mla_decode_partials_mgpu(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, leng
         lowering_semantics=getattr(plgpu.LoweringSemantics, cfg.semantics), **extra)
     kw = dict(interpret=interpret) if interp else {}
     if two_wg:
-        kw.update(num_threads=2, thread_name="wg")
+        kw.update(num_threads=3 if cfg.producer else 2, thread_name="wg")
     o, lse = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((B, Mp, splits, A) if cfg.o_bmsa else (B, splits, Mp, A),
@@ -1328,7 +1398,11 @@ _MAX_CASE_BYTES = 40e9            # skip a case whose cache alone would exceed t
 # 1 x 32K up on the H200 (BENCHMARKS.md, fourth session: 82-88% of copy at B = 64 x 32K / 128K), with
 # the page ids read a step ahead and the own-tile P @ C before the P exchange (round 10: 1-4% faster).
 VERSION_2 = MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True)   # plain, no options
-SERVING_CONFIG = dataclasses.replace(VERSION_2, bt_ahead=True, early_pv=True)
+SERVING_V2 = dataclasses.replace(VERSION_2, bt_ahead=True, early_pv=True)     # seventh-sixteenth sessions
+# Since the seventeenth session: the TMA from a third (producer) warpgroup, so the two computing ones
+# never wait for each other's P @ C to refill a pair (MLA round 20: 1-2% faster at 64 x 32K and 8 x 128K
+# in two runs; bt_ahead does not apply, the producer reads the block table).
+SERVING_CONFIG = dataclasses.replace(VERSION_2, early_pv=True, producer=True)
 
 
 def default_configs(semantics: str = "Lane") -> dict:
@@ -1337,7 +1411,8 @@ def default_configs(semantics: str = "Lane") -> dict:
     256 and 1024 (they differ only where that cap binds: B = 1, and B = 8 at 4K), and version 3
     (wg2ss_k32s4: split S on the seesaw schedule, otherwise as wg2s_k32s4); *_bmsa: o written as
     [B, M, splits, A] (no transpose before the combine); *_fin: new tokens + combine in one Triton
-    launch (mla_finish.py); *_bta_epv: SERVING_CONFIG."""
+    launch (mla_finish.py); *_bta_epv: SERVING_V2 (the serving config until the seventeenth session);
+    *_prod_epv: SERVING_CONFIG (a producer warpgroup issues the TMA)."""
     ss = dataclasses.replace(VERSION_2, semantics=semantics)
     return {
         "k64": MgpuConfig(block_k=64, semantics=semantics),
@@ -1349,7 +1424,8 @@ def default_configs(semantics: str = "Lane") -> dict:
         "wg2s_k32s4_bmsa": dataclasses.replace(ss, o_bmsa=True),
         "wg2ss_k32s4_bmsa": dataclasses.replace(ss, seesaw=True, o_bmsa=True),
         "wg2s_k32s4_fin": dataclasses.replace(ss, finish="kernel"),
-        "wg2s_k32s4_bta_epv": dataclasses.replace(SERVING_CONFIG, semantics=semantics),
+        "wg2s_k32s4_bta_epv": dataclasses.replace(SERVING_V2, semantics=semantics),
+        "wg2s_k32s4_prod_epv": dataclasses.replace(SERVING_CONFIG, semantics=semantics),
     }
 
 
@@ -1361,7 +1437,7 @@ def variant_configs(semantics: str = "Lane") -> dict:
     return {
         "wg2s_k32s4_bta": dataclasses.replace(ss, bt_ahead=True),
         "wg2s_k32s4_epv": dataclasses.replace(ss, early_pv=True),
-        "serving_mtail": dataclasses.replace(SERVING_CONFIG, semantics=semantics, mask_tail_only=True),
+        "serving_mtail": dataclasses.replace(SERVING_V2, semantics=semantics, mask_tail_only=True),
         "wg2s_k32s2": dataclasses.replace(ss, stages=2),
         "wg2s_k16s8": dataclasses.replace(ss, block_k=16, stages=8),
         "wg2s_k16s6": dataclasses.replace(ss, block_k=16, stages=6),

@@ -101,6 +101,23 @@ def test_split_s_variant(lengths, t, page, splits, options):
     assert mg.races_found() in (False, None)
 
 
+# The producer option (SERVING_CONFIG since the seventeenth session): a third warpgroup loads Q, issues
+# every tile copy and refills a pair slot once both computing warpgroups released it; they write their
+# partials from inside their branch (staging aliased with the loop's shared memory on the GPU). Cases
+# as test_split_s_variant's: padding tiles, an empty second split, 5 pairs through 2 slots, page 64.
+@needs_interpreter
+@pytest.mark.parametrize("lengths,t,page,splits", [
+    ([1, 16, 97], 1, 16, 2),
+    ([280, 0], 2, 64, 1),
+])
+def test_producer_warpgroup(lengths, t, page, splits):
+    args = mg.make_case(jax.random.key(11), lengths, heads=64, t=t, page=page)
+    cfg = dataclasses.replace(mg.SERVING_CONFIG, num_splits=splits)
+    assert cfg.producer
+    _check(args, cfg, interpret=mg.interpret_params(detect_races=True))
+    assert mg.races_found() in (False, None)
+
+
 # Version 3 (seesaw): the same pair structure on an asynchronous schedule (warpgroup 0 publishes P_a and
 # its max, warpgroup 1 builds P_b on top; P / max buffers reused after a_free / b_free).
 # (a) 1 (one tile: odd count, padding 2nd tile, the second split empty) and 97 in 2 splits (64 + 33:
@@ -198,7 +215,8 @@ def _abstract_args(page: int, B: int = 2, P: int = 32):
     (32, 16, 2, True, False), (32, 64, 2, True, False), (32, 16, 2, True, True),
     (32, 16, 2, True, "bmsa"), (32, 16, 2, True, "serving"), (32, 64, 2, True, "serving"),
     (32, 16, 2, True, "prefetch"), (32, 64, 2, True, "prefetch"), (32, 16, 2, True, "balanced"),
-    (64, 16, 1, False, "balanced"), (32, 16, 2, True, "mtail")])
+    (64, 16, 1, False, "balanced"), (32, 16, 2, True, "mtail"), (32, 16, 2, True, "producer"),
+    (32, 64, 2, True, "producer")])
 def test_lowers_for_cuda(semantics, block_k, page, wgs, split_s, seesaw, monkeypatch):
     """The GPU path (no interpreter) lowers to Mosaic GPU MLIR for cuda on a CPU-only host (the
     lowering also checks the CTA's shared memory against the 227 KiB of sm_90: the split_s config
@@ -206,14 +224,15 @@ def test_lowers_for_cuda(semantics, block_k, page, wgs, split_s, seesaw, monkeyp
     args = _abstract_args(page)
     # "bmsa": seesaw + o_bmsa; "serving": SERVING_CONFIG's options; "prefetch": L2 prefetches;
     # "balanced": the balanced schedule (the serving options too with split_s); "mtail": the serving
-    # options with the scores masked only in a split's tail tiles (a branch on the tile)
+    # options with the scores masked only in a split's tail tiles (a branch on the tile); "producer": a
+    # third warpgroup issues the TMA (setmaxnreg, staging in a RefUnion with the loop's buffers)
     variant = seesaw if isinstance(seesaw, str) else ""
     serving = variant in ("serving", "mtail") or (variant == "balanced" and split_s)
     cfg = mg.MgpuConfig(block_k=block_k, semantics=semantics, warpgroups=wgs, split_s=split_s,
                         seesaw=variant == "bmsa" or seesaw is True, o_bmsa=variant == "bmsa",
                         bt_ahead=serving, early_pv=serving, l2_prefetch=2 if variant == "prefetch" else 0,
                         schedule="balanced" if variant == "balanced" else "rows",
-                        mask_tail_only=variant == "mtail")
+                        mask_tail_only=variant == "mtail", producer=variant == "producer")
     boxes = []
     prefetch = mg.plgpu.async_prefetch
 
@@ -234,7 +253,8 @@ def test_lowers_for_cuda(semantics, block_k, page, wgs, split_s, seesaw, monkeyp
 def test_resolve_config_and_validation():
     with pytest.raises(ValueError, match="l2_prefetch"):
         mg.MgpuConfig(l2_prefetch=-1)
-    assert mg.SERVING_CONFIG.bt_ahead and mg.SERVING_CONFIG.early_pv and mg.SERVING_CONFIG.split_s
+    assert mg.SERVING_CONFIG.producer and mg.SERVING_CONFIG.early_pv and mg.SERVING_CONFIG.split_s
+    assert mg.SERVING_V2.bt_ahead and not mg.SERVING_V2.producer
     cfg = mg.resolve_config(mg.MgpuConfig(block_k=64), batch=1, rows=64, max_tokens=32768)
     assert cfg.stages == 2 and cfg.num_splits == 66               # 2 halves x 66 splits = 132 CTAs
     cfg = mg.resolve_config(mg.MgpuConfig(block_k=32), batch=64, rows=64, max_tokens=4096)
