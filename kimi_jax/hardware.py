@@ -267,12 +267,14 @@ _H200_INT4_CURVE = ((1.0, 0.75), (16.0, 0.94), (64.0, 0.90), (256.0, 0.74))
 # 0.11.2, 2026-12-01: device span per call of the engine's default config (`launch.bench --suite=int4
 # --moe_held_pairs=1|2|4 --moe_profile`: each token's first 1 / 2 / 4 of its 8 pairs held), bytes of the
 # touched experts (24.84 MB each) / span / 4.24 TB/s. 1/8: T = 1, 8 (sixteenth session: 23.6, 91.5 us),
-# T = 2, 4 (seventeenth: 33.4, 53.5 us); 1/4: T = 1, 4, 8 (sixteenth: 29.9, 66.8, 136.5 us), T = 2
-# (seventeenth: 53.0 us); 1/2: T = 1, 2, 4, 8 (seventeenth: 51.7, 66.1, 114.8, 224.4 us). Unmeasured beyond
-# T = 8, where the planner uses int4_curve (BENCHMARKS.md "Seventeenth session: the INT4 experts under EP").
-_H200_INT4_EP_CURVES = ((0.125, ((1.0, 0.248), (2.0, 0.351), (4.0, 0.435), (8.0, 0.512))),
+# T = 2 (seventeenth: 33.4 us), T = 4 (seventeenth, pairs_cta with the K split 2 ways, the default for
+# 3-4 held pairs since: 51.2 us); 1/4: T = 1, 4, 8 (sixteenth: 29.9, 66.8, 136.5 us), T = 2 (seventeenth:
+# 53.0 us with the pair tiles, the default then; pairs_cta2 there is unmeasured); 1/2: T = 1 (pairs_cta2:
+# 42.9 us), T = 2, 4, 8 (66.1, 114.8, 224.4 us). Unmeasured beyond T = 8, where the planner uses
+# int4_curve (BENCHMARKS.md "Seventeenth session: the INT4 experts under EP").
+_H200_INT4_EP_CURVES = ((0.125, ((1.0, 0.248), (2.0, 0.351), (4.0, 0.454), (8.0, 0.512))),
                         (0.25, ((1.0, 0.392), (2.0, 0.442), (4.0, 0.702), (8.0, 0.687))),
-                        (0.5, ((1.0, 0.453), (2.0, 0.703), (4.0, 0.800), (8.0, 0.811))))
+                        (0.5, ((1.0, 0.546), (2.0, 0.703), (4.0, 0.800), (8.0, 0.811))))
 # MLA absorbed decode as the engine calls it (ops.mla_paged_attention: the kernel plus XLA's finishing
 # ops), one H200, jax 0.11.2, 2026-11-30: per layer time = call + cache bytes / (4.24 TB/s x eff).
 # 64 query rows (Mosaic GPU kernel): 38 us, eff 0.82, a least-squares fit of 36 timings (batch 1-64 x
@@ -309,7 +311,7 @@ _PRESETS = {
                                     "section): 71% of copy at 1 token, 94% at 16, ~90% at 64, 74% at 256 "
                                     "(wall per call there); under EP (int4_ep_curves), device span at 1 / "
                                     "8 tokens: 25% / 51% holding 1/8 of the experts, 39% / 69% holding "
-                                    "1/4, 45% / 81% holding 1/2 (sixteenth and seventeenth sessions)",
+                                    "1/4, 55% / 81% holding 1/2 (sixteenth and seventeenth sessions)",
                  "xla_int4_efficiency": "measured: XLA dequant path 0.34 TB/s effective = 8% (ANCHORS.md 6)",
                  "attention_efficiency": "measured (attention_curve, attention_call_s): this project's MLA "
                                          "decode op on the H200, per layer 28 us + the cache at 97% of hbm_bw "

@@ -510,7 +510,9 @@ def moe_sweep(name):
         # program aimed at one expert's rows, R = 16 rows with the K split 4 ways, or 32 rows split 2
         # ways); pt8: the pair path up to 8 tokens. Timed in the sixteenth session (BENCHMARKS.md): one
         # held pair 23.6 us against 45.6 for the pair tiles, so `default` (whose config follows the held
-        # share since then) IS pairs_cta4 where <= 2 pairs are held; `default_again` stays the pair tiles.
+        # share since then) IS pairs_cta4 where <= 2 pairs are held (pairs_cta2 where 3-4 are, since the
+        # seventeenth session: 4 held pairs 42.9 / 51.2 us against 51.5 / 53.5); `default_again` stays the
+        # pair tiles.
         "ep1_cta": [
             ("default", None),
             ("pairs_cta4", C(pairs_cta=4, block_k_gate_up=256, block_k_down=256)),

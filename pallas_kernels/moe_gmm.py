@@ -93,11 +93,14 @@ class MoeGmmConfig:
 
 
 # Expected pairs held on this device (T * top-k * held share) at or below which the default runs each
-# held pair as dense-style programs (`pairs_cta`). H200, sixteenth session (BENCHMARKS.md, "expert
-# parallelism's decode share"), device span: 1 held pair at T = 1 23.6 us vs 45.6 for the pair tiles,
-# 2 held pairs 29.9 vs 49.2; with 8 held pairs it loses (T = 1 all held 72.8 vs 62.0, T = 4 with 2 of
+# held pair as dense-style programs (`pairs_cta`), and the K split it uses. H200, device span
+# (BENCHMARKS.md, "expert parallelism's decode share", sixteenth and seventeenth sessions): 1 held pair at
+# T = 1 23.6 us (split 4; split 2: 31.2) vs 45.6 for the pair tiles, 2 held pairs 29.9 (split 2: 36.2) vs
+# 49.2; 4 held pairs at T = 1 (EP2) 42.9 with split 2 (split 4: 44.0) vs 51.5, at T = 4 with 1 of 8 held
+# 51.2 (split 4: 53.2) vs 53.5; with 8 held pairs it loses (T = 1 all held 72.8 vs 62.0, T = 4 with 2 of
 # 8 held 82.4 vs 66.8) or ties (T = 8 with 1 of 8 held: 92.0 vs 91.5).
-PAIRS_CTA_MAX_HELD = 2.0
+PAIRS_CTA_MAX_HELD = 4.0
+PAIRS_CTA_SPLIT4_MAX_HELD = 2.0
 
 
 def default_config(num_pairs: int, num_experts: int, held_share: float = 1.0,
@@ -106,11 +109,13 @@ def default_config(num_pairs: int, num_experts: int, held_share: float = 1.0,
     up to 256 tokens (<= ~5 rows per expert). Larger batches use bigger token tiles (fewer weight
     re-reads); those two configs are checked for correctness but not tuned. `held_share`: the expected
     fraction of the pairs whose expert is on this device (1 / the expert-parallel degree); a step
-    expected to hold at most PAIRS_CTA_MAX_HELD pairs takes `pairs_cta` (EP decode) if `dims` (D, F)
-    allow its K split (slices of 64: the demo presets' small experts do not)."""
-    split = 4
+    expected to hold at most PAIRS_CTA_MAX_HELD pairs takes `pairs_cta` (EP decode; K split 4 ways up to
+    PAIRS_CTA_SPLIT4_MAX_HELD pairs, 2 ways above) if `dims` (D, F) allow its K split (slices of 64: the
+    demo presets' small experts do not)."""
+    held = num_pairs * held_share
+    split = 4 if held <= PAIRS_CTA_SPLIT4_MAX_HELD else 2
     fits = dims is None or all(k % (64 * split) == 0 for k in dims)
-    if num_pairs * held_share <= PAIRS_CTA_MAX_HELD and fits:
+    if held <= PAIRS_CTA_MAX_HELD and fits:
         return MoeGmmConfig(pairs_cta=split, block_k_gate_up=256, block_k_down=256,
                             pair_tiles_max_t=max(4, num_pairs))
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
