@@ -465,6 +465,21 @@ def _pairs_cta_kernel(idx_ref, a_ref, *refs, n_weights, topk, num_experts, n, k,
                        y.T)
 
 
+def pairs_cta_config(n: int, k: int, group: int, *, split: int, num_warps: int, block_k: int,
+                     num_stages: int = 3, dequant: str = "asm", x_layout: str = "shuffle"):
+    """The 'cta' program config `pairs_matmul_cta` runs for an [N, K] weight with quantization groups
+    of `group` (block_k fitted to a K slice), the one row's padded M (`int4_matmul.cta_config`) and its
+    R = 16 * num_warps / split weight rows per program; ValueError naming what does not tile."""
+    cfg = im.Int4MatmulConfig(block_n=16 * num_warps, block_k=block_k, num_warps=num_warps,
+                              num_stages=num_stages, dequant=dequant, swap_ab=True, x_layout=x_layout,
+                              split_k=split, split_reduce="cta")
+    cfg, mp = im.cta_config(cfg, 1, k, group)
+    R = cfg.block_n // split
+    if n % R:
+        raise ValueError(f"pairs_matmul_cta: N={n} must divide by {R} rows per program")
+    return cfg, mp, R
+
+
 def pairs_matmul_cta(a, idx_TK, weights, *, a_per_token: bool, perm_out: bool, split: int, num_warps: int,
                      num_stages: int, block_k: int, dequant: str, x_layout: str, interp: bool):
     """Each (token, k) pair's row times its expert's weight(s), one dense-style program per R weight rows:
@@ -481,13 +496,8 @@ def pairs_matmul_cta(a, idx_TK, weights, *, a_per_token: bool, perm_out: bool, s
     num_experts, n, kw = weights[0][0].shape
     k = kw * 4
     group = k // weights[0][1].shape[-1]
-    cfg = im.Int4MatmulConfig(block_n=16 * num_warps, block_k=block_k, num_warps=num_warps,
-                              num_stages=num_stages, dequant=dequant, swap_ab=True, x_layout=x_layout,
-                              split_k=split, split_reduce="cta")
-    cfg, mp = im.cta_config(cfg, 1, k, group)
-    R = cfg.block_n // split
-    if n % R:
-        raise ValueError(f"pairs_matmul_cta: N={n} must divide by {R} rows per program")
+    cfg, mp, R = pairs_cta_config(n, k, group, split=split, num_warps=num_warps, block_k=block_k,
+                              num_stages=num_stages, dequant=dequant, x_layout=x_layout)
     idx = idx_TK.reshape(-1).astype(jnp.int32)
     pairs = idx.shape[0]
     args = [idx, a]

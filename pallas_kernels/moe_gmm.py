@@ -103,6 +103,22 @@ PAIRS_CTA_MAX_HELD = 4.0
 PAIRS_CTA_SPLIT4_MAX_HELD = 2.0
 
 
+def _pairs_cta_tiles(dims: Optional[tuple[int, int]], split: int, group: int = 32) -> bool:
+    """Whether pairs_cta's programs (the kernel's own tiling rule, `moe_decode.pairs_cta_config`) tile
+    experts of hidden size D and intermediate size F, dims = (D, F): gate / up [F, D], down [D, F]; None:
+    assume they do."""
+    if dims is None:
+        return True
+    d, f = dims
+    try:
+        for n, k in ((f, d), (d, f)):
+            moe_decode.pairs_cta_config(n, k, group, split=split, num_warps=MoeGmmConfig.num_warps,
+                                        block_k=256)
+    except ValueError:
+        return False
+    return True
+
+
 def default_config(num_pairs: int, num_experts: int, held_share: float = 1.0,
                    dims: Optional[tuple[int, int]] = None) -> MoeGmmConfig:
     """Measured on H200 (BENCHMARKS.md): 8-row tiles with weights on the MMA's M side win for decode
@@ -110,12 +126,11 @@ def default_config(num_pairs: int, num_experts: int, held_share: float = 1.0,
     re-reads); those two configs are checked for correctness but not tuned. `held_share`: the expected
     fraction of the pairs whose expert is on this device (1 / the expert-parallel degree); a step
     expected to hold at most PAIRS_CTA_MAX_HELD pairs takes `pairs_cta` (EP decode; K split 4 ways up to
-    PAIRS_CTA_SPLIT4_MAX_HELD pairs, 2 ways above) if `dims` (D, F) allow its K split (slices of 64: the
-    demo presets' small experts do not)."""
+    PAIRS_CTA_SPLIT4_MAX_HELD pairs, 2 ways above) if its programs tile `dims` (D, F) (K slices of at
+    least 64: the demo presets' small experts do not)."""
     held = num_pairs * held_share
     split = 4 if held <= PAIRS_CTA_SPLIT4_MAX_HELD else 2
-    fits = dims is None or all(k % (64 * split) == 0 for k in dims)
-    if held <= PAIRS_CTA_MAX_HELD and fits:
+    if held <= PAIRS_CTA_MAX_HELD and _pairs_cta_tiles(dims, split):
         return MoeGmmConfig(pairs_cta=split, block_k_gate_up=256, block_k_down=256,
                             pair_tiles_max_t=max(4, num_pairs))
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
