@@ -110,10 +110,10 @@ class Hardware:
     def int4_efficiency_ep(self, tokens: float, share: float) -> float:
         """Fraction of hbm_bw the fused INT4 expert kernels reach with `tokens` rows in one MoE call on a
         device holding `share` of the experts (1: no expert parallelism, `int4_efficiency_at`)."""
+        no_ep = self.int4_efficiency_at(tokens)
         curves = sorted((float(sh), pts) for sh, pts in self.int4_ep_curves if sh < 1.0)
         if share >= 1.0 or not curves:
-            return self.int4_efficiency_at(tokens)
-        no_ep = self.int4_efficiency_at(tokens)
+            return no_ep
         # past a curve's last measured token count it gives way to no EP's (unmeasured there)
         pts = [(sh, _log_interp(c, tokens, self.int4_efficiency) if tokens <= max(t for t, _ in c) else no_ep)
                for sh, c in curves]

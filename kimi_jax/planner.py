@@ -586,7 +586,7 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
         share = e_loc / E if ep else 1.0            # of the experts this device holds whole
         eff = (hw.xla_int4_efficiency if o.impl == "xla" else hw.int4_efficiency_ep(real_tokens, share)) \
             if cfg.quantization else hw.gemv_efficiency
-        pairs = tokens * K * (e_loc / E if ep else 1.0)
+        pairs = tokens * K * share
         f = 2 * pairs * 3 * (F if ep else _cdiv(F, tp)) * D * Lm
         terms.append(Term(f"routed experts ({touched:.1f}/{e_loc}/layer)", read, f, read / (bw * eff), f / fl))
     lm = weights["lm_head"] or weights["embedding"]

@@ -497,7 +497,7 @@ def pairs_matmul_cta(a, idx_TK, weights, *, a_per_token: bool, perm_out: bool, s
     k = kw * 4
     group = k // weights[0][1].shape[-1]
     cfg, mp, R = pairs_cta_config(n, k, group, split=split, num_warps=num_warps, block_k=block_k,
-                              num_stages=num_stages, dequant=dequant, x_layout=x_layout)
+                                  num_stages=num_stages, dequant=dequant, x_layout=x_layout)
     idx = idx_TK.reshape(-1).astype(jnp.int32)
     pairs = idx.shape[0]
     args = [idx, a]

@@ -101,6 +101,7 @@ class MoeGmmConfig:
 # 8 held 82.4 vs 66.8) or ties (T = 8 with 1 of 8 held: 92.0 vs 91.5).
 PAIRS_CTA_MAX_HELD = 4.0
 PAIRS_CTA_SPLIT4_MAX_HELD = 2.0
+_PAIRS_CTA_BLOCK_K = 256        # the default's K step for pairs_cta's gate/up and down programs
 
 
 def _pairs_cta_tiles(dims: Optional[tuple[int, int]], split: int, group: int = 32) -> bool:
@@ -113,7 +114,7 @@ def _pairs_cta_tiles(dims: Optional[tuple[int, int]], split: int, group: int = 3
     try:
         for n, k in ((f, d), (d, f)):
             moe_decode.pairs_cta_config(n, k, group, split=split, num_warps=MoeGmmConfig.num_warps,
-                                        block_k=256)
+                                        block_k=_PAIRS_CTA_BLOCK_K)
     except ValueError:
         return False
     return True
@@ -131,8 +132,8 @@ def default_config(num_pairs: int, num_experts: int, held_share: float = 1.0,
     held = num_pairs * held_share
     split = 4 if held <= PAIRS_CTA_SPLIT4_MAX_HELD else 2
     if held <= PAIRS_CTA_MAX_HELD and _pairs_cta_tiles(dims, split):
-        return MoeGmmConfig(pairs_cta=split, block_k_gate_up=256, block_k_down=256,
-                            pair_tiles_max_t=max(4, num_pairs))
+        return MoeGmmConfig(pairs_cta=split, block_k_gate_up=_PAIRS_CTA_BLOCK_K,
+                            block_k_down=_PAIRS_CTA_BLOCK_K, pair_tiles_max_t=max(4, num_pairs))
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
     if rows_per_expert <= 8:
         return MoeGmmConfig()
