@@ -287,9 +287,11 @@ def _forced(name):
 
 
 # Named variants of the Mosaic GPU serving config: the fields they change.
+_V2 = {"one_scorer": False, "mask_tail_only": False, "early_pv": True}
 MGPU_VARIANTS = {"mgpu_fin": {"finish": "kernel"}, "mgpu_bal": {"schedule": "balanced"}, "mgpu_2w": {"waves": 2},
-                 "mgpu_mtail": {"mask_tail_only": True},
-                 "mgpu_v2": {"producer": False, "bt_ahead": True}}   # the serving config until the 17th session
+                 "mgpu_v5": {"mask_tail_only": False},                 # version 5, every score masked
+                 "mgpu_prod": _V2,                                     # the serving config of the 17th session
+                 "mgpu_v2": {**_V2, "producer": False, "bt_ahead": True}}   # ... and until the 17th
 
 
 def _op(name, cfg, scale):
@@ -297,9 +299,10 @@ def _op(name, cfg, scale):
     'triton' / 'mgpu' = kimi_jax.ops as the engine calls it (auto: its own choice; call under
     `_forced(name)`); 'mgpu_fin' = the Mosaic GPU serving config with the one-launch finish
     (mla_finish.py); 'mgpu_bal' = it on the balanced schedule; 'mgpu_2w' = it with CTAs for two rounds
-    of one per SM; 'mgpu_mtail' = it with the scores masked only in tail tiles; 'mgpu_v2' = the serving
-    config before the producer warpgroup (SERVING_V2); any other name = the Triton kernel with `cfg`
-    (None: its automatic config)."""
+    of one per SM; 'mgpu_v5' = it with every score masked (ONE_SCORER); 'mgpu_prod' = the serving
+    config of the seventeenth session (SERVING_PRODUCER: version 2 with the producer warpgroup);
+    'mgpu_v2' = the one before it (SERVING_V2); any other name = the Triton kernel with `cfg` (None: its
+    automatic config)."""
     from kimi_jax import ops
     from pallas_kernels import mla_decode as md
     if name in ("auto", "triton", "mgpu"):

@@ -367,6 +367,8 @@ class MgpuConfig:
     early_pv: bool = False        # version 2: own-tile P @ C issued before the P exchange wait
     mask_tail_only: bool = False  # version 2: scores masked only in tiles that reach past the split's end
     producer: bool = False        # version 2: a third warpgroup issues the TMA (setmaxnreg 40 / 232)
+    one_scorer: bool = False      # version 5 (mla_decode_v5.py; producer): warpgroup 0 scores each
+    #                               pair as one N = 2 block_k wgmma, both accumulate P @ C halves
     finish: str = "xla"           # new tokens + combine: 'xla' or 'kernel' (mla_finish.finish_partials,
     #                               one Triton launch; [B, splits, M, A] partials only, not o_bmsa)
     schedule: str = "rows"        # 'rows' or 'balanced' (mla_decode.MlaDecodeConfig.schedule)
@@ -1219,6 +1221,10 @@ def _check_shapes(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, cfg: MgpuConfig
     if cfg.split_s and (cfg.warpgroups != 2 or cfg.stages % 2 or cfg.stages < 2):
         raise ValueError(f"split_s needs warpgroups=2 and an even number of stages (tiles; 2 per "
                          f"pair), got warpgroups={cfg.warpgroups}, stages={cfg.stages}")
+    if cfg.one_scorer:
+        from pallas_kernels import mla_decode_v5
+        mla_decode_v5.check_config(bk, cfg.stages, A + R, split_s=cfg.split_s, producer=cfg.producer,
+                                   seesaw=cfg.seesaw)
     need = _smem_bytes(bk, cfg.stages, A + R, wgs=cfg.warpgroups, split_s=cfg.split_s)
     if need > _SMEM_LIMIT:
         raise ValueError(f"block_k={bk} x stages={cfg.stages} x warpgroups={cfg.warpgroups} "
@@ -1258,7 +1264,13 @@ def mla_decode_partials_mgpu(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, leng
     interp = bool(interpret)
     splits = cfg.num_splits
     two_wg = cfg.warpgroups == 2
-    if cfg.split_s:
+    if cfg.one_scorer:
+        from pallas_kernels import mla_decode_v5
+        kernel = functools.partial(mla_decode_v5.kernel, bk=cfg.block_k, stages=cfg.stages, splits=splits,
+                                   qk_scale=float(scale) * _LOG2E, interpret=interp, o_bmsa=cfg.o_bmsa,
+                                   mask_tail_only=cfg.mask_tail_only)
+        extra = dict(reduction_scratch_bytes=_SPLIT_S_REDUCTION_SCRATCH)
+    elif cfg.split_s:
         kernel = functools.partial(_kernel_seesaw if cfg.seesaw else _kernel_split_s,
                                    bk=cfg.block_k, stages=cfg.stages,
                                    splits=splits, qk_scale=float(scale) * _LOG2E, interpret=interp,
@@ -1400,10 +1412,16 @@ _MAX_CASE_BYTES = 40e9            # skip a case whose cache alone would exceed t
 # kimi_jax.ops runs is SERVING_CONFIG below.
 VERSION_2 = MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True)   # plain, no options
 SERVING_V2 = dataclasses.replace(VERSION_2, bt_ahead=True, early_pv=True)     # seventh-sixteenth sessions
-# Since the seventeenth session: the TMA from a third (producer) warpgroup, so the two computing ones
-# never wait for each other's P @ C to refill a pair (MLA round 20: 1-2% faster at 64 x 32K and 8 x 128K
-# in two runs; bt_ahead does not apply, the producer reads the block table).
-SERVING_CONFIG = dataclasses.replace(VERSION_2, early_pv=True, producer=True)
+# Seventeenth session: the TMA from a third (producer) warpgroup, so the two computing ones never wait
+# for each other's P @ C to refill a pair (MLA round 20: 1-2% faster at 64 x 32K and 8 x 128K in two
+# runs; bt_ahead does not apply, the producer reads the block table).
+SERVING_PRODUCER = dataclasses.replace(VERSION_2, early_pv=True, producer=True)
+# Version 5 (mla_decode_v5.py), on the producer: warpgroup 0 scores each pair of 32-token tiles as one
+# N = 64 wgmma (half the shared-memory reads of Q), both warpgroups accumulate P @ C halves.
+ONE_SCORER = dataclasses.replace(VERSION_2, producer=True, one_scorer=True)
+# Since the eighteenth session (MLA round 21: 8-18% faster than SERVING_PRODUCER at the memory-bound
+# cases, 90-103% of the copy), with the scores masked only in a split's tail tiles.
+SERVING_CONFIG = dataclasses.replace(ONE_SCORER, mask_tail_only=True)
 
 
 def default_configs(semantics: str = "Lane") -> dict:
@@ -1413,7 +1431,9 @@ def default_configs(semantics: str = "Lane") -> dict:
     (wg2ss_k32s4: split S on the seesaw schedule, otherwise as wg2s_k32s4); *_bmsa: o written as
     [B, M, splits, A] (no transpose before the combine); *_fin: new tokens + combine in one Triton
     launch (mla_finish.py); *_bta_epv: SERVING_V2 (the serving config until the seventeenth session);
-    *_prod_epv: SERVING_CONFIG (a producer warpgroup issues the TMA)."""
+    *_prod_epv: SERVING_PRODUCER (a producer warpgroup issues the TMA; the seventeenth session's);
+    v5: version 5 (ONE_SCORER: one warpgroup scores each pair, mla_decode_v5.py); v5_mtail:
+    SERVING_CONFIG (v5 with the scores masked only in tail tiles)."""
     ss = dataclasses.replace(VERSION_2, semantics=semantics)
     return {
         "k64": MgpuConfig(block_k=64, semantics=semantics),
@@ -1426,7 +1446,9 @@ def default_configs(semantics: str = "Lane") -> dict:
         "wg2ss_k32s4_bmsa": dataclasses.replace(ss, seesaw=True, o_bmsa=True),
         "wg2s_k32s4_fin": dataclasses.replace(ss, finish="kernel"),
         "wg2s_k32s4_bta_epv": dataclasses.replace(SERVING_V2, semantics=semantics),
-        "wg2s_k32s4_prod_epv": dataclasses.replace(SERVING_CONFIG, semantics=semantics),
+        "wg2s_k32s4_prod_epv": dataclasses.replace(SERVING_PRODUCER, semantics=semantics),
+        "v5": dataclasses.replace(ONE_SCORER, semantics=semantics),
+        "v5_mtail": dataclasses.replace(SERVING_CONFIG, semantics=semantics),
     }
 
 

@@ -27,6 +27,7 @@ import pytest
 
 from pallas_kernels import mla_decode as md
 from pallas_kernels import mla_decode_mgpu as mg
+from pallas_kernels import mla_decode_v5
 
 SCALE = 1.0 / math.sqrt(192.0)
 
@@ -101,19 +102,35 @@ def test_split_s_variant(lengths, t, page, splits, options):
     assert mg.races_found() in (False, None)
 
 
-# The producer option (SERVING_CONFIG since the seventeenth session): a third warpgroup loads Q, issues
-# every tile copy and refills a pair slot once both computing warpgroups released it; they write their
-# partials from inside their branch (staging aliased with the loop's shared memory on the GPU). Cases
-# as test_split_s_variant's: padding tiles, an empty second split, 5 pairs through 2 slots, page 64.
+# The producer option (SERVING_PRODUCER, the seventeenth session's serving config; version 5 runs on it):
+# a third warpgroup loads Q, issues every tile copy and refills a pair slot once both computing
+# warpgroups released it; they write their partials from inside their branch (staging aliased with the
+# loop's shared memory on the GPU). 280 tokens = 5 pairs through 2 slots, page 64, 128 rows, an empty row.
 @needs_interpreter
-@pytest.mark.parametrize("lengths,t,page,splits", [
-    ([1, 16, 97], 1, 16, 2),
-    ([280, 0], 2, 64, 1),
+def test_producer_warpgroup():
+    args = mg.make_case(jax.random.key(11), [280, 0], heads=64, t=2, page=64)
+    cfg = dataclasses.replace(mg.SERVING_PRODUCER, num_splits=1)
+    assert cfg.producer and not cfg.one_scorer
+    _check(args, cfg, interpret=mg.interpret_params(detect_races=True))
+    assert mg.races_found() in (False, None)
+
+
+# Version 5 (mla_decode_v5.py; SERVING_CONFIG since the eighteenth session): warpgroup 0 scores each pair
+# as one N = 64 wgmma and hands P and the max correction to warpgroup 1 (p_bar / p_free), on the
+# producer. Cases as test_split_s_variant's: (a) padding tiles (1 and 16 tokens: one tile, an odd count)
+# and the second split empty, 97 in 2 splits (a 1-token tail tile); (b) an empty row, 128 rows, page 64,
+# 5 pairs through 2 slots (p_bar / p_free and the slots cycle). Every score masked (ONE_SCORER) and the
+# serving config's tail-only mask; under the race detector.
+@needs_interpreter
+@pytest.mark.parametrize("lengths,t,page,splits,cfg", [
+    ([1, 16, 97], 1, 16, 2, mg.ONE_SCORER),
+    ([1, 16, 97], 1, 16, 2, mg.SERVING_CONFIG),
+    ([280, 0], 2, 64, 1, mg.SERVING_CONFIG),
 ])
-def test_producer_warpgroup(lengths, t, page, splits):
+def test_one_scorer(lengths, t, page, splits, cfg):
     args = mg.make_case(jax.random.key(11), lengths, heads=64, t=t, page=page)
-    cfg = dataclasses.replace(mg.SERVING_CONFIG, num_splits=splits)
-    assert cfg.producer
+    cfg = dataclasses.replace(cfg, num_splits=splits)
+    assert cfg.one_scorer and cfg.producer
     _check(args, cfg, interpret=mg.interpret_params(detect_races=True))
     assert mg.races_found() in (False, None)
 
@@ -216,7 +233,7 @@ def _abstract_args(page: int, B: int = 2, P: int = 32):
     (32, 16, 2, True, "bmsa"), (32, 16, 2, True, "serving"), (32, 64, 2, True, "serving"),
     (32, 16, 2, True, "prefetch"), (32, 64, 2, True, "prefetch"), (32, 16, 2, True, "balanced"),
     (64, 16, 1, False, "balanced"), (32, 16, 2, True, "mtail"), (32, 16, 2, True, "producer"),
-    (32, 64, 2, True, "producer")])
+    (32, 64, 2, True, "producer"), (32, 16, 2, True, "v5"), (32, 64, 2, True, "v5")])
 def test_lowers_for_cuda(semantics, block_k, page, wgs, split_s, seesaw, monkeypatch):
     """The GPU path (no interpreter) lowers to Mosaic GPU MLIR for cuda on a CPU-only host (the
     lowering also checks the CTA's shared memory against the 227 KiB of sm_90: the split_s config
@@ -225,7 +242,8 @@ def test_lowers_for_cuda(semantics, block_k, page, wgs, split_s, seesaw, monkeyp
     # "bmsa": seesaw + o_bmsa; "serving": SERVING_CONFIG's options; "prefetch": L2 prefetches;
     # "balanced": the balanced schedule (the serving options too with split_s); "mtail": the serving
     # options with the scores masked only in a split's tail tiles (a branch on the tile); "producer": a
-    # third warpgroup issues the TMA (setmaxnreg, staging in a RefUnion with the loop's buffers)
+    # third warpgroup issues the TMA (setmaxnreg, staging in a RefUnion with the loop's buffers); "v5":
+    # SERVING_CONFIG (version 5 on the producer, tail-only mask)
     variant = seesaw if isinstance(seesaw, str) else ""
     serving = variant in ("serving", "mtail") or (variant == "balanced" and split_s)
     cfg = mg.MgpuConfig(block_k=block_k, semantics=semantics, warpgroups=wgs, split_s=split_s,
@@ -233,6 +251,8 @@ def test_lowers_for_cuda(semantics, block_k, page, wgs, split_s, seesaw, monkeyp
                         bt_ahead=serving, early_pv=serving, l2_prefetch=2 if variant == "prefetch" else 0,
                         schedule="balanced" if variant == "balanced" else "rows",
                         mask_tail_only=variant == "mtail", producer=variant == "producer")
+    if variant == "v5":
+        cfg = dataclasses.replace(mg.SERVING_CONFIG, semantics=semantics)
     boxes = []
     prefetch = mg.plgpu.async_prefetch
 
@@ -253,7 +273,8 @@ def test_lowers_for_cuda(semantics, block_k, page, wgs, split_s, seesaw, monkeyp
 def test_resolve_config_and_validation():
     with pytest.raises(ValueError, match="l2_prefetch"):
         mg.MgpuConfig(l2_prefetch=-1)
-    assert mg.SERVING_CONFIG.producer and mg.SERVING_CONFIG.early_pv and mg.SERVING_CONFIG.split_s
+    assert mg.SERVING_CONFIG.one_scorer and mg.SERVING_CONFIG.producer and mg.SERVING_CONFIG.split_s
+    assert mg.SERVING_PRODUCER.producer and mg.SERVING_PRODUCER.early_pv and not mg.SERVING_PRODUCER.one_scorer
     assert mg.SERVING_V2.bt_ahead and not mg.SERVING_V2.producer
     cfg = mg.resolve_config(mg.MgpuConfig(block_k=64), batch=1, rows=64, max_tokens=32768)
     assert cfg.stages == 2 and cfg.num_splits == 66               # 2 halves x 66 splits = 132 CTAs
@@ -289,6 +310,14 @@ def test_resolve_config_and_validation():
         with pytest.raises(ValueError, match="split_s"):
             mg.mla_decode_partials_mgpu(q_lat[:, 0], q_pe[:, 0], pool, bt, jnp.asarray([5]),
                                         scale=SCALE, config=bad)
+    # version 5: only on the producer, a pair's N = 2 block_k a multiple of 64, and it must fit
+    for bad, what in ((dataclasses.replace(mg.ONE_SCORER, producer=False), "producer=True"),
+                      (dataclasses.replace(mg.ONE_SCORER, block_k=16), "multiple of 64"),
+                      (dataclasses.replace(mg.ONE_SCORER, block_k=64, stages=2), "shared memory")):
+        with pytest.raises(ValueError, match=what):
+            mg.mla_decode_partials_mgpu(q_lat[:, 0], q_pe[:, 0], pool, bt, jnp.asarray([5]),
+                                        scale=SCALE, config=bad)
+    assert mla_decode_v5.smem_bytes(32, 4, 576) <= mg._SMEM_LIMIT
     with pytest.raises(ValueError, match="bf16"):
         mg.mla_decode_partials_mgpu(q_lat[:, 0].astype(jnp.float32), q_pe[:, 0], pool, bt,
                                     jnp.asarray([5]), scale=SCALE, interpret=True)
