@@ -220,8 +220,8 @@ transpose is B * splits * M * 4 bytes, negligible. CPU: interpreter (seesaw + o_
 holding data, rows padded 8 -> 64) and cuda lowering in both semantics. To measure on the GPU:
 whether XLA fused the transpose into the combine anyway (then no gain).
 
-Version 2 options `bt_ahead`, `early_pv` (SERVING_CONFIG since the seventh session), `l2_prefetch`
------------------------------------------------------------------------------------------------------
+Version 2 options `bt_ahead`, `early_pv` (SERVING_V2, the serving config of the seventh-sixteenth sessions), `l2_prefetch`
+------------------------------------------------------------------------------------------------------------------------
 What bounds version 2 at 64 heads (H200, jax 0.11.2, 2026-11-30; BENCHMARKS.md "MLA round 10"):
 - Pipeline depth: one pair of tiles in flight (`stages=2`) streams at 41-44% of copy, two pairs (the
   default 4 stages) at 73-88%: twice the bytes in flight, twice the speed. Q (72 KiB) and 4 tiles of
@@ -239,10 +239,10 @@ What bounds version 2 at 64 heads (H200, jax 0.11.2, 2026-11-30; BENCHMARKS.md "
 - `bt_ahead` (the next refill's page ids loaded at the top of each step and carried in registers)
   plus `early_pv` (the own tile's P @ C issued before the P exchange wait): in 4 processes on two
   machines, 1-4% faster than plain version 2 at 64 x 32K, 8 x 128K and (3 of 4) 64 x 128K; each
-  alone within noise. SERVING_CONFIG takes both.
+  alone within noise. SERVING_V2 took both.
 
-Version 2 option `producer` (SERVING_CONFIG since the seventeenth session)
--------------------------------------------------------------------------
+Version 2 option `producer` (SERVING_PRODUCER, the seventeenth session's serving config)
+---------------------------------------------------------------------------------------
 A third warpgroup (h = 2; `num_threads=3`) does all the TMA: Q, the first pairs, and the refill of a
 pair slot as soon as both computing warpgroups released it (it waits the 2-arrival consumed barrier,
 every phase, then issues the pair two ahead; it reads the block table itself, so bt_ahead does not
@@ -255,6 +255,15 @@ leave a `pl.when`), staging o / lse in buffers that share the loop's shared memo
 reads; the producer's last copy was waited by them). In interpret mode the staging is separate
 buffers (the 0.10.2 interpreter has no aliased refs). Measured (BENCHMARKS.md MLA round 20): 1-2%
 faster at 64 x 32K and 8 x 128K in two runs, mixed at 64 x 128K (power-capped), ties below.
+
+Version 5: `one_scorer=True` (on the producer; SERVING_CONFIG since the eighteenth session)
+-----------------------------------------------------------------------------------------
+`mla_decode_v5.py` (its docstring has the design and the barrier argument): warpgroup 0 scores each
+pair of 32-token tiles as one N = 64 wgmma and does the whole softmax; warpgroup 1 takes P and the max
+correction from shared memory; each accumulates P @ C for its 256 latent columns. It halves the
+shared-memory reads of Q that made version 2's N = 32 scoring bandwidth-bound: 92-103% of copy at the
+memory-bound 64-head cases, 8.5-21% faster than version 2 + producer (BENCHMARKS.md MLA round 21). The
+"Next steps" below were written for version 2; NOTES.md (eighteenth session) has what is left.
 
 Next steps (performance; in order)
 ---------------------------------
