@@ -276,15 +276,16 @@ _H200_INT4_EP_CURVES = ((0.125, ((1.0, 0.248), (2.0, 0.351), (4.0, 0.454), (8.0,
                         (0.25, ((1.0, 0.392), (2.0, 0.442), (4.0, 0.702), (8.0, 0.687))),
                         (0.5, ((1.0, 0.546), (2.0, 0.703), (4.0, 0.800), (8.0, 0.811))))
 # MLA absorbed decode as the engine calls it (ops.mla_paged_attention: the kernel plus XLA's finishing
-# ops), one H200, jax 0.11.2, 2026-11-30: per layer time = call + cache bytes / (4.24 TB/s x eff).
-# 64 query rows (Mosaic GPU kernel): 38 us, eff 0.82, a least-squares fit of 36 timings (batch 1-64 x
-# context 32-128K, BENCHMARKS.md MLA round 9, runs C, F, G) within -7% / +11%; it over-predicts tiny
-# caches (batch 1 x 4K: 16-27 us measured, 39 predicted). 8 rows (Triton kernel, after its split rule
+# ops), one H200, jax 0.11.2: per layer time = call + cache bytes / (4.24 TB/s x eff).
+# 64 query rows (Mosaic GPU kernel, version 5 since 2026-12-01): 34 us, eff 0.96, a least-squares fit
+# (relative error) of the 6 timings at batch 1-64 x context 32-128K of BENCHMARKS.md MLA round 21 run F
+# (wall clock, like the earlier fits) within -2.2% / +1.9% (version 2's fit, round 9: 38 us, eff 0.82).
+# 8 rows (Triton kernel, after its split rule
 # changed): 28 us, eff 0.97, a least-squares fit (relative error) of the 15 timings of round 13 run A
 # (batch 1-64 x 4K-128K) within -14% / +18% (38 us / 0.95 before: up to +50% on small caches, batch 8 x 4K).
-_H200_ATTENTION_CURVE = ((8.0, 0.97), (64.0, 0.82))
-_H200_ATTENTION_CALL_S = 38e-6
-_H200_ATTENTION_CALL_CURVE = ((8.0, 28e-6), (64.0, 38e-6))
+_H200_ATTENTION_CURVE = ((8.0, 0.97), (64.0, 0.96))
+_H200_ATTENTION_CALL_S = 34e-6
+_H200_ATTENTION_CALL_CURVE = ((8.0, 28e-6), (64.0, 34e-6))
 
 _PRESETS = {
     "h200": Hardware(
@@ -315,7 +316,7 @@ _PRESETS = {
                  "xla_int4_efficiency": "measured: XLA dequant path 0.34 TB/s effective = 8% (ANCHORS.md 6)",
                  "attention_efficiency": "measured (attention_curve, attention_call_s): this project's MLA "
                                          "decode op on the H200, per layer 28 us + the cache at 97% of hbm_bw "
-                                         "(8 heads, MLA round 13) / 38 us + 82% (64 heads, round 9; "
+                                         "(8 heads, MLA round 13) / 34 us + 96% (64 heads, round 21; "
                                          "BENCHMARKS.md)"}),
     "h100": Hardware(
         name="H100 SXM", hbm_bytes=80e9, hbm_bw=3.0e12, bf16_flops=700e12,

@@ -1567,7 +1567,36 @@ def check_and_time(out: Optional[str] = None, semantics: str = "Lane", budget_s:
     return rec
 
 
+def check_schedules(configs=None, interpret: bool = False, lengths=(1, 4000, 37, 20000, 0, 515, 63, 64),
+                    pages=(16, 64), ts=(1, 2)) -> bool:
+    """GPU check of whole ops (`mla_paged_attention_mgpu`) under both schedules ('rows', 'balanced'):
+    a ragged batch (empty, 1-token, page +- 1 and long rows), T = 1 and 2 (64 and 128 query rows), pages
+    16 and 64, against the f32 reference; max |o - ref| < 3e-2 (bf16 output of values up to ~3, as the
+    tests). Prints one line per case; returns whether all passed. `configs`: {name: MgpuConfig}
+    (default: SERVING_CONFIG and ONE_SCORER)."""
+    configs = configs or {"serving": SERVING_CONFIG, "v5": ONE_SCORER}
+    scale, ok = 1.0 / math.sqrt(192.0), True
+    for page in pages:
+        for t in ts:
+            args = make_case(jax.random.key(3 + page + t), list(lengths), heads=64, t=t, page=page)
+            ref = np.asarray(tri.mla_paged_attention_reference(*args, scale), np.float32)
+            for sched in ("rows", "balanced"):
+                for name, base in configs.items():
+                    cfg = dataclasses.replace(base, schedule=sched)
+                    o = np.asarray(mla_paged_attention_mgpu(*args, scale, config=cfg, interpret=interpret),
+                                   np.float32)
+                    err = float(np.max(np.abs(o - ref)))
+                    good = bool(np.all(np.isfinite(o)) and err < 3e-2)
+                    ok &= good
+                    print(f"page={page} T={t} {sched:8s} {name:8s} max|o-ref|={err:.2e} "
+                          f"{'OK' if good else 'FAIL'}", flush=True)
+    print("ALL OK" if ok else "SOME FAILED", flush=True)
+    return ok
+
+
 def _main(argv):
+    if argv == ["--check_schedules"]:
+        raise SystemExit(0 if check_schedules() else 1)
     out, semantics, budget, cases, names = None, "Lane", None, "default", None
     for arg in argv:
         if arg.startswith("--out="):
@@ -1581,7 +1610,7 @@ def _main(argv):
         elif arg.startswith("--configs="):
             names = arg.split("=", 1)[1].split(",")
         else:
-            raise SystemExit(f"unknown argument {arg} (--out=DIR, --semantics=Lane|Warpgroup, "
+            raise SystemExit(f"unknown argument {arg} (--check_schedules alone, or --out=DIR, --semantics=Lane|Warpgroup, "
                              f"--budget_s=S, --cases={'|'.join(CASES)}, --configs=NAME,... of "
                              f"{','.join({**default_configs(), **variant_configs()})})")
     if cases not in CASES:

@@ -320,26 +320,26 @@ H200_MEASURED = [(Layout(1), 1, 1.28), (Layout(1), 16, 2.63), (Layout(1), 64, 5.
 
 @pytest.mark.parametrize("layout,batch,device_ms", H200_MEASURED, ids=lambda v: getattr(v, "name", str(v)))
 def test_h200_measured_step_within_15_percent(layout, batch, device_ms):
-    """15%: the worst row is 12% (TP2 batch 64; the small ops the planner leaves out), the mean 5.3% (the
-    EP rows at batch 2 +7.3% / +3.0% with the measured EP2 efficiency of the INT4 experts)."""
+    """15%: the worst row is 12% (TP2 batch 64; the small ops the planner leaves out), the mean 5.2% (the
+    EP rows at batch 2 +6.4% / +2.1% with the measured EP2 efficiency of the INT4 experts)."""
     cfg = preset("kimi-k2.5").replace(num_hidden_layers=3)
     p = planner.plan(cfg, hardware.preset("h200"), layout, batch=batch, context=1024)
     assert abs(1e3 * p.step_s - device_ms) / device_ms < 0.15
 
 
 # MLA decode per layer as the engine calls it, one H200: (query rows, batch, context, us). 64 rows:
-# BENCHMARKS.md MLA round 9, run G (copy 4,046 GB/s); 8 rows: round 13, run A (copy 4,024 GB/s), after
-# the 8-head split rule changed.
+# BENCHMARKS.md MLA round 21, run F (version 5; copy 4,031 GB/s); 8 rows: round 13, run A (copy 4,024
+# GB/s), after the 8-head split rule changed.
 H200_MLA = [(8, 1, 131072, 67.7), (8, 8, 32768, 114.7), (8, 64, 32768, 633.0), (8, 64, 131072, 2288.5),
             (8, 32, 131072, 1145.4), (8, 16, 32768, 185.1),
-            (64, 1, 131072, 81.5), (64, 8, 32768, 120.4), (64, 8, 131072, 372.7), (64, 64, 32768, 731.1)]
+            (64, 1, 131072, 72.3), (64, 8, 32768, 110.0), (64, 8, 131072, 324.6), (64, 64, 32768, 628.0)]
 
 
 @pytest.mark.parametrize("rows,batch,context,us", H200_MLA)
 def test_h200_attention_model_matches_the_mla_benchmark(rows, batch, context, us):
     """The preset's attention terms (per-call time + the cache at the rows' efficiency) against one run's
-    timings per row count at 32-128K (64 rows: 4 of the 36 the fit used; 8 rows: 6 of the 15): within
-    12% (the fits' worst residuals there: 11% at 64 rows, 12% at 8 rows; 18% at 8 rows x 4K)."""
+    timings per row count at 32-128K (64 rows: 4 of the 6 the fit used; 8 rows: 6 of the 15): within
+    12% (the fits' worst residuals there: 2.2% at 64 rows, 12% at 8 rows; 18% at 8 rows x 4K)."""
     hw = hardware.preset("h200")
     cache = batch * (context - 1) * 576 * 2
     model = hw.attention_call_at(rows) + cache / (hw.hbm_bw * hw.attention_efficiency_at(rows))
@@ -349,10 +349,10 @@ def test_h200_attention_model_matches_the_mla_benchmark(rows, batch, context, us
 def test_attention_efficiency_curve_and_calibration_override():
     hw = hardware.preset("h200")
     assert hw.attention_efficiency_at(8) == pytest.approx(0.97) and hw.attention_efficiency_at(1) == pytest.approx(0.97)
-    assert hw.attention_efficiency_at(64) == pytest.approx(0.82) and hw.attention_efficiency_at(512) == pytest.approx(0.82)
-    assert 0.82 < hw.attention_efficiency_at(32) < 0.97
-    assert hw.attention_call_at(8) == pytest.approx(28e-6) and hw.attention_call_at(64) == pytest.approx(38e-6)
-    assert 28e-6 < hw.attention_call_at(32) < 38e-6
+    assert hw.attention_efficiency_at(64) == pytest.approx(0.96) and hw.attention_efficiency_at(512) == pytest.approx(0.96)
+    assert 0.96 < hw.attention_efficiency_at(32) < 0.97
+    assert hw.attention_call_at(8) == pytest.approx(28e-6) and hw.attention_call_at(64) == pytest.approx(34e-6)
+    assert 28e-6 < hw.attention_call_at(32) < 34e-6
     flat = hardware.Hardware.from_calibration({"base": "h200", "copy_bw": 4e12, "attention_efficiency": 0.7,
                                                "attention_call_s": 20e-6})
     assert flat.attention_efficiency_at(64) == 0.7 and flat.attention_call_at(8) == flat.attention_call_at(64) == 20e-6
