@@ -60,8 +60,8 @@ GPU check + timing (one H200): `PYTHONPATH=. python -m pallas_kernels.mla_decode
 vs the Triton kernel at 64 heads; default cases B x context 1x32K, 8x32K, 64x4K, 64x32K (~150 s),
 full = B in (1, 8, 64) x (4K, 32K, 128K), the acceptance grid (budget 220 s before the last case
 starts), large = its four memory-bound cases; configs `default_configs()`: k64, wg2_k32s4, wg2s_k32s4
-(+ _m256, _m1024, _bmsa, _fin, _bta_epv = SERVING_CONFIG), wg2ss_k32s4 (version 3, seesaw); the
-measured one-off variants of `variant_configs()` by name).
+(+ _m256, _m1024, _bmsa, _fin, _bta_epv, _prod_epv), v5, v5_mtail (= SERVING_CONFIG); the measured
+one-off variants of `variant_configs()` by name).
 Verified on an H200 (jax 0.11.2, Lane): versions 1 and 1b compile, pass the checks, and time as in
 the version 2 notes below. Unverified until a GPU run: version 2 (compilation, barrier phases on
 hardware, registers, speed).
@@ -142,86 +142,24 @@ TFLOP/s seen), about the copy time of the 2.4 GB of cache (592 us); but the two 
 lockstep (S, exchange, softmax, P @ C), so one's softmax no longer overlaps the other's MMA as in 1b.
 Unverified until the GPU run: compile, phases on hardware, speed.
 
-Version 3: `seesaw=True` (with split_s; FlashMLA's "seesaw" schedule; config `wg2ss_k32s4`)
----------------------------------------------------------------------------------------------
-Why: on the H200 version 2 reached 88.4% of copy at 64 x 128K, 82.2% at 64 x 32K, 77.6% at
-8 x 128K (target 85%); its warpgroups run in lockstep per pair, so the tensor cores idle while both
-do their softmax. What (`_kernel_seesaw`): same grid, pairs, shared memory, splits, padding tile,
-masking, epilogue and partials contract as version 2; the two warpgroups run different loops
-(`lax.cond` on the warpgroup index). Per pair i (tile a = 2i, b = 2i + 1), m = the running max after
-pair i - 1 (held by both, bit-identical: warpgroup 0 reads it from x[1]), L / R = the first / second
-256 latent columns:
-- warpgroup 0: S_a = Q K_a^T; m_a = max(m, rowmax S_a); P_a = 2^(S_a - m_a); [wait a_free of pair
-  i - 1]; P_a -> P[0], m_a -> x[0], commit_smem, arrive bar_A; acc_L = acc_L 2^(m - m_a) + P_a C_a[:, L]
-  (overlaps warpgroup 1's softmax); l_0 = l_0 2^(m - m_a) + rowsum P_a; wait bar_B; m_b = x[1];
-  f = 2^(m_a - m_b); acc_L *= f, l_0 *= f; acc_L += P_b C_b[:, L]; arrive b_free, consumed[pair slot].
-- warpgroup 1 (also issues all tile TMA: it is usually the later one to finish a pair): S_b = Q K_b^T
-  (concurrently with S_a); wait bar_A; m_a = x[0]; m_b = max(m_a, rowmax S_b); P_b = 2^(S_b - m_b);
-  l_1 = l_1 2^(m - m_b) + rowsum P_b; [wait b_free of pair i - 1]; P_b -> P[1], m_b -> x[1],
-  commit_smem, arrive bar_B; acc_R = acc_R 2^(m - m_a) + P_a C_a[:, R]; arrive a_free;
-  acc_R = acc_R 2^(m_a - m_b) + P_b C_b[:, R]; arrive consumed[pair slot], wait it (warpgroup 0 done
-  with the pair too) and refill the slot with pair i + stages / 2 (the leader-waits-for-both refill of
-  version 2 would make warpgroup 0 wait for warpgroup 1's last P @ C, i.e. lockstep again).
-Algebra (invariant after pair i: acc_L, acc_R, l_0, l_1 are all relative to m_b(i), and m_b(i) >=
-m_a(i) >= m_b(i - 1), so every exponent is <= 0): acc_L 2^(m - m_a) + P_a C_a is relative to m_a, times
-2^(m_a - m_b) relative to m_b, + P_b C_b (P_b against m_b) stays so; l_0 holds the sums of the a tiles
-(same factors), l_1 those of the b tiles, each brought to m_b every pair; acc_R takes the same two
-factors as acc_L. After the last pair both warpgroups hold m = the last m_b, so l = l_0 + l_1 (through
-x once more) and lse = m ln 2 + ln l. A padding tile b (odd tile count) is all masked: m_b = m_a,
-P_b = 0. An empty split runs no pair: acc = 0, l = 0 -> o = 0, lse = -inf (as version 2).
-Barriers (bar_A, bar_B, a_free, b_free: 1 arrival = one warpgroup; consumed[2]: 2 arrivals; the same
-per-thread phase rules as version 2: every waiter waits on every phase, and no barrier may complete
-twice before its waiter observed the first completion):
-- bar_A (WG0 arrives, WG1 waits, once per pair): WG0 arrives for pair i + 1 only after waiting
-  a_free(i), which WG1 arrives after its bar_A(i) wait. bar_B symmetric through b_free(i), which WG0
-  arrives after its bar_B(i) wait.
-- a_free (WG1 arrives after its P_a C_a[:, R] wgmma has completed, the last read of P[0] and after
-  its read of x[0]; WG0 waits before rewriting P[0] / x[0] at pair i + 1): WG1 arrives a_free(i + 1)
-  only after bar_A(i + 1), which WG0 arrives after waiting a_free(i). b_free symmetric (WG0 arrives
-  after its P_b C_b[:, L] wgmma, after reading x[1]). So WG0 may run a whole S_a + softmax ahead into
-  pair i + 1 while WG1 still runs P_b C_b[:, R] of pair i, but P / x are single-buffered (no smem
-  for a second P: see below) and reused only after the reader released them. Cost: WG0 at pair
-  i + 1 waits for WG1's P_a C_a[:, R] of pair i, which WG1 issues right after publishing P_b, so
-  WG0's S_a + softmax of pair i + 1 normally cover it.
-- Tiles: each warpgroup arrives consumed[ps] after its last P @ C of the pair (both tiles); WG1
-  waits for it and refills; WG0 arrives consumed[ps] for pair i + stages / 2 only after waiting that
-  pair's tiles, which WG1 issues after observing the phase of pair i. Both warpgroups wait on both
-  tile barriers of every pair (the other's tile: for the parity bits and the TMA visibility).
-- End: WG0 waits the last a_free, WG1 the last b_free and drains the consumed phases it did not
-  wait in the loop; l_h -> x[h], commit, bar_A / bar_B once more (phase n_pairs + 1: the arrivals
-  follow the last a_free / b_free waits), read x[1 - h]; then arrive b_free / a_free and wait a_free /
-  b_free so that both have read x before the epilogue's staging reuses the loop's shared memory.
-Shared memory: as version 2 plus 2 barriers (16 B): the lowering's 227 KiB check passes at stages=4
-(version 2: 231,496 B). A second P buffer pair (8 KiB) would not fit, hence the free barriers.
-Lowering note: the P buffer index is a traced value (h * 0 + k): a literal index closed over by
-`run_state` comes back from its lowering as a Python int, which Warpgroup semantics rejects inside
-`lax.cond`.
-CPU verification: interpreter vs the reference (ragged: 0, 1, 97 in 2 splits = 64 + 33, 280 = 9
-tiles = 5 pairs, odd counts, page 16 and 64, T = 2) under the race detector (no race; a mutant that
-arrives bar_A before writing P[0] / x[0] is flagged; a mutant without the a_free wait fails the
-interpreter's "completed again before observed" phase check). The detector checks read-after-write
-only: a mutant that releases P[0] (a_free) BEFORE its P_a C_a wgmma is NOT flagged, so the
-write-after-read side of a_free / b_free rests on the argument above and on the GPU run. Lowers for
-cuda in Lane and Warpgroup semantics on jax 0.10.2 and 0.11.2.
-Expected / to measure on the GPU: compile (the two loops in an scf.index_switch; registers: acc
-128 + S 16 + P per thread, as version 2), correctness, and speed vs wg2s_k32s4. Costs added vs
-version 2: two rescales of the [64, 256] accumulator per pair in each warpgroup (128 FMUL per thread
-each, vs one in version 2) and the a_free / b_free round trips.
+Version 3 (`seesaw`: FlashMLA's seesaw schedule on version 2's pairs, the two warpgroups in different
+loops) was slower than version 2 at every memory-bound case (BENCHMARKS.md MLA round 5: 77% vs 85% of
+copy at 64 x 32K) and was removed in the eighteenth session (commit 08435da has it and its design).
 
-Option `o_bmsa=True` (any variant; configs `wg2s_k32s4_bmsa`, `wg2ss_k32s4_bmsa`)
--------------------------------------------------------------------------------
+Option `o_bmsa=True` (any variant; config `wg2s_k32s4_bmsa`)
+-------------------------------------------------------------
 The kernel writes o as [B, M, splits, A] instead of [B, splits, M, A]: each CTA's [64, 256] f32
 block goes to rows strided by splits * A * 4 bytes (same TMA box, other strides), and
 `mla_paged_attention_mgpu` reshapes it to the combine's [B, T, N, K, A] without a transpose (with
 the default layout XLA may materialize a transposed copy of o: up to 128 KiB per split and row block
 written and read once more). lse stays [B, splits, M] (a TMA store of a 64-float column with a
 splits-float stride is not expressible: the innermost dimension must be contiguous and >= 16 B); its
-transpose is B * splits * M * 4 bytes, negligible. CPU: interpreter (seesaw + o_bmsa, 2 splits both
+transpose is B * splits * M * 4 bytes, negligible. CPU: interpreter (version 2 + o_bmsa, 2 splits both
 holding data, rows padded 8 -> 64) and cuda lowering in both semantics. To measure on the GPU:
 whether XLA fused the transpose into the combine anyway (then no gain).
 
-Version 2 options `bt_ahead`, `early_pv` (SERVING_V2, the serving config of the seventh-sixteenth sessions), `l2_prefetch`
-------------------------------------------------------------------------------------------------------------------------
+Version 2 options `bt_ahead`, `early_pv` (SERVING_V2: sessions 7-16's serving config), `l2_prefetch`
+----------------------------------------------------------------------------------------------------
 What bounds version 2 at 64 heads (H200, jax 0.11.2, 2026-11-30; BENCHMARKS.md "MLA round 10"):
 - Pipeline depth: one pair of tiles in flight (`stages=2`) streams at 41-44% of copy, two pairs (the
   default 4 stages) at 73-88%: twice the bytes in flight, twice the speed. Q (72 KiB) and 4 tiles of
@@ -274,7 +212,7 @@ Next steps (performance; in order)
    576 columns: Q 40 / 32 KiB per SM instead of 72, ~20% more tile bytes in flight, partial scores
    summed through distributed shared memory; the Mosaic GPU interpreter does not model clusters).
 1. (Done as version 2, pending the GPU numbers.) Stop duplicating QK^T.
-2. (Done as version 3 `seesaw`, pending the GPU numbers.) Overlap one warpgroup's softmax with the
+2. (Tried as version 3 `seesaw`: slower, removed.) Overlap one warpgroup's softmax with the
    other's P @ C. If it helps: skip the accumulator rescale when the row max did not move (a warp
    vote on the factor), issue the next pair's S wgmma before waiting bar_B in warpgroup 0 (a second
    S accumulator), and a producer warpgroup for the TMA (emit_pipeline_warp_specialized).
@@ -357,8 +295,6 @@ class MgpuConfig:
     warpgroups: int = 1           # 2: the two halves are 2 warpgroups of one CTA (shared pages)
     split_s: bool = False         # version 2 (warpgroups=2): each warpgroup scores one tile of a
     #                               pair (no duplicated QK^T), row maxima exchanged through smem
-    seesaw: bool = False          # version 3 (split_s): FlashMLA's seesaw schedule (warpgroup 0's
-    #                               P @ C overlaps warpgroup 1's softmax; no lockstep)
     o_bmsa: bool = False          # partials o as [B, M, splits, A] (the combine's order: no
     #                               transpose before it) instead of [B, splits, M, A]
     num_splits: int = 0           # 0: auto (fill the SMs `waves` times)
@@ -675,9 +611,9 @@ def _accumulate(acc, operands, interpret: bool):
 
 
 def _pair_scratch(c: int, dt, bk: int, stages: int, page: int):
-    """The shared memory and barriers both pair kernels (versions 2 and 3) start with: Q, the tiles,
-    P [2, 64, bk] (one per warpgroup), x [2, 64] f32 (one exchanged row vector per warpgroup), one
-    barrier per tile slot, Q's barrier, and one 2-arrival "consumed" barrier per pair slot."""
+    """The shared memory and barriers version 2 (and its ablations) start with: Q, the tiles, P [2, 64,
+    bk] (one per warpgroup), x [2, 64] f32 (one exchanged row vector per warpgroup), one barrier per
+    tile slot, Q's barrier, and one 2-arrival "consumed" barrier per pair slot."""
     tiled = _tiled(bk)
     return (plgpu.SMEM((_ROWS, c), dt, transforms=tiled),
             plgpu.SMEM((stages, bk, c), dt, transforms=tiled),
@@ -859,8 +795,8 @@ def _store_partials(acc, m, l, o_smem, lse_smem, o_ref, lse_ref, *, b, j, row0, 
 
 def _pair_program(len_ref, bt_ref, q_ref, pool_ref, o_ref, *, bk: int, stages: int, splits: int,
                   prefetch: int = 0):
-    """What versions 2 and 3 know about their program before the loop: (the row b it reads (the
-    program's own b unless the schedule is balanced: `_work_item`), split j, warpgroup h, C,
+    """What the pair kernels (versions 2, 5) know about their program before the loop: (the row b it
+    reads (the program's own b unless the schedule is balanced: `_work_item`), split j, warpgroup h, C,
     the warpgroup's latent columns bn = A / 2, dtype, pair slots, the split's token range [start,
     end), its pairs of bk-token tiles (an odd tile count pads the last pair), the first query row,
     the warpgroup's first latent column, and `issue_pair` (the TMA of one pair into a slot))."""
@@ -879,7 +815,7 @@ def _pair_program(len_ref, bt_ref, q_ref, pool_ref, o_ref, *, bk: int, stages: i
 
 def _prologue(q_ref, q_smem, q_bar, k_smem, k_bars, b, row0, issue_pair, npairs, n_pairs, *, q_wg,
               tma_wg):
-    """Versions 2 and 3 before their loop: warpgroup `q_wg` loads the 64 query rows, warpgroup
+    """Version 2 before its loop: warpgroup `q_wg` loads the 64 query rows, warpgroup
     `tma_wg` issues the first pairs into every pair slot (as many as the split has), and both wait
     for Q."""
     @pl.when(q_wg)
@@ -1050,163 +986,6 @@ def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int
                     o_bmsa=o_bmsa)
 
 
-def _kernel_seesaw(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages: int,
-                   splits: int, qk_scale: float, interpret: bool, o_bmsa: bool = False,
-                   prefetch: int = 0):
-    """Version 3 ("seesaw", FlashMLA's schedule): version 2's pairs and partials contract, but the
-    warpgroups no longer run in lockstep. Per pair i (tile a = 2i, b = 2i + 1; m = the shared running
-    max after pair i - 1, identical in both warpgroups), warpgroup 0 (output columns L = [0, A/2)):
-      S_a = Q K_a^T; m_a = max(m, rowmax S_a); P_a = 2^(S_a - m_a) -> P[0], m_a -> x[0] (after
-      a_free: warpgroup 1 is done with the previous P[0] / x[0]); arrive bar_A;
-      acc_L = acc_L 2^(m - m_a) + P_a C_a[:, L]; l_0 = l_0 2^(m - m_a) + rowsum P_a;
-      wait bar_B; m_b = x[1]; f = 2^(m_a - m_b); acc_L *= f; l_0 *= f; acc_L += P_b C_b[:, L];
-      arrive b_free and consumed[pair slot]; m = m_b.
-    warpgroup 1 (columns R = [A/2, A); it also issues the tile TMA):
-      S_b = Q K_b^T (concurrently with S_a); wait bar_A; m_a = x[0]; m_b = max(m_a, rowmax S_b);
-      P_b = 2^(S_b - m_b); l_1 = l_1 2^(m - m_b) + rowsum P_b; P_b -> P[1], m_b -> x[1] (after
-      b_free); arrive bar_B; acc_R = acc_R 2^(m - m_a) + P_a C_a[:, R]; arrive a_free;
-      acc_R = acc_R 2^(m_a - m_b) + P_b C_b[:, R]; arrive consumed[pair slot], wait for it and
-      refill the pair slot with pair i + stages / 2; m = m_b.
-    So warpgroup 0's P_a @ C_a overlaps warpgroup 1's softmax, and warpgroup 1's P @ C overlaps
-    warpgroup 0's next S. Every accumulator and l ends a pair relative to m_b (see the module
-    docstring for the algebra and the barrier argument); after the loop l = l_0 + l_1 through x."""
-    (b, j, h, c, bn, dt, npairs, start, end, n_pairs, row0, col0,
-     issue_pair) = _pair_program(len_ref, bt_ref, q_ref, pool_ref, o_ref, bk=bk, stages=stages, splits=splits,
-                                  prefetch=prefetch)
-
-    def bcast(v, shape):
-        return lax.broadcast_in_dim(v, shape, [0])
-
-    def main(q_smem, k_smem, p_smem, x_smem, k_bars, q_bar, consumed, bar_a, bar_b, a_free,
-             b_free):
-        wg0, wg1 = h == 0, h == 1
-        _prologue(q_ref, q_smem, q_bar, k_smem, k_bars, b, row0, issue_pair, npairs, n_pairs,
-                  q_wg=wg0, tma_wg=wg1)
-
-        def scores(i, slot, u):
-            """S of tile 2i + u (in k_smem slot), scaled (log2 units) and masked."""
-            plgpu.barrier_wait(k_bars.at[slot])
-            return _scores(q_smem, k_smem.at[slot], end - (start + (2 * i + u) * bk), qk_scale,
-                           interpret)
-
-        # P buffer indices as traced values: a literal index closed over by run_state comes back
-        # from its lowering as a Python int, which Warpgroup semantics rejects inside lax.cond
-        zero = h * 0
-
-        def pv(acc, k, slot):
-            """acc + P[k] @ tile[slot][:, this warpgroup's columns]; waits for the wgmma."""
-            return _accumulate(acc, lambda: [(p_smem.at[zero + k], k_smem.at[slot].at[:, pl.ds(col0, bn)])],
-                               interpret)
-
-        def publish(k, p, m, bar):
-            p_smem.at[k][...] = p.astype(dt)
-            x_smem.at[k][...] = m
-            plgpu.commit_smem()                # all 128 threads' stores done (and fenced)
-            plgpu.barrier_arrive(bar)
-
-        def step0(i, carry):                   # warpgroup 0: tile a, columns L
-            acc, m_prev, l_prev = carry
-            ps = i % npairs
-            s = scores(i, 2 * ps, 0)
-            m_a = jnp.maximum(m_prev, s.max(axis=1))
-            p = jnp.exp2(s - bcast(m_a, s.shape))
-            corr = jnp.exp2(m_prev - m_a)
-            pl.when(i > 0)(lambda: plgpu.barrier_wait(a_free))   # WG1 done with P[0], x[0]
-            publish(0, p, m_a, bar_a)
-            l_next = l_prev * corr + p.sum(axis=1)
-            acc = pv(acc * bcast(corr, acc.shape), 0, 2 * ps)
-            plgpu.barrier_wait(bar_b)
-            m_b = _load_rows(x_smem.at[1], interpret)
-            f = jnp.exp2(m_a - m_b)
-            plgpu.barrier_wait(k_bars.at[2 * ps + 1])   # complete (WG1 scored it): phase bits
-            acc = pv(acc * bcast(f, acc.shape), 1, 2 * ps + 1)
-            plgpu.barrier_arrive(b_free)                # done with P[1], x[1]
-            plgpu.barrier_arrive(consumed.at[ps])       # done with both tiles
-            return acc, m_b, l_next * f
-
-        def step1(i, carry):                   # warpgroup 1: tile b, columns R; the TMA issuer
-            acc, m_prev, l_prev = carry
-            ps = i % npairs
-            s = scores(i, 2 * ps + 1, 1)
-            plgpu.barrier_wait(bar_a)
-            m_a = _load_rows(x_smem.at[0], interpret)
-            m_b = jnp.maximum(m_a, s.max(axis=1))
-            p = jnp.exp2(s - bcast(m_b, s.shape))
-            l_next = l_prev * jnp.exp2(m_prev - m_b) + p.sum(axis=1)
-            pl.when(i > 0)(lambda: plgpu.barrier_wait(b_free))   # WG0 done with P[1], x[1]
-            publish(1, p, m_b, bar_b)
-            plgpu.barrier_wait(k_bars.at[2 * ps])       # complete (WG0 scored it): phase bits
-            acc = pv(acc * bcast(jnp.exp2(m_prev - m_a), acc.shape), 0, 2 * ps)
-            plgpu.barrier_arrive(a_free)                # done with P[0], x[0]
-            acc = pv(acc * bcast(jnp.exp2(m_a - m_b), acc.shape), 1, 2 * ps + 1)
-            plgpu.barrier_arrive(consumed.at[ps])
-
-            @pl.when(i + npairs < n_pairs)
-            def _():
-                plgpu.barrier_wait(consumed.at[ps])     # ... and warpgroup 0 too
-                issue_pair(k_smem, k_bars, i + npairs, ps)
-            return acc, m_b, l_next
-
-        init = _init_carry(bn, interpret)
-        acc, m, l_part = lax.cond(wg0, lambda: lax.fori_loop(0, n_pairs, step0, init),
-                                  lambda: lax.fori_loop(0, n_pairs, step1, init))
-
-        # After the loop: warpgroup 0 waits for the last a_free (warpgroup 1 done with P[0] and
-        # x[0]), warpgroup 1 for the last b_free and drains the last pairs' consumed phases; then
-        # l = l_0 + l_1 through x (bar_A / bar_B once more), and a last a_free / b_free round makes
-        # sure both read x before the epilogue's staging reuses the loop's shared memory.
-        @pl.when(jnp.logical_and(wg0, n_pairs > 0))
-        def _():
-            plgpu.barrier_wait(a_free)
-
-        @pl.when(jnp.logical_and(wg1, n_pairs > 0))
-        def _():
-            plgpu.barrier_wait(b_free)
-
-        @pl.when(wg1)
-        def _():
-            @pl.loop(jnp.maximum(n_pairs - npairs, 0), n_pairs)
-            def _(i):
-                plgpu.barrier_wait(consumed.at[i % npairs])
-
-        x_smem.at[h][...] = l_part
-        plgpu.commit_smem()
-
-        @pl.when(wg0)
-        def _():
-            plgpu.barrier_arrive(bar_a)
-            plgpu.barrier_wait(bar_b)
-
-        @pl.when(wg1)
-        def _():
-            plgpu.barrier_arrive(bar_b)
-            plgpu.barrier_wait(bar_a)
-        l = l_part + _load_rows(x_smem.at[1 - h], interpret)
-
-        @pl.when(wg0)
-        def _():
-            plgpu.barrier_arrive(b_free)
-            plgpu.barrier_wait(a_free)
-
-        @pl.when(wg1)
-        def _():
-            plgpu.barrier_arrive(a_free)
-            plgpu.barrier_wait(b_free)
-        return acc, m, l
-
-    acc, m, l = pl.run_scoped(
-        main,
-        *_pair_scratch(c, dt, bk, stages, pool_ref.shape[1]),
-        plgpu.Barrier(num_arrivals=1),          # bar_A: P[0], x[0] written (warpgroup 0)
-        plgpu.Barrier(num_arrivals=1),          # bar_B: P[1], x[1] written (warpgroup 1)
-        plgpu.Barrier(num_arrivals=1),          # a_free: warpgroup 1 done reading P[0], x[0]
-        plgpu.Barrier(num_arrivals=1),          # b_free: warpgroup 0 done reading P[1], x[1]
-        collective_axes="wg",
-    )
-    _write_partials(acc, m, l, o_ref, lse_ref, b=lax.axis_index("b"), j=j, row0=row0, col0=col0, h=h, two_wg=True,
-                    o_bmsa=o_bmsa)
-
-
 def _check_shapes(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, cfg: MgpuConfig):
     B, M, A = q_lat_BMA.shape
     R = q_pe_BMR.shape[-1]
@@ -1223,17 +1002,14 @@ def _check_shapes(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, cfg: MgpuConfig
                          f"block_k={bk}")
     if cfg.warpgroups not in (1, 2) or (cfg.warpgroups == 2 and cfg.halves != 2):
         raise ValueError(f"warpgroups={cfg.warpgroups} must be 1, or 2 with halves=2")
-    if cfg.producer and (not cfg.split_s or cfg.seesaw):
-        raise ValueError("producer (a TMA warpgroup) is a version 2 option: split_s=True, seesaw=False")
-    if cfg.seesaw and not cfg.split_s:
-        raise ValueError("seesaw (version 3) needs split_s=True (and warpgroups=2)")
+    if cfg.producer and not cfg.split_s:
+        raise ValueError("producer (a TMA warpgroup) is a version 2 option: split_s=True")
     if cfg.split_s and (cfg.warpgroups != 2 or cfg.stages % 2 or cfg.stages < 2):
         raise ValueError(f"split_s needs warpgroups=2 and an even number of stages (tiles; 2 per "
                          f"pair), got warpgroups={cfg.warpgroups}, stages={cfg.stages}")
     if cfg.one_scorer:
         from pallas_kernels import mla_decode_v5
-        mla_decode_v5.check_config(bk, cfg.stages, A + R, split_s=cfg.split_s, producer=cfg.producer,
-                                   seesaw=cfg.seesaw)
+        mla_decode_v5.check_config(bk, cfg.stages, A + R, split_s=cfg.split_s, producer=cfg.producer)
     need = _smem_bytes(bk, cfg.stages, A + R, wgs=cfg.warpgroups, split_s=cfg.split_s)
     if need > _SMEM_LIMIT:
         raise ValueError(f"block_k={bk} x stages={cfg.stages} x warpgroups={cfg.warpgroups} "
@@ -1280,15 +1056,11 @@ def mla_decode_partials_mgpu(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, leng
                                    mask_tail_only=cfg.mask_tail_only)
         extra = dict(reduction_scratch_bytes=_SPLIT_S_REDUCTION_SCRATCH)
     elif cfg.split_s:
-        kernel = functools.partial(_kernel_seesaw if cfg.seesaw else _kernel_split_s,
-                                   bk=cfg.block_k, stages=cfg.stages,
+        kernel = functools.partial(_kernel_split_s, bk=cfg.block_k, stages=cfg.stages,
                                    splits=splits, qk_scale=float(scale) * _LOG2E, interpret=interp,
-                                   o_bmsa=cfg.o_bmsa,
-                                   prefetch=0 if interp else cfg.l2_prefetch,
-                                   **({} if cfg.seesaw else dict(bt_ahead=cfg.bt_ahead and not cfg.producer,
-                                                                 early_pv=cfg.early_pv,
-                                                                 mask_tail_only=cfg.mask_tail_only,
-                                                                 producer=cfg.producer)))
+                                   o_bmsa=cfg.o_bmsa, prefetch=0 if interp else cfg.l2_prefetch,
+                                   bt_ahead=cfg.bt_ahead and not cfg.producer, early_pv=cfg.early_pv,
+                                   mask_tail_only=cfg.mask_tail_only, producer=cfg.producer)
         extra = dict(reduction_scratch_bytes=_SPLIT_S_REDUCTION_SCRATCH)
     else:
         kernel = functools.partial(_kernel, bk=cfg.block_k, stages=cfg.stages, splits=splits,
@@ -1436,8 +1208,7 @@ SERVING_CONFIG = dataclasses.replace(ONE_SCORER, mask_tail_only=True)
 def default_configs(semantics: str = "Lane") -> dict:
     """The configs `check_and_time` checks and times: version 1 (k64) and 1b (wg2_k32s4) for
     comparison, version 2 (wg2s_*: split S) with its auto splits at min_split_tokens 512 (default),
-    256 and 1024 (they differ only where that cap binds: B = 1, and B = 8 at 4K), and version 3
-    (wg2ss_k32s4: split S on the seesaw schedule, otherwise as wg2s_k32s4); *_bmsa: o written as
+    256 and 1024 (they differ only where that cap binds: B = 1, and B = 8 at 4K); *_bmsa: o written as
     [B, M, splits, A] (no transpose before the combine); *_fin: new tokens + combine in one Triton
     launch (mla_finish.py); *_bta_epv: SERVING_V2 (the serving config until the seventeenth session);
     *_prod_epv: SERVING_PRODUCER (a producer warpgroup issues the TMA; the seventeenth session's);
@@ -1450,9 +1221,7 @@ def default_configs(semantics: str = "Lane") -> dict:
         "wg2s_k32s4": ss,
         "wg2s_k32s4_m256": dataclasses.replace(ss, min_split_tokens=256),
         "wg2s_k32s4_m1024": dataclasses.replace(ss, min_split_tokens=1024),
-        "wg2ss_k32s4": dataclasses.replace(ss, seesaw=True),
         "wg2s_k32s4_bmsa": dataclasses.replace(ss, o_bmsa=True),
-        "wg2ss_k32s4_bmsa": dataclasses.replace(ss, seesaw=True, o_bmsa=True),
         "wg2s_k32s4_fin": dataclasses.replace(ss, finish="kernel"),
         "wg2s_k32s4_bta_epv": dataclasses.replace(SERVING_V2, semantics=semantics),
         "wg2s_k32s4_prod_epv": dataclasses.replace(SERVING_PRODUCER, semantics=semantics),

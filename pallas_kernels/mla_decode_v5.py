@@ -56,11 +56,11 @@ def smem_bytes(bk: int, stages: int, c: int, dtype_bytes: int = 2) -> int:
             + mg._SMEM_RESERVED - (2048 - mg._SPLIT_S_REDUCTION_SCRATCH))
 
 
-def check_config(bk: int, stages: int, c: int, *, split_s: bool, producer: bool, seesaw: bool):
+def check_config(bk: int, stages: int, c: int, *, split_s: bool, producer: bool):
     """The shapes version 5 takes (raises ValueError naming the field at fault)."""
-    if not (split_s and producer) or seesaw:
+    if not (split_s and producer):
         raise ValueError("one_scorer (version 5) runs on version 2's producer warpgroup: split_s=True, "
-                         "producer=True, seesaw=False")
+                         "producer=True")
     if 2 * bk > 256 or (2 * bk) % 64:
         raise ValueError(f"one_scorer: a pair of block_k={bk} tiles is one wgmma with N = {2 * bk}; "
                          f"N must be a multiple of 64 and <= 256")

@@ -11,8 +11,7 @@
    Also the 2-warpgroup variants (two threads, cross-warpgroup barriers, simulated by the interpreter);
    version 2 (split_s) also under the interpreter's happens-before race detector (a buffer reused
    across warpgroups without a barrier in between is a race there; the interpreter completes wgmma
-   and TMA at once, so it checks the barrier protocol, not asynchrony); version 3 (seesaw) too (the
-   detector flags read-after-write races only: buffer releases issued too early are not caught).
+   and TMA at once, so it checks the barrier protocol, not asynchrony), and version 5 (one_scorer).
    The o_bmsa option (o written as [B, M, splits, A]) through the full op.
 2. The GPU path (no interpreter) traces and lowers to Mosaic GPU MLIR for the cuda platform, in both
    lowering semantics, so shape / tiling / swizzle / wgmma operand errors surface off-GPU.
@@ -82,13 +81,12 @@ def test_two_warpgroup_variant(lengths, heads, t, page, splits):
 # (b) 0 (new token only), 128 rows (two row blocks), page 64 (half-page copies, the padding tile's
 #     clamped part-page copy), 280 tokens = 9 tiles = 5 pairs > 2 pair slots (refills gated by the
 #     consumed barrier). The interpreter costs ~2-4 s per CTA: 6 + 4 CTAs here.
-# The serving options on top (bt_ahead: page ids read one step ahead and carried; early_pv: the own
-# tile's P @ C issued before the P exchange; l2_prefetch: a GPU-only hint the interpreter drops).
+# (a) plain, (b) and (a) again with SERVING_V2's options (bt_ahead: page ids read one step ahead and
+# carried; early_pv: the own tile's P @ C issued before the P exchange; l2_prefetch: a GPU-only hint the
+# interpreter drops; mask_tail_only: the scores masked only in tail tiles).
 @needs_interpreter
 @pytest.mark.parametrize("lengths,t,page,splits,options", [
     ([1, 16, 97], 1, 16, 2, {}),
-    ([280, 0], 2, 64, 1, {}),
-    ([1, 16, 97], 1, 16, 2, dict(bt_ahead=True, early_pv=True)),
     ([280, 0], 2, 64, 1, dict(bt_ahead=True, early_pv=True, l2_prefetch=1)),
     ([1, 16, 97], 1, 16, 2, dict(bt_ahead=True, early_pv=True, mask_tail_only=True)),
 ])
@@ -131,26 +129,6 @@ def test_one_scorer(lengths, t, page, splits, cfg):
     args = mg.make_case(jax.random.key(11), lengths, heads=64, t=t, page=page)
     cfg = dataclasses.replace(cfg, num_splits=splits)
     assert cfg.one_scorer and cfg.producer
-    _check(args, cfg, interpret=mg.interpret_params(detect_races=True))
-    assert mg.races_found() in (False, None)
-
-
-# Version 3 (seesaw): the same pair structure on an asynchronous schedule (warpgroup 0 publishes P_a and
-# its max, warpgroup 1 builds P_b on top; P / max buffers reused after a_free / b_free).
-# (a) 1 (one tile: odd count, padding 2nd tile, the second split empty) and 97 in 2 splits (64 + 33:
-#     the second split's last tile has 1 token, clamped copy), page 16;
-# (b) 0 (empty row: o = 0 path through the final l exchange), 128 rows (T = 2), page 64 (part-page
-#     copies), 280 tokens = 9 tiles = 5 pairs > 2 pair slots (refills by warpgroup 1, odd count).
-@needs_interpreter
-@pytest.mark.parametrize("lengths,t,page,splits", [
-    ([1, 97], 1, 16, 2),
-    ([280, 0], 2, 64, 1),
-])
-def test_seesaw_variant(lengths, t, page, splits):
-    """seesaw: matches the reference and has no cross-warpgroup race under the race detector."""
-    args = mg.make_case(jax.random.key(13), lengths, heads=64, t=t, page=page)
-    cfg = mg.MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True, seesaw=True,
-                        num_splits=splits)
     _check(args, cfg, interpret=mg.interpret_params(detect_races=True))
     assert mg.races_found() in (False, None)
 
@@ -201,15 +179,14 @@ def test_partials_contract_and_empty_splits():
 
 @needs_interpreter
 def test_o_bmsa_layout():
-    """o_bmsa: the kernel writes o as [B, M, splits, A] (the combine's order, no transpose before
-    it). 70 tokens in 2 splits (64 + 6): both splits of row 0 hold data, so a mixed-up layout would
+    """o_bmsa: the kernel (the serving config's, version 5) writes o as [B, M, splits, A] (the
+    combine's order, no transpose before it). 70 tokens in 2 splits (64 + 6): both splits of row 0 hold data, so a mixed-up layout would
     break the match; 8 heads: rows padded to 64 and cut on the M axis (1 with o_bmsa)."""
     lengths = [70, 0]
     args = mg.make_case(jax.random.key(17), lengths, heads=8, page=16)
     q_lat, q_pe, _, pool, bt, _ = args
     B, T, N, A = q_lat.shape
-    cfg = mg.MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True, seesaw=True,
-                        num_splits=2, o_bmsa=True)
+    cfg = dataclasses.replace(mg.SERVING_CONFIG, num_splits=2, o_bmsa=True)
     o, lse = jax.eval_shape(lambda *a: mg.mla_decode_partials_mgpu(
         *a, scale=SCALE, config=cfg, interpret=True), q_lat.reshape(B, N, A),
         q_pe.reshape(B, N, -1), pool, bt, jnp.asarray(lengths, jnp.int32))
@@ -227,27 +204,25 @@ def _abstract_args(page: int, B: int = 2, P: int = 32):
 
 @pytest.mark.skipif(mg.plgpu is None, reason="no jax.experimental.pallas.mosaic_gpu")
 @pytest.mark.parametrize("semantics", ["Lane", "Warpgroup"])
-@pytest.mark.parametrize("block_k,page,wgs,split_s,seesaw", [
-    (64, 16, 1, False, False), (32, 64, 1, False, False), (32, 16, 2, False, False),
-    (32, 16, 2, True, False), (32, 64, 2, True, False), (32, 16, 2, True, True),
-    (32, 16, 2, True, "bmsa"), (32, 16, 2, True, "serving"), (32, 64, 2, True, "serving"),
+@pytest.mark.parametrize("block_k,page,wgs,split_s,variant", [
+    (64, 16, 1, False, ""), (32, 64, 1, False, ""), (32, 16, 2, False, ""), (32, 16, 2, True, ""),
+    (32, 64, 2, True, ""), (32, 16, 2, True, "bmsa"), (32, 16, 2, True, "serving"), (32, 64, 2, True, "serving"),
     (32, 16, 2, True, "prefetch"), (32, 64, 2, True, "prefetch"), (32, 16, 2, True, "balanced"),
     (64, 16, 1, False, "balanced"), (32, 16, 2, True, "mtail"), (32, 16, 2, True, "producer"),
     (32, 64, 2, True, "producer"), (32, 16, 2, True, "v5"), (32, 64, 2, True, "v5")])
-def test_lowers_for_cuda(semantics, block_k, page, wgs, split_s, seesaw, monkeypatch):
+def test_lowers_for_cuda(semantics, block_k, page, wgs, split_s, variant, monkeypatch):
     """The GPU path (no interpreter) lowers to Mosaic GPU MLIR for cuda on a CPU-only host (the
     lowering also checks the CTA's shared memory against the 227 KiB of sm_90: the split_s config
-    resolves to 4 stages, 231,496 B; seesaw: 2 more barriers, 231,512 B)."""
+    resolves to 4 stages, 231,496 B)."""
     args = _abstract_args(page)
-    # "bmsa": seesaw + o_bmsa; "serving": SERVING_CONFIG's options; "prefetch": L2 prefetches;
+    # "bmsa": o_bmsa; "serving": SERVING_CONFIG's options; "prefetch": L2 prefetches;
     # "balanced": the balanced schedule (the serving options too with split_s); "mtail": the serving
     # options with the scores masked only in a split's tail tiles (a branch on the tile); "producer": a
     # third warpgroup issues the TMA (setmaxnreg, staging in a RefUnion with the loop's buffers); "v5":
     # SERVING_CONFIG (version 5 on the producer, tail-only mask)
-    variant = seesaw if isinstance(seesaw, str) else ""
     serving = variant in ("serving", "mtail") or (variant == "balanced" and split_s)
     cfg = mg.MgpuConfig(block_k=block_k, semantics=semantics, warpgroups=wgs, split_s=split_s,
-                        seesaw=variant == "bmsa" or seesaw is True, o_bmsa=variant == "bmsa",
+                        o_bmsa=variant == "bmsa",
                         bt_ahead=serving, early_pv=serving, l2_prefetch=2 if variant == "prefetch" else 0,
                         schedule="balanced" if variant == "balanced" else "rows",
                         mask_tail_only=variant == "mtail", producer=variant == "producer")
@@ -301,10 +276,6 @@ def test_resolve_config_and_validation():
     assert mg.resolve_config(dataclasses.replace(ss, min_split_tokens=1024), batch=1, rows=64,
                              max_tokens=32768).num_splits == 32
     q_lat, q_pe, _, pool, bt, _ = mg.make_case(jax.random.key(0), [5], heads=64, page=16)
-    with pytest.raises(ValueError, match="seesaw"):
-        mg.mla_decode_partials_mgpu(q_lat[:, 0], q_pe[:, 0], pool, bt, jnp.asarray([5]),
-                                    scale=SCALE, config=mg.MgpuConfig(block_k=32, warpgroups=2,
-                                                                      seesaw=True))
     for bad in (mg.MgpuConfig(block_k=32, split_s=True),                      # warpgroups=1
                 mg.MgpuConfig(block_k=32, warpgroups=2, split_s=True, stages=3)):
         with pytest.raises(ValueError, match="split_s"):
