@@ -268,12 +268,13 @@ _H200_INT4_CURVE = ((1.0, 0.75), (16.0, 0.94), (64.0, 0.90), (256.0, 0.74))
 # --moe_held_pairs=1|2|4 --moe_profile`: each token's first 1 / 2 / 4 of its 8 pairs held), bytes of the
 # touched experts (24.84 MB each) / span / 4.24 TB/s. 1/8: T = 1, 8 (sixteenth session: 23.6, 91.5 us),
 # T = 2 (seventeenth: 33.4 us), T = 4 (seventeenth, pairs_cta with the K split 2 ways, the default for
-# 3-4 held pairs since: 51.2 us); 1/4: T = 1, 4, 8 (sixteenth: 29.9, 66.8, 136.5 us), T = 2 (seventeenth:
-# 53.0 us with the pair tiles, the default then; pairs_cta2 there is unmeasured); 1/2: T = 1 (pairs_cta2:
-# 42.9 us), T = 2, 4, 8 (66.1, 114.8, 224.4 us). Unmeasured beyond T = 8, where the planner uses
-# int4_curve (BENCHMARKS.md "Seventeenth session: the INT4 experts under EP").
-_H200_INT4_EP_CURVES = ((0.125, ((1.0, 0.248), (2.0, 0.351), (4.0, 0.454), (8.0, 0.512))),
-                        (0.25, ((1.0, 0.392), (2.0, 0.442), (4.0, 0.702), (8.0, 0.687))),
+# 3-4 held pairs since: 51.2 us), T = 3 (eighteenth, pairs_cta2: 41.6 us); 1/4: T = 1, 4, 8 (sixteenth:
+# 29.9, 66.8, 136.5 us), T = 2 (eighteenth, pairs_cta2: 44.9 us; the pair tiles 53.0-53.4); 1/2: T = 1
+# (pairs_cta2: 42.9 us), T = 2, 4, 8 (66.1, 114.8, 224.4 us). Unmeasured beyond T = 8, where the planner
+# uses int4_curve (BENCHMARKS.md "Seventeenth session: the INT4 experts under EP" and its eighteenth-
+# session addendum).
+_H200_INT4_EP_CURVES = ((0.125, ((1.0, 0.248), (2.0, 0.351), (3.0, 0.422), (4.0, 0.454), (8.0, 0.512))),
+                        (0.25, ((1.0, 0.392), (2.0, 0.522), (4.0, 0.702), (8.0, 0.687))),
                         (0.5, ((1.0, 0.546), (2.0, 0.703), (4.0, 0.800), (8.0, 0.811))))
 # MLA absorbed decode as the engine calls it (ops.mla_paged_attention: the kernel plus XLA's finishing
 # ops), one H200, jax 0.11.2: per layer time = call + cache bytes / (4.24 TB/s x eff).

@@ -1,13 +1,15 @@
 """Version 5 of the 64-row Mosaic GPU MLA decode kernel: ONE warpgroup scores each pair of tiles as a
 single N = 2 block_k wgmma (`MgpuConfig(one_scorer=True)`, on top of version 2's producer warpgroup).
 
-Why. Version 2 (SERVING_CONFIG) scores a pair's two 32-token tiles in its two computing warpgroups, each
-S = Q K^T with N = 32. An SS wgmma m64n32k16 reads 2 KiB of Q and 1 KiB of K from shared memory for 16
-clocks of tensor work at the SM's 2,048 bf16 MACs per clock: 192 B per clock, more than the ~128 B per
-clock shared memory delivers, so S runs at ~2/3 of the tensor rate and its shared-memory traffic (Q read
-once per 32 tokens: 216 KiB per pair, with P @ C's 80 KiB and the TMA's 72 KiB of writes ~368 KiB per
-pair, ~1.8 us at 1.6 GHz) is close to the pair's 2.2 us of HBM time per SM. m64n64k16 reads 4 KiB for
-32 clocks (128 B per clock): one scorer reads Q once per 64 tokens (144 KiB per pair, ~296 KiB in all).
+Why. Version 2 (SERVING_PRODUCER, the serving config before) scores a pair's two 32-token tiles in its
+two computing warpgroups, each S = Q K^T with N = 32. An SS wgmma m64n32k16 reads 2 KiB of Q and 1 KiB
+of K from shared memory for 16 clocks of tensor work at the SM's 2,048 bf16 MACs per clock: 192 B per
+clock, more than the ~128 B per clock shared memory delivers, so S runs at ~2/3 of the tensor rate and
+its shared-memory traffic (Q read once per 32 tokens: 216 KiB per pair, with P @ C's 80 KiB and the
+TMA's 72 KiB of writes ~368 KiB per pair, ~1.8 us at 1.6 GHz) is close to the pair's 2.2 us of HBM time
+per SM. m64n64k16 reads 4 KiB for 32 clocks (128 B per clock): one scorer reads Q once per 64 tokens
+(144 KiB per pair, ~296 KiB in all). Measured (BENCHMARKS.md MLA round 21): 92-103% of the copy at the
+memory-bound 64-head cases, 8.5-21% faster than version 2 + producer.
 Version 4's ablation (MLA round 19: N = 64 scoring ran at 116% of the copy's rate when fed) is the
 evidence that N = 64 scores fast here; version 4 lost on buffering (one pair slot), which version 5
 keeps at version 2's two pair slots (the same shared memory: Q 72 KiB, 2 pair slots of [64, 576], one
