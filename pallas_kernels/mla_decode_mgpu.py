@@ -1205,6 +1205,14 @@ ONE_SCORER = dataclasses.replace(VERSION_2, producer=True, one_scorer=True)
 SERVING_CONFIG = dataclasses.replace(ONE_SCORER, mask_tail_only=True)
 
 
+def serving_config(batch: int) -> MgpuConfig:
+    """What kimi_jax.ops runs for `batch` rows on this device: SERVING_CONFIG, with the one-launch finish
+    (mla_finish.py: new tokens + the combine of the splits' partials) for a single row, whose 132 splits
+    make XLA's finishing ops the largest fixed cost (MLA round 21 I, version 5: 1 x 32K 32.1 vs 36.3 us,
+    1 x 128K 63.2 vs 65.5 us per call by device time; a tie from 2 rows up)."""
+    return dataclasses.replace(SERVING_CONFIG, finish="kernel") if batch == 1 else SERVING_CONFIG
+
+
 def default_configs(semantics: str = "Lane") -> dict:
     """The configs `check_and_time` checks and times: version 1 (k64) and 1b (wg2_k32s4) for
     comparison, version 2 (wg2s_*: split S) with its auto splits at min_split_tokens 512 (default),
@@ -1340,9 +1348,10 @@ def check_schedules(configs=None, interpret: bool = False, lengths=(1, 4000, 37,
                     pages=(16, 64), ts=(1, 2)) -> bool:
     """GPU check of whole ops (`mla_paged_attention_mgpu`) under both schedules ('rows', 'balanced'):
     a ragged batch (empty, 1-token, page +- 1 and long rows), T = 1 and 2 (64 and 128 query rows), pages
-    16 and 64, against the f32 reference; max |o - ref| < 3e-2 (bf16 output of values up to ~3, as the
-    tests). Prints one line per case; returns whether all passed. `configs`: {name: MgpuConfig}
-    (default: SERVING_CONFIG and ONE_SCORER)."""
+    16 and 64, against the f32 reference; then a few of its rows alone under `serving_config(1)` (the
+    one-launch finish); max |o - ref| < 3e-2 (bf16 output of values up to ~3, as the tests). Prints one
+    line per case; returns whether all passed. `configs`: {name: MgpuConfig} (default: SERVING_CONFIG
+    and ONE_SCORER)."""
     configs = configs or {"serving": SERVING_CONFIG, "v5": ONE_SCORER}
     scale, ok = 1.0 / math.sqrt(192.0), True
     for page in pages:
@@ -1359,6 +1368,20 @@ def check_schedules(configs=None, interpret: bool = False, lengths=(1, 4000, 37,
                     ok &= good
                     print(f"page={page} T={t} {sched:8s} {name:8s} max|o-ref|={err:.2e} "
                           f"{'OK' if good else 'FAIL'}", flush=True)
+    # one row: serving_config(1) (the one-launch finish), rows of the same ragged batch alone
+    for page in pages:
+        for t in ts:
+            args = make_case(jax.random.key(3 + page + t), list(lengths), heads=64, t=t, page=page)
+            ref = np.asarray(tri.mla_paged_attention_reference(*args, scale), np.float32)
+            for r in sorted({0, 1, len(lengths) // 2, int(np.argmax(lengths))}):
+                one = [x if i == 3 else x[r:r + 1] for i, x in enumerate(args)]   # args[3]: the pool
+                o = np.asarray(mla_paged_attention_mgpu(*one, scale, config=serving_config(1),
+                                                        interpret=interpret), np.float32)
+                err = float(np.max(np.abs(o - ref[r:r + 1])))
+                good = bool(np.all(np.isfinite(o)) and err < 3e-2)
+                ok &= good
+                print(f"page={page} T={t} row {r} (length {lengths[r]}) alone, serving_config(1): "
+                      f"max|o-ref|={err:.2e} {'OK' if good else 'FAIL'}", flush=True)
     print("ALL OK" if ok else "SOME FAILED", flush=True)
     return ok
 

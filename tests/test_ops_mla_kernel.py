@@ -2,6 +2,7 @@
 Hopper GPU is the Triton kernel and a forced choice wins; forced to the Mosaic GPU kernel,
 ops.mla_paged_attention (interpreted on CPU) equals the XLA path. Tolerance 3e-2 absolute: as
 tests/test_mla_decode_mgpu.py (bf16 p before P @ C and a bf16 output on values of size <= ~3)."""
+import dataclasses
 import math
 
 import jax
@@ -66,3 +67,21 @@ def test_ops_keeps_the_triton_kernel_for_a_float32_pool(monkeypatch):
     for p in (pool, pool.astype(jnp.float32)):
         ops.mla_paged_attention(q_lat, q_pe, new, p, bt, pos, SCALE, impl="pallas")
     assert calls == ["mgpu", "triton"]
+
+
+def test_ops_takes_the_one_launch_finish_for_a_single_row(monkeypatch):
+    """On a (pretended) Hopper GPU the Mosaic GPU kernel runs `serving_config(rows)`: the one-launch finish
+    (mla_finish) for one row (MLA round 21 I: 1 x 32K 32.1 vs 36.3 us), XLA's finish for more rows and
+    under a forced balanced schedule (which takes XLA's finish only). A spy records the config."""
+    monkeypatch.setattr(ops, "_is_hopper", lambda: True)
+    configs = []
+    monkeypatch.setattr(mg, "mla_paged_attention_mgpu", lambda q, *a, **k: configs.append(k["config"]) or q)
+    q_lat, q_pe, new, pool, bt, pos = mg.make_case(jax.random.key(4), [5, 17], heads=64, page=16)
+    bt = jnp.zeros((2, 1024), jnp.int32)                       # a 16K-token table: the mgpu kernel
+    ops.mla_paged_attention(q_lat[:1], q_pe[:1], new[:1], pool, bt[:1], pos[:1], SCALE, impl="pallas")
+    ops.mla_paged_attention(q_lat, q_pe, new, pool, bt, pos, SCALE, impl="pallas")
+    with ops.use_mla_schedule("balanced"):
+        ops.mla_paged_attention(q_lat[:1], q_pe[:1], new[:1], pool, bt[:1], pos[:1], SCALE, impl="pallas")
+    assert [c.finish for c in configs] == ["kernel", "xla", "xla"]
+    assert configs[1] == mg.SERVING_CONFIG and configs[2].schedule == "balanced"
+    assert mg.serving_config(1) == dataclasses.replace(mg.SERVING_CONFIG, finish="kernel")
