@@ -1188,9 +1188,9 @@ _MAX_CASE_BYTES = 40e9            # skip a case whose cache alone would exceed t
 
 
 # Version 2 (split S), the fastest config at every case of the 64-head grid from 1 x 32K up on the H200
-# (BENCHMARKS.md, fourth session: 82-88% of copy at B = 64 x 32K / 128K); SERVING_V2 adds the page ids
-# read a step ahead and the own-tile P @ C before the P exchange (round 10: 1-4% faster); what
-# kimi_jax.ops runs is SERVING_CONFIG below.
+# from the fourth to the seventeenth session (BENCHMARKS.md, fourth session: 82-88% of copy at B = 64 x
+# 32K / 128K); SERVING_V2 adds the page ids read a step ahead and the own-tile P @ C before the P exchange
+# (round 10: 1-4% faster); what kimi_jax.ops runs is `serving_config` below (version 5).
 VERSION_2 = MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True)   # plain, no options
 SERVING_V2 = dataclasses.replace(VERSION_2, bt_ahead=True, early_pv=True)     # seventh-sixteenth sessions
 # Seventeenth session: the TMA from a third (producer) warpgroup, so the two computing ones never wait
