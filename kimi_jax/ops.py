@@ -342,9 +342,7 @@ def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: ja
             if same and mla_decode_kernel(T * N, A, R, page, q_lat.dtype, batch=B,
                                           context=table.shape[1] * page) == "mgpu":
                 from pallas_kernels import mla_decode_mgpu
-                cfg = mla_decode_mgpu.serving_config(B)
-                if _MLA_SCHEDULE is not None:
-                    cfg = dataclasses.replace(mla_decode_mgpu.SERVING_CONFIG, schedule=_MLA_SCHEDULE)
+                cfg = mla_decode_mgpu.serving_config(B, _MLA_SCHEDULE)
                 return mla_decode_mgpu.mla_paged_attention_mgpu(
                     q_lat, q_pe, new, flat, table, positions, scale,
                     config=cfg, interpret=jax.default_backend() != "gpu")

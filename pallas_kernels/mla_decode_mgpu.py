@@ -827,6 +827,22 @@ def _prologue(q_ref, q_smem, q_bar, k_smem, k_bars, b, row0, issue_pair, npairs,
     plgpu.barrier_wait(q_bar)
 
 
+def _producer(q_ref, q_smem, q_bar, k_smem, k_bars, consumed, b, row0, issue_pair, npairs, n_pairs):
+    """The producer warpgroup of versions 2 (`producer`) and 5: its registers cut to _PRODUCER_REGS, it
+    loads Q and the first pairs (`_prologue`), then refills each pair slot with the pair `npairs` ahead
+    once both computing warpgroups released it (every phase of `consumed` waited, the last ones too).
+    `issue_pair(k_smem, k_bars, pair, slot)`."""
+    plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+    _prologue(q_ref, q_smem, q_bar, k_smem, k_bars, b, row0, issue_pair, npairs, n_pairs,
+              q_wg=True, tma_wg=True)
+
+    @pl.loop(0, n_pairs)
+    def _(i):
+        ps = i % npairs
+        plgpu.barrier_wait(consumed.at[ps])     # both computing warpgroups done with pair i
+        pl.when(i + npairs < n_pairs)(lambda: issue_pair(k_smem, k_bars, i + npairs, ps))
+
+
 def _split_s_row_sums(leader, consumed, n_pairs, npairs, exchange, l_part, p_bar, drain: bool = True):
     """Version 2 after its loop: warpgroup 0 drains the last pairs' releases (keeps its consumed
     phases complete), then l = l_0 + l_1 through `exchange` (x slot h is free: the other warpgroup
@@ -959,17 +975,8 @@ def _kernel_split_s(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int
             _store_partials(acc, m, l, o_stage.at[h], lse_stage, o_ref, lse_ref, b=lax.axis_index("b"),
                             j=j, row0=row0, col0=col0, h=h, o_bmsa=o_bmsa)
 
-        @pl.when(h == 2)
-        def _():
-            plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
-            _prologue(q_ref, q_smem, q_bar, k_smem, k_bars, b, row0, issue_pair, npairs, n_pairs,
-                      q_wg=True, tma_wg=True)
-
-            @pl.loop(0, n_pairs)
-            def _(i):
-                ps = i % npairs
-                plgpu.barrier_wait(consumed.at[ps])     # both warpgroups done with pair i
-                pl.when(i + npairs < n_pairs)(lambda: issue_pair(k_smem, k_bars, i + npairs, ps))
+        pl.when(h == 2)(lambda: _producer(q_ref, q_smem, q_bar, k_smem, k_bars, consumed, b, row0,
+                                          issue_pair, npairs, n_pairs))
 
     bufs = _pair_scratch(c, dt, bk, stages, pool_ref.shape[1])
     bars = (*bufs[4:],
@@ -1205,11 +1212,14 @@ ONE_SCORER = dataclasses.replace(VERSION_2, producer=True, one_scorer=True)
 SERVING_CONFIG = dataclasses.replace(ONE_SCORER, mask_tail_only=True)
 
 
-def serving_config(batch: int) -> MgpuConfig:
+def serving_config(batch: int, schedule: Optional[str] = None) -> MgpuConfig:
     """What kimi_jax.ops runs for `batch` rows on this device: SERVING_CONFIG, with the one-launch finish
     (mla_finish.py: new tokens + the combine of the splits' partials) for a single row, whose 132 splits
     make XLA's finishing ops the largest fixed cost (MLA round 21 I, version 5: 1 x 32K 32.1 vs 36.3 us,
-    1 x 128K 63.2 vs 65.5 us per call by device time; a tie from 2 rows up)."""
+    1 x 128K 63.2 vs 65.5 us per call by device time; a tie from 2 rows up). `schedule`: a forced one
+    (`ops.use_mla_schedule`), with XLA's finish (the only one the balanced schedule takes)."""
+    if schedule is not None:
+        return dataclasses.replace(SERVING_CONFIG, schedule=schedule)
     return dataclasses.replace(SERVING_CONFIG, finish="kernel") if batch == 1 else SERVING_CONFIG
 
 
@@ -1354,34 +1364,28 @@ def check_schedules(configs=None, interpret: bool = False, lengths=(1, 4000, 37,
     and ONE_SCORER)."""
     configs = configs or {"serving": SERVING_CONFIG, "v5": ONE_SCORER}
     scale, ok = 1.0 / math.sqrt(192.0), True
+
+    def check(label, args, ref, cfg):
+        nonlocal ok
+        o = np.asarray(mla_paged_attention_mgpu(*args, scale, config=cfg, interpret=interpret), np.float32)
+        err = float(np.max(np.abs(o - ref)))
+        good = bool(np.all(np.isfinite(o)) and err < 3e-2)
+        ok &= good
+        print(f"{label} max|o-ref|={err:.2e} {'OK' if good else 'FAIL'}", flush=True)
+
     for page in pages:
         for t in ts:
             args = make_case(jax.random.key(3 + page + t), list(lengths), heads=64, t=t, page=page)
             ref = np.asarray(tri.mla_paged_attention_reference(*args, scale), np.float32)
             for sched in ("rows", "balanced"):
                 for name, base in configs.items():
-                    cfg = dataclasses.replace(base, schedule=sched)
-                    o = np.asarray(mla_paged_attention_mgpu(*args, scale, config=cfg, interpret=interpret),
-                                   np.float32)
-                    err = float(np.max(np.abs(o - ref)))
-                    good = bool(np.all(np.isfinite(o)) and err < 3e-2)
-                    ok &= good
-                    print(f"page={page} T={t} {sched:8s} {name:8s} max|o-ref|={err:.2e} "
-                          f"{'OK' if good else 'FAIL'}", flush=True)
-    # one row: serving_config(1) (the one-launch finish), rows of the same ragged batch alone
-    for page in pages:
-        for t in ts:
-            args = make_case(jax.random.key(3 + page + t), list(lengths), heads=64, t=t, page=page)
-            ref = np.asarray(tri.mla_paged_attention_reference(*args, scale), np.float32)
+                    check(f"page={page} T={t} {sched:8s} {name:8s}", args, ref,
+                          dataclasses.replace(base, schedule=sched))
+            # one row: serving_config(1) (the one-launch finish), rows of the same batch alone
             for r in sorted({0, 1, len(lengths) // 2, int(np.argmax(lengths))}):
                 one = [x if i == 3 else x[r:r + 1] for i, x in enumerate(args)]   # args[3]: the pool
-                o = np.asarray(mla_paged_attention_mgpu(*one, scale, config=serving_config(1),
-                                                        interpret=interpret), np.float32)
-                err = float(np.max(np.abs(o - ref[r:r + 1])))
-                good = bool(np.all(np.isfinite(o)) and err < 3e-2)
-                ok &= good
-                print(f"page={page} T={t} row {r} (length {lengths[r]}) alone, serving_config(1): "
-                      f"max|o-ref|={err:.2e} {'OK' if good else 'FAIL'}", flush=True)
+                check(f"page={page} T={t} row {r} (length {lengths[r]}) alone, serving_config(1):", one,
+                      ref[r:r + 1], serving_config(1))
     print("ALL OK" if ok else "SOME FAILED", flush=True)
     return ok
 

@@ -150,18 +150,8 @@ def kernel(len_ref, bt_ref, q_ref, pool_ref, o_ref, lse_ref, *, bk: int, stages:
             plgpu.barrier_wait(l_bar)
             finish(acc, m0, mg._load_rows(x_smem.at[1], interpret))
 
-        @pl.when(h == 2)
-        def _():
-            plgpu.set_max_registers(mg._PRODUCER_REGS, action="decrease")
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, _ROWS)], q_smem, q_bar)
-            for s in range(npairs):
-                pl.when(s < n_pairs)(lambda s=s: issue_pair(kp, k_bars, s, s))
-
-            @pl.loop(0, n_pairs)
-            def _(i):
-                ps = i % npairs
-                plgpu.barrier_wait(consumed.at[ps])     # both warpgroups done with pair i
-                pl.when(i + npairs < n_pairs)(lambda: issue_pair(kp, k_bars, i + npairs, ps))
+        pl.when(h == 2)(lambda: mg._producer(q_ref, q_smem, q_bar, kp, k_bars, consumed, b, row0,
+                                             issue_pair, npairs, n_pairs))
 
     tiled = mg._tiled(n)                          # 128-byte swizzle: P [64, 64] bf16 rows
     copies = max(1, bk // pool_ref.shape[1])

@@ -215,7 +215,7 @@ def test_lowers_for_cuda(semantics, block_k, page, wgs, split_s, variant, monkey
     lowering also checks the CTA's shared memory against the 227 KiB of sm_90: the split_s config
     resolves to 4 stages, 231,496 B)."""
     args = _abstract_args(page)
-    # "bmsa": o_bmsa; "serving": SERVING_CONFIG's options; "prefetch": L2 prefetches;
+    # "bmsa": o_bmsa; "serving": SERVING_V2's options; "prefetch": L2 prefetches;
     # "balanced": the balanced schedule (the serving options too with split_s); "mtail": the serving
     # options with the scores masked only in a split's tail tiles (a branch on the tile); "producer": a
     # third warpgroup issues the TMA (setmaxnreg, staging in a RefUnion with the loop's buffers); "v5":
