@@ -391,6 +391,8 @@ def test_int4_efficiency_under_expert_parallelism():
     assert hw.int4_efficiency_ep(1, 1 / 8) == pytest.approx(0.248)     # 24.84 MB in 23.6 us of 4.24 TB/s
     assert hw.int4_efficiency_ep(8, 1 / 8) == pytest.approx(0.512)
     assert hw.int4_efficiency_ep(4, 1 / 4) == pytest.approx(0.702)
+    assert hw.int4_efficiency_ep(2, 1 / 4) == pytest.approx(0.522)     # 4 held pairs in 44.9 us (pairs_cta2)
+    assert hw.int4_efficiency_ep(3, 1 / 8) == pytest.approx(0.422)     # 3 held pairs in 41.6 us (pairs_cta2)
     assert hw.int4_efficiency_ep(1, 1 / 16) == hw.int4_efficiency_ep(1, 1 / 8)           # flat below
     assert hw.int4_efficiency_ep(2, 1 / 2) == pytest.approx(0.703)
     assert hw.int4_efficiency_ep(1, (1 / 8 * 1 / 4) ** 0.5) == pytest.approx((0.248 + 0.392) / 2)   # log(share)
