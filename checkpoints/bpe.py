@@ -5,7 +5,7 @@
   first (rank = byte value), then one rank per merge in merge order.
 * :func:`write_tokenizer_files` writes ``tiktoken.model``, ``tokenizer_config.json`` (Kimi's special
   tokens at ``num_base +`` the same offsets Kimi-K2 uses, see :data:`KIMI_SPECIAL_TOKEN_OFFSETS`) and
-  ``chat_template.jinja``; :class:`kimi_jax.tokenizer.Tokenizer` loads the result.
+  ``chat_template.jinja``; :class:`kimi_jax.text.tokenizer.Tokenizer` loads the result.
 * :func:`kimi_chat_template` is a Kimi-K2-style Jinja chat template.
 
 Pre-tokenization for training uses Kimi's pattern through the ``regex`` module (installed with
@@ -23,7 +23,7 @@ import re
 from collections import Counter
 from typing import Iterable, Mapping, Optional, Union
 
-from kimi_jax.tokenizer import KIMI_PAT_STR, NUM_RESERVED_SPECIAL_TOKENS, TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE
+from kimi_jax.text.tokenizer import KIMI_PAT_STR, NUM_RESERVED_SPECIAL_TOKENS, TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE
 
 __all__ = [
     "CHAT_TEMPLATE_FILE",

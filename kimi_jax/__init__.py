@@ -1,7 +1,7 @@
 """kimi_jax: a JAX/XLA inference engine for Kimi-K2.5-class (DeepSeek-V3 architecture) MoE models."""
-from kimi_jax.api import LLM, CompletionOutput, RequestOutput
+from kimi_jax.entrypoints.llm import LLM, CompletionOutput, RequestOutput
 from kimi_jax.config import ModelConfig, preset
-from kimi_jax.sampling import SamplingParams
+from kimi_jax.engine.sampling import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ModelConfig", "preset"]
 __version__ = "0.1.0"

@@ -28,8 +28,8 @@ def main(argv):
     del argv
     common.setup()
     from kimi_jax import LLM
-    from kimi_jax.batch_io import Job, LineError, ResultWriter, custom_id_of, error_line, parse_line, result_line
-    from kimi_jax.scheduler import RequestError
+    from kimi_jax.entrypoints.batch import Job, LineError, ResultWriter, custom_id_of, error_line, parse_line, result_line
+    from kimi_jax.engine.scheduler import RequestError
 
     try:
         infile = open(FLAGS.input, encoding="utf-8")

@@ -57,7 +57,7 @@ flags.DEFINE_bool("dense_profile", False, "int4 suite, dense section: also profi
                   "device us per op and the span per call (at 8-17 MB per call the wall clock spread up to 70 percent "
                   "between runs in the thirteenth session)")
 flags.DEFINE_bool("moe_profile", False, "int4 suite, moe section: also profile every timed config (i32) at each "
-                  "T: device time per op and the gaps between them (kimi_jax.profiling.device_ops_per_call)")
+                  "T: device time per op and the gaps between them (kimi_jax.tools.profiling.device_ops_per_call)")
 flags.DEFINE_bool("dry", False, "tiny shapes (CPU dry run of the script itself)")
 flags.DEFINE_float("budget_s", 420.0, "stop starting new sections after this many seconds")
 flags.DEFINE_string("model", None, "throughput suite: checkpoint dir or preset (default: the demo model)")
@@ -112,9 +112,9 @@ def median(xs):
 def time_jax(fn, args, calls, inner=5, reps=None, gpu=None):
     """Median seconds per call over reps rounds of `inner` back-to-back executions of `calls` calls.
     gpu: a dict that receives the SM clock / power / power-cap share sampled while the rounds ran
-    (kimi_jax.telemetry; stays empty without nvidia-smi)."""
+    (kimi_jax.tools.telemetry; stays empty without nvidia-smi)."""
     import jax
-    from kimi_jax import telemetry
+    from kimi_jax.tools import telemetry
     reps = reps or FLAGS.reps
     jax.block_until_ready(fn(*args))
     ts = []
@@ -161,7 +161,7 @@ def time_torch_graph(body, calls, reps=None, replays=5):
 # config sweeps
 
 def dense_sweep(name, k=7168):
-    from pallas_kernels.int4_matmul import Int4MatmulConfig as C
+    from pallas_kernels.int4.matmul import Int4MatmulConfig as C
     big = 7 if k % 7 == 0 else 8
     sweeps = {
         "default": [
@@ -264,7 +264,7 @@ def down_for(cname, cfg, dn, cache):
     slice, built once per slice width and kept in cache) for names ending in BLOCKED_SUFFIX, else dn."""
     if not cname.endswith(BLOCKED_SUFFIX):
         return dn
-    from pallas_kernels import moe_gmm as mg
+    from pallas_kernels.int4 import moe_gmm as mg
     bf = cfg.block_n_gate_up
     if bf not in cache:
         cache[bf] = mg.block_down(*dn, bf)
@@ -272,7 +272,7 @@ def down_for(cname, cfg, dn, cache):
 
 
 def moe_sweep(name):
-    from pallas_kernels.moe_gmm import MoeGmmConfig as C
+    from pallas_kernels.int4.moe_gmm import MoeGmmConfig as C
     sweeps = {
         "default": [
             ("default", None),
@@ -573,7 +573,7 @@ def section_info():
         info["triton"] = triton.__version__
     except Exception:  # noqa: BLE001
         pass
-    from pallas_kernels import int4_tile
+    from pallas_kernels.int4 import tile as int4_tile
     info["multi_result_asm_fix"] = int4_tile.MULTI_RESULT_ASM_OK
     info["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
     log("info", info)
@@ -651,7 +651,9 @@ def section_check():
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from pallas_kernels import int4_matmul as im, int4_ref, moe_gmm as mg
+    from pallas_kernels.int4 import matmul as im
+    from pallas_kernels.int4 import reference as int4_ref
+    from pallas_kernels.int4 import moe_gmm as mg
     key = jax.random.PRNGKey(int(time.time()))
     ok = True
     dense_cfgs = [c for _, c in dense_sweep(FLAGS.dense_configs, 1024)]
@@ -765,7 +767,8 @@ def _torch_int4pack(p_jax, s_jax):
 def section_dense():
     import jax
     import jax.numpy as jnp
-    from pallas_kernels import int4_matmul as im, int4_ref
+    from pallas_kernels.int4 import matmul as im
+    from pallas_kernels.int4 import reference as int4_ref
     nm = FLAGS.num_mats
     passes = 1
     key = jax.random.PRNGKey(1)
@@ -904,7 +907,7 @@ def _profile_ops(case, fn, args, calls, wall_t, section="moe_profile", **extra):
     """Where a MoE (or, section 'dense_profile', a dense) call's time goes: device us per op (by kernel),
     their sum, the span from the first op's start to the last op's end per call, and the gaps (span - ops:
     launch boundaries, ramps)."""
-    from kimi_jax import profiling
+    from kimi_jax.tools import profiling
     per_op, span, tdir = profiling.device_ops_per_call(fn.lower(*args).compile(), args, calls)
     busy = sum(per_op.values())
     record(section=section, case=case, ops_us=per_op, busy_us=busy, span_us=span,
@@ -919,8 +922,9 @@ def section_moe():
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from kimi_jax import telemetry
-    from pallas_kernels import int4_ref, moe_gmm as mg
+    from kimi_jax.tools import telemetry
+    from pallas_kernels.int4 import reference as int4_ref
+    from pallas_kernels.int4 import moe_gmm as mg
     e_, d, f, topk = (24, 512, 256, KIMI_TOPK) if FLAGS.dry else (FLAGS.moe_experts, 7168, 2048, KIMI_TOPK)
     key = jax.random.PRNGKey(2)
     g = int4_ref.random_int4(jax.random.fold_in(key, 1), (e_, f, d))
@@ -1085,7 +1089,7 @@ def section_moe():
 # table
 
 def print_table():
-    from kimi_jax import telemetry
+    from kimi_jax.tools import telemetry
     copy_bw = CEIL.get("copy_bw")
     rows = [r for r in RESULTS if r.get("section") in ("dense", "moe") and "t" in r]
     cases = []

@@ -4,7 +4,7 @@ share), the planner's prediction beside each measurement, and the copy-bandwidth
 
   python -m launch.bench_engine --layers 3 --layouts single,tp2,tp2_ep,dp2_ep --batches 1,16,64,256
 
-Weights are random (kimi_jax.profiling.random_engine: the model's initializers, made on each layout's devices), or, with
+Weights are random (kimi_jax.tools.profiling.random_engine: the model's initializers, made on each layout's devices), or, with
 --checkpoint, a real-format checkpoint (e.g. `kimi-make-synthetic --preset kimi-k2.5 --num_layers 3`)
 streamed onto the devices of each layout by the loader; a decode
 step is the engine's jitted step (contiguous latent cache at --context tokens, sampling included),
@@ -88,12 +88,12 @@ def parse_mixed(spec: str) -> tuple[int, int, int]:
 def time_mixed(engine, layout, spec: str, steps: int) -> dict:
     """Seconds per decode step (`Engine.decode_step_async`, each step's tokens fed to the next, one
     wait at the end) for one long row among short ones: as the engine schedules the MLA kernels
-    (`kimi_jax.engine.mla_schedule_for`) and with its balanced choice switched off (rows schedule)."""
+    (`kimi_jax.engine.steps.mla_schedule_for`) and with its balanced choice switched off (rows schedule)."""
     import jax
     import numpy as np
-    from kimi_jax import engine as eng
+    from kimi_jax.engine import steps as eng
     from kimi_jax import ops
-    from kimi_jax.profiling import paged_args
+    from kimi_jax.tools.profiling import paged_args
     B, long, short = parse_mixed(spec)
     cache_len = long + steps + 2
     pages, tokens, table, sp = paged_args(engine, layout, B, cache_len)
@@ -121,9 +121,9 @@ def load_engine(path, cfg, layout, dtype):
     """An Engine over a checkpoint, each device reading only its own slices (checkpoints.loader)."""
     from flax import nnx
     from checkpoints.loader import load_model
-    from kimi_jax.engine import Engine
+    from kimi_jax.engine.steps import Engine
     from kimi_jax.model.transformer import Transformer
-    from kimi_jax.sharding import check_fits, param_shardings
+    from kimi_jax.parallel.sharding import check_fits, param_shardings
     parallel = layout.moe_parallel()
     abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0),
                                                             parallel=parallel)))[1]
@@ -140,10 +140,11 @@ def main(argv):
     common.setup()
     import jax
     import jax.numpy as jnp
-    from kimi_jax import hardware, planner
+    from kimi_jax.tools import hardware
+    from kimi_jax.tools import planner
     from kimi_jax.config import preset
-    from kimi_jax.profiling import profile_decode, random_engine
-    from kimi_jax.sharding import Layout
+    from kimi_jax.tools.profiling import profile_decode, random_engine
+    from kimi_jax.parallel.sharding import Layout
 
     if FLAGS.checkpoint:
         from kimi_jax.config import ModelConfig

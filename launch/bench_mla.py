@@ -80,7 +80,7 @@ flags.DEFINE_bool("new_token_einsum", False, "the step's new token in the genera
                   "(mla_decode.ONE_NEW_TOKEN_ELEMENTWISE off: the form before the thirteenth session), to time both")
 flags.DEFINE_bool("balanced", False, "decode section: also time both kernels on the balanced schedule "
                   "(MlaDecodeConfig / MgpuConfig schedule='balanced'; the --mixed cases always do)")
-flags.DEFINE_integer("combine_xla_max_macs", None, "set pallas_kernels.mla_combine.XLA_MAX_MACS for this run "
+flags.DEFINE_integer("combine_xla_max_macs", None, "set pallas_kernels.mla.combine.XLA_MAX_MACS for this run "
                      "(the balanced schedule's merge: the XLA contraction up to this many multiply-adds, "
                      "the kernel above; 0: always the kernel)")
 
@@ -185,7 +185,7 @@ def _table(key, B, pages_per_row, pool_pages, order: str = "random"):
     """Distinct pages of [0, pool_pages) per row: 'random' (a permutation: a pool after churn),
     'sequential' (row b owns pages [b P, (b + 1) P): one run per sequence) or 'interleaved' (page j
     of row b is j B + b: B sequences growing in lockstep from one FIFO free list, as
-    kimi_jax.scheduler.PagePool hands them out on a fresh engine)."""
+    kimi_jax.engine.scheduler.PagePool hands them out on a fresh engine)."""
     import jax
     import jax.numpy as jnp
     n = B * pages_per_row
@@ -228,7 +228,7 @@ def section_check():
     import jax.numpy as jnp
     import numpy as np
     from kimi_jax import ops
-    from pallas_kernels import mla_decode as md
+    from pallas_kernels.mla import decode as md
     ok_all = True
     key = jax.random.PRNGKey(1)
     cases = [(8, 1, 16), (64, 1, 16), (64, 4, 16), (8, 1, 64), (64, 1, 64)] if not FLAGS.dry else [(8, 1, 16)]
@@ -304,12 +304,12 @@ def _op(name, cfg, scale):
     'mgpu_v2' = the one before it (SERVING_V2); any other name = the Triton kernel with `cfg` (None: its
     automatic config)."""
     from kimi_jax import ops
-    from pallas_kernels import mla_decode as md
+    from pallas_kernels.mla import decode as md
     if name in ("auto", "triton", "mgpu"):
         return lambda *a: ops.mla_paged_attention(*a, scale, impl="pallas")
     if name in MGPU_VARIANTS:
         import dataclasses
-        from pallas_kernels import mla_decode_mgpu as mg
+        from pallas_kernels.mla import decode_mgpu as mg
         import jax
         cfg = dataclasses.replace(mg.SERVING_CONFIG, **MGPU_VARIANTS[name])
         interpret = jax.default_backend() == "cpu"          # --dry on CPU: the Mosaic GPU interpreter
@@ -370,7 +370,7 @@ def _decode_case(B, ctx, N, copy_bps, pool, page, configs, key, order="random", 
 def section_decode(copy_bps):
     import jax
     import jax.numpy as jnp
-    from pallas_kernels.mla_decode import MlaDecodeConfig as Cfg
+    from pallas_kernels.mla.decode import MlaDecodeConfig as Cfg
     if FLAGS.dry:
         batches, ctxs, heads = [1, 2], [64, 256], [8, 16]
     else:
@@ -394,7 +394,7 @@ def section_decode(copy_bps):
 
 def _decode_grid(copy_bps, pool, page, heads, batches, ctxs, sweep):
     import jax
-    from pallas_kernels.mla_decode import MlaDecodeConfig as Cfg
+    from pallas_kernels.mla.decode import MlaDecodeConfig as Cfg
     rows = []
     for N in heads:
         for B in batches:
@@ -468,7 +468,7 @@ def _mgpu_runs(N):
 def _balanced_configs(N):
     """The balanced-schedule variants of a case: Triton ('bal') and, at 64-row multiples on a GPU,
     the Mosaic GPU serving config ('mgpu_bal')."""
-    from pallas_kernels.mla_decode import MlaDecodeConfig as Cfg
+    from pallas_kernels.mla.decode import MlaDecodeConfig as Cfg
     return [("bal", Cfg(schedule="balanced"))] + ([("mgpu_bal", None)] if _mgpu_runs(N) else [])
 
 
@@ -508,7 +508,7 @@ def _decode_mixed(copy_bps, pool, page):
 def sweep_candidates(N):
     """(name, config) in priority order: phase 2 runs them candidate by candidate, so a budget cut
     drops the last ones. 'default' = resolve_config's automatic choice, 'legacy' = the first version."""
-    from pallas_kernels.mla_decode import LEGACY, MlaDecodeConfig as Cfg
+    from pallas_kernels.mla.decode import LEGACY, MlaDecodeConfig as Cfg
     if N <= 16:   # 16-row tiles (8 heads x T = 1): bandwidth / latency
         extra = [("s3", Cfg(num_stages=3)),                  # pages single-buffered (bt prefetched)
                  ("s7", Cfg(num_stages=7)),                  # 3 page buffers
@@ -555,7 +555,7 @@ def _check_candidate(N, name, cfg, key):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from pallas_kernels import mla_decode as md
+    from pallas_kernels.mla import decode as md
     page, T = 16, 1
     lengths = [0, 1, 3 * page, 37] if FLAGS.dry else [0, 1, 3 * page, 1000, 3001]
     P = -(-(max(lengths) + T) // page)
@@ -597,7 +597,7 @@ def section_sweep(copy_bps):
     import jax
     import jax.numpy as jnp
     from kimi_jax import ops
-    from pallas_kernels import mla_decode as md
+    from pallas_kernels.mla import decode as md
     page = 16
     if FLAGS.dry:
         batches, ctxs, heads = [1, 2], [64], [8, 32]
@@ -765,7 +765,8 @@ def _prefill_chunks():
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from kimi_jax import ops, prefill_attention
+    from kimi_jax import ops
+    from kimi_jax.ops import prefill_attention
     rows = []
     N, H, R, V = 64, 128, 64, 128
     # 'cudnn_split' (two unmasked calls through jax's private cuDNN entry point, merged): does the entry
@@ -858,7 +859,7 @@ def device_copy_bps(calls: int = 8) -> float:
     import tempfile
     import jax
     import jax.numpy as jnp
-    from kimi_jax import profiling
+    from kimi_jax.tools import profiling
     n = (1 << 16) if FLAGS.dry else (1 << 29)          # uint32 words: 2 GiB
     x = jax.random.bits(jax.random.PRNGKey(0), (n,), jnp.uint32)
     f = jax.jit(lambda v: v ^ jnp.uint32(1))
@@ -898,8 +899,8 @@ def profile_table(rows, dev_copy_bps) -> str:
     """The --profile cases against the device-time copy: span (the op's every device op, first start
     to last end, per call), its largest op (the kernel), the rest, and the wall clock of the same
     executable; % of copy = the cache's bytes over the span (and over the kernel alone); the SM clock and
-    board power sampled while the case ran (kimi_jax.telemetry: 'capped' = samples under the power cap)."""
-    from kimi_jax import telemetry
+    board power sampled while the case ran (kimi_jax.tools.telemetry: 'capped' = samples under the power cap)."""
+    from kimi_jax.tools import telemetry
     lines = [f"copy by device time {dev_copy_bps / 1e9:.0f} GB/s (XLA x^1 over 2 GiB, read + write)", "",
              "| B | context | heads | kernel | MB/layer | span us | kernel us | other ops us | wall us | "
              "% copy (span) | % copy (kernel) | SM clock, power while timed |",
@@ -925,8 +926,10 @@ def section_profile(copy_bps):
     ~150 us per call)."""
     import jax
     import jax.numpy as jnp
-    from kimi_jax import ops, profiling, telemetry
-    from pallas_kernels.mla_decode import MlaDecodeConfig
+    from kimi_jax import ops
+    from kimi_jax.tools import profiling
+    from kimi_jax.tools import telemetry
+    from pallas_kernels.mla.decode import MlaDecodeConfig
     page, T, calls = 16, 1, 4 if FLAGS.dry else 20
     rows = []
     specs = _profile_specs()
@@ -986,11 +989,11 @@ def main(argv):
         _parse_mixed(spec)
     import jax
     if FLAGS.combine_xla_max_macs is not None:
-        from pallas_kernels import mla_combine
+        from pallas_kernels.mla import combine as mla_combine
         mla_combine.XLA_MAX_MACS = FLAGS.combine_xla_max_macs
         log("mla_combine.XLA_MAX_MACS =", mla_combine.XLA_MAX_MACS)
     if FLAGS.new_token_einsum:
-        from pallas_kernels import mla_decode
+        from pallas_kernels.mla import decode as mla_decode
         mla_decode.ONE_NEW_TOKEN_ELEMENTWISE = False
         log("mla_decode.ONE_NEW_TOKEN_ELEMENTWISE = False (the new token in the einsum form)")
     log("devices", jax.devices(), "jax", jax.__version__)

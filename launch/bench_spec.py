@@ -12,7 +12,7 @@ produce next already stands in the context (the editing / quoting-back case); bu
 own output, so acceptance is real with random weights too.
 
 Method. Each (batch, workload) first runs off and on once untimed: that compiles every program and
-lets the scheduler measure its pass costs (kimi_jax.scheduler._pass_costs); the timed runs take the
+lets the scheduler measure its pass costs (kimi_jax.engine.scheduler._pass_costs); the timed runs take the
 same path (greedy decisions are deterministic given those costs), and the compile events inside them
 are counted and reported (expected 0). Then `reps` timed pairs (off, on), alternating; tokens/s is the
 median, the ratio is the median of the per-pair ratios, with its min and max (the spread of a shared
@@ -79,7 +79,7 @@ def spec_rows(model, batches, *, gen_tokens: int = 48, k: int = 4, dtype: str = 
     """model: a checkpoint dir, preset name, ModelConfig (random weights) or None (the demo model).
     Cases not started within budget_s seconds are skipped (logged)."""
     from kimi_jax import LLM, SamplingParams
-    from kimi_jax.speculative import SpeculativeConfig
+    from kimi_jax.engine.speculative import SpeculativeConfig
     spec = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=3)
     sp = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
     t0 = time.perf_counter()

@@ -36,7 +36,7 @@ def throughput_rows(model, batches, *, n_min: int = 8, min_prompt: int = 16, max
                     overlaps: tuple[bool, ...] = (True,), prefill_chunks: tuple = (None,),
                     **llm_kw) -> list[dict]:
     from kimi_jax import LLM, SamplingParams
-    from kimi_jax.api import latency_metrics
+    from kimi_jax.entrypoints.llm import latency_metrics
     rows = []
     # one model for every batch size: the weights are made once and the compiled programs of the
     # smaller batches' buckets are shared

@@ -89,7 +89,7 @@ def main(argv):
 
     from kimi_jax import LLM, SamplingParams, ops
     from kimi_jax.config import ModelConfig, preset
-    from kimi_jax.engine import Engine
+    from kimi_jax.engine.steps import Engine
     from launch.bench_throughput import random_prompts
 
     settings = [parse_setting(s) for s in FLAGS.settings]

@@ -44,7 +44,7 @@ def main(argv):
 
     from kimi_jax import LLM, SamplingParams, ops
     from kimi_jax.config import preset
-    from kimi_jax.engine import Engine
+    from kimi_jax.engine.steps import Engine
     from launch.bench_throughput import agreement
 
     model = FLAGS.model

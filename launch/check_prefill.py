@@ -84,7 +84,8 @@ def op_case(B, T, dims, impl, reps):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from kimi_jax import ops, prefill_attention
+    from kimi_jax import ops
+    from kimi_jax.ops import prefill_attention
     N, H, R, V = dims
     dtype = jnp.bfloat16
     scale = (H + R) ** -0.5
@@ -173,11 +174,11 @@ def model_case(T, tiny, reps):
     import numpy as np
     from flax import nnx
     from kimi_jax import ops
-    from kimi_jax.engine import Engine
+    from kimi_jax.engine.steps import Engine
     from kimi_jax.model.transformer import init_pages
-    from kimi_jax.profiling import random_engine
-    from kimi_jax.sampling import SamplingArrays, SamplingParams
-    from kimi_jax.sharding import Layout
+    from kimi_jax.tools.profiling import random_engine
+    from kimi_jax.engine.sampling import SamplingArrays, SamplingParams
+    from kimi_jax.parallel.sharding import Layout
     cfg = _slice_config(tiny)
     layout = Layout()
     base = random_engine(cfg, layout, jnp.bfloat16)

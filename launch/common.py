@@ -41,7 +41,7 @@ def setup() -> None:
         if "xla_gpu_enable_latency_hiding_scheduler" not in xf:
             os.environ["XLA_FLAGS"] = (xf + " --xla_gpu_enable_latency_hiding_scheduler=true").strip()
     if FLAGS.num_processes and FLAGS.num_processes > 1:
-        from kimi_jax.distributed import initialize
+        from kimi_jax.parallel.distributed import initialize
         initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
 
 
@@ -82,5 +82,5 @@ def user_errors():
     """The exception types that launchers report as one line with exit status 2."""
     from checkpoints.safetensors_io import CheckpointError
     from kimi_jax.config import ConfigError
-    from kimi_jax.sharding import LayoutError
+    from kimi_jax.parallel.sharding import LayoutError
     return (CheckpointError, ConfigError, LayoutError)

@@ -58,7 +58,7 @@ def convert() -> None:
     from checkpoints import loader, orbax_io
     from kimi_jax.config import ModelConfig
     from kimi_jax.model.transformer import Transformer
-    from kimi_jax.sharding import Layout, check_fits, param_shardings
+    from kimi_jax.parallel.sharding import Layout, check_fits, param_shardings
 
     if not FLAGS.model:
         fail("--model is required (a checkpoint directory)")

@@ -86,7 +86,7 @@ def _dtype(name: str) -> str:
 
 
 def _sampling_params():
-    from kimi_jax.sampling import SamplingParams
+    from kimi_jax.engine.sampling import SamplingParams
     sp = SamplingParams(temperature=FLAGS.temperature, top_p=FLAGS.top_p, top_k=FLAGS.top_k,
                         min_p=FLAGS.min_p, max_tokens=FLAGS.max_tokens, seed=FLAGS.seed,
                         ignore_eos=FLAGS.ignore_eos)
@@ -98,7 +98,7 @@ def _sampling_params():
 
 
 def _load(dtype: str):
-    from kimi_jax.api import LLM
+    from kimi_jax.entrypoints.llm import LLM
     try:
         return LLM(FLAGS.model, **common.engine_kwargs(), dtype=dtype,
                    max_model_len=FLAGS.max_model_len, seed=FLAGS.seed,

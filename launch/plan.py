@@ -9,7 +9,7 @@
 With no layout flag given, every layout of --world devices is planned and those that fit are ranked
 by tokens/s. --compiled_counts also compiles the engine's decode step for the layout on simulated CPU
 devices (shapes only, no weights) and prints the collective counts of the compiled program beside the
-planner's rules. The model behind the numbers is documented in kimi_jax/planner.py.
+planner's rules. The model behind the numbers is documented in kimi_jax/tools/planner.py.
 """
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ flags.DEFINE_float("allreduce_us", None, "time per all-reduce in us (as profiled
 flags.DEFINE_enum("impl", "pallas", ["pallas", "xla"], "expert kernels: fused INT4 (pallas) or XLA dequant")
 flags.DEFINE_float("mem_fraction", 0.92, "fraction of device memory the engine may use")
 flags.DEFINE_bool("engine_artifacts", True, "include what the current engine adds beyond the design "
-                  "(collectives; see kimi_jax.planner)")
+                  "(collectives; see kimi_jax.tools.planner)")
 flags.DEFINE_enum("engine", "kimi_jax", ["kimi_jax", "vllm"], "whose decode step's collectives to plan: this "
-                  "engine's, or vLLM's tensor-parallel step (sources in kimi_jax.planner.VLLM_TP_SOURCES)")
+                  "engine's, or vLLM's tensor-parallel step (sources in kimi_jax.tools.planner.VLLM_TP_SOURCES)")
 flags.DEFINE_bool("anchor", False, "plan the published case (Kimi-K2.5 INT4, 8 x RTX PRO 6000, TP8 on vLLM, "
                   "78 us all-reduce) and print it beside the published profile")
 flags.DEFINE_bool("compiled_counts", False, "also count collectives in the compiled decode step (CPU, shapes only)")
@@ -46,7 +46,7 @@ def _layout_given() -> bool:
 
 
 def _config():
-    from kimi_jax.planner import parse_config_overrides, preset_or_checkpoint
+    from kimi_jax.tools.planner import parse_config_overrides, preset_or_checkpoint
     cfg, name = preset_or_checkpoint(FLAGS.model)
     if FLAGS.config_override:
         cfg = cfg.replace(**parse_config_overrides(FLAGS.config_override, cfg))
@@ -56,8 +56,9 @@ def _config():
 
 def main(argv):
     del argv
-    from kimi_jax import hardware, planner
-    from kimi_jax.sharding import Layout
+    from kimi_jax.tools import hardware
+    from kimi_jax.tools import planner
+    from kimi_jax.parallel.sharding import Layout
     if FLAGS.anchor:
         a = planner.ANCHOR_RTX6KPRO
         cfg, name = planner.preset_or_checkpoint(a["model"])
@@ -98,8 +99,8 @@ def _print_compiled(cfg, layout, p):
     xf = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in xf:
         os.environ["XLA_FLAGS"] = (xf + f" --xla_force_host_platform_device_count={layout.world}").strip()
-    from kimi_jax import planner
-    from kimi_jax.profiling import count_decode_collectives
+    from kimi_jax.tools import planner
+    from kimi_jax.tools.profiling import count_decode_collectives
     counts = count_decode_collectives(cfg, layout, p.batch_padded, min(p.cache_len, 256))
     rule = planner.collective_counts(planner.collective_plan(cfg, layout, p.batch_padded, program="cpu"))
     compiled = counts.by_kind()

@@ -41,9 +41,9 @@ def main(argv):
     import jax.numpy as jnp
     import numpy as np
     from kimi_jax.config import preset
-    from kimi_jax.engine import bucket
-    from kimi_jax.profiling import paged_args, random_engine
-    from kimi_jax.sharding import Layout
+    from kimi_jax.engine.steps import bucket
+    from kimi_jax.tools.profiling import paged_args, random_engine
+    from kimi_jax.parallel.sharding import Layout
 
     cfg = preset("tiny") if FLAGS.tiny else preset("kimi-k2.5").replace(num_hidden_layers=FLAGS.layers)
     layout = Layout(1)

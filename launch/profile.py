@@ -48,10 +48,10 @@ def main(argv):
     common.setup()
     import jax
     import jax.numpy as jnp
-    from kimi_jax import profiling
-    from kimi_jax.planner import (collective_counts, collective_plan, padded_batch, parse_config_overrides,
+    from kimi_jax.tools import profiling
+    from kimi_jax.tools.planner import (collective_counts, collective_plan, padded_batch, parse_config_overrides,
                                   preset_or_checkpoint)
-    from kimi_jax.sharding import Layout
+    from kimi_jax.parallel.sharding import Layout
 
     cfg, name = preset_or_checkpoint(FLAGS.model)
     if FLAGS.config_override:
@@ -63,7 +63,7 @@ def main(argv):
     rule = collective_counts(collective_plan(cfg, layout, batch, program=jax.default_backend()
                                              if jax.default_backend() in ("cpu", "gpu") else "gpu"))
     if FLAGS.compile_only:
-        from kimi_jax.engine import bucket
+        from kimi_jax.engine.steps import bucket
         counts = profiling.count_decode_collectives(cfg, layout, batch, bucket(FLAGS.context + 1), dtype)
         print(f"kimi-profile --compile_only: {name}, layout {layout.name}, batch {batch}, "
               f"{jax.device_count()} x {jax.default_backend()}")

@@ -381,7 +381,7 @@ def teacher_forced_accuracy(llm, texts) -> tuple[float, int]:
 
 def next_word_accuracy(llm, texts, max_tokens: int = 6) -> tuple[float, list]:
     """Greedy-continue each probe's prompt; the fraction whose first generated word is the true one."""
-    from kimi_jax.sampling import SamplingParams
+    from kimi_jax.engine.sampling import SamplingParams
     prompts, truths = zip(*(probe_prompt(t) for t in texts))
     outs = llm.generate(list(prompts), SamplingParams(temperature=0.0, max_tokens=max_tokens))
     rows = [(p, first_word(o.outputs[0].text), first_word(c)) for p, o, c in zip(prompts, outs, truths)]
@@ -424,10 +424,11 @@ def main(argv):
     # Everything the later steps need is imported now: a broken import fails before training, not after.
     from checkpoints import bpe, int4, layout, loader, safetensors_io  # noqa: F401
     from checkpoints.synthetic import write_checkpoint_from_tensors
-    from kimi_jax import api, sampling  # noqa: F401
-    from kimi_jax.chat_template import ChatTemplate
+    from kimi_jax.entrypoints import llm as api
+    from kimi_jax.engine import sampling  # noqa: F401
+    from kimi_jax.text.chat_template import ChatTemplate
     from kimi_jax.model.transformer import Transformer
-    from kimi_jax.tokenizer import Tokenizer
+    from kimi_jax.text.tokenizer import Tokenizer
 
     # 1. corpus
     passages = build_passages()
@@ -660,8 +661,8 @@ def bf16_twin_checkpoint(int4_dir: str, out_dir: str) -> None:
 def evaluate(out_dir: str, bf16_out_dir: str | None = None) -> dict:
     """Evaluate the written checkpoint (through kimi_jax.LLM) and record the numbers in its log;
     bf16_out_dir: keep the bf16-dequantized twin there (default: a temporary directory)."""
-    from kimi_jax.api import LLM
-    from kimi_jax.sampling import SamplingParams
+    from kimi_jax.entrypoints.llm import LLM
+    from kimi_jax.engine.sampling import SamplingParams
     with open(os.path.join(out_dir, LOG_FILE)) as f:
         log = json.load(f)
     probe_texts, held_texts = log["probes"]["train"], log["probes"]["held_out"]

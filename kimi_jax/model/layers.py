@@ -1,7 +1,7 @@
 """Building blocks: linear, RMSNorm, dense SwiGLU MLP, and interleaved RoPE with YaRN.
 
 Weights keep the Hugging Face layout ([out, in] for a linear) so checkpoint tensors load without
-transposes; every parameter carries logical axis names (`axes` metadata) that kimi_jax.sharding maps
+transposes; every parameter carries logical axis names (`axes` metadata) that kimi_jax.parallel.sharding maps
 onto a device mesh. Shape letters follow the glossary in DESIGN.md.
 """
 from __future__ import annotations

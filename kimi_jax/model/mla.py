@@ -26,7 +26,7 @@ _NEG = -1e30  # finite mask value: a fully-masked row can't produce NaN
 
 class MLA(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, parallel=None):
-        self.parallel = parallel  # kimi_jax.sharding.MoEParallel or None: lets the kernel run per shard
+        self.parallel = parallel  # kimi_jax.parallel.sharding.MoEParallel or None: lets the kernel run per shard
         D, N, H, R, A, V = (cfg.hidden_size, cfg.num_attention_heads, cfg.qk_nope_head_dim,
                             cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim)
         self.cfg = cfg

@@ -66,7 +66,7 @@ class RoutedExperts(nnx.Module):
     """E expert FFNs stacked: gate/up [E, F, D], down [E, D, F]; bf16, or INT4 packed + group scales."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, parallel=None):
-        self.parallel = parallel  # kimi_jax.sharding.MoEParallel or None (opaque to the model)
+        self.parallel = parallel  # kimi_jax.parallel.sharding.MoEParallel or None (opaque to the model)
         E, F, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
         q = cfg.quantization
         self.int4 = q is not None

@@ -114,7 +114,7 @@ def _num_layers(state) -> int:
 
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs, parallel=None):
-        """parallel: a kimi_jax.sharding.MoEParallel when the experts run sharded (else None)."""
+        """parallel: a kimi_jax.parallel.sharding.MoEParallel when the experts run sharded (else None)."""
         self.cfg = cfg
         self.dtype = dtype
         D, V = cfg.hidden_size, cfg.vocab_size

@@ -1,0 +1,602 @@
+"""Continuous batching over a paged latent cache.
+
+Requests wait in a FIFO queue and join the running set as soon as a slot (max_num_seqs) and cache pages
+are free; finished requests leave at once and their pages are reused. Every iteration runs
+  1. one prefill step: prompt chunks (at most `prefill_chunk` tokens of each prompt, at most
+     `max_prefill_tokens` in all), so a long prompt is spread over several iterations, and
+  2. one decode step for every running request whose prompt is done (one token each), or, with
+     speculation, one verification pass for all of them when that is expected to pay (see
+     `_verify_pays`: acceptance statistics against pass costs measured once per shape bucket),
+so decoding never waits behind a long prompt. Shapes are bucketed to powers of two (batch, chunk
+length, pages per sequence) so the number of compiled programs stays small.
+
+When a sequence needs a page and none is free, the most recently admitted other request is preempted:
+its pages are freed and it is recomputed later from its prompt plus the tokens it already produced
+(its output is unchanged: greedy tokens and per-request seeded streams do not depend on batching).
+
+Overlap scheduling (`overlap=True`, no speculation): a decode step is dispatched without waiting for
+its tokens, and while the device runs step N the host dispatches step N+1 for the same rows, fed
+step N's sampled tokens as device arrays (positions, block tables, per-row steps and sampling arrays
+do not depend on the token values), then reads step N's tokens and does its bookkeeping (append,
+stop conditions, finished requests) one step behind. A request that finished at step N has already
+been included in step N+1: that extra token is discarded (a row known on the host to reach max_tokens
+at step N is fed as padding instead). Its pages return to the pool at once: every later step that
+could write them is ordered after step N+1 on the device (the page pool is threaded through the
+steps). The chain stops (the host waits for the step in flight, `drain`, and takes the ordinary
+path) whenever the batch would change: a request finished, one can be admitted, a prompt chunk is
+pending, or a page for the next step would need a preemption. Tokens are those of the ordinary path.
+
+Data parallelism (engine.dp > 1): the batch's rows are split over the dp ranks in contiguous blocks
+(row b on rank b // (B / dp)) and so is the page pool (`Engine.init_pages`: rank k holds the k-th of dp
+equal partitions). A request is placed on one rank when admitted (the least loaded one with room:
+at most ceil(max_num_seqs / dp) requests and the pages of its first chunk), takes its pages from that
+rank's free list and always runs in a row of that rank's block; its block table holds page ids LOCAL
+to the partition, [0, num_pages / dp) (with dp = 1 these are the global ids). Preemption frees pages
+of the same rank only (victims are requests of that rank); a preempted request may be re-admitted on
+any rank. A sequence can then hold at most num_pages / dp pages.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+from kimi_jax.engine.steps import Engine, bucket
+from kimi_jax.engine.sampling import SamplingArrays, SamplingParams, key_data_for_seed
+from kimi_jax.engine.sampling import sample_mode as sample_mode_of
+from kimi_jax.engine.speculative import SpecState, SpeculativeConfig
+
+
+class RequestError(ValueError):
+    """A request that cannot run; it fails alone."""
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt: Optional[str]
+    prompt_ids: list[int]
+    params: SamplingParams
+    key: np.ndarray
+    stop_ids: frozenset
+    max_new: int
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0                 # tokens whose latents are in the cache
+    pages: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: Optional[str] = None
+    stop_reason: object = None
+    text: Optional[str] = None            # set when a stop string truncated it
+    num_preemptions: int = 0
+    rank: int = 0                         # data-parallel rank whose rows and pages it uses while admitted
+    spec: SpecState = dataclasses.field(default_factory=SpecState)
+    # wall-clock times (time.time()) the host saw: queued (`BatchEngine.add`), first output token and
+    # last one appended. With overlap scheduling a token is appended one step after it was sampled,
+    # which is when a caller could first have it.
+    arrival_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def pending(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
+
+
+def validate_prompt(prompt_ids, vocab_size: int, max_model_len: int) -> None:
+    if not prompt_ids:
+        raise RequestError("empty prompt")
+    bad = [t for t in prompt_ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
+    if len(prompt_ids) >= max_model_len:
+        raise RequestError(f"prompt of {len(prompt_ids)} tokens leaves no room under "
+                           f"max_model_len={max_model_len}")
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A decode step dispatched and not yet read (overlap scheduling): its rows in batch order, its
+    device outputs, and what the next step of the same rows reuses."""
+    rows: list[Request]
+    slots: list[int]                      # each row's batch row (data parallelism: in its rank's block)
+    out: tuple
+    sp: SamplingArrays
+    sample_mode: str
+    n_logprobs: Optional[int]
+
+
+def _n_logprobs(reqs) -> Optional[int]:
+    """Top logprobs a step must return: the most any of its requests asks for (None: none asks)."""
+    return max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)
+
+
+class PagePool:
+    """Free lists of cache pages, one per data-parallel partition (`parts` equal partitions of
+    num_pages); page ids are local to their partition, [0, num_pages / parts)."""
+
+    def __init__(self, num_pages: int, parts: int = 1):
+        if num_pages % parts:
+            raise ValueError(f"num_pages={num_pages} is not a multiple of {parts} partitions")
+        self.num_pages, self.parts, self.per_part = num_pages, parts, num_pages // parts
+        self._free = [collections.deque(range(self.per_part)) for _ in range(parts)]
+
+    @property
+    def free(self) -> list[int]:
+        """Every free page of all partitions (local ids: for counting)."""
+        return [p for f in self._free for p in f]
+
+    def free_in(self, part: int) -> int:
+        return len(self._free[part])
+
+    def take(self, n: int, part: int = 0) -> Optional[list[int]]:
+        free = self._free[part]
+        if n > len(free):
+            return None
+        return [free.popleft() for _ in range(n)]
+
+    def give(self, pages: list[int], part: int = 0) -> None:
+        self._free[part].extend(pages)
+
+
+class BatchEngine:
+    def __init__(self, engine: Engine, *, num_pages: int, page_size: int, max_num_seqs: int,
+                 max_model_len: int, cache_dtype, prefill_chunk: int = 256, max_prefill_tokens: int = 2048,
+                 tokenizer=None, eos_ids=(), speculative: Optional[SpeculativeConfig] = None,
+                 overlap: bool = False):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.page_size, self.max_num_seqs, self.max_model_len = page_size, max_num_seqs, max_model_len
+        self.prefill_chunk, self.max_prefill_tokens = prefill_chunk, max_prefill_tokens
+        self.eos_ids = frozenset(eos_ids)
+        # data parallelism: equal page partitions per rank (module docstring); spare pages are dropped
+        self.dp = getattr(engine, "dp", 1)
+        if num_pages < self.dp:
+            raise ValueError(f"num_pages={num_pages} gives no page to some of the {self.dp} data-parallel ranks")
+        num_pages -= num_pages % self.dp
+        self.slots_per_rank = -(-max_num_seqs // self.dp)
+        self.pool = PagePool(num_pages, self.dp)
+        self.pages = engine.init_pages(num_pages, page_size, cache_dtype)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.spec = speculative
+        self.drafter = speculative.drafter() if speculative else None
+        # overlap scheduling (module docstring); drafts need the tokens on the host, so not with speculation
+        self.overlap = bool(overlap) and speculative is None
+        self._inflight: Optional[_InFlight] = None
+        self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "preemptions": 0,
+                      "drafted": 0, "accepted": 0, "prefill_passes": 0, "decode_passes": 0, "verify_passes": 0,
+                      "cost_calibrations": 0, "overlapped_steps": 0}
+
+    # ---- requests -----------------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
+                     prompt: Optional[str] = None) -> Request:
+        """Validate and build a request; RequestError names what is wrong."""
+        try:
+            params.validate()
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        validate_prompt(prompt_ids, self.engine.cfg.vocab_size, self.max_model_len)
+        if -(-len(prompt_ids) // self.page_size) + 1 > self.pool.per_part:
+            raise RequestError(f"prompt of {len(prompt_ids)} tokens does not fit in the cache "
+                               f"({self.pool.per_part} pages of {self.page_size} tokens"
+                               + (f" per data-parallel rank)" if self.dp > 1 else ")"))
+        stop = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop |= self.eos_ids
+        max_new = min(params.max_tokens or self.max_model_len, self.max_model_len - len(prompt_ids))
+        return Request(request_id, prompt, [int(t) for t in prompt_ids], params, key_data_for_seed(seed),
+                       frozenset(stop), max_new)
+
+    def add(self, req: Request) -> None:
+        if req.arrival_time is None:
+            req.arrival_time = time.time()
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one iteration ------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Admit, run one prefill step and one decode step; return the requests that finished.
+        With overlap scheduling a decode step may still be in flight on return (its tokens are read by
+        the next call); while the batch stays the same a call dispatches the next decode step and
+        reads the previous one."""
+        finished: list[Request] = []
+        if self._inflight is not None:
+            if self._overlap_continues():
+                return self._overlap_advance()
+            finished += self.drain()
+        self._admit()
+        budget, rows = self.max_prefill_tokens, []
+        for r in [r for r in self.running if r.pending > 1]:
+            n = min(r.pending, self.prefill_chunk, budget)
+            if n <= 0:
+                break
+            if r in self.running and self._ensure_pages(r, r.num_computed + n, [q for q, _ in rows]):
+                rows.append((r, n))
+                budget -= n
+        if rows:
+            finished += self._run(rows)
+        ready = []
+        for r in [r for r in self.running if r.pending == 1 and r.finish_reason is None]:
+            if r in self.running and self._ensure_pages(r, r.num_computed + 1, ready):
+                ready.append(r)
+        drafts = {id(r): self._drafts(r) for r in ready}
+        # any drafts worth it: every ready row goes through ONE verification pass over the weights (rows
+        # without drafts verify nothing and just decode), never a decode pass and a verify pass
+        speculate = any(drafts.values()) and self._verify_pays(ready, drafts)
+        rows, plain = [], []            # plain: decode rows outside verification (rows wanting logprobs)
+        for r in ready:
+            d = drafts[id(r)]
+            if not speculate:
+                r.spec.offer_shadow(len(r.output_ids), d)     # scored once its tokens are known
+                plain.append((r, 1))
+            elif r.params.logprobs is not None:
+                plain.append((r, 1))
+            else:
+                if d and not self._ensure_pages(r, r.num_computed + 1 + len(d), ready):
+                    d = []
+                rows.append((r, d))
+        if plain and self.overlap:
+            self._dispatch_decode([r for r, _ in plain])
+        elif plain:
+            finished += self._run(plain)
+        if rows:
+            finished += self._run_verify(rows)
+        for r in finished:
+            self._release(r)
+        return finished
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            rank = self._rank_for(self.waiting[0])
+            if rank is None:
+                break
+            r = self.waiting.popleft()
+            r.rank = rank
+            self.running.append(r)
+
+    def _rank_for(self, r: Request) -> Optional[int]:
+        """The data-parallel rank a waiting request would join: among those with a free slot and the
+        pages of its first chunk, the one running fewest requests (then: most free pages); None if none."""
+        first = -(-min(r.pending, self.prefill_chunk) // self.page_size)
+        load = collections.Counter(q.rank for q in self.running)
+        fits = [k for k in range(self.dp) if load[k] < self.slots_per_rank and first <= self.pool.free_in(k)]
+        return min(fits, key=lambda k: (load[k], -self.pool.free_in(k), k), default=None)
+
+    def _ensure_pages(self, r: Request, upto: int, protected=()) -> bool:
+        """Pages for positions [0, upto); preempt the newest other request (never one already in this
+        step's batch) if the pool is dry. Pages and victims come from r's data-parallel rank."""
+        need = self._pages_short(r, upto)
+        while need > 0:
+            got = self.pool.take(need, r.rank)
+            if got is not None:
+                r.pages += got
+                return True
+            victims = [v for v in self.running if v is not r and v not in protected and v.rank == r.rank]
+            if not victims:
+                return False
+            self._preempt(victims[-1])
+        return True
+
+    def _pages_short(self, r: Request, upto: int) -> int:
+        """Pages r lacks to hold positions [0, upto) (<= 0: none)."""
+        return -(-upto // self.page_size) - len(r.pages)
+
+    def _preempt(self, r: Request) -> None:
+        self.running.remove(r)
+        self.pool.give(r.pages, r.rank)
+        r.pages, r.num_computed = [], 0
+        r.num_preemptions += 1
+        self.stats["preemptions"] += 1
+        self.waiting.appendleft(r)
+
+    def _release(self, r: Request) -> None:
+        if r in self.running:
+            self.running.remove(r)
+        self.pool.give(r.pages, r.rank)
+        r.pages = []
+
+    def _slots(self, reqs: list[Request]) -> tuple[int, list[int]]:
+        """(padded batch B, each request's batch row): in order, each in its data-parallel rank's
+        block of B / dp rows (with dp = 1: rows 0, 1, ...)."""
+        count = collections.Counter(r.rank for r in reqs)
+        B = self.engine.batch_size(self.dp * max(count.values()))
+        per, seen, slots = B // self.dp, collections.Counter(), []
+        for r in reqs:
+            slots.append(r.rank * per + seen[r.rank])
+            seen[r.rank] += 1
+        return B, slots
+
+    def _inputs(self, feeds: list[tuple[Request, list[int]]], T: int):
+        """Padded step inputs for rows that feed these tokens at their next positions: (tokens [B, T],
+        positions [B, T] (-1: padding), block table [B, P], per-row steps [B], sampling arrays, each
+        feed's batch row)."""
+        B, slots = self._slots([r for r, _ in feeds])
+        P = bucket(max(len(r.pages) for r, _ in feeds), 4)
+        tokens = np.zeros((B, T), np.int32)
+        positions = np.full((B, T), -1, np.int32)
+        table = np.zeros((B, P), np.int32)
+        steps = np.zeros((B,), np.int32)
+        keys = np.zeros((B, 2), np.uint32)
+        params = [SamplingParams(temperature=0.0)] * B
+        for b, (r, feed) in zip(slots, feeds):
+            tokens[b, :len(feed)] = feed
+            positions[b, :len(feed)] = np.arange(r.num_computed, r.num_computed + len(feed))
+            table[b, :len(r.pages)] = r.pages
+            steps[b], keys[b], params[b] = len(r.output_ids), r.key, r.params
+        return tokens, positions, table, steps, SamplingArrays.build(params, None, keys=keys), slots
+
+    def _run(self, rows: list[tuple[Request, int]]) -> list[Request]:
+        T = 1 if all(n == 1 for _, n in rows) else bucket(max(n for _, n in rows), 16)
+        tokens, positions, table, steps, sp, slots = self._inputs(
+            [(r, r.tokens[r.num_computed:r.num_computed + n]) for r, n in rows], T)
+        last = np.zeros((tokens.shape[0],), np.int32)
+        last[slots] = [n - 1 for _, n in rows]
+        n_lp = _n_logprobs(r for r, _ in rows)
+        self.pages, out = self.engine.paged_step(self.pages, tokens, positions, table, last, sp, steps, n_lp)
+        self.stats["steps"] += 1
+        self.stats["decode_passes" if T == 1 else "prefill_passes"] += 1
+        return self._book(rows, out, slots)
+
+    def _book(self, rows: list[tuple[Request, int]], out, slots: list[int]) -> list[Request]:
+        """Bookkeeping of a step's host outputs: n tokens of each row are now cached; rows done with
+        their prompt get the sampled token. Rows that finished before (overlap: a step ran past their
+        end) are skipped, their token discarded. slots: each row's batch row."""
+        finished = []
+        for b, (r, n) in zip(slots, rows):
+            if r.finish_reason is not None:
+                continue
+            prompt_left = len(r.prompt_ids) - r.num_computed
+            self.stats["prompt_tokens"] += max(0, min(n, prompt_left))
+            r.num_computed += n
+            if r.pending > 0:      # a chunk in the middle of a prompt (or of a recompute): no token yet
+                continue
+            self._append(r, int(out.tokens[b]), out, b)
+            if r.finish_reason is not None:
+                finished.append(r)
+        return finished
+
+    # ---- overlap scheduling (module docstring) -------------------------------------------------
+    def _dispatch_decode(self, rows: list[Request]) -> None:
+        """Start a decode step for rows (pages ensured) without waiting for its tokens."""
+        tokens, positions, table, steps, sp, slots = self._inputs([(r, [r.tokens[r.num_computed]]) for r in rows], 1)
+        n_lp = _n_logprobs(rows)
+        mode = sample_mode_of(sp)
+        self.pages, out = self.engine.decode_step_async(self.pages, tokens[:, 0], positions[:, 0], table, sp,
+                                                        steps, n_lp, mode)
+        self.stats["steps"] += 1
+        self.stats["decode_passes"] += 1
+        self._inflight = _InFlight(rows, slots, out, sp, mode, n_lp)
+
+    def _overlap_continues(self) -> bool:
+        """Whether the next decode step can run on the same rows before the step in flight is read:
+        none of them finished, no other request is running or could be admitted, some row is not
+        certain to end with the step in flight, and every page the next step needs is free (no
+        preemption)."""
+        rows = self._inflight.rows
+        if len(rows) != len(self.running) or any(r.finish_reason is not None for r in rows):
+            return False
+        if {id(r) for r in rows} != {id(r) for r in self.running} or self._admissible():
+            return False
+        live = [r for r in rows if not self._ends_in_flight(r)]
+        need = collections.Counter()
+        for r in live:
+            need[r.rank] += max(0, self._pages_short(r, r.num_computed + 2))
+        return bool(live) and all(n <= self.pool.free_in(k) for k, n in need.items())
+
+    def _ends_in_flight(self, r: Request) -> bool:
+        """The step in flight gives r its last token (max_tokens / max_model_len): known on the host."""
+        return len(r.output_ids) + 1 >= r.max_new
+
+    def _admissible(self) -> bool:
+        """`_admit` would admit a request now."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return False
+        return self._rank_for(self.waiting[0]) is not None
+
+    def _overlap_advance(self) -> list[Request]:
+        """Dispatch the next decode step of the rows in flight, fed their tokens on the device; then
+        read the step in flight and do its bookkeeping. Rows ending with the step in flight are
+        padding in the new one."""
+        f = self._inflight
+        B = f.out[0].shape[0]
+        positions = np.full((B,), -1, np.int32)
+        steps = np.zeros((B,), np.int32)
+        live = []
+        for b, r in zip(f.slots, f.rows):
+            if self._ends_in_flight(r):
+                continue
+            need = self._pages_short(r, r.num_computed + 2)
+            if need > 0:
+                r.pages += self.pool.take(need, r.rank)   # checked free by _overlap_continues
+            # the step in flight feeds position num_computed and samples output number len(output_ids)
+            positions[b], steps[b] = r.num_computed + 1, len(r.output_ids) + 1
+            live.append((b, r))
+        table = np.zeros((B, bucket(max(len(r.pages) for _, r in live), 4)), np.int32)
+        for b, r in live:
+            table[b, :len(r.pages)] = r.pages
+        self.pages, out = self.engine.decode_step_async(self.pages, f.out[0], positions, table, f.sp, steps,
+                                                        f.n_logprobs, f.sample_mode)
+        self.stats["steps"] += 1
+        self.stats["decode_passes"] += 1
+        self.stats["overlapped_steps"] += 1
+        self._inflight = dataclasses.replace(f, out=out)
+        return self._read(f)
+
+    def _read(self, f: _InFlight) -> list[Request]:
+        """Wait for a dispatched decode step and do its bookkeeping; release and return the requests
+        that finished with it."""
+        finished = self._book([(r, 1) for r in f.rows], self.engine.fetch(f.out), f.slots)
+        for r in finished:
+            self._release(r)
+        return finished
+
+    def drain(self) -> list[Request]:
+        """Finish the bookkeeping of a decode step still in flight (overlap scheduling); returns the
+        requests that finished with it. `step` calls it before the batch changes, `run` before
+        returning."""
+        f, self._inflight = self._inflight, None
+        return [] if f is None else self._read(f)
+
+    def _verify_pays(self, ready: list[Request], drafts: dict) -> bool:
+        """Verify when it is expected to yield more tokens per second than a decode pass:
+        (n + A) / t_verify > n / t_decode, i.e. A > n (t_verify / t_decode - 1), for n ready rows and A
+        the expected accepted drafts (each request's acceptance estimate, real and shadow attempts).
+        The pass costs are measured once per engine and batch / page-table bucket (`_pass_costs`), so
+        the decision does not depend on per-step timings: on a memory-bound GPU t_verify ~ t_decode
+        and little acceptance pays; on a compute-bound CPU t_verify ~ (k + 1) t_decode and few do."""
+        if not self.spec.adaptive:
+            return True
+        t_decode, t_verify = self._pass_costs(ready)
+        gain = sum(r.spec.expected_accepted(len(drafts[id(r)])) for r in ready)
+        return gain > len(ready) * (t_verify / t_decode - 1.0)
+
+    def _pass_costs(self, ready: list[Request]) -> tuple[float, float]:
+        """(decode pass seconds, verification pass seconds) at this step's batch and page-table bucket,
+        measured the first time the engine meets the bucket (compiling both programs first) and kept
+        on the Engine, so later runs (a benchmark's timed run) take the same decisions and compile
+        nothing. Measured on the step's own rows: the decode pass writes the latents the real pass
+        then writes again; the verification pass feeds only the last token (drafts are padding), so
+        nothing is written beyond the cache the rows already have."""
+        key = (self._slots(ready)[0], bucket(max(len(r.pages) for r in ready), 4))
+        if key not in self.engine.pass_costs:
+            self.engine.pass_costs[key] = self._measure_passes(ready)
+            self.stats["cost_calibrations"] += 1
+        return self.engine.pass_costs[key]
+
+    def _measure_passes(self, ready: list[Request], reps: int = 5) -> tuple[float, float]:
+        feeds = [(r, [r.tokens[-1]]) for r in ready]
+        dec = self._inputs(feeds, 1)
+        ver = self._inputs(feeds, self.spec.num_speculative_tokens + 1)
+        last = np.zeros((dec[0].shape[0],), np.int32)
+        n_draft = np.zeros((ver[0].shape[0],), np.int32)
+
+        def decode():
+            tokens, positions, table, steps, sp, _ = dec
+            self.pages, _ = self.engine.paged_step(self.pages, tokens, positions, table, last, sp, steps, None)
+
+        def verify():
+            tokens, positions, table, steps, sp, _ = ver
+            self.pages, _, _ = self.engine.verify_step(self.pages, tokens, positions, table, n_draft, sp, steps)
+
+        decode(), verify()                    # compile (both return host arrays: each call blocks)
+        times = {decode: [], verify: []}
+        for _ in range(reps):
+            for f in (decode, verify):
+                t0 = time.perf_counter()
+                f()
+                times[f].append(time.perf_counter() - t0)
+        costs = np.asarray([np.median(times[decode]), np.median(times[verify])], np.float64)
+        import jax
+        if jax.process_count() > 1:           # every process must take the same decisions
+            from jax.experimental import multihost_utils
+            costs = np.asarray(multihost_utils.broadcast_one_to_all(costs))
+        return float(costs[0]), float(costs[1])
+
+    def _drafts(self, r: Request) -> list[int]:
+        """Draft tokens for a decode-ready request (none without speculation, with logprobs, or near
+        the end of its budget). Also scores the request's pending shadow drafts."""
+        if self.drafter is None or r.params.logprobs is not None:
+            return []
+        st = r.spec
+        if st.index is None:
+            st.index = self.drafter.index()
+        st.index.extend(r.prompt_ids, r.output_ids)
+        st.check_shadow(r.output_ids)
+        room = min(r.max_new - len(r.output_ids), self.max_model_len - len(r.tokens)) - 1
+        k = min(self.spec.num_speculative_tokens, room)
+        return st.index.propose(k) if k > 0 else []
+
+    def _run_verify(self, rows: list[tuple[Request, list[int]]]) -> list[Request]:
+        tokens, positions, table, steps, sp, slots = self._inputs(
+            [(r, [r.tokens[-1], *drafts]) for r, drafts in rows], self.spec.num_speculative_tokens + 1)
+        n_draft = np.zeros((tokens.shape[0],), np.int32)
+        n_draft[slots] = [len(d) for _, d in rows]
+        self.pages, n_acc, nxt = self.engine.verify_step(self.pages, tokens, positions, table, n_draft, sp, steps)
+        self.stats["steps"] += 1
+        self.stats["verify_passes"] += 1
+        finished = []
+        for b, (r, drafts) in zip(slots, rows):
+            a = int(n_acc[b])
+            if drafts:
+                r.spec.record(len(drafts), a)
+            self.stats["drafted"] += len(drafts)
+            self.stats["accepted"] += a
+            r.num_computed += a + 1          # the last token and the accepted drafts are now cached
+            for t in [*drafts[:a], int(nxt[b])]:
+                self._append(r, t)
+                if r.finish_reason is not None:
+                    finished.append(r)
+                    break
+        return finished
+
+    def _append(self, r: Request, t: int, out=None, b: int = 0) -> None:
+        r.output_ids.append(t)
+        now = time.time()
+        if r.first_token_time is None:
+            r.first_token_time = now
+        self.stats["generated_tokens"] += 1
+        if out is not None and out.logprob is not None:
+            r.cumulative_logprob += float(out.logprob[b])
+            if r.params.logprobs is not None:
+                k = r.params.logprobs
+                lp = {int(i): float(v) for i, v in zip(out.top_ids[b][:k], out.top_vals[b][:k])}
+                lp[t] = float(out.logprob[b])
+                r.logprobs.append(lp)
+        if t in r.stop_ids:
+            r.finish_reason, r.stop_reason = "stop", t
+        elif r.params.stop_strings and self.tokenizer is not None and self._hit_stop(r):
+            r.finish_reason = "stop"
+        elif len(r.output_ids) >= r.max_new:
+            r.finish_reason = "length"
+        if r.finish_reason is not None:
+            r.finished_time = now
+
+    def _hit_stop(self, r: Request) -> bool:
+        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        hits = [(text.find(s), s) for s in r.params.stop_strings if s in text]
+        if not hits:
+            return False
+        k, s = min(hits)
+        r.text = text[: k + len(s)] if r.params.include_stop_str_in_output else text[:k]
+        r.stop_reason = s
+        return True
+
+    # ---- driving ------------------------------------------------------------------------------
+    def run(self, on_finish: Optional[Callable[[Request], None]] = None, progress: bool = False,
+            feed: Optional[Callable[[], bool]] = None) -> None:
+        """Step until every request is done. `feed()` is called whenever slots are free so a caller
+        can add requests lazily (returns False when it has no more)."""
+        bar, t0 = None, time.perf_counter()
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(desc="requests", unit="req", total=None)
+        more = feed is not None
+        while True:
+            if more and len(self.waiting) < self.max_num_seqs:
+                more = feed()
+            if not self.has_unfinished():
+                if not more:
+                    break
+                continue
+            for r in self.step():
+                if on_finish is not None:
+                    on_finish(r)
+                if bar is not None:
+                    bar.update(1)
+                    dt = max(time.perf_counter() - t0, 1e-9)
+                    bar.set_postfix(tok_s=f"{self.stats['generated_tokens'] / dt:.1f}",
+                                    running=len(self.running))
+        for r in self.drain():      # a step past every request's end: nothing left to report
+            if on_finish is not None:
+                on_finish(r)
+        if bar is not None:
+            bar.close()

@@ -1,0 +1,266 @@
+"""The jitted model steps the schedulers drive.
+
+The model is split once into (graphdef, state); each step is a pure jitted function of the state,
+compiled once per shape bucket, with the cache donated: `_paged_step` (prefill chunks and decode over
+the paged latent cache), `_verify_step` (speculative verification), `_all_logits` (LLM.logits) and
+`_decode` (one decode step over a contiguous cache, for the profiler and planner). The generation
+loop (kimi_jax.engine.scheduler) runs on the host and only appends tokens and checks stop conditions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kimi_jax import ops
+from kimi_jax.config import ModelConfig
+from kimi_jax.model.transformer import Transformer
+from kimi_jax.engine.sampling import SamplingArrays, sample, top_logprobs, verify_drafts
+from kimi_jax.engine.sampling import sample_mode as sample_mode_of
+
+
+def bucket(n: int, minimum: int = 8) -> int:
+    """Next power of two >= n (at least `minimum`): bounds the number of compiled shapes."""
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+@dataclasses.dataclass
+class StepOutput:
+    tokens: np.ndarray                      # [B] int32
+    logprob: Optional[np.ndarray] = None    # [B] chosen-token logprob
+    top_ids: Optional[np.ndarray] = None    # [B, n]
+    top_vals: Optional[np.ndarray] = None   # [B, n]
+
+
+def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None):
+    # The logits are first pinned vocab-split (each device multiplies its lm_head rows): without that,
+    # XLA:GPU's partitioner all-gathered the whole lm_head weight (3.5 GB, 4 ms per step under TP2 on
+    # two H200s) to produce the replicated logits directly.
+    logits_BV = _constrain(logits_BV, shard.get("logits2"))
+    # one all-gather of the (vocab-split) logits; sorting / cumsum over a sharded vocab would compile
+    # to sequential loops and many small collectives
+    logits_BV = _constrain(logits_BV, shard.get("replicated"))
+    tok = sample(logits_BV, sp, step_B, mode)
+    out = (tok,) if n_logprobs is None else (tok, *top_logprobs(logits_BV, tok, n_logprobs))
+    # replicated, so every process (multi-host) can read the tokens
+    return tuple(_constrain(o, shard.get("replicated")) for o in out)
+
+
+def _constrain(x, sharding):
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _decode(graphdef, shard, state, cache, tokens_B, positions_B, sp, step_B, n_logprobs, sample_mode=None):
+    """One token per row at its position, absorbed MLA over a contiguous cache {kind: [L, B, S, A+R]}
+    (the profiler's and planner's reference step; generation runs `_paged_step`)."""
+    model = nnx.merge(graphdef, state)
+    tokens_B = _constrain(tokens_B, shard.get("batch1"))
+    logits, cache = model(tokens_B[:, None], positions_B[:, None], cache, absorbed=True)
+    cache = {k: _constrain(v, shard.get("cache")) for k, v in cache.items()}
+    return cache, _sample_out(logits[:, 0], sp, step_B, n_logprobs, shard, sample_mode)
+
+
+def _paged_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, last_B, sp, step_B,
+                n_logprobs, absorbed, fresh=False, sample_mode=None):
+    """One continuous-batching step over the paged cache: T query tokens per row (T = 1: decode,
+    absorbed MLA; T > 1: a prefill chunk, expanded MLA; `fresh`: no row has cached tokens, so attention
+    reads only the new tokens, on a GPU with cuDNN). Samples from each row's token at last_B."""
+    model = nnx.merge(graphdef, state)
+    tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
+    h_BTD, pages = model.hidden_states(tokens_BT, positions_BT, pages, absorbed=absorbed,
+                                       block_table_BP=block_table_BP, fresh=fresh)
+    B = tokens_BT.shape[0]
+    logits_BV = model.logits(h_BTD[jnp.arange(B), last_B][:, None])[:, 0]
+    pages = {k: _constrain(v, shard.get("pages")) for k, v in pages.items()}
+    return pages, _sample_out(logits_BV, sp, step_B, n_logprobs, shard, sample_mode)
+
+
+def _decode_step(graphdef, shard, state, pages, tokens_B, positions_B, block_table_BP, sp, step_B, n_logprobs,
+                 sample_mode=None, mla_schedule=None):
+    """`_paged_step` for one token per row (absorbed decode) with tokens_B [B]: the previous step's
+    sampled tokens can be fed as they are (device arrays), so the host never reads them first
+    (overlap scheduling, kimi_jax.engine.scheduler). mla_schedule: the MLA decode kernels' work schedule
+    (`mla_schedule_for`; static: each value is its own compiled step)."""
+    B = tokens_B.shape[0]
+    with ops.use_mla_schedule(mla_schedule):
+        return _paged_step(graphdef, shard, state, pages, tokens_B[:, None], positions_B[:, None], block_table_BP,
+                           jnp.zeros((B,), jnp.int32), sp, step_B, n_logprobs, absorbed=True,
+                           sample_mode=sample_mode)
+
+
+# A decode step runs the MLA kernels on the balanced schedule (pallas_kernels/mla/decode.py) when its
+# rows' cached tokens total at least BALANCE_MIN_TOKENS and the longest row holds at least
+# BALANCE_MIN_SKEW times the mean. Measured per layer on the H200 (BENCHMARKS.md MLA rounds 11-12): one
+# long row among short ones (totals 96K-192K tokens, skew 4-22) 1.4-7.3x faster balanced (0.2-0.5 ms
+# per layer inside the engine's step); equal rows (skew 1) stay on the rows schedule, where balanced
+# is slower at 4K; at skew 1.2-1.9 (totals 70K-264K) the rows schedule was as fast or faster at 8
+# heads and up to skew 1.5 at 64 heads (64 heads at 1.9: balanced 1.12-1.36x); of two 46K-token
+# skewed batches one was 1.8x faster (64 heads), the other 5% slower (8 heads).
+BALANCE_MIN_TOKENS = 1 << 16
+BALANCE_MIN_SKEW = 2.0
+
+
+def mla_schedule_for(positions_B, pallas: bool) -> Optional[str]:
+    """The decode step's MLA schedule from the rows' host-side positions (= cached tokens; < 0:
+    padding): 'balanced' for a large, skewed batch on the Pallas kernels, else None (the default)."""
+    if not pallas:
+        return None
+    lengths = np.maximum(np.asarray(positions_B, np.int64), 0)
+    total = int(lengths.sum())
+    if total < BALANCE_MIN_TOKENS or lengths.max() * lengths.size < BALANCE_MIN_SKEW * total:
+        return None
+    return "balanced"
+
+
+def _verify_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, n_draft_B, sp, step_B):
+    """Speculative verification: row b feeds [last token, drafts...]; returns (accepted [B], next [B]).
+    Absorbed MLA, as in decode: the same math per query token as a decode step (greedy outputs match
+    decoding without speculation), and on a GPU the decode kernel reads the cache once for all T
+    tokens, so a verification pass costs about one decode pass."""
+    model = nnx.merge(graphdef, state)
+    tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
+    h_BTD, pages = model.hidden_states(tokens_BT, positions_BT, pages, absorbed=True,
+                                       block_table_BP=block_table_BP)
+    logits_BTV = _constrain(_constrain(model.logits(h_BTD), shard.get("logits3")), shard.get("replicated"))
+    n_acc, nxt = verify_drafts(logits_BTV, tokens_BT[:, 1:], n_draft_B, sp, step_B)
+    pages = {k: _constrain(v, shard.get("pages")) for k, v in pages.items()}
+    return pages, tuple(_constrain(o, shard.get("replicated")) for o in (n_acc, nxt))
+
+
+def _all_logits(graphdef, shard, state, tokens_BT):
+    model = nnx.merge(graphdef, state)
+    tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
+    B, T = tokens_BT.shape
+    logits, _ = model(tokens_BT, jnp.broadcast_to(jnp.arange(T), (B, T)), None, absorbed=False, fresh=True)
+    return _constrain(_constrain(logits, shard.get("logits3")), shard.get("replicated"))
+
+
+class Engine:
+    """layout: a kimi_jax.parallel.sharding.Layout; the batch is split over its data-parallel axis."""
+
+    def __init__(self, model: Transformer, cfg: ModelConfig, layout=None):
+        self.cfg = cfg
+        self.graphdef, self.state = nnx.split(model)
+        self.cache_dtype = model.dtype
+        self.dp = 1 if layout is None else layout.data_parallel_size
+        # (batch bucket, page-table bucket) -> (decode pass s, verification pass s): measured once by the
+        # scheduler the first time speculation meets the bucket (kimi_jax.engine.scheduler._pass_costs)
+        self.pass_costs: dict[tuple[int, int], tuple[float, float]] = {}
+        shard = {}
+        if layout is not None and layout.world > 1:
+            from jax.sharding import PartitionSpec as P
+            b = layout.axis_rule("batch")
+            v = layout.axis_rule("vocab")
+            shard = {"batch1": layout.sharding(P(b)), "batch2": layout.sharding(P(b, None)),
+                     "cache": layout.sharding(P(None, b, None, None)), "replicated": layout.sharding(P()),
+                     # the paged pool [L, num_pages, page, C]: pages split like the rows (each dp rank
+                     # holds its own rows' pages; the scheduler gives rows page ids local to their rank)
+                     "pages": layout.sharding(P(None, b if self.dp > 1 else None, None, None)),
+                     "logits2": layout.sharding(P(b, v)), "logits3": layout.sharding(P(b, None, v))}
+        self._shard = shard
+        self._decode = jax.jit(functools.partial(_decode, self.graphdef, shard),
+                               static_argnames=("n_logprobs", "sample_mode"), donate_argnames=("cache",))
+        self._logits = jax.jit(functools.partial(_all_logits, self.graphdef, shard))
+        self._step = jax.jit(functools.partial(_paged_step, self.graphdef, shard),
+                             static_argnames=("n_logprobs", "absorbed", "fresh", "sample_mode"),
+                             donate_argnames=("pages",))
+        self._verify = jax.jit(functools.partial(_verify_step, self.graphdef, shard), donate_argnames=("pages",))
+        self._token_sharding = None          # of decode_step_async's output tokens, once known
+        self._decode_step = jax.jit(functools.partial(_decode_step, self.graphdef, shard),
+                                    static_argnames=("n_logprobs", "sample_mode", "mla_schedule"),
+                                    donate_argnames=("pages",))
+
+    def init_pages(self, num_pages: int, page_size: int, dtype=None) -> dict:
+        """A zeroed paged pool {kind: [L, num_pages, page_size, A + R]} placed as the steps keep it:
+        under data parallelism its pages are split over the dp ranks in `dp` equal contiguous
+        partitions (num_pages a multiple of dp), rank k holding pages [k * num_pages / dp, ...) and
+        the rows of its batch block; block tables hold ids local to the row's rank. Created on its
+        devices (never whole on one)."""
+        from kimi_jax.model.transformer import init_pages
+        if num_pages % self.dp:
+            raise ValueError(f"num_pages={num_pages} is not a multiple of the data-parallel size {self.dp}")
+        make = functools.partial(init_pages, self.cfg, num_pages, page_size, dtype or self.cache_dtype)
+        sharding = self._shard.get("pages")
+        if sharding is None:
+            return make()
+        return jax.jit(make, out_shardings=sharding)()
+
+    def batch_size(self, n: int) -> int:
+        """Padded batch: a power of two, and a multiple of the data-parallel size."""
+        b = bucket(n, 1)
+        return -(-b // self.dp) * self.dp
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        T = len(token_ids)
+        padded = np.zeros((self.batch_size(1), bucket(T)), np.int32)
+        padded[0, :T] = token_ids
+        return np.asarray(self._logits(self.state, jnp.asarray(padded))[0, :T], np.float32)
+
+    def paged_step(self, pages, tokens_BT, positions_BT, block_table_BP, last_B, sp: SamplingArrays,
+                   steps_B, n_logprobs: Optional[int]):
+        T = tokens_BT.shape[1]
+        pages, out = self._step(self.state, pages, _i32(tokens_BT), _i32(positions_BT), _i32(block_table_BP),
+                                _i32(last_B), sp, _i32(steps_B), n_logprobs=n_logprobs, absorbed=T == 1,
+                                fresh=T > 1 and is_fresh(positions_BT), sample_mode=sample_mode_of(sp))
+        return pages, _to_host(out)
+
+    def decode_step_async(self, pages, tokens_B, positions_B, block_table_BP, sp: SamplingArrays, steps_B,
+                          n_logprobs: Optional[int], sample_mode: Optional[str] = None):
+        """One decode step (one token per row) dispatched without waiting for it: tokens_B [B] may be a
+        device array (the previous step's `out[0]`); positions_B [B] (-1: padding row). Returns (pages,
+        outputs as device arrays: (tokens [B], and with n_logprobs: logprob, top ids, top values)),
+        their copy to the host already started; `fetch` reads them. sample_mode: as `paged_step`
+        derives it (pass it when sp is reused, to skip the host check)."""
+        if not isinstance(tokens_B, jax.Array):
+            tokens_B = _i32(tokens_B)
+            if self._token_sharding is not None:
+                # committed like a step's own output tokens: one compiled program serves both feeds
+                # (jit keys its cache on the input shardings; host arrays are uncommitted)
+                host = tokens_B
+                tokens_B = jax.make_array_from_callback(host.shape, self._token_sharding, lambda i: host[i])
+        positions_B = _i32(positions_B)
+        pages, out = self._decode_step(self.state, pages, tokens_B, positions_B, _i32(block_table_BP), sp,
+                                       _i32(steps_B), n_logprobs=n_logprobs,
+                                       sample_mode=sample_mode or sample_mode_of(sp),
+                                       mla_schedule=mla_schedule_for(positions_B, ops.resolve_impl() == "pallas"))
+        if self._token_sharding is None:
+            self._token_sharding = out[0].sharding
+        for o in out:
+            if o.is_fully_addressable:
+                o.copy_to_host_async()
+        return pages, out
+
+    @staticmethod
+    def fetch(out) -> StepOutput:
+        """Host copy of a `decode_step_async` output (waits for its step)."""
+        return _to_host(out)
+
+    def verify_step(self, pages, tokens_BT, positions_BT, block_table_BP, n_draft_B, sp: SamplingArrays, steps_B):
+        pages, (n_acc, nxt) = self._verify(self.state, pages, _i32(tokens_BT), _i32(positions_BT),
+                                           _i32(block_table_BP), _i32(n_draft_B), sp, _i32(steps_B))
+        return pages, np.asarray(n_acc), np.asarray(nxt)
+
+
+def is_fresh(positions_BT) -> bool:
+    """Host check (static for the step): every row's real tokens sit at positions 0, 1, ... from its
+    first column, padding (< 0) only after them; no row has cached tokens before them."""
+    pos = np.asarray(positions_BT)
+    valid = pos >= 0
+    return bool(np.all(np.where(valid, pos == np.arange(pos.shape[1]), True))
+                and np.all(valid[:, 1:] <= valid[:, :-1]))
+
+
+def _i32(a) -> np.ndarray:
+    """Step inputs stay numpy: jit takes them through its C++ fast path (a jnp.asarray per input cost
+    about 0.15 ms each on the host)."""
+    return np.asarray(a, np.int32)
+
+
+def _to_host(out) -> StepOutput:
+    out = jax.device_get(out)
+    return StepOutput(*[np.asarray(o) for o in out])

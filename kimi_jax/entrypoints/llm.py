@@ -1,0 +1,305 @@
+"""The user-facing API (vLLM's names): LLM, SamplingParams, RequestOutput, CompletionOutput."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+from typing import Optional, Sequence, Union
+
+import jax.numpy as jnp
+import numpy as np
+
+import jax
+
+from kimi_jax import ops
+from kimi_jax.config import PRESETS, ModelConfig, preset
+from kimi_jax.engine.steps import Engine
+from kimi_jax.engine.sampling import SamplingParams
+from kimi_jax.engine.scheduler import BatchEngine, Request, RequestError, validate_prompt
+from kimi_jax.parallel.sharding import Layout, check_fits, param_shardings
+from kimi_jax.engine.speculative import SpeculativeConfig
+
+log = logging.getLogger(__name__)
+Prompt = Union[str, Sequence[int]]
+_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: Optional[str]
+    token_ids: list[int]
+    cumulative_logprob: Optional[float]
+    logprobs: Optional[list[dict[int, float]]]
+    finish_reason: Optional[str]            # "stop" | "length"
+    stop_reason: Union[int, str, None] = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    metrics: dict = dataclasses.field(default_factory=dict)
+
+
+def demo_model_path() -> Optional[str]:
+    """The shipped demo checkpoint (package data), if installed."""
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "demo")
+    try:
+        import checkpoints
+        here = os.path.join(os.path.dirname(checkpoints.__file__), "demo")
+    except ImportError:
+        pass
+    return here if os.path.isfile(os.path.join(here, "config.json")) else None
+
+
+def random_model(cfg: ModelConfig, layout: Layout, dtype, seed: int = 0):
+    """A Transformer with the model's own random initializers, made by one jitted init that creates
+    every parameter on its own devices under `layout` (no full copy on one device first; the values do
+    not depend on the layout). Checks that the per-device bytes fit first."""
+    from flax import nnx
+    from kimi_jax.model.transformer import Transformer
+    parallel = layout.moe_parallel()
+    make = lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed), parallel=parallel)
+    graphdef, state = nnx.split(nnx.eval_shape(make))
+    check_fits(layout, state)
+    shardings = param_shardings(layout, state)
+    paths = [tuple(str(k) for k in p) for p, _ in nnx.to_flat_state(state)]
+    init = jax.jit(lambda: [v.get_value() for _, v in nnx.to_flat_state(nnx.split(make())[1])],
+                   out_shardings=[shardings[p] for p in paths])
+    for (_, var), value in zip(nnx.to_flat_state(state), init()):
+        var.set_value(value)
+    return nnx.merge(graphdef, state)
+
+
+def latency_metrics(r: Request) -> dict:
+    """A finished request's timing as the host saw it: arrival_time, first_token_time and finished_time
+    (time.time()), time_to_first_token (seconds from arrival, queueing included) and
+    time_per_output_token (mean seconds between its later tokens; None with fewer than two)."""
+    n = len(r.output_ids)
+    ttft = (r.first_token_time - r.arrival_time
+            if r.first_token_time is not None and r.arrival_time is not None else None)
+    tpot = ((r.finished_time - r.first_token_time) / (n - 1)
+            if n > 1 and r.finished_time is not None and r.first_token_time is not None else None)
+    return {"arrival_time": r.arrival_time, "first_token_time": r.first_token_time,
+            "finished_time": r.finished_time, "time_to_first_token": ttft, "time_per_output_token": tpot}
+
+
+def default_prefill_chunk(cfg: ModelConfig, dtype) -> int:
+    """prefill_chunk when the caller gives none: 2048 where a chunk after cached tokens attends by the
+    split path (ops.prefill_attention_path: two unmasked cuDNN calls, no [B, N, T, S] scores; on the
+    H200 the time to first token of a 16K prompt was 438 / 231 / 181 / 155 ms at chunks of 256 / 1024
+    / 2048 / 4096, BENCHMARKS.md "Prefill chunk size"; 2048 is also max_prefill_tokens' default, so a
+    step holds one such chunk), else 256: the einsum path holds the f32 scores, which for 2048 tokens
+    after 128K cached ones at 64 heads are 70 GB per layer."""
+    path = ops.prefill_attention_path(cfg.qk_head_dim, cfg.v_head_dim, dtype, causal=False)
+    return 2048 if path.endswith("_split") else 256
+
+
+class LLM:
+    """An engine for one model. `model`: a checkpoint directory, a preset name or a ModelConfig
+    (random weights), or None for the shipped demo model."""
+
+    def __init__(self, model: Union[str, ModelConfig, None] = None, *, tensor_parallel_size: int = 1,
+                 data_parallel_size: int = 1, enable_expert_parallel: bool = False,
+                 dtype: str = "bfloat16", max_model_len: Optional[int] = None, max_num_seqs: int = 256,
+                 seed: int = 0, tokenizer: Optional[str] = None, page_size: int = 16,
+                 num_pages: Optional[int] = None, gpu_memory_utilization: float = 0.9,
+                 prefill_chunk: Optional[int] = None, max_prefill_tokens: int = 2048,
+                 speculative_config=None, overlap_scheduling: bool = True):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported (choose one of {sorted(_DTYPES)})")
+        if tensor_parallel_size < 1 or data_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if (prefill_chunk is not None and prefill_chunk < 1) or max_prefill_tokens < 1:
+            raise ValueError(f"prefill_chunk and max_prefill_tokens must be >= 1, got {prefill_chunk} and "
+                             f"{max_prefill_tokens}")
+        self.dtype = _DTYPES[dtype]
+        model = model if model is not None else demo_model_path()
+        self.model_path = None
+        if model is None:
+            log.warning("no demo model installed; using the random 'tiny' preset")
+            model = "tiny"
+        self.layout = Layout(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
+        if isinstance(model, ModelConfig):       # random weights of any geometry (benchmarks, tests)
+            self.config = model
+        elif os.path.isdir(model):
+            self.model_path = model
+            self.config = ModelConfig.from_pretrained(model)
+        elif model in PRESETS:
+            self.config = preset(model)
+        else:
+            raise ValueError(f"model={model!r} is neither a checkpoint directory nor a preset {PRESETS}")
+        self.layout.check_divisible(self.config)
+        net = self._build(seed)
+        self.tokenizer = self._load_tokenizer(tokenizer or self.model_path)
+        self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
+                                 self.config.max_position_embeddings)
+        self.max_num_seqs = max_num_seqs
+        self.engine = Engine(net, self.config, self.layout)
+        if page_size < 1 or (num_pages is not None and num_pages < 2):
+            raise ValueError("page_size must be >= 1 and num_pages >= 2")
+        self.page_size = page_size
+        self.num_pages = num_pages or self._default_num_pages(gpu_memory_utilization)
+        self.prefill_chunk = prefill_chunk or default_prefill_chunk(self.config, self.dtype)
+        self.max_prefill_tokens = max_prefill_tokens
+        self.speculative = SpeculativeConfig.from_any(speculative_config)
+        # dispatch decode step N+1 before reading step N's tokens (kimi_jax.engine.scheduler); off with speculation
+        self.overlap_scheduling = overlap_scheduling
+        self._rng = random.Random(seed)
+        self._chat_template = None
+        self._next_id = 0
+
+    def _default_num_pages(self, utilization: float) -> int:
+        """Pages from the device memory left after the weights (GPU; under data parallelism each device
+        holds 1/dp of the pool, so the pool is dp times what one device has room for); on CPU, enough for
+        every sequence slot to reach max_model_len, capped at 2048 pages (XLA:CPU's cache update costs
+        time in proportion to the pool; a fuller pool preempts and recomputes instead)."""
+        cfg = self.config
+        page_bytes = (cfg.num_hidden_layers * self.page_size * cfg.latent_dim * jnp.dtype(self.dtype).itemsize)
+        full = self.max_num_seqs * -(-self.max_model_len // self.page_size)
+        from kimi_jax.parallel.sharding import device_memory_bytes
+        limit = device_memory_bytes()
+        if limit is None:
+            return max(2, min(full, 2048))
+        stats = jax.devices()[0].memory_stats() or {}
+        free = limit * utilization - stats.get("bytes_in_use", 0)
+        pages = int(free // page_bytes) * self.layout.data_parallel_size
+        if pages < 2:
+            raise ValueError(f"no memory left for the cache: {free / 2**30:.2f} GiB free after the weights "
+                             f"at gpu_memory_utilization={utilization}")
+        return min(pages, full)
+
+    def _build(self, seed: int):
+        """Create or load the model with every parameter placed on its devices under the layout,
+        after checking that the per-device bytes fit."""
+        cfg, layout, dtype = self.config, self.layout, self.dtype
+        if self.model_path is None:
+            return random_model(cfg, layout, dtype, seed)
+        # safetensors (streamed per-device slices) or orbax (kimi-convert)
+        from flax import nnx
+        from checkpoints.loader import load_model
+        from kimi_jax.model.transformer import Transformer
+        parallel = layout.moe_parallel()
+        abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed),
+                                                                parallel=parallel)))[1]
+        check_fits(layout, abstract)
+        shardings = param_shardings(layout, abstract)
+        return load_model(self.model_path, dtype=dtype, cfg=cfg, shardings=shardings, parallel=parallel)[1]
+
+    @staticmethod
+    def _load_tokenizer(path):
+        if path is None:
+            return None
+        from kimi_jax.text.tokenizer import Tokenizer, TokenizerNotFound
+        try:
+            return Tokenizer.from_pretrained(path)
+        except TokenizerNotFound:
+            return None
+
+    # ---- inputs -------------------------------------------------------------------------------
+    def _token_ids(self, prompt: Prompt, i: int) -> list[int]:
+        """Token ids of a prompt (text is tokenized); validity is checked by the batch engine."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"request {i}: a text prompt needs a tokenizer, and the checkpoint "
+                                 f"{self.model_path or '(preset)'} has no tiktoken.model; pass token ids")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        return list(prompt)
+
+    # ---- API ----------------------------------------------------------------------------------
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """float32 [len(token_ids), vocab]: next-token logits at every position (prefill path)."""
+        ids = self._token_ids(token_ids, 0)
+        try:
+            validate_prompt(ids, self.config.vocab_size, self.max_model_len + 1)
+        except RequestError as e:
+            raise ValueError(str(e)) from None
+        return self.engine.logits([int(t) for t in ids])
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                        and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        sps = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+               else list(sampling_params))
+        if len(sps) != len(prompts):
+            raise ValueError(f"got {len(sps)} SamplingParams for {len(prompts)} prompts")
+        ids = [self._token_ids(p, i) for i, p in enumerate(prompts)]
+        be = self.batch_engine()
+        reqs = []
+        for i, (p, t, sp) in enumerate(zip(prompts, ids, sps)):
+            seed = sp.seed if sp.seed is not None else self._rng.getrandbits(31)
+            try:
+                reqs.append(be.make_request(str(self._next_id + i), t, sp, seed,
+                                            prompt=p if isinstance(p, str) else None))
+            except RequestError as e:
+                raise ValueError(f"request {i}: {e}") from None
+        self._next_id += len(reqs)
+        for r in reqs:
+            be.add(r)
+        be.run(progress=use_tqdm)
+        return [self.to_output(r) for r in reqs]
+
+    def batch_engine(self) -> BatchEngine:
+        """A continuous-batching engine over this model (a fresh page pool)."""
+        eos = set(self.config.eos_token_id)
+        if self.tokenizer is not None:
+            eos |= set(self.tokenizer.stop_token_ids)
+        return BatchEngine(self.engine, num_pages=self.num_pages, page_size=self.page_size,
+                           max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                           cache_dtype=self.dtype, prefill_chunk=self.prefill_chunk,
+                           max_prefill_tokens=self.max_prefill_tokens, tokenizer=self.tokenizer, eos_ids=eos,
+                           speculative=self.speculative, overlap=self.overlap_scheduling)
+
+    def to_output(self, r: Request) -> RequestOutput:
+        text = None
+        if self.tokenizer is not None:
+            text = r.text if r.text is not None else self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        return RequestOutput(
+            request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_ids,
+            outputs=[CompletionOutput(index=0, text=text, token_ids=list(r.output_ids),
+                                      cumulative_logprob=r.cumulative_logprob if r.params.logprobs is not None else None,
+                                      logprobs=r.logprobs if r.params.logprobs is not None else None,
+                                      finish_reason=r.finish_reason, stop_reason=r.stop_reason)],
+            metrics={"num_preemptions": r.num_preemptions, "spec_drafted": r.spec.drafted,
+                     "spec_accepted": r.spec.accepted, "spec_verify_steps": r.spec.verify_steps,
+                     **latency_metrics(r)})
+
+    def render_chat(self, messages, *, add_generation_prompt: bool = True, tools=None,
+                    chat_template: Optional[str] = None) -> str:
+        """One conversation rendered with the checkpoint's own chat template (sandboxed Jinja)."""
+        from kimi_jax.text.chat_template import ChatTemplate
+        if self.tokenizer is None:
+            raise ValueError(f"chat needs a tokenizer; {self.model_path or 'this preset'} has none")
+        if self._chat_template is None or chat_template is not None:
+            tmpl = (ChatTemplate(chat_template) if chat_template is not None
+                    else ChatTemplate.from_pretrained(self.model_path))
+            if chat_template is not None:
+                return tmpl.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+            self._chat_template = tmpl
+        return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+
+    def chat(self, messages, sampling_params: Optional[SamplingParams] = None, *,
+             add_generation_prompt: bool = True, tools=None, chat_template: Optional[str] = None,
+             use_tqdm: bool = False):
+        """Render the checkpoint's own chat template (sandboxed) and generate; messages may be one
+        conversation (a list of dicts) or a list of conversations."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.encode(self.render_chat(c, add_generation_prompt=add_generation_prompt,
+                                                          tools=tools, chat_template=chat_template),
+                                         allow_special=True) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

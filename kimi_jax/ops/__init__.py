@@ -1,0 +1,395 @@
+"""Kernel selection: the model's ops, and the only module that imports `pallas_kernels`.
+
+Each op has an 'xla' implementation (plain jnp/lax, runs everywhere) and, where one exists, a 'pallas'
+implementation (GPU kernels). `impl=None` picks 'pallas' on GPU and 'xla' elsewhere; tests force each
+with `impl=` or with `use_impl(...)` (kimi_jax.ops.impl). Prefill attention lives in
+kimi_jax.ops.prefill_attention (its GPU path is cuDNN flash attention, not Pallas) and is re-exported here:
+`mla_prefill_attention`, `use_prefill_attention` / `use_chunk_attention`.
+
+Weight layout for routed experts (compressed-tensors / HF, rows are output features):
+  bf16:  ExpertWeights(gate=[E, F, D], up=[E, F, D], down=[E, D, F])
+  INT4:  ExpertWeights(gate=Int4Weight(packed int32 [E, F, D/8], scale bf16 [E, F, D/g]), ...)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kimi_jax.ops.impl import IMPLS, einsum_f32, forced, resolve_impl, shard_map, use_impl  # noqa: F401
+from kimi_jax.ops.prefill_attention import (  # noqa: F401  (re-exported: the model and launchers call ops.*)
+    CHUNK_ATTENTION_CHOICES, PREFILL_ATTENTION_CHOICES, cudnn_attention_fits, mla_prefill_attention,
+    prefill_attention_path, use_chunk_attention, use_prefill_attention)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int4Weight:
+    """compressed-tensors pack-quantized INT4: `packed` int32 [..., N, K/8], `scale` [..., N, K/g]."""
+    packed: jax.Array
+    scale: jax.Array
+
+    @property
+    def group_size(self) -> int:
+        return self.packed.shape[-1] * 8 // self.scale.shape[-1]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.packed.shape[:-1], self.packed.shape[-1] * 8)
+
+
+Weight = Union[jax.Array, Int4Weight]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertWeights:
+    """Routed experts of one MoE layer: gate/up [E, F, D], down [E, D, F] (bf16 or INT4)."""
+    gate: Weight
+    up: Weight
+    down: Weight
+
+
+def dequantize(w: Weight, dtype) -> jax.Array:
+    """Dense weight [..., N, K] from bf16 or INT4 storage (the XLA path; unfused)."""
+    if isinstance(w, Int4Weight):
+        from checkpoints.int4 import dequantize_jnp
+        return dequantize_jnp(w.packed, w.scale, w.group_size, dtype)
+    return w.astype(dtype)
+
+
+def linear(x: jax.Array, w: Weight, *, impl: Optional[str] = None) -> jax.Array:
+    """y[..., N] = x[..., K] @ w[N, K]^T (HF Linear layout), float32 accumulation."""
+    if isinstance(w, Int4Weight) and resolve_impl(impl) == "pallas":
+        from pallas_kernels.int4 import matmul as int4_matmul
+        lead = x.shape[:-1]
+        y = int4_matmul.int4_matmul(x.reshape(-1, x.shape[-1]), w.packed, w.scale)
+        return y.reshape(*lead, y.shape[-1])
+    wd = dequantize(w, x.dtype)
+    # The dot accumulates in float32 either way (XLA's GPU/CPU dots); asking for the output in the
+    # model dtype keeps tensor-parallel partial sums in bf16 on the wire (half the bytes of f32).
+    return jnp.einsum("...k,nk->...n", x, wd, preferred_element_type=x.dtype)
+
+
+def routed_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array, experts: ExpertWeights,
+                   *, impl: Optional[str] = None, parallel=None, layer=None) -> jax.Array:
+    """sum_k weight[t,k] * down(silu(gate(x_t)) * up(x_t)) over the K experts idx[t,k] of each token.
+
+    x_TD: [T, D] activations; idx_TK: [T, K] int32 expert ids in [0, E); weight_TK: [T, K] float32.
+    Returns [T, D] in x's dtype. Experts that receive no token are never read by the pallas path.
+    `parallel` (kimi_jax.parallel.sharding.MoEParallel) runs the experts sharded inside shard_map.
+    `layer` (an int or a traced int32 scalar): the weights are a whole layer stack [L, E, ...] and this
+    call runs layer `layer` of it without copying that layer's slice out (the kernels offset the ids).
+    """
+    if parallel is not None:
+        return _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts, parallel, impl, layer)
+    return _routed_experts_local(x_TD, idx_TK, weight_TK, experts, impl, layer)
+
+
+def _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts: ExpertWeights, par, impl, layer):
+    """Each device runs the experts (or expert slices) it holds on the tokens of its data-parallel
+    group, then partial sums are reduced. Tokens whose expert lives elsewhere get weight 0 and an
+    out-of-range id (E_local), which both paths skip."""
+    from jax.sharding import PartitionSpec as P
+    size1 = {a for a in par.mesh.axis_names if par.mesh.shape[a] == 1}     # nothing to exchange there
+    reduce_axes = tuple(a for a in dict.fromkeys(par.experts + par.expert_mlp) if a not in size1)
+    gather = tuple(a for a in par.batch if a in reduce_axes)     # tokens must meet every expert shard
+    psum_axes = tuple(a for a in reduce_axes if a not in gather)
+    batch = par.batch or None
+
+    lead = 0 if layer is None else 1          # a layer-stacked weight has the layer axis first
+    ep_degree = int(np.prod([par.mesh.shape[a] for a in par.experts]))   # each device holds 1/ep of the pairs
+
+    def spec_of(w, mlp_dim):  # expert dim 0; FFN width at mlp_dim (packed/scale share the layout)
+        dims = [None] * w.ndim
+        dims[lead] = par.experts or None
+        if par.expert_mlp:
+            dims[lead + mlp_dim] = par.expert_mlp
+        return P(*dims)
+
+    def specs_for(w, mlp_dim):
+        if isinstance(w, Int4Weight):
+            return Int4Weight(spec_of(w.packed, mlp_dim), spec_of(w.scale, mlp_dim))
+        return spec_of(w, mlp_dim)
+
+    w_specs = ExpertWeights(specs_for(experts.gate, 1), specs_for(experts.up, 1), specs_for(experts.down, 2))
+
+    def local(x, idx, wt, ew: ExpertWeights, *layer_arg):
+        layer = layer_arg[0] if layer_arg else None
+        if gather:
+            x = jax.lax.all_gather(x, gather, axis=0, tiled=True)
+            idx = jax.lax.all_gather(idx, gather, axis=0, tiled=True)
+            wt = jax.lax.all_gather(wt, gather, axis=0, tiled=True)
+        if par.experts:
+            e_local = _num_experts(ew.gate, stacked=layer is not None)
+            shard = 0
+            for a in par.experts:
+                shard = shard * par.mesh.shape[a] + jax.lax.axis_index(a)
+            lidx = idx - shard * e_local
+            mine = (lidx >= 0) & (lidx < e_local)
+            idx = jnp.where(mine, lidx, e_local)
+            wt = jnp.where(mine, wt, 0.0)
+        y = _routed_experts_local(x, idx, wt, ew, impl, layer, held_share=1.0 / ep_degree)
+        if gather:
+            y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
+        if psum_axes:
+            y = jax.lax.psum(y, psum_axes)
+        return y
+
+    args, specs = (x_TD, idx_TK, weight_TK, experts), (P(batch, None), P(batch, None), P(batch, None), w_specs)
+    if layer is not None:                     # the layer index rides along, replicated
+        args, specs = args + (jnp.asarray(layer, jnp.int32),), specs + (P(),)
+    return shard_map(local, par.mesh, in_specs=specs, out_specs=P(batch, None))(*args)
+
+
+def _routed_experts_local(x_TD, idx_TK, weight_TK, experts: ExpertWeights, impl, layer=None,
+                          held_share: float = 1.0):
+    pallas = resolve_impl(impl) == "pallas" and isinstance(experts.gate, Int4Weight)
+    if layer is not None:
+        if pallas:   # [L, E, ...] -> [L*E, ...] (a bitcast) and ids offset into it; others stay out of range
+            n_layers, E = _leading(experts.gate)
+            experts = jax.tree.map(lambda a: a.reshape(n_layers * E, *a.shape[2:]), experts)
+            idx_TK = jnp.where((idx_TK >= 0) & (idx_TK < E), idx_TK + layer * E, n_layers * E)
+        else:        # the XLA path reads the layer's slice (XLA fuses the dynamic slice into its users)
+            experts = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), experts)
+    if pallas:
+        from pallas_kernels.int4 import moe_gmm
+        g, u, d = experts.gate, experts.up, experts.down
+        # The kernels are W4A16, bf16 activations in and out: a float32 model's experts see their input
+        # and return their sum rounded to bf16 (accumulation is float32 inside). Pairs whose expert lives
+        # on another device (id E_local) are skipped by the kernels.
+        y = moe_gmm.moe_experts(x_TD.astype(jnp.bfloat16), idx_TK, weight_TK, g.packed, g.scale, u.packed,
+                                u.scale, d.packed, d.scale, held_share=held_share)
+        return y.astype(x_TD.dtype)
+    return _routed_experts_xla(x_TD, idx_TK, weight_TK, experts)
+
+
+def _routed_experts_xla(x_TD, idx_TK, weight_TK, experts: ExpertWeights):
+    """Sort the T*K (token, expert) pairs by expert and run grouped matmuls (lax.ragged_dot).
+    Pairs with an id >= E (experts held elsewhere) sort last, fall in no group and contribute 0."""
+    T, K = idx_TK.shape
+    E = _num_experts(experts.gate)
+    dtype = x_TD.dtype
+    flat_e = idx_TK.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    token_of = order // K
+    x_sorted = x_TD[token_of]                                          # [T*K, D]
+    group_sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)    # [E]
+
+    def gmm(lhs, w):  # lhs [M, in], w [E, out, in] -> [M, out]
+        wd = jnp.swapaxes(dequantize(w, dtype), 1, 2)                  # [E, in, out]
+        return jax.lax.ragged_dot(lhs, wd, group_sizes, preferred_element_type=jnp.float32)
+
+    gate = gmm(x_sorted, experts.gate)
+    up = gmm(x_sorted, experts.up)
+    h = (jax.nn.silu(gate) * up).astype(dtype)
+    y_sorted = gmm(h, experts.down)                                    # [T*K, D] float32
+    w_sorted = weight_TK.reshape(-1)[order].astype(jnp.float32)
+    w_sorted = jnp.where(flat_e[order] < E, w_sorted, 0.0)
+    y_sorted = jnp.where((flat_e[order] < E)[:, None], y_sorted, 0.0)
+    y = jnp.zeros((T, x_TD.shape[-1]), jnp.float32).at[token_of].add(y_sorted * w_sorted[:, None])
+    return y.astype(dtype)
+
+
+def _leading(w: Weight) -> tuple[int, ...]:
+    return (w.packed if isinstance(w, Int4Weight) else w).shape[:2]
+
+
+def _num_experts(w: Weight, stacked: bool = False) -> int:
+    return (w.packed if isinstance(w, Int4Weight) else w).shape[1 if stacked else 0]
+
+
+def page_split(parallel) -> tuple[str, ...]:
+    """Mesh axes a paged pool's page axis is split over: the batch's (data-parallel) axes when they span
+    more than one device, else () (the pool is whole on every device, as under tensor parallelism).
+    With a split, each data-parallel rank holds the pages of its own batch rows only (rows are split
+    over the same axes in contiguous blocks) and block tables hold page ids LOCAL to the row's rank
+    (kimi_jax.engine.scheduler allocates them from the rank's partition)."""
+    if parallel is None:
+        return ()
+    axes = tuple(parallel.batch)
+    return axes if int(np.prod([parallel.mesh.shape[a] for a in axes])) > 1 else ()
+
+
+def _layer_pages(pool_LNpC: jax.Array, block_table_BP: jax.Array, layer):
+    """One layer's view of a stacked pool [L, N, page, C]: the pool flattened to [L * N, page, C] (a
+    bitcast) and the page ids offset by layer * N. Under a page split this runs per shard, N the
+    shard's own page count (ids are local)."""
+    L, N = pool_LNpC.shape[:2]
+    return pool_LNpC.reshape(L * N, *pool_LNpC.shape[2:]), block_table_BP + layer * N
+
+
+def _stacked(pool, layer):
+    """(stacked pool [L, N, page, C], layer): a flat pool [X, page, C] is a one-layer stack."""
+    return (pool[None], 0) if layer is None else (pool, layer)
+
+
+def _per_page_shard(f, parallel, in_specs, out_specs):
+    """f run per shard of a page-split pool (`page_split`), else f itself. Specs are written with the
+    placeholder "split" for the page / batch axes; it becomes the split's mesh axes."""
+    split = page_split(parallel)
+    if not split:
+        return f
+    from jax.sharding import PartitionSpec as P
+    sub = lambda spec: P(*[split if a == "split" else a for a in spec])   # noqa: E731
+    return shard_map(f, parallel.mesh, in_specs=tuple(sub(s) for s in in_specs),
+                      out_specs=sub(out_specs))
+
+
+def gather_pages(pool: jax.Array, block_table_BP: jax.Array, *, layer=None, parallel=None) -> jax.Array:
+    """The pages of each sequence in position order -> [B, P * page, C]. pool: [X, page, C] with
+    page ids into it (layer None), or a layer stack [L, N, page, C] with this layer's index and ids
+    into the layer's N pages. parallel: a page-split pool (`page_split`) is gathered per shard, each
+    rank reading its own rows' pages with local ids (the pool never moves)."""
+    pool_L, layer = _stacked(pool, layer)
+
+    def gather(pool_L, table, layer):
+        flat, table = _layer_pages(pool_L, table, layer)
+        B, P = table.shape
+        return flat[table].reshape(B, P * flat.shape[1], flat.shape[2])
+
+    if page_split(parallel):
+        return _per_page_shard(gather, parallel, ((None, "split", None, None), ("split", None), ()),
+                               ("split", None, None))(pool_L, block_table_BP, jnp.asarray(layer, jnp.int32))
+    return gather(pool_L, block_table_BP, layer)
+
+
+# Which Pallas kernel `mla_paged_attention` runs over the cache (read at trace time, like use_impl):
+# None = automatic (`mla_decode_kernel`), "triton" (pallas_kernels/mla/decode.py, any head count) or
+# "mgpu" (pallas_kernels/mla/decode_mgpu.py: Mosaic GPU wgmma + TMA, 64-row tiles; on CPU it runs in
+# the Mosaic GPU interpreter).
+_MLA_DECODE_KERNEL: Optional[str] = None
+MLA_DECODE_KERNELS = ("triton", "mgpu")
+
+
+def use_mla_decode_kernel(choice: Optional[str]):
+    """Force the paged MLA decode kernel inside the block: None (automatic), 'triton' or 'mgpu'."""
+    return forced(globals(), "_MLA_DECODE_KERNEL", choice, MLA_DECODE_KERNELS, "MLA decode kernel")
+
+
+# How the decode kernels share a step's cached tokens among their programs (read at trace time):
+# None = each kernel's default, 'rows' (every row split into the same number of parts of its own
+# length) or 'balanced' (pallas_kernels.mla.decode.balanced_items: parts of one size across the
+# batch). Measured on the H200 (BENCHMARKS.md MLA rounds 11-12): 'balanced' is 1.4-7.3x faster on
+# batches of one long row among short ones; on equal rows within 4% from 32K up, slower at 4K (its
+# item table and combine: 4-7% at batch 64 since round 12's combine, up to 37% at batch 8-16), so it
+# is not the ops default: the engine asks for it per decode step when a batch is skewed
+# (kimi_jax.engine.steps.mla_schedule_for: longest row >= 2x the mean, BENCHMARKS.md round 12's mild skew).
+_MLA_SCHEDULE: Optional[str] = None
+
+
+def use_mla_schedule(schedule: Optional[str]):
+    """Force the paged MLA decode kernels' work schedule inside the block: None, 'rows' or 'balanced'."""
+    from pallas_kernels.mla.decode import SCHEDULES
+    return forced(globals(), "_MLA_SCHEDULE", schedule, SCHEDULES, "MLA decode schedule")
+
+
+def _is_hopper() -> bool:
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+def mla_decode_kernel(rows: int, A: int, R: int, page: int, dtype, *, batch: int = 64,
+                      context: int = 1 << 17) -> str:
+    """The decode kernel for `rows` = T * N query rows per sequence on one device, `batch` sequences
+    whose block tables hold up to `context` tokens: the Mosaic GPU kernel where its 64-row wgmma tiles
+    are full (rows a multiple of 64: 64 heads at TP1 / DP, or T * N under speculation) on a Hopper GPU
+    with bf16, A a multiple of 256, R = 64, a page size of 8, 16, 32 or a multiple of 64, and a cache
+    large enough to pay for its fixed cost; else the Triton kernel (8 heads per device under TP8: the
+    mgpu kernel would pad 8 rows to 64). Measured on the H200 at 64 heads (BENCHMARKS.md, fifth
+    session, `launch.bench_mla`: each timed call 8 layers in one executable, calls enqueued back to
+    back): mgpu 1.3-4.2x the Triton kernel from 8 x 4K up (8 x 4K: 57.5 vs 72.2 us); at 1 x 4K
+    Triton's 31 us wins. So mgpu needs tables of >= 16K tokens per row or >= 32K in the batch
+    (`context`: the block table's capacity, a bucket). (The fourth session's harness, one dispatch per
+    call, had Triton ahead at 8 x 4K too; there the host's dispatch set the pace of both.)"""
+    if _MLA_DECODE_KERNEL is not None:
+        return _MLA_DECODE_KERNEL
+    fits = (rows % 64 == 0 and A % 256 == 0 and R == 64 and page % 8 == 0 and (64 % page == 0 or page % 64 == 0)
+            and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16))
+    pays = batch * context >= 32768 or context >= 16384
+    return "mgpu" if fits and pays and _is_hopper() else "triton"
+
+
+def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: jax.Array, pool_XpC: jax.Array,
+                        block_table_BP: jax.Array, positions_BT: jax.Array, scale: float, *,
+                        impl: Optional[str] = None, parallel=None, layer=None) -> jax.Array:
+    """Absorbed MLA over a paged latent cache plus the step's new tokens; returns o_lat [B, T, N, A].
+
+    q_lat: queries in latent space (W_UK^T q^C); q_pe: rotated rope queries; new_BTC: the new tokens'
+    [c | k^R] (C = A + R), not yet in the pool; pool_XpC [X, page, C] with block_table_BP page ids into
+    it, or (layer given) the layer stack's pool [L, N, page, C] and ids into this layer's N pages;
+    positions_BT: the new tokens' absolute positions (consecutive per row, < 0 = padding). Row b's
+    cached tokens are positions [0, positions[b, 0]); new token t also sees new tokens t' <= t.
+    score = (q_lat . c + q_pe . k^R) * scale, softmax in float32, output sum_s p_s c_s.
+    parallel: a kimi_jax.parallel.sharding.MoEParallel: the GPU kernel then runs per device shard (rows over the
+    batch axes, heads over the head axes); a page-split pool (`page_split`: ids local to each row's
+    data-parallel rank) is read per shard by either path.
+    """
+    A, R = q_lat_BTNA.shape[-1], q_pe_BTNR.shape[-1]
+    kernel_fits = all(v >= 16 and not v & (v - 1) for v in (A, R))   # the kernel's tiles: powers of two >= 16
+    pool_L, layer = _stacked(pool_XpC, layer)
+    if resolve_impl(impl) == "pallas" and kernel_fits:
+        from pallas_kernels.mla import decode as mla_decode
+
+        def kernel(q_lat, q_pe, new, pool_L, table, positions, layer):
+            flat, table = _layer_pages(pool_L, table, layer)
+            B, T, N, _ = q_lat.shape          # this device's shard under shard_map
+            page = flat.shape[1]
+            same = flat.dtype == q_lat.dtype == new.dtype       # the mgpu kernel takes bf16 throughout
+            if same and mla_decode_kernel(T * N, A, R, page, q_lat.dtype, batch=B,
+                                          context=table.shape[1] * page) == "mgpu":
+                from pallas_kernels.mla import decode_mgpu as mla_decode_mgpu
+                cfg = mla_decode_mgpu.serving_config(B, _MLA_SCHEDULE)
+                return mla_decode_mgpu.mla_paged_attention_mgpu(
+                    q_lat, q_pe, new, flat, table, positions, scale,
+                    config=cfg, interpret=jax.default_backend() != "gpu")
+            cfg = None if _MLA_SCHEDULE is None else mla_decode.MlaDecodeConfig(schedule=_MLA_SCHEDULE)
+            return mla_decode.mla_paged_attention(q_lat, q_pe, new, flat, table, positions, scale, config=cfg)
+
+        if parallel is not None and parallel.mesh.size > 1:
+            # a kernel is opaque to XLA's partitioner (it would gather every operand and run the whole
+            # batch and every head on each device): run it per shard, rows split like the batch and
+            # heads like the attention weights; the pool's pages split like the rows (ids local to the
+            # shard) under data parallelism, else whole on every device
+            from jax.sharding import PartitionSpec as P
+            b, h = parallel.batch or None, parallel.heads or None
+            split = page_split(parallel) or None
+            kernel = shard_map(kernel, parallel.mesh,
+                                in_specs=(P(b, None, h, None), P(b, None, h, None), P(b, None, None),
+                                          P(None, split, None, None), P(b, None), P(b, None), P()),
+                                out_specs=P(b, None, h, None))
+        return kernel(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_L, block_table_BP, positions_BT,
+                      jnp.asarray(layer, jnp.int32))
+    return _mla_paged_attention_xla(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_L, block_table_BP, positions_BT,
+                                    scale, layer=layer, parallel=parallel)
+
+
+def paged_keys(pool: jax.Array, block_table_BP: jax.Array, new_BTC: jax.Array, positions_BT: jax.Array, *,
+               layer=None, parallel=None):
+    """Keys of paged attention, (keys [B, P * page + T, C] in new_BTC's dtype, mask [B, T, P * page + T]):
+    each row's cached pages in position order followed by the step's new tokens. Row b's cached tokens
+    are positions [0, positions[b, 0]); new token t sees new tokens t' <= t (positions < 0: padding).
+    pool, layer, parallel: as `gather_pages`."""
+    old_BSC = gather_pages(pool, block_table_BP, layer=layer, parallel=parallel)
+    S = old_BSC.shape[1]
+    old_mask_BTS = jnp.broadcast_to((jnp.arange(S)[None, :] < positions_BT[:, :1])[:, None, :],
+                                    (*positions_BT.shape, S))
+    new_mask_BTS = (positions_BT[:, None, :] <= positions_BT[:, :, None]) & (positions_BT[:, None, :] >= 0)
+    return (jnp.concatenate([old_BSC.astype(new_BTC.dtype), new_BTC], axis=1),
+            jnp.concatenate([old_mask_BTS, new_mask_BTS], axis=-1))
+
+
+def _mla_paged_attention_xla(q_lat_BTNA, q_pe_BTNR, new_BTC, pool, block_table_BP, positions_BT, scale, *,
+                             layer=None, parallel=None):
+    A = q_lat_BTNA.shape[-1]
+    dtype = q_lat_BTNA.dtype
+    keys_BSC, mask_BTS = paged_keys(pool, block_table_BP, new_BTC.astype(dtype), positions_BT, layer=layer,
+                                    parallel=parallel)
+    c_BSA, kpe_BSR = keys_BSC[..., :A], keys_BSC[..., A:]
+    s_BNTS = (einsum_f32("btna,bsa->bnts", q_lat_BTNA, c_BSA)
+              + einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR)) * scale
+    p_BNTS = jax.nn.softmax(jnp.where(mask_BTS[:, None], s_BNTS, -1e30), axis=-1).astype(dtype)
+    return einsum_f32("bnts,bsa->btna", p_BNTS, c_BSA).astype(dtype)

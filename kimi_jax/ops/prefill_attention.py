@@ -1,0 +1,236 @@
+"""Expanded-form (prefill) MLA attention: the XLA einsum path, cuDNN flash attention through
+jax.nn.dot_product_attention for fresh causal prefills, and for prefill chunks after cached tokens the
+masked call or two unmasked calls merged by log-sum-exp. `kimi_jax.ops` re-exports the public names;
+`use_prefill_attention` / `use_chunk_attention` force a path.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from kimi_jax.ops.impl import einsum_f32, forced, resolve_impl, shard_map as _shard_map
+
+# How `mla_prefill_attention` runs a fresh causal prefill (`causal=True`): None = automatic (cuDNN flash
+# attention when resolve_impl gives 'pallas' and the case fits, else the XLA einsum path); "einsum":
+# always the XLA einsum path; "cudnn" / "xla": one jax.nn.dot_product_attention call with that
+# implementation (V zero-padded to the qk head dim) for every causal case. "xla" runs the cuDNN
+# formulation anywhere: the CPU stand-in the tests use. Read at trace time, like use_impl: set it before
+# an engine first compiles a step.
+_PREFILL_ATTENTION: Optional[str] = None
+PREFILL_ATTENTION_CHOICES = ("einsum", "cudnn", "xla")
+
+
+def use_prefill_attention(choice: Optional[str]):
+    """Force how fresh causal prefills attend inside the block: None (automatic), 'einsum', 'cudnn' or
+    'xla' (see _PREFILL_ATTENTION)."""
+    return forced(globals(), "_PREFILL_ATTENTION", choice, PREFILL_ATTENTION_CHOICES, "prefill attention")
+
+
+# Prefill chunks that follow cached tokens (the scheduler's later prompt chunks, recomputes): their mask
+# is each row's cached prefix plus the chunk causally, which cuDNN's top-left causal mask cannot
+# express. 'cudnn' / 'xla': jax.nn.dot_product_attention with the explicit mask (cuDNN: an additive bias
+# [B, 1, T, S], 64x smaller than the einsum path's f32 scores [B, N, T, S]). 'cudnn_split' / 'xla_split':
+# no mask, two calls merged by their log-sum-exps (`_split_attention`): the chunk against the row's
+# cached keys (per-row key lengths) and against itself (causal), for callers that pass `chunk_lens`.
+# Automatic where resolve_impl gives 'pallas' and cuDNN fits: 'cudnn_split'. On the H200 (BENCHMARKS.md
+# MLA round 13), 256-token chunks at 64 heads after 4K / 32K cached tokens and 4 x 32K: einsum 0.70 /
+# 5.08 / 22.5 ms, masked 0.53 / 3.47 / 13.5 ms, split 0.34 / 1.79 / 6.9 ms. `use_chunk_attention` forces.
+_CHUNK_ATTENTION: Optional[str] = None
+CHUNK_ATTENTION_CHOICES = PREFILL_ATTENTION_CHOICES + ("cudnn_split", "xla_split")
+
+
+def use_chunk_attention(choice: Optional[str]):
+    """Force how prefill chunks after cached tokens attend inside the block: None (automatic:
+    'cudnn_split' on a GPU where cuDNN fits, else 'einsum'), 'einsum', 'cudnn' or 'xla' (one masked
+    jax.nn.dot_product_attention call), 'cudnn_split' or 'xla_split' (two unmasked calls merged; see
+    _CHUNK_ATTENTION)."""
+    return forced(globals(), "_CHUNK_ATTENTION", choice, CHUNK_ATTENTION_CHOICES, "chunk attention")
+
+
+def cudnn_attention_fits(qk_dim: int, v_dim: int, dtype) -> bool:
+    """Shapes and dtypes cuDNN flash attention takes through jax.nn.dot_product_attention (after V is
+    padded to the qk head dim): bf16/fp16, head dim a multiple of 8 and at most 256 (Hopper and later;
+    jax refuses > 128 on older GPUs at trace time, and the op then falls back to einsum)."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and qk_dim % 8 == 0 and qk_dim <= 256 and v_dim <= qk_dim)
+
+
+def prefill_attention_path(qk_dim: int, v_dim: int, dtype, *, causal: bool, impl: Optional[str] = None) -> str:
+    """Which path mla_prefill_attention takes, decided at trace time: 'einsum' (XLA einsums and a masked
+    softmax), 'cudnn' or 'xla' (one jax.nn.dot_product_attention call with that implementation), or for
+    a chunk after cached tokens 'cudnn_split' / 'xla_split' (two unmasked calls merged).
+    Only a fresh causal prefill (`causal`: the keys are the query tokens themselves, row by row) can use
+    dot_product_attention: cuDNN's causal mask is aligned top-left, and rows with cached tokens before
+    their chunk need it aligned bottom-right, per row: they take `_CHUNK_ATTENTION` if forced, else
+    'cudnn_split' where cuDNN fits (two unmasked calls merged; the masked call where the caller gives no
+    chunk_lens or the split is unavailable)."""
+    forced = _PREFILL_ATTENTION if causal else _CHUNK_ATTENTION
+    if forced is not None:
+        return forced
+    if resolve_impl(impl) == "pallas" and cudnn_attention_fits(qk_dim, v_dim, dtype):
+        return "cudnn" if causal else "cudnn_split"
+    return "einsum"
+
+
+def _dot_product_attention(q_BTNK, k_BSNK, v_BSNK, scale, implementation):
+    """jax.nn.dot_product_attention, causal (top-left); a module attribute so tests can wrap it."""
+    return jax.nn.dot_product_attention(q_BTNK, k_BSNK, v_BSNK, scale=scale, is_causal=True,
+                                        implementation=implementation)
+
+
+def _masked_dot_product_attention(q_BTNK, k_BSNK, v_BSNK, mask_BTS, scale, implementation):
+    """jax.nn.dot_product_attention with an explicit mask [B, T, S] (shared by the heads)."""
+    return jax.nn.dot_product_attention(q_BTNK, k_BSNK, v_BSNK, mask=mask_BTS[:, None], scale=scale,
+                                        implementation=implementation)
+
+
+_warned_fallback = False
+
+
+def mla_prefill_attention(q_nope_BTNH: jax.Array, q_pe_BTNR: jax.Array, k_BSNH: jax.Array, kpe_BSR: jax.Array,
+                          v_BSNV: jax.Array, mask_BTS: jax.Array, scale: float, *, causal: bool = False,
+                          impl: Optional[str] = None, parallel=None, chunk_lens=None) -> jax.Array:
+    """Expanded-form MLA attention; returns o [B, T, N, V] float32.
+
+    score[b,n,t,s] = (q_nope . k + q_pe . kpe) * scale over keys with mask[b,t,s], softmax in float32.
+    q_nope [B, T, N, H], q_pe [B, T, N, R] (rotated), k [B, S, N, H], kpe [B, S, R] (rotated, shared by
+    every head), v [B, S, N, V]; mask [B, T, S] bool.
+    causal (static): a fresh prefill: S == T, the keys are the query tokens, each row's real tokens
+    come first (positions 0, 1, ...) with padding only after them, and for every real query t
+    mask[b,t,s] is exactly s <= t. Then jax.nn.dot_product_attention with is_causal=True gives the same
+    outputs for the real tokens (padding tokens' outputs differ; they stay finite and are ignored).
+    The dot_product_attention path concatenates [q_nope | q_pe] and [k | kpe] to one qk head dim and
+    zero-pads V to it (the public API wants equal qk and v head dims; zero columns of V give zero
+    output columns, sliced off). Otherwise (keys = a cached prefix plus the chunk) the path is
+    `prefill_attention_path(causal=False)`'s: einsums; the same call with `mask` (a real query always
+    sees itself; a padding query that sees no key is given key 0, so no kernel meets an empty row); or,
+    given chunk_lens, two unmasked calls merged (`_split_attention`).
+    parallel: a kimi_jax.parallel.sharding.MoEParallel: the cuDNN call runs per device shard inside shard_map
+    (rows over the batch axes, heads over the head axes), as the decode kernel does.
+    chunk_lens: (cached [B], new [B]) int32 when the keys are `paged_keys`' layout (S - T cached slots,
+    row b's first cached[b] real, then the chunk, its first new[b] tokens real): the '_split' paths
+    need it (without it they take the masked call).
+    """
+    global _warned_fallback
+    H, R, V = q_nope_BTNH.shape[-1], q_pe_BTNR.shape[-1], v_BSNV.shape[-1]
+    dtype = q_nope_BTNH.dtype
+    fresh = causal and k_BSNH.shape[1] == q_nope_BTNH.shape[1]
+    path = prefill_attention_path(H + R, V, dtype, causal=fresh, impl=impl)
+    masked = path.removesuffix("_split")      # a split path falls back to the masked call (chunks only)
+    for p in ([path, masked] if path != masked and chunk_lens is not None else [masked]):
+        if p == "einsum":
+            break
+        try:
+            return _mla_prefill_attention_dpa(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, scale, p,
+                                              parallel, mask_BTS=None if fresh else mask_BTS,
+                                              chunk_lens=chunk_lens if p.endswith("_split") else None)
+        except (NotImplementedError, RuntimeError) as e:
+            # raised while tracing (no cuDNN, an unsupported GPU or shape, jax's private cuDNN entry point
+            # changed): take the next path (split -> masked call -> einsums)
+            if not _warned_fallback:
+                import logging
+                logging.getLogger(__name__).warning("prefill attention: %s path unavailable (%s: %s); "
+                                                    "falling back", p, type(e).__name__, e)
+                _warned_fallback = True
+    return _mla_prefill_attention_einsum(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, mask_BTS, scale)
+
+
+def _mla_prefill_attention_einsum(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, mask_BTS, scale):
+    dtype = q_nope_BTNH.dtype
+    rope_BNTS = einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR)
+    nope_BNTS = einsum_f32("btnh,bsnh->bnts", q_nope_BTNH, k_BSNH)
+    s_BNTS = jnp.where(mask_BTS[:, None], (nope_BNTS + rope_BNTS) * scale, -1e30)
+    p_BNTS = jax.nn.softmax(s_BNTS, axis=-1).astype(dtype)
+    return einsum_f32("bnts,bsnv->btnv", p_BNTS, v_BSNV)
+
+
+def _mla_prefill_attention_dpa(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, scale, implementation, parallel,
+                               mask_BTS=None, chunk_lens=None):
+    extra = tuple(chunk_lens) if chunk_lens is not None else (mask_BTS,) if mask_BTS is not None else ()
+
+    def attend(q_nope, q_pe, k, kpe, v, *extra):
+        N, K, V = k.shape[2], k.shape[3] + kpe.shape[-1], v.shape[-1]
+        q_BTNK = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1)
+        kpe_BSNR = jnp.broadcast_to(kpe[:, :, None, :], (*kpe.shape[:2], N, kpe.shape[-1])).astype(k.dtype)
+        k_BSNK = jnp.concatenate([k, kpe_BSNR], axis=-1)
+        v_BSNK = jnp.pad(v.astype(k.dtype), ((0, 0), (0, 0), (0, 0), (0, K - V)))
+        if chunk_lens is not None:
+            o_BTNK = _split_attention(q_BTNK, k_BSNK, v_BSNK, *extra, scale, implementation.removesuffix("_split"))
+        elif extra:
+            m_BTS = extra[0]
+            m_BTS = m_BTS.at[:, :, 0].set(m_BTS[:, :, 0] | ~m_BTS.any(axis=-1))   # padding queries
+            o_BTNK = _masked_dot_product_attention(q_BTNK, k_BSNK, v_BSNK, m_BTS, scale, implementation)
+        else:
+            o_BTNK = _dot_product_attention(q_BTNK, k_BSNK, v_BSNK, scale, implementation)
+        return o_BTNK[..., :V].astype(jnp.float32)
+
+    if parallel is not None and parallel.mesh.size > 1:
+        # jax's cuDNN attention is a custom call with its own partitioning rule; running it per shard
+        # (rows like the batch, heads like the attention weights) states the placement outright, the same
+        # way as the decode kernel, so the partitioner never gathers heads or rows around it
+        from jax.sharding import PartitionSpec as P
+        b, h = parallel.batch or None, parallel.heads or None
+        extra_specs = (P(b),) * 2 if chunk_lens is not None else (P(b, None, None),) * len(extra)
+        attend = _shard_map(attend, parallel.mesh,
+                            in_specs=(P(b, None, h, None), P(b, None, h, None), P(b, None, h, None),
+                                      P(b, None, None), P(b, None, h, None)) + extra_specs,
+                            out_specs=P(b, None, h, None))
+    return attend(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, *extra)
+
+
+def _split_attention(q_BTNK, k_BSNK, v_BSNK, cached_B, new_B, scale, implementation):
+    """Attention of a chunk after cached tokens without a mask: keys = S - T cached slots (row b's first
+    cached[b] real), then the chunk's T tokens (its first new[b] real, attending causally). Two
+    attention calls, each returning its log-sum-exp: queries x cached keys (per-row key lengths) and
+    queries x chunk keys (causal, per-row lengths), merged as flash-decoding merges splits. Queries past
+    new[b] (padding) get 0. implementation: 'cudnn' (jax's cuDNN entry point with per-row lengths) or
+    'xla' (its CPU stand-in, jnp)."""
+    T = q_BTNK.shape[1]
+    S0 = k_BSNK.shape[1] - T
+    parts = _attention_lse_cudnn if implementation == "cudnn" else _attention_lse_xla
+    if S0 == 0:                                                 # no cached slots at all: the chunk only
+        cached_B = jnp.zeros_like(cached_B)
+        pad = ((0, 0), (1, 0), (0, 0), (0, 0))                  # one slot no query sees
+        k_BSNK, v_BSNK, S0 = jnp.pad(k_BSNK, pad), jnp.pad(v_BSNK, pad), 1
+    has_old = (cached_B > 0)[:, None, None]
+    new_len = jnp.maximum(new_B, 1).astype(jnp.int32)          # no kernel meets a zero length
+    o_old, lse_old = parts(q_BTNK, k_BSNK[:, :S0], v_BSNK[:, :S0], new_len,
+                           jnp.maximum(cached_B, 1).astype(jnp.int32), scale, causal=False)
+    o_new, lse_new = parts(q_BTNK, k_BSNK[:, S0:], v_BSNK[:, S0:], new_len, new_len, scale, causal=True)
+    lse_old = jnp.where(has_old, lse_old, -jnp.inf)             # [B, T, N]
+    m = jnp.maximum(lse_old, lse_new)
+    w_old, w_new = jnp.exp(lse_old - m), jnp.exp(lse_new - m)
+    o_old = jnp.where(has_old[..., None], o_old.astype(jnp.float32), 0.0)
+    o = (o_old * w_old[..., None] + o_new.astype(jnp.float32) * w_new[..., None]) / (w_old + w_new)[..., None]
+    real = (jnp.arange(T)[None, :] < new_B[:, None])[:, :, None, None]
+    return jnp.where(real, o, 0.0)
+
+
+def _attention_lse_cudnn(q_BTNK, k_BSNK, v_BSNK, q_len_B, kv_len_B, scale, *, causal):
+    """cuDNN flash attention with per-row lengths, (o [B, T, N, K], log-sum-exp [B, T, N] float32), through
+    jax's cuDNN entry point: the public jax.nn.dot_product_attention returns the log-sum-exp rounded to
+    the inputs' dtype (bf16: merge weights off by up to ~3%)."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+    mask_type = fa.MaskType.PADDING_CAUSAL if causal else fa.MaskType.PADDING
+    try:
+        o, lse_BNT = fa.dot_product_attention(q_BTNK, k_BSNK, v_BSNK, q_seqlen=q_len_B, kv_seqlen=kv_len_B,
+                                              scale=scale, mask_type=mask_type, return_residual=True)
+    except (TypeError, ValueError) as e:   # a JAX whose private signature differs, a shape this cuDNN
+        raise NotImplementedError(f"jax's cuDNN entry point: {e}") from e   # refuses: the caller falls back
+    return o, jnp.transpose(lse_BNT, (0, 2, 1)).astype(jnp.float32)
+
+
+def _attention_lse_xla(q_BTNK, k_BSNK, v_BSNK, q_len_B, kv_len_B, scale, *, causal):
+    """The same in jnp (float32 scores): the CPU stand-in of _attention_lse_cudnn."""
+    del q_len_B                       # rows past it are padding, zeroed by the caller
+    s_BNTS = einsum_f32("btnk,bsnk->bnts", q_BTNK, k_BSNK) * scale
+    S, T = k_BSNK.shape[1], q_BTNK.shape[1]
+    see = jnp.arange(S)[None, None, :] < kv_len_B[:, None, None]                       # [B, 1, S]
+    if causal:
+        see = see & (jnp.arange(S)[None, None, :] <= jnp.arange(T)[None, :, None])     # [B, T, S]
+    s_BNTS = jnp.where(see[:, None], s_BNTS, -jnp.inf)
+    lse_BNT = jax.nn.logsumexp(s_BNTS, axis=-1)
+    p_BNTS = jnp.exp(s_BNTS - lse_BNT[..., None]).astype(q_BTNK.dtype)
+    return einsum_f32("bnts,bsnk->btnk", p_BNTS, v_BSNK).astype(q_BTNK.dtype), jnp.transpose(lse_BNT, (0, 2, 1))

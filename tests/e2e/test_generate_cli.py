@@ -1,0 +1,60 @@
+"""launch/generate.py (`kimi-generate`) as a user runs it: a fresh process on the CPU."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(*args, timeout=60):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    return subprocess.run([sys.executable, "-m", "launch.generate", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_default_prints_a_continuation():
+    from launch.generate import DEFAULT_PROMPT
+    r = _run("--max_tokens", "8")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith(DEFAULT_PROMPT)
+    assert len(r.stdout.strip()) > len(DEFAULT_PROMPT), r.stdout
+
+
+def test_prompt_prefilled_in_small_chunks_gives_the_same_text():
+    """--prefill_chunk 4: the default prompt (more than 4 tokens) is prefilled over several steps, each
+    chunk attending to the cached ones; greedy float32 text equals the one-step prefill's."""
+    base = _run("--max_tokens", "8", "--temperature", "0")
+    small = _run("--max_tokens", "8", "--temperature", "0", "--prefill_chunk", "4", "--max_prefill_tokens", "4")
+    assert base.returncode == 0 and small.returncode == 0, (base.stderr[-1000:], small.stderr[-1000:])
+    assert small.stdout == base.stdout and base.stdout.strip()
+
+
+def test_chat_messages_stream():
+    msgs = json.dumps([{"role": "user", "content": "What does json.dumps do?"}])
+    r = _run("--messages", msgs, "--max_tokens", "8", "--temperature", "0", "--stream")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip(), r.stdout
+
+
+@pytest.mark.parametrize("args", [
+    ("--no_such_flag",),
+    ("--max_tokens", "many"),
+    ("--top_p", "2"),
+    ("--dtype", "int3"),
+    ("--model", "/no/such/checkpoint"),
+    ("--messages", "not json"),
+    ("--prompt", "x", "--messages", "[]"),
+    ("--tensor_parallel_size", "2"),          # one CPU device here
+    ("--prefill_chunk", "0"),
+    ("positional",),
+])
+def test_bad_flags_exit_2_with_one_line(args):
+    r = _run(*args)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kimi-generate: error:"), r.stderr
+    assert r.stdout == ""

@@ -1,0 +1,339 @@
+"""Fused attention for fresh prefills (ops.mla_prefill_attention): which path is chosen (decided at trace
+time), the cuDNN formulation (V zero-padded to the qk head dim, one jax.nn.dot_product_attention call)
+against the XLA einsum path, and engine generation through it. cuDNN does not run on CPU: its stand-in
+is jax.nn.dot_product_attention(implementation="xla") on the very same padded inputs."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kimi_jax import LLM, SamplingParams, ops
+from kimi_jax.ops import prefill_attention
+from kimi_jax.engine import steps as engine_mod
+from kimi_jax.config import preset
+from kimi_jax.model.mla import MLA
+
+CFG = preset("tiny")
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    """Wraps prefill_attention._dot_product_attention: records the implementation each call asked for and runs the
+    XLA implementation instead (so a 'cudnn' choice is checked without executing cuDNN)."""
+    calls = []
+
+    def fake(q, k, v, scale, implementation):
+        calls.append(implementation)
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="xla")
+
+    monkeypatch.setattr(prefill_attention, "_dot_product_attention", fake)
+    return calls
+
+
+# ---- (a) selection ------------------------------------------------------------------------------------
+
+def test_path_selection():
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    kimi = (192, 128)                                   # qk = 128 nope + 64 rope; v 128
+    assert ops.prefill_attention_path(*kimi, bf16, causal=True, impl="pallas") == "cudnn"
+    assert ops.prefill_attention_path(*kimi, jnp.float16, causal=True, impl="pallas") == "cudnn"
+    assert ops.prefill_attention_path(*kimi, bf16, causal=False, impl="pallas") == "cudnn_split"  # chunk
+    assert ops.prefill_attention_path(*kimi, bf16, causal=True, impl="xla") == "einsum"      # not a GPU
+    assert ops.prefill_attention_path(*kimi, f32, causal=True, impl="pallas") == "einsum"    # cuDNN: 16-bit
+    assert ops.prefill_attention_path(264, 128, bf16, causal=True, impl="pallas") == "einsum"  # head > 256
+    assert ops.prefill_attention_path(*kimi, bf16, causal=True) == "einsum"     # tests run on CPU
+    with ops.use_prefill_attention("xla"):
+        assert ops.prefill_attention_path(*kimi, f32, causal=True) == "xla"
+        assert ops.prefill_attention_path(*kimi, f32, causal=False) == "einsum"
+    with ops.use_prefill_attention("einsum"):
+        assert ops.prefill_attention_path(*kimi, bf16, causal=True, impl="pallas") == "einsum"
+    with pytest.raises(ValueError):
+        with ops.use_prefill_attention("flash"):
+            pass
+
+
+def test_default_prefill_chunk():
+    """LLM's prefill_chunk default follows the chunk path: 2048 where chunks after cached tokens take
+    the split path (no [B, N, T, S] scores; a GPU with cuDNN), 256 where they take the einsum path."""
+    from kimi_jax.entrypoints.llm import default_prefill_chunk
+    cfg = preset("tiny")
+    assert default_prefill_chunk(cfg, jnp.bfloat16) == 256                     # CPU: einsum
+    with ops.use_impl("pallas"):                                               # as on a GPU
+        assert default_prefill_chunk(cfg, jnp.bfloat16) == 2048                # cudnn_split
+        assert default_prefill_chunk(cfg, jnp.float32) == 256                  # cuDNN takes 16-bit only
+    with ops.use_chunk_attention("xla_split"):
+        assert default_prefill_chunk(cfg, jnp.float32) == 2048
+        assert LLM("tiny", dtype="float32", num_pages=8).prefill_chunk == 2048
+        assert LLM("tiny", dtype="float32", num_pages=8, prefill_chunk=64).prefill_chunk == 64
+    with ops.use_chunk_attention("cudnn"):                                     # one masked call
+        assert default_prefill_chunk(cfg, jnp.bfloat16) == 256
+    assert LLM("tiny", dtype="float32", num_pages=8).prefill_chunk == 256
+
+
+def test_is_fresh():
+    P = -1
+    assert engine_mod.is_fresh(np.array([[0, 1, 2, 3], [0, 1, P, P], [P, P, P, P]]))
+    assert not engine_mod.is_fresh(np.array([[0, 1, 2, 3], [5, 6, 7, P]]))        # a row with a cached prefix
+    assert not engine_mod.is_fresh(np.array([[P, 0, 1, 2]]))                        # padding before tokens
+    assert not engine_mod.is_fresh(np.array([[0, 1, P, 3]]))                        # a hole
+    assert not engine_mod.is_fresh(np.array([[0, 2, 3, 4]]))                        # not consecutive
+
+
+def _paged_inputs(seed=0, dtype=jnp.float32):
+    """A paged prefill of 3 rows over a pool of garbage: row 0 full (12 tokens), row 1 of 5 tokens then
+    padding, row 2 all padding (batch padding)."""
+    B, T, page, X = 3, 12, 4, 16
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(B, T, CFG.hidden_size)), dtype)
+    pos = np.full((B, T), -1, np.int32)
+    pos[0] = np.arange(T)
+    pos[1, :5] = np.arange(5)
+    pool = jnp.asarray(rng.normal(size=(X, page, CFG.latent_dim)), dtype)
+    table = np.arange(B * 3, dtype=np.int32).reshape(B, 3)
+    return x, jnp.asarray(pos), pool, jnp.asarray(table), pos >= 0
+
+
+def _mla(dtype=jnp.float32):
+    return MLA(CFG, dtype=dtype, rngs=nnx.Rngs(3))
+
+
+def _run(mla, x, pos, pool, table, **kw):
+    """The MLA layer jitted (traced afresh each call, so the path is chosen under the current settings)."""
+    return jax.jit(lambda x, pos, pool, table: mla(x, pos, pool, block_table_BP=table, **kw))(x, pos, pool, table)
+
+
+def test_mla_chooses_fused_only_for_fresh_prefill(recorder):
+    mla = _mla()
+    x, pos, pool, table, valid = _paged_inputs()
+    ref, new_ref = _run(mla, x, pos, pool, table)                        # cached-prefix path (paged keys)
+    assert recorder == []
+    with ops.use_prefill_attention("xla"):
+        out, new = _run(mla, x, pos, pool, table, fresh=True)
+        assert recorder == ["xla"]
+        _run(mla, x, pos, pool, table)                                    # not fresh: the einsum path
+        _run(mla, x, pos, pool, table, fresh=True, absorbed=True)        # absorbed: never fused
+        assert recorder == ["xla"]
+    out_e, _ = _run(mla, x, pos, pool, table, fresh=True)               # CPU, automatic: einsum
+    assert recorder == ["xla"]
+    with ops.use_impl("pallas"):       # GPU choice (bf16 MLA: no INT4 weight, so no other kernel runs)
+        mla16, b16 = _mla(jnp.bfloat16), jnp.bfloat16
+        jax.eval_shape(lambda: mla16(x.astype(b16), pos, pool.astype(b16), block_table_BP=table, fresh=True))
+        assert recorder == ["xla", "cudnn"]
+        jax.eval_shape(lambda: mla16(x.astype(b16), pos, pool.astype(b16), block_table_BP=table))
+        assert recorder == ["xla", "cudnn"]
+    # the latents written to the cache are the same whichever path attends
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(new_ref))
+    # real rows: the fresh paths (keys = new tokens only) match the paged-keys path; float32, the same
+    # math in another summation order (and a concatenated vs split qk dot): ~1e-6 relative
+    v = valid[..., None]
+    for o in (out, out_e):
+        np.testing.assert_allclose(np.where(v, np.asarray(o), 0), np.where(v, np.asarray(ref), 0),
+                                   rtol=1e-4, atol=1e-5)
+    assert np.isfinite(np.asarray(out)).all()                            # padding rows stay finite too
+
+
+# ---- (b) the padded-V formulation against the einsum path --------------------------------------------
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 2e-2)])
+def test_padded_v_dot_product_attention_matches_einsum(dtype, tol):
+    """Random q/k/v with Kimi's head-dim ratios scaled down (nope 32 + rope 16 = qk 48, v 32): ragged rows
+    (full, partial with padding after, all padding). Tolerances: float32 differs only in summation order
+    (~1e-6); bf16 inputs round the probabilities to bf16 in both paths, at different points of the
+    (differently ordered) sums, so outputs may differ by about one bf16 ulp (2^-8 ~ 0.4%) of |o| <~ 3."""
+    B, T, N, H, R, V = 4, 40, 4, 32, 16, 32
+    ks = jax.random.split(jax.random.PRNGKey(7), 5)
+    q_nope = jax.random.normal(ks[0], (B, T, N, H), dtype)
+    q_pe = jax.random.normal(ks[1], (B, T, N, R), dtype)
+    k = jax.random.normal(ks[2], (B, T, N, H), dtype)
+    kpe = jax.random.normal(ks[3], (B, T, R), dtype)
+    v = jax.random.normal(ks[4], (B, T, N, V), dtype)
+    lengths = np.array([40, 17, 1, 0])
+    pos = np.where(np.arange(T)[None, :] < lengths[:, None], np.arange(T)[None, :], -1)
+    mask = (pos[:, None, :] <= pos[:, :, None]) & (pos[:, None, :] >= 0)
+    scale = (H + R) ** -0.5
+    args = (q_nope, q_pe, k, kpe, v, jnp.asarray(mask))
+    run = lambda: np.asarray(jax.jit(lambda *a: ops.mla_prefill_attention(*a, scale, causal=True))(*args))
+    with ops.use_prefill_attention("einsum"):
+        ref = run()
+    with ops.use_prefill_attention("xla"):
+        out = run()
+    valid = (pos >= 0)[..., None, None]
+    assert out.shape == ref.shape == (B, T, N, V) and out.dtype == np.float32
+    np.testing.assert_allclose(np.where(valid, out, 0), np.where(valid, ref, 0), rtol=tol, atol=tol)
+    assert np.isfinite(out).all()
+
+
+def test_sharded_dot_product_attention_per_shard(recorder, monkeypatch):
+    """Under a dp2 x tp2 mesh the fused call runs per shard (shard_map: rows over dp, heads over tp) and
+    gives the unsharded result."""
+    from kimi_jax.parallel.sharding import Layout
+    par = Layout(tensor_parallel_size=2, data_parallel_size=2).moe_parallel()
+    B, T, N, H, R, V = 4, 8, 4, 16, 8, 16
+    ks = jax.random.split(jax.random.PRNGKey(1), 5)
+    args = (jax.random.normal(ks[0], (B, T, N, H)), jax.random.normal(ks[1], (B, T, N, R)),
+            jax.random.normal(ks[2], (B, T, N, H)), jax.random.normal(ks[3], (B, T, R)),
+            jax.random.normal(ks[4], (B, T, N, V)))
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+    shapes, inner = [], prefill_attention._dot_product_attention
+    monkeypatch.setattr(prefill_attention, "_dot_product_attention",
+                        lambda q, *a: (shapes.append(q.shape), inner(q, *a))[1])
+    with ops.use_prefill_attention("xla"):
+        ref = ops.mla_prefill_attention(*args, mask, 0.2, causal=True)
+        out = jax.jit(lambda *a: ops.mla_prefill_attention(*a, mask, 0.2, causal=True, parallel=par))(*args)
+    assert recorder == ["xla", "xla"]
+    assert shapes == [(B, T, N, H + R), (B // 2, T, N // 2, H + R)]      # the second call saw one shard
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    # a chunk after cached tokens (keys: 5 cached slots, then the chunk): the masked call per shard too,
+    # its mask split over the rows like the queries
+    S = 5 + T
+    k2 = jax.random.normal(ks[2], (B, S, N, H))
+    kpe2, v2 = jax.random.normal(ks[3], (B, S, R)), jax.random.normal(ks[4], (B, S, N, V))
+    cached = np.array([5, 0, 3, 1])
+    old = np.broadcast_to((np.arange(5)[None, :] < cached[:, None])[:, None, :], (B, T, 5))
+    cmask = jnp.asarray(np.concatenate([old, np.broadcast_to(np.tril(np.ones((T, T), bool)), (B, T, T))], -1))
+    masked, inner_m = [], prefill_attention._masked_dot_product_attention
+    monkeypatch.setattr(prefill_attention, "_masked_dot_product_attention",
+                        lambda q, k, v, m, *a: (masked.append(m.shape), inner_m(q, k, v, m, *a))[1])
+    chunk = (args[0], args[1], k2, kpe2, v2, cmask)
+    with ops.use_chunk_attention("einsum"):
+        ref = ops.mla_prefill_attention(*chunk, 0.2)
+    with ops.use_chunk_attention("xla"):
+        out = jax.jit(lambda *a: ops.mla_prefill_attention(*a, 0.2, parallel=par))(*chunk)
+    assert masked == [(B // 2, T, S)]
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    # the two unmasked calls merged ('xla_split'), per shard: the lengths split over the rows too
+    parts, inner_p = [], prefill_attention._attention_lse_xla
+    monkeypatch.setattr(prefill_attention, "_attention_lse_xla", lambda q, k, *a, **kw: (parts.append(k.shape),
+                                                                             inner_p(q, k, *a, **kw))[1])
+    lens = (jnp.asarray(cached, jnp.int32), jnp.full((B,), T, jnp.int32))
+    with ops.use_chunk_attention("xla_split"):
+        out = jax.jit(lambda *a, lens: ops.mla_prefill_attention(*a, 0.2, parallel=par, chunk_lens=lens))(
+            *chunk, lens=lens)
+    assert parts == [(B // 2, 5, N // 2, H + R), (B // 2, T, N // 2, H + R)]     # cached keys, then the chunk
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+# ---- (c) engine generation ----------------------------------------------------------------------------
+
+def test_engine_generation_same_tokens(recorder, monkeypatch):
+    """Greedy tokens with fresh prefills through dot_product_attention (xla stand-in for cuDNN) equal the
+    tokens of the engine without the fresh path (every prefill over paged keys, as before). Chunks of 16
+    tokens: the first step is a fresh prefill (rows of 7, 16, 16 tokens and a padding row), the second
+    continues two prompts after a cached prefix (einsum path)."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, CFG.vocab_size, n).tolist() for n in (7, 17, 27)]
+    # few shapes to compile (compiles dominate the time): the first prompt, done a step earlier, decodes
+    # one token more, so all three finish together and decode at one batch size
+    sp = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (5, 4, 4)]
+    kw = dict(dtype="float32", max_num_seqs=4, page_size=16, num_pages=16, prefill_chunk=16,
+              max_prefill_tokens=48)
+    with monkeypatch.context() as m:
+        m.setattr(engine_mod, "is_fresh", lambda positions: False)
+        before = [o.outputs[0].token_ids for o in LLM("tiny", **kw).generate(prompts, sp)]
+    assert recorder == []
+    with ops.use_prefill_attention("xla"):
+        after = [o.outputs[0].token_ids for o in LLM("tiny", **kw).generate(prompts, sp)]
+    assert recorder and set(recorder) == {"xla"}       # fresh prefills went through it
+    assert after == before
+
+
+# ---- (d) prefill chunks after cached tokens: the masked dot_product_attention call --------------------
+
+def test_chunk_after_cached_tokens_masked_call_matches_einsum(monkeypatch):
+    """A chunk of new tokens after each row's cached prefix (the paged keys' layout: cached slots, then
+    the chunk): `use_chunk_attention('xla')` (cuDNN's stand-in: the same padded inputs and mask through
+    jax.nn.dot_product_attention) against the einsum path, float32 (summation order only: ~1e-6), for
+    ragged prefixes (none, partial pages), a padded chunk and an all-padding row; the fresh path is
+    untouched (the causal call, no mask)."""
+    B, T, P, N, H, R, V = 4, 6, 20, 3, 16, 8, 16
+    ks = jax.random.split(jax.random.PRNGKey(11), 5)
+    f32 = jnp.float32
+    q_nope = jax.random.normal(ks[0], (B, T, N, H), f32)
+    q_pe = jax.random.normal(ks[1], (B, T, N, R), f32)
+    k = jax.random.normal(ks[2], (B, P + T, N, H), f32)
+    kpe = jax.random.normal(ks[3], (B, P + T, R), f32)
+    v = jax.random.normal(ks[4], (B, P + T, N, V), f32)
+    cached, n_new = np.array([0, 7, 20, 3]), np.array([6, 4, 2, 0])
+    pos = np.where(np.arange(T)[None] < n_new[:, None], cached[:, None] + np.arange(T)[None], -1)
+    old = np.broadcast_to((np.arange(P)[None, :] < cached[:, None])[:, None, :], (B, T, P))
+    new = (pos[:, None, :] <= pos[:, :, None]) & (pos[:, None, :] >= 0)
+    mask = jnp.asarray(np.concatenate([old, new], axis=-1))
+    scale = (H + R) ** -0.5
+    calls = []
+    real = prefill_attention._masked_dot_product_attention
+    monkeypatch.setattr(prefill_attention, "_masked_dot_product_attention", lambda *a: calls.append(a[-1]) or real(*a))
+    run = lambda: np.asarray(jax.jit(lambda *a: ops.mla_prefill_attention(*a, scale))(  # noqa: E731
+        q_nope, q_pe, k, kpe, v, mask))
+    ref = run()
+    assert calls == []                                       # automatic on CPU: einsum
+    # automatic on GPU (impl 'pallas'): cuDNN where it fits (bf16), as fresh prefills; einsum otherwise
+    assert ops.prefill_attention_path(H + R, V, jnp.bfloat16, causal=False, impl="pallas") == "cudnn_split"
+    assert ops.prefill_attention_path(H + R, V, f32, causal=False, impl="pallas") == "einsum"
+    assert ops.prefill_attention_path(H + R, V, jnp.bfloat16, causal=False, impl="xla") == "einsum"
+    with ops.use_chunk_attention("xla"):
+        assert ops.prefill_attention_path(H + R, V, f32, causal=False) == "xla"
+        out = run()
+    assert calls == ["xla"]
+    valid = (pos >= 0)[..., None, None]
+    np.testing.assert_allclose(np.where(valid, out, 0), np.where(valid, ref, 0), rtol=1e-4, atol=1e-5)
+    assert np.isfinite(out).all()
+    # 'xla_split': the chunk against the cached keys and against itself, merged by log-sum-exp (no
+    # mask); a row without cached tokens (0) takes the chunk part only, the all-padding row gives 0s
+    lens = (jnp.asarray(np.maximum(pos[:, 0], 0), jnp.int32), jnp.asarray((pos >= 0).sum(1), jnp.int32))
+    with ops.use_chunk_attention("xla_split"):
+        split = np.asarray(jax.jit(lambda *a: ops.mla_prefill_attention(*a[:-2], scale, chunk_lens=a[-2:]))(
+            q_nope, q_pe, k, kpe, v, mask, *lens))
+        assert len(calls) == 1                                # no masked call
+        masked = run()                                        # without chunk_lens: the masked call
+        assert len(calls) == 2
+    np.testing.assert_allclose(np.where(valid, masked, 0), np.where(valid, ref, 0), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.where(valid, split, 0), np.where(valid, ref, 0), rtol=1e-4, atol=1e-5)
+    assert np.isfinite(split).all() and not split[3].any()
+    # keys of the chunk alone (no cached slots): the chunk part only, as the einsum path over them
+    only = (q_nope, q_pe, k[:, P:], kpe[:, P:], v[:, P:], mask[:, :, P:])
+    zero = (jnp.zeros((B,), jnp.int32), lens[1])
+    with ops.use_chunk_attention("xla_split"):
+        alone = np.asarray(ops.mla_prefill_attention(*only, scale, chunk_lens=zero))
+    with ops.use_chunk_attention("einsum"):
+        alone_ref = np.asarray(ops.mla_prefill_attention(*only, scale))
+    np.testing.assert_allclose(np.where(valid, alone, 0), np.where(valid, alone_ref, 0), rtol=1e-4, atol=1e-5)
+    # the split unavailable (jax's private cuDNN entry point changed, say): the masked call instead
+    def unavailable(*a, **kw):
+        raise NotImplementedError("no entry point")
+    monkeypatch.setattr(prefill_attention, "_attention_lse_xla", unavailable)
+    with ops.use_chunk_attention("xla_split"):
+        fallback = np.asarray(ops.mla_prefill_attention(q_nope, q_pe, k, kpe, v, mask, scale, chunk_lens=lens))
+    assert len(calls) == 3
+    np.testing.assert_allclose(np.where(valid, fallback, 0), np.where(valid, ref, 0), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError):
+        with ops.use_chunk_attention("flash"):
+            pass
+
+
+def test_engine_chunked_prefill_through_the_masked_call(monkeypatch):
+    """Generation whose prompts are prefilled in several chunks (prefill_chunk 8: every chunk after a
+    prompt's first follows cached tokens) gives the same greedy tokens with those chunks' attention
+    through the masked dot_product_attention call as through the einsum path (float32 tiny model: the
+    two differ in summation order only)."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(2, CFG.vocab_size, n).tolist() for n in (21, 9, 30)]
+    sp = [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 3
+    kw = dict(dtype="float32", max_num_seqs=4, page_size=16, num_pages=16, prefill_chunk=8,
+              max_prefill_tokens=24)
+    calls = []
+    real = prefill_attention._masked_dot_product_attention
+    monkeypatch.setattr(prefill_attention, "_masked_dot_product_attention", lambda *a: calls.append(a[-1]) or real(*a))
+    parts = []
+    real_p = prefill_attention._attention_lse_xla
+    monkeypatch.setattr(prefill_attention, "_attention_lse_xla",
+                        lambda *a, **kw: parts.append(kw["causal"]) or real_p(*a, **kw))
+    outs = []
+    for choice in ("einsum", "xla", "xla_split"):
+        with ops.use_chunk_attention(choice):
+            outs.append([o.outputs[0].token_ids for o in LLM("tiny", **kw).generate(prompts, sp)])
+    assert calls and set(calls) == {"xla"}
+    assert parts and set(parts) == {False, True}           # the split path ran (both halves)
+    assert outs[0] == outs[1] == outs[2] and all(len(t) == 4 for t in outs[0])

@@ -1,0 +1,432 @@
+"""The planner: the published RTX PRO 6000 anchor, hand-computed cases, and per-device bytes that agree
+with kimi_jax.parallel.sharding on the full Kimi-K2.5 geometry."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from kimi_jax.tools import hardware
+from kimi_jax.tools import planner
+from kimi_jax.config import ModelConfig, QuantConfig, preset
+from kimi_jax.tools.hardware import CollectiveModel, Hardware
+from kimi_jax.model.transformer import Transformer
+from kimi_jax.parallel.sharding import Layout, per_device_bytes
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# ---- acceptance: the published profile of the deployment kimi_jax replaces --------------------------
+def anchor_plan(**opts):
+    a = planner.ANCHOR_RTX6KPRO
+    return planner.plan(preset("kimi-k2.5"), hardware.preset("rtx-pro-6000"), Layout(8), a["batch"], a["context"],
+                        planner.PlanOptions(engine=a["engine"], **opts), model_name="kimi-k2.5")
+
+
+def test_anchor_allreduces_and_9_9_ms():
+    """Kimi-K2.5 INT4, 8 x RTX PRO 6000 (96 GB, ~1.8 TB/s, PCIe Gen5), TP8, 78 us per all-reduce.
+
+    The published profile is of a vLLM deployment, so the anchor plans vLLM's TP decode step
+    (engine='vllm'), every collective justified by a source in planner.VLLM_TP_SOURCES: 1 embedding +
+    61 o_proj + 1 dense down_proj + 60 MoE all-reduces = 123, and 1 logits all-gather. The profile
+    counted 127 all-reduces; the 4 beyond 123 are not accounted for by the sources (acceptance asked
+    for 127 +- 2: NOT met; this test pins what the sources justify). The all-reduce time is within
+    the acceptance's 10% of 9.9 ms."""
+    assert planner.ANCHOR_RTX6KPRO["engine"] == "vllm"
+    p = anchor_plan(allreduce_us=78.0)
+    counts = planner.collective_counts(p.collectives)
+    assert counts == {"all-reduce": 1 + 61 + 1 + 60, "all-gather": 1, "reduce-scatter": 0, "all-to-all": 0,
+                      "collective-permute": 0}
+    assert p.count() == 124
+    assert 127 - p.count("all-reduce") == 4          # unexplained by the sources (see the report)
+    for c in p.collectives:                          # every row cites vLLM's code
+        assert "[vLLM: vllm/" in c.why or "[vLLM: deepseek_v2.py" in c.why, c.why
+    ar_ms = 1e3 * p.collective_s_of("all-reduce")
+    assert ar_ms == pytest.approx(123 * 0.078)
+    assert abs(ar_ms - 9.9) <= 0.99                  # published 9.88 ms NCCL (+1.16 ms custom)
+    assert abs(ar_ms - 9.88) / 9.88 < 0.10
+    assert p.fits and p.weight_bytes / 2**30 == pytest.approx(71.26, abs=0.01)
+    report = planner.anchor_report(p)
+    print("\n" + report)
+    for x in ("127", "123", "124", "9.88", "21.7", "82", "Unexplained", f"{1e3 * p.step_s:.2f}",
+              f"{p.tokens_per_s:.1f}"):
+        assert x in report
+    # the preset's own all-reduce model (78 us + bytes over PCIe) stays within the same 10%
+    q = anchor_plan()
+    assert q.count("all-reduce") == 123
+    assert abs(1e3 * q.collective_s_of("all-reduce") - 9.9) <= 0.99
+
+
+def test_vllm_and_kimi_jax_collectives_under_tp8():
+    cfg = preset("kimi-k2.5")
+    vllm = planner.collective_counts(planner.collective_plan(cfg, Layout(8), 1, engine="vllm"))
+    ours = planner.collective_counts(planner.collective_plan(cfg, Layout(8), 1))
+    # kimi_jax's step now has the same collectives as vLLM's under TP8: 2 per layer + embedding, 1 gather
+    assert ours == vllm == {"all-reduce": 123, "all-gather": 1, "reduce-scatter": 0, "all-to-all": 0,
+                            "collective-permute": 0}
+    # but kimi_jax gathers f32 logits and vLLM bf16
+    lg = {e: [c for c in planner.collective_plan(cfg, Layout(8), 1, engine=e) if c.kind == "all-gather"][0]
+          for e in ("vllm", "kimi_jax")}
+    assert lg["kimi_jax"].bytes == 2 * lg["vllm"].bytes == 163840 * 4
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        planner.collective_plan(cfg, Layout(1, 8, True), 8, engine="vllm")
+
+
+def test_anchor_step_is_between_production_and_profiled():
+    p = anchor_plan(allreduce_us=78.0)
+    assert 1e3 / 82 < 1e3 * p.step_s < 21.7          # 12.2 ms production < planned < 21.7 ms profiled
+
+
+def test_kimi_plan_cli_anchor():
+    out = subprocess.run([sys.executable, "-m", "launch.plan", "--anchor"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "all-reduces per token                          123         127" in out.stdout
+
+
+# ---- hand-computed cases ----------------------------------------------------------------------------
+def small(**kw) -> ModelConfig:
+    base = dict(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=1,
+                num_attention_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=None, qk_nope_head_dim=4, qk_rope_head_dim=2,
+                v_head_dim=4, norm_topk_prob=True, routed_scaling_factor=1.0, rms_norm_eps=1e-6, rope_theta=1e4)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+# round numbers: 1 byte per ns, every kernel at 100%, free compute, 10 us per collective
+TOY = Hardware(name="toy", hbm_bytes=1e6, hbm_bw=1e9, bf16_flops=1e21, interconnect="toy", link_bw=1e21,
+               collectives={"all-reduce": CollectiveModel(10e-6, 1e21)}, gemv_efficiency=1.0, int4_efficiency=1.0,
+               attention_efficiency=1.0)
+
+
+def test_one_dense_layer_by_hand():
+    cfg = small()
+    p = planner.plan(cfg, TOY, Layout(2), batch=1, context=8,
+                     options=planner.PlanOptions(runtime_reserve_bytes=0, engine_artifacts=False))
+    # attention, bf16, TP2: q_proj 12x16/2, kv_a 10x16, kv_a_norm 8, kv_b 16x8/2, o_proj 16x8/2
+    attn = (6 * 16 + 10 * 16 + 8 + 8 * 8 + 16 * 4) * 2
+    assert attn == 784
+    norms = (2 * 16 + 16) * 2
+    dense = 3 * 16 * 16 * 2                         # gate/up/down, width 32 split in two
+    vocab = 32 * 16 * 2                             # embedding and lm_head, vocab split in two
+    assert p.weights == {"attention": attn, "norms": norms, "dense_ffn": dense, "router": 0, "shared_experts": 0,
+                         "routed_experts": 0, "embedding": vocab, "lm_head": vocab}
+    assert p.weight_bytes == 4464
+    assert p.cache_len == 8 and p.cache_bytes == 1 * 1 * 8 * 10 * 2       # L x B x S x (A+R) x bf16
+    # collectives: embedding, attention, dense FFN all-reduces + one all-gather of the vocab-split logits
+    assert planner.collective_counts(p.collectives) == {"all-reduce": 3, "all-gather": 1, "reduce-scatter": 0,
+                                                        "all-to-all": 0, "collective-permute": 0}
+    # bytes: [1, 16] bf16 partial sums, the [1, 64] f32 logits gathered
+    assert sorted((c.kind, c.bytes) for c in p.collectives) == [("all-gather", 64 * 4)] + [("all-reduce", 32)] * 3
+    # time: weights read once (embedding: one row of 16 bf16), the cache once (a GPU plan with the Pallas
+    # decode kernels; twice on the XLA path's two einsums), 4 collectives x 10 us
+    read = attn + norms + dense + vocab + 16 * 2
+    assert p.compute_memory_s == pytest.approx((read + 160) * 1e-9, rel=1e-6)
+    assert p.collective_s == pytest.approx(4 * 10e-6, rel=1e-6)
+    assert p.step_s == pytest.approx(40e-6 + 3.632e-6, rel=1e-6)
+    assert p.tokens_per_s == pytest.approx(1 / 43.632e-6, rel=1e-6)
+    x = planner.plan(cfg, TOY, Layout(2), batch=1, context=8,
+                     options=planner.PlanOptions(runtime_reserve_bytes=0, engine_artifacts=False, impl="xla"))
+    assert x.compute_memory_s == pytest.approx((read + 2 * 160) * 1e-9, rel=1e-6)
+    # no engine artifacts left in a one-layer TP step (no sampler loop, no layer loop)
+    q = planner.plan(cfg, TOY, Layout(2), batch=1, context=8, options=planner.PlanOptions(runtime_reserve_bytes=0))
+    assert q.step_s == pytest.approx(p.step_s, rel=1e-12)
+    # float32 mode: the partial sums go over the wire in f32
+    f = planner.collective_plan(cfg, Layout(2), 1, dtype_bytes=4)
+    assert [c.bytes for c in f if c.kind == "all-reduce"] == [64] * 3
+
+
+def test_moe_layer_tp_vs_ep_by_hand():
+    cfg = small(first_k_dense_replace=0)             # one MoE layer: E=4, top-2, F=8, one shared expert
+    design = planner.PlanOptions(engine_artifacts=False)
+    tp = planner.plan(cfg, TOY, Layout(2), batch=1, context=8, options=design)
+    ep = planner.plan(cfg, TOY, Layout(2, 1, True), batch=1, context=8, options=design)
+    dp = planner.plan(cfg, TOY, Layout(1, 2, True), batch=2, context=8, options=design)
+    router = (4 * 16 + 4) * 4                        # float32 weight and bias, replicated
+    slice_ = (2 * 4 * 16 + 16 * 4) * 2               # one expert's half: gate/up 4x16, down 16x4, bf16
+    whole = (2 * 8 * 16 + 16 * 8) * 2
+    assert tp.weights["router"] == ep.weights["router"] == dp.weights["router"] == router
+    assert tp.weights["routed_experts"] == 4 * slice_ == 1536          # every expert, half of each
+    assert ep.weights["routed_experts"] == 2 * whole == 1536           # half the experts, whole
+    assert tp.weights["shared_experts"] == 3 * 4 * 16 * 2 and dp.weights["shared_experts"] == 3 * 8 * 16 * 2
+    assert tp.weight_bytes == ep.weight_bytes == 784 + 96 + router + 384 + 1536 + 2048 == 5120
+    assert dp.weight_bytes == 1232 + 96 + router + 768 + 1536 + 4096 == 8000
+    # collectives: TP and TP+EP all-reduce the MoE output once (shared + routed in one op); DP+EP dispatches
+    counts = {n: planner.collective_counts(p.collectives) for n, p in (("tp", tp), ("ep", ep), ("dp", dp))}
+    assert counts["tp"] == counts["ep"] == {"all-reduce": 3, "all-gather": 1, "reduce-scatter": 0, "all-to-all": 0,
+                                            "collective-permute": 0}
+    moe = [c for c in tp.collectives if c.why.startswith("MoE")]
+    assert [(c.count, c.bytes) for c in moe] == [(1, 2 * 16 * 2)]          # [1, 16] bf16, twice
+    # DP2+EP: the logits' rows (1) and the dispatch of tokens/ids/weights (1); one reduce-scatter of the outputs
+    assert counts["dp"] == {"all-reduce": 0, "all-gather": 2, "reduce-scatter": 1, "all-to-all": 0,
+                            "collective-permute": 0}
+    # the current engine on GPU adds nothing here (one MoE layer: no layer loop, no rematerialized dispatch)
+    cur = planner.plan(cfg, TOY, Layout(2), batch=1, context=8)
+    assert cur.count("all-reduce") == 3 and not any(c.artifact for c in cur.collectives)
+    # on CPU (what tests/test_profiler.py compiles): 3 dispatch ops, cache-write and router top-k gathers
+    cpu = planner.collective_plan(cfg, Layout(1, 2, True), 2, program="cpu")
+    assert planner.collective_counts(cpu)["all-gather"] == 1 + 3 + (1 + 2) + 1
+    # expert bytes read at batch 1: one token touches k=2 experts
+    mem = {t.name.split(" (")[0]: t for t in tp.terms}
+    assert mem["routed experts"].bytes == pytest.approx(2 * slice_)     # 2 touched slices on every TP device
+    mem_ep = {t.name.split(" (")[0]: t for t in ep.terms}
+    # EP: 2 local experts, each touched with p = 1/2; the busier of two devices: 1 + 0.5642 x sqrt(0.5)
+    assert mem_ep["routed experts"].bytes == pytest.approx((1 + 0.5642 * math.sqrt(0.5)) * whole)
+
+
+def test_int4_expert_bytes_by_hand():
+    cfg = small(first_k_dense_replace=0, moe_intermediate_size=32, quantization=QuantConfig(group_size=8))
+    # gate/up [F=32, D=16]: 16/8 int32 words + 16/8 bf16 scales per row; down [16, 32]: 4 words + 4 scales per row
+    assert planner.expert_bytes_local(cfg, Layout(1, 2, True)) == 2 * 32 * (2 * 4 + 2 * 2) + 16 * (4 * 4 + 4 * 2)
+    assert planner.expert_bytes_local(cfg, Layout(2)) == 2 * 16 * (2 * 4 + 2 * 2) + 16 * (2 * 4 + 2 * 2)
+
+
+def test_expected_touched_experts():
+    assert planner.expected_touched(384, 8, 384, 1) == pytest.approx(8)
+    assert planner.expected_touched(48, 8, 384, 1) == pytest.approx(1)
+    assert planner.expected_touched(384, 8, 384, 10_000) == pytest.approx(384)
+    assert planner.busiest_device_touched(48, 8, 384, 10_000, 8) == 48
+
+
+# ---- the rules against compiled programs on the GPU ----------------------------------------------------
+# Counted from the compiled decode step (launch/bench_engine.py, contiguous-cache reference step) on
+# 2 x H200, jax 0.11.2, 2026-11-29 (third session; BENCHMARKS.md "Two H200s"): a Kimi-K2.5 slice of 3
+# layers (1 dense + 2 MoE, 384 experts), batch 2 and 64 gave the same counts.
+H200_RECORDED_3L = {
+    Layout(2): {"all-reduce": 7, "all-gather": 1, "reduce-scatter": 0, "all-to-all": 0, "collective-permute": 0},
+    Layout(2, 1, True): {"all-reduce": 7, "all-gather": 1, "reduce-scatter": 0, "all-to-all": 0,
+                         "collective-permute": 0},
+    Layout(1, 2, True): {"all-reduce": 0, "all-gather": 3, "reduce-scatter": 2, "all-to-all": 0,
+                         "collective-permute": 0},
+}
+
+
+@pytest.mark.parametrize("batch", [2, 64])
+@pytest.mark.parametrize("layout", list(H200_RECORDED_3L), ids=lambda l: l.name)
+def test_rules_match_the_kimi_k25_step_compiled_on_h200(layout, batch):
+    cfg = preset("kimi-k2.5").replace(num_hidden_layers=3)
+    specs = planner.collective_plan(cfg, layout, batch, program="gpu")
+    assert planner.collective_counts(specs) == H200_RECORDED_3L[layout]
+    full = planner.collective_counts(planner.collective_plan(preset("kimi-k2.5"), layout, 8, program="gpu"))
+    if layout.data_parallel_size == 1:    # the full model: embedding + 61 o_proj + 1 dense + 60 MoE
+        assert full["all-reduce"] == 1 + 61 + 1 + 60 and full["all-gather"] == 1
+    else:                                 # per MoE layer one dispatch gather and one combine; the logits
+        assert (full["all-gather"], full["reduce-scatter"]) == (60 + 1, 60)
+
+
+# ---- per-device bytes agree with kimi_jax.parallel.sharding ------------------------------------------------------
+KIMI_LAYOUTS = [Layout(1), Layout(8), Layout(8, 1, True), Layout(1, 8, True), Layout(4, 2, True), Layout(2, 4),
+                Layout(2, 4, True)]
+
+
+def test_param_bytes_match_sharding_for_kimi_k25():
+    cfg = preset("kimi-k2.5")
+    abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))[1]
+    for layout in KIMI_LAYOUTS:
+        assert sum(planner.param_bytes(cfg, layout).values()) == per_device_bytes(layout, abstract), layout.name
+
+
+@pytest.mark.parametrize("variant", ["tiny", "bf16_no_qlora", "odd_tp"])
+def test_param_bytes_match_sharding_small(variant):
+    cfg = preset("tiny").replace(num_attention_heads=8, n_routed_experts=16, n_group=1, topk_group=1)
+    layouts = KIMI_LAYOUTS
+    if variant == "bf16_no_qlora":
+        cfg = cfg.replace(q_lora_rank=None, quantization=None, n_shared_experts=2)
+    elif variant == "odd_tp":
+        cfg = cfg.replace(quantization=QuantConfig(group_size=8))
+        layouts = [Layout(3), Layout(1, 3, True), Layout(2, 2, True)]
+    assert planner.param_bytes_from_model(cfg, Layout(1)) == sum(planner.param_bytes(cfg, Layout(1)).values())
+    abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))[1]
+    for layout in layouts:
+        assert sum(planner.param_bytes(cfg, layout).values()) == per_device_bytes(layout, abstract), layout.name
+
+
+# ---- ranking, memory limits, hardware ---------------------------------------------------------------------
+def test_rank_layouts_kimi_on_h200():
+    cfg, hw = preset("kimi-k2.5"), hardware.preset("h200")
+    fits, rejected = planner.rank_layouts(cfg, hw, 8, batch=1, context=8192,
+                                          options=planner.PlanOptions(engine_artifacts=False))
+    names = [p.layout for p in fits]
+    assert names[0] == "TP8"                                            # fewest bytes per device at batch 1
+    # the current engine (sampling on gathered logits: no sampler loop under TP any more) ranks TP8 first too;
+    now, _ = planner.rank_layouts(cfg, hw, 8, batch=1, context=8192)
+    assert now[0].layout == "TP8"
+    assert not any("sampler" in t.name for p in now for t in p.terms)
+    # engine='vllm' plans tensor-parallel layouts only
+    v, v_rejected = planner.rank_layouts(cfg, hw, 8, batch=1, context=8192, options=planner.PlanOptions(engine="vllm"))
+    assert {p.layout for p in v} == {"TP8", "TP8+EP"} and "DP8+EP" in {n for n, _ in v_rejected}
+    assert [p.tokens_per_s for p in fits] == sorted((p.tokens_per_s for p in fits), reverse=True)
+    assert all(p.fits for p in fits)
+    assert {"DP8", "DP4xTP2", "DP2xTP4"} <= {n for n, _ in rejected}    # replicated experts do not fit
+    table = planner.ranking_table(fits, rejected)
+    assert "TP8" in table and "does not run" in table
+
+
+def test_largest_batch_and_context_fit():
+    cfg, hw = preset("kimi-k2.5"), hardware.preset("h200")
+    p = planner.plan(cfg, hw, Layout(8), batch=4, context=4096)
+    assert p.fits
+    big = planner.plan(cfg, hw, Layout(8), batch=4, context=p.max_context_for_batch)
+    assert big.fits
+    assert not planner.plan(cfg, hw, Layout(8), batch=4, context=2 * p.max_context_for_batch).fits
+    assert planner.plan(cfg, hw, Layout(8), batch=p.max_batch_for_context, context=4096).fits
+    assert not planner.plan(cfg, hw, Layout(8), batch=2 * p.max_batch_for_context, context=4096).fits
+
+
+def test_collective_model_and_calibration(tmp_path):
+    m = CollectiveModel(20e-6, 100e9)
+    assert m.time("all-reduce", 1e6, 8) == pytest.approx(20e-6 + 2 * 7 / 8 * 1e6 / 100e9)
+    assert m.time("all-gather", 1e6, 8) == pytest.approx(20e-6 + 7 / 8 * 1e6 / 100e9)
+    assert m.time("all-reduce", 1e6, 1) == 0.0
+    curve = [(1e4, 20e-6), (1e6, 40e-6)]
+    d = hardware.calibration_dict("my H200", copy_bw=4.1e12, matmul_flops=700e12, n_devices=2,
+                                  collectives={"all-reduce": curve}, int4_efficiency=0.6)
+    path = hardware.write_calibration(str(tmp_path / "cal.json"), d)
+    hw = hardware.get(path)
+    assert json.load(open(path))["copy_bw"] == 4.1e12
+    assert (hw.hbm_bw, hw.bf16_flops, hw.int4_efficiency, hw.hbm_bytes) == (4.1e12, 700e12, 0.6, 141e9)
+    assert hw.collective_time("all-reduce", 1e5, 2) == pytest.approx(math.sqrt(20e-6 * 40e-6))   # log-log midpoint
+    assert hw.collective_time("all-reduce", 1e3, 2) == pytest.approx(20e-6)                      # flat below
+    assert hw.collective_time("all-reduce", 1e8, 2) == pytest.approx(40e-6 * 100 ** (math.log(2) / math.log(100)))
+    assert "measured" in hw.sources["hbm_bw"] and "measured" in hw.sources["all-reduce"]
+    with pytest.raises(ValueError, match="unknown fields"):
+        hardware.calibration_dict("x", copy_bw=1.0, colour="red")
+
+
+def test_presets_say_where_numbers_come_from():
+    for name in ("h200", "h100", "b200", "rtx-pro-6000"):
+        hw = hardware.preset(name)
+        for field in ("hbm_bytes", "hbm_bw", "bf16_flops", "all-reduce"):
+            assert any(w in hw.sources[field] for w in ("datasheet", "measured", "assumed")), (name, field)
+    assert hardware.preset("h200").collectives["all-reduce"].time("all-reduce", 14336, 2) == pytest.approx(24.4e-6)
+    with pytest.raises(ValueError, match="unknown hardware preset"):
+        hardware.preset("tpu-v9")
+
+
+# Device time per paged decode step (the serving step, Engine._step) measured on H200s (jax 0.11.2,
+# BENCHMARKS.md "the paged serving step"): a Kimi-K2.5 slice of 3 layers (1 dense + 2 MoE, 384
+# experts), context 1024, distinct tokens per row; one GPU 2026-11-29, two GPUs 2026-11-30 (fifth
+# session). (layout, batch, device ms)
+H200_MEASURED = [(Layout(1), 1, 1.28), (Layout(1), 16, 2.63), (Layout(1), 64, 5.10),
+                 (Layout(2), 2, 0.92), (Layout(2), 64, 3.20), (Layout(2, 1, True), 2, 0.94),
+                 (Layout(2, 1, True), 64, 3.12), (Layout(1, 2, True), 2, 1.41), (Layout(1, 2, True), 64, 3.45)]
+
+
+@pytest.mark.parametrize("layout,batch,device_ms", H200_MEASURED, ids=lambda v: getattr(v, "name", str(v)))
+def test_h200_measured_step_within_15_percent(layout, batch, device_ms):
+    """15%: the worst row is 12% (TP2 batch 64; the small ops the planner leaves out), the mean 5.2% (the
+    EP rows at batch 2 +6.4% / +2.1% with the measured EP2 efficiency of the INT4 experts)."""
+    cfg = preset("kimi-k2.5").replace(num_hidden_layers=3)
+    p = planner.plan(cfg, hardware.preset("h200"), layout, batch=batch, context=1024)
+    assert abs(1e3 * p.step_s - device_ms) / device_ms < 0.15
+
+
+# MLA decode per layer as the engine calls it, one H200: (query rows, batch, context, us). 64 rows:
+# BENCHMARKS.md MLA round 21, run F (version 5; copy 4,031 GB/s); 8 rows: round 13, run A (copy 4,024
+# GB/s), after the 8-head split rule changed.
+H200_MLA = [(8, 1, 131072, 67.7), (8, 8, 32768, 114.7), (8, 64, 32768, 633.0), (8, 64, 131072, 2288.5),
+            (8, 32, 131072, 1145.4), (8, 16, 32768, 185.1),
+            (64, 1, 131072, 72.3), (64, 8, 32768, 110.0), (64, 8, 131072, 324.6), (64, 64, 32768, 628.0)]
+
+
+@pytest.mark.parametrize("rows,batch,context,us", H200_MLA)
+def test_h200_attention_model_matches_the_mla_benchmark(rows, batch, context, us):
+    """The preset's attention terms (per-call time + the cache at the rows' efficiency) against one run's
+    timings per row count at 32-128K (64 rows: 4 of the 6 the fit used; 8 rows: 6 of the 15): within
+    12% (the fits' worst residuals there: 2.2% at 64 rows, 12% at 8 rows; 18% at 8 rows x 4K)."""
+    hw = hardware.preset("h200")
+    cache = batch * (context - 1) * 576 * 2
+    model = hw.attention_call_at(rows) + cache / (hw.hbm_bw * hw.attention_efficiency_at(rows))
+    assert abs(1e6 * model - us) / us < 0.12
+
+
+def test_attention_efficiency_curve_and_calibration_override():
+    hw = hardware.preset("h200")
+    assert hw.attention_efficiency_at(8) == pytest.approx(0.97) and hw.attention_efficiency_at(1) == pytest.approx(0.97)
+    assert hw.attention_efficiency_at(64) == pytest.approx(0.96) and hw.attention_efficiency_at(512) == pytest.approx(0.96)
+    assert 0.96 < hw.attention_efficiency_at(32) < 0.97
+    assert hw.attention_call_at(8) == pytest.approx(28e-6) and hw.attention_call_at(64) == pytest.approx(34e-6)
+    assert 28e-6 < hw.attention_call_at(32) < 34e-6
+    flat = hardware.Hardware.from_calibration({"base": "h200", "copy_bw": 4e12, "attention_efficiency": 0.7,
+                                               "attention_call_s": 20e-6})
+    assert flat.attention_efficiency_at(64) == 0.7 and flat.attention_call_at(8) == flat.attention_call_at(64) == 20e-6
+    calls = hardware.Hardware.from_calibration(hardware.calibration_dict(
+        "x", copy_bw=4e12, attention_call_curve=[[8, 10e-6], [64, 30e-6]]))
+    assert calls.attention_call_at(8) == pytest.approx(10e-6) and calls.attention_call_at(64) == pytest.approx(30e-6)
+    curve = hardware.Hardware.from_calibration({"base": "h200", "copy_bw": 4e12,
+                                                "attention_curve": [[8, 0.9], [64, 0.6]]})
+    assert curve.attention_efficiency_at(64) == pytest.approx(0.6)
+    assert "attention_curve" in hardware.calibration_dict("x", copy_bw=4e12, attention_curve=[[8, 0.9]])
+    # the planner charges the per-call time once per layer
+    cfg = preset("kimi-k2.5").replace(num_hidden_layers=3)
+    base = planner.plan(cfg, hw.replace(attention_call_s=0.0, attention_call_curve=()), Layout(1), batch=1,
+                        context=1024)
+    more = planner.plan(cfg, hw, Layout(1), batch=1, context=1024)
+    assert (more.step_s - base.step_s) == pytest.approx(3 * hw.attention_call_at(64))     # 64 heads, one device
+
+
+def test_int4_efficiency_curve_and_calibration_override():
+    hw = hardware.preset("h200")
+    assert hw.int4_efficiency_at(1) == pytest.approx(0.75) and hw.int4_efficiency_at(16) == pytest.approx(0.94)
+    assert hw.int4_efficiency_at(4) == pytest.approx((0.75 + 0.94) / 2)   # halfway in log(tokens)
+    assert hw.int4_efficiency_at(10_000) == pytest.approx(0.74)          # flat beyond the last point
+    # a calibration file's measured constant replaces the preset's curve; its own curve replaces both
+    flat = hardware.Hardware.from_calibration({"base": "h200", "copy_bw": 4e12, "int4_efficiency": 0.5})
+    assert flat.int4_efficiency_at(16) == 0.5
+    curve = hardware.Hardware.from_calibration({"base": "h200", "copy_bw": 4e12, "int4_curve": [[1, 0.3], [64, 0.9]]})
+    assert curve.int4_efficiency_at(8) == pytest.approx(0.6)
+
+
+def test_int4_efficiency_under_expert_parallelism():
+    """The H200 preset's EP curves (BENCHMARKS.md, sixteenth and seventeenth sessions: device span of the
+    engine's default MoE config holding 1/8, 1/4 or 1/2 of the experts) apply where they were measured
+    (T <= 8, shares <= 1/2); elsewhere the no-EP curve; between shares, linear in log(share)."""
+    hw = hardware.preset("h200")
+    assert hw.int4_efficiency_ep(1, 1 / 8) == pytest.approx(0.248)     # 24.84 MB in 23.6 us of 4.24 TB/s
+    assert hw.int4_efficiency_ep(8, 1 / 8) == pytest.approx(0.512)
+    assert hw.int4_efficiency_ep(4, 1 / 4) == pytest.approx(0.702)
+    assert hw.int4_efficiency_ep(2, 1 / 4) == pytest.approx(0.522)     # 4 held pairs in 44.9 us (pairs_cta2)
+    assert hw.int4_efficiency_ep(3, 1 / 8) == pytest.approx(0.422)     # 3 held pairs in 41.6 us (pairs_cta2)
+    assert hw.int4_efficiency_ep(1, 1 / 16) == hw.int4_efficiency_ep(1, 1 / 8)           # flat below
+    assert hw.int4_efficiency_ep(2, 1 / 2) == pytest.approx(0.703)
+    assert hw.int4_efficiency_ep(1, (1 / 8 * 1 / 4) ** 0.5) == pytest.approx((0.248 + 0.392) / 2)   # log(share)
+    assert hw.int4_efficiency_ep(1, 0.7) == hw.int4_efficiency_at(1)       # above the measured shares
+    for t in (1, 4, 16, 64):
+        assert hw.int4_efficiency_ep(t, 1.0) == hw.int4_efficiency_at(t)
+    assert hw.int4_efficiency_ep(16, 1 / 8) == hw.int4_efficiency_at(16)                # unmeasured: no penalty
+    # a calibrated INT4 curve drops the preset's EP curves (they belong to the preset's kernels)
+    cal = hardware.Hardware.from_calibration({"base": "h200", "copy_bw": 4e12, "int4_curve": [[1, 0.3], [64, 0.9]]})
+    assert cal.int4_efficiency_ep(1, 1 / 8) == pytest.approx(0.3)
+
+    # the plan: Kimi-K2.5 at batch 1 streams its routed experts at 25% of the copy under TP8+EP, 75% under TP8
+    cfg = preset("kimi-k2.5")
+    for lay, eff in ((Layout(8, 1, True), 0.248), (Layout(8), 0.75)):
+        p = planner.plan(cfg, hw, lay, batch=1, context=8192)
+        routed = next(t for t in p.terms if t.name.startswith("routed experts"))
+        assert routed.mem_s == pytest.approx(routed.bytes / (hw.hbm_bw * eff)), lay
+
+
+def test_dp_plans_hold_only_their_rows_of_the_paged_pool():
+    """The serving engine splits its paged pool's pages over dp like the rows (tests/test_dp_pages.py):
+    a DP8 plan holds its own 2 of the 16 rows' cache per device, the same as the design."""
+    cfg, h200, lay = preset("kimi-k2.5"), hardware.preset("h200"), Layout(1, 8, True)
+    art = planner.plan(cfg, h200, lay, batch=16, context=8192)
+    design = planner.plan(cfg, h200, lay, batch=16, context=8192,
+                          options=planner.PlanOptions(engine_artifacts=False))
+    assert art.cache_bytes == design.cache_bytes
+    assert art.cache_bytes == 2 * 8192 * cfg.num_hidden_layers * cfg.latent_dim * planner.KV_BYTES
+    reads = lambda p: next(t.bytes for t in p.terms if t.name == "attention (cache)")   # noqa: E731
+    assert reads(art) == reads(design)
+    assert art.max_context_for_batch == design.max_context_for_batch
+    assert art.max_batch_for_context == design.max_batch_for_context
+    assert not any("replicated over dp" in n for n in art.notes)
+    assert "split over dp" in art.cache_note
+    single = planner.plan(cfg.replace(num_hidden_layers=3), h200, Layout(1), batch=16, context=1024)
+    assert "split over dp" in single.cache_note
