@@ -133,6 +133,10 @@ class PagePool:
         """Every free page of all partitions (local ids: for counting)."""
         return [p for f in self._free for p in f]
 
+    @property
+    def num_free(self) -> int:
+        return sum(len(f) for f in self._free)
+
     def free_in(self, part: int) -> int:
         return len(self._free[part])
 
@@ -201,6 +205,28 @@ class BatchEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Optional[Request]:
+        """Stop a waiting or running request now (finish_reason "abort") and free its pages; returns
+        it, or None when no unfinished request has that id. Safe while a decode step that includes it
+        is in flight (overlap scheduling): later steps that could reuse its pages are ordered after that
+        step on the device, and the step's token for it is discarded when read (its finish_reason is
+        set). Call between steps, from the thread that steps."""
+        for r in self.waiting:
+            if r.request_id == request_id:
+                self.waiting.remove(r)
+                break
+        else:
+            r = next((q for q in self.running if q.request_id == request_id and q.finish_reason is None), None)
+            if r is None:
+                return None
+        r.finish_reason, r.finished_time = "abort", time.time()
+        self._release(r)
+        return r
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_free
 
     # ---- one iteration ------------------------------------------------------------------------
     def step(self) -> list[Request]:

@@ -299,7 +299,13 @@ class LLM:
         """Render the checkpoint's own chat template (sandboxed) and generate; messages may be one
         conversation (a list of dicts) or a list of conversations."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.encode(self.render_chat(c, add_generation_prompt=add_generation_prompt,
-                                                          tools=tools, chat_template=chat_template),
-                                         allow_special=True) for c in convs]
+        prompts = [self.chat_prompt_ids(c, add_generation_prompt=add_generation_prompt, tools=tools,
+                                        chat_template=chat_template) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompt_ids(self, messages, *, add_generation_prompt: bool = True, tools=None,
+                        chat_template: Optional[str] = None) -> list[int]:
+        """The prompt token ids of one conversation, as `chat` feeds them (the server uses this too)."""
+        return self.tokenizer.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt,
+                                                      tools=tools, chat_template=chat_template),
+                                     allow_special=True)

@@ -1,0 +1,220 @@
+"""AsyncLLM: the continuous-batching engine behind an asyncio API (for the OpenAI server).
+
+One engine thread owns the BatchEngine and is the only one that touches it: it admits the requests
+handed over since the last step (`BatchEngine.add`), carries out aborts (`BatchEngine.abort`), runs
+one `step` (overlap scheduling stays on: while the batch is unchanged each step dispatches the next
+decode step before reading the previous one) and then hands every request's new tokens to its own
+asyncio queue, all of a step's deltas in ONE `loop.call_soon_threadsafe` callback. With nothing to
+do it sleeps on a condition variable (no polling).
+
+Requests are validated on the caller's thread (`BatchEngine.make_request` reads only fixed engine
+settings), so a bad request raises at once (RequestError) and never reaches the engine thread. The
+number of requests waiting for a slot is bounded by `max_queue` (QueueFull beyond it).
+
+A caller that stops listening (a client that disconnected) calls `abort`: the engine thread frees the
+request's pages before its next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import AsyncIterator, Optional
+
+from kimi_jax.engine.sampling import SamplingParams
+from kimi_jax.engine.scheduler import BatchEngine, Request
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than max_queue allows; retry later."""
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped (an error in a step, or shutdown); no request can be served."""
+
+
+@dataclasses.dataclass
+class Delta:
+    """New output of one request since its previous delta."""
+    request_id: str
+    token_ids: list[int]
+    logprobs: list                         # one entry per token when the request asked for logprobs
+    finished: bool = False
+    request: Optional[Request] = None      # the finished request (set with finished=True)
+    error: Optional[str] = None            # the engine failed or shut down before the request finished
+
+
+@dataclasses.dataclass
+class _Tracked:
+    req: Request
+    queue: asyncio.Queue
+    sent: int = 0
+
+
+class AsyncLLM:
+    """Serves one LLM's BatchEngine from a background thread. `start()` from inside a running event
+    loop; `generate` streams a request's Deltas."""
+
+    def __init__(self, llm, *, max_queue: Optional[int] = None, engine: Optional[BatchEngine] = None):
+        self.llm = llm
+        self.engine = engine if engine is not None else llm.batch_engine()
+        self.max_queue = max_queue
+        self._cv = threading.Condition()
+        self._inbox: collections.deque[_Tracked] = collections.deque()
+        self._aborts: collections.deque[str] = collections.deque()
+        self._tracked: dict[str, _Tracked] = {}
+        self._stop = False
+        self._thread: Optional[threading.Thread] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self.error: Optional[BaseException] = None
+        self._n_pending = 0                        # handed over, not yet admitted by the engine thread
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kimi-jax-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread; requests still unfinished get an error delta."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop
+
+    # ---- load (read from any thread; lengths are atomic reads) ----------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.waiting) + self._n_pending
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of cache pages in use (0..1)."""
+        total = self.engine.pool.num_pages
+        return (total - self.engine.num_free_pages) / total
+
+    # ---- requests -------------------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     seed: Optional[int] = None, prompt: Optional[str] = None) -> Request:
+        """A validated request (RequestError names what is wrong); seed None draws one."""
+        if seed is None:
+            seed = params.seed if params.seed is not None else self.llm._rng.getrandbits(31)
+        return self.engine.make_request(request_id, prompt_ids, params, seed, prompt=prompt)
+
+    def submit(self, req: Request, queue: Optional[asyncio.Queue] = None) -> asyncio.Queue:
+        """Hand a request to the engine thread; its Deltas arrive on `queue` (a new one when None; several
+        requests may share one), which is returned. Raises
+        QueueFull when max_queue requests are already waiting, EngineDead when the engine stopped."""
+        if not self.alive:
+            raise EngineDead(f"the engine is not running{': ' + repr(self.error) if self.error else ''}")
+        if self.max_queue is not None and self.num_waiting >= self.max_queue:
+            raise QueueFull(f"{self.num_waiting} requests are waiting (max_queue={self.max_queue})")
+        req.arrival_time = time.time()
+        t = _Tracked(req, queue if queue is not None else asyncio.Queue())
+        with self._cv:
+            self._n_pending += 1
+            self._inbox.append(t)
+            self._cv.notify()
+        return t.queue
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its pages before the engine's next step (no effect once finished)."""
+        with self._cv:
+            self._aborts.append(request_id)
+            self._cv.notify()
+
+    async def generate(self, req: Request) -> AsyncIterator[Delta]:
+        """Submit and stream a request's Deltas; the last one has finished=True. Aborts the request if
+        the consumer stops early (or is cancelled)."""
+        queue = self.submit(req)
+        done = False
+        try:
+            while not done:
+                delta = await queue.get()
+                done = delta.finished or delta.error is not None
+                yield delta
+        finally:
+            if not done:
+                self.abort(req.request_id)
+
+    # ---- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        be = self.engine
+        try:
+            while True:
+                with self._cv:
+                    while not (self._stop or self._inbox or self._aborts or be.has_unfinished()):
+                        be.drain()              # a decode step past every request's end
+                        self._cv.wait()
+                    if self._stop:
+                        break
+                    new, self._inbox = list(self._inbox), collections.deque()
+                    aborts, self._aborts = list(self._aborts), collections.deque()
+                    for t in new:
+                        self._tracked[t.req.request_id] = t
+                        be.add(t.req)
+                    self._n_pending -= len(new)
+                out = []
+                for rid in aborts:
+                    r = be.abort(rid)
+                    t = self._tracked.pop(rid, None)
+                    if t is not None and r is not None:
+                        out.append((t.queue, Delta(rid, [], [], finished=True, request=r)))
+                finished = be.step() if be.has_unfinished() else []
+                out += self._deltas(finished)
+                if out:
+                    self._loop.call_soon_threadsafe(_deliver, out)
+        except BaseException as e:          # a failed step: every request gets the error
+            log.exception("engine thread failed")
+            self.error = e
+        finally:
+            self._stop = True
+            self._fail_all("the engine stopped" if self.error is None else f"engine error: {self.error!r}")
+
+    def _deltas(self, finished: list[Request]) -> list:
+        out = []
+        done = {id(r) for r in finished}
+        for rid, t in list(self._tracked.items()):
+            r = t.req
+            n = len(r.output_ids)
+            fin = id(r) in done
+            if n > t.sent or fin:
+                lps = r.logprobs[t.sent:n] if r.params.logprobs is not None else []
+                out.append((t.queue, Delta(rid, r.output_ids[t.sent:n], lps, finished=fin,
+                                           request=r if fin else None)))
+                t.sent = n
+            if fin:
+                del self._tracked[rid]
+        return out
+
+    def _fail_all(self, message: str) -> None:
+        with self._cv:
+            pending = list(self._inbox) + list(self._tracked.values())
+            self._inbox.clear()
+            self._tracked.clear()
+            self._n_pending = 0
+        out = [(t.queue, Delta(t.req.request_id, [], [], error=message)) for t in pending]
+        if out and self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(_deliver, out)
+            except RuntimeError:            # the loop closed meanwhile
+                pass
+
+
+def _deliver(out) -> None:
+    for queue, delta in out:
+        queue.put_nowait(delta)

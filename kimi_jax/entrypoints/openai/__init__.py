@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: protocol (request parsing, response bodies), server (aiohttp), metrics."""

@@ -1,0 +1,363 @@
+"""An OpenAI-compatible HTTP server over AsyncLLM (aiohttp).
+
+aiohttp rather than FastAPI / uvicorn / pydantic: the GPU machines have aiohttp and not those; the
+request model is kimi_jax.entrypoints.openai.protocol (plain dicts, checked by hand).
+
+  GET  /v1/models                 the served model
+  POST /v1/completions            prompt(s) -> text, streamed as SSE with "stream": true
+  POST /v1/chat/completions       messages -> reply (the checkpoint's chat template, as LLM.chat)
+  POST /tokenize, /detokenize     {"prompt" | "messages"} -> token ids; {"tokens"} -> text
+  GET  /health                    200 once the model is loaded and a warm-up request has run
+  GET  /metrics                   Prometheus text (kimi_jax.entrypoints.openai.metrics)
+
+Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: bad input (a field, a
+prompt longer than the context) 400, unknown model 404, a missing or wrong API key 401 (with a key
+set, on /v1/*, /tokenize and /detokenize; /health and /metrics stay open), more than max_queue
+requests waiting 429 with Retry-After, shutting down 503. A client that disconnects has its requests
+aborted (pages freed before the engine's next step). `serve` stops admitting on SIGTERM / SIGINT,
+lets in-flight requests finish for a grace period, aborts the rest and returns.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import time
+import uuid
+from typing import Optional
+
+from aiohttp import web
+
+from kimi_jax.engine.async_engine import AsyncLLM, EngineDead, QueueFull
+from kimi_jax.engine.sampling import SamplingParams
+from kimi_jax.engine.scheduler import RequestError
+from kimi_jax.entrypoints.openai import protocol as P
+from kimi_jax.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+
+log = logging.getLogger(__name__)
+RETRY_AFTER_S = 1
+
+
+def _error(status: int, message: str, type: str = "invalid_request_error", param=None, code=None,
+           headers=None) -> web.Response:
+    return web.json_response(P.error_body(message, type, param, code), status=status, headers=headers)
+
+
+class OpenAIServer:
+    """The app's state: the model, its AsyncLLM, names, key and metrics."""
+
+    def __init__(self, llm, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
+                 max_queue: Optional[int] = None):
+        self.llm = llm
+        self.tokenizer = llm.tokenizer
+        self.model_name = served_model_name or llm.model_path or "kimi-jax"
+        self.api_key = api_key or None
+        self.engine = AsyncLLM(llm, max_queue=max_queue)
+        self.metrics = ServerMetrics(self.engine, self.model_name)
+        self.ready = False
+        self.draining = False
+        self.active = 0                        # generation requests being served
+        self._idle: Optional[asyncio.Event] = None
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.engine.start()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        await self._warmup()
+        self.ready = True
+
+    async def _warmup(self) -> None:
+        """One short greedy request, so the first shapes are compiled before /health says ready."""
+        ids = [self.llm.config.bos_token_id or 1] * 4
+        req = self.engine.make_request("warmup-" + uuid.uuid4().hex, ids,
+                                       SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), seed=0)
+        async for d in self.engine.generate(req):
+            if d.error:
+                raise RuntimeError(f"warm-up request failed: {d.error}")
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop admitting, wait up to grace_s for in-flight requests, then abort what is left."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+        except asyncio.TimeoutError:
+            log.warning("%d requests still in flight after %.1fs; aborting them", self.active, grace_s)
+            self.engine.shutdown()
+            await asyncio.wait_for(self._idle.wait(), 10.0)
+        self.engine.shutdown()
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=64 * 2**20)
+        app.add_routes([web.get("/v1/models", self.models), web.post("/v1/completions", self.completions),
+                        web.post("/v1/chat/completions", self.chat), web.post("/tokenize", self.tokenize),
+                        web.post("/detokenize", self.detokenize), web.get("/health", self.health),
+                        web.get("/metrics", self.metrics_endpoint)])
+        return app
+
+    # ---- middlewares ----------------------------------------------------------------------------
+    @web.middleware
+    async def _errors(self, request, handler):
+        try:
+            return await handler(request)
+        except P.ProtocolError as e:
+            return web.json_response(e.body(), status=e.status)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return _error(e.status, f"{e.reason}: {request.method} {request.path}",
+                          "not_found_error" if e.status == 404 else "invalid_request_error")
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as e:              # a bug, not bad input: logged, the server goes on
+            log.exception("error serving %s", request.path)
+            return _error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+    @web.middleware
+    async def _auth(self, request, handler):
+        if self.api_key and request.path.startswith(("/v1/", "/tokenize", "/detokenize")):
+            got = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
+                return _error(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                              param=None, code="invalid_api_key")
+        return await handler(request)
+
+    # ---- simple endpoints -----------------------------------------------------------------------
+    async def health(self, request):
+        if self.ready and self.engine.alive and not self.draining:
+            return web.Response(status=200)
+        return _error(503, "not ready" if not self.ready else "shutting down", "server_error")
+
+    async def metrics_endpoint(self, request):
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "kimi_jax",
+             "max_model_len": self.llm.max_model_len}]})
+
+    async def _json(self, request):
+        try:
+            return await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise P.ProtocolError(f"the request body is not valid JSON: {e}") from None
+
+    def _need_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise P.ProtocolError(f"{what} needs a tokenizer and this model has none; send token ids", "prompt")
+
+    def _chat_ids(self, messages, add_generation_prompt=True, tools=None) -> list[int]:
+        self._need_tokenizer("chat")
+        try:
+            return self.llm.chat_prompt_ids(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        except ValueError as e:                 # ChatTemplateError: a bad message, names its index
+            raise P.ProtocolError(str(e), "messages") from None
+
+    async def tokenize(self, request):
+        body = await self._json(request)
+        if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
+            raise P.ProtocolError("the body needs exactly one of 'prompt' or 'messages'")
+        if "messages" in body:
+            ids = self._chat_ids(body["messages"], P._bool(body, "add_generation_prompt", True))
+        else:
+            if not isinstance(body["prompt"], str):
+                raise P.ProtocolError("'prompt' must be a string", "prompt")
+            self._need_tokenizer("tokenize")
+            ids = self.tokenizer.encode(body["prompt"])
+        return web.json_response({"count": len(ids), "max_model_len": self.llm.max_model_len, "tokens": ids})
+
+    async def detokenize(self, request):
+        body = await self._json(request)
+        toks = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+            raise P.ProtocolError("'tokens' must be a list of token ids", "tokens")
+        self._need_tokenizer("detokenize")
+        vocab = self.llm.config.vocab_size
+        bad = [t for t in toks if not 0 <= t < min(vocab, self.tokenizer.vocab_size)]
+        if bad:
+            raise P.ProtocolError(f"token id {bad[0]} is outside the vocabulary", "tokens")
+        return web.json_response({"prompt": self.tokenizer.decode(toks)})
+
+    # ---- generation -----------------------------------------------------------------------------
+    async def completions(self, request):
+        return await self._generate(request, P.parse_completion(await self._json(request)))
+
+    async def chat(self, request):
+        return await self._generate(request, P.parse_chat(await self._json(request)))
+
+    def _engine_requests(self, g: P.GenerationRequest, rid: str) -> list:
+        """(choice index, engine request) for every prompt and every n; ProtocolError on bad input."""
+        if g.kind == "chat":
+            prompts = [(None, self._chat_ids(g.messages, g.add_generation_prompt, g.tools))]
+            field = "messages"
+        else:
+            prompts, field = [], "prompt"
+            for p in g.prompts:
+                if isinstance(p, str):
+                    self._need_tokenizer("a text prompt")
+                    prompts.append((p, self.tokenizer.encode(p)))
+                else:
+                    prompts.append((None, list(p)))
+        out = []
+        limit = self.llm.max_model_len
+        for i, (text, ids) in enumerate(prompts):
+            if len(ids) >= limit:
+                raise P.ProtocolError(f"this model's maximum context length is {limit} tokens; the prompt has "
+                                      f"{len(ids)} tokens", field, code="context_length_exceeded")
+            if g.params.max_tokens is not None and len(ids) + g.params.max_tokens > limit:
+                raise P.ProtocolError(f"this model's maximum context length is {limit} tokens; the prompt "
+                                      f"({len(ids)} tokens) plus max_tokens ({g.params.max_tokens}) exceeds it",
+                                      "max_completion_tokens" if g.kind == "chat" else "max_tokens",
+                                      code="context_length_exceeded")
+            for j in range(g.n):
+                seed = g.params.seed
+                if seed is not None and j:
+                    seed = (seed * 1_000_003 + j) % 2**63
+                try:
+                    r = self.engine.make_request(f"{rid}-{i}-{j}", ids, g.params, seed=seed, prompt=text)
+                except RequestError as e:
+                    raise P.ProtocolError(str(e), field) from None
+                out.append((i * g.n + j, r))
+        return out
+
+    async def _generate(self, request, g: P.GenerationRequest):
+        P.check_model(g.model, [self.model_name])
+        if self.draining or not self.ready:
+            return _error(503, "the server is shutting down" if self.draining else "the server is starting",
+                          "server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
+        rid = P.new_id(g.kind)
+        reqs = self._engine_requests(g, rid)
+        queue: asyncio.Queue = asyncio.Queue()
+        submitted = []
+        try:
+            for _, r in reqs:
+                self.engine.submit(r, queue)
+                submitted.append(r)
+        except QueueFull as e:
+            for r in submitted:
+                self.engine.abort(r.request_id)
+            return _error(429, f"the server is busy: {e}", "rate_limit_error", code="rate_limit_exceeded",
+                          headers={"Retry-After": str(RETRY_AFTER_S)})
+        except EngineDead as e:
+            return _error(503, str(e), "server_error")
+        self.active += 1
+        self._idle.clear()
+        try:
+            if g.stream:
+                return await self._stream(request, g, rid, reqs, queue)
+            return await self._collect(g, rid, reqs, queue)
+        finally:
+            for _, r in reqs:
+                if r.finish_reason is None:
+                    self.engine.abort(r.request_id)
+            self.active -= 1
+            if self.active == 0:
+                self._idle.set()
+
+    def _count(self, d, prompt_len: int, first: bool) -> None:
+        if first and d.token_ids:
+            self.metrics.prompt_tokens.inc(prompt_len)
+        self.metrics.generation_tokens.inc(len(d.token_ids))
+        if d.finished and d.request is not None and d.request.finish_reason != "abort":
+            self.metrics.finished(d.request)
+
+    async def _collect(self, g, rid, reqs, queue):
+        index = {r.request_id: (k, r) for k, r in reqs}
+        started, done = set(), {}
+        while len(done) < len(reqs):
+            d = await queue.get()
+            k, r = index[d.request_id]
+            self._count(d, len(r.prompt_ids), d.request_id not in started)
+            if d.token_ids:
+                started.add(d.request_id)
+            if d.error is not None or (d.finished and r.finish_reason == "abort"):
+                return _error(503, f"request aborted: {d.error or 'the server is shutting down'}", "server_error")
+            if d.finished:
+                out = self.llm.to_output(r).outputs[0]
+                done[k] = P.Choice(k, out.text or "", out.token_ids, out.finish_reason, out.stop_reason,
+                                   out.logprobs)
+        choices = [done[k] for k in sorted(done)]
+        n_prompt = sum(len(r.prompt_ids) for k, r in reqs if k % g.n == 0)
+        use = P.usage(n_prompt, sum(len(c.token_ids) for c in choices))
+        build = P.chat_response if g.kind == "chat" else P.completion_response
+        return web.json_response(build(rid, P.now(), self.model_name, choices, use, self.tokenizer, g.logprobs))
+
+    async def _stream(self, request, g, rid, reqs, queue):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        created, chat = P.now(), g.kind == "chat"
+        index = {r.request_id: (k, r) for k, r in reqs}
+        streams = {r.request_id: P.TextStream(self.tokenizer, r.params.stop_strings) if self.tokenizer else None
+                   for _, r in reqs}
+        offsets = {r.request_id: 0 for _, r in reqs}
+        started, left = set(), len(reqs)
+
+        async def send(obj):
+            await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+        if chat:
+            for k, _ in reqs:
+                await send(P.chat_chunk(rid, created, self.model_name, P.Choice(k, "", []), first=True,
+                                        with_usage=g.include_usage))
+        while left:
+            d = await queue.get()
+            k, r = index[d.request_id]
+            self._count(d, len(r.prompt_ids), d.request_id not in started)
+            if d.token_ids:
+                started.add(d.request_id)
+            if d.error is not None or (d.finished and r.finish_reason == "abort"):
+                await send(P.error_body(f"request aborted: {d.error or 'the server is shutting down'}",
+                                        "server_error"))
+                break
+            ts = streams[d.request_id]
+            text = ts.feed(d.token_ids) if ts is not None else ""
+            c = P.Choice(k, text, d.token_ids, logprobs=d.logprobs if g.logprobs is not None else None)
+            if d.finished:
+                out = self.llm.to_output(r).outputs[0]
+                c.text += ts.finish(out.text or "") if ts is not None else ""
+                c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+                left -= 1
+            elif not c.text and c.logprobs is None:
+                continue
+            if chat:
+                await send(P.chat_chunk(rid, created, self.model_name, c, self.tokenizer, g.logprobs,
+                                        with_usage=g.include_usage))
+            else:
+                await send(P.completion_chunk(rid, created, self.model_name, c, self.tokenizer, g.logprobs,
+                                              offsets[d.request_id], with_usage=g.include_usage))
+                offsets[d.request_id] += len(c.text)
+        if g.include_usage and not left:
+            n_prompt = sum(len(r.prompt_ids) for k, r in reqs if k % g.n == 0)
+            await send(P.usage_chunk(rid, created, self.model_name, g.kind,
+                                     P.usage(n_prompt, sum(len(r.output_ids) for _, r in reqs))))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+async def serve(server: OpenAIServer, *, host: str = "127.0.0.1", port: int = 8000, sock=None,
+                stop: Optional[asyncio.Event] = None, grace_s: float = 30.0, on_ready=None) -> None:
+    """Run until `stop` is set (or SIGTERM / SIGINT when stop is None): load check, warm-up, listen;
+    then drain (`OpenAIServer.drain`) and close."""
+    loop = asyncio.get_running_loop()
+    if stop is None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
+    await site.start()
+    try:
+        await server.start()
+        log.info("serving %s on %s", server.model_name, site.name)
+        if on_ready is not None:
+            on_ready()
+        await stop.wait()
+        log.info("stopping: no new requests; %d in flight get %.0fs", server.active, grace_s)
+        await server.drain(grace_s)
+    finally:
+        server.engine.shutdown()
+        await runner.cleanup()

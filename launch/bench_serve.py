@@ -1,0 +1,201 @@
+r"""kimi-bench-serve: load a running OpenAI-compatible server (like `vllm bench serve`).
+
+  kimi-serve --dtype float32 &
+  python -m launch.bench_serve --num_prompts 200 --max_concurrency 8 --input_len 64 --output_len 32
+
+Sends --num_prompts streamed /v1/completions requests of synthetic prompts (random token ids, exactly
+--input_len tokens; ignore_eos so each yields exactly --output_len tokens), at most --max_concurrency
+at a time, started at --request_rate per second (Poisson arrivals; inf: all at once). Prints and writes
+(--result_json) throughput (requests/s, output tokens/s), TTFT, TPOT and ITL percentiles and errors.
+Targets loopback only unless --allow_remote. With --baseline_model it then runs LLM.generate on the
+same prompts one at a time in this process and reports its output tokens/s next to the server's.
+"""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import random
+import socket
+import sys
+import time
+from urllib.parse import urlparse
+
+from absl import app, flags
+
+from launch import common
+
+PROG = "kimi-bench-serve"
+FLAGS = flags.FLAGS
+flags.DEFINE_string("base_url", "http://127.0.0.1:8000", "the server")
+flags.DEFINE_string("model", None, "model name to send (default: the server's first model)")
+flags.DEFINE_integer("num_prompts", 100, "requests to send")
+flags.DEFINE_integer("max_concurrency", 8, "requests in flight at most")
+flags.DEFINE_float("request_rate", float("inf"), "requests started per second (Poisson); inf: no pacing")
+flags.DEFINE_integer("input_len", 64, "prompt tokens per request")
+flags.DEFINE_integer("output_len", 32, "output tokens per request")
+flags.DEFINE_integer("seed", 0, "seed of the prompts and arrivals")
+flags.DEFINE_integer("vocab_low", 16, "smallest token id in prompts")
+flags.DEFINE_integer("vocab_high", 3800, "largest token id in prompts (below the special tokens)")
+flags.DEFINE_string("api_key", None, "sent as Authorization: Bearer KEY")
+flags.DEFINE_string("result_json", None, "write the results here")
+flags.DEFINE_bool("allow_remote", False, "allow a non-loopback server")
+flags.DEFINE_float("timeout_s", 600.0, "per-request timeout")
+flags.DEFINE_string("baseline_model", None, "also run LLM.generate on the same prompts one by one over this "
+                    "model ('demo': the shipped demo model) and report its output tokens/s")
+flags.DEFINE_string("baseline_dtype", "float32", "dtype of the baseline LLM")
+
+
+def check_loopback(url: str) -> None:
+    host = urlparse(url).hostname
+    if host is None:
+        raise ValueError(f"--base_url {url!r} has no host")
+    for info in socket.getaddrinfo(host, None):
+        if not ipaddress.ip_address(info[4][0]).is_loopback:
+            raise ValueError(f"--base_url host {host} is not a loopback address (pass --allow_remote to load it)")
+
+
+def prompts(n: int, length: int, seed: int, low: int, high: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randint(low, high) for _ in range(length)] for _ in range(n)]
+
+
+def percentiles(xs, ps=(50, 90, 99)) -> dict:
+    import numpy as np
+    if not xs:
+        return {f"p{p}": None for p in ps} | {"mean": None}
+    a = np.asarray(xs, np.float64) * 1e3
+    return {f"p{p}": float(np.percentile(a, p)) for p in ps} | {"mean": float(a.mean())}
+
+
+async def one(session, url, body, headers, timeout) -> dict:
+    """One streamed request: its token arrival times."""
+    import aiohttp
+    t0 = time.perf_counter()
+    times, n_tokens, err = [], 0, None
+    try:
+        async with session.post(url, json=body, headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if resp.status != 200:
+                return {"error": f"HTTP {resp.status}: {(await resp.text())[:200]}"}
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    err = chunk["error"].get("message")
+                    break
+                if chunk.get("usage"):
+                    n_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    times.append(time.perf_counter())
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    if err is not None:
+        return {"error": err}
+    return {"start": t0, "times": times, "end": time.perf_counter(), "output_tokens": n_tokens}
+
+
+async def bench(url: str, model: str, ps: list, output_len: int, concurrency: int, rate: float, headers,
+                seed: int, timeout: float) -> dict:
+    import aiohttp
+    sem = asyncio.Semaphore(concurrency)
+    rng = random.Random(seed + 1)
+    conn = aiohttp.TCPConnector(limit=concurrency)
+
+    async def task(p, delay):
+        await asyncio.sleep(delay)
+        async with sem:
+            body = {"model": model, "prompt": p, "max_tokens": output_len, "temperature": 0.0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            return await one(session, url + "/v1/completions", body, headers, timeout)
+
+    delays, t = [], 0.0
+    for _ in ps:
+        delays.append(t)
+        if rate != float("inf"):
+            t += rng.expovariate(rate)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*[task(p, d) for p, d in zip(ps, delays)])
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    errors = [r["error"] for r in results if "error" in r]
+    ttft = [r["times"][0] - r["start"] for r in ok if r["times"]]
+    tpot = [(r["end"] - r["times"][0]) / (r["output_tokens"] - 1) for r in ok
+            if r["times"] and r["output_tokens"] > 1]
+    itl = [b - a for r in ok for a, b in zip(r["times"], r["times"][1:])]
+    out_tokens = sum(r["output_tokens"] for r in ok)
+    return {"num_prompts": len(ps), "max_concurrency": concurrency, "request_rate": rate,
+            "completed": len(ok), "errors": len(errors), "error_samples": errors[:5], "duration_s": wall,
+            "request_throughput": len(ok) / wall, "output_throughput": out_tokens / wall,
+            "total_output_tokens": out_tokens, "ttft_ms": percentiles(ttft), "tpot_ms": percentiles(tpot),
+            "itl_ms": percentiles(itl)}
+
+
+def baseline(model: str, dtype: str, ps: list, output_len: int) -> dict:
+    """LLM.generate on the same prompts, one request at a time (the server's concurrency-1 work)."""
+    from kimi_jax.engine.sampling import SamplingParams
+    from kimi_jax.entrypoints.llm import LLM
+    llm = LLM(None if model == "demo" else model, dtype=dtype, max_num_seqs=1)
+    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate([ps[0]], sp)                   # compile
+    t0 = time.perf_counter()
+    n = sum(len(llm.generate([p], sp)[0].outputs[0].token_ids) for p in ps)
+    wall = time.perf_counter() - t0
+    return {"requests": len(ps), "output_tokens": n, "duration_s": wall, "output_throughput": n / wall}
+
+
+def report(res: dict) -> str:
+    f = lambda d: " ".join(f"{k}={v:.1f}" for k, v in d.items() if v is not None)
+    return (f"concurrency {res['max_concurrency']}: {res['completed']}/{res['num_prompts']} ok, "
+            f"{res['errors']} errors, {res['duration_s']:.1f}s, {res['request_throughput']:.2f} req/s, "
+            f"{res['output_throughput']:.1f} out tok/s\n  TTFT ms {f(res['ttft_ms'])}\n"
+            f"  TPOT ms {f(res['tpot_ms'])}\n  ITL ms  {f(res['itl_ms'])}")
+
+
+async def _model_name(url, headers) -> str:
+    import aiohttp
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/v1/models", headers=headers) as r:
+            return (await r.json())["data"][0]["id"]
+
+
+def main(argv):
+    del argv
+    url = FLAGS.base_url.rstrip("/")
+    if not FLAGS.allow_remote:
+        try:
+            check_loopback(url)
+        except ValueError as e:
+            common.fail(PROG, e)
+    if FLAGS.num_prompts < 1 or FLAGS.max_concurrency < 1 or FLAGS.input_len < 1 or FLAGS.output_len < 1:
+        common.fail(PROG, "--num_prompts, --max_concurrency, --input_len and --output_len must be >= 1")
+    headers = {"Authorization": f"Bearer {FLAGS.api_key}"} if FLAGS.api_key else {}
+    try:
+        model = FLAGS.model or asyncio.run(_model_name(url, headers))
+    except OSError as e:
+        common.fail(PROG, f"cannot reach {url}: {e}")
+    ps = prompts(FLAGS.num_prompts, FLAGS.input_len, FLAGS.seed, FLAGS.vocab_low, FLAGS.vocab_high)
+    res = asyncio.run(bench(url, model, ps, FLAGS.output_len, FLAGS.max_concurrency, FLAGS.request_rate,
+                            headers, FLAGS.seed, FLAGS.timeout_s))
+    res.update(input_len=FLAGS.input_len, output_len=FLAGS.output_len, model=model)
+    print(report(res))
+    if FLAGS.baseline_model:
+        res["baseline"] = baseline(FLAGS.baseline_model, FLAGS.baseline_dtype, ps, FLAGS.output_len)
+        b = res["baseline"]
+        print(f"LLM.generate one by one: {b['output_throughput']:.1f} out tok/s "
+              f"({b['output_tokens']} tokens in {b['duration_s']:.1f}s)")
+    if FLAGS.result_json:
+        with open(FLAGS.result_json, "w") as f:
+            json.dump(res, f, indent=1)
+    sys.stdout.flush()
+
+
+def run():
+    app.run(main, flags_parser=common.flags_parser(PROG))
+
+
+if __name__ == "__main__":
+    run()

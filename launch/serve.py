@@ -1,0 +1,102 @@
+r"""kimi-serve: an OpenAI-compatible HTTP server (kimi_jax.entrypoints.openai.server).
+
+  kimi-serve                                            # the demo model on 127.0.0.1:8000
+  kimi-serve --model /path/to/Kimi-K2.5 --tensor_parallel_size 8 --max_num_seqs 64 --api_key KEY
+  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
+       -d '{"model": "kimi-jax-demo", "prompt": "The with statement", "max_tokens": 32}'
+
+Flags follow vLLM's names (block_size: tokens per cache page, num_gpu_blocks_override: cache pages,
+async_scheduling: dispatch decode step N+1 before reading step N). It binds to 127.0.0.1 unless --host
+says otherwise. SIGTERM / SIGINT stop admitting, give in-flight requests --shutdown_grace_s to finish,
+abort the rest and exit 0. A bad flag or model prints one line (`kimi-serve: error: ...`), exit status 2.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging as pylogging
+import os
+import sys
+
+from absl import app, flags, logging
+
+from launch import common
+
+PROG = "kimi-serve"
+FLAGS = flags.FLAGS
+
+flags.DEFINE_string("model", None, "checkpoint directory or preset name; default: the shipped demo model")
+flags.DEFINE_string("served_model_name", None, "the model name clients send (default: 'kimi-jax-demo' for the "
+                    "demo model, else --model)")
+flags.DEFINE_string("host", "127.0.0.1", "address to bind (loopback unless told otherwise)")
+flags.DEFINE_integer("port", 8000, "port to listen on")
+flags.DEFINE_string("api_key", None, "require 'Authorization: Bearer KEY' on /v1/* (default: env KIMI_JAX_API_KEY)")
+flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"], "compute dtype; auto: float32 on CPU, "
+                  "bfloat16 on accelerators")
+flags.DEFINE_integer("max_num_seqs", 64, "requests decoded together")
+flags.DEFINE_integer("max_model_len", None, "longest prompt + output (default: the model's maximum)")
+flags.DEFINE_integer("max_queue", 1024, "requests waiting for a slot before new ones get 429")
+flags.DEFINE_float("gpu_memory_utilization", 0.9, "fraction of device memory for weights + cache")
+flags.DEFINE_integer("block_size", 16, "tokens per cache page")
+flags.DEFINE_integer("num_gpu_blocks_override", None, "cache pages (default: from free memory)")
+flags.DEFINE_integer("seed", 0, "seed of the random weights (presets) and of requests that give none")
+flags.DEFINE_string("tokenizer", None, "tokenizer directory (default: the model's)")
+flags.DEFINE_string("speculative_config", None, "speculative decoding as JSON, e.g. "
+                    "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'")
+flags.DEFINE_bool("async_scheduling", True, "overlap scheduling (off with speculation)")
+flags.DEFINE_float("shutdown_grace_s", 30.0, "seconds in-flight requests get to finish after SIGTERM")
+
+
+def _dtype(name: str) -> str:
+    if name != "auto":
+        return name
+    import jax
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def main(argv):
+    del argv
+    common.setup()
+    from kimi_jax.entrypoints.llm import LLM
+    from kimi_jax.entrypoints.openai.server import OpenAIServer, serve
+    if not 0 < FLAGS.port < 65536:
+        common.fail(PROG, f"--port={FLAGS.port} is not a port number")
+    if FLAGS.max_queue < 0:
+        common.fail(PROG, f"--max_queue must be >= 0, got {FLAGS.max_queue}")
+    spec = None
+    if FLAGS.speculative_config:
+        try:
+            spec = json.loads(FLAGS.speculative_config)
+        except json.JSONDecodeError as e:
+            common.fail(PROG, f"--speculative_config is not valid JSON: {e}")
+    try:
+        llm = LLM(FLAGS.model, **common.engine_kwargs(), dtype=_dtype(FLAGS.dtype),
+                  max_model_len=FLAGS.max_model_len, max_num_seqs=FLAGS.max_num_seqs, seed=FLAGS.seed,
+                  tokenizer=FLAGS.tokenizer, page_size=FLAGS.block_size, num_pages=FLAGS.num_gpu_blocks_override,
+                  gpu_memory_utilization=FLAGS.gpu_memory_utilization, speculative_config=spec,
+                  overlap_scheduling=FLAGS.async_scheduling)
+    except (*common.user_errors(), ValueError, NotImplementedError, FileNotFoundError) as e:
+        common.fail(PROG, e)
+    name = FLAGS.served_model_name or (FLAGS.model if FLAGS.model else "kimi-jax-demo")
+    api_key = FLAGS.api_key or os.environ.get("KIMI_JAX_API_KEY") or None
+    server = OpenAIServer(llm, served_model_name=name, api_key=api_key, max_queue=FLAGS.max_queue)
+    print(f"{PROG}: loading {name}; listening on http://{FLAGS.host}:{FLAGS.port}", file=sys.stderr, flush=True)
+    try:
+        asyncio.run(serve(server, host=FLAGS.host, port=FLAGS.port, grace_s=FLAGS.shutdown_grace_s,
+                          on_ready=lambda: print(f"{PROG}: ready", file=sys.stderr, flush=True)))
+    except OSError as e:                    # the port is taken, the address is not ours
+        common.fail(PROG, f"cannot listen on {FLAGS.host}:{FLAGS.port}: {e.strerror or e}")
+    print(f"{PROG}: stopped", file=sys.stderr, flush=True)
+
+
+def run():
+    """Console-script entry point (`kimi-serve`)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    pylogging.basicConfig(level=pylogging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not any(a.startswith(("--verbosity", "-v=", "--v=")) for a in sys.argv[1:]):
+        logging.set_verbosity(logging.WARNING)
+    app.run(main, flags_parser=common.flags_parser(PROG))
+
+
+if __name__ == "__main__":
+    run()
