@@ -73,6 +73,7 @@ class AsyncLLM:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.error: Optional[BaseException] = None
         self._n_pending = 0                        # handed over, not yet admitted by the engine thread
+        self._n_open = 0                           # handed over and not finished (under _cv)
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -121,11 +122,14 @@ class AsyncLLM:
         QueueFull when max_queue requests are already waiting, EngineDead when the engine stopped."""
         if not self.alive:
             raise EngineDead(f"the engine is not running{': ' + repr(self.error) if self.error else ''}")
-        if self.max_queue is not None and self.num_waiting >= self.max_queue:
-            raise QueueFull(f"{self.num_waiting} requests are waiting (max_queue={self.max_queue})")
         req.arrival_time = time.time()
         t = _Tracked(req, queue if queue is not None else asyncio.Queue())
         with self._cv:
+            # waiting for a slot: the open requests beyond max_num_seqs (those just handed over count)
+            waiting = self._n_open - self.engine.max_num_seqs
+            if self.max_queue is not None and waiting >= self.max_queue:
+                raise QueueFull(f"{waiting} requests are waiting for a slot (max_queue={self.max_queue})")
+            self._n_open += 1
             self._n_pending += 1
             self._inbox.append(t)
             self._cv.notify()
@@ -168,14 +172,21 @@ class AsyncLLM:
                         self._tracked[t.req.request_id] = t
                         be.add(t.req)
                     self._n_pending -= len(new)
-                out = []
+                out, closed = [], 0
                 for rid in aborts:
                     r = be.abort(rid)
                     t = self._tracked.pop(rid, None)
-                    if t is not None and r is not None:
-                        out.append((t.queue, Delta(rid, [], [], finished=True, request=r)))
+                    if t is not None:
+                        closed += 1
+                        if r is not None:
+                            out.append((t.queue, Delta(rid, [], [], finished=True, request=r)))
                 finished = be.step() if be.has_unfinished() else []
-                out += self._deltas(finished)
+                deltas = self._deltas(finished)
+                out += deltas
+                closed += sum(1 for _, d in deltas if d.finished)
+                if closed:
+                    with self._cv:
+                        self._n_open -= closed
                 if out:
                     self._loop.call_soon_threadsafe(_deliver, out)
         except BaseException as e:          # a failed step: every request gets the error
@@ -206,7 +217,7 @@ class AsyncLLM:
             pending = list(self._inbox) + list(self._tracked.values())
             self._inbox.clear()
             self._tracked.clear()
-            self._n_pending = 0
+            self._n_pending = self._n_open = 0
         out = [(t.queue, Delta(t.req.request_id, [], [], error=message)) for t in pending]
         if out and self._loop is not None and not self._loop.is_closed():
             try:

@@ -312,15 +312,16 @@ class OpenAIServer:
                                         "server_error"))
                 break
             ts = streams[d.request_id]
-            text = ts.feed(d.token_ids) if ts is not None else ""
-            c = P.Choice(k, text, d.token_ids, logprobs=d.logprobs if g.logprobs is not None else None)
-            if d.finished:
+            c = P.Choice(k, "", d.token_ids, logprobs=d.logprobs if g.logprobs is not None else None)
+            if d.finished:      # the engine's final text (a stop string cut off) completes what was sent
                 out = self.llm.to_output(r).outputs[0]
-                c.text += ts.finish(out.text or "") if ts is not None else ""
+                c.text = ts.finish(out.text or "") if ts is not None else ""
                 c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
                 left -= 1
-            elif not c.text and c.logprobs is None:
-                continue
+            else:
+                c.text = ts.feed(d.token_ids) if ts is not None else ""
+                if not c.text and c.logprobs is None:
+                    continue
             if chat:
                 await send(P.chat_chunk(rid, created, self.model_name, c, self.tokenizer, g.logprobs,
                                         with_usage=g.include_usage))
