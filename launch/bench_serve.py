@@ -7,7 +7,7 @@ Sends --num_prompts streamed /v1/completions requests of synthetic prompts (rand
 --input_len tokens; ignore_eos so each yields exactly --output_len tokens), at most --max_concurrency
 at a time, started at --request_rate per second (Poisson arrivals; inf: all at once). Prints and writes
 (--result_json) throughput (requests/s, output tokens/s), TTFT, TPOT and ITL percentiles and errors.
-Targets loopback only unless --allow_remote. With --baseline_model it then runs LLM.generate on the
+--num_warmups untimed requests go first. Targets loopback only unless --allow_remote. With --baseline_model it then runs LLM.generate on the
 same prompts one at a time in this process and reports its output tokens/s next to the server's.
 """
 from __future__ import annotations
@@ -37,6 +37,8 @@ flags.DEFINE_integer("output_len", 32, "output tokens per request")
 flags.DEFINE_integer("seed", 0, "seed of the prompts and arrivals")
 flags.DEFINE_integer("vocab_low", 16, "smallest token id in prompts")
 flags.DEFINE_integer("vocab_high", 3800, "largest token id in prompts (below the special tokens)")
+flags.DEFINE_integer("num_warmups", 0, "untimed requests sent first at the same concurrency (compiles the "
+                     "batch shapes the timed run meets)")
 flags.DEFINE_string("api_key", None, "sent as Authorization: Bearer KEY")
 flags.DEFINE_string("result_json", None, "write the results here")
 flags.DEFINE_bool("allow_remote", False, "allow a non-loopback server")
@@ -44,6 +46,9 @@ flags.DEFINE_float("timeout_s", 600.0, "per-request timeout")
 flags.DEFINE_string("baseline_model", None, "also run LLM.generate on the same prompts one by one over this "
                     "model ('demo': the shipped demo model) and report its output tokens/s")
 flags.DEFINE_string("baseline_dtype", "float32", "dtype of the baseline LLM")
+flags.DEFINE_integer("baseline_max_num_seqs", 32, "max_num_seqs of the baseline LLM (as the server's: it sizes "
+                     "the page pool on CPU)")
+flags.DEFINE_integer("baseline_max_model_len", None, "max_model_len of the baseline LLM (as the server's)")
 
 
 def check_loopback(url: str) -> None:
@@ -134,11 +139,12 @@ async def bench(url: str, model: str, ps: list, output_len: int, concurrency: in
             "itl_ms": percentiles(itl)}
 
 
-def baseline(model: str, dtype: str, ps: list, output_len: int) -> dict:
+def baseline(model: str, dtype: str, ps: list, output_len: int, max_num_seqs: int, max_model_len) -> dict:
     """LLM.generate on the same prompts, one request at a time (the server's concurrency-1 work)."""
     from kimi_jax.engine.sampling import SamplingParams
     from kimi_jax.entrypoints.llm import LLM
-    llm = LLM(None if model == "demo" else model, dtype=dtype, max_num_seqs=1)
+    llm = LLM(None if model == "demo" else model, dtype=dtype, max_num_seqs=max_num_seqs,
+              max_model_len=max_model_len)
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([ps[0]], sp)                   # compile
     t0 = time.perf_counter()
@@ -178,12 +184,19 @@ def main(argv):
     except OSError as e:
         common.fail(PROG, f"cannot reach {url}: {e}")
     ps = prompts(FLAGS.num_prompts, FLAGS.input_len, FLAGS.seed, FLAGS.vocab_low, FLAGS.vocab_high)
+    if FLAGS.num_warmups > 0:
+        warm = prompts(FLAGS.num_warmups, FLAGS.input_len, FLAGS.seed + 1, FLAGS.vocab_low, FLAGS.vocab_high)
+        w = asyncio.run(bench(url, model, warm, FLAGS.output_len, FLAGS.max_concurrency, float("inf"), headers,
+                              FLAGS.seed, FLAGS.timeout_s))
+        if w["errors"]:
+            common.fail(PROG, f"warm-up requests failed: {w['error_samples']}")
     res = asyncio.run(bench(url, model, ps, FLAGS.output_len, FLAGS.max_concurrency, FLAGS.request_rate,
                             headers, FLAGS.seed, FLAGS.timeout_s))
     res.update(input_len=FLAGS.input_len, output_len=FLAGS.output_len, model=model)
     print(report(res))
     if FLAGS.baseline_model:
-        res["baseline"] = baseline(FLAGS.baseline_model, FLAGS.baseline_dtype, ps, FLAGS.output_len)
+        res["baseline"] = baseline(FLAGS.baseline_model, FLAGS.baseline_dtype, ps, FLAGS.output_len,
+                                   FLAGS.baseline_max_num_seqs, FLAGS.baseline_max_model_len)
         b = res["baseline"]
         print(f"LLM.generate one by one: {b['output_throughput']:.1f} out tok/s "
               f"({b['output_tokens']} tokens in {b['duration_s']:.1f}s)")
