@@ -160,9 +160,10 @@ class AsyncLLM:
         be = self.engine
         try:
             while True:
+                if not be.has_unfinished():
+                    be.drain()                  # a decode step past every request's end (outside the lock)
                 with self._cv:
                     while not (self._stop or self._inbox or self._aborts or be.has_unfinished()):
-                        be.drain()              # a decode step past every request's end
                         self._cv.wait()
                     if self._stop:
                         break
