@@ -79,6 +79,8 @@ def main(argv):
         common.fail(PROG, e)
     name = FLAGS.served_model_name or (FLAGS.model if FLAGS.model else "kimi-jax-demo")
     api_key = FLAGS.api_key or os.environ.get("KIMI_JAX_API_KEY") or None
+    if FLAGS.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        logging.warning("listening on %s without --api_key: anyone who can reach it can use it", FLAGS.host)
     server = OpenAIServer(llm, served_model_name=name, api_key=api_key, max_queue=FLAGS.max_queue)
     print(f"{PROG}: loading {name}; listening on http://{FLAGS.host}:{FLAGS.port}", file=sys.stderr, flush=True)
     try:
