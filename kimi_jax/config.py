@@ -364,7 +364,12 @@ _KIMI_COMMON = dict(
 
 
 def preset(name: str) -> ModelConfig:
-    """Named configurations: kimi-k2.5, kimi-k2-thinking, deepseek-v3, tiny."""
+    """Named configurations: kimi-k2.5, kimi-k2-thinking, deepseek-v3, tiny, and kimi-k2.5-61x16:
+    Kimi-K2.5's shapes and depth with 16 routed experts per layer instead of 384 (top-8 kept, INT4),
+    so the whole depth fits one 141 GB device; at batch 1 a token reads the same bytes per layer as in
+    the real model (8 experts), at larger batches fewer distinct experts than in the real model."""
+    if name == "kimi-k2.5-61x16":
+        return preset("kimi-k2.5").replace(n_routed_experts=16)
     if name == "kimi-k2.5":
         return ModelConfig(**_KIMI_COMMON, rms_norm_eps=1e-5, max_position_embeddings=262144,
                            rope_scaling=RopeScaling("yarn", 64.0, 4096, 32.0, 1.0, 1.0, 1.0),
@@ -391,7 +396,7 @@ def preset(name: str) -> ModelConfig:
             norm_topk_prob=True, routed_scaling_factor=2.5, rms_norm_eps=1e-6, rope_theta=10000.0,
             rope_scaling=RopeScaling("yarn", 4.0, 64, 32.0, 1.0, 1.0, 1.0),
             max_position_embeddings=256, bos_token_id=0, eos_token_id=(1,))
-    raise ConfigError(f"unknown preset {name!r} (known: kimi-k2.5, kimi-k2-thinking, deepseek-v3, tiny)")
+    raise ConfigError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
 
 
-PRESETS = ("kimi-k2.5", "kimi-k2-thinking", "deepseek-v3", "tiny")
+PRESETS = ("kimi-k2.5", "kimi-k2-thinking", "deepseek-v3", "tiny", "kimi-k2.5-61x16")

@@ -1,0 +1,417 @@
+r"""The whole depth of Kimi-K2.5 in one decode step on one device: compile time, host dispatch time,
+device time, and the planner's prediction beside each row.
+
+  python -m launch.bench_full_depth --batches 1,16,64 --context 4096 --cache_dir /tmp/jaxcache
+  python -m launch.bench_full_depth --compile_only --cache_dir /tmp/jaxcache   # the same compiles, warm cache
+
+The model is the `kimi-k2.5-61x16` preset (Kimi-K2.5's shapes and 61 layers, 16 INT4 routed experts
+per layer, top-8: at batch 1 a token reads the bytes a real layer reads), random weights made on the
+device (`kimi_jax.tools.profiling.random_engine`). The step is the serving decode step
+(`Engine._decode_step`: paged latent cache, absorbed MLA, greedy sampling on the device) over a page
+pool holding `--context` tokens per row, random cache contents; every row attends over all of them
+(position context - 1, rewritten each step).
+
+Per batch the step is lowered once and compiled once per command-buffer variant (XLA compile options,
+no new process: `default` = XLA's own command-buffer (CUDA graph) settings, `off` =
+xla_gpu_enable_command_buffer empty); the compiled program is asked how many of its kernels sit in
+command buffers. Each variant is timed four ways (ms per step, medians):
+
+  sync      numpy inputs, the sampled tokens fetched to the host before the next dispatch (the order
+            of the synchronous scheduler)
+  chain     --steps steps dispatched back to back, each fed the previous step's tokens on the device,
+            one wait at the end: the device-bound rate while the host keeps ahead (= overlap scheduling)
+  enqueue   the host time of one dispatch in that chain (the loop before the wait, / steps)
+  device    the kernels' time per step from a profiler trace (`--profile_batches`; the profiler runs
+            kernels one by one, outside command buffers): busy = sum of kernel durations, span = first
+            start to last end per step
+
+The serving call itself (`Engine.decode_step_async`: its host work included) is timed the same ways
+(`variant` = serve: its host work, dispatching the first variant's executable), and with
+`--scheduler_batches` the continuous-batching scheduler (`BatchEngine.run`) decodes --steps tokens for
+every row with overlap scheduling on and off (requests enter with their prompt already in the cache;
+the synchronous path runs `Engine.paged_step`, which compiles its own step).
+Compile times: `lower_s` (trace + lowering, once per batch), `compile_s` per variant; with
+--cache_dir the persistent compilation cache is on, and `cache_hit` says whether the compile was served
+from it (run the same command again with --compile_only for the warm numbers).
+
+Rows are appended to OUT/full_depth_rows.jsonl as they are measured (they survive a timeout), then a
+table is printed.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import statistics
+import time
+
+from absl import app, flags
+
+from launch import common
+
+flags.DEFINE_string("preset", "kimi-k2.5-61x16", "model preset (kimi_jax.config.preset)")
+flags.DEFINE_integer("layers", 0, "num_hidden_layers (0: the preset's)")
+flags.DEFINE_list("batches", ["1", "16", "64"], "decode batches")
+flags.DEFINE_integer("context", 4096, "cached tokens per row (a multiple of the page size)")
+flags.DEFINE_integer("steps", 20, "timed steps per measurement")
+flags.DEFINE_list("variants", ["default", "off"], "command-buffer variants to compile and time (default, off, all)")
+flags.DEFINE_list("variant_batches", ["1"], "batches that time every variant (the others: the first only)")
+flags.DEFINE_list("profile_batches", ["1"], "batches that also take a profiler trace")
+flags.DEFINE_list("scheduler_batches", ["1"], "batches that also run the scheduler, overlap on and off")
+flags.DEFINE_bool("compile_only", False, "build, lower and compile the steps, time nothing (e.g. a second "
+                  "process that finds them in --cache_dir)")
+flags.DEFINE_string("cache_dir", None, "persistent compilation cache directory")
+flags.DEFINE_string("hardware", "h200", "planner hardware preset for the predictions")
+flags.DEFINE_string("tag", "", "label written into every row")
+flags.DEFINE_string("out", os.environ.get("OUT", "out/bench_full_depth"), "results directory")
+flags.DEFINE_bool("tiny", False, "CPU dry run: the tiny preset in float32")
+FLAGS = flags.FLAGS
+
+PAGE_SIZE = 16
+# XLA compile options per variant ("default": XLA's own settings)
+VARIANTS = {
+    "default": None,
+    "off": {"xla_gpu_enable_command_buffer": ""},
+    "all": {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN",
+            "xla_gpu_graph_min_graph_size": 1},
+}
+
+
+def step_inputs(cfg, batch: int, context: int):
+    """(tokens [B], positions [B], block table [B, P], sampling arrays, steps [B]) for a decode step of
+    `batch` rows, each owning P = context / page pages of its own (pages b*P .. b*P + P - 1), at
+    position context - 1: every row attends over `context` tokens."""
+    import numpy as np
+    from kimi_jax.engine.sampling import SamplingArrays, SamplingParams
+    P = context // PAGE_SIZE
+    tokens = ((np.arange(batch, dtype=np.int32) * 7919 + 11) % cfg.vocab_size).astype(np.int32)  # distinct rows
+    positions = np.full((batch,), context - 1, np.int32)
+    table = np.arange(batch * P, dtype=np.int32).reshape(batch, P)
+    sp = SamplingArrays.build([SamplingParams(temperature=0.0)] * batch, list(range(batch)))
+    return tokens, positions, table, sp, np.ones((batch,), np.int32)
+
+
+def random_pages(engine, num_pages: int, seed: int = 0):
+    """A page pool as `Engine.init_pages` places it, filled with random latents (0.1 x normal)."""
+    import jax
+    import jax.numpy as jnp
+    pages = engine.init_pages(num_pages, PAGE_SIZE)
+    fill = jax.jit(lambda p, k: {n: (0.1 * jax.random.normal(jax.random.fold_in(k, i), v.shape, jnp.float32)
+                                     ).astype(v.dtype) for i, (n, v) in enumerate(sorted(p.items()))},
+                   donate_argnums=0)
+    return jax.block_until_ready(fill(pages, jax.random.PRNGKey(seed)))
+
+
+def command_buffer_census(hlo_text: str) -> dict:
+    """Kernels of a compiled GPU program inside and outside command buffers: fusions and custom calls
+    of the entry computation and of the computations its command-buffer calls run (on CPU: no command
+    buffers, every op counts as outside)."""
+    from kimi_jax.tools.profiling import parse_hlo
+    module = parse_hlo(hlo_text)
+    comps = module.computations
+    entry = module.entry
+    kernel = lambda i: i.opcode in ("fusion", "custom-call")          # noqa: E731
+    inside = outside = buffers = 0
+    custom_in = custom_out = 0
+    for instr in comps.get(entry, []):
+        called = [c for c in _called(instr)]
+        if instr.opcode in ("call", "command-buffer") and any("command_buffer" in c for c in called):
+            buffers += 1
+            for c in called:
+                for j in comps.get(c, []):
+                    inside += kernel(j)
+                    custom_in += j.opcode == "custom-call"
+        else:
+            outside += kernel(instr)
+            custom_out += instr.opcode == "custom-call"
+    return dict(command_buffers=buffers, kernels_in_buffers=inside, kernels_outside=outside,
+                custom_calls_in_buffers=custom_in, custom_calls_outside=custom_out)
+
+
+def _called(instr) -> list[str]:
+    import re
+    return re.findall(r"(?:to_apply|calls)=%?([\w.\-]+)", instr.rest)
+
+
+def time_exe(call, pages, inputs, steps: int) -> tuple[dict, object]:
+    """Time one executable (`call(pages, tokens, positions, table, sp, steps) -> (pages, out)`) the
+    sync / chain / enqueue ways (module docstring); returns (ms per step by mode, pages)."""
+    import jax
+    import numpy as np
+    tokens, positions, table, sp, step_B = inputs
+    ts = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        pages, out = call(pages, tokens, positions, table, sp, step_B)
+        np.asarray(out[0])
+        ts.append(time.perf_counter() - t0)
+    res = {"sync_ms": 1e3 * statistics.median(ts)}
+    tok = out[0]
+    chains, enq = [], []
+    for _ in range(3):
+        jax.block_until_ready((pages, tok))
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            pages, out = call(pages, tok, positions, table, sp, step_B)
+            tok = out[0]
+        t1 = time.perf_counter()
+        jax.block_until_ready((pages, tok))
+        t2 = time.perf_counter()
+        enq.append((t1 - t0) / steps)
+        chains.append((t2 - t0) / steps)
+    res["chain_ms"] = 1e3 * statistics.median(chains)
+    res["enqueue_ms"] = 1e3 * statistics.median(enq)
+    return res, pages
+
+
+def profile_exe(call, pages, inputs, steps: int, hlo_text: str) -> tuple[dict, object]:
+    """Kernel time per step of `steps` chained steps under the profiler: busy (sum of kernel
+    durations, container ops dropped), span (first start to last end) and kernels per step."""
+    import tempfile
+    import jax
+    from kimi_jax.tools.profiling import _drop_containers, _find_trace_file, device_op_events, parse_hlo
+    tokens, positions, table, sp, step_B = inputs
+    tok = tokens
+    tdir = tempfile.mkdtemp(prefix="kimi_full_depth_")
+    jax.block_until_ready(pages)
+    with jax.profiler.trace(tdir):
+        for _ in range(steps):
+            pages, out = call(pages, tok, positions, table, sp, step_B)
+            tok = out[0]
+        jax.block_until_ready((pages, tok))
+    evs = [o for o in _drop_containers(device_op_events(_find_trace_file(tdir)), parse_hlo(hlo_text))
+           if o.dur_us > 0]
+    if not evs:
+        return {}, pages
+    span = max(o.start_us + o.dur_us for o in evs) - min(o.start_us for o in evs)
+    return dict(device_busy_ms=sum(o.dur_us for o in evs) / 1e3 / steps, device_span_ms=span / 1e3 / steps,
+                kernels_per_step=len(evs) / steps), pages
+
+
+def _call_compiled(compiled, state, pages, tokens, positions, table, sp, steps):
+    return compiled(state, pages, tokens, positions, table, sp, steps)
+
+
+def _call_as_jit(compiled, schedule, state, pages, tokens, positions, table, sp, steps, *, n_logprobs,
+                 sample_mode, mla_schedule):
+    """`Engine._decode_step`'s signature over one compiled executable (its static arguments must be
+    the ones it was compiled for)."""
+    if (n_logprobs, sample_mode, mla_schedule) != (None, "greedy", schedule):
+        raise ValueError(f"the benchmark's step was compiled for greedy sampling without logprobs on the "
+                         f"MLA schedule {schedule}, got n_logprobs={n_logprobs} sample_mode={sample_mode!r} "
+                         f"mla_schedule={mla_schedule}")
+    return compiled(state, pages, tokens, positions, table, sp, steps)
+
+
+def plan_row(cfg, hw, batch: int, context: int) -> dict:
+    from kimi_jax.parallel.sharding import Layout
+    from kimi_jax.tools import planner
+    p = planner.plan(cfg, hw, Layout(1), batch, context)
+    return dict(pred_ms=1e3 * p.step_s, pred_weights_gb=p.weight_bytes / 1e9, pred_cache_gb=p.cache_bytes / 1e9)
+
+
+class _CacheHits:
+    """Counts the persistent compilation cache's hits and misses (jax.monitoring events)."""
+
+    def __init__(self):
+        import jax
+        self.hits = self.misses = 0
+
+        def listen(name, **kw):
+            if name == "/jax/compilation_cache/cache_hits":
+                self.hits += 1
+            elif name == "/jax/compilation_cache/cache_misses":
+                self.misses += 1
+        jax.monitoring.register_event_listener(listen)
+
+
+def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(), profile_batches=(),
+          scheduler_batches=(), compile_only: bool = False, hw_name: str = "h200", dtype=None, emit=print,
+          tag: str = "") -> list[dict]:
+    """Every measurement of the module docstring for `cfg` on one device; `emit(row)` is called as
+    each row is done. Returns the rows."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from kimi_jax import ops
+    from kimi_jax.engine.steps import _i32, mla_schedule_for
+    from kimi_jax.parallel.sharding import Layout
+    from kimi_jax.tools import hardware
+    from kimi_jax.tools.profiling import random_engine
+    if context % PAGE_SIZE:
+        raise ValueError(f"context={context} is not a multiple of the page size {PAGE_SIZE}")
+    for v in variants:
+        if v not in VARIANTS:
+            raise ValueError(f"unknown command-buffer variant {v!r} (known: {', '.join(VARIANTS)})")
+    dtype = dtype or jnp.bfloat16
+    hw = hardware.get(hw_name)
+    hits = _CacheHits()
+    base = dict(tag=tag, layers=cfg.num_hidden_layers, experts=cfg.n_routed_experts, context=context,
+                device=jax.devices()[0].device_kind, jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""))
+    rows = []
+
+    def out(row):
+        row = {**base, **row}
+        rows.append(row)
+        emit(row)
+
+    layout = Layout(1)
+    t0 = time.perf_counter()
+    # compile_only builds the weights too: a step lowered over shapes only is another program (another
+    # persistent cache key) than the one over the placed arrays
+    engine = random_engine(cfg, layout, dtype)
+    jax.block_until_ready(jax.tree.leaves(engine.state))
+    out(dict(kind="build", seconds=time.perf_counter() - t0))
+    pallas = ops.resolve_impl() == "pallas"
+    for b in batches:
+        inputs = step_inputs(cfg, b, context)
+        tokens, positions, table, sp, step_B = inputs
+        P = table.shape[1]
+        schedule = mla_schedule_for(positions, pallas)
+        pages = random_pages(engine, b * P)
+        t0 = time.perf_counter()
+        lowered = engine._decode_step.lower(engine.state, pages, _i32(tokens), _i32(positions), _i32(table), sp,
+                                            _i32(step_B), n_logprobs=None, sample_mode="greedy", mla_schedule=schedule)
+        lower_s = time.perf_counter() - t0
+        plan = plan_row(cfg, hw, b, context)
+        first = None
+        for v in (variants if b in variant_batches else variants[:1]):
+            h0, m0 = hits.hits, hits.misses
+            t0 = time.perf_counter()
+            compiled = lowered.compile(compiler_options=VARIANTS[v])
+            compile_s = time.perf_counter() - t0
+            first = first or compiled
+            text = compiled.as_text()
+            row = dict(kind="step", batch=b, variant=v, lower_s=lower_s, compile_s=compile_s,
+                       cache_hit=hits.hits > h0, cache_miss=hits.misses > m0, hlo_chars=len(text),
+                       **command_buffer_census(text), **plan)
+            if not compile_only:
+                call = functools.partial(_call_compiled, compiled, engine.state)
+                pages, o = call(pages, tokens, positions, table, sp, step_B)   # a first run (allocations)
+                jax.block_until_ready(o)
+                times, pages = time_exe(call, pages, inputs, steps)
+                row.update(times)
+                if b in profile_batches and v == variants[0]:
+                    prof, pages = profile_exe(call, pages, inputs, min(steps, 3), text)
+                    row.update(prof)
+                row["host_share_of_chain"] = row["enqueue_ms"] / row["chain_ms"]
+                row["pred_error"] = row["chain_ms"] / row["pred_ms"] - 1.0
+            out(row)
+            del compiled
+        del lowered
+        if compile_only:
+            del pages
+            continue
+        # the serving call: Engine.decode_step_async's host work, dispatching the first variant's
+        # executable (the jitted step is served by it: no second compile)
+        jitted = engine._decode_step
+        engine._decode_step = functools.partial(_call_as_jit, first, schedule)
+        try:
+            serve = lambda p, t, q, tb, s, st: engine.decode_step_async(p, t, q, tb, s, st, None, "greedy")  # noqa: E731
+            times, pages = time_exe(serve, pages, inputs, steps)
+            out(dict(kind="step", batch=b, variant="serve", **times, **plan,
+                     host_share_of_chain=times["enqueue_ms"] / times["chain_ms"],
+                     pred_error=times["chain_ms"] / plan["pred_ms"] - 1.0))
+            del pages
+            if b in scheduler_batches:
+                for overlap in (True, False):
+                    out(dict(kind="scheduler", batch=b, overlap=overlap, **plan,
+                             **scheduler_run(engine, b, context, steps, overlap)))
+        finally:
+            engine._decode_step = jitted
+            del first
+    out(dict(kind="cache", hits=hits.hits, misses=hits.misses))
+    return rows
+
+
+def scheduler_run(engine, batch: int, context: int, steps: int, overlap: bool) -> dict:
+    """`BatchEngine.run` decoding `steps` tokens (after a 3-token warm-up run) for `batch` requests
+    whose prompts of context - max(steps, page) - 1 tokens are already cached, over a pool of the
+    benchmark's shape (context / page pages per row, so the decode step is the one compiled already):
+    ms per step (wall / engine steps), the engine's steps and its overlapped steps."""
+    import numpy as np
+    from kimi_jax.engine.sampling import SamplingParams
+    from kimi_jax.engine.scheduler import BatchEngine
+    cfg = engine.cfg
+    # each row leaves at least one of its pages free before it decodes (admission needs one)
+    prompt_len = context - max(steps, PAGE_SIZE) - 1
+    be = BatchEngine(engine, num_pages=batch * (context // PAGE_SIZE), page_size=PAGE_SIZE, max_num_seqs=batch,
+                     max_model_len=context, cache_dtype=engine.cache_dtype, overlap=overlap)
+    be.pages = random_pages(engine, be.pool.num_pages)
+    rng = np.random.default_rng(0)
+
+    def one_run(n_tokens, tag):
+        for i in range(batch):
+            ids = [int(t) for t in rng.integers(0, cfg.vocab_size, prompt_len)]
+            r = be.make_request(f"{tag}{i}", ids, SamplingParams(temperature=0.0, max_tokens=n_tokens,
+                                                                 ignore_eos=True), seed=i)
+            r.num_computed = prompt_len - 1     # prompt cached but its last token: decode only
+            r.pages = be.pool.take(-(-r.num_computed // PAGE_SIZE))
+            be.add(r)
+        s0, o0 = be.stats["steps"], be.stats["overlapped_steps"]
+        t0 = time.perf_counter()
+        be.run()
+        return time.perf_counter() - t0, be.stats["steps"] - s0, be.stats["overlapped_steps"] - o0
+
+    one_run(3, "w")
+    wall, n, overlapped = one_run(steps, "t")
+    del be
+    return dict(ms_per_step=1e3 * wall / n, engine_steps=n, overlapped_steps=overlapped)
+
+
+def table(rows) -> str:
+    lines = [f"{'B':>3} {'variant':8} {'lower s':>7} {'compile s':>9} {'hit':>3} {'cb':>3} {'in/out':>9} "
+             f"{'sync':>7} {'chain':>7} {'enq':>6} {'busy':>7} {'pred':>7} {'err':>6} {'host%':>6}"]
+    f = lambda r, k, w, p=2: (format(r[k], f"{w}.{p}f") if isinstance(r.get(k), (int, float)) else " " * (w - 1) + "-")  # noqa: E731
+    for r in rows:
+        if r["kind"] == "step":
+            cb = f"{r.get('kernels_in_buffers', '-')}/{r.get('kernels_outside', '-')}"
+            lines.append(f"{r['batch']:3d} {r['variant']:8} {f(r, 'lower_s', 7, 1)} {f(r, 'compile_s', 9, 1)} "
+                         f"{'y' if r.get('cache_hit') else 'n':>3} {r.get('command_buffers', '-'):>3} {cb:>9} "
+                         f"{f(r, 'sync_ms', 7)} {f(r, 'chain_ms', 7)} {f(r, 'enqueue_ms', 6)} "
+                         f"{f(r, 'device_busy_ms', 7)} {f(r, 'pred_ms', 7)} "
+                         f"{100 * r['pred_error'] if 'pred_error' in r else float('nan'):5.1f}% "
+                         f"{100 * r['host_share_of_chain'] if 'host_share_of_chain' in r else float('nan'):5.1f}%")
+        elif r["kind"] == "scheduler":
+            lines.append(f"{r['batch']:3d} sched overlap={r['overlap']}: {r['ms_per_step']:.2f} ms/step "
+                         f"({r['engine_steps']} steps, {r['overlapped_steps']} overlapped), pred {r['pred_ms']:.2f}")
+        elif r["kind"] == "build":
+            lines.append(f"model built in {r['seconds']:.1f} s (random weights, on the device)")
+    return "\n".join(lines)
+
+
+def main(argv):
+    del argv
+    common.setup()
+    import jax
+    import jax.numpy as jnp
+    from kimi_jax.config import preset
+    if FLAGS.cache_dir:
+        jax.config.update("jax_compilation_cache_dir", FLAGS.cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    cfg = preset("tiny" if FLAGS.tiny else FLAGS.preset)
+    if FLAGS.layers:
+        cfg = cfg.replace(num_hidden_layers=FLAGS.layers)
+    os.makedirs(FLAGS.out, exist_ok=True)
+    path = os.path.join(FLAGS.out, "full_depth_rows.jsonl")
+
+    def emit(row):
+        print(json.dumps(row, default=float), flush=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(row, default=float) + "\n")
+
+    ints = lambda xs: [int(x) for x in xs]   # noqa: E731
+    rows = bench(cfg, ints(FLAGS.batches), context=FLAGS.context, steps=FLAGS.steps, variants=FLAGS.variants,
+                 variant_batches=ints(FLAGS.variant_batches), profile_batches=ints(FLAGS.profile_batches),
+                 scheduler_batches=ints(FLAGS.scheduler_batches), compile_only=FLAGS.compile_only,
+                 hw_name=FLAGS.hardware, dtype=jnp.float32 if FLAGS.tiny else None, emit=emit, tag=FLAGS.tag)
+    print(table(rows), flush=True)
+
+
+def run():
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

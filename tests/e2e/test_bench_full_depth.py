@@ -1,0 +1,66 @@
+"""launch.bench_full_depth on the CPU: one in-process run of every measurement on a 2-layer tiny
+model (one device), and the preset it benchmarks."""
+import jax.numpy as jnp
+import pytest
+
+from kimi_jax.config import PRESETS, preset
+
+
+def test_full_depth_preset_is_kimi_with_16_experts():
+    """kimi-k2.5-61x16 differs from kimi-k2.5 only in its routed experts: 61 layers, top-8, INT4."""
+    full, cut = preset("kimi-k2.5"), preset("kimi-k2.5-61x16")
+    assert "kimi-k2.5-61x16" in PRESETS
+    assert cut == full.replace(n_routed_experts=16)
+    assert (cut.num_hidden_layers, cut.num_experts_per_tok, cut.quantization) == (61, 8, full.quantization)
+
+
+@pytest.fixture(scope="module")
+def rows():
+    from launch.bench_full_depth import bench
+    cfg = preset("tiny").replace(num_hidden_layers=2)
+    return bench(cfg, [1, 2], context=32, steps=2, variants=["default", "off"], variant_batches=[1],
+                 profile_batches=[1], scheduler_batches=[1], hw_name="cpu", dtype=jnp.float32, emit=lambda r: None)
+
+
+def test_full_depth_bench_rows(rows):
+    """Each batch has one row per variant it compiles (every variant at batch 1, the first elsewhere)
+    plus the serving call's; timed rows carry all four modes and the planner's prediction; the
+    profiled row counts kernels; the scheduler runs with overlap on (every step after the first
+    overlapped) and off (none)."""
+    steps = [(r["batch"], r["variant"]) for r in rows if r["kind"] == "step"]
+    assert steps == [(1, "default"), (1, "off"), (1, "serve"), (2, "default"), (2, "serve")]
+    for r in rows:
+        if r["kind"] == "step":
+            assert r["layers"] == 2 and r["context"] == 32 and r["pred_ms"] > 0
+            assert 0 < r["enqueue_ms"] <= r["chain_ms"] and r["sync_ms"] > 0
+            assert r["pred_error"] == pytest.approx(r["chain_ms"] / r["pred_ms"] - 1)
+        if r["kind"] == "step" and r["variant"] != "serve":
+            assert r["compile_s"] > 0 and r["lower_s"] > 0 and r["kernels_outside"] > 0
+            assert r["command_buffers"] == 0          # XLA:CPU has none
+    prof = [r for r in rows if "kernels_per_step" in r]
+    assert [(r["batch"], r["variant"]) for r in prof] == [(1, "default")]
+    assert prof[0]["kernels_per_step"] > 0 and 0 < prof[0]["device_busy_ms"]
+    sched = {r["overlap"]: r for r in rows if r["kind"] == "scheduler"}
+    assert sched[True]["engine_steps"] == sched[False]["engine_steps"] == 2
+    assert sched[True]["overlapped_steps"] == 1 and sched[False]["overlapped_steps"] == 0
+
+
+def test_command_buffer_census_counts_kernels_inside_and_outside():
+    """A GPU program's command-buffer calls: kernels inside them and in the entry counted apart."""
+    from launch.bench_full_depth import command_buffer_census
+    text = """HloModule m
+
+%command_buffer (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %f1 = f32[4]{0} fusion(%p), kind=kLoop, calls=%fc
+  ROOT %c = f32[4]{0} custom-call(%f1), custom_call_target="mosaic_gpu"
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %cb = f32[4]{0} call(%a), to_apply=%command_buffer
+  ROOT %f2 = f32[4]{0} fusion(%cb), kind=kLoop, calls=%fc
+}
+"""
+    assert command_buffer_census(text) == dict(command_buffers=1, kernels_in_buffers=2, kernels_outside=1,
+                                               custom_calls_in_buffers=1, custom_calls_outside=0)
