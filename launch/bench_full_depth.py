@@ -6,7 +6,7 @@ device time, and the planner's prediction beside each row.
 
 The model is the `kimi-k2.5-61x16` preset (Kimi-K2.5's shapes and 61 layers, 16 INT4 routed experts
 per layer, top-8: at batch 1 a token reads the bytes a real layer reads), random weights made on the
-device (`kimi_jax.tools.profiling.random_engine`). The step is the serving decode step
+device parameter by parameter (`leafwise_random_engine`). The step is the serving decode step
 (`Engine._decode_step`: paged latent cache, absorbed MLA, greedy sampling on the device) over a page
 pool holding `--context` tokens per row, random cache contents; every row attends over all of them
 (position context - 1, rewritten each step).
@@ -39,6 +39,7 @@ table is printed.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -188,6 +189,50 @@ def profile_exe(call, pages, inputs, steps: int, hlo_text: str) -> tuple[dict, o
                 kernels_per_step=len(evs) / steps), pages
 
 
+def leafwise_random_engine(cfg, layout, dtype, seed: int = 0):
+    """An Engine with random weights made parameter by parameter on the device, as the model's own
+    initializers make them (normal std 0.02; norms 1; router bias 0; INT4 codes uniform, scales
+    0.005), one small jitted fill per distinct shape. (`kimi_jax.entrypoints.llm.random_model` makes
+    the whole model in ONE jitted init: on the H200 that init of the 61-layer model did not finish
+    compiling within 5 minutes.)"""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from kimi_jax.engine.steps import Engine
+    from kimi_jax.model.transformer import Transformer
+    graphdef, state = nnx.split(nnx.eval_shape(
+        lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed), parallel=layout.moe_parallel())))
+
+    @functools.partial(jax.jit, static_argnums=(1, 2, 3))
+    def fill(key, shape, dt, kind):
+        if kind == "bits":
+            return jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint32), jnp.int32)
+        if kind == "scale":
+            return jnp.full(shape, 0.005, dt)
+        if kind in ("ones", "zeros"):
+            return (jnp.ones if kind == "ones" else jnp.zeros)(shape, dt)
+        return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dt)
+
+    key = jax.random.PRNGKey(seed)
+    for i, (path, var) in enumerate(nnx.to_flat_state(state)):
+        v, names = var.get_value(), [str(p) for p in path]
+        kind = ("bits" if v.dtype == jnp.int32 else "scale" if names[-1].endswith("_scale")
+                else "zeros" if names[-1] == "e_score_correction_bias"
+                else "ones" if any("norm" in n for n in names[:-1]) else "normal")
+        var.set_value(fill(jax.random.fold_in(key, i), tuple(v.shape), jnp.dtype(v.dtype), kind))
+    return Engine(nnx.merge(graphdef, state), cfg, layout)
+
+
+@contextlib.contextmanager
+def _serving(engine, step):
+    """Inside the block the engine's decode step is `step` (an executable compiled already)."""
+    jitted, engine._decode_step = engine._decode_step, step
+    try:
+        yield
+    finally:
+        engine._decode_step = jitted
+
+
 def _call_compiled(compiled, state, pages, tokens, positions, table, sp, steps):
     return compiled(state, pages, tokens, positions, table, sp, steps)
 
@@ -237,7 +282,6 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
     from kimi_jax.engine.steps import _i32, mla_schedule_for
     from kimi_jax.parallel.sharding import Layout
     from kimi_jax.tools import hardware
-    from kimi_jax.tools.profiling import random_engine
     if context % PAGE_SIZE:
         raise ValueError(f"context={context} is not a multiple of the page size {PAGE_SIZE}")
     for v in variants:
@@ -259,10 +303,11 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
     t0 = time.perf_counter()
     # compile_only builds the weights too: a step lowered over shapes only is another program (another
     # persistent cache key) than the one over the placed arrays
-    engine = random_engine(cfg, layout, dtype)
+    engine = leafwise_random_engine(cfg, layout, dtype)
     jax.block_until_ready(jax.tree.leaves(engine.state))
     out(dict(kind="build", seconds=time.perf_counter() - t0))
     pallas = ops.resolve_impl() == "pallas"
+    served = {}           # batch -> (its compiled step as Engine._decode_step, its plan), for the scheduler
     for b in batches:
         inputs = step_inputs(cfg, b, context)
         tokens, positions, table, sp, step_B = inputs
@@ -304,22 +349,22 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
             continue
         # the serving call: Engine.decode_step_async's host work, dispatching the first variant's
         # executable (the jitted step is served by it: no second compile)
-        jitted = engine._decode_step
-        engine._decode_step = functools.partial(_call_as_jit, first, schedule)
-        try:
-            serve = lambda p, t, q, tb, s, st: engine.decode_step_async(p, t, q, tb, s, st, None, "greedy")  # noqa: E731
-            times, pages = time_exe(serve, pages, inputs, steps)
-            out(dict(kind="step", batch=b, variant="serve", **times, **plan,
-                     host_share_of_chain=times["enqueue_ms"] / times["chain_ms"],
-                     pred_error=times["chain_ms"] / plan["pred_ms"] - 1.0))
-            del pages
-            if b in scheduler_batches:
-                for overlap in (True, False):
-                    out(dict(kind="scheduler", batch=b, overlap=overlap, **plan,
-                             **scheduler_run(engine, b, context, steps, overlap)))
-        finally:
-            engine._decode_step = jitted
-            del first
+        serve = functools.partial(_call_as_jit, first, schedule)
+        with _serving(engine, serve):
+            call = lambda p, t, q, tb, s, st: engine.decode_step_async(p, t, q, tb, s, st, None, "greedy")  # noqa: E731
+            times, pages = time_exe(call, pages, inputs, steps)
+        out(dict(kind="step", batch=b, variant="serve", **times, **plan,
+                 host_share_of_chain=times["enqueue_ms"] / times["chain_ms"],
+                 pred_error=times["chain_ms"] / plan["pred_ms"] - 1.0))
+        del pages, first
+        if b in scheduler_batches:
+            served[b] = (serve, plan)
+    # last: the synchronous scheduler compiles a step of its own
+    for b, (serve, plan) in served.items():
+        with _serving(engine, serve):
+            for overlap in (True, False):
+                out(dict(kind="scheduler", batch=b, overlap=overlap, **plan,
+                         **scheduler_run(engine, b, context, steps, overlap)))
     out(dict(kind="cache", hits=hits.hits, misses=hits.misses))
     return rows
 
