@@ -165,9 +165,10 @@ def time_exe(call, pages, inputs, steps: int) -> tuple[dict, object]:
     return res, pages
 
 
-def profile_exe(call, pages, inputs, steps: int, hlo_text: str) -> tuple[dict, object]:
+def profile_exe(call, pages, inputs, steps: int, hlo_text: str, top_kernels: int = 30) -> tuple[dict, object]:
     """Kernel time per step of `steps` chained steps under the profiler: busy (sum of kernel
-    durations, container ops dropped), span (first start to last end) and kernels per step."""
+    durations, container ops dropped), span (first start to last end), kernels per step, and the
+    costliest kernel names (us per step, launches per step)."""
     import tempfile
     import jax
     from kimi_jax.tools.profiling import _drop_containers, _find_trace_file, device_op_events, parse_hlo
@@ -185,8 +186,14 @@ def profile_exe(call, pages, inputs, steps: int, hlo_text: str) -> tuple[dict, o
     if not evs:
         return {}, pages
     span = max(o.start_us + o.dur_us for o in evs) - min(o.start_us for o in evs)
+    by_kernel: dict = {}
+    for o in evs:
+        us, n = by_kernel.get(o.kernel or o.name, (0.0, 0))
+        by_kernel[o.kernel or o.name] = (us + o.dur_us, n + 1)
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top_kernels]
     return dict(device_busy_ms=sum(o.dur_us for o in evs) / 1e3 / steps, device_span_ms=span / 1e3 / steps,
-                kernels_per_step=len(evs) / steps), pages
+                kernels_per_step=len(evs) / steps,
+                top_kernels=[(k, us / steps, n / steps) for k, (us, n) in top]), pages
 
 
 def leafwise_random_engine(cfg, layout, dtype, seed: int = 0):
