@@ -13,8 +13,9 @@ pool holding `--context` tokens per row, random cache contents; every row attend
 
 Per batch the step is lowered once and compiled once per command-buffer variant (XLA compile options,
 no new process: `default` = XLA's own command-buffer (CUDA graph) settings, `off` =
-xla_gpu_enable_command_buffer empty); the compiled program is asked how many of its kernels sit in
-command buffers. Each variant is timed four ways (ms per step, medians):
+xla_gpu_enable_command_buffer empty); the compiled program's HLO is asked how many of its kernels
+sit in command-buffer calls (jax 0.11.2's XLA forms its command buffers after the HLO passes, so there
+the census finds none, and the variants differ in their enqueue time only). Each variant is timed four ways (ms per step, medians):
 
   sync      numpy inputs, the sampled tokens fetched to the host before the next dispatch (the order
             of the synchronous scheduler)
@@ -284,13 +285,14 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
     each row is done. Returns the rows."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from kimi_jax import ops
     from kimi_jax.engine.steps import _i32, mla_schedule_for
     from kimi_jax.parallel.sharding import Layout
     from kimi_jax.tools import hardware
-    if context % PAGE_SIZE:
-        raise ValueError(f"context={context} is not a multiple of the page size {PAGE_SIZE}")
+    P = context // PAGE_SIZE
+    if context % PAGE_SIZE or P < 4 or P & (P - 1):
+        # the scheduler's block tables are bucketed to powers of two of at least 4 pages
+        raise ValueError(f"context={context}: need a power-of-two number (>= 4) of {PAGE_SIZE}-token pages")
     for v in variants:
         if v not in VARIANTS:
             raise ValueError(f"unknown command-buffer variant {v!r} (known: {', '.join(VARIANTS)})")

@@ -32,6 +32,8 @@ layer, the materialized bf16 experts of the XLA INT4 path) plus a runtime reserv
   scores, then values), at hbm_bw x the attention efficiency for the device's query rows (heads per
   device: `Hardware.attention_efficiency_at`), plus `Hardware.attention_call_at` per layer (the
   call's fixed device time beside the read: launch, pipeline ramp, the split combine).
+- small kernels: `Hardware.layer_overhead_s` per layer (device time of a layer's small kernels
+  beyond the bytes they move; H200: fit to the full-depth step at batch 1).
 - compute: 2 x FLOPs of every matmul (projections, attention scores/values, FFNs, router, experts,
   LM head) at bf16_flops.
 - Roofline per op group, summed: each group (attention projections, attention over the cache, dense
@@ -593,6 +595,8 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
     f = 2 * Bl * _cdiv(V, tp) * D
     emb_read = Bl * D * db                                     # the embedding rows of this step's tokens
     terms.append(Term("lm_head + embedding", lm + emb_read, f, (lm + emb_read) / (bw * hw.gemv_efficiency), f / fl))
+    if hw.layer_overhead_s:
+        terms.append(Term("small kernels (per layer)", 0.0, 0.0, L * hw.layer_overhead_s, 0.0))
 
     # -- collectives
     specs = collective_plan(cfg, layout, Bp, program=program, engine_artifacts=o.engine_artifacts, dtype_bytes=db,

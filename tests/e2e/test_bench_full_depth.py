@@ -18,20 +18,19 @@ def test_full_depth_preset_is_kimi_with_16_experts():
 def rows():
     from launch.bench_full_depth import bench
     cfg = preset("tiny").replace(num_hidden_layers=2)
-    return bench(cfg, [1, 2], context=32, steps=2, variants=["default", "off"], variant_batches=[1],
+    return bench(cfg, [1], context=64, steps=2, variants=["default", "off"], variant_batches=[1],
                  profile_batches=[1], scheduler_batches=[1], hw_name="cpu", dtype=jnp.float32, emit=lambda r: None)
 
 
 def test_full_depth_bench_rows(rows):
-    """Each batch has one row per variant it compiles (every variant at batch 1, the first elsewhere)
-    plus the serving call's; timed rows carry all four modes and the planner's prediction; the
+    """The batch has one row per variant it compiles plus the serving call's; timed rows carry all four modes and the planner's prediction; the
     profiled row counts kernels; the scheduler runs with overlap on (every step after the first
     overlapped) and off (none)."""
     steps = [(r["batch"], r["variant"]) for r in rows if r["kind"] == "step"]
-    assert steps == [(1, "default"), (1, "off"), (1, "serve"), (2, "default"), (2, "serve")]
+    assert steps == [(1, "default"), (1, "off"), (1, "serve")]
     for r in rows:
         if r["kind"] == "step":
-            assert r["layers"] == 2 and r["context"] == 32 and r["pred_ms"] > 0
+            assert r["layers"] == 2 and r["context"] == 64 and r["pred_ms"] > 0
             assert 0 < r["enqueue_ms"] <= r["chain_ms"] and r["sync_ms"] > 0
             assert r["pred_error"] == pytest.approx(r["chain_ms"] / r["pred_ms"] - 1)
         if r["kind"] == "step" and r["variant"] != "serve":
@@ -43,6 +42,12 @@ def test_full_depth_bench_rows(rows):
     sched = {r["overlap"]: r for r in rows if r["kind"] == "scheduler"}
     assert sched[True]["engine_steps"] == sched[False]["engine_steps"] == 2
     assert sched[True]["overlapped_steps"] == 1 and sched[False]["overlapped_steps"] == 0
+
+
+def test_full_depth_bench_needs_whole_page_tables():
+    from launch.bench_full_depth import bench
+    with pytest.raises(ValueError, match="context=48"):
+        bench(preset("tiny"), [1], context=48, steps=1, variants=["default"])
 
 
 def test_command_buffer_census_counts_kernels_inside_and_outside():
