@@ -197,6 +197,24 @@ def profile_exe(call, pages, inputs, steps: int, hlo_text: str, top_kernels: int
                 top_kernels=[(k, us / steps, n / steps) for k, (us, n) in top]), pages
 
 
+@functools.lru_cache(maxsize=None)
+def _fill():
+    """One parameter's random value (jitted: one compile per shape, dtype and kind)."""
+    import jax
+    import jax.numpy as jnp
+
+    @functools.partial(jax.jit, static_argnums=(1, 2, 3))
+    def fill(key, shape, dt, kind):
+        if kind == "bits":
+            return jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint32), jnp.int32)
+        if kind == "scale":
+            return jnp.full(shape, 0.005, dt)
+        if kind in ("ones", "zeros"):
+            return (jnp.ones if kind == "ones" else jnp.zeros)(shape, dt)
+        return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dt)
+    return fill
+
+
 def leafwise_random_engine(cfg, layout, dtype, seed: int = 0):
     """An Engine with random weights made parameter by parameter on the device, as the model's own
     initializers make them (normal std 0.02; norms 1; router bias 0; INT4 codes uniform, scales
@@ -211,23 +229,13 @@ def leafwise_random_engine(cfg, layout, dtype, seed: int = 0):
     graphdef, state = nnx.split(nnx.eval_shape(
         lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed), parallel=layout.moe_parallel())))
 
-    @functools.partial(jax.jit, static_argnums=(1, 2, 3))
-    def fill(key, shape, dt, kind):
-        if kind == "bits":
-            return jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint32), jnp.int32)
-        if kind == "scale":
-            return jnp.full(shape, 0.005, dt)
-        if kind in ("ones", "zeros"):
-            return (jnp.ones if kind == "ones" else jnp.zeros)(shape, dt)
-        return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dt)
-
     key = jax.random.PRNGKey(seed)
     for i, (path, var) in enumerate(nnx.to_flat_state(state)):
         v, names = var.get_value(), [str(p) for p in path]
         kind = ("bits" if v.dtype == jnp.int32 else "scale" if names[-1].endswith("_scale")
                 else "zeros" if names[-1] == "e_score_correction_bias"
                 else "ones" if any("norm" in n for n in names[:-1]) else "normal")
-        var.set_value(fill(jax.random.fold_in(key, i), tuple(v.shape), jnp.dtype(v.dtype), kind))
+        var.set_value(_fill()(jax.random.fold_in(key, i), tuple(v.shape), jnp.dtype(v.dtype), kind))
     return Engine(nnx.merge(graphdef, state), cfg, layout)
 
 

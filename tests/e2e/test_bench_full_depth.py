@@ -69,3 +69,33 @@ ENTRY %main (a: f32[4]) -> f32[4] {
 """
     assert command_buffer_census(text) == dict(command_buffers=1, kernels_in_buffers=2, kernels_outside=1,
                                                custom_calls_in_buffers=1, custom_calls_outside=0)
+
+
+def test_leafwise_weights_are_the_models_parameters():
+    """The parameter-by-parameter random weights (the whole-model jitted init does not compile in
+    minutes at 61 layers on the H200) have the model's tree, shapes and dtypes (random_model makes
+    that model), INT4 experts included, and its initializers' kinds of values: norms 1, router bias 0, scales 0.005, random
+    codes and weights."""
+    import numpy as np
+    from flax import nnx
+    from kimi_jax.config import QuantConfig
+    from kimi_jax.parallel.sharding import Layout
+    from kimi_jax.model.transformer import Transformer
+    from launch.bench_full_depth import leafwise_random_engine
+    cfg = preset("tiny").replace(num_hidden_layers=2, quantization=QuantConfig())
+    ours = {p: v.get_value() for p, v in nnx.to_flat_state(leafwise_random_engine(cfg, Layout(1), jnp.float32).state)}
+    model = nnx.eval_shape(lambda: Transformer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))   # random_model's
+    ref = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.split(model)[1])}
+    assert {p: (x.shape, x.dtype) for p, x in ours.items()} == {p: (x.shape, x.dtype) for p, x in ref.items()}
+    for path, x in ours.items():
+        name, x = str(path[-1]), np.asarray(x)
+        if name.endswith("_scale"):
+            assert np.all(x == np.float32(0.005)), path
+        elif name == "e_score_correction_bias":
+            assert not x.any(), path
+        elif any("norm" in str(p) for p in path[:-1]):
+            assert np.all(x == 1), path
+        else:       # random: no two equal neighbours in a row of codes; weights of about std 0.02
+            assert len(np.unique(x)) > x.size // 2, path
+            if x.dtype != np.int32:
+                assert 0.015 < x.std() < 0.025, path
