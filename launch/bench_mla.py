@@ -287,11 +287,8 @@ def _forced(name):
 
 
 # Named variants of the Mosaic GPU serving config: the fields they change.
-_V2 = {"one_scorer": False, "mask_tail_only": False, "early_pv": True}
 MGPU_VARIANTS = {"mgpu_fin": {"finish": "kernel"}, "mgpu_bal": {"schedule": "balanced"}, "mgpu_2w": {"waves": 2},
-                 "mgpu_v5": {"mask_tail_only": False},                 # version 5, every score masked
-                 "mgpu_prod": _V2,                                     # the serving config of the 17th session
-                 "mgpu_v2": {**_V2, "producer": False, "bt_ahead": True}}   # ... and until the 17th
+                 "mgpu_mask": {"mask_tail_only": False}}               # every score masked
 
 
 def _op(name, cfg, scale):
@@ -299,10 +296,8 @@ def _op(name, cfg, scale):
     'triton' / 'mgpu' = kimi_jax.ops as the engine calls it (auto: its own choice; call under
     `_forced(name)`); 'mgpu_fin' = the Mosaic GPU serving config with the one-launch finish
     (mla_finish.py); 'mgpu_bal' = it on the balanced schedule; 'mgpu_2w' = it with CTAs for two rounds
-    of one per SM; 'mgpu_v5' = it with every score masked (ONE_SCORER); 'mgpu_prod' = the serving
-    config of the seventeenth session (SERVING_PRODUCER: version 2 with the producer warpgroup);
-    'mgpu_v2' = the one before it (SERVING_V2); any other name = the Triton kernel with `cfg` (None: its
-    automatic config)."""
+    of one per SM; 'mgpu_mask' = it with every score masked; any other name = the Triton kernel with
+    `cfg` (None: its automatic config)."""
     from kimi_jax import ops
     from pallas_kernels.mla import decode as md
     if name in ("auto", "triton", "mgpu"):
@@ -311,7 +306,7 @@ def _op(name, cfg, scale):
         import dataclasses
         from pallas_kernels.mla import decode_mgpu as mg
         import jax
-        cfg = dataclasses.replace(mg.SERVING_CONFIG, **MGPU_VARIANTS[name])
+        cfg = dataclasses.replace(mg.serving_config(2), **MGPU_VARIANTS[name])
         interpret = jax.default_backend() == "cpu"          # --dry on CPU: the Mosaic GPU interpreter
         return lambda *a: mg.mla_paged_attention_mgpu(*a, scale, config=cfg, interpret=interpret)
     return lambda *a: md.mla_paged_attention(*a, scale, config=cfg)
@@ -508,7 +503,7 @@ def _decode_mixed(copy_bps, pool, page):
 def sweep_candidates(N):
     """(name, config) in priority order: phase 2 runs them candidate by candidate, so a budget cut
     drops the last ones. 'default' = resolve_config's automatic choice, 'legacy' = the first version."""
-    from pallas_kernels.mla.decode import LEGACY, MlaDecodeConfig as Cfg
+    from pallas_kernels.mla.decode import ONE_PAGE_BUFFER as LEGACY, MlaDecodeConfig as Cfg
     if N <= 16:   # 16-row tiles (8 heads x T = 1): bandwidth / latency
         extra = [("s3", Cfg(num_stages=3)),                  # pages single-buffered (bt prefetched)
                  ("s7", Cfg(num_stages=7)),                  # 3 page buffers

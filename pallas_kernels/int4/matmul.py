@@ -18,7 +18,7 @@ Backend: Pallas **Triton**. Reasons (measured/inspected, see pallas_kernels/NOTE
 
 Kernel: grid (cdiv(M, BM), N / BN[, split_k]). Each program streams [BN, BK/4] int16 half-words
 (= BK/8 packed words) + [BN, BK/g] scales per K step, dequantizes them in registers into 4 bf16
-"pair-planes" (int4_tile.py: one lop3 yields two MMA-ready bf16 values, 15 instructions per 8
+"pair-planes" (tile.py: one lop3 yields two MMA-ready bf16 values, 15 instructions per 8
 weights) and runs 4 MMAs against the activation pair-planes (x's columns permuted once by XLA,
 `x_layout='perm'`, or in registers from a contiguous load, `'shuffle'`: one launch per call).
 Split-K partials are summed by one XLA op (`split_reduce='xla'`), by f32 atomics into a zeroed
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from typing import Optional
 
 import jax
@@ -75,7 +74,7 @@ class Int4MatmulConfig:
 
 def _cta_split(m: int, n: int, k: int) -> int:
     """split_k for the one-launch 'cta' kernel at M <= 8 (0: the shape does not tile): 4 K-slices of 16
-    rows for M <= 2 at K >= 4096, else 2 of 32 (H200, ncu, thirteenth session: gate+up M = 1 10.0 us
+    rows for M <= 2 at K >= 4096, else 2 of 32 (H200, ncu: gate+up M = 1 10.0 us
     at 4 slices vs 11.8 at 2; M = 4 12.3 vs 12.0; down 7.6 / 9.0 vs 7.5 / 7.3)."""
     split = 4 if m <= 2 and k >= 4096 else 2
     return split if m <= 8 and k % (split * 256) == 0 and n % (64 // split) == 0 else 0
@@ -83,14 +82,13 @@ def _cta_split(m: int, n: int, k: int) -> int:
 
 def default_config(m: int, n: int, k: int) -> Int4MatmulConfig:
     """M <= 8: ONE launch with the K split inside the program (split_reduce='cta': MMA rows are K-slices
-    of the program's weight rows, x permuted in registers, bf16 out): under ncu on the H200 (thirteenth
-    session) 10.0 / 12.3 us (gate+up 4096 x 7168, M = 1 / 4) and 7.5 / 7.3 us (down 7168 x 2048) for the
-    whole op, against torch's INT4 kernel's 12.5 / 16.9 and 8.6 / 11.1 and the previous default's
-    10.3 / 10.0 and 8.1 / 8.1 kernel plus an XLA zero fill and a cast (~2.5 us each under ncu). Shapes it
-    cannot tile take that previous default (split-K 4 summed by f32 atomics). 8 < M <= 32: tokens on
-    the MMA's 16-row side, 4 warps each streaming 8 of the 32 weight rows of a program (no weight is
-    dequantized twice), 1024-wide K steps, 4 stages. 8 < M <= 16 (fourteenth session, device time in
-    the stream, BENCHMARKS.md): K < 4096 (down 7168 x 2048) the 'cta' kernel with 2 slices, 8.6-9.0 us
+    of the program's weight rows, x permuted in registers, bf16 out): under ncu on the H200 10.0 / 12.3
+    us (gate+up 4096 x 7168, M = 1 / 4) and 7.5 / 7.3 us (down 7168 x 2048) for the whole op, against
+    torch's INT4 kernel's 12.5 / 16.9 and 8.6 / 11.1, and 10.3 / 10.0 and 8.1 / 8.1 for split-K 4 summed
+    by f32 atomics plus an XLA zero fill and a cast (~2.5 us each under ncu). Shapes 'cta' cannot tile
+    take that split-K 4 atomic config. 8 < M <= 32: tokens on the MMA's 16-row side, 4 warps each
+    streaming 8 of the 32 weight rows of a program (no weight is dequantized twice), 1024-wide K steps,
+    4 stages. 8 < M <= 16 (device time in the stream, BENCHMARKS.md): K < 4096 (down 7168 x 2048) the 'cta' kernel with 2 slices, 8.6-9.0 us
     against that config's 11.4-12.1; K >= 4096 (gate+up 4096 x 7168) 64 weight rows per program on the
     MMA's M side, split-K 4 summed by one XLA op, 12.9 us against 14.5."""
     split = _cta_split(m, n, k)
@@ -319,48 +317,3 @@ def int4_matmul_reference(x: jax.Array, packed: jax.Array, scale: jax.Array) -> 
     w = int4_ref.dequantize(packed, scale, jnp.float32)
     y = jnp.einsum("mk,nk->mn", x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST)
     return y.astype(x.dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# Benchmark sweep: python -m pallas_kernels.int4.matmul [--ms=1,4,16] [--n=4096 --k=7168]
-# (launch/bench.py --suite=int4 is the full acceptance table with baselines.)
-
-def main(argv):
-    del argv
-    from absl import flags
-    f = flags.FLAGS
-    ms = [int(v) for v in f.ms]
-    n, k, nmat = f.n, f.k, f.num_mats
-    key = jax.random.PRNGKey(0)
-    ws = [int4_ref.random_int4(jax.random.fold_in(key, i), (n, k)) for i in range(nmat)]
-    nbytes = n * k // 2 + n * k // 32 * 2
-    configs = [None] + [Int4MatmulConfig(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns,
-                                         dequant=dq)
-                        for bn in (16, 32, 64) for bk in (512, 1024) for nw in (4,) for ns in (3, 4)
-                        for dq in ("asm", "f32")]
-    print(f"{'M':>4} {'config':<70} {'us':>8} {'GB/s':>8}")
-    for m in ms:
-        x = jax.random.normal(jax.random.fold_in(key, 999), (m, k), jnp.bfloat16)
-        for cfg in configs:
-            try:
-                fn = jax.jit(lambda x, ws, cfg=cfg: [int4_matmul(x, p, s, config=cfg) for p, s in ws])
-                jax.block_until_ready(fn(x, ws))
-                ts = []
-                for _ in range(f.reps):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(fn(x, ws))
-                    ts.append((time.perf_counter() - t0) / nmat)
-                t = sorted(ts)[len(ts) // 2]
-                print(f"{m:>4} {str(cfg):<70.70} {t * 1e6:8.1f} {nbytes / t / 1e9:8.0f}")
-            except Exception as e:  # noqa: BLE001
-                print(f"{m:>4} {str(cfg):<70.70} failed: {type(e).__name__}: {str(e)[:80]}")
-
-
-if __name__ == "__main__":
-    from absl import app, flags
-    flags.DEFINE_list("ms", ["1", "4", "16"], "token counts")
-    flags.DEFINE_integer("n", 4096, "output features")
-    flags.DEFINE_integer("k", 7168, "input features")
-    flags.DEFINE_integer("num_mats", 64, "distinct weight matrices rotated over")
-    flags.DEFINE_integer("reps", 20, "timed repetitions")
-    app.run(main)

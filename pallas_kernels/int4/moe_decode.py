@@ -22,13 +22,10 @@ Only the pair's own token row of each 8-row MMA tile is live (rows 1..7 are mask
 memory traffic), as in moe_gmm's pair tiles. Duplicate experts across tokens are re-read (from L2).
 
 Variants (MoeGmmConfig): `split_k_down` splits the down kernel's K loop over several programs per
-output block (relaxed f32 atomics into a zeroed buffer); on the H200 (sixth session, swept configs
-in the repacked i16 layout only) 2 splits timed 71.1 us at T = 1 against the default's 72.8 us in i32,
-inside the run-to-run spread; in i32 (seventh session, one run) the split configs took 70.5-72.5 us
-against the default's 76.7, while the default itself moved 72.8 -> 76.7 us between the runs: it stays
-an option until a repeat.
-`stream_k_down` (ninth session; timed in the tenth, BENCHMARKS.md "Stream-K down and both phases in
-one launch": P = 264 ties the default at T = 1 inside the spread and is slower at T = 4) lays the T
+output block (relaxed f32 atomics into a zeroed buffer); on the H200 2 splits timed within the
+run-to-run spread of the default at T = 1 (71.1 vs 72.8 us; 70.5-72.5 vs 76.7 in another run, where the
+default itself moved by 4 us), so it is an option, not the default.
+`stream_k_down` (BENCHMARKS.md "Stream-K down and both phases in one launch": P = 264 ties the default at T = 1 inside the spread and is slower at T = 4) lays the T
 x D/BN output blocks' K loops end to end and cuts them into P equal shares (stream-K; relaxed f32
 atomics at each block a program leaves): at T = 1 the 112 one-per-block programs of the default
 leave 20 of the H200's 132 SMs idle and split-K 2-4 gives 224-448 programs, ~1.7-3.4 per SM, uneven;
@@ -37,7 +34,7 @@ spills, the same cp.async pipeline as the one-block kernel); `launch/bench.py
 --moe_configs=fused_stream` times it. Like split_k_down, its f32 atomics add a block's parts in
 whatever order the programs finish: y may differ in the last bits between runs (the default
 one-program-per-block kernel is deterministic).
-`chained=True` (decode='chained'; ninth session; timed in the tenth: 19-35% slower than the default
+`chained=True` (decode='chained': 19-35% slower than the default
 at T = 1, 11-13% at T = 4, same BENCHMARKS.md section) is the fused path in ONE launch: tickets from
 an atomic counter make the first programs to start the gate/up work and the rest stream-K down
 shares, which wait (volatile loads, then an acquire) until their token's pairs have all their h
@@ -486,8 +483,7 @@ def pairs_matmul_cta(a, idx_TK, weights, *, a_per_token: bool, perm_out: bool, s
     int4_matmul's split_reduce='cta' program (16 * num_warps MMA rows = `split` K-slices of R rows) aimed
     at one expert's rows. For decode steps that hold few pairs (expert parallelism at small batch: about
     one pair per token and device at EP8), where the grouped kernels give a lone pair 32 gate/up programs
-    of 128 rows (one per SM, latency-bound: 30 us for one expert's 16.5 MB on the H200, fifteenth
-    session) and this shape gives it 2F/R programs of R rows with the K split 4 ways, as the dense
+    of 128 rows (one per SM, latency-bound: 30 us for one expert's 16.5 MB on the H200) and this shape gives it 2F/R programs of R rows with the K split 4 ways, as the dense
     kernel does (8.6 us for the same bytes). a: [T, K_in] (a_per_token: row = token, e.g. x) or
     [T*K, K_in] (row = pair, e.g. h); weights: (int16 packed [E, N, K_in/4], scale [E, N, K_in/g]) x 1
     or 2; x_layout 'shuffle' (a in natural columns) or 'perm' (a's columns in pair-plane order).
@@ -528,11 +524,11 @@ def moe_decode_single(x_TD, idx_TK, weight_TK, gate, up, down, *, block_m, block
     registers. Every weight byte of a touched expert is read once (gate/up rows by one program, down
     columns by the same one). y is accumulated in f32 ([T + BM, D], zeroed by XLA) and cast after.
     reduce: 'atomic' (Pallas' acquire-release f32 atomics), 'relaxed' (relaxed-order atomics:
-    `int4_tile.atomic_add_relaxed`) or 'store' (each program stores its [D] partial, XLA sums the
+    `tile.atomic_add_relaxed`) or 'store' (each program stores its [D] partial, XLA sums the
     T*K*F/BF partials after: no atomics, one more op). gate/up/down: (int16 packed, scale) pairs;
     down may come in `block_down`'s layout (4-D, blocked for this block_f), where each program's down
-    slice is one contiguous block instead of BF/2 bytes of every D row (T = 1 on the H200, fifteenth
-    session: 81.7 -> 57.2 us of device span; loading the first down tile before the gate/up loop was
+    slice is one contiguous block instead of BF/2 bytes of every D row (T = 1 on the H200: 81.7 -> 57.2
+    us of device span; loading the first down tile before the gate/up loop was
     tried and lost: 254 registers, 58.5 us). Returns y [T, D] in x.dtype."""
     t, d, topk, num_experts, f, group_d, group_f = _dims(x_TD, idx_TK, gate, down)
     (gw, gs), (uw, us), (dw, ds) = gate, up, down

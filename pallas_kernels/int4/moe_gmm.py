@@ -17,14 +17,14 @@ Pipeline (one jitted function, 2 Pallas kernels + a few tiny XLA ops):
      tokens get tiles, so the kernels never touch the weights of idle experts; surplus tiles are empty
      and their programs exit at once.
   2. gate/up kernel, grid (tiles, F/BN): gathers its rows of x by token id, streams the gate AND up
-     tiles of its expert, dequantizes in registers (int4_tile.py), two MMA accumulators, epilogue
+     tiles of its expert, dequantizes in registers (tile.py), two MMA accumulators, epilogue
      h = silu(gate) * up (f32) -> bf16, stored with columns permuted into "plane" order so the down
      kernel's activation loads are contiguous.
   3. down kernel, grid (tiles, D/BN): streams the down tiles, multiplies each row by its routing weight
      and scatters rows to their (token, k) slot of a [T*K, D] f32 buffer (every slot written once).
   4. combine (XLA): sum over k, cast to x.dtype.
 
-Backend: Pallas Triton, for the reasons given in int4_matmul.py. `interpret=None` interprets on CPU.
+Backend: Pallas Triton, for the reasons given in matmul.py. `interpret=None` interprets on CPU.
 Default tiles (decode, <= 8 rows per expert): 8 token rows per tile, weights on the MMA's M side
 (m16n8k16, 4 warps x 16 weight rows = 64 features per program), 512-wide K steps, 3 stages.
 """
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from typing import NamedTuple, Optional
 
 import jax
@@ -58,7 +57,7 @@ class MoeGmmConfig:
     block_k_down: int = 512      # F elements per K step of down
     num_warps: int = 4
     num_stages: int = 3
-    dequant: str = "asm"         # 'asm' | 'f32' (see int4_tile.py)
+    dequant: str = "asm"         # 'asm' | 'f32' (see tile.py)
     swap_ab: bool = True         # weights on the MMA's M side (needs block_n >= 16*num_warps)
     x_layout: str = "perm"       # 'perm': XLA permutes x columns into plane order; 'natural': strided
     pair_tiles_max_t: int = 4    # T <= this: one tile per (token, k) pair, no sort (top-k ids of a
@@ -94,7 +93,7 @@ class MoeGmmConfig:
 
 # Expected pairs held on this device (T * top-k * held share) at or below which the default runs each
 # held pair as dense-style programs (`pairs_cta`), and the K split it uses. H200, device span
-# (BENCHMARKS.md, "expert parallelism's decode share", sixteenth and seventeenth sessions): 1 held pair at
+# (BENCHMARKS.md, "expert parallelism's decode share"): 1 held pair at
 # T = 1 23.6 us (split 4; split 2: 31.2) vs 45.6 for the pair tiles, 2 held pairs 29.9 (split 2: 36.2) vs
 # 49.2; 4 held pairs at T = 1 (EP2) 42.9 with split 2 (split 4: 44.0) vs 51.5, at T = 4 with 1 of 8 held
 # 51.2 (split 4: 53.2) vs 53.5; with 8 held pairs it loses (T = 1 all held 72.8 vs 62.0, T = 4 with 2 of
@@ -344,7 +343,7 @@ def moe_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array,
     are never read. down_packed / down_scale may be in `block_down`'s layout (4-D) for the
     single-launch decode path (decode='single', T <= pair_tiles_max_t); the other paths reject it (a
     grouped down kernel reading it, one contiguous [BN, 16] tile per F block, measured 3-5x slower:
-    BENCHMARKS.md, fifteenth session). `held_share` (1 / the expert-parallel degree) only steers the
+    BENCHMARKS.md). `held_share` (1 / the expert-parallel degree) only steers the
     default config (`default_config`); the result does not depend on it.
     """
     interp = tile.resolve_interpret(interpret)
@@ -464,54 +463,3 @@ def moe_experts_reference(x_TD, idx_TK, weight_TK, gate_packed, gate_scale, up_p
     h = (jax.nn.silu(g) * u).astype(x_TD.dtype).astype(jnp.float32)
     y = jnp.einsum("tkf,tkdf->tkd", h, wd, precision=hp)
     return jnp.sum(y * weight_TK[..., None].astype(jnp.float32), axis=1).astype(x_TD.dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# Benchmark sweep: python -m pallas_kernels.int4.moe_gmm  (launch/bench.py --suite=int4 is the full table)
-
-def main(argv):
-    del argv
-    from absl import flags
-    f = flags.FLAGS
-    e, d, ff, topk = f.experts, f.d, f.f, 8
-    key = jax.random.PRNGKey(0)
-    gate = int4_ref.random_int4(jax.random.fold_in(key, 1), (e, ff, d))
-    up = int4_ref.random_int4(jax.random.fold_in(key, 2), (e, ff, d))
-    down = int4_ref.random_int4(jax.random.fold_in(key, 3), (e, d, ff))
-    per_expert = 3 * (ff * d // 2 + ff * d // 32 * 2)
-    print(f"{'T':>5} {'config':<60} {'us':>9} {'experts':>8} {'GB/s':>7}")
-    for t in [int(v) for v in f.batches]:
-        x = jax.random.normal(jax.random.fold_in(key, 5), (t, d), jnp.bfloat16)
-        idxs = [jax.random.permutation(jax.random.fold_in(key, 100 + r), e)[:topk][None, :]
-                if t == 1 else
-                jax.vmap(lambda kk: jax.random.permutation(kk, e)[:topk])(
-                    jax.random.split(jax.random.fold_in(key, 100 + r), t))
-                for r in range(f.rotations)]
-        w = jnp.full((t, topk), 1.0 / topk, jnp.float32)
-        touched = sum(int(jnp.unique(i).size) for i in idxs) / len(idxs)
-        for cfg in [None, MoeGmmConfig(dequant="f32"), MoeGmmConfig(x_layout="natural")]:
-            fn = jax.jit(lambda x, idxs, cfg=cfg: [moe_experts(x, i, w, *gate, *up, *down,
-                                                               config=cfg) for i in idxs])
-            try:
-                jax.block_until_ready(fn(x, idxs))
-                ts = []
-                for _ in range(f.reps):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(fn(x, idxs))
-                    ts.append((time.perf_counter() - t0) / len(idxs))
-                tm = sorted(ts)[len(ts) // 2]
-                print(f"{t:>5} {str(cfg):<60.60} {tm * 1e6:9.1f} {touched:8.1f} "
-                      f"{touched * per_expert / tm / 1e9:7.0f}")
-            except Exception as ex:  # noqa: BLE001
-                print(f"{t:>5} {str(cfg):<60.60} failed: {type(ex).__name__}: {str(ex)[:80]}")
-
-
-if __name__ == "__main__":
-    from absl import app, flags
-    flags.DEFINE_list("batches", ["1", "16", "64", "256"], "token counts")
-    flags.DEFINE_integer("experts", 384, "experts")
-    flags.DEFINE_integer("d", 7168, "hidden size")
-    flags.DEFINE_integer("f", 2048, "expert intermediate size")
-    flags.DEFINE_integer("rotations", 8, "distinct routings rotated over")
-    flags.DEFINE_integer("reps", 10, "timed repetitions")
-    app.run(main)

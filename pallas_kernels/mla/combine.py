@@ -1,6 +1,6 @@
 """The flash-decoding combine of the balanced schedule's work items, one Pallas (Triton) launch.
 
-Under `schedule='balanced'` (`mla_decode.balanced_items`) the decode kernels' B x K programs each
+Under `schedule='balanced'` (`decode.balanced_items`) the decode kernels' B x K programs each
 read one work item: part of ONE row's cached tokens, items of a row contiguous and in row order, a
 long row holding many more items than a short one. Each item wrote its normalized output
 o [G, M, A] (f32, G = B x K items, M = T x N query rows) and its log-sum-exp lse [G, M]. Row b's
@@ -12,7 +12,7 @@ answer merges its items g in [first_b, first_b + count_b) and the step's new-tok
 `combine_items_xla` writes that as XLA: per-row maxima and sums over a [B, G] row mask, the
 numerator a one-hot contraction at full f32 precision. Its cost is B x G x M x A multiply-adds, which
 at batch 64 x 2 splits x 64 heads (537 MFLOP of f32) made the balanced schedule 0-20% slower than
-the rows schedule on equal lengths (BENCHMARKS.md MLA round 11). `combine_items` is the same merge
+the rows schedule on equal lengths (H200, BENCHMARKS.md). `combine_items` is the same merge
 reading each item once (`combine` picks one by size): grid (B, M, A / block_a), one program per
 (row, query row, column block) walks the row's items in chunks of `block_g` ([block_g, block_a]
 loads, an online max across chunks; a row of at most FEW_ITEMS items one item at a time), in item
@@ -121,7 +121,7 @@ NUM_WARPS = 4
 
 
 def combine(o_GMA, lse_GM, work, o_new_BMA, lse_new_BM, *, interpret: bool):
-    """The balanced schedule's merge (`work`: `mla_decode.balanced_items`' table): the XLA
+    """The balanced schedule's merge (`work`: `decode.balanced_items`' table): the XLA
     contraction for small shapes, else the kernel. Returns o [B, M, A] f32 and lse [B, M] f32."""
     G, M, A = o_GMA.shape
     B = o_new_BMA.shape[0]
@@ -144,7 +144,7 @@ def _auto_blocks(B: int, M: int, A: int):
 def combine_items(o_GMA, lse_GM, first_B, count_B, o_new_BMA, lse_new_BM, *, interpret: bool = False,
                   block_a: int = 0, block_g: int = 0, num_warps: int = NUM_WARPS):
     """`combine_items_xla` in one launch: rows' items given as [first_B, first_B + count_B)
-    (from `mla_decode.balanced_items`). Returns o [B, M, A] f32 and lse [B, M] f32."""
+    (from `decode.balanced_items`). Returns o [B, M, A] f32 and lse [B, M] f32."""
     G, M, A = o_GMA.shape
     B = o_new_BMA.shape[0]
     auto_a, auto_g = _auto_blocks(B, M, A)
@@ -166,95 +166,3 @@ def combine_items(o_GMA, lse_GM, first_B, count_B, o_new_BMA, lse_new_BM, *, int
     )(spans, o_GMA.reshape(G, M * A).astype(f32), lse_GM.reshape(G * M).astype(f32),
       o_new_BMA.reshape(B, M * A).astype(f32), lse_new_BM.reshape(B * M).astype(f32))
     return out.reshape(B, M, A), lse.reshape(B, M)
-
-
-# ----------------------------------------------------------------------------------------------
-# Benchmark sweep (GPU): python -m pallas_kernels.mla.combine [--cases=B:M:items:long:short,...]
-# Each case is a balanced table (`mla_decode.balanced_items`) over one row of `long` cached tokens
-# and B - 1 rows of `short` (long = short: equal rows), M query rows, A (512) columns; every config
-# is checked against `combine_items_xla` on the device first, then timed: device time per call of
-# every op it runs (jax.profiler; `calls` calls in one executable, the partials L2-warm as after the
-# decode kernel that wrote them). Wall clock over the executable was dominated by launch gaps.
-
-def _parse_case(spec: str) -> tuple[int, int, int, int, int]:
-    try:
-        B, M, items, long, short = (int(v) for v in spec.split(":"))
-    except ValueError:
-        raise ValueError(f"--cases: {spec!r} is not B:M:items:long:short (five integers)") from None
-    if B < 1 or M < 1 or items < B or min(long, short) < 0:
-        raise ValueError(f"--cases: {spec!r} needs B, M >= 1, items >= B and lengths >= 0")
-    return B, M, items, long, short
-
-
-def _case(spec: str, seed: int = 0, A: int = 512):
-    B, M, items, long, short = _parse_case(spec)
-    from pallas_kernels.mla import decode as md
-    work = md.balanced_items(jnp.asarray([long] + [short] * (B - 1), jnp.int32), items, 64)
-    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-    used = (work[2] > work[1])[:, None]
-    o = jnp.where(used[..., None], jax.random.normal(ks[0], (items, M, A), jnp.float32), 0.0)
-    lse = jnp.where(used, 4.0 * jax.random.normal(ks[1], (items, M), jnp.float32), -jnp.inf)
-    o_new = jax.random.normal(ks[2], (B, M, A), jnp.float32)
-    lse_new = 4.0 * jax.random.normal(ks[3], (B, M), jnp.float32)
-    return work, o, lse, o_new, lse_new
-
-
-def main(argv):
-    del argv
-    from absl import app, flags
-    from kimi_jax.tools import profiling
-    f = flags.FLAGS
-    for spec in f.cases:                  # before any work
-        try:
-            _parse_case(spec)
-        except ValueError as e:
-            raise app.UsageError(str(e)) from None
-    configs = [(w, a, g) for w in (int(v) for v in f.warps) for a in (int(v) for v in f.block_as)
-               for g in (int(v) for v in f.block_gs)]
-    print(f"jax {jax.__version__} {jax.devices()[0].device_kind}")
-    failed = 0
-    print(f"{'case B:M:items:long:short':<28} {'MB':>6} {'config (warps, block_a, block_g)':<34} "
-          f"{'us':>8} {'GB/s':>7} check")
-    for spec in f.cases:
-        work, o, lse, o_new, lse_new = _case(spec, A=f.a)
-        B = o_new.shape[0]
-        nbytes = o.size * 4 + lse.size * 4 + 2 * o_new.size * 4
-        news = [lse_new + 0.001 * i for i in range(f.calls)]      # distinct calls: no CSE
-        want = combine_items_xla(o, lse, work[0], o_new, lse_new)
-        runs = [("xla", lambda n: combine_items_xla(o, lse, work[0], o_new, n))]
-        for w, a, g in configs:
-            runs.append(((w, a, g), lambda n, w=w, a=a, g=g: combine_items(
-                o, lse, work[3, :B], work[4, :B], o_new, n, num_warps=w, block_a=a, block_g=g,
-                interpret=f.interpret)))
-        for name, fn in runs:
-            try:
-                got = jax.jit(fn)(lse_new)
-                err = max(float(jnp.max(jnp.abs(got[0] - want[0]))),
-                          float(jnp.max(jnp.where(jnp.isfinite(want[1]), jnp.abs(got[1] - want[1]), 0.0))))
-                many = jax.jit(lambda ns, fn=fn: [fn(n) for n in ns]).lower(news).compile()
-                per_op, _, _ = profiling.device_ops_per_call(many, (news,), f.calls)
-                t = max(sum(per_op.values()), 1e-3) * 1e-6
-                top = ", ".join(f"{k[:24]} {v:.1f}" for k, v in list(per_op.items())[:3])
-                print(f"{spec:<28} {nbytes / 1e6:6.1f} {str(name):<34} {t * 1e6:8.1f} "
-                      f"{nbytes / t / 1e9:7.0f} {'OK' if err < 1e-4 else 'FAIL'} {err:.1e}  [{top}]", flush=True)
-                failed += err >= 1e-4   # f32 sums in another order differ by ~1e-6 here; a part
-                #                             merged into the wrong row or dropped moves an output by O(1)
-            except Exception as e:  # noqa: BLE001
-                print(f"{spec:<28} {str(name):<34} failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
-                failed += 1
-    if failed:
-        raise SystemExit(f"mla_combine sweep: {failed} config(s) failed or disagreed with the reference")
-
-
-if __name__ == "__main__":
-    from absl import app, flags
-    flags.DEFINE_list("cases", ["64:64:128:4096:4096", "64:64:128:32768:1024", "64:8:256:4096:4096",
-                                "16:64:128:4096:4096", "16:8:128:131072:4096", "8:64:128:131072:4096",
-                                "8:8:128:131072:4096"], "B:M:items:long:short")
-    flags.DEFINE_list("warps", ["1", "2", "4"], "num_warps values")
-    flags.DEFINE_list("block_as", ["0", "128", "512"], "block_a values (0: automatic)")
-    flags.DEFINE_list("block_gs", ["0", "4"], "block_g values (0: automatic)")
-    flags.DEFINE_integer("calls", 20, "calls per timed executable")
-    flags.DEFINE_integer("a", 512, "latent columns")
-    flags.DEFINE_bool("interpret", False, "interpret mode (a CPU dry run of the sweep)")
-    app.run(main)

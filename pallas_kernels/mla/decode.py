@@ -22,21 +22,22 @@ Pipeline (`mla_paged_attention`):
      schedule='balanced' program (i, j, b) instead reads work item b * splits + j of
      `balanced_items` (items of one size shared across the batch, each within one row; a long row
      among short ones gets most of the programs: 1.4-7.3x faster on such batches, up to 37% slower
-     on equal 4K rows, BENCHMARKS.md MLA rounds 11-12) and the combine goes by each item's row
+     on equal 4K rows on the H200, BENCHMARKS.md) and the combine goes by each item's row
      (`mla_combine`). With `fuse_new` (off by default: it timed slower) the last split
      also takes the step's T new tokens (causal t' <= t, positions >= 0) as one more block, read
      from new_BTC. With block_a < A, A / block_a adjacent programs share a row block: each computes
      the full scores and accumulates only its block_a output columns.
   2. XLA (small): the flash-decoding combine of the splits by their lse (nothing when there is one
      split); without fuse_new also the new tokens' part (einsums) merged the same way. With
-     `finish='kernel'` both are one more Pallas launch instead (`mla_finish.py`).
+     `finish='kernel'` both are one more Pallas launch instead (`finish.py`).
 
 Why Triton and not Mosaic GPU: the project's kernels run on the Triton backend because it runs under
 plain `interpret=True` (the CPU tests execute this body) and lowers to SASS off-GPU for inspection
-(`sass_probe.py`); see NOTES.md. The gathers here are per-token rows of a page, which Triton
+(NOTES.md). The gathers here are per-token rows of a page, which Triton
 pipelines with cp.async just like the paged_attention example in jax.experimental.pallas.ops.gpu.
 
-`mla_paged_attention_reference` (pure jnp, float32 math, no bf16 rounding of p) is the oracle.
+`mla_paged_attention_reference` (pure jnp, float32 math, no bf16 rounding of p) is the oracle of this
+kernel and of the Mosaic GPU one (decode_mgpu.py); `make_case` builds random inputs for both.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -61,8 +63,8 @@ _LN2 = math.log(2.0)
 
 @dataclasses.dataclass(frozen=True)
 class MlaDecodeConfig:
-    """Tiling. 0 means "choose from the shapes" (`resolve_config`); `LEGACY` is the first version's
-    choice (kept for comparisons in launch/bench_mla.py --sweep)."""
+    """Tiling. 0 means "choose from the shapes" (`resolve_config`); `ONE_PAGE_BUFFER` is the
+    baseline that launch/bench_mla.py --sweep compares against."""
     block_m: int = 0              # query rows (t, n) per program; power of two >= 16
     block_k: int = 0              # cached tokens per inner step; power of two >= 16 (0: 64 for
     #                               <= 16 rows at batch >= 64, else 32; see resolve_config)
@@ -77,11 +79,11 @@ class MlaDecodeConfig:
     #                               for a few 8-head rows; see resolve_config) ...
     min_split_tokens: int = 0     # ... but a split covers at least this many tokens (0: by rows)
     fuse_new: bool = False        # True: the step's new tokens are a step of the last split
-                                  # (in-kernel) instead of XLA einsums merged afterwards. Off: the H200
-                                  # sweep of 2026-11-29 (BENCHMARKS.md) timed it 2-35% slower at 8 heads
+                                  # (in-kernel) instead of XLA einsums merged afterwards. Off: 2-35%
+                                  # slower at 8 heads on the H200 (BENCHMARKS.md)
     max_auto_block_m: int = 16    # auto block_m: pow2 >= rows, in [16, this]
     trim_splits: bool = True      # auto splits, <= 16 rows: drop the splits a row of max_tokens leaves empty.
-    #                               H200 (BENCHMARKS.md MLA round 14): batch 8 x 32K at 8 heads, 32
+    #                               H200 (BENCHMARKS.md): batch 8 x 32K at 8 heads, 32
     #                               splits 95.5 / 95.9 / 97.2 us in three runs vs 100.8-114.7 us in
     #                               eight with 33 (the last empty); a tie at batch 1 / 2 / 8 x 128K
     finish: str = "xla"           # new tokens + combine: 'xla' (einsums and merge) or 'kernel'
@@ -89,7 +91,7 @@ class MlaDecodeConfig:
     schedule: str = "rows"        # who reads which tokens (SCHEDULES): 'rows' (each row split into
     #                               num_splits equal parts of its own length) or 'balanced' (the
     #                               B x num_splits programs share the batch's tokens by length:
-    #                               `balanced_items`; a mixed-length batch no longer waits on its
+    #                               `balanced_items`; a mixed-length batch does not wait on its
     #                               longest row's few programs). 'balanced' needs finish='xla', no fuse_new
 
     def __post_init__(self):
@@ -117,9 +119,9 @@ def check_schedule(owner: str, schedule: str, finish: str, *, fuse_new: bool = F
             raise ValueError(f"{owner}.schedule='balanced' does not combine with {bad[0]}")
 
 
-# The first version (2026-11 H200 run): 2 pipeline stages (one page buffer, nothing overlapped),
-# >= 512 tokens per split, ~2 programs per SM, new tokens in XLA. block_m auto: as now.
-LEGACY = MlaDecodeConfig(block_k=32, num_warps=4, num_stages=2, target_programs=264,
+# The sweep's baseline: 2 pipeline stages (one page buffer, nothing overlapped), >= 512 tokens per split,
+# ~2 programs per SM, new tokens in XLA; block_m automatic.
+ONE_PAGE_BUFFER = MlaDecodeConfig(block_k=32, num_warps=4, num_stages=2, target_programs=264,
                         min_split_tokens=512, fuse_new=False, max_auto_block_m=32, trim_splits=False)
 
 NUM_SMS = 132                     # H200
@@ -134,11 +136,11 @@ def resolve_config(cfg: Optional[MlaDecodeConfig], batch: int, rows: int, max_to
     """Fill the automatic fields for `rows` = T * N query rows, a table of `max_tokens` slots and
     latent width `a`.
 
-    Pipelining (Triton's loop pipeliner, checked in the sm_90 TTGIR with sass_probe): the page rows'
+    Pipelining (Triton's loop pipeliner, as the sm_90 TTGIR shows): the page rows'
     addresses come from a block-table load inside the loop, one level of indirection, so Triton gives
     the page loads a latency of (num_stages - 1) // 2 iterations: num_stages 2-4 keep ONE page buffer
     (the next block's cp.async is issued after this block's MMAs and waited on at the top of the next
-    iteration: nothing overlaps; the first version's ~4 us per 32-token step), 5 gives two buffers
+    iteration: nothing overlaps, ~4 us per 32-token step on the H200), 5 gives two buffers
     (this block's MMAs overlap the next block's gather), 7 gives three.
     """
     cfg = cfg or MlaDecodeConfig()
@@ -157,7 +159,7 @@ def resolve_config(cfg: Optional[MlaDecodeConfig], batch: int, rows: int, max_to
     # Short splits keep short contexts spread over the SMs (each split costs one prologue: two
     # dependent loads), but every split also writes and the combine reads rows x A f32 partials.
     # A few 8-head rows (batch <= FEW_ROWS, T = 1: TP8's decode batches) take ~2 programs per SM of
-    # >= 256 tokens instead of 4 of >= 64: on the H200 (BENCHMARKS.md MLA round 13) batch 1 x 32K
+    # >= 256 tokens instead of 4 of >= 64: on the H200 (BENCHMARKS.md) batch 1 x 32K
     # 44.4 -> 31.3 us (512 splits of 64 tokens -> 128 of 256), 1 x 128K 72.5 -> 64.1 us (528 -> 264),
     # batch 8 x 4K / 32K / 128K 38.9 / 114.5 / 317.0 -> 32.1 / 103.8 / 303.7 us.
     few = rows <= 16 and batch <= FEW_ROWS
@@ -167,15 +169,15 @@ def resolve_config(cfg: Optional[MlaDecodeConfig], batch: int, rows: int, max_to
     if not splits:
         # 16-row tiles: at most `target` programs (splits rounded down). Two are resident per SM, so
         # a count just above a multiple of 2 * NUM_SMS runs a last wave of a few programs while the
-        # other SMs idle. H200, round 13: batch 32 x 128K 17 splits (544 programs) 1,527 us, 78% of
+        # other SMs idle. H200: batch 32 x 128K 17 splits (544 programs) 1,527 us, 78% of
         # copy -> 16 (512) 1,147-1,161 us; batch 64 x 128K 9 -> 8 splits 2,555 -> 2,307 us.
         rb = batch * row_blocks
         by_occupancy = max(1, target // rb) if rows <= 16 else -(-target // rb)
         by_length = -(-max_tokens // min_tok)
         splits = max(1, min(by_occupancy, by_length))
     warps = cfg.num_warps or (4 if bm * ba <= 16 * 512 else 8)   # [bm, ba] f32 acc: <= 64 regs/thread
-    # 64-token steps at <= 16 rows (8 heads) and batch >= 64: on the H200 (BENCHMARKS.md, fifth
-    # session, one sweep run) 657 vs 760 us at 64 x 32K, 2,556 vs 2,940 us at 64 x 128K (95% of
+    # 64-token steps at <= 16 rows (8 heads) and batch >= 64: on the H200 (BENCHMARKS.md, one sweep
+    # run) 657 vs 760 us at 64 x 32K, 2,556 vs 2,940 us at 64 x 128K (95% of
     # copy), 123 vs 126 us at 64 x 4K; at batch 8 the 32-token steps stay ahead (112 vs 121 us at 32K,
     # 318 vs 335 us at 128K). Batches 9-63 were not measured and keep 32.
     bk = cfg.block_k or (64 if rows <= 16 and batch >= 64 else 32)
@@ -219,9 +221,9 @@ def _kernel(*refs, bk: int, ba: int, splits: int, a_blocks: int, scale: float, n
         ql_ref, qp_ref = ql_ref.at[b, q_rows], qp_ref.at[b, q_rows]
     bm, a, r, M = ql_ref.shape[0], ql_ref.shape[1], qp_ref.shape[1], o_ref.shape[2]
     # this program's query rows: the partials hold the M real rows only (with 8 heads and 16-row
-    # tiles, half of every partial row block used to be padding, written here and sliced off after).
+    # tiles, a padded partial row block would be half padding, written and sliced off after).
     # q stays padded: masked q loads instead cost 2 spills and 3x the shared-memory loads in the
-    # sm_90 SASS of the 8-head loop (sass_probe --op=mla, sixth session)
+    # sm_90 SASS of the 8-head loop
     rows = (i // a_blocks) * bm + jnp.arange(bm, dtype=jnp.int32)
     live = rows < M
     if balanced:
@@ -585,6 +587,19 @@ def mla_paged_attention_reference(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, bloc
     return (o_BTNA, lse_BTN) if return_lse else o_BTNA
 
 
-def cache_bytes(lengths_B, C: int, itemsize: int) -> int:
-    """Bytes the op must read from the cache: every cached token's C values once."""
-    return int(sum(int(x) for x in lengths_B)) * C * itemsize
+def make_case(key, lengths, *, heads=64, t=1, page=16, a=512, r=64, pages_per_row=None, extra_pages=3,
+              dtype=jnp.bfloat16):
+    """Random inputs with a shuffled block table (rows' pages interleaved in the pool)."""
+    lengths = [int(x) for x in lengths]
+    B = len(lengths)
+    P = pages_per_row or max(1, -(-max(max(lengths), 1) // page))
+    X = B * P + extra_pages
+    ks = jax.random.split(key, 5)
+    q_lat = jax.random.normal(ks[0], (B, t, heads, a), jnp.float32).astype(dtype)
+    q_pe = jax.random.normal(ks[1], (B, t, heads, r), jnp.float32).astype(dtype)
+    pool = jax.random.normal(ks[2], (X, page, a + r), jnp.float32).astype(dtype)
+    new = jax.random.normal(ks[3], (B, t, a + r), jnp.float32).astype(dtype)
+    perm = np.asarray(jax.random.permutation(ks[4], X))[:B * P]
+    bt = jnp.asarray(perm.reshape(B, P), jnp.int32)
+    pos = np.asarray(lengths)[:, None] + np.arange(t)[None, :]
+    return q_lat, q_pe, new, pool, bt, jnp.asarray(pos, jnp.int32)

@@ -1,6 +1,6 @@
 """The end of an MLA decode step in ONE launch: the step's new tokens and the flash-decoding combine.
 
-After a decode kernel (`mla_decode` on the Triton backend, `mla_decode_mgpu` on Mosaic GPU) has written
+After a decode kernel (decode.py on the Triton backend, decode_mgpu.py on Mosaic GPU) has written
 each split's normalized output o [B, K, M, A] (f32) and log-sum-exp lse [B, K, M] over the CACHED
 tokens, every query row (t, n) = divmod(m, N) still needs
 
@@ -9,9 +9,9 @@ tokens, every query row (t, n) = divmod(m, N) still needs
   2. the merge of the K splits and the new-token part by their log-sum-exps:
      o = sum_parts exp(lse_part - m) o_part / sum_parts exp(lse_part - m).
 
-`mla_decode.finish_xla` does this in XLA (the reference here): a transpose, two score einsums, a
+`decode.finish_xla` does this in XLA (the reference here): a transpose, two score einsums, a
 softmax, a third einsum and the merge, i.e. 7-9 small launches after the decode kernel (14-18 us per
-call on an H200 at every decode size, plus the gaps between them: BENCHMARKS.md MLA round 9).
+call on an H200 at every decode size, plus the gaps between them: BENCHMARKS.md).
 `finish_partials` does it in one Pallas (Triton backend) launch, grid (B, M, A / block_a): one program
 per query row and block_a latent columns. It scores the row against the (up to 16) new tokens with
 vector dot products (16 x 576 multiply-adds: no tensor-core tile to fill for one row), then reads the
@@ -19,13 +19,12 @@ splits' lse and its block_a columns of o in chunks of block_k splits -- one [blo
 per chunk, reduced over the splits in registers -- and writes its columns of o in the queries' dtype
 (the first column block also the total lse).
 
-History (measured, H200, sixth session): a first version had one program per 16 rows walking the
-splits one at a time (grid (B, M / 16), then also split over columns). It took 9.3-10 us at 64 heads
-but 31-46 us at 8 heads x batch 8 and 198 us at batch 1 x 128K (hundreds of splits, one dependent
-load each), never shortening a call. This version takes 7-20 us alone, yet inside an executable of
-layers the calls are no shorter than with XLA's finish beyond the run-to-run spread (even to slower
-after the Triton kernel, 4-7% faster after the Mosaic GPU kernel at batch 1 only; BENCHMARKS.md MLA
-round 9). Selected by `MlaDecodeConfig.finish` / `MgpuConfig.finish` = 'kernel' (default 'xla').
+Why chunks of splits: one program per 16 rows walking the splits one at a time (grid (B, M / 16))
+took 9.3-10 us at 64 heads but 31-46 us at 8 heads x batch 8 and 198 us at batch 1 x 128K on the H200
+(hundreds of splits, one dependent load each). This kernel takes 7-20 us alone; inside an executable of
+layers the calls are no shorter than with XLA's finish beyond the run-to-run spread, except after the
+Mosaic GPU kernel for one row (BENCHMARKS.md), which is where it serves (`decode_mgpu.SERVING_CONFIGS`).
+Selected by `MlaDecodeConfig.finish` / `MgpuConfig.finish` = 'kernel' (default 'xla').
 """
 from __future__ import annotations
 
@@ -127,7 +126,7 @@ def finish_partials(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_B
     """The new tokens' part and the combine of K split partials, one launch. o_BKMA [B, K, M, A] f32
     and lse_BKM [B, K, M] f32 (natural log; -inf or very negative for an empty split) over M = T * N
     rows (t, n) = divmod(m, N). Returns (o [B, T, N, A] in q_lat's dtype, lse [B, T, N] f32); a row
-    that sees no key at all gets o = 0 and lse = -inf, as `mla_decode.combine`. block_a / block_k:
+    that sees no key at all gets o = 0 and lse = -inf, as `decode.combine`. block_a / block_k:
     latent columns per program / splits per load (0: `_blocks`)."""
     B, T, N, A = q_lat_BTNA.shape
     R = q_pe_BTNR.shape[-1]
@@ -155,7 +154,7 @@ def finish_partials(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_B
 
 
 def finish_reference(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale: float):
-    """The XLA path it replaces (`mla_decode.finish_xla`), same contract."""
+    """The XLA path it replaces (`decode.finish_xla`), same contract."""
     from pallas_kernels.mla import decode as md
     o, lse = md.finish_xla(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale)
     return o.astype(q_lat_BTNA.dtype), lse

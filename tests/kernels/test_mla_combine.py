@@ -84,7 +84,7 @@ def test_spans_match_rows_and_bad_blocks():
 
 
 def test_sweep_checks_every_config_on_the_device_it_runs():
-    """`python -m pallas_kernels.mla.combine` (the GPU tuning sweep) in interpret mode at tiny shapes:
+    """`python -m launch.sweep_mla_combine` (the GPU tuning sweep of this kernel) in interpret mode at tiny shapes:
     each config is checked against the reference before it is timed, and the run exits non-zero when
     one disagrees (here none does: a long row over chunks and equal rows)."""
     import os
@@ -92,13 +92,13 @@ def test_sweep_checks_every_config_on_the_device_it_runs():
     import sys
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-m", "pallas_kernels.mla.combine", "--interpret", "--a=32",
+    r = subprocess.run([sys.executable, "-m", "launch.sweep_mla_combine", "--interpret", "--a=32",
                         "--cases=4:2:8:300:20,3:2:6:64:64", "--warps=1", "--block_as=16", "--block_gs=0",
                         "--calls=1"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [x for x in r.stdout.splitlines() if x.startswith(("4:2:8", "3:2:6"))]
     assert len(lines) == 4 and all(" OK " in x for x in lines), r.stdout
-    bad = subprocess.run([sys.executable, "-m", "pallas_kernels.mla.combine", "--cases=4:2:8:300:20,4:2:3:5:5"],
+    bad = subprocess.run([sys.executable, "-m", "launch.sweep_mla_combine", "--cases=4:2:8:300:20,4:2:3:5:5"],
                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "'4:2:3:5:5' needs" in bad.stderr + bad.stdout
     assert "4:2:8:300:20" not in bad.stdout                 # rejected before any case ran

@@ -86,7 +86,7 @@ _C = md.MlaDecodeConfig
     (8, 4, _C(block_k=16, block_a=16, num_splits=3)),
     (64, 1, _C(block_k=16, block_m=64, block_a=32, num_splits=2)),
     (64, 4, _C(block_k=16, block_m=32, block_a=32, fuse_new=True)),
-    (8, 4, md.LEGACY),
+    (8, 4, md.ONE_PAGE_BUFFER),
     (8, 1, _C(block_k=64, num_splits=2)),          # 64-token steps (the 8-head batch >= 64 default)
 ])
 def test_options_match_reference_f32(N, T, cfg):
@@ -146,7 +146,7 @@ def test_auto_config():
     assert md.resolve_config(None, batch=64, rows=64, max_tokens=32768).block_k == 32
     assert md.resolve_config(_C(block_k=16), batch=64, rows=8, max_tokens=32768).block_k == 16
     # the first version's choice stays reachable
-    cfg = md.resolve_config(md.LEGACY, batch=1, rows=8, max_tokens=4096)
+    cfg = md.resolve_config(md.ONE_PAGE_BUFFER, batch=1, rows=8, max_tokens=4096)
     assert (cfg.num_stages, cfg.num_splits, cfg.fuse_new, cfg.block_k) == (2, 8, False, 32)
     with pytest.raises(ValueError, match="block_a"):
         md.resolve_config(_C(block_a=1024), batch=1, rows=8, max_tokens=64)

@@ -89,8 +89,8 @@ def test_finish_in_the_triton_decode_path():
 def test_finish_in_the_mosaic_gpu_decode_path():
     """The Mosaic GPU kernel's partials (its interpreter) finished by the kernel: same answer as the
     reference of the whole op (bf16 cache, 64 query rows)."""
-    q_lat, q_pe, new, pool, bt, pos = mg.make_case(jax.random.PRNGKey(12), [0, 17, 300], heads=64, a=512)
-    cfg = mg.MgpuConfig(block_k=32, stages=4, warpgroups=2, split_s=True, num_splits=2, finish="kernel")
+    q_lat, q_pe, new, pool, bt, pos = md.make_case(jax.random.PRNGKey(12), [0, 17, 300], heads=64, a=512)
+    cfg = mg.MgpuConfig(num_splits=2, finish="kernel")              # the one-row served config, 2 splits
     o = mg.mla_paged_attention_mgpu(q_lat, q_pe, new, pool, bt, pos, 576 ** -0.5, config=cfg,
                                     interpret=True)
     ro = md.mla_paged_attention_reference(q_lat, q_pe, new, pool, bt, pos, 576 ** -0.5)

@@ -1,7 +1,7 @@
 """kimi_jax.ops picks the paged MLA decode kernel (ops.mla_decode_kernel): the automatic choice off a
 Hopper GPU is the Triton kernel and a forced choice wins; forced to the Mosaic GPU kernel,
 ops.mla_paged_attention (interpreted on CPU) equals the XLA path. Tolerance 3e-2 absolute: as
-tests/test_mla_decode_mgpu.py (bf16 p before P @ C and a bf16 output on values of size <= ~3)."""
+tests/kernels/test_mla_decode_mgpu.py (bf16 p before P @ C and a bf16 output on values of size <= ~3)."""
 import dataclasses
 import math
 
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kimi_jax import ops
+from pallas_kernels.mla import decode as md
 from pallas_kernels.mla import decode_mgpu as mg
 
 SCALE = 1.0 / math.sqrt(192.0)
@@ -39,7 +40,7 @@ def test_ops_runs_the_mgpu_kernel(monkeypatch):
     calls = []
     real = mg.mla_paged_attention_mgpu
     monkeypatch.setattr(mg, "mla_paged_attention_mgpu", lambda *a, **k: calls.append(1) or real(*a, **k))
-    q_lat, q_pe, new, pool, bt, pos = mg.make_case(jax.random.key(3), [0, 37, 16], heads=64, page=16)
+    q_lat, q_pe, new, pool, bt, pos = md.make_case(jax.random.key(3), [0, 37, 16], heads=64, page=16)
     pos = pos.at[0].set(-1)                                     # a padding row reads nothing
     L = 2
     stacked = jnp.stack([pool * 0.5, pool])                     # layer 1 is `pool`
@@ -57,12 +58,11 @@ def test_ops_keeps_the_triton_kernel_for_a_float32_pool(monkeypatch):
     """Automatic choice on a (pretended) Hopper GPU, 64 heads, a large table: bf16 queries over a bf16
     pool take the Mosaic GPU kernel, over a float32 pool the Triton kernel (the mgpu kernel reads bf16
     pages only). Both kernels are replaced by spies: only the decision is under test."""
-    from pallas_kernels.mla import decode as md
     monkeypatch.setattr(ops, "_is_hopper", lambda: True)
     calls = []
     monkeypatch.setattr(mg, "mla_paged_attention_mgpu", lambda q, *a, **k: calls.append("mgpu") or q)
     monkeypatch.setattr(md, "mla_paged_attention", lambda q, *a, **k: calls.append("triton") or q)
-    q_lat, q_pe, new, pool, bt, pos = mg.make_case(jax.random.key(4), [5, 17], heads=64, page=16)
+    q_lat, q_pe, new, pool, bt, pos = md.make_case(jax.random.key(4), [5, 17], heads=64, page=16)
     bt = jnp.zeros((2, 1024), jnp.int32)                       # a 16K-token table: the cache pays
     for p in (pool, pool.astype(jnp.float32)):
         ops.mla_paged_attention(q_lat, q_pe, new, p, bt, pos, SCALE, impl="pallas")
@@ -71,17 +71,17 @@ def test_ops_keeps_the_triton_kernel_for_a_float32_pool(monkeypatch):
 
 def test_ops_takes_the_one_launch_finish_for_a_single_row(monkeypatch):
     """On a (pretended) Hopper GPU the Mosaic GPU kernel runs `serving_config(rows)`: the one-launch finish
-    (mla_finish) for one row (MLA round 21 I: 1 x 32K 32.1 vs 36.3 us), XLA's finish for more rows and
+    (finish.py) for one row (H200: 1 x 32K 32.1 vs 36.3 us), XLA's finish for more rows and
     under a forced balanced schedule (which takes XLA's finish only). A spy records the config."""
     monkeypatch.setattr(ops, "_is_hopper", lambda: True)
     configs = []
     monkeypatch.setattr(mg, "mla_paged_attention_mgpu", lambda q, *a, **k: configs.append(k["config"]) or q)
-    q_lat, q_pe, new, pool, bt, pos = mg.make_case(jax.random.key(4), [5, 17], heads=64, page=16)
+    q_lat, q_pe, new, pool, bt, pos = md.make_case(jax.random.key(4), [5, 17], heads=64, page=16)
     bt = jnp.zeros((2, 1024), jnp.int32)                       # a 16K-token table: the mgpu kernel
     ops.mla_paged_attention(q_lat[:1], q_pe[:1], new[:1], pool, bt[:1], pos[:1], SCALE, impl="pallas")
     ops.mla_paged_attention(q_lat, q_pe, new, pool, bt, pos, SCALE, impl="pallas")
     with ops.use_mla_schedule("balanced"):
         ops.mla_paged_attention(q_lat[:1], q_pe[:1], new[:1], pool, bt[:1], pos[:1], SCALE, impl="pallas")
     assert [c.finish for c in configs] == ["kernel", "xla", "xla"]
-    assert configs[1] == mg.SERVING_CONFIG and configs[2].schedule == "balanced"
-    assert mg.serving_config(1) == dataclasses.replace(mg.SERVING_CONFIG, finish="kernel")
+    assert configs[1] == mg.MgpuConfig() and configs[2].schedule == "balanced"
+    assert mg.serving_config(1) == dataclasses.replace(mg.MgpuConfig(), finish="kernel")
