@@ -10,8 +10,8 @@ tokens and the merge by `decode.finish`), a drop-in for `decode.mla_paged_attent
 
 The kernel (`kernel`): grid (row blocks, splits, B), one CTA = three warpgroups sharing Q [64, 576] bf16
 (72 KiB, one TMA), two pair slots of [64, 576] (each a pair of 32-token tiles, 144 KiB), one P [64, 64]
-bf16 buffer and one [2, 64] f32 row-vector buffer x (231,936 B with Mosaic's reduction scratch cut to
-1 KiB and the barriers; sm_90 allows 232,448). Per pair i (pair slot ps = i % slots):
+bf16 buffer and one [2, 64] f32 row-vector buffer x: 231,936 B by `smem_bytes` (Mosaic's reduction
+scratch cut to 1 KiB, the barriers included) of the 232,448 sm_90 allows. Per pair i (pair slot ps = i % slots):
 
   warpgroup 2 (producer, 40 registers): loads Q and the first pairs, then refills slot ps with pair
                 i + slots once both computing warpgroups released it (`consumed`, every phase waited);
