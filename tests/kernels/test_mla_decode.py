@@ -76,7 +76,7 @@ def test_ops_pallas_branch_matches_xla():
 
 # Options (resolve_config fills the rest): new tokens in XLA vs in the kernel's last split, latent
 # column slices (block_a < A: 2 and 4 slices of A = 64), 16/32/64-row tiles, T = 1 and 4, heads 8
-# and 64, the first version's config. Lengths: 0 (a row with only its new tokens), 1, exactly on a
+# and 64, the sweep's one-page-buffer baseline. Lengths: 0 (a row with only its new tokens), 1, exactly on a
 # page boundary, mid-page, the full table; T = 4 adds padding tokens (position -1) in one row.
 _C = md.MlaDecodeConfig
 
@@ -145,7 +145,7 @@ def test_auto_config():
     assert md.resolve_config(None, batch=64, rows=8, max_tokens=32768).block_k == 64
     assert md.resolve_config(None, batch=64, rows=64, max_tokens=32768).block_k == 32
     assert md.resolve_config(_C(block_k=16), batch=64, rows=8, max_tokens=32768).block_k == 16
-    # the first version's choice stays reachable
+    # the sweep's baseline (one page buffer) stays reachable
     cfg = md.resolve_config(md.ONE_PAGE_BUFFER, batch=1, rows=8, max_tokens=4096)
     assert (cfg.num_stages, cfg.num_splits, cfg.fuse_new, cfg.block_k) == (2, 8, False, 32)
     with pytest.raises(ValueError, match="block_a"):
