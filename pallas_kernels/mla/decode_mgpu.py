@@ -435,8 +435,10 @@ def _issue_pair(bt_ref, pool_ref, b, start, end, bk: int, prefetch: int, n_pairs
 
 def _store_partials(acc, m, l, o_smem, lse_smem, o_ref, lse_ref, *, b, j, row0, col0, h,
                     o_bmsa: bool = False):
-    """`_write_partials` through given staging buffers: o_smem [64, bn] (this warpgroup's), lse_smem
-    [64] (written by h == 0 only)."""
+    """Epilogue: o = acc / l (this warpgroup's [64, bn] columns), lse = m ln 2 + ln l (-inf and o = 0 for
+    an empty split; acc = 0 there), staged in o_smem [64, bn] (this warpgroup's) and lse_smem [64]
+    (written by h == 0 only) and TMA'd out. The staging shares the loop's shared memory: the caller makes
+    sure every warpgroup is past its last read of that space first."""
     bn = acc.shape[1]
     has = l > 0.0
     l_safe = jnp.where(has, l, 1.0)
