@@ -68,7 +68,7 @@ def main(argv):
             try:
                 job = parse_line(line, lineno, FLAGS.default_max_tokens)
                 ids = (llm.tokenizer.encode(llm.render_chat(job.messages), allow_special=True)
-                       if job.kind == "chat" else llm._token_ids(job.prompt, lineno))
+                       if job.kind == "chat" else llm.token_ids(job.prompt, lineno))
                 seed = job.params.seed if job.params.seed is not None else lineno
                 req = be.make_request(cid, ids, job.params, seed,
                                       prompt=job.prompt if isinstance(job.prompt, str) else None)

@@ -119,18 +119,9 @@ def time_mixed(engine, layout, spec: str, steps: int) -> dict:
 
 def load_engine(path, cfg, layout, dtype):
     """An Engine over a checkpoint, each device reading only its own slices (checkpoints.loader)."""
-    from flax import nnx
-    from checkpoints.loader import load_model
     from kimi_jax.engine.steps import Engine
-    from kimi_jax.model.transformer import Transformer
-    from kimi_jax.parallel.sharding import check_fits, param_shardings
-    parallel = layout.moe_parallel()
-    abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0),
-                                                            parallel=parallel)))[1]
-    check_fits(layout, abstract)
-    _, model = load_model(path, dtype=dtype, cfg=cfg, shardings=param_shardings(layout, abstract),
-                          parallel=parallel)
-    return Engine(model, cfg, layout)
+    from kimi_jax.entrypoints.llm import load_model
+    return Engine(load_model(path, cfg, layout, dtype), cfg, layout)
 
 
 def main(argv):

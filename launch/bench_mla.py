@@ -776,7 +776,7 @@ def _prefill_chunks():
         try:
             x = jnp.ones((1, 128, 2, 192), jnp.bfloat16)
             n = jnp.full((1,), 100, jnp.int32)
-            lse = prefill_attention._attention_lse_cudnn
+            lse = prefill_attention.attention_lse_cudnn
             jax.block_until_ready(jax.jit(lambda x, n: lse(x, x, x, n, n, 0.1, causal=True))(x, n))
         except Exception as e:  # noqa: BLE001
             split_ok = False
@@ -869,7 +869,7 @@ def device_copy_bps(calls: int = 8) -> float:
         for _ in range(calls):
             x = f(x)
         jax.block_until_ready(x)
-    durs = [o.dur_us for o in profiling.device_op_events(profiling._find_trace_file(tdir)) if o.dur_us > 0]
+    durs = [o.dur_us for o in profiling.device_op_events(profiling.find_trace_file(tdir)) if o.dur_us > 0]
     del x
     if len(durs) < calls:
         raise RuntimeError(f"device copy: {len(durs)} device ops traced for {calls} copies")

@@ -161,6 +161,17 @@ class Transformer(nnx.Module):
         return self.logits(h), new
 
 
+def abstract_model(cfg: ModelConfig, dtype=jnp.bfloat16, parallel=None, seed: int = 0) -> Transformer:
+    """The Transformer with every parameter a ShapeDtypeStruct (shapes only, nothing allocated)."""
+    return nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed), parallel=parallel))
+
+
+def param_arrays(model_or_state) -> dict[tuple[str, ...], jax.Array]:
+    """{parameter path: value} of a Transformer (or its nnx.State); paths as in checkpoints.layout."""
+    state = nnx.split(model_or_state)[1] if isinstance(model_or_state, nnx.Module) else model_or_state
+    return {tuple(str(k) for k in path): v.get_value() for path, v in nnx.to_flat_state(state)}
+
+
 def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> dict:
     """Zeroed paged latent cache {kind: [L, num_pages, page_size, A + R]}."""
     return {kind: jnp.zeros((n, num_pages, page_size, cfg.latent_dim), dtype)

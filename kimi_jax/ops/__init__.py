@@ -227,7 +227,7 @@ def _stacked(pool, layer):
     return (pool[None], 0) if layer is None else (pool, layer)
 
 
-def _per_page_shard(f, parallel, in_specs, out_specs):
+def per_page_shard(f, parallel, in_specs, out_specs):
     """f run per shard of a page-split pool (`page_split`), else f itself. Specs are written with the
     placeholder "split" for the page / batch axes; it becomes the split's mesh axes."""
     split = page_split(parallel)
@@ -252,7 +252,7 @@ def gather_pages(pool: jax.Array, block_table_BP: jax.Array, *, layer=None, para
         return flat[table].reshape(B, P * flat.shape[1], flat.shape[2])
 
     if page_split(parallel):
-        return _per_page_shard(gather, parallel, ((None, "split", None, None), ("split", None), ()),
+        return per_page_shard(gather, parallel, ((None, "split", None, None), ("split", None), ()),
                                ("split", None, None))(pool_L, block_table_BP, jnp.asarray(layer, jnp.int32))
     return gather(pool_L, block_table_BP, layer)
 
