@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from launch import common
 
@@ -30,15 +30,12 @@ flags.DEFINE_string("out", None, "output directory for the orbax checkpoint")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "parameter dtype of the written model")
 flags.DEFINE_bool("overwrite", False, "replace --out if it is an earlier kimi-convert output")
 flags.DEFINE_bool("verify", False, "after writing, restore onto the layout and compare bit for bit")
-flags.DEFINE_bool("progress", None, "progress bar of GB read (default: on a terminal)")
 flags.DEFINE_integer("workers", None, "reads in flight while loading safetensors")
 
 
 def fail(message) -> None:
     common.fail(PROG, message)
 
-
-parse_flags = common.flags_parser(PROG)
 
 user_errors = common.user_errors
 
@@ -114,8 +111,9 @@ def main(argv):
         fail(e)
 
 
-def run():
-    app.run(main, flags_parser=parse_flags)
+def run(argv=None):
+    """Console-script entry point (`kimi-convert`)."""
+    common.run(main, PROG, __name__, __doc__, argv=argv)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def stack_modules(make: Callable[[], nnx.Module], n: int) -> Optional[nnx.Module
 
 # How scan_layers runs the layers of a stack: "scan" (lax.scan: one compiled body), "unroll" (a Python
 # loop with static layer indices), or "auto": unroll on GPU, scan elsewhere. Measured on an H200
-# (launch/probe_layer_loop.py, JAX 0.11.2): inside lax.scan / fori_loop XLA copies each layer's slice of
+# (JAX 0.11.2): inside lax.scan / fori_loop XLA copies each layer's slice of
 # the stacked weights before its matmuls read it (950 GB/s effective), while static slices are read in
 # place (2,060 GB/s, the same as separate per-layer arrays). The dynamic-slice-fusion flag does not help.
 LAYER_LOOP = "auto"

@@ -323,7 +323,7 @@ def int4_matmul_reference(x: jax.Array, packed: jax.Array, scale: jax.Array) -> 
 
 # ----------------------------------------------------------------------------------------------
 # Benchmark sweep: python -m pallas_kernels.int4.matmul [--ms=1,4,16] [--n=4096 --k=7168]
-# (launch/bench.py --suite=int4 is the full acceptance table with baselines.)
+# (kimi-bench int4 is the full acceptance table with baselines.)
 
 def main(argv):
     del argv

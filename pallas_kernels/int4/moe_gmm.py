@@ -467,7 +467,7 @@ def moe_experts_reference(x_TD, idx_TK, weight_TK, gate_packed, gate_scale, up_p
 
 
 # ----------------------------------------------------------------------------------------------
-# Benchmark sweep: python -m pallas_kernels.int4.moe_gmm  (launch/bench.py --suite=int4 is the full table)
+# Benchmark sweep: python -m pallas_kernels.int4.moe_gmm  (kimi-bench int4 is the full table)
 
 def main(argv):
     del argv

@@ -196,7 +196,7 @@ def test_expected_touched_experts():
 
 
 # ---- the rules against compiled programs on the GPU ----------------------------------------------------
-# Counted from the compiled decode step (launch/bench_engine.py, contiguous-cache reference step) on
+# Counted from the compiled decode step (launch/bench/engine.py, contiguous-cache reference step) on
 # 2 x H200, jax 0.11.2, 2026-11-29 (third session; BENCHMARKS.md "Two H200s"): a Kimi-K2.5 slice of 3
 # layers (1 dense + 2 MoE, 384 experts), batch 2 and 64 gave the same counts.
 H200_RECORDED_3L = {

@@ -1,8 +1,8 @@
-r"""Loading benchmark (issue 7 acceptance): the streamed loader against the raw read speed of the same
+r"""kimi-bench loading: the streamed loader against the raw read speed of the same
 files, in one run; peak host memory; orbax save and restore of the same model.
 
-  python -m launch.make_synthetic --preset kimi-k2.5 --num_layers 2 --vocab_size 32768 --out /tmp/k25
-  python -m launch.load_bench --model /tmp/k25 --orbax_dir /tmp/k25-orbax --report out/loading_bench.md
+  kimi-make-synthetic --model kimi-k2.5 --num-layers 2 --vocab-size 32768 --out /tmp/k25
+  kimi-bench loading --model /tmp/k25 --orbax-dir /tmp/k25-orbax --report out/loading_bench.md
 
 Rounds of: drop the page cache (root only; otherwise reported as warm), raw read of every safetensors
 file (positioned 64 MB reads into reused buffers by --workers threads: the disk's ceiling for this
@@ -251,8 +251,9 @@ def main(argv):
     print(json.dumps(res, indent=1))
 
 
-def run():
-    app.run(main)
+def run(argv=None) -> None:
+    from launch import common
+    common.run(main, "kimi-bench loading", __name__, __doc__, argv=argv, common=False)
 
 
 if __name__ == "__main__":
