@@ -58,7 +58,9 @@ def setup() -> None:
             os.environ["XLA_FLAGS"] = (xf + " --xla_gpu_enable_latency_hiding_scheduler=true").strip()
     from kimi_jax.entrypoints import compilation_cache, progress
     compilation_cache.enable(FLAGS.compilation_cache_dir)
-    if FLAGS.progress is not False:
+    if FLAGS.progress is False:
+        progress.pause()
+    else:
         progress.enable()
     if FLAGS.num_processes and FLAGS.num_processes > 1:
         from kimi_jax.parallel.distributed import initialize

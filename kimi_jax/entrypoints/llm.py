@@ -19,6 +19,7 @@ from kimi_jax.engine.sampling import SamplingParams
 from kimi_jax.engine.scheduler import BatchEngine, Request, RequestError, validate_prompt
 from kimi_jax.parallel.sharding import Layout, check_fits, param_shardings
 from kimi_jax.engine.speculative import SpeculativeConfig
+from kimi_jax.entrypoints import compilation_cache, progress
 
 log = logging.getLogger(__name__)
 Prompt = Union[str, Sequence[int]]
@@ -136,7 +137,11 @@ class LLM:
                  seed: int = 0, tokenizer: Optional[str] = None, page_size: int = 16,
                  num_pages: Optional[int] = None, gpu_memory_utilization: float = 0.9,
                  prefill_chunk: Optional[int] = None, max_prefill_tokens: int = 2048,
-                 speculative_config=None, overlap_scheduling: bool = True):
+                 speculative_config=None, overlap_scheduling: bool = True,
+                 compilation_cache_dir: Optional[str] = None):
+        """compilation_cache_dir: the persistent JAX compilation cache (kimi_jax.entrypoints.
+        compilation_cache; 'none': off). Default: $KIMI_JAX_CACHE_DIR, else ~/.cache/kimi_jax/xla,
+        unless the user configured JAX's own cache (then that one)."""
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported (choose one of {sorted(_DTYPES)})")
         if tensor_parallel_size < 1 or data_parallel_size < 1:
@@ -163,7 +168,9 @@ class LLM:
         else:
             raise ValueError(f"model={model!r} is neither a checkpoint directory nor a preset {PRESETS}")
         self.layout.check_divisible(self.config)
-        net = self._build(seed)
+        compilation_cache.enable(compilation_cache_dir)
+        with progress.phase("loading weights" if self.model_path else "making random weights"):
+            net = self._build(seed)
         self.tokenizer = self._load_tokenizer(tokenizer or self.model_path)
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
