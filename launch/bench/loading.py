@@ -23,7 +23,7 @@ import re
 import shutil
 import time
 
-from absl import app, flags
+from absl import flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "safetensors checkpoint directory", required=True)
