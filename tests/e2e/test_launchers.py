@@ -23,7 +23,8 @@ with open(os.path.join(ROOT, "pyproject.toml"), "rb") as _f:
 # one flag (or suite) of each tool's own that its --help must show
 OWN = {"kimi-generate": "--max-tokens", "kimi-bench": "throughput", "kimi-batch": "--default-max-tokens",
        "kimi-plan": "--hardware", "kimi-profile": "--compile-only", "kimi-convert": "--verify",
-       "kimi-make-synthetic": "--num-layers"}
+       "kimi-make-synthetic": "--num-layers", "kimi-serve": "--served-model-name",
+       "kimi-bench-serve": "--max-concurrency"}
 
 
 def _module(script: str) -> str:
