@@ -23,7 +23,7 @@ import re
 from collections import Counter
 from typing import Iterable, Mapping, Optional, Union
 
-from kimi_jax.text.tokenizer import KIMI_PAT_STR, NUM_RESERVED_SPECIAL_TOKENS, TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE
+from checkpoints.tokenizer_format import KIMI_PAT_STR, NUM_RESERVED_SPECIAL_TOKENS, TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE
 
 __all__ = [
     "CHAT_TEMPLATE_FILE",

@@ -11,10 +11,9 @@ F moe_intermediate_size, E routed experts, g INT4 group size.
 """
 from __future__ import annotations
 
+import itertools
 import re
-from typing import Optional
-
-from kimi_jax.config import ModelConfig
+from typing import Any, Iterator, Optional, Protocol
 
 TensorSpec = tuple[tuple[int, ...], str]      # (shape, dtype name: 'bfloat16' | 'float32' | 'int32')
 
@@ -29,7 +28,78 @@ _SKIP_PREFIXES = (("vision_tower.", "vision tower"), ("mm_projector.", "multimod
                   ("multi_modal_projector.", "multimodal projector"))
 
 __all__ = ["expected_tensors", "canonical_name", "skip_reason", "layout_name", "accepted_dtypes",
-           "layer_of", "LAYOUTS", "TensorSpec"]
+           "layer_of", "stack_depth", "hf_name", "hf_names_for", "ModelShape", "LAYOUTS", "TensorSpec",
+           "STACKS"]
+
+
+class ModelShape(Protocol):
+    """What the file formats read of a model config (kimi_jax.config.ModelConfig has all of it)."""
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    first_k_dense_replace: int
+    num_attention_heads: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    n_shared_experts: int
+    tie_word_embeddings: bool
+    quantization: Any            # None, or an object with `group_size` (INT4 routed experts)
+
+    @property
+    def num_dense_layers(self) -> int: ...
+
+    def to_hf_dict(self) -> dict: ...
+
+
+# ---- engine parameter paths <-> canonical names ------------------------------------------------------
+# The engine's parameter paths mirror the canonical names, with the layers of one kind stacked:
+#   model.layers.{i}.REST              -> dense_layers.REST[j]  (i < num_dense_layers, j = i)
+#                                         moe_layers.REST[j]    (j = i - num_dense_layers)
+#   ...mlp.experts.{e}.P.weight        -> moe_layers.mlp.experts.P[j, e]
+#   ...mlp.experts.{e}.P.weight_packed -> moe_layers.mlp.experts.P_packed[j, e]   (int32, as stored)
+#   ...mlp.experts.{e}.P.weight_scale  -> moe_layers.mlp.experts.P_scale[j, e]
+#   model.embed_tokens / model.norm    -> embed_tokens / norm;  lm_head -> lm_head
+STACKS = {"dense_layers": 0, "moe_layers": 1}
+
+
+def stack_depth(path: tuple[str, ...]) -> int:
+    """Leading stacked dims of a parameter: 0 (embeddings, norm, head), 1 (layers), 2 (layers, experts)."""
+    if path[0] not in STACKS:
+        return 0
+    return 2 if path[1:3] == ("mlp", "experts") else 1
+
+
+def hf_name(path: tuple[str, ...], num_dense_layers: int, idx: tuple[int, ...] = ()) -> str:
+    """Canonical tensor name of element `idx` (layer, or (layer, expert)) of a parameter's stack."""
+    head = path[0]
+    if head not in STACKS:
+        return ".".join(("model",) + path if head in ("embed_tokens", "norm") else path)
+    first = 0 if head == "dense_layers" else num_dense_layers
+    rest = path[1:]
+    if rest[:2] == ("mlp", "experts"):
+        proj, suffix = rest[2], "weight"
+        for s in ("_packed", "_scale"):
+            if proj.endswith(s):
+                proj, suffix = proj[: -len(s)], "weight" + s
+        j, e = idx
+        return f"model.layers.{first + j}.mlp.experts.{e}.{proj}.{suffix}"
+    (j,) = idx
+    return f"model.layers.{first + j}." + ".".join(rest)
+
+
+def hf_names_for(path: tuple[str, ...], num_dense_layers: int,
+                 shape: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], str]]:
+    """(index into the parameter, canonical tensor name) for every element of one parameter's stack."""
+    depth = stack_depth(path)
+    for idx in itertools.product(*(range(n) for n in shape[:depth])):
+        yield idx, hf_name(path, num_dense_layers, idx)
 
 
 def _proj(d: dict, prefix: str, out: int, inp: int) -> None:
@@ -45,7 +115,7 @@ def _quant_proj(d: dict, prefix: str, out: int, inp: int, group_size: int) -> No
     d[f"{prefix}.weight_shape"] = ((2,), "int32")
 
 
-def _attention(d: dict, p: str, cfg: ModelConfig) -> None:
+def _attention(d: dict, p: str, cfg: ModelShape) -> None:
     D, N = cfg.hidden_size, cfg.num_attention_heads
     H, R, Vh, A = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank is None:
@@ -67,7 +137,7 @@ def _mlp(d: dict, p: str, D: int, width: int) -> None:
     _proj(d, f"{p}.down_proj", D, width)
 
 
-def _moe(d: dict, p: str, cfg: ModelConfig) -> None:
+def _moe(d: dict, p: str, cfg: ModelShape) -> None:
     D, E, F = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
     d[f"{p}.gate.weight"] = ((E, D), "bfloat16")
     d[f"{p}.gate.e_score_correction_bias"] = ((E,), "float32")
@@ -82,7 +152,7 @@ def _moe(d: dict, p: str, cfg: ModelConfig) -> None:
                 _quant_proj(d, f"{p}.experts.{e}.{name}", out, inp, q.group_size)
 
 
-def expected_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
+def expected_tensors(cfg: ModelShape) -> dict[str, TensorSpec]:
     """Every tensor a checkpoint for `cfg` must hold: canonical name -> (shape, dtype name).
 
     Ordered: embeddings, layers 0..L-1 (norms, attention, MLP), final norm, lm_head. Routed

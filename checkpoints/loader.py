@@ -1,16 +1,14 @@
-"""Load a published-layout checkpoint (HF safetensors, optional compressed-tensors INT4 experts) into
-the kimi_jax Transformer, streaming each device's slice of each parameter straight from the files.
+"""Read a checkpoint's arrays for a spec it is given: {parameter path: jax.ShapeDtypeStruct (shape,
+dtype, sharding)} -> {parameter path: jax.Array}. The caller (kimi_jax) builds the spec from its model
+and merges the arrays into it; this module knows only file formats and the canonical name layout
+(checkpoints.layout: how parameter paths map to published tensor names).
 
-The model's parameter paths mirror the HF names, with layers of one kind stacked:
-  model.layers.{i}.REST            -> dense_layers.REST[j]  (i < first_k_dense_replace, j = i)
-                                      moe_layers.REST[j]    (j = i - first_k_dense_replace)
-  ...mlp.experts.{e}.P.weight        -> moe_layers.mlp.experts.P[j, e]
-  ...mlp.experts.{e}.P.weight_packed -> moe_layers.mlp.experts.P_packed[j, e]   (int32, as stored)
-  ...mlp.experts.{e}.P.weight_scale  -> moe_layers.mlp.experts.P_scale[j, e]
-Floating tensors are cast to the parameter dtype (the router stays float32); INT4 words are kept
-packed (the kernels consume them; the XLA path dequantizes on the fly).
+`load_arrays(path, specs, cfg)` reads a directory written by `kimi-convert` (checkpoints.orbax_io)
+with orbax, any other as a published-layout checkpoint (HF safetensors, optional compressed-tensors
+INT4 experts), every tensor validated first. Floating tensors are cast to the spec's dtype; INT4
+words are kept packed (the kernels consume them; the XLA path dequantizes on the fly).
 
-Streaming (`load_params(..., shardings=...)`; `load_model` and `LLM` use it):
+Streaming (`load_params`):
 * Per parameter, each addressable device's shard is a box of the global array
   (`sharding.addressable_devices_indices_map`): only the HF tensors in the box are read, and of each
   only its rows/columns (`CheckpointReader.read_slice`); devices holding the same box share one read.
@@ -47,21 +45,18 @@ import mmap
 import os
 import sys
 import time
-from typing import Callable, Iterator, Mapping, Optional
+from typing import Iterator, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from checkpoints import layout as layout_lib
 from checkpoints.safetensors_io import CheckpointError, CheckpointReader, TensorInfo, np_dtype
-from kimi_jax.config import ModelConfig
 
 log = logging.getLogger(__name__)
 _FLOATS = ("float32", "bfloat16", "float16")
-_STACKS = {"dense_layers": 0, "moe_layers": 1}
 
 DEFAULT_WORKERS = 8
 DEFAULT_CHUNK_BYTES = 256 << 20        # largest host block of one device shard
@@ -70,55 +65,9 @@ DEFAULT_READAHEAD_BYTES = 512 << 20    # host bytes being read ahead while a chu
 # read whole, straight into their final memory (False: stage and chunk as for accelerators; tests).
 CPU_ADOPTS_HOST_BUFFERS = True
 
-__all__ = ["load_model", "load_params", "hf_names_for", "hf_name", "expected_for", "LoadStats",
+__all__ = ["load_arrays", "load_params", "expected_for", "LoadStats", "ParamSpecs",
            "DEFAULT_WORKERS", "DEFAULT_CHUNK_BYTES", "DEFAULT_READAHEAD_BYTES"]
-
-
-# ---- parameter path <-> HF names ------------------------------------------------------------------
-def stack_depth(path: tuple[str, ...]) -> int:
-    """Leading stacked dims of a parameter: 0 (embeddings, norm, head), 1 (layers), 2 (layers, experts)."""
-    if path[0] not in _STACKS:
-        return 0
-    return 2 if path[1:3] == ("mlp", "experts") else 1
-
-
-def hf_name(path: tuple[str, ...], cfg: ModelConfig, idx: tuple[int, ...] = ()) -> str:
-    """Canonical HF tensor name of element `idx` (layer, or (layer, expert)) of a parameter's stack."""
-    head = path[0]
-    if head not in _STACKS:
-        return ".".join(("model",) + path if head in ("embed_tokens", "norm") else path)
-    first = 0 if head == "dense_layers" else cfg.num_dense_layers
-    rest = path[1:]
-    if rest[:2] == ("mlp", "experts"):
-        proj, suffix = rest[2], "weight"
-        for s in ("_packed", "_scale"):
-            if proj.endswith(s):
-                proj, suffix = proj[: -len(s)], "weight" + s
-        j, e = idx
-        return f"model.layers.{first + j}.mlp.experts.{e}.{proj}.{suffix}"
-    (j,) = idx
-    return f"model.layers.{first + j}." + ".".join(rest)
-
-
-def hf_names_for(path: tuple[str, ...], cfg: ModelConfig, shape: tuple[int, ...]):
-    """Yield (index into the parameter, canonical HF tensor name) for one model parameter path."""
-    depth = stack_depth(path)
-    for idx in itertools.product(*(range(n) for n in shape[:depth])):
-        yield idx, hf_name(path, cfg, idx)
-
-
-def _flat_params(tree, prefix=()):
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            yield from _flat_params(v, prefix + (str(k),))
-        else:
-            yield prefix + (str(k),), v
-
-
-def _set(tree, path, value):
-    for k in path[:-1]:
-        tree = tree[k]
-    tree[path[-1]] = value
+ParamSpecs = Mapping[tuple[str, ...], jax.ShapeDtypeStruct]    # parameter path -> shape, dtype, sharding
 
 
 # ---- the plan: chunks of device shards ------------------------------------------------------------
@@ -236,20 +185,20 @@ def _order_box(ch: _Chunk) -> Box:
     return tuple((s0 + a, s0 + b) for (s0, _), (a, b) in zip(shard, ch.rel))
 
 
-def _pieces(p: _Param, box: Box, cfg: ModelConfig):
+def _pieces(p: _Param, box: Box, dense: int):
     """(HF name, index into that tensor, leading index into the chunk's host buffer) for a box."""
     d = p.depth
     src = tuple(slice(s, e) for s, e in box[d:])
     for idx in itertools.product(*(range(s, e) for s, e in box[:d])):
-        yield hf_name(p.path, cfg, idx), src, tuple(i - s for i, (s, _) in zip(idx, box[:d]))
+        yield layout_lib.hf_name(p.path, dense, idx), src, tuple(i - s for i, (s, _) in zip(idx, box[:d]))
 
 
-def _check_shapes(reader: CheckpointReader, params: list[_Param], cfg: ModelConfig) -> None:
+def _check_shapes(reader: CheckpointReader, params: list[_Param], dense: int) -> None:
     """Every HF tensor a parameter needs exists with the parameter's per-element shape, before
     anything is read or allocated."""
     for p in params:
         want = list(p.shape[p.depth:])
-        for _, name in hf_names_for(p.path, cfg, p.shape):
+        for _, name in layout_lib.hf_names_for(p.path, dense, p.shape):
             info = reader.info(name)
             if list(info.shape) != want:
                 raise CheckpointError(f"{reader.path}/{info.file}: tensor {info.name!r} has shape "
@@ -400,18 +349,21 @@ def _progress_bar(total: int, enabled: Optional[bool], desc: str):
 
 
 # ---- loading ---------------------------------------------------------------------------------------
-def load_params(reader: CheckpointReader, cfg: ModelConfig, abstract_state,
-                place: Optional[Callable[[tuple[str, ...], np.ndarray], jax.Array]] = None, *,
-                shardings: Optional[Mapping[tuple[str, ...], jax.sharding.Sharding]] = None,
+def _sharding_of(spec) -> jax.sharding.Sharding:
+    sh = getattr(spec, "sharding", None)
+    return sh if sh is not None else SingleDeviceSharding(jax.local_devices()[0])
+
+
+def load_params(reader: CheckpointReader, cfg: layout_lib.ModelShape, specs: ParamSpecs, *,
                 workers: int = DEFAULT_WORKERS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                 readahead_bytes: int = DEFAULT_READAHEAD_BYTES, progress: Optional[bool] = None,
-                stats: Optional[LoadStats] = None, keep_page_cache: Optional[bool] = None):
-    """Read every parameter of `abstract_state` (an nnx.State of ShapeDtypeStructs) from `reader`.
+                stats: Optional[LoadStats] = None,
+                keep_page_cache: Optional[bool] = None) -> dict[tuple[str, ...], jax.Array]:
+    """Read every parameter of `specs` ({parameter path: ShapeDtypeStruct}) from `reader`.
 
-    shardings: {parameter path: Sharding}; each process reads and places only its addressable
-      devices' slices (streamed, see the module docstring). Default (and no `place`): every
-      parameter on the first local device, streamed the same way.
-    place: legacy: `place(path, host_array)` gets each whole parameter as one host array.
+    Each spec's sharding says where the parameter goes (None: the first local device); each process
+    reads and places only its addressable devices' slices (streamed, see the module docstring).
+    cfg: the model config (checkpoints.layout.ModelShape) the parameter paths are named for.
     workers: reads in flight (threads). chunk_bytes / readahead_bytes: host memory bounds.
     progress: tqdm bar of bytes read (None: only on a terminal, process 0).
     stats: a LoadStats to fill.
@@ -419,37 +371,23 @@ def load_params(reader: CheckpointReader, cfg: ModelConfig, abstract_state,
       when this process's share of the checkpoint is under half the available memory; otherwise
       each range read is dropped from the cache (POSIX_FADV_DONTNEED) so that the page cache does
       not compete with the model's own memory.
-    Returns a pure dict of arrays for nnx.replace_by_pure_dict.
+    Returns {parameter path: jax.Array}.
     """
     stats = stats if stats is not None else LoadStats()
     t0 = time.perf_counter()
     b0 = reader.bytes_read
-    pure = nnx.to_pure_dict(abstract_state)
-    legacy = place is not None and shardings is None
-    if shardings is None and not legacy:
-        one = SingleDeviceSharding(jax.local_devices()[0])
-        shardings = {path: one for path, _ in _flat_params(pure)}
-    params = []
-    for path, spec in _flat_params(pure):
-        if not legacy and path not in shardings:
-            raise KeyError(f"no sharding for parameter {'.'.join(path)}")
-        params.append(_Param(path, tuple(spec.shape), np.dtype(spec.dtype), stack_depth(path),
-                             None if legacy else shardings[path]))
-    _check_shapes(reader, params, cfg)
-    if legacy:
-        plan = [_Chunk(p, [(tuple((0, n) for n in p.shape), ())], None, math.prod(p.shape) * p.dtype.itemsize)
-                for p in params]
-        for p in params:
-            p.remaining = 1
-        total = sum(ch.nbytes for ch in plan)
-    else:
-        plan = list(_plan(params, chunk_bytes))
-        # the bar's total: bytes of the local shards (stored dtype) -- known from shapes alone
-        total = 0
-        for p in params:
-            stored = np_dtype(reader.info(hf_name(p.path, cfg, (0,) * p.depth)).dtype).itemsize
-            boxes = {_box_of(ix, p.shape) for ix in p.sharding.addressable_devices_indices_map(p.shape).values()}
-            total += sum(math.prod(e - s for s, e in b) for b in boxes) * stored
+    dense = cfg.num_dense_layers
+    out: dict[tuple[str, ...], jax.Array] = {}
+    params = [_Param(tuple(path), tuple(spec.shape), np.dtype(spec.dtype), layout_lib.stack_depth(tuple(path)),
+                     _sharding_of(spec)) for path, spec in specs.items()]
+    _check_shapes(reader, params, dense)
+    plan = list(_plan(params, chunk_bytes))
+    # the bar's total: bytes of the local shards (stored dtype) -- known from shapes alone
+    total = 0
+    for p in params:
+        stored = np_dtype(reader.info(layout_lib.hf_name(p.path, dense, (0,) * p.depth)).dtype).itemsize
+        boxes = {_box_of(ix, p.shape) for ix in p.sharding.addressable_devices_indices_map(p.shape).values()}
+        total += sum(math.prod(e - s for s, e in b) for b in boxes) * stored
     # Read in file order, not parameter order: parameters interleave in the files (a layer's experts
     # store gate, up and down next to each other), and disks read sequential ranges much faster.
     file_index = {f: i for i, f in enumerate(reader.files)}
@@ -459,7 +397,7 @@ def load_params(reader: CheckpointReader, cfg: ModelConfig, abstract_state,
         return file_index[info.file], info.begin
 
     for ch in plan:
-        ch.pos = min(pos(name) for name, _, _ in _pieces(ch.param, _order_box(ch), cfg))
+        ch.pos = min(pos(name) for name, _, _ in _pieces(ch.param, _order_box(ch), dense))
     plan.sort(key=lambda ch: ch.pos)
     if keep_page_cache is None:
         keep_page_cache = total < _available_memory() / 2
@@ -479,7 +417,7 @@ def load_params(reader: CheckpointReader, cfg: ModelConfig, abstract_state,
             hosts, futs = [], []
             for box in ch.boxes():
                 host = buffers.get(tuple(e - s for s, e in box), ch.param.dtype)
-                for name, src, dst in _pieces(ch.param, box, cfg):
+                for name, src, dst in _pieces(ch.param, box, dense):
                     info, _, runs, covering = reader.slice_plan(name, src)
                     out = host[dst]
                     off, n = runs[0] if runs else (info.begin, 0)
@@ -500,9 +438,6 @@ def load_params(reader: CheckpointReader, cfg: ModelConfig, abstract_state,
     def finish(ch: _Chunk, hosts: list) -> None:
         p = ch.param
         p.remaining -= 1
-        if legacy:
-            _set(pure, p.path, place(p.path, hosts[0]))
-            return
         new = []
         if ch.rel is None:                              # whole shards
             for host, (_, devs) in zip(hosts, ch.groups):
@@ -551,7 +486,7 @@ def load_params(reader: CheckpointReader, cfg: ModelConfig, abstract_state,
             p.done.clear()
         stats.shards += len(arr.addressable_shards)
         stats.params += 1
-        _set(pure, p.path, arr)
+        out[p.path] = arr
 
     window: collections.deque = collections.deque()
     held = 0                               # host bytes of started chunks (staging only)
@@ -591,12 +526,10 @@ def load_params(reader: CheckpointReader, cfg: ModelConfig, abstract_state,
     bar.close()
     stats.bytes_read += reader.bytes_read - b0
     stats.seconds += time.perf_counter() - t0
-    if legacy:
-        stats.params = len(params)
-    return pure
+    return out
 
 
-def expected_for(reader: CheckpointReader, cfg: ModelConfig) -> dict:
+def expected_for(reader: CheckpointReader, cfg: layout_lib.ModelShape) -> dict:
     """The tensors cfg needs; floating tensors may be stored in any float dtype (HF writes float32)."""
     exp = dict(layout_lib.expected_tensors(cfg))
     for name, (shape, dtype) in exp.items():
@@ -605,29 +538,29 @@ def expected_for(reader: CheckpointReader, cfg: ModelConfig) -> dict:
     return exp
 
 
-def load_model(path: str, *, dtype=jnp.bfloat16, cfg: Optional[ModelConfig] = None, place=None,
-               parallel=None, shardings=None, **load_kw):
-    """(ModelConfig, Transformer) from a checkpoint directory, every tensor validated first (before
-    any device memory is allocated).
+def load_arrays(path: str, specs: ParamSpecs, cfg: layout_lib.ModelShape, *,
+                workers: int = DEFAULT_WORKERS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                readahead_bytes: int = DEFAULT_READAHEAD_BYTES, progress: Optional[bool] = None,
+                stats: Optional[LoadStats] = None,
+                keep_page_cache: Optional[bool] = None) -> dict[tuple[str, ...], jax.Array]:
+    """{parameter path: jax.Array} for `specs` from the checkpoint directory `path`, every tensor
+    validated against `cfg` first (before any device memory is allocated).
 
-    A directory written by `kimi-convert` (checkpoints.orbax_io) is restored with orbax; any other
-    is read as a published-layout safetensors checkpoint.
-    shardings: {parameter path: Sharding} -- stream each device's slices (see load_params).
-    place: legacy `place(path, host_array)` per whole parameter. Neither: the first local device.
-    parallel: as for Transformer. load_kw: workers / chunk_bytes / readahead_bytes / progress /
-    stats, passed to load_params.
+    A directory written by `kimi-convert` (checkpoints.orbax_io) is restored with orbax (after its
+    config is compared with `cfg.to_hf_dict()`); any other is read as a published-layout safetensors
+    checkpoint (load_params: workers / chunk_bytes / readahead_bytes / keep_page_cache).
     """
-    from kimi_jax.model.transformer import Transformer
     from checkpoints import orbax_io
     if orbax_io.is_orbax_checkpoint(path):
-        return orbax_io.load_model(path, dtype=dtype, cfg=cfg, shardings=shardings, place=place,
-                                   parallel=parallel, progress=load_kw.get("progress"),
-                                   stats=load_kw.get("stats"))
-    cfg = cfg or ModelConfig.from_pretrained(path)
+        t0 = time.perf_counter()
+        out = orbax_io.restore_params(path, cfg.to_hf_dict(), specs)
+        if stats is not None:
+            stats.bytes_read += sum(math.prod(a.shape) * a.dtype.itemsize for a in out.values())
+            stats.seconds += time.perf_counter() - t0
+            stats.params += len(out)
+        return out
     with CheckpointReader(path) as reader:
         reader.validate(expected_for(reader, cfg))
-        abstract = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), parallel=parallel))
-        graphdef, state = nnx.split(abstract)
-        pure = load_params(reader, cfg, state, place, shardings=shardings, **load_kw)
-    nnx.replace_by_pure_dict(state, pure)
-    return cfg, nnx.merge(graphdef, state)
+        return load_params(reader, cfg, specs, workers=workers, chunk_bytes=chunk_bytes,
+                           readahead_bytes=readahead_bytes, progress=progress, stats=stats,
+                           keep_page_cache=keep_page_cache)

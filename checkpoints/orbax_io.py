@@ -10,7 +10,7 @@ A directory written by `save` (and `kimi-convert`) holds:
                        path + 'cNNNN'). Save and restore go one part at a time, so neither holds more
                        than about one part in host memory (nor, for the slices / the entries being
                        placed, in device memory) whatever the size of the model.
-  kimi_jax_orbax.json  what was written: format, version, the ModelConfig (HF dict), dtype, a fingerprint
+  kimi_jax_orbax.json  what was written: format, version, the model config (HF dict), dtype, a fingerprint
                        of the model (config + every parameter's path and shape), every parameter's
                        shape/dtype, the parts and their entries (parameter, start, shape), the layout
                        and device count of the writer; written last, so a directory without it is not
@@ -21,7 +21,11 @@ A directory written by `save` (and `kimi-convert`) holds:
 Version 1 (state/ one orbax PyTree of whole parameters, written before the chunked format) is still
 read, whole arrays at a time (host memory up to the largest parameter and more).
 
-`restore_params` checks the checkpoint against the model that `cfg` describes before any device
+`save` takes the arrays ({parameter path: array}, or the nested dict of them) and the model config
+as its HF dict (ModelConfig.to_hf_dict()); `restore_params` returns {parameter path: jax.Array} for a
+spec {parameter path: ShapeDtypeStruct} it is given. Neither builds a model.
+
+`restore_params` checks the checkpoint against the model that `config` and the spec describe before any device
 memory is allocated (a parameter missing, extra, of another shape or of an integer/float dtype
 mismatch, or a config field that changes the math: one line naming the parameter or field), then
 restores with orbax onto the target shardings (`jax.ShapeDtypeStruct(shape, dtype, sharding=...)`):
@@ -50,7 +54,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from checkpoints.safetensors_io import CONFIG_FILE, CheckpointError
-from kimi_jax.config import ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +70,10 @@ CHUNK_BYTES_ENV = "KIMI_JAX_ORBAX_CHUNK_BYTES"
 # config fields that do not change the model's math (not compared on restore)
 _IGNORED_FIELDS = ("architectures", "model_type", "torch_dtype", "bos_token_id", "eos_token_id",
                    "pad_token_id", "max_position_embeddings")
-_TOKENIZER_SKIP = (".safetensors", ".safetensors.index.json", ".py", CONFIG_FILE)
+_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".py", ".bin", ".pt", ".pth")
 
-__all__ = ["is_orbax_checkpoint", "check_output", "save", "check_compatible", "restore_params", "load_model", "read_metadata",
-           "fingerprint", "chunk_plan", "META_FILE", "STATE_DIR", "DEFAULT_CHUNK_BYTES"]
+__all__ = ["is_orbax_checkpoint", "check_output", "save", "check_compatible", "restore_params", "read_metadata",
+           "fingerprint", "chunk_plan", "flat_arrays", "META_FILE", "STATE_DIR", "DEFAULT_CHUNK_BYTES"]
 
 
 def is_orbax_checkpoint(path) -> bool:
@@ -94,25 +97,23 @@ def _key(path) -> str:
     return ".".join(path)
 
 
-def _math_config(cfg: ModelConfig) -> dict:
-    return {k: v for k, v in cfg.to_hf_dict().items() if k not in _IGNORED_FIELDS}
+def _math_config(config: Mapping[str, Any]) -> dict:
+    return {k: v for k, v in config.items() if k not in _IGNORED_FIELDS}
 
 
-def fingerprint(cfg: ModelConfig, shapes: Mapping[str, Any]) -> str:
-    """sha256 of the config fields that change the math and every parameter's path and shape."""
-    blob = json.dumps({"config": _math_config(cfg),
+def fingerprint(config: Mapping[str, Any], shapes: Mapping[str, Any]) -> str:
+    """sha256 of the config fields (HF dict) that change the math and every parameter's path and shape."""
+    blob = json.dumps({"config": _math_config(config),
                        "params": {k: list(v) for k, v in sorted(shapes.items())}},
                       sort_keys=True, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _pure(model_or_pure):
-    from flax import nnx
-    if isinstance(model_or_pure, nnx.Module):
-        return nnx.to_pure_dict(nnx.split(model_or_pure)[1])
-    if isinstance(model_or_pure, nnx.State):
-        return nnx.to_pure_dict(model_or_pure)
-    return model_or_pure
+def flat_arrays(arrays: Mapping) -> dict[tuple[str, ...], Any]:
+    """{parameter path: array} of a nested dict of arrays (a flat {path tuple: array} is returned as is)."""
+    if all(isinstance(k, tuple) for k in arrays):
+        return dict(arrays)
+    return dict(_flat(arrays))
 
 
 def _checkpointer(concurrent_bytes: Optional[int] = None):
@@ -320,11 +321,14 @@ def check_output(path: str, overwrite: bool) -> bool:
     return True
 
 
-def save(path: str, model, cfg: ModelConfig, *, source: Optional[str] = None, overwrite: bool = False,
-         layout_name: Optional[str] = None, chunk_bytes: Optional[int] = None) -> dict:
-    """Write the model (an nnx.Module, nnx.State or pure dict of jax.Arrays in the engine layout) as
-    an orbax checkpoint at `path`, plus kimi_jax_orbax.json, config.json and (from `source`, a
-    checkpoint directory) the tokenizer files. Returns the metadata written (with 'seconds').
+def save(path: str, arrays: Mapping, config: Mapping[str, Any], *, source: Optional[str] = None,
+         overwrite: bool = False, layout_name: Optional[str] = None, chunk_bytes: Optional[int] = None,
+         config_json: Optional[Mapping[str, Any]] = None) -> dict:
+    """Write the arrays ({parameter path: jax.Array or numpy array}, or the nested dict of them, in
+    the engine layout) of the model whose config is `config` (HF dict) as an orbax checkpoint at
+    `path`, plus kimi_jax_orbax.json, config.json (copied from `source`, else `config_json`, else
+    `config`) and (from `source`, a checkpoint directory) the tokenizer and template files. Returns
+    the metadata written (with 'seconds').
 
     Bounded memory: parameters above `chunk_bytes` (default: $KIMI_JAX_ORBAX_CHUNK_BYTES, else
     DEFAULT_CHUNK_BYTES = 2 GiB) are cut into entries (`chunk_plan`), and the entries grouped into
@@ -339,8 +343,7 @@ def save(path: str, model, cfg: ModelConfig, *, source: Optional[str] = None, ov
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     if check_output(path, overwrite) and jax.process_index() == 0:
         shutil.rmtree(path)
-    pure = _pure(model)
-    flat = dict(_flat(pure))
+    flat = flat_arrays(arrays)
     paths = {_key(k): k for k in flat}
     dtypes = {jnp.dtype(v.dtype).name for v in flat.values() if _is_float(v.dtype)}
     parts: list[dict] = []
@@ -371,9 +374,9 @@ def save(path: str, model, cfg: ModelConfig, *, source: Optional[str] = None, ov
     shapes = {_key(k): tuple(int(d) for d in v.shape) for k, v in flat.items()}
     meta = {
         "format": FORMAT, "version": VERSION,
-        "config": cfg.to_hf_dict(), "model_type": cfg.model_type,
+        "config": dict(config), "model_type": config.get("model_type"),
         "dtype": sorted(dtypes - {"float32"})[0] if dtypes - {"float32"} else "float32",
-        "fingerprint": fingerprint(cfg, shapes),
+        "fingerprint": fingerprint(config, shapes),
         "params": {_key(k): {"shape": list(shapes[_key(k)]), "dtype": jnp.dtype(v.dtype).name}
                    for k, v in flat.items()},
         "bytes": int(sum(v.size * jnp.dtype(v.dtype).itemsize for v in flat.values())),
@@ -384,7 +387,7 @@ def save(path: str, model, cfg: ModelConfig, *, source: Optional[str] = None, ov
         "parts": parts,
     }
     if jax.process_index() == 0:
-        _write_side_files(path, cfg, source)
+        _write_side_files(path, config_json if config_json is not None else config, source)
         tmp = os.path.join(path, META_FILE + ".tmp")
         with open(tmp, "w") as f:
             json.dump(meta, f, indent=1)
@@ -416,20 +419,27 @@ def _take(v, start, size):
     return jax.make_array_from_single_device_arrays(size, sub, pieces)
 
 
-def _write_side_files(path: str, cfg: ModelConfig, source: Optional[str]) -> None:
-    src_cfg = os.path.join(source, CONFIG_FILE) if source else None
-    if src_cfg and os.path.isfile(src_cfg):
-        shutil.copy2(src_cfg, os.path.join(path, CONFIG_FILE))
-    else:
-        from checkpoints.synthetic import hf_config_dict
+def side_files(source: str) -> list[str]:
+    """The files of a checkpoint directory that `save` copies beside the state: config.json, the
+    tokenizer and template files and any other small file (everything but the weights, their index
+    and code)."""
+    out = []
+    for f in sorted(os.listdir(source)):
+        if not os.path.isfile(os.path.join(source, f)) or f == META_FILE or f.startswith("model-"):
+            continue
+        if f.endswith(_WEIGHT_SUFFIXES):
+            continue
+        out.append(f)
+    return out
+
+
+def _write_side_files(path: str, config_json: Mapping[str, Any], source: Optional[str]) -> None:
+    copied = side_files(source) if source and os.path.isdir(source) else []
+    for f in copied:
+        shutil.copy2(os.path.join(source, f), os.path.join(path, f))
+    if CONFIG_FILE not in copied:
         with open(os.path.join(path, CONFIG_FILE), "w") as f:
-            json.dump(hf_config_dict(cfg, "k25" if cfg.model_type == "kimi_k25" else "k2"), f, indent=2)
-    if source and os.path.isdir(source):
-        for f in sorted(os.listdir(source)):
-            src = os.path.join(source, f)
-            if (os.path.isfile(src) and not f.endswith(_TOKENIZER_SKIP) and f != META_FILE
-                    and not f.startswith("model-")):
-                shutil.copy2(src, os.path.join(path, f))
+            json.dump(dict(config_json), f, indent=2)
 
 
 # ---- restoring ----------------------------------------------------------------------------------
@@ -508,9 +518,10 @@ def _stored_arrays(path: str, meta: Optional[dict] = None) -> dict[str, tuple[tu
     return {k: (tuple(int(d) for d in p["shape"]), p["dtype"]) for k, p in params.items()}
 
 
-def check_compatible(path: str, cfg: ModelConfig, wanted: Mapping[str, tuple[tuple[int, ...], Any]]) -> dict:
+def check_compatible(path: str, config: Mapping[str, Any],
+                     wanted: Mapping[str, tuple[tuple[int, ...], Any]]) -> dict:
     """Refuse (one line, naming the parameter or config field) a checkpoint written for another
-    model than `cfg` / `wanted` {param: (shape, dtype)}. Returns the metadata."""
+    model than `config` (HF dict) / `wanted` {param: (shape, dtype)}. Returns the metadata."""
     path = os.path.abspath(os.fspath(path))
     meta = read_metadata(path)
     where = os.path.join(path, STATE_DIR)
@@ -535,11 +546,9 @@ def check_compatible(path: str, cfg: ModelConfig, wanted: Mapping[str, tuple[tup
     if problems:
         more = f" [+{len(problems) - 1} more]" if len(problems) > 1 else ""
         raise CheckpointError(problems[0] + " (the checkpoint was written for another model)" + more)
-    try:
-        written = ModelConfig.from_hf_dict(meta["config"])
-    except ConfigError as e:
-        raise CheckpointError(f"{os.path.join(path, META_FILE)}: config ({e})") from None
-    a, b = _math_config(written), _math_config(cfg)
+    if not isinstance(meta["config"], Mapping):
+        raise CheckpointError(f"{os.path.join(path, META_FILE)}: config is not a JSON object")
+    a, b = _math_config(meta["config"]), _math_config(config)
     diff = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
     if diff:
         k = diff[0]
@@ -549,16 +558,17 @@ def check_compatible(path: str, cfg: ModelConfig, wanted: Mapping[str, tuple[tup
     return meta
 
 
-def restore_params(path: str, cfg: ModelConfig, abstract_state, shardings) -> dict:
-    """Pure dict of jax.Arrays restored from an orbax checkpoint onto `shardings` ({param path:
-    Sharding}; each param in the dtype of `abstract_state`, an nnx.State of ShapeDtypeStructs),
-    after check_compatible. Version 2: one part at a time (host memory: about one part; device
-    memory: the model plus one part); version 1: in one orbax restore of whole arrays."""
-    from flax import nnx
+def restore_params(path: str, config: Mapping[str, Any], specs: Mapping) -> dict[tuple[str, ...], jax.Array]:
+    """{parameter path: jax.Array} restored from an orbax checkpoint for `specs` ({parameter path:
+    ShapeDtypeStruct}: each parameter in its spec's dtype, onto its spec's sharding, None: the first
+    local device), after check_compatible against `config` (HF dict). Version 2: one part at a time
+    (host memory: about one part; device memory: the model plus one part); version 1: in one orbax
+    restore of whole arrays."""
     path = os.path.abspath(os.fspath(path))
-    pure = nnx.to_pure_dict(abstract_state) if isinstance(abstract_state, nnx.State) else abstract_state
-    flat = dict(_flat(pure))
-    meta = check_compatible(path, cfg, {_key(k): (tuple(v.shape), v.dtype) for k, v in flat.items()})
+    flat = flat_arrays(specs)
+    one = _one(jax.local_devices()[0])
+    shardings = {k: getattr(v, "sharding", None) or one for k, v in flat.items()}
+    meta = check_compatible(path, config, {_key(k): (tuple(v.shape), v.dtype) for k, v in flat.items()})
     if meta["version"] == 1:
         return _restore_whole(path, flat, shardings)
     return _restore_parts(path, meta, flat, shardings)
@@ -577,7 +587,7 @@ def _restore_whole(path: str, flat: dict, shardings) -> dict:
     largest = max(_nbytes(v.shape, v.dtype) for v in flat.values())
     ckptr = _checkpointer(int(math.ceil(largest / 1e9) + 1) * 10**9)
     try:
-        return ckptr.restore(os.path.join(path, STATE_DIR), args=_restore_args(targets))
+        return dict(_flat(ckptr.restore(os.path.join(path, STATE_DIR), args=_restore_args(targets))))
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"{os.path.join(path, STATE_DIR)}: orbax restore failed ({_first_line(e)})") from None
     finally:
@@ -653,41 +663,9 @@ def _restore_parts(path: str, meta: dict, flat: dict, shardings) -> dict:
             del got
     finally:
         ckptr.close()
-    return _nest((k, out[k]) for k in flat)
+    return {k: out[k] for k in flat}
 
 
 def _one(device):
     from jax.sharding import SingleDeviceSharding
     return SingleDeviceSharding(device)
-
-
-def load_model(path: str, *, dtype=jnp.bfloat16, cfg: Optional[ModelConfig] = None, shardings=None,
-               place=None, parallel=None, progress=None, stats=None):
-    """(ModelConfig, Transformer) restored from an orbax checkpoint directory (see restore_params).
-    shardings default: the first local device; `place(path, host_array)` (legacy) is applied to each
-    restored parameter when given without shardings."""
-    from flax import nnx
-    from jax.sharding import SingleDeviceSharding
-    from kimi_jax.model.transformer import Transformer
-    cfg = cfg or ModelConfig.from_pretrained(path)
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), parallel=parallel))
-    graphdef, state = nnx.split(abstract)
-    legacy = shardings is None and place is not None
-    if shardings is None:
-        one = SingleDeviceSharding(jax.local_devices()[0])
-        shardings = {k: one for k, _ in _flat(nnx.to_pure_dict(state))}
-    t0 = time.perf_counter()
-    pure = restore_params(path, cfg, state, shardings)
-    if legacy:
-        for k, v in list(_flat(pure)):
-            node = pure
-            for part in k[:-1]:
-                node = node[part]
-            node[k[-1]] = place(k, np.asarray(v))
-    if stats is not None:
-        stats.bytes_read += int(sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
-                                    for _, v in _flat(pure)))
-        stats.seconds += time.perf_counter() - t0
-        stats.params += sum(1 for _ in _flat(pure))
-    nnx.replace_by_pure_dict(state, pure)
-    return cfg, nnx.merge(graphdef, state)

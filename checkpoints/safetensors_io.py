@@ -246,11 +246,6 @@ class CheckpointReader:
         """'k25' if the text model is stored under `language_model.`, else 'k2'."""
         return "k25" if any(n.startswith(layout_lib.K25_PREFIX) for n in self.tensors) else "k2"
 
-    def model_config(self):
-        """The ModelConfig of config.json (kimi_jax.config.ConfigError if kimi_jax cannot run it)."""
-        from kimi_jax.config import ModelConfig
-        return ModelConfig.from_pretrained(self.path)
-
     def _canonical(self) -> dict[str, TensorInfo]:
         if self._by_canonical is None:
             m: dict[str, TensorInfo] = {}

@@ -29,7 +29,6 @@ import numpy as np
 from checkpoints import int4
 from checkpoints import layout as layout_lib
 from checkpoints.safetensors_io import CONFIG_FILE, DTYPES, INDEX_FILE, SINGLE_FILE, CheckpointError
-from kimi_jax.config import ModelConfig, QuantConfig
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 _NP_DTYPES = {"bfloat16": BF16, "float32": np.dtype(np.float32), "int32": np.dtype(np.int32),
@@ -46,7 +45,7 @@ __all__ = ["write_checkpoint", "write_checkpoint_from_tensors", "write_safetenso
 
 
 # ---- config.json ---------------------------------------------------------------------
-def hf_config_dict(cfg: ModelConfig, layout: str = "k2") -> dict:
+def hf_config_dict(cfg: layout_lib.ModelShape, layout: str = "k2") -> dict:
     """config.json contents for `cfg`: DeepSeek-V3 fields (k2) or the KimiK25 nesting (k25)."""
     text = cfg.to_hf_dict()
     if layout == "k2":
@@ -72,7 +71,7 @@ def hf_config_dict(cfg: ModelConfig, layout: str = "k2") -> dict:
     return top
 
 
-def _vision_specs(cfg: ModelConfig) -> dict[str, layout_lib.TensorSpec]:
+def _vision_specs(cfg: layout_lib.ModelShape) -> dict[str, layout_lib.TensorSpec]:
     """A few tiny stand-ins for K2.5's vision tower / projector (exercise the skip path)."""
     return {"vision_tower.patch_embed.proj.weight": ((8, 3, 2, 2), "bfloat16"),
             "vision_tower.encoder.final_layernorm.weight": ((8,), "bfloat16"),
@@ -285,16 +284,10 @@ def _write(path: str, config: dict, specs: Sequence[tuple[str, tuple, str]],
                 shutil.copy2(src, os.path.join(path, f))
 
 
-def _effective_config(cfg: ModelConfig, int4_experts: Optional[bool]) -> ModelConfig:
-    if int4_experts is None or bool(int4_experts) == (cfg.quantization is not None):
-        return cfg
-    return cfg.replace(quantization=QuantConfig() if int4_experts else None)
-
-
-def write_checkpoint(path: str, cfg: ModelConfig, *, seed: int = 0, layout: str = "k2",
-                     num_shards: int = 1, int4: Optional[bool] = None, std: float = 0.02,
+def write_checkpoint(path: str, cfg: layout_lib.ModelShape, *, seed: int = 0, layout: str = "k2",
+                     num_shards: int = 1, std: float = 0.02,
                      tokenizer_dir: Optional[str] = None, values: str = "normal",
-                     on_shard: Optional[Callable[[str, int], None]] = None) -> ModelConfig:
+                     on_shard: Optional[Callable[[str, int], None]] = None) -> layout_lib.ModelShape:
     """Write a random checkpoint for `cfg` to directory `path` (earlier weights there are removed).
 
     Args:
@@ -302,8 +295,6 @@ def write_checkpoint(path: str, cfg: ModelConfig, *, seed: int = 0, layout: str 
         KimiK25 nested config, plus a few dummy vision tensors).
       num_shards: 1 writes model.safetensors; more write model-0000i-of-0000N.safetensors and
         model.safetensors.index.json.
-      int4: INT4 routed experts; default: cfg.quantization is not None. When it disagrees with
-        cfg, the config written (and returned) gets / loses a default QuantConfig().
       std: normal std of weight matrices (norm weights are 1 + 0.05 N(0,1); the router bias is
         float32 std * N(0,1)).
       tokenizer_dir: copy its files (tiktoken.model, tokenizer_config.json, ...) into path.
@@ -311,9 +302,8 @@ def write_checkpoint(path: str, cfg: ModelConfig, *, seed: int = 0, layout: str 
         64K+ elements from raw random bits, ~10x faster; for loading benchmarks at real scale).
       on_shard: called as on_shard(file name, bytes) after each shard is written.
     Returns:
-      the ModelConfig that the written config.json describes.
+      cfg (what the written config.json describes).
     """
-    cfg = _effective_config(cfg, int4)      # (`int4` the argument shadows the module here only)
     expected = layout_lib.expected_tensors(cfg)
     specs = [(layout_lib.layout_name(n, layout), s, d) for n, (s, d) in expected.items()]
     canon = {layout_lib.layout_name(n, layout): n for n in expected}
@@ -332,7 +322,7 @@ def write_checkpoint(path: str, cfg: ModelConfig, *, seed: int = 0, layout: str 
     return cfg
 
 
-def write_checkpoint_from_tensors(path: str, cfg: ModelConfig, tensors: Mapping[str, np.ndarray], *,
+def write_checkpoint_from_tensors(path: str, cfg: layout_lib.ModelShape, tensors: Mapping[str, np.ndarray], *,
                                   layout: str = "k2", num_shards: int = 1,
                                   tokenizer_dir: Optional[str] = None, strict: bool = True,
                                   config: Optional[dict] = None) -> None:

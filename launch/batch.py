@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from absl import app, flags
+from absl import flags
 
 from launch import common
 
@@ -20,7 +20,6 @@ flags.DEFINE_enum("dtype", "float32", ["bfloat16", "float32"], "compute dtype")
 flags.DEFINE_integer("max_num_seqs", 64, "requests decoded together")
 flags.DEFINE_integer("max_model_len", None, "longest prompt + output")
 flags.DEFINE_integer("default_max_tokens", 256, "max_tokens for lines that give none")
-flags.DEFINE_bool("progress", True, "progress bar (requests done, tokens/s)")
 FLAGS = flags.FLAGS
 
 
@@ -68,7 +67,7 @@ def main(argv):
             try:
                 job = parse_line(line, lineno, FLAGS.default_max_tokens)
                 ids = (llm.tokenizer.encode(llm.render_chat(job.messages), allow_special=True)
-                       if job.kind == "chat" else llm._token_ids(job.prompt, lineno))
+                       if job.kind == "chat" else llm.token_ids(job.prompt, lineno))
                 seed = job.params.seed if job.params.seed is not None else lineno
                 req = be.make_request(cid, ids, job.params, seed,
                                       prompt=job.prompt if isinstance(job.prompt, str) else None)
@@ -86,15 +85,16 @@ def main(argv):
                                  out.finish_reason, model_name))
 
     try:
-        be.run(on_finish=on_finish, progress=FLAGS.progress, feed=feed)
+        be.run(on_finish=on_finish, progress=FLAGS.progress is not False, feed=feed)
     finally:
         writer.close()
     print(f"kimi-batch: {len(writer.done)} results in {FLAGS.output}; "
           f"{be.stats['generated_tokens']} tokens generated", file=sys.stderr)
 
 
-def run():
-    app.run(main, flags_parser=common.flags_parser("kimi-batch"))
+def run(argv=None):
+    """Console-script entry point (`kimi-batch`)."""
+    common.run(main, "kimi-batch", __name__, __doc__, argv=argv)
 
 
 if __name__ == "__main__":

@@ -225,9 +225,8 @@ def leafwise_random_engine(cfg, layout, dtype, seed: int = 0):
     import jax.numpy as jnp
     from flax import nnx
     from kimi_jax.engine.steps import Engine
-    from kimi_jax.model.transformer import Transformer
-    graphdef, state = nnx.split(nnx.eval_shape(
-        lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed), parallel=layout.moe_parallel())))
+    from kimi_jax.model.transformer import abstract_model
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, layout.moe_parallel(), seed))
 
     key = jax.random.PRNGKey(seed)
     for i, (path, var) in enumerate(nnx.to_flat_state(state)):

@@ -21,7 +21,7 @@ import sys
 import time
 from urllib.parse import urlparse
 
-from absl import app, flags
+from absl import flags
 
 from launch import common
 
@@ -206,8 +206,8 @@ def main(argv):
     sys.stdout.flush()
 
 
-def run():
-    app.run(main, flags_parser=common.flags_parser(PROG))
+def run(argv=None):
+    common.run(main, PROG, __name__, __doc__, argv=argv)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,12 @@
 """Flags and start-up shared by every launcher (absl lives only in launch/).
 
+`run(main, prog, module)` is every console script's entry point: it parses the command line (flag
+names in absl's or vLLM's spelling: `--max_tokens` and `--max-tokens` are one flag, `--no-stream` is
+`--nostream`), prints the tool's own flags for `--help` (exit 0), reports a usage error (a bad flag,
+value, model, hardware or layout) as one line on stderr with exit status 2, and runs `main`.
+
 `setup()` must run before JAX touches a device: it sets the XLA options that let collectives overlap
-compute and starts multi-process JAX when asked.
+compute, turns on the persistent compilation cache and starts multi-process JAX when asked.
 
 XLA options set by default on GPU (--xla_perf, on by default):
   JAX optimization level O1 (jax_optimization_level / JAX_OPTIMIZATION_LEVEL): turns on XLA:GPU's
@@ -15,8 +20,11 @@ from __future__ import annotations
 
 import os
 import sys
+import textwrap
+from typing import Callable, Optional, Sequence
 
-from absl import flags
+from absl import app, flags
+from absl import logging as absl_logging
 
 FLAGS = flags.FLAGS
 
@@ -27,19 +35,33 @@ flags.DEFINE_integer("prefill_chunk", None, "prompt tokens of one request per pr
                      "takes several steps, interleaved with decode steps); default: LLM's")
 flags.DEFINE_integer("max_prefill_tokens", None, "prompt tokens of all requests per prefill step; default: LLM's")
 flags.DEFINE_bool("xla_perf", True, "set XLA options that overlap collectives with compute (see launch/common.py)")
+flags.DEFINE_string("compilation_cache_dir", None, "persistent JAX compilation cache (compiled programs are "
+                    "reused by later runs); 'none' turns it off. Default: $KIMI_JAX_CACHE_DIR, else "
+                    "$XDG_CACHE_HOME/kimi_jax/xla (~/.cache/kimi_jax/xla)")
+flags.DEFINE_bool("progress", None, "one-line progress on stderr while loading and compiling (default: on)")
 flags.DEFINE_string("coordinator_address", None, "multi-host: host:port of process 0")
 flags.DEFINE_integer("num_processes", None, "multi-host: number of processes")
 flags.DEFINE_integer("process_id", None, "multi-host: this process's index")
 
+HELP_ARGS = ("--help", "-h", "-help", "--helpshort", "-?")
+COMMON_MODULE = __name__
+
 
 def setup() -> None:
-    """XLA options and multi-process start; call first in every launcher's main()."""
+    """XLA options, the compilation cache, progress and multi-process start; call first in every
+    launcher's main()."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     if FLAGS.xla_perf:
         os.environ.setdefault("JAX_OPTIMIZATION_LEVEL", "O1")
         xf = os.environ.get("XLA_FLAGS", "")
         if "xla_gpu_enable_latency_hiding_scheduler" not in xf:
             os.environ["XLA_FLAGS"] = (xf + " --xla_gpu_enable_latency_hiding_scheduler=true").strip()
+    from kimi_jax.entrypoints import compilation_cache, progress
+    compilation_cache.enable(FLAGS.compilation_cache_dir)
+    if FLAGS.progress is False:
+        progress.pause()
+    else:
+        progress.enable()
     if FLAGS.num_processes and FLAGS.num_processes > 1:
         from kimi_jax.parallel.distributed import initialize
         initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
@@ -65,13 +87,100 @@ def fail(prog: str, message) -> None:
     sys.exit(2)
 
 
-def flags_parser(prog: str, positional_hint: str = ""):
-    """An absl flags_parser for app.run: a bad flag is one line on stderr and exit status 2."""
+# ---- the command line -------------------------------------------------------------------------------
+def normalize_argv(argv: Sequence[str]) -> list[str]:
+    """vLLM's spelling -> absl's: `--max-tokens=8` -> `--max_tokens=8`, `--no-stream` -> `--nostream`
+    (a boolean flag's negation). Arguments after `--` and values are left as they are."""
+    out: list[str] = []
+    rest = False
+    for a in argv:
+        if rest or not a.startswith("--") or a == "--":
+            rest = rest or a == "--"
+            out.append(a)
+            continue
+        name, eq, value = a[2:].partition("=")
+        under = name.replace("-", "_")
+        if under not in FLAGS and under.startswith("no_") and under[3:] in FLAGS:
+            under = "no" + under[3:]
+        out.append("--" + under + eq + value)
+    return out
+
+
+def _module_key(module: str) -> Optional[str]:
+    """The key absl files a module's flags under: its name, or for `python -m` / a script (__main__)
+    the script's path."""
+    known = FLAGS.flags_by_module_dict()
+    if module in known:
+        return module
+    if module == "__main__":
+        main = sys.modules.get("__main__")
+        for key in (sys.argv[0] if sys.argv else None, getattr(main, "__file__", None)):
+            if key in known:
+                return key
+    return None
+
+
+def _flag_lines(module: str) -> list[str]:
+    key = _module_key(module)
+    names = sorted(f.name for f in FLAGS.get_flags_for_module(key)) if key else []
+    lines = []
+    for name in names:
+        f = FLAGS[name]
+        if f.default is None or f.default == []:
+            default = ""
+        elif isinstance(f.default, bool):
+            default = f" (default: {'on' if f.default else 'off'})"
+        elif isinstance(f.default, (list, tuple)):
+            default = f" (default: {','.join(map(str, f.default))})"
+        else:
+            default = f" (default: {f.default})"
+        head = f"  --{name.replace('_', '-')}"
+        text = f.help
+        kind = f.flag_type()
+        if kind == "bool":
+            head += f" / --no-{name.replace('_', '-')}"
+        elif isinstance(f.parser, flags.EnumParser):
+            head += "={" + ",".join(f.parser.enum_values) + "}"
+            text = text.split(">: ", 1)[1] if text.startswith("<") and ">: " in text else text
+        else:
+            head += "=" + {"int": "INT", "float": "FLOAT", "string": "STR", "comma separated list of strings": "LIST"}.get(
+                kind, "VALUE")
+        body = textwrap.fill(f"{text}{default}", width=96, initial_indent=" " * 6, subsequent_indent=" " * 6)
+        lines += [head, body]
+    return lines
+
+
+def help_text(prog: str, module: str, doc: Optional[str] = None, *, common: bool = True) -> str:
+    """`prog --help`: the tool's description and its own flags, then the shared launcher flags."""
+    parts = [f"usage: {prog} [flags]", ""]
+    if doc:
+        parts += [textwrap.dedent(doc).strip(), ""]
+    own = _flag_lines(module)
+    if own:
+        parts += [f"{prog} flags:"] + own + [""]
+    if common and module != COMMON_MODULE:
+        parts += ["shared launcher flags (launch/common.py):"] + _flag_lines(COMMON_MODULE) + [""]
+    parts.append("Flag names may be spelled with dashes or underscores (--max-tokens or --max_tokens); "
+                 "--helpfull lists every flag, absl's included.")
+    return "\n".join(parts) + "\n"
+
+
+def flags_parser(prog: str, module: str = "__main__", doc: Optional[str] = None, positional_hint: str = "",
+                 common: bool = True):
+    """An absl flags_parser for app.run: --help prints the tool's own flags (exit 0); a bad flag is one
+    line on stderr and exit status 2; vLLM's dash spelling is accepted."""
     def parse(argv):
+        argv = [argv[0]] + normalize_argv(argv[1:])
+        if any(a in HELP_ARGS for a in argv[1:]):
+            sys.stdout.write(help_text(prog, module, doc, common=common))
+            sys.exit(0)
+        if "--helpfull" in argv[1:]:
+            sys.stdout.write(FLAGS.get_help() + "\n")
+            sys.exit(0)
         try:
             rest = FLAGS(argv)
         except flags.Error as e:
-            fail(prog, f"{e} (see --helpshort)")
+            fail(prog, f"{e} (see {prog} --help)")
         if len(rest) > 1:
             fail(prog, f"unexpected positional arguments {rest[1:]!r}{positional_hint}")
         return rest
@@ -83,4 +192,31 @@ def user_errors():
     from checkpoints.safetensors_io import CheckpointError
     from kimi_jax.config import ConfigError
     from kimi_jax.parallel.sharding import LayoutError
-    return (CheckpointError, ConfigError, LayoutError)
+    return (CheckpointError, ConfigError, LayoutError, app.UsageError)
+
+
+def quiet_logs() -> None:
+    """Library logs at WARNING (absl's INFO lines, JAX's note that no TPU backend exists, XLA's C++
+    INFO), unless the command line sets --verbosity."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    if not any(a.startswith(("--verbosity", "-v=", "--v=")) for a in sys.argv[1:]):
+        absl_logging.set_verbosity(absl_logging.WARNING)
+    import logging
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)     # "Unable to initialize backend 'tpu'"
+
+
+def run(main: Callable, prog: str, module: str, doc: Optional[str] = None, *,
+        argv: Optional[Sequence[str]] = None, positional_hint: str = "", errors: tuple = (),
+        common: bool = True) -> None:
+    """Run a launcher: parse (see flags_parser), then main(argv); the exceptions of user_errors() and
+    `errors` are reported as one line with exit status 2."""
+    quiet_logs()
+    argv = list(sys.argv if argv is None else argv)
+    argv[0] = prog
+
+    def guarded(rest):
+        try:
+            return main(rest)
+        except user_errors() + tuple(errors) as e:
+            fail(prog, e)
+    app.run(guarded, argv=argv, flags_parser=flags_parser(prog, module, doc, positional_hint, common))

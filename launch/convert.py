@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from launch import common
 
@@ -30,15 +30,12 @@ flags.DEFINE_string("out", None, "output directory for the orbax checkpoint")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "parameter dtype of the written model")
 flags.DEFINE_bool("overwrite", False, "replace --out if it is an earlier kimi-convert output")
 flags.DEFINE_bool("verify", False, "after writing, restore onto the layout and compare bit for bit")
-flags.DEFINE_bool("progress", None, "progress bar of GB read (default: on a terminal)")
 flags.DEFINE_integer("workers", None, "reads in flight while loading safetensors")
 
 
 def fail(message) -> None:
     common.fail(PROG, message)
 
-
-parse_flags = common.flags_parser(PROG)
 
 user_errors = common.user_errors
 
@@ -53,12 +50,12 @@ def convert() -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from flax import nnx
 
     from checkpoints import loader, orbax_io
     from kimi_jax.config import ModelConfig
-    from kimi_jax.model.transformer import Transformer
-    from kimi_jax.parallel.sharding import Layout, check_fits, param_shardings
+    from kimi_jax.entrypoints.llm import load_model
+    from kimi_jax.model.transformer import param_arrays
+    from kimi_jax.parallel.sharding import Layout
 
     if not FLAGS.model:
         fail("--model is required (a checkpoint directory)")
@@ -72,20 +69,14 @@ def convert() -> None:
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[FLAGS.dtype]
     cfg = ModelConfig.from_pretrained(FLAGS.model)
     layout = Layout(**common.layout_kwargs())
-    layout.check_divisible(cfg)
-    parallel = layout.moe_parallel()
-    abstract = nnx.split(nnx.eval_shape(
-        lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), parallel=parallel)))[1]
-    check_fits(layout, abstract)
-    shardings = param_shardings(layout, abstract)
     kw = {"progress": FLAGS.progress}
     if FLAGS.workers and not restore_only:
         kw["workers"] = FLAGS.workers
     stats = loader.LoadStats()
     t0 = time.perf_counter()
-    _, net = loader.load_model(FLAGS.model, dtype=dtype, cfg=cfg, shardings=shardings,
-                               parallel=parallel, stats=stats, **kw)
-    jax.block_until_ready(nnx.state(net))
+    net = load_model(FLAGS.model, cfg, layout, dtype, stats=stats, **kw)
+    arrays = param_arrays(net)
+    jax.block_until_ready(arrays)
     dt = time.perf_counter() - t0
     gb = stats.bytes_read / 1e9
     what = "restored orbax checkpoint" if restore_only else "loaded"
@@ -94,27 +85,19 @@ def convert() -> None:
     if restore_only:
         return
     t0 = time.perf_counter()
-    meta = orbax_io.save(FLAGS.out, net, cfg, source=FLAGS.model, overwrite=FLAGS.overwrite,
+    meta = orbax_io.save(FLAGS.out, arrays, cfg.to_hf_dict(), source=FLAGS.model, overwrite=FLAGS.overwrite,
                          layout_name=layout.name)
     dt = time.perf_counter() - t0
     _say(f"{PROG}: wrote {FLAGS.out} ({meta['bytes'] / 1e9:.2f} GB, {meta['fingerprint'][:19]}...) "
          f"in {dt:.1f}s ({meta['bytes'] / 1e9 / dt:.2f} GB/s)")
     if FLAGS.verify:
         t0 = time.perf_counter()
-        back = orbax_io.restore_params(FLAGS.out, cfg, abstract, shardings)
-        mine = nnx.to_pure_dict(nnx.split(net)[1])
-        bad = [k for k, v in orbax_io._flat(mine)
-               if not np.array_equal(np.asarray(v), np.asarray(_get(back, k)))]
+        back = param_arrays(load_model(FLAGS.out, cfg, layout, dtype))
+        bad = [k for k, v in arrays.items() if not np.array_equal(np.asarray(v), np.asarray(back[k]))]
         if bad:
             fail(f"{FLAGS.out}: verification failed: parameter {'.'.join(bad[0])!r} differs "
                  f"[{len(bad)} parameter(s)]")
         _say(f"{PROG}: verified: every parameter restored bit for bit ({time.perf_counter() - t0:.1f}s)")
-
-
-def _get(tree, path):
-    for k in path:
-        tree = tree[k]
-    return tree
 
 
 def main(argv):
@@ -128,8 +111,9 @@ def main(argv):
         fail(e)
 
 
-def run():
-    app.run(main, flags_parser=parse_flags)
+def run(argv=None):
+    """Console-script entry point (`kimi-convert`)."""
+    common.run(main, PROG, __name__, __doc__, argv=argv)
 
 
 if __name__ == "__main__":

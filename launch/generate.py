@@ -5,22 +5,23 @@ trained by launch/train_demo.py) and prints a continuation of a default prompt, 
 backend is present (the CPU is enough).
 
   kimi-generate                                        # the demo model, default prompt
-  kimi-generate --prompt "The with statement" --max_tokens 64 --temperature 0
+  kimi-generate --prompt "The with statement" --max-tokens 64 --temperature 0
   kimi-generate --messages '[{"role": "user", "content": "What does json.dumps do?"}]'
-  kimi-generate --model /path/to/Kimi-K2.5 --tensor_parallel_size 8 --stream
+  kimi-generate --model /path/to/Kimi-K2.5 --tensor-parallel-size 8 --stream
 
 Plain prompts print the prompt followed by its continuation; chat prints the assistant's reply.
-Sampling flags follow vLLM's SamplingParams. A bad flag or value prints one line
-(`kimi-generate: error: ...`) to stderr and exits with status 2.
+Sampling flags follow vLLM's SamplingParams (flag names in either spelling: --max-tokens or
+--max_tokens). A bad flag or value prints one line (`kimi-generate: error: ...`) to stderr and exits
+with status 2. Compiled programs are kept in a persistent cache (--compilation-cache-dir), so the
+second run starts faster; loading and compiling are reported on stderr (--no-progress: quiet).
 """
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from launch import common
 
@@ -58,8 +59,6 @@ class CliError(Exception):
 def _fail(message: str) -> None:
     common.fail(PROG, message)
 
-
-parse_flags = common.flags_parser(PROG, " (use --prompt)")
 
 
 def _messages(value: str):
@@ -154,6 +153,8 @@ def _stream(llm, prompt, messages, sp):
     engine = llm.batch_engine()
     req = engine.make_request("0", ids, sp, sp.seed, prompt=prompt)    # raises on a bad request
     engine.add(req)
+    from kimi_jax.entrypoints import progress
+    progress.pause()                 # the text goes to the same terminal from here on
     if messages is None:
         _emit(prompt)
     dec = llm.tokenizer.incremental_decoder(skip_special_tokens=True)
@@ -175,13 +176,10 @@ def main(argv):
         _fail(str(e))
 
 
-def run():
+def run(argv=None):
     """Console-script entry point (`kimi-generate`)."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-    if not any(a.startswith(("--verbosity", "-v=", "--v=")) for a in sys.argv[1:]):
-        logging.set_verbosity(logging.WARNING)
     define_flags()
-    app.run(main, flags_parser=parse_flags)
+    common.run(main, PROG, __name__, __doc__, argv=argv, positional_hint=" (use --prompt)")
 
 
 if __name__ == "__main__":

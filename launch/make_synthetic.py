@@ -1,8 +1,8 @@
 r"""Write a synthetic checkpoint in the exact published format (safetensors shards + index +
 config.json), of any preset's geometry, any number of layers and experts.
 
-  python -m launch.make_synthetic --preset kimi-k2.5 --num_layers 2 --out /tmp/k25-2l --num_shards 4
-  python -m launch.make_synthetic --preset tiny --out /tmp/tiny --layout k25 --values normal
+  kimi-make-synthetic --model kimi-k2.5 --num-layers 2 --out /tmp/k25-2l --num-shards 4
+  kimi-make-synthetic --model tiny --out /tmp/tiny --layout k25 --values normal   (--preset: --model)
 
 Tensors are streamed to disk (checkpoints.synthetic.write_safetensors): memory stays at about one
 32 MB piece whatever the shard size. --values fast (default) fills large tensors from raw random bits
@@ -17,13 +17,14 @@ import os
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
 from launch import common
 
-PROG = "make_synthetic"
+PROG = "kimi-make-synthetic"
 FLAGS = flags.FLAGS
-flags.DEFINE_string("preset", "kimi-k2.5", "geometry: kimi-k2.5, kimi-k2-thinking, deepseek-v3, tiny")
+flags.DEFINE_string("model", "kimi-k2.5", "the geometry: a preset (kimi-k2.5, kimi-k2-thinking, deepseek-v3, tiny)")
+flags.DEFINE_alias("preset", "model")
 flags.DEFINE_integer("num_layers", None, "override num_hidden_layers (the first first_k_dense_replace "
                      "are dense, the rest MoE)")
 flags.DEFINE_integer("num_experts", None, "override n_routed_experts")
@@ -46,12 +47,10 @@ def fail(message) -> None:
     common.fail(PROG, message)
 
 
-parse_flags = common.flags_parser(PROG)
-
 
 def config():
     from kimi_jax.config import QuantConfig, preset
-    cfg = preset(FLAGS.preset)
+    cfg = preset(FLAGS.model)
     over = {k: getattr(FLAGS, f) for k, f in (("num_hidden_layers", "num_layers"),
                                               ("n_routed_experts", "num_experts"),
                                               ("first_k_dense_replace", "first_k_dense_replace"),
@@ -89,7 +88,7 @@ def main(argv):
     total = sum(math.prod(s) * size[d] for s, d in exp.values())
     shards = FLAGS.num_shards or max(1, math.ceil(total / (FLAGS.shard_gb * 1e9)))
     shards = min(shards, len(exp))
-    print(f"{PROG}: {FLAGS.preset} with {cfg.num_hidden_layers} layers ({cfg.num_dense_layers} dense, "
+    print(f"{PROG}: {FLAGS.model} with {cfg.num_hidden_layers} layers ({cfg.num_dense_layers} dense, "
           f"{cfg.num_moe_layers} MoE), {cfg.n_routed_experts} experts, "
           f"{'INT4' if cfg.quantization else 'bf16'} experts: {len(exp)} tensors, {total / 1e9:.2f} GB "
           f"in {shards} shard(s) -> {FLAGS.out}", flush=True)
@@ -113,8 +112,9 @@ def main(argv):
           f"cache included; not fsynced)", flush=True)
 
 
-def run():
-    app.run(main, flags_parser=parse_flags)
+def run(argv=None):
+    """Console-script entry point (`kimi-make-synthetic`)."""
+    common.run(main, PROG, __name__, __doc__, argv=argv, common=False)
 
 
 if __name__ == "__main__":

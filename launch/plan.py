@@ -4,7 +4,7 @@
   kimi-plan --model=kimi-k2.5 --hardware=h200 --world=8 --batch=16      # every layout, ranked
   kimi-plan --anchor                                                   # the published RTX PRO 6000 case
   kimi-plan --engine=vllm --hardware=rtx-pro-6000 --tensor_parallel_size=8 --allreduce_us=78   # vLLM's TP step
-  kimi-plan --hardware=calibration.json ...                            # measured numbers (launch/bench.py)
+  kimi-plan --hardware=calibration.json ...                            # measured numbers (launch/bench/int4.py)
 
 With no layout flag given, every layout of --world devices is planned and those that fit are ranked
 by tokens/s. --compiled_counts also compiles the engine's decode step for the layout on simulated CPU
@@ -17,9 +17,9 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 
-from launch import common  # noqa: F401  (layout flags: --tensor_parallel_size, --data_parallel_size, ...)
+from launch import common  # (layout flags: --tensor_parallel_size, --data_parallel_size, ...)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "kimi-k2.5", "preset name or checkpoint directory (its config.json)")
@@ -120,8 +120,10 @@ def _dump(plans):
         print(f"wrote {FLAGS.json}", file=sys.stderr)
 
 
-def run():
-    app.run(main)
+def run(argv=None):
+    """Console-script entry point (`kimi-plan`): a bad --model, --hardware, override or layout is one
+    line on stderr, exit status 2."""
+    common.run(main, "kimi-plan", __name__, __doc__, argv=argv, errors=(ValueError, OSError))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import gzip
 import json
 import os
 
-from absl import app, flags
+from absl import flags
 
 from launch import common
 
@@ -89,8 +89,10 @@ def main(argv):
     print(f"wrote {os.path.join(FLAGS.out, 'report.json')} and {os.path.join(FLAGS.out, 'breakdown.png')}")
 
 
-def run():
-    app.run(main)
+def run(argv=None):
+    """Console-script entry point (`kimi-profile`): a bad --model, override or layout is one line on
+    stderr, exit status 2."""
+    common.run(main, "kimi-profile", __name__, __doc__, argv=argv, errors=(ValueError, OSError))
 
 
 if __name__ == "__main__":

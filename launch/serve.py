@@ -18,7 +18,7 @@ import logging as pylogging
 import os
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from launch import common
 
@@ -91,13 +91,10 @@ def main(argv):
     print(f"{PROG}: stopped", file=sys.stderr, flush=True)
 
 
-def run():
+def run(argv=None):
     """Console-script entry point (`kimi-serve`)."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     pylogging.basicConfig(level=pylogging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not any(a.startswith(("--verbosity", "-v=", "--v=")) for a in sys.argv[1:]):
-        logging.set_verbosity(logging.WARNING)
-    app.run(main, flags_parser=common.flags_parser(PROG))
+    common.run(main, PROG, __name__, __doc__, argv=argv)
 
 
 if __name__ == "__main__":

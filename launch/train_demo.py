@@ -30,7 +30,7 @@ Steps (all deterministic for a given `--seed` and Python version):
    cosine decay, gradient clipping. Aux-loss-free load balancing as DeepSeek-V3: the router bias gets
    no gradient; after every step `bias_e += u * sign(mean_load - load_e)` per MoE layer (it only changes
    which experts are chosen, never the expert weights).
-4. Export: parameters -> canonical HF tensor names (`checkpoints.loader.hf_names_for`), floating weights
+4. Export: parameters -> canonical HF tensor names (`checkpoints.layout.hf_names_for`), floating weights
    bf16, the router bias float32, routed experts quantized with `checkpoints.int4.pack_weight`
    (compressed-tensors pack-quantized INT4, group 32), written with
    `checkpoints.synthetic.write_checkpoint_from_tensors` plus the tokenizer files to `--out_dir`
@@ -315,7 +315,6 @@ def export_tensors(params_pure: dict, cfg, train_cfg) -> dict:
     import ml_dtypes
     import numpy as np
     from checkpoints import int4, layout
-    from checkpoints.loader import hf_names_for
 
     np_dtypes = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
 
@@ -324,7 +323,7 @@ def export_tensors(params_pure: dict, cfg, train_cfg) -> dict:
     for path, value in _flat(params_pure):
         path = tuple(map(str, path))
         value = np.asarray(value, np.float32)
-        for idx, name in hf_names_for(path, train_cfg, value.shape):
+        for idx, name in layout.hf_names_for(path, train_cfg.num_dense_layers, value.shape):
             w = value[idx]
             if name in expected:
                 out[name] = w.astype(np_dtypes[expected[name][1]])

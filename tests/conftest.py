@@ -32,3 +32,73 @@ def tiny_ckpt(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny_ckpt"))
     write_checkpoint(path, preset("tiny"), seed=4, std=0.08)
     return path
+
+
+class CliResult:
+    """What a launcher run in this process did: its exit status and what it wrote."""
+
+    def __init__(self, code: int, out: str, err: str):
+        self.returncode, self.stdout, self.stderr = code, out, err
+
+    def __repr__(self):
+        return f"CliResult(returncode={self.returncode}, stderr={self.stderr[-500:]!r})"
+
+
+def _absl_snapshot():
+    from absl import app, flags
+    import launch.common  # noqa: F401  (the shared launcher flags stay defined for the whole run)
+    app.define_help_flags()
+    return flags.FLAGS, set(flags.FLAGS)
+
+
+def _forget(module: str, flags_, before) -> None:
+    import sys
+    for name in set(flags_) - before:
+        delattr(flags_, name)
+    for m in [m for m in sys.modules if m == module or m.startswith(module + ".")]:
+        del sys.modules[m]
+    flags_.unparse_flags()
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run a launcher in this process: `cli("launch.generate", "--max-tokens=2")` -> CliResult. The
+    module is imported fresh and its `run(argv)` called as its console script calls it; the absl flags
+    it defines are removed afterwards (launchers define the same names: two cannot share one flag
+    registry), so launchers run one after another in one test process without a fresh interpreter."""
+    import importlib
+    import sys
+
+    def run(module: str, *args: str) -> CliResult:
+        flags_, before = _absl_snapshot()
+        flags_.unparse_flags()
+        capsys.readouterr()
+        code = 0
+        try:
+            importlib.import_module(module).run([module, *map(str, args)])
+        except SystemExit as e:
+            if isinstance(e.code, str):        # what the interpreter prints for sys.exit("message")
+                sys.stderr.write(e.code + "\n")
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            _forget(module, flags_, before)
+        out, err = capsys.readouterr()
+        return CliResult(code, out, err)
+    return run
+
+
+@pytest.fixture
+def tool_module():
+    """Import a launcher module for its functions (`tool_module("launch.bench.int4").dense_sweep`):
+    the flags its import defines are removed again, as `cli` does."""
+    import importlib
+    done = []
+
+    def load(module: str):
+        flags_, before = _absl_snapshot()
+        mod = importlib.import_module(module)
+        done.append((module, flags_, before))
+        return mod
+    yield load
+    for module, flags_, before in reversed(done):
+        _forget(module, flags_, before)

@@ -163,12 +163,13 @@ class Engine:
                      "pages": layout.sharding(P(None, b if self.dp > 1 else None, None, None)),
                      "logits2": layout.sharding(P(b, v)), "logits3": layout.sharding(P(b, None, v))}
         self._shard = shard
-        self._decode = jax.jit(functools.partial(_decode, self.graphdef, shard),
-                               static_argnames=("n_logprobs", "sample_mode"), donate_argnames=("cache",))
+        # the jitted contiguous-cache reference step and paged step (the profiler lowers them)
+        self.decode_jit = jax.jit(functools.partial(_decode, self.graphdef, shard),
+                                  static_argnames=("n_logprobs", "sample_mode"), donate_argnames=("cache",))
         self._logits = jax.jit(functools.partial(_all_logits, self.graphdef, shard))
-        self._step = jax.jit(functools.partial(_paged_step, self.graphdef, shard),
-                             static_argnames=("n_logprobs", "absorbed", "fresh", "sample_mode"),
-                             donate_argnames=("pages",))
+        self.paged_step_jit = jax.jit(functools.partial(_paged_step, self.graphdef, shard),
+                                      static_argnames=("n_logprobs", "absorbed", "fresh", "sample_mode"),
+                                      donate_argnames=("pages",))
         self._verify = jax.jit(functools.partial(_verify_step, self.graphdef, shard), donate_argnames=("pages",))
         self._token_sharding = None          # of decode_step_async's output tokens, once known
         self._decode_step = jax.jit(functools.partial(_decode_step, self.graphdef, shard),
@@ -204,7 +205,7 @@ class Engine:
     def paged_step(self, pages, tokens_BT, positions_BT, block_table_BP, last_B, sp: SamplingArrays,
                    steps_B, n_logprobs: Optional[int]):
         T = tokens_BT.shape[1]
-        pages, out = self._step(self.state, pages, _i32(tokens_BT), _i32(positions_BT), _i32(block_table_BP),
+        pages, out = self.paged_step_jit(self.state, pages, _i32(tokens_BT), _i32(positions_BT), _i32(block_table_BP),
                                 _i32(last_B), sp, _i32(steps_B), n_logprobs=n_logprobs, absorbed=T == 1,
                                 fresh=T > 1 and is_fresh(positions_BT), sample_mode=sample_mode_of(sp))
         return pages, _to_host(out)

@@ -19,6 +19,7 @@ from kimi_jax.engine.sampling import SamplingParams
 from kimi_jax.engine.scheduler import BatchEngine, Request, RequestError, validate_prompt
 from kimi_jax.parallel.sharding import Layout, check_fits, param_shardings
 from kimi_jax.engine.speculative import SpeculativeConfig
+from kimi_jax.entrypoints import compilation_cache, progress
 
 log = logging.getLogger(__name__)
 Prompt = Union[str, Sequence[int]]
@@ -57,15 +58,41 @@ def demo_model_path() -> Optional[str]:
     return here if os.path.isfile(os.path.join(here, "config.json")) else None
 
 
+def load_model(path: str, cfg: ModelConfig, layout: Layout, dtype=jnp.bfloat16, *, check: bool = True,
+               **load_kw):
+    """The Transformer of the checkpoint directory `path` (safetensors, streamed per-device slices, or
+    orbax from kimi-convert), every parameter placed on its devices under `layout`: the abstract model
+    gives the spec (path -> shape, dtype, sharding), checkpoints.loader reads the arrays for it, and
+    they are merged into the module. check: refuse first a layout whose per-device bytes do not fit.
+    load_kw: workers / chunk_bytes / readahead_bytes / progress / stats / keep_page_cache
+    (checkpoints.loader.load_arrays)."""
+    from flax import nnx
+    from checkpoints.loader import load_arrays
+    from kimi_jax.model.transformer import abstract_model
+    layout.check_divisible(cfg)
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, layout.moe_parallel()))
+    if check:
+        check_fits(layout, state)
+    shardings = param_shardings(layout, state)
+    specs = {}
+    for p, var in nnx.to_flat_state(state):
+        key, v = tuple(str(k) for k in p), var.get_value()
+        specs[key] = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[key])
+    arrays = load_arrays(path, specs, cfg, **load_kw)
+    for p, var in nnx.to_flat_state(state):
+        var.set_value(arrays[tuple(str(k) for k in p)])
+    return nnx.merge(graphdef, state)
+
+
 def random_model(cfg: ModelConfig, layout: Layout, dtype, seed: int = 0):
     """A Transformer with the model's own random initializers, made by one jitted init that creates
     every parameter on its own devices under `layout` (no full copy on one device first; the values do
     not depend on the layout). Checks that the per-device bytes fit first."""
     from flax import nnx
-    from kimi_jax.model.transformer import Transformer
+    from kimi_jax.model.transformer import Transformer, abstract_model
     parallel = layout.moe_parallel()
     make = lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed), parallel=parallel)
-    graphdef, state = nnx.split(nnx.eval_shape(make))
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, parallel, seed))
     check_fits(layout, state)
     shardings = param_shardings(layout, state)
     paths = [tuple(str(k) for k in p) for p, _ in nnx.to_flat_state(state)]
@@ -110,7 +137,11 @@ class LLM:
                  seed: int = 0, tokenizer: Optional[str] = None, page_size: int = 16,
                  num_pages: Optional[int] = None, gpu_memory_utilization: float = 0.9,
                  prefill_chunk: Optional[int] = None, max_prefill_tokens: int = 2048,
-                 speculative_config=None, overlap_scheduling: bool = True):
+                 speculative_config=None, overlap_scheduling: bool = True,
+                 compilation_cache_dir: Optional[str] = None):
+        """compilation_cache_dir: the persistent JAX compilation cache (kimi_jax.entrypoints.
+        compilation_cache; 'none': off). Default: $KIMI_JAX_CACHE_DIR, else ~/.cache/kimi_jax/xla,
+        unless the user configured JAX's own cache (then that one)."""
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported (choose one of {sorted(_DTYPES)})")
         if tensor_parallel_size < 1 or data_parallel_size < 1:
@@ -137,7 +168,9 @@ class LLM:
         else:
             raise ValueError(f"model={model!r} is neither a checkpoint directory nor a preset {PRESETS}")
         self.layout.check_divisible(self.config)
-        net = self._build(seed)
+        compilation_cache.enable(compilation_cache_dir)
+        with progress.phase("loading weights" if self.model_path else "making random weights"):
+            net = self._build(seed)
         self.tokenizer = self._load_tokenizer(tokenizer or self.model_path)
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
@@ -182,16 +215,7 @@ class LLM:
         cfg, layout, dtype = self.config, self.layout, self.dtype
         if self.model_path is None:
             return random_model(cfg, layout, dtype, seed)
-        # safetensors (streamed per-device slices) or orbax (kimi-convert)
-        from flax import nnx
-        from checkpoints.loader import load_model
-        from kimi_jax.model.transformer import Transformer
-        parallel = layout.moe_parallel()
-        abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed),
-                                                                parallel=parallel)))[1]
-        check_fits(layout, abstract)
-        shardings = param_shardings(layout, abstract)
-        return load_model(self.model_path, dtype=dtype, cfg=cfg, shardings=shardings, parallel=parallel)[1]
+        return load_model(self.model_path, cfg, layout, dtype)
 
     @staticmethod
     def _load_tokenizer(path):
@@ -204,7 +228,7 @@ class LLM:
             return None
 
     # ---- inputs -------------------------------------------------------------------------------
-    def _token_ids(self, prompt: Prompt, i: int) -> list[int]:
+    def token_ids(self, prompt: Prompt, i: int) -> list[int]:
         """Token ids of a prompt (text is tokenized); validity is checked by the batch engine."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -218,7 +242,7 @@ class LLM:
     # ---- API ----------------------------------------------------------------------------------
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """float32 [len(token_ids), vocab]: next-token logits at every position (prefill path)."""
-        ids = self._token_ids(token_ids, 0)
+        ids = self.token_ids(token_ids, 0)
         try:
             validate_prompt(ids, self.config.vocab_size, self.max_model_len + 1)
         except RequestError as e:
@@ -238,7 +262,7 @@ class LLM:
                else list(sampling_params))
         if len(sps) != len(prompts):
             raise ValueError(f"got {len(sps)} SamplingParams for {len(prompts)} prompts")
-        ids = [self._token_ids(p, i) for i, p in enumerate(prompts)]
+        ids = [self.token_ids(p, i) for i, p in enumerate(prompts)]
         be = self.batch_engine()
         reqs = []
         for i, (p, t, sp) in enumerate(zip(prompts, ids, sps)):

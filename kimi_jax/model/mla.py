@@ -168,7 +168,7 @@ def write_pages(pool_LPpC, block_table_BP, positions_BT, new_LBTC, parallel=None
             new_LBTC.reshape(n_layers, -1, C).astype(pool_LPpC.dtype), mode="drop")
         return flat.reshape(pool_LPpC.shape)
 
-    write = ops._per_page_shard(write, parallel, ((None, "split", None, None), ("split", None), ("split", None),
+    write = ops.per_page_shard(write, parallel, ((None, "split", None, None), ("split", None), ("split", None),
                                                   (None, "split", None, None)), (None, "split", None, None))
     return write(pool_LPpC, block_table_BP, positions_BT, new_LBTC)
 

@@ -48,10 +48,10 @@ class Router(nnx.Module):
 
 
 def pin_routing(state, k: int) -> int:
-    """A diagnostic control (launch/check_chunking --fixed_routing): set every router's choice bias in
-    `state` (an nnx.State) to 2 for experts 0..k-1 and 0 for the rest. Sigmoid scores (0..1) cannot
-    outweigh it, so every token picks experts 0..k-1 while the routing weights still follow the scores.
-    Returns the number of biases set (0: no router)."""
+    """A diagnostic control (fixed routing, to compare runs whose router inputs differ slightly): set
+    every router's choice bias in `state` (an nnx.State) to 2 for experts 0..k-1 and 0 for the rest.
+    Sigmoid scores (0..1) cannot outweigh it, so every token picks experts 0..k-1 while the routing
+    weights still follow the scores. Returns the number of biases set (0: no router)."""
     n = 0
     for path, var in nnx.to_flat_state(state):
         if str(path[-1]) == "e_score_correction_bias":

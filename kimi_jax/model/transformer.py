@@ -54,7 +54,7 @@ def stack_modules(make: Callable[[], nnx.Module], n: int) -> Optional[nnx.Module
 
 # How scan_layers runs the layers of a stack: "scan" (lax.scan: one compiled body), "unroll" (a Python
 # loop with static layer indices), or "auto": unroll on GPU, scan elsewhere. Measured on an H200
-# (launch/probe_layer_loop.py, JAX 0.11.2): inside lax.scan / fori_loop XLA copies each layer's slice of
+# (JAX 0.11.2): inside lax.scan / fori_loop XLA copies each layer's slice of
 # the stacked weights before its matmuls read it (950 GB/s effective), while static slices are read in
 # place (2,060 GB/s, the same as separate per-layer arrays). The dynamic-slice-fusion flag does not help.
 LAYER_LOOP = "auto"
@@ -159,6 +159,17 @@ class Transformer(nnx.Module):
     def __call__(self, tokens_BT, positions_BT, cache=None, *, absorbed=False, fresh=False):
         h, new = self.hidden_states(tokens_BT, positions_BT, cache, absorbed=absorbed, fresh=fresh)
         return self.logits(h), new
+
+
+def abstract_model(cfg: ModelConfig, dtype=jnp.bfloat16, parallel=None, seed: int = 0) -> Transformer:
+    """The Transformer with every parameter a ShapeDtypeStruct (shapes only, nothing allocated)."""
+    return nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed), parallel=parallel))
+
+
+def param_arrays(model_or_state) -> dict[tuple[str, ...], jax.Array]:
+    """{parameter path: value} of a Transformer (or its nnx.State); paths as in checkpoints.layout."""
+    state = nnx.split(model_or_state)[1] if isinstance(model_or_state, nnx.Module) else model_or_state
+    return {tuple(str(k) for k in path): v.get_value() for path, v in nnx.to_flat_state(state)}
 
 
 def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype) -> dict:

@@ -227,7 +227,7 @@ def _stacked(pool, layer):
     return (pool[None], 0) if layer is None else (pool, layer)
 
 
-def _per_page_shard(f, parallel, in_specs, out_specs):
+def per_page_shard(f, parallel, in_specs, out_specs):
     """f run per shard of a page-split pool (`page_split`), else f itself. Specs are written with the
     placeholder "split" for the page / batch axes; it becomes the split's mesh axes."""
     split = page_split(parallel)
@@ -252,7 +252,7 @@ def gather_pages(pool: jax.Array, block_table_BP: jax.Array, *, layer=None, para
         return flat[table].reshape(B, P * flat.shape[1], flat.shape[2])
 
     if page_split(parallel):
-        return _per_page_shard(gather, parallel, ((None, "split", None, None), ("split", None), ()),
+        return per_page_shard(gather, parallel, ((None, "split", None, None), ("split", None), ()),
                                ("split", None, None))(pool_L, block_table_BP, jnp.asarray(layer, jnp.int32))
     return gather(pool_L, block_table_BP, layer)
 
@@ -300,7 +300,7 @@ def mla_decode_kernel(rows: int, A: int, R: int, page: int, dtype, *, batch: int
     with bf16, A a multiple of 256, R = 64, a page size of 8, 16, 32 or a multiple of 64, and a cache
     large enough to pay for its fixed cost; else the Triton kernel (8 heads per device under TP8: the
     mgpu kernel would pad 8 rows to 64). Measured on the H200 at 64 heads (BENCHMARKS.md, fifth
-    session, `launch.bench_mla`: each timed call 8 layers in one executable, calls enqueued back to
+    session, `kimi-bench mla`: each timed call 8 layers in one executable, calls enqueued back to
     back): mgpu 1.3-4.2x the Triton kernel from 8 x 4K up (8 x 4K: 57.5 vs 72.2 us); at 1 x 4K
     Triton's 31 us wins. So mgpu needs tables of >= 16K tokens per row or >= 32K in the batch
     (`context`: the block table's capacity, a bucket). (The fourth session's harness, one dispatch per

@@ -189,7 +189,7 @@ def _split_attention(q_BTNK, k_BSNK, v_BSNK, cached_B, new_B, scale, implementat
     'xla' (its CPU stand-in, jnp)."""
     T = q_BTNK.shape[1]
     S0 = k_BSNK.shape[1] - T
-    parts = _attention_lse_cudnn if implementation == "cudnn" else _attention_lse_xla
+    parts = attention_lse_cudnn if implementation == "cudnn" else _attention_lse_xla
     if S0 == 0:                                                 # no cached slots at all: the chunk only
         cached_B = jnp.zeros_like(cached_B)
         pad = ((0, 0), (1, 0), (0, 0), (0, 0))                  # one slot no query sees
@@ -208,7 +208,7 @@ def _split_attention(q_BTNK, k_BSNK, v_BSNK, cached_B, new_B, scale, implementat
     return jnp.where(real, o, 0.0)
 
 
-def _attention_lse_cudnn(q_BTNK, k_BSNK, v_BSNK, q_len_B, kv_len_B, scale, *, causal):
+def attention_lse_cudnn(q_BTNK, k_BSNK, v_BSNK, q_len_B, kv_len_B, scale, *, causal):
     """cuDNN flash attention with per-row lengths, (o [B, T, N, K], log-sum-exp [B, T, N] float32), through
     jax's cuDNN entry point: the public jax.nn.dot_product_attention returns the log-sum-exp rounded to
     the inputs' dtype (bf16: merge weights off by up to ~3%)."""
@@ -223,7 +223,7 @@ def _attention_lse_cudnn(q_BTNK, k_BSNK, v_BSNK, q_len_B, kv_len_B, scale, *, ca
 
 
 def _attention_lse_xla(q_BTNK, k_BSNK, v_BSNK, q_len_B, kv_len_B, scale, *, causal):
-    """The same in jnp (float32 scores): the CPU stand-in of _attention_lse_cudnn."""
+    """The same in jnp (float32 scores): the CPU stand-in of attention_lse_cudnn."""
     del q_len_B                       # rows past it are padding, zeroed by the caller
     s_BNTS = einsum_f32("btnk,bsnk->bnts", q_BTNK, k_BSNK) * scale
     S, T = k_BSNK.shape[1], q_BTNK.shape[1]

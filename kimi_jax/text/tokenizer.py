@@ -29,6 +29,8 @@ from typing import AbstractSet, Iterable, Iterator, Mapping, Optional, Sequence,
 
 import tiktoken
 
+from checkpoints.tokenizer_format import KIMI_PAT_STR, NUM_RESERVED_SPECIAL_TOKENS, TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE
+
 __all__ = [
     "KIMI_PAT_STR",
     "NUM_RESERVED_SPECIAL_TOKENS",
@@ -40,26 +42,6 @@ __all__ = [
     "TokenizerNotFound",
     "load_tiktoken_ranks",
 ]
-
-TIKTOKEN_FILE = "tiktoken.model"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-
-#: Kimi's pre-tokenization pattern (tiktoken / Rust fancy-regex syntax; ``&&`` is class intersection).
-KIMI_PAT_STR = "|".join(
-    [
-        r"""[\p{Han}]+""",
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-        r"""\p{N}{1,3}""",
-        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-        r"""\s*[\r\n]+""",
-        r"""\s+(?!\S)""",
-        r"""\s+""",
-    ]
-)
-
-#: Kimi reserves this many special ids (+2) right after the base BPE ranks.
-NUM_RESERVED_SPECIAL_TOKENS = 256
 
 # tiktoken handles up to ~400k chars per call without a Rust panic, and runs of (non-)whitespace longer than
 # ~25k make its regex / BPE quadratic (openai/tiktoken#195). Kimi's tokenizer cuts input at these sizes.

@@ -13,7 +13,7 @@ last segment's log-log slope beyond it. Curves are measured at one group size (`
 they are used as-is for other group sizes (stated in the plan's notes).
 
 `Hardware.from_calibration(path)` reads a calibration JSON (see `calibration_dict`, which
-launch/bench.py can call to write one from its measured copy bandwidth, matmul rate and collective
+launch/bench/int4.py can call to write one from its measured copy bandwidth, matmul rate and collective
 latency curves); fields it does not give come from the preset named by its "base" key.
 """
 from __future__ import annotations
@@ -202,7 +202,7 @@ class Hardware:
 def calibration_dict(name: str, *, copy_bw: float, matmul_flops: Optional[float] = None,
                      collectives: Optional[Mapping[str, Sequence[tuple[float, float]]]] = None,
                      n_devices: Optional[int] = None, hbm_bytes: Optional[float] = None, base: str = "h200",
-                     source: str = "launch/bench.py", **extra) -> dict:
+                     source: str = "launch/bench/int4.py", **extra) -> dict:
     """The calibration file's contents (json.dump it). copy_bw: measured device-to-device copy B/s
     (bytes read + written); matmul_flops: measured bf16 FLOP/s; collectives: {kind: [(bytes,
     seconds), ...]} measured over `n_devices`; extra: any of link_bw, gemv_efficiency,
@@ -269,7 +269,7 @@ _H200_ALLREDUCE_CURVE = ((14336.0, 24.4e-6), (117760.0, 26.0e-6), (940032.0, 24.
 # (wall per call, no device-only figure).
 _H200_INT4_CURVE = ((1.0, 0.75), (16.0, 0.94), (64.0, 0.90), (256.0, 0.74))
 # The same kernels on a device holding 1/8 (EP8), 1/4 (EP4) or 1/2 (EP2) of the experts, one H200, jax
-# 0.11.2, 2026-12-01: device span per call of the engine's default config (`launch.bench --suite=int4
+# 0.11.2, 2026-12-01: device span per call of the engine's default config (`kimi-bench int4
 # --moe_held_pairs=1|2|4 --moe_profile`: each token's first 1 / 2 / 4 of its 8 pairs held), bytes of the
 # touched experts (24.84 MB each) / span / 4.24 TB/s. 1/8: T = 1, 8 (sixteenth session: 23.6, 91.5 us),
 # T = 2 (seventeenth: 33.4 us), T = 4 (seventeenth, pairs_cta with the K split 2 ways, the default for

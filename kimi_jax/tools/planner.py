@@ -1,6 +1,6 @@
 """What a parallel layout will cost before it runs: bytes per device, fit, and decode step time.
 
-`plan(cfg, hw, layout, batch, context)` models one decode step of kimi_jax's engine (`Engine._decode`:
+`plan(cfg, hw, layout, batch, context)` models one decode step of kimi_jax's engine (`Engine.decode_jit`:
 one token per row, absorbed MLA over the latent cache, routed experts in shard_map, sampling on
 device) on `layout.world` devices of `hw` (kimi_jax.tools.hardware). `rank_layouts` plans every layout of a
 world size and ranks those that fit by tokens/s.
@@ -173,10 +173,9 @@ def param_bytes_from_model(cfg: ModelConfig, layout: Layout, dtype=None) -> int:
     """sharding.per_device_bytes on the model's abstract state (shapes only; slow for big models)."""
     import jax.numpy as jnp
     from flax import nnx
-    from kimi_jax.model.transformer import Transformer
+    from kimi_jax.model.transformer import abstract_model
     from kimi_jax.parallel.sharding import per_device_bytes
-    dtype = dtype or jnp.bfloat16
-    abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0))))[1]
+    abstract = nnx.split(abstract_model(cfg, dtype or jnp.bfloat16))[1]
     return per_device_bytes(layout, abstract)
 
 

@@ -1,6 +1,6 @@
 """Where a decode step's time goes: collectives counted from the compiled program, op time from a trace.
 
-Two independent views of one jitted decode step (`Engine._decode`):
+Two independent views of one jitted decode step (`Engine.decode_jit`):
 
 1. **The compiled program** (`collectives_of_hlo`). The step is lowered and compiled for the layout
    and its optimized HLO text is parsed into computations. Every all-reduce, all-gather,
@@ -384,12 +384,11 @@ def abstract_engine(cfg, layout, dtype=None):
     import jax.numpy as jnp
     from flax import nnx
     from kimi_jax.engine.steps import Engine
-    from kimi_jax.model.transformer import Transformer
+    from kimi_jax.model.transformer import abstract_model
     from kimi_jax.parallel.sharding import param_shardings
     dtype = dtype or jnp.bfloat16
     layout.check_divisible(cfg)
-    parallel = layout.moe_parallel()
-    model = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), parallel=parallel))
+    model = abstract_model(cfg, dtype, layout.moe_parallel())
     shardings = param_shardings(layout, nnx.split(model)[1]) if layout.world > 1 else None
     graphdef, state = nnx.split(model)
     for path, var in nnx.to_flat_state(state):
@@ -428,7 +427,7 @@ PAGE_SIZE = 16      # as kimi_jax.entrypoints.llm.LLM's default
 
 def paged_args(engine, layout, batch: int, cache_len: int, page_size: int = PAGE_SIZE):
     """(pages, tokens [B, 1], block table [B, P], sampling arrays) for the serving decode step
-    (`Engine._step`, absorbed, T = 1): a pool sized for `cache_len` tokens per row, placed as the engine
+    (`Engine.paged_step_jit`, absorbed, T = 1): a pool sized for `cache_len` tokens per row, placed as the engine
     keeps it (`Engine.init_pages`: split over the dp ranks); row b owns P pages of its rank's partition,
     with ids local to that partition, as the scheduler emits them. `layout`: unused (the engine's own)."""
     import numpy as np
@@ -444,13 +443,13 @@ def paged_args(engine, layout, batch: int, cache_len: int, page_size: int = PAGE
 
 
 def compile_decode_step(engine, layout, batch: int, cache_len: int, *, abstract: Optional[bool] = None):
-    """Lower and compile `engine._decode` for this batch and cache length; returns the Compiled."""
+    """Lower and compile `engine.decode_jit` for this batch and cache length; returns the Compiled."""
     import jax
     if abstract is None:
         leaves = jax.tree.leaves(engine.state)
         abstract = bool(leaves) and isinstance(leaves[0], jax.ShapeDtypeStruct)
     cache, tok, pos, sp, steps = decode_args(engine, layout, batch, cache_len, abstract=abstract)
-    return engine._decode.lower(engine.state, cache, tok, pos, sp, steps, n_logprobs=None).compile()
+    return engine.decode_jit.lower(engine.state, cache, tok, pos, sp, steps, n_logprobs=None).compile()
 
 
 def count_decode_collectives(cfg, layout, batch: int = 8, cache_len: int = 64, dtype=None) -> CollectiveCounts:
@@ -475,7 +474,7 @@ def random_engine(cfg, layout, dtype=None, seed: int = 0):
 
 # ---- trace parsing -----------------------------------------------------------------------------------
 
-def _find_trace_file(trace_dir: str) -> str:
+def find_trace_file(trace_dir: str) -> str:
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
                    + glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True),
                    key=os.path.getmtime)
@@ -560,7 +559,7 @@ def device_ops_per_call(compiled, args, calls: int) -> tuple[dict, float, str]:
     tdir = tempfile.mkdtemp(prefix="kimi_ops_")      # the caller's output stays free of deep trees
     with jax.profiler.trace(tdir):
         jax.block_until_ready(compiled(*args))
-    evs = [o for o in _drop_containers(device_op_events(_find_trace_file(tdir)), module) if o.dur_us > 0]
+    evs = [o for o in _drop_containers(device_op_events(find_trace_file(tdir)), module) if o.dur_us > 0]
     per_op = defaultdict(float)
     for o in evs:
         per_op[o.kernel or o.name] += o.dur_us / calls
@@ -720,9 +719,9 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
     """Run `steps` decode steps (after `warmup`) under the JAX profiler; write report.json,
     breakdown.png and the raw trace (out_dir/trace) and return the report.
 
-    paged (default): the step generation runs (`Engine._step`: paged latent cache, absorbed MLA, on a
+    paged (default): the step generation runs (`Engine.paged_step_jit`: paged latent cache, absorbed MLA, on a
     GPU the Pallas decode kernel, one page write after all layers); otherwise the contiguous-cache
-    reference step (`Engine._decode`), which on a GPU uses the XLA attention path and rewrites the cache."""
+    reference step (`Engine.decode_jit`), which on a GPU uses the XLA attention path and rewrites the cache."""
     import jax
     import numpy as np
     from kimi_jax.engine.steps import _i32 as i32       # numpy step inputs: jit's fast path, as the engine's
@@ -731,12 +730,12 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
     ones, zeros = np.ones((batch,), np.int32), np.zeros((batch,), np.int32)
     if paged:
         cache, tok, table, sp = paged_args(engine, layout, batch, cache_len)
-        lowered = engine._step.lower(engine.state, cache, i32(tok), i32(tok), i32(table), zeros, sp,
+        lowered = engine.paged_step_jit.lower(engine.state, cache, i32(tok), i32(tok), i32(table), zeros, sp,
                                      i32(ones), n_logprobs=None, absorbed=True, fresh=False,
                                      sample_mode="greedy")
     else:
         cache, tok, _, sp, _ = decode_args(engine, layout, batch, cache_len, abstract=False)
-        lowered = engine._decode.lower(engine.state, cache, tok, tok, sp, i32(ones), n_logprobs=None,
+        lowered = engine.decode_jit.lower(engine.state, cache, tok, tok, sp, i32(ones), n_logprobs=None,
                                        sample_mode="greedy")
     # the executable that runs is the one whose HLO is parsed (compiled once, called directly)
     compiled = lowered.compile()
@@ -773,11 +772,11 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
             t0 = time.perf_counter()
             cache = step(warmup + i, cache)
             walls.append(time.perf_counter() - t0)
-    trace_file = _find_trace_file(trace_dir)
+    trace_file = find_trace_file(trace_dir)
     ms, per_step, coll_trace, nd, top = analyze_trace(trace_file, module, steps, module_name=module_name)
     busy = sum(ms.values())
-    notes = ["paged-cache decode step (Engine._step)" if paged
-             else "contiguous-cache reference step (Engine._decode)",
+    notes = ["paged-cache decode step (Engine.paged_step_jit)" if paged
+             else "contiguous-cache reference step (Engine.decode_jit)",
              "attention vs matmul split is a heuristic on the HLO instructions' Python stacks "
              "(MLA score/value einsums + softmax = attention)"]
     if jax.default_backend() == "cpu":

@@ -30,7 +30,7 @@ x D/BN output blocks' K loops end to end and cuts them into P equal shares (stre
 atomics at each block a program leaves): at T = 1 the 112 one-per-block programs of the default
 leave 20 of the H200's 132 SMs idle and split-K 2-4 gives 224-448 programs, ~1.7-3.4 per SM, uneven;
 P = 132 or 264 is even. Checked in interpret mode and compiled for sm_90 off-GPU (128 registers, no
-spills, the same cp.async pipeline as the one-block kernel); `launch/bench.py
+spills, the same cp.async pipeline as the one-block kernel); `launch/bench/int4.py
 --moe_configs=fused_stream` times it. Like split_k_down, its f32 atomics add a block's parts in
 whatever order the programs finish: y may differ in the last bits between runs (the default
 one-program-per-block kernel is deterministic).
@@ -40,7 +40,7 @@ an atomic counter make the first programs to start the gate/up work and the rest
 shares, which wait (volatile loads, then an acquire) until their token's pairs have all their h
 blocks; no launch boundary between the phases (~3 us each on the H200), no assumption on the
 hardware's block order. Interpret-mode tests and sm_90 compile off-GPU (167 registers, no spills; 90
-KB shared memory: two programs per SM). `launch/bench.py --moe_configs=chained` times it (run it on
+KB shared memory: two programs per SM). `launch/bench/int4.py --moe_configs=chained` times it (run it on
 its own: a wait that never ends would stall the run).
 `moe_decode_single` (decode='single') is the whole layer in ONE launch, the down projection split
 along F where gate/up produced h; on the H200 it was slower than the default (95-152 vs 77-80 us at

@@ -64,7 +64,7 @@ _LN2 = math.log(2.0)
 @dataclasses.dataclass(frozen=True)
 class MlaDecodeConfig:
     """Tiling. 0 means "choose from the shapes" (`resolve_config`); `ONE_PAGE_BUFFER` is the
-    baseline that launch/bench_mla.py --sweep compares against."""
+    baseline that launch/bench/mla.py --sweep compares against."""
     block_m: int = 0              # query rows (t, n) per program; power of two >= 16
     block_k: int = 0              # cached tokens per inner step; power of two >= 16 (0: 64 for
     #                               <= 16 rows at batch >= 64, else 32; see resolve_config)
@@ -432,7 +432,7 @@ def finish_items(o_BKMA, lse_BKM, work, q_lat_BTNA, q_pe_BTNR, new_BTC, position
 
 
 # One new token per row (T = 1, every plain decode step): `_one_new_token_part` instead of the general
-# einsum form. The benchmark (`launch/bench_mla.py --new_token_einsum`) turns it off to time both.
+# einsum form. The benchmark (`launch/bench/mla.py --new_token_einsum`) turns it off to time both.
 ONE_NEW_TOKEN_ELEMENTWISE = True
 
 

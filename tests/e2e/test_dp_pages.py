@@ -116,7 +116,7 @@ def test_compiled_paged_steps_move_no_pool(ckpt, name):
     for T, absorbed, fresh in [(1, True, False), (16, False, False), (16, False, True)]:
         tok = np.ones((B, T), np.int32)
         pos = np.tile(np.arange(T, dtype=np.int32) + (0 if fresh else 20), (B, 1))
-        compiled = eng._step.lower(eng.state, pages, tok, pos, table, z, sp, z, n_logprobs=None,
+        compiled = eng.paged_step_jit.lower(eng.state, pages, tok, pos, table, z, sp, z, n_logprobs=None,
                                    absorbed=absorbed, fresh=fresh).compile()
         ops = profiling.collectives_of_hlo(compiled.as_text()).ops
         big = [(o.kind, o.bytes, o.source) for o in ops if not o.trivial and o.bytes >= shard_bytes]

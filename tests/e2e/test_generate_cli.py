@@ -1,22 +1,16 @@
-"""launch/generate.py (`kimi-generate`) as a user runs it: a fresh process on the CPU."""
+"""launch/generate.py (`kimi-generate`) as a user runs it (its console-script entry point, in this
+process through the `cli` fixture; the CPU)."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+@pytest.fixture
+def _run(cli):
+    return lambda *args: cli("launch.generate", *args)
 
 
-def _run(*args, timeout=60):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    return subprocess.run([sys.executable, "-m", "launch.generate", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def test_default_prints_a_continuation():
+def test_default_prints_a_continuation(_run):
     from launch.generate import DEFAULT_PROMPT
     r = _run("--max_tokens", "8")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -24,7 +18,7 @@ def test_default_prints_a_continuation():
     assert len(r.stdout.strip()) > len(DEFAULT_PROMPT), r.stdout
 
 
-def test_prompt_prefilled_in_small_chunks_gives_the_same_text():
+def test_prompt_prefilled_in_small_chunks_gives_the_same_text(_run):
     """--prefill_chunk 4: the default prompt (more than 4 tokens) is prefilled over several steps, each
     chunk attending to the cached ones; greedy float32 text equals the one-step prefill's."""
     base = _run("--max_tokens", "8", "--temperature", "0")
@@ -33,7 +27,7 @@ def test_prompt_prefilled_in_small_chunks_gives_the_same_text():
     assert small.stdout == base.stdout and base.stdout.strip()
 
 
-def test_chat_messages_stream():
+def test_chat_messages_stream(_run):
     msgs = json.dumps([{"role": "user", "content": "What does json.dumps do?"}])
     r = _run("--messages", msgs, "--max_tokens", "8", "--temperature", "0", "--stream")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -48,11 +42,12 @@ def test_chat_messages_stream():
     ("--model", "/no/such/checkpoint"),
     ("--messages", "not json"),
     ("--prompt", "x", "--messages", "[]"),
-    ("--tensor_parallel_size", "2"),          # one CPU device here
+    ("--tensor_parallel_size", "16"),         # 8 simulated CPU devices here
+    ("--max-tokens", "many"),                 # vLLM's spelling, same flag
     ("--prefill_chunk", "0"),
     ("positional",),
 ])
-def test_bad_flags_exit_2_with_one_line(args):
+def test_bad_flags_exit_2_with_one_line(_run, args):
     r = _run(*args)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     lines = r.stderr.strip().splitlines()

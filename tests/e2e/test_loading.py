@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import tracemalloc
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,8 @@ from checkpoints.safetensors_io import CheckpointError, CheckpointReader
 from checkpoints.synthetic import write_checkpoint, write_checkpoint_from_tensors
 from kimi_jax import LLM
 from kimi_jax.config import QuantConfig, preset
-from kimi_jax.model.transformer import Transformer
+from kimi_jax.entrypoints.llm import load_model
+from kimi_jax.model.transformer import abstract_model, param_arrays
 from kimi_jax.parallel.sharding import Layout, param_shardings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,25 +49,36 @@ def ckpt(tmp_path_factory):
 
 
 def _abstract(layout: Layout, dtype=jnp.float32):
-    par = layout.moe_parallel()
-    return nnx.split(nnx.eval_shape(lambda: Transformer(CFG, dtype=dtype, rngs=nnx.Rngs(0), parallel=par)))[1]
+    return nnx.split(abstract_model(CFG, dtype, layout.moe_parallel()))[1]
+
+
+def _specs(layout: Optional[Layout]) -> dict:
+    """{parameter path: ShapeDtypeStruct} of CFG in float32, sharded under `layout` (None: no sharding)."""
+    state = _abstract(layout or Layout())
+    sh = param_shardings(layout, state) if layout else {}
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh.get(k)) for k, v in param_arrays(state).items()}
 
 
 def _load(path, layout: Layout, **kw):
-    sh = param_shardings(layout, _abstract(layout))
-    return loader.load_model(path, dtype=jnp.float32, cfg=CFG, shardings=sh,
-                             parallel=layout.moe_parallel(), **kw)[1], sh
+    return load_model(path, CFG, layout, jnp.float32, **kw), param_shardings(layout, _abstract(layout))
 
 
-def _params(model) -> dict:
-    return {tuple(str(k) for k in p): v[...] for p, v in nnx.to_flat_state(nnx.split(model)[1])}
+_params = param_arrays
 
 
 @pytest.fixture(scope="module")
 def plain(ckpt):
-    """The legacy load: every parameter read whole to host, then put on one device."""
-    _, model = loader.load_model(ckpt, dtype=jnp.float32, cfg=CFG, place=lambda path, a: jnp.asarray(a))
-    return {k: np.asarray(v) for k, v in _params(model).items()}
+    """Every parameter put together on the host from the stored tensors, by name (the layout's
+    parameter path -> canonical name mapping), cast as the model wants it (floats to float32, INT4
+    words as stored): the reference every load is compared with bit for bit."""
+    out = {}
+    with CheckpointReader(ckpt) as r:
+        for path, v in _specs(None).items():
+            arr = np.empty(v.shape, v.dtype)
+            for idx, name in layout_lib.hf_names_for(path, CFG.num_dense_layers, v.shape):
+                arr[idx] = np.asarray(r.read(name)).astype(v.dtype)
+            out[path] = arr
+    return out
 
 
 def _same_bits(a, b) -> bool:
@@ -106,8 +119,10 @@ def dp2_logits(ckpt):
 
 
 def test_default_load_streams_onto_the_first_device(ckpt, plain):
-    _, model = loader.load_model(ckpt, dtype=jnp.float32, cfg=CFG)
-    for path, arr in _params(model).items():
+    """A spec without shardings: every parameter on the first local device."""
+    got = loader.load_arrays(ckpt, _specs(None), CFG)
+    assert got.keys() == plain.keys()
+    for path, arr in got.items():
         assert arr.devices() == {jax.local_devices()[0]} and _same_bits(arr, plain[path]), path
 
 
@@ -187,9 +202,7 @@ def test_progress_bar_and_read_errors_leave_nothing_behind(ckpt, tmp_path, capsy
             f.truncate(os.path.getsize(shard) // 2)
         with pytest.raises(CheckpointError, match=r"model-00003-of-00003\.safetensors: truncated file: "
                                                   r"tensor '[^']+'"):
-            loader.load_params(reader, CFG, _abstract(DP2_TP4_EP),
-                               shardings=param_shardings(DP2_TP4_EP, _abstract(DP2_TP4_EP)),
-                               progress=True)
+            loader.load_params(reader, CFG, _specs(DP2_TP4_EP), progress=True)
     assert _live() == before                             # every array placed before the error: deleted
     assert "loading" in capsys.readouterr().err          # the tqdm bar ran
 
@@ -276,7 +289,7 @@ def orbax_tp8(ckpt, tmp_path_factory):
     """An orbax checkpoint written from a model loaded under tp=8 (8 devices)."""
     out = str(tmp_path_factory.mktemp("orbax") / "ckpt")
     model, _ = _load(ckpt, TP8)
-    meta = orbax_io.save(out, model, CFG, source=ckpt, layout_name=TP8.name)
+    meta = orbax_io.save(out, param_arrays(model), CFG.to_hf_dict(), source=ckpt, layout_name=TP8.name)
     assert meta["written_by"]["layout"] == "TP8" and meta["written_by"]["devices"] == 8
     del model
     return out
@@ -299,14 +312,14 @@ def test_orbax_checkpoint_of_another_model_is_refused(orbax_tp8, tmp_path):
     other = CFG.replace(n_routed_experts=8)
     before = _live()
     with pytest.raises(CheckpointError, match="written for another model") as e:
-        orbax_io.load_model(orbax_tp8, dtype=jnp.float32, cfg=other)
+        load_model(orbax_tp8, other, Layout(), jnp.float32)
     msg = str(e.value)
     assert "\n" not in msg and os.path.join(orbax_tp8, "state") in msg
     assert "parameter 'moe_layers.mlp." in msg and "[2, 16," in msg and "[2, 8," in msg
     assert _live() == before
     # same shapes, a field that changes the math: named
     with pytest.raises(CheckpointError, match="config field 'rope_theta' is 10000.0 in the checkpoint"):
-        orbax_io.load_model(orbax_tp8, dtype=jnp.float32, cfg=CFG.replace(rope_theta=50000.0))
+        load_model(orbax_tp8, CFG.replace(rope_theta=50000.0), Layout(), jnp.float32)
     # LLM(dir) with a config.json for another model
     path = str(tmp_path / "swapped")
     shutil.copytree(orbax_tp8, path)

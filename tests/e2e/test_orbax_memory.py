@@ -47,7 +47,17 @@ CFG = preset("tiny")
 FIXED = 96 * MB
 
 
-_flat, _nest = orbax_io._flat, orbax_io._nest     # the module's own tree helpers
+HF = CFG.to_hf_dict()
+
+
+def _flat(tree):
+    """(parameter path, array) pairs of a nested or flat dict of arrays."""
+    return orbax_io.flat_arrays(tree).items()
+
+
+def _nest(pairs) -> dict:
+    from flax import traverse_util
+    return traverse_util.unflatten_dict(dict(pairs))
 
 
 def _host_arrays(layers: int, width: int, seed: int = 7) -> dict:
@@ -94,8 +104,9 @@ def _restore_layouts(devices) -> dict:
     }
 
 
-def _abstract(host: dict) -> dict:
-    return _nest((k, jax.ShapeDtypeStruct(v.shape, v.dtype)) for k, v in _flat(host))
+def _abstract(host: dict, shardings=None) -> dict:
+    """The restore spec of `host`: {parameter path: ShapeDtypeStruct on its sharding}."""
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=(shardings or {}).get(k)) for k, v in _flat(host)}
 
 
 class _Recorder:
@@ -141,7 +152,7 @@ def test_split_parameters_restore_bit_for_bit_onto_other_shardings(tmp_path, mon
     monkeypatch.setattr(orbax_io, "_checkpointer", rec)
     out = str(tmp_path / "ck")
     chunk = 1 * MB
-    meta = orbax_io.save(out, model, CFG, chunk_bytes=chunk)
+    meta = orbax_io.save(out, model, HF, chunk_bytes=chunk)
     assert meta["version"] == 2 and meta["chunk_bytes"] == chunk
     n_parts = len(meta["parts"])
     assert n_parts == len(rec.saves) and n_parts >= 16 and max(rec.saves) <= chunk
@@ -150,7 +161,7 @@ def test_split_parameters_restore_bit_for_bit_onto_other_shardings(tmp_path, mon
     assert sorted(os.listdir(os.path.join(out, "state"))) == [p["dir"] for p in meta["parts"]]
     for name, shardings in _restore_layouts(devices).items():
         rec.restores.clear()
-        got = orbax_io.restore_params(out, CFG, _abstract(host), shardings)
+        got = orbax_io.restore_params(out, HF, _abstract(host, shardings))
         assert len(rec.restores) == n_parts and max(rec.restores) <= chunk, name
         for k, v in _flat(got):
             ref = host[k[0]] if len(k) == 1 else host[k[0]][k[1]]
@@ -161,48 +172,48 @@ def test_split_parameters_restore_bit_for_bit_onto_other_shardings(tmp_path, mon
     mesh = Mesh(np.asarray(devices), ("x",))
     repl = _put(host, {k: NamedSharding(mesh, P()) for k, _ in _flat(host)})
     out2 = str(tmp_path / "ck2")
-    meta2 = orbax_io.save(out2, repl, CFG, chunk_bytes=chunk)
+    meta2 = orbax_io.save(out2, repl, HF, chunk_bytes=chunk)
     assert {tuple(e["shape"]) for p in meta2["parts"] for e in p["entries"] if e["param"] == "moe.experts"} == {(1, 4, 64, 1024)}
     fits = []
     real_fits = orbax_io._fits
     monkeypatch.setattr(orbax_io, "_fits", lambda *a, **k: fits.append(real_fits(*a, **k)) or fits[-1])
     shardings = _restore_layouts(devices)["experts_ab"]
-    got = orbax_io.restore_params(out2, CFG, _abstract(host), shardings)
+    got = orbax_io.restore_params(out2, HF, _abstract(host, shardings))
     assert False in fits
     for k, v in _flat(got):
         assert v.sharding == shardings[k] and _same_bits(v, host[k[0]] if len(k) == 1 else host[k[0]][k[1]]), k
     # floating parameters may come back in another float dtype (orbax casts), split ones included
-    abstract = _abstract(host)
-    abstract["embed"] = jax.ShapeDtypeStruct(host["embed"].shape, jnp.bfloat16)
-    got = orbax_io.restore_params(out, CFG, abstract, _restore_layouts(devices)["experts_x_width"])
-    assert got["embed"].dtype == jnp.bfloat16
-    assert np.array_equal(np.asarray(got["embed"]), np.asarray(jnp.asarray(host["embed"]).astype(jnp.bfloat16)))
+    shardings = _restore_layouts(devices)["experts_x_width"]
+    abstract = _abstract(host, shardings)
+    abstract[("embed",)] = jax.ShapeDtypeStruct(host["embed"].shape, jnp.bfloat16, sharding=shardings[("embed",)])
+    got = orbax_io.restore_params(out, HF, abstract)
+    assert got[("embed",)].dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(got[("embed",)]),
+                          np.asarray(jnp.asarray(host["embed"]).astype(jnp.bfloat16)))
 
 
 def test_model_written_under_tp8_with_small_chunks_loads_onto_dp2_tp4_ep(tmp_path):
     """The engine's own model (nnx, stacked layers) through save / load_model with entries everywhere."""
     from flax import nnx
 
-    from kimi_jax.model.transformer import Transformer
+    from kimi_jax.entrypoints.llm import load_model
+    from kimi_jax.model.transformer import Transformer, abstract_model, param_arrays
     from kimi_jax.parallel.sharding import Layout, param_shardings
 
-    def build(layout):
-        par = layout.moe_parallel()
-        abstract = nnx.eval_shape(lambda: Transformer(CFG, dtype=jnp.float32, rngs=nnx.Rngs(0), parallel=par))
-        sh = param_shardings(layout, nnx.split(abstract)[1])
-        return sh, par
+    def shardings(layout):
+        return param_shardings(layout, nnx.split(abstract_model(CFG, jnp.float32, layout.moe_parallel()))[1])
 
-    sh8, par8 = build(Layout(8))
-    model = Transformer(CFG, dtype=jnp.float32, rngs=nnx.Rngs(3), parallel=par8)
-    state = nnx.to_pure_dict(nnx.split(model)[1])
-    state = _nest((k, jax.device_put(v, sh8[k])) for k, v in _flat(state))
+    tp8 = Layout(8)
+    sh8 = shardings(tp8)
+    model = Transformer(CFG, dtype=jnp.float32, rngs=nnx.Rngs(3), parallel=tp8.moe_parallel())
+    state = {k: jax.device_put(v, sh8[k]) for k, v in param_arrays(model).items()}
     out = str(tmp_path / "m")
-    meta = orbax_io.save(out, state, CFG, layout_name="TP8", chunk_bytes=16 << 10)
+    meta = orbax_io.save(out, state, HF, layout_name="TP8", chunk_bytes=16 << 10)
     assert sum(len(p["entries"]) for p in meta["parts"]) > len(meta["params"])   # some were split
-    sh, par = build(Layout(4, 2, True))
-    _, back = orbax_io.load_model(out, dtype=jnp.float32, cfg=CFG, shardings=sh, parallel=par)
-    got = dict(_flat(nnx.to_pure_dict(nnx.split(back)[1])))
-    for k, v in _flat(state):
+    dp2 = Layout(4, 2, True)
+    sh = shardings(dp2)
+    got = param_arrays(load_model(out, CFG, dp2, jnp.float32))
+    for k, v in state.items():
         assert got[k].sharding == sh[k] and _same_bits(got[k], v), k
 
 
@@ -212,7 +223,7 @@ def test_version_1_checkpoint_still_restores_and_unknown_version_is_refused(tmp_
     host = _host_arrays(2, 256)
     model = _put(host, _save_shardings(devices))
     v2 = str(tmp_path / "v2")
-    meta = orbax_io.save(v2, model, CFG, chunk_bytes=64 << 10)
+    meta = orbax_io.save(v2, model, HF, chunk_bytes=64 << 10)
     # the version 1 layout: state/ is one orbax PyTree of whole arrays, no parts in the json
     v1 = str(tmp_path / "v1")
     os.makedirs(v1)
@@ -223,7 +234,7 @@ def test_version_1_checkpoint_still_restores_and_unknown_version_is_refused(tmp_
     with open(os.path.join(v1, orbax_io.META_FILE), "w") as f:
         json.dump({**old, "version": 1}, f)
     shardings = _restore_layouts(devices)["experts_x_width"]
-    got = orbax_io.restore_params(v1, CFG, _abstract(host), shardings)
+    got = orbax_io.restore_params(v1, HF, _abstract(host, shardings))
     for k, v in _flat(got):
         assert _same_bits(v, host[k[0]] if len(k) == 1 else host[k[0]][k[1]]), k
     # a version this code does not know: one line naming the file
@@ -231,12 +242,12 @@ def test_version_1_checkpoint_still_restores_and_unknown_version_is_refused(tmp_
         json.dump({**old, "version": 3}, f)
     with pytest.raises(CheckpointError, match=re.escape(os.path.join(v1, orbax_io.META_FILE)) +
                        ": metadata version 3, this kimi_jax reads versions 1, 2") as e:
-        orbax_io.restore_params(v1, CFG, _abstract(host), shardings)
+        orbax_io.restore_params(v1, HF, _abstract(host, shardings))
     assert "\n" not in str(e.value)
     # a part gone: named, before anything is restored
     shutil.rmtree(os.path.join(v2, "state", meta["parts"][3]["dir"]))
     with pytest.raises(CheckpointError, match=re.escape(os.path.join(v2, "state", meta["parts"][3]["dir"]))):
-        orbax_io.restore_params(v2, CFG, _abstract(host), shardings)
+        orbax_io.restore_params(v2, HF, _abstract(host, shardings))
 
 
 # ---- peak host memory, in a fresh process ----------------------------------------------------------
@@ -252,10 +263,10 @@ def _child(mode: str, path: str, chunk: int) -> None:
     devices = jax.devices()
     warm = {"w": jax.device_put(np.arange(1 << 16, dtype=np.float32).reshape(64, 1024),
                                 NamedSharding(Mesh(np.asarray(devices), ("x",)), P(None, "x")))}
-    orbax_io.save(path + "_warm", warm, CFG, chunk_bytes=16 << 10)
+    orbax_io.save(path + "_warm", warm, HF, chunk_bytes=16 << 10)
     mesh24 = Mesh(np.asarray(devices).reshape(2, 4), ("a", "b"))
-    orbax_io.restore_params(path + "_warm", CFG, _abstract({"w": np.asarray(warm["w"])}),
-                            {("w",): NamedSharding(mesh24, P("b", "a"))})
+    orbax_io.restore_params(path + "_warm", HF, _abstract({"w": np.asarray(warm["w"])},
+                                                         {("w",): NamedSharding(mesh24, P("b", "a"))}))
     shutil.rmtree(path + "_warm")
     host = _host_arrays(8, 8192)                        # experts 256 MB, model 272 MB
     model_bytes = sum(v.nbytes for _, v in _flat(host))
@@ -268,11 +279,11 @@ def _child(mode: str, path: str, chunk: int) -> None:
         f.write("5")
     base = _rss("VmRSS")
     if mode == "save":
-        orbax_io.save(path, model, CFG, chunk_bytes=chunk)
+        orbax_io.save(path, model, HF, chunk_bytes=chunk)
         ok = True
     else:
         shardings = _restore_layouts(devices)["experts_x_width"]
-        got = orbax_io.restore_params(path, CFG, _abstract(host), shardings)
+        got = orbax_io.restore_params(path, HF, _abstract(host, shardings))
         jax.block_until_ready(got)
     peak = _rss("VmHWM") - base
     if mode != "save":

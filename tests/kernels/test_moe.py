@@ -153,7 +153,7 @@ def _logits_layer_by_layer(model, tokens, pos):
 
 
 def test_pin_routing_pins_the_experts():
-    """check_chunking --fixed_routing's control (kimi_jax.model.moe.pin_routing): afterwards a router picks
+    """The fixed-routing control (kimi_jax.model.moe.pin_routing): afterwards a router picks
     experts 0..K-1 for any input (before, random inputs pick others; 384 experts as Kimi), while its
     weights still depend on the input."""
     import jax

@@ -14,7 +14,7 @@ an element a kernel forgets to write stays NaN and fails the finite + allclose c
 
 Interpret mode cannot run the inline-PTX dequantizer; it runs the bit-identical 'f32' one. The
 'asm' path is covered here by lowering every kernel to Triton IR for CUDA (no GPU needed) and on the
-H200 by `python -m launch.bench --suite=int4` (section "check").
+H200 by `kimi-bench int4` (section "check").
 """
 import zlib
 

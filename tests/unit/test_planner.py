@@ -16,7 +16,7 @@ from kimi_jax.tools import hardware
 from kimi_jax.tools import planner
 from kimi_jax.config import ModelConfig, QuantConfig, preset
 from kimi_jax.tools.hardware import CollectiveModel, Hardware
-from kimi_jax.model.transformer import Transformer
+from kimi_jax.model.transformer import abstract_model
 from kimi_jax.parallel.sharding import Layout, per_device_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -196,7 +196,7 @@ def test_expected_touched_experts():
 
 
 # ---- the rules against compiled programs on the GPU ----------------------------------------------------
-# Counted from the compiled decode step (launch/bench_engine.py, contiguous-cache reference step) on
+# Counted from the compiled decode step (launch/bench/engine.py, contiguous-cache reference step) on
 # 2 x H200, jax 0.11.2, 2026-11-29 (third session; BENCHMARKS.md "Two H200s"): a Kimi-K2.5 slice of 3
 # layers (1 dense + 2 MoE, 384 experts), batch 2 and 64 gave the same counts.
 H200_RECORDED_3L = {
@@ -228,7 +228,7 @@ KIMI_LAYOUTS = [Layout(1), Layout(8), Layout(8, 1, True), Layout(1, 8, True), La
 
 def test_param_bytes_match_sharding_for_kimi_k25():
     cfg = preset("kimi-k2.5")
-    abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))[1]
+    abstract = nnx.split(abstract_model(cfg, jnp.bfloat16))[1]
     for layout in KIMI_LAYOUTS:
         assert sum(planner.param_bytes(cfg, layout).values()) == per_device_bytes(layout, abstract), layout.name
 
@@ -243,7 +243,7 @@ def test_param_bytes_match_sharding_small(variant):
         cfg = cfg.replace(quantization=QuantConfig(group_size=8))
         layouts = [Layout(3), Layout(1, 3, True), Layout(2, 2, True)]
     assert planner.param_bytes_from_model(cfg, Layout(1)) == sum(planner.param_bytes(cfg, Layout(1)).values())
-    abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))[1]
+    abstract = nnx.split(abstract_model(cfg, jnp.bfloat16))[1]
     for layout in layouts:
         assert sum(planner.param_bytes(cfg, layout).values()) == per_device_bytes(layout, abstract), layout.name
 
@@ -310,7 +310,7 @@ def test_presets_say_where_numbers_come_from():
         hardware.preset("tpu-v9")
 
 
-# Device time per paged decode step (the serving step, Engine._step) measured on H200s (jax 0.11.2,
+# Device time per paged decode step (the serving step, Engine.paged_step_jit) measured on H200s (jax 0.11.2,
 # BENCHMARKS.md "the paged serving step"): a Kimi-K2.5 slice of 3 layers (1 dense + 2 MoE, 384
 # experts), context 1024, distinct tokens per row; one GPU 2026-11-29, two GPUs 2026-11-30 (fifth
 # session). (layout, batch, device ms)

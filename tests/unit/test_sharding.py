@@ -11,7 +11,7 @@ from flax import nnx
 from checkpoints.synthetic import write_checkpoint
 from kimi_jax import LLM, SamplingParams
 from kimi_jax.config import QuantConfig, preset
-from kimi_jax.model.transformer import Transformer
+from kimi_jax.model.transformer import abstract_model
 from kimi_jax.parallel.sharding import Layout, LayoutError, check_fits, per_device_bytes
 
 # 8 heads and 16 experts so that tp=8 splits heads and EP over 8 devices gives 2 experts each
@@ -67,7 +67,7 @@ def test_indivisible_heads_are_refused():
 
 
 def test_layout_that_does_not_fit_is_refused_with_numbers():
-    abstract = nnx.split(nnx.eval_shape(lambda: Transformer(CFG, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))[1]
+    abstract = nnx.split(abstract_model(CFG, jnp.bfloat16))[1]
     need = per_device_bytes(Layout(8), abstract)
     with pytest.raises(LayoutError, match=r"needs .* GiB per device .* but a device has"):
         check_fits(Layout(8), abstract, capacity=need - 1)
@@ -95,7 +95,7 @@ def kimi_bytes_by_hand(tp: int, ep_ways: int) -> int:
 
 def test_kimi_k25_per_device_bytes():
     cfg = preset("kimi-k2.5")
-    abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))[1]
+    abstract = nnx.split(abstract_model(cfg, jnp.bfloat16))[1]
     for layout, tp, ep in [(Layout(8), 8, 1), (Layout(8, 1, True), 8, 8), (Layout(1, 8, True), 1, 8),
                            (Layout(4, 2, True), 4, 8)]:
         assert per_device_bytes(layout, abstract) == kimi_bytes_by_hand(tp, ep), layout.name

@@ -1,5 +1,8 @@
-"""Throughput case of launch/bench.py (`--suite=throughput`): N prompts with a length distribution
-through the continuous-batching engine, at several max batch sizes.
+"""kimi-bench throughput: N prompts with a length distribution through the continuous-batching
+engine, at several max batch sizes.
+  kimi-bench throughput --model=kimi-k2.5 --num_layers=3 --batches=1,16,64,256 --out=$OUT/throughput
+  kimi-bench throughput --model=tiny --num_layers=2 --dtype=float32 --batches=2 --gen_tokens=3   # CPU
+
 
 For each batch size B: N = max(2B, 8) requests with prompt lengths drawn from a log-uniform
 distribution over [--min_prompt, --max_prompt] and --gen_tokens output tokens each (ignore_eos, so
@@ -18,9 +21,13 @@ schedulers can be compared token by token (`agreement`).
 """
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import numpy as np
+
+PROG = "kimi-bench throughput"
 
 
 def random_prompts(seed: int, n: int, min_prompt: int, max_prompt: int, vocab: int):
@@ -107,3 +114,92 @@ def format_rows(rows) -> str:
                    f"{r['wall_s']:7.2f} {r['tok_s']:9.1f} {r['step_ms']:8.2f} {r['steps']:6d} "
                    f"{r['ttft_p50_ms']:8.1f}/{r['ttft_max_ms']:8.1f} {r['tpot_p50_ms']:8.2f}/{r['tpot_max_ms']:8.2f}")
     return "\n".join(out)
+
+
+# ---- the command line ---------------------------------------------------------------------------------
+def define_flags() -> None:
+    from absl import flags
+    if "mla_kernels" in flags.FLAGS:
+        return
+    flags.DEFINE_string("model", None, "checkpoint dir or preset (default: the demo model)")
+    flags.DEFINE_integer("num_layers", None, "with a preset --model: a slice of this many layers (random weights "
+                         "of the true geometry)")
+    flags.DEFINE_list("batches", ["1", "16", "64", "256"], "max batch sizes")
+    flags.DEFINE_integer("gen_tokens", 32, "output tokens per request")
+    flags.DEFINE_string("dtype", "bfloat16", "compute dtype")
+    flags.DEFINE_integer("max_model_len", None, "LLM max_model_len")
+    flags.DEFINE_integer("num_pages", None, "LLM num_pages (default: from free memory)")
+    flags.DEFINE_list("mla_kernels", ["auto"], "paged MLA decode kernels to run the same workload under (auto, "
+                      "triton, mgpu; kimi_jax.ops.use_mla_decode_kernel); later ones are compared token by token "
+                      "with the first")
+    flags.DEFINE_integer("min_prompt", 16, "shortest prompt (log-uniform lengths)")
+    flags.DEFINE_integer("max_prompt", 256, "longest prompt")
+    flags.DEFINE_bool("overlap", True, "overlap scheduling (LLM overlap_scheduling: decode step N+1 dispatched "
+                      "before step N's tokens are read); --nooverlap for the synchronous scheduler")
+    flags.DEFINE_list("prefill_chunks", [], "run the workload at each of these prefill_chunk values "
+                      "(default: LLM's)")
+    flags.DEFINE_bool("overlap_compare", False, "run every batch size with overlap scheduling on and off on one "
+                      "model (shared weights and compiled programs) and compare their greedy outputs")
+    flags.DEFINE_string("out", os.path.join(os.environ.get("OUT", "out"), "bench_throughput"),
+                        "directory for results.jsonl")
+
+
+def main(argv):
+    del argv
+    from absl import flags
+    from kimi_jax import ops
+    from launch import common
+    FLAGS = flags.FLAGS
+    common.setup()
+    model = FLAGS.model
+    if FLAGS.num_layers:
+        from kimi_jax.config import preset
+        model = preset(model).replace(num_hidden_layers=FLAGS.num_layers)
+    os.makedirs(FLAGS.out, exist_ok=True)
+    first = None
+    for kernel in FLAGS.mla_kernels:
+        with ops.use_mla_decode_kernel(None if kernel == "auto" else kernel):
+            rows = throughput_rows(model, [int(b) for b in FLAGS.batches], gen_tokens=FLAGS.gen_tokens,
+                                   dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len, num_pages=FLAGS.num_pages,
+                                   overlaps=(True, False) if FLAGS.overlap_compare else (FLAGS.overlap,),
+                                   min_prompt=FLAGS.min_prompt, max_prompt=FLAGS.max_prompt,
+                                   prefill_chunks=tuple(int(c) for c in FLAGS.prefill_chunks) or (None,))
+        # the scheduler must not change what is generated: overlap on vs off, row pairs of one batch size
+        sched = [(on["batch"], agreement(on["outputs"], off["outputs"]))
+                 for on, off in zip(rows[0::2], rows[1::2])] if FLAGS.overlap_compare else []
+        # ... nor the prefill chunk size: each row against the first chunk size's row of its batch / overlap
+        base: dict = {}
+        for r in rows:
+            base.setdefault((r["batch"], r["overlap"]), r)
+        chunked = [(r, agreement(base[(r["batch"], r["overlap"])]["outputs"], r["outputs"])) for r in rows
+                   if base[(r["batch"], r["overlap"])] is not r]
+        for i, r in enumerate(rows):
+            outputs = r.pop("outputs")
+            if first is None:
+                r["outputs"] = outputs
+            else:
+                r["agreement"] = agreement(first[i]["outputs"], outputs)
+            with open(os.path.join(FLAGS.out, "results.jsonl"), "a") as f:
+                f.write(json.dumps(dict(suite="throughput", mla_kernel=kernel,
+                                        **{k: v for k, v in r.items() if k != "outputs"}), default=str) + "\n")
+        print(f"mla kernel: {kernel}")
+        print(format_rows(rows))
+        for r in rows:
+            if "agreement" in r:
+                print(f"  batch {r['batch']} overlap {r['overlap']} vs {FLAGS.mla_kernels[0]}: {r['agreement']}")
+        for batch, a in sched:
+            print(f"  batch {batch} overlap on vs off: {a}")
+        for r, a in chunked:
+            print(f"  batch {r['batch']} overlap {r['overlap']} prefill_chunk {r['prefill_chunk']} vs "
+                  f"{base[(r['batch'], r['overlap'])]['prefill_chunk']}: {a}")
+        first = first or rows
+
+
+def run(argv=None) -> None:
+    from launch import common
+    define_flags()
+    common.run(main, PROG, __name__, __doc__, argv=argv)
+
+
+if __name__ == "__main__":
+    run()

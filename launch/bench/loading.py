@@ -1,8 +1,8 @@
-r"""Loading benchmark (issue 7 acceptance): the streamed loader against the raw read speed of the same
+r"""kimi-bench loading: the streamed loader against the raw read speed of the same
 files, in one run; peak host memory; orbax save and restore of the same model.
 
-  python -m launch.make_synthetic --preset kimi-k2.5 --num_layers 2 --vocab_size 32768 --out /tmp/k25
-  python -m launch.load_bench --model /tmp/k25 --orbax_dir /tmp/k25-orbax --report out/loading_bench.md
+  kimi-make-synthetic --model kimi-k2.5 --num-layers 2 --vocab-size 32768 --out /tmp/k25
+  kimi-bench loading --model /tmp/k25 --orbax-dir /tmp/k25-orbax --report out/loading_bench.md
 
 Rounds of: drop the page cache (root only; otherwise reported as warm), raw read of every safetensors
 file (positioned 64 MB reads into reused buffers by --workers threads: the disk's ceiling for this
@@ -23,7 +23,7 @@ import re
 import shutil
 import time
 
-from absl import app, flags
+from absl import flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "safetensors checkpoint directory", required=True)
@@ -151,10 +151,13 @@ def main(argv):
         os.environ["JAX_PLATFORMS"] = FLAGS.platform
     import jax
     import jax.numpy as jnp
-    from flax import nnx
 
     from checkpoints import loader, orbax_io
     from checkpoints.safetensors_io import CheckpointReader
+    from kimi_jax.config import ModelConfig
+    from kimi_jax.entrypoints.llm import load_model
+    from kimi_jax.model.transformer import param_arrays
+    from kimi_jax.parallel.sharding import Layout
 
     res: dict = {"date": datetime.date.today().isoformat(), "model": FLAGS.model,
                  "jax": jax.__version__, "device": str(jax.devices()[0]), "cpus": os.cpu_count(),
@@ -184,10 +187,11 @@ def main(argv):
         base = _status("VmRSS")
         stats = loader.LoadStats()
         t0 = time.perf_counter()
-        cfg, net = loader.load_model(FLAGS.model, dtype=jnp.bfloat16, stats=stats, **kw)
-        jax.block_until_ready(nnx.state(net))
+        cfg = ModelConfig.from_pretrained(FLAGS.model)
+        net = param_arrays(load_model(FLAGS.model, cfg, Layout(), jnp.bfloat16, check=False, stats=stats, **kw))
+        jax.block_until_ready(net)
         dt = time.perf_counter() - t0
-        model_bytes = sum(v[...].nbytes for _, v in nnx.to_flat_state(nnx.state(net)))
+        model_bytes = sum(v.nbytes for v in net.values())
         peak = _status("VmHWM")
         on_host = jax.devices()[0].platform == "cpu"     # only CPU "device" arrays live in host memory
         row.update(load_s=dt, load_read_s=stats.seconds, load_bytes=stats.bytes_read,
@@ -214,7 +218,7 @@ def main(argv):
         _reset_peak()
         base = _status("VmRSS")
         t0 = time.perf_counter()
-        meta = orbax_io.save(out, net, cfg, source=None if FLAGS.delete_source else FLAGS.model)
+        meta = orbax_io.save(out, net, cfg.to_hf_dict(), source=None if FLAGS.delete_source else FLAGS.model)
         os.sync()
         dt = time.perf_counter() - t0
         res["orbax_save"] = dict(seconds=dt, bytes=meta["bytes"], gbps=meta["bytes"] / 1e9 / dt,
@@ -229,8 +233,8 @@ def main(argv):
         base = _status("VmRSS")
         stats = loader.LoadStats()
         t0 = time.perf_counter()
-        _, net = loader.load_model(out, dtype=jnp.bfloat16, stats=stats)
-        jax.block_until_ready(nnx.state(net))
+        net = param_arrays(load_model(out, cfg, Layout(), jnp.bfloat16, check=False, stats=stats))
+        jax.block_until_ready(net)
         dt = time.perf_counter() - t0
         res["orbax_restore"] = dict(seconds=dt, bytes=stats.bytes_read, gbps=stats.bytes_read / 1e9 / dt,
                                     rss_peak=_status("VmHWM"), rss_base=base, cache=cache)
@@ -247,8 +251,9 @@ def main(argv):
     print(json.dumps(res, indent=1))
 
 
-def run():
-    app.run(main)
+def run(argv=None) -> None:
+    from launch import common
+    common.run(main, "kimi-bench loading", __name__, __doc__, argv=argv, common=False)
 
 
 if __name__ == "__main__":

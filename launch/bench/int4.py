@@ -1,8 +1,8 @@
-"""Benchmarks. `python -m launch.bench --suite=int4` runs the INT4 kernel acceptance table (issue 3);
-`--suite=throughput` the continuous-batching throughput case (launch/bench_throughput.py);
-launch/bench_engine.py the per-layout decode step on a Kimi slice.
+"""kimi-bench int4: the INT4 kernel acceptance table (one GPU run).
+  kimi-bench int4 --out=$OUT/int4                         # one H200
+  kimi-bench int4 --dry --sections=moe --out=/tmp/int4    # tiny shapes on CPU (the script itself)
 
-Suite int4 (one GPU run): device/versions, copy and matmul ceilings, GPU correctness of the kernels
+Sections: device/versions, copy and matmul ceilings, GPU correctness of the kernels
 against float32 references, the dense INT4 matmul sweep and the MoE layer sweep with baselines
 (XLA bf16 matmul, XLA dequant path, jax.lax.ragged_dot bf16, torch._weight_int4pack_mm, cuBLAS bf16).
 
@@ -29,7 +29,6 @@ import traceback  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("suite", "int4", "benchmark suite")
 flags.DEFINE_string("out", os.environ.get("OUT", "out/bench"), "directory for detailed results")
 flags.DEFINE_list("sections", ["info", "ceil", "check", "moe", "dense"], "sections to run")
 flags.DEFINE_integer("num_mats", 64, "distinct weight matrices rotated over (dense)")
@@ -48,37 +47,18 @@ flags.DEFINE_list("batches", ["1", "16", "64", "256"], "MoE token counts")
 flags.DEFINE_string("dense_configs", "default", "name of a config list in DENSE_SWEEPS")
 flags.DEFINE_string("moe_configs", "default", "name of a config list in MOE_SWEEPS")
 flags.DEFINE_bool("baselines", True, "time the baselines too")
-flags.DEFINE_list("sweep_layouts", ["i32"], "int4 suite: weight layouts every swept config is timed in (the "
-                  "default config always in both): i32 = compressed-tensors' words as loaded, what the engine "
-                  "serves; i16 = repacked half-words (up to the sixth session the swept configs ran in i16 only)")
+flags.DEFINE_list("sweep_layouts", ["i32"], "weight layouts every swept config is timed in (the default config "
+                  "always in both): i32 = compressed-tensors' words as loaded, what the engine serves; i16 = "
+                  "repacked half-words")
 flags.DEFINE_list("check_tokens", ["1", "3", "7", "33"], "check section: MoE token counts every swept config is "
                   "checked at (random and all-on-one-expert routing each); fewer makes a wide sweep's check cheaper")
-flags.DEFINE_bool("dense_profile", False, "int4 suite, dense section: also profile every timed config (i32): "
-                  "device us per op and the span per call (at 8-17 MB per call the wall clock spread up to 70 percent "
-                  "between runs in the thirteenth session)")
-flags.DEFINE_bool("moe_profile", False, "int4 suite, moe section: also profile every timed config (i32) at each "
+flags.DEFINE_bool("dense_profile", False, "dense section: also profile every timed config (i32): device us per op "
+                  "and the span per call (at 8-17 MB per call the wall clock can spread by tens of percent between "
+                  "runs)")
+flags.DEFINE_bool("moe_profile", False, "moe section: also profile every timed config (i32) at each "
                   "T: device time per op and the gaps between them (kimi_jax.tools.profiling.device_ops_per_call)")
 flags.DEFINE_bool("dry", False, "tiny shapes (CPU dry run of the script itself)")
 flags.DEFINE_float("budget_s", 420.0, "stop starting new sections after this many seconds")
-flags.DEFINE_string("model", None, "throughput suite: checkpoint dir or preset (default: the demo model)")
-flags.DEFINE_list("tp_batches", ["1", "16", "64", "256"], "throughput suite: max batch sizes")
-flags.DEFINE_integer("gen_tokens", 32, "throughput suite: output tokens per request")
-flags.DEFINE_string("dtype", "bfloat16", "throughput suite: compute dtype")
-flags.DEFINE_integer("num_layers", None, "throughput/spec suites: with a preset --model, a slice of this many "
-                     "layers (random weights of the true geometry)")
-flags.DEFINE_integer("max_model_len", None, "throughput suite: LLM max_model_len")
-flags.DEFINE_integer("num_pages", None, "throughput suite: LLM num_pages (default: from free memory)")
-flags.DEFINE_list("mla_kernels", ["auto"], "throughput suite: paged MLA decode kernels to run the same workload "
-                  "under (auto, triton, mgpu; kimi_jax.ops.use_mla_decode_kernel); later ones are compared token "
-                  "by token with the first")
-flags.DEFINE_integer("min_prompt", 16, "throughput suite: shortest prompt (log-uniform lengths)")
-flags.DEFINE_integer("max_prompt", 256, "throughput suite: longest prompt")
-flags.DEFINE_bool("overlap", True, "throughput suite: overlap scheduling (LLM overlap_scheduling: decode step "
-                  "N+1 dispatched before step N's tokens are read); --nooverlap for the synchronous scheduler")
-flags.DEFINE_list("tp_prefill_chunks", [], "throughput suite: run the workload at each of these prefill_chunk "
-                  "values (default: LLM's)")
-flags.DEFINE_bool("overlap_compare", False, "throughput suite: run every batch size with overlap scheduling on and "
-                  "off on one model (shared weights and compiled programs) and compare their greedy outputs")
 
 RESULTS: list[dict] = []
 _T0 = time.time()
@@ -1143,7 +1123,7 @@ def run_int4():
                 "dense": section_dense, "moe": section_moe}
     if "ceil" not in FLAGS.sections and not FLAGS.dry:
         CEIL.update(RUN2_CEIL)
-        log("ceil not run: using run 2's ceilings", RUN2_CEIL)
+        log("ceil not run: using the H200 ceilings measured earlier", RUN2_CEIL)
     for name in FLAGS.sections:
         if time.time() - _T0 > FLAGS.budget_s and name not in ("info",):
             log("budget exhausted; skipping section", name)
@@ -1160,71 +1140,19 @@ def run_int4():
 
 def main(argv):
     del argv
-    if FLAGS.suite == "int4":
-        bad = [v for v in FLAGS.sweep_layouts if v not in ("i16", "i32")]
-        if bad:
-            raise app.UsageError(f"--sweep_layouts: {bad[0]!r} is not i16 or i32")
-        if FLAGS.moe_experts < KIMI_TOPK:
-            raise app.UsageError(f"--moe_experts={FLAGS.moe_experts}: fewer routed experts than top-{KIMI_TOPK}")
-        if not 0 <= FLAGS.moe_held_pairs <= KIMI_TOPK:
-            raise app.UsageError(f"--moe_held_pairs={FLAGS.moe_held_pairs}: not between 0 (all) and {KIMI_TOPK}")
-        run_int4()
-    elif FLAGS.suite == "throughput":
-        from launch.bench_throughput import agreement, format_rows, throughput_rows
-        model = FLAGS.model
-        if FLAGS.num_layers:
-            from kimi_jax.config import preset
-            model = preset(model).replace(num_hidden_layers=FLAGS.num_layers)
-        from kimi_jax import ops
-        first = None
-        for kernel in FLAGS.mla_kernels:
-            with ops.use_mla_decode_kernel(None if kernel == "auto" else kernel):
-                rows = throughput_rows(model, [int(b) for b in FLAGS.tp_batches], gen_tokens=FLAGS.gen_tokens,
-                                       dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len,
-                                       num_pages=FLAGS.num_pages,
-                                       overlaps=(True, False) if FLAGS.overlap_compare else (FLAGS.overlap,),
-                                       min_prompt=FLAGS.min_prompt, max_prompt=FLAGS.max_prompt,
-                                       prefill_chunks=tuple(int(c) for c in FLAGS.tp_prefill_chunks) or (None,))
-            # the scheduler must not change what is generated: overlap on vs off, row pairs of one batch size
-            sched = [(on["batch"], agreement(on["outputs"], off["outputs"]))
-                     for on, off in zip(rows[0::2], rows[1::2])] if FLAGS.overlap_compare else []
-            # ... nor the prefill chunk size: each row against the first chunk size's row of its batch / overlap
-            base = {}
-            for r in rows:
-                base.setdefault((r["batch"], r["overlap"]), r)
-            chunked = [(r, agreement(base[(r["batch"], r["overlap"])]["outputs"], r["outputs"])) for r in rows
-                       if base[(r["batch"], r["overlap"])] is not r]
-            for i, r in enumerate(rows):
-                outputs = r.pop("outputs")
-                if first is None:
-                    r["outputs"] = outputs
-                else:
-                    r["agreement"] = agreement(first[i]["outputs"], outputs)
-                record(suite="throughput", mla_kernel=kernel, **{k: v for k, v in r.items() if k != "outputs"})
-            print(f"mla kernel: {kernel}")
-            print(format_rows(rows))
-            for r in rows:
-                if "agreement" in r:
-                    print(f"  batch {r['batch']} overlap {r['overlap']} vs {FLAGS.mla_kernels[0]}: {r['agreement']}")
-            for batch, a in sched:
-                print(f"  batch {batch} overlap on vs off: {a}")
-            for r, a in chunked:
-                print(f"  batch {r['batch']} overlap {r['overlap']} prefill_chunk {r['prefill_chunk']} vs "
-                      f"{base[(r['batch'], r['overlap'])]['prefill_chunk']}: {a}")
-            first = first or rows
-    elif FLAGS.suite == "spec":
-        from launch.bench_spec import format_rows as spec_table, spec_rows
-        rows = spec_rows(FLAGS.model, [int(b) for b in FLAGS.tp_batches], gen_tokens=FLAGS.gen_tokens,
-                         dtype=FLAGS.dtype)
-        for r in rows:
-            record(suite="spec", **r)
-        print(spec_table(rows))
-    else:
-        raise SystemExit(f"unknown suite {FLAGS.suite!r}")
+    bad = [v for v in FLAGS.sweep_layouts if v not in ("i16", "i32")]
+    if bad:
+        raise app.UsageError(f"--sweep_layouts: {bad[0]!r} is not i16 or i32")
+    if FLAGS.moe_experts < KIMI_TOPK:
+        raise app.UsageError(f"--moe_experts={FLAGS.moe_experts}: fewer routed experts than top-{KIMI_TOPK}")
+    if not 0 <= FLAGS.moe_held_pairs <= KIMI_TOPK:
+        raise app.UsageError(f"--moe_held_pairs={FLAGS.moe_held_pairs}: not between 0 (all) and {KIMI_TOPK}")
+    run_int4()
 
 
-def run():
-    app.run(main)
+def run(argv=None) -> None:
+    from launch import common
+    common.run(main, "kimi-bench int4", __name__, __doc__, argv=argv, common=False)
 
 
 if __name__ == "__main__":

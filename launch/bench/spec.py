@@ -2,8 +2,8 @@
 at several batch sizes, speculation off vs on, on one model (the same weights and compiled programs
 serve both: only the scheduler's speculative config changes).
 
-  python -m launch.bench --suite=spec --tp_batches 1,16 --gen_tokens 48 --dtype float32   # CPU demo
-  python -m launch.bench_spec --model=kimi-k2.5 --num_layers=3 --batches=1,16 --out=$OUT/spec  # GPU
+  kimi-bench spec --batches 1,16 --gen_tokens 48 --dtype float32                  # CPU, the demo model
+  kimi-bench spec --model=kimi-k2.5 --num_layers=3 --batches=1,16 --out=$OUT/spec  # GPU
 
 Workloads. non-repetitive: distinct prompts (passages of the standard library's docs with the demo
 model's tokenizer; random token ids for a model without one). repetitive ("say it again"): each
@@ -163,8 +163,10 @@ def main(argv):
     print(f"wrote {path}")
 
 
-def _define_flags():
+def define_flags() -> None:
     from absl import flags
+    if "prompt_min" in flags.FLAGS:
+        return
     flags.DEFINE_string("model", None, "checkpoint dir or preset (default: the demo model)")
     flags.DEFINE_integer("num_layers", None, "with a preset: a slice of this many layers, random weights")
     flags.DEFINE_list("batches", ["1", "16"], "batch sizes (max_num_seqs = the largest)")
@@ -179,8 +181,11 @@ def _define_flags():
     flags.DEFINE_string("out", os.path.join(os.environ.get("OUT", "out"), "bench_spec"), "JSON dir (or .json file)")
 
 
+def run(argv=None) -> None:
+    from launch import common
+    define_flags()
+    common.run(main, "kimi-bench spec", __name__, __doc__, argv=argv)
+
+
 if __name__ == "__main__":
-    from absl import app
-    from launch import common  # noqa: F401  (defines the shared launcher flags before parsing)
-    _define_flags()
-    app.run(main)
+    run()

@@ -2,7 +2,7 @@
 decode step time per layout and batch, tokens/s, the profiler's breakdown (collective count and
 share), the planner's prediction beside each measurement, and the copy-bandwidth roofline of the run.
 
-  python -m launch.bench_engine --layers 3 --layouts single,tp2,tp2_ep,dp2_ep --batches 1,16,64,256
+  kimi-bench engine --layers 3 --layouts single,tp2,tp2_ep,dp2_ep --batches 1,16,64,256
 
 Weights are random (kimi_jax.tools.profiling.random_engine: the model's initializers, made on each layout's devices), or, with
 --checkpoint, a real-format checkpoint (e.g. `kimi-make-synthetic --preset kimi-k2.5 --num_layers 3`)
@@ -119,18 +119,9 @@ def time_mixed(engine, layout, spec: str, steps: int) -> dict:
 
 def load_engine(path, cfg, layout, dtype):
     """An Engine over a checkpoint, each device reading only its own slices (checkpoints.loader)."""
-    from flax import nnx
-    from checkpoints.loader import load_model
     from kimi_jax.engine.steps import Engine
-    from kimi_jax.model.transformer import Transformer
-    from kimi_jax.parallel.sharding import check_fits, param_shardings
-    parallel = layout.moe_parallel()
-    abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0),
-                                                            parallel=parallel)))[1]
-    check_fits(layout, abstract)
-    _, model = load_model(path, dtype=dtype, cfg=cfg, shardings=param_shardings(layout, abstract),
-                          parallel=parallel)
-    return Engine(model, cfg, layout)
+    from kimi_jax.entrypoints.llm import load_model
+    return Engine(load_model(path, cfg, layout, dtype), cfg, layout)
 
 
 def main(argv):
@@ -215,8 +206,8 @@ def main(argv):
               f"{r['pred_collectives']:9d} {r['gbps']:7.0f} {r['pct_copy']:5.1f}%")
 
 
-def run():
-    app.run(main)
+def run(argv=None) -> None:
+    common.run(main, "kimi-bench engine", __name__, __doc__, argv=argv)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
-"""MLA paged decode benchmark (issue #8): copy ceiling, GPU correctness, kernel vs XLA, prefill.
+"""kimi-bench mla: MLA paged decode benchmark: copy ceiling, GPU correctness, kernel vs XLA, prefill.
 
-    PYTHONPATH=. python -m launch.bench_mla --out=$OUT          # one H200, < 4 minutes
-    PYTHONPATH=. python -m launch.bench_mla --out=/tmp/x --dry  # tiny shapes on CPU (the script itself)
-    PYTHONPATH=. python -m launch.bench_mla --sweep --out=$OUT --budget_s=270   # kernel config sweep
-    PYTHONPATH=. python -m launch.bench_mla --sweep --dry --out=/tmp/x          # the sweep on CPU
-    PYTHONPATH=. python -m launch.bench_mla --profile=64:32768:64,8:131072:64 --out=$OUT   # device ops per call
+    kimi-bench mla --out=$OUT          # one H200, < 4 minutes
+    kimi-bench mla --out=/tmp/x --dry  # tiny shapes on CPU (the script itself)
+    kimi-bench mla --sweep --out=$OUT --budget_s=270   # kernel config sweep
+    kimi-bench mla --sweep --dry --out=/tmp/x          # the sweep on CPU
+    kimi-bench mla --profile=64:32768:64,8:131072:64 --out=$OUT   # device ops per call
 
 --sweep (instead of the sections below): copy bandwidth; then per heads (8, 64) every candidate
 config of SWEEP (the auto default, the first version LEGACY, other tilings / stage counts / split
@@ -67,7 +67,7 @@ flags.DEFINE_bool("two_waves", False, "decode section: also time the Mosaic GPU 
 flags.DEFINE_bool("finish_variants", False, "decode section: also time the one-launch finish of the step "
                   "(mla_finish.py) after the Triton kernel ('fin') and the Mosaic GPU kernel ('mgpu_fin')")
 flags.DEFINE_enum("layer_loop", "unrolled", ["unrolled", "scan"], "decode timings: L layers per call as "
-                  "static calls (the engine's loop on GPU) or a lax.scan (the harness before the sixth session)")
+                  "static calls (the engine's loop on GPU) or a lax.scan")
 TABLE_ORDERS = ("random", "sequential", "interleaved")
 flags.DEFINE_list("table_orders", ["random"], "decode section: where each row's pages lie in the pool "
                   f"({', '.join(TABLE_ORDERS)}: see _table); each case runs with each")
@@ -77,7 +77,7 @@ flags.DEFINE_list("mixed", [], "decode section: also mixed-length batches, B:lon
                   "`long` cached tokens, B - 1 rows of `short`), e.g. 8:131072:4096:64; --mixed_only skips the grid")
 flags.DEFINE_bool("mixed_only", False, "decode section: only the --mixed cases")
 flags.DEFINE_bool("new_token_einsum", False, "the step's new token in the general einsum form at T = 1 too "
-                  "(mla_decode.ONE_NEW_TOKEN_ELEMENTWISE off: the form before the thirteenth session), to time both")
+                  "(mla_decode.ONE_NEW_TOKEN_ELEMENTWISE off), to time both")
 flags.DEFINE_bool("balanced", False, "decode section: also time both kernels on the balanced schedule "
                   "(MlaDecodeConfig / MgpuConfig schedule='balanced'; the --mixed cases always do)")
 flags.DEFINE_integer("combine_xla_max_macs", None, "set pallas_kernels.mla.combine.XLA_MAX_MACS for this run "
@@ -771,7 +771,7 @@ def _prefill_chunks():
         try:
             x = jnp.ones((1, 128, 2, 192), jnp.bfloat16)
             n = jnp.full((1,), 100, jnp.int32)
-            lse = prefill_attention._attention_lse_cudnn
+            lse = prefill_attention.attention_lse_cudnn
             jax.block_until_ready(jax.jit(lambda x, n: lse(x, x, x, n, n, 0.1, causal=True))(x, n))
         except Exception as e:  # noqa: BLE001
             split_ok = False
@@ -864,7 +864,7 @@ def device_copy_bps(calls: int = 8) -> float:
         for _ in range(calls):
             x = f(x)
         jax.block_until_ready(x)
-    durs = [o.dur_us for o in profiling.device_op_events(profiling._find_trace_file(tdir)) if o.dur_us > 0]
+    durs = [o.dur_us for o in profiling.device_op_events(profiling.find_trace_file(tdir)) if o.dur_us > 0]
     del x
     if len(durs) < calls:
         raise RuntimeError(f"device copy: {len(durs)} device ops traced for {calls} copies")
@@ -881,11 +881,11 @@ def _profile_specs():
             continue
         parts = spec.split(":")
         if len(parts) not in (3, 4):
-            raise SystemExit(f"--profile={spec}: want B:context:heads[:kernel]")
+            raise app.UsageError(f"--profile={spec}: want B:context:heads[:kernel]")
         kernel = parts[3] if len(parts) == 4 else "auto"
         kernels = ("auto", "triton", "mgpu", "triton_fin", "triton_bal", *MGPU_VARIANTS)
         if kernel not in kernels:
-            raise SystemExit(f"--profile={spec}: kernel one of {', '.join(kernels)}")
+            raise app.UsageError(f"--profile={spec}: kernel one of {', '.join(kernels)}")
         specs.append((*(int(v) for v in parts[:3]), kernel))
     return specs
 
@@ -1021,5 +1021,10 @@ def main(argv):
     log("correctness", "OK" if ok else "FAILED", "total", f"{time.time() - _T0:.0f}s")
 
 
+def run(argv=None) -> None:
+    from launch import common
+    common.run(main, "kimi-bench mla", __name__, __doc__, argv=argv, common=False)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    run()

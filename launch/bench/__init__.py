@@ -1,0 +1,64 @@
+"""kimi-bench: the benchmarks that measure the product, one suite per command.
+
+  kimi-bench                                   # the suites
+  kimi-bench SUITE --help                      # a suite's own flags
+  kimi-bench int4 --dry --sections=moe --out=/tmp/int4
+
+Each suite writes its rows under its --out directory (results.jsonl and a markdown table, or the
+suite's JSON); the numbers go in BENCHMARKS.md with the command, device, JAX version and date.
+Every suite has a CPU dry run (tiny shapes or the tiny preset) that tests/e2e/test_bench_scripts.py runs.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+from typing import Optional, Sequence
+
+PROG = "kimi-bench"
+
+# name -> (module, what it measures)
+SUITES = {
+    "int4": ("launch.bench.int4", "INT4 expert kernels: dense matmul and MoE sweeps against XLA, ragged_dot, "
+                                  "torch and cuBLAS baselines, with copy / matmul ceilings"),
+    "mla": ("launch.bench.mla", "MLA paged decode and prefill attention: kernels vs XLA vs the copy ceiling, "
+                                "kernel config sweeps, device ops per call"),
+    "engine": ("launch.bench.engine", "the engine's decode step per layout and batch on a true-geometry Kimi "
+                                      "slice, beside the planner's prediction"),
+    "throughput": ("launch.bench.throughput", "continuous batching: output tokens/s, TTFT and TPOT at several "
+                                              "max batch sizes"),
+    "spec": ("launch.bench.spec", "speculative (n-gram) decoding off vs on, repetitive and non-repetitive "
+                                  "workloads"),
+    "loading": ("launch.bench.loading", "checkpoint loading against the raw read speed of the same files, "
+                                        "peak host memory, orbax save and restore"),
+}
+HELP_ARGS = ("--help", "-h", "-help", "--helpshort", "--helpfull", "-?")
+
+
+def usage() -> str:
+    width = max(map(len, SUITES))
+    lines = [f"usage: {PROG} SUITE [flags]     ({PROG} SUITE --help: the suite's flags)", "", "suites:"]
+    for name, (_, what) in SUITES.items():
+        lines += textwrap.wrap(what, 96, initial_indent=f"  {name:<{width}}  ", subsequent_indent=" " * (width + 4))
+    return "\n".join(lines) + "\n"
+
+
+def run(argv: Optional[Sequence[str]] = None) -> None:
+    """Console-script entry point: `kimi-bench SUITE [flags]` (also `--suite=SUITE` / `--suite SUITE`)."""
+    argv = list(sys.argv if argv is None else argv)
+    args = argv[1:]
+    if args and args[0].startswith("--suite"):
+        name, eq, value = args[0].partition("=")
+        args = ([value] if eq else args[1:2]) + (args[1:] if eq else args[2:])
+    if not args or args[0] in HELP_ARGS:
+        sys.stdout.write(__doc__.split("\n\n", 1)[0] + "\n\n" + usage())
+        sys.exit(0)
+    name = args[0]
+    if name not in SUITES:
+        sys.stderr.write(f"{PROG}: error: unknown suite {name!r} (suites: {', '.join(SUITES)})\n")
+        sys.exit(2)
+    importlib.import_module(SUITES[name][0]).run([f"{PROG} {name}"] + args[1:])
+
+
+if __name__ == "__main__":
+    run()
