@@ -1,0 +1,139 @@
+"""Repository hygiene, without importing jax: every relative link in the tracked Markdown files resolves
+to a tracked file or folder; no tracked code, doc or test file narrates history (sittings, numbered
+rounds or issues, dated deadlines: git holds the history); no file cites the design documents that are
+not in the repository."""
+from __future__ import annotations
+
+import functools
+import pathlib
+import re
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+THIS = pathlib.Path(__file__).resolve().relative_to(ROOT).as_posix()
+
+# text files of the project: code, docs, tests, build and CI files (not checkpoint data: the demo model's
+# training log quotes Python's documentation, whose words are not ours)
+TEXT_SUFFIXES = {".py", ".md", ".sh", ".toml", ".cfg", ".ini", ".txt", ".yml", ".yaml", ".jinja"}
+DATA_DIRS = ("checkpoints/demo/",)
+
+ORDINALS = ("first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|"
+            "thirteenth|fourteenth|fifteenth|sixteenth|seventeenth|eighteenth|nineteenth|twentieth|"
+            r"last|previous|next|this|that|same|earlier|later|\d+(?:st|nd|rd|th)")
+HISTORY = [
+    ("a numbered or relative sitting", re.compile(rf"\b(?:{ORDINALS})(?:\s+(?:device|GPU|CPU))?\s+sessions?\b", re.I)),
+    ("a sitting", re.compile(r"\bsittings?\b", re.I)),
+    ("a numbered round", re.compile(r"(?<![-_])\brounds?\s+\d+", re.I)),
+    ("a numbered issue", re.compile(r"\bissues?\s+\d+", re.I)),
+    ("a dated deadline", re.compile(r"\buntil\s+20\d\d-", re.I)),
+    ("'previously'", re.compile(r"\bpreviously\b", re.I)),
+    ("'new in'", re.compile(r"\bnew in\b", re.I)),
+    ("a past version's value", re.compile(r"\bversion\s+\d+'s\s+(?:was|were)\b", re.I)),
+]
+# 'session' alone is history unless it is a library's session object or pytest's test session
+SESSION = re.compile(r"\bsessions?\b", re.I)
+SESSION_OK = re.compile(
+    r"ClientSession|aiohttp|requests\.Session|\bHTTP\s+session|\bhttp\s+session|scope\s*=\s*[\"']session[\"']"
+    r"|\btest\s+session\b|\bpytest\b.*\bsession\b"
+    r"|\bsession(?:\.\w|\s*=|\s*[,)\]])|\(\s*session\b|\bas\s+session\b", re.I)
+ABSENT_DOCS = re.compile(r"\b(?:DESIGN|KIMI_FORMAT)\.md\b")
+
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)|!\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+@functools.lru_cache(maxsize=None)
+def tracked() -> tuple[str, ...]:
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:      # not a git checkout: nothing to check here
+        pytest.skip(f"git ls-files failed: {e}")
+    return tuple(p for p in out.decode().split("\0") if p)
+
+
+def text_files() -> list[str]:
+    return [p for p in tracked()
+            if (pathlib.PurePosixPath(p).suffix in TEXT_SUFFIXES or p.startswith(".ci/"))
+            and not p.startswith(DATA_DIRS) and (ROOT / p).is_file()]
+
+
+def read(path: str) -> str:
+    return (ROOT / path).read_text(encoding="utf-8", errors="replace")
+
+
+def markdown_links(text: str):
+    """(line number, target) of every inline link or image outside fenced code blocks and code spans."""
+    fenced = False
+    for n, line in enumerate(text.splitlines(), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        if fenced:
+            continue
+        line = re.sub(r"`[^`]*`", "", line)
+        for m in LINK.finditer(line):
+            yield n, m.group(1) or m.group(2)
+
+
+def test_relative_links_resolve():
+    files = set(tracked())
+    dirs = {str(pathlib.PurePosixPath(p).parent) for p in files}
+    bad = []
+    for md in [p for p in tracked() if p.endswith(".md")]:
+        base = pathlib.PurePosixPath(md).parent
+        for n, target in markdown_links(read(md)):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I) or target.startswith("#"):
+                continue                                   # a URL, mailto: or an anchor in the same file
+            path = target.split("#", 1)[0].split("?", 1)[0]
+            resolved = (ROOT / base / path).resolve()
+            try:
+                rel = resolved.relative_to(ROOT).as_posix()
+            except ValueError:
+                bad.append(f"{md}:{n}: {target} leaves the repository")
+                continue
+            if rel not in files and rel.rstrip("/") not in dirs:
+                bad.append(f"{md}:{n}: {target} -> {rel} is not a tracked file")
+    assert not bad, "broken relative links:\n" + "\n".join(bad)
+
+
+def history_hits(path: str) -> list[str]:
+    hits = []
+    for n, line in enumerate(read(path).splitlines(), 1):
+        found = [(what, m.group(0)) for what, rx in HISTORY for m in [rx.search(line)] if m]
+        if not found and SESSION.search(line) and not SESSION_OK.search(line):
+            found = [("'session' as a sitting", line.strip()[:100])]
+        hits += [f"{path}:{n}: {what}: {text!r}" for what, text in found]
+    return hits
+
+
+def test_no_history_words():
+    hits = [h for p in text_files() if p != THIS for h in history_hits(p)]
+    by_file: dict[str, int] = {}
+    for h in hits:
+        by_file[h.split(":", 1)[0]] = by_file.get(h.split(":", 1)[0], 0) + 1
+    summary = ", ".join(f"{f} ({k})" for f, k in sorted(by_file.items()))
+    assert not hits, f"history words in {len(by_file)} files: {summary}\n" + "\n".join(hits[:200])
+
+
+def test_no_citations_of_absent_design_docs():
+    hits = [f"{p}:{n}: {line.strip()[:100]}" for p in text_files() if p != THIS
+            for n, line in enumerate(read(p).splitlines(), 1) if ABSENT_DOCS.search(line)
+            and not (ROOT / ABSENT_DOCS.search(line).group(0)).exists()]
+    assert not hits, "cites a document that is not in the repository:\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize("line,bad", [
+    ("measured in the sixteenth session", True), ("this session's run", True), ("the 17th session", True),
+    ("BENCHMARKS round 21", True), ("issue 3's table", True), ("until 2026-12-01", True),
+    ("async with aiohttp.ClientSession() as session:", False), ("@pytest.fixture(scope=\"session\")", False),
+    ("an HTTP session per client", False), ("the kernel's rounding", False), ("round(x, 3)", False),
+    ("the next device session", True), ("one more session", True), ("as measured that session.", True),
+    ("return await one(session, url, body)", False), ("session.post(url)", False),
+    ("load_bench --rounds 4", False),
+])
+def test_history_patterns(line, bad):
+    """The patterns catch the phrasings they are for and leave a library's session objects alone."""
+    hit = any(rx.search(line) for _, rx in HISTORY) or (SESSION.search(line) and not SESSION_OK.search(line))
+    assert bool(hit) == bad, line
