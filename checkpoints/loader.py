@@ -399,13 +399,46 @@ def _progress_bar(total: int, enabled: Optional[bool], desc: str):
                 disable=not enabled, dynamic_ncols=True, smoothing=0.1)
 
 
+# ---- finite values -------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _finite_fn(depth: int):
+    """[stack dims] bool: every value of each stacked tensor is finite (one fused reduction)."""
+    return jax.jit(lambda x: jnp.isfinite(x).all(axis=tuple(range(depth, x.ndim))))
+
+
+class FiniteCheck:
+    """NaN / Inf in the loaded weights: `add` dispatches one reduction per parameter on the device
+    arrays as each lands (nothing waits for it, nothing is read again from the files); `raise_first`
+    fetches the flags and raises CheckpointError naming the file and tensor of the first bad one."""
+
+    def __init__(self, reader: CheckpointReader, cfg: ModelConfig):
+        self.reader, self.cfg, self.pending = reader, cfg, []
+
+    def add(self, path: tuple[str, ...], depth: int, arr: jax.Array) -> None:
+        if jnp.issubdtype(arr.dtype, jnp.floating):
+            self.pending.append((path, _finite_fn(depth)(arr)))
+
+    def raise_first(self) -> None:
+        flags = jax.device_get([f for _, f in self.pending])
+        for (path, _), ok in zip(self.pending, flags):
+            ok = np.asarray(ok)
+            if not ok.all():
+                idx = tuple(int(i) for i in np.argwhere(~ok)[0]) if ok.ndim else ()
+                info = self.reader.info(hf_name(path, self.cfg, idx))
+                raise CheckpointError(f"{os.path.join(self.reader.path, info.file)}: tensor {info.name!r} holds "
+                                      "NaN or Inf values (check_finite_weights=False / --nocheck_finite_weights "
+                                      "loads it anyway)")
+        self.pending = []
+
+
 # ---- loading ---------------------------------------------------------------------------------------
 def load_params(reader: CheckpointReader, cfg: ModelConfig, abstract_state,
                 place: Optional[Callable[[tuple[str, ...], np.ndarray], jax.Array]] = None, *,
                 shardings: Optional[Mapping[tuple[str, ...], jax.sharding.Sharding]] = None,
                 workers: int = DEFAULT_WORKERS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                 readahead_bytes: int = DEFAULT_READAHEAD_BYTES, progress: Optional[bool] = None,
-                stats: Optional[LoadStats] = None, keep_page_cache: Optional[bool] = None):
+                stats: Optional[LoadStats] = None, keep_page_cache: Optional[bool] = None,
+                check_finite: bool = True):
     """Read every parameter of `abstract_state` (an nnx.State of ShapeDtypeStructs) from `reader`.
 
     shardings: {parameter path: Sharding}; each process reads and places only its addressable
@@ -415,6 +448,7 @@ def load_params(reader: CheckpointReader, cfg: ModelConfig, abstract_state,
     workers: reads in flight (threads). chunk_bytes / readahead_bytes: host memory bounds.
     progress: tqdm bar of bytes read (None: only on a terminal, process 0).
     stats: a LoadStats to fill.
+    check_finite: refuse a floating tensor with a NaN or Inf (FiniteCheck; streamed loads only).
     keep_page_cache: leave what was read in the kernel's page cache (faster reloads). None: only
       when this process's share of the checkpoint is under half the available memory; otherwise
       each range read is dropped from the cache (POSIX_FADV_DONTNEED) so that the page cache does
@@ -471,6 +505,7 @@ def load_params(reader: CheckpointReader, cfg: ModelConfig, abstract_state,
     # kernel's page zeroing overlaps disk waits instead of running inside the reads.
     faulter = cf.ThreadPoolExecutor(1, thread_name_prefix="kimi-prefault")
     buffers = _HostBuffers(keep=readahead_bytes + chunk_bytes)
+    finite = FiniteCheck(reader, cfg) if check_finite and not legacy else None
 
     def start(batch: list[_Chunk]) -> list:
         """Allocate the chunks' host buffers and queue all their reads, in file order."""
@@ -551,6 +586,8 @@ def load_params(reader: CheckpointReader, cfg: ModelConfig, abstract_state,
             p.done.clear()
         stats.shards += len(arr.addressable_shards)
         stats.params += 1
+        if finite is not None:
+            finite.add(p.path, p.depth, arr)
         _set(pure, p.path, arr)
 
     window: collections.deque = collections.deque()
@@ -572,6 +609,8 @@ def load_params(reader: CheckpointReader, cfg: ModelConfig, abstract_state,
             finish(ch, hosts)
             held -= ch.cost
             del hosts
+        if finite is not None:
+            finite.raise_first()
     except BaseException:
         faulter.shutdown(wait=True, cancel_futures=True)
         pool.shutdown(wait=True, cancel_futures=True)
@@ -606,7 +645,7 @@ def expected_for(reader: CheckpointReader, cfg: ModelConfig) -> dict:
 
 
 def load_model(path: str, *, dtype=jnp.bfloat16, cfg: Optional[ModelConfig] = None, place=None,
-               parallel=None, shardings=None, **load_kw):
+               parallel=None, shardings=None, check_finite: bool = True, **load_kw):
     """(ModelConfig, Transformer) from a checkpoint directory, every tensor validated first (before
     any device memory is allocated).
 
@@ -628,6 +667,6 @@ def load_model(path: str, *, dtype=jnp.bfloat16, cfg: Optional[ModelConfig] = No
         reader.validate(expected_for(reader, cfg))
         abstract = nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0), parallel=parallel))
         graphdef, state = nnx.split(abstract)
-        pure = load_params(reader, cfg, state, place, shardings=shardings, **load_kw)
+        pure = load_params(reader, cfg, state, place, shardings=shardings, check_finite=check_finite, **load_kw)
     nnx.replace_by_pure_dict(state, pure)
     return cfg, nnx.merge(graphdef, state)

@@ -110,7 +110,8 @@ class LLM:
                  seed: int = 0, tokenizer: Optional[str] = None, page_size: int = 16,
                  num_pages: Optional[int] = None, gpu_memory_utilization: float = 0.9,
                  prefill_chunk: Optional[int] = None, max_prefill_tokens: int = 2048,
-                 speculative_config=None, overlap_scheduling: bool = True):
+                 speculative_config=None, overlap_scheduling: bool = True,
+                 check_finite_weights: bool = True):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported (choose one of {sorted(_DTYPES)})")
         if tensor_parallel_size < 1 or data_parallel_size < 1:
@@ -137,6 +138,7 @@ class LLM:
         else:
             raise ValueError(f"model={model!r} is neither a checkpoint directory nor a preset {PRESETS}")
         self.layout.check_divisible(self.config)
+        self.check_finite_weights = check_finite_weights
         net = self._build(seed)
         self.tokenizer = self._load_tokenizer(tokenizer or self.model_path)
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
@@ -191,7 +193,8 @@ class LLM:
                                                                 parallel=parallel)))[1]
         check_fits(layout, abstract)
         shardings = param_shardings(layout, abstract)
-        return load_model(self.model_path, dtype=dtype, cfg=cfg, shardings=shardings, parallel=parallel)[1]
+        return load_model(self.model_path, dtype=dtype, cfg=cfg, shardings=shardings, parallel=parallel,
+                          check_finite=self.check_finite_weights)[1]
 
     @staticmethod
     def _load_tokenizer(path):
@@ -205,14 +208,17 @@ class LLM:
 
     # ---- inputs -------------------------------------------------------------------------------
     def _token_ids(self, prompt: Prompt, i: int) -> list[int]:
-        """Token ids of a prompt (text is tokenized); validity is checked by the batch engine."""
+        """Token ids of a prompt (text is tokenized); the ids' values are checked by the batch engine."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"request {i}: a text prompt needs a tokenizer, and the checkpoint "
                                  f"{self.model_path or '(preset)'} has no tiktoken.model; pass token ids")
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt_token_ids"]
+        if isinstance(prompt, (bytes, dict)) or not isinstance(prompt, (Sequence, np.ndarray)):
+            raise ValueError(f"request {i}: prompt must be text or a list of token ids, got "
+                             f"{type(prompt).__name__}")
         return list(prompt)
 
     # ---- API ----------------------------------------------------------------------------------
@@ -241,12 +247,17 @@ class LLM:
         ids = [self._token_ids(p, i) for i, p in enumerate(prompts)]
         be = self.batch_engine()
         reqs = []
+        # every request is checked before any runs (kimi_jax.engine.validation): one bad value fails the
+        # call up front, naming the request and the field
         for i, (p, t, sp) in enumerate(zip(prompts, ids, sps)):
-            seed = sp.seed if sp.seed is not None else self._rng.getrandbits(31)
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"request {i}: sampling_params must be SamplingParams, got {type(sp).__name__}")
             try:
+                sp.validate(vocab_size=self.config.vocab_size)
+                seed = sp.seed if sp.seed is not None else self._rng.getrandbits(31)
                 reqs.append(be.make_request(str(self._next_id + i), t, sp, seed,
                                             prompt=p if isinstance(p, str) else None))
-            except RequestError as e:
+            except (RequestError, ValueError, TypeError) as e:
                 raise ValueError(f"request {i}: {e}") from None
         self._next_id += len(reqs)
         for r in reqs:
@@ -293,6 +304,24 @@ class LLM:
             self._chat_template = tmpl
         return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
 
+    def encode_chat(self, messages, *, add_generation_prompt: bool = True, tools=None,
+                    chat_template: Optional[str] = None) -> list[int]:
+        """Prompt token ids of one conversation: the checkpoint's chat template (sandboxed, bounded)
+        with only its own markup as special tokens; text from the messages and tools always encodes as
+        plain text (kimi_jax.text.conversation)."""
+        from kimi_jax.text.chat_template import ChatTemplate
+        from kimi_jax.text.conversation import encode_conversation
+        if self.tokenizer is None:
+            raise ValueError(f"chat needs a tokenizer; {self.model_path or 'this preset'} has none")
+        if chat_template is not None:
+            tmpl = ChatTemplate(chat_template)
+        else:
+            if self._chat_template is None:
+                self._chat_template = ChatTemplate.from_pretrained(self.model_path)
+            tmpl = self._chat_template
+        return encode_conversation(tmpl, self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                                   tools=tools)
+
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None, *,
              add_generation_prompt: bool = True, tools=None, chat_template: Optional[str] = None,
              use_tqdm: bool = False):
@@ -305,7 +334,7 @@ class LLM:
 
     def chat_prompt_ids(self, messages, *, add_generation_prompt: bool = True, tools=None,
                         chat_template: Optional[str] = None) -> list[int]:
-        """The prompt token ids of one conversation, as `chat` feeds them (the server uses this too)."""
-        return self.tokenizer.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt,
-                                                      tools=tools, chat_template=chat_template),
-                                     allow_special=True)
+        """The prompt token ids of one conversation, as `chat` feeds them (the server uses this too):
+        `encode_chat` (message text never becomes special tokens)."""
+        return self.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                chat_template=chat_template)
