@@ -326,13 +326,12 @@ def _check_ranges(c: "ModelConfig") -> None:
         v = getattr(c, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise ConfigError(f"config field {name!r} must be a finite number > 0, got {v!r}")
-    for name in ("bos_token_id", "pad_token_id"):
-        v = getattr(c, name)
-        if v is not None and not 0 <= v < c.vocab_size:
-            raise ConfigError(f"config field {name!r}={v} is outside the vocabulary [0, {c.vocab_size})")
-    for v in c.eos_token_id:
-        if not 0 <= v < c.vocab_size:
-            raise ConfigError(f"config field 'eos_token_id'={v} is outside the vocabulary [0, {c.vocab_size})")
+    # token ids name tokenizer entries (an id past a cut-down vocabulary only never matches): >= 0
+    for name, ids in (("bos_token_id", [c.bos_token_id]), ("pad_token_id", [c.pad_token_id]),
+                      ("eos_token_id", list(c.eos_token_id))):
+        for v in ids:
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ConfigError(f"config field {name!r} must hold token ids >= 0, got {v!r}")
     rs = c.rope_scaling
     if rs.rope_type == "yarn":
         if not rs.factor > 0 or rs.original_max_position_embeddings < 1:
