@@ -617,6 +617,9 @@ def load_params(reader: CheckpointReader, cfg: ModelConfig, abstract_state,
         reader.drop_page_cache = False
         bar.close()
         _delete(placed)
+        if finite is not None:
+            _delete([f for _, f in finite.pending])
+            finite.pending = []
         for p in params:
             p.partial.clear()
             p.done.clear()

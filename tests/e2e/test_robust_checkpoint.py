@@ -100,7 +100,7 @@ def _rewrite_header(src_dir, dst_dir, change, extra_bytes=b""):
     src = os.path.join(src_dir, "model.safetensors")
     n, header = _header(src)
     change(header)
-    raw = json.dumps(header).encode()
+    raw = json.dumps(header, separators=(",", ":")).encode()
     assert len(raw) <= n
     with open(src, "rb") as f:
         f.seek(8 + n)
