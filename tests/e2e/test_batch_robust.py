@@ -72,7 +72,7 @@ def _run(args, poisoned=False, timeout=300):
 
 
 def _args(inp, out):
-    return ["--input", inp, "--output", out, "--model", "tiny", "--max_num_seqs", "4", "--noprogress"]
+    return ["--input", inp, "--output", out, "--model", "tiny", "--max_num_seqs", "2", "--noprogress"]
 
 
 def _results(path):
