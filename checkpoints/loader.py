@@ -348,6 +348,38 @@ def _progress_bar(total: int, enabled: Optional[bool], desc: str):
                 disable=not enabled, dynamic_ncols=True, smoothing=0.1)
 
 
+# ---- finite values -------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _finite_fn(depth: int):
+    """[stack dims] bool: every value of each stacked tensor is finite (one fused reduction)."""
+    return jax.jit(lambda x: jnp.isfinite(x).all(axis=tuple(range(depth, x.ndim))))
+
+
+class FiniteCheck:
+    """NaN / Inf in the loaded weights: `add` dispatches one reduction per parameter on the device
+    arrays as each lands (nothing waits for it, nothing is read again from the files); `raise_first`
+    fetches the flags and raises CheckpointError naming the file and tensor of the first bad one."""
+
+    def __init__(self, reader: CheckpointReader, cfg: layout_lib.ModelShape):
+        self.reader, self.cfg, self.pending = reader, cfg, []
+
+    def add(self, path: tuple[str, ...], depth: int, arr: jax.Array) -> None:
+        if jnp.issubdtype(arr.dtype, jnp.floating):
+            self.pending.append((path, _finite_fn(depth)(arr)))
+
+    def raise_first(self) -> None:
+        flags = jax.device_get([f for _, f in self.pending])
+        for (path, _), ok in zip(self.pending, flags):
+            ok = np.asarray(ok)
+            if not ok.all():
+                idx = tuple(int(i) for i in np.argwhere(~ok)[0]) if ok.ndim else ()
+                info = self.reader.info(layout_lib.hf_name(path, self.cfg.num_dense_layers, idx))
+                raise CheckpointError(f"{os.path.join(self.reader.path, info.file)}: tensor {info.name!r} holds "
+                                      "NaN or Inf values (check_finite_weights=False / --nocheck_finite_weights "
+                                      "loads it anyway)")
+        self.pending = []
+
+
 # ---- loading ---------------------------------------------------------------------------------------
 def _sharding_of(spec) -> jax.sharding.Sharding:
     sh = getattr(spec, "sharding", None)
@@ -357,8 +389,8 @@ def _sharding_of(spec) -> jax.sharding.Sharding:
 def load_params(reader: CheckpointReader, cfg: layout_lib.ModelShape, specs: ParamSpecs, *,
                 workers: int = DEFAULT_WORKERS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                 readahead_bytes: int = DEFAULT_READAHEAD_BYTES, progress: Optional[bool] = None,
-                stats: Optional[LoadStats] = None,
-                keep_page_cache: Optional[bool] = None) -> dict[tuple[str, ...], jax.Array]:
+                stats: Optional[LoadStats] = None, keep_page_cache: Optional[bool] = None,
+                check_finite: bool = True) -> dict[tuple[str, ...], jax.Array]:
     """Read every parameter of `specs` ({parameter path: ShapeDtypeStruct}) from `reader`.
 
     Each spec's sharding says where the parameter goes (None: the first local device); each process
@@ -367,6 +399,7 @@ def load_params(reader: CheckpointReader, cfg: layout_lib.ModelShape, specs: Par
     workers: reads in flight (threads). chunk_bytes / readahead_bytes: host memory bounds.
     progress: tqdm bar of bytes read (None: only on a terminal, process 0).
     stats: a LoadStats to fill.
+    check_finite: refuse a floating tensor with a NaN or Inf (FiniteCheck; streamed loads only).
     keep_page_cache: leave what was read in the kernel's page cache (faster reloads). None: only
       when this process's share of the checkpoint is under half the available memory; otherwise
       each range read is dropped from the cache (POSIX_FADV_DONTNEED) so that the page cache does
@@ -409,6 +442,7 @@ def load_params(reader: CheckpointReader, cfg: layout_lib.ModelShape, specs: Par
     # kernel's page zeroing overlaps disk waits instead of running inside the reads.
     faulter = cf.ThreadPoolExecutor(1, thread_name_prefix="kimi-prefault")
     buffers = _HostBuffers(keep=readahead_bytes + chunk_bytes)
+    finite = FiniteCheck(reader, cfg) if check_finite else None
 
     def start(batch: list[_Chunk]) -> list:
         """Allocate the chunks' host buffers and queue all their reads, in file order."""
@@ -486,6 +520,8 @@ def load_params(reader: CheckpointReader, cfg: layout_lib.ModelShape, specs: Par
             p.done.clear()
         stats.shards += len(arr.addressable_shards)
         stats.params += 1
+        if finite is not None:
+            finite.add(p.path, p.depth, arr)
         out[p.path] = arr
 
     window: collections.deque = collections.deque()
@@ -507,12 +543,17 @@ def load_params(reader: CheckpointReader, cfg: layout_lib.ModelShape, specs: Par
             finish(ch, hosts)
             held -= ch.cost
             del hosts
+        if finite is not None:
+            finite.raise_first()
     except BaseException:
         faulter.shutdown(wait=True, cancel_futures=True)
         pool.shutdown(wait=True, cancel_futures=True)
         reader.drop_page_cache = False
         bar.close()
         _delete(placed)
+        if finite is not None:
+            _delete([f for _, f in finite.pending])
+            finite.pending = []
         for p in params:
             p.partial.clear()
             p.done.clear()
@@ -541,10 +582,11 @@ def expected_for(reader: CheckpointReader, cfg: layout_lib.ModelShape) -> dict:
 def load_arrays(path: str, specs: ParamSpecs, cfg: layout_lib.ModelShape, *,
                 workers: int = DEFAULT_WORKERS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                 readahead_bytes: int = DEFAULT_READAHEAD_BYTES, progress: Optional[bool] = None,
-                stats: Optional[LoadStats] = None,
-                keep_page_cache: Optional[bool] = None) -> dict[tuple[str, ...], jax.Array]:
+                stats: Optional[LoadStats] = None, keep_page_cache: Optional[bool] = None,
+                check_finite: bool = True) -> dict[tuple[str, ...], jax.Array]:
     """{parameter path: jax.Array} for `specs` from the checkpoint directory `path`, every tensor
-    validated against `cfg` first (before any device memory is allocated).
+    validated against `cfg` first (before any device memory is allocated); check_finite: refuse a
+    floating tensor holding NaN or Inf (safetensors checkpoints).
 
     A directory written by `kimi-convert` (checkpoints.orbax_io) is restored with orbax (after its
     config is compared with `cfg.to_hf_dict()`); any other is read as a published-layout safetensors
@@ -563,4 +605,4 @@ def load_arrays(path: str, specs: ParamSpecs, cfg: layout_lib.ModelShape, *,
         reader.validate(expected_for(reader, cfg))
         return load_params(reader, cfg, specs, workers=workers, chunk_bytes=chunk_bytes,
                            readahead_bytes=readahead_bytes, progress=progress, stats=stats,
-                           keep_page_cache=keep_page_cache)
+                           keep_page_cache=keep_page_cache, check_finite=check_finite)

@@ -142,7 +142,25 @@ def read_header(file_path: str, display: Optional[str] = None) -> dict[str, Tens
         t = min(beyond, key=lambda t: t.begin)
         raise CheckpointError(f"{shown}: truncated file: tensor {t.name!r} needs bytes up to {t.end} "
                               f"but the file has {size} ({len(beyond)} tensor(s) cut off)")
+    _check_byte_ranges(shown, infos, data_start, size)
     return infos
+
+
+def _check_byte_ranges(shown: str, infos: Mapping[str, TensorInfo], data_start: int, size: int) -> None:
+    """The tensors' byte ranges tile the data section exactly, as the format (and the safetensors
+    library) requires: no two overlap (one would read the other's bytes), none is left unclaimed."""
+    pos, prev = data_start, None
+    for t in sorted(infos.values(), key=lambda t: (t.begin, t.end)):
+        if t.begin < pos:
+            raise CheckpointError(f"{shown}: corrupt header: tensor {t.name!r} (bytes {t.begin - data_start}.."
+                                  f"{t.end - data_start}) overlaps tensor {prev.name!r} (bytes "
+                                  f"{prev.begin - data_start}..{prev.end - data_start})")
+        if t.begin > pos:
+            raise CheckpointError(f"{shown}: corrupt header: bytes {pos - data_start}..{t.begin - data_start} "
+                                  f"before tensor {t.name!r} belong to no tensor")
+        pos, prev = t.end, t
+    if pos != size:
+        raise CheckpointError(f"{shown}: corrupt file: the last {size - pos} bytes belong to no tensor")
 
 
 class CheckpointReader:
@@ -445,8 +463,19 @@ class CheckpointReader:
         skipped: collections.Counter[str] = collections.Counter()
         found: dict[str, TensorInfo] = {}
         problems: list[str] = []
+        nextn = self._config_field("num_nextn_predict_layers")
+        nextn = nextn if isinstance(nextn, int) and not isinstance(nextn, bool) and nextn >= 0 else 0
+        # a layer past num_hidden_layers is an MTP layer when config.json counts it
+        # (num_nextn_predict_layers) or it has an MTP layer's own tensors (eh_proj, enorm, hnorm);
+        # any other is a layer of the model that the config leaves out
+        layer = lambda n: layout_lib.layer_of(layout_lib.canonical_name(n) or n)
+        mtp = {layer(n) for n in self.tensors if any(f".{k}." in n for k in ("eh_proj", "enorm", "hnorm"))}
+        beyond: list[str] = []
         for name, info in self.tensors.items():
             why = layout_lib.skip_reason(name, n_layers)
+            if why == "MTP layer" and layer(name) >= n_layers + nextn and layer(name) not in mtp:
+                beyond.append(name)
+                continue
             if why is not None:
                 skipped[why] += 1
                 continue
@@ -478,6 +507,12 @@ class CheckpointReader:
             kinds = ", ".join(f"{k}: {v}" for k, v in sorted(skipped.items()))
             log.info("%s: skipping %d tensors not used by design (%s)", self.path,
                      sum(skipped.values()), kinds)
+        if beyond:
+            top = max(layer(n) for n in beyond)
+            t = self.tensors[beyond[0]]
+            problems.insert(0, f"{self._abs(t.file)}: tensor {t.name!r} belongs to layer {layer(t.name)}, but "
+                               f"config.json says num_hidden_layers={n_layers} and num_nextn_predict_layers="
+                               f"{nextn}: the checkpoint holds layers up to {top}")
         if problems:
             more = f" [+{len(problems) - 1} more problem(s)]" if len(problems) > 1 else ""
             raise CheckpointError(problems[0] + more)

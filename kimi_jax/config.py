@@ -126,6 +126,7 @@ class ModelConfig:
         return dataclasses.replace(self, **kw)
 
     def __post_init__(self):
+        _check_ranges(self)
         if self.scoring_func != "sigmoid":
             raise ConfigError(f"config field scoring_func={self.scoring_func!r}: only 'sigmoid' is supported")
         if self.topk_method not in ("noaux_tc",):
@@ -167,57 +168,58 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"model_type={model_type!r} is not supported (expected one of {SUPPORTED_MODEL_TYPES})")
 
-        def need(name):
+        def need(name, kind=None):
             if name not in text:
                 raise ConfigError(f"missing config field {name!r}, which changes the model's math")
-            return text[name]
+            return _typed(name, text[name], kind) if kind else text[name]
 
-        def opt(name, default):
+        def opt(name, default, kind=None):
             v = text.get(name, default)
-            return default if v is None and default is not None else v
+            v = default if v is None and default is not None else v
+            return _typed(name, v, kind) if kind and v is not None else v
 
         rope_theta, rope = _parse_rope(text)
         quant = _parse_quant(text.get("quantization_config") or top.get("quantization_config"))
         eos = opt("eos_token_id", None)
         if eos is None:
             eos = top.get("eos_token_id")
-        eos_t = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        eos_t = tuple(_typed("eos_token_id", e, int) for e in (eos if isinstance(eos, (list, tuple)) else () if eos is None else (eos,)))
         q_lora = text.get("q_lora_rank", "__missing__")
         if q_lora == "__missing__":
             raise ConfigError("missing config field 'q_lora_rank' (use null for no query compression)")
         tie = text.get("tie_word_embeddings", top.get("tie_word_embeddings", False))
         return cls(
-            vocab_size=int(need("vocab_size")),
-            hidden_size=int(need("hidden_size")),
-            intermediate_size=int(need("intermediate_size")),
-            moe_intermediate_size=int(need("moe_intermediate_size")),
-            num_hidden_layers=int(need("num_hidden_layers")),
-            num_attention_heads=int(need("num_attention_heads")),
-            n_routed_experts=int(need("n_routed_experts")),
-            num_experts_per_tok=int(need("num_experts_per_tok")),
-            n_shared_experts=int(opt("n_shared_experts", 0) or 0),
-            first_k_dense_replace=int(opt("first_k_dense_replace", 0)),
-            kv_lora_rank=int(need("kv_lora_rank")),
-            q_lora_rank=None if q_lora is None else int(q_lora),
-            qk_nope_head_dim=int(need("qk_nope_head_dim")),
-            qk_rope_head_dim=int(need("qk_rope_head_dim")),
-            v_head_dim=int(need("v_head_dim")),
-            n_group=int(opt("n_group", 1)),
-            topk_group=int(opt("topk_group", 1)),
-            norm_topk_prob=bool(need("norm_topk_prob")),
-            routed_scaling_factor=float(need("routed_scaling_factor")),
+            vocab_size=need("vocab_size", int),
+            hidden_size=need("hidden_size", int),
+            intermediate_size=need("intermediate_size", int),
+            moe_intermediate_size=need("moe_intermediate_size", int),
+            num_hidden_layers=need("num_hidden_layers", int),
+            num_attention_heads=need("num_attention_heads", int),
+            n_routed_experts=need("n_routed_experts", int),
+            num_experts_per_tok=need("num_experts_per_tok", int),
+            n_shared_experts=opt("n_shared_experts", 0, int),
+            first_k_dense_replace=opt("first_k_dense_replace", 0, int),
+            kv_lora_rank=need("kv_lora_rank", int),
+            q_lora_rank=None if q_lora is None else _typed("q_lora_rank", q_lora, int),
+            qk_nope_head_dim=need("qk_nope_head_dim", int),
+            qk_rope_head_dim=need("qk_rope_head_dim", int),
+            v_head_dim=need("v_head_dim", int),
+            n_group=opt("n_group", 1, int),
+            topk_group=opt("topk_group", 1, int),
+            norm_topk_prob=need("norm_topk_prob", bool),
+            routed_scaling_factor=need("routed_scaling_factor", float),
             scoring_func=opt("scoring_func", "sigmoid"),
             topk_method=opt("topk_method", "noaux_tc"),
-            rms_norm_eps=float(need("rms_norm_eps")),
+            rms_norm_eps=need("rms_norm_eps", float),
             rope_theta=rope_theta,
             rope_scaling=rope,
-            max_position_embeddings=int(opt("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(tie),
+            max_position_embeddings=opt("max_position_embeddings", 4096, int),
+            tie_word_embeddings=_typed("tie_word_embeddings", tie, bool),
             hidden_act=opt("hidden_act", "silu"),
-            attention_bias=bool(opt("attention_bias", False)),
-            bos_token_id=opt("bos_token_id", top.get("bos_token_id")),
+            attention_bias=opt("attention_bias", False, bool),
+            bos_token_id=opt("bos_token_id", top.get("bos_token_id"), int),
             eos_token_id=eos_t,
-            pad_token_id=opt("pad_token_id", top.get("pad_token_id")),
+            pad_token_id=opt("pad_token_id", top.get("pad_token_id"), int),
             quantization=quant,
             model_type=model_type,
         )
@@ -282,6 +284,61 @@ def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(scale) + 1.0
 
 
+def _typed(name: str, v: Any, kind: type) -> Any:
+    """A config.json value of the kind a field needs: an integer (not a boolean, not 4.5), a finite
+    real number, or a boolean; ConfigError naming the field otherwise."""
+    if kind is bool:
+        if not isinstance(v, bool):
+            raise ConfigError(f"config field {name!r} must be true or false, got {json.dumps(v)}")
+        return v
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
+        what = "an integer" if kind is int else "a number"
+        raise ConfigError(f"config field {name!r} must be {what}, got {json.dumps(v)}")
+    if kind is float:
+        if not math.isfinite(v):
+            raise ConfigError(f"config field {name!r} must be a finite number, got {v}")
+        return float(v)
+    return v
+
+
+def _check_ranges(c: "ModelConfig") -> None:
+    """Every field in its range and consistent with the others; ConfigError names the field."""
+    def at_least(name, lo):
+        v = getattr(c, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ConfigError(f"config field {name!r} must be an integer >= {lo}, got {v!r}")
+
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "n_routed_experts", "num_experts_per_tok", "kv_lora_rank",
+                 "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group",
+                 "max_position_embeddings"):
+        at_least(name, 1)
+    at_least("n_shared_experts", 0)
+    at_least("first_k_dense_replace", 0)
+    if c.q_lora_rank is not None:
+        at_least("q_lora_rank", 1)
+    if c.num_experts_per_tok > c.n_routed_experts:
+        raise ConfigError(f"config field 'num_experts_per_tok'={c.num_experts_per_tok} is more than "
+                          f"n_routed_experts={c.n_routed_experts}")
+    if c.topk_group > c.n_group:
+        raise ConfigError(f"config field 'topk_group'={c.topk_group} is more than n_group={c.n_group}")
+    for name in ("rms_norm_eps", "latent_norm_eps", "rope_theta", "routed_scaling_factor"):
+        v = getattr(c, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"config field {name!r} must be a finite number > 0, got {v!r}")
+    # token ids name tokenizer entries (an id past a cut-down vocabulary only never matches): >= 0
+    for name, ids in (("bos_token_id", [c.bos_token_id]), ("pad_token_id", [c.pad_token_id]),
+                      ("eos_token_id", list(c.eos_token_id))):
+        for v in ids:
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ConfigError(f"config field {name!r} must hold token ids >= 0, got {v!r}")
+    rs = c.rope_scaling
+    if rs.rope_type == "yarn":
+        if not rs.factor > 0 or rs.original_max_position_embeddings < 1:
+            raise ConfigError("config field 'rope_scaling': factor must be > 0 and "
+                              "original_max_position_embeddings >= 1")
+
+
 def _parse_rope(text: Mapping[str, Any]) -> tuple[float, RopeScaling]:
     params = text.get("rope_parameters")
     scaling = text.get("rope_scaling")
@@ -294,6 +351,7 @@ def _parse_rope(text: Mapping[str, Any]) -> tuple[float, RopeScaling]:
         src = scaling
     if theta is None:
         raise ConfigError("missing config field 'rope_theta', which changes the model's math")
+    theta = _typed("rope_theta", theta, float)
     if src is None:
         return float(theta), RopeScaling()
     rtype = src.get("rope_type", src.get("type", "default"))
@@ -311,11 +369,14 @@ def _parse_rope(text: Mapping[str, Any]) -> tuple[float, RopeScaling]:
 
     def f_or_none(key):
         v = src.get(key)
-        return None if v is None else float(v)
+        return None if v is None else _typed(f"rope_scaling.{key}", v, float)
+
+    factor = _typed("rope_scaling.factor", factor, float)
+    orig = _typed("rope_scaling.original_max_position_embeddings", orig, int)
 
     return float(theta), RopeScaling(
-        rope_type="yarn", factor=float(factor), original_max_position_embeddings=int(orig),
-        beta_fast=float(src.get("beta_fast") or 32.0), beta_slow=float(src.get("beta_slow") or 1.0),
+        rope_type="yarn", factor=factor, original_max_position_embeddings=orig,
+        beta_fast=f_or_none("beta_fast") or 32.0, beta_slow=f_or_none("beta_slow") or 1.0,
         mscale=f_or_none("mscale"), mscale_all_dim=f_or_none("mscale_all_dim"),
         attention_factor=f_or_none("attention_factor"), truncate=bool(src.get("truncate", True)))
 

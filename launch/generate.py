@@ -147,7 +147,7 @@ def _stream(llm, prompt, messages, sp):
     """Generate one request step by step on LLM's batch engine, printing text as tokens arrive
     (through the streaming detokenizer, which never splits a UTF-8 character)."""
     if messages is not None:
-        ids = llm.tokenizer.encode(llm.render_chat(messages), allow_special=True)
+        ids = llm.encode_chat(messages)
     else:
         ids = llm.tokenizer.encode(prompt)
     engine = llm.batch_engine()

@@ -27,26 +27,47 @@ class SamplingParams:
     logprobs: Optional[int] = None
     include_stop_str_in_output: bool = False
 
-    def validate(self) -> None:
-        """Raise ValueError naming the parameter at fault."""
-        if not (self.temperature >= 0.0):
+    def validate(self, vocab_size: Optional[int] = None) -> None:
+        """Raise ValueError naming the parameter at fault. vocab_size: also check the values that
+        depend on the model (logprobs, stop_token_ids)."""
+        # ---- types and ranges of every field (kimi_jax.engine.validation) ----
+        from kimi_jax.engine.validation import check_finite, check_seed, is_int
+        check_finite("temperature", self.temperature)
+        if self.temperature < 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        check_finite("top_p", self.top_p)
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1 or int(self.top_k) != self.top_k:
-            raise ValueError(f"top_k must be -1 (off) or a positive integer, got {self.top_k}")
+        if not is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
+        check_finite("min_p", self.min_p)
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and (int(self.max_tokens) != self.max_tokens or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens}")
-        if self.logprobs is not None and (int(self.logprobs) != self.logprobs or self.logprobs < 0):
-            raise ValueError(f"logprobs must be a non-negative integer, got {self.logprobs}")
-        if self.stop_token_ids is not None and any(int(t) != t or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
+        if self.stop_token_ids is not None:
+            if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Sequence):
+                raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+            if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if self.stop is not None:
+            if not isinstance(self.stop, (str, Sequence)):
+                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
             stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
             if any(not isinstance(s, str) or not s for s in stops):
                 raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if not isinstance(self.ignore_eos, bool) or not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError("ignore_eos and include_stop_str_in_output must be booleans")
+        check_seed(self.seed)
+        # ---- values checked against the model ----
+        if vocab_size is not None:
+            if self.logprobs is not None and self.logprobs > vocab_size:
+                raise ValueError(f"logprobs={self.logprobs} is more than the vocabulary ({vocab_size} tokens)")
+            if self.stop_token_ids and any(t >= vocab_size for t in self.stop_token_ids):
+                raise ValueError(f"stop_token_ids {list(self.stop_token_ids)} reach outside the vocabulary "
+                                 f"[0, {vocab_size})")
 
     @property
     def stop_strings(self) -> list[str]:
@@ -74,15 +95,19 @@ class SamplingArrays:
         # per step than creating device arrays one by one here
         return SamplingArrays(
             temperature=np.asarray([p.temperature for p in params], np.float32),
-            top_k=np.asarray([p.top_k for p in params], np.int32),
+            # top_k at or above the vocabulary keeps every token: off (and int32-safe)
+            top_k=np.asarray([p.top_k if 0 < p.top_k < 2 ** 31 else -1 for p in params], np.int32),
             top_p=np.asarray([p.top_p for p in params], np.float32),
             min_p=np.asarray([p.min_p for p in params], np.float32),
             key=np.asarray(keys, np.uint32))
 
 
 def key_data_for_seed(seed: int) -> np.ndarray:
-    """The raw uint32 key of a request's random stream (computed once per request)."""
-    return np.asarray(jax.random.key_data(jax.random.PRNGKey(seed)), np.uint32)
+    """The raw uint32 key of a request's random stream (computed once per request): the seed modulo
+    2^64 as (high, low) 32-bit words, which is `jax.random.PRNGKey(seed)` for 0 <= seed < 2^32 and keeps
+    every 64-bit seed distinct."""
+    s = int(seed) % 2 ** 64
+    return np.asarray([s >> 32, s & 0xFFFFFFFF], np.uint32)
 
 
 def _filtered_sorted(logits_BV, sp: SamplingArrays):

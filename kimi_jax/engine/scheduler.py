@@ -48,10 +48,7 @@ from kimi_jax.engine.steps import Engine, bucket
 from kimi_jax.engine.sampling import SamplingArrays, SamplingParams, key_data_for_seed
 from kimi_jax.engine.sampling import sample_mode as sample_mode_of
 from kimi_jax.engine.speculative import SpecState, SpeculativeConfig
-
-
-class RequestError(ValueError):
-    """A request that cannot run; it fails alone."""
+from kimi_jax.engine.validation import RequestError, check_prompt_ids, check_request
 
 
 @dataclasses.dataclass
@@ -91,14 +88,7 @@ class Request:
 
 
 def validate_prompt(prompt_ids, vocab_size: int, max_model_len: int) -> None:
-    if not prompt_ids:
-        raise RequestError("empty prompt")
-    bad = [t for t in prompt_ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size]
-    if bad:
-        raise RequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
-    if len(prompt_ids) >= max_model_len:
-        raise RequestError(f"prompt of {len(prompt_ids)} tokens leaves no room under "
-                           f"max_model_len={max_model_len}")
+    check_prompt_ids(prompt_ids, vocab_size, max_model_len)
 
 
 @dataclasses.dataclass
@@ -182,11 +172,8 @@ class BatchEngine:
     def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
                      prompt: Optional[str] = None) -> Request:
         """Validate and build a request; RequestError names what is wrong."""
-        try:
-            params.validate()
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        validate_prompt(prompt_ids, self.engine.cfg.vocab_size, self.max_model_len)
+        prompt_ids = check_request(prompt_ids, params, vocab_size=self.engine.cfg.vocab_size,
+                                   max_model_len=self.max_model_len)
         if -(-len(prompt_ids) // self.page_size) + 1 > self.pool.per_part:
             raise RequestError(f"prompt of {len(prompt_ids)} tokens does not fit in the cache "
                                f"({self.pool.per_part} pages of {self.page_size} tokens"
@@ -248,12 +235,16 @@ class BatchEngine:
             if r in self.running and self._ensure_pages(r, r.num_computed + n, [q for q, _ in rows]):
                 rows.append((r, n))
                 budget -= n
+            elif r in self.running and self._alone(r):
+                finished.append(self._stop_at_pool_limit(r))
         if rows:
             finished += self._run(rows)
         ready = []
         for r in [r for r in self.running if r.pending == 1 and r.finish_reason is None]:
             if r in self.running and self._ensure_pages(r, r.num_computed + 1, ready):
                 ready.append(r)
+            elif r in self.running and self._alone(r):
+                finished.append(self._stop_at_pool_limit(r))
         drafts = {id(r): self._drafts(r) for r in ready}
         # any drafts worth it: every ready row goes through ONE verification pass over the weights (rows
         # without drafts verify nothing and just decode), never a decode pass and a verify pass
@@ -311,6 +302,17 @@ class BatchEngine:
                 return False
             self._preempt(victims[-1])
         return True
+
+    def _alone(self, r: Request) -> bool:
+        """No other running request holds pages of r's rank: if r cannot get a page now, none will
+        ever be freed for it."""
+        return not any(v is not r and v.rank == r.rank for v in self.running)
+
+    def _stop_at_pool_limit(self, r: Request) -> Request:
+        """Finish r where it is ("length"): it has outgrown the page pool of its rank."""
+        r.finish_reason = "length"
+        r.finished_time = time.time()
+        return r
 
     def _pages_short(self, r: Request, upto: int) -> int:
         """Pages r lacks to hold positions [0, upto) (<= 0: none)."""
@@ -596,6 +598,12 @@ class BatchEngine:
         r.stop_reason = s
         return True
 
+    def _unblock(self) -> Request:
+        """Finish the first running (else waiting) request at the pool's limit and free its pages."""
+        r = self.running[0] if self.running else self.waiting.popleft()
+        self._release(self._stop_at_pool_limit(r))
+        return r
+
     # ---- driving ------------------------------------------------------------------------------
     def run(self, on_finish: Optional[Callable[[Request], None]] = None, progress: bool = False,
             feed: Optional[Callable[[], bool]] = None) -> None:
@@ -606,6 +614,7 @@ class BatchEngine:
             from tqdm import tqdm
             bar = tqdm(desc="requests", unit="req", total=None)
         more = feed is not None
+        idle = 0                  # consecutive steps that ran no pass and finished nothing
         while True:
             if more and len(self.waiting) < self.max_num_seqs:
                 more = feed()
@@ -613,7 +622,13 @@ class BatchEngine:
                 if not more:
                     break
                 continue
-            for r in self.step():
+            steps0 = self.stats["steps"]
+            done = self.step()
+            idle = 0 if done or self.stats["steps"] != steps0 or self._inflight is not None else idle + 1
+            if idle >= 3:         # no request can make progress: the first one ends where it is
+                done = [self._unblock()]
+                idle = 0
+            for r in done:
                 if on_finish is not None:
                     on_finish(r)
                 if bar is not None:

@@ -66,13 +66,14 @@ def parse_line(line: str, lineno: int, default_max_tokens: int) -> Job:
     logprobs = body.get("logprobs")
     if isinstance(logprobs, bool):
         logprobs = body.get("top_logprobs", 0) if logprobs else None
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens))
     try:
+        # values go in as given: SamplingParams.validate checks their types (no silent int()/float())
         params = SamplingParams(
-            temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
-            top_k=int(body.get("top_k", -1)), min_p=float(body.get("min_p", 0.0)),
-            max_tokens=body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens)),
+            temperature=body.get("temperature", 1.0), top_p=body.get("top_p", 1.0),
+            top_k=body.get("top_k", -1), min_p=body.get("min_p", 0.0), max_tokens=max_tokens,
             stop=body.get("stop"), stop_token_ids=body.get("stop_token_ids"),
-            ignore_eos=bool(body.get("ignore_eos", False)), seed=body.get("seed"), logprobs=logprobs)
+            ignore_eos=body.get("ignore_eos", False), seed=body.get("seed"), logprobs=logprobs)
         params.validate()
     except (TypeError, ValueError) as e:
         raise LineError(f"line {lineno}: {e}") from None
@@ -80,7 +81,16 @@ def parse_line(line: str, lineno: int, default_max_tokens: int) -> Job:
         if not isinstance(body["messages"], list) or not body["messages"]:
             raise LineError(f"line {lineno}: messages must be a non-empty list")
         return Job(cid, "chat", messages=body["messages"], params=params)
-    return Job(cid, "completion", prompt=body["prompt"], params=params)
+    prompt = body["prompt"]
+    if not isinstance(prompt, (str, list)) or (isinstance(prompt, str) and not prompt):
+        raise LineError(f"line {lineno}: prompt must be a non-empty string or a list of token ids, "
+                        f"got {_one_line(json.dumps(prompt), 60)}")
+    return Job(cid, "completion", prompt=prompt, params=params)
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def custom_id_of(line: str, lineno: int) -> str:
@@ -114,28 +124,42 @@ def error_line(custom_id: str, message: str) -> dict:
             "error": {"code": "invalid_request", "message": message}}
 
 
+class OutputFileError(ValueError):
+    """An output file kimi-batch cannot append to (not its own results, or not writable)."""
+
+
 class ResultWriter:
     """Appends output lines durably and knows which custom_ids are already done."""
 
     def __init__(self, path: str):
         self.path = path
         self.done: set[str] = set()
-        if os.path.exists(path):
-            self._recover()
-        self._f = open(path, "a", encoding="utf-8")
+        try:
+            if os.path.exists(path):
+                self._recover()
+            self._f = open(path, "a", encoding="utf-8")
+        except OSError as e:
+            raise OutputFileError(f"{path}: cannot write the output file ({e.strerror or e})") from None
 
     def _recover(self) -> None:
         with open(self.path, "rb") as f:
             data = f.read()
         keep = data.rfind(b"\n") + 1          # a torn last line (kill -9 mid-write) is dropped
+        for lineno, raw in enumerate(data[:keep].splitlines(), start=1):
+            try:
+                obj = json.loads(raw)
+                ok = (isinstance(obj, dict) and isinstance(obj.get("custom_id"), str)
+                      and {"response", "error"} <= obj.keys())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                ok = False
+            if not ok:
+                raise OutputFileError(f"{self.path}:{lineno}: the output file holds a line that is not a "
+                                      f"kimi-batch result ({_one_line(raw[:80].decode('utf-8', 'replace'), 60)}); "
+                                      "give another --output")
+            self.done.add(obj["custom_id"])
         if keep < len(data):
             with open(self.path, "r+b") as f:
                 f.truncate(keep)
-        for raw in data[:keep].splitlines():
-            try:
-                self.done.add(json.loads(raw)["custom_id"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ValueError(f"{self.path}: existing output line is not a result line: {raw[:80]!r}")
 
     def write(self, record: dict) -> None:
         cid = record["custom_id"]

@@ -138,10 +138,11 @@ class LLM:
                  num_pages: Optional[int] = None, gpu_memory_utilization: float = 0.9,
                  prefill_chunk: Optional[int] = None, max_prefill_tokens: int = 2048,
                  speculative_config=None, overlap_scheduling: bool = True,
-                 compilation_cache_dir: Optional[str] = None):
+                 compilation_cache_dir: Optional[str] = None, check_finite_weights: bool = True):
         """compilation_cache_dir: the persistent JAX compilation cache (kimi_jax.entrypoints.
         compilation_cache; 'none': off). Default: $KIMI_JAX_CACHE_DIR, else ~/.cache/kimi_jax/xla,
-        unless the user configured JAX's own cache (then that one)."""
+        unless the user configured JAX's own cache (then that one). check_finite_weights: refuse a
+        checkpoint tensor holding NaN or Inf while it loads."""
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported (choose one of {sorted(_DTYPES)})")
         if tensor_parallel_size < 1 or data_parallel_size < 1:
@@ -169,6 +170,7 @@ class LLM:
             raise ValueError(f"model={model!r} is neither a checkpoint directory nor a preset {PRESETS}")
         self.layout.check_divisible(self.config)
         compilation_cache.enable(compilation_cache_dir)
+        self.check_finite_weights = check_finite_weights
         with progress.phase("loading weights" if self.model_path else "making random weights"):
             net = self._build(seed)
         self.tokenizer = self._load_tokenizer(tokenizer or self.model_path)
@@ -215,7 +217,7 @@ class LLM:
         cfg, layout, dtype = self.config, self.layout, self.dtype
         if self.model_path is None:
             return random_model(cfg, layout, dtype, seed)
-        return load_model(self.model_path, cfg, layout, dtype)
+        return load_model(self.model_path, cfg, layout, dtype, check_finite=self.check_finite_weights)
 
     @staticmethod
     def _load_tokenizer(path):
@@ -229,14 +231,17 @@ class LLM:
 
     # ---- inputs -------------------------------------------------------------------------------
     def token_ids(self, prompt: Prompt, i: int) -> list[int]:
-        """Token ids of a prompt (text is tokenized); validity is checked by the batch engine."""
+        """Token ids of a prompt (text is tokenized); the ids' values are checked by the batch engine."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"request {i}: a text prompt needs a tokenizer, and the checkpoint "
                                  f"{self.model_path or '(preset)'} has no tiktoken.model; pass token ids")
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt_token_ids"]
+        if isinstance(prompt, (bytes, dict)) or not isinstance(prompt, (Sequence, np.ndarray)):
+            raise ValueError(f"request {i}: prompt must be text or a list of token ids, got "
+                             f"{type(prompt).__name__}")
         return list(prompt)
 
     # ---- API ----------------------------------------------------------------------------------
@@ -265,12 +270,17 @@ class LLM:
         ids = [self.token_ids(p, i) for i, p in enumerate(prompts)]
         be = self.batch_engine()
         reqs = []
+        # every request is checked before any runs (kimi_jax.engine.validation): one bad value fails the
+        # call up front, naming the request and the field
         for i, (p, t, sp) in enumerate(zip(prompts, ids, sps)):
-            seed = sp.seed if sp.seed is not None else self._rng.getrandbits(31)
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"request {i}: sampling_params must be SamplingParams, got {type(sp).__name__}")
             try:
+                sp.validate(vocab_size=self.config.vocab_size)
+                seed = sp.seed if sp.seed is not None else self._rng.getrandbits(31)
                 reqs.append(be.make_request(str(self._next_id + i), t, sp, seed,
                                             prompt=p if isinstance(p, str) else None))
-            except RequestError as e:
+            except (RequestError, ValueError, TypeError) as e:
                 raise ValueError(f"request {i}: {e}") from None
         self._next_id += len(reqs)
         for r in reqs:
@@ -317,6 +327,24 @@ class LLM:
             self._chat_template = tmpl
         return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
 
+    def encode_chat(self, messages, *, add_generation_prompt: bool = True, tools=None,
+                    chat_template: Optional[str] = None) -> list[int]:
+        """Prompt token ids of one conversation: the checkpoint's chat template (sandboxed, bounded)
+        with only its own markup as special tokens; text from the messages and tools always encodes as
+        plain text (kimi_jax.text.conversation)."""
+        from kimi_jax.text.chat_template import ChatTemplate
+        from kimi_jax.text.conversation import encode_conversation
+        if self.tokenizer is None:
+            raise ValueError(f"chat needs a tokenizer; {self.model_path or 'this preset'} has none")
+        if chat_template is not None:
+            tmpl = ChatTemplate(chat_template)
+        else:
+            if self._chat_template is None:
+                self._chat_template = ChatTemplate.from_pretrained(self.model_path)
+            tmpl = self._chat_template
+        return encode_conversation(tmpl, self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                                   tools=tools)
+
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None, *,
              add_generation_prompt: bool = True, tools=None, chat_template: Optional[str] = None,
              use_tqdm: bool = False):
@@ -329,7 +357,7 @@ class LLM:
 
     def chat_prompt_ids(self, messages, *, add_generation_prompt: bool = True, tools=None,
                         chat_template: Optional[str] = None) -> list[int]:
-        """The prompt token ids of one conversation, as `chat` feeds them (the server uses this too)."""
-        return self.tokenizer.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt,
-                                                      tools=tools, chat_template=chat_template),
-                                     allow_special=True)
+        """The prompt token ids of one conversation, as `chat` feeds them (the server uses this too):
+        `encode_chat` (message text never becomes special tokens)."""
+        return self.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                chat_template=chat_template)

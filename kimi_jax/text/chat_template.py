@@ -13,10 +13,16 @@ attempt to read an unsafe attribute (``__class__``, ``__globals__``, ``mro``, mu
 """
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+import functools
 import json
+import math
 import os
+import re
+import threading
 from datetime import datetime
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import jinja2
 import jinja2.ext
@@ -24,7 +30,7 @@ import jinja2.nodes
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "ChatTemplateNotFound", "validate_messages", "VALID_ROLES"]
+__all__ = ["ChatTemplate", "ChatTemplateError", "RenderLimits", "ChatTemplateNotFound", "validate_messages", "VALID_ROLES"]
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -45,11 +51,150 @@ def _one_line(text: Any, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+@dataclasses.dataclass(frozen=True)
+class RenderLimits:
+    """Bounds on one render of an (untrusted) template: wall-clock seconds, characters of output and of
+    any one value the template builds (a string or list made by ``*`` / ``+`` / ``%``, a value stored
+    in a namespace, an argument of a call or filter), items of one ``range``, and bits of a power."""
+    timeout_s: float = 10.0
+    max_output_chars: int = 32 * 2 ** 20
+    max_value_len: int = 32 * 2 ** 20
+    max_range: int = 100_000
+    max_pow_bits: int = 4096
+
+
+class _TemplateTimeout(BaseException):
+    """Raised inside the rendering thread when the render's deadline passes."""
+
+
+class _LimitError(SecurityError):
+    """A render that exceeds one of its RenderLimits."""
+
+
+def _size(v: Any) -> int:
+    return len(v) if isinstance(v, (str, bytes, list, tuple, dict)) else 0
+
+
 class _StrictSandbox(ImmutableSandboxedEnvironment):
-    """transformers' sandbox, but an unsafe attribute access fails at once instead of yielding Undefined."""
+    """transformers' sandbox, but an unsafe attribute access fails at once instead of yielding
+    Undefined, and every render is bounded (RenderLimits): ``*``, ``+``, ``%`` and ``**`` are checked
+    before they compute, calls and filters refuse oversized arguments, ``range`` is capped."""
+
+    intercepted_binops = frozenset({"*", "+", "%", "**"})
+
+    def __init__(self, limits: "RenderLimits", **kw):
+        super().__init__(**kw)
+        self.limits = limits
 
     def unsafe_undefined(self, obj: Any, attribute: str):
         raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+    def _check_len(self, n: int, what: str) -> None:
+        if n > self.limits.max_value_len:
+            raise _LimitError(f"{what} would hold {n} items, over the limit of {self.limits.max_value_len}")
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        lim = self.limits
+        if operator == "*":
+            for seq, k in ((left, right), (right, left)):
+                if _size(seq) and isinstance(k, int):
+                    self._check_len(_size(seq) * max(k, 0), "a repeated string or list")
+        elif operator == "+" and _size(left) and _size(right):
+            self._check_len(_size(left) + _size(right), "a concatenation")
+        elif operator == "%" and isinstance(left, str):
+            self._check_format(left, right)
+        elif operator == "**" and isinstance(left, (int, float)) and isinstance(right, (int, float)):
+            if abs(left) > 1 and right > 0 and right * math.log2(abs(left)) > lim.max_pow_bits:
+                raise _LimitError(f"power {left!r} ** {right!r} is over {lim.max_pow_bits} bits")
+        return super().call_binop(context, operator, left, right)
+
+    def _check_format(self, fmt: str, args: Any) -> None:
+        """printf / str.format widths: literal ones and numbers passed for them are capped."""
+        if re.search(r"\d{7,}", fmt):
+            raise _LimitError("a format width of more than 6 digits")
+        for a in args if isinstance(args, (tuple, list)) else (args,):
+            if isinstance(a, int) and not isinstance(a, bool) and abs(a) > self.limits.max_value_len:
+                if "*" in fmt or "{" in fmt:
+                    raise _LimitError(f"a format width of {a}")
+
+    def _check_args(self, name: str, args, kwargs) -> None:
+        for a in (*args, *kwargs.values()):
+            self._check_len(_size(a), f"an argument of {name}")
+            if isinstance(a, int) and not isinstance(a, bool) and abs(a) > self.limits.max_value_len:
+                raise _LimitError(f"{name} called with {a}, over the limit of {self.limits.max_value_len}")
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
+        name = getattr(__obj, "__name__", type(__obj).__name__)
+        if name in _AMPLIFYING_METHODS or name in ("format", "format_map"):
+            __self._check_args(name, args, kwargs)
+        else:
+            for a in (*args, *kwargs.values()):
+                __self._check_len(_size(a), f"an argument of {name}")
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+# str methods whose integer argument sets the size of the result
+_AMPLIFYING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
+# filters whose arguments set the size of the result
+_AMPLIFYING_FILTERS = ("center", "indent", "format", "wordwrap", "truncate", "batch", "slice", "join",
+                       "replace")
+
+
+def _bounded_filter(env: "_StrictSandbox", name: str, fn):
+    @functools.wraps(fn)
+    def bounded(*args, **kwargs):
+        # pass-context / pass-environment filters take that first: check the rest
+        env._check_args(f"filter {name!r}", [a for a in args if not isinstance(a, (jinja2.Environment,
+                                                                                  jinja2.runtime.Context,
+                                                                                  jinja2.nodes.EvalContext))][1:], kwargs)
+        out = fn(*args, **kwargs)
+        env._check_len(_size(out), f"the result of filter {name!r}")
+        return out
+    return bounded
+
+
+class _BoundedRange:
+    """``range`` for templates: at most RenderLimits.max_range items."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+
+    def __call__(self, *args):
+        rng = range(*args)
+        if len(rng) > self.limit:
+            raise _LimitError(f"range of {len(rng)} items, over the limit of {self.limit}")
+        return rng
+
+
+class _Deadline:
+    """Raises _TemplateTimeout in the calling thread once `seconds` have passed (an asynchronous
+    exception: it interrupts a template loop that calls nothing); cancelled on exit, a pending one
+    cleared."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.lock = threading.Lock()
+        self.state = "running"
+
+    def _fire(self) -> None:
+        with self.lock:
+            if self.state == "running":
+                self.state = "fired"
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.tid), ctypes.py_object(_TemplateTimeout))
+
+    def __enter__(self) -> "_Deadline":
+        self.tid = threading.get_ident()
+        self.timer = threading.Timer(self.seconds, self._fire)
+        self.timer.daemon = True
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self.lock:
+            if self.state == "fired":         # raised, or still pending: clear it
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.tid), None)
+            self.state = "done"
+        self.timer.cancel()
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -67,7 +212,10 @@ class _GenerationTag(jinja2.ext.Extension):
 
 
 class _TemplateNamespace(jinja2.utils.Namespace):
-    """``namespace()`` that refuses underscore-prefixed names (no reaching internals through it)."""
+    """``namespace()`` that refuses underscore-prefixed names (no reaching internals through it) and
+    values over the render's max_value_len (`_make_env` makes the subclass that sets it)."""
+
+    max_value_len = RenderLimits().max_value_len
 
     def __init__(*args, **kwargs):
         self, args = args[0], args[1:]
@@ -78,6 +226,8 @@ class _TemplateNamespace(jinja2.utils.Namespace):
 
     def __setitem__(self, name, value):
         _TemplateNamespace._check(name)
+        if _size(value) > type(self).max_value_len:
+            raise _LimitError(f"namespace attribute {name!r} would hold {_size(value)} items")
         jinja2.utils.Namespace.__setitem__(self, name, value)
 
     @staticmethod
@@ -108,13 +258,19 @@ def _strftime_now(fmt):
     return datetime.now().strftime(fmt)
 
 
-def _make_env() -> jinja2.Environment:
-    env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+def _make_env(limits: RenderLimits) -> jinja2.Environment:
+    env = _StrictSandbox(limits, trim_blocks=True, lstrip_blocks=True,
+                         extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
+    for name in _AMPLIFYING_FILTERS:
+        if name in env.filters:
+            env.filters[name] = _bounded_filter(env, name, env.filters[name])
+    env.globals["range"] = _BoundedRange(limits.max_range)
+    env.globals.pop("lipsum", None)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _TemplateNamespace
+    env.globals["namespace"] = type("namespace", (_TemplateNamespace,), {"max_value_len": limits.max_value_len})
     return env
 
 
@@ -218,15 +374,17 @@ class ChatTemplate:
         *,
         special_tokens: Optional[Mapping[str, str]] = None,
         path: Optional[str] = None,
+        limits: RenderLimits = RenderLimits(),
     ):
         if not isinstance(source, str):
             raise ChatTemplateError(f"{path or 'chat template'}: template must be a string, got {type(source).__name__}")
         self.source = source
         self.path = path
         self.special_tokens = dict(special_tokens or {})
+        self.limits = limits
         where = path or "chat template"
         try:
-            self._template = _make_env().from_string(source)
+            self._template = _make_env(limits).from_string(source)
         except TemplateSyntaxError as e:
             raise ChatTemplateError(f"{where}:{e.lineno}: chat template syntax error: {_one_line(e.message)}") from None
         except TemplateError as e:
@@ -279,10 +437,16 @@ class ChatTemplate:
         *,
         add_generation_prompt: bool = True,
         tools: Optional[Sequence[Mapping[str, Any]]] = None,
+        escape: Optional[Callable[[Any], Any]] = None,
         **kwargs: Any,
     ) -> str:
         """Render a conversation to the prompt string (what transformers' ``apply_chat_template(...,
-        tokenize=False)`` returns for the same template, messages and special tokens)."""
+        tokenize=False)`` returns for the same template, messages and special tokens).
+
+        escape: applied to the messages, tools, documents and kwargs (plain JSON values) before the
+        template sees them (kimi_jax.text.conversation marks message text with it). The render is
+        bounded by the template's RenderLimits; going over one is a ChatTemplateError naming the
+        template."""
         chat = validate_messages(messages)
         # transformers aliases reasoning fields so templates reading any of the names see the reasoning.
         for i, m in enumerate(chat):
@@ -297,16 +461,31 @@ class ChatTemplate:
                     raise ChatTemplateError(f"tools[{j}]: must be a JSON-schema dict, got {type(t).__name__}")
             tools = _plain(tools, "tools")
         documents = _plain(kwargs.pop("documents", None), "documents")
-        variables = {**self.special_tokens, **_plain(kwargs, "template kwargs")}
+        extra = _plain(kwargs, "template kwargs")
+        if escape is not None:
+            chat, tools, documents, extra = escape(chat), escape(tools), escape(documents), escape(extra)
+        variables = {**self.special_tokens, **extra}
         where = self.path or "chat template"
+        lim = self.limits
+        out: list[str] = []
+        n = 0
         try:
-            return self._template.render(
-                messages=chat,
-                tools=tools,
-                documents=documents,
-                add_generation_prompt=bool(add_generation_prompt),
-                **variables,
-            )
+            with _Deadline(lim.timeout_s):
+                for piece in self._template.generate(messages=chat, tools=tools, documents=documents,
+                                                     add_generation_prompt=bool(add_generation_prompt),
+                                                     **variables):
+                    n += len(piece)
+                    if n > lim.max_output_chars:
+                        raise _LimitError(f"output over the limit of {lim.max_output_chars} characters")
+                    out.append(piece)
+            return "".join(out)
+        except _TemplateTimeout:
+            raise ChatTemplateError(f"{where}: chat template took longer than {lim.timeout_s:g} s "
+                                    "to render; refused") from None
+        except _LimitError as e:
+            raise ChatTemplateError(f"{where}: chat template refused: {_one_line(e)}") from None
+        except MemoryError:
+            raise ChatTemplateError(f"{where}: chat template ran out of memory") from None
         except SecurityError as e:
             raise ChatTemplateError(f"{where}: refused by the sandbox: {_one_line(e)}") from None
         except TemplateError as e:

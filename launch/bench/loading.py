@@ -38,6 +38,8 @@ flags.DEFINE_integer("rounds", 2, "raw-read + load rounds")
 flags.DEFINE_integer("workers", None, "loader threads (default: the loader's)")
 flags.DEFINE_integer("raw_workers", 8, "threads for the raw read")
 flags.DEFINE_bool("drop_caches", True, "drop the page cache before each timed read (needs root)")
+flags.DEFINE_enum("finite_check", "on", ["on", "off", "both"], "load_model's NaN / Inf check of every "
+                  "tensor (check_finite); both: each round also times a load without it (cache dropped again)")
 flags.DEFINE_string("report", None, "write a markdown report here (and JSON next to it)")
 
 
@@ -182,13 +184,28 @@ def main(argv):
         row.update(fresh_s=dt, fresh_gbps=n / 1e9 / dt)
         print(f"round {rnd}: raw read into fresh memory {n / 1e9:.2f} GB in {dt:.2f}s = "
               f"{n / 1e9 / dt:.2f} GB/s", flush=True)
+        if FLAGS.finite_check == "both":        # the same load without the finite check, first
+            net = None
+            gc.collect()
+            row["nocheck_cache"] = drop_caches()
+            t0 = time.perf_counter()
+            net = param_arrays(load_model(FLAGS.model, ModelConfig.from_pretrained(FLAGS.model), Layout(),
+                                          jnp.bfloat16, check=False, check_finite=False, **kw))
+            jax.block_until_ready(net)
+            dt = time.perf_counter() - t0
+            row.update(nocheck_s=dt, nocheck_gbps=res["file_bytes"] / 1e9 / dt)
+            print(f"round {rnd}: load_model without the finite check in {dt:.2f}s = "
+                  f"{row['nocheck_gbps']:.2f} GB/s of the files ({row['nocheck_cache']})", flush=True)
+            net = None
+            gc.collect()
         row["load_cache"] = drop_caches()
         _reset_peak()
         base = _status("VmRSS")
         stats = loader.LoadStats()
         t0 = time.perf_counter()
         cfg = ModelConfig.from_pretrained(FLAGS.model)
-        net = param_arrays(load_model(FLAGS.model, cfg, Layout(), jnp.bfloat16, check=False, stats=stats, **kw))
+        net = param_arrays(load_model(FLAGS.model, cfg, Layout(), jnp.bfloat16, check=False, stats=stats,
+                                         check_finite=FLAGS.finite_check != "off", **kw))
         jax.block_until_ready(net)
         dt = time.perf_counter() - t0
         model_bytes = sum(v.nbytes for v in net.values())

@@ -1,0 +1,73 @@
+"""Checks of one request's values against the model, shared by every entry point (LLM.generate,
+kimi-batch, the server): a bad request fails alone, with a one-line message naming the field.
+
+`check_prompt_ids` (token ids: integers, not booleans, inside the vocabulary, shorter than the
+context), `check_seed` (an integer that fits 64 bits) and `check_request` (both, plus
+`SamplingParams.validate(vocab_size=...)`). Errors are `RequestError` (a ValueError).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+SEED_MIN, SEED_END = -(2 ** 63), 2 ** 64        # seeds are taken modulo 2^64
+
+
+class RequestError(ValueError):
+    """A request that cannot run; it fails alone."""
+
+
+def is_int(v: Any) -> bool:
+    """A Python or numpy integer, not a boolean."""
+    return isinstance(v, (numbers.Integral, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def is_real(v: Any) -> bool:
+    """A real number (int or float, numpy included), not a boolean."""
+    return isinstance(v, (numbers.Real, np.floating, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def check_prompt_ids(prompt_ids: Any, vocab_size: int, max_model_len: Optional[int]) -> list[int]:
+    """The prompt as a list of Python ints; RequestError naming the first bad id."""
+    if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, (Sequence, np.ndarray)):
+        raise RequestError(f"prompt must be text or a list of token ids, got {type(prompt_ids).__name__}")
+    if len(prompt_ids) == 0:
+        raise RequestError("empty prompt")
+    for i, t in enumerate(prompt_ids):
+        if not is_int(t):
+            raise RequestError(f"prompt token {i} is {t!r} ({type(t).__name__}), not an integer token id")
+        if not 0 <= t < vocab_size:
+            raise RequestError(f"token id {int(t)} is outside the vocabulary [0, {vocab_size})")
+    if max_model_len is not None and len(prompt_ids) >= max_model_len:
+        raise RequestError(f"prompt of {len(prompt_ids)} tokens leaves no room under "
+                           f"max_model_len={max_model_len}")
+    return [int(t) for t in prompt_ids]
+
+
+def check_seed(seed: Any) -> Optional[int]:
+    if seed is None:
+        return None
+    if not is_int(seed):
+        raise RequestError(f"seed must be an integer, got {seed!r} ({type(seed).__name__})")
+    if not SEED_MIN <= seed < SEED_END:
+        raise RequestError(f"seed {seed} does not fit 64 bits (need {SEED_MIN} <= seed < 2^64)")
+    return int(seed)
+
+
+def check_finite(name: str, v: Any) -> None:
+    if not is_real(v) or not math.isfinite(v):
+        raise RequestError(f"{name} must be a finite number, got {v!r}")
+
+
+def check_request(prompt_ids: Any, params, *, vocab_size: int, max_model_len: Optional[int]) -> list[int]:
+    """Validate a request's sampling parameters and prompt ids against the model; the ids as ints."""
+    try:
+        params.validate(vocab_size=vocab_size)
+    except RequestError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise RequestError(str(e)) from None
+    return check_prompt_ids(prompt_ids, vocab_size, max_model_len)
