@@ -69,6 +69,7 @@ class Request:
     num_cached_tokens: int = 0            # prompt tokens taken from the prefix cache when first admitted
     page_hashes: list = dataclasses.field(default_factory=list)   # chained hashes of its full pages
     num_registered: int = 0               # leading pages registered in the prefix cache
+    cache_queried: bool = False           # its prefix was looked up since it was admitted
     pages: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict] = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0
@@ -214,14 +215,27 @@ class BatchEngine:
                 return self._overlap_advance()
             finished += self.drain()
         self._admit()
-        budget, rows = self.max_prefill_tokens, []
+        budget, rows, filling = self.max_prefill_tokens, [], set()
         for r in [r for r in self.running if r.pending > 1]:
+            if self.pool.caching and r.num_computed == r.num_registered * self.page_size == len(r.pages) * self.page_size:
+                # prefix caching: until a request computes anything it takes its cached prefix, when its
+                # first chunk is scheduled (pages cached since its admission count); one whose next page
+                # another row of this step is computing waits a step and then reads that page instead
+                self._take_cached_prefix(r)
+                nxt = r.num_computed // self.page_size
+                if nxt < len(r.page_hashes) and r.page_hashes[nxt] in filling:
+                    continue
+                if r.pending <= 1:
+                    continue
             n = min(r.pending, self.prefill_chunk, budget)
             if n <= 0:
                 break
             if r in self.running and self._ensure_pages(r, r.num_computed + n, [q for q, _ in rows]):
                 rows.append((r, n))
                 budget -= n
+                if self.pool.caching:
+                    chain_hashes(r.tokens, self.page_size, r.page_hashes)
+                    filling.update(r.page_hashes[r.num_computed // self.page_size:(r.num_computed + n) // self.page_size])
         if rows:
             finished += self._run(rows)
         ready = []
@@ -262,8 +276,6 @@ class BatchEngine:
             r = self.waiting.popleft()
             r.rank = rank
             self.running.append(r)
-            if self.pool.caching and r.num_computed == 0:
-                self._take_cached_prefix(r)
 
     def _cacheable_hashes(self, r: Request) -> list[bytes]:
         """Hashes of the pages of r's tokens that a cache hit may cover: full pages before its last
@@ -272,12 +284,15 @@ class BatchEngine:
         return r.page_hashes[:(len(r.tokens) - 1) // self.page_size]
 
     def _take_cached_prefix(self, r: Request) -> None:
-        """Start r from the cached pages of its longest cached prefix (prefix caching)."""
-        pages = self.pool.acquire(self._cacheable_hashes(r), r.rank)
-        r.pages, r.num_computed = pages, len(pages) * self.page_size
-        r.num_registered = len(pages)
-        self.stats["prefix_cache_queries"] += len(r.tokens)
-        self.stats["prefix_cache_hits"] += r.num_computed
+        """Extend r's pages, which hold only cached pages, by the cached pages that follow them."""
+        if not r.cache_queried:
+            r.cache_queried = True
+            self.stats["prefix_cache_queries"] += len(r.tokens)
+        more = self.pool.acquire(self._cacheable_hashes(r)[len(r.pages):], r.rank)
+        r.pages += more
+        r.num_computed = r.num_registered = len(r.pages)
+        r.num_computed *= self.page_size
+        self.stats["prefix_cache_hits"] += len(more) * self.page_size
         if r.num_preemptions == 0:
             r.num_cached_tokens = r.num_computed
 
@@ -324,7 +339,7 @@ class BatchEngine:
     def _preempt(self, r: Request) -> None:
         self.running.remove(r)
         self.pool.give(r.pages, r.rank)
-        r.pages, r.num_computed, r.num_registered = [], 0, 0
+        r.pages, r.num_computed, r.num_registered, r.cache_queried = [], 0, 0, False
         r.num_preemptions += 1
         self.stats["preemptions"] += 1
         self.waiting.appendleft(r)
