@@ -166,3 +166,15 @@ def test_no_hits_without_caching(ckpt):
     ps = shared_prefix_prompts(2, 16)
     _, reqs, be = run(LLM(ckpt, dtype="float32", page_size=4, enable_prefix_caching=False), ps, greedy(2))
     assert be.stats["prefix_cache_hits"] == 0 and all(r.num_cached_tokens == 0 for r in reqs)
+
+
+def test_a_repeated_workload_compiles_nothing_new(ckpt):
+    """The first decode step's host-fed tokens are committed like the steps' own output tokens, so the
+    programs compiled by one run of a workload serve every later run (a fresh pool, cached prefixes)."""
+    llm = LLM(ckpt, dtype="float32", page_size=4, max_num_seqs=4, enable_prefix_caching=True)
+    ps = shared_prefix_prompts(4, 12, seed=7)
+    run(llm, ps, greedy(4))
+    steps = (llm.engine._step, llm.engine._decode_step)
+    sizes = [f._cache_size() for f in steps]
+    run(llm, ps, greedy(4))
+    assert [f._cache_size() for f in steps] == sizes
