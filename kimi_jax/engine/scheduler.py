@@ -44,6 +44,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from kimi_jax.engine.page_pool import PagePool, chain_hashes
 from kimi_jax.engine.steps import Engine, bucket
 from kimi_jax.engine.sampling import SamplingArrays, SamplingParams, key_data_for_seed
 from kimi_jax.engine.sampling import sample_mode as sample_mode_of
@@ -62,6 +63,10 @@ class Request:
     max_new: int
     output_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0                 # tokens whose latents are in the cache
+    num_cached_tokens: int = 0            # prompt tokens taken from the prefix cache when first admitted
+    page_hashes: list = dataclasses.field(default_factory=list)   # chained hashes of its full pages
+    num_registered: int = 0               # leading pages registered in the prefix cache
+    cache_queried: bool = False           # its prefix was looked up since it was admitted
     pages: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict] = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0
@@ -108,43 +113,11 @@ def _n_logprobs(reqs) -> Optional[int]:
     return max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)
 
 
-class PagePool:
-    """Free lists of cache pages, one per data-parallel partition (`parts` equal partitions of
-    num_pages); page ids are local to their partition, [0, num_pages / parts)."""
-
-    def __init__(self, num_pages: int, parts: int = 1):
-        if num_pages % parts:
-            raise ValueError(f"num_pages={num_pages} is not a multiple of {parts} partitions")
-        self.num_pages, self.parts, self.per_part = num_pages, parts, num_pages // parts
-        self._free = [collections.deque(range(self.per_part)) for _ in range(parts)]
-
-    @property
-    def free(self) -> list[int]:
-        """Every free page of all partitions (local ids: for counting)."""
-        return [p for f in self._free for p in f]
-
-    @property
-    def num_free(self) -> int:
-        return sum(len(f) for f in self._free)
-
-    def free_in(self, part: int) -> int:
-        return len(self._free[part])
-
-    def take(self, n: int, part: int = 0) -> Optional[list[int]]:
-        free = self._free[part]
-        if n > len(free):
-            return None
-        return [free.popleft() for _ in range(n)]
-
-    def give(self, pages: list[int], part: int = 0) -> None:
-        self._free[part].extend(pages)
-
-
 class BatchEngine:
     def __init__(self, engine: Engine, *, num_pages: int, page_size: int, max_num_seqs: int,
                  max_model_len: int, cache_dtype, prefill_chunk: int = 256, max_prefill_tokens: int = 2048,
                  tokenizer=None, eos_ids=(), speculative: Optional[SpeculativeConfig] = None,
-                 overlap: bool = False):
+                 overlap: bool = False, enable_prefix_caching: bool = False):
         self.engine, self.tokenizer = engine, tokenizer
         self.page_size, self.max_num_seqs, self.max_model_len = page_size, max_num_seqs, max_model_len
         self.prefill_chunk, self.max_prefill_tokens = prefill_chunk, max_prefill_tokens
@@ -155,7 +128,7 @@ class BatchEngine:
             raise ValueError(f"num_pages={num_pages} gives no page to some of the {self.dp} data-parallel ranks")
         num_pages -= num_pages % self.dp
         self.slots_per_rank = -(-max_num_seqs // self.dp)
-        self.pool = PagePool(num_pages, self.dp)
+        self.pool = PagePool(num_pages, self.dp, caching=enable_prefix_caching)
         self.pages = engine.init_pages(num_pages, page_size, cache_dtype)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -166,7 +139,9 @@ class BatchEngine:
         self._inflight: Optional[_InFlight] = None
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "preemptions": 0,
                       "drafted": 0, "accepted": 0, "prefill_passes": 0, "decode_passes": 0, "verify_passes": 0,
-                      "cost_calibrations": 0, "overlapped_steps": 0}
+                      "cost_calibrations": 0, "overlapped_steps": 0,
+                      # prefix caching, in tokens as vLLM counts them: asked for at admission, found cached
+                      "prefix_cache_queries": 0, "prefix_cache_hits": 0}
 
     # ---- requests -----------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
@@ -227,14 +202,27 @@ class BatchEngine:
                 return self._overlap_advance()
             finished += self.drain()
         self._admit()
-        budget, rows = self.max_prefill_tokens, []
+        budget, rows, filling = self.max_prefill_tokens, [], set()
         for r in [r for r in self.running if r.pending > 1]:
+            if self.pool.caching and r.num_computed == r.num_registered * self.page_size == len(r.pages) * self.page_size:
+                # prefix caching: until a request computes anything it takes its cached prefix, when its
+                # first chunk is scheduled (pages cached since its admission count); one whose next page
+                # another row of this step is computing waits a step and then reads that page instead
+                self._take_cached_prefix(r)
+                nxt = r.num_computed // self.page_size
+                if nxt < len(r.page_hashes) and r.page_hashes[nxt] in filling:
+                    continue
+                if r.pending <= 1:
+                    continue
             n = min(r.pending, self.prefill_chunk, budget)
             if n <= 0:
                 break
             if r in self.running and self._ensure_pages(r, r.num_computed + n, [q for q, _ in rows]):
                 rows.append((r, n))
                 budget -= n
+                if self.pool.caching:
+                    chain_hashes(r.tokens, self.page_size, r.page_hashes)
+                    filling.update(r.page_hashes[r.num_computed // self.page_size:(r.num_computed + n) // self.page_size])
             elif r in self.running and self._alone(r):
                 finished.append(self._stop_at_pool_limit(r))
         if rows:
@@ -280,12 +268,44 @@ class BatchEngine:
             r.rank = rank
             self.running.append(r)
 
+    def _cacheable_hashes(self, r: Request) -> list[bytes]:
+        """Hashes of the pages of r's tokens that a cache hit may cover: full pages before its last
+        token (that token is always computed, for its logits, in a page of its own)."""
+        chain_hashes(r.tokens, self.page_size, r.page_hashes)
+        return r.page_hashes[:(len(r.tokens) - 1) // self.page_size]
+
+    def _take_cached_prefix(self, r: Request) -> None:
+        """Extend r's pages, which hold only cached pages, by the cached pages that follow them."""
+        if not r.cache_queried:
+            r.cache_queried = True
+            self.stats["prefix_cache_queries"] += len(r.tokens)
+        more = self.pool.acquire(self._cacheable_hashes(r)[len(r.pages):], r.rank)
+        r.pages += more
+        r.num_computed = r.num_registered = len(r.pages)
+        r.num_computed *= self.page_size
+        self.stats["prefix_cache_hits"] += len(more) * self.page_size
+        if r.num_preemptions == 0:
+            r.num_cached_tokens = r.num_computed
+
+    def _register_pages(self, r: Request) -> None:
+        """Cache r's pages that its computed tokens have filled (prefix caching)."""
+        full = min(r.num_computed // self.page_size, len(r.pages))
+        if not self.pool.caching or full <= r.num_registered:
+            return
+        hashes = chain_hashes(r.tokens, self.page_size, r.page_hashes)
+        self.pool.register(r.pages[r.num_registered:full], hashes[r.num_registered:full], r.rank)
+        r.num_registered = full
+
     def _rank_for(self, r: Request) -> Optional[int]:
         """The data-parallel rank a waiting request would join: among those with a free slot and the
         pages of its first chunk, the one running fewest requests (then: most free pages); None if none."""
         first = -(-min(r.pending, self.prefill_chunk) // self.page_size)
         load = collections.Counter(q.rank for q in self.running)
         fits = [k for k in range(self.dp) if load[k] < self.slots_per_rank and first <= self.pool.free_in(k)]
+        if self.pool.caching and self.dp > 1 and r.num_computed == 0 and len(fits) > 1:
+            hashes = self._cacheable_hashes(r)
+            cached = {k: self.pool.peek(hashes, k) for k in fits}
+            return min(fits, key=lambda k: (-cached[k], load[k], -self.pool.free_in(k), k))
         return min(fits, key=lambda k: (load[k], -self.pool.free_in(k), k), default=None)
 
     def _ensure_pages(self, r: Request, upto: int, protected=()) -> bool:
@@ -321,7 +341,7 @@ class BatchEngine:
     def _preempt(self, r: Request) -> None:
         self.running.remove(r)
         self.pool.give(r.pages, r.rank)
-        r.pages, r.num_computed = [], 0
+        r.pages, r.num_computed, r.num_registered, r.cache_queried = [], 0, 0, False
         r.num_preemptions += 1
         self.stats["preemptions"] += 1
         self.waiting.appendleft(r)
@@ -330,7 +350,7 @@ class BatchEngine:
         if r in self.running:
             self.running.remove(r)
         self.pool.give(r.pages, r.rank)
-        r.pages = []
+        r.pages, r.num_registered = [], 0
 
     def _slots(self, reqs: list[Request]) -> tuple[int, list[int]]:
         """(padded batch B, each request's batch row): in order, each in its data-parallel rank's
@@ -385,6 +405,7 @@ class BatchEngine:
             prompt_left = len(r.prompt_ids) - r.num_computed
             self.stats["prompt_tokens"] += max(0, min(n, prompt_left))
             r.num_computed += n
+            self._register_pages(r)
             if r.pending > 0:      # a chunk in the middle of a prompt (or of a recompute): no token yet
                 continue
             self._append(r, int(out.tokens[b]), out, b)
@@ -559,6 +580,7 @@ class BatchEngine:
             self.stats["drafted"] += len(drafts)
             self.stats["accepted"] += a
             r.num_computed += a + 1          # the last token and the accepted drafts are now cached
+            self._register_pages(r)
             for t in [*drafts[:a], int(nxt[b])]:
                 self._append(r, t)
                 if r.finish_reason is not None:

@@ -171,7 +171,10 @@ class Engine:
                                       static_argnames=("n_logprobs", "absorbed", "fresh", "sample_mode"),
                                       donate_argnames=("pages",))
         self._verify = jax.jit(functools.partial(_verify_step, self.graphdef, shard), donate_argnames=("pages",))
-        self._token_sharding = None          # of decode_step_async's output tokens, once known
+        # the sharding of decode_step_async's output tokens (replicated), which host-fed tokens take too:
+        # one compiled decode program serves both feeds from the first step on (jit keys its cache on
+        # the inputs' shardings, and host arrays are uncommitted)
+        self._token_sharding = shard.get("replicated") or jax.sharding.SingleDeviceSharding(jax.devices()[0])
         self._decode_step = jax.jit(functools.partial(_decode_step, self.graphdef, shard),
                                     static_argnames=("n_logprobs", "sample_mode", "mla_schedule"),
                                     donate_argnames=("pages",))
@@ -218,19 +221,13 @@ class Engine:
         their copy to the host already started; `fetch` reads them. sample_mode: as `paged_step`
         derives it (pass it when sp is reused, to skip the host check)."""
         if not isinstance(tokens_B, jax.Array):
-            tokens_B = _i32(tokens_B)
-            if self._token_sharding is not None:
-                # committed like a step's own output tokens: one compiled program serves both feeds
-                # (jit keys its cache on the input shardings; host arrays are uncommitted)
-                host = tokens_B
-                tokens_B = jax.make_array_from_callback(host.shape, self._token_sharding, lambda i: host[i])
+            host = _i32(tokens_B)            # committed like a step's own output tokens (see __init__)
+            tokens_B = jax.make_array_from_callback(host.shape, self._token_sharding, lambda i: host[i])
         positions_B = _i32(positions_B)
         pages, out = self._decode_step(self.state, pages, tokens_B, positions_B, _i32(block_table_BP), sp,
                                        _i32(steps_B), n_logprobs=n_logprobs,
                                        sample_mode=sample_mode or sample_mode_of(sp),
                                        mla_schedule=mla_schedule_for(positions_B, ops.resolve_impl() == "pallas"))
-        if self._token_sharding is None:
-            self._token_sharding = out[0].sharding
         for o in out:
             if o.is_fully_addressable:
                 o.copy_to_host_async()

@@ -45,6 +45,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     metrics: dict = dataclasses.field(default_factory=dict)
+    num_cached_tokens: int = 0              # prompt tokens read from the prefix cache
 
 
 def demo_model_path() -> Optional[str]:
@@ -138,11 +139,13 @@ class LLM:
                  num_pages: Optional[int] = None, gpu_memory_utilization: float = 0.9,
                  prefill_chunk: Optional[int] = None, max_prefill_tokens: int = 2048,
                  speculative_config=None, overlap_scheduling: bool = True,
-                 compilation_cache_dir: Optional[str] = None, check_finite_weights: bool = True):
+                 compilation_cache_dir: Optional[str] = None, check_finite_weights: bool = True,
+                 enable_prefix_caching: bool = True):
         """compilation_cache_dir: the persistent JAX compilation cache (kimi_jax.entrypoints.
         compilation_cache; 'none': off). Default: $KIMI_JAX_CACHE_DIR, else ~/.cache/kimi_jax/xla,
         unless the user configured JAX's own cache (then that one). check_finite_weights: refuse a
-        checkpoint tensor holding NaN or Inf while it loads."""
+        checkpoint tensor holding NaN or Inf while it loads. enable_prefix_caching: reuse the cached
+        pages of shared prompt prefixes (kimi_jax.engine.page_pool)."""
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported (choose one of {sorted(_DTYPES)})")
         if tensor_parallel_size < 1 or data_parallel_size < 1:
@@ -187,6 +190,10 @@ class LLM:
         self.speculative = SpeculativeConfig.from_any(speculative_config)
         # dispatch decode step N+1 before reading step N's tokens (kimi_jax.engine.scheduler); off with speculation
         self.overlap_scheduling = overlap_scheduling
+        # reuse the cached pages of shared prefixes (kimi_jax.engine.page_pool); generate() then keeps one
+        # batch engine, so its cache outlives a call
+        self.enable_prefix_caching = enable_prefix_caching
+        self._generate_engine: Optional[BatchEngine] = None
         self._rng = random.Random(seed)
         self._chat_template = None
         self._next_id = 0
@@ -268,7 +275,7 @@ class LLM:
         if len(sps) != len(prompts):
             raise ValueError(f"got {len(sps)} SamplingParams for {len(prompts)} prompts")
         ids = [self.token_ids(p, i) for i, p in enumerate(prompts)]
-        be = self.batch_engine()
+        be = self._engine_for_generate()
         reqs = []
         # every request is checked before any runs (kimi_jax.engine.validation): one bad value fails the
         # call up front, naming the request and the field
@@ -285,8 +292,21 @@ class LLM:
         self._next_id += len(reqs)
         for r in reqs:
             be.add(r)
-        be.run(progress=use_tqdm)
+        try:
+            be.run(progress=use_tqdm)
+        except BaseException:
+            self._generate_engine = None       # its pages and queues are in an unknown state
+            raise
         return [self.to_output(r) for r in reqs]
+
+    def _engine_for_generate(self) -> BatchEngine:
+        """generate()'s batch engine: with prefix caching one kept for the LLM's life (its cached pages
+        serve later calls), else a fresh one per call."""
+        if not self.enable_prefix_caching:
+            return self.batch_engine()
+        if self._generate_engine is None:
+            self._generate_engine = self.batch_engine()
+        return self._generate_engine
 
     def batch_engine(self) -> BatchEngine:
         """A continuous-batching engine over this model (a fresh page pool)."""
@@ -297,7 +317,8 @@ class LLM:
                            max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                            cache_dtype=self.dtype, prefill_chunk=self.prefill_chunk,
                            max_prefill_tokens=self.max_prefill_tokens, tokenizer=self.tokenizer, eos_ids=eos,
-                           speculative=self.speculative, overlap=self.overlap_scheduling)
+                           speculative=self.speculative, overlap=self.overlap_scheduling,
+                           enable_prefix_caching=self.enable_prefix_caching)
 
     def to_output(self, r: Request) -> RequestOutput:
         text = None
@@ -311,7 +332,8 @@ class LLM:
                                       finish_reason=r.finish_reason, stop_reason=r.stop_reason)],
             metrics={"num_preemptions": r.num_preemptions, "spec_drafted": r.spec.drafted,
                      "spec_accepted": r.spec.accepted, "spec_verify_steps": r.spec.verify_steps,
-                     **latency_metrics(r)})
+                     **latency_metrics(r)},
+            num_cached_tokens=r.num_cached_tokens)
 
     def render_chat(self, messages, *, add_generation_prompt: bool = True, tools=None,
                     chat_template: Optional[str] = None) -> str:
