@@ -7,7 +7,7 @@ under several prefill settings, compared by its log-probabilities.
     # CPU: a Kimi-shaped model small enough for the XLA paths (--small), bf16 or float32
     python -m launch.check_chunking --small --dtype=float32 --settings=512:512:auto,32:256:einsum,32:256:xla_split
 
-Each setting is prefill_chunk:max_prefill_tokens:chunk-attention path (`ops.use_chunk_attention`: auto,
+Each setting is prefill_chunk:max_prefill_tokens:chunk-attention path (the ExecPlan's chunk_attention: auto,
 einsum, cudnn, cudnn_split, xla, xla_split). The prompts are the throughput suite's (--requests prompts,
 log-uniform lengths in [--min_prompt, --max_prompt], seed 0), at most --max_num_seqs running, so the
 steps of a small chunk hold several rows. Every setting runs on a fresh engine over the same weights
@@ -26,6 +26,7 @@ changes the result only as much as bf16 rounding does.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -87,7 +88,7 @@ def main(argv):
     import jax
     from flax import nnx
 
-    from kimi_jax import LLM, SamplingParams, ops
+    from kimi_jax import LLM, SamplingParams
     from kimi_jax.config import ModelConfig, preset
     from kimi_jax.engine.steps import Engine
     from launch.bench_throughput import random_prompts
@@ -119,11 +120,11 @@ def main(argv):
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=2)
     rows, ref, ok = [], None, True
     for chunk, budget, path in settings:
-        llm.engine = Engine(nnx.merge(base.graphdef, base.state), base.cfg, llm.layout)  # own jit cache
+        plan = dataclasses.replace(base.plan, chunk_attention=path)
+        llm.engine = Engine(nnx.merge(base.graphdef, base.state), base.cfg, llm.layout, plan=plan)
         llm.prefill_chunk, llm.max_prefill_tokens = chunk, budget
         t0 = time.perf_counter()
-        with ops.use_chunk_attention(None if path == "auto" else path):
-            outs = llm.generate(prompts, sp)
+        outs = llm.generate(prompts, sp)
         top = [sorted(((int(t), float(v)) for t, v in o.outputs[0].logprobs[0].items()), key=lambda kv: -kv[1])
                for o in outs]
         row = dict(setting=f"{chunk}:{budget}:{path}", seconds=time.perf_counter() - t0, top=top)
@@ -144,11 +145,12 @@ def main(argv):
                       num_pages=pages)
         e32 = ref_llm.engine
         state = jax.tree.map(lambda a32, a: a.astype(a32.dtype), e32.state, base.state)
-        ref_llm.engine = e32 = Engine(nnx.merge(e32.graphdef, state), e32.cfg, ref_llm.layout)
+        ref_llm.engine = e32 = Engine(nnx.merge(e32.graphdef, state), e32.cfg, ref_llm.layout,
+                                      plan=dataclasses.replace(e32.plan, chunk_attention=path))
         del state
         ref_llm.prefill_chunk, ref_llm.max_prefill_tokens = chunk, budget
         # full float32 dots: on GPUs XLA's default precision may run float32 dots as TF32
-        with ops.use_chunk_attention(None if path == "auto" else path), jax.default_matmul_precision("highest"):
+        with jax.default_matmul_precision("highest"):
             outs = ref_llm.generate(prompts, sp)
         del ref_llm, e32
         top32 = [sorted(((int(t), float(v)) for t, v in o.outputs[0].logprobs[0].items()), key=lambda kv: -kv[1])

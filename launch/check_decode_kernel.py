@@ -5,7 +5,7 @@
 
 Builds one Kimi-K2.5 slice (--num_layers; 1 = the dense first layer only: MLA attention over the paged
 cache without the 9.5 GB of experts a MoE layer adds), then for each kernel in --kernels
-(`kimi_jax.ops.use_mla_decode_kernel`: triton, mgpu or auto; xla: `ops.use_impl("xla")`, the reference
+(the ExecPlan's mla_decode_kernel: triton, mgpu or auto; xla: the plan's impl="xla", the reference
 path of every op) a fresh engine over the same weights
 generates --gen_tokens greedy tokens for --requests prompts of --prompt_len tokens, twice (the first run
 compiles). Prints wall time and output tok/s per kernel and each later kernel's token-by-token agreement
@@ -14,6 +14,7 @@ late; a wrong kernel disagrees from the first token).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -42,7 +43,7 @@ def main(argv):
     import numpy as np
     from flax import nnx
 
-    from kimi_jax import LLM, SamplingParams, ops
+    from kimi_jax import LLM, SamplingParams
     from kimi_jax.config import preset
     from kimi_jax.engine.steps import Engine
     from launch.bench_throughput import agreement
@@ -60,22 +61,23 @@ def main(argv):
     sp = SamplingParams(temperature=0.0, max_tokens=FLAGS.gen_tokens, ignore_eos=True)
     rows, first = [], None
     for kernel in FLAGS.kernels:
-        llm.engine = Engine(nnx.merge(base.graphdef, base.state), base.cfg)   # own jit cache, same weights
-        impl = "xla" if kernel == "xla" else None                              # the ops reference path
-        with ops.use_impl(impl), ops.use_mla_decode_kernel(None if kernel in ("auto", "xla") else kernel):
-            row = {"kernel": kernel}
-            try:
-                for attempt in range(2):                                      # compile, then time
-                    t0 = time.perf_counter()
-                    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-                    row[f"wall_s_{attempt}"] = time.perf_counter() - t0
-                row["tok_s"] = n * FLAGS.gen_tokens / row["wall_s_1"]
-                if first is None:
-                    first = outs
-                else:
-                    row["agreement"] = agreement(first, outs)
-            except Exception as e:  # noqa: BLE001 - report and go on with the next kernel
-                row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+        # the ops reference path for 'xla', else the GPU kernels with this decode kernel; same weights
+        plan = (dataclasses.replace(base.plan, impl="xla") if kernel == "xla"
+                else dataclasses.replace(base.plan, mla_decode_kernel=kernel))
+        llm.engine = Engine(nnx.merge(base.graphdef, base.state), base.cfg, plan=plan)
+        row = {"kernel": kernel}
+        try:
+            for attempt in range(2):                                      # compile, then time
+                t0 = time.perf_counter()
+                outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+                row[f"wall_s_{attempt}"] = time.perf_counter() - t0
+            row["tok_s"] = n * FLAGS.gen_tokens / row["wall_s_1"]
+            if first is None:
+                first = outs
+            else:
+                row["agreement"] = agreement(first, outs)
+        except Exception as e:  # noqa: BLE001 - report and go on with the next kernel
+            row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
         log(json.dumps(row))
         rows.append(row)
     os.makedirs(FLAGS.out, exist_ok=True)

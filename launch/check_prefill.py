@@ -170,6 +170,7 @@ def _slice_config(tiny):
 
 
 def model_case(T, tiny, reps):
+    import dataclasses
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
@@ -189,27 +190,29 @@ def model_case(T, tiny, reps):
         cfg.qk_head_dim, cfg.v_head_dim, jnp.bfloat16, causal=True))
     toks = {}
 
-    def timed(name, use, choice, start, n, fresh, seed):
+    def timed(name, field, choice, start, n, fresh, seed):
         """One row's step over n new tokens at positions start.. (start cached tokens before them, their
-        pages zero), with `use(choice)` forcing the attention path: time, first sampled token."""
+        pages zero), with the plan's `field` (prefill_attention / chunk_attention) set to `choice`:
+        time, first sampled token."""
         if time.time() - _T0 > FLAGS.budget_s:
             log(f"model {name}: skipped (budget)")
             return
         P, rng = -(-(start + n) // page), np.random.default_rng(seed)
         box = [init_pages(cfg, P + 1, page, jnp.bfloat16)]
-        eng = Engine(nnx.merge(base.graphdef, base.state), cfg, layout)   # own jit cache, same weights
+        plan = dataclasses.replace(base.plan, **{field: choice})
+        eng = Engine(nnx.merge(base.graphdef, base.state), cfg, layout, plan=plan)   # same weights
         args = (rng.integers(2, cfg.vocab_size, (1, n)).astype(np.int32),
                 start + np.arange(n, dtype=np.int32)[None], np.arange(P, dtype=np.int32)[None],
                 np.array([n - 1], np.int32), sp, np.zeros((1,), np.int32))
 
         def step():
-            box[0], out = eng._step(eng.state, box[0], *args, n_logprobs=None, absorbed=False, fresh=fresh)
+            box[0], out = eng._step(eng.state, box[0], *args, n_logprobs=None, absorbed=False, fresh=fresh,
+                                    plan=eng.plan)
             return out
         try:
-            with use(choice):
-                step()       # the first call's fresh pages are laid out unlike the step's output: 2 compiles
-                row[f"t_{name}"] = time_fn(step, reps=reps)
-                toks[name] = int(np.asarray(step()[0])[0])
+            step()       # the first call's fresh pages are laid out unlike the step's output: 2 compiles
+            row[f"t_{name}"] = time_fn(step, reps=reps)
+            toks[name] = int(np.asarray(step()[0])[0])
         except Exception as e:  # noqa: BLE001
             row[f"t_{name}"] = None
             row[f"err_{name}"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -218,13 +221,13 @@ def model_case(T, tiny, reps):
 
     for name, choice, fresh in (("paged", "einsum", False), ("fresh_einsum", "einsum", True),
                                 ("fresh_" + fused_name, fused_name, True)):
-        timed(name, ops.use_prefill_attention, choice, 0, T, fresh, seed=0)   # the same prompt each time
+        timed(name, "prefill_attention", choice, 0, T, fresh, seed=0)   # the same prompt each time
     # a later prompt chunk (the scheduler's default 256 tokens) after --chunk_prefix cached tokens: the
-    # einsum path, the masked dot_product_attention call and the split one (ops.use_chunk_attention)
+    # einsum path, the masked dot_product_attention call and the split one (the plan's chunk_attention)
     C, prefix = (16, 48) if tiny else (256, FLAGS.chunk_prefix)
     row.update(chunk=C, chunk_prefix=prefix)
     for choice in ("einsum", fused_name, fused_name + "_split"):
-        timed("chunk_" + choice, ops.use_chunk_attention, choice, prefix, C, False, seed=1)
+        timed("chunk_" + choice, "chunk_attention", choice, prefix, C, False, seed=1)
     row["tokens"] = toks
     return row
 

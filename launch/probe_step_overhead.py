@@ -60,7 +60,7 @@ def main(argv):
 
         def run(pages, inputs, fetch):
             pages, out = engine._step(engine.state, pages, *inputs, n_logprobs=None, absorbed=True, fresh=False,
-                                        sample_mode=FLAGS.sample_mode or None)
+                                        sample_mode=FLAGS.sample_mode or None, plan=engine.plan)
             if fetch:
                 np.asarray(out[0])
             return pages, out
