@@ -19,7 +19,7 @@ from kimi_jax.config import preset
 from kimi_jax.model.mla import MLA
 
 CFG = preset("tiny")
-XLA, PALLAS = ops.ExecPlan(plan=XLA), ops.ExecPlan(plan=PALLAS)     # the CPU plan, the GPU one
+XLA, PALLAS = ops.ExecPlan(impl="xla"), ops.ExecPlan(impl="pallas")     # the CPU plan, the GPU one
 
 
 def fresh_path(choice, base=XLA):
