@@ -2,6 +2,7 @@
 from kimi_jax.entrypoints.llm import LLM, CompletionOutput, RequestOutput
 from kimi_jax.config import ModelConfig, preset
 from kimi_jax.engine.sampling import SamplingParams
+from kimi_jax.ops.plan import ExecPlan
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ModelConfig", "preset"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ModelConfig", "preset", "ExecPlan"]
 __version__ = "0.1.0"

@@ -253,7 +253,7 @@ def _call_compiled(compiled, state, pages, tokens, positions, table, sp, steps):
 
 
 def _call_as_jit(compiled, schedule, state, pages, tokens, positions, table, sp, steps, *, n_logprobs,
-                 sample_mode, mla_schedule):
+                 sample_mode, mla_schedule, plan=None):
     """`Engine._decode_step`'s signature over one compiled executable (its static arguments must be
     the ones it was compiled for)."""
     if (n_logprobs, sample_mode, mla_schedule) != (None, "greedy", schedule):
@@ -322,7 +322,7 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
     engine = leafwise_random_engine(cfg, layout, dtype)
     jax.block_until_ready(jax.tree.leaves(engine.state))
     out(dict(kind="build", seconds=time.perf_counter() - t0))
-    pallas = ops.resolve_impl() == "pallas"
+    pallas = engine.plan.impl == "pallas"
     served = {}           # batch -> (its compiled step as Engine._decode_step, its plan), for the scheduler
     for b in batches:
         inputs = step_inputs(cfg, b, context)
@@ -332,7 +332,8 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
         pages = random_pages(engine, b * P)
         t0 = time.perf_counter()
         lowered = engine._decode_step.lower(engine.state, pages, _i32(tokens), _i32(positions), _i32(table), sp,
-                                            _i32(step_B), n_logprobs=None, sample_mode="greedy", mla_schedule=schedule)
+                                            _i32(step_B), n_logprobs=None, sample_mode="greedy", mla_schedule=schedule,
+                                            plan=engine.plan)
         lower_s = time.perf_counter() - t0
         plan = plan_row(cfg, hw, b, context)
         first = None

@@ -3,8 +3,10 @@
 The model is split once into (graphdef, state); each step is a pure jitted function of the state,
 compiled once per shape bucket, with the cache donated: `_paged_step` (prefill chunks and decode over
 the paged latent cache), `_verify_step` (speculative verification), `_all_logits` (LLM.logits) and
-`_decode` (one decode step over a contiguous cache, for the profiler and planner). The generation
-loop (kimi_jax.engine.scheduler) runs on the host and only appends tokens and checks stop conditions.
+`_decode` (one decode step over a contiguous cache, for the profiler and planner). The engine's
+ExecPlan (kimi_jax.ops.ExecPlan: kernels, attention paths, layer loop) is a static argument of every
+step: it is part of each step's compile cache key. The generation loop (kimi_jax.engine.scheduler) runs
+on the host and only appends tokens and checks stop conditions.
 """
 from __future__ import annotations
 
@@ -55,42 +57,42 @@ def _constrain(x, sharding):
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
-def _decode(graphdef, shard, state, cache, tokens_B, positions_B, sp, step_B, n_logprobs, sample_mode=None):
+def _decode(graphdef, shard, state, cache, tokens_B, positions_B, sp, step_B, n_logprobs, sample_mode=None, *,
+            plan: ops.ExecPlan):
     """One token per row at its position, absorbed MLA over a contiguous cache {kind: [L, B, S, A+R]}
     (the profiler's and planner's reference step; generation runs `_paged_step`)."""
     model = nnx.merge(graphdef, state)
     tokens_B = _constrain(tokens_B, shard.get("batch1"))
-    logits, cache = model(tokens_B[:, None], positions_B[:, None], cache, absorbed=True)
+    logits, cache = model(tokens_B[:, None], positions_B[:, None], cache, absorbed=True, plan=plan)
     cache = {k: _constrain(v, shard.get("cache")) for k, v in cache.items()}
     return cache, _sample_out(logits[:, 0], sp, step_B, n_logprobs, shard, sample_mode)
 
 
 def _paged_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, last_B, sp, step_B,
-                n_logprobs, absorbed, fresh=False, sample_mode=None):
+                n_logprobs, absorbed, fresh=False, sample_mode=None, *, plan: ops.ExecPlan):
     """One continuous-batching step over the paged cache: T query tokens per row (T = 1: decode,
     absorbed MLA; T > 1: a prefill chunk, expanded MLA; `fresh`: no row has cached tokens, so attention
     reads only the new tokens, on a GPU with cuDNN). Samples from each row's token at last_B."""
     model = nnx.merge(graphdef, state)
     tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
     h_BTD, pages = model.hidden_states(tokens_BT, positions_BT, pages, absorbed=absorbed,
-                                       block_table_BP=block_table_BP, fresh=fresh)
+                                       block_table_BP=block_table_BP, fresh=fresh, plan=plan)
     B = tokens_BT.shape[0]
-    logits_BV = model.logits(h_BTD[jnp.arange(B), last_B][:, None])[:, 0]
+    logits_BV = model.logits(h_BTD[jnp.arange(B), last_B][:, None], plan)[:, 0]
     pages = {k: _constrain(v, shard.get("pages")) for k, v in pages.items()}
     return pages, _sample_out(logits_BV, sp, step_B, n_logprobs, shard, sample_mode)
 
 
 def _decode_step(graphdef, shard, state, pages, tokens_B, positions_B, block_table_BP, sp, step_B, n_logprobs,
-                 sample_mode=None, mla_schedule=None):
+                 sample_mode=None, mla_schedule=None, *, plan: ops.ExecPlan):
     """`_paged_step` for one token per row (absorbed decode) with tokens_B [B]: the previous step's
     sampled tokens can be fed as they are (device arrays), so the host never reads them first
-    (overlap scheduling, kimi_jax.engine.scheduler). mla_schedule: the MLA decode kernels' work schedule
-    (`mla_schedule_for`; static: each value is its own compiled step)."""
+    (overlap scheduling, kimi_jax.engine.scheduler). mla_schedule: this step's MLA decode schedule
+    (`step_schedule`; static: each value is its own compiled step), set on the step's copy of the plan."""
     B = tokens_B.shape[0]
-    with ops.use_mla_schedule(mla_schedule):
-        return _paged_step(graphdef, shard, state, pages, tokens_B[:, None], positions_B[:, None], block_table_BP,
-                           jnp.zeros((B,), jnp.int32), sp, step_B, n_logprobs, absorbed=True,
-                           sample_mode=sample_mode)
+    return _paged_step(graphdef, shard, state, pages, tokens_B[:, None], positions_B[:, None], block_table_BP,
+                       jnp.zeros((B,), jnp.int32), sp, step_B, n_logprobs, absorbed=True,
+                       sample_mode=sample_mode, plan=dataclasses.replace(plan, mla_schedule=mla_schedule))
 
 
 # A decode step runs the MLA kernels on the balanced schedule (pallas_kernels/mla/decode.py) when its
@@ -117,7 +119,15 @@ def mla_schedule_for(positions_B, pallas: bool) -> Optional[str]:
     return "balanced"
 
 
-def _verify_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, n_draft_B, sp, step_B):
+def step_schedule(plan: ops.ExecPlan, positions_B) -> Optional[str]:
+    """A decode step's MLA schedule: the plan's when it forces one, else `mla_schedule_for`'s choice."""
+    if plan.mla_schedule is not None:
+        return plan.mla_schedule
+    return mla_schedule_for(positions_B, plan.pallas)
+
+
+def _verify_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, n_draft_B, sp, step_B, *,
+                 plan: ops.ExecPlan):
     """Speculative verification: row b feeds [last token, drafts...]; returns (accepted [B], next [B]).
     Absorbed MLA, as in decode: the same math per query token as a decode step (greedy outputs match
     decoding without speculation), and on a GPU the decode kernel reads the cache once for all T
@@ -125,25 +135,31 @@ def _verify_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_t
     model = nnx.merge(graphdef, state)
     tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
     h_BTD, pages = model.hidden_states(tokens_BT, positions_BT, pages, absorbed=True,
-                                       block_table_BP=block_table_BP)
-    logits_BTV = _constrain(_constrain(model.logits(h_BTD), shard.get("logits3")), shard.get("replicated"))
+                                       block_table_BP=block_table_BP, plan=plan)
+    logits_BTV = _constrain(_constrain(model.logits(h_BTD, plan), shard.get("logits3")), shard.get("replicated"))
     n_acc, nxt = verify_drafts(logits_BTV, tokens_BT[:, 1:], n_draft_B, sp, step_B)
     pages = {k: _constrain(v, shard.get("pages")) for k, v in pages.items()}
     return pages, tuple(_constrain(o, shard.get("replicated")) for o in (n_acc, nxt))
 
 
-def _all_logits(graphdef, shard, state, tokens_BT):
+def _all_logits(graphdef, shard, state, tokens_BT, *, plan: ops.ExecPlan):
     model = nnx.merge(graphdef, state)
     tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
     B, T = tokens_BT.shape
-    logits, _ = model(tokens_BT, jnp.broadcast_to(jnp.arange(T), (B, T)), None, absorbed=False, fresh=True)
+    logits, _ = model(tokens_BT, jnp.broadcast_to(jnp.arange(T), (B, T)), None, absorbed=False, fresh=True,
+                      plan=plan)
     return _constrain(_constrain(logits, shard.get("logits3")), shard.get("replicated"))
 
 
 class Engine:
-    """layout: a kimi_jax.parallel.sharding.Layout; the batch is split over its data-parallel axis."""
+    """layout: a kimi_jax.parallel.sharding.Layout; the batch is split over its data-parallel axis.
+    plan: the kimi_jax.ops.ExecPlan every step runs (default `ExecPlan.for_backend()`); a static argument
+    of each jitted step, so assigning another plan to `engine.plan` compiles steps for it."""
 
-    def __init__(self, model: Transformer, cfg: ModelConfig, layout=None):
+    def __init__(self, model: Transformer, cfg: ModelConfig, layout=None, plan: Optional[ops.ExecPlan] = None):
+        if plan is not None and not isinstance(plan, ops.ExecPlan):
+            raise TypeError(f"Engine: plan must be a kimi_jax.ops.ExecPlan, got {type(plan).__name__}")
+        self.plan = ops.default_plan(plan)
         self.cfg = cfg
         self.graphdef, self.state = nnx.split(model)
         self.cache_dtype = model.dtype
@@ -163,20 +179,22 @@ class Engine:
                      "pages": layout.sharding(P(None, b if self.dp > 1 else None, None, None)),
                      "logits2": layout.sharding(P(b, v)), "logits3": layout.sharding(P(b, None, v))}
         self._shard = shard
-        # the jitted contiguous-cache reference step and paged step (the profiler lowers them)
+        # every step takes `plan=` (static): call them with plan=self.plan. The contiguous-cache reference
+        # step and the paged step are public (the profiler lowers them)
         self.decode_jit = jax.jit(functools.partial(_decode, self.graphdef, shard),
-                                  static_argnames=("n_logprobs", "sample_mode"), donate_argnames=("cache",))
-        self._logits = jax.jit(functools.partial(_all_logits, self.graphdef, shard))
+                                  static_argnames=("n_logprobs", "sample_mode", "plan"), donate_argnames=("cache",))
+        self._logits = jax.jit(functools.partial(_all_logits, self.graphdef, shard), static_argnames=("plan",))
         self.paged_step_jit = jax.jit(functools.partial(_paged_step, self.graphdef, shard),
-                                      static_argnames=("n_logprobs", "absorbed", "fresh", "sample_mode"),
+                                      static_argnames=("n_logprobs", "absorbed", "fresh", "sample_mode", "plan"),
                                       donate_argnames=("pages",))
-        self._verify = jax.jit(functools.partial(_verify_step, self.graphdef, shard), donate_argnames=("pages",))
+        self._verify = jax.jit(functools.partial(_verify_step, self.graphdef, shard), static_argnames=("plan",),
+                               donate_argnames=("pages",))
         # the sharding of decode_step_async's output tokens (replicated), which host-fed tokens take too:
         # one compiled decode program serves both feeds from the first step on (jit keys its cache on
         # the inputs' shardings, and host arrays are uncommitted)
         self._token_sharding = shard.get("replicated") or jax.sharding.SingleDeviceSharding(jax.devices()[0])
         self._decode_step = jax.jit(functools.partial(_decode_step, self.graphdef, shard),
-                                    static_argnames=("n_logprobs", "sample_mode", "mla_schedule"),
+                                    static_argnames=("n_logprobs", "sample_mode", "mla_schedule", "plan"),
                                     donate_argnames=("pages",))
 
     def init_pages(self, num_pages: int, page_size: int, dtype=None) -> dict:
@@ -203,14 +221,15 @@ class Engine:
         T = len(token_ids)
         padded = np.zeros((self.batch_size(1), bucket(T)), np.int32)
         padded[0, :T] = token_ids
-        return np.asarray(self._logits(self.state, jnp.asarray(padded))[0, :T], np.float32)
+        return np.asarray(self._logits(self.state, jnp.asarray(padded), plan=self.plan)[0, :T], np.float32)
 
     def paged_step(self, pages, tokens_BT, positions_BT, block_table_BP, last_B, sp: SamplingArrays,
                    steps_B, n_logprobs: Optional[int]):
         T = tokens_BT.shape[1]
         pages, out = self.paged_step_jit(self.state, pages, _i32(tokens_BT), _i32(positions_BT), _i32(block_table_BP),
                                 _i32(last_B), sp, _i32(steps_B), n_logprobs=n_logprobs, absorbed=T == 1,
-                                fresh=T > 1 and is_fresh(positions_BT), sample_mode=sample_mode_of(sp))
+                                fresh=T > 1 and is_fresh(positions_BT), sample_mode=sample_mode_of(sp),
+                                plan=self.plan)
         return pages, _to_host(out)
 
     def decode_step_async(self, pages, tokens_B, positions_B, block_table_BP, sp: SamplingArrays, steps_B,
@@ -227,7 +246,7 @@ class Engine:
         pages, out = self._decode_step(self.state, pages, tokens_B, positions_B, _i32(block_table_BP), sp,
                                        _i32(steps_B), n_logprobs=n_logprobs,
                                        sample_mode=sample_mode or sample_mode_of(sp),
-                                       mla_schedule=mla_schedule_for(positions_B, ops.resolve_impl() == "pallas"))
+                                       mla_schedule=step_schedule(self.plan, positions_B), plan=self.plan)
         for o in out:
             if o.is_fully_addressable:
                 o.copy_to_host_async()
@@ -240,7 +259,8 @@ class Engine:
 
     def verify_step(self, pages, tokens_BT, positions_BT, block_table_BP, n_draft_B, sp: SamplingArrays, steps_B):
         pages, (n_acc, nxt) = self._verify(self.state, pages, _i32(tokens_BT), _i32(positions_BT),
-                                           _i32(block_table_BP), _i32(n_draft_B), sp, _i32(steps_B))
+                                           _i32(block_table_BP), _i32(n_draft_B), sp, _i32(steps_B),
+                                           plan=self.plan)
         return pages, np.asarray(n_acc), np.asarray(nxt)
 
 

@@ -117,20 +117,21 @@ def latency_metrics(r: Request) -> dict:
             "finished_time": r.finished_time, "time_to_first_token": ttft, "time_per_output_token": tpot}
 
 
-def default_prefill_chunk(cfg: ModelConfig, dtype) -> int:
+def default_prefill_chunk(cfg: ModelConfig, dtype, plan: Optional[ops.ExecPlan] = None) -> int:
     """prefill_chunk when the caller gives none: 2048 where a chunk after cached tokens attends by the
     split path (ops.prefill_attention_path: two unmasked cuDNN calls, no [B, N, T, S] scores; on the
     H200 the time to first token of a 16K prompt was 438 / 231 / 181 / 155 ms at chunks of 256 / 1024
     / 2048 / 4096, BENCHMARKS.md "Prefill chunk size"; 2048 is also max_prefill_tokens' default, so a
     step holds one such chunk), else 256: the einsum path holds the f32 scores, which for 2048 tokens
     after 128K cached ones at 64 heads are 70 GB per layer."""
-    path = ops.prefill_attention_path(cfg.qk_head_dim, cfg.v_head_dim, dtype, causal=False)
+    path = ops.prefill_attention_path(cfg.qk_head_dim, cfg.v_head_dim, dtype, causal=False, plan=plan)
     return 2048 if path.endswith("_split") else 256
 
 
 class LLM:
     """An engine for one model. `model`: a checkpoint directory, a preset name or a ModelConfig
-    (random weights), or None for the shipped demo model."""
+    (random weights), or None for the shipped demo model. exec_plan: a kimi_jax.ops.ExecPlan (which
+    kernels and attention paths run, the layer loop); default `ExecPlan.for_backend()`, this machine's."""
 
     def __init__(self, model: Union[str, ModelConfig, None] = None, *, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, enable_expert_parallel: bool = False,
@@ -140,12 +141,13 @@ class LLM:
                  prefill_chunk: Optional[int] = None, max_prefill_tokens: int = 2048,
                  speculative_config=None, overlap_scheduling: bool = True,
                  compilation_cache_dir: Optional[str] = None, check_finite_weights: bool = True,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, exec_plan: Optional[ops.ExecPlan] = None):
         """compilation_cache_dir: the persistent JAX compilation cache (kimi_jax.entrypoints.
         compilation_cache; 'none': off). Default: $KIMI_JAX_CACHE_DIR, else ~/.cache/kimi_jax/xla,
         unless the user configured JAX's own cache (then that one). check_finite_weights: refuse a
         checkpoint tensor holding NaN or Inf while it loads. enable_prefix_caching: reuse the cached
-        pages of shared prompt prefixes (kimi_jax.engine.page_pool)."""
+        pages of shared prompt prefixes (kimi_jax.engine.page_pool). exec_plan: the execution choices
+        (kimi_jax.ops.ExecPlan; default: ExecPlan.for_backend())."""
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported (choose one of {sorted(_DTYPES)})")
         if tensor_parallel_size < 1 or data_parallel_size < 1:
@@ -155,6 +157,8 @@ class LLM:
         if (prefill_chunk is not None and prefill_chunk < 1) or max_prefill_tokens < 1:
             raise ValueError(f"prefill_chunk and max_prefill_tokens must be >= 1, got {prefill_chunk} and "
                              f"{max_prefill_tokens}")
+        if exec_plan is not None and not isinstance(exec_plan, ops.ExecPlan):
+            raise TypeError(f"exec_plan must be a kimi_jax.ops.ExecPlan, got {type(exec_plan).__name__}")
         self.dtype = _DTYPES[dtype]
         model = model if model is not None else demo_model_path()
         self.model_path = None
@@ -180,12 +184,12 @@ class LLM:
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         self.max_num_seqs = max_num_seqs
-        self.engine = Engine(net, self.config, self.layout)
+        self.engine = Engine(net, self.config, self.layout, plan=ops.default_plan(exec_plan))
         if page_size < 1 or (num_pages is not None and num_pages < 2):
             raise ValueError("page_size must be >= 1 and num_pages >= 2")
         self.page_size = page_size
         self.num_pages = num_pages or self._default_num_pages(gpu_memory_utilization)
-        self.prefill_chunk = prefill_chunk or default_prefill_chunk(self.config, self.dtype)
+        self.prefill_chunk = prefill_chunk or default_prefill_chunk(self.config, self.dtype, self.exec_plan)
         self.max_prefill_tokens = max_prefill_tokens
         self.speculative = SpeculativeConfig.from_any(speculative_config)
         # dispatch decode step N+1 before reading step N's tokens (kimi_jax.engine.scheduler); off with speculation
@@ -197,6 +201,11 @@ class LLM:
         self._rng = random.Random(seed)
         self._chat_template = None
         self._next_id = 0
+
+    @property
+    def exec_plan(self) -> ops.ExecPlan:
+        """The ExecPlan the engine's steps run (`self.engine.plan`)."""
+        return self.engine.plan
 
     def _default_num_pages(self, utilization: float) -> int:
         """Pages from the device memory left after the weights (GPU; under data parallelism each device

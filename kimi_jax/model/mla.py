@@ -70,7 +70,7 @@ class MLA(nnx.Module):
 
     # -- attention --------------------------------------------------------------------------------
     def __call__(self, x_BTD, positions_BT, kv_BSL=None, *, absorbed: bool = False, block_table_BP=None,
-                 fresh: bool = False, layer=None):
+                 fresh: bool = False, layer=None, plan=None):
         """Attend from x's tokens (at absolute positions) to the cached tokens.
 
         kv_BSL: the layer's latent cache [B, S, A + R] or None. With a cache, the new tokens' latents
@@ -98,6 +98,8 @@ class MLA(nnx.Module):
         after them. Queries then attend to the new tokens only (the cache is not read; it is still
         written as above) through `ops.mla_prefill_attention` with `causal=True`, which on a GPU runs
         cuDNN flash attention.
+
+        plan: the kimi_jax.ops.ExecPlan the ops run (None: `ExecPlan.for_backend()`).
         """
         N, H, R, A, V = self.dims
         cos, sin = rope_cos_sin(positions_BT, rope_inv_freq(self.cfg), self.cfg.rope_scaling.cos_sin_scale)
@@ -109,7 +111,7 @@ class MLA(nnx.Module):
         if block_table_BP is not None and absorbed:
             q_lat_BTNA = ops.einsum_f32("btnh,nha->btna", q_nope_BTNH, w_uk).astype(x_BTD.dtype)
             o_lat_BTNA = ops.mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTL, kv_BSL, block_table_BP,
-                                                 positions_BT, scale, parallel=self.parallel,
+                                                 positions_BT, scale, plan=plan, parallel=self.parallel,
                                                  layer=layer).astype(x_BTD.dtype)
             o_BTNV = ops.einsum_f32("btna,nva->btnv", o_lat_BTNA, w_uv)
             return self.o_proj(o_BTNV.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * V)), new_BTL
@@ -148,7 +150,8 @@ class MLA(nnx.Module):
             k_BSNH = ops.einsum_f32("bsa,nha->bsnh", c_BSA, w_uk).astype(x_BTD.dtype)
             v_BSNV = ops.einsum_f32("bsa,nva->bsnv", c_BSA, w_uv).astype(x_BTD.dtype)
             o_BTNV = ops.mla_prefill_attention(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, mask_BTS, scale,
-                                               causal=fresh, parallel=self.parallel, chunk_lens=chunk_lens)
+                                               causal=fresh, plan=plan, parallel=self.parallel,
+                                               chunk_lens=chunk_lens)
         o_BTD = self.o_proj(o_BTNV.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * V))
         return o_BTD, out_kv
 

@@ -91,9 +91,11 @@ class RoutedExperts(nnx.Module):
             return getattr(self, name)[...]
         return ops.ExpertWeights(gate=w("gate_proj"), up=w("up_proj"), down=w("down_proj"))
 
-    def __call__(self, x_TD, idx_TK, w_TK, layer=None):
-        """layer: with weights stacked over layers [L, E, ...] (scan_layers), which layer to run."""
-        return ops.routed_experts(x_TD, idx_TK, w_TK, self.weights(), parallel=self.parallel, layer=layer)
+    def __call__(self, x_TD, idx_TK, w_TK, layer=None, *, plan=None):
+        """layer: with weights stacked over layers [L, E, ...] (scan_layers), which layer to run.
+        plan: the kimi_jax.ops.ExecPlan (None: `ExecPlan.for_backend()`)."""
+        return ops.routed_experts(x_TD, idx_TK, w_TK, self.weights(), plan=plan, parallel=self.parallel,
+                                  layer=layer)
 
 
 class MoE(nnx.Module):
@@ -104,10 +106,10 @@ class MoE(nnx.Module):
                                    dtype=dtype, rngs=rngs, ffn_axis="shared_mlp")
                                if cfg.n_shared_experts else None)
 
-    def __call__(self, x_BTD, layer=None):
+    def __call__(self, x_BTD, layer=None, *, plan=None):
         x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
         idx_TK, w_TK = self.gate(x_TD)
-        y_TD = self.experts(x_TD, idx_TK, w_TK, layer)
+        y_TD = self.experts(x_TD, idx_TK, w_TK, layer, plan=plan)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)
         return y_TD.reshape(x_BTD.shape)

@@ -1,8 +1,9 @@
 """The DeepSeek-V3 / Kimi-K2 decoder: embeddings, dense layers, MoE layers, final norm, LM head.
 
-Layers of one kind (dense FFN, MoE) are stacked along a leading axis and run with `lax.scan`, so a
-forward pass compiles one layer body per kind instead of 61. The latent cache is stacked the same way:
-one array [L, B, S, A + R] per kind.
+Layers of one kind (dense FFN, MoE) are stacked along a leading axis and run with `lax.scan` (one
+compiled layer body per kind instead of 61) or unrolled with static layer indices, as the ExecPlan's
+`layer_loop` says. The latent cache is stacked the same way: one array [L, B, S, A + R] per kind. Every
+call takes `plan` (a kimi_jax.ops.ExecPlan; None: `ExecPlan.for_backend()`) and hands it to the ops.
 """
 from __future__ import annotations
 
@@ -30,15 +31,16 @@ class DecoderLayer(nnx.Module):
                     else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs))
 
     def __call__(self, x_BTD, positions_BT, kv_BSL=None, *, absorbed=False, block_table_BP=None, layer=None,
-                 fresh=False):
+                 fresh=False, plan=None):
         """layer: this layer's index in its stack when the routed experts' weights are the whole stack
-        [L, E, ...] (scan_layers); None when they are this layer's own [E, ...]. fresh: see MLA."""
+        [L, E, ...] (scan_layers); None when they are this layer's own [E, ...]. fresh: see MLA.
+        plan: the ExecPlan the ops run."""
         a_BTD, kv = self.self_attn(self.input_layernorm(x_BTD), positions_BT, kv_BSL, absorbed=absorbed,
                                    block_table_BP=block_table_BP, fresh=fresh,
-                                   layer=layer if block_table_BP is not None else None)
+                                   layer=layer if block_table_BP is not None else None, plan=plan)
         h_BTD = x_BTD + a_BTD
         ffn_in = self.post_attention_layernorm(h_BTD)
-        ffn = self.mlp(ffn_in, layer=layer) if isinstance(self.mlp, MoE) else self.mlp(ffn_in)
+        ffn = self.mlp(ffn_in, layer=layer, plan=plan) if isinstance(self.mlp, MoE) else self.mlp(ffn_in)
         return h_BTD + ffn, kv
 
 
@@ -52,22 +54,8 @@ def stack_modules(make: Callable[[], nnx.Module], n: int) -> Optional[nnx.Module
     return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
 
 
-# How scan_layers runs the layers of a stack: "scan" (lax.scan: one compiled body), "unroll" (a Python
-# loop with static layer indices), or "auto": unroll on GPU, scan elsewhere. Measured on an H200
-# (JAX 0.11.2): inside lax.scan / fori_loop XLA copies each layer's slice of
-# the stacked weights before its matmuls read it (950 GB/s effective), while static slices are read in
-# place (2,060 GB/s, the same as separate per-layer arrays). The dynamic-slice-fusion flag does not help.
-LAYER_LOOP = "auto"
-
-
-def _unroll() -> bool:
-    if LAYER_LOOP not in ("auto", "scan", "unroll"):
-        raise ValueError(f"LAYER_LOOP must be 'auto', 'scan' or 'unroll', got {LAYER_LOOP!r}")
-    return LAYER_LOOP == "unroll" or (LAYER_LOOP == "auto" and jax.default_backend() == "gpu")
-
-
 def scan_layers(stack: nnx.Module, x_BTD, positions_BT, kv_LBSL, *, absorbed: bool, block_table_BP=None,
-                fresh: bool = False):
+                fresh: bool = False, plan: Optional[ops.ExecPlan] = None):
     """Run a stacked layer module over its leading axis; returns (x, per-layer cache or latents).
 
     The routed experts' weights (9.5 GB per Kimi layer) and a paged pool enter the loop whole, never
@@ -78,9 +66,13 @@ def scan_layers(stack: nnx.Module, x_BTD, positions_BT, kv_LBSL, *, absorbed: bo
     loop; the new latents of every layer come out of it and are written into the pool once afterwards
     (no copy of the pool per step).
     The other per-layer weights are sliced per layer: by lax.scan, or with static indices when the loop
-    is unrolled (LAYER_LOOP), which on GPU reads them in place instead of copying.
+    is unrolled (the plan's layer_loop 'unroll'), which on GPU reads them in place instead of copying
+    (measured on an H200, launch/probe_layer_loop.py: 950 GB/s effective under lax.scan, 2,060 GB/s
+    unrolled; the dynamic-slice-fusion flag does not help).
     fresh (static): no row has tokens before this step's (see MLA): prefill attends to the new tokens
-    only, on a GPU through cuDNN flash attention (ops.mla_prefill_attention)."""
+    only, on a GPU through cuDNN flash attention (ops.mla_prefill_attention).
+    plan: the kimi_jax.ops.ExecPlan (None: `ExecPlan.for_backend()`): the layer loop and every op's path."""
+    plan = ops.default_plan(plan)
     graphdef, experts, rest = nnx.split(stack, nnx.PathContains("experts"), ...)
     n_layers = _num_layers(rest)
     paged = block_table_BP is not None
@@ -89,10 +81,10 @@ def scan_layers(stack: nnx.Module, x_BTD, positions_BT, kv_LBSL, *, absorbed: bo
         module = nnx.merge(graphdef, experts, layer_state)
         if paged:     # the whole stacked pool; the attention reads this layer's pages (ops._layer_pages)
             return module(x, positions_BT, kv_LBSL, absorbed=absorbed, block_table_BP=block_table_BP,
-                          layer=layer, fresh=fresh)
-        return module(x, positions_BT, kv, absorbed=absorbed, layer=layer, fresh=fresh)
+                          layer=layer, fresh=fresh, plan=plan)
+        return module(x, positions_BT, kv, absorbed=absorbed, layer=layer, fresh=fresh, plan=plan)
 
-    if _unroll():
+    if plan.layer_loop == "unroll":
         outs = []
         for i in range(n_layers):
             kv = None if paged or kv_LBSL is None else kv_LBSL[i]
@@ -136,11 +128,12 @@ class Transformer(nnx.Module):
         return (("dense", self.dense_layers), ("moe", self.moe_layers))
 
     def hidden_states(self, tokens_BT, positions_BT, cache=None, *, absorbed=False, block_table_BP=None,
-                      fresh=False):
+                      fresh=False, plan: Optional[ops.ExecPlan] = None):
         """Final-norm hidden states [B, T, D] and the cache dict {kind: [L, B, S, A+R]} (updated), or,
         without a cache, the new latents {kind: [L, B, T, A+R]}. With block_table_BP the cache is paged:
         {kind: [L, num_pages, page_size, A+R]} (see MLA). fresh (static): every row's tokens start at
-        position 0, padding after them (see MLA)."""
+        position 0, padding after them (see MLA). plan: the ExecPlan (None: `ExecPlan.for_backend()`)."""
+        plan = ops.default_plan(plan)
         x = jnp.take(self.embed_tokens.weight[...], tokens_BT, axis=0)
         new = {}
         for kind, stack in self.layer_stacks:
@@ -148,17 +141,18 @@ class Transformer(nnx.Module):
                 continue
             kv = None if cache is None else cache[kind]
             x, new[kind] = scan_layers(stack, x, positions_BT, kv, absorbed=absorbed,
-                                       block_table_BP=block_table_BP, fresh=fresh)
+                                       block_table_BP=block_table_BP, fresh=fresh, plan=plan)
         return self.norm(x), new
 
-    def logits(self, h_BTD):
+    def logits(self, h_BTD, plan: Optional[ops.ExecPlan] = None):
         w = (self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head).weight[...]
-        return ops.linear(h_BTD, w).astype(jnp.float32) if h_BTD.dtype == jnp.float32 else \
+        return ops.linear(h_BTD, w, plan=plan).astype(jnp.float32) if h_BTD.dtype == jnp.float32 else \
             jnp.einsum("btd,vd->btv", h_BTD, w, preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens_BT, positions_BT, cache=None, *, absorbed=False, fresh=False):
-        h, new = self.hidden_states(tokens_BT, positions_BT, cache, absorbed=absorbed, fresh=fresh)
-        return self.logits(h), new
+    def __call__(self, tokens_BT, positions_BT, cache=None, *, absorbed=False, fresh=False,
+                 plan: Optional[ops.ExecPlan] = None):
+        h, new = self.hidden_states(tokens_BT, positions_BT, cache, absorbed=absorbed, fresh=fresh, plan=plan)
+        return self.logits(h, plan), new
 
 
 def abstract_model(cfg: ModelConfig, dtype=jnp.bfloat16, parallel=None, seed: int = 0) -> Transformer:

@@ -1,10 +1,10 @@
 """Kernel selection: the model's ops, and the only module that imports `pallas_kernels`.
 
 Each op has an 'xla' implementation (plain jnp/lax, runs everywhere) and, where one exists, a 'pallas'
-implementation (GPU kernels). `impl=None` picks 'pallas' on GPU and 'xla' elsewhere; tests force each
-with `impl=` or with `use_impl(...)` (kimi_jax.ops.impl). Prefill attention lives in
-kimi_jax.ops.prefill_attention (its GPU path is cuDNN flash attention, not Pallas) and is re-exported here:
-`mla_prefill_attention`, `use_prefill_attention` / `use_chunk_attention`.
+implementation (GPU kernels). Which one runs, and every other execution choice, is the caller's
+`ExecPlan` (kimi_jax.ops.plan, re-exported here), passed as `plan=`; an op called without one runs
+`ExecPlan.for_backend()` (the GPU kernels on GPU, XLA elsewhere). Prefill attention lives in
+kimi_jax.ops.prefill_attention (its GPU path is cuDNN flash attention, not Pallas) and is re-exported here.
 
 Weight layout for routed experts (compressed-tensors / HF, rows are output features):
   bf16:  ExpertWeights(gate=[E, F, D], up=[E, F, D], down=[E, D, F])
@@ -19,10 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimi_jax.ops.impl import IMPLS, einsum_f32, forced, resolve_impl, shard_map, use_impl  # noqa: F401
-from kimi_jax.ops.prefill_attention import (  # noqa: F401  (re-exported: the model and launchers call ops.*)
-    CHUNK_ATTENTION_CHOICES, PREFILL_ATTENTION_CHOICES, cudnn_attention_fits, mla_prefill_attention,
-    prefill_attention_path, use_chunk_attention, use_prefill_attention)
+from kimi_jax.ops.impl import einsum_f32, shard_map  # noqa: F401
+from kimi_jax.ops.plan import (  # noqa: F401  (re-exported: the engine, model and launchers call ops.*)
+    CHUNK_ATTENTION_CHOICES, IMPLS, LAYER_LOOPS, MLA_DECODE_KERNELS, MLA_SCHEDULES, PREFILL_ATTENTION_CHOICES,
+    ExecPlan, default_plan)
+from kimi_jax.ops.prefill_attention import (  # noqa: F401
+    cudnn_attention_fits, mla_prefill_attention, prefill_attention_path)
 
 
 @jax.tree_util.register_dataclass
@@ -61,9 +63,10 @@ def dequantize(w: Weight, dtype) -> jax.Array:
     return w.astype(dtype)
 
 
-def linear(x: jax.Array, w: Weight, *, impl: Optional[str] = None) -> jax.Array:
-    """y[..., N] = x[..., K] @ w[N, K]^T (HF Linear layout), float32 accumulation."""
-    if isinstance(w, Int4Weight) and resolve_impl(impl) == "pallas":
+def linear(x: jax.Array, w: Weight, *, plan: Optional[ExecPlan] = None) -> jax.Array:
+    """y[..., N] = x[..., K] @ w[N, K]^T (HF Linear layout), float32 accumulation. plan: an INT4 weight
+    runs the Pallas kernel under impl='pallas' (a bf16 weight is one XLA dot either way)."""
+    if isinstance(w, Int4Weight) and default_plan(plan).pallas:
         from pallas_kernels.int4 import matmul as int4_matmul
         lead = x.shape[:-1]
         y = int4_matmul.int4_matmul(x.reshape(-1, x.shape[-1]), w.packed, w.scale)
@@ -75,7 +78,7 @@ def linear(x: jax.Array, w: Weight, *, impl: Optional[str] = None) -> jax.Array:
 
 
 def routed_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array, experts: ExpertWeights,
-                   *, impl: Optional[str] = None, parallel=None, layer=None) -> jax.Array:
+                   *, plan: Optional[ExecPlan] = None, parallel=None, layer=None) -> jax.Array:
     """sum_k weight[t,k] * down(silu(gate(x_t)) * up(x_t)) over the K experts idx[t,k] of each token.
 
     x_TD: [T, D] activations; idx_TK: [T, K] int32 expert ids in [0, E); weight_TK: [T, K] float32.
@@ -83,13 +86,16 @@ def routed_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array, exp
     `parallel` (kimi_jax.parallel.sharding.MoEParallel) runs the experts sharded inside shard_map.
     `layer` (an int or a traced int32 scalar): the weights are a whole layer stack [L, E, ...] and this
     call runs layer `layer` of it without copying that layer's slice out (the kernels offset the ids).
+    plan: the ExecPlan (default `ExecPlan.for_backend()`); INT4 experts run the Pallas kernels under
+    impl='pallas'.
     """
+    pallas = default_plan(plan).pallas
     if parallel is not None:
-        return _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts, parallel, impl, layer)
-    return _routed_experts_local(x_TD, idx_TK, weight_TK, experts, impl, layer)
+        return _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts, parallel, pallas, layer)
+    return _routed_experts_local(x_TD, idx_TK, weight_TK, experts, pallas, layer)
 
 
-def _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts: ExpertWeights, par, impl, layer):
+def _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts: ExpertWeights, par, pallas: bool, layer):
     """Each device runs the experts (or expert slices) it holds on the tokens of its data-parallel
     group, then partial sums are reduced. Tokens whose expert lives elsewhere get weight 0 and an
     out-of-range id (E_local), which both paths skip."""
@@ -132,7 +138,7 @@ def _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts: ExpertWeights, par
             mine = (lidx >= 0) & (lidx < e_local)
             idx = jnp.where(mine, lidx, e_local)
             wt = jnp.where(mine, wt, 0.0)
-        y = _routed_experts_local(x, idx, wt, ew, impl, layer, held_share=1.0 / ep_degree)
+        y = _routed_experts_local(x, idx, wt, ew, pallas, layer, held_share=1.0 / ep_degree)
         if gather:
             y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
         if psum_axes:
@@ -145,9 +151,9 @@ def _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts: ExpertWeights, par
     return shard_map(local, par.mesh, in_specs=specs, out_specs=P(batch, None))(*args)
 
 
-def _routed_experts_local(x_TD, idx_TK, weight_TK, experts: ExpertWeights, impl, layer=None,
+def _routed_experts_local(x_TD, idx_TK, weight_TK, experts: ExpertWeights, pallas: bool, layer=None,
                           held_share: float = 1.0):
-    pallas = resolve_impl(impl) == "pallas" and isinstance(experts.gate, Int4Weight)
+    pallas = pallas and isinstance(experts.gate, Int4Weight)
     if layer is not None:
         if pallas:   # [L, E, ...] -> [L*E, ...] (a bitcast) and ids offset into it; others stay out of range
             n_layers, E = _leading(experts.gate)
@@ -257,43 +263,8 @@ def gather_pages(pool: jax.Array, block_table_BP: jax.Array, *, layer=None, para
     return gather(pool_L, block_table_BP, layer)
 
 
-# Which Pallas kernel `mla_paged_attention` runs over the cache (read at trace time, like use_impl):
-# None = automatic (`mla_decode_kernel`), "triton" (pallas_kernels/mla/decode.py, any head count) or
-# "mgpu" (pallas_kernels/mla/decode_mgpu.py: Mosaic GPU wgmma + TMA, 64-row tiles; on CPU it runs in
-# the Mosaic GPU interpreter).
-_MLA_DECODE_KERNEL: Optional[str] = None
-MLA_DECODE_KERNELS = ("triton", "mgpu")
-
-
-def use_mla_decode_kernel(choice: Optional[str]):
-    """Force the paged MLA decode kernel inside the block: None (automatic), 'triton' or 'mgpu'."""
-    return forced(globals(), "_MLA_DECODE_KERNEL", choice, MLA_DECODE_KERNELS, "MLA decode kernel")
-
-
-# How the decode kernels share a step's cached tokens among their programs (read at trace time):
-# None = each kernel's default, 'rows' (every row split into the same number of parts of its own
-# length) or 'balanced' (pallas_kernels.mla.decode.balanced_items: parts of one size across the
-# batch). Measured on the H200 (BENCHMARKS.md MLA rounds 11-12): 'balanced' is 1.4-7.3x faster on
-# batches of one long row among short ones; on equal rows within 4% from 32K up, slower at 4K (its
-# item table and combine: 4-7% at batch 64 since round 12's combine, up to 37% at batch 8-16), so it
-# is not the ops default: the engine asks for it per decode step when a batch is skewed
-# (kimi_jax.engine.steps.mla_schedule_for: longest row >= 2x the mean, BENCHMARKS.md round 12's mild skew).
-_MLA_SCHEDULE: Optional[str] = None
-
-
-def use_mla_schedule(schedule: Optional[str]):
-    """Force the paged MLA decode kernels' work schedule inside the block: None, 'rows' or 'balanced'."""
-    from pallas_kernels.mla.decode import SCHEDULES
-    return forced(globals(), "_MLA_SCHEDULE", schedule, SCHEDULES, "MLA decode schedule")
-
-
-def _is_hopper() -> bool:
-    dev = jax.devices()[0]
-    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
-
-
 def mla_decode_kernel(rows: int, A: int, R: int, page: int, dtype, *, batch: int = 64,
-                      context: int = 1 << 17) -> str:
+                      context: int = 1 << 17, plan: Optional[ExecPlan] = None) -> str:
     """The decode kernel for `rows` = T * N query rows per sequence on one device, `batch` sequences
     whose block tables hold up to `context` tokens: the Mosaic GPU kernel where its 64-row wgmma tiles
     are full (rows a multiple of 64: 64 heads at TP1 / DP, or T * N under speculation) on a Hopper GPU
@@ -304,18 +275,21 @@ def mla_decode_kernel(rows: int, A: int, R: int, page: int, dtype, *, batch: int
     back): mgpu 1.3-4.2x the Triton kernel from 8 x 4K up (8 x 4K: 57.5 vs 72.2 us); at 1 x 4K
     Triton's 31 us wins. So mgpu needs tables of >= 16K tokens per row or >= 32K in the batch
     (`context`: the block table's capacity, a bucket). (The fourth session's harness, one dispatch per
-    call, had Triton ahead at 8 x 4K too; there the host's dispatch set the pace of both.)"""
-    if _MLA_DECODE_KERNEL is not None:
-        return _MLA_DECODE_KERNEL
+    call, had Triton ahead at 8 x 4K too; there the host's dispatch set the pace of both.)
+    plan: its `mla_decode_kernel` when forced ('triton' / 'mgpu'); under 'auto' the rule above, with
+    the GPU kind from its `hopper` (default plan: `ExecPlan.for_backend()`)."""
+    plan = default_plan(plan)
+    if plan.mla_decode_kernel != "auto":
+        return plan.mla_decode_kernel
     fits = (rows % 64 == 0 and A % 256 == 0 and R == 64 and page % 8 == 0 and (64 % page == 0 or page % 64 == 0)
             and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16))
     pays = batch * context >= 32768 or context >= 16384
-    return "mgpu" if fits and pays and _is_hopper() else "triton"
+    return "mgpu" if fits and pays and plan.hopper else "triton"
 
 
 def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: jax.Array, pool_XpC: jax.Array,
                         block_table_BP: jax.Array, positions_BT: jax.Array, scale: float, *,
-                        impl: Optional[str] = None, parallel=None, layer=None) -> jax.Array:
+                        plan: Optional[ExecPlan] = None, parallel=None, layer=None) -> jax.Array:
     """Absorbed MLA over a paged latent cache plus the step's new tokens; returns o_lat [B, T, N, A].
 
     q_lat: queries in latent space (W_UK^T q^C); q_pe: rotated rope queries; new_BTC: the new tokens'
@@ -327,11 +301,14 @@ def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: ja
     parallel: a kimi_jax.parallel.sharding.MoEParallel: the GPU kernel then runs per device shard (rows over the
     batch axes, heads over the head axes); a page-split pool (`page_split`: ids local to each row's
     data-parallel rank) is read per shard by either path.
+    plan: the ExecPlan (default `ExecPlan.for_backend()`): impl, the decode kernel (`mla_decode_kernel`),
+    its work schedule (`mla_schedule`; None: each kernel's default) and the merge's thresholds.
     """
+    plan = default_plan(plan)
     A, R = q_lat_BTNA.shape[-1], q_pe_BTNR.shape[-1]
     kernel_fits = all(v >= 16 and not v & (v - 1) for v in (A, R))   # the kernel's tiles: powers of two >= 16
     pool_L, layer = _stacked(pool_XpC, layer)
-    if resolve_impl(impl) == "pallas" and kernel_fits:
+    if plan.pallas and kernel_fits:
         from pallas_kernels.mla import decode as mla_decode
 
         def kernel(q_lat, q_pe, new, pool_L, table, positions, layer):
@@ -339,15 +316,18 @@ def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: ja
             B, T, N, _ = q_lat.shape          # this device's shard under shard_map
             page = flat.shape[1]
             same = flat.dtype == q_lat.dtype == new.dtype       # the mgpu kernel takes bf16 throughout
+            thresholds = dict(combine_xla_max_macs=plan.combine_xla_max_macs,
+                              one_new_token_elementwise=plan.one_new_token_elementwise)
             if same and mla_decode_kernel(T * N, A, R, page, q_lat.dtype, batch=B,
-                                          context=table.shape[1] * page) == "mgpu":
+                                          context=table.shape[1] * page, plan=plan) == "mgpu":
                 from pallas_kernels.mla import decode_mgpu as mla_decode_mgpu
-                cfg = mla_decode_mgpu.serving_config(B, _MLA_SCHEDULE)
+                cfg = mla_decode_mgpu.serving_config(B, plan.mla_schedule)
                 return mla_decode_mgpu.mla_paged_attention_mgpu(
                     q_lat, q_pe, new, flat, table, positions, scale,
-                    config=cfg, interpret=jax.default_backend() != "gpu")
-            cfg = None if _MLA_SCHEDULE is None else mla_decode.MlaDecodeConfig(schedule=_MLA_SCHEDULE)
-            return mla_decode.mla_paged_attention(q_lat, q_pe, new, flat, table, positions, scale, config=cfg)
+                    config=cfg, interpret=jax.default_backend() != "gpu", **thresholds)
+            cfg = None if plan.mla_schedule is None else mla_decode.MlaDecodeConfig(schedule=plan.mla_schedule)
+            return mla_decode.mla_paged_attention(q_lat, q_pe, new, flat, table, positions, scale, config=cfg,
+                                                  **thresholds)
 
         if parallel is not None and parallel.mesh.size > 1:
             # a kernel is opaque to XLA's partitioner (it would gather every operand and run the whole

@@ -1,49 +1,10 @@
-"""Which implementation an op runs, and the helpers the op modules share (`kimi_jax.ops`,
-`kimi_jax.ops.prefill_attention`).
-
-Each op has an 'xla' implementation (plain jnp/lax, runs everywhere) and, where one exists, a GPU one
-('pallas': Pallas kernels, or cuDNN for prefill attention). `impl=None` picks 'pallas' on GPU and 'xla'
-elsewhere; tests force each with `impl=` or with `use_impl(...)`. Switches are read at trace time: set
-them before an engine first compiles a step.
+"""Helpers the op modules share (`kimi_jax.ops`, `kimi_jax.ops.prefill_attention`). Which implementation
+an op runs is the caller's `ExecPlan` (kimi_jax.ops.plan), passed in.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
-
-_FORCED_IMPL: Optional[str] = None
-IMPLS = ("xla", "pallas")
-
-
-@contextlib.contextmanager
-def forced(namespace: dict, name: str, value: Optional[str], choices: tuple, what: str):
-    """Set the module-level switch `name` of `namespace` (a module's globals()) to `value` inside the
-    block (None: automatic)."""
-    if value is not None and value not in choices:
-        raise ValueError(f"unknown {what} {value!r}; expected one of {choices}")
-    old = namespace[name]
-    namespace[name] = value
-    try:
-        yield
-    finally:
-        namespace[name] = old
-
-
-def use_impl(impl: Optional[str]):
-    """Force every op to one implementation inside the block (for tests and benchmarks)."""
-    return forced(globals(), "_FORCED_IMPL", impl, IMPLS, "ops implementation")
-
-
-def resolve_impl(impl: Optional[str] = None) -> str:
-    impl = impl or _FORCED_IMPL
-    if impl is None:
-        impl = "pallas" if jax.default_backend() == "gpu" else "xla"
-    if impl not in IMPLS:
-        raise ValueError(f"unknown ops implementation {impl!r}; expected one of {IMPLS}")
-    return impl
 
 
 def einsum_f32(eq: str, a: jax.Array, b: jax.Array) -> jax.Array:

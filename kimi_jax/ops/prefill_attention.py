@@ -1,52 +1,29 @@
 """Expanded-form (prefill) MLA attention: the XLA einsum path, cuDNN flash attention through
 jax.nn.dot_product_attention for fresh causal prefills, and for prefill chunks after cached tokens the
 masked call or two unmasked calls merged by log-sum-exp. `kimi_jax.ops` re-exports the public names;
-`use_prefill_attention` / `use_chunk_attention` force a path.
+the plan's `prefill_attention` / `chunk_attention` (kimi_jax.ops.plan.ExecPlan) force a path.
+
+Prefill chunks that follow cached tokens (the scheduler's later prompt chunks, recomputes) have a mask of
+each row's cached prefix plus the chunk causally, which cuDNN's top-left causal mask cannot express.
+'cudnn' / 'xla': jax.nn.dot_product_attention with the explicit mask (cuDNN: an additive bias
+[B, 1, T, S], 64x smaller than the einsum path's f32 scores [B, N, T, S]). 'cudnn_split' / 'xla_split':
+no mask, two calls merged by their log-sum-exps (`_split_attention`): the chunk against the row's cached
+keys (per-row key lengths) and against itself (causal), for callers that pass `chunk_lens`. Automatic
+under impl='pallas' where cuDNN fits: 'cudnn_split'. On the H200 (BENCHMARKS.md MLA round 13), 256-token
+chunks at 64 heads after 4K / 32K cached tokens and 4 x 32K: einsum 0.70 / 5.08 / 22.5 ms, masked 0.53 /
+3.47 / 13.5 ms, split 0.34 / 1.79 / 6.9 ms.
 """
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-from kimi_jax.ops.impl import einsum_f32, forced, resolve_impl, shard_map as _shard_map
-
-# How `mla_prefill_attention` runs a fresh causal prefill (`causal=True`): None = automatic (cuDNN flash
-# attention when resolve_impl gives 'pallas' and the case fits, else the XLA einsum path); "einsum":
-# always the XLA einsum path; "cudnn" / "xla": one jax.nn.dot_product_attention call with that
-# implementation (V zero-padded to the qk head dim) for every causal case. "xla" runs the cuDNN
-# formulation anywhere: the CPU stand-in the tests use. Read at trace time, like use_impl: set it before
-# an engine first compiles a step.
-_PREFILL_ATTENTION: Optional[str] = None
-PREFILL_ATTENTION_CHOICES = ("einsum", "cudnn", "xla")
-
-
-def use_prefill_attention(choice: Optional[str]):
-    """Force how fresh causal prefills attend inside the block: None (automatic), 'einsum', 'cudnn' or
-    'xla' (see _PREFILL_ATTENTION)."""
-    return forced(globals(), "_PREFILL_ATTENTION", choice, PREFILL_ATTENTION_CHOICES, "prefill attention")
-
-
-# Prefill chunks that follow cached tokens (the scheduler's later prompt chunks, recomputes): their mask
-# is each row's cached prefix plus the chunk causally, which cuDNN's top-left causal mask cannot
-# express. 'cudnn' / 'xla': jax.nn.dot_product_attention with the explicit mask (cuDNN: an additive bias
-# [B, 1, T, S], 64x smaller than the einsum path's f32 scores [B, N, T, S]). 'cudnn_split' / 'xla_split':
-# no mask, two calls merged by their log-sum-exps (`_split_attention`): the chunk against the row's
-# cached keys (per-row key lengths) and against itself (causal), for callers that pass `chunk_lens`.
-# Automatic where resolve_impl gives 'pallas' and cuDNN fits: 'cudnn_split'. On the H200 (BENCHMARKS.md
-# MLA round 13), 256-token chunks at 64 heads after 4K / 32K cached tokens and 4 x 32K: einsum 0.70 /
-# 5.08 / 22.5 ms, masked 0.53 / 3.47 / 13.5 ms, split 0.34 / 1.79 / 6.9 ms. `use_chunk_attention` forces.
-_CHUNK_ATTENTION: Optional[str] = None
-CHUNK_ATTENTION_CHOICES = PREFILL_ATTENTION_CHOICES + ("cudnn_split", "xla_split")
-
-
-def use_chunk_attention(choice: Optional[str]):
-    """Force how prefill chunks after cached tokens attend inside the block: None (automatic:
-    'cudnn_split' on a GPU where cuDNN fits, else 'einsum'), 'einsum', 'cudnn' or 'xla' (one masked
-    jax.nn.dot_product_attention call), 'cudnn_split' or 'xla_split' (two unmasked calls merged; see
-    _CHUNK_ATTENTION)."""
-    return forced(globals(), "_CHUNK_ATTENTION", choice, CHUNK_ATTENTION_CHOICES, "chunk attention")
+from kimi_jax.ops.impl import einsum_f32, shard_map as _shard_map
+from kimi_jax.ops.plan import CHUNK_ATTENTION_CHOICES, PREFILL_ATTENTION_CHOICES, ExecPlan, default_plan  # noqa: F401
 
 
 def cudnn_attention_fits(qk_dim: int, v_dim: int, dtype) -> bool:
@@ -57,19 +34,20 @@ def cudnn_attention_fits(qk_dim: int, v_dim: int, dtype) -> bool:
             and qk_dim % 8 == 0 and qk_dim <= 256 and v_dim <= qk_dim)
 
 
-def prefill_attention_path(qk_dim: int, v_dim: int, dtype, *, causal: bool, impl: Optional[str] = None) -> str:
+def prefill_attention_path(qk_dim: int, v_dim: int, dtype, *, causal: bool, plan: Optional[ExecPlan] = None) -> str:
     """Which path mla_prefill_attention takes, decided at trace time: 'einsum' (XLA einsums and a masked
     softmax), 'cudnn' or 'xla' (one jax.nn.dot_product_attention call with that implementation), or for
     a chunk after cached tokens 'cudnn_split' / 'xla_split' (two unmasked calls merged).
     Only a fresh causal prefill (`causal`: the keys are the query tokens themselves, row by row) can use
     dot_product_attention: cuDNN's causal mask is aligned top-left, and rows with cached tokens before
-    their chunk need it aligned bottom-right, per row: they take `_CHUNK_ATTENTION` if forced, else
-    'cudnn_split' where cuDNN fits (two unmasked calls merged; the masked call where the caller gives no
-    chunk_lens or the split is unavailable)."""
-    forced = _PREFILL_ATTENTION if causal else _CHUNK_ATTENTION
-    if forced is not None:
+    their chunk need it aligned bottom-right, per row: they take the plan's `chunk_attention` if forced,
+    else 'cudnn_split' where cuDNN fits (two unmasked calls merged; the masked call where the caller gives
+    no chunk_lens or the split is unavailable). plan: default `ExecPlan.for_backend()`."""
+    plan = default_plan(plan)
+    forced = plan.prefill_attention if causal else plan.chunk_attention
+    if forced != "auto":
         return forced
-    if resolve_impl(impl) == "pallas" and cudnn_attention_fits(qk_dim, v_dim, dtype):
+    if plan.pallas and cudnn_attention_fits(qk_dim, v_dim, dtype):
         return "cudnn" if causal else "cudnn_split"
     return "einsum"
 
@@ -86,12 +64,15 @@ def _masked_dot_product_attention(q_BTNK, k_BSNK, v_BSNK, mask_BTS, scale, imple
                                         implementation=implementation)
 
 
-_warned_fallback = False
+@functools.cache
+def _warn_fallback(path: str, error: str) -> None:
+    """Log one warning per (path, error): the same fallback meets every layer and every compiled step."""
+    logging.getLogger(__name__).warning("prefill attention: %s path unavailable (%s); falling back", path, error)
 
 
 def mla_prefill_attention(q_nope_BTNH: jax.Array, q_pe_BTNR: jax.Array, k_BSNH: jax.Array, kpe_BSR: jax.Array,
                           v_BSNV: jax.Array, mask_BTS: jax.Array, scale: float, *, causal: bool = False,
-                          impl: Optional[str] = None, parallel=None, chunk_lens=None) -> jax.Array:
+                          plan: Optional[ExecPlan] = None, parallel=None, chunk_lens=None) -> jax.Array:
     """Expanded-form MLA attention; returns o [B, T, N, V] float32.
 
     score[b,n,t,s] = (q_nope . k + q_pe . kpe) * scale over keys with mask[b,t,s], softmax in float32.
@@ -112,12 +93,12 @@ def mla_prefill_attention(q_nope_BTNH: jax.Array, q_pe_BTNR: jax.Array, k_BSNH: 
     chunk_lens: (cached [B], new [B]) int32 when the keys are `paged_keys`' layout (S - T cached slots,
     row b's first cached[b] real, then the chunk, its first new[b] tokens real): the '_split' paths
     need it (without it they take the masked call).
+    plan: the ExecPlan (default `ExecPlan.for_backend()`): its impl and forced paths.
     """
-    global _warned_fallback
     H, R, V = q_nope_BTNH.shape[-1], q_pe_BTNR.shape[-1], v_BSNV.shape[-1]
     dtype = q_nope_BTNH.dtype
     fresh = causal and k_BSNH.shape[1] == q_nope_BTNH.shape[1]
-    path = prefill_attention_path(H + R, V, dtype, causal=fresh, impl=impl)
+    path = prefill_attention_path(H + R, V, dtype, causal=fresh, plan=plan)
     masked = path.removesuffix("_split")      # a split path falls back to the masked call (chunks only)
     for p in ([path, masked] if path != masked and chunk_lens is not None else [masked]):
         if p == "einsum":
@@ -129,11 +110,7 @@ def mla_prefill_attention(q_nope_BTNH: jax.Array, q_pe_BTNR: jax.Array, k_BSNH: 
         except (NotImplementedError, RuntimeError) as e:
             # raised while tracing (no cuDNN, an unsupported GPU or shape, jax's private cuDNN entry point
             # changed): take the next path (split -> masked call -> einsums)
-            if not _warned_fallback:
-                import logging
-                logging.getLogger(__name__).warning("prefill attention: %s path unavailable (%s: %s); "
-                                                    "falling back", p, type(e).__name__, e)
-                _warned_fallback = True
+            _warn_fallback(p, f"{type(e).__name__}: {e}")
     return _mla_prefill_attention_einsum(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, mask_BTS, scale)
 
 

@@ -449,7 +449,8 @@ def compile_decode_step(engine, layout, batch: int, cache_len: int, *, abstract:
         leaves = jax.tree.leaves(engine.state)
         abstract = bool(leaves) and isinstance(leaves[0], jax.ShapeDtypeStruct)
     cache, tok, pos, sp, steps = decode_args(engine, layout, batch, cache_len, abstract=abstract)
-    return engine.decode_jit.lower(engine.state, cache, tok, pos, sp, steps, n_logprobs=None).compile()
+    return engine.decode_jit.lower(engine.state, cache, tok, pos, sp, steps, n_logprobs=None,
+                                plan=engine.plan).compile()
 
 
 def count_decode_collectives(cfg, layout, batch: int = 8, cache_len: int = 64, dtype=None) -> CollectiveCounts:
@@ -732,11 +733,11 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
         cache, tok, table, sp = paged_args(engine, layout, batch, cache_len)
         lowered = engine.paged_step_jit.lower(engine.state, cache, i32(tok), i32(tok), i32(table), zeros, sp,
                                      i32(ones), n_logprobs=None, absorbed=True, fresh=False,
-                                     sample_mode="greedy")
+                                     sample_mode="greedy", plan=engine.plan)
     else:
         cache, tok, _, sp, _ = decode_args(engine, layout, batch, cache_len, abstract=False)
         lowered = engine.decode_jit.lower(engine.state, cache, tok, tok, sp, i32(ones), n_logprobs=None,
-                                       sample_mode="greedy")
+                                       sample_mode="greedy", plan=engine.plan)
     # the executable that runs is the one whose HLO is parsed (compiled once, called directly)
     compiled = lowered.compile()
     compiled_text = compiled.as_text()

@@ -89,19 +89,19 @@ def time_mixed(engine, layout, spec: str, steps: int) -> dict:
     """Seconds per decode step (`Engine.decode_step_async`, each step's tokens fed to the next, one
     wait at the end) for one long row among short ones: as the engine schedules the MLA kernels
     (`kimi_jax.engine.steps.mla_schedule_for`) and with its balanced choice switched off (rows schedule)."""
+    import dataclasses
     import jax
     import numpy as np
     from kimi_jax.engine import steps as eng
-    from kimi_jax import ops
     from kimi_jax.tools.profiling import paged_args
     B, long, short = parse_mixed(spec)
     cache_len = long + steps + 2
     pages, tokens, table, sp = paged_args(engine, layout, B, cache_len)
     start = np.asarray([long] + [short] * (B - 1), np.int32)
-    row = dict(mixed=spec, batch=B, cached_tokens=int(start.sum()),
-               chosen=eng.mla_schedule_for(start, ops.resolve_impl() == "pallas"))
-    for name, min_tokens in (("engine", eng.BALANCE_MIN_TOKENS), ("rows", float("inf"))):
-        saved, eng.BALANCE_MIN_TOKENS = eng.BALANCE_MIN_TOKENS, min_tokens
+    base = engine.plan
+    row = dict(mixed=spec, batch=B, cached_tokens=int(start.sum()), chosen=eng.step_schedule(base, start))
+    for name, plan in (("engine", base), ("rows", dataclasses.replace(base, mla_schedule="rows"))):
+        engine.plan = plan                                 # a static argument of the step: its own compile
         try:
             tok = tokens[:, 0]
             for i in range(2 + steps):                     # 2 warm-up steps (compile), then timed
@@ -113,7 +113,7 @@ def time_mixed(engine, layout, spec: str, steps: int) -> dict:
             jax.block_until_ready(tok)
             row[f"{name}_ms"] = (time.perf_counter() - t0) / steps * 1e3
         finally:
-            eng.BALANCE_MIN_TOKENS = saved
+            engine.plan = base
     return row
 
 

@@ -77,10 +77,10 @@ flags.DEFINE_list("mixed", [], "decode section: also mixed-length batches, B:lon
                   "`long` cached tokens, B - 1 rows of `short`), e.g. 8:131072:4096:64; --mixed_only skips the grid")
 flags.DEFINE_bool("mixed_only", False, "decode section: only the --mixed cases")
 flags.DEFINE_bool("new_token_einsum", False, "the step's new token in the general einsum form at T = 1 too "
-                  "(mla_decode.ONE_NEW_TOKEN_ELEMENTWISE off), to time both")
+                  "(the decode wrappers' one_new_token_elementwise=False), to time both")
 flags.DEFINE_bool("balanced", False, "decode section: also time both kernels on the balanced schedule "
                   "(MlaDecodeConfig / MgpuConfig schedule='balanced'; the --mixed cases always do)")
-flags.DEFINE_integer("combine_xla_max_macs", None, "set pallas_kernels.mla.combine.XLA_MAX_MACS for this run "
+flags.DEFINE_integer("combine_xla_max_macs", None, "the decode wrappers' combine_xla_max_macs for this run "
                      "(the balanced schedule's merge: the XLA contraction up to this many multiply-adds, "
                      "the kernel above; 0: always the kernel)")
 
@@ -137,7 +137,7 @@ def layers_fn(op, L: int, per_layer: int, copies: int = 0):
     the next one's latent query: every column of every output is used, and layers run in order, as
     in the engine. (Up to the sixth session only 8 of the 512 output columns fed a sum, which XLA may
     narrow its own finishing ops to, but not a kernel's.) --layer_loop=unrolled (default): L static
-    calls, as the engine's layer loop on GPU (kimi_jax.model.transformer.LAYER_LOOP 'auto'); 'scan':
+    calls, as the engine's layer loop on GPU (the ExecPlan's layer_loop 'unroll'); 'scan':
     a lax.scan (the first five sessions' harness: 734 us per layer at 64 heads 64 x 32K where a
     profiler trace of the same op, called alone, spans 687 us; sixth session)."""
     import jax
@@ -243,11 +243,11 @@ def section_check():
                        pool.shape[0], jnp.bfloat16)
         args = args[:3] + (pool,) + args[3:]
         scale = 192 ** -0.5
-        got = md.mla_paged_attention(*args, scale)
+        got = md.mla_paged_attention(*args, scale, **_thresholds())
         want = md.mla_paged_attention_reference(*args, scale)
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
         try:   # (XLA:CPU cannot run one of the xla path's bf16 dots: the --dry run skips it)
-            xla = ops.mla_paged_attention(*args, scale, impl="xla")
+            xla = ops.mla_paged_attention(*args, scale, plan=_plan(impl="xla"))
             err_xla = float(jnp.max(jnp.abs(xla.astype(jnp.float32) - want.astype(jnp.float32))))
         except Exception as e:  # noqa: BLE001
             err_xla = float("nan")
@@ -263,8 +263,7 @@ def section_check():
         if FLAGS.two_waves and "mgpu" in variants:
             variants.append("mgpu_2w")
         for name in variants:
-            with _forced(name):
-                got_v = _op(name, md.MlaDecodeConfig(finish="kernel") if name == "fin" else None, scale)(*args)
+            got_v = _op(name, md.MlaDecodeConfig(finish="kernel") if name == "fin" else None, scale)(*args)
             err_v = float(jnp.max(jnp.abs(got_v.astype(jnp.float32) - want.astype(jnp.float32))))
             ok = ok and bool(np.isfinite(np.asarray(got_v, np.float32)).all()) and err_v <= 3e-2
             err_mgpu = err_v if name == "mgpu" else err_mgpu
@@ -279,11 +278,19 @@ def section_check():
     return ok_all
 
 
-def _forced(name):
-    """The ops-level kernel choice a named variant runs under (a no-op context for the others)."""
-    import contextlib
+def _thresholds() -> dict:
+    """This run's kernel-side dispatch thresholds (--combine_xla_max_macs, --new_token_einsum), as the
+    keyword arguments of the decode kernels' wrappers."""
+    kw = {"one_new_token_elementwise": not FLAGS.new_token_einsum}
+    if FLAGS.combine_xla_max_macs is not None:
+        kw["combine_xla_max_macs"] = FLAGS.combine_xla_max_macs
+    return kw
+
+
+def _plan(**fields):
+    """The ExecPlan of this run's kimi_jax.ops calls: the machine's, with the run's thresholds and `fields`."""
     from kimi_jax import ops
-    return ops.use_mla_decode_kernel(name) if name in ("triton", "mgpu") else contextlib.nullcontext()
+    return ops.ExecPlan.for_backend(**_thresholds(), **fields)
 
 
 # Named variants of the Mosaic GPU serving config: the fields they change.
@@ -294,22 +301,23 @@ MGPU_VARIANTS = {"mgpu_fin": {"finish": "kernel"}, "mgpu_bal": {"schedule": "bal
 def _op(name, cfg, scale):
     """The op a named variant times, (q_lat, q_pe, new, pool, table, positions) -> o: 'auto' /
     'triton' / 'mgpu' = kimi_jax.ops as the engine calls it (auto: its own choice; call under
-    `_forced(name)`); 'mgpu_fin' = the Mosaic GPU serving config with the one-launch finish
+    a plan forcing `name`); 'mgpu_fin' = the Mosaic GPU serving config with the one-launch finish
     (mla_finish.py); 'mgpu_bal' = it on the balanced schedule; 'mgpu_2w' = it with CTAs for two rounds
     of one per SM; 'mgpu_mask' = it with every score masked; any other name = the Triton kernel with
     `cfg` (None: its automatic config)."""
     from kimi_jax import ops
     from pallas_kernels.mla import decode as md
     if name in ("auto", "triton", "mgpu"):
-        return lambda *a: ops.mla_paged_attention(*a, scale, impl="pallas")
+        plan = _plan(impl="pallas", mla_decode_kernel=name)
+        return lambda *a: ops.mla_paged_attention(*a, scale, plan=plan)
     if name in MGPU_VARIANTS:
         import dataclasses
         from pallas_kernels.mla import decode_mgpu as mg
         import jax
         cfg = dataclasses.replace(mg.serving_config(2), **MGPU_VARIANTS[name])
         interpret = jax.default_backend() == "cpu"          # --dry on CPU: the Mosaic GPU interpreter
-        return lambda *a: mg.mla_paged_attention_mgpu(*a, scale, config=cfg, interpret=interpret)
-    return lambda *a: md.mla_paged_attention(*a, scale, config=cfg)
+        return lambda *a: mg.mla_paged_attention_mgpu(*a, scale, config=cfg, interpret=interpret, **_thresholds())
+    return lambda *a: md.mla_paged_attention(*a, scale, config=cfg, **_thresholds())
 
 
 def _decode_case(B, ctx, N, copy_bps, pool, page, configs, key, order="random", lengths=None):
@@ -334,8 +342,7 @@ def _decode_case(B, ctx, N, copy_bps, pool, page, configs, key, order="random", 
     best = None
     for name, cfg in configs:
         try:
-            with _forced(name):
-                t = time_fn(layers_fn(_op(name, cfg, scale), L, per_layer), *args) / L
+            t = time_fn(layers_fn(_op(name, cfg, scale), L, per_layer), *args) / L
         except Exception as e:  # noqa: BLE001
             log(f"  B={B} ctx={ctx} N={N} {name}: failed {type(e).__name__}: {str(e)[:120]}")
             continue
@@ -343,7 +350,7 @@ def _decode_case(B, ctx, N, copy_bps, pool, page, configs, key, order="random", 
         if best is None or t < best[1]:
             best = (name, t)
     try:
-        t_xla = time_fn(layers_fn(lambda *a: ops.mla_paged_attention(*a, scale, impl="xla"), L, per_layer),
+        t_xla = time_fn(layers_fn(lambda *a: ops.mla_paged_attention(*a, scale, plan=_plan(impl="xla")), L, per_layer),
                         *args) / L
     except Exception as e:  # noqa: BLE001
         log(f"  xla path failed: {type(e).__name__}: {str(e)[:120]}")
@@ -429,11 +436,10 @@ def _check_mixed(spec, N, page, pool, configs, key, lengths):
     B, P = len(lengths), -(-(max(lengths) + 1) // page)
     args = _inputs(key, B, 1, N, page, lengths, P, B * P, jnp.bfloat16)
     scale = 192 ** -0.5
-    ref = np.asarray(ops.mla_paged_attention(*args[:3], pool, *args[3:], scale, impl="xla"), np.float32)
+    ref = np.asarray(ops.mla_paged_attention(*args[:3], pool, *args[3:], scale, plan=_plan(impl="xla")), np.float32)
     errs = {}
     for name, cfg in configs:
-        with _forced(name):
-            out = _op(name, cfg, scale)(*args[:3], pool, *args[3:])
+        out = _op(name, cfg, scale)(*args[:3], pool, *args[3:])
         errs[name] = float(np.abs(np.asarray(out, np.float32) - ref).max())
     ok = all(e <= 1.6e-2 for e in errs.values())
     log(f"check mixed {spec}: max|variant-xla| " + " ".join(f"{k}={v:.2e}" for k, v in errs.items())
@@ -561,7 +567,7 @@ def _check_candidate(N, name, cfg, key):
     pos = pos.at[0].set(-1)                                  # a padding row
     args = (q_lat, q_pe, new, pool, table, pos)
     scale = 192 ** -0.5
-    got = md.mla_paged_attention(*args, scale, config=cfg)
+    got = md.mla_paged_attention(*args, scale, config=cfg, **_thresholds())
     want = md.mla_paged_attention_reference(*args, scale)
     valid = np.asarray(pos >= 0)
     g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
@@ -645,12 +651,12 @@ def section_sweep(copy_bps):
             f"{100 * cases[k].nbytes_layer / t / copy_bps:5.1f}% of copy")
 
     def kernel(cfg):
-        return lambda *a: md.mla_paged_attention(*a, scale, config=cfg)
+        return lambda *a: md.mla_paged_attention(*a, scale, config=cfg, **_thresholds())
 
     # Phase 1: default, legacy and XLA on every case. Phase 2: the other candidates, one at a time.
     for k in keys:
         todo = [(n, kernel(c)) for n, c in cands[k[0]] if n in ("default", "legacy")]
-        todo.append(("xla", lambda *a: ops.mla_paged_attention(*a, scale, impl="xla")))
+        todo.append(("xla", lambda *a: ops.mla_paged_attention(*a, scale, plan=_plan(impl="xla"))))
         for name, fn in todo:
             if _over_budget():
                 out["skipped"].append(f"{k} {name}")
@@ -755,7 +761,7 @@ def _prefill_chunks():
     """A prompt chunk after cached tokens (the scheduler's later chunks; 2048 tokens per row by default
     on a GPU):
     `ops.mla_prefill_attention` on its einsum path (f32 scores [B, N, T, S] materialized) against the
-    masked dot_product_attention call (`ops.use_chunk_attention('cudnn')`) and the two unmasked calls merged
+    masked dot_product_attention call (the plan's chunk_attention 'cudnn') and the two unmasked calls merged
     ('cudnn_split'), checked against the einsum path, Kimi's head dims (nope 128, rope 64, v 128), 64 heads, bf16."""
     import jax
     import jax.numpy as jnp
@@ -800,11 +806,10 @@ def _prefill_chunks():
             if name == "cudnn_split" and not split_ok:
                 continue
             try:
-                with ops.use_chunk_attention(name):
-                    fn = jax.jit(lambda *a: ops.mla_prefill_attention(*a, mask, scale, impl="pallas",
-                                                                      chunk_lens=lens))
-                    t = time_fn(fn, *args)
-                    out = np.where(valid, np.asarray(fn(*args)), 0.0)
+                plan = _plan(impl="pallas", chunk_attention=name)
+                fn = jax.jit(lambda *a: ops.mla_prefill_attention(*a, mask, scale, plan=plan, chunk_lens=lens))
+                t = time_fn(fn, *args)
+                out = np.where(valid, np.asarray(fn(*args)), 0.0)
                 if ref is None:
                     ref, ref_name = out, name
                 err = float(np.max(np.abs(out - ref)))
@@ -943,12 +948,11 @@ def section_profile(copy_bps):
         scale = 192 ** -0.5
         fin = {"triton_fin": MlaDecodeConfig(finish="kernel"),
                "triton_bal": MlaDecodeConfig(schedule="balanced")}.get(kernel)
-        with _forced(kernel):
-            args = (q_lat, q_pe, new, pool, table, pos)
-            f = layers_fn(_op(kernel, fin, scale), calls, B * P, copies).lower(*args).compile()
-            with telemetry.GpuSampler() as gpu:     # clocks / power while it runs
-                per_op, span, tdir = profiling.device_ops_per_call(f, args, calls)
-                wall = time_fn(f, *args) / calls * 1e6 if FLAGS.profile_wall else None
+        args = (q_lat, q_pe, new, pool, table, pos)
+        f = layers_fn(_op(kernel, fin, scale), calls, B * P, copies).lower(*args).compile()
+        with telemetry.GpuSampler() as gpu:     # clocks / power while it runs
+            per_op, span, tdir = profiling.device_ops_per_call(f, args, calls)
+            wall = time_fn(f, *args) / calls * 1e6 if FLAGS.profile_wall else None
         busy = sum(per_op.values())
         nbytes = B * (ctx - T) * C * 2
         row = dict(section="profile", B=B, ctx=ctx, N=N, kernel=kernel,
@@ -983,14 +987,8 @@ def main(argv):
     for spec in FLAGS.mixed:           # before any section runs
         _parse_mixed(spec)
     import jax
-    if FLAGS.combine_xla_max_macs is not None:
-        from pallas_kernels.mla import combine as mla_combine
-        mla_combine.XLA_MAX_MACS = FLAGS.combine_xla_max_macs
-        log("mla_combine.XLA_MAX_MACS =", mla_combine.XLA_MAX_MACS)
-    if FLAGS.new_token_einsum:
-        from pallas_kernels.mla import decode as mla_decode
-        mla_decode.ONE_NEW_TOKEN_ELEMENTWISE = False
-        log("mla_decode.ONE_NEW_TOKEN_ELEMENTWISE = False (the new token in the einsum form)")
+    if FLAGS.combine_xla_max_macs is not None or FLAGS.new_token_einsum:
+        log("kernel thresholds of this run:", _thresholds())
     log("devices", jax.devices(), "jax", jax.__version__)
     copy_bps, read_bps = section_copy()
     if FLAGS.profile:

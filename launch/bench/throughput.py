@@ -130,7 +130,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("max_model_len", None, "LLM max_model_len")
     flags.DEFINE_integer("num_pages", None, "LLM num_pages (default: from free memory)")
     flags.DEFINE_list("mla_kernels", ["auto"], "paged MLA decode kernels to run the same workload under (auto, "
-                      "triton, mgpu; kimi_jax.ops.use_mla_decode_kernel); later ones are compared token by token "
+                      "triton, mgpu; the ExecPlan's mla_decode_kernel); later ones are compared token by token "
                       "with the first")
     flags.DEFINE_integer("min_prompt", 16, "shortest prompt (log-uniform lengths)")
     flags.DEFINE_integer("max_prompt", 256, "longest prompt")
@@ -158,12 +158,12 @@ def main(argv):
     os.makedirs(FLAGS.out, exist_ok=True)
     first = None
     for kernel in FLAGS.mla_kernels:
-        with ops.use_mla_decode_kernel(None if kernel == "auto" else kernel):
-            rows = throughput_rows(model, [int(b) for b in FLAGS.batches], gen_tokens=FLAGS.gen_tokens,
-                                   dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len, num_pages=FLAGS.num_pages,
-                                   overlaps=(True, False) if FLAGS.overlap_compare else (FLAGS.overlap,),
-                                   min_prompt=FLAGS.min_prompt, max_prompt=FLAGS.max_prompt,
-                                   prefill_chunks=tuple(int(c) for c in FLAGS.prefill_chunks) or (None,))
+        rows = throughput_rows(model, [int(b) for b in FLAGS.batches], gen_tokens=FLAGS.gen_tokens,
+                               dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len, num_pages=FLAGS.num_pages,
+                               overlaps=(True, False) if FLAGS.overlap_compare else (FLAGS.overlap,),
+                               min_prompt=FLAGS.min_prompt, max_prompt=FLAGS.max_prompt,
+                               prefill_chunks=tuple(int(c) for c in FLAGS.prefill_chunks) or (None,),
+                               exec_plan=ops.ExecPlan.for_backend(mla_decode_kernel=kernel))
         # the scheduler must not change what is generated: overlap on vs off, row pairs of one batch size
         sched = [(on["batch"], agreement(on["outputs"], off["outputs"]))
                  for on, off in zip(rows[0::2], rows[1::2])] if FLAGS.overlap_compare else []

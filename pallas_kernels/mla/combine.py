@@ -109,10 +109,6 @@ def _kernel(span_ref, o_ref, lse_ref, onew_ref, lsenew_ref, out_ref, lseout_ref,
                                                              -jnp.inf))
 
 
-# `combine` takes the XLA contraction up to this many B x G x M x A multiply-adds, the kernel above:
-# measured on the H200 (BENCHMARKS.md MLA round 11) the contraction was the faster at batch <= 8
-# (8 x 128 items x 64 heads: 34M) and 20-100 us slower at batch 64 (268M).
-XLA_MAX_MACS = 1 << 27
 # A row of at most this many items is merged item by item ([block_a] loads) instead of in chunks of
 # block_g: at batch 64 x 2 splits a [16, 512] chunk held 2 live items and 14 masked ones.
 FEW_ITEMS = 4
@@ -120,12 +116,15 @@ _PROGRAMS = 2048          # the kernel's automatic block_a aims for about this m
 NUM_WARPS = 4
 
 
-def combine(o_GMA, lse_GM, work, o_new_BMA, lse_new_BM, *, interpret: bool):
+def combine(o_GMA, lse_GM, work, o_new_BMA, lse_new_BM, *, interpret: bool, xla_max_macs: int = 1 << 27):
     """The balanced schedule's merge (`work`: `decode.balanced_items`' table): the XLA
-    contraction for small shapes, else the kernel. Returns o [B, M, A] f32 and lse [B, M] f32."""
+    contraction up to `xla_max_macs` B x G x M x A multiply-adds, the kernel above. The default is
+    measured on the H200 (BENCHMARKS.md MLA round 11): the contraction was the faster at batch <= 8
+    (8 x 128 items x 64 heads: 34M) and 20-100 us slower at batch 64 (268M).
+    Returns o [B, M, A] f32 and lse [B, M] f32."""
     G, M, A = o_GMA.shape
     B = o_new_BMA.shape[0]
-    if B * G * M * A <= XLA_MAX_MACS:
+    if B * G * M * A <= xla_max_macs:
         return combine_items_xla(o_GMA, lse_GM, work[0], o_new_BMA, lse_new_BM)
     return combine_items(o_GMA, lse_GM, work[3, :B], work[4, :B], o_new_BMA, lse_new_BM, interpret=interpret)
 

@@ -419,21 +419,18 @@ def balanced_items(lengths_B, items: int, quantum: int):
 
 
 def finish_items(o_BKMA, lse_BKM, work, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale, *,
-                 interpret: bool):
+                 interpret: bool, combine_xla_max_macs: int = 1 << 27, one_new_token_elementwise: bool = True):
     """`finish_xla` for the balanced schedule (`work`: the kernel's `balanced_items` table): the new
-    tokens' part in XLA, the merge by `mla_combine.combine` (XLA or one launch, by size)."""
+    tokens' part in XLA, the merge by `mla_combine.combine` (XLA up to `combine_xla_max_macs`
+    multiply-adds, else one launch)."""
     B, T, N, A = q_lat_BTNA.shape
     G = o_BKMA.shape[0] * o_BKMA.shape[1]
-    o_new_BTNA, lse_new_BTN = _new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale)
+    o_new_BTNA, lse_new_BTN = _new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,
+                                              one_new_token_elementwise=one_new_token_elementwise)
     o, lse = mla_combine.combine(o_BKMA.reshape(G, T * N, A), lse_BKM.reshape(G, T * N), work,
                                  o_new_BTNA.reshape(B, T * N, A), lse_new_BTN.reshape(B, T * N),
-                                 interpret=interpret)
+                                 interpret=interpret, xla_max_macs=combine_xla_max_macs)
     return o.reshape(B, T, N, A), lse.reshape(B, T, N)
-
-
-# One new token per row (T = 1, every plain decode step): `_one_new_token_part` instead of the general
-# einsum form. The benchmark (`launch/bench/mla.py --new_token_einsum`) turns it off to time both.
-ONE_NEW_TOKEN_ELEMENTWISE = True
 
 
 def _one_new_token_part(q_lat_B1NA, q_pe_B1NR, new_B1C, positions_B1, scale):
@@ -453,9 +450,12 @@ def _one_new_token_part(q_lat_B1NA, q_pe_B1NR, new_B1C, positions_B1, scale):
     return o_B1NA, jnp.where(has_B1[:, :, None], s_B1N, -jnp.inf)
 
 
-def _new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale):
-    """Scores of each query against the step's new tokens t' <= t (f32): output and lse [B, T, N]."""
-    if q_lat_BTNA.shape[1] == 1 and ONE_NEW_TOKEN_ELEMENTWISE:
+def _new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale, *, one_new_token_elementwise: bool = True):
+    """Scores of each query against the step's new tokens t' <= t (f32): output and lse [B, T, N].
+    One new token per row (T = 1, every plain decode step) takes `_one_new_token_part` instead of the
+    general einsum form unless `one_new_token_elementwise` is off (`launch/bench_mla.py
+    --new_token_einsum` turns it off to time both)."""
+    if q_lat_BTNA.shape[1] == 1 and one_new_token_elementwise:
         return _one_new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale)
     A = q_lat_BTNA.shape[-1]
     f32 = jnp.float32
@@ -492,7 +492,7 @@ def combine(o_BTNKA, lse_BTNK, o_new_BTNA, lse_new_BTN):
 
 
 def finish_xla(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale, *,
-               new_tokens: bool = True, splits_minor: bool = False):
+               new_tokens: bool = True, splits_minor: bool = False, one_new_token_elementwise: bool = True):
     """The XLA end of a decode step: the new tokens' part (unless the kernel took them: new_tokens
     False) merged with the K split partials o [B, K, M, A] f32 (splits_minor: [B, M, K, A]) and lse
     [B, K, M] over M = T * N rows. Returns o [B, T, N, A] f32 and lse [B, T, N]
@@ -505,7 +505,8 @@ def finish_xla(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, sc
         o_BTNKA = o_BKMA.reshape(B, K, T, N, A).transpose(0, 2, 3, 1, 4)
     lse_BTNK = lse_BKM.reshape(B, K, T, N).transpose(0, 2, 3, 1)
     if new_tokens:
-        o_new_BTNA, lse_new_BTN = _new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale)
+        o_new_BTNA, lse_new_BTN = _new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,
+                                                  one_new_token_elementwise=one_new_token_elementwise)
     else:
         o_new_BTNA = jnp.zeros((B, T, N, A), jnp.float32)
         lse_new_BTN = jnp.full((B, T, N), -jnp.inf, jnp.float32)
@@ -513,7 +514,8 @@ def finish_xla(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, sc
 
 
 def finish(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale, *, kernel: bool,
-           interpret: bool, new_tokens: bool = True, splits_minor: bool = False):
+           interpret: bool, new_tokens: bool = True, splits_minor: bool = False,
+           one_new_token_elementwise: bool = True):
     """The end of a decode step for both decode kernels' wrappers: `mla_finish.finish_partials` (one
     launch) where `kernel` asks for it and it applies (the new tokens still to do, [B, K, M, A]
     partials, T <= mla_finish.MAX_NEW), else `finish_xla`. Returns o [B, T, N, A] (f32, or q's dtype
@@ -522,19 +524,24 @@ def finish(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,
         return mla_finish.finish_partials(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT,
                                           scale, interpret=interpret)
     return finish_xla(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,
-                      new_tokens=new_tokens, splits_minor=splits_minor)
+                      new_tokens=new_tokens, splits_minor=splits_minor,
+                      one_new_token_elementwise=one_new_token_elementwise)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret", "return_lse"))
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret", "return_lse", "combine_xla_max_macs",
+                                             "one_new_token_elementwise"))
 def mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP, positions_BT,
                         scale: float, *, config: Optional[MlaDecodeConfig] = None,
-                        interpret: Optional[bool] = None, return_lse: bool = False):
+                        interpret: Optional[bool] = None, return_lse: bool = False,
+                        combine_xla_max_macs: int = 1 << 27, one_new_token_elementwise: bool = True):
     """Absorbed MLA over the paged cache plus the step's new tokens -> o_lat [B, T, N, A] (q's dtype).
 
     The contract of `kimi_jax.ops.mla_paged_attention`: row b's cached tokens are positions
     [0, positions[b, 0]) read through block_table (padding rows, positions < 0, read nothing); new
     token t also sees new tokens t' <= t with positions >= 0. Softmax in float32. `interpret=None`
     interprets on CPU. With return_lse, also the float32 log-sum-exp [B, T, N] (natural log).
+    combine_xla_max_macs, one_new_token_elementwise: the XLA finish's thresholds (`finish_items`,
+    `_new_token_part`).
     """
     _check(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP, positions_BT)
     interp = tile.resolve_interpret(interpret)
@@ -550,12 +557,14 @@ def mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP
         new_BTC=new_BTC, positions_BT=positions_BT, work=work)
     if work is not None:
         o_BTNA, lse_BTN = finish_items(o_BKMA, lse_BKM, work, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT,
-                                       scale, interpret=interp)
+                                       scale, interpret=interp, combine_xla_max_macs=combine_xla_max_macs,
+                                       one_new_token_elementwise=one_new_token_elementwise)
     elif cfg.fuse_new and cfg.num_splits == 1:   # one split saw every key: its output is the answer
         o_BTNA, lse_BTN = o_BKMA[:, 0].reshape(B, T, N, A), lse_BKM[:, 0].reshape(B, T, N)
     else:
         o_BTNA, lse_BTN = finish(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,
-                                 kernel=cfg.finish == "kernel", interpret=interp, new_tokens=not cfg.fuse_new)
+                                 kernel=cfg.finish == "kernel", interpret=interp, new_tokens=not cfg.fuse_new,
+                                 one_new_token_elementwise=one_new_token_elementwise)
     o_BTNA = o_BTNA.astype(q_lat_BTNA.dtype)
     return (o_BTNA, lse_BTN) if return_lse else o_BTNA
 

@@ -155,7 +155,7 @@ def shape_class(batch: int) -> str:
 
 
 def serving_config(batch: int, schedule: Optional[str] = None) -> MgpuConfig:
-    """What kimi_jax.ops runs for `batch` rows. `schedule`: a forced one (`ops.use_mla_schedule`), with
+    """What kimi_jax.ops runs for `batch` rows. `schedule`: a forced one (the ExecPlan's `mla_schedule`), with
     XLA's finish (the only one the balanced schedule takes)."""
     if schedule is not None:
         return dataclasses.replace(SERVING_CONFIGS["rows"], schedule=schedule)
@@ -696,13 +696,15 @@ def mla_decode_partials_mgpu(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, leng
     return (o[:, :M] if cfg.o_bmsa else o[:, :, :M]), lse[:, :, :M]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret", "return_lse"))
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret", "return_lse", "combine_xla_max_macs",
+                                             "one_new_token_elementwise"))
 def mla_paged_attention_mgpu(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP, positions_BT,
                              scale: float, *, config: Optional[MgpuConfig] = None,
-                             interpret: bool = False, return_lse: bool = False):
+                             interpret: bool = False, return_lse: bool = False,
+                             combine_xla_max_macs: int = 1 << 27, one_new_token_elementwise: bool = True):
     """`decode.mla_paged_attention`'s contract (cached tokens + the step's new tokens), with the cached
     part on the Mosaic GPU kernel and the new tokens merged by `decode.finish` (`decode.finish_items`
-    under the balanced schedule)."""
+    under the balanced schedule; combine_xla_max_macs, one_new_token_elementwise: as there)."""
     B, T, N, A = q_lat_BTNA.shape
     R = q_pe_BTNR.shape[-1]
     lengths_B = jnp.maximum(positions_BT[:, 0], 0)
@@ -715,10 +717,13 @@ def mla_paged_attention_mgpu(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_tab
         pool_XpC, block_table_BP, lengths_B, scale=scale, config=config, interpret=interpret, work=work)
     if work is not None:
         o_BTNA, lse_BTN = tri.finish_items(o_BKMA, lse_BKM, work, q_lat_BTNA, q_pe_BTNR, new_BTC,
-                                           positions_BT, scale, interpret=bool(interpret))
+                                           positions_BT, scale, interpret=bool(interpret),
+                                           combine_xla_max_macs=combine_xla_max_macs,
+                                           one_new_token_elementwise=one_new_token_elementwise)
     else:
         o_BTNA, lse_BTN = tri.finish(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,
                                      kernel=config is not None and config.finish == "kernel",
-                                     interpret=bool(interpret), splits_minor=config is not None and config.o_bmsa)
+                                     interpret=bool(interpret), splits_minor=config is not None and config.o_bmsa,
+                                     one_new_token_elementwise=one_new_token_elementwise)
     o_BTNA = o_BTNA.astype(q_lat_BTNA.dtype)
     return (o_BTNA, lse_BTN) if return_lse else o_BTNA

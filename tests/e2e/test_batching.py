@@ -93,19 +93,6 @@ def test_bad_requests_fail_alone(ckpt):
     assert len(good.output_ids) == 3
 
 
-def test_unrolled_layer_loop_gives_the_same_tokens(ckpt, monkeypatch):
-    """The GPU default (Python-unrolled layer loop, static weight slices) and lax.scan run the same
-    model: greedy tokens over the paged cache (prefill chunks and decode) must be identical."""
-    from kimi_jax.model import transformer
-    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    out = {}
-    for loop in ("scan", "unroll"):
-        monkeypatch.setattr(transformer, "LAYER_LOOP", loop)
-        llm = LLM(ckpt, dtype="float32", max_num_seqs=2, page_size=4, num_pages=24, prefill_chunk=16)
-        out[loop] = [o.outputs[0].token_ids for o in llm.generate(prompts(3), sp)]
-    assert out["scan"] == out["unroll"]
-
-
 def test_bfloat16_batch_runs_on_cpu(ckpt):
     """bf16 with several rows used to fail on XLA:CPU ("Unsupported element type for DotThunk: BF16 x
     BF16 = F32" for einsums whose batch dimension is not leading); ops.einsum_f32 widens on CPU. Before
@@ -129,7 +116,7 @@ def test_mla_kernel_runs_per_shard_and_matches_xla(tmp_path_factory, layout):
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     out = {}
     for impl in ("xla", "pallas"):
-        with ops.use_impl(impl):
-            llm = LLM(ckpt, dtype="float32", max_num_seqs=4, page_size=4, num_pages=64, **layout)
-            out[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts(4, seed=5), sp)]
+        llm = LLM(ckpt, dtype="float32", max_num_seqs=4, page_size=4, num_pages=64,
+                  exec_plan=ops.ExecPlan(impl=impl), **layout)
+        out[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts(4, seed=5), sp)]
     assert out["pallas"] == out["xla"]

@@ -117,7 +117,7 @@ def test_compiled_paged_steps_move_no_pool(ckpt, name):
         tok = np.ones((B, T), np.int32)
         pos = np.tile(np.arange(T, dtype=np.int32) + (0 if fresh else 20), (B, 1))
         compiled = eng.paged_step_jit.lower(eng.state, pages, tok, pos, table, z, sp, z, n_logprobs=None,
-                                   absorbed=absorbed, fresh=fresh).compile()
+                                   absorbed=absorbed, fresh=fresh, plan=eng.plan).compile()
         ops = profiling.collectives_of_hlo(compiled.as_text()).ops
         big = [(o.kind, o.bytes, o.source) for o in ops if not o.trivial and o.bytes >= shard_bytes]
         assert not big, (T, absorbed, fresh, big)
@@ -158,9 +158,10 @@ def test_ops_on_a_split_pool_equal_the_whole_pool(impl):
     rows = lambda x: jax.device_put(x, lay.sharding(P("dp", *[None] * (x.ndim - 1))))   # noqa: E731
     heads = lambda x: jax.device_put(x, lay.sharding(P("dp", None, "tp", None)))        # noqa: E731
 
-    got = jax.jit(lambda *a: ops.mla_paged_attention(*a, 0.2, impl=impl, parallel=par, layer=layer))(
+    got = jax.jit(lambda *a: ops.mla_paged_attention(*a, 0.2, plan=ops.ExecPlan(impl=impl), parallel=par,
+                                                     layer=layer))(
         heads(q_lat), heads(q_pe), rows(new), split_pool, rows(local), rows(positions))
-    want = ops.mla_paged_attention(q_lat, q_pe, new, pool[layer], glob, positions, 0.2, impl="xla")
+    want = ops.mla_paged_attention(q_lat, q_pe, new, pool[layer], glob, positions, 0.2, plan=ops.ExecPlan())
     valid = positions >= 0
     np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=2e-5, rtol=0)
 
@@ -209,8 +210,8 @@ def test_split_chunk_attention_under_dp_tp_ep_equals_single_device(ckpt, monkeyp
     halves, real = [], prefill_attention._attention_lse_xla
     monkeypatch.setattr(prefill_attention, "_attention_lse_xla",
                         lambda *a, **k: halves.append(k["causal"]) or real(*a, **k))
-    with ops.use_chunk_attention("xla_split"):
-        got, _ = run(LLM(ckpt, max_num_seqs=2 * SLOTS_PER_RANK, num_pages=2 * PAGES_PER_RANK, **kw, **lay),
-                     ps, params)
+    split = ops.ExecPlan(chunk_attention="xla_split")
+    got, _ = run(LLM(ckpt, max_num_seqs=2 * SLOTS_PER_RANK, num_pages=2 * PAGES_PER_RANK, exec_plan=split, **kw,
+                     **lay), ps, params)
     assert set(halves) == {False, True}                  # traced: both halves of the split path
     assert got == ref

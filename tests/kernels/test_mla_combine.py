@@ -55,7 +55,7 @@ def test_kernel_matches_reference(lengths, splits, M, A, block_a, block_g):
 
 
 def test_combine_picks_by_size():
-    """`combine`: the XLA contraction for small shapes, the kernel above mla_combine.XLA_MAX_MACS;
+    """`combine`: the XLA contraction for small shapes, the kernel above its `xla_max_macs`;
     both give the same merge (the kernel's shapes here are small: the threshold is lowered)."""
     work, o, lse, o_new, lse_new = _parts(5, [900, 30, 0], 2, 4, 32)
     want = mc.combine_items_xla(o, lse, work[0], o_new, lse_new)
@@ -64,8 +64,7 @@ def test_combine_picks_by_size():
     real = mc.combine_items
     with um.patch.object(mc, "combine_items", lambda *a, **k: calls.append(1) or real(*a, **k)):
         small = mc.combine(o, lse, work, o_new, lse_new, interpret=True)
-        with um.patch.object(mc, "XLA_MAX_MACS", 0):
-            big = mc.combine(o, lse, work, o_new, lse_new, interpret=True)
+        big = mc.combine(o, lse, work, o_new, lse_new, interpret=True, xla_max_macs=0)
     assert len(calls) == 1
     for got in (small, big):
         np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=2e-6, rtol=1e-5)

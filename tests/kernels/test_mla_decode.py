@@ -66,11 +66,11 @@ def test_kernel_matches_reference_bf16_kimi_dims():
 
 
 def test_ops_pallas_branch_matches_xla():
-    """kimi_jax.ops selects the kernel with impl='pallas'; it agrees with the 'xla' implementation
-    (float32: the same 2e-5 as against the reference)."""
+    """kimi_jax.ops selects the kernel under a plan with impl='pallas'; it agrees with the 'xla'
+    implementation (float32: the same 2e-5 as against the reference)."""
     args = _case(3, B=2, T=2, N=8, A=32, R=16, page=4, P=6, cached=[20, 16], dtype=jnp.float32)
-    got = ops.mla_paged_attention(*args, 0.125, impl="pallas")
-    want = ops.mla_paged_attention(*args, 0.125, impl="xla")
+    got = ops.mla_paged_attention(*args, 0.125, plan=ops.ExecPlan(impl="pallas"))
+    want = ops.mla_paged_attention(*args, 0.125, plan=ops.ExecPlan(impl="xla"))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
@@ -223,18 +223,16 @@ def test_balanced_schedule_matches_reference_f32(N, T, splits):
     _check(args, 0.17, _C(block_k=16, num_splits=splits, schedule="balanced"), atol=2e-5)
 
 
-def test_schedule_validation_and_ops_switch():
+def test_schedule_validation_and_the_plans_schedule():
     for bad, msg in ((dict(schedule="fair"), "schedule"), (dict(schedule="balanced", fuse_new=True), "fuse_new"),
                      (dict(schedule="balanced", finish="kernel"), "finish")):
         with pytest.raises(ValueError, match=msg):
             _C(**bad)
-    with pytest.raises(ValueError, match="MLA decode schedule"):
-        with ops.use_mla_schedule("fair"):
-            pass
+    with pytest.raises(ValueError, match="mla_schedule"):
+        ops.ExecPlan(mla_schedule="fair")
     args = _case(9, B=3, T=1, N=8, A=32, R=16, page=4, P=10, cached=[37, 2, 0], dtype=jnp.float32)
-    want = ops.mla_paged_attention(*args, 0.125, impl="xla")
-    with ops.use_mla_schedule("balanced"):
-        got = ops.mla_paged_attention(*args, 0.125, impl="pallas")
+    want = ops.mla_paged_attention(*args, 0.125, plan=ops.ExecPlan(impl="xla"))
+    got = ops.mla_paged_attention(*args, 0.125, plan=ops.ExecPlan(impl="pallas", mla_schedule="balanced"))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
@@ -257,7 +255,7 @@ def test_kernel_lowers_for_cuda(N, T, cfg):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_one_new_token_part_matches_general_form(dtype, monkeypatch):
+def test_one_new_token_part_matches_general_form(dtype):
     """T = 1's elementwise new-token part (o = the token's latent, lse = its score) against the general
     einsum form it replaces, including a padding row (position -1: o = 0, lse = -inf). Same math in
     f32 (products of the inputs are exact in f32), only the summation order of the score differs:
@@ -266,8 +264,7 @@ def test_one_new_token_part_matches_general_form(dtype, monkeypatch):
     q_lat, q_pe, new, _, _, pos = args
     pos = pos.at[1].set(-1)
     o1, lse1 = md._new_token_part(q_lat, q_pe, new, pos, 0.13)
-    monkeypatch.setattr(md, "ONE_NEW_TOKEN_ELEMENTWISE", False)
-    o2, lse2 = md._new_token_part(q_lat, q_pe, new, pos, 0.13)
+    o2, lse2 = md._new_token_part(q_lat, q_pe, new, pos, 0.13, one_new_token_elementwise=False)
     assert o1.shape == o2.shape and lse1.shape == lse2.shape and o1.dtype == o2.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(o1), np.asarray(o2), rtol=1e-5, atol=0)
     np.testing.assert_allclose(np.asarray(lse1), np.asarray(lse2), rtol=1e-5, atol=1e-6)

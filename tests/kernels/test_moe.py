@@ -72,8 +72,7 @@ def test_moe_equals_per_expert_loop(quantized, groups):
         getattr(moe.shared_experts, name).weight[...] = jnp.asarray(shared[key], jnp.float32)
 
     x = rng.normal(0, 1, (2, 13, D))
-    with ops.use_impl("xla"):
-        got = np.asarray(moe(jnp.asarray(x, jnp.float32)), np.float64)
+    got = np.asarray(moe(jnp.asarray(x, jnp.float32), plan=ops.ExecPlan(impl="xla")), np.float64)
     ref = loop_reference(x.reshape(-1, D), gate_w, bias, experts, shared, cfg).reshape(x.shape)
     # float32 model vs float64 loop, outputs O(1): ~1e-6 relative. 1e-4 still fails on a wrong
     # expert choice or weight (an O(0.1) change).
@@ -89,7 +88,7 @@ def test_routed_experts_tokens_on_one_expert_and_empty_experts():
     wt = rng.uniform(0.1, 1.0, (T, 2)).astype(np.float32)
     x = rng.normal(0, 1, (T, D)).astype(np.float32)
     got = np.asarray(ops.routed_experts(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(wt),
-                                        ops.ExpertWeights(*map(jnp.asarray, ws)), impl="xla"))
+                                        ops.ExpertWeights(*map(jnp.asarray, ws)), plan=ops.ExecPlan(impl="xla")))
     silu = lambda v: v / (1 + np.exp(-v))
     ref = np.zeros_like(x)
     for t in range(T):
@@ -104,7 +103,7 @@ def test_routed_experts_tokens_on_one_expert_and_empty_experts():
 @pytest.mark.parametrize("layout,loop", [((1, 1, False), "scan"), ((1, 1, False), "unroll"),
                                          ((1, 2, True), "scan")],
                          ids=["single-scan", "single-unroll", "dp2-ep-scan"])
-def test_layer_stack_passes_whole_expert_stack_to_each_impl(layout, loop, monkeypatch):
+def test_layer_stack_passes_whole_expert_stack_to_each_impl(layout, loop):
     """scan_layers hands every MoE layer the whole [L, E, ...] expert stack plus its layer index (no
     per-layer slice copy). The pallas path offsets expert ids into the flattened [L*E, ...] stack, the XLA
     path slices; both must equal running each layer's own [E, ...] weights. Three MoE layers with
@@ -114,12 +113,9 @@ def test_layer_stack_passes_whole_expert_stack_to_each_impl(layout, loop, monkey
     import dataclasses
 
     import jax
-    from kimi_jax.engine.steps import Engine
     from kimi_jax.parallel.sharding import Layout
     from kimi_jax.model.transformer import Transformer
 
-    from kimi_jax.model import transformer
-    monkeypatch.setattr(transformer, "LAYER_LOOP", loop)
     cfg = dataclasses.replace(preset("tiny"), num_hidden_layers=4, moe_intermediate_size=64,
                               quantization=QuantConfig(group_size=32))   # kernels need K % 64 == 0
     tp, dp, ep = layout
@@ -129,8 +125,8 @@ def test_layer_stack_passes_whole_expert_stack_to_each_impl(layout, loop, monkey
     pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
     out = {}
     for impl in ("xla", "pallas"):
-        with ops.use_impl(impl):
-            out[impl] = np.asarray(jax.jit(lambda m, t, p: m(t, p)[0])(model, tokens, pos))
+        plan = ops.ExecPlan(impl=impl, layer_loop=loop)
+        out[impl] = np.asarray(jax.jit(lambda m, t, p: m(t, p, plan=plan)[0])(model, tokens, pos))
     # reference: run each MoE layer's own weights outside the scan, layer by layer
     ref = np.asarray(_logits_layer_by_layer(model, tokens, pos))
     scale = np.abs(ref).max()
@@ -182,8 +178,8 @@ def test_routed_experts_pallas_takes_float32_activations_as_bf16():
     x = jax.random.normal(jax.random.fold_in(key, 9), (T, D), jnp.float32)
     idx = jnp.array([[0, 3], [5, 1], [3, 2]], jnp.int32)
     wt = jnp.full((T, 2), 0.5, jnp.float32)
-    got = ops.routed_experts(x, idx, wt, ew, impl="pallas")
-    want = ops.routed_experts(x.astype(jnp.bfloat16), idx, wt, ew, impl="pallas")
+    got = ops.routed_experts(x, idx, wt, ew, plan=ops.ExecPlan(impl="pallas"))
+    want = ops.routed_experts(x.astype(jnp.bfloat16), idx, wt, ew, plan=ops.ExecPlan(impl="pallas"))
     assert got.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.float32)))
 
@@ -219,8 +215,8 @@ def test_expert_parallel_steers_the_decode_config(monkeypatch):
     idx = jnp.array([[0, 5], [9, 15], [5, 2]], jnp.int32)
     wt = jnp.full((T, K), 0.5, jnp.float32)
     par = Layout(tensor_parallel_size=8, enable_expert_parallel=True).moe_parallel()
-    got = np.asarray(ops.routed_experts(x, idx, wt, ew, impl="pallas", parallel=par), np.float32)
-    want = np.asarray(ops.routed_experts(x, idx, wt, ew, impl="pallas"), np.float32)
+    got = np.asarray(ops.routed_experts(x, idx, wt, ew, plan=ops.ExecPlan(impl="pallas"), parallel=par), np.float32)
+    want = np.asarray(ops.routed_experts(x, idx, wt, ew, plan=ops.ExecPlan(impl="pallas")), np.float32)
     assert seen == [1 / 8, 1.0]                  # 6 pairs: 0.75 held per device (pairs_cta) vs 6
     np.testing.assert_allclose(got, want, atol=1e-2 * np.abs(want).max())
 

@@ -4,6 +4,8 @@ against the XLA einsum path, and engine generation through it. cuDNN does not ru
 is jax.nn.dot_product_attention(implementation="xla") on the very same padded inputs."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,17 @@ from kimi_jax.config import preset
 from kimi_jax.model.mla import MLA
 
 CFG = preset("tiny")
+XLA, PALLAS = ops.ExecPlan(impl="xla"), ops.ExecPlan(impl="pallas")     # the CPU plan, the GPU one
+
+
+def fresh_path(choice, base=XLA):
+    """A plan forcing how fresh causal prefills attend."""
+    return dataclasses.replace(base, prefill_attention=choice)
+
+
+def chunk_path(choice, base=XLA):
+    """A plan forcing how prefill chunks after cached tokens attend."""
+    return dataclasses.replace(base, chunk_attention=choice)
 
 
 @pytest.fixture
@@ -38,21 +51,18 @@ def recorder(monkeypatch):
 def test_path_selection():
     bf16, f32 = jnp.bfloat16, jnp.float32
     kimi = (192, 128)                                   # qk = 128 nope + 64 rope; v 128
-    assert ops.prefill_attention_path(*kimi, bf16, causal=True, impl="pallas") == "cudnn"
-    assert ops.prefill_attention_path(*kimi, jnp.float16, causal=True, impl="pallas") == "cudnn"
-    assert ops.prefill_attention_path(*kimi, bf16, causal=False, impl="pallas") == "cudnn_split"  # chunk
-    assert ops.prefill_attention_path(*kimi, bf16, causal=True, impl="xla") == "einsum"      # not a GPU
-    assert ops.prefill_attention_path(*kimi, f32, causal=True, impl="pallas") == "einsum"    # cuDNN: 16-bit
-    assert ops.prefill_attention_path(264, 128, bf16, causal=True, impl="pallas") == "einsum"  # head > 256
+    assert ops.prefill_attention_path(*kimi, bf16, causal=True, plan=PALLAS) == "cudnn"
+    assert ops.prefill_attention_path(*kimi, jnp.float16, causal=True, plan=PALLAS) == "cudnn"
+    assert ops.prefill_attention_path(*kimi, bf16, causal=False, plan=PALLAS) == "cudnn_split"  # chunk
+    assert ops.prefill_attention_path(*kimi, bf16, causal=True, plan=XLA) == "einsum"      # not a GPU
+    assert ops.prefill_attention_path(*kimi, f32, causal=True, plan=PALLAS) == "einsum"    # cuDNN: 16-bit
+    assert ops.prefill_attention_path(264, 128, bf16, causal=True, plan=PALLAS) == "einsum"  # head > 256
     assert ops.prefill_attention_path(*kimi, bf16, causal=True) == "einsum"     # tests run on CPU
-    with ops.use_prefill_attention("xla"):
-        assert ops.prefill_attention_path(*kimi, f32, causal=True) == "xla"
-        assert ops.prefill_attention_path(*kimi, f32, causal=False) == "einsum"
-    with ops.use_prefill_attention("einsum"):
-        assert ops.prefill_attention_path(*kimi, bf16, causal=True, impl="pallas") == "einsum"
-    with pytest.raises(ValueError):
-        with ops.use_prefill_attention("flash"):
-            pass
+    assert ops.prefill_attention_path(*kimi, f32, causal=True, plan=fresh_path("xla")) == "xla"
+    assert ops.prefill_attention_path(*kimi, f32, causal=False, plan=fresh_path("xla")) == "einsum"
+    assert ops.prefill_attention_path(*kimi, bf16, causal=True, plan=fresh_path("einsum", PALLAS)) == "einsum"
+    with pytest.raises(ValueError, match="prefill_attention"):
+        fresh_path("flash")
 
 
 def test_default_prefill_chunk():
@@ -61,15 +71,13 @@ def test_default_prefill_chunk():
     from kimi_jax.entrypoints.llm import default_prefill_chunk
     cfg = preset("tiny")
     assert default_prefill_chunk(cfg, jnp.bfloat16) == 256                     # CPU: einsum
-    with ops.use_impl("pallas"):                                               # as on a GPU
-        assert default_prefill_chunk(cfg, jnp.bfloat16) == 2048                # cudnn_split
-        assert default_prefill_chunk(cfg, jnp.float32) == 256                  # cuDNN takes 16-bit only
-    with ops.use_chunk_attention("xla_split"):
-        assert default_prefill_chunk(cfg, jnp.float32) == 2048
-        assert LLM("tiny", dtype="float32", num_pages=8).prefill_chunk == 2048
-        assert LLM("tiny", dtype="float32", num_pages=8, prefill_chunk=64).prefill_chunk == 64
-    with ops.use_chunk_attention("cudnn"):                                     # one masked call
-        assert default_prefill_chunk(cfg, jnp.bfloat16) == 256
+    assert default_prefill_chunk(cfg, jnp.bfloat16, PALLAS) == 2048            # as on a GPU: cudnn_split
+    assert default_prefill_chunk(cfg, jnp.float32, PALLAS) == 256              # cuDNN takes 16-bit only
+    split = chunk_path("xla_split")
+    assert default_prefill_chunk(cfg, jnp.float32, split) == 2048
+    assert LLM("tiny", dtype="float32", num_pages=8, exec_plan=split).prefill_chunk == 2048
+    assert LLM("tiny", dtype="float32", num_pages=8, prefill_chunk=64, exec_plan=split).prefill_chunk == 64
+    assert default_prefill_chunk(cfg, jnp.bfloat16, chunk_path("cudnn")) == 256   # one masked call
     assert LLM("tiny", dtype="float32", num_pages=8).prefill_chunk == 256
 
 
@@ -101,7 +109,7 @@ def _mla(dtype=jnp.float32):
 
 
 def _run(mla, x, pos, pool, table, **kw):
-    """The MLA layer jitted (traced afresh each call, so the path is chosen under the current settings)."""
+    """The MLA layer jitted (traced afresh each call: the recorder sees every path taken)."""
     return jax.jit(lambda x, pos, pool, table: mla(x, pos, pool, block_table_BP=table, **kw))(x, pos, pool, table)
 
 
@@ -110,20 +118,21 @@ def test_mla_chooses_fused_only_for_fresh_prefill(recorder):
     x, pos, pool, table, valid = _paged_inputs()
     ref, new_ref = _run(mla, x, pos, pool, table)                        # cached-prefix path (paged keys)
     assert recorder == []
-    with ops.use_prefill_attention("xla"):
-        out, new = _run(mla, x, pos, pool, table, fresh=True)
-        assert recorder == ["xla"]
-        _run(mla, x, pos, pool, table)                                    # not fresh: the einsum path
-        _run(mla, x, pos, pool, table, fresh=True, absorbed=True)        # absorbed: never fused
-        assert recorder == ["xla"]
+    forced = fresh_path("xla")
+    out, new = _run(mla, x, pos, pool, table, fresh=True, plan=forced)
+    assert recorder == ["xla"]
+    _run(mla, x, pos, pool, table, plan=forced)                          # not fresh: the einsum path
+    _run(mla, x, pos, pool, table, fresh=True, absorbed=True, plan=forced)   # absorbed: never fused
+    assert recorder == ["xla"]
     out_e, _ = _run(mla, x, pos, pool, table, fresh=True)               # CPU, automatic: einsum
     assert recorder == ["xla"]
-    with ops.use_impl("pallas"):       # GPU choice (bf16 MLA: no INT4 weight, so no other kernel runs)
-        mla16, b16 = _mla(jnp.bfloat16), jnp.bfloat16
-        jax.eval_shape(lambda: mla16(x.astype(b16), pos, pool.astype(b16), block_table_BP=table, fresh=True))
-        assert recorder == ["xla", "cudnn"]
-        jax.eval_shape(lambda: mla16(x.astype(b16), pos, pool.astype(b16), block_table_BP=table))
-        assert recorder == ["xla", "cudnn"]
+    # the GPU plan (bf16 MLA: no INT4 weight, so no other kernel runs)
+    mla16, b16 = _mla(jnp.bfloat16), jnp.bfloat16
+    jax.eval_shape(lambda: mla16(x.astype(b16), pos, pool.astype(b16), block_table_BP=table, fresh=True,
+                                 plan=PALLAS))
+    assert recorder == ["xla", "cudnn"]
+    jax.eval_shape(lambda: mla16(x.astype(b16), pos, pool.astype(b16), block_table_BP=table, plan=PALLAS))
+    assert recorder == ["xla", "cudnn"]
     # the latents written to the cache are the same whichever path attends
     np.testing.assert_array_equal(np.asarray(new), np.asarray(new_ref))
     # real rows: the fresh paths (keys = new tokens only) match the paged-keys path; float32, the same
@@ -155,11 +164,10 @@ def test_padded_v_dot_product_attention_matches_einsum(dtype, tol):
     mask = (pos[:, None, :] <= pos[:, :, None]) & (pos[:, None, :] >= 0)
     scale = (H + R) ** -0.5
     args = (q_nope, q_pe, k, kpe, v, jnp.asarray(mask))
-    run = lambda: np.asarray(jax.jit(lambda *a: ops.mla_prefill_attention(*a, scale, causal=True))(*args))
-    with ops.use_prefill_attention("einsum"):
-        ref = run()
-    with ops.use_prefill_attention("xla"):
-        out = run()
+    run = lambda plan: np.asarray(jax.jit(  # noqa: E731
+        lambda *a: ops.mla_prefill_attention(*a, scale, causal=True, plan=plan))(*args))
+    ref = run(fresh_path("einsum"))
+    out = run(fresh_path("xla"))
     valid = (pos >= 0)[..., None, None]
     assert out.shape == ref.shape == (B, T, N, V) and out.dtype == np.float32
     np.testing.assert_allclose(np.where(valid, out, 0), np.where(valid, ref, 0), rtol=tol, atol=tol)
@@ -180,9 +188,10 @@ def test_sharded_dot_product_attention_per_shard(recorder, monkeypatch):
     shapes, inner = [], prefill_attention._dot_product_attention
     monkeypatch.setattr(prefill_attention, "_dot_product_attention",
                         lambda q, *a: (shapes.append(q.shape), inner(q, *a))[1])
-    with ops.use_prefill_attention("xla"):
-        ref = ops.mla_prefill_attention(*args, mask, 0.2, causal=True)
-        out = jax.jit(lambda *a: ops.mla_prefill_attention(*a, mask, 0.2, causal=True, parallel=par))(*args)
+    forced = fresh_path("xla")
+    ref = ops.mla_prefill_attention(*args, mask, 0.2, causal=True, plan=forced)
+    out = jax.jit(lambda *a: ops.mla_prefill_attention(*a, mask, 0.2, causal=True, plan=forced, parallel=par))(
+        *args)
     assert recorder == ["xla", "xla"]
     assert shapes == [(B, T, N, H + R), (B // 2, T, N // 2, H + R)]      # the second call saw one shard
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
@@ -198,10 +207,8 @@ def test_sharded_dot_product_attention_per_shard(recorder, monkeypatch):
     monkeypatch.setattr(prefill_attention, "_masked_dot_product_attention",
                         lambda q, k, v, m, *a: (masked.append(m.shape), inner_m(q, k, v, m, *a))[1])
     chunk = (args[0], args[1], k2, kpe2, v2, cmask)
-    with ops.use_chunk_attention("einsum"):
-        ref = ops.mla_prefill_attention(*chunk, 0.2)
-    with ops.use_chunk_attention("xla"):
-        out = jax.jit(lambda *a: ops.mla_prefill_attention(*a, 0.2, parallel=par))(*chunk)
+    ref = ops.mla_prefill_attention(*chunk, 0.2, plan=chunk_path("einsum"))
+    out = jax.jit(lambda *a: ops.mla_prefill_attention(*a, 0.2, plan=chunk_path("xla"), parallel=par))(*chunk)
     assert masked == [(B // 2, T, S)]
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
     # the two unmasked calls merged ('xla_split'), per shard: the lengths split over the rows too
@@ -209,9 +216,9 @@ def test_sharded_dot_product_attention_per_shard(recorder, monkeypatch):
     monkeypatch.setattr(prefill_attention, "_attention_lse_xla", lambda q, k, *a, **kw: (parts.append(k.shape),
                                                                              inner_p(q, k, *a, **kw))[1])
     lens = (jnp.asarray(cached, jnp.int32), jnp.full((B,), T, jnp.int32))
-    with ops.use_chunk_attention("xla_split"):
-        out = jax.jit(lambda *a, lens: ops.mla_prefill_attention(*a, 0.2, parallel=par, chunk_lens=lens))(
-            *chunk, lens=lens)
+    split = chunk_path("xla_split")
+    out = jax.jit(lambda *a, lens: ops.mla_prefill_attention(*a, 0.2, plan=split, parallel=par, chunk_lens=lens))(
+        *chunk, lens=lens)
     assert parts == [(B // 2, 5, N // 2, H + R), (B // 2, T, N // 2, H + R)]     # cached keys, then the chunk
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
@@ -234,8 +241,7 @@ def test_engine_generation_same_tokens(recorder, monkeypatch):
         m.setattr(engine_mod, "is_fresh", lambda positions: False)
         before = [o.outputs[0].token_ids for o in LLM("tiny", **kw).generate(prompts, sp)]
     assert recorder == []
-    with ops.use_prefill_attention("xla"):
-        after = [o.outputs[0].token_ids for o in LLM("tiny", **kw).generate(prompts, sp)]
+    after = [o.outputs[0].token_ids for o in LLM("tiny", exec_plan=fresh_path("xla"), **kw).generate(prompts, sp)]
     assert recorder and set(recorder) == {"xla"}       # fresh prefills went through it
     assert after == before
 
@@ -244,7 +250,7 @@ def test_engine_generation_same_tokens(recorder, monkeypatch):
 
 def test_chunk_after_cached_tokens_masked_call_matches_einsum(monkeypatch):
     """A chunk of new tokens after each row's cached prefix (the paged keys' layout: cached slots, then
-    the chunk): `use_chunk_attention('xla')` (cuDNN's stand-in: the same padded inputs and mask through
+    the chunk): the plan's chunk_attention 'xla' (cuDNN's stand-in: the same padded inputs and mask through
     jax.nn.dot_product_attention) against the einsum path, float32 (summation order only: ~1e-6), for
     ragged prefixes (none, partial pages), a padded chunk and an all-padding row; the fresh path is
     untouched (the causal call, no mask)."""
@@ -265,17 +271,16 @@ def test_chunk_after_cached_tokens_masked_call_matches_einsum(monkeypatch):
     calls = []
     real = prefill_attention._masked_dot_product_attention
     monkeypatch.setattr(prefill_attention, "_masked_dot_product_attention", lambda *a: calls.append(a[-1]) or real(*a))
-    run = lambda: np.asarray(jax.jit(lambda *a: ops.mla_prefill_attention(*a, scale))(  # noqa: E731
+    run = lambda plan=None: np.asarray(jax.jit(lambda *a: ops.mla_prefill_attention(*a, scale, plan=plan))(  # noqa: E731
         q_nope, q_pe, k, kpe, v, mask))
     ref = run()
     assert calls == []                                       # automatic on CPU: einsum
     # automatic on GPU (impl 'pallas'): cuDNN where it fits (bf16), as fresh prefills; einsum otherwise
-    assert ops.prefill_attention_path(H + R, V, jnp.bfloat16, causal=False, impl="pallas") == "cudnn_split"
-    assert ops.prefill_attention_path(H + R, V, f32, causal=False, impl="pallas") == "einsum"
-    assert ops.prefill_attention_path(H + R, V, jnp.bfloat16, causal=False, impl="xla") == "einsum"
-    with ops.use_chunk_attention("xla"):
-        assert ops.prefill_attention_path(H + R, V, f32, causal=False) == "xla"
-        out = run()
+    assert ops.prefill_attention_path(H + R, V, jnp.bfloat16, causal=False, plan=PALLAS) == "cudnn_split"
+    assert ops.prefill_attention_path(H + R, V, f32, causal=False, plan=PALLAS) == "einsum"
+    assert ops.prefill_attention_path(H + R, V, jnp.bfloat16, causal=False, plan=XLA) == "einsum"
+    assert ops.prefill_attention_path(H + R, V, f32, causal=False, plan=chunk_path("xla")) == "xla"
+    out = run(chunk_path("xla"))
     assert calls == ["xla"]
     valid = (pos >= 0)[..., None, None]
     np.testing.assert_allclose(np.where(valid, out, 0), np.where(valid, ref, 0), rtol=1e-4, atol=1e-5)
@@ -283,34 +288,32 @@ def test_chunk_after_cached_tokens_masked_call_matches_einsum(monkeypatch):
     # 'xla_split': the chunk against the cached keys and against itself, merged by log-sum-exp (no
     # mask); a row without cached tokens (0) takes the chunk part only, the all-padding row gives 0s
     lens = (jnp.asarray(np.maximum(pos[:, 0], 0), jnp.int32), jnp.asarray((pos >= 0).sum(1), jnp.int32))
-    with ops.use_chunk_attention("xla_split"):
-        split = np.asarray(jax.jit(lambda *a: ops.mla_prefill_attention(*a[:-2], scale, chunk_lens=a[-2:]))(
-            q_nope, q_pe, k, kpe, v, mask, *lens))
-        assert len(calls) == 1                                # no masked call
-        masked = run()                                        # without chunk_lens: the masked call
-        assert len(calls) == 2
+    split_plan = chunk_path("xla_split")
+    split = np.asarray(jax.jit(lambda *a: ops.mla_prefill_attention(*a[:-2], scale, chunk_lens=a[-2:],
+                                                                    plan=split_plan))(
+        q_nope, q_pe, k, kpe, v, mask, *lens))
+    assert len(calls) == 1                                    # no masked call
+    masked = run(split_plan)                                  # without chunk_lens: the masked call
+    assert len(calls) == 2
     np.testing.assert_allclose(np.where(valid, masked, 0), np.where(valid, ref, 0), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.where(valid, split, 0), np.where(valid, ref, 0), rtol=1e-4, atol=1e-5)
     assert np.isfinite(split).all() and not split[3].any()
     # keys of the chunk alone (no cached slots): the chunk part only, as the einsum path over them
     only = (q_nope, q_pe, k[:, P:], kpe[:, P:], v[:, P:], mask[:, :, P:])
     zero = (jnp.zeros((B,), jnp.int32), lens[1])
-    with ops.use_chunk_attention("xla_split"):
-        alone = np.asarray(ops.mla_prefill_attention(*only, scale, chunk_lens=zero))
-    with ops.use_chunk_attention("einsum"):
-        alone_ref = np.asarray(ops.mla_prefill_attention(*only, scale))
+    alone = np.asarray(ops.mla_prefill_attention(*only, scale, chunk_lens=zero, plan=split_plan))
+    alone_ref = np.asarray(ops.mla_prefill_attention(*only, scale, plan=chunk_path("einsum")))
     np.testing.assert_allclose(np.where(valid, alone, 0), np.where(valid, alone_ref, 0), rtol=1e-4, atol=1e-5)
     # the split unavailable (jax's private cuDNN entry point changed, say): the masked call instead
     def unavailable(*a, **kw):
         raise NotImplementedError("no entry point")
     monkeypatch.setattr(prefill_attention, "_attention_lse_xla", unavailable)
-    with ops.use_chunk_attention("xla_split"):
-        fallback = np.asarray(ops.mla_prefill_attention(q_nope, q_pe, k, kpe, v, mask, scale, chunk_lens=lens))
+    fallback = np.asarray(ops.mla_prefill_attention(q_nope, q_pe, k, kpe, v, mask, scale, chunk_lens=lens,
+                                                    plan=split_plan))
     assert len(calls) == 3
     np.testing.assert_allclose(np.where(valid, fallback, 0), np.where(valid, ref, 0), rtol=1e-4, atol=1e-5)
-    with pytest.raises(ValueError):
-        with ops.use_chunk_attention("flash"):
-            pass
+    with pytest.raises(ValueError, match="chunk_attention"):
+        chunk_path("flash")
 
 
 def test_engine_chunked_prefill_through_the_masked_call(monkeypatch):
@@ -332,8 +335,8 @@ def test_engine_chunked_prefill_through_the_masked_call(monkeypatch):
                         lambda *a, **kw: parts.append(kw["causal"]) or real_p(*a, **kw))
     outs = []
     for choice in ("einsum", "xla", "xla_split"):
-        with ops.use_chunk_attention(choice):
-            outs.append([o.outputs[0].token_ids for o in LLM("tiny", **kw).generate(prompts, sp)])
+        llm = LLM("tiny", exec_plan=chunk_path(choice), **kw)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp)])
     assert calls and set(calls) == {"xla"}
     assert parts and set(parts) == {False, True}           # the split path ran (both halves)
     assert outs[0] == outs[1] == outs[2] and all(len(t) == 4 for t in outs[0])

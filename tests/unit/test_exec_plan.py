@@ -1,0 +1,96 @@
+"""kimi_jax.ops.ExecPlan: a frozen, hashable, validated value built from the backend; its kernel-side
+thresholds default to the kernel wrappers' own defaults; and no module of kimi_jax or pallas_kernels
+keeps an execution switch in module state (no `global` statement, none of the removed switch names)."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import pathlib
+import warnings
+
+import pytest
+
+from kimi_jax import ops
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+REMOVED = {"_FORCED_IMPL", "use_impl", "resolve_impl", "forced", "_PREFILL_ATTENTION", "_CHUNK_ATTENTION",
+           "use_prefill_attention", "use_chunk_attention", "_warned_fallback", "_MLA_DECODE_KERNEL", "_MLA_SCHEDULE",
+           "use_mla_decode_kernel", "use_mla_schedule", "LAYER_LOOP", "XLA_MAX_MACS", "ONE_NEW_TOKEN_ELEMENTWISE",
+           "_is_hopper"}
+
+
+def test_plan_is_frozen_hashable_and_validated():
+    plan = ops.ExecPlan()
+    assert plan == ops.ExecPlan() and hash(plan) == hash(ops.ExecPlan())
+    other = dataclasses.replace(plan, layer_loop="unroll")
+    assert other != plan and len({plan, other}) == 2              # distinct jit cache keys
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.impl = "pallas"
+    for field, bad in (("impl", "cuda"), ("mla_decode_kernel", "cutlass"), ("mla_schedule", "fair"),
+                       ("prefill_attention", "flash"), ("chunk_attention", "flash"), ("layer_loop", "auto"),
+                       ("combine_xla_max_macs", -1), ("one_new_token_elementwise", 1), ("hopper", "yes")):
+        with pytest.raises(ValueError, match=field):
+            ops.ExecPlan(**{field: bad})
+
+
+def test_for_backend_resolves_from_the_hardware_and_takes_options():
+    assert ops.ExecPlan.for_backend() == ops.ExecPlan()          # the tests run on CPU: the portable plan
+    gpu = ops.ExecPlan.for_backend("gpu", hopper=True)
+    assert (gpu.impl, gpu.layer_loop, gpu.hopper) == ("pallas", "unroll", True)
+    assert ops.ExecPlan.for_backend("gpu", hopper=False).hopper is False
+    forced = ops.ExecPlan.for_backend("gpu", hopper=True, impl="xla", layer_loop="scan", mla_decode_kernel="triton",
+                                      chunk_attention="cudnn")
+    assert (forced.impl, forced.layer_loop, forced.mla_decode_kernel, forced.chunk_attention) == (
+        "xla", "scan", "triton", "cudnn")
+    assert ops.ExecPlan.for_backend("cpu", impl="auto", layer_loop="auto") == ops.ExecPlan()
+    with pytest.raises(TypeError, match="layer_loops"):
+        ops.ExecPlan.for_backend(layer_loops="scan")
+
+
+def test_threshold_defaults_equal_the_kernel_wrappers():
+    """The plan's two kernel-side thresholds are the wrappers' keyword defaults: a default plan runs
+    the kernels exactly as a direct call does."""
+    from pallas_kernels.mla import combine as mc
+    from pallas_kernels.mla import decode as md
+    from pallas_kernels.mla import decode_mgpu as mg
+    plan = ops.ExecPlan()
+
+    def default(fn, name):
+        return inspect.signature(fn).parameters[name].default
+
+    assert default(mc.combine, "xla_max_macs") == plan.combine_xla_max_macs == 1 << 27
+    for fn in (md.mla_paged_attention, mg.mla_paged_attention_mgpu, md.finish_items):
+        assert default(fn, "combine_xla_max_macs") == plan.combine_xla_max_macs
+    for fn in (md.mla_paged_attention, mg.mla_paged_attention_mgpu, md.finish_items, md.finish, md.finish_xla,
+               md._new_token_part):
+        assert default(fn, "one_new_token_elementwise") is plan.one_new_token_elementwise is True
+
+
+def _sources():
+    for pkg in ("kimi_jax", "pallas_kernels"):
+        yield from sorted((ROOT / pkg).rglob("*.py"))
+
+
+def test_no_module_keeps_execution_switches():
+    """Static check of every module's source: no `global` statement (a function rebinding module
+    state), no module-level binding of a removed switch name, and kimi_jax.ops exports none of them."""
+    found = []
+    for path in _sources():
+        with warnings.catch_warnings():           # a docstring's escapes are not this test's concern
+            warnings.simplefilter("ignore", (DeprecationWarning, SyntaxWarning))
+            tree = ast.parse(path.read_text(), str(path))
+        rel = path.relative_to(ROOT)
+        found += [f"{rel}:{n.lineno}: global {', '.join(n.names)}" for n in ast.walk(tree)
+                  if isinstance(n, ast.Global)]
+        for node in tree.body:
+            targets = []
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                    targets += [e.id for e in ast.walk(t) if isinstance(e, ast.Name)]
+            elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                targets.append(node.name)
+            found += [f"{rel}:{node.lineno}: {name}" for name in targets if name in REMOVED]
+    assert found == []
+    assert not [name for name in REMOVED if hasattr(ops, name)]
+    assert len(list(_sources())) > 40                             # the walk saw the packages
