@@ -44,8 +44,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from kimi_jax.engine import penalties
 from kimi_jax.engine.steps import Engine, bucket
-from kimi_jax.engine.sampling import SamplingArrays, SamplingParams, key_data_for_seed
+from kimi_jax.engine.sampling import Logprob, SamplingArrays, SamplingParams, key_data_for_seed
 from kimi_jax.engine.sampling import sample_mode as sample_mode_of
 from kimi_jax.engine.speculative import SpecState, SpeculativeConfig
 
@@ -66,7 +67,7 @@ class Request:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0                 # tokens whose latents are in the cache
     pages: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[dict] = dataclasses.field(default_factory=list)
+    logprobs: list[dict] = dataclasses.field(default_factory=list)     # per output token {id: Logprob}
     cumulative_logprob: float = 0.0
     finish_reason: Optional[str] = None
     stop_reason: object = None
@@ -80,6 +81,19 @@ class Request:
     arrival_time: Optional[float] = None
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
+    # logits adjustments (kimi_jax.engine.penalties; None: none) and the occurrence-pool slot held
+    # while running (-1: none)
+    adjust: Optional[penalties.RowAdjust] = None
+    pen_slot: int = -1
+    # [None, {id: Logprob}, ...] per prompt position, once computed (prompt_logprobs)
+    prompt_logprobs: Optional[list] = None
+    # n samples sharing one prefill (`BatchEngine.add_samples`): a sample's index and its group's id;
+    # the group's prefill-only request holds the samples (forks) and the prompt's last token (tail)
+    sample_index: int = 0
+    group_id: Optional[str] = None
+    prefill_only: bool = False
+    forks: list = dataclasses.field(default_factory=list)
+    tail: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -114,8 +128,23 @@ class _InFlight:
 
 
 def _n_logprobs(reqs) -> Optional[int]:
-    """Top logprobs a step must return: the most any of its requests asks for (None: none asks)."""
-    return max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)
+    """Top logprobs a step must return: the most any of its requests asks for (None: none asks; 0
+    when only best_of needs the chosen tokens' logprobs)."""
+    return max((r.params.logprobs if r.params.logprobs is not None else 0 for r in reqs
+                if r.params.logprobs is not None or r.params.num_samples > r.params.n), default=None)
+
+
+def _prompt_entries_left(r: "Request") -> bool:
+    """r asks for prompt logprobs and some of its prompt positions are not scored yet."""
+    return r.prompt_logprobs is not None and len(r.prompt_logprobs) < len(r.prompt_ids) + len(r.tail)
+
+
+def _logprob_dict(token: int, logprob, rank, top_ids, top_vals) -> dict:
+    """{token: Logprob, then the top ids not already there: Logprob with rank 1, 2, ...} (vLLM's)."""
+    out = {int(token): Logprob(float(logprob), int(rank))}
+    for i, (t, v) in enumerate(zip(top_ids, top_vals)):
+        out.setdefault(int(t), Logprob(float(v), i + 1))
+    return out
 
 
 class PagePool:
@@ -174,6 +203,9 @@ class BatchEngine:
         # overlap scheduling (module docstring); drafts need the tokens on the host, so not with speculation
         self.overlap = bool(overlap) and speculative is None
         self._inflight: Optional[_InFlight] = None
+        # the occurrence pool (penalties), made when a request first needs it, and its free slots
+        self.occ = None
+        self._free_slots: collections.deque = collections.deque()
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "preemptions": 0,
                       "drafted": 0, "accepted": 0, "prefill_passes": 0, "decode_passes": 0, "verify_passes": 0,
                       "cost_calibrations": 0, "overlapped_steps": 0}
@@ -195,8 +227,58 @@ class BatchEngine:
         if not params.ignore_eos:
             stop |= self.eos_ids
         max_new = min(params.max_tokens or self.max_model_len, self.max_model_len - len(prompt_ids))
-        return Request(request_id, prompt, [int(t) for t in prompt_ids], params, key_data_for_seed(seed),
-                       frozenset(stop), max_new)
+        r = Request(request_id, prompt, [int(t) for t in prompt_ids], params, key_data_for_seed(seed),
+                    frozenset(stop), max_new)
+        r.adjust = self._row_adjust(params, stop)
+        if params.prompt_logprobs is not None:
+            r.prompt_logprobs = [None]
+        return r
+
+    def _row_adjust(self, params: SamplingParams, stop) -> Optional[penalties.RowAdjust]:
+        vocab = self.engine.cfg.vocab_size
+        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if bad:
+            raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        words = []
+        if params.bad_words:
+            if self.tokenizer is None or not hasattr(self.tokenizer, "encode"):
+                raise RequestError("bad_words needs a tokenizer; this model has none")
+            words = penalties.bad_words_token_ids(params.bad_words, self.tokenizer)
+            if any(t >= vocab for w in words for t in w):
+                raise RequestError(f"bad_words tokenize to ids outside the vocabulary [0, {vocab})")
+        return penalties.row_adjust(params, stop, words)
+
+    def make_samples(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
+                     prompt: Optional[str] = None) -> list[Request]:
+        """The params.num_samples requests of one prompt (n, or best_of), sample i with its own random
+        stream (the seed folded with i: distinct and reproducible) and request id f"{i}_{request_id}"
+        (one sample: the request itself, with the seed's own stream). Queue them with `add_samples`."""
+        k = params.num_samples
+        if k == 1:
+            return [self.make_request(request_id, prompt_ids, params, seed, prompt)]
+        reqs = [self.make_request(f"{i}_{request_id}", prompt_ids, params, seed, prompt) for i in range(k)]
+        for i, r in enumerate(reqs):
+            r.key, r.sample_index, r.group_id = key_data_for_seed(seed, i), i, request_id
+        return reqs
+
+    def add_samples(self, reqs: list[Request]) -> None:
+        """Queue one prompt's samples (`make_samples`): its prompt but the last token is prefilled once
+        by a prefill-only request, whose cache pages every sample then starts from (copied); each
+        sample feeds the last prompt token itself and samples its first token from its own stream. A
+        sample that finds no free slot or pages then prefills alone (same tokens)."""
+        if len(reqs) == 1 or len(reqs[0].prompt_ids) < 2:
+            for r in reqs:
+                self.add(r)
+            return
+        first = reqs[0]
+        parent = Request(f"prefill_{first.group_id}", first.prompt, first.prompt_ids[:-1],
+                         SamplingParams(temperature=0.0, max_tokens=1), first.key, frozenset(), 0,
+                         prefill_only=True, forks=list(reqs), tail=first.prompt_ids[-1:],
+                         prompt_logprobs=[None] if first.prompt_logprobs is not None else None)
+        now = time.time()
+        for r in reqs:
+            r.arrival_time = r.arrival_time or now
+        self.add(parent)
 
     def add(self, req: Request) -> None:
         if req.arrival_time is None:
@@ -241,7 +323,7 @@ class BatchEngine:
             finished += self.drain()
         self._admit()
         budget, rows = self.max_prefill_tokens, []
-        for r in [r for r in self.running if r.pending > 1]:
+        for r in [r for r in self.running if r.pending > 1 or (r.pending == 1 and _prompt_entries_left(r))]:
             n = min(r.pending, self.prefill_chunk, budget)
             if n <= 0:
                 break
@@ -264,13 +346,14 @@ class BatchEngine:
             if not speculate:
                 r.spec.offer_shadow(len(r.output_ids), d)     # scored once its tokens are known
                 plain.append((r, 1))
-            elif r.params.logprobs is not None:
+            elif r.params.logprobs is not None or r.adjust is not None:
                 plain.append((r, 1))
             else:
                 if d and not self._ensure_pages(r, r.num_computed + 1 + len(d), ready):
                     d = []
                 rows.append((r, d))
-        if plain and self.overlap:
+        # multi-token bad words are banned by the last output tokens, which the host must have read
+        if plain and self.overlap and not any(r.adjust is not None and r.adjust.bad_words for r, _ in plain):
             self._dispatch_decode([r for r, _ in plain])
         elif plain:
             finished += self._run(plain)
@@ -287,7 +370,27 @@ class BatchEngine:
                 break
             r = self.waiting.popleft()
             r.rank = rank
-            self.running.append(r)
+            self._enter(r)
+
+    def _enter(self, r: Request) -> None:
+        """r joins the running set; with penalties it takes an occurrence slot, written from its prompt
+        and output so far."""
+        self.running.append(r)
+        if r.adjust is None or not r.adjust.has_penalties:
+            return
+        if self.occ is None:
+            self.occ = self.engine.new_occurrences(self.max_num_seqs)
+            self._free_slots = collections.deque(range(self.max_num_seqs))
+        r.pen_slot = self._free_slots.popleft()
+        row = penalties.occurrence_row(self.engine.cfg.vocab_size, r.prompt_ids, r.output_ids)
+        self.engine.set_occurrences(self.occ, r.pen_slot, row)
+
+    def _leave(self, r: Request) -> None:
+        if r in self.running:
+            self.running.remove(r)
+        if r.pen_slot >= 0:
+            self._free_slots.append(r.pen_slot)
+            r.pen_slot = -1
 
     def _rank_for(self, r: Request) -> Optional[int]:
         """The data-parallel rank a waiting request would join: among those with a free slot and the
@@ -317,7 +420,7 @@ class BatchEngine:
         return -(-upto // self.page_size) - len(r.pages)
 
     def _preempt(self, r: Request) -> None:
-        self.running.remove(r)
+        self._leave(r)
         self.pool.give(r.pages, r.rank)
         r.pages, r.num_computed = [], 0
         r.num_preemptions += 1
@@ -325,8 +428,7 @@ class BatchEngine:
         self.waiting.appendleft(r)
 
     def _release(self, r: Request) -> None:
-        if r in self.running:
-            self.running.remove(r)
+        self._leave(r)
         self.pool.give(r.pages, r.rank)
         r.pages = []
 
@@ -353,12 +455,18 @@ class BatchEngine:
         steps = np.zeros((B,), np.int32)
         keys = np.zeros((B, 2), np.uint32)
         params = [SamplingParams(temperature=0.0)] * B
+        adjust = [None] * B
         for b, (r, feed) in zip(slots, feeds):
             tokens[b, :len(feed)] = feed
             positions[b, :len(feed)] = np.arange(r.num_computed, r.num_computed + len(feed))
             table[b, :len(r.pages)] = r.pages
             steps[b], keys[b], params[b] = len(r.output_ids), r.key, r.params
-        return tokens, positions, table, steps, SamplingArrays.build(params, None, keys=keys), slots
+            if r.adjust is not None:        # (adjustments, bans by the output so far, slot, counts)
+                adjust[b] = (r.adjust, penalties.banned_now(r.adjust.bad_words, r.output_ids), r.pen_slot,
+                             int(r.num_computed + len(feed) == len(r.tokens)))
+        adjust = (penalties.build(adjust, self.occ.pad_slot if self.occ is not None else 0)
+                  if any(a is not None for a in adjust) else None)
+        return tokens, positions, table, steps, SamplingArrays.build(params, None, keys=keys, adjust=adjust), slots
 
     def _run(self, rows: list[tuple[Request, int]]) -> list[Request]:
         T = 1 if all(n == 1 for _, n in rows) else bucket(max(n for _, n in rows), 16)
@@ -367,10 +475,62 @@ class BatchEngine:
         last = np.zeros((tokens.shape[0],), np.int32)
         last[slots] = [n - 1 for _, n in rows]
         n_lp = _n_logprobs(r for r, _ in rows)
-        self.pages, out = self.engine.paged_step(self.pages, tokens, positions, table, last, sp, steps, n_lp)
+        n_plp, targets = self._prompt_targets(rows, slots, tokens.shape)
+        self.pages, out = self.engine.paged_step(self.pages, tokens, positions, table, last, sp, steps, n_lp,
+                                                 occ=self.occ, n_prompt_logprobs=n_plp, targets_BT=targets)
         self.stats["steps"] += 1
         self.stats["decode_passes" if T == 1 else "prefill_passes"] += 1
         return self._book(rows, out, slots)
+
+    def _prompt_targets(self, rows, slots, shape):
+        """(top prompt logprobs the step returns or None, each position's next prompt token [B, T]
+        (-1: none)) for the rows still scoring prompt positions."""
+        want = [(b, r, n) for b, (r, n) in zip(slots, rows) if _prompt_entries_left(r)]
+        if not want:
+            return None, None
+        targets = np.full(shape, -1, np.int32)
+        for b, r, n in want:
+            full = r.prompt_ids + r.tail
+            nxt = np.arange(r.num_computed, r.num_computed + n) + 1
+            ok = nxt < len(full)
+            targets[b, :n][ok] = np.asarray(full)[nxt[ok]]
+        return max(r.params.prompt_logprobs for _, r, _ in want), targets
+
+    def _score_prompt(self, r: Request, out, b: int, start: int, n: int) -> None:
+        """Append the prompt-logprob entries of positions start .. start + n - 1 not yet scored."""
+        full, k = r.prompt_ids + r.tail, r.params.prompt_logprobs
+        for j in range(n):
+            p = start + j
+            if p + 1 != len(r.prompt_logprobs) or p + 1 >= len(full):
+                continue
+            r.prompt_logprobs.append(_logprob_dict(
+                full[p + 1], out.prompt_logprob[b, j], out.prompt_rank[b, j], out.prompt_top_ids[b, j][:k],
+                out.prompt_top_vals[b, j][:k]))
+
+    def _fork(self, p: Request) -> None:
+        """A samples group's prefill is done: each sample starts from copies of its pages (positions
+        up to the prompt's last token), or, with no free slot or pages, waits to prefill alone."""
+        self._leave(p)
+        src, dst, late = [], [], []
+        for c in p.forks:
+            if p.prompt_logprobs is not None:
+                c.prompt_logprobs = list(p.prompt_logprobs)
+            load = sum(q.rank == p.rank for q in self.running)
+            got = (self.pool.take(len(p.pages), p.rank)
+                   if len(self.running) < self.max_num_seqs and load < self.slots_per_rank else None)
+            if got is None:
+                late.append(c)
+                continue
+            src += p.pages
+            dst += got
+            c.pages, c.num_computed, c.rank = got, p.num_computed, p.rank
+            self._enter(c)
+        if src:
+            self.pages = self.engine.copy_pages(self.pages, src, dst, p.rank)
+        for c in reversed(late):
+            self.waiting.appendleft(c)
+        self.pool.give(p.pages, p.rank)
+        p.pages = []
 
     def _book(self, rows: list[tuple[Request, int]], out, slots: list[int]) -> list[Request]:
         """Bookkeeping of a step's host outputs: n tokens of each row are now cached; rows done with
@@ -382,8 +542,13 @@ class BatchEngine:
                 continue
             prompt_left = len(r.prompt_ids) - r.num_computed
             self.stats["prompt_tokens"] += max(0, min(n, prompt_left))
+            if out.prompt_logprob is not None and _prompt_entries_left(r):
+                self._score_prompt(r, out, b, r.num_computed, n)
             r.num_computed += n
             if r.pending > 0:      # a chunk in the middle of a prompt (or of a recompute): no token yet
+                continue
+            if r.prefill_only:
+                self._fork(r)
                 continue
             self._append(r, int(out.tokens[b]), out, b)
             if r.finish_reason is not None:
@@ -397,7 +562,7 @@ class BatchEngine:
         n_lp = _n_logprobs(rows)
         mode = sample_mode_of(sp)
         self.pages, out = self.engine.decode_step_async(self.pages, tokens[:, 0], positions[:, 0], table, sp,
-                                                        steps, n_lp, mode)
+                                                        steps, n_lp, mode, occ=self.occ)
         self.stats["steps"] += 1
         self.stats["decode_passes"] += 1
         self._inflight = _InFlight(rows, slots, out, sp, mode, n_lp)
@@ -433,7 +598,7 @@ class BatchEngine:
         read the step in flight and do its bookkeeping. Rows ending with the step in flight are
         padding in the new one."""
         f = self._inflight
-        B = f.out[0].shape[0]
+        B = f.out["tokens"].shape[0]
         positions = np.full((B,), -1, np.int32)
         steps = np.zeros((B,), np.int32)
         live = []
@@ -449,8 +614,8 @@ class BatchEngine:
         table = np.zeros((B, bucket(max(len(r.pages) for _, r in live), 4)), np.int32)
         for b, r in live:
             table[b, :len(r.pages)] = r.pages
-        self.pages, out = self.engine.decode_step_async(self.pages, f.out[0], positions, table, f.sp, steps,
-                                                        f.n_logprobs, f.sample_mode)
+        self.pages, out = self.engine.decode_step_async(self.pages, f.out["tokens"], positions, table, f.sp, steps,
+                                                        f.n_logprobs, f.sample_mode, occ=self.occ)
         self.stats["steps"] += 1
         self.stats["decode_passes"] += 1
         self.stats["overlapped_steps"] += 1
@@ -505,6 +670,9 @@ class BatchEngine:
         last = np.zeros((dec[0].shape[0],), np.int32)
         n_draft = np.zeros((ver[0].shape[0],), np.int32)
 
+        # timing passes: without the rows' logits adjustments (they would count occurrences)
+        dec = (*dec[:4], dataclasses.replace(dec[4], adjust=None), dec[5])
+
         def decode():
             tokens, positions, table, steps, sp, _ = dec
             self.pages, _ = self.engine.paged_step(self.pages, tokens, positions, table, last, sp, steps, None)
@@ -530,7 +698,7 @@ class BatchEngine:
     def _drafts(self, r: Request) -> list[int]:
         """Draft tokens for a decode-ready request (none without speculation, with logprobs, or near
         the end of its budget). Also scores the request's pending shadow drafts."""
-        if self.drafter is None or r.params.logprobs is not None:
+        if self.drafter is None or r.params.logprobs is not None or r.adjust is not None or r.prefill_only:
             return []
         st = r.spec
         if st.index is None:
@@ -574,9 +742,8 @@ class BatchEngine:
             r.cumulative_logprob += float(out.logprob[b])
             if r.params.logprobs is not None:
                 k = r.params.logprobs
-                lp = {int(i): float(v) for i, v in zip(out.top_ids[b][:k], out.top_vals[b][:k])}
-                lp[t] = float(out.logprob[b])
-                r.logprobs.append(lp)
+                r.logprobs.append(_logprob_dict(t, out.logprob[b], out.rank[b], out.top_ids[b][:k],
+                                                out.top_vals[b][:k]))
         if t in r.stop_ids:
             r.finish_reason, r.stop_reason = "stop", t
         elif r.params.stop_strings and self.tokenizer is not None and self._hit_stop(r):
@@ -587,7 +754,7 @@ class BatchEngine:
             r.finished_time = now
 
     def _hit_stop(self, r: Request) -> bool:
-        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=r.params.skip_special_tokens)
         hits = [(text.find(s), s) for s in r.params.stop_strings if s in text]
         if not hits:
             return False
