@@ -26,6 +26,13 @@ steps). The chain stops (the host waits for the step in flight, `drain`, and tak
 path) whenever the batch would change: a request finished, one can be admitted, a prompt chunk is
 pending, or a page for the next step would need a preemption. Tokens are those of the ordinary path.
 
+Logits adjustments (kimi_jax.engine.penalties): a request with penalties holds an occurrence-pool
+slot while running (written from its prompt and output when it enters), which the steps update on
+the device, so overlap scheduling keeps running; multi-token bad words need the last output tokens
+on the host, so a batch with one takes the ordinary path. Rows that adjust logits never verify
+drafts. A prompt's n samples (`add_samples`) share one prefill: a prefill-only request computes all
+but the prompt's last token, then each sample starts from a copy of its pages (`_fork`).
+
 Data parallelism (engine.dp > 1): the batch's rows are split over the dp ranks in contiguous blocks
 (row b on rank b // (B / dp)) and so is the page pool (`Engine.init_pages`: rank k holds the k-th of dp
 equal partitions). A request is placed on one rank when admitted (the least loaded one with room:
@@ -45,74 +52,12 @@ from typing import Callable, Optional
 import numpy as np
 
 from kimi_jax.engine import penalties
+from kimi_jax.engine.requests import (PagePool, Request, RequestError, logprob_dict, n_logprobs,  # noqa: F401
+                                      prompt_entries_left, prompt_targets, score_prompt, validate_prompt)
 from kimi_jax.engine.steps import Engine, bucket
-from kimi_jax.engine.sampling import Logprob, SamplingArrays, SamplingParams, key_data_for_seed
+from kimi_jax.engine.sampling import SamplingArrays, SamplingParams, key_data_for_seed
 from kimi_jax.engine.sampling import sample_mode as sample_mode_of
-from kimi_jax.engine.speculative import SpecState, SpeculativeConfig
-
-
-class RequestError(ValueError):
-    """A request that cannot run; it fails alone."""
-
-
-@dataclasses.dataclass
-class Request:
-    request_id: str
-    prompt: Optional[str]
-    prompt_ids: list[int]
-    params: SamplingParams
-    key: np.ndarray
-    stop_ids: frozenset
-    max_new: int
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    num_computed: int = 0                 # tokens whose latents are in the cache
-    pages: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[dict] = dataclasses.field(default_factory=list)     # per output token {id: Logprob}
-    cumulative_logprob: float = 0.0
-    finish_reason: Optional[str] = None
-    stop_reason: object = None
-    text: Optional[str] = None            # set when a stop string truncated it
-    num_preemptions: int = 0
-    rank: int = 0                         # data-parallel rank whose rows and pages it uses while admitted
-    spec: SpecState = dataclasses.field(default_factory=SpecState)
-    # wall-clock times (time.time()) the host saw: queued (`BatchEngine.add`), first output token and
-    # last one appended. With overlap scheduling a token is appended one step after it was sampled,
-    # which is when a caller could first have it.
-    arrival_time: Optional[float] = None
-    first_token_time: Optional[float] = None
-    finished_time: Optional[float] = None
-    # logits adjustments (kimi_jax.engine.penalties; None: none) and the occurrence-pool slot held
-    # while running (-1: none)
-    adjust: Optional[penalties.RowAdjust] = None
-    pen_slot: int = -1
-    # [None, {id: Logprob}, ...] per prompt position, once computed (prompt_logprobs)
-    prompt_logprobs: Optional[list] = None
-    # n samples sharing one prefill (`BatchEngine.add_samples`): a sample's index and its group's id;
-    # the group's prefill-only request holds the samples (forks) and the prompt's last token (tail)
-    sample_index: int = 0
-    group_id: Optional[str] = None
-    prefill_only: bool = False
-    forks: list = dataclasses.field(default_factory=list)
-    tail: list[int] = dataclasses.field(default_factory=list)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def pending(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
-
-
-def validate_prompt(prompt_ids, vocab_size: int, max_model_len: int) -> None:
-    if not prompt_ids:
-        raise RequestError("empty prompt")
-    bad = [t for t in prompt_ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size]
-    if bad:
-        raise RequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
-    if len(prompt_ids) >= max_model_len:
-        raise RequestError(f"prompt of {len(prompt_ids)} tokens leaves no room under "
-                           f"max_model_len={max_model_len}")
+from kimi_jax.engine.speculative import SpeculativeConfig
 
 
 @dataclasses.dataclass
@@ -125,58 +70,6 @@ class _InFlight:
     sp: SamplingArrays
     sample_mode: str
     n_logprobs: Optional[int]
-
-
-def _n_logprobs(reqs) -> Optional[int]:
-    """Top logprobs a step must return: the most any of its requests asks for (None: none asks; 0
-    when only best_of needs the chosen tokens' logprobs)."""
-    return max((r.params.logprobs if r.params.logprobs is not None else 0 for r in reqs
-                if r.params.logprobs is not None or r.params.num_samples > r.params.n), default=None)
-
-
-def _prompt_entries_left(r: "Request") -> bool:
-    """r asks for prompt logprobs and some of its prompt positions are not scored yet."""
-    return r.prompt_logprobs is not None and len(r.prompt_logprobs) < len(r.prompt_ids) + len(r.tail)
-
-
-def _logprob_dict(token: int, logprob, rank, top_ids, top_vals) -> dict:
-    """{token: Logprob, then the top ids not already there: Logprob with rank 1, 2, ...} (vLLM's)."""
-    out = {int(token): Logprob(float(logprob), int(rank))}
-    for i, (t, v) in enumerate(zip(top_ids, top_vals)):
-        out.setdefault(int(t), Logprob(float(v), i + 1))
-    return out
-
-
-class PagePool:
-    """Free lists of cache pages, one per data-parallel partition (`parts` equal partitions of
-    num_pages); page ids are local to their partition, [0, num_pages / parts)."""
-
-    def __init__(self, num_pages: int, parts: int = 1):
-        if num_pages % parts:
-            raise ValueError(f"num_pages={num_pages} is not a multiple of {parts} partitions")
-        self.num_pages, self.parts, self.per_part = num_pages, parts, num_pages // parts
-        self._free = [collections.deque(range(self.per_part)) for _ in range(parts)]
-
-    @property
-    def free(self) -> list[int]:
-        """Every free page of all partitions (local ids: for counting)."""
-        return [p for f in self._free for p in f]
-
-    @property
-    def num_free(self) -> int:
-        return sum(len(f) for f in self._free)
-
-    def free_in(self, part: int) -> int:
-        return len(self._free[part])
-
-    def take(self, n: int, part: int = 0) -> Optional[list[int]]:
-        free = self._free[part]
-        if n > len(free):
-            return None
-        return [free.popleft() for _ in range(n)]
-
-    def give(self, pages: list[int], part: int = 0) -> None:
-        self._free[part].extend(pages)
 
 
 class BatchEngine:
@@ -272,7 +165,8 @@ class BatchEngine:
             return
         first = reqs[0]
         parent = Request(f"prefill_{first.group_id}", first.prompt, first.prompt_ids[:-1],
-                         SamplingParams(temperature=0.0, max_tokens=1), first.key, frozenset(), 0,
+                         SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=first.params.prompt_logprobs),
+                         first.key, frozenset(), 0,
                          prefill_only=True, forks=list(reqs), tail=first.prompt_ids[-1:],
                          prompt_logprobs=[None] if first.prompt_logprobs is not None else None)
         now = time.time()
@@ -323,7 +217,7 @@ class BatchEngine:
             finished += self.drain()
         self._admit()
         budget, rows = self.max_prefill_tokens, []
-        for r in [r for r in self.running if r.pending > 1 or (r.pending == 1 and _prompt_entries_left(r))]:
+        for r in [r for r in self.running if r.pending > 1 or (r.pending == 1 and prompt_entries_left(r))]:
             n = min(r.pending, self.prefill_chunk, budget)
             if n <= 0:
                 break
@@ -474,38 +368,13 @@ class BatchEngine:
             [(r, r.tokens[r.num_computed:r.num_computed + n]) for r, n in rows], T)
         last = np.zeros((tokens.shape[0],), np.int32)
         last[slots] = [n - 1 for _, n in rows]
-        n_lp = _n_logprobs(r for r, _ in rows)
-        n_plp, targets = self._prompt_targets(rows, slots, tokens.shape)
+        n_lp = n_logprobs(r for r, _ in rows)
+        n_plp, targets = prompt_targets(rows, slots, tokens.shape)
         self.pages, out = self.engine.paged_step(self.pages, tokens, positions, table, last, sp, steps, n_lp,
                                                  occ=self.occ, n_prompt_logprobs=n_plp, targets_BT=targets)
         self.stats["steps"] += 1
         self.stats["decode_passes" if T == 1 else "prefill_passes"] += 1
         return self._book(rows, out, slots)
-
-    def _prompt_targets(self, rows, slots, shape):
-        """(top prompt logprobs the step returns or None, each position's next prompt token [B, T]
-        (-1: none)) for the rows still scoring prompt positions."""
-        want = [(b, r, n) for b, (r, n) in zip(slots, rows) if _prompt_entries_left(r)]
-        if not want:
-            return None, None
-        targets = np.full(shape, -1, np.int32)
-        for b, r, n in want:
-            full = r.prompt_ids + r.tail
-            nxt = np.arange(r.num_computed, r.num_computed + n) + 1
-            ok = nxt < len(full)
-            targets[b, :n][ok] = np.asarray(full)[nxt[ok]]
-        return max(r.params.prompt_logprobs for _, r, _ in want), targets
-
-    def _score_prompt(self, r: Request, out, b: int, start: int, n: int) -> None:
-        """Append the prompt-logprob entries of positions start .. start + n - 1 not yet scored."""
-        full, k = r.prompt_ids + r.tail, r.params.prompt_logprobs
-        for j in range(n):
-            p = start + j
-            if p + 1 != len(r.prompt_logprobs) or p + 1 >= len(full):
-                continue
-            r.prompt_logprobs.append(_logprob_dict(
-                full[p + 1], out.prompt_logprob[b, j], out.prompt_rank[b, j], out.prompt_top_ids[b, j][:k],
-                out.prompt_top_vals[b, j][:k]))
 
     def _fork(self, p: Request) -> None:
         """A samples group's prefill is done: each sample starts from copies of its pages (positions
@@ -542,8 +411,8 @@ class BatchEngine:
                 continue
             prompt_left = len(r.prompt_ids) - r.num_computed
             self.stats["prompt_tokens"] += max(0, min(n, prompt_left))
-            if out.prompt_logprob is not None and _prompt_entries_left(r):
-                self._score_prompt(r, out, b, r.num_computed, n)
+            if out.prompt_logprob is not None and prompt_entries_left(r):
+                score_prompt(r, out, b, r.num_computed, n)
             r.num_computed += n
             if r.pending > 0:      # a chunk in the middle of a prompt (or of a recompute): no token yet
                 continue
@@ -559,7 +428,7 @@ class BatchEngine:
     def _dispatch_decode(self, rows: list[Request]) -> None:
         """Start a decode step for rows (pages ensured) without waiting for its tokens."""
         tokens, positions, table, steps, sp, slots = self._inputs([(r, [r.tokens[r.num_computed]]) for r in rows], 1)
-        n_lp = _n_logprobs(rows)
+        n_lp = n_logprobs(rows)
         mode = sample_mode_of(sp)
         self.pages, out = self.engine.decode_step_async(self.pages, tokens[:, 0], positions[:, 0], table, sp,
                                                         steps, n_lp, mode, occ=self.occ)
@@ -742,7 +611,7 @@ class BatchEngine:
             r.cumulative_logprob += float(out.logprob[b])
             if r.params.logprobs is not None:
                 k = r.params.logprobs
-                r.logprobs.append(_logprob_dict(t, out.logprob[b], out.rank[b], out.top_ids[b][:k],
+                r.logprobs.append(logprob_dict(t, out.logprob[b], out.rank[b], out.top_ids[b][:k],
                                                 out.top_vals[b][:k]))
         if t in r.stop_ids:
             r.finish_reason, r.stop_reason = "stop", t
