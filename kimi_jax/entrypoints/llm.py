@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 Prompt = Union[str, Sequence[int], dict]
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 _TORCH_DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float": "float32"}
-#: dtype="auto" on CPU: float32 (BENCHMARKS.md "CPU default dtype": the demo model decodes 4.6x faster in
-#: float32 than bf16 at batch 1 and 1.6x at batch 16 on XLA:CPU, which has no native bf16 matmul)
+#: dtype="auto" on CPU: float32 (BENCHMARKS.md "CPU default dtype": the demo model decoded 6.2x faster in
+#: float32 than bf16 at batch 1 and 10.8x at batch 16; XLA:CPU's bf16 dots run far below its f32 ones)
 CPU_AUTO_DTYPE = "float32"
 
 
