@@ -145,17 +145,17 @@ def time_exe(call, pages, inputs, steps: int) -> tuple[dict, object]:
     for _ in range(steps):
         t0 = time.perf_counter()
         pages, out = call(pages, tokens, positions, table, sp, step_B)
-        np.asarray(out[0])
+        np.asarray(out["tokens"])
         ts.append(time.perf_counter() - t0)
     res = {"sync_ms": 1e3 * statistics.median(ts)}
-    tok = out[0]
+    tok = out["tokens"]
     chains, enq = [], []
     for _ in range(3):
         jax.block_until_ready((pages, tok))
         t0 = time.perf_counter()
         for _ in range(steps):
             pages, out = call(pages, tok, positions, table, sp, step_B)
-            tok = out[0]
+            tok = out["tokens"]
         t1 = time.perf_counter()
         jax.block_until_ready((pages, tok))
         t2 = time.perf_counter()
@@ -180,7 +180,7 @@ def profile_exe(call, pages, inputs, steps: int, hlo_text: str, top_kernels: int
     with jax.profiler.trace(tdir):
         for _ in range(steps):
             pages, out = call(pages, tok, positions, table, sp, step_B)
-            tok = out[0]
+            tok = out["tokens"]
         jax.block_until_ready((pages, tok))
     evs = [o for o in _drop_containers(device_op_events(_find_trace_file(tdir)), parse_hlo(hlo_text))
            if o.dur_us > 0]

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kimi_jax.engine.penalties import LogitsAdjust
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -26,6 +28,16 @@ class SamplingParams:
     seed: Optional[int] = None
     logprobs: Optional[int] = None
     include_stop_str_in_output: bool = False
+    n: int = 1
+    best_of: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: Optional[dict[int, float]] = None
+    prompt_logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+    bad_words: Optional[list[str]] = None
 
     def validate(self, vocab_size: Optional[int] = None) -> None:
         """Raise ValueError naming the parameter at fault. vocab_size: also check the values that
@@ -68,6 +80,58 @@ class SamplingParams:
             if self.stop_token_ids and any(t >= vocab_size for t in self.stop_token_ids):
                 raise ValueError(f"stop_token_ids {list(self.stop_token_ids)} reach outside the vocabulary "
                                  f"[0, {vocab_size})")
+        self._validate_vllm_fields()
+
+    def _validate_vllm_fields(self) -> None:
+        """n, best_of, the penalties, min_tokens, logit_bias, prompt_logprobs, bad_words (vLLM's rules;
+        logit_bias capped at MAX_LOGIT_BIAS entries in [-100, 100], as OpenAI's API does)."""
+        def is_int(v):
+            return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be a positive integer, got {self.n!r}")
+        if self.best_of is not None:
+            if not is_int(self.best_of) or self.best_of < self.n:
+                raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+            if self.best_of > 1 and self.temperature == 0.0:
+                raise ValueError(f"best_of must be 1 with greedy sampling (temperature 0), got {self.best_of}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if (not isinstance(self.repetition_penalty, (int, float)) or not 0.0 < self.repetition_penalty < np.inf):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.logit_bias is not None:
+            from kimi_jax.engine.penalties import MAX_LOGIT_BIAS
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token id -> bias entries")
+            for t, v in self.logit_bias.items():
+                if not is_int(t) or t < 0:
+                    raise ValueError(f"logit_bias keys must be non-negative token ids, got {t!r}")
+                if not isinstance(v, (int, float)) or not -100.0 <= v <= 100.0:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {v!r} for token {t}")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be a non-negative integer, got {self.prompt_logprobs!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
+        if self.bad_words is not None and (isinstance(self.bad_words, str) or any(
+                not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+
+    @property
+    def num_samples(self) -> int:
+        """Samples generated for the request: best_of, else n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Some adjustment runs before sampling (kimi_jax.engine.penalties)."""
+        return bool(self.logit_bias or self.bad_words or self.min_tokens or self.repetition_penalty != 1.0
+                    or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -85,9 +149,11 @@ class SamplingArrays:
     top_p: jax.Array
     min_p: jax.Array
     key: jax.Array          # [B, 2] uint32 raw PRNG keys (one stream per request)
+    adjust: Optional[LogitsAdjust] = None   # logits adjustments (None: no row adjusts; static)
 
     @staticmethod
-    def build(params: Sequence[SamplingParams], seeds: Sequence[int], keys=None) -> "SamplingArrays":
+    def build(params: Sequence[SamplingParams], seeds: Sequence[int], keys=None,
+              adjust: Optional[LogitsAdjust] = None) -> "SamplingArrays":
         """keys: precomputed key_data rows (see key_data_for_seed); else derived from seeds."""
         if keys is None:
             keys = np.stack([key_data_for_seed(s) for s in seeds])
@@ -99,15 +165,19 @@ class SamplingArrays:
             top_k=np.asarray([p.top_k if 0 < p.top_k < 2 ** 31 else -1 for p in params], np.int32),
             top_p=np.asarray([p.top_p for p in params], np.float32),
             min_p=np.asarray([p.min_p for p in params], np.float32),
-            key=np.asarray(keys, np.uint32))
+            key=np.asarray(keys, np.uint32), adjust=adjust)
 
 
-def key_data_for_seed(seed: int) -> np.ndarray:
+def key_data_for_seed(seed: int, sample: Optional[int] = None) -> np.ndarray:
     """The raw uint32 key of a request's random stream (computed once per request): the seed modulo
     2^64 as (high, low) 32-bit words, which is `jax.random.PRNGKey(seed)` for 0 <= seed < 2^32 and keeps
-    every 64-bit seed distinct."""
+    every 64-bit seed distinct; sample: the index of one of a request's n samples (each its own
+    stream, derived from the one seed)."""
     s = int(seed) % 2 ** 64
-    return np.asarray([s >> 32, s & 0xFFFFFFFF], np.uint32)
+    key = np.asarray([s >> 32, s & 0xFFFFFFFF], np.uint32)
+    if sample is not None:
+        key = np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(key), sample)), np.uint32)
+    return key
 
 
 def _filtered_sorted(logits_BV, sp: SamplingArrays):
@@ -229,8 +299,20 @@ def verify_drafts(logits_BTV: jax.Array, drafts_BK: jax.Array, n_draft_B: jax.Ar
 
 
 def top_logprobs(logits_BV: jax.Array, tokens_B: jax.Array, n: int):
-    """log-softmax of the raw logits: (chosen token's logprob [B], top-n ids [B, n], top-n values [B, n])."""
+    """log-softmax of the raw logits (vLLM's raw logprobs): (chosen token's logprob [...], its rank
+    [...] (1 + the tokens with a larger logprob), top-n ids [..., n], top-n values [..., n]); any
+    leading shape."""
     lp = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(lp, tokens_B[:, None], axis=-1)[:, 0]
+    chosen = jnp.take_along_axis(lp, tokens_B[..., None], axis=-1)[..., 0]
+    rank = (lp > chosen[..., None]).sum(axis=-1).astype(jnp.int32) + 1
     vals, ids = jax.lax.top_k(lp, max(n, 1))
-    return chosen, ids, vals
+    return chosen, rank, ids, vals
+
+
+@dataclasses.dataclass
+class Logprob:
+    """vLLM's Logprob: a token's log-probability, its rank in the vocabulary (1: the most likely) and
+    its text (None without a tokenizer)."""
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None

@@ -26,6 +26,13 @@ steps). The chain stops (the host waits for the step in flight, `drain`, and tak
 path) whenever the batch would change: a request finished, one can be admitted, a prompt chunk is
 pending, or a page for the next step would need a preemption. Tokens are those of the ordinary path.
 
+Logits adjustments (kimi_jax.engine.penalties): a request with penalties holds an occurrence-pool
+slot while running (written from its prompt and output when it enters), which the steps update on
+the device, so overlap scheduling keeps running; multi-token bad words need the last output tokens
+on the host, so a batch with one takes the ordinary path. Rows that adjust logits never verify
+drafts. A prompt's n samples (`add_samples`) share one prefill: a prefill-only request computes all
+but the prompt's last token, then each sample starts from a copy of its pages (`_fork`).
+
 Data parallelism (engine.dp > 1): the batch's rows are split over the dp ranks in contiguous blocks
 (row b on rank b // (B / dp)) and so is the page pool (`Engine.init_pages`: rank k holds the k-th of dp
 equal partitions). A request is placed on one rank when admitted (the least loaded one with room:
@@ -44,56 +51,15 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from kimi_jax.engine import penalties
 from kimi_jax.engine.page_pool import PagePool, chain_hashes
+from kimi_jax.engine.requests import (Request, logprob_dict, n_logprobs, prompt_entries_left,  # noqa: F401
+                                      prompt_targets, score_prompt, validate_prompt)
 from kimi_jax.engine.steps import Engine, bucket
 from kimi_jax.engine.sampling import SamplingArrays, SamplingParams, key_data_for_seed
 from kimi_jax.engine.sampling import sample_mode as sample_mode_of
-from kimi_jax.engine.speculative import SpecState, SpeculativeConfig
-from kimi_jax.engine.validation import RequestError, check_prompt_ids, check_request
-
-
-@dataclasses.dataclass
-class Request:
-    request_id: str
-    prompt: Optional[str]
-    prompt_ids: list[int]
-    params: SamplingParams
-    key: np.ndarray
-    stop_ids: frozenset
-    max_new: int
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    num_computed: int = 0                 # tokens whose latents are in the cache
-    num_cached_tokens: int = 0            # prompt tokens taken from the prefix cache when first admitted
-    page_hashes: list = dataclasses.field(default_factory=list)   # chained hashes of its full pages
-    num_registered: int = 0               # leading pages registered in the prefix cache
-    cache_queried: bool = False           # its prefix was looked up since it was admitted
-    pages: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[dict] = dataclasses.field(default_factory=list)
-    cumulative_logprob: float = 0.0
-    finish_reason: Optional[str] = None
-    stop_reason: object = None
-    text: Optional[str] = None            # set when a stop string truncated it
-    num_preemptions: int = 0
-    rank: int = 0                         # data-parallel rank whose rows and pages it uses while admitted
-    spec: SpecState = dataclasses.field(default_factory=SpecState)
-    # wall-clock times (time.time()) the host saw: queued (`BatchEngine.add`), first output token and
-    # last one appended. With overlap scheduling a token is appended one step after it was sampled,
-    # which is when a caller could first have it.
-    arrival_time: Optional[float] = None
-    first_token_time: Optional[float] = None
-    finished_time: Optional[float] = None
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def pending(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
-
-
-def validate_prompt(prompt_ids, vocab_size: int, max_model_len: int) -> None:
-    check_prompt_ids(prompt_ids, vocab_size, max_model_len)
+from kimi_jax.engine.speculative import SpeculativeConfig
+from kimi_jax.engine.validation import RequestError, check_request  # noqa: F401
 
 
 @dataclasses.dataclass
@@ -106,11 +72,6 @@ class _InFlight:
     sp: SamplingArrays
     sample_mode: str
     n_logprobs: Optional[int]
-
-
-def _n_logprobs(reqs) -> Optional[int]:
-    """Top logprobs a step must return: the most any of its requests asks for (None: none asks)."""
-    return max((r.params.logprobs for r in reqs if r.params.logprobs is not None), default=None)
 
 
 class BatchEngine:
@@ -137,6 +98,9 @@ class BatchEngine:
         # overlap scheduling (module docstring); drafts need the tokens on the host, so not with speculation
         self.overlap = bool(overlap) and speculative is None
         self._inflight: Optional[_InFlight] = None
+        # the occurrence pool (penalties), made when a request first needs it, and its free slots
+        self.occ = None
+        self._free_slots: collections.deque = collections.deque()
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "preemptions": 0,
                       "drafted": 0, "accepted": 0, "prefill_passes": 0, "decode_passes": 0, "verify_passes": 0,
                       "cost_calibrations": 0, "overlapped_steps": 0,
@@ -157,8 +121,59 @@ class BatchEngine:
         if not params.ignore_eos:
             stop |= self.eos_ids
         max_new = min(params.max_tokens or self.max_model_len, self.max_model_len - len(prompt_ids))
-        return Request(request_id, prompt, [int(t) for t in prompt_ids], params, key_data_for_seed(seed),
-                       frozenset(stop), max_new)
+        r = Request(request_id, prompt, [int(t) for t in prompt_ids], params, key_data_for_seed(seed),
+                    frozenset(stop), max_new)
+        r.adjust = self._row_adjust(params, stop)
+        if params.prompt_logprobs is not None:
+            r.prompt_logprobs = [None]
+        return r
+
+    def _row_adjust(self, params: SamplingParams, stop) -> Optional[penalties.RowAdjust]:
+        vocab = self.engine.cfg.vocab_size
+        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if bad:
+            raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        words = []
+        if params.bad_words:
+            if self.tokenizer is None or not hasattr(self.tokenizer, "encode"):
+                raise RequestError("bad_words needs a tokenizer; this model has none")
+            words = penalties.bad_words_token_ids(params.bad_words, self.tokenizer)
+            if any(t >= vocab for w in words for t in w):
+                raise RequestError(f"bad_words tokenize to ids outside the vocabulary [0, {vocab})")
+        return penalties.row_adjust(params, stop, words)
+
+    def make_samples(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
+                     prompt: Optional[str] = None) -> list[Request]:
+        """The params.num_samples requests of one prompt (n, or best_of), sample i with its own random
+        stream (the seed folded with i: distinct and reproducible) and request id f"{i}_{request_id}"
+        (one sample: the request itself, with the seed's own stream). Queue them with `add_samples`."""
+        k = params.num_samples
+        if k == 1:
+            return [self.make_request(request_id, prompt_ids, params, seed, prompt)]
+        reqs = [self.make_request(f"{i}_{request_id}", prompt_ids, params, seed, prompt) for i in range(k)]
+        for i, r in enumerate(reqs):
+            r.key, r.sample_index, r.group_id = key_data_for_seed(seed, i), i, request_id
+        return reqs
+
+    def add_samples(self, reqs: list[Request]) -> None:
+        """Queue one prompt's samples (`make_samples`): its prompt but the last token is prefilled once
+        by a prefill-only request, whose cache pages every sample then starts from (copied); each
+        sample feeds the last prompt token itself and samples its first token from its own stream. A
+        sample that finds no free slot or pages then prefills alone (same tokens)."""
+        if len(reqs) == 1 or len(reqs[0].prompt_ids) < 2:
+            for r in reqs:
+                self.add(r)
+            return
+        first = reqs[0]
+        parent = Request(f"prefill_{first.group_id}", first.prompt, first.prompt_ids[:-1],
+                         SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=first.params.prompt_logprobs),
+                         first.key, frozenset(), 0,
+                         prefill_only=True, forks=list(reqs), tail=first.prompt_ids[-1:],
+                         prompt_logprobs=[None] if first.prompt_logprobs is not None else None)
+        now = time.time()
+        for r in reqs:
+            r.arrival_time = r.arrival_time or now
+        self.add(parent)
 
     def add(self, req: Request) -> None:
         if req.arrival_time is None:
@@ -203,16 +218,18 @@ class BatchEngine:
             finished += self.drain()
         self._admit()
         budget, rows, filling = self.max_prefill_tokens, [], set()
-        for r in [r for r in self.running if r.pending > 1]:
-            if self.pool.caching and r.num_computed == r.num_registered * self.page_size == len(r.pages) * self.page_size:
+        for r in [r for r in self.running if r.pending > 1 or (r.pending == 1 and prompt_entries_left(r))]:
+            if (self.pool.caching and r.prompt_logprobs is None
+                    and r.num_computed == r.num_registered * self.page_size == len(r.pages) * self.page_size):
                 # prefix caching: until a request computes anything it takes its cached prefix, when its
                 # first chunk is scheduled (pages cached since its admission count); one whose next page
                 # another row of this step is computing waits a step and then reads that page instead
+                # (not a request scoring its prompt: cached positions have no logits)
                 self._take_cached_prefix(r)
                 nxt = r.num_computed // self.page_size
                 if nxt < len(r.page_hashes) and r.page_hashes[nxt] in filling:
                     continue
-                if r.pending <= 1:
+                if r.pending <= 1 and not prompt_entries_left(r):
                     continue
             n = min(r.pending, self.prefill_chunk, budget)
             if n <= 0:
@@ -243,13 +260,14 @@ class BatchEngine:
             if not speculate:
                 r.spec.offer_shadow(len(r.output_ids), d)     # scored once its tokens are known
                 plain.append((r, 1))
-            elif r.params.logprobs is not None:
+            elif r.params.logprobs is not None or r.adjust is not None:
                 plain.append((r, 1))
             else:
                 if d and not self._ensure_pages(r, r.num_computed + 1 + len(d), ready):
                     d = []
                 rows.append((r, d))
-        if plain and self.overlap:
+        # multi-token bad words are banned by the last output tokens, which the host must have read
+        if plain and self.overlap and not any(r.adjust is not None and r.adjust.bad_words for r, _ in plain):
             self._dispatch_decode([r for r, _ in plain])
         elif plain:
             finished += self._run(plain)
@@ -266,7 +284,27 @@ class BatchEngine:
                 break
             r = self.waiting.popleft()
             r.rank = rank
-            self.running.append(r)
+            self._enter(r)
+
+    def _enter(self, r: Request) -> None:
+        """r joins the running set; with penalties it takes an occurrence slot, written from its prompt
+        and output so far."""
+        self.running.append(r)
+        if r.adjust is None or not r.adjust.has_penalties:
+            return
+        if self.occ is None:
+            self.occ = self.engine.new_occurrences(self.max_num_seqs)
+            self._free_slots = collections.deque(range(self.max_num_seqs))
+        r.pen_slot = self._free_slots.popleft()
+        row = penalties.occurrence_row(self.engine.cfg.vocab_size, r.prompt_ids, r.output_ids)
+        self.engine.set_occurrences(self.occ, r.pen_slot, row)
+
+    def _leave(self, r: Request) -> None:
+        if r in self.running:
+            self.running.remove(r)
+        if r.pen_slot >= 0:
+            self._free_slots.append(r.pen_slot)
+            r.pen_slot = -1
 
     def _cacheable_hashes(self, r: Request) -> list[bytes]:
         """Hashes of the pages of r's tokens that a cache hit may cover: full pages before its last
@@ -339,7 +377,7 @@ class BatchEngine:
         return -(-upto // self.page_size) - len(r.pages)
 
     def _preempt(self, r: Request) -> None:
-        self.running.remove(r)
+        self._leave(r)
         self.pool.give(r.pages, r.rank)
         r.pages, r.num_computed, r.num_registered, r.cache_queried = [], 0, 0, False
         r.num_preemptions += 1
@@ -347,8 +385,7 @@ class BatchEngine:
         self.waiting.appendleft(r)
 
     def _release(self, r: Request) -> None:
-        if r in self.running:
-            self.running.remove(r)
+        self._leave(r)
         self.pool.give(r.pages, r.rank)
         r.pages, r.num_registered = [], 0
 
@@ -375,12 +412,18 @@ class BatchEngine:
         steps = np.zeros((B,), np.int32)
         keys = np.zeros((B, 2), np.uint32)
         params = [SamplingParams(temperature=0.0)] * B
+        adjust = [None] * B
         for b, (r, feed) in zip(slots, feeds):
             tokens[b, :len(feed)] = feed
             positions[b, :len(feed)] = np.arange(r.num_computed, r.num_computed + len(feed))
             table[b, :len(r.pages)] = r.pages
             steps[b], keys[b], params[b] = len(r.output_ids), r.key, r.params
-        return tokens, positions, table, steps, SamplingArrays.build(params, None, keys=keys), slots
+            if r.adjust is not None:        # (adjustments, bans by the output so far, slot, counts)
+                adjust[b] = (r.adjust, penalties.banned_now(r.adjust.bad_words, r.output_ids), r.pen_slot,
+                             int(r.num_computed + len(feed) == len(r.tokens)))
+        adjust = (penalties.build(adjust, self.occ.pad_slot if self.occ is not None else 0)
+                  if any(a is not None for a in adjust) else None)
+        return tokens, positions, table, steps, SamplingArrays.build(params, None, keys=keys, adjust=adjust), slots
 
     def _run(self, rows: list[tuple[Request, int]]) -> list[Request]:
         T = 1 if all(n == 1 for _, n in rows) else bucket(max(n for _, n in rows), 16)
@@ -388,11 +431,38 @@ class BatchEngine:
             [(r, r.tokens[r.num_computed:r.num_computed + n]) for r, n in rows], T)
         last = np.zeros((tokens.shape[0],), np.int32)
         last[slots] = [n - 1 for _, n in rows]
-        n_lp = _n_logprobs(r for r, _ in rows)
-        self.pages, out = self.engine.paged_step(self.pages, tokens, positions, table, last, sp, steps, n_lp)
+        n_lp = n_logprobs(r for r, _ in rows)
+        n_plp, targets = prompt_targets(rows, slots, tokens.shape)
+        self.pages, out = self.engine.paged_step(self.pages, tokens, positions, table, last, sp, steps, n_lp,
+                                                 occ=self.occ, n_prompt_logprobs=n_plp, targets_BT=targets)
         self.stats["steps"] += 1
         self.stats["decode_passes" if T == 1 else "prefill_passes"] += 1
         return self._book(rows, out, slots)
+
+    def _fork(self, p: Request) -> None:
+        """A samples group's prefill is done: each sample starts from copies of its pages (positions
+        up to the prompt's last token), or, with no free slot or pages, waits to prefill alone."""
+        self._leave(p)
+        src, dst, late = [], [], []
+        for c in p.forks:
+            if p.prompt_logprobs is not None:
+                c.prompt_logprobs = list(p.prompt_logprobs)
+            load = sum(q.rank == p.rank for q in self.running)
+            got = (self.pool.take(len(p.pages), p.rank)
+                   if len(self.running) < self.max_num_seqs and load < self.slots_per_rank else None)
+            if got is None:
+                late.append(c)
+                continue
+            src += p.pages
+            dst += got
+            c.pages, c.num_computed, c.rank = got, p.num_computed, p.rank
+            self._enter(c)
+        if src:
+            self.pages = self.engine.copy_pages(self.pages, src, dst, p.rank)
+        for c in reversed(late):
+            self.waiting.appendleft(c)
+        self.pool.give(p.pages, p.rank)
+        p.pages = []
 
     def _book(self, rows: list[tuple[Request, int]], out, slots: list[int]) -> list[Request]:
         """Bookkeeping of a step's host outputs: n tokens of each row are now cached; rows done with
@@ -404,9 +474,14 @@ class BatchEngine:
                 continue
             prompt_left = len(r.prompt_ids) - r.num_computed
             self.stats["prompt_tokens"] += max(0, min(n, prompt_left))
+            if out.prompt_logprob is not None and prompt_entries_left(r):
+                score_prompt(r, out, b, r.num_computed, n)
             r.num_computed += n
             self._register_pages(r)
             if r.pending > 0:      # a chunk in the middle of a prompt (or of a recompute): no token yet
+                continue
+            if r.prefill_only:
+                self._fork(r)
                 continue
             self._append(r, int(out.tokens[b]), out, b)
             if r.finish_reason is not None:
@@ -417,10 +492,10 @@ class BatchEngine:
     def _dispatch_decode(self, rows: list[Request]) -> None:
         """Start a decode step for rows (pages ensured) without waiting for its tokens."""
         tokens, positions, table, steps, sp, slots = self._inputs([(r, [r.tokens[r.num_computed]]) for r in rows], 1)
-        n_lp = _n_logprobs(rows)
+        n_lp = n_logprobs(rows)
         mode = sample_mode_of(sp)
         self.pages, out = self.engine.decode_step_async(self.pages, tokens[:, 0], positions[:, 0], table, sp,
-                                                        steps, n_lp, mode)
+                                                        steps, n_lp, mode, occ=self.occ)
         self.stats["steps"] += 1
         self.stats["decode_passes"] += 1
         self._inflight = _InFlight(rows, slots, out, sp, mode, n_lp)
@@ -456,7 +531,7 @@ class BatchEngine:
         read the step in flight and do its bookkeeping. Rows ending with the step in flight are
         padding in the new one."""
         f = self._inflight
-        B = f.out[0].shape[0]
+        B = f.out["tokens"].shape[0]
         positions = np.full((B,), -1, np.int32)
         steps = np.zeros((B,), np.int32)
         live = []
@@ -472,8 +547,8 @@ class BatchEngine:
         table = np.zeros((B, bucket(max(len(r.pages) for _, r in live), 4)), np.int32)
         for b, r in live:
             table[b, :len(r.pages)] = r.pages
-        self.pages, out = self.engine.decode_step_async(self.pages, f.out[0], positions, table, f.sp, steps,
-                                                        f.n_logprobs, f.sample_mode)
+        self.pages, out = self.engine.decode_step_async(self.pages, f.out["tokens"], positions, table, f.sp, steps,
+                                                        f.n_logprobs, f.sample_mode, occ=self.occ)
         self.stats["steps"] += 1
         self.stats["decode_passes"] += 1
         self.stats["overlapped_steps"] += 1
@@ -528,6 +603,9 @@ class BatchEngine:
         last = np.zeros((dec[0].shape[0],), np.int32)
         n_draft = np.zeros((ver[0].shape[0],), np.int32)
 
+        # timing passes: without the rows' logits adjustments (they would count occurrences)
+        dec = (*dec[:4], dataclasses.replace(dec[4], adjust=None), dec[5])
+
         def decode():
             tokens, positions, table, steps, sp, _ = dec
             self.pages, _ = self.engine.paged_step(self.pages, tokens, positions, table, last, sp, steps, None)
@@ -553,7 +631,7 @@ class BatchEngine:
     def _drafts(self, r: Request) -> list[int]:
         """Draft tokens for a decode-ready request (none without speculation, with logprobs, or near
         the end of its budget). Also scores the request's pending shadow drafts."""
-        if self.drafter is None or r.params.logprobs is not None:
+        if self.drafter is None or r.params.logprobs is not None or r.adjust is not None or r.prefill_only:
             return []
         st = r.spec
         if st.index is None:
@@ -598,9 +676,8 @@ class BatchEngine:
             r.cumulative_logprob += float(out.logprob[b])
             if r.params.logprobs is not None:
                 k = r.params.logprobs
-                lp = {int(i): float(v) for i, v in zip(out.top_ids[b][:k], out.top_vals[b][:k])}
-                lp[t] = float(out.logprob[b])
-                r.logprobs.append(lp)
+                r.logprobs.append(logprob_dict(t, out.logprob[b], out.rank[b], out.top_ids[b][:k],
+                                                out.top_vals[b][:k]))
         if t in r.stop_ids:
             r.finish_reason, r.stop_reason = "stop", t
         elif r.params.stop_strings and self.tokenizer is not None and self._hit_stop(r):
@@ -611,7 +688,7 @@ class BatchEngine:
             r.finished_time = now
 
     def _hit_stop(self, r: Request) -> bool:
-        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=r.params.skip_special_tokens)
         hits = [(text.find(s), s) for s in r.params.stop_strings if s in text]
         if not hits:
             return False

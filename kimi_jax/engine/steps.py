@@ -22,6 +22,7 @@ from flax import nnx
 from kimi_jax import ops
 from kimi_jax.config import ModelConfig
 from kimi_jax.model.transformer import Transformer
+from kimi_jax.engine import penalties
 from kimi_jax.engine.sampling import SamplingArrays, sample, top_logprobs, verify_drafts
 from kimi_jax.engine.sampling import sample_mode as sample_mode_of
 
@@ -37,9 +38,28 @@ class StepOutput:
     logprob: Optional[np.ndarray] = None    # [B] chosen-token logprob
     top_ids: Optional[np.ndarray] = None    # [B, n]
     top_vals: Optional[np.ndarray] = None   # [B, n]
+    rank: Optional[np.ndarray] = None       # [B] chosen token's rank (1: the most likely)
+    # with prompt logprobs: the logprob and rank of each position's next prompt token (targets_BT),
+    # and each position's top-n
+    prompt_logprob: Optional[np.ndarray] = None    # [B, T]
+    prompt_rank: Optional[np.ndarray] = None       # [B, T]
+    prompt_top_ids: Optional[np.ndarray] = None    # [B, T, n]
+    prompt_top_vals: Optional[np.ndarray] = None   # [B, T, n]
 
 
-def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None):
+class Occurrences:
+    """A batch engine's occurrence pool (kimi_jax.engine.penalties: [slots + 1, V] int32 on the
+    device, replicated); a step that uses it replaces `pool` with its updated copy (the old one is
+    donated). pad_slot: the row that padding rows use."""
+
+    def __init__(self, pool, pad_slot: int):
+        self.pool, self.pad_slot = pool, pad_slot
+
+
+_OCC = "occurrences"      # the updated pool's key among a step's outputs (taken off by the Engine)
+
+
+def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None, occ=None):
     # The logits are first pinned vocab-split (each device multiplies its lm_head rows): without that,
     # XLA:GPU's partitioner all-gathered the whole lm_head weight (3.5 GB, 4 ms per step under TP2 on
     # two H200s) to produce the replicated logits directly.
@@ -47,10 +67,19 @@ def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None):
     # one all-gather of the (vocab-split) logits; sorting / cumsum over a sharded vocab would compile
     # to sequential loops and many small collectives
     logits_BV = _constrain(logits_BV, shard.get("replicated"))
-    tok = sample(logits_BV, sp, step_B, mode)
-    out = (tok,) if n_logprobs is None else (tok, *top_logprobs(logits_BV, tok, n_logprobs))
+    adjusted = logits_BV
+    if sp.adjust is not None:        # logit_bias, bans, min_tokens, penalties (static: the pytree's shape)
+        occ_BV = None if occ is None else occ[sp.adjust.slot]
+        adjusted = penalties.adjust_logits(logits_BV, sp.adjust, step_B, occ_BV)
+    tok = sample(adjusted, sp, step_B, mode)
+    out = {"tokens": tok}
+    if n_logprobs is not None:       # of the raw logits (vLLM's default raw logprobs)
+        out.update(zip(("logprob", "rank", "top_ids", "top_vals"), top_logprobs(logits_BV, tok, n_logprobs)))
     # replicated, so every process (multi-host) can read the tokens
-    return tuple(_constrain(o, shard.get("replicated")) for o in out)
+    out = {k: _constrain(o, shard.get("replicated")) for k, o in out.items()}
+    if occ is not None:
+        out[_OCC] = _constrain(penalties.count_sampled(occ, sp.adjust, tok), shard.get("replicated"))
+    return out
 
 
 def _constrain(x, sharding):
@@ -69,22 +98,32 @@ def _decode(graphdef, shard, state, cache, tokens_B, positions_B, sp, step_B, n_
 
 
 def _paged_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, last_B, sp, step_B,
-                n_logprobs, absorbed, fresh=False, sample_mode=None, *, plan: ops.ExecPlan):
+                n_logprobs, absorbed, fresh=False, sample_mode=None, occ=None, n_prompt_logprobs=None,
+                targets_BT=None, *, plan: ops.ExecPlan):
     """One continuous-batching step over the paged cache: T query tokens per row (T = 1: decode,
     absorbed MLA; T > 1: a prefill chunk, expanded MLA; `fresh`: no row has cached tokens, so attention
-    reads only the new tokens, on a GPU with cuDNN). Samples from each row's token at last_B."""
+    reads only the new tokens, on a GPU with cuDNN). Samples from each row's token at last_B.
+    occ: the occurrence pool when some row uses penalties (kimi_jax.engine.penalties). With
+    n_prompt_logprobs (static), the logits of every position score targets_BT (each position's next
+    prompt token; < 0: none) and give their top-n (prompt logprobs)."""
     model = nnx.merge(graphdef, state)
     tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
     h_BTD, pages = model.hidden_states(tokens_BT, positions_BT, pages, absorbed=absorbed,
                                        block_table_BP=block_table_BP, fresh=fresh, plan=plan)
     B = tokens_BT.shape[0]
-    logits_BV = model.logits(h_BTD[jnp.arange(B), last_B][:, None], plan)[:, 0]
     pages = {k: _constrain(v, shard.get("pages")) for k, v in pages.items()}
-    return pages, _sample_out(logits_BV, sp, step_B, n_logprobs, shard, sample_mode)
+    if n_prompt_logprobs is None:
+        logits_BV = model.logits(h_BTD[jnp.arange(B), last_B][:, None], plan)[:, 0]
+        return pages, _sample_out(logits_BV, sp, step_B, n_logprobs, shard, sample_mode, occ)
+    logits_BTV = _constrain(_constrain(model.logits(h_BTD, plan), shard.get("logits3")), shard.get("replicated"))
+    out = _sample_out(logits_BTV[jnp.arange(B), last_B], sp, step_B, n_logprobs, shard, sample_mode, occ)
+    prompt = top_logprobs(logits_BTV, jnp.maximum(targets_BT, 0), n_prompt_logprobs)
+    out.update(zip(("prompt_logprob", "prompt_rank", "prompt_top_ids", "prompt_top_vals"), prompt))
+    return pages, out
 
 
 def _decode_step(graphdef, shard, state, pages, tokens_B, positions_B, block_table_BP, sp, step_B, n_logprobs,
-                 sample_mode=None, mla_schedule=None, *, plan: ops.ExecPlan):
+                 sample_mode=None, mla_schedule=None, occ=None, *, plan: ops.ExecPlan):
     """`_paged_step` for one token per row (absorbed decode) with tokens_B [B]: the previous step's
     sampled tokens can be fed as they are (device arrays), so the host never reads them first
     (overlap scheduling, kimi_jax.engine.scheduler). mla_schedule: this step's MLA decode schedule
@@ -92,7 +131,7 @@ def _decode_step(graphdef, shard, state, pages, tokens_B, positions_B, block_tab
     B = tokens_B.shape[0]
     return _paged_step(graphdef, shard, state, pages, tokens_B[:, None], positions_B[:, None], block_table_BP,
                        jnp.zeros((B,), jnp.int32), sp, step_B, n_logprobs, absorbed=True,
-                       sample_mode=sample_mode, plan=dataclasses.replace(plan, mla_schedule=mla_schedule))
+                       sample_mode=sample_mode, occ=occ, plan=dataclasses.replace(plan, mla_schedule=mla_schedule))
 
 
 # A decode step runs the MLA kernels on the balanced schedule (pallas_kernels/mla/decode.py) when its
@@ -185,8 +224,9 @@ class Engine:
                                   static_argnames=("n_logprobs", "sample_mode", "plan"), donate_argnames=("cache",))
         self._logits = jax.jit(functools.partial(_all_logits, self.graphdef, shard), static_argnames=("plan",))
         self.paged_step_jit = jax.jit(functools.partial(_paged_step, self.graphdef, shard),
-                                      static_argnames=("n_logprobs", "absorbed", "fresh", "sample_mode", "plan"),
-                                      donate_argnames=("pages",))
+                                      static_argnames=("n_logprobs", "absorbed", "fresh", "sample_mode",
+                                                       "n_prompt_logprobs", "plan"),
+                                      donate_argnames=("pages", "occ"))
         self._verify = jax.jit(functools.partial(_verify_step, self.graphdef, shard), static_argnames=("plan",),
                                donate_argnames=("pages",))
         # the sharding of decode_step_async's output tokens (replicated), which host-fed tokens take too:
@@ -195,7 +235,11 @@ class Engine:
         self._token_sharding = shard.get("replicated") or jax.sharding.SingleDeviceSharding(jax.devices()[0])
         self._decode_step = jax.jit(functools.partial(_decode_step, self.graphdef, shard),
                                     static_argnames=("n_logprobs", "sample_mode", "mla_schedule", "plan"),
-                                    donate_argnames=("pages",))
+                                    donate_argnames=("pages", "occ"))
+        self._set_occ_row = jax.jit(lambda pool, slot, row: pool.at[slot].set(row), donate_argnums=0,
+                                    out_shardings=shard.get("replicated"))
+        self._copy_pages = jax.jit(lambda pages, src, dst: {k: v.at[:, dst].set(v[:, src]) for k, v in pages.items()},
+                                   donate_argnums=0)
 
     def init_pages(self, num_pages: int, page_size: int, dtype=None) -> dict:
         """A zeroed paged pool {kind: [L, num_pages, page_size, A + R]} placed as the steps keep it:
@@ -224,19 +268,44 @@ class Engine:
         return np.asarray(self._logits(self.state, jnp.asarray(padded), plan=self.plan)[0, :T], np.float32)
 
     def paged_step(self, pages, tokens_BT, positions_BT, block_table_BP, last_B, sp: SamplingArrays,
-                   steps_B, n_logprobs: Optional[int]):
+                   steps_B, n_logprobs: Optional[int], occ: Optional[Occurrences] = None,
+                   n_prompt_logprobs: Optional[int] = None, targets_BT=None):
+        """occ: the occurrence pool, when sp's adjustments have penalties (updated in place). With
+        n_prompt_logprobs: targets_BT [B, T] (see `_paged_step`)."""
         T = tokens_BT.shape[1]
+        extra = {} if n_prompt_logprobs is None else {"n_prompt_logprobs": n_prompt_logprobs,
+                                                       "targets_BT": _i32(targets_BT)}
         pages, out = self.paged_step_jit(self.state, pages, _i32(tokens_BT), _i32(positions_BT), _i32(block_table_BP),
                                 _i32(last_B), sp, _i32(steps_B), n_logprobs=n_logprobs, absorbed=T == 1,
                                 fresh=T > 1 and is_fresh(positions_BT), sample_mode=sample_mode_of(sp),
-                                plan=self.plan)
+                                occ=_occ_in(occ, sp), plan=self.plan, **extra)
+        _occ_out(occ, out)
         return pages, _to_host(out)
 
+    def new_occurrences(self, num_slots: int) -> Occurrences:
+        """A zeroed occurrence pool for num_slots penalty slots (plus the padding slot)."""
+        sharding = self._shard.get("replicated")
+        make = lambda: jnp.zeros((num_slots + 1, self.cfg.vocab_size), jnp.int32)
+        return Occurrences(make() if sharding is None else jax.jit(make, out_shardings=sharding)(), num_slots)
+
+    def set_occurrences(self, occ: Occurrences, slot: int, row_V: np.ndarray) -> None:
+        """Write one slot's row (penalties.occurrence_row), ordered after every step dispatched before."""
+        occ.pool = self._set_occ_row(occ.pool, np.int32(slot), np.asarray(row_V, np.int32))
+
+    def copy_pages(self, pages, src: Sequence[int], dst: Sequence[int], rank: int = 0):
+        """The pool with pages dst holding copies of pages src (ids local to data-parallel rank `rank`)."""
+        per = next(iter(pages.values())).shape[1] // self.dp
+        n = bucket(len(src), 1)
+        src = [*src, *[src[-1]] * (n - len(src))]          # padding repeats the last copy
+        dst = [*dst, *[dst[-1]] * (n - len(dst))]
+        return self._copy_pages(pages, _i32(src) + rank * per, _i32(dst) + rank * per)
+
     def decode_step_async(self, pages, tokens_B, positions_B, block_table_BP, sp: SamplingArrays, steps_B,
-                          n_logprobs: Optional[int], sample_mode: Optional[str] = None):
+                          n_logprobs: Optional[int], sample_mode: Optional[str] = None,
+                          occ: Optional[Occurrences] = None):
         """One decode step (one token per row) dispatched without waiting for it: tokens_B [B] may be a
-        device array (the previous step's `out[0]`); positions_B [B] (-1: padding row). Returns (pages,
-        outputs as device arrays: (tokens [B], and with n_logprobs: logprob, top ids, top values)),
+        device array (the previous step's `out["tokens"]`); positions_B [B] (-1: padding row). Returns
+        (pages, outputs as device arrays: {tokens [B], and with n_logprobs: logprob, rank, top_ids, top_vals}),
         their copy to the host already started; `fetch` reads them. sample_mode: as `paged_step`
         derives it (pass it when sp is reused, to skip the host check)."""
         if not isinstance(tokens_B, jax.Array):
@@ -246,8 +315,10 @@ class Engine:
         pages, out = self._decode_step(self.state, pages, tokens_B, positions_B, _i32(block_table_BP), sp,
                                        _i32(steps_B), n_logprobs=n_logprobs,
                                        sample_mode=sample_mode or sample_mode_of(sp),
-                                       mla_schedule=step_schedule(self.plan, positions_B), plan=self.plan)
-        for o in out:
+                                       mla_schedule=step_schedule(self.plan, positions_B),
+                                       occ=_occ_in(occ, sp), plan=self.plan)
+        _occ_out(occ, out)
+        for o in out.values():
             if o.is_fully_addressable:
                 o.copy_to_host_async()
         return pages, out
@@ -258,6 +329,7 @@ class Engine:
         return _to_host(out)
 
     def verify_step(self, pages, tokens_BT, positions_BT, block_table_BP, n_draft_B, sp: SamplingArrays, steps_B):
+        sp = dataclasses.replace(sp, adjust=None)   # rows that adjust logits never verify (scheduler)
         pages, (n_acc, nxt) = self._verify(self.state, pages, _i32(tokens_BT), _i32(positions_BT),
                                            _i32(block_table_BP), _i32(n_draft_B), sp, _i32(steps_B),
                                            plan=self.plan)
@@ -279,6 +351,16 @@ def _i32(a) -> np.ndarray:
     return np.asarray(a, np.int32)
 
 
-def _to_host(out) -> StepOutput:
+def _occ_in(occ: Optional[Occurrences], sp: SamplingArrays):
+    """The pool array a step takes: only when its adjustments have penalties."""
+    return occ.pool if occ is not None and sp.adjust is not None and sp.adjust.has_penalties else None
+
+
+def _occ_out(occ: Optional[Occurrences], out: dict) -> None:
+    if _OCC in out:
+        occ.pool = out.pop(_OCC)
+
+
+def _to_host(out: dict) -> StepOutput:
     out = jax.device_get(out)
-    return StepOutput(*[np.asarray(o) for o in out])
+    return StepOutput(**{k: np.asarray(o) for k, o in out.items()})

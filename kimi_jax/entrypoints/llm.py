@@ -15,15 +15,37 @@ import jax
 from kimi_jax import ops
 from kimi_jax.config import PRESETS, ModelConfig, preset
 from kimi_jax.engine.steps import Engine
-from kimi_jax.engine.sampling import SamplingParams
+from kimi_jax.engine.sampling import Logprob, SamplingParams
 from kimi_jax.engine.scheduler import BatchEngine, Request, RequestError, validate_prompt
 from kimi_jax.parallel.sharding import Layout, check_fits, param_shardings
 from kimi_jax.engine.speculative import SpeculativeConfig
 from kimi_jax.entrypoints import compilation_cache, progress
 
 log = logging.getLogger(__name__)
-Prompt = Union[str, Sequence[int]]
+Prompt = Union[str, Sequence[int], dict]
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+_TORCH_DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float": "float32"}
+#: dtype="auto" on CPU: float32 (BENCHMARKS.md "CPU default dtype": the demo model decoded 6.2x faster in
+#: float32 than bf16 at batch 1 and 10.8x at batch 16; XLA:CPU's bf16 dots run far below its f32 ones)
+CPU_AUTO_DTYPE = "float32"
+
+
+def resolve_dtype(dtype: str, model_path: Optional[str], platform: str) -> str:
+    """dtype="auto": the checkpoint's torch_dtype (config.json; bfloat16 if absent or unsupported) on
+    an accelerator, CPU_AUTO_DTYPE on CPU; any other name is checked against the supported ones."""
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported (choose 'auto' or one of {sorted(_DTYPES)})")
+        return dtype
+    if platform == "cpu":
+        return CPU_AUTO_DTYPE
+    declared = None
+    if model_path is not None and os.path.isfile(os.path.join(model_path, "config.json")):
+        import json
+        with open(os.path.join(model_path, "config.json")) as f:
+            cfg = json.load(f)
+        declared = cfg.get("torch_dtype") or cfg.get("text_config", {}).get("torch_dtype")
+    return _TORCH_DTYPES.get(str(declared), "bfloat16")
 
 
 @dataclasses.dataclass
@@ -32,7 +54,7 @@ class CompletionOutput:
     text: Optional[str]
     token_ids: list[int]
     cumulative_logprob: Optional[float]
-    logprobs: Optional[list[dict[int, float]]]
+    logprobs: Optional[list[dict[int, Logprob]]]
     finish_reason: Optional[str]            # "stop" | "length"
     stop_reason: Union[int, str, None] = None
 
@@ -46,6 +68,7 @@ class RequestOutput:
     finished: bool = True
     metrics: dict = dataclasses.field(default_factory=dict)
     num_cached_tokens: int = 0              # prompt tokens read from the prefix cache
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
 
 
 def demo_model_path() -> Optional[str]:
@@ -135,7 +158,7 @@ class LLM:
 
     def __init__(self, model: Union[str, ModelConfig, None] = None, *, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, enable_expert_parallel: bool = False,
-                 dtype: str = "bfloat16", max_model_len: Optional[int] = None, max_num_seqs: int = 256,
+                 dtype: str = "auto", max_model_len: Optional[int] = None, max_num_seqs: int = 256,
                  seed: int = 0, tokenizer: Optional[str] = None, page_size: int = 16,
                  num_pages: Optional[int] = None, gpu_memory_utilization: float = 0.9,
                  prefill_chunk: Optional[int] = None, max_prefill_tokens: int = 2048,
@@ -148,8 +171,6 @@ class LLM:
         checkpoint tensor holding NaN or Inf while it loads. enable_prefix_caching: reuse the cached
         pages of shared prompt prefixes (kimi_jax.engine.page_pool). exec_plan: the execution choices
         (kimi_jax.ops.ExecPlan; default: ExecPlan.for_backend())."""
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not supported (choose one of {sorted(_DTYPES)})")
         if tensor_parallel_size < 1 or data_parallel_size < 1:
             raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
         if max_num_seqs < 1:
@@ -159,8 +180,9 @@ class LLM:
                              f"{max_prefill_tokens}")
         if exec_plan is not None and not isinstance(exec_plan, ops.ExecPlan):
             raise TypeError(f"exec_plan must be a kimi_jax.ops.ExecPlan, got {type(exec_plan).__name__}")
-        self.dtype = _DTYPES[dtype]
         model = model if model is not None else demo_model_path()
+        is_dir = isinstance(model, str) and os.path.isdir(model)
+        self.dtype = _DTYPES[resolve_dtype(dtype, model if is_dir else None, jax.devices()[0].platform)]
         self.model_path = None
         if model is None:
             log.warning("no demo model installed; using the random 'tiny' preset")
@@ -247,18 +269,36 @@ class LLM:
 
     # ---- inputs -------------------------------------------------------------------------------
     def token_ids(self, prompt: Prompt, i: int) -> list[int]:
-        """Token ids of a prompt (text is tokenized); the ids' values are checked by the batch engine."""
+        """Token ids of a prompt: text (tokenized), token ids, or vLLM's {"prompt": text} /
+        {"prompt_token_ids": ids}; the ids' validity is checked by the batch engine."""
+        if isinstance(prompt, dict):
+            keys = set(prompt) - {"multi_modal_data", "mm_processor_kwargs"}
+            if keys == {"prompt_token_ids"}:
+                ids = prompt["prompt_token_ids"]
+                if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+                    raise ValueError(f"request {i}: prompt_token_ids must be a list of token ids")
+                return list(ids)
+            if keys == {"prompt"}:
+                if not isinstance(prompt["prompt"], str):
+                    raise ValueError(f"request {i}: 'prompt' must be a string, got {type(prompt['prompt']).__name__}")
+                return self.token_ids(prompt["prompt"], i)
+            raise ValueError(f"request {i}: a prompt dict needs exactly one of 'prompt' (text) or "
+                             f"'prompt_token_ids', got keys {sorted(prompt)}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"request {i}: a text prompt needs a tokenizer, and the checkpoint "
                                  f"{self.model_path or '(preset)'} has no tiktoken.model; pass token ids")
             return self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            prompt = prompt["prompt_token_ids"]
-        if isinstance(prompt, (bytes, dict)) or not isinstance(prompt, (Sequence, np.ndarray)):
-            raise ValueError(f"request {i}: prompt must be text or a list of token ids, got "
-                             f"{type(prompt).__name__}")
+        if not isinstance(prompt, (Sequence, np.ndarray)) or isinstance(prompt, bytes):
+            raise ValueError(f"request {i}: a prompt is a string, a list of token ids or a dict with "
+                             f"'prompt' / 'prompt_token_ids', got {type(prompt).__name__}")
         return list(prompt)
+
+    @staticmethod
+    def _prompt_text(prompt) -> Optional[str]:
+        if isinstance(prompt, dict):
+            prompt = prompt.get("prompt")
+        return prompt if isinstance(prompt, str) else None
 
     # ---- API ----------------------------------------------------------------------------------
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -272,9 +312,11 @@ class LLM:
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                        and isinstance(prompts[0], (int, np.integer))):
+                 use_tqdm: bool = False, *, _prompt_texts: Optional[list[str]] = None) -> list[RequestOutput]:
+        """Generate for one prompt or a list (text, token ids, or vLLM's prompt dicts). _prompt_texts:
+        the RequestOutput.prompt of each (chat: the rendered conversation)."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
+                                                and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -284,29 +326,29 @@ class LLM:
         if len(sps) != len(prompts):
             raise ValueError(f"got {len(sps)} SamplingParams for {len(prompts)} prompts")
         ids = [self.token_ids(p, i) for i, p in enumerate(prompts)]
+        texts = _prompt_texts or [self._prompt_text(p) for p in prompts]
         be = self._engine_for_generate()
-        reqs = []
+        groups = []
         # every request is checked before any runs (kimi_jax.engine.validation): one bad value fails the
         # call up front, naming the request and the field
-        for i, (p, t, sp) in enumerate(zip(prompts, ids, sps)):
+        for i, (text, t, sp) in enumerate(zip(texts, ids, sps)):
             if not isinstance(sp, SamplingParams):
                 raise ValueError(f"request {i}: sampling_params must be SamplingParams, got {type(sp).__name__}")
             try:
                 sp.validate(vocab_size=self.config.vocab_size)
                 seed = sp.seed if sp.seed is not None else self._rng.getrandbits(31)
-                reqs.append(be.make_request(str(self._next_id + i), t, sp, seed,
-                                            prompt=p if isinstance(p, str) else None))
+                groups.append(be.make_samples(str(self._next_id + i), t, sp, seed, prompt=text))
             except (RequestError, ValueError, TypeError) as e:
                 raise ValueError(f"request {i}: {e}") from None
-        self._next_id += len(reqs)
-        for r in reqs:
-            be.add(r)
+        self._next_id += len(groups)
+        for g in groups:
+            be.add_samples(g)
         try:
             be.run(progress=use_tqdm)
         except BaseException:
             self._generate_engine = None       # its pages and queues are in an unknown state
             raise
-        return [self.to_output(r) for r in reqs]
+        return [self.to_group_output(g) for g in groups]
 
     def _engine_for_generate(self) -> BatchEngine:
         """generate()'s batch engine: with prefix caching one kept for the LLM's life (its cached pages
@@ -330,19 +372,44 @@ class LLM:
                            enable_prefix_caching=self.enable_prefix_caching)
 
     def to_output(self, r: Request) -> RequestOutput:
+        return self.to_group_output([r])
+
+    def to_group_output(self, reqs: list[Request]) -> RequestOutput:
+        """One prompt's RequestOutput from its samples (`BatchEngine.make_samples`): with best_of, the n
+        of highest cumulative logprob (best first), else all n in sample order; indices 0 .. n-1."""
+        r0, p = reqs[0], reqs[0].params
+        chosen = list(reqs)
+        if p.num_samples > p.n:
+            chosen = sorted(reqs, key=lambda r: -r.cumulative_logprob)[:p.n]
+        outputs = [self._completion(i, r) for i, r in enumerate(chosen)]
+        prompt_lp = None
+        if r0.prompt_logprobs is not None:
+            prompt_lp = [None] + [self._decoded(d) for d in r0.prompt_logprobs[1:]]
+        return RequestOutput(
+            request_id=r0.group_id or r0.request_id, prompt=r0.prompt, prompt_token_ids=r0.prompt_ids,
+            outputs=outputs, prompt_logprobs=prompt_lp,
+            metrics={"num_preemptions": sum(r.num_preemptions for r in reqs),
+                     "spec_drafted": sum(r.spec.drafted for r in reqs),
+                     "spec_accepted": sum(r.spec.accepted for r in reqs),
+                     "spec_verify_steps": sum(r.spec.verify_steps for r in reqs), **latency_metrics(r0)},
+            num_cached_tokens=max(r.num_cached_tokens for r in reqs))
+
+    def _completion(self, index: int, r: Request) -> CompletionOutput:
         text = None
         if self.tokenizer is not None:
-            text = r.text if r.text is not None else self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-        return RequestOutput(
-            request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_ids,
-            outputs=[CompletionOutput(index=0, text=text, token_ids=list(r.output_ids),
-                                      cumulative_logprob=r.cumulative_logprob if r.params.logprobs is not None else None,
-                                      logprobs=r.logprobs if r.params.logprobs is not None else None,
-                                      finish_reason=r.finish_reason, stop_reason=r.stop_reason)],
-            metrics={"num_preemptions": r.num_preemptions, "spec_drafted": r.spec.drafted,
-                     "spec_accepted": r.spec.accepted, "spec_verify_steps": r.spec.verify_steps,
-                     **latency_metrics(r)},
-            num_cached_tokens=r.num_cached_tokens)
+            text = r.text if r.text is not None else self.tokenizer.decode(
+                r.output_ids, skip_special_tokens=r.params.skip_special_tokens)
+        wants = r.params.logprobs is not None
+        return CompletionOutput(index=index, text=text, token_ids=list(r.output_ids),
+                                cumulative_logprob=r.cumulative_logprob if wants else None,
+                                logprobs=[self._decoded(d) for d in r.logprobs] if wants else None,
+                                finish_reason=r.finish_reason, stop_reason=r.stop_reason)
+
+    def _decoded(self, lp: dict) -> dict:
+        """Logprob entries with decoded_token set (each token's own text, special tokens included)."""
+        if self.tokenizer is None:
+            return lp
+        return {t: dataclasses.replace(v, decoded_token=self.tokenizer.decode([t])) for t, v in lp.items()}
 
     def render_chat(self, messages, *, add_generation_prompt: bool = True, tools=None,
                     chat_template: Optional[str] = None) -> str:
@@ -382,9 +449,10 @@ class LLM:
         """Render the checkpoint's own chat template (sandboxed) and generate; messages may be one
         conversation (a list of dicts) or a list of conversations."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.chat_prompt_ids(c, add_generation_prompt=add_generation_prompt, tools=tools,
-                                        chat_template=chat_template) for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        texts = [self.render_chat(c, add_generation_prompt=add_generation_prompt, tools=tools,
+                                  chat_template=chat_template) for c in convs]
+        prompts = [self.tokenizer.encode(t, allow_special=True) for t in texts]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, _prompt_texts=texts)
 
     def chat_prompt_ids(self, messages, *, add_generation_prompt: bool = True, tools=None,
                         chat_template: Optional[str] = None) -> list[int]:

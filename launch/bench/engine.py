@@ -109,7 +109,7 @@ def time_mixed(engine, layout, spec: str, steps: int) -> dict:
                     jax.block_until_ready(tok)
                     t0 = time.perf_counter()
                 pages, out = engine.decode_step_async(pages, tok, start + i, table, sp, np.full(B, i, np.int32), None)
-                tok = out[0]
+                tok = out["tokens"]
             jax.block_until_ready(tok)
             row[f"{name}_ms"] = (time.perf_counter() - t0) / steps * 1e3
         finally:

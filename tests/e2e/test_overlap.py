@@ -77,7 +77,7 @@ def assert_same(got, ref):
     assert summary(got) == summary(ref)
     for g, r in zip(got, ref):
         if r.params.logprobs is not None:
-            vals = lambda q: [v for lp in q.logprobs for _, v in sorted(lp.items())] + [q.cumulative_logprob]
+            vals = lambda q: [v.logprob for lp in q.logprobs for _, v in sorted(lp.items())] + [q.cumulative_logprob]
             np.testing.assert_allclose(vals(g), vals(r), rtol=0, atol=1e-4)
 
 

@@ -103,7 +103,7 @@ def test_sampling_is_seeded_and_respects_top_k(tiny_llm):
     assert a.token_ids == b.token_ids
     # every sampled token is among the 3 most likely of its step (top-k); logprobs lists them
     for t, lp in zip(a.token_ids, a.logprobs):
-        top3 = sorted(lp.items(), key=lambda kv: -kv[1])[:3]
+        top3 = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:3]
         assert t in dict(top3)
 
 

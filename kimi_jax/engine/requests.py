@@ -1,0 +1,116 @@
+"""Requests of the batch engine (kimi_jax.engine.scheduler): the Request record, prompt checks, and the
+host side of logprobs and prompt logprobs."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from kimi_jax.engine import penalties
+from kimi_jax.engine.sampling import Logprob, SamplingParams
+from kimi_jax.engine.speculative import SpecState
+from kimi_jax.engine.validation import RequestError, check_prompt_ids
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt: Optional[str]
+    prompt_ids: list[int]
+    params: SamplingParams
+    key: np.ndarray
+    stop_ids: frozenset
+    max_new: int
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0                 # tokens whose latents are in the cache
+    num_cached_tokens: int = 0            # prompt tokens taken from the prefix cache when first admitted
+    page_hashes: list = dataclasses.field(default_factory=list)   # chained hashes of its full pages
+    num_registered: int = 0               # leading pages registered in the prefix cache
+    cache_queried: bool = False           # its prefix was looked up since it was admitted
+    pages: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict] = dataclasses.field(default_factory=list)     # per output token {id: Logprob}
+    cumulative_logprob: float = 0.0
+    finish_reason: Optional[str] = None
+    stop_reason: object = None
+    text: Optional[str] = None            # set when a stop string truncated it
+    num_preemptions: int = 0
+    rank: int = 0                         # data-parallel rank whose rows and pages it uses while admitted
+    spec: SpecState = dataclasses.field(default_factory=SpecState)
+    # wall-clock times (time.time()) the host saw: queued (`BatchEngine.add`), first output token and
+    # last one appended. With overlap scheduling a token is appended one step after it was sampled,
+    # which is when a caller could first have it.
+    arrival_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    # logits adjustments (kimi_jax.engine.penalties; None: none) and the occurrence-pool slot held
+    # while running (-1: none)
+    adjust: Optional[penalties.RowAdjust] = None
+    pen_slot: int = -1
+    # [None, {id: Logprob}, ...] per prompt position, once computed (prompt_logprobs)
+    prompt_logprobs: Optional[list] = None
+    # n samples sharing one prefill (`BatchEngine.add_samples`): a sample's index and its group's id;
+    # the group's prefill-only request holds the samples (forks) and the prompt's last token (tail)
+    sample_index: int = 0
+    group_id: Optional[str] = None
+    prefill_only: bool = False
+    forks: list = dataclasses.field(default_factory=list)
+    tail: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def pending(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
+
+
+def validate_prompt(prompt_ids, vocab_size: int, max_model_len: int) -> None:
+    check_prompt_ids(prompt_ids, vocab_size, max_model_len)
+
+
+def n_logprobs(reqs) -> Optional[int]:
+    """Top logprobs a step must return: the most any of its requests asks for (None: none asks; 0
+    when only best_of needs the chosen tokens' logprobs)."""
+    return max((r.params.logprobs if r.params.logprobs is not None else 0 for r in reqs
+                if r.params.logprobs is not None or r.params.num_samples > r.params.n), default=None)
+
+
+def prompt_entries_left(r: "Request") -> bool:
+    """r asks for prompt logprobs and some of its prompt positions are not scored yet."""
+    return r.prompt_logprobs is not None and len(r.prompt_logprobs) < len(r.prompt_ids) + len(r.tail)
+
+
+def logprob_dict(token: int, logprob, rank, top_ids, top_vals) -> dict:
+    """{token: Logprob, then the top ids not already there: Logprob with rank 1, 2, ...} (vLLM's)."""
+    out = {int(token): Logprob(float(logprob), int(rank))}
+    for i, (t, v) in enumerate(zip(top_ids, top_vals)):
+        out.setdefault(int(t), Logprob(float(v), i + 1))
+    return out
+
+
+def prompt_targets(rows, slots, shape):
+    """(top prompt logprobs the step returns or None, each position's next prompt token [B, T]
+    (-1: none)) for the rows still scoring prompt positions."""
+    want = [(b, r, n) for b, (r, n) in zip(slots, rows) if prompt_entries_left(r)]
+    if not want:
+        return None, None
+    targets = np.full(shape, -1, np.int32)
+    for b, r, n in want:
+        full = r.prompt_ids + r.tail
+        nxt = np.arange(r.num_computed, r.num_computed + n) + 1
+        ok = nxt < len(full)
+        targets[b, :n][ok] = np.asarray(full)[nxt[ok]]
+    return max(r.params.prompt_logprobs for _, r, _ in want), targets
+
+def score_prompt(r: Request, out, b: int, start: int, n: int) -> None:
+    """Append the prompt-logprob entries of positions start .. start + n - 1 not yet scored."""
+    full, k = r.prompt_ids + r.tail, r.params.prompt_logprobs
+    for j in range(n):
+        p = start + j
+        if p + 1 != len(r.prompt_logprobs) or p + 1 >= len(full):
+            continue
+        r.prompt_logprobs.append(logprob_dict(
+            full[p + 1], out.prompt_logprob[b, j], out.prompt_rank[b, j], out.prompt_top_ids[b, j][:k],
+            out.prompt_top_vals[b, j][:k]))

@@ -1,0 +1,69 @@
+"""CPU dtype benchmark: the demo model (`LLM()`) decoding greedy tokens at batch 1 and 16 in each dtype,
+end to end (LLM.generate, tokens / s) and per decode step (the jitted step alone, the host loop's
+share = the rest), after a warm-up run that compiles every shape.
+
+    PYTHONPATH=. python -m launch.bench_cpu_dtype --dtypes=bfloat16,float32 --batches=1,16 --tokens=64
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("dtypes", ["bfloat16", "float32"], "dtypes to time")
+flags.DEFINE_list("batches", ["1", "16"], "batch sizes")
+flags.DEFINE_integer("tokens", 64, "greedy tokens per request")
+flags.DEFINE_integer("prompt", 16, "prompt tokens per request")
+flags.DEFINE_integer("reps", 3, "timed runs per case (the fastest is reported)")
+
+
+def step_ms(llm, B: int, context: int, reps: int = 20) -> float:
+    """Fastest wall ms of the jitted decode step alone at batch B (contexts of `context` tokens) over
+    `reps` calls (the minimum: the machine is shared, and other load only adds time)."""
+    import jax
+    from kimi_jax.engine.sampling import SamplingArrays, SamplingParams
+    eng = llm.engine
+    pages = eng.init_pages(B * (-(-(context + reps + 2) // llm.page_size)) + 1, llm.page_size)
+    per = pages[next(iter(pages))].shape[1] // B
+    table = np.arange(B * per, dtype=np.int32).reshape(B, per)
+    sp = SamplingArrays.build([SamplingParams(temperature=0.0)] * B, list(range(B)))
+    tok = np.arange(2, 2 + B, dtype=np.int32)
+    times = []
+    for i in range(reps + 3):
+        t0 = time.perf_counter()
+        pages, out = eng.decode_step_async(pages, tok, np.full(B, context + i, np.int32), table, sp,
+                                           np.full(B, i, np.int32), None)
+        jax.block_until_ready(out["tokens"])
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.min(times[3:]))
+
+
+def main(_):
+    import jax
+    from kimi_jax import LLM, SamplingParams
+    rows = []
+    for dtype in FLAGS.dtypes:
+        llm = LLM(dtype=dtype, max_num_seqs=max(map(int, FLAGS.batches)))
+        rng = np.random.default_rng(0)
+        for B in map(int, FLAGS.batches):
+            prompts = [rng.integers(2, llm.config.vocab_size, FLAGS.prompt).tolist() for _ in range(B)]
+            sp = SamplingParams(temperature=0.0, max_tokens=FLAGS.tokens, ignore_eos=True)
+            llm.generate(prompts, sp)                                    # compile every shape
+            best = float("inf")
+            for _ in range(FLAGS.reps):
+                t0 = time.perf_counter()
+                llm.generate(prompts, sp)
+                best = min(best, time.perf_counter() - t0)
+            row = dict(dtype=dtype, batch=B, tok_s=B * FLAGS.tokens / best, wall_s=best,
+                       step_ms=step_ms(llm, B, FLAGS.prompt + FLAGS.tokens // 2))
+            row["loop_ms_per_step"] = 1e3 * best / FLAGS.tokens - row["step_ms"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(json.dumps({"jax": jax.__version__, "devices": str(jax.devices()), "rows": rows}))
+
+
+if __name__ == "__main__":
+    app.run(main)
