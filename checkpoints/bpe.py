@@ -37,7 +37,8 @@ __all__ = [
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
-#: Special tokens at ``num_base + offset``, as in Kimi-K2 (num_base 163584; KIMI_FORMAT.md section 5).
+#: Special tokens at ``num_base + offset``, as in Kimi-K2's tokenizer_config (num_base 163584: the base BPE
+#: has 163,584 ranks; 256 reserved special tokens, embedding rows up to 163839).
 #: Offsets 5, 8, 16 and 22..253 are reserved (unnamed) slots. ``<|media_content|>`` (+19) and ``[UNK]``
 #: (+254) are inferred from the surrounding ids, not confirmed from a published config.
 KIMI_SPECIAL_TOKEN_OFFSETS: dict[str, int] = {
@@ -298,7 +299,9 @@ def write_tokenizer_files(
     return config
 
 
-# The template's structure follows the published Kimi-K2 format (KIMI_FORMAT.md section 5). Everything is
+# The template's structure follows the published Kimi-K2 chat format (each turn
+# `<|im_{role}|>{name or role}<|im_middle|>{content}<|im_end|>`, tools in a first `tool_declare` system
+# turn, generation prompt `<|im_assistant|>assistant<|im_middle|>`). Everything is
 # emitted through expressions with whitespace control, so the output is the same with or without
 # trim_blocks / lstrip_blocks.
 _KIMI_CHAT_TEMPLATE = r"""{#- Kimi-K2-style chat template (kimi_jax). -#}

@@ -1,6 +1,8 @@
 """compressed-tensors `pack-quantized` INT4 codec (W4A16, symmetric, group-wise), numpy and jnp.
 
-The format (Kimi-K2-Thinking / K2.5 routed experts; see KIMI_FORMAT.md §2):
+The format (Kimi-K2-Thinking / K2.5 routed experts: the checkpoint's quantization_config says
+compressed-tensors, pack-quantized, 4-bit int, symmetric, strategy group, group_size 32; attention,
+shared experts, the dense MLP and lm_head stay bf16):
 
 * a weight `w` [..., N, K] (N output features, K input features, HF Linear layout) is split along K
   into groups of `group_size` (g, 32 for Kimi) columns, one scale per group: `scale` [..., N, K/g], bf16;

@@ -136,7 +136,8 @@ def _decode_step(graphdef, shard, state, pages, tokens_B, positions_B, block_tab
 
 # A decode step runs the MLA kernels on the balanced schedule (pallas_kernels/mla/decode.py) when its
 # rows' cached tokens total at least BALANCE_MIN_TOKENS and the longest row holds at least
-# BALANCE_MIN_SKEW times the mean. Measured per layer on the H200 (BENCHMARKS.md MLA rounds 11-12): one
+# BALANCE_MIN_SKEW times the mean. Measured per layer on the H200 (BENCHMARKS.md, 'MLA decode with rows of
+# mixed lengths'; the equal-row and low-skew cases by `kimi-bench mla --balanced`): one
 # long row among short ones (totals 96K-192K tokens, skew 4-22) 1.4-7.3x faster balanced (0.2-0.5 ms
 # per layer inside the engine's step); equal rows (skew 1) stay on the rows schedule, where balanced
 # is slower at 4K; at skew 1.2-1.9 (totals 70K-264K) the rows schedule was as fast or faster at 8

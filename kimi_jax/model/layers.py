@@ -2,7 +2,7 @@
 
 Weights keep the Hugging Face layout ([out, in] for a linear) so checkpoint tensors load without
 transposes; every parameter carries logical axis names (`axes` metadata) that kimi_jax.parallel.sharding maps
-onto a device mesh. Shape letters follow the glossary in DESIGN.md.
+onto a device mesh. Shape letters follow the glossary in docs/ARCHITECTURE.md ("Shape letters").
 """
 from __future__ import annotations
 

@@ -270,12 +270,12 @@ def mla_decode_kernel(rows: int, A: int, R: int, page: int, dtype, *, batch: int
     are full (rows a multiple of 64: 64 heads at TP1 / DP, or T * N under speculation) on a Hopper GPU
     with bf16, A a multiple of 256, R = 64, a page size of 8, 16, 32 or a multiple of 64, and a cache
     large enough to pay for its fixed cost; else the Triton kernel (8 heads per device under TP8: the
-    mgpu kernel would pad 8 rows to 64). Measured on the H200 at 64 heads (BENCHMARKS.md, fifth
-    session, `kimi-bench mla`: each timed call 8 layers in one executable, calls enqueued back to
-    back): mgpu 1.3-4.2x the Triton kernel from 8 x 4K up (8 x 4K: 57.5 vs 72.2 us); at 1 x 4K
-    Triton's 31 us wins. So mgpu needs tables of >= 16K tokens per row or >= 32K in the batch
-    (`context`: the block table's capacity, a bucket). (The fourth session's harness, one dispatch per
-    call, had Triton ahead at 8 x 4K too; there the host's dispatch set the pace of both.)
+    mgpu kernel would pad 8 rows to 64). Measured on the H200 at 64 heads (BENCHMARKS.md, 'MLA decode attention', where
+    `ops.mla_decode_kernel` switches; device span per call): at 1 x 4K Triton wins (19.0 vs 28.3 us),
+    at 16K tokens in the batch the two tie (the mgpu kernel's fixed cost is ~23 us), at 8 x 4K (32K in
+    the batch) mgpu takes 33.6 us against Triton's 54.6. So mgpu needs tables of >= 16K tokens per row
+    or >= 32K in the batch (`context`: the block table's capacity, a bucket). (Timed with one dispatch
+    per call, Triton is ahead at 8 x 4K too: there the host's dispatch sets the pace of both.)
     plan: its `mla_decode_kernel` when forced ('triton' / 'mgpu'); under 'auto' the rule above, with
     the GPU kind from its `hopper` (default plan: `ExecPlan.for_backend()`)."""
     plan = default_plan(plan)

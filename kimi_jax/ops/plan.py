@@ -45,8 +45,8 @@ class ExecPlan:
       the same number of parts of its own length) or 'balanced' (pallas_kernels.mla.decode.balanced_items:
       parts of one size across the batch), or None: the engine picks per decode step (`mla_schedule_for`:
       'balanced' for a large skewed batch, else each kernel's default); an op called directly with None
-      runs each kernel's default. Measured on the H200 (BENCHMARKS.md MLA rounds 11-12): 'balanced' is
-      1.4-7.3x faster on batches of one long row among short ones; on equal rows within 4% from 32K up,
+      runs each kernel's default. Measured on the H200 (BENCHMARKS.md, 'MLA decode with rows of mixed
+      lengths'; equal rows by `kimi-bench mla --balanced`): 'balanced' is 1.4-7.3x faster on batches of one long row among short ones; on equal rows within 4% from 32K up,
       slower at 4K (its item table and combine: 4-7% at batch 64, up to 37% at batch 8-16).
     prefill_attention: how a fresh causal prefill attends (PREFILL_ATTENTION_CHOICES) or 'auto' (cuDNN
       under impl='pallas' where the shapes fit, else einsum).

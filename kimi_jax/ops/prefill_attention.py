@@ -9,9 +9,9 @@ each row's cached prefix plus the chunk causally, which cuDNN's top-left causal 
 [B, 1, T, S], 64x smaller than the einsum path's f32 scores [B, N, T, S]). 'cudnn_split' / 'xla_split':
 no mask, two calls merged by their log-sum-exps (`_split_attention`): the chunk against the row's cached
 keys (per-row key lengths) and against itself (causal), for callers that pass `chunk_lens`. Automatic
-under impl='pallas' where cuDNN fits: 'cudnn_split'. On the H200 (BENCHMARKS.md MLA round 13), 256-token
-chunks at 64 heads after 4K / 32K cached tokens and 4 x 32K: einsum 0.70 / 5.08 / 22.5 ms, masked 0.53 /
-3.47 / 13.5 ms, split 0.34 / 1.79 / 6.9 ms.
+under impl='pallas' where cuDNN fits: 'cudnn_split'. On the H200 (BENCHMARKS.md, 'MLA prefill attention
+through cuDNN'), 64 heads after 32,768 cached tokens, chunks of 256 / 2,048 tokens: einsum 5.12 / 41.54
+ms, masked 3.48 / 21.65 ms, split 1.80 / 6.69 ms.
 """
 from __future__ import annotations
 

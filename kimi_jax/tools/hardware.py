@@ -258,37 +258,36 @@ def _uniform(latency_s: float, bus_bw: float, curve=(), curve_devices=None, kind
     return {k: (m if k == "all-reduce" else CollectiveModel(latency_s, bus_bw)) for k in kinds}
 
 
-# JAX psum of bf16 buffers on 2 x H200, one process, NCCL 2.28.9, NVLS off (JAX_GPU.md section 5)
+# JAX psum of bf16 buffers on 2 x H200, one process, NCCL 2.28.9, NVLS off (BENCHMARKS.md, "The planner's
+# calibration")
 _H200_ALLREDUCE_CURVE = ((14336.0, 24.4e-6), (117760.0, 26.0e-6), (940032.0, 24.9e-6), (7654604.0, 43.8e-6))
 
 # The Pallas INT4 MoE kernels on one H200 (BENCHMARKS.md, "INT4 W4A16 kernels"): bytes of the touched
 # experts / device time of the gate+up and down kernels plus the routing ops, as a fraction of the
-# 4.24 TB/s copy. T=1: 198.5 MB in a device span of 62.0-63.3 us (BENCHMARKS.md "Where the T = 1 time
-# goes, by device time" and the twelfth session's runs; 37.8 + 23.4 + 4.2 us in the first session gave
-# 0.71); T=16: 2736 MB in 440.6 + 229.1 + ~18 us; T=64: kernels ~94% minus 3-4% routing; T=256: 74%
+# 4.24 TB/s copy. T=1: 198.5 MB in a device span of 62.0-63.0 us (BENCHMARKS.md, INT4 sections: the
+# no-EP row under expert parallelism and the default beside the blocked down weight; 64.8 in the main
+# table's run: gate/up ~37 us + down ~23 us + routing ~2.4 us);
+# T=16: 2736 MB in 440.6 + 229.1 + ~18 us; T=64: kernels ~94% minus 3-4% routing; T=256: 74%
 # (wall per call, no device-only figure).
 _H200_INT4_CURVE = ((1.0, 0.75), (16.0, 0.94), (64.0, 0.90), (256.0, 0.74))
 # The same kernels on a device holding 1/8 (EP8), 1/4 (EP4) or 1/2 (EP2) of the experts, one H200, jax
 # 0.11.2, 2026-12-01: device span per call of the engine's default config (`kimi-bench int4
 # --moe_held_pairs=1|2|4 --moe_profile`: each token's first 1 / 2 / 4 of its 8 pairs held), bytes of the
-# touched experts (24.84 MB each) / span / 4.24 TB/s. 1/8: T = 1, 8 (sixteenth session: 23.6, 91.5 us),
-# T = 2 (seventeenth: 33.4 us), T = 4 (seventeenth, pairs_cta with the K split 2 ways, the default for
-# 3-4 held pairs since: 51.2 us), T = 3 (eighteenth, pairs_cta2: 41.6 us); 1/4: T = 1, 4, 8 (sixteenth:
-# 29.9, 66.8, 136.5 us), T = 2 (eighteenth, pairs_cta2: 44.9 us; the pair tiles 53.0-53.4); 1/2: T = 1
+# touched experts (24.84 MB each) / span / 4.24 TB/s. 1/8: T = 1, 2, 3, 4, 8 (23.6, 33.4, 41.6, 51.2,
+# 91.5 us; T = 3-4 on pairs_cta with the K split 2 ways, the default for 3-4 held pairs); 1/4: T = 1, 2,
+# 4, 8 (29.9, 44.9 on pairs_cta2 against 53.0-53.4 for the pair tiles, 66.8, 136.5 us); 1/2: T = 1
 # (pairs_cta2: 42.9 us), T = 2, 4, 8 (66.1, 114.8, 224.4 us). Unmeasured beyond T = 8, where the planner
-# uses int4_curve (BENCHMARKS.md "Seventeenth session: the INT4 experts under EP" and its eighteenth-
-# session addendum).
+# uses int4_curve (BENCHMARKS.md, "INT4 experts under expert parallelism").
 _H200_INT4_EP_CURVES = ((0.125, ((1.0, 0.248), (2.0, 0.351), (3.0, 0.422), (4.0, 0.454), (8.0, 0.512))),
                         (0.25, ((1.0, 0.392), (2.0, 0.522), (4.0, 0.702), (8.0, 0.687))),
                         (0.5, ((1.0, 0.546), (2.0, 0.703), (4.0, 0.800), (8.0, 0.811))))
 # MLA absorbed decode as the engine calls it (ops.mla_paged_attention: the kernel plus XLA's finishing
 # ops), one H200, jax 0.11.2: per layer time = call + cache bytes / (4.24 TB/s x eff).
-# 64 query rows (Mosaic GPU kernel, version 5 since 2026-12-01): 34 us, eff 0.96, a least-squares fit
-# (relative error) of the 6 timings at batch 1-64 x context 32-128K of BENCHMARKS.md MLA round 21 run F
-# (wall clock, like the earlier fits) within -2.2% / +1.9% (version 2's fit, round 9: 38 us, eff 0.82).
-# 8 rows (Triton kernel, after its split rule
-# changed): 28 us, eff 0.97, a least-squares fit (relative error) of the 15 timings of round 13 run A
-# (batch 1-64 x 4K-128K) within -14% / +18% (38 us / 0.95 before: up to +50% on small caches, batch 8 x 4K).
+# 64 query rows (the Mosaic GPU kernel): 34 us, eff 0.96, a least-squares fit (relative error) of the 6
+# wall-clock timings at batch 1-64 x context 32-128K of BENCHMARKS.md's MLA decode grid ("MLA decode
+# attention") within -2.2% / +1.9%. 8 rows (the Triton kernel under its present split rule): 28 us,
+# eff 0.97, a least-squares fit (relative error) of 15 wall-clock timings (2026-11-30, batch 1-64 x
+# 4K-128K) within -14% / +18% (BENCHMARKS.md, "The planner's calibration").
 _H200_ATTENTION_CURVE = ((8.0, 0.97), (64.0, 0.96))
 _H200_ATTENTION_CALL_S = 34e-6
 _H200_ATTENTION_CALL_CURVE = ((8.0, 28e-6), (64.0, 34e-6))
@@ -315,7 +314,8 @@ _PRESETS = {
                  "bf16_flops": "measured: 790 TFLOP/s bf16 matmul on this project's H200 (datasheet 989)",
                  "link_bw": "datasheet: NVLink 4, 900 GB/s bidirectional = 450 GB/s per direction",
                  "all-reduce": "measured: 24.4 / 26.0 / 24.9 / 43.8 us at 14 KB / 115 KB / 918 KB / 7.3 MB "
-                               "(JAX psum, 2 x H200, JAX_GPU.md section 5); n > 2 uses the same curve",
+                               "(JAX psum, 2 x H200, BENCHMARKS.md calibration section); n > 2 uses the same "
+                               "curve",
                  "all-gather": "assumed: 24 us + bytes / 360 GB/s bus bandwidth",
                  "reduce-scatter": "assumed: 24 us + bytes / 360 GB/s bus bandwidth",
                  "all-to-all": "assumed: 24 us + bytes / 360 GB/s bus bandwidth",
@@ -326,12 +326,13 @@ _PRESETS = {
                                     "section): 71% of copy at 1 token, 94% at 16, ~90% at 64, 74% at 256 "
                                     "(wall per call there); under EP (int4_ep_curves), device span at 1 / "
                                     "8 tokens: 25% / 51% holding 1/8 of the experts, 39% / 69% holding "
-                                    "1/4, 55% / 81% holding 1/2 (sixteenth and seventeenth sessions)",
+                                    "1/4, 55% / 81% holding 1/2 (BENCHMARKS.md, INT4 experts under expert "
+                                    "parallelism)",
                  "xla_int4_efficiency": "measured: XLA dequant path 0.34 TB/s effective = 8% (ANCHORS.md 6)",
                  "attention_efficiency": "measured (attention_curve, attention_call_s): this project's MLA "
                                          "decode op on the H200, per layer 28 us + the cache at 97% of hbm_bw "
-                                         "(8 heads, MLA round 13) / 34 us + 96% (64 heads, round 21; "
-                                         "BENCHMARKS.md)",
+                                         "(8 heads) / 34 us + 96% (64 heads) (BENCHMARKS.md, the "
+                                         "planner's calibration)",
                  "layer_overhead_s": "measured: 29 us per layer, fit to the batch-1 step of Kimi-K2.5 at 4 and "
                                      "61 layers (BENCHMARKS.md, full depth on one H200)"}),
     "h100": Hardware(
@@ -361,7 +362,7 @@ _PRESETS = {
                                "FP4-sparse datasheet figure)",
                  "link_bw": "datasheet: PCIe Gen5 x16, 64 GB/s per direction",
                  "all-reduce": "measured (profiled): 78 us per all-reduce in the 8-GPU TP8 Kimi-K2.5 "
-                               "deployment (issue 9: 127 all-reduces, 9.88 ms of NCCL). With CUDA graphs NCCL is "
+                               "deployment (its profile: 127 all-reduces, 9.88 ms of NCCL). With CUDA graphs NCCL is "
                                "~36 us (16 GPUs, b12x PR 139) and a custom all-reduce 18 us (ANCHORS.md 2)",
                  "all-gather": "assumed: 78 us + bytes / 40 GB/s bus bandwidth",
                  "reduce-scatter": "assumed: 78 us + bytes / 40 GB/s bus bandwidth",

@@ -59,7 +59,7 @@ Design (engine_artifacts=False):
   EP inside the TP group (dp = 1) keeps the TP collectives: the experts are split over tp, the tokens
   are already replicated, the routed outputs are psummed over tp.
 What the current engine adds (engine_artifacts=True, the default; each row flagged "[engine artifact]"):
-  GPU: nothing (2 x H200 compile of 2026-11-29, third session: DP2+EP 3 all-gathers + 2 reduce-scatters
+  GPU: nothing (2 x H200 compile of 2026-11-29, BENCHMARKS.md 'Engine decode step': DP2+EP 3 all-gathers + 2 reduce-scatters
        for 2 MoE layers, TP2 7 all-reduces + 1 all-gather, as the rule above). Gone: the dispatch
        all-gather per two MoE layers that the double-buffered lax.scan loop rematerialized, and the
        per-layer copies of the stacked weights

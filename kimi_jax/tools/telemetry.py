@@ -2,8 +2,8 @@
 
 A kernel's time on the H200 is not only its own: under a heavy enough load the board reaches its power
 limit (700 W) and the driver lowers the SM clock ("SW power cap"). The 64-head MLA decode kernel at
-batch 64 x 128K does (BENCHMARKS.md, MLA round 17: SM clock median ~1,575 MHz against 1,980, most
-samples capped), the 8-head kernel of the same bytes much less. A benchmark row that says whether the
+batch 64 x 128K does (BENCHMARKS.md, 'MLA decode attention': 1,470-1,620 MHz against 1,980 with the
+power-cap bit set), the 8-head kernel of the same bytes does not slow. A benchmark row that says whether the
 board was capped while it ran tells a slow kernel from a slowed one.
 
     with GpuSampler() as s:

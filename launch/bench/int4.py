@@ -154,8 +154,8 @@ def dense_sweep(name, k=7168):
             ("sw0_bm16_bn32_k1024_st4", C(block_n=32, block_k=1024, num_stages=4)),
             ("sw0_bm16_bn32_k512_s2", C(block_n=32, block_k=512, split_k=2)),
         ],
-        # issue 3, single-launch variants against the run-2 default (XLA x permute + kernel) and
-        # the run-2 best split-K kernel (+ XLA sum). 'shuffle': x permuted in registers (no XLA
+        # single-launch variants against an XLA x permute + kernel and the best split-K kernel of the
+        # 'default' list (+ XLA sum). 'shuffle': x permuted in registers (no XLA
         # op); 'atomic': split-K summed by f32 atomics (XLA zero fill + kernel + cast).
         "single_launch": [
             ("default", None),
@@ -176,9 +176,9 @@ def dense_sweep(name, k=7168):
             ("shuf_bm16_bn32_s4_st4_atomic", C(block_n=32, block_k=256, num_stages=4, split_k=4,
                                                split_reduce="atomic", x_layout="shuffle")),
         ],
-        # thirteenth session: the K split inside the program (split_reduce='cta'; one launch, bf16 out, no
-        # zero fill or cast): under ncu the default's kernel alone beats tinygemm's, its two extra XLA
-        # launches lose M = 1 (BENCHMARKS.md). sass_probe, sm_90, gate+up M = 1: 96 registers, 27 KB.
+        # the K split inside the program (split_reduce='cta'; one launch, bf16 out, no zero fill or
+        # cast): under ncu the atomic split-K kernel alone beats tinygemm's, its two extra XLA launches
+        # lose M = 1 (H200). SASS for sm_90, gate+up M = 1: 96 registers, 27 KB.
         "cta": [
             ("default", None),
             ("shuf_cta_s4_w4_k256", C(block_n=64, block_k=256, swap_ab=True, split_k=4, split_reduce="cta",
@@ -195,9 +195,9 @@ def dense_sweep(name, k=7168):
             ("default_again", C(block_m=8, block_n=64, block_k=256, swap_ab=True, split_k=4,
                                 split_reduce="atomic", x_layout="shuffle")),
         ],
-        # fourteenth session: every K step of a program in flight at once. At M = 1 a gate+up program
+        # every K step of a program in flight at once. At M = 1 a gate+up program
         # streams 16 rows x 7168 in 7 steps with 2 in flight (3 stages): ~64 KB over a few us, so its
-        # ramp is the kernel's time (ncu: 10.0 us for 16.5 MB, 38% of copy). sass_probe, sm_90, gate+up
+        # ramp is the kernel's time (ncu: 10.0 us for 16.5 MB, 38% of copy). SASS for sm_90, gate+up
         # M = 1: 8 stages = 96 registers, 91 KB shared memory (2 CTAs per SM, the 256 programs' one wave).
         "cta_deep": [
             ("default", None),
@@ -211,7 +211,7 @@ def dense_sweep(name, k=7168):
                                        x_layout="shuffle", num_stages=8)),
             ("default_again", None),
         ],
-        # fourteenth session: M = 4 and 16 by device time (--dense_profile). The default at M = 16 (32 rows per
+        # M = 4 and 16 by device time (--dense_profile). The default at M = 16 (32 rows per
         # program, 128 programs at gate+up) ran 14.5 us for 16.9 MB, near XLA's bf16 matmul; every program
         # re-reads x (M x K bf16) from L2, so 4096 / R programs move 4096 / R x 229 KB of activations at
         # M = 16: 29 MB at R = 32, 59 MB at R = 16 (the 4-slice 'cta' kernel) against 16.5 MB of weights.
@@ -262,8 +262,8 @@ def moe_sweep(name):
             ("bm16_sw0_gu64_d64_w8", C(block_m=16, num_warps=8, swap_ab=False)),
             ("bm8_sorted_always", C(pair_tiles_max_t=0)),
         ],
-        # issue 3, decode in two launches (moe_decode.py; 'fused*' entries run only at T <= 4,
-        # where that path applies) against the run-2 default ('tiles': 4 launches + routing ops).
+        # decode in two launches (moe_decode.py; 'fused*' entries run only at T <= 4, where that
+        # path applies) against the pair tiles ('tiles': 4 launches + routing ops).
         # d<BN>w<W>: down kernel columns per program / warps (grid T x D/BN); shuf: x permuted in
         # registers; tiles_shuf: the sorted/pair-tile path with the in-register x permute.
         "decode": [
@@ -282,7 +282,7 @@ def moe_sweep(name):
                                          block_k_down=1024, block_n_down=32, num_warps_down=2)),
             ("tiles_shuf", C(x_layout="shuffle")),
         ],
-        # fourth session: the pair-tile decode path (T <= 4) with other K steps / stages / program
+        # the pair-tile decode path (T <= 4) with other K steps / stages / program
         # sizes: the down kernel ran at 66% of copy at T = 1 (896 programs of 4 K steps)
         "t1": [
             ("default", None),
@@ -301,7 +301,7 @@ def moe_sweep(name):
             ("fused_perm_d16w1_s4", C(decode="fused", block_n_down=16, num_warps_down=1,
                                       num_stages_down=4)),
         ],
-        # fifth session: the whole layer in one launch (moe_decode_single; T <= 4 only). f<BF>: F
+        # the whole layer in one launch (moe_decode_single; T <= 4 only). f<BF>: F
         # features per program (T=1: 8 x 2048/BF programs), d<BN>: D columns per down step (atomics
         # of one step), k: gate/up K step, w/s: warps / stages; against the default and the two-launch path.
         "single": [
@@ -321,7 +321,7 @@ def moe_sweep(name):
             ("single_f256_d256_w8", C(decode="single", block_n_gate_up=256, block_n_down=256,
                                       num_warps=8)),
         ],
-        # fifth session, second run: is the single launch's down phase slowed by the atomics' order
+        # is the single launch's down phase slowed by the atomics' order
         # (Pallas lowers them acquire-release) or by the atomics at all? _relaxed: relaxed-order
         # atomics; _store: each program stores its partial row and XLA sums them (no atomics)
         "single2": [
@@ -341,7 +341,7 @@ def moe_sweep(name):
             ("single_f64_d256_relaxed", C(decode="single", block_n_gate_up=64, block_n_down=256,
                                           single_reduce="relaxed")),
         ],
-        # fifth session, prepared (not yet timed): the two-launch path with the down kernel's K loop
+        # the two-launch path with the down kernel's K loop
         # (8 experts x F/512 steps at Kimi's shape) split over sk programs per 64-column block, partials
         # added by relaxed f32 atomics (T=1: 112 x sk programs instead of 112)
         "fused_splitk": [
@@ -356,8 +356,8 @@ def moe_sweep(name):
             ("fused_perm_d32w2_sk4", C(decode="fused", block_n_down=32, num_warps_down=2,
                                        split_k_down=4)),
         ],
-        # seventh session's i32 sweep put fused d32w2 sk4 at 70.5 us against the default's 76.7 (T=1),
-        # with the default itself moving 72.8 -> 76.7 between runs: both timed twice, alternately
+        # an i32 sweep on the H200 put fused d32w2 sk4 at 70.5 us against the default's 76.7 (T=1), with
+        # the default itself moving 72.8 -> 76.7 between runs: both timed twice, alternately
         "t1_pick": [
             ("default", None),
             ("fused_perm_d32w2_sk4", C(decode="fused", block_n_down=32, num_warps_down=2, split_k_down=4)),
@@ -367,7 +367,7 @@ def moe_sweep(name):
                                              split_k_down=4)),
             ("fused_perm_d64w4_sk2_again", C(decode="fused", split_k_down=2)),
         ],
-        # ninth session (timed in the tenth: not adopted, BENCHMARKS.md): the two-launch path's down
+        # (timed on the H200, not adopted) the two-launch path's down
         # kernel as stream-K (the T x 112 blocks' K loops cut into P equal shares; at T = 1 the 112
         # one-per-block programs leave 20 of the 132 SMs idle), against the default and the best split-K config
         "fused_stream": [
@@ -381,8 +381,8 @@ def moe_sweep(name):
             ("default_again", C()),
             ("fused_perm_d64w4_st264_again", C(decode="fused", stream_k_down=264)),
         ],
-        # ninth session (timed in the tenth: slower; its own list because a kernel that waited forever would
-        # stall the whole run): both phases in one launch, down programs waiting in-kernel for their h
+        # (timed on the H200: slower; its own list because a kernel that waited forever would stall the
+        # whole run): both phases in one launch, down programs waiting in-kernel for their h
         "chained": [
             ("default", None),
             ("fused_perm_d64w4", C(decode="fused")),
@@ -393,7 +393,7 @@ def moe_sweep(name):
             ("chained_d64w4_again", C(decode="chained")),
         ],
         "small": [("default", None)],
-        # eleventh session: the T = 1 candidates again, read by device time per kernel (--moe_profile)
+        # the T = 1 candidates read by device time per kernel (--moe_profile)
         # instead of wall clock (T = 1 wall timings spread ~5%): which gate/up and which down kernel
         "t1_device": [
             ("default", None),
@@ -405,14 +405,14 @@ def moe_sweep(name):
             ("gu128_d128_w8", C(block_n_gate_up=128, block_n_down=128, num_warps=8)),
             ("guk1024_s4", C(block_k_gate_up=1024, num_stages=4)),
         ],
-        # eleventh session, prepared (compiled for sm_90 off-GPU: no spills; smem in KB): the fused path's
+        # (compiled for sm_90 off-GPU: no spills; smem in KB) the fused path's
         # down kernel, whose programs at T = 1 are long (8 experts x 4 K steps, 112 programs, one per SM),
         # with deeper pipelines. 3 stages keep at most 2 x 16 KB of weights in flight per SM, which by
         # Little's law covers ~1 us of latency at an SM's ~38 GB/s share: one candidate for down's 67% of
         # copy (gate/up keeps 2 x 32 KB in flight and reaches ~83%). Against it: the default tiles path's
         # down (896 short programs, several resident per SM) is at the same 67%. Read by device time
-        # (--moe_profile). Timed in the twelfth session: deeper pipelines make the fused down no faster (31.2 ->
-        # 31.3 / 37.7 us at 5 / 7 stages); none beats the default's 23.2 us down (BENCHMARKS.md).
+        # (--moe_profile). Timed on the H200: deeper pipelines make the fused down no faster (31.2 ->
+        # 31.3 / 37.7 us at 5 / 7 stages); none beats the default's 23.2 us down.
         "t1_down": [
             ("default", None),
             ("fused_perm_d64w4", C(decode="fused")),                                      # 53 KB
@@ -424,11 +424,11 @@ def moe_sweep(name):
             ("fused_perm_d64w4_ds5_st264", C(decode="fused", num_stages_down=5, stream_k_down=264)),
             ("default_again", C()),
         ],
-        # twelfth session: ncu at T = 1 shows gate/up issue-latency bound (54% issue-active, 1.9 warps per
+        # ncu at T = 1 shows gate/up issue-latency bound (54% issue-active, 1.9 warps per
         # scheduler: 2 CTAs per SM, held there by 90 KB of shared memory and 162 registers). Configs with
-        # more CTAs per SM (sass_probe, sm_90: regs / smem -> CTAs per SM): s2 168 / 45 KB -> 3;
+        # more CTAs per SM (SASS for sm_90: regs / smem -> CTAs per SM): s2 168 / 45 KB -> 3;
         # gate/up K step 256: 167 / 45 KB (s3), 68 KB (s4) -> 3; K step 128: 72 / 34 KB (s4) -> 6.
-        # Timed (BENCHMARKS.md, twelfth session): every one slower at T = 1 and 16; the default stays.
+        # Timed on the H200: every one slower at T = 1 and 16; the default stays.
         "t1_occ": [
             ("default", None),
             ("s2", C(num_stages=2)),
@@ -438,8 +438,8 @@ def moe_sweep(name):
             ("guk128_s6", C(block_k_gate_up=128, num_stages=6)),
             ("default_again", C()),
         ],
-        # thirteenth session: gate and up rows in separate programs (`split_gate_up`): one weight stream
-        # per program halves the registers and shared memory at the same K step (sass_probe, sm_90:
+        # gate and up rows in separate programs (`split_gate_up`): one weight stream
+        # per program halves the registers and shared memory at the same K step (SASS for sm_90:
         # 128 regs / 53 KB -> 4 CTAs = 16 warps per SM, against 2 CTAs = 8 warps for the fused pair),
         # so the latency-bound dequantizer gets twice the warps to hide behind; silu(gate) * up then
         # runs as one small XLA op. bn32_w2: 128 / 35 KB -> 6 CTAs of 2 warps; bn128_w8: 128 / 90 KB
@@ -451,11 +451,11 @@ def moe_sweep(name):
             ("split_gu_bn128_w8", C(split_gate_up=True, block_n_gate_up=128, num_warps=8, num_warps_down=4)),
             ("default_again", C()),
         ],
-        # fifteenth session: the single launch again, its down phase reading moe_gmm.block_down's layout
-        # (`_blk`: each program's D x BF slice one contiguous block). The fifth session's single launch
-        # (95-152 us at T = 1) read BF/2 bytes of every 1 KB down row and 4-byte scale runs out of 32-byte
+        # the single launch with its down phase reading moe_gmm.block_down's layout (`_blk`: each
+        # program's D x BF slice one contiguous block). The single launch over the plain layout
+        # (95-152 us at T = 1) reads BF/2 bytes of every 1 KB down row and 4-byte scale runs out of 32-byte
         # sectors (8x over-fetch on scales at BF = 64); blocked, every byte it reads is one it uses, and
-        # the layer is one wave with no phase barrier. sass_probe (sm_90): f64 d256 168 regs / 90 KB
+        # the layer is one wave with no phase barrier. SASS for sm_90: f64 d256 168 regs / 90 KB
         # (2 CTAs per SM, 256 programs at T = 1); f128 w8 254 regs / 160 KB (1 CTA per SM, 128 programs).
         "single_blk": [
             ("default", None),
@@ -474,7 +474,7 @@ def moe_sweep(name):
                                           single_reduce="relaxed")),
             ("default_again", C()),
         ],
-        # fifteenth session: expert parallelism's decode share (--moe_held_pairs=1: one pair per token held
+        # expert parallelism's decode share (--moe_held_pairs=1: one pair per token held
         # here): the default gives a lone pair 32 gate/up and 112 down programs; configs with more programs
         # per pair (32-row gate/up, gate and up in separate programs, split-K down) and the single launch
         "ep1": [
@@ -488,11 +488,10 @@ def moe_sweep(name):
         ],
         # the EP decode share through dense-style programs per pair (`pairs_cta`: int4_matmul's 'cta'
         # program aimed at one expert's rows, R = 16 rows with the K split 4 ways, or 32 rows split 2
-        # ways); pt8: the pair path up to 8 tokens. Timed in the sixteenth session (BENCHMARKS.md): one
-        # held pair 23.6 us against 45.6 for the pair tiles, so `default` (whose config follows the held
-        # share since then) IS pairs_cta4 where <= 2 pairs are held (pairs_cta2 where 3-4 are, since the
-        # seventeenth session: 4 held pairs 42.9 / 51.2 us against 51.5 / 53.5); `default_again` stays the
-        # pair tiles.
+        # ways); pt8: the pair path up to 8 tokens. Timed on the H200 (BENCHMARKS.md, "INT4 experts under
+        # expert parallelism"): one held pair 23.6 us against 45.8 for the pair tiles, so `default` (whose
+        # config follows the held share) IS pairs_cta4 where <= 2 pairs are held (pairs_cta2 where 3-4
+        # are: 4 held pairs 42.9 / 51.2 us against 51.5 / 53.5); `default_again` stays the pair tiles.
         "ep1_cta": [
             ("default", None),
             ("pairs_cta4", C(pairs_cta=4, block_k_gate_up=256, block_k_down=256)),
@@ -501,7 +500,7 @@ def moe_sweep(name):
             ("pairs_cta4_s4", C(pairs_cta=4, block_k_gate_up=256, block_k_down=256, num_stages=4)),
             ("default_again", C(num_warps=4)),
         ],
-        # fifteenth session, second run: longer down steps (d1024: 219 regs, 2 CTAs per SM), the first down
+        # longer down steps (d1024: 219 regs, 2 CTAs per SM), the first down
         # tile loaded before the gate/up loop (timed as `_pf`, 254 regs: 58.5 us at T = 1 against 57.2, so the
         # option was removed), gate/up K step 1024 with 2 stages, 8 warps on 128-wide slices; T = 1 and 2
         "single_blk2": [

@@ -30,8 +30,7 @@ flags.DEFINE_string("model", None, "safetensors checkpoint directory", required=
 flags.DEFINE_string("orbax_dir", None, "where to write the orbax copy (removed afterwards unless "
                     "--keep); none: skip orbax")
 flags.DEFINE_bool("keep", False, "keep the orbax copy")
-flags.DEFINE_string("platform", None, "JAX platform to load onto (cpu, cuda); default: JAX's default device. "
-                    "(Until 2026-11-29 this script forced cpu, so its first H200 run loaded into host memory.)")
+flags.DEFINE_string("platform", None, "JAX platform to load onto (cpu, cuda); default: JAX's default device")
 flags.DEFINE_bool("delete_source", False, "delete the safetensors checkpoint after the load rounds, before "
                   "writing the orbax copy (when the disk cannot hold both)")
 flags.DEFINE_integer("rounds", 2, "raw-read + load rounds")

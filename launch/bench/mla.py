@@ -118,8 +118,9 @@ def time_fn(fn, *args, inner: int = 5, reps: int = 0):
 
 def gpu_clocks() -> dict:
     """GPU 0's SM and memory clocks (MHz), power (W) and temperature (C) from `nvidia-smi` (read
-    only; {} where there is none). The 64-head kernel's time moved ~10% between machine starts while
-    the copy did not (MLA round 9): the SM clock is the suspect these readings test."""
+    only; {} where there is none). The 64-head kernel's time moves ~10% between machine starts on the
+    H200 while the copy does not: the SM clock is the suspect these readings test (the kernel holds
+    the board at its power limit, BENCHMARKS.md 'MLA decode attention')."""
     import subprocess
     fields = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu")
     try:
@@ -135,11 +136,11 @@ def layers_fn(op, L: int, per_layer: int, copies: int = 0):
     """One jitted call of `op` over L layers of one pool (layer l reads block table + l * per_layer,
     so consecutive layers miss L2; with `copies`, layer l reads copy l % copies), each layer's output
     the next one's latent query: every column of every output is used, and layers run in order, as
-    in the engine. (Up to the sixth session only 8 of the 512 output columns fed a sum, which XLA may
-    narrow its own finishing ops to, but not a kernel's.) --layer_loop=unrolled (default): L static
+    in the engine. (A sum over a few of the 512 output columns would let XLA narrow its own finishing
+    ops to them, but not a kernel's.) --layer_loop=unrolled (default): L static
     calls, as the engine's layer loop on GPU (the ExecPlan's layer_loop 'unroll'); 'scan':
-    a lax.scan (the first five sessions' harness: 734 us per layer at 64 heads 64 x 32K where a
-    profiler trace of the same op, called alone, spans 687 us; sixth session)."""
+    a lax.scan (on the H200: 734 us per layer at 64 heads 64 x 32K where a profiler trace of the
+    same op, called alone, spans 687 us)."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -162,7 +163,7 @@ def section_copy(when: str = "start"):
     """The copy ceiling: XLA `x ^ 1` over 2 GiB (read + write) and a read-only sum, each the median of
     max(--reps, 10) timings. Runs at the start and again at the end of a decode run (`when`); the
     table divides by the higher of the two: one process read 3,762 GB/s where the one before it on
-    the same GPU read 4,104 (sixth session), and a low ceiling would inflate every "% of copy"."""
+    the same GPU read 4,104, and a low ceiling would inflate every "% of copy"."""
     import jax
     import jax.numpy as jnp
     n = (1 << 20) if FLAGS.dry else (1 << 29)          # uint32 words: 2 GiB

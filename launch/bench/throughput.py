@@ -8,8 +8,8 @@ For each batch size B: N = max(2B, 8) requests with prompt lengths drawn from a 
 distribution over [--min_prompt, --max_prompt] and --gen_tokens output tokens each (ignore_eos, so
 every request produces exactly that many), run after a warm-up pass that compiles every shape.
 Reports output tokens/s, the engine step count and the wall time per step (each running sequence
-gains one token per step, so this is the time between a user's tokens; up to the fifth session the
-column was wall / gen_tokens, which overstates it whenever the requests outnumber the batch), and
+gains one token per step, so this is the time between a user's tokens; wall / gen_tokens would
+overstate it whenever the requests outnumber the batch), and
 the requests' own latencies (`RequestOutput.metrics`, as the host saw them): time to first token
 (median and max; every request arrives at the start, so queueing behind the batch is included) and
 time per output token after the first (median and max over requests).

@@ -1,6 +1,6 @@
 """The shipped demo model (checkpoints/demo, trained by launch/train_demo.py).
 
-Acceptance (issue 6): it continues prompts taken from its training text with the right next words;
+Acceptance: it continues prompts taken from its training text with the right next words;
 its INT4 checkpoint and the bf16-dequantized twin agree on greedy tokens at >= 95% of positions;
 chat works end to end and stops at <|im_end|>.
 
@@ -26,7 +26,7 @@ from launch import train_demo
 
 TF_MIN = 0.33        # teacher-forced next-token top-1 accuracy on training-text probes
 NW_MIN = 0.15        # greedy first-word accuracy after a 16-word training-text prompt
-AGREE_MIN = 0.95     # issue 6 acceptance
+AGREE_MIN = 0.95     # INT4 vs bf16-dequantized greedy agreement
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Loading at scale (issue 7): streamed per-device loads, orbax conversion onto another mesh, and one
+"""Loading at scale: streamed per-device loads, orbax conversion onto another mesh, and one
 clear error per bad input, on 8 simulated CPU devices.
 
 The checkpoint is the real format: Kimi-K2.5 layout (`language_model.` prefixes, nested config,

@@ -157,8 +157,9 @@ def test_weight_shape_int64_accepted(tmp_path):
 
 # ---- layout ----------------------------------------------------------------------------
 def test_layout_kimi_k25_counts():
-    """208,215 text tensors; with K2.5's 335 vision/projector tensors that is the published 208,550
-    (KIMI_FORMAT.md §3); 553.4 GiB of text tensors vs 554.27 GiB in all (§6)."""
+    """208,215 text tensors; with K2.5's 335 vision/projector tensors that is the 208,550 of the
+    published checkpoint's index; 553.4 GiB of text tensors vs the published 554.27 GiB of tensor bytes
+    in all."""
     exp = layout.expected_tensors(preset("kimi-k2.5"))
     assert len(exp) == 208_215
     size = {"bfloat16": 2, "float32": 4, "int32": 4}

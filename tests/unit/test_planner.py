@@ -197,7 +197,7 @@ def test_expected_touched_experts():
 
 # ---- the rules against compiled programs on the GPU ----------------------------------------------------
 # Counted from the compiled decode step (launch/bench/engine.py, contiguous-cache reference step) on
-# 2 x H200, jax 0.11.2, 2026-11-29 (third session; BENCHMARKS.md "Two H200s"): a Kimi-K2.5 slice of 3
+# 2 x H200, jax 0.11.2, 2026-11-29 (BENCHMARKS.md, "Engine decode step"): a Kimi-K2.5 slice of 3
 # layers (1 dense + 2 MoE, 384 experts), batch 2 and 64 gave the same counts.
 H200_RECORDED_3L = {
     Layout(2): {"all-reduce": 7, "all-gather": 1, "reduce-scatter": 0, "all-to-all": 0, "collective-permute": 0},
@@ -347,8 +347,9 @@ def test_h200_full_depth_batch_1_within_3_percent(layers, ms):
 
 
 # MLA decode per layer as the engine calls it, one H200: (query rows, batch, context, us). 64 rows:
-# BENCHMARKS.md MLA round 21, run F (version 5; copy 4,031 GB/s); 8 rows: round 13, run A (copy 4,024
-# GB/s), after the 8-head split rule changed.
+# BENCHMARKS.md, 'MLA decode attention', the wall-clock grid (copy 4,031 GB/s); 8 rows: the Triton
+# kernel's wall-clock timings of 2026-11-30 under its present split rule (copy 4,024 GB/s), the fit
+# that BENCHMARKS.md 'The planner's calibration' cites.
 H200_MLA = [(8, 1, 131072, 67.7), (8, 8, 32768, 114.7), (8, 64, 32768, 633.0), (8, 64, 131072, 2288.5),
             (8, 32, 131072, 1145.4), (8, 16, 32768, 185.1),
             (64, 1, 131072, 72.3), (64, 8, 32768, 110.0), (64, 8, 131072, 324.6), (64, 64, 32768, 628.0)]
@@ -403,7 +404,7 @@ def test_int4_efficiency_curve_and_calibration_override():
 
 
 def test_int4_efficiency_under_expert_parallelism():
-    """The H200 preset's EP curves (BENCHMARKS.md, sixteenth and seventeenth sessions: device span of the
+    """The H200 preset's EP curves (BENCHMARKS.md, 'INT4 experts under expert parallelism': device span of the
     engine's default MoE config holding 1/8, 1/4 or 1/2 of the experts) apply where they were measured
     (T <= 8, shares <= 1/2); elsewhere the no-EP curve; between shares, linear in log(share)."""
     hw = hardware.preset("h200")
