@@ -4,7 +4,7 @@
 #   bash launch/run_8gpu.sh tp8_ep        (or tp8, dp8_ep)
 # Weights: all 61 layers and 384 experts at the published shapes, random values placed directly on
 # the devices (595 GB does not fit the machine's 235 GB disk as a synthetic checkpoint, so the loading
-# path is measured separately on a slice: kimi-bench loading, BENCHMARKS.md).
+# path is measured separately on a slice: kimi-bench loading, BENCHMARKS.md "Checkpoint loading").
 set -euo pipefail
 layout=${1:?layout: tp8 | tp8_ep | dp8_ep}
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}

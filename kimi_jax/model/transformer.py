@@ -67,7 +67,7 @@ def scan_layers(stack: nnx.Module, x_BTD, positions_BT, kv_LBSL, *, absorbed: bo
     (no copy of the pool per step).
     The other per-layer weights are sliced per layer: by lax.scan, or with static indices when the loop
     is unrolled (the plan's layer_loop 'unroll'), which on GPU reads them in place instead of copying
-    (measured on an H200, launch/probe_layer_loop.py: 950 GB/s effective under lax.scan, 2,060 GB/s
+    (measured on an H200, BENCHMARKS.md "Engine decode step", layer loop: 950 GB/s effective under lax.scan, 2,060 GB/s
     unrolled; the dynamic-slice-fusion flag does not help).
     fresh (static): no row has tokens before this step's (see MLA): prefill attends to the new tokens
     only, on a GPU through cuDNN flash attention (ops.mla_prefill_attention).

@@ -53,7 +53,7 @@ class ExecPlan:
     chunk_attention: how a prefill chunk after cached tokens attends (CHUNK_ATTENTION_CHOICES) or 'auto'
       ('cudnn_split' under impl='pallas' where cuDNN fits, else einsum).
     layer_loop: how a layer stack runs: 'scan' (lax.scan: one compiled body) or 'unroll' (a Python loop
-      with static layer indices). Measured on an H200 (launch/probe_layer_loop.py, JAX 0.11.2): inside
+      with static layer indices). Measured on an H200 (BENCHMARKS.md "Engine decode step", layer loop; JAX 0.11.2): inside
       lax.scan / fori_loop XLA copies each layer's slice of the stacked weights before its matmuls read it
       (950 GB/s effective), while static slices are read in place (2,060 GB/s); `for_backend` unrolls on GPU.
     combine_xla_max_macs: the balanced schedule's merge takes the XLA contraction up to this many

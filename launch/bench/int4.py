@@ -1113,7 +1113,8 @@ def print_table():
     print(txt)
 
 
-# run 2 (2026-11-29, BENCHMARKS.md): used for % copy / x roofline when --sections leaves out ceil
+# the H200's ceilings (copy and bf16 matmul, measured 2026-11-29): % copy / x roofline when --sections
+# leaves out ceil
 RUN2_CEIL = {"copy_bw": 4.25e12, "bf16_flops": 760e12}
 
 

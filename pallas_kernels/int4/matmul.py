@@ -88,7 +88,7 @@ def default_config(m: int, n: int, k: int) -> Int4MatmulConfig:
     by f32 atomics plus an XLA zero fill and a cast (~2.5 us each under ncu). Shapes 'cta' cannot tile
     take that split-K 4 atomic config. 8 < M <= 32: tokens on the MMA's 16-row side, 4 warps each
     streaming 8 of the 32 weight rows of a program (no weight is dequantized twice), 1024-wide K steps,
-    4 stages. 8 < M <= 16 (device time in the stream, BENCHMARKS.md): K < 4096 (down 7168 x 2048) the 'cta' kernel with 2 slices, 8.6-9.0 us
+    4 stages. 8 < M <= 16 (device time in the stream, BENCHMARKS.md "INT4 W4A16 kernels"): K < 4096 (down 7168 x 2048) the 'cta' kernel with 2 slices, 8.6-9.0 us
     against that config's 11.4-12.1; K >= 4096 (gate+up 4096 x 7168) 64 weight rows per program on the
     MMA's M side, split-K 4 summed by one XLA op, 12.9 us against 14.5."""
     split = _cta_split(m, n, k)

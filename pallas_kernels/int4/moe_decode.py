@@ -5,7 +5,7 @@
 `moe_gmm.moe_experts` calls this for T <= pair_tiles_max_t when `MoeGmmConfig.decode == 'fused'`.
 The 'tiles' decode path it replaces issues four launches at T=1 (x permute, gate/up, down, the sum
 over k) plus routing ops; on the H200 the launch gaps were ~13 us of a 77.8 us call
-(BENCHMARKS.md). Here:
+(`kimi-bench int4 --moe_profile`). Here:
 
   1. gate/up kernel, grid (T*K pairs, F/BN): program (p, j) reads idx.flat[p] itself (an id
      outside [0, E) exits at once: expert parallelism / stacked-layer offsets), loads x's row
@@ -25,7 +25,8 @@ Variants (MoeGmmConfig): `split_k_down` splits the down kernel's K loop over sev
 output block (relaxed f32 atomics into a zeroed buffer); on the H200 2 splits timed within the
 run-to-run spread of the default at T = 1 (71.1 vs 72.8 us; 70.5-72.5 vs 76.7 in another run, where the
 default itself moved by 4 us), so it is an option, not the default.
-`stream_k_down` (BENCHMARKS.md "Stream-K down and both phases in one launch": P = 264 ties the default at T = 1 inside the spread and is slower at T = 4) lays the T
+`stream_k_down` (timed on the H200 with `--moe_configs=fused_stream`: P = 264 ties the default at T = 1
+inside the spread and is slower at T = 4) lays the T
 x D/BN output blocks' K loops end to end and cuts them into P equal shares (stream-K; relaxed f32
 atomics at each block a program leaves): at T = 1 the 112 one-per-block programs of the default
 leave 20 of the H200's 132 SMs idle and split-K 2-4 gives 224-448 programs, ~1.7-3.4 per SM, uneven;
@@ -35,7 +36,7 @@ spills, the same cp.async pipeline as the one-block kernel); `launch/bench/int4.
 whatever order the programs finish: y may differ in the last bits between runs (the default
 one-program-per-block kernel is deterministic).
 `chained=True` (decode='chained': 19-35% slower than the default
-at T = 1, 11-13% at T = 4, same BENCHMARKS.md section) is the fused path in ONE launch: tickets from
+at T = 1, 11-13% at T = 4 on the H200, `--moe_configs=chained`) is the fused path in ONE launch: tickets from
 an atomic counter make the first programs to start the gate/up work and the rest stream-K down
 shares, which wait (volatile loads, then an acquire) until their token's pairs have all their h
 blocks; no launch boundary between the phases (~3 us each on the H200), no assumption on the
@@ -44,7 +45,7 @@ KB shared memory: two programs per SM). `launch/bench/int4.py --moe_configs=chai
 its own: a wait that never ends would stall the run).
 `moe_decode_single` (decode='single') is the whole layer in ONE launch, the down projection split
 along F where gate/up produced h; on the H200 it was slower than the default (95-152 vs 77-80 us at
-T = 1, BENCHMARKS.md), so it stays a measured option.
+T = 1; `--moe_configs=single`), so it stays a measured option.
 """
 from __future__ import annotations
 

@@ -93,7 +93,7 @@ class MoeGmmConfig:
 
 # Expected pairs held on this device (T * top-k * held share) at or below which the default runs each
 # held pair as dense-style programs (`pairs_cta`), and the K split it uses. H200, device span
-# (BENCHMARKS.md, "expert parallelism's decode share"): 1 held pair at
+# (BENCHMARKS.md, "INT4 experts under expert parallelism"): 1 held pair at
 # T = 1 23.6 us (split 4; split 2: 31.2) vs 45.6 for the pair tiles, 2 held pairs 29.9 (split 2: 36.2) vs
 # 49.2; 4 held pairs at T = 1 (EP2) 42.9 with split 2 (split 4: 44.0) vs 51.5, at T = 4 with 1 of 8 held
 # 51.2 (split 4: 53.2) vs 53.5; with 8 held pairs it loses (T = 1 all held 72.8 vs 62.0, T = 4 with 2 of
@@ -121,7 +121,7 @@ def _pairs_cta_tiles(dims: Optional[tuple[int, int]], split: int, group: int = 3
 
 def default_config(num_pairs: int, num_experts: int, held_share: float = 1.0,
                    dims: Optional[tuple[int, int]] = None) -> MoeGmmConfig:
-    """Measured on H200 (BENCHMARKS.md): 8-row tiles with weights on the MMA's M side win for decode
+    """Measured on H200 (BENCHMARKS.md, "INT4 W4A16 kernels"): 8-row tiles with weights on the MMA's M side win for decode
     up to 256 tokens (<= ~5 rows per expert). Larger batches use bigger token tiles (fewer weight
     re-reads); those two configs are checked for correctness but not tuned. `held_share`: the expected
     fraction of the pairs whose expert is on this device (1 / the expert-parallel degree); a step
@@ -342,8 +342,8 @@ def moe_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array,
     parallelism pass the ids of experts held on other devices as E. Experts that receive no token
     are never read. down_packed / down_scale may be in `block_down`'s layout (4-D) for the
     single-launch decode path (decode='single', T <= pair_tiles_max_t); the other paths reject it (a
-    grouped down kernel reading it, one contiguous [BN, 16] tile per F block, measured 3-5x slower:
-    BENCHMARKS.md). `held_share` (1 / the expert-parallel degree) only steers the
+    grouped down kernel reading it, one contiguous [BN, 16] tile per F block, measured 3-5x slower at
+    T >= 4: BENCHMARKS.md, "INT4 W4A16 kernels"). `held_share` (1 / the expert-parallel degree) only steers the
     default config (`default_config`); the result does not depend on it.
     """
     interp = tile.resolve_interpret(interpret)

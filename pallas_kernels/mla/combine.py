@@ -12,7 +12,7 @@ answer merges its items g in [first_b, first_b + count_b) and the step's new-tok
 `combine_items_xla` writes that as XLA: per-row maxima and sums over a [B, G] row mask, the
 numerator a one-hot contraction at full f32 precision. Its cost is B x G x M x A multiply-adds, which
 at batch 64 x 2 splits x 64 heads (537 MFLOP of f32) made the balanced schedule 0-20% slower than
-the rows schedule on equal lengths (H200, BENCHMARKS.md). `combine_items` is the same merge
+the rows schedule on equal lengths (H200, `kimi-bench mla --balanced`). `combine_items` is the same merge
 reading each item once (`combine` picks one by size): grid (B, M, A / block_a), one program per
 (row, query row, column block) walks the row's items in chunks of `block_g` ([block_g, block_a]
 loads, an online max across chunks; a row of at most FEW_ITEMS items one item at a time), in item

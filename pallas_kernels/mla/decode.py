@@ -21,8 +21,8 @@ Pipeline (`mla_paged_attention`):
      same work; programs past a row's length read nothing. That is schedule 'rows'; with
      schedule='balanced' program (i, j, b) instead reads work item b * splits + j of
      `balanced_items` (items of one size shared across the batch, each within one row; a long row
-     among short ones gets most of the programs: 1.4-7.3x faster on such batches, up to 37% slower
-     on equal 4K rows on the H200, BENCHMARKS.md) and the combine goes by each item's row
+     among short ones gets most of the programs: 1.4-7.3x faster on such batches on the H200,
+     BENCHMARKS.md "MLA decode with rows of mixed lengths"; up to 37% slower on equal 4K rows) and the combine goes by each item's row
      (`mla_combine`). With `fuse_new` (off by default: it timed slower) the last split
      also takes the step's T new tokens (causal t' <= t, positions >= 0) as one more block, read
      from new_BTC. With block_a < A, A / block_a adjacent programs share a row block: each computes
@@ -80,10 +80,10 @@ class MlaDecodeConfig:
     min_split_tokens: int = 0     # ... but a split covers at least this many tokens (0: by rows)
     fuse_new: bool = False        # True: the step's new tokens are a step of the last split
                                   # (in-kernel) instead of XLA einsums merged afterwards. Off: 2-35%
-                                  # slower at 8 heads on the H200 (BENCHMARKS.md)
+                                  # slower at 8 heads on the H200 (kimi-bench mla --sweep)
     max_auto_block_m: int = 16    # auto block_m: pow2 >= rows, in [16, this]
     trim_splits: bool = True      # auto splits, <= 16 rows: drop the splits a row of max_tokens leaves empty.
-    #                               H200 (BENCHMARKS.md): batch 8 x 32K at 8 heads, 32
+    #                               H200 (BENCHMARKS.md, MLA decode): batch 8 x 32K at 8 heads, 32
     #                               splits 95.5 / 95.9 / 97.2 us in three runs vs 100.8-114.7 us in
     #                               eight with 33 (the last empty); a tie at batch 1 / 2 / 8 x 128K
     finish: str = "xla"           # new tokens + combine: 'xla' (einsums and merge) or 'kernel'
@@ -159,7 +159,8 @@ def resolve_config(cfg: Optional[MlaDecodeConfig], batch: int, rows: int, max_to
     # Short splits keep short contexts spread over the SMs (each split costs one prologue: two
     # dependent loads), but every split also writes and the combine reads rows x A f32 partials.
     # A few 8-head rows (batch <= FEW_ROWS, T = 1: TP8's decode batches) take ~2 programs per SM of
-    # >= 256 tokens instead of 4 of >= 64: on the H200 (BENCHMARKS.md) batch 1 x 32K
+    # >= 256 tokens instead of 4 of >= 64: on the H200 (BENCHMARKS.md, "MLA decode attention", the
+    # Triton kernel's split rule at 8 heads; this sweep's own run) batch 1 x 32K
     # 44.4 -> 31.3 us (512 splits of 64 tokens -> 128 of 256), 1 x 128K 72.5 -> 64.1 us (528 -> 264),
     # batch 8 x 4K / 32K / 128K 38.9 / 114.5 / 317.0 -> 32.1 / 103.8 / 303.7 us.
     few = rows <= 16 and batch <= FEW_ROWS
@@ -176,8 +177,8 @@ def resolve_config(cfg: Optional[MlaDecodeConfig], batch: int, rows: int, max_to
         by_length = -(-max_tokens // min_tok)
         splits = max(1, min(by_occupancy, by_length))
     warps = cfg.num_warps or (4 if bm * ba <= 16 * 512 else 8)   # [bm, ba] f32 acc: <= 64 regs/thread
-    # 64-token steps at <= 16 rows (8 heads) and batch >= 64: on the H200 (BENCHMARKS.md, one sweep
-    # run) 657 vs 760 us at 64 x 32K, 2,556 vs 2,940 us at 64 x 128K (95% of
+    # 64-token steps at <= 16 rows (8 heads) and batch >= 64: on the H200 (BENCHMARKS.md, "MLA decode
+    # attention", one sweep run) 657 vs 760 us at 64 x 32K, 2,556 vs 2,940 us at 64 x 128K (95% of
     # copy), 123 vs 126 us at 64 x 4K; at batch 8 the 32-token steps stay ahead (112 vs 121 us at 32K,
     # 318 vs 335 us at 128K). Batches 9-63 were not measured and keep 32.
     bk = cfg.block_k or (64 if rows <= 16 and batch >= 64 else 32)
@@ -453,7 +454,7 @@ def _one_new_token_part(q_lat_B1NA, q_pe_B1NR, new_B1C, positions_B1, scale):
 def _new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale, *, one_new_token_elementwise: bool = True):
     """Scores of each query against the step's new tokens t' <= t (f32): output and lse [B, T, N].
     One new token per row (T = 1, every plain decode step) takes `_one_new_token_part` instead of the
-    general einsum form unless `one_new_token_elementwise` is off (`launch/bench_mla.py
+    general einsum form unless `one_new_token_elementwise` is off (`kimi-bench mla
     --new_token_einsum` turns it off to time both)."""
     if q_lat_BTNA.shape[1] == 1 and one_new_token_elementwise:
         return _one_new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale)

@@ -140,7 +140,7 @@ class MgpuConfig:
         tri.check_schedule("MgpuConfig", self.schedule, self.finish, o_bmsa=self.o_bmsa)
 
 
-# The served configs by shape class (H200, 64 heads; BENCHMARKS.md, MLA decode). A single row's 132
+# The served configs by shape class (H200, 64 heads; BENCHMARKS.md, "MLA decode attention"). A single row's 132
 # splits make XLA's finishing ops the largest fixed cost, so it takes the one-launch finish (device time
 # per call 32.1 vs 36.3 us at 1 x 32K, 63.2 vs 65.5 us at 1 x 128K); from two rows up the two tie.
 SERVING_CONFIGS = {

@@ -11,7 +11,7 @@ tokens, every query row (t, n) = divmod(m, N) still needs
 
 `decode.finish_xla` does this in XLA (the reference here): a transpose, two score einsums, a
 softmax, a third einsum and the merge, i.e. 7-9 small launches after the decode kernel (14-18 us per
-call on an H200 at every decode size, plus the gaps between them: BENCHMARKS.md).
+call on an H200 at every decode size, plus the gaps between them: `kimi-bench mla --profile`).
 `finish_partials` does it in one Pallas (Triton backend) launch, grid (B, M, A / block_a): one program
 per query row and block_a latent columns. It scores the row against the (up to 16) new tokens with
 vector dot products (16 x 576 multiply-adds: no tensor-core tile to fill for one row), then reads the
@@ -23,7 +23,7 @@ Why chunks of splits: one program per 16 rows walking the splits one at a time (
 took 9.3-10 us at 64 heads but 31-46 us at 8 heads x batch 8 and 198 us at batch 1 x 128K on the H200
 (hundreds of splits, one dependent load each). This kernel takes 7-20 us alone; inside an executable of
 layers the calls are no shorter than with XLA's finish beyond the run-to-run spread, except after the
-Mosaic GPU kernel for one row (BENCHMARKS.md), which is where it serves (`decode_mgpu.SERVING_CONFIGS`).
+Mosaic GPU kernel for one row (BENCHMARKS.md, "MLA decode attention"), which is where it serves (`decode_mgpu.SERVING_CONFIGS`).
 Selected by `MlaDecodeConfig.finish` / `MgpuConfig.finish` = 'kernel' (default 'xla').
 """
 from __future__ import annotations

@@ -140,7 +140,7 @@ def test_auto_config():
     assert md.resolve_config(None, batch=64, rows=64, max_tokens=4096).num_splits == 3
     cfg = md.resolve_config(_C(block_m=64, block_a=256), batch=1, rows=64, max_tokens=131072)
     assert cfg.num_warps == 8 and cfg.num_splits * 2 >= 4 * 132
-    # 32-token steps, 64 at <= 16 rows and batch >= 64 (measured on the H200, BENCHMARKS.md)
+    # 32-token steps, 64 at <= 16 rows and batch >= 64 (measured on the H200, BENCHMARKS.md "MLA decode attention")
     assert md.resolve_config(None, batch=8, rows=8, max_tokens=32768).block_k == 32
     assert md.resolve_config(None, batch=64, rows=8, max_tokens=32768).block_k == 64
     assert md.resolve_config(None, batch=64, rows=64, max_tokens=32768).block_k == 32

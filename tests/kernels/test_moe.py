@@ -187,7 +187,7 @@ def test_routed_experts_pallas_takes_float32_activations_as_bf16():
 def test_expert_parallel_steers_the_decode_config(monkeypatch):
     """Under expert parallelism each device holds 1/ep of the (token, expert) pairs, and the routed
     experts say so (`held_share`): a step expected to hold <= 4 pairs takes `pairs_cta` (H200: 1.6-1.9x
-    faster at 1-2 pairs, up to 1.2x at 4, BENCHMARKS.md), otherwise the default is unchanged. The answer does not depend on it:
+    faster at 1-2 pairs, up to 1.2x at 4, BENCHMARKS.md "INT4 experts under expert parallelism"), otherwise the default is unchanged. The answer does not depend on it:
     EP8 over 16 experts equals the unsharded call (same kernels' math per pair, bf16 output rounding:
     1e-2 relative; `pairs_cta` itself is checked against the float32 reference in test_pallas_int4)."""
     from kimi_jax.parallel.sharding import Layout

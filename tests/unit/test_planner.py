@@ -311,9 +311,9 @@ def test_presets_say_where_numbers_come_from():
 
 
 # Device time per paged decode step (the serving step, Engine.paged_step_jit) measured on H200s (jax 0.11.2,
-# BENCHMARKS.md "the paged serving step"): a Kimi-K2.5 slice of 3 layers (1 dense + 2 MoE, 384
-# experts), context 1024, distinct tokens per row; one GPU 2026-11-29, two GPUs 2026-11-30 (fifth
-# session). (layout, batch, device ms)
+# BENCHMARKS.md "Engine decode step (the paged serving step) on a Kimi-K2.5 slice, one and two H200s"):
+# a Kimi-K2.5 slice of 3 layers (1 dense + 2 MoE, 384 experts), context 1024, distinct tokens per row;
+# one GPU 2026-11-29, two GPUs 2026-11-30. (layout, batch, device ms)
 H200_MEASURED = [(Layout(1), 1, 1.28), (Layout(1), 16, 2.63), (Layout(1), 64, 5.10),
                  (Layout(2), 2, 0.92), (Layout(2), 64, 3.20), (Layout(2, 1, True), 2, 0.94),
                  (Layout(2, 1, True), 64, 3.12), (Layout(1, 2, True), 2, 1.41), (Layout(1, 2, True), 64, 3.45)]
