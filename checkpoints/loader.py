@@ -31,6 +31,9 @@ Streaming (`load_params`):
   cache (POSIX_FADV_DONTNEED) so the cache does not force reclaim of the memory being filled.
 * A tqdm bar shows GB read and GB/s (on a terminal). If anything fails, every array placed so far is
   deleted before the error propagates.
+
+(One file over 600 lines: validation, the streamed read plan, the per-device placement and the
+finite-values check run as one pipeline over the same tensors.)
 """
 from __future__ import annotations
 

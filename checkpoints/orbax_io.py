@@ -1,5 +1,7 @@
 """Orbax checkpoints of a model already in the engine's layout, restorable onto any mesh.
 
+(One file over 600 lines: the writer and the reader share the block layout of large parameters.)
+
 A directory written by `save` (and `kimi-convert`) holds:
   state/               the nnx state as a pure dict (stacked layers: dense_layers.*, moe_layers.*; INT4
                        experts packed as the engine keeps them), written in bounded memory (format

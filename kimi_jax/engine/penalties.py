@@ -125,7 +125,7 @@ def build(rows: Sequence[Optional[tuple[RowAdjust, list[int], int, int]]], penal
     """Host arrays for a batch: rows[b] = (RowAdjust, banned ids now, occurrence slot or -1, counts)
     or None (a row that adjusts nothing, or padding). K and S are bucketed to powers of two (few
     compiled shapes)."""
-    from kimi_jax.engine.steps import bucket
+    from kimi_jax.engine.shapes import bucket
     B = len(rows)
     entries = [[] if r is None else [*r[0].bias.items(), *[(t, -np.inf) for t in r[1]]] for r in rows]
     K = bucket(max(len(e) for e in entries), 4)

@@ -1,5 +1,9 @@
 """Continuous batching over a paged latent cache.
 
+(One file over 600 lines: admission, the prefill / decode / verification passes, overlap scheduling
+and preemption share the running set and the page pool; the records, the pool and the logits
+adjustments live in requests.py, page_pool.py and penalties.py.)
+
 Requests wait in a FIFO queue and join the running set as soon as a slot (max_num_seqs) and cache pages
 are free; finished requests leave at once and their pages are reused. Every iteration runs
   1. one prefill step: prompt chunks (at most `prefill_chunk` tokens of each prompt, at most

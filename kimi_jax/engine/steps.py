@@ -23,13 +23,9 @@ from kimi_jax import ops
 from kimi_jax.config import ModelConfig
 from kimi_jax.model.transformer import Transformer
 from kimi_jax.engine import penalties
+from kimi_jax.engine.shapes import bucket  # noqa: F401 (the steps' callers take it from here)
 from kimi_jax.engine.sampling import SamplingArrays, sample, top_logprobs, verify_drafts
 from kimi_jax.engine.sampling import sample_mode as sample_mode_of
-
-
-def bucket(n: int, minimum: int = 8) -> int:
-    """Next power of two >= n (at least `minimum`): bounds the number of compiled shapes."""
-    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
 @dataclasses.dataclass

@@ -1,5 +1,8 @@
 """What a parallel layout will cost before it runs: bytes per device, fit, and decode step time.
 
+(One file over 600 lines: the step model is one formula over the layout, term by term, read top to
+bottom; the hardware constants it uses live in kimi_jax/tools/hardware.py.)
+
 `plan(cfg, hw, layout, batch, context)` models one decode step of kimi_jax's engine (`Engine.decode_jit`:
 one token per row, absorbed MLA over the latent cache, routed experts in shard_map, sampling on
 device) on `layout.world` devices of `hw` (kimi_jax.tools.hardware). `rank_layouts` plans every layout of a

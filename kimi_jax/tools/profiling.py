@@ -1,5 +1,8 @@
 """Where a decode step's time goes: collectives counted from the compiled program, op time from a trace.
 
+(One file over 600 lines: the two views share the step's construction and the trace parser; split,
+each half would import the other.)
+
 Two independent views of one jitted decode step (`Engine.decode_jit`):
 
 1. **The compiled program** (`collectives_of_hlo`). The step is lowered and compiled for the layout

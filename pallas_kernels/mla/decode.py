@@ -1,5 +1,8 @@
 """Absorbed MLA decode over the paged latent cache (flash-decoding), Pallas Triton backend.
 
+(One file over 600 lines: the kernel, its wrapper, the finish both MLA decode kernels share, and its
+pure-jnp reference.)
+
 For each sequence b, every query row (new token t, head n) attends to the same cached latents, so the
 T * N rows share one read of the cache: they are the rows of the MMA (64 heads, 8 under TP8, times
 T <= ~5 for speculative verification). Per cached token s the cache holds C = A + R values

@@ -152,9 +152,3 @@ def finish_partials(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_B
       q_pe_BTNR.astype(q_lat_BTNA.dtype).reshape(B, M * R), new_BTC, positions_BT.astype(jnp.int32))
     return o.reshape(B, T, N, A), lse.reshape(B, T, N)
 
-
-def finish_reference(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale: float):
-    """The XLA path it replaces (`decode.finish_xla`), same contract."""
-    from pallas_kernels.mla import decode as md
-    o, lse = md.finish_xla(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale)
-    return o.astype(q_lat_BTNA.dtype), lse
