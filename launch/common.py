@@ -34,6 +34,8 @@ flags.DEFINE_bool("enable_expert_parallel", False, "whole experts per device (EP
 flags.DEFINE_integer("prefill_chunk", None, "prompt tokens of one request per prefill step (a longer prompt "
                      "takes several steps, interleaved with decode steps); default: LLM's")
 flags.DEFINE_integer("max_prefill_tokens", None, "prompt tokens of all requests per prefill step; default: LLM's")
+flags.DEFINE_bool("enable_prefix_caching", True, "reuse the cache pages of a prompt prefix seen before "
+                  "(kimi-generate, kimi-batch, kimi-serve)")
 flags.DEFINE_bool("check_finite_weights", True, "check every loaded weight for NaN / Inf (one fused "
                   "reduction per tensor on its devices) and refuse a checkpoint that has one")
 flags.DEFINE_bool("xla_perf", True, "set XLA options that overlap collectives with compute (see launch/common.py)")
@@ -79,7 +81,8 @@ def engine_kwargs() -> dict:
     """The LLM(...) layout arguments and the scheduling ones given on the command line (the others keep
     LLM's defaults)."""
     sched = {k: getattr(FLAGS, k) for k in ("prefill_chunk", "max_prefill_tokens") if getattr(FLAGS, k) is not None}
-    return dict(layout_kwargs(), **sched, check_finite_weights=FLAGS.check_finite_weights)
+    return dict(layout_kwargs(), **sched, check_finite_weights=FLAGS.check_finite_weights,
+                enable_prefix_caching=FLAGS.enable_prefix_caching)
 
 
 def fail(prog: str, message) -> None:

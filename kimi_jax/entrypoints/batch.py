@@ -1,91 +1,106 @@
-"""JSONL batch jobs: OpenAI Batch API input lines -> requests, results -> output lines, and resuming.
+"""JSONL batch jobs in the OpenAI Batch format: input lines -> requests, results -> output lines, resuming.
 
-Input lines are either the OpenAI Batch format
+Input lines are the OpenAI Batch format
   {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...], ...}}
-or a plain {"custom_id"?: ..., "prompt": "..." | [token ids], "max_tokens": ..., ...}.
-Every input line gets exactly one output line, with its custom_id ("line-N" when it has none): a result
-or an error object. Output is appended line by line (flushed and fsynced), so a rerun after Ctrl-C or
-kill -9 skips the custom_ids already written and a torn last line is cut off.
+(`url` /v1/chat/completions or /v1/completions; without `url` the body's `messages` / `prompt` picks
+it; `method` must be POST) or a plain {"custom_id"?: ..., "prompt": ..., ...} completions body. The
+bodies are parsed by the server's request model (kimi_jax.entrypoints.openai.protocol), so a body is
+accepted or refused exactly as the server would.
+
+Every input line gets exactly one output line, OpenAI's batch output:
+  {"id": "batch_req_...", "custom_id": ..., "response": {"status_code", "request_id", "body"}, "error"}
+with the completion / chat-completion body (status 200), or the API's error body for a request the
+server refuses (status 400 / 404) or one that fails while it runs (500); `error` is null then. A line
+that cannot be read as a request at all (malformed JSON, no custom_id, a bad url or method, a repeated
+custom_id) gets `response` null and the top-level `error` object. Output is appended line by line
+(flushed and fsynced), so a rerun after Ctrl-C or kill -9 skips the lines already written and a torn
+last line is cut off.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
-from typing import Any, Optional
+import uuid
+from typing import Optional
 
-from kimi_jax.engine.sampling import SamplingParams
+from kimi_jax.entrypoints.openai import protocol as P
 
+ROUTES = {"/v1/chat/completions": P.parse_chat, "/v1/completions": P.parse_completion}
 ENVELOPE_KEYS = {"custom_id", "method", "url", "body"}
-BODY_KEYS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-             "top_k", "min_p", "stop", "seed", "logprobs", "top_logprobs", "n", "stream", "stop_token_ids",
-             "ignore_eos", "user", "metadata"}
+DUPLICATE = "duplicate_custom_id"
 
 
 class LineError(ValueError):
-    """An input line that cannot become a request (reported in the output; the job goes on)."""
+    """An input line that is not a request at all (the top-level error of its output line)."""
+
+    def __init__(self, message: str, code: str = "invalid_request"):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclasses.dataclass
-class Job:
+class Line:
+    """One input line read as a request: its custom_id, route and body (not yet checked)."""
     custom_id: str
-    kind: str                       # "chat" | "completion"
-    messages: Optional[list] = None
-    prompt: Any = None              # str or list of token ids
-    params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    lineno: int
+    url: str
+    body: dict
 
 
-def parse_line(line: str, lineno: int, default_max_tokens: int) -> Job:
-    """One input line -> Job; LineError (with the custom_id known so far) on anything wrong."""
+def read_line(line: str, lineno: int) -> Line:
+    """The envelope of one input line; LineError when it is not a request at all."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise LineError(f"line {lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(obj, dict):
         raise LineError(f"line {lineno}: expected a JSON object, got {type(obj).__name__}")
-    cid = obj.get("custom_id", f"line-{lineno}")
+    envelope = bool({"body", "url", "method"} & set(obj))
+    cid = obj.get("custom_id", None if envelope else f"line-{lineno}")
+    if cid is None:
+        raise LineError(f"line {lineno}: 'custom_id' is required")
     if not isinstance(cid, str) or not cid:
         raise LineError(f"line {lineno}: custom_id must be a non-empty string")
-    if "body" in obj:
-        unknown = set(obj) - ENVELOPE_KEYS
-        body = obj["body"]
-        if not isinstance(body, dict):
-            raise LineError(f"line {lineno}: body must be an object")
-    else:
+    if not envelope:
         body = {k: v for k, v in obj.items() if k != "custom_id"}
-        unknown = set()
-    unknown |= set(body) - BODY_KEYS
+        return Line(cid, lineno, "/v1/chat/completions" if "messages" in body else "/v1/completions", body)
+    unknown = sorted(set(obj) - ENVELOPE_KEYS)
     if unknown:
-        raise LineError(f"line {lineno}: unknown field(s) {sorted(unknown)}")
-    if ("messages" in body) == ("prompt" in body):
-        raise LineError(f"line {lineno}: body needs exactly one of 'messages' or 'prompt'")
-    if body.get("n", 1) != 1:
-        raise LineError(f"line {lineno}: n={body['n']!r} is not supported (n must be 1)")
-    if body.get("stream", False):
-        raise LineError(f"line {lineno}: stream=true is not supported in batch jobs")
-    logprobs = body.get("logprobs")
-    if isinstance(logprobs, bool):
-        logprobs = body.get("top_logprobs", 0) if logprobs else None
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens))
-    try:
-        # values go in as given: SamplingParams.validate checks their types (no silent int()/float())
-        params = SamplingParams(
-            temperature=body.get("temperature", 1.0), top_p=body.get("top_p", 1.0),
-            top_k=body.get("top_k", -1), min_p=body.get("min_p", 0.0), max_tokens=max_tokens,
-            stop=body.get("stop"), stop_token_ids=body.get("stop_token_ids"),
-            ignore_eos=body.get("ignore_eos", False), seed=body.get("seed"), logprobs=logprobs)
-        params.validate()
-    except (TypeError, ValueError) as e:
-        raise LineError(f"line {lineno}: {e}") from None
-    if "messages" in body:
-        if not isinstance(body["messages"], list) or not body["messages"]:
-            raise LineError(f"line {lineno}: messages must be a non-empty list")
-        return Job(cid, "chat", messages=body["messages"], params=params)
-    prompt = body["prompt"]
-    if not isinstance(prompt, (str, list)) or (isinstance(prompt, str) and not prompt):
-        raise LineError(f"line {lineno}: prompt must be a non-empty string or a list of token ids, "
-                        f"got {_one_line(json.dumps(prompt), 60)}")
-    return Job(cid, "completion", prompt=prompt, params=params)
+        raise LineError(f"line {lineno}: unknown field(s) {unknown} (a line has {sorted(ENVELOPE_KEYS)})")
+    method = obj.get("method", "POST")
+    if method != "POST":
+        raise LineError(f"line {lineno}: method {_one_line(json.dumps(method), 40)} is not supported "
+                        "(only POST)", "invalid_method")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise LineError(f"line {lineno}: 'body' must be a JSON object")
+    url = obj.get("url", "/v1/chat/completions" if "messages" in body else "/v1/completions")
+    if url not in ROUTES:
+        raise LineError(f"line {lineno}: url {_one_line(json.dumps(url), 60)} is not served "
+                        f"(one of {sorted(ROUTES)})", "invalid_url")
+    return Line(cid, lineno, url, body)
+
+
+def parse_body(ln: Line, default_max_tokens: int) -> tuple[P.GenerationRequest, bool]:
+    """The line's GenerationRequest (ProtocolError as the server raises it) and whether max_tokens is
+    the job's default (the body gives none)."""
+    body = ln.body
+    defaulted = isinstance(body, dict) and body.get("max_tokens") is None \
+        and body.get("max_completion_tokens") is None
+    if defaulted:
+        body = {**body, "max_tokens": default_max_tokens}
+    return ROUTES[ln.url](body), defaulted
+
+
+def fit_default_max_tokens(g: P.GenerationRequest, n_prompt: int, limit: int) -> P.GenerationRequest:
+    """A defaulted max_tokens cut to what the context leaves after the prompt (as the server does when
+    a request gives none)."""
+    room = limit - n_prompt
+    if 1 <= room < g.params.max_tokens:
+        g = dataclasses.replace(g, params=dataclasses.replace(g.params, max_tokens=room))
+    return g
 
 
 def _one_line(text: str, limit: int = 200) -> str:
@@ -103,25 +118,35 @@ def custom_id_of(line: str, lineno: int) -> str:
         return f"line-{lineno}"
 
 
-def result_line(job: Job, text: Optional[str], prompt_tokens: int, token_ids: list[int],
-                finish_reason: str, model: str) -> dict:
-    if job.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "token_ids": token_ids, "finish_reason": finish_reason}
-        obj = "text_completion"
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids),
-             "total_tokens": prompt_tokens + len(token_ids)}
-    return {"id": f"batch_req_{job.custom_id}", "custom_id": job.custom_id,
-            "response": {"status_code": 200, "body": {"object": obj, "model": model, "choices": [choice],
-                                                      "usage": usage}},
-            "error": None}
+def _ids() -> tuple[str, str]:
+    return "batch_req_" + uuid.uuid4().hex, "req_" + uuid.uuid4().hex
 
 
-def error_line(custom_id: str, message: str) -> dict:
-    return {"id": f"batch_req_{custom_id}", "custom_id": custom_id, "response": None,
-            "error": {"code": "invalid_request", "message": message}}
+def response_line(custom_id: str, status_code: int, body: dict) -> dict:
+    """An output line carrying an HTTP response: a completion body, or the API's error body."""
+    line_id, request_id = _ids()
+    return {"id": line_id, "custom_id": custom_id,
+            "response": {"status_code": status_code, "request_id": request_id, "body": body}, "error": None}
+
+
+def refused_line(custom_id: str, e: P.ProtocolError) -> dict:
+    return response_line(custom_id, e.status, e.body())
+
+
+def failed_line(custom_id: str, message: str) -> dict:
+    return response_line(custom_id, 500, P.error_body(message, "server_error"))
+
+
+def error_line(custom_id: str, message: str, code: str = "invalid_request") -> dict:
+    line_id, _ = _ids()
+    return {"id": line_id, "custom_id": custom_id, "response": None, "error": {"code": code, "message": message}}
+
+
+def result_body(g: P.GenerationRequest, model: str, choices: list, n_prompt: int, tokenizer) -> dict:
+    """The completion / chat-completion body, built as the server builds it."""
+    use = P.usage(n_prompt, sum(len(c.token_ids) for c in choices))
+    build = P.chat_response if g.kind == "chat" else P.completion_response
+    return build(P.new_id(g.kind), P.now(), model, choices, use, tokenizer, g.logprobs)
 
 
 class OutputFileError(ValueError):
@@ -129,11 +154,15 @@ class OutputFileError(ValueError):
 
 
 class ResultWriter:
-    """Appends output lines durably and knows which custom_ids are already done."""
+    """Appends output lines durably and knows which input lines are already done: `done` holds the
+    custom_ids answered (a line's own result or error), `duplicates[cid]` how many repeats of cid were
+    reported."""
 
     def __init__(self, path: str):
         self.path = path
         self.done: set[str] = set()
+        self.duplicates: collections.Counter = collections.Counter()
+        self.written = 0
         try:
             if os.path.exists(path):
                 self._recover()
@@ -156,19 +185,26 @@ class ResultWriter:
                 raise OutputFileError(f"{self.path}:{lineno}: the output file holds a line that is not a "
                                       f"kimi-batch result ({_one_line(raw[:80].decode('utf-8', 'replace'), 60)}); "
                                       "give another --output")
-            self.done.add(obj["custom_id"])
+            if isinstance(obj.get("error"), dict) and obj["error"].get("code") == DUPLICATE:
+                self.duplicates[obj["custom_id"]] += 1
+            else:
+                self.done.add(obj["custom_id"])
         if keep < len(data):
             with open(self.path, "r+b") as f:
                 f.truncate(keep)
 
-    def write(self, record: dict) -> None:
+    def write(self, record: dict, duplicate: bool = False) -> None:
         cid = record["custom_id"]
-        if cid in self.done:
+        if not duplicate and cid in self.done:
             return
         self._f.write(json.dumps(record, ensure_ascii=False) + "\n")
         self._f.flush()
         os.fsync(self._f.fileno())
-        self.done.add(cid)
+        self.written += 1
+        if duplicate:
+            self.duplicates[cid] += 1
+        else:
+            self.done.add(cid)
 
     def close(self) -> None:
         self._f.close()

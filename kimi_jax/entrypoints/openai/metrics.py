@@ -4,6 +4,9 @@
   kimi_jax:kv_cache_usage_perc                           gauge, cache pages in use / all pages (0..1)
   kimi_jax:prompt_tokens_total, generation_tokens_total  counters
   kimi_jax:request_success_total{finished_reason}        counter
+  kimi_jax:prefix_cache_queries_total, prefix_cache_hits_total
+                                                          counters, prompt tokens looked up in the prefix
+                                                          cache / found there (read from the engine's stats)
   kimi_jax:time_to_first_token_seconds, time_per_output_token_seconds, e2e_request_latency_seconds
                                                           histograms (arrival -> first token, between
                                                           later tokens, arrival -> last token)
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
+from prometheus_client.core import CounterMetricFamily
 
 _TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
          40.0, 80.0)
@@ -34,6 +38,9 @@ class ServerMetrics:
         gauge("num_requests_running", "Requests in the running batch.", lambda: async_llm.num_running)
         gauge("num_requests_waiting", "Requests waiting for a slot.", lambda: async_llm.num_waiting)
         gauge("kv_cache_usage_perc", "Fraction of KV-cache pages in use (1 = all).", lambda: async_llm.kv_cache_usage)
+        self.registry.register(_EngineCounters(async_llm, lab, {
+            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+            "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", "prefix_cache_hits")}))
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", list(lab),
                                      registry=self.registry).labels(**lab)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", list(lab),
@@ -61,3 +68,17 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineCounters:
+    """Counters whose values are the engine's own running totals (BatchEngine.stats), read at scrape time."""
+
+    def __init__(self, async_llm, labels: dict, counters: dict):
+        self._llm, self._labels, self._counters = async_llm, labels, counters
+
+    def collect(self):
+        stats = self._llm.engine.stats
+        for name, (doc, key) in self._counters.items():
+            c = CounterMetricFamily("kimi_jax:" + name, doc, labels=list(self._labels))
+            c.add_metric(list(self._labels.values()), float(stats.get(key, 0)))
+            yield c

@@ -261,6 +261,24 @@ def parse_chat(body: Any) -> GenerationRequest:
                              tools=tools or None, **common)
 
 
+def check_context(n_prompt: int, max_tokens: Optional[int], limit: int, kind: str) -> None:
+    """A prompt of n_prompt tokens and max_tokens within the model's context (ProtocolError, 400)."""
+    field = "messages" if kind == "chat" else "prompt"
+    if n_prompt >= limit:
+        raise ProtocolError(f"this model's maximum context length is {limit} tokens; the prompt has "
+                            f"{n_prompt} tokens", field, code="context_length_exceeded")
+    if max_tokens is not None and n_prompt + max_tokens > limit:
+        raise ProtocolError(f"this model's maximum context length is {limit} tokens; the prompt "
+                            f"({n_prompt} tokens) plus max_tokens ({max_tokens}) exceeds it",
+                            "max_completion_tokens" if kind == "chat" else "max_tokens",
+                            code="context_length_exceeded")
+
+
+def choice_seed(seed: Optional[int], j: int) -> Optional[int]:
+    """The seed of choice j of n (j = 0: the request's own seed)."""
+    return (seed * 1_000_003 + j) % 2**63 if seed is not None and j else seed
+
+
 def check_model(req_model: Optional[str], served: Sequence[str]) -> None:
     if req_model is not None and req_model not in served:
         raise ProtocolError(f"The model '{req_model}' does not exist (served: {', '.join(served)})", "model",
@@ -298,23 +316,29 @@ def _top(entry: dict, k: int) -> list:
     return sorted(((int(t), _lp(v)) for t, v in entry.items()), key=lambda x: -x[1])[:k]
 
 
+def _token(tokenizer, t: int) -> str:
+    """A token's text; without a tokenizer vLLM's "token_id:N" spelling."""
+    return tokenizer.decode([t]) if tokenizer is not None else f"token_id:{t}"
+
+
 def completion_logprobs(c: Choice, tokenizer, k: int, offset: int = 0) -> dict:
     """OpenAI's completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens, lps, tops, offsets = [], [], [], []
     for tid, entry in zip(c.token_ids, c.logprobs or []):
-        s = tokenizer.decode([tid])
+        s = _token(tokenizer, tid)
         offsets.append(offset)
         offset += len(s)
         tokens.append(s)
         lps.append(_lp(entry[tid]) if tid in entry else None)
-        tops.append({tokenizer.decode([t]): v for t, v in _top(entry, k)} if k else None)
+        tops.append({_token(tokenizer, t): v for t, v in _top(entry, k)} if k else None)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 def chat_logprobs(c: Choice, tokenizer, k: int) -> dict:
     """OpenAI's chat logprobs object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
     def item(t, v):
-        return {"token": tokenizer.decode([t]), "logprob": v, "bytes": list(tokenizer.token_bytes(t))}
+        return {"token": _token(tokenizer, t), "logprob": v,
+                "bytes": list(tokenizer.token_bytes(t)) if tokenizer is not None else None}
     content = []
     for tid, entry in zip(c.token_ids, c.logprobs or []):
         d = item(tid, _lp(entry[tid]) if tid in entry else None)

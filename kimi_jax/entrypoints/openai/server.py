@@ -203,20 +203,11 @@ class OpenAIServer:
         out = []
         limit = self.llm.max_model_len
         for i, (text, ids) in enumerate(prompts):
-            if len(ids) >= limit:
-                raise P.ProtocolError(f"this model's maximum context length is {limit} tokens; the prompt has "
-                                      f"{len(ids)} tokens", field, code="context_length_exceeded")
-            if g.params.max_tokens is not None and len(ids) + g.params.max_tokens > limit:
-                raise P.ProtocolError(f"this model's maximum context length is {limit} tokens; the prompt "
-                                      f"({len(ids)} tokens) plus max_tokens ({g.params.max_tokens}) exceeds it",
-                                      "max_completion_tokens" if g.kind == "chat" else "max_tokens",
-                                      code="context_length_exceeded")
+            P.check_context(len(ids), g.params.max_tokens, limit, g.kind)
             for j in range(g.n):
-                seed = g.params.seed
-                if seed is not None and j:
-                    seed = (seed * 1_000_003 + j) % 2**63
                 try:
-                    r = self.engine.make_request(f"{rid}-{i}-{j}", ids, g.params, seed=seed, prompt=text)
+                    r = self.engine.make_request(f"{rid}-{i}-{j}", ids, g.params, seed=P.choice_seed(g.params.seed, j),
+                                                 prompt=text)
                 except RequestError as e:
                     raise P.ProtocolError(str(e), field) from None
                 out.append((i * g.n + j, r))
