@@ -251,6 +251,15 @@ def test_tokenize_detokenize_and_metrics(server, client):
     text = _http(url + "/metrics")[2]
     for h in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
         assert re.search(rf"^kimi_jax:{h}_count\{{[^}}]*\}} [1-9]", text, re.M), h
+    # prefix caching (vLLM's counters, in prompt tokens): the same long prompt twice, the second finds
+    # its full pages cached; the counters are the engine's own totals
+    queries, hits = _metric(url, "prefix_cache_queries_total"), _metric(url, "prefix_cache_hits_total")
+    long_prompt = list(range(10, 10 + 3 * srv.llm.page_size + 1))
+    for _ in range(2):
+        client.completions.create(model=NAME, prompt=long_prompt, max_tokens=1, temperature=0.0)
+    stats = srv.engine.engine.stats
+    assert _metric(url, "prefix_cache_queries_total") == stats["prefix_cache_queries"] >= queries + 2 * len(long_prompt)
+    assert _metric(url, "prefix_cache_hits_total") == stats["prefix_cache_hits"] >= hits + 3 * srv.llm.page_size
 
 
 def test_sigterm_finishes_in_flight_and_exits_0(tmp_path):
