@@ -146,17 +146,10 @@ def main(argv):
             if not line.strip():
                 continue
             try:
-                ln = B.read_line(line, lineno)
+                ln, err = B.read_line(line, lineno), None
+                cid = ln.custom_id
             except B.LineError as e:
-                cid = B.custom_id_of(line, lineno)
-                seen[cid] += 1
-                if seen[cid] == 1 and cid not in writer.done:
-                    write(B.error_line(cid, str(e), e.code), "errors")
-                else:
-                    counts["skipped"] += 1
-                    bar.update(1)
-                continue
-            cid = ln.custom_id
+                ln, err, cid = None, e, B.custom_id_of(line, lineno)
             seen[cid] += 1
             if seen[cid] > 1:            # a repeat: an error under its own custom_id, the first one runs
                 if writer.duplicates[cid] < seen[cid] - 1:
@@ -169,6 +162,9 @@ def main(argv):
             if cid in writer.done:
                 counts["skipped"] += 1
                 bar.update(1)
+                continue
+            if err is not None:
+                write(B.error_line(cid, str(err), err.code), "errors")
                 continue
             try:
                 jobs[cid] = prepare(ln)

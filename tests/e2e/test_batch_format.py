@@ -24,6 +24,7 @@ LINES = [
     {"custom_id": "text", "method": "POST", "url": "/v1/completions", "body": {"prompt": "again"}},
     {"custom_id": "embed", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
     {"custom_id": "get", "method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}},
+    {"custom_id": "get", "method": "DELETE", "url": "/v1/completions", "body": {}},     # broken and repeated
     {"custom_id": "wrong-route", "method": "POST", "url": "/v1/completions", "body": CHAT},
     {"custom_id": "other-model", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "model": "gpt-4o"}},
     {"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}},
@@ -99,9 +100,11 @@ def test_batch_output_is_openai_batch_format(cli, tmp_path, monkeypatch):
     dup = [r for r in by_id["text"] if r["error"] is not None]
     assert len(dup) == 1 and dup[0]["error"]["code"] == "duplicate_custom_id" and "line 3" in dup[0]["error"]["message"]
     top_error("embed", "invalid_url", "/v1/embeddings")
-    top_error("get", "invalid_method", "GET", "POST")
-    top_error("line-8", "invalid_request", "custom_id")
-    top_error("line-10", "invalid_request", "malformed JSON")
+    first, again = by_id["get"]
+    assert first["error"]["code"] == "invalid_method" and "GET" in first["error"]["message"]
+    assert again["error"]["code"] == "duplicate_custom_id" and "line 6" in again["error"]["message"]
+    top_error("line-9", "invalid_request", "custom_id")
+    top_error("line-11", "invalid_request", "malformed JSON")
 
     def refused(cid, status, param):
         (r,) = by_id[cid]
@@ -117,7 +120,7 @@ def test_batch_output_is_openai_batch_format(cli, tmp_path, monkeypatch):
     n = len(LINES) + 1
     assert f"{n}/{n}" in res.stderr, res.stderr[-2000:]
     summary = res.stderr.strip().splitlines()[-1]
-    assert re.search(r"3 results, 2 refused, 5 errors, 0 already done, of 10 lines", summary), summary
+    assert re.search(r"3 results, 2 refused, 6 errors, 0 already done, of 11 lines", summary), summary
     m = re.search(r"prefix cache hit rate (\S+) \((\d+) of (\d+) prompt tokens\)", summary)
     assert m and int(m.group(3)) > 0 and int(m.group(2)) <= int(m.group(3)), summary
 
@@ -134,4 +137,4 @@ def test_batch_output_is_openai_batch_format(cli, tmp_path, monkeypatch):
     assert again.returncode == 0, again
     assert seen == [False]
     assert out.read_text() == before
-    assert "0 results, 0 refused, 0 errors, 10 already done" in again.stderr, again.stderr[-1000:]
+    assert "0 results, 0 refused, 0 errors, 11 already done" in again.stderr, again.stderr[-1000:]
