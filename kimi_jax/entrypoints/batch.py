@@ -23,7 +23,6 @@ import dataclasses
 import json
 import os
 import uuid
-from typing import Optional
 
 from kimi_jax.entrypoints.openai import protocol as P
 
