@@ -212,3 +212,14 @@ def test_chat_body_with_tools_carries_the_constraint(tok):
         with pytest.raises(P.ProtocolError, match=field) as e:
             P.parse_chat({"messages": [{"role": "user", "content": "x"}], **body})
         assert e.value.param == field
+
+
+def test_logits_past_the_tokenizer_are_masked_in_constrained_rows_only(tok):
+    # a model vocabulary 96 logits larger than the tokenizer's ids (4098): those ids decode to nothing
+    V = tok.vocab_size + 96
+    wide = StructuredBackend(tok, V)
+    m = wide.matcher(StructuredOutputsParams(choice=["yes", "no"]))
+    mask = wide.fill_bitmask([None, m])
+    bits = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, :V].astype(bool)
+    assert mask.shape == (2, mask_words(V)) and bits[0].all()
+    assert not bits[1, tok.vocab_size:].any() and bits[1, :tok.vocab_size].any()
