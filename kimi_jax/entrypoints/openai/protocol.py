@@ -376,6 +376,16 @@ def completion_response(rid: str, created: int, model: str, choices: list, usage
             "choices": [_completion_choice(c, tokenizer, k) for c in choices], "usage": usage_}
 
 
+def with_tool_calls(c: Choice, tokenizer) -> Choice:
+    """A finished chat choice of a request with tools: Kimi's tool-call section of its tokens parsed into
+    `tool_calls`, the text before it as the content, finish_reason "tool_calls" when it made calls."""
+    from kimi_jax.text.tool_parser import parse_output, tool_finish_reason
+    parsed = parse_output(c.token_ids, tokenizer)
+    c.text, c.tool_calls = parsed.content, parsed.tool_calls or None
+    c.finish_reason = tool_finish_reason(c.finish_reason, bool(parsed.tool_calls))
+    return c
+
+
 def chat_response(rid: str, created: int, model: str, choices: list, usage_: dict, tokenizer=None,
                   k: Optional[int] = None) -> dict:
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,

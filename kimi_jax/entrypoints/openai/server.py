@@ -35,7 +35,7 @@ from kimi_jax.engine.sampling import SamplingParams
 from kimi_jax.engine.scheduler import RequestError
 from kimi_jax.entrypoints.openai import protocol as P
 from kimi_jax.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from kimi_jax.text.tool_parser import ChatOutputParser, parse_output, tool_finish_reason
+from kimi_jax.text.tool_parser import ChatOutputParser, tool_finish_reason
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
@@ -271,9 +271,7 @@ class OpenAIServer:
                 done[k] = P.Choice(k, out.text or "", out.token_ids, out.finish_reason, out.stop_reason,
                                    out.logprobs)
                 if g.kind == "chat" and g.tools and self.tokenizer is not None:
-                    parsed = parse_output(out.token_ids, self.tokenizer)      # Kimi's tool-call section
-                    done[k].text, done[k].tool_calls = parsed.content, parsed.tool_calls or None
-                    done[k].finish_reason = tool_finish_reason(out.finish_reason, bool(parsed.tool_calls))
+                    P.with_tool_calls(done[k], self.tokenizer)      # Kimi's tool-call section
         choices = [done[k] for k in sorted(done)]
         n_prompt = sum(len(r.prompt_ids) for k, r in reqs if k % g.n == 0)
         use = P.usage(n_prompt, sum(len(c.token_ids) for c in choices))
