@@ -192,6 +192,8 @@ def main(argv):
         out = llm.to_output(r).outputs[0]
         job.choices[k] = P.Choice(k, out.text or "", out.token_ids, out.finish_reason, out.stop_reason,
                                   out.logprobs)
+        if job.g.kind == "chat" and job.g.tools and llm.tokenizer is not None:
+            P.with_tool_calls(job.choices[k], llm.tokenizer)      # message.tool_calls
         if len(job.choices) == len(job.prompts) * job.g.n:
             choices = [job.choices[i] for i in sorted(job.choices)]
             n_prompt = sum(len(ids) for _, ids in job.prompts)

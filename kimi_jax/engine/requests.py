@@ -36,6 +36,9 @@ class Request:
     text: Optional[str] = None            # set when a stop string truncated it
     num_preemptions: int = 0
     rank: int = 0                         # data-parallel rank whose rows and pages it uses while admitted
+    # structured outputs: the grammar state (kimi_jax.engine.structured.RowMatcher), advanced by every
+    # appended token; its mask constrains the request's next token
+    structured: Optional[object] = None
     spec: SpecState = dataclasses.field(default_factory=SpecState)
     # wall-clock times (time.time()) the host saw: queued (`BatchEngine.add`), first output token and
     # last one appended. With overlap scheduling a token is appended one step after it was sampled,

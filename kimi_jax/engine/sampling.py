@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimi_jax.engine.penalties import LogitsAdjust
+from kimi_jax.engine.structured import StructuredOutputsParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,8 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     bad_words: Optional[list[str]] = None
+    # constrained decoding (kimi_jax.engine.structured): json / regex / choice / grammar / json_object
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def validate(self, vocab_size: Optional[int] = None) -> None:
         """Raise ValueError naming the parameter at fault. vocab_size: also check the values that
@@ -121,6 +124,11 @@ class SamplingParams:
         if self.bad_words is not None and (isinstance(self.bad_words, str) or any(
                 not isinstance(w, str) or not w.strip() for w in self.bad_words)):
             raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}")
+            self.structured_outputs.validate()
 
     @property
     def num_samples(self) -> int:

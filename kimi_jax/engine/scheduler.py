@@ -37,6 +37,12 @@ on the host, so a batch with one takes the ordinary path. Rows that adjust logit
 drafts. A prompt's n samples (`add_samples`) share one prefill: a prefill-only request computes all
 but the prompt's last token, then each sample starts from a copy of its pages (`_fork`).
 
+Structured outputs (kimi_jax.engine.structured): a constrained request holds a grammar matcher, advanced
+on the host by every appended token; a step with a constrained row fills each row's packed token mask
+from the matchers and passes it to the step (its own compiled program), so such rows take the ordinary
+path (no overlap, no drafts). In its last CLOSE_WINDOW tokens a constrained row narrows its mask to a
+greedy close once the close needs the tokens left, so its output ends complete within max_tokens.
+
 Data parallelism (engine.dp > 1): the batch's rows are split over the dp ranks in contiguous blocks
 (row b on rank b // (B / dp)) and so is the page pool (`Engine.init_pages`: rank k holds the k-th of dp
 equal partitions). A request is placed on one rank when admitted (the least loaded one with room:
@@ -66,6 +72,12 @@ from kimi_jax.engine.speculative import SpeculativeConfig
 from kimi_jax.engine.validation import RequestError, check_request  # noqa: F401
 
 
+# A constrained request with at most this many tokens left checks each step whether closing its output
+# (kimi_jax.engine.structured.StructuredBackend.bitmask_closing) must begin, so it ends complete
+# within max_tokens.
+CLOSE_WINDOW = 96
+
+
 @dataclasses.dataclass
 class _InFlight:
     """A decode step dispatched and not yet read (overlap scheduling): its rows in batch order, its
@@ -82,8 +94,11 @@ class BatchEngine:
     def __init__(self, engine: Engine, *, num_pages: int, page_size: int, max_num_seqs: int,
                  max_model_len: int, cache_dtype, prefill_chunk: int = 256, max_prefill_tokens: int = 2048,
                  tokenizer=None, eos_ids=(), speculative: Optional[SpeculativeConfig] = None,
-                 overlap: bool = False, enable_prefix_caching: bool = False):
+                 overlap: bool = False, enable_prefix_caching: bool = False, structured=None):
+        """structured: a kimi_jax.engine.structured.StructuredBackend for requests with
+        structured_outputs (one is made from the tokenizer when needed and not given)."""
         self.engine, self.tokenizer = engine, tokenizer
+        self.structured = structured
         self.page_size, self.max_num_seqs, self.max_model_len = page_size, max_num_seqs, max_model_len
         self.prefill_chunk, self.max_prefill_tokens = prefill_chunk, max_prefill_tokens
         self.eos_ids = frozenset(eos_ids)
@@ -130,7 +145,19 @@ class BatchEngine:
         r.adjust = self._row_adjust(params, stop)
         if params.prompt_logprobs is not None:
             r.prompt_logprobs = [None]
+        if params.structured_outputs is not None:
+            r.structured = self._matcher(params)
         return r
+
+    def _matcher(self, params: SamplingParams):
+        """The grammar state of a request with structured_outputs (RequestError when it cannot compile)."""
+        from kimi_jax.engine.structured import StructuredBackend, StructuredOutputError
+        try:
+            if self.structured is None:
+                self.structured = StructuredBackend(self.tokenizer, self.engine.cfg.vocab_size)
+            return self.structured.matcher(params.structured_outputs)
+        except StructuredOutputError as e:
+            raise RequestError(str(e)) from None
 
     def _row_adjust(self, params: SamplingParams, stop) -> Optional[penalties.RowAdjust]:
         vocab = self.engine.cfg.vocab_size
@@ -264,14 +291,16 @@ class BatchEngine:
             if not speculate:
                 r.spec.offer_shadow(len(r.output_ids), d)     # scored once its tokens are known
                 plain.append((r, 1))
-            elif r.params.logprobs is not None or r.adjust is not None:
+            elif r.params.logprobs is not None or r.adjust is not None or r.structured is not None:
                 plain.append((r, 1))
             else:
                 if d and not self._ensure_pages(r, r.num_computed + 1 + len(d), ready):
                     d = []
                 rows.append((r, d))
-        # multi-token bad words are banned by the last output tokens, which the host must have read
-        if plain and self.overlap and not any(r.adjust is not None and r.adjust.bad_words for r, _ in plain):
+        # multi-token bad words are banned by the last output tokens, and a constrained row's mask needs
+        # its previous token: the host must have read them
+        if plain and self.overlap and not any((r.adjust is not None and r.adjust.bad_words) or r.structured is not None
+                                              for r, _ in plain):
             self._dispatch_decode([r for r, _ in plain])
         elif plain:
             finished += self._run(plain)
@@ -438,10 +467,26 @@ class BatchEngine:
         n_lp = n_logprobs(r for r, _ in rows)
         n_plp, targets = prompt_targets(rows, slots, tokens.shape)
         self.pages, out = self.engine.paged_step(self.pages, tokens, positions, table, last, sp, steps, n_lp,
-                                                 occ=self.occ, n_prompt_logprobs=n_plp, targets_BT=targets)
+                                                 occ=self.occ, n_prompt_logprobs=n_plp, targets_BT=targets,
+                                                 mask_BW=self._mask(rows, slots, tokens.shape[0]))
         self.stats["steps"] += 1
         self.stats["decode_passes" if T == 1 else "prefill_passes"] += 1
         return self._book(rows, out, slots)
+
+    def _mask(self, rows: list[tuple[Request, int]], slots: list[int], B: int) -> Optional[np.ndarray]:
+        """The step's packed token bitmask [B, ceil(V / 32)] when some row is constrained (None: none
+        is); a row near the end of its budget narrows its mask to a greedy close."""
+        if not any(r.structured is not None for r, _ in rows):
+            return None
+        matchers = [None] * B
+        for b, (r, _) in zip(slots, rows):
+            matchers[b] = r.structured
+        mask = self.structured.fill_bitmask(matchers)
+        for b, (r, _) in zip(slots, rows):
+            left = r.max_new - len(r.output_ids)
+            if r.structured is not None and left <= CLOSE_WINDOW:
+                self.structured.bitmask_closing(mask[b], r.structured, left)
+        return mask
 
     def _fork(self, p: Request) -> None:
         """A samples group's prefill is done: each sample starts from copies of its pages (positions
@@ -635,7 +680,8 @@ class BatchEngine:
     def _drafts(self, r: Request) -> list[int]:
         """Draft tokens for a decode-ready request (none without speculation, with logprobs, or near
         the end of its budget). Also scores the request's pending shadow drafts."""
-        if self.drafter is None or r.params.logprobs is not None or r.adjust is not None or r.prefill_only:
+        if (self.drafter is None or r.params.logprobs is not None or r.adjust is not None or r.prefill_only
+                or r.structured is not None):
             return []
         st = r.spec
         if st.index is None:
@@ -682,8 +728,13 @@ class BatchEngine:
                 k = r.params.logprobs
                 r.logprobs.append(logprob_dict(t, out.logprob[b], out.rank[b], out.top_ids[b][:k],
                                                 out.top_vals[b][:k]))
+        if r.structured is not None and t not in r.stop_ids:
+            r.structured.accept(t)
         if t in r.stop_ids:
             r.finish_reason, r.stop_reason = "stop", t
+        elif r.structured is not None and (r.structured.is_finished() or r.structured.is_error()):
+            # the grammar is complete (only a stop token could follow; e.g. ignore_eos) or broken
+            r.finish_reason = "stop"
         elif r.params.stop_strings and self.tokenizer is not None and self._hit_stop(r):
             r.finish_reason = "stop"
         elif len(r.output_ids) >= r.max_new:

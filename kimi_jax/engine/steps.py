@@ -26,6 +26,7 @@ from kimi_jax.engine import penalties
 from kimi_jax.engine.shapes import bucket  # noqa: F401 (the steps' callers take it from here)
 from kimi_jax.engine.sampling import SamplingArrays, sample, top_logprobs, verify_drafts
 from kimi_jax.engine.sampling import sample_mode as sample_mode_of
+from kimi_jax.engine.structured import apply_token_bitmask
 
 
 @dataclasses.dataclass
@@ -55,7 +56,7 @@ class Occurrences:
 _OCC = "occurrences"      # the updated pool's key among a step's outputs (taken off by the Engine)
 
 
-def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None, occ=None):
+def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None, occ=None, mask_BW=None):
     # The logits are first pinned vocab-split (each device multiplies its lm_head rows): without that,
     # XLA:GPU's partitioner all-gathered the whole lm_head weight (3.5 GB, 4 ms per step under TP2 on
     # two H200s) to produce the replicated logits directly.
@@ -67,6 +68,10 @@ def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None, occ=None):
     if sp.adjust is not None:        # logit_bias, bans, min_tokens, penalties (static: the pytree's shape)
         occ_BV = None if occ is None else occ[sp.adjust.slot]
         adjusted = penalties.adjust_logits(logits_BV, sp.adjust, step_B, occ_BV)
+    # structured outputs: tokens whose bit is clear in the row's packed mask [B, ceil(V / 32)] cannot be
+    # sampled (applied after the adjustments, so no bias can lift a masked token)
+    if mask_BW is not None:
+        adjusted = apply_token_bitmask(adjusted, mask_BW)
     tok = sample(adjusted, sp, step_B, mode)
     out = {"tokens": tok}
     if n_logprobs is not None:       # of the raw logits (vLLM's default raw logprobs)
@@ -95,13 +100,14 @@ def _decode(graphdef, shard, state, cache, tokens_B, positions_B, sp, step_B, n_
 
 def _paged_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, last_B, sp, step_B,
                 n_logprobs, absorbed, fresh=False, sample_mode=None, occ=None, n_prompt_logprobs=None,
-                targets_BT=None, *, plan: ops.ExecPlan):
+                targets_BT=None, mask_BW=None, *, plan: ops.ExecPlan):
     """One continuous-batching step over the paged cache: T query tokens per row (T = 1: decode,
     absorbed MLA; T > 1: a prefill chunk, expanded MLA; `fresh`: no row has cached tokens, so attention
     reads only the new tokens, on a GPU with cuDNN). Samples from each row's token at last_B.
     occ: the occurrence pool when some row uses penalties (kimi_jax.engine.penalties). With
     n_prompt_logprobs (static), the logits of every position score targets_BT (each position's next
-    prompt token; < 0: none) and give their top-n (prompt logprobs)."""
+    prompt token; < 0: none) and give their top-n (prompt logprobs). mask_BW: structured outputs' packed
+    int32 token bitmask [B, ceil(V / 32)] (None: no row is constrained, its own compiled program)."""
     model = nnx.merge(graphdef, state)
     tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
     h_BTD, pages = model.hidden_states(tokens_BT, positions_BT, pages, absorbed=absorbed,
@@ -110,16 +116,17 @@ def _paged_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_ta
     pages = {k: _constrain(v, shard.get("pages")) for k, v in pages.items()}
     if n_prompt_logprobs is None:
         logits_BV = model.logits(h_BTD[jnp.arange(B), last_B][:, None], plan)[:, 0]
-        return pages, _sample_out(logits_BV, sp, step_B, n_logprobs, shard, sample_mode, occ)
+        return pages, _sample_out(logits_BV, sp, step_B, n_logprobs, shard, sample_mode, occ, mask_BW)
     logits_BTV = _constrain(_constrain(model.logits(h_BTD, plan), shard.get("logits3")), shard.get("replicated"))
-    out = _sample_out(logits_BTV[jnp.arange(B), last_B], sp, step_B, n_logprobs, shard, sample_mode, occ)
+    out = _sample_out(logits_BTV[jnp.arange(B), last_B], sp, step_B, n_logprobs, shard, sample_mode, occ,
+                      mask_BW)
     prompt = top_logprobs(logits_BTV, jnp.maximum(targets_BT, 0), n_prompt_logprobs)
     out.update(zip(("prompt_logprob", "prompt_rank", "prompt_top_ids", "prompt_top_vals"), prompt))
     return pages, out
 
 
 def _decode_step(graphdef, shard, state, pages, tokens_B, positions_B, block_table_BP, sp, step_B, n_logprobs,
-                 sample_mode=None, mla_schedule=None, occ=None, *, plan: ops.ExecPlan):
+                 sample_mode=None, mla_schedule=None, occ=None, mask_BW=None, *, plan: ops.ExecPlan):
     """`_paged_step` for one token per row (absorbed decode) with tokens_B [B]: the previous step's
     sampled tokens can be fed as they are (device arrays), so the host never reads them first
     (overlap scheduling, kimi_jax.engine.scheduler). mla_schedule: this step's MLA decode schedule
@@ -127,7 +134,8 @@ def _decode_step(graphdef, shard, state, pages, tokens_B, positions_B, block_tab
     B = tokens_B.shape[0]
     return _paged_step(graphdef, shard, state, pages, tokens_B[:, None], positions_B[:, None], block_table_BP,
                        jnp.zeros((B,), jnp.int32), sp, step_B, n_logprobs, absorbed=True,
-                       sample_mode=sample_mode, occ=occ, plan=dataclasses.replace(plan, mla_schedule=mla_schedule))
+                       sample_mode=sample_mode, occ=occ, mask_BW=mask_BW,
+                       plan=dataclasses.replace(plan, mla_schedule=mla_schedule))
 
 
 # A decode step runs the MLA kernels on the balanced schedule (pallas_kernels/mla/decode.py) when its
@@ -266,16 +274,19 @@ class Engine:
 
     def paged_step(self, pages, tokens_BT, positions_BT, block_table_BP, last_B, sp: SamplingArrays,
                    steps_B, n_logprobs: Optional[int], occ: Optional[Occurrences] = None,
-                   n_prompt_logprobs: Optional[int] = None, targets_BT=None):
+                   n_prompt_logprobs: Optional[int] = None, targets_BT=None, mask_BW: Optional[np.ndarray] = None):
         """occ: the occurrence pool, when sp's adjustments have penalties (updated in place). With
-        n_prompt_logprobs: targets_BT [B, T] (see `_paged_step`)."""
+        n_prompt_logprobs: targets_BT [B, T] (see `_paged_step`). mask_BW: structured outputs' packed
+        int32 token bitmask [B, ceil(V / 32)] (None: no row is constrained; a separate compiled
+        program, so unconstrained batches pay nothing)."""
         T = tokens_BT.shape[1]
         extra = {} if n_prompt_logprobs is None else {"n_prompt_logprobs": n_prompt_logprobs,
                                                        "targets_BT": _i32(targets_BT)}
         pages, out = self.paged_step_jit(self.state, pages, _i32(tokens_BT), _i32(positions_BT), _i32(block_table_BP),
                                 _i32(last_B), sp, _i32(steps_B), n_logprobs=n_logprobs, absorbed=T == 1,
                                 fresh=T > 1 and is_fresh(positions_BT), sample_mode=sample_mode_of(sp),
-                                occ=_occ_in(occ, sp), plan=self.plan, **extra)
+                                occ=_occ_in(occ, sp), plan=self.plan,
+                                mask_BW=None if mask_BW is None else _i32(mask_BW), **extra)
         _occ_out(occ, out)
         return pages, _to_host(out)
 

@@ -55,8 +55,11 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: Optional[float]
     logprobs: Optional[list[dict[int, Logprob]]]
-    finish_reason: Optional[str]            # "stop" | "length"
+    finish_reason: Optional[str]            # "stop" | "length" | "tool_calls" (LLM.chat with tools)
     stop_reason: Union[int, str, None] = None
+    # LLM.chat with tools: the parsed answer (text before Kimi's tool-call section) and OpenAI tool_calls
+    content: Optional[str] = None
+    tool_calls: Optional[list] = None
 
 
 @dataclasses.dataclass
@@ -222,6 +225,7 @@ class LLM:
         self._generate_engine: Optional[BatchEngine] = None
         self._rng = random.Random(seed)
         self._chat_template = None
+        self._structured = None
         self._next_id = 0
 
     @property
@@ -369,7 +373,15 @@ class LLM:
                            cache_dtype=self.dtype, prefill_chunk=self.prefill_chunk,
                            max_prefill_tokens=self.max_prefill_tokens, tokenizer=self.tokenizer, eos_ids=eos,
                            speculative=self.speculative, overlap=self.overlap_scheduling,
-                           enable_prefix_caching=self.enable_prefix_caching)
+                           enable_prefix_caching=self.enable_prefix_caching, structured=self.structured_backend())
+
+    def structured_backend(self):
+        """The structured-outputs backend over this model's tokenizer (None without one), shared by
+        every batch engine: compiled grammars are cached across calls."""
+        if self._structured is None and self.tokenizer is not None:
+            from kimi_jax.engine.structured import StructuredBackend
+            self._structured = StructuredBackend(self.tokenizer, self.config.vocab_size)
+        return self._structured
 
     def to_output(self, r: Request) -> RequestOutput:
         return self.to_group_output([r])
@@ -443,16 +455,40 @@ class LLM:
         return encode_conversation(tmpl, self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
                                    tools=tools)
 
-    def chat(self, messages, sampling_params: Optional[SamplingParams] = None, *,
+    def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
              add_generation_prompt: bool = True, tools=None, chat_template: Optional[str] = None,
-             use_tqdm: bool = False):
-        """Render the checkpoint's own chat template (sandboxed) and generate; messages may be one
-        conversation (a list of dicts) or a list of conversations."""
+             use_tqdm: bool = False, tool_choice=None, response_format=None):
+        """Render the checkpoint's own chat template (sandboxed) and generate from `chat_prompt_ids`
+        (message text never becomes special tokens); messages may be one conversation (a list of
+        dicts) or a list of conversations.
+
+        tools / tool_choice / response_format: OpenAI's fields. They constrain the output
+        (kimi_jax.engine.structured.from_openai; tool_choice defaults to "auto" with tools) unless
+        sampling_params already carries structured_outputs. With tools each output's tool-call
+        section is parsed: `content`, `tool_calls` and finish_reason "tool_calls"."""
+        from kimi_jax.engine.structured import StructuredOutputError, from_openai
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        texts = [self.render_chat(c, add_generation_prompt=add_generation_prompt, tools=tools,
-                                  chat_template=chat_template) for c in convs]
-        prompts = [self.tokenizer.encode(t, allow_special=True) for t in texts]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, _prompt_texts=texts)
+        kw = dict(add_generation_prompt=add_generation_prompt, tools=tools, chat_template=chat_template)
+        prompts = [self.chat_prompt_ids(c, **kw) for c in convs]
+        texts = [self.render_chat(c, **kw) for c in convs]
+        try:
+            constraint = from_openai(response_format, tools, tool_choice)
+        except StructuredOutputError as e:
+            raise ValueError(str(e)) from None
+        sps = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+               else [sampling_params or SamplingParams()] * len(prompts))
+        if constraint is not None:
+            sps = [sp if not isinstance(sp, SamplingParams) or sp.structured_outputs is not None
+                   else dataclasses.replace(sp, structured_outputs=constraint) for sp in sps]
+        outs = self.generate(prompts, sps, use_tqdm=use_tqdm, _prompt_texts=texts)
+        if tools:
+            from kimi_jax.text.tool_parser import parse_output, tool_finish_reason
+            for ro in outs:
+                for c in ro.outputs:
+                    parsed = parse_output(c.token_ids, self.tokenizer)
+                    c.content, c.tool_calls = parsed.content, parsed.tool_calls
+                    c.finish_reason = tool_finish_reason(c.finish_reason, bool(parsed.tool_calls))
+        return outs
 
     def chat_prompt_ids(self, messages, *, add_generation_prompt: bool = True, tools=None,
                         chat_template: Optional[str] = None) -> list[int]:

@@ -1,7 +1,7 @@
 """kimi-batch's output lines against the OpenAI Batch format, field by field (the `openai` client's own
-response types check the bodies): chat and completions with logprobs, n, url routing, method errors,
-duplicate custom_ids, refused requests (400 / 404 with OpenAI's error body), the model name, the
-progress total and the prefix cache summary. One in-process run over the demo model (it has a tokenizer
+response types check the bodies): chat and completions with logprobs, n, a forced tool call in
+message.tool_calls, url routing, method errors, duplicate custom_ids, refused requests (400 / 404 with
+OpenAI's error body), the model name, the progress total and the prefix cache summary. One in-process run over the demo model (it has a tokenizer
 and a chat template) and a rerun that must add nothing."""
 from __future__ import annotations
 
@@ -9,11 +9,15 @@ import json
 import re
 import time
 
+import jsonschema
 import pytest
 
 openai = pytest.importorskip("openai")
 
 NAME = "batch-model"
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["a"], "additionalProperties": False}}}]
 CHAT = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "temperature": 0,
         "logprobs": True, "top_logprobs": 2}
 COMPLETION = {"prompt": "The with statement", "max_tokens": 3, "temperature": 0, "logprobs": 2, "n": 2,
@@ -30,6 +34,9 @@ LINES = [
     {"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}},
     {"custom_id": "penalty", "method": "POST", "url": "/v1/chat/completions",
      "body": {**CHAT, "logprobs": False, "top_logprobs": None, "presence_penalty": 0.5}},
+    {"custom_id": "tool", "method": "POST", "url": "/v1/chat/completions", "body": {
+        "messages": [{"role": "user", "content": "Add"}], "tools": TOOLS, "max_tokens": 48, "temperature": 0,
+        "tool_choice": {"type": "function", "function": {"name": "add"}}}},
 ]
 
 
@@ -91,6 +98,13 @@ def test_batch_output_is_openai_batch_format(cli, tmp_path, monkeypatch):
         for tok, p, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
             assert len(top) == 2 and top[tok] == p == max(top.values())
     assert ok("penalty")["choices"][0]["logprobs"] is None
+    tool = ok("tool")           # a named tool: the call is forced and parsed into message.tool_calls
+    openai.types.chat.ChatCompletion.model_validate(tool)
+    (c,) = tool["choices"]
+    assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None, c
+    (call,) = c["message"]["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "add"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), TOOLS[0]["function"]["parameters"])
 
     def top_error(cid, code, *words):
         (r,) = by_id[cid]
@@ -104,7 +118,7 @@ def test_batch_output_is_openai_batch_format(cli, tmp_path, monkeypatch):
     assert first["error"]["code"] == "invalid_method" and "GET" in first["error"]["message"]
     assert again["error"]["code"] == "duplicate_custom_id" and "line 6" in again["error"]["message"]
     top_error("line-9", "invalid_request", "custom_id")
-    top_error("line-11", "invalid_request", "malformed JSON")
+    top_error(f"line-{len(LINES) + 1}", "invalid_request", "malformed JSON")
 
     def refused(cid, status, param):
         (r,) = by_id[cid]
@@ -120,7 +134,7 @@ def test_batch_output_is_openai_batch_format(cli, tmp_path, monkeypatch):
     n = len(LINES) + 1
     assert f"{n}/{n}" in res.stderr, res.stderr[-2000:]
     summary = res.stderr.strip().splitlines()[-1]
-    assert re.search(r"3 results, 2 refused, 6 errors, 0 already done, of 11 lines", summary), summary
+    assert re.search(r"4 results, 2 refused, 6 errors, 0 already done, of 12 lines", summary), summary
     m = re.search(r"prefix cache hit rate (\S+) \((\d+) of (\d+) prompt tokens\)", summary)
     assert m and int(m.group(3)) > 0 and int(m.group(2)) <= int(m.group(3)), summary
 
@@ -137,4 +151,4 @@ def test_batch_output_is_openai_batch_format(cli, tmp_path, monkeypatch):
     assert again.returncode == 0, again
     assert seen == [False]
     assert out.read_text() == before
-    assert "0 results, 0 refused, 0 errors, 11 already done" in again.stderr, again.stderr[-1000:]
+    assert "0 results, 0 refused, 0 errors, 12 already done" in again.stderr, again.stderr[-1000:]

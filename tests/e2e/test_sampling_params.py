@@ -131,6 +131,7 @@ def test_min_tokens_logit_bias_and_bad_words(llm, monkeypatch):
                                                     logit_bias={first: -100.0}))[0].outputs
     assert all(first not in s.token_ids for s in sampled)
     monkeypatch.setattr(llm, "tokenizer", WordTokenizer())
+    monkeypatch.setattr(llm, "_generate_engine", None)     # the kept engine (prefix caching) has no tokenizer
     g = greedy.token_ids
     banned = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
                                                    bad_words=[f"w{g[0]}", f"w{g[2]} w{g[3]}"]))[0].outputs[0]

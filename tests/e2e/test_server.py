@@ -147,6 +147,42 @@ def test_chat_matches_llm_chat_and_stream(server, client):
     assert all(t.token == t.top_logprobs[0].token and t.logprob <= 0 for t in content)
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}]
+
+
+def test_chat_tool_calls_and_their_stream(client):
+    """tool_choice "required": the reply's tool_calls validate (jsonschema); the streamed deltas, put
+    together as a client does, equal the non-streamed reply; response_format json_schema validates."""
+    jsonschema = pytest.importorskip("jsonschema")
+    msgs = [{"role": "user", "content": "Weather in Oslo?"}]
+    kw = dict(model=NAME, messages=msgs, max_tokens=64, temperature=1.0, seed=3, tools=TOOLS, tool_choice="required")
+    full = client.chat.completions.create(**kw)
+    ch = full.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.tool_calls and not ch.message.content
+    for call in ch.message.tool_calls:
+        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("functions.")
+        jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
+    calls, content, finish = [], "", None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        for t in d.tool_calls or []:
+            if t.id is not None:
+                assert t.index == len(calls)
+                calls.append({"id": t.id, "name": t.function.name, "arguments": t.function.arguments or ""})
+            else:
+                calls[t.index]["arguments"] += t.function.arguments
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and content == ""
+    assert calls == [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in ch.message.tool_calls]
+    schema = TOOLS[0]["function"]["parameters"]
+    js = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=64, temperature=1.0, seed=4,
+                                        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}})
+    jsonschema.validate(json.loads(js.choices[0].message.content), schema)
+
+
 def test_32_concurrent_streams_equal_one_by_one(client, server):
     prompts = [f"def f{i}(x):" if i % 2 else f"The value {i} is" for i in range(32)]
     one_by_one = [client.completions.create(model=NAME, prompt=p, max_tokens=12, temperature=0.0).choices[0].text

@@ -49,7 +49,9 @@ def test_chat_errors_name_the_field():
     for body, param in [({"messages": []}, "messages"), ({"messages": "hi"}, "messages"),
                         ({"messages": [{}], "top_logprobs": 2}, "top_logprobs"),
                         ({"messages": [{}], "tools": [{"type": "function"}]}, "tools"),
-                        ({"messages": [{}], "response_format": {"type": "json_object"}}, "response_format")]:
+                        ({"messages": [{}], "response_format": {"type": "xml"}}, "response_format"),
+                        ({"messages": [{}], "tools": [{"type": "function", "function": {"name": "f"}}],
+                          "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice")]:
         with pytest.raises(P.ProtocolError) as e:
             P.parse_chat(body)
         assert e.value.param == param, body

@@ -73,7 +73,7 @@ class GenerationRequest:
     include_usage: bool = False
     logprobs: Optional[int] = None             # top logprobs per token (0: only the chosen token's)
     add_generation_prompt: bool = True
-    tools: Optional[list] = None               # chat: passed to the chat template
+    tools: Optional[list] = None               # chat: passed to the chat template; calls parsed from the reply
 
 
 # ---- field checks ---------------------------------------------------------------------------------
@@ -250,12 +250,18 @@ def parse_chat(body: Any) -> GenerationRequest:
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise ProtocolError("'tools' must be a list", "tools")
-    _unsupported(body, "tools", lambda v: not v, "tool calls are not parsed by this server")
-    _unsupported(body, "tool_choice", lambda v: v in ("none", "auto"), "only 'none' or 'auto'")
-    _unsupported(body, "response_format", lambda v: isinstance(v, dict) and v.get("type") == "text",
-                 "only {'type': 'text'}")
     _unsupported(body, "modalities", lambda v: v == ["text"], "text only")
     params = _sampling(body, max_tokens=max_tokens, logprobs=logprobs)
+    # tools / tool_choice / response_format constrain the output (kimi_jax.engine.structured)
+    from kimi_jax.engine.structured import StructuredOutputError, from_openai
+    try:
+        constraint = from_openai(body.get("response_format"), tools, body.get("tool_choice"))
+    except StructuredOutputError as e:
+        msg = str(e)
+        field = next((f for f in ("response_format", "tool_choice", "tools") if msg.startswith(f)), "tools")
+        raise ProtocolError(msg, field) from None
+    if constraint is not None:
+        params = dataclasses.replace(params, structured_outputs=constraint)
     return GenerationRequest("chat", params=params, messages=msgs, logprobs=logprobs,
                              add_generation_prompt=_bool(body, "add_generation_prompt", True),
                              tools=tools or None, **common)
@@ -368,6 +374,16 @@ def completion_response(rid: str, created: int, model: str, choices: list, usage
                         k: Optional[int] = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [_completion_choice(c, tokenizer, k) for c in choices], "usage": usage_}
+
+
+def with_tool_calls(c: Choice, tokenizer) -> Choice:
+    """A finished chat choice of a request with tools: Kimi's tool-call section of its tokens parsed into
+    `tool_calls`, the text before it as the content, finish_reason "tool_calls" when it made calls."""
+    from kimi_jax.text.tool_parser import parse_output, tool_finish_reason
+    parsed = parse_output(c.token_ids, tokenizer)
+    c.text, c.tool_calls = parsed.content, parsed.tool_calls or None
+    c.finish_reason = tool_finish_reason(c.finish_reason, bool(parsed.tool_calls))
+    return c
 
 
 def chat_response(rid: str, created: int, model: str, choices: list, usage_: dict, tokenizer=None,

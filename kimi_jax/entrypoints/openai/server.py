@@ -35,6 +35,7 @@ from kimi_jax.engine.sampling import SamplingParams
 from kimi_jax.engine.scheduler import RequestError
 from kimi_jax.entrypoints.openai import protocol as P
 from kimi_jax.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from kimi_jax.text.tool_parser import ChatOutputParser, tool_finish_reason
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
@@ -269,6 +270,8 @@ class OpenAIServer:
                 out = self.llm.to_output(r).outputs[0]
                 done[k] = P.Choice(k, out.text or "", out.token_ids, out.finish_reason, out.stop_reason,
                                    out.logprobs)
+                if g.kind == "chat" and g.tools and self.tokenizer is not None:
+                    P.with_tool_calls(done[k], self.tokenizer)      # Kimi's tool-call section
         choices = [done[k] for k in sorted(done)]
         n_prompt = sum(len(r.prompt_ids) for k, r in reqs if k % g.n == 0)
         use = P.usage(n_prompt, sum(len(c.token_ids) for c in choices))
@@ -282,6 +285,9 @@ class OpenAIServer:
         index = {r.request_id: (k, r) for k, r in reqs}
         streams = {r.request_id: P.TextStream(self.tokenizer, r.params.stop_strings) if self.tokenizer else None
                    for _, r in reqs}
+        # chat with tools: content and tool-call deltas from the parser (kimi_jax.text.tool_parser)
+        calls = ({r.request_id: ChatOutputParser(self.tokenizer) for _, r in reqs}
+                 if chat and g.tools and self.tokenizer is not None else None)
         offsets = {r.request_id: 0 for _, r in reqs}
         started, left = set(), len(reqs)
 
@@ -304,7 +310,21 @@ class OpenAIServer:
                 break
             ts = streams[d.request_id]
             c = P.Choice(k, "", d.token_ids, logprobs=d.logprobs if g.logprobs is not None else None)
-            if d.finished:      # the engine's final text (a stop string cut off) completes what was sent
+            if calls is not None:
+                parser = calls[d.request_id]
+                delta = parser.feed_ids(d.token_ids)
+                if d.finished:
+                    tail = parser.finish()
+                    delta.content += tail.content
+                    delta.tool_calls += tail.tool_calls
+                    out = self.llm.to_output(r).outputs[0]
+                    c.finish_reason = tool_finish_reason(out.finish_reason, bool(parser.result().tool_calls))
+                    c.stop_reason = out.stop_reason
+                    left -= 1
+                c.text, c.tool_calls = delta.content, delta.tool_calls or None
+                if not d.finished and not delta and c.logprobs is None:
+                    continue
+            elif d.finished:      # the engine's final text (a stop string cut off) completes what was sent
                 out = self.llm.to_output(r).outputs[0]
                 c.text = ts.finish(out.text or "") if ts is not None else ""
                 c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason

@@ -1,0 +1,416 @@
+"""Constrained decoding: outputs valid by construction, through llguidance.
+
+A request's constraint is a `StructuredOutputsParams` (vLLM's names: ``json``, ``regex``, ``choice``,
+``grammar``, ``json_object``), built directly or from the OpenAI fields (`from_openai`:
+``response_format`` and ``tools`` + ``tool_choice``). Tool calls are constrained to Kimi's section
+(``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}
+<|tool_call_end|>...<|tool_calls_section_end|>``) as a Lark grammar whose markers are the special
+tokens themselves and whose arguments follow each tool's JSON schema.
+
+`StructuredBackend` holds the tokenizer as llguidance sees it (built once, about a second at a
+163,840-token vocabulary) and a cache of compiled grammars; `RowMatcher` is one request's grammar state.
+Each decode step the host fills a packed int32 bitmask [B, ceil(V/32)] (bit t of word t // 32 set: token
+t allowed; rows without a constraint all ones), the jitted step applies it on the device
+(`apply_token_bitmask`), and the host advances each matcher with the sampled token when it reads it.
+Why llguidance and not xgrammar: no torch dependency, and at a 163,840-token vocabulary its
+per-step masks and grammar compiles measured faster (BENCHMARKS.md "Structured outputs").
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import threading
+from typing import Any, Optional, Sequence, Union
+
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "StructuredOutputsParams", "StructuredOutputError", "StructuredBackend", "RowMatcher",
+    "apply_token_bitmask", "apply_token_bitmask_reference", "from_openai", "tool_call_grammar",
+    "mask_words",
+]
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class StructuredOutputError(ValueError):
+    """A constraint that cannot be compiled or a request field that does not describe one."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Exactly one of: json (a JSON schema, dict or string), regex, choice (strings), grammar (Lark, in
+    llguidance's dialect; special tokens as ``<|name|>``), json_object (any JSON object).
+    disable_any_whitespace: JSON written compactly (``,`` and ``:``). The default writes it as
+    ``json.dumps`` does (``, `` and ``: ``, the layout of the arguments in Kimi's chat template) and
+    allows no other whitespace, unlike vLLM's default of any whitespace: a model that loops on
+    whitespace then cannot spend its max_tokens inside the JSON."""
+    json: Optional[Union[str, dict]] = None
+    regex: Optional[str] = None
+    choice: Optional[Sequence[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: bool = False
+
+    def kind(self) -> str:
+        set_ = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise StructuredOutputError(
+                f"structured_outputs needs exactly one of {', '.join(_KINDS)}; got {set_ or 'none'}")
+        return set_[0]
+
+    def validate(self) -> None:
+        k = self.kind()
+        v = getattr(self, k)
+        if k == "json" and not isinstance(v, (str, dict)):
+            raise StructuredOutputError(f"structured_outputs.json must be a JSON schema (object or string), got {type(v).__name__}")
+        if k in ("regex", "grammar") and (not isinstance(v, str) or not v):
+            raise StructuredOutputError(f"structured_outputs.{k} must be a non-empty string")
+        if k == "choice" and (isinstance(v, str) or not v or any(not isinstance(c, str) for c in v)):
+            raise StructuredOutputError("structured_outputs.choice must be a non-empty list of strings")
+
+    def to_grammar(self) -> str:
+        """The llguidance grammar (a JSON string) of this constraint."""
+        import llguidance as llg
+        self.validate()
+        k = self.kind()
+        try:
+            if k in ("json", "json_object"):
+                schema = {"type": "object"} if k == "json_object" else self.json
+                if isinstance(schema, str):
+                    schema = json.loads(schema)
+                if not isinstance(schema, dict):
+                    raise StructuredOutputError("structured_outputs.json must be a JSON object schema")
+                return llg.LLMatcher.grammar_from_json_schema(schema, defaults=json_layout(self.disable_any_whitespace))
+            if k == "regex":
+                return llg.LLMatcher.grammar_from_regex(self.regex)
+            if k == "choice":
+                return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+            return llg.LLMatcher.grammar_from_lark(self.grammar)
+        except StructuredOutputError:
+            raise
+        except (ValueError, TypeError) as e:
+            raise StructuredOutputError(f"structured_outputs.{k}: {_one_line(e)}") from None
+
+
+def json_layout(compact: bool) -> dict:
+    """llguidance JSON options: no free whitespace; separators as json.dumps (compact: ``,`` ``:``)."""
+    return {"whitespace_flexible": False, "item_separator": "," if compact else ", ",
+            "key_separator": ":" if compact else ": "}
+
+
+def _one_line(e: Any, limit: int = 300) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------- OpenAI fields -> constraint
+
+_SECTION = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+_CALL = ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+
+
+def _tool_function(tool: Any, where: str) -> tuple[str, dict]:
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(tool.get("function"), dict):
+        raise StructuredOutputError(f"{where}: a tool must be {{'type': 'function', 'function': {{...}}}}")
+    fn = tool["function"]
+    name = fn.get("name")
+    if not isinstance(name, str) or not name or not all(c.isalnum() or c in "_-." for c in name) or not name.isascii():
+        raise StructuredOutputError(f"{where}.function.name must be letters, digits, '_', '-' or '.', got {name!r}")
+    params = fn.get("parameters", {"type": "object"})
+    if params is None:
+        params = {"type": "object"}
+    if not isinstance(params, dict):
+        raise StructuredOutputError(f"{where}.function.parameters must be a JSON schema object")
+    return name, params
+
+
+def tool_call_grammar(tools: Sequence[dict], *, names: Optional[Sequence[str]] = None, single: bool = False,
+                      allow_text: bool = False, disable_any_whitespace: bool = False) -> str:
+    """A Lark grammar (llguidance dialect) for Kimi's tool-call section over `tools` (OpenAI tool
+    objects): calls to the functions in `names` (all when None) with arguments that match each one's
+    ``parameters`` schema; `single`: exactly one call; `allow_text`: free text first and the section
+    optional (tool_choice "auto"). Call indices are 1-3 digits; arguments laid out as `json_layout`."""
+    fns = dict(_tool_function(t, f"tools[{i}]") for i, t in enumerate(tools))
+    chosen = list(fns) if names is None else list(names)
+    for n in chosen:
+        if n not in fns:
+            raise StructuredOutputError(f"tool_choice names function {n!r}, which is not among the tools")
+    lines = []
+    if allow_text:
+        lines += ["start: TEXT? section?", "TEXT: /(?s:.+)/"]
+    else:
+        lines += ["start: section"]
+    lines += [f"section: {_SECTION[0]} {'call' if single else 'call+'} {_SECTION[1]}",
+              "call: " + " | ".join(f"call_{i}" for i in range(len(chosen))),
+              "IDX: /[0-9]{1,3}/"]
+    for i, n in enumerate(chosen):
+        schema = dict(fns[n])
+        schema["x-guidance"] = {**json_layout(disable_any_whitespace), **(schema.get("x-guidance") or {})}
+        lines.append(f'call_{i}: {_CALL[0]} {json.dumps("functions." + n + ":")} IDX {_CALL[1]} args_{i} {_CALL[2]}')
+        lines.append(f"args_{i}: %json {json.dumps(schema)}")
+    return "\n".join(lines)
+
+
+def from_openai(response_format: Any = None, tools: Any = None, tool_choice: Any = None
+                ) -> Optional[StructuredOutputsParams]:
+    """The constraint of an OpenAI chat request, or None (free text).
+
+    tool_choice "required" / {"type": "function", "function": {"name": N}}: the output is a tool-call
+    section (one call to N when named); "auto" (the default with tools): free text, or a section whose
+    calls are valid (with response_format too: its JSON or a section); "none": free text without any
+    special token (so no section). response_format {"type": "json_object"} / {"type": "json_schema",
+    "json_schema": {"schema": ...}} / {"type": "text"}."""
+    rf = None
+    if response_format is not None:
+        if not isinstance(response_format, dict) or response_format.get("type") not in ("text", "json_object", "json_schema"):
+            raise StructuredOutputError("response_format.type must be 'text', 'json_object' or 'json_schema'")
+        if response_format["type"] == "json_object":
+            rf = StructuredOutputsParams(json_object=True)
+        elif response_format["type"] == "json_schema":
+            js = response_format.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+                raise StructuredOutputError("response_format.json_schema must be an object with a 'schema' object")
+            rf = StructuredOutputsParams(json=js.get("schema", {"type": "object"}))
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise StructuredOutputError("tool_choice is given but the request has no tools")
+        return rf
+    if not isinstance(tools, (list, tuple)):
+        raise StructuredOutputError("tools must be a list of tool objects")
+    choice = "auto" if tool_choice is None else tool_choice
+    if choice == "none":
+        return rf or StructuredOutputsParams(grammar="start: TEXT?\nTEXT: /(?s:.+)/")
+    if choice == "required":
+        return StructuredOutputsParams(grammar=tool_call_grammar(tools))
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise StructuredOutputError("tool_choice must be 'none', 'auto', 'required' or "
+                                        "{'type': 'function', 'function': {'name': ...}}")
+        return StructuredOutputsParams(grammar=tool_call_grammar(tools, names=[name], single=True))
+    if choice != "auto":
+        raise StructuredOutputError(f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice!r}")
+    grammar = tool_call_grammar(tools, allow_text=rf is None)
+    if rf is not None:        # its JSON, or a section
+        body = grammar.replace("start: section", "start: answer | section", 1)
+        schema = {"type": "object"} if rf.json_object else rf.json
+        schema = json.loads(schema) if isinstance(schema, str) else dict(schema)
+        schema["x-guidance"] = {**json_layout(False), **(schema.get("x-guidance") or {})}
+        grammar = body + "\nanswer: %json " + json.dumps(schema)
+    return StructuredOutputsParams(grammar=grammar)
+
+
+# ---------------------------------------------------------------- matchers and masks
+
+def mask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class RowMatcher:
+    """One request's grammar state. `accept` advances it by a sampled token (False: the token broke the
+    grammar, which a mask-constrained step never samples); `is_finished`: only a stop token is left."""
+
+    def __init__(self, matcher, grammar: str):
+        self._m = matcher
+        self.grammar = grammar
+
+    def accept(self, token: int) -> bool:
+        return bool(self._m.consume_token(int(token)))
+
+    def is_finished(self) -> bool:
+        return bool(self._m.is_stopped())
+
+    def is_error(self) -> bool:
+        return bool(self._m.is_error())
+
+    def error(self) -> str:
+        return self._m.get_error()
+
+    def closing_path(self, priority: Sequence[int], stop_ids, limit: int, first: Optional[int] = None
+                     ) -> Optional[list[int]]:
+        """The tokens a greedy closer would write from this state to a complete output, ending with a
+        stop token (or the grammar's end): the text the grammar forces (as llguidance tokenizes it),
+        else the first allowed token of `priority`, else the lowest allowed id. None if that takes more
+        than `limit` tokens. Works on a copy; `first`: a token taken before the close (not counted)."""
+        m = self._m.deep_copy()
+        if first is not None and not m.consume_token(int(first)):
+            return None
+        path: list[int] = []
+        while len(path) < limit:
+            if m.is_stopped():
+                return path
+            forced = m.compute_ff_tokens()          # text the grammar forces, in the tokenizer's tokens
+            if forced:
+                if not m.consume_tokens(forced):
+                    return None
+                path += forced
+                continue
+            bits = np.frombuffer(m.compute_bitmask(), np.uint8)
+            allowed = lambda t: t < bits.size * 8 and (bits[t >> 3] >> (t & 7)) & 1
+            pick = next((t for t in priority if allowed(t)), None)
+            if pick is None:
+                nz = np.flatnonzero(np.unpackbits(bits, bitorder="little"))
+                if nz.size == 0:
+                    return None
+                pick = int(nz[0])
+            path.append(pick)
+            if pick in stop_ids:
+                return path
+            if not m.consume_token(pick):
+                return None
+        return None
+
+
+class StructuredBackend:
+    """llguidance over one tokenizer (a `kimi_jax.text.tokenizer.Tokenizer`) and a model vocabulary of
+    `vocab_size` logits. Compiled grammars are cached (`cache_size` most recent); each request gets a
+    copy of the compiled start state. Cheap to create, and reads nothing of the tokenizer until a
+    request needs it: llguidance's tokenizer is built on first use."""
+
+    def __init__(self, tokenizer, vocab_size: int, *, cache_size: int = 128, num_threads: Optional[int] = None):
+        import llguidance as llg
+        if tokenizer is None:
+            raise StructuredOutputError("structured outputs need the model's tokenizer; this model has none")
+        self.tokenizer, self.vocab_size = tokenizer, int(vocab_size)
+        self._llg = llg
+        self._lltok_built = None
+        self.words = mask_words(self.vocab_size)
+        self._num_threads = num_threads
+        self._executor_built = None
+        self._cache: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    @property
+    def _tok_words(self) -> int:
+        """Mask words of the tokenizer's ids (its vocabulary may be larger than the model's logits)."""
+        return mask_words(self.tokenizer.vocab_size)
+
+    @property
+    def _lltok(self):
+        """The tokenizer as llguidance sees it, built on first use."""
+        with self._lock:
+            if self._lltok_built is None:
+                from llguidance.tiktoken import lltokenizer_from_encoding
+                self._lltok_built = lltokenizer_from_encoding(
+                    self.tokenizer._enc, n_vocab=self.tokenizer.vocab_size,
+                    eos_token=list(self.tokenizer.stop_token_ids))
+            return self._lltok_built
+
+    @property
+    def _executor(self):
+        if self._executor_built is None:
+            self._executor_built = self._llg.LLExecutor(num_threads=self._num_threads)
+        return self._executor_built
+
+    @property
+    def closing_priority(self) -> list[int]:
+        """Token preference of `RowMatcher.closing_path`: stop tokens, the tool-call section's closing
+        markers, then single bytes that close or shortest-fill JSON (a quote, a brace, a bracket, 0,
+        separators, the start of a literal)."""
+        if getattr(self, "_priority", None) is None:
+            tok = self.tokenizer
+            ids = list(tok.stop_token_ids)
+            ids += [tok.special_tokens[m] for m in ("<|tool_calls_section_end|>", "<|tool_call_end|>")
+                    if m in tok.special_tokens]
+            ids += [tok.mergeable_ranks[bytes([c])] for c in b'"}],:0[{tfn' if bytes([c]) in tok.mergeable_ranks]
+            self._priority = ids
+        return self._priority
+
+    #: tokens of slack a close keeps: one sampled token can lengthen the close (an opening brace of an
+    #: object with required keys), so it starts this much before it would need every token left
+    close_margin: int = 16
+
+    def bitmask_closing(self, mask_row: np.ndarray, row: RowMatcher, tokens_left: int) -> bool:
+        """Near the end of a request's budget: when a greedy close (`RowMatcher.closing_path`) needs
+        all but `close_margin` of the `tokens_left` tokens, narrow the row's mask to the close's next
+        token, so the output ends complete within max_tokens; before that, forbid the special tokens
+        (a new tool call, ...) after which the close would no longer fit. True if it narrowed."""
+        stops = set(self.tokenizer.stop_token_ids)
+        limit = 2 * tokens_left + 16      # a close longer than the budget still starts: the best left
+        path = row.closing_path(self.closing_priority, stops, limit)
+        if path is None or not path:
+            return False
+        if len(path) + self.close_margin >= tokens_left:
+            t = path[0]
+            if t >= self.words * 32:
+                return False
+            mask_row[:] = 0
+            mask_row[t >> 5] = np.int32(np.uint32(1 << (t & 31)).view(np.int32))
+            return True
+        narrowed = False
+        base = self.tokenizer.num_base_tokens
+        bits = np.unpackbits(mask_row.view(np.uint8), bitorder="little")
+        for t in np.flatnonzero(bits[base:]) + base:
+            t = int(t)
+            if t in stops or t >= self.vocab_size:
+                continue
+            after = row.closing_path(self.closing_priority, stops, limit, first=t)
+            if after is None or 1 + len(after) + self.close_margin >= tokens_left:
+                mask_row[t >> 5] &= np.int32(~np.uint32(1 << (t & 31)).view(np.int32))
+                narrowed = True
+        return narrowed
+
+    def compile(self, params: StructuredOutputsParams) -> str:
+        """The llguidance grammar of params, checked against this tokenizer (StructuredOutputError
+        names the field at fault)."""
+        grammar = params.to_grammar()
+        self._start(grammar, params.kind())
+        return grammar
+
+    def _start(self, grammar: str, kind: str):
+        with self._lock:
+            m = self._cache.get(grammar)
+            if m is not None:
+                self._cache.move_to_end(grammar)
+                return m
+        m = self._llg.LLMatcher(self._lltok, grammar, log_level=0)
+        if m.is_error():
+            raise StructuredOutputError(f"structured_outputs.{kind}: {_one_line(m.get_error())}")
+        with self._lock:
+            self._cache[grammar] = m
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return m
+
+    def matcher(self, params: StructuredOutputsParams) -> RowMatcher:
+        grammar = params.to_grammar()
+        return RowMatcher(self._start(grammar, params.kind()).deep_copy(), grammar)
+
+    def fill_bitmask(self, rows: Sequence[Optional[RowMatcher]], batch: Optional[int] = None) -> np.ndarray:
+        """[batch, ceil(vocab_size / 32)] int32 for the rows of a step (None: unconstrained, all ones;
+        rows past len(rows) too). Constrained rows' masks are computed in parallel."""
+        B = len(rows) if batch is None else batch
+        mask = np.full((B, self._tok_words), -1, np.int32)
+        pairs = [(r._m, b) for b, r in enumerate(rows) if r is not None]
+        if pairs:
+            self._executor.unsafe_compute_mask_ptr(pairs, mask.ctypes.data, self._tok_words * 4, B)
+        if self._tok_words >= self.words:
+            return np.ascontiguousarray(mask[:, :self.words])
+        # logits past the tokenizer's ids: allowed in unconstrained rows only
+        extra = np.full((B, self.words - self._tok_words), -1, np.int32)
+        extra[[b for _, b in pairs]] = 0
+        return np.concatenate([mask, extra], axis=1)
+
+
+def apply_token_bitmask(logits_BV: jnp.ndarray, mask_BW: jnp.ndarray) -> jnp.ndarray:
+    """Logits with every token whose bit is clear set to -inf (jit-friendly; W = ceil(V / 32), bit
+    t % 32 of word t // 32 is token t)."""
+    B, V = logits_BV.shape
+    bits_BW32 = (mask_BW[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed_BV = bits_BW32.reshape(B, -1)[:, :V].astype(bool)
+    return jnp.where(allowed_BV, logits_BV, jnp.asarray(-jnp.inf, logits_BV.dtype))
+
+
+def apply_token_bitmask_reference(logits_BV: np.ndarray, mask_BW: np.ndarray) -> np.ndarray:
+    """Plain-loop numpy reference of `apply_token_bitmask`."""
+    out = np.array(logits_BV, copy=True)
+    B, V = out.shape
+    for b in range(B):
+        for t in range(V):
+            if not (int(mask_BW[b, t // 32]) >> (t % 32)) & 1:
+                out[b, t] = -np.inf
+    return out

@@ -1,0 +1,280 @@
+"""Structured-output costs: llguidance vs xgrammar (grammar compile per schema, per-step bitmask fill at
+batch 1 / 16 / 64), and the on-device mask's cost inside a jitted sampling step, at the demo
+vocabulary (4,096) and Kimi's (163,840).
+
+  PYTHONPATH=$PWD python -m launch.bench_structured --out=/tmp/structured.json
+
+The 163,840-token tokenizer is synthetic (Kimi's shape: 163,584 byte-level ranks then 258 special ids
+with the tool-call markers at Kimi's offsets): the 256 bytes, the demo checkpoint's ranks, then
+seeded random words (ASCII with and without a leading space, capitalised), CJK runs, digit runs,
+punctuation and whitespace runs, until 163,584 distinct tokens. Its token strings are not a trained
+vocabulary's; the mask cost depends on the vocabulary size and its prefix structure, which this
+reproduces roughly. Each matcher follows a valid instance of its schema token by token; a step's
+time is the fill of every row's mask (the token consumption after it is timed apart).
+xgrammar needs torch (imported here only).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", None, "write the results as JSON here")
+flags.DEFINE_string("batches", "1,16,64", "batch sizes")
+flags.DEFINE_bool("xgrammar", True, "also measure xgrammar (needs torch)")
+flags.DEFINE_integer("reps", 5, "timed repetitions of each jitted step")
+flags.DEFINE_integer("steps", 20, "timed engine decode steps per (model, batch, mask)")
+flags.DEFINE_list("parts", ["grammar", "sampler", "engine"], "what to measure")
+
+SCHEMAS = {
+    "enum_flat": ({"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},
+                                                    "city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["unit", "city", "days"], "additionalProperties": False},
+                  {"unit": "celsius", "city": "Paris", "days": 3}),
+    "nested": ({"type": "object", "properties": {
+        "user": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
+                                                  "address": {"type": "object", "properties": {
+                                                      "street": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                                                      "required": ["street", "zip"]}},
+                 "required": ["name", "age", "address"]},
+        "active": {"type": "boolean"}}, "required": ["user", "active"]},
+        {"user": {"name": "Ada Lovelace", "age": 36, "address": {"street": "12 St James's Square", "zip": "10001"}}, "active": True}),
+    "arrays": ({"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 5},
+        "points": {"type": "array", "items": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+                                              "required": ["x", "y"]}}},
+        "required": ["tags", "points"]},
+        {"tags": ["alpha", "beta", "gamma"], "points": [{"x": 1.5, "y": -2}, {"x": 0, "y": 3.25}]}),
+    "anyof_required": ({"type": "object", "properties": {
+        "id": {"type": "string"}, "kind": {"enum": ["a", "b", "c"]},
+        "value": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 20}, {"type": "null"}]},
+        "meta": {"type": "object", "additionalProperties": {"type": "string"}}},
+        "required": ["id", "kind", "value"]},
+        {"id": "req-42", "kind": "b", "value": "forty two", "meta": {"source": "bench", "lang": "en"}}),
+}
+
+
+def synthetic_tokenizer(n_base: int = 163_584, seed: int = 0):
+    """A Kimi-shaped tokenizer with n_base ranks (module docstring)."""
+    from checkpoints.bpe import KIMI_SPECIAL_TOKEN_OFFSETS, NON_SPECIAL_TOKENS
+    from kimi_jax.text.tokenizer import NUM_RESERVED_SPECIAL_TOKENS, Tokenizer, load_tiktoken_ranks
+    demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "demo", "tiktoken.model")
+    toks = [bytes([b]) for b in range(256)]
+    seen = set(toks)
+    for t, _ in sorted(load_tiktoken_ranks(demo).items(), key=lambda kv: kv[1]):
+        if t not in seen:
+            seen.add(t), toks.append(t)
+    rng = random.Random(seed)
+    lower = "etaoinshrdlcumwfgypbvkjxqz"
+    weights = [12, 9, 8, 7.5, 7, 6.7, 6.3, 6, 5.9, 4.3, 4, 2.8, 2.8, 2.4, 2.4, 2.2, 2, 2, 1.9, 1.5, 1, .8, .2, .2, .1, .1]
+    punct = list('{}[]":,.()-_/\\!?;\'*#@&%$+=<>|')
+    while len(toks) < n_base:
+        r = rng.random()
+        if r < 0.6:
+            w = "".join(rng.choices(lower, weights, k=rng.randint(2, 10)))
+            if rng.random() < 0.2:
+                w = w.capitalize()
+            s = (" " + w) if rng.random() < 0.6 else w
+        elif r < 0.72:
+            s = "".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(rng.randint(1, 3)))
+        elif r < 0.77:
+            s = str(rng.randint(0, 999))
+        elif r < 0.9:
+            s = (" " if rng.random() < 0.3 else "") + "".join(rng.choices(punct, k=rng.randint(1, 4)))
+        elif r < 0.95:
+            s = rng.choice([" ", "\n", "\t"]) * rng.randint(2, 16)
+        else:
+            s = "".join(chr(rng.randint(0x00C0, 0x04FF)) for _ in range(rng.randint(1, 6)))
+        b = s.encode("utf-8")
+        if b not in seen:
+            seen.add(b), toks.append(b)
+    ranks = {t: i for i, t in enumerate(toks)}
+    named = {n_base + off: name for name, off in KIMI_SPECIAL_TOKEN_OFFSETS.items()}
+    specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(n_base, n_base + NUM_RESERVED_SPECIAL_TOKENS + 2)}
+    return Tokenizer(ranks, specials, pad_token="[PAD]", unk_token="[UNK]", non_special=NON_SPECIAL_TOKENS)
+
+
+def _median_ms(xs):
+    return round(1e3 * statistics.median(xs), 4)
+
+
+def bench_llguidance(tok, batches):
+    import llguidance as llg
+    from kimi_jax.engine.structured import StructuredBackend, StructuredOutputsParams
+    backend = StructuredBackend(tok, 163_840 if tok.vocab_size > 100_000 else 4096)
+    t0 = time.perf_counter()
+    backend._lltok                                   # built on first use
+    out = {"tokenizer_build_s": round(time.perf_counter() - t0, 3), "compile_ms": {}, "mask_ms": {}, "consume_ms": {}}
+    grammars = {}
+    for name, (schema, _) in SCHEMAS.items():
+        g = StructuredOutputsParams(json=schema, disable_any_whitespace=True).to_grammar()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            m = llg.LLMatcher(backend._lltok, g, log_level=0)
+            assert not m.is_error(), m.get_error()
+            times.append(time.perf_counter() - t0)
+        out["compile_ms"][name] = _median_ms(times)
+        grammars[name] = g
+    names = list(SCHEMAS)
+    seqs = {n: tok.encode(json.dumps(SCHEMAS[n][1], separators=(",", ":"))) for n in names}
+    for B in batches:
+        rows = [backend.matcher(StructuredOutputsParams(json=SCHEMAS[names[b % len(names)]][0], disable_any_whitespace=True))
+                for b in range(B)]
+        seq = [seqs[names[b % len(names)]] for b in range(B)]
+        steps = min(len(s) for s in seq)
+        fill, consume = [], []
+        for k in range(steps):
+            t0 = time.perf_counter()
+            mask = backend.fill_bitmask(rows)
+            fill.append(time.perf_counter() - t0)
+            for b in range(B):       # the instance's token must be allowed
+                t = seq[b][k]
+                assert (mask[b, t // 32] >> (t % 32)) & 1, (names[b % len(names)], k)
+            t0 = time.perf_counter()
+            for b in range(B):
+                assert rows[b].accept(seq[b][k]), rows[b].error()
+            consume.append(time.perf_counter() - t0)
+        out["mask_ms"][B], out["consume_ms"][B] = _median_ms(fill), _median_ms(consume)
+    return out
+
+
+def bench_xgrammar(tok, batches):
+    import torch  # noqa: F401  (xgrammar's masks are torch tensors)
+    import xgrammar as xgr
+    vocab = [tok.token_bytes(i) for i in range(tok.vocab_size)]
+    t0 = time.perf_counter()
+    info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=tok.vocab_size, stop_token_ids=tok.stop_token_ids)
+    compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+    out = {"tokenizer_build_s": round(time.perf_counter() - t0, 3), "compile_ms": {}, "mask_ms": {}, "consume_ms": {}}
+    compiled = {}
+    for name, (schema, _) in SCHEMAS.items():
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            c = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
+            times.append(time.perf_counter() - t0)
+        out["compile_ms"][name] = _median_ms(times)
+        compiled[name] = c
+    names = list(SCHEMAS)
+    seqs = {n: tok.encode(json.dumps(SCHEMAS[n][1], separators=(",", ":"))) for n in names}
+    for B in batches:
+        ms = [xgr.GrammarMatcher(compiled[names[b % len(names)]]) for b in range(B)]
+        seq = [seqs[names[b % len(names)]] for b in range(B)]
+        batch = xgr.BatchGrammarMatcher() if B > 1 else None
+        bitmask = xgr.allocate_token_bitmask(B, tok.vocab_size)
+        steps = min(len(s) for s in seq)
+        fill, consume = [], []
+        for k in range(steps):
+            t0 = time.perf_counter()
+            if batch is not None:
+                batch.batch_fill_next_token_bitmask(ms, bitmask)
+            else:
+                ms[0].fill_next_token_bitmask(bitmask, 0)
+            fill.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for b in range(B):
+                assert ms[b].accept_token(seq[b][k]), (names[b % len(names)], k)
+            consume.append(time.perf_counter() - t0)
+        out["mask_ms"][B], out["consume_ms"][B] = _median_ms(fill), _median_ms(consume)
+    return out
+
+
+def bench_sampling_step(batches, vocabs, reps):
+    """The jitted greedy sampler (argmax) with and without `apply_token_bitmask`: the mask's own cost."""
+    import jax
+    import numpy as np
+    from kimi_jax.engine.sampling import SamplingArrays, SamplingParams, sample
+    from kimi_jax.engine.structured import apply_token_bitmask, mask_words
+    plain = jax.jit(lambda l, sp, s: sample(l, sp, s, "greedy"))
+    masked = jax.jit(lambda l, m, sp, s: sample(apply_token_bitmask(l, m), sp, s, "greedy"))
+    out = {}
+    rng = np.random.default_rng(0)
+    for V in vocabs:
+        for B in batches:
+            logits = jax.device_put(rng.standard_normal((B, V), np.float32))
+            mask = rng.integers(-2**31, 2**31 - 1, (B, mask_words(V)), dtype=np.int64).astype(np.int32)
+            sp = SamplingArrays.build([SamplingParams(temperature=1.0)] * B, list(range(B)))
+            steps = np.zeros((B,), np.int32)
+            res = {}
+            for name, f, args in (("no_mask", plain, (logits, sp, steps)), ("mask", masked, (logits, mask, sp, steps))):
+                f(*args).block_until_ready()
+                ts = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    f(*args).block_until_ready()
+                    ts.append(time.perf_counter() - t0)
+                res[name] = _median_ms(ts)
+            out[f"V={V},B={B}"] = res
+    return out
+
+
+def bench_decode_step(batches, steps: int, context: int = 64):
+    """The engine's serving decode step (`Engine.paged_step`, T = 1, greedy, host inputs and fetch:
+    what the scheduler calls) with mask_BW None and with a mask, on the demo model and on the tiny
+    preset at a 163,840-token vocabulary (float32, CPU)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from kimi_jax.config import preset
+    from kimi_jax.engine.steps import Engine, bucket
+    from kimi_jax.engine.structured import mask_words
+    from kimi_jax.entrypoints.llm import LLM, demo_model_path
+    from kimi_jax.parallel.sharding import Layout
+    from kimi_jax.tools.profiling import paged_args, random_engine
+    engines = {"demo_4096": LLM(demo_model_path(), dtype="float32").engine,
+               "tiny_163840": random_engine(preset("tiny").replace(vocab_size=163_840), Layout(1), jnp.float32)}
+    out = {}
+    for label, engine in engines.items():
+        V = engine.cfg.vocab_size
+        for B in batches:
+            pages, tok, table, sp = paged_args(engine, Layout(1), B, bucket(context + steps + 8))
+            last = np.zeros((B,), np.int32)
+            mask = np.full((B, mask_words(V)), -1, np.int32)
+            ts = {"no_mask": [], "mask": []}
+            for i in range(steps + 3):                       # alternating, so load spikes hit both alike
+                for name, m in (("no_mask", None), ("mask", mask)):
+                    pos = np.full(tok.shape, context + i, np.int32)
+                    t0 = time.perf_counter()
+                    pages, o = engine.paged_step(pages, tok, pos, table, last, sp, np.full((B,), i, np.int32), None, m)
+                    ts[name].append(time.perf_counter() - t0)
+            res = {k: _median_ms(v[3:]) for k, v in ts.items()}    # the first 3 compile and warm up
+            out[f"{label},B={B}"] = res
+            print(label, B, res, flush=True)
+    return out
+
+
+def main(argv):
+    del argv
+    import jax
+    batches = [int(b) for b in FLAGS.batches.split(",")]
+    result = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
+              "date": time.strftime("%Y-%m-%d", time.gmtime())}
+    from kimi_jax.text.tokenizer import Tokenizer
+    if "grammar" in FLAGS.parts:
+        demo = Tokenizer.from_pretrained(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "demo"))
+        t0 = time.perf_counter()
+        big = synthetic_tokenizer()
+        result["synthetic_tokenizer_s"] = round(time.perf_counter() - t0, 2)
+        for label, tok in (("demo_4096", demo), ("kimi_163840", big)):
+            result[f"llguidance_{label}"] = bench_llguidance(tok, batches)
+            print(label, "llguidance", json.dumps(result[f"llguidance_{label}"]), flush=True)
+            if FLAGS.xgrammar:
+                result[f"xgrammar_{label}"] = bench_xgrammar(tok, batches)
+                print(label, "xgrammar", json.dumps(result[f"xgrammar_{label}"]), flush=True)
+    if "sampler" in FLAGS.parts:
+        result["sampling_step_ms"] = bench_sampling_step(batches, (4096, 163_840), FLAGS.reps)
+        print("sampling", json.dumps(result["sampling_step_ms"]), flush=True)
+    if "engine" in FLAGS.parts:
+        result["decode_step_ms"] = bench_decode_step(batches, FLAGS.steps)
+    if FLAGS.out:
+        with open(FLAGS.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)
