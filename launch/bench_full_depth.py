@@ -172,7 +172,7 @@ def profile_exe(call, pages, inputs, steps: int, hlo_text: str, top_kernels: int
     costliest kernel names (us per step, launches per step)."""
     import tempfile
     import jax
-    from kimi_jax.tools.profiling import _drop_containers, _find_trace_file, device_op_events, parse_hlo
+    from kimi_jax.tools.profiling import drop_containers, find_trace_file, device_op_events, parse_hlo
     tokens, positions, table, sp, step_B = inputs
     tok = tokens
     tdir = tempfile.mkdtemp(prefix="kimi_full_depth_")
@@ -182,7 +182,7 @@ def profile_exe(call, pages, inputs, steps: int, hlo_text: str, top_kernels: int
             pages, out = call(pages, tok, positions, table, sp, step_B)
             tok = out["tokens"]
         jax.block_until_ready((pages, tok))
-    evs = [o for o in _drop_containers(device_op_events(_find_trace_file(tdir)), parse_hlo(hlo_text))
+    evs = [o for o in drop_containers(device_op_events(find_trace_file(tdir)), parse_hlo(hlo_text))
            if o.dur_us > 0]
     if not evs:
         return {}, pages
@@ -253,7 +253,7 @@ def _call_compiled(compiled, state, pages, tokens, positions, table, sp, steps):
 
 
 def _call_as_jit(compiled, schedule, state, pages, tokens, positions, table, sp, steps, *, n_logprobs,
-                 sample_mode, mla_schedule, plan=None):
+                 sample_mode, mla_schedule, plan=None, occ=None, mask_BW=None):
     """`Engine._decode_step`'s signature over one compiled executable (its static arguments must be
     the ones it was compiled for)."""
     if (n_logprobs, sample_mode, mla_schedule) != (None, "greedy", schedule):
@@ -293,8 +293,12 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
     import jax
     import jax.numpy as jnp
     from kimi_jax import ops
-    from kimi_jax.engine.steps import _i32, mla_schedule_for
+    import numpy as np
+    from kimi_jax.engine.steps import mla_schedule_for
     from kimi_jax.parallel.sharding import Layout
+
+    def _i32(a):
+        return np.asarray(a, np.int32)
     from kimi_jax.tools import hardware
     P = context // PAGE_SIZE
     if context % PAGE_SIZE or P < 4 or P & (P - 1):

@@ -87,10 +87,7 @@ def cli(capsys):
     return run
 
 
-@pytest.fixture
-def tool_module():
-    """Import a launcher module for its functions (`tool_module("launch.bench.int4").dense_sweep`):
-    the flags its import defines are removed again, as `cli` does."""
+def _tool_module():
     import importlib
     done = []
 
@@ -102,6 +99,19 @@ def tool_module():
     yield load
     for module, flags_, before in reversed(done):
         _forget(module, flags_, before)
+
+
+@pytest.fixture
+def tool_module():
+    """Import a launcher module for its functions (`tool_module("launch.bench.int4").dense_sweep`):
+    the flags its import defines are removed again, as `cli` does."""
+    yield from _tool_module()
+
+
+@pytest.fixture(scope="module")
+def module_tool():
+    """`tool_module` for a whole test module (its module-scoped fixtures)."""
+    yield from _tool_module()
 
 
 # Long end-to-end checks (many compiled shapes or several engines each): skipped unless asked for with

@@ -529,7 +529,7 @@ def device_op_events(trace_file: str) -> list[TraceOp]:
 _CONTAINERS = ("while", "conditional", "call", "async-start")
 
 
-def _drop_containers(ops: list[TraceOp], module: Optional[HloModule] = None) -> list[TraceOp]:
+def drop_containers(ops: list[TraceOp], module: Optional[HloModule] = None) -> list[TraceOp]:
     """Remove the events of container instructions (while / conditional / call) that enclose another
     event on the same device thread, so no time is counted twice."""
     instrs = module.instructions if module is not None else {}
@@ -563,7 +563,7 @@ def device_ops_per_call(compiled, args, calls: int) -> tuple[dict, float, str]:
     tdir = tempfile.mkdtemp(prefix="kimi_ops_")      # the caller's output stays free of deep trees
     with jax.profiler.trace(tdir):
         jax.block_until_ready(compiled(*args))
-    evs = [o for o in _drop_containers(device_op_events(find_trace_file(tdir)), module) if o.dur_us > 0]
+    evs = [o for o in drop_containers(device_op_events(find_trace_file(tdir)), module) if o.dur_us > 0]
     per_op = defaultdict(float)
     for o in evs:
         per_op[o.kernel or o.name] += o.dur_us / calls
@@ -688,7 +688,7 @@ def analyze_trace(trace_file: str, module: HloModule, steps: int, *, module_name
     n_devices, top ops) from a trace of `steps` executions of the program compiled as `module`."""
     resolve = _Resolver(module)
     ops = [o for o in device_op_events(trace_file) if module_name is None or o.module == module_name]
-    ops = _drop_containers(ops, module)
+    ops = drop_containers(ops, module)
     devices = sorted({o.device for o in ops})
     if not ops:
         raise ValueError(f"{trace_file}: no device op events of the decode program {module_name}")

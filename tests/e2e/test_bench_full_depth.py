@@ -15,8 +15,13 @@ def test_full_depth_preset_is_kimi_with_16_experts():
 
 
 @pytest.fixture(scope="module")
-def rows():
-    from launch.bench_full_depth import bench
+def fd(module_tool):
+    return module_tool("launch.bench_full_depth")
+
+
+@pytest.fixture(scope="module")
+def rows(fd):
+    bench = fd.bench
     cfg = preset("tiny").replace(num_hidden_layers=2)
     return bench(cfg, [1], context=64, steps=2, variants=["default", "off"], variant_batches=[1],
                  profile_batches=[1], scheduler_batches=[1], hw_name="cpu", dtype=jnp.float32, emit=lambda r: None)
@@ -44,15 +49,15 @@ def test_full_depth_bench_rows(rows):
     assert sched[True]["overlapped_steps"] == 1 and sched[False]["overlapped_steps"] == 0
 
 
-def test_full_depth_bench_needs_whole_page_tables():
-    from launch.bench_full_depth import bench
+def test_full_depth_bench_needs_whole_page_tables(fd):
+    bench = fd.bench
     with pytest.raises(ValueError, match="context=48"):
         bench(preset("tiny"), [1], context=48, steps=1, variants=["default"])
 
 
-def test_command_buffer_census_counts_kernels_inside_and_outside():
+def test_command_buffer_census_counts_kernels_inside_and_outside(fd):
     """A GPU program's command-buffer calls: kernels inside them and in the entry counted apart."""
-    from launch.bench_full_depth import command_buffer_census
+    command_buffer_census = fd.command_buffer_census
     text = """HloModule m
 
 %command_buffer (p: f32[4]) -> f32[4] {
@@ -71,7 +76,7 @@ ENTRY %main (a: f32[4]) -> f32[4] {
                                                custom_calls_in_buffers=1, custom_calls_outside=0)
 
 
-def test_leafwise_weights_are_the_models_parameters():
+def test_leafwise_weights_are_the_models_parameters(fd):
     """The parameter-by-parameter random weights (the whole-model jitted init does not compile in
     minutes at 61 layers on the H200) have the model's tree, shapes and dtypes (random_model makes
     that model), INT4 experts included, and its initializers' kinds of values: norms 1, router bias 0, scales 0.005, random
@@ -81,7 +86,7 @@ def test_leafwise_weights_are_the_models_parameters():
     from kimi_jax.config import QuantConfig
     from kimi_jax.parallel.sharding import Layout
     from kimi_jax.model.transformer import Transformer
-    from launch.bench_full_depth import leafwise_random_engine
+    leafwise_random_engine = fd.leafwise_random_engine
     cfg = preset("tiny").replace(num_hidden_layers=2, quantization=QuantConfig())
     ours = {p: v.get_value() for p, v in nnx.to_flat_state(leafwise_random_engine(cfg, Layout(1), jnp.float32).state)}
     model = nnx.eval_shape(lambda: Transformer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))   # random_model's

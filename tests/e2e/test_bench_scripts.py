@@ -57,19 +57,20 @@ def test_bench_engine_loads_a_checkpoint_under_each_layout(tmp_path, cli):
     assert all(m["engine_ms"] > 0 and m["rows_ms"] > 0 for m in mixed)
 
 
-def test_throughput_agreement():
+def test_throughput_agreement(tool_module):
     """throughput.agreement: identical requests, first differing positions, common-prefix share."""
-    from launch.bench.throughput import agreement
+    agreement = tool_module("launch.bench.throughput").agreement
     got = agreement([[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]], [[1, 2, 3, 4], [5, 6, 0, 0], [1, 9]])
     assert got == dict(identical=1, requests=3, first_token_equal=2, first_difference=[None, 2, 0],
                        mean_prefix=(1.0 + 0.5 + 0.0) / 3)
 
 
-def test_throughput_rows_per_prefill_chunk():
+def test_throughput_rows_per_prefill_chunk(tool_module):
     """throughput_rows at two prefill_chunk values on one model: the default resolves to LLM's (256
     on CPU), both give the same greedy tokens, smaller chunks take more steps, and the latency columns
     are filled (TTFT p50 <= max; every request has several tokens, so TPOT too)."""
-    from launch.bench.throughput import format_rows, throughput_rows
+    tp = tool_module("launch.bench.throughput")
+    format_rows, throughput_rows = tp.format_rows, tp.throughput_rows
     rows = throughput_rows("tiny", [2], gen_tokens=4, dtype="float32", min_prompt=20, max_prompt=60,
                            prefill_chunks=(8, None), num_pages=64)
     assert [r["prefill_chunk"] for r in rows] == [8, 256]

@@ -10,8 +10,8 @@ def _run(cli):
     return lambda *args: cli("launch.generate", *args)
 
 
-def test_default_prints_a_continuation(_run):
-    from launch.generate import DEFAULT_PROMPT
+def test_default_prints_a_continuation(_run, tool_module):
+    DEFAULT_PROMPT = tool_module("launch.generate").DEFAULT_PROMPT
     r = _run("--max_tokens", "8")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.startswith(DEFAULT_PROMPT)

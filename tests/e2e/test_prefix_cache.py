@@ -118,9 +118,11 @@ def test_generate_reports_cached_tokens_and_keeps_the_cache_between_calls(ckpt):
     assert again.outputs[0].token_ids == ref[0] and again.num_cached_tokens == (len(ps[0]) - 1) // 8 * 8
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(data_parallel_size=2, tensor_parallel_size=4,
-                                                   enable_expert_parallel=True),
-                                    dict(data_parallel_size=8, enable_expert_parallel=True)],
+@pytest.mark.parametrize("layout", [dict(),
+                                    pytest.param(dict(data_parallel_size=2, tensor_parallel_size=4,
+                                                      enable_expert_parallel=True), marks=pytest.mark.slow),
+                                    pytest.param(dict(data_parallel_size=8, enable_expert_parallel=True),
+                                                 marks=pytest.mark.slow)],
                          ids=["1dev", "dp2tp4ep", "dp8ep"])
 def test_caching_gives_the_uncached_tokens(ckpt, layout):
     """Chunked prefill (chunks of 16 over 4-token pages), a pool small enough to preempt, poisoned

@@ -189,6 +189,7 @@ def test_prompt_dicts_and_dtype_auto(llm):
         resolve_dtype("float16", None, "cpu")
 
 
+@pytest.mark.slow
 def test_penalties_under_overlap_and_preemption(llm):
     """Seeded and greedy rows with penalties, a logit_bias and min_tokens, more requests than slots,
     pages short enough to preempt: overlap on and off give the same tokens (the device counts
