@@ -152,6 +152,7 @@ def test_eviction_under_pressure_and_preemption(ckpt):
     assert be.pool.evictions > 0 and be.stats["preemptions"] > 0 and be.stats["prefix_cache_hits"] > 0
 
 
+@pytest.mark.slow
 def test_caching_with_speculation(ckpt):
     rng = np.random.default_rng(5)
     motif = rng.integers(2, CFG.vocab_size, 6).tolist()

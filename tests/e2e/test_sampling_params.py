@@ -82,6 +82,7 @@ def test_n_samples_share_one_prefill(llm):
     assert [r.output_ids for r in shared] == [r.output_ids for r in alone] == toks
 
 
+@pytest.mark.slow
 def test_best_of_keeps_the_highest_cumulative_logprob(llm):
     """best_of = 4, n = 2 returns the two of the four samples (the same streams as n = 4) with the
     highest cumulative logprob, best first."""
@@ -113,6 +114,7 @@ def test_penalties_match_a_host_loop_over_llm_logits(llm):
     assert got != llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0].outputs[0].token_ids
 
 
+@pytest.mark.slow
 def test_min_tokens_logit_bias_and_bad_words(llm, monkeypatch):
     """A +100 bias on eos ends a request at once; min_tokens = 3 holds eos (and stop_token_ids) off
     for 3 tokens. A -100 bias keeps the greedy first token out of every sampled row. bad_words: a
