@@ -371,7 +371,12 @@ class FiniteCheck:
             self.pending.append((path, _finite_fn(depth)(arr)))
 
     def raise_first(self) -> None:
-        flags = jax.device_get([f for _, f in self.pending])
+        flags = [f for _, f in self.pending]
+        if all(f.is_fully_addressable for f in flags):
+            flags = jax.device_get(flags)
+        else:   # several processes: every one gathers every flag (all call this, in the same order)
+            from jax.experimental import multihost_utils
+            flags = [np.asarray(multihost_utils.process_allgather(f, tiled=True)) for f in flags]
         for (path, _), ok in zip(self.pending, flags):
             ok = np.asarray(ok)
             if not ok.all():
