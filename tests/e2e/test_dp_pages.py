@@ -44,8 +44,13 @@ def run(llm, ps, params):
     return [r.output_ids for r in reqs], be
 
 
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
-@pytest.mark.parametrize("overlap", [False, True])
+# the mixed DP x TP layouts without overlap scheduling are long checks (--run-slow); with overlap they
+# run by default, as do dp2 and dp8_ep both ways
+_SLOW_DP = {("dp2_tp2_ep", False), ("dp4_tp2_ep", False)}
+
+
+@pytest.mark.parametrize("name,overlap", [pytest.param(n, o, marks=(pytest.mark.slow,) if (n, o) in _SLOW_DP else ())
+                                          for o in (False, True) for n in sorted(LAYOUTS)])
 def test_dp_split_pool_equals_single_device(ckpt, name, overlap):
     lay = LAYOUTS[name]
     dp = lay["data_parallel_size"]
