@@ -101,8 +101,7 @@ def record(**row):
 def time_fn(fn, *args, inner: int = 5, reps: int = 0):
     """Median over `reps` (0: --reps) of (wall of `inner` calls enqueued back to back) / inner: the
     host's dispatch and the final sync are paid once per `inner` calls, not per call (one call per
-    timing put them into every time: the 2 GiB copy then read ~15% below the other harnesses, fifth
-    session)."""
+    timing put them into every time: the 2 GiB copy then read ~15% below the other harnesses)."""
     import jax
     jax.block_until_ready(fn(*args))
     inner = 1 if FLAGS.dry else inner
