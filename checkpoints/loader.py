@@ -358,19 +358,40 @@ def _finite_fn(depth: int):
     return jax.jit(lambda x: jnp.isfinite(x).all(axis=tuple(range(depth, x.ndim))))
 
 
+@functools.lru_cache(maxsize=None)
+def _finite_many_fn(depths: tuple[int, ...]):
+    """`_finite_fn` over a list of tensors in one program (one compile for all of them)."""
+    return jax.jit(lambda xs: [jnp.isfinite(x).all(axis=tuple(range(d, x.ndim))) for x, d in zip(xs, depths)])
+
+
 class FiniteCheck:
-    """NaN / Inf in the loaded weights: `add` dispatches one reduction per parameter on the device
-    arrays as each lands (nothing waits for it, nothing is read again from the files); `raise_first`
-    fetches the flags and raises CheckpointError naming the file and tensor of the first bad one."""
+    """NaN / Inf in the loaded weights: `add` dispatches one reduction per large parameter on the device
+    arrays as each lands (nothing waits for it, nothing is read again from the files); parameters below
+    `stream_bytes` are reduced together in one program at the end (each distinct shape would otherwise
+    compile a program of its own: ~25 compiles, most of a small model's load); `raise_first` fetches the
+    flags and raises CheckpointError naming the file and tensor of the first bad one."""
+
+    stream_bytes = 16 << 20
 
     def __init__(self, reader: CheckpointReader, cfg: layout_lib.ModelShape):
-        self.reader, self.cfg, self.pending = reader, cfg, []
+        self.reader, self.cfg, self.pending, self.small = reader, cfg, [], []
 
     def add(self, path: tuple[str, ...], depth: int, arr: jax.Array) -> None:
-        if jnp.issubdtype(arr.dtype, jnp.floating):
+        if not jnp.issubdtype(arr.dtype, jnp.floating):
+            return
+        if arr.nbytes >= self.stream_bytes:
             self.pending.append((path, _finite_fn(depth)(arr)))
+        else:
+            self.small.append((path, depth, arr))
+
+    def _reduce_small(self) -> None:
+        if self.small:
+            paths, depths, arrs = zip(*self.small)
+            self.small = []
+            self.pending.extend(zip(paths, _finite_many_fn(depths)(list(arrs))))
 
     def raise_first(self) -> None:
+        self._reduce_small()
         flags = [f for _, f in self.pending]
         if all(f.is_fully_addressable for f in flags):
             flags = jax.device_get(flags)
@@ -561,7 +582,7 @@ def load_params(reader: CheckpointReader, cfg: layout_lib.ModelShape, specs: Par
         _delete(placed)
         if finite is not None:
             _delete([f for _, f in finite.pending])
-            finite.pending = []
+            finite.pending, finite.small = [], []
         for p in params:
             p.partial.clear()
             p.done.clear()

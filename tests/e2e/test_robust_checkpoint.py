@@ -165,3 +165,19 @@ def test_non_finite_weight_is_refused_naming_file_and_tensor(int4_tensors, tmp_p
     assert f"'{tensor}'" in msg and "NaN or Inf" in msg, msg
     # the opt-out loads it as stored
     LLM(path, dtype="float32", check_finite_weights=False)
+
+
+def test_non_finite_weight_is_refused_when_reduced_as_it_streams(int4_tensors, tmp_path, monkeypatch):
+    """Large tensors are reduced one by one as they land, small ones together at the end: the same
+    refusal from the streamed path (every tensor counted as large here)."""
+    from checkpoints.loader import FiniteCheck
+    monkeypatch.setattr(FiniteCheck, "stream_bytes", 0)
+    tensors = dict(int4_tensors)
+    name = "model.layers.1.mlp.experts.5.down_proj.weight_scale"
+    bad = np.array(tensors[name], copy=True)
+    bad.reshape(-1)[0] = math.nan
+    tensors[name] = bad
+    path = str(tmp_path / "ck")
+    synthetic.write_checkpoint_from_tensors(path, TINY_INT4, tensors)
+    with pytest.raises(CheckpointError, match=f"'{name}' holds NaN or Inf"):
+        LLM(path, dtype="float32")
