@@ -31,6 +31,9 @@ SUITES = {
                                   "workloads"),
     "loading": ("launch.bench.loading", "checkpoint loading against the raw read speed of the same files, "
                                         "peak host memory, orbax save and restore"),
+    "prefix_cache": ("launch.bench.prefix_cache", "prefix caching on vs off: a shared-prefix workload (prefill "
+                                                  "tokens computed, wall time) and a distinct-prompt one (the "
+                                                  "cost of hashing)"),
 }
 HELP_ARGS = ("--help", "-h", "-help", "--helpshort", "--helpfull", "-?")
 

@@ -251,3 +251,20 @@ def test_bench_throughput_cli_compares_prefill_chunks(tmp_path, cli):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "TTFT p50/max ms" in r.stdout
     assert "batch 2 overlap True prefill_chunk 32 vs 8: {'identical': 8, 'requests': 8" in r.stdout
+
+
+def test_prefix_cache_bench_computes_only_the_uncached_tokens(tmp_path, cli):
+    """kimi-bench prefix_cache on a tiny workload: with caching on the shared-prefix requests compute
+    only what is not cached, the distinct ones hit nothing, and on / off give the same tokens."""
+    out = str(tmp_path / "pc.json")
+    r = cli("launch.bench", "prefix_cache", "--requests", "3", "--prefix", "32", "--question", "8",
+            "--gen_tokens", "2", "--max_num_seqs", "4", "--repeats", "1", "--json_out", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {(x["workload"], x["caching"]): x for x in json.load(open(out))}
+    assert rows["shared", False]["prefill_tokens_computed"] == rows["shared", False]["prompt_tokens"] == 3 * 40
+    # the first request computes its 40 tokens; the others find the 32-token prefix (2 pages of 16)
+    assert rows["shared", True]["cache_hit_tokens"] == 2 * 32
+    assert rows["shared", True]["prefill_tokens_computed"] == 3 * 40 - 2 * 32
+    assert rows["distinct", True]["cache_hit_tokens"] == 0
+    assert rows["shared", True]["tokens_equal_off"] and rows["distinct", True]["tokens_equal_off"]
+    assert rows["shared", True]["cache_s"] > 0 and rows["shared", False]["cache_s"] is None
