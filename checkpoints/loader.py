@@ -355,43 +355,53 @@ def _progress_bar(total: int, enabled: Optional[bool], desc: str):
 @functools.lru_cache(maxsize=None)
 def _finite_fn(depth: int):
     """[stack dims] bool: every value of each stacked tensor is finite (one fused reduction)."""
-    return jax.jit(lambda x: jnp.isfinite(x).all(axis=tuple(range(depth, x.ndim))))
-
-
-@functools.lru_cache(maxsize=None)
-def _finite_many_fn(depths: tuple[int, ...]):
-    """`_finite_fn` over a list of tensors in one program (one compile for all of them)."""
-    return jax.jit(lambda xs: [jnp.isfinite(x).all(axis=tuple(range(d, x.ndim))) for x, d in zip(xs, depths)])
+    def finite_check(x):
+        return jnp.isfinite(x).all(axis=tuple(range(depth, x.ndim)))
+    return jax.jit(finite_check)
 
 
 class FiniteCheck:
-    """NaN / Inf in the loaded weights: `add` dispatches one reduction per large parameter on the device
-    arrays as each lands (nothing waits for it, nothing is read again from the files); parameters below
-    `stream_bytes` are reduced together in one program at the end (each distinct shape would otherwise
-    compile a program of its own: ~25 compiles, most of a small model's load); `raise_first` fetches the
-    flags and raises CheckpointError naming the file and tensor of the first bad one."""
+    """NaN / Inf in the loaded weights, checked as each tensor lands, never read again from the files.
+    A large parameter (>= `stream_bytes`) gets one fused reduction on its device array (`add`: nothing
+    waits for it); a small one is checked on its host buffers right after they are read (`add_host`,
+    numpy): a reduction program per distinct small shape would cost a compile each (a small model's
+    load is mostly those compiles), for bytes the host has just read. Several processes use the device
+    path only, so that every process sees every flag. `raise_first` fetches the flags and raises
+    CheckpointError naming the file and tensor of the first bad one."""
 
     stream_bytes = 16 << 20
 
     def __init__(self, reader: CheckpointReader, cfg: layout_lib.ModelShape):
-        self.reader, self.cfg, self.pending, self.small = reader, cfg, [], []
+        self.reader, self.cfg, self.pending, self.bad = reader, cfg, [], []
+        self.host_ok = jax.process_count() == 1
+
+    def on_host(self, p: "_Param", whole_shards: bool) -> bool:
+        """Whether parameter p is checked on its host buffers (`add_host`) rather than on the device."""
+        return (self.host_ok and whole_shards and jnp.issubdtype(p.dtype, jnp.floating)
+                and math.prod(p.shape) * p.dtype.itemsize < self.stream_bytes)
+
+    def add_host(self, path: tuple[str, ...], depth: int, box: "Box", host: np.ndarray) -> None:
+        """Check a host block holding the parameter's `box` (global coordinates)."""
+        if self.bad or not jnp.issubdtype(host.dtype, jnp.floating):
+            return
+        ok = np.isfinite(host).all(axis=tuple(range(depth, host.ndim)))
+        if not ok.all():
+            first = np.argwhere(~ok)[0] if ok.ndim else ()
+            self.bad.append((path, tuple(int(i) + s for i, (s, _) in zip(first, box[:depth]))))
 
     def add(self, path: tuple[str, ...], depth: int, arr: jax.Array) -> None:
-        if not jnp.issubdtype(arr.dtype, jnp.floating):
-            return
-        if arr.nbytes >= self.stream_bytes:
+        if jnp.issubdtype(arr.dtype, jnp.floating):
             self.pending.append((path, _finite_fn(depth)(arr)))
-        else:
-            self.small.append((path, depth, arr))
 
-    def _reduce_small(self) -> None:
-        if self.small:
-            paths, depths, arrs = zip(*self.small)
-            self.small = []
-            self.pending.extend(zip(paths, _finite_many_fn(depths)(list(arrs))))
+    def _refuse(self, path: tuple[str, ...], idx: tuple) -> None:
+        info = self.reader.info(layout_lib.hf_name(path, self.cfg.num_dense_layers, idx))
+        raise CheckpointError(f"{os.path.join(self.reader.path, info.file)}: tensor {info.name!r} holds "
+                              "NaN or Inf values (check_finite_weights=False / --nocheck_finite_weights "
+                              "loads it anyway)")
 
     def raise_first(self) -> None:
-        self._reduce_small()
+        if self.bad:
+            self._refuse(*self.bad[0])
         flags = [f for _, f in self.pending]
         if all(f.is_fully_addressable for f in flags):
             flags = jax.device_get(flags)
@@ -401,11 +411,7 @@ class FiniteCheck:
         for (path, _), ok in zip(self.pending, flags):
             ok = np.asarray(ok)
             if not ok.all():
-                idx = tuple(int(i) for i in np.argwhere(~ok)[0]) if ok.ndim else ()
-                info = self.reader.info(layout_lib.hf_name(path, self.cfg.num_dense_layers, idx))
-                raise CheckpointError(f"{os.path.join(self.reader.path, info.file)}: tensor {info.name!r} holds "
-                                      "NaN or Inf values (check_finite_weights=False / --nocheck_finite_weights "
-                                      "loads it anyway)")
+                self._refuse(path, tuple(int(i) for i in np.argwhere(~ok)[0]) if ok.ndim else ())
         self.pending = []
 
 
@@ -503,7 +509,9 @@ def load_params(reader: CheckpointReader, cfg: layout_lib.ModelShape, specs: Par
         p.remaining -= 1
         new = []
         if ch.rel is None:                              # whole shards
-            for host, (_, devs) in zip(hosts, ch.groups):
+            for host, (box, devs) in zip(hosts, ch.groups):
+                if finite is not None and finite.on_host(p, True):
+                    finite.add_host(p.path, p.depth, box, host)
                 for d in devs:
                     p.done[d] = jax.device_put(host, d)
                     new.append(p.done[d])
@@ -549,7 +557,7 @@ def load_params(reader: CheckpointReader, cfg: layout_lib.ModelShape, specs: Par
             p.done.clear()
         stats.shards += len(arr.addressable_shards)
         stats.params += 1
-        if finite is not None:
+        if finite is not None and not finite.on_host(p, ch.rel is None):
             finite.add(p.path, p.depth, arr)
         out[p.path] = arr
 
@@ -582,7 +590,7 @@ def load_params(reader: CheckpointReader, cfg: layout_lib.ModelShape, specs: Par
         _delete(placed)
         if finite is not None:
             _delete([f for _, f in finite.pending])
-            finite.pending, finite.small = [], []
+            finite.pending = []
         for p in params:
             p.partial.clear()
             p.done.clear()

@@ -65,7 +65,8 @@ from kimi_jax.engine import penalties
 from kimi_jax.engine.page_pool import PagePool, chain_hashes
 from kimi_jax.engine.requests import (Request, logprob_dict, n_logprobs, prompt_entries_left,  # noqa: F401
                                       prompt_targets, score_prompt, validate_prompt)
-from kimi_jax.engine.steps import Engine, bucket
+from kimi_jax.engine.shapes import bucket, table_bucket
+from kimi_jax.engine.steps import Engine
 from kimi_jax.engine.sampling import SamplingArrays, SamplingParams, key_data_for_seed
 from kimi_jax.engine.sampling import sample_mode as sample_mode_of
 from kimi_jax.engine.speculative import SpeculativeConfig
@@ -438,7 +439,7 @@ class BatchEngine:
         positions [B, T] (-1: padding), block table [B, P], per-row steps [B], sampling arrays, each
         feed's batch row)."""
         B, slots = self._slots([r for r, _ in feeds])
-        P = bucket(max(len(r.pages) for r, _ in feeds), 4)
+        P = table_bucket(max(len(r.pages) for r, _ in feeds), self.page_size)
         tokens = np.zeros((B, T), np.int32)
         positions = np.full((B, T), -1, np.int32)
         table = np.zeros((B, P), np.int32)
@@ -593,7 +594,7 @@ class BatchEngine:
             # the step in flight feeds position num_computed and samples output number len(output_ids)
             positions[b], steps[b] = r.num_computed + 1, len(r.output_ids) + 1
             live.append((b, r))
-        table = np.zeros((B, bucket(max(len(r.pages) for _, r in live), 4)), np.int32)
+        table = np.zeros((B, table_bucket(max(len(r.pages) for _, r in live), self.page_size)), np.int32)
         for b, r in live:
             table[b, :len(r.pages)] = r.pages
         self.pages, out = self.engine.decode_step_async(self.pages, f.out["tokens"], positions, table, f.sp, steps,
@@ -639,7 +640,7 @@ class BatchEngine:
         nothing. Measured on the step's own rows: the decode pass writes the latents the real pass
         then writes again; the verification pass feeds only the last token (drafts are padding), so
         nothing is written beyond the cache the rows already have."""
-        key = (self._slots(ready)[0], bucket(max(len(r.pages) for r in ready), 4))
+        key = (self._slots(ready)[0], table_bucket(max(len(r.pages) for r in ready), self.page_size))
         if key not in self.engine.pass_costs:
             self.engine.pass_costs[key] = self._measure_passes(ready)
             self.stats["cost_calibrations"] += 1
