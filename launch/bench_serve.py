@@ -13,13 +13,10 @@ same prompts one at a time in this process and reports its output tokens/s next 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import random
-import socket
 import sys
 import time
-from urllib.parse import urlparse
 
 from absl import flags
 
@@ -49,15 +46,6 @@ flags.DEFINE_string("baseline_dtype", "float32", "dtype of the baseline LLM")
 flags.DEFINE_integer("baseline_max_num_seqs", 32, "max_num_seqs of the baseline LLM (as the server's: it sizes "
                      "the page pool on CPU)")
 flags.DEFINE_integer("baseline_max_model_len", None, "max_model_len of the baseline LLM (as the server's)")
-
-
-def check_loopback(url: str) -> None:
-    host = urlparse(url).hostname
-    if host is None:
-        raise ValueError(f"--base_url {url!r} has no host")
-    for info in socket.getaddrinfo(host, None):
-        if not ipaddress.ip_address(info[4][0]).is_loopback:
-            raise ValueError(f"--base_url host {host} is not a loopback address (pass --allow_remote to load it)")
 
 
 def prompts(n: int, length: int, seed: int, low: int, high: int) -> list[list[int]]:
@@ -173,7 +161,7 @@ def main(argv):
     url = FLAGS.base_url.rstrip("/")
     if not FLAGS.allow_remote:
         try:
-            check_loopback(url)
+            common.check_loopback(url, " (pass --allow_remote to load it)")
         except ValueError as e:
             common.fail(PROG, e)
     if FLAGS.num_prompts < 1 or FLAGS.max_concurrency < 1 or FLAGS.input_len < 1 or FLAGS.output_len < 1:

@@ -85,6 +85,20 @@ def engine_kwargs() -> dict:
                 enable_prefix_caching=FLAGS.enable_prefix_caching)
 
 
+def check_loopback(url: str, hint: str = "") -> None:
+    """ValueError unless every address of `url`'s host is a loopback address (load tools and evals
+    target the local server only)."""
+    import ipaddress
+    import socket
+    from urllib.parse import urlparse
+    host = urlparse(url).hostname
+    if host is None:
+        raise ValueError(f"--base_url {url!r} has no host")
+    for info in socket.getaddrinfo(host, None):
+        if not ipaddress.ip_address(info[4][0]).is_loopback:
+            raise ValueError(f"--base_url host {host} is not a loopback address{hint}")
+
+
 def fail(prog: str, message) -> None:
     """A user error (bad checkpoint, config, layout, flag or input): one line on stderr, exit status 2."""
     sys.stderr.write(f"{prog}: error: {' '.join(str(message).split())}\n")

@@ -15,6 +15,10 @@ that cannot be read as a request at all (malformed JSON, no custom_id, a bad url
 custom_id) gets `response` null and the top-level `error` object. Output is appended line by line
 (flushed and fsynced), so a rerun after Ctrl-C or kill -9 skips the lines already written and a torn
 last line is cut off.
+
+`run_job` is kimi-batch's job loop (the launcher parses flags, builds the LLM and calls it): lines are
+fed to one continuous-batching engine as slots free up; a step that raises is rerun request by request
+on a fresh page pool, so the request that fails alone gets a 500 and the others their results.
 """
 from __future__ import annotations
 
@@ -22,7 +26,9 @@ import collections
 import dataclasses
 import json
 import os
+import sys
 import uuid
+from typing import Optional, TextIO
 
 from kimi_jax.entrypoints.openai import protocol as P
 
@@ -207,3 +213,195 @@ class ResultWriter:
 
     def close(self) -> None:
         self._f.close()
+
+
+def count_lines(path: str) -> int:
+    """Non-blank lines of an input file (the job's total)."""
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def _failure(lineno: int, e: BaseException, when: str = "while running") -> str:
+    return f"line {lineno}: request failed {when}: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
+@dataclasses.dataclass
+class _Job:
+    line: Line
+    g: P.GenerationRequest
+    prompts: list                    # (prompt text or None, token ids) per prompt
+    seed: int
+    choices: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class JobSummary:
+    """What a job did: output lines by kind (ok / refused / errors / skipped) and the engines' stats
+    summed (generated_tokens, prefix_cache_queries, prefix_cache_hits, ...)."""
+    total: int
+    counts: collections.Counter
+    stats: collections.Counter
+
+    def line(self, output: str) -> str:
+        c, t = self.counts, self.stats
+        q, h = t["prefix_cache_queries"], t["prefix_cache_hits"]
+        rate = f"{h / q:.1%}" if q else "n/a"
+        return (f"{c['ok']} results, {c['refused']} refused, {c['errors']} errors, {c['skipped']} already done, "
+                f"of {self.total} lines, in {output}; {t['generated_tokens']} tokens generated; prefix cache hit "
+                f"rate {rate} ({h} of {q} prompt tokens)")
+
+
+def run_job(llm, infile: TextIO, writer: ResultWriter, *, model_name: str, default_max_tokens: int,
+            total: Optional[int] = None, progress: bool = True, desc: str = "kimi-batch") -> JobSummary:
+    """Answer every line of `infile` (an open input file) into `writer` with `llm`, skipping the
+    custom_ids the writer already holds; closes the writer. An OSError while writing propagates."""
+    from tqdm import tqdm
+
+    from kimi_jax.engine.validation import RequestError
+
+    engine = [llm.batch_engine()]
+    jobs: dict[str, _Job] = {}            # custom_id -> its job, until its output line is written
+    by_rid: dict[str, tuple] = {}         # engine request id -> (custom_id, choice index)
+    seen: collections.Counter = collections.Counter()
+    lines = enumerate(infile, start=1)
+    totals: collections.Counter = collections.Counter()     # the stats of every engine the job used
+    bar = tqdm(total=total, desc=desc, unit="line", disable=not progress, file=sys.stderr)
+    counts: collections.Counter = collections.Counter()     # ok / refused / errors / skipped
+
+    def write(record: dict, kind: str, duplicate: bool = False) -> None:
+        writer.write(record, duplicate=duplicate)
+        counts[kind] += 1
+        bar.update(1)
+        bar.set_postfix(errors=counts["refused"] + counts["errors"], refresh=False)
+
+    def requests(cid: str, be) -> list:
+        job = jobs[cid]
+        out = []
+        for i, (text, ids) in enumerate(job.prompts):
+            for j in range(job.g.n):
+                k = i * job.g.n + j
+                rid = f"{job.line.lineno}-{k}"
+                by_rid[rid] = (cid, k)
+                out.append(be.make_request(rid, ids, job.g.params, P.choice_seed(job.seed, j), prompt=text))
+        return out
+
+    def prepare(ln: Line) -> _Job:
+        g, defaulted = parse_body(ln, default_max_tokens)
+        P.check_model(g.model, [model_name])
+        field = "messages" if g.kind == "chat" else "prompt"
+        try:
+            if g.kind == "chat":
+                prompts = [(None, llm.encode_chat(g.messages, add_generation_prompt=g.add_generation_prompt,
+                                                  tools=g.tools))]
+            else:
+                prompts = [(p if isinstance(p, str) else None, llm.token_ids(list(p) if isinstance(p, tuple) else p,
+                                                                            ln.lineno)) for p in g.prompts]
+        except ValueError as e:
+            raise P.ProtocolError(" ".join(str(e).split()), field) from None
+        if defaulted:
+            g = fit_default_max_tokens(g, max(len(ids) for _, ids in prompts), llm.max_model_len)
+        for _, ids in prompts:
+            P.check_context(len(ids), g.params.max_tokens, llm.max_model_len, g.kind)
+        seed = g.params.seed if g.params.seed is not None else ln.lineno
+        return _Job(ln, g, prompts, seed)
+
+    def feed() -> bool:
+        """Add input lines until a batch's worth is waiting; False when the input is exhausted."""
+        be = engine[0]
+        while len(be.waiting) < be.max_num_seqs:
+            try:
+                lineno, line = next(lines)
+            except StopIteration:
+                return False
+            if not line.strip():
+                continue
+            try:
+                ln, err = read_line(line, lineno), None
+                cid = ln.custom_id
+            except LineError as e:
+                ln, err, cid = None, e, custom_id_of(line, lineno)
+            seen[cid] += 1
+            if seen[cid] > 1:            # a repeat: an error under its own custom_id, the first one runs
+                if writer.duplicates[cid] < seen[cid] - 1:
+                    write(error_line(cid, f"line {lineno}: duplicate custom_id {cid!r} (an earlier line has it)",
+                                     DUPLICATE), "errors", duplicate=True)
+                else:
+                    counts["skipped"] += 1
+                    bar.update(1)
+                continue
+            if cid in writer.done:
+                counts["skipped"] += 1
+                bar.update(1)
+                continue
+            if err is not None:
+                write(error_line(cid, str(err), err.code), "errors")
+                continue
+            try:
+                jobs[cid] = prepare(ln)
+                reqs = requests(cid, be)
+            except (P.ProtocolError, RequestError) as e:
+                jobs.pop(cid, None)
+                if not isinstance(e, P.ProtocolError):
+                    e = P.ProtocolError(" ".join(str(e).split()), "messages" if ln.url.endswith("chat/completions")
+                                        else "prompt")
+                write(refused_line(cid, e), "refused")
+                continue
+            except Exception as e:  # noqa: BLE001 - any failure of one line is that line's error
+                jobs.pop(cid, None)
+                write(failed_line(cid, _failure(lineno, e, "while being read")), "errors")
+                continue
+            for r in reqs:
+                be.add(r)
+        return True
+
+    def on_finish(r) -> None:
+        cid, k = by_rid.pop(r.request_id)
+        job = jobs.get(cid)
+        if job is None:
+            return
+        out = llm.to_output(r).outputs[0]
+        job.choices[k] = P.Choice(k, out.text or "", out.token_ids, out.finish_reason, out.stop_reason,
+                                  out.logprobs)
+        if job.g.kind == "chat" and job.g.tools and llm.tokenizer is not None:
+            P.with_tool_calls(job.choices[k], llm.tokenizer)      # message.tool_calls
+        if len(job.choices) == len(job.prompts) * job.g.n:
+            choices = [job.choices[i] for i in sorted(job.choices)]
+            n_prompt = sum(len(ids) for _, ids in job.prompts)
+            body = result_body(job.g, model_name, choices, n_prompt, llm.tokenizer)
+            write(response_line(cid, 200, body), "ok")
+            del jobs[cid]
+
+    def used(be) -> None:
+        totals.update({k: v for k, v in be.stats.items() if isinstance(v, (int, float))})
+
+    def rerun_alone(cids) -> None:
+        """Each request of a failed step on its own fresh pool; one that fails alone gets its error."""
+        for cid in cids:
+            solo = llm.batch_engine()
+            jobs[cid].choices.clear()
+            try:
+                for r in requests(cid, solo):
+                    solo.add(r)
+                solo.run(on_finish=on_finish)
+            except Exception as e:  # noqa: BLE001
+                write(failed_line(cid, _failure(jobs[cid].line.lineno, e)), "errors")
+                jobs.pop(cid, None)
+            used(solo)
+
+    try:
+        while True:
+            be = engine[0]
+            try:
+                be.run(on_finish=on_finish, feed=feed)
+                used(be)
+                break
+            except Exception:  # noqa: BLE001 - some request broke a step: find it, keep the others
+                used(be)
+                engine[0] = llm.batch_engine()
+                rerun_alone(list(jobs))
+        for cid in list(jobs):           # none expected: every request reached on_finish
+            write(failed_line(cid, f"line {jobs[cid].line.lineno}: the request did not finish"), "errors")
+    finally:
+        writer.close()
+        bar.close()
+    return JobSummary(total if total is not None else sum(counts.values()), counts, totals)

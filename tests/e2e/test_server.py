@@ -5,7 +5,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,8 @@ import urllib.request
 import numpy as np
 import pytest
 
+from tests.e2e.serving import free_socket, serving
+
 openai = pytest.importorskip("openai")
 
 KEY = "test-key"
@@ -23,38 +24,14 @@ NAME = "demo"
 MAX_NUM_SEQS, MAX_QUEUE, MAX_MODEL_LEN = 32, 8, 512
 
 
-def _free_socket():
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
 @pytest.fixture(scope="module")
 def server():
     from kimi_jax.entrypoints.llm import LLM
-    from kimi_jax.entrypoints.openai.server import OpenAIServer, serve
+    from kimi_jax.entrypoints.openai.server import OpenAIServer
     llm = LLM(None, dtype="float32", max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN)
     srv = OpenAIServer(llm, served_model_name=NAME, api_key=KEY, max_queue=MAX_QUEUE)
-    sock = _free_socket()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    loop = asyncio.new_event_loop()
-    ready, box = threading.Event(), {}
-
-    def run():
-        asyncio.set_event_loop(loop)
-
-        async def main():
-            box["stop"] = asyncio.Event()
-            await serve(srv, sock=sock, stop=box["stop"], grace_s=5.0, on_ready=ready.set)
-        loop.run_until_complete(main())
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(300), "the server did not become ready"
-    yield srv, url
-    loop.call_soon_threadsafe(box["stop"].set)
-    thread.join(30)
-    assert not thread.is_alive()
+    with serving(srv) as url:
+        yield srv, url
 
 
 @pytest.fixture(scope="module")
@@ -299,7 +276,7 @@ def test_tokenize_detokenize_and_metrics(server, client):
 
 
 def test_sigterm_finishes_in_flight_and_exits_0(tmp_path):
-    sock = _free_socket()
+    sock = free_socket()
     port = sock.getsockname()[1]
     sock.close()
     import jax
