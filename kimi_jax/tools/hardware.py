@@ -292,7 +292,7 @@ _H200_ATTENTION_CURVE = ((8.0, 0.97), (64.0, 0.96))
 _H200_ATTENTION_CALL_S = 34e-6
 _H200_ATTENTION_CALL_CURVE = ((8.0, 28e-6), (64.0, 34e-6))
 # Kimi-K2.5 at 4 and 61 layers (kimi-k2.5-61x16: 16 INT4 experts, top-8), one H200, jax 0.11.2,
-# 2026-12-02, batch 1 x 4K context: the device-bound step (launch/bench_full_depth.py, `chain`) was
+# 2026-12-02, batch 1 x 4K context: the device-bound step (`kimi-bench full_depth`, `chain`) was
 # 1.555 ms at 4 layers and 13.23 / 13.46 ms at 61 (two runs) against 1.458 / 11.457 ms planned without
 # this term; 29 us per layer is the least-squares fit (relative error) of the two depths: -0.9% / +1.2%.
 # The profile of the 61-layer step: 2,101 kernels, 34 a layer; the INT4 experts (60.9 us a layer, 77% of

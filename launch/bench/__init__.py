@@ -6,7 +6,8 @@
 
 Each suite writes its rows under its --out directory (results.jsonl and a markdown table, or the
 suite's JSON); the numbers go in BENCHMARKS.md with the command, device, JAX version and date.
-Every suite has a CPU dry run (tiny shapes or the tiny preset) that tests/e2e/test_bench_scripts.py runs.
+Every suite has a CPU dry run (tiny shapes or the tiny preset) that a test runs (tests/e2e/test_bench_scripts.py,
+test_bench_full_depth.py; the mla suite's --combine_sweep: tests/kernels/test_mla_combine.py).
 """
 from __future__ import annotations
 
@@ -34,6 +35,15 @@ SUITES = {
     "prefix_cache": ("launch.bench.prefix_cache", "prefix caching on vs off: a shared-prefix workload (prefill "
                                                   "tokens computed, wall time) and a distinct-prompt one (the "
                                                   "cost of hashing)"),
+    "full_depth": ("launch.bench.full_depth", "all 61 layers of Kimi-K2.5 in one decode step on one device: "
+                                              "compile, dispatch and device time, command-buffer variants, "
+                                              "the scheduler with overlap on and off"),
+    "gemv": ("launch.bench.gemv", "the decode step's bf16 projections at their TP8 shard shapes against a copy "
+                                  "of the same bytes"),
+    "structured": ("launch.bench.structured", "structured outputs: llguidance vs xgrammar grammar compile and "
+                                              "mask fill, the mask's cost in the sampler and the decode step"),
+    "dtype": ("launch.bench.dtype", "the demo model's greedy decoding in each dtype: tokens/s end to end and "
+                                    "the jitted step alone"),
 }
 HELP_ARGS = ("--help", "-h", "-help", "--helpshort", "--helpfull", "-?")
 

@@ -3,6 +3,13 @@ decode step time per layout and batch, tokens/s, the profiler's breakdown (colle
 share), the planner's prediction beside each measurement, and the copy-bandwidth roofline of the run.
 
   kimi-bench engine --layers 3 --layouts single,tp2,tp2_ep,dp2_ep --batches 1,16,64,256
+  kimi-bench engine --layers 61 --layouts tp8_ep --multi_batches 1,64,256 --steps 5 --context 2048
+  kimi-bench engine --layers 61 --layouts dp8_ep --multi_batches 8,64,256,512 --steps 5 --context 2048
+
+The last two: full-size Kimi-K2.5 (all 61 layers and 384 experts at the published shapes, random
+values made on the devices) on 8 x H200, one layout per command (tp8, tp8_ep or dp8_ep; a DP layout
+needs batch % 8 == 0). 595 GB of weights do not fit the machine's disk
+as a synthetic checkpoint, so the loading path is measured on a slice (kimi-bench loading).
 
 Weights are random (kimi_jax.tools.profiling.random_engine: the model's initializers, made on each layout's devices), or, with
 --checkpoint, a real-format checkpoint (e.g. `kimi-make-synthetic --preset kimi-k2.5 --num_layers 3`)

@@ -5,6 +5,9 @@
     kimi-bench mla --sweep --out=$OUT --budget_s=270   # kernel config sweep
     kimi-bench mla --sweep --dry --out=/tmp/x          # the sweep on CPU
     kimi-bench mla --profile=64:32768:64,8:131072:64 --out=$OUT   # device ops per call
+    kimi-bench mla --check_schedules --out=$OUT        # the Mosaic GPU op's schedules, about a minute
+    kimi-bench mla --combine_sweep --out=$OUT          # the balanced schedule's combine kernel configs
+    kimi-bench mla --check_schedules --dry --out=/tmp/x  # (either) on CPU: interpreted kernels, tiny cases
 
 --sweep (instead of the sections below): copy bandwidth; then per heads (8, 64) every candidate
 config of SWEEP (the auto default, the first version LEGACY, other tilings / stage counts / split
@@ -13,6 +16,22 @@ or non-compiling candidate is dropped); then for each case B x context x heads t
 and the XLA path are timed (phase 1, all cases), then the other candidates (phase 2, as the budget
 allows). One table row per case: the best config, its us, GB/s, % of copy, default and legacy us,
 XLA us and XLA / best. Files under --out: results.jsonl (rows as they come), sweep.json, table.md.
+
+--check_schedules (instead of the sections; no copy measurement): `mla_paged_attention_mgpu` on a
+ragged batch (empty, 1-token, page +- 1 and long rows: lengths 1, 4000, 37, 20000, 0, 515, 63, 64), T = 1
+and 2 (64 and 128 query rows), pages 16 and 64, the served config and the same with every score
+masked, under the 'rows' and 'balanced' schedules, against the float32 reference; then rows of the
+same batch alone under `serving_config(1)` (the one-launch finish). max |o - ref| < 3e-2 (bf16 output
+of values up to ~3). One line and one results.jsonl row per case; exits non-zero when a case fails.
+
+--combine_sweep (instead of the sections; no copy measurement): the balanced schedule's combine kernel
+(pallas_kernels/mla/combine.py). Each --combine_cases entry B:M:items:long:short is a balanced table
+(`decode.balanced_items`) over one row of `long` cached tokens and B - 1 rows of `short`, M query rows,
+512 latent columns. Every config (--combine_warps x --combine_block_as x --combine_block_gs) and the
+XLA contraction are checked against `combine_items_xla` on the device first, then timed by device time
+per call of every op they run (jax.profiler; --combine_calls calls in one executable, the partials
+L2-warm as after the decode kernel that wrote them; wall clock over such an executable is dominated by
+launch gaps). Exits non-zero when a config fails or disagrees with the reference.
 
 Sections, in order:
   1. copy bandwidth in this run: XLA `x ^ 1` over 2 GiB (bytes read + written), and a read-only sum.
@@ -83,6 +102,19 @@ flags.DEFINE_bool("balanced", False, "decode section: also time both kernels on 
 flags.DEFINE_integer("combine_xla_max_macs", None, "the decode wrappers' combine_xla_max_macs for this run "
                      "(the balanced schedule's merge: the XLA contraction up to this many multiply-adds, "
                      "the kernel above; 0: always the kernel)")
+
+flags.DEFINE_bool("check_schedules", False, "instead of the sections: the Mosaic GPU op under both work "
+                  "schedules and the one-row config against the float32 reference (see the docstring)")
+flags.DEFINE_bool("combine_sweep", False, "instead of the sections: the balanced schedule's combine kernel, "
+                  "each config checked and timed (see the docstring)")
+flags.DEFINE_list("combine_cases", ["64:64:128:4096:4096", "64:64:128:32768:1024", "64:8:256:4096:4096",
+                                    "16:64:128:4096:4096", "16:8:128:131072:4096", "8:64:128:131072:4096",
+                                    "8:8:128:131072:4096"], "--combine_sweep: B:M:items:long:short cases "
+                  "(--dry: 4:2:8:300:20 unless given)")
+flags.DEFINE_list("combine_warps", ["1", "2", "4"], "--combine_sweep: num_warps values")
+flags.DEFINE_list("combine_block_as", ["0", "128", "512"], "--combine_sweep: block_a values (0: automatic)")
+flags.DEFINE_list("combine_block_gs", ["0", "4"], "--combine_sweep: block_g values (0: automatic)")
+flags.DEFINE_integer("combine_calls", 20, "--combine_sweep: calls per timed executable")
 
 _T0 = time.time()
 A, R, C = 512, 64, 576
@@ -977,6 +1009,135 @@ def section_profile(copy_bps):
     return rows
 
 
+# ----------------------------------------------------------------------------------------------
+# --check_schedules: the Mosaic GPU op under both work schedules.
+
+def section_schedules() -> bool:
+    """--check_schedules (the docstring): prints and records one line per case; returns whether all
+    passed. --dry: lengths 1, 37, 0, page 16, T = 1, the served config only, one row alone (on CPU the
+    Mosaic GPU interpreter runs: each call takes many seconds)."""
+    import dataclasses
+    import jax
+    import numpy as np
+    from pallas_kernels.mla import decode as md
+    from pallas_kernels.mla import decode_mgpu as mg
+    lengths, pages, ts = ([1, 37, 0], (16,), (1,)) if FLAGS.dry else \
+        ([1, 4000, 37, 20000, 0, 515, 63, 64], (16, 64), (1, 2))
+    configs = {"serving": mg.serving_config(2)}
+    if not FLAGS.dry:
+        configs["mask"] = mg.MgpuConfig(mask_tail_only=False)          # every score masked
+    interpret = jax.default_backend() == "cpu"
+    scale, ok = 192 ** -0.5, True
+
+    def check(label, args, ref, cfg):
+        nonlocal ok
+        o = np.asarray(mg.mla_paged_attention_mgpu(*args, scale, config=cfg, interpret=interpret), np.float32)
+        err = float(np.max(np.abs(o - ref)))
+        good = bool(np.all(np.isfinite(o)) and err < 3e-2)
+        ok &= good
+        log(f"schedules {label} max|o-ref|={err:.2e} {'OK' if good else 'FAIL'}")
+        record(section="schedules", case=label, err=err, ok=good)
+
+    for page in pages:
+        for t in ts:
+            args = md.make_case(jax.random.key(3 + page + t), lengths, heads=64, t=t, page=page)
+            ref = np.asarray(md.mla_paged_attention_reference(*args, scale), np.float32)
+            for sched in ("rows", "balanced"):
+                for name, base in configs.items():
+                    check(f"page={page} T={t} {sched} {name}", args, ref, dataclasses.replace(base, schedule=sched))
+            # one row: serving_config(1) (the one-launch finish), rows of the same batch alone
+            for r in [1] if FLAGS.dry else sorted({0, 1, len(lengths) // 2, int(np.argmax(lengths))}):
+                one = [x if i == 3 else x[r:r + 1] for i, x in enumerate(args)]   # args[3]: the pool
+                check(f"page={page} T={t} row {r} (length {lengths[r]}) alone serving_config(1)", one,
+                      ref[r:r + 1], mg.serving_config(1))
+    log("schedules", "ALL OK" if ok else "SOME FAILED")
+    return ok
+
+
+# ----------------------------------------------------------------------------------------------
+# --combine_sweep: the balanced schedule's combine kernel.
+
+def _parse_combine_case(spec: str) -> tuple[int, int, int, int, int]:
+    try:
+        B, M, items, long, short = (int(v) for v in spec.split(":"))
+    except ValueError:
+        raise app.UsageError(f"--combine_cases: {spec!r} is not B:M:items:long:short (five integers)") from None
+    if B < 1 or M < 1 or items < B or min(long, short) < 0:
+        raise app.UsageError(f"--combine_cases: {spec!r} needs B, M >= 1, items >= B and lengths >= 0")
+    return B, M, items, long, short
+
+
+def _combine_cases() -> list[str]:
+    """--combine_cases; under --dry without it, one small case."""
+    return FLAGS.combine_cases if FLAGS["combine_cases"].present or not FLAGS.dry else ["4:2:8:300:20"]
+
+
+def _combine_case(spec: str, a: int, seed: int = 0):
+    """The inputs of one --combine_cases entry: (work table, partials o, lse, new-token o, lse)."""
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels.mla import decode as md
+    B, M, items, long, short = _parse_combine_case(spec)
+    work = md.balanced_items(jnp.asarray([long] + [short] * (B - 1), jnp.int32), items, 64)
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    used = (work[2] > work[1])[:, None]
+    o = jnp.where(used[..., None], jax.random.normal(ks[0], (items, M, a), jnp.float32), 0.0)
+    lse = jnp.where(used, 4.0 * jax.random.normal(ks[1], (items, M), jnp.float32), -jnp.inf)
+    o_new = jax.random.normal(ks[2], (B, M, a), jnp.float32)
+    lse_new = 4.0 * jax.random.normal(ks[3], (B, M), jnp.float32)
+    return work, o, lse, o_new, lse_new
+
+
+def section_combine_sweep() -> int:
+    """--combine_sweep (the docstring): one line and one results.jsonl row per (case, config); returns
+    how many configs failed or disagreed with the reference. --dry: 32 latent columns, interpreted."""
+    import jax
+    import jax.numpy as jnp
+    from kimi_jax.tools import profiling
+    from pallas_kernels.mla.combine import combine_items, combine_items_xla
+    ints = lambda xs: [int(v) for v in xs]   # noqa: E731
+    configs = [(w, a, g) for w in ints(FLAGS.combine_warps) for a in ints(FLAGS.combine_block_as)
+               for g in ints(FLAGS.combine_block_gs)]
+    interpret = jax.default_backend() == "cpu"
+    width, calls = (32 if FLAGS.dry else A), FLAGS.combine_calls
+    failed = 0
+    log(f"{'case B:M:items:long:short':<28} {'MB':>6} {'config (warps, block_a, block_g)':<34} "
+        f"{'us':>8} {'GB/s':>7} check")
+    for spec in _combine_cases():
+        work, o, lse, o_new, lse_new = _combine_case(spec, width)
+        B = o_new.shape[0]
+        nbytes = o.size * 4 + lse.size * 4 + 2 * o_new.size * 4
+        news = [lse_new + 0.001 * i for i in range(calls)]      # distinct calls: no CSE
+        want = combine_items_xla(o, lse, work[0], o_new, lse_new)
+        runs = [("xla", lambda n: combine_items_xla(o, lse, work[0], o_new, n))]
+        for w, a, g in configs:
+            runs.append(((w, a, g), lambda n, w=w, a=a, g=g: combine_items(
+                o, lse, work[3, :B], work[4, :B], o_new, n, num_warps=w, block_a=a, block_g=g,
+                interpret=interpret)))
+        for name, fn in runs:
+            try:
+                got = jax.jit(fn)(lse_new)
+                err = max(float(jnp.max(jnp.abs(got[0] - want[0]))),
+                          float(jnp.max(jnp.where(jnp.isfinite(want[1]), jnp.abs(got[1] - want[1]), 0.0))))
+                many = jax.jit(lambda ns, fn=fn: [fn(n) for n in ns]).lower(news).compile()
+                per_op, _, _ = profiling.device_ops_per_call(many, (news,), calls)
+                t = max(sum(per_op.values()), 1e-3) * 1e-6
+                top = ", ".join(f"{k[:24]} {v:.1f}" for k, v in list(per_op.items())[:3])
+                good = err < 1e-4    # f32 sums in another order differ by ~1e-6 here; a part merged into
+                #                      the wrong row or dropped moves an output by O(1)
+                log(f"{spec:<28} {nbytes / 1e6:6.1f} {str(name):<34} {t * 1e6:8.1f} "
+                    f"{nbytes / t / 1e9:7.0f} {'OK' if good else 'FAIL'} {err:.1e}  [{top}]")
+                record(section="combine_sweep", case=spec, config=str(name), us=t * 1e6, bytes=nbytes, err=err,
+                       ok=good, ops_us=per_op)
+                failed += not good
+            except Exception as e:  # noqa: BLE001
+                log(f"{spec:<28} {str(name):<34} failed: {type(e).__name__}: {str(e)[:100]}")
+                record(section="combine_sweep", case=spec, config=str(name), ok=False,
+                       error=f"{type(e).__name__}: {str(e)[:200]}")
+                failed += 1
+    return failed
+
+
 def main(argv):
     del argv
     if FLAGS.dry:
@@ -986,10 +1147,21 @@ def main(argv):
         raise app.UsageError(f"--table_orders: {bad[0]!r} is not random, sequential or interleaved")
     for spec in FLAGS.mixed:           # before any section runs
         _parse_mixed(spec)
+    for spec in _combine_cases() if FLAGS.combine_sweep else ():
+        _parse_combine_case(spec)
     import jax
     if FLAGS.combine_xla_max_macs is not None or FLAGS.new_token_einsum:
         log("kernel thresholds of this run:", _thresholds())
     log("devices", jax.devices(), "jax", jax.__version__)
+    if FLAGS.check_schedules:
+        if not section_schedules():
+            raise SystemExit("mla --check_schedules: some cases failed")
+        return
+    if FLAGS.combine_sweep:
+        failed = section_combine_sweep()
+        if failed:
+            raise SystemExit(f"mla --combine_sweep: {failed} config(s) failed or disagreed with the reference")
+        return
     copy_bps, read_bps = section_copy()
     if FLAGS.profile:
         section_profile(copy_bps)

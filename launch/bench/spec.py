@@ -27,6 +27,8 @@ import time
 
 import numpy as np
 
+from launch.bench.harness import run_prompts, write_json
+
 
 def workloads(llm, n: int, gen_tokens: int, seed: int = 0, prompt_len=(20, 80)):
     """{"repetitive": [ids...], "non-repetitive": [ids...]}, n prompts each (see the module doc)."""
@@ -61,16 +63,10 @@ class _Compiles:
 def _generate(llm, prompts, sp, spec) -> dict:
     """One run through a fresh batch engine: wall time, token ids, speculation counts, engine stats."""
     llm.speculative = spec
-    be = llm.batch_engine()
-    reqs = [be.make_request(str(i), p, sp, seed=i) for i, p in enumerate(prompts)]
-    t0 = time.perf_counter()
-    for r in reqs:
-        be.add(r)
-    be.run()
-    wall = time.perf_counter() - t0
+    wall, reqs, stats = run_prompts(llm, prompts, sp)
     return dict(wall=wall, tokens=sum(len(r.output_ids) for r in reqs), ids=[r.output_ids for r in reqs],
                 drafted=sum(r.spec.drafted for r in reqs), accepted=sum(r.spec.accepted for r in reqs),
-                verified_rows=sum(r.spec.verify_steps for r in reqs), stats=dict(be.stats))
+                verified_rows=sum(r.spec.verify_steps for r in reqs), stats=dict(stats))
 
 
 def spec_rows(model, batches, *, gen_tokens: int = 48, k: int = 4, dtype: str = "float32", reps: int = 3,
@@ -154,11 +150,9 @@ def main(argv):
     rows = spec_rows(model, [int(b) for b in FLAGS.batches], gen_tokens=FLAGS.gen_tokens, k=FLAGS.k,
                      dtype=FLAGS.dtype, reps=FLAGS.reps, max_model_len=FLAGS.max_model_len,
                      prompt_len=(FLAGS.prompt_min, FLAGS.prompt_max), budget_s=FLAGS.budget_s, log=log)
-    path = FLAGS.out if FLAGS.out.endswith(".json") else os.path.join(FLAGS.out, "spec_rows.json")
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, model=FLAGS.model,
-                       num_layers=FLAGS.num_layers, dtype=FLAGS.dtype, rows=rows), f, indent=1, default=float)
+    path = write_json(FLAGS.out, "spec_rows.json",
+                      dict(jax=jax.__version__, device=jax.devices()[0].device_kind, model=FLAGS.model,
+                           num_layers=FLAGS.num_layers, dtype=FLAGS.dtype, rows=rows))
     print(format_rows(rows))
     print(f"wrote {path}")
 

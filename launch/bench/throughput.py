@@ -27,6 +27,8 @@ import time
 
 import numpy as np
 
+from launch.bench.harness import run_prompts
+
 PROG = "kimi-bench throughput"
 
 
@@ -59,23 +61,14 @@ def throughput_rows(model, batches, *, n_min: int = 8, min_prompt: int = 16, max
         lens, prompts = random_prompts(seed, n, min_prompt, max_prompt, V)
         sp = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
 
-        def once():
-            be = llm.batch_engine()
-            reqs = [be.make_request(str(i), p, sp, seed=i) for i, p in enumerate(prompts)]
-            t0 = time.perf_counter()
-            for r in reqs:               # every request arrives at the start (queueing is in its TTFT)
-                be.add(r)
-            be.run()
-            return time.perf_counter() - t0, be.stats, reqs
-
         for chunk, overlap in [(c, o) for c in prefill_chunks for o in overlaps]:
             llm.overlap_scheduling = overlap
             llm.prefill_chunk = chunk or default_chunk
             what = f"batch {B}, overlap {overlap}, prefill_chunk {llm.prefill_chunk}"
             progress(f"{what}: warm-up pass (compiles every bucket this workload hits)")
-            once()
+            run_prompts(llm, prompts, sp)
             progress(f"{what}: timed pass")
-            wall, stats, reqs = once()
+            wall, reqs, stats = run_prompts(llm, prompts, sp)      # every request arrives at the start
             out_tok = stats["generated_tokens"]
             lat = [latency_metrics(r) for r in reqs]
             ttft = np.asarray([m["time_to_first_token"] for m in lat], float)

@@ -119,7 +119,7 @@ NUM_WARPS = 4
 def combine(o_GMA, lse_GM, work, o_new_BMA, lse_new_BM, *, interpret: bool, xla_max_macs: int = 1 << 27):
     """The balanced schedule's merge (`work`: `decode.balanced_items`' table): the XLA
     contraction up to `xla_max_macs` B x G x M x A multiply-adds, the kernel above. The default is
-    measured on the H200 (launch/sweep_mla_combine.py): the contraction was the faster at batch <= 8
+    measured on the H200 (`kimi-bench mla --combine_sweep`): the contraction was the faster at batch <= 8
     (8 x 128 items x 64 heads: 34M) and 20-100 us slower at batch 64 (268M).
     Returns o [B, M, A] f32 and lse [B, M] f32."""
     G, M, A = o_GMA.shape

@@ -1,5 +1,7 @@
-"""launch.bench_full_depth on the CPU: one in-process run of every measurement on a 2-layer tiny
-model (one device), and the preset it benchmarks."""
+"""kimi-bench full_depth on the CPU: one in-process run of every measurement on a 2-layer tiny
+model (one device), as a user runs it, and the preset it benchmarks."""
+import json
+
 import jax.numpy as jnp
 import pytest
 
@@ -16,15 +18,20 @@ def test_full_depth_preset_is_kimi_with_16_experts():
 
 @pytest.fixture(scope="module")
 def fd(module_tool):
-    return module_tool("launch.bench_full_depth")
+    return module_tool("launch.bench.full_depth")
 
 
 @pytest.fixture(scope="module")
-def rows(fd):
-    bench = fd.bench
-    cfg = preset("tiny").replace(num_hidden_layers=2)
-    return bench(cfg, [1], context=64, steps=2, variants=["default", "off"], variant_batches=[1],
-                 profile_batches=[1], scheduler_batches=[1], hw_name="cpu", dtype=jnp.float32, emit=lambda r: None)
+def rows(fd, tmp_path_factory):
+    """`kimi-bench full_depth --tiny` (the tiny preset at 2 layers, float32) with every measurement on
+    batch 1: the rows it appends to OUT/full_depth_rows.jsonl."""
+    out = tmp_path_factory.mktemp("full_depth")
+    with pytest.raises(SystemExit) as done:
+        fd.run(["kimi-bench full_depth", "--tiny", "--layers=2", "--batches=1", "--context=64", "--steps=2",
+                "--variants=default,off", "--variant_batches=1", "--profile_batches=1", "--scheduler_batches=1",
+                "--hardware=cpu", f"--out={out}"])
+    assert done.value.code in (0, None)
+    return [json.loads(line) for line in open(out / "full_depth_rows.jsonl")]
 
 
 def test_full_depth_bench_rows(rows):

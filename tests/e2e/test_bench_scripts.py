@@ -13,12 +13,14 @@ from kimi_jax.config import preset
 def test_kimi_bench_lists_its_suites_and_refuses_an_unknown_one(cli):
     r = cli("launch.bench", "--help")
     assert r.returncode == 0
-    for suite in ("int4", "mla", "engine", "throughput", "spec", "loading"):
+    for suite in ("int4", "mla", "engine", "throughput", "spec", "loading", "prefix_cache", "full_depth", "gemv",
+                  "structured", "dtype"):
         assert f"\n  {suite} " in r.stdout, suite
     assert cli("launch.bench").stdout == r.stdout                # no suite: the list
     bad = cli("launch.bench", "nosuch")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "kimi-bench: error: unknown suite 'nosuch' (suites: int4, mla, engine, throughput, spec, loading)"]
+        "kimi-bench: error: unknown suite 'nosuch' (suites: int4, mla, engine, throughput, spec, loading, "
+        "prefix_cache, full_depth, gemv, structured, dtype)"]
     # a suite's --help: its own flags, exit 0
     r = cli("launch.bench", "loading", "--help")
     assert r.returncode == 0 and "--orbax-dir" in r.stdout and "--raw-workers" in r.stdout
@@ -268,3 +270,71 @@ def test_prefix_cache_bench_computes_only_the_uncached_tokens(tmp_path, cli):
     assert rows["distinct", True]["cache_hit_tokens"] == 0
     assert rows["shared", True]["tokens_equal_off"] and rows["distinct", True]["tokens_equal_off"]
     assert rows["shared", True]["cache_s"] > 0 and rows["shared", False]["cache_s"] is None
+
+
+@pytest.mark.slow
+def test_bench_mla_check_schedules_runs_the_mosaic_gpu_op_on_both_schedules(tmp_path, cli):
+    """--check_schedules (CPU: the Mosaic GPU interpreter, --dry's small batch): the served config on
+    the rows and balanced schedules and one row alone under serving_config(1), each against the
+    reference, one results.jsonl row per case; no copy measurement."""
+    from pallas_kernels.mla import decode_mgpu as mg
+    if mg.plgpu is None:
+        pytest.skip("no jax.experimental.pallas.mosaic_gpu")
+    r = cli("launch.bench", "mla", "--dry", "--check_schedules", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
+    assert [x["case"] for x in rows] == ["page=16 T=1 rows serving", "page=16 T=1 balanced serving",
+                                         "page=16 T=1 row 1 (length 37) alone serving_config(1)"]
+    assert all(x["ok"] and x["err"] < 3e-2 for x in rows)
+    assert "schedules ALL OK" in r.stdout and "copy (start)" not in r.stdout
+
+
+def test_bench_gemv_dry_times_every_projection_and_its_copy(tmp_path, cli):
+    """kimi-bench gemv --dry (CPU, 1/16 of every dimension): one row per projection with the matmul's
+    and the copy's kernel time (device time from a profiler trace), appended as it is measured."""
+    r = cli("launch.bench", "gemv", "--dry", "--rows=1", "--max_copies=2", "--reps=1", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in open(tmp_path / "gemv_rows.jsonl")]
+    assert len(rows) == 9 and rows[0]["case"] == "q_a 7168->1536" and rows[-1]["case"] == "shared down shard 256->7168"
+    first = rows[0]
+    assert (first["M"], first["N"], first["K"], first["copies"]) == (1, 1536 // 16, 7168 // 16, 2)
+    assert all(x["gemv_kernels"] >= 1 and x["copy_kernels"] >= 1 for x in rows)
+    assert "%copy span" in r.stdout
+
+
+def test_bench_structured_dry_times_the_grammar_the_sampler_and_the_decode_step(tmp_path, cli):
+    """kimi-bench structured --dry (the demo vocabulary only, no xgrammar): llguidance's compile per
+    schema and mask fill per batch, the sampler with and without the mask, the decode step with and
+    without a mask; the JSON result under --out."""
+    r = cli("launch.bench", "structured", "--dry", "--batches=1,2", "--steps=1", "--reps=1", "--noxgrammar",
+            "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.load(open(tmp_path / "structured.json"))
+    ll = res["llguidance_demo_4096"]
+    assert set(ll["compile_ms"]) == {"enum_flat", "nested", "arrays", "anyof_required"}
+    assert set(ll["mask_ms"]) == {"1", "2"}
+    assert set(res["sampling_step_ms"]) == {"V=4096,B=1", "V=4096,B=2"}
+    assert set(res["decode_step_ms"]) == {"demo_4096,B=1", "demo_4096,B=2"}
+    assert not any(k.startswith(("xgrammar", "llguidance_kimi")) for k in res)
+
+
+def test_bench_dtype_rows(tmp_path, cli):
+    """kimi-bench dtype: tokens/s end to end and the jitted step alone per dtype and batch, as JSON."""
+    r = cli("launch.bench", "dtype", "--dtypes=float32", "--batches=2", "--tokens=3", "--prompt=4", "--reps=1",
+            "--step_reps=1", "--out", str(tmp_path / "d.json"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.load(open(tmp_path / "d.json"))["rows"]
+    assert [(x["dtype"], x["batch"]) for x in rows] == [("float32", 2)]
+    assert rows[0]["tok_s"] > 0 and rows[0]["step_ms"] > 0
+
+
+def test_bench_spec_compares_speculation_off_and_on(tmp_path, cli):
+    """kimi-bench spec on a 2-layer tiny model (random weights, random prompts): one row per workload
+    with speculation off and on, the same greedy tokens both ways, as JSON under --out."""
+    r = cli("launch.bench", "spec", "--model=tiny", "--num_layers=2", "--batches=2", "--gen_tokens=4", "--reps=1",
+            "--dtype=float32", "--max_model_len=256", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.load(open(tmp_path / "spec_rows.json"))["rows"]
+    assert [(x["batch"], x["workload"]) for x in rows] == [(2, "repetitive"), (2, "non-repetitive")]
+    assert all(x["identical"] and x["tok_s_off"] > 0 and x["tok_s_on"] > 0 for x in rows)
+    assert "| 2 | repetitive |" in r.stdout

@@ -7,27 +7,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kimi_jax import LLM, SamplingParams
+from kimi_jax import SamplingParams
 from kimi_jax.config import preset
 
 CFG = preset("tiny")
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_ckpt):
-    """One engine for every test (its compiled programs are shared): 3 slots (requests join as others
-    finish), prompt chunks of 16 (long prompts span several steps), 24 pages of 4 tokens (fewer than
-    the longest sequences need at once: preemption and recompute)."""
-    return LLM(tiny_ckpt, dtype="float32", max_num_seqs=3, page_size=4, num_pages=24, prefill_chunk=16,
-               max_prefill_tokens=24)
-
-
-class WordTokenizer:
-    """Token i is the word 'w{i}': enough for stop strings (the tiny checkpoint has no tokenizer)."""
-    stop_token_ids = ()
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(f" w{i}" for i in ids)
+def pool_slots():
+    """3 slots for `pool_llm` (tests/e2e/conftest.py): most runs here have more requests than that."""
+    return 3
 
 
 def prompts(n, seed=0):
@@ -81,56 +70,56 @@ def assert_same(got, ref):
             np.testing.assert_allclose(vals(g), vals(r), rtol=0, atol=1e-4)
 
 
-def test_overlap_gives_the_same_tokens_under_pressure(llm):
+def test_overlap_gives_the_same_tokens_under_pressure(pool_llm):
     """Greedy and seeded rows, admission mid-run, preemption; then the same requests with stop tokens
     taken from their own outputs (ends by 'stop' at different steps)."""
     ps = prompts(7)
     params = mixed_params(len(ps), seed=1, ignore_eos=True)
-    ref, ref_stats = generate(llm, ps, params, overlap=False)
-    got, stats = generate(llm, ps, params, overlap=True)
+    ref, ref_stats = generate(pool_llm, ps, params, overlap=False)
+    got, stats = generate(pool_llm, ps, params, overlap=True)
     assert_same(got, ref)
     assert stats["generated_tokens"] == ref_stats["generated_tokens"]
     assert stats["preemptions"] > 0 and stats["overlapped_steps"] > 0, stats
 
     stops = [SamplingParams(**{**sp.__dict__, "max_tokens": 20, "stop_token_ids": [r.output_ids[len(r.output_ids) // 2]]})
              for r, sp in zip(ref, params)]
-    ref, _ = generate(llm, ps, stops, overlap=False)
-    got, stats = generate(llm, ps, stops, overlap=True)
+    ref, _ = generate(pool_llm, ps, stops, overlap=False)
+    got, stats = generate(pool_llm, ps, stops, overlap=True)
     assert_same(got, ref)
     assert stats["overlapped_steps"] > 0
     assert sum(r.finish_reason == "stop" for r in got) >= 4
 
 
-def test_overlap_eos_stop_strings_logprobs_streaming(llm, monkeypatch):
+def test_overlap_eos_stop_strings_logprobs_streaming(pool_llm, monkeypatch, word_tokenizer):
     """The model's eos (made a token it often produces), stop strings found one step behind, logprobs,
     and the engine driven step by step as the streaming CLI does (outputs read between steps only
     grow)."""
-    monkeypatch.setattr(llm, "tokenizer", WordTokenizer())
+    monkeypatch.setattr(pool_llm, "tokenizer", word_tokenizer)
     ps = prompts(6, seed=3)
     params = mixed_params(len(ps), seed=4, logprobs=2)
-    ref, _ = generate(llm, ps, params, overlap=False)
+    ref, _ = generate(pool_llm, ps, params, overlap=False)
     counts = np.bincount(np.concatenate([r.output_ids for r in ref]), minlength=CFG.vocab_size)
-    monkeypatch.setattr(llm, "config", llm.config.replace(eos_token_id=(int(counts.argmax()),)))
+    monkeypatch.setattr(pool_llm, "config", pool_llm.config.replace(eos_token_id=(int(counts.argmax()),)))
     word = f" w{ref[0].output_ids[len(ref[0].output_ids) // 2]}"
     params = [SamplingParams(**{**sp.__dict__, "max_tokens": 24, "stop": [word]}) for sp in params]
-    ref, _ = generate(llm, ps, params, overlap=False)
-    got, stats = generate(llm, ps, params, overlap=True, stream=True)
+    ref, _ = generate(pool_llm, ps, params, overlap=False)
+    got, stats = generate(pool_llm, ps, params, overlap=True, stream=True)
     assert_same(got, ref)
     assert stats["overlapped_steps"] > 0
     assert {r.finish_reason for r in got} <= {"stop", "length"}
     assert any(r.stop_reason == word for r in got) and any(isinstance(r.stop_reason, int) for r in got)
 
 
-def test_overlap_is_off_with_speculation(llm, monkeypatch):
+def test_overlap_is_off_with_speculation(pool_llm, monkeypatch):
     """Drafts need each step's tokens on the host: speculation runs the ordinary path."""
     from kimi_jax.engine.speculative import SpeculativeConfig
-    llm.overlap_scheduling = True
-    assert llm.batch_engine().overlap is True
-    monkeypatch.setattr(llm, "speculative", SpeculativeConfig())
-    assert llm.batch_engine().overlap is False
+    pool_llm.overlap_scheduling = True
+    assert pool_llm.batch_engine().overlap is True
+    monkeypatch.setattr(pool_llm, "speculative", SpeculativeConfig())
+    assert pool_llm.batch_engine().overlap is False
 
 
-def test_decode_step_schedule_choice(llm, monkeypatch):
+def test_decode_step_schedule_choice(pool_llm, monkeypatch):
     """The engine's per-step MLA schedule: 'balanced' only on the Pallas kernels for a large, skewed
     batch (host-side positions); a step traced with it gives the same tokens (on CPU the XLA path
     runs, so this checks the plumbing: the static argument reaches the step, one more compile)."""
@@ -143,9 +132,9 @@ def test_decode_step_schedule_choice(llm, monkeypatch):
     assert engine.mla_schedule_for([-1, -1], pallas=True) is None
     ps = prompts(4, seed=3)
     params = mixed_params(len(ps), seed=4, ignore_eos=True)
-    ref, _ = generate(llm, ps, params, overlap=True)
+    ref, _ = generate(pool_llm, ps, params, overlap=True)
     seen = []
     monkeypatch.setattr(engine, "mla_schedule_for", lambda pos, pallas: seen.append(pallas) or "balanced")
-    got, _ = generate(llm, ps, params, overlap=True)
+    got, _ = generate(pool_llm, ps, params, overlap=True)
     assert seen and not any(seen)                     # asked on every decode step, XLA on CPU
     assert_same(got, ref)

@@ -7,29 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kimi_jax import LLM, SamplingParams
+from kimi_jax import SamplingParams
 from kimi_jax.config import preset
 from kimi_jax.entrypoints.llm import resolve_dtype
 
 CFG = preset("tiny")
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_ckpt):
-    """4 slots, prompt chunks of 16, 24 pages of 4 tokens (preemption once several rows grow)."""
-    return LLM(tiny_ckpt, dtype="float32", max_num_seqs=4, page_size=4, num_pages=24, prefill_chunk=16,
-               max_prefill_tokens=24)
-
-
-class WordTokenizer:
-    """Token i is the word 'w{i}' (the tiny checkpoint has no tokenizer)."""
-    stop_token_ids = ()
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(f" w{i}" for i in ids)
-
-    def encode(self, text, allow_special=False):
-        return [int(w[1:]) for w in text.split()]
 
 
 def log_softmax(x):
@@ -57,24 +39,24 @@ def run(llm, groups, num_pages=None):
     return out, be.stats
 
 
-def test_n_samples_share_one_prefill(llm):
+def test_n_samples_share_one_prefill(pool_llm):
     """n = 3 with a seed: distinct, reproducible samples with indices 0..2; the prompt but its last
     token is prefilled once (prompt tokens counted: 34 + 3 x 1) and each sample's tokens equal those
     it gets prefilling alone (the copied pages hold the same latents)."""
     sp = SamplingParams(temperature=1.0, n=3, seed=11, max_tokens=6, ignore_eos=True)
-    a = llm.generate([PROMPT], sp)[0]
-    b = llm.generate([{"prompt_token_ids": PROMPT}], sp)[0]
+    a = pool_llm.generate([PROMPT], sp)[0]
+    b = pool_llm.generate([{"prompt_token_ids": PROMPT}], sp)[0]
     assert [o.index for o in a.outputs] == [0, 1, 2]
     toks = [o.token_ids for o in a.outputs]
     assert toks == [o.token_ids for o in b.outputs]
     assert len({tuple(t) for t in toks}) == 3
-    (shared,), stats = run(llm, [(PROMPT, sp, 11)], num_pages=64)
+    (shared,), stats = run(pool_llm, [(PROMPT, sp, 11)], num_pages=64)
     assert stats["prompt_tokens"] == len(PROMPT) - 1 + 3 and stats["preemptions"] == 0, stats
-    saved, llm.num_pages = llm.num_pages, 64
+    saved, pool_llm.num_pages = pool_llm.num_pages, 64
     try:
-        be = llm.batch_engine()
+        be = pool_llm.batch_engine()
     finally:
-        llm.num_pages = saved
+        pool_llm.num_pages = saved
     alone = be.make_samples("x", PROMPT, sp, 11)
     for r in alone:
         be.add(r)
@@ -83,73 +65,73 @@ def test_n_samples_share_one_prefill(llm):
 
 
 @pytest.mark.slow
-def test_best_of_keeps_the_highest_cumulative_logprob(llm):
+def test_best_of_keeps_the_highest_cumulative_logprob(pool_llm):
     """best_of = 4, n = 2 returns the two of the four samples (the same streams as n = 4) with the
     highest cumulative logprob, best first."""
-    four = llm.generate([PROMPT], SamplingParams(temperature=1.0, n=4, seed=5, max_tokens=5, logprobs=0,
+    four = pool_llm.generate([PROMPT], SamplingParams(temperature=1.0, n=4, seed=5, max_tokens=5, logprobs=0,
                                                  ignore_eos=True))[0].outputs
-    best = llm.generate([PROMPT], SamplingParams(temperature=1.0, n=2, best_of=4, seed=5, max_tokens=5,
+    best = pool_llm.generate([PROMPT], SamplingParams(temperature=1.0, n=2, best_of=4, seed=5, max_tokens=5,
                                                  logprobs=0, ignore_eos=True))[0].outputs
     want = sorted(four, key=lambda o: -o.cumulative_logprob)[:2]
     assert [o.token_ids for o in best] == [o.token_ids for o in want]
     assert [o.index for o in best] == [0, 1]
 
 
-def test_penalties_match_a_host_loop_over_llm_logits(llm):
+def test_penalties_match_a_host_loop_over_llm_logits(pool_llm):
     """Greedy with repetition, frequency and presence penalties and a logit_bias: each token is the
     argmax of llm.logits(prompt + output so far) adjusted in numpy (vLLM's formulas)."""
     prompt = [7, 8, 9, 7, 8, 9, 10]
     sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.8,
                         frequency_penalty=0.7, presence_penalty=0.4, logit_bias={11: 3.0})
-    got = llm.generate([prompt], sp)[0].outputs[0].token_ids
+    got = pool_llm.generate([prompt], sp)[0].outputs[0].token_ids
     out = []
     for _ in range(10):
-        x = llm.logits(prompt + out)[-1].astype(np.float64)
+        x = pool_llm.logits(prompt + out)[-1].astype(np.float64)
         x[11] += 3.0
         counts = np.bincount(out, minlength=x.size)
         seen = (counts > 0) | np.isin(np.arange(x.size), prompt)
         x = np.where(seen, np.where(x > 0, x / 1.8, x * 1.8), x) - 0.7 * counts - 0.4 * (counts > 0)
         out.append(int(x.argmax()))
     assert got == out
-    assert got != llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0].outputs[0].token_ids
+    assert got != pool_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0].outputs[0].token_ids
 
 
 @pytest.mark.slow
-def test_min_tokens_logit_bias_and_bad_words(llm, monkeypatch):
+def test_min_tokens_logit_bias_and_bad_words(pool_llm, monkeypatch, word_tokenizer):
     """A +100 bias on eos ends a request at once; min_tokens = 3 holds eos (and stop_token_ids) off
     for 3 tokens. A -100 bias keeps the greedy first token out of every sampled row. bad_words: a
     single-token word never appears; a two-token word's second token never follows its first."""
-    eos = llm.config.eos_token_id[0]
+    eos = pool_llm.config.eos_token_id[0]
     forced = SamplingParams(temperature=0.0, max_tokens=8, logit_bias={eos: 100.0})
-    assert llm.generate([PROMPT], forced)[0].outputs[0].token_ids == [eos]
+    assert pool_llm.generate([PROMPT], forced)[0].outputs[0].token_ids == [eos]
     held = SamplingParams(temperature=0.0, max_tokens=8, logit_bias={eos: 100.0}, min_tokens=3,
                           stop_token_ids=[eos + 1])
-    o = llm.generate([PROMPT], held)[0].outputs[0]
+    o = pool_llm.generate([PROMPT], held)[0].outputs[0]
     assert len(o.token_ids) == 4 and o.token_ids[-1] == eos and o.finish_reason == "stop"
     assert eos not in o.token_ids[:3] and eos + 1 not in o.token_ids[:3]
-    greedy = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    greedy = pool_llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0].outputs[0]
     first = greedy.token_ids[0]
-    sampled = llm.generate([PROMPT], SamplingParams(temperature=1.0, n=6, seed=3, max_tokens=6, ignore_eos=True,
+    sampled = pool_llm.generate([PROMPT], SamplingParams(temperature=1.0, n=6, seed=3, max_tokens=6, ignore_eos=True,
                                                     logit_bias={first: -100.0}))[0].outputs
     assert all(first not in s.token_ids for s in sampled)
-    monkeypatch.setattr(llm, "tokenizer", WordTokenizer())
-    monkeypatch.setattr(llm, "_generate_engine", None)     # the kept engine (prefix caching) has no tokenizer
+    monkeypatch.setattr(pool_llm, "tokenizer", word_tokenizer)
+    monkeypatch.setattr(pool_llm, "_generate_engine", None)     # the kept engine (prefix caching) has no tokenizer
     g = greedy.token_ids
-    banned = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+    banned = pool_llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
                                                    bad_words=[f"w{g[0]}", f"w{g[2]} w{g[3]}"]))[0].outputs[0]
     t = banned.token_ids
     assert g[0] not in t and not any(a == g[2] and b == g[3] for a, b in zip(t, t[1:])), (g, t)
 
 
-def test_prompt_logprobs_and_logprob_fields_equal_llm_logits(llm, monkeypatch):
+def test_prompt_logprobs_and_logprob_fields_equal_llm_logits(pool_llm, monkeypatch, word_tokenizer):
     """prompt_logprobs (the prompt spans three chunks; and through the shared prefill of n = 2): None
     first, then per position the prompt token's logprob and rank and the top-3, equal to
     log_softmax(llm.logits) to 2e-5 (float32 logits of two attention paths); the output's Logprob
     entries (token, rank, top-2, decoded_token) likewise against llm.logits of prompt + output."""
-    monkeypatch.setattr(llm, "tokenizer", WordTokenizer())
-    ref = log_softmax(llm.logits(PROMPT))
+    monkeypatch.setattr(pool_llm, "tokenizer", word_tokenizer)
+    ref = log_softmax(pool_llm.logits(PROMPT))
     for n in (1, 2):
-        res = llm.generate([PROMPT], SamplingParams(temperature=0.0, n=n, max_tokens=3, logprobs=2,
+        res = pool_llm.generate([PROMPT], SamplingParams(temperature=0.0, n=n, max_tokens=3, logprobs=2,
                                                     prompt_logprobs=3, ignore_eos=True))[0]
         plp = res.prompt_logprobs
         assert plp[0] is None and len(plp) == len(PROMPT)
@@ -164,35 +146,35 @@ def test_prompt_logprobs_and_logprob_fields_equal_llm_logits(llm, monkeypatch):
                 assert abs(lp.logprob - row[t]) < 2e-5 and lp.decoded_token == f" w{t}"
     out = res.outputs[0]
     for j, (t, entry) in enumerate(zip(out.token_ids, out.logprobs)):
-        row = log_softmax(llm.logits(PROMPT + out.token_ids[:j])[-1])
+        row = log_softmax(pool_llm.logits(PROMPT + out.token_ids[:j])[-1])
         assert next(iter(entry)) == t and entry[t].rank == 1        # greedy: the argmax, listed first
         assert set(entry) == {t, *np.argsort(-row)[:2].tolist()}
         assert all(abs(v.logprob - row[i]) < 2e-5 for i, v in entry.items())
 
 
-def test_prompt_dicts_and_dtype_auto(llm):
+def test_prompt_dicts_and_dtype_auto(pool_llm):
     """vLLM's prompt dicts (one or a list) give the token-list results; bad ones fail with a clear
     error. dtype 'auto': the checkpoint's torch_dtype on an accelerator, float32 on CPU."""
     sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    want = llm.generate([PROMPT[:5], PROMPT[:7]], sp)
-    got = llm.generate([{"prompt_token_ids": PROMPT[:5]}, {"prompt_token_ids": PROMPT[:7]}], sp)
+    want = pool_llm.generate([PROMPT[:5], PROMPT[:7]], sp)
+    got = pool_llm.generate([{"prompt_token_ids": PROMPT[:5]}, {"prompt_token_ids": PROMPT[:7]}], sp)
     assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
-    assert llm.generate({"prompt_token_ids": PROMPT[:5]}, sp)[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert pool_llm.generate({"prompt_token_ids": PROMPT[:5]}, sp)[0].outputs[0].token_ids == want[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="request 0: a text prompt needs a tokenizer"):
-        llm.generate({"prompt": "hello"}, sp)
+        pool_llm.generate({"prompt": "hello"}, sp)
     with pytest.raises(ValueError, match="exactly one of 'prompt'"):
-        llm.generate([{"tokens": [1, 2]}], sp)
+        pool_llm.generate([{"tokens": [1, 2]}], sp)
     with pytest.raises(ValueError, match="request 1: a prompt is a string"):
-        llm.generate([[1, 2], 3.5], sp)
+        pool_llm.generate([[1, 2], 3.5], sp)
     assert resolve_dtype("auto", None, "cpu") == "float32"
-    assert resolve_dtype("auto", llm.model_path, "gpu") == "bfloat16"       # the checkpoint's torch_dtype
-    assert llm.dtype.__name__ == "float32"
+    assert resolve_dtype("auto", pool_llm.model_path, "gpu") == "bfloat16"       # the checkpoint's torch_dtype
+    assert pool_llm.dtype.__name__ == "float32"
     with pytest.raises(ValueError, match="dtype='float16' is not supported"):
         resolve_dtype("float16", None, "cpu")
 
 
 @pytest.mark.slow
-def test_penalties_under_overlap_and_preemption(llm):
+def test_penalties_under_overlap_and_preemption(pool_llm):
     """Seeded and greedy rows with penalties, a logit_bias and min_tokens, more requests than slots,
     pages short enough to preempt: overlap on and off give the same tokens (the device counts
     follow the tokens it feeds itself), and so does a pool with room for everything (a preempted
@@ -205,8 +187,8 @@ def test_penalties_under_overlap_and_preemption(llm):
               for i, m in enumerate(rng.integers(8, 16, len(ps)))]
     results = {}
     for overlap, pages in ((False, 24), (True, 24), (False, 400)):
-        llm.overlap_scheduling = overlap
-        reqs, stats = run(llm, [(p, sp, 100 + i) for i, (p, sp) in enumerate(zip(ps, params))], pages)
+        pool_llm.overlap_scheduling = overlap
+        reqs, stats = run(pool_llm, [(p, sp, 100 + i) for i, (p, sp) in enumerate(zip(ps, params))], pages)
         results[overlap, pages] = [r.output_ids for (r,) in reqs]
         if pages == 24:
             assert stats["preemptions"] > 0, stats

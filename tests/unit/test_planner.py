@@ -329,7 +329,7 @@ def test_h200_measured_step_within_17_percent(layout, batch, device_ms):
     assert abs(1e3 * p.step_s - device_ms) / device_ms < 0.17
 
 
-# The device-bound decode step (launch/bench_full_depth.py `chain`: steps dispatched back to back) of
+# The device-bound decode step (`kimi-bench full_depth` `chain`: steps dispatched back to back) of
 # kimi-k2.5-61x16 (16 INT4 experts, top-8) at batch 1 x 4K context, one H200, jax 0.11.2, 2026-12-02
 # (BENCHMARKS.md "Full depth on one H200"): (layers, ms); the 61-layer step twice (two runs).
 H200_FULL_DEPTH_B1 = [(4, 1.555), (61, 13.23), (61, 13.46)]

@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
 
 
+class _Aborted(Exception):
+    """An engine request of a response was aborted; the message is what the client is told."""
+
+
 def _error(status: int, message: str, type: str = "invalid_request_error", param=None, code=None,
            headers=None) -> web.Response:
     return web.json_response(P.error_body(message, type, param, code), status=status, headers=headers)
@@ -255,23 +259,36 @@ class OpenAIServer:
         if d.finished and d.request is not None and d.request.finish_reason != "abort":
             self.metrics.finished(d.request)
 
-    async def _collect(self, g, rid, reqs, queue):
+    async def _deltas(self, reqs, queue):
+        """The engine's deltas for `reqs` ((choice index, engine request) pairs) as they arrive on
+        `queue`, as (choice index, engine request, delta), until every request has finished. Each delta
+        is counted in the metrics (a request's prompt tokens with its first tokens); an aborted request
+        (an engine error, or the server shutting down) raises _Aborted with the message to send."""
         index = {r.request_id: (k, r) for k, r in reqs}
-        started, done = set(), {}
-        while len(done) < len(reqs):
+        started, left = set(), len(reqs)
+        while left:
             d = await queue.get()
             k, r = index[d.request_id]
             self._count(d, len(r.prompt_ids), d.request_id not in started)
             if d.token_ids:
                 started.add(d.request_id)
             if d.error is not None or (d.finished and r.finish_reason == "abort"):
-                return _error(503, f"request aborted: {d.error or 'the server is shutting down'}", "server_error")
-            if d.finished:
-                out = self.llm.to_output(r).outputs[0]
-                done[k] = P.Choice(k, out.text or "", out.token_ids, out.finish_reason, out.stop_reason,
-                                   out.logprobs)
-                if g.kind == "chat" and g.tools and self.tokenizer is not None:
-                    P.with_tool_calls(done[k], self.tokenizer)      # Kimi's tool-call section
+                raise _Aborted(f"request aborted: {d.error or 'the server is shutting down'}")
+            left -= bool(d.finished)
+            yield k, r, d
+
+    async def _collect(self, g, rid, reqs, queue):
+        done = {}
+        try:
+            async for k, r, d in self._deltas(reqs, queue):
+                if d.finished:
+                    out = self.llm.to_output(r).outputs[0]
+                    done[k] = P.Choice(k, out.text or "", out.token_ids, out.finish_reason, out.stop_reason,
+                                       out.logprobs)
+                    if g.kind == "chat" and g.tools and self.tokenizer is not None:
+                        P.with_tool_calls(done[k], self.tokenizer)      # Kimi's tool-call section
+        except _Aborted as e:
+            return _error(503, str(e), "server_error")
         choices = [done[k] for k in sorted(done)]
         n_prompt = sum(len(r.prompt_ids) for k, r in reqs if k % g.n == 0)
         use = P.usage(n_prompt, sum(len(c.token_ids) for c in choices))
@@ -282,14 +299,12 @@ class OpenAIServer:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         created, chat = P.now(), g.kind == "chat"
-        index = {r.request_id: (k, r) for k, r in reqs}
         streams = {r.request_id: P.TextStream(self.tokenizer, r.params.stop_strings) if self.tokenizer else None
                    for _, r in reqs}
         # chat with tools: content and tool-call deltas from the parser (kimi_jax.text.tool_parser)
         calls = ({r.request_id: ChatOutputParser(self.tokenizer) for _, r in reqs}
                  if chat and g.tools and self.tokenizer is not None else None)
         offsets = {r.request_id: 0 for _, r in reqs}
-        started, left = set(), len(reqs)
 
         async def send(obj):
             await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
@@ -298,52 +313,45 @@ class OpenAIServer:
             for k, _ in reqs:
                 await send(P.chat_chunk(rid, created, self.model_name, P.Choice(k, "", []), first=True,
                                         with_usage=g.include_usage))
-        while left:
-            d = await queue.get()
-            k, r = index[d.request_id]
-            self._count(d, len(r.prompt_ids), d.request_id not in started)
-            if d.token_ids:
-                started.add(d.request_id)
-            if d.error is not None or (d.finished and r.finish_reason == "abort"):
-                await send(P.error_body(f"request aborted: {d.error or 'the server is shutting down'}",
-                                        "server_error"))
-                break
-            ts = streams[d.request_id]
-            c = P.Choice(k, "", d.token_ids, logprobs=d.logprobs if g.logprobs is not None else None)
-            if calls is not None:
-                parser = calls[d.request_id]
-                delta = parser.feed_ids(d.token_ids)
-                if d.finished:
-                    tail = parser.finish()
-                    delta.content += tail.content
-                    delta.tool_calls += tail.tool_calls
+        try:
+            async for k, r, d in self._deltas(reqs, queue):
+                ts = streams[d.request_id]
+                c = P.Choice(k, "", d.token_ids, logprobs=d.logprobs if g.logprobs is not None else None)
+                if calls is not None:
+                    parser = calls[d.request_id]
+                    delta = parser.feed_ids(d.token_ids)
+                    if d.finished:
+                        tail = parser.finish()
+                        delta.content += tail.content
+                        delta.tool_calls += tail.tool_calls
+                        out = self.llm.to_output(r).outputs[0]
+                        c.finish_reason = tool_finish_reason(out.finish_reason, bool(parser.result().tool_calls))
+                        c.stop_reason = out.stop_reason
+                    c.text, c.tool_calls = delta.content, delta.tool_calls or None
+                    if not d.finished and not delta and c.logprobs is None:
+                        continue
+                elif d.finished:      # the engine's final text (a stop string cut off) completes what was sent
                     out = self.llm.to_output(r).outputs[0]
-                    c.finish_reason = tool_finish_reason(out.finish_reason, bool(parser.result().tool_calls))
-                    c.stop_reason = out.stop_reason
-                    left -= 1
-                c.text, c.tool_calls = delta.content, delta.tool_calls or None
-                if not d.finished and not delta and c.logprobs is None:
-                    continue
-            elif d.finished:      # the engine's final text (a stop string cut off) completes what was sent
-                out = self.llm.to_output(r).outputs[0]
-                c.text = ts.finish(out.text or "") if ts is not None else ""
-                c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
-                left -= 1
-            else:
-                c.text = ts.feed(d.token_ids) if ts is not None else ""
-                if not c.text and c.logprobs is None:
-                    continue
-            if chat:
-                await send(P.chat_chunk(rid, created, self.model_name, c, self.tokenizer, g.logprobs,
-                                        with_usage=g.include_usage))
-            else:
-                await send(P.completion_chunk(rid, created, self.model_name, c, self.tokenizer, g.logprobs,
-                                              offsets[d.request_id], with_usage=g.include_usage))
-                offsets[d.request_id] += len(c.text)
-        if g.include_usage and not left:
-            n_prompt = sum(len(r.prompt_ids) for k, r in reqs if k % g.n == 0)
-            await send(P.usage_chunk(rid, created, self.model_name, g.kind,
-                                     P.usage(n_prompt, sum(len(r.output_ids) for _, r in reqs))))
+                    c.text = ts.finish(out.text or "") if ts is not None else ""
+                    c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+                else:
+                    c.text = ts.feed(d.token_ids) if ts is not None else ""
+                    if not c.text and c.logprobs is None:
+                        continue
+                if chat:
+                    await send(P.chat_chunk(rid, created, self.model_name, c, self.tokenizer, g.logprobs,
+                                            with_usage=g.include_usage))
+                else:
+                    await send(P.completion_chunk(rid, created, self.model_name, c, self.tokenizer, g.logprobs,
+                                                  offsets[d.request_id], with_usage=g.include_usage))
+                    offsets[d.request_id] += len(c.text)
+        except _Aborted as e:
+            await send(P.error_body(str(e), "server_error"))
+        else:
+            if g.include_usage:
+                n_prompt = sum(len(r.prompt_ids) for k, r in reqs if k % g.n == 0)
+                await send(P.usage_chunk(rid, created, self.model_name, g.kind,
+                                         P.usage(n_prompt, sum(len(r.output_ids) for _, r in reqs))))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

@@ -1,7 +1,8 @@
-r"""The bf16 projections of Kimi-K2.5's decode step at their TP8 shard shapes, against a copy of the
-same bytes in the same run.
+r"""kimi-bench gemv: the bf16 projections of Kimi-K2.5's decode step at their TP8 shard shapes, against
+a copy of the same bytes in the same run.
 
-  python -m launch.bench_gemv --rows 1,16
+  kimi-bench gemv --rows 1,16
+  kimi-bench gemv --dry --rows 1 --max_copies 2 --reps 1 --out /tmp/x   # CPU, 1/16 of every dimension
 
 Each case is y[M, N] = x[M, K] @ W[N, K]^T as the model runs it (`jnp.einsum` with bf16 output,
 float32 accumulation: kimi_jax.ops.linear). So that the weights come from device memory rather than
@@ -21,7 +22,7 @@ import os
 import statistics
 import time
 
-from absl import app, flags
+from absl import flags
 
 flags.DEFINE_list("rows", ["1", "16"], "M: token rows per matmul")
 flags.DEFINE_integer("rotate_mb", 512, "weights per executable, MB (several times the L2 cache)")
@@ -118,8 +119,9 @@ def main(argv):
     print(table(rows), flush=True)
 
 
-def run():
-    app.run(main)
+def run(argv=None) -> None:
+    from launch import common
+    common.run(main, "kimi-bench gemv", __name__, __doc__, argv=argv, common=False)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""Structured-output costs: llguidance vs xgrammar (grammar compile per schema, per-step bitmask fill at
-batch 1 / 16 / 64), and the on-device mask's cost inside a jitted sampling step, at the demo
-vocabulary (4,096) and Kimi's (163,840).
+"""kimi-bench structured: structured-output costs: llguidance vs xgrammar (grammar compile per schema,
+per-step bitmask fill at batch 1 / 16 / 64), and the on-device mask's cost inside a jitted sampling
+step, at the demo vocabulary (4,096) and Kimi's (163,840).
 
-  PYTHONPATH=$PWD python -m launch.bench_structured --out=/tmp/structured.json
+  kimi-bench structured --out=/tmp/structured.json
+  kimi-bench structured --dry --batches=1,2 --steps=2 --reps=1 --noxgrammar --out=/tmp/x   # CPU, demo vocabulary only
 
 The 163,840-token tokenizer is synthetic (Kimi's shape: 163,584 byte-level ranks then 258 special ids
 with the tool-call markers at Kimi's offsets): the 256 bytes, the demo checkpoint's ranks, then
@@ -11,7 +12,8 @@ punctuation and whitespace runs, until 163,584 distinct tokens. Its token string
 vocabulary's; the mask cost depends on the vocabulary size and its prefix structure, which this
 reproduces roughly. Each matcher follows a valid instance of its schema token by token; a step's
 time is the fill of every row's mask (the token consumption after it is timed apart).
-xgrammar needs torch (imported here only).
+xgrammar needs torch (imported here only). Writes the results as JSON (--out: a directory, then
+structured.json in it, or a .json file).
 """
 from __future__ import annotations
 
@@ -21,15 +23,21 @@ import random
 import statistics
 import time
 
-from absl import app, flags
+from absl import flags
+
+from launch.bench.harness import write_json
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out", None, "write the results as JSON here")
-flags.DEFINE_string("batches", "1,16,64", "batch sizes")
+flags.DEFINE_string("out", os.path.join(os.environ.get("OUT", "out"), "bench_structured"),
+                    "results directory (structured.json in it) or .json file")
+flags.DEFINE_list("batches", ["1", "16", "64"], "batch sizes")
 flags.DEFINE_bool("xgrammar", True, "also measure xgrammar (needs torch)")
 flags.DEFINE_integer("reps", 5, "timed repetitions of each jitted step")
 flags.DEFINE_integer("steps", 20, "timed engine decode steps per (model, batch, mask)")
 flags.DEFINE_list("parts", ["grammar", "sampler", "engine"], "what to measure")
+flags.DEFINE_bool("dry", False, "CPU dry run: the demo vocabulary only (no 163,840-token tokenizer or model)")
+
+KIMI_VOCAB = 163_840
 
 SCHEMAS = {
     "enum_flat": ({"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},
@@ -62,8 +70,9 @@ SCHEMAS = {
 def synthetic_tokenizer(n_base: int = 163_584, seed: int = 0):
     """A Kimi-shaped tokenizer with n_base ranks (module docstring)."""
     from checkpoints.bpe import KIMI_SPECIAL_TOKEN_OFFSETS, NON_SPECIAL_TOKENS
+    from kimi_jax.entrypoints.llm import demo_model_path
     from kimi_jax.text.tokenizer import NUM_RESERVED_SPECIAL_TOKENS, Tokenizer, load_tiktoken_ranks
-    demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "demo", "tiktoken.model")
+    demo = os.path.join(demo_model_path(), "tiktoken.model")
     toks = [bytes([b]) for b in range(256)]
     seen = set(toks)
     for t, _ in sorted(load_tiktoken_ranks(demo).items(), key=lambda kv: kv[1]):
@@ -106,7 +115,7 @@ def _median_ms(xs):
 def bench_llguidance(tok, batches):
     import llguidance as llg
     from kimi_jax.engine.structured import StructuredBackend, StructuredOutputsParams
-    backend = StructuredBackend(tok, 163_840 if tok.vocab_size > 100_000 else 4096)
+    backend = StructuredBackend(tok, KIMI_VOCAB if tok.vocab_size > 100_000 else 4096)
     t0 = time.perf_counter()
     backend._lltok                                   # built on first use
     out = {"tokenizer_build_s": round(time.perf_counter() - t0, 3), "compile_ms": {}, "mask_ms": {}, "consume_ms": {}}
@@ -214,10 +223,10 @@ def bench_sampling_step(batches, vocabs, reps):
     return out
 
 
-def bench_decode_step(batches, steps: int, context: int = 64):
+def bench_decode_step(batches, steps: int, context: int = 64, kimi_vocab: bool = True):
     """The engine's serving decode step (`Engine.paged_step`, T = 1, greedy, host inputs and fetch:
-    what the scheduler calls) with mask_BW None and with a mask, on the demo model and on the tiny
-    preset at a 163,840-token vocabulary (float32, CPU)."""
+    what the scheduler calls) with mask_BW None and with a mask, on the demo model and (kimi_vocab)
+    on the tiny preset at a 163,840-token vocabulary (float32, CPU)."""
     import jax.numpy as jnp
     import numpy as np
     from kimi_jax.config import preset
@@ -226,8 +235,9 @@ def bench_decode_step(batches, steps: int, context: int = 64):
     from kimi_jax.entrypoints.llm import LLM, demo_model_path
     from kimi_jax.parallel.sharding import Layout
     from kimi_jax.tools.profiling import paged_args, random_engine
-    engines = {"demo_4096": LLM(demo_model_path(), dtype="float32").engine,
-               "tiny_163840": random_engine(preset("tiny").replace(vocab_size=163_840), Layout(1), jnp.float32)}
+    engines = {"demo_4096": LLM(demo_model_path(), dtype="float32").engine}
+    if kimi_vocab:
+        engines["tiny_163840"] = random_engine(preset("tiny").replace(vocab_size=KIMI_VOCAB), Layout(1), jnp.float32)
     out = {}
     for label, engine in engines.items():
         V = engine.cfg.vocab_size
@@ -251,30 +261,36 @@ def bench_decode_step(batches, steps: int, context: int = 64):
 def main(argv):
     del argv
     import jax
-    batches = [int(b) for b in FLAGS.batches.split(",")]
+    batches = [int(b) for b in FLAGS.batches]
     result = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
               "date": time.strftime("%Y-%m-%d", time.gmtime())}
+    from kimi_jax.entrypoints.llm import demo_model_path
     from kimi_jax.text.tokenizer import Tokenizer
     if "grammar" in FLAGS.parts:
-        demo = Tokenizer.from_pretrained(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "demo"))
-        t0 = time.perf_counter()
-        big = synthetic_tokenizer()
-        result["synthetic_tokenizer_s"] = round(time.perf_counter() - t0, 2)
-        for label, tok in (("demo_4096", demo), ("kimi_163840", big)):
+        tokenizers = [("demo_4096", Tokenizer.from_pretrained(demo_model_path()))]
+        if not FLAGS.dry:
+            t0 = time.perf_counter()
+            tokenizers.append(("kimi_163840", synthetic_tokenizer()))
+            result["synthetic_tokenizer_s"] = round(time.perf_counter() - t0, 2)
+        for label, tok in tokenizers:
             result[f"llguidance_{label}"] = bench_llguidance(tok, batches)
             print(label, "llguidance", json.dumps(result[f"llguidance_{label}"]), flush=True)
             if FLAGS.xgrammar:
                 result[f"xgrammar_{label}"] = bench_xgrammar(tok, batches)
                 print(label, "xgrammar", json.dumps(result[f"xgrammar_{label}"]), flush=True)
     if "sampler" in FLAGS.parts:
-        result["sampling_step_ms"] = bench_sampling_step(batches, (4096, 163_840), FLAGS.reps)
+        vocabs = (4096,) if FLAGS.dry else (4096, KIMI_VOCAB)
+        result["sampling_step_ms"] = bench_sampling_step(batches, vocabs, FLAGS.reps)
         print("sampling", json.dumps(result["sampling_step_ms"]), flush=True)
     if "engine" in FLAGS.parts:
-        result["decode_step_ms"] = bench_decode_step(batches, FLAGS.steps)
-    if FLAGS.out:
-        with open(FLAGS.out, "w") as f:
-            json.dump(result, f, indent=1)
+        result["decode_step_ms"] = bench_decode_step(batches, FLAGS.steps, kimi_vocab=not FLAGS.dry)
+    print(f"wrote {write_json(FLAGS.out, 'structured.json', result)}")
+
+
+def run(argv=None) -> None:
+    from launch import common
+    common.run(main, "kimi-bench structured", __name__, __doc__, argv=argv, common=False)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run()

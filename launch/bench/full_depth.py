@@ -1,8 +1,9 @@
-r"""The whole depth of Kimi-K2.5 in one decode step on one device: compile time, host dispatch time,
-device time, and the planner's prediction beside each row.
+r"""kimi-bench full_depth: the whole depth of Kimi-K2.5 in one decode step on one device: compile time,
+host dispatch time, device time, and the planner's prediction beside each row.
 
-  python -m launch.bench_full_depth --batches 1,16,64 --context 4096 --cache_dir /tmp/jaxcache
-  python -m launch.bench_full_depth --compile_only --cache_dir /tmp/jaxcache   # the same compiles, warm cache
+  kimi-bench full_depth --batches 1,16,64 --context 4096 --cache_dir /tmp/jaxcache
+  kimi-bench full_depth --compile_only --cache_dir /tmp/jaxcache   # the same compiles, warm cache
+  kimi-bench full_depth --tiny --layers 2 --batches 1 --context 64 --steps 2 --hardware cpu --out /tmp/x   # CPU
 
 The model is the `kimi-k2.5-61x16` preset (Kimi-K2.5's shapes and 61 layers, 16 INT4 routed experts
 per layer, top-8: at batch 1 a token reads the bytes a real layer reads), random weights made on the
@@ -47,7 +48,7 @@ import os
 import statistics
 import time
 
-from absl import app, flags
+from absl import flags
 
 from launch import common
 
@@ -475,8 +476,8 @@ def main(argv):
     print(table(rows), flush=True)
 
 
-def run():
-    app.run(main)
+def run(argv=None) -> None:
+    common.run(main, "kimi-bench full_depth", __name__, __doc__, argv=argv)
 
 
 if __name__ == "__main__":

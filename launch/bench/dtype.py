@@ -1,16 +1,22 @@
-"""CPU dtype benchmark: the demo model (`LLM()`) decoding greedy tokens at batch 1 and 16 in each dtype,
+"""kimi-bench dtype: the demo model (`LLM()`) decoding greedy tokens at batch 1 and 16 in each dtype,
 end to end (LLM.generate, tokens / s) and per decode step (the jitted step alone, the host loop's
 share = the rest), after a warm-up run that compiles every shape.
 
-    PYTHONPATH=. python -m launch.bench_cpu_dtype --dtypes=bfloat16,float32 --batches=1,16 --tokens=64
+  kimi-bench dtype --dtypes=bfloat16,float32 --batches=1,16 --tokens=64
+  kimi-bench dtype --dtypes=float32 --batches=2 --tokens=4 --reps=1 --out=/tmp/x   # a quick CPU check
+
+Writes the rows as JSON (--out: a directory, then dtype_rows.json in it, or a .json file).
 """
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
+
+from launch.bench.harness import write_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("dtypes", ["bfloat16", "float32"], "dtypes to time")
@@ -18,6 +24,9 @@ flags.DEFINE_list("batches", ["1", "16"], "batch sizes")
 flags.DEFINE_integer("tokens", 64, "greedy tokens per request")
 flags.DEFINE_integer("prompt", 16, "prompt tokens per request")
 flags.DEFINE_integer("reps", 3, "timed runs per case (the fastest is reported)")
+flags.DEFINE_integer("step_reps", 20, "timed calls of the decode step alone per case (the fastest is reported)")
+flags.DEFINE_string("out", os.path.join(os.environ.get("OUT", "out"), "bench_dtype"),
+                    "results directory (dtype_rows.json in it) or .json file")
 
 
 def step_ms(llm, B: int, context: int, reps: int = 20) -> float:
@@ -41,7 +50,8 @@ def step_ms(llm, B: int, context: int, reps: int = 20) -> float:
     return 1e3 * float(np.min(times[3:]))
 
 
-def main(_):
+def main(argv):
+    del argv
     import jax
     from kimi_jax import LLM, SamplingParams
     rows = []
@@ -58,12 +68,19 @@ def main(_):
                 llm.generate(prompts, sp)
                 best = min(best, time.perf_counter() - t0)
             row = dict(dtype=dtype, batch=B, tok_s=B * FLAGS.tokens / best, wall_s=best,
-                       step_ms=step_ms(llm, B, FLAGS.prompt + FLAGS.tokens // 2))
+                       step_ms=step_ms(llm, B, FLAGS.prompt + FLAGS.tokens // 2, FLAGS.step_reps))
             row["loop_ms_per_step"] = 1e3 * best / FLAGS.tokens - row["step_ms"]
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(json.dumps({"jax": jax.__version__, "devices": str(jax.devices()), "rows": rows}))
+    result = {"jax": jax.__version__, "devices": str(jax.devices()), "rows": rows}
+    print(json.dumps(result))
+    print(f"wrote {write_json(FLAGS.out, 'dtype_rows.json', result)}")
+
+
+def run(argv=None) -> None:
+    from launch import common
+    common.run(main, "kimi-bench dtype", __name__, __doc__, argv=argv, common=False)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run()

@@ -1,0 +1,31 @@
+"""What several kimi-bench suites share: a timed run of requests through the continuous-batching
+engine, and writing a suite's JSON result."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+
+def run_prompts(llm, prompts, sp):
+    """`prompts` (token id lists) through a fresh batch engine of `llm` with SamplingParams `sp`:
+    request i is named str(i) and seeded i; all are added at once (every request arrives at the start,
+    so queueing behind the batch is in its time to first token) and run until every one finished.
+    Returns (wall seconds from the first add to the end, the requests, the engine's stats)."""
+    be = llm.batch_engine()
+    reqs = [be.make_request(str(i), p, sp, seed=i) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    for r in reqs:
+        be.add(r)
+    be.run()
+    return time.perf_counter() - t0, reqs, be.stats
+
+
+def write_json(out: str, name: str, obj) -> str:
+    """Write `obj` as JSON to `out` when it names a .json file, else to `out`/`name` (the directory
+    made as needed). Returns the path."""
+    path = out if out.endswith(".json") else os.path.join(out, name)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, default=float)
+    return path
