@@ -5,9 +5,9 @@ Canonical names are the DeepseekV3ForCausalLM / Kimi-K2 names without any prefix
 Kimi-K2.5 stores the text model under `language_model.` (`language_model.model.X`,
 `language_model.lm_head.weight`) next to a vision tower and projector that kimi_jax does not use.
 
-Shapes use HF Linear layout [out, in]. Symbols: V vocab, D hidden, N heads, H qk_nope_head_dim,
-R qk_rope_head_dim, Vh v_head_dim, Q q_lora_rank, A kv_lora_rank, I dense intermediate,
-F moe_intermediate_size, E routed experts, g INT4 group size.
+Shapes use HF Linear layout [out, in]. Symbols (the shape letters of docs/ARCHITECTURE.md): V vocab,
+D hidden, N heads, H qk_nope_head_dim, R qk_rope_head_dim, U v_head_dim, Q q_lora_rank, A kv_lora_rank,
+F FFN width (intermediate_size dense, moe_intermediate_size per expert), E routed experts, g INT4 group size.
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def _quant_proj(d: dict, prefix: str, out: int, inp: int, group_size: int) -> No
 
 def _attention(d: dict, p: str, cfg: ModelShape) -> None:
     D, N = cfg.hidden_size, cfg.num_attention_heads
-    H, R, Vh, A = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    H, R, U, A = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank is None:
         _proj(d, f"{p}.q_proj", N * (H + R), D)
     else:
@@ -127,8 +127,8 @@ def _attention(d: dict, p: str, cfg: ModelShape) -> None:
         _proj(d, f"{p}.q_b_proj", N * (H + R), Q)
     _proj(d, f"{p}.kv_a_proj_with_mqa", A + R, D)
     d[f"{p}.kv_a_layernorm.weight"] = ((A,), "bfloat16")
-    _proj(d, f"{p}.kv_b_proj", N * (H + Vh), A)
-    _proj(d, f"{p}.o_proj", D, N * Vh)
+    _proj(d, f"{p}.kv_b_proj", N * (H + U), A)
+    _proj(d, f"{p}.o_proj", D, N * U)
 
 
 def _mlp(d: dict, p: str, D: int, width: int) -> None:

@@ -3,15 +3,15 @@ logit_bias, then the repetition, frequency and presence penalties.
 
 Per row, on the device, in this order (vLLM's sampler order: token masks and logits processors, then
 penalties):
-  - banned tokens and logit_bias: added to the logits (-inf for a ban), from [B, K] (id, value) lists;
+  - banned tokens and logit_bias: added to the logits (-inf for a ban), from [B, entries] (id, value) lists;
   - min_tokens: the row's stop tokens (eos and stop_token_ids) are -inf while its output has fewer
     than min_tokens tokens (its step, the output index being sampled, is below min_tokens);
   - repetition_penalty r (tokens in the prompt or the output): logit > 0 -> logit / r, else logit * r;
   - frequency_penalty f and presence_penalty p (output tokens only): logit - f * count - p * (count > 0).
 
 The penalties need each row's output-token counts and prompt-token presence. They live on the
-device in an occurrence pool [S + 1, V] int32, one row per penalty slot (a running request that uses
-penalties holds one; row S absorbs padding rows): value = 2 * (times the token was output) + (1 if
+device in an occurrence pool [slots + 1, V] int32, one row per penalty slot (a running request that uses
+penalties holds one; the last row absorbs padding rows): value = 2 * (times the token was output) + (1 if
 it is in the prompt). A step gathers its rows' slots ([B, V]), and after sampling adds 2 at each
 row's sampled token, so the counts follow the sampled tokens with no host read: overlap scheduling
 (kimi_jax.engine.scheduler) can feed step N's tokens to step N+1 and the counts are already right.
@@ -38,7 +38,7 @@ import numpy as np
 
 #: logit_bias entries per request (OpenAI's limit).
 MAX_LOGIT_BIAS = 300
-#: an index past any vocabulary: padding entries of the [B, K] id lists (dropped by the scatters).
+#: an index past any vocabulary: padding entries of the [B, entries] id lists (dropped by the scatters).
 PAD_ID = 1 << 30
 
 
@@ -47,10 +47,10 @@ PAD_ID = 1 << 30
 class LogitsAdjust:
     """Per-row adjustments as arrays (host numpy when built; see `build`). The penalty fields are all
     None when no row of the batch uses penalties."""
-    bias_ids: jax.Array                    # [B, K] int32 (PAD_ID: none)
-    bias_vals: jax.Array                   # [B, K] float32 (-inf: banned)
+    bias_ids: jax.Array                    # [B, entries] int32 (PAD_ID: none)
+    bias_vals: jax.Array                   # [B, entries] float32 (-inf: banned)
     min_tokens: jax.Array                  # [B] int32
-    stop_ids: jax.Array                    # [B, S] int32: suppressed while step < min_tokens
+    stop_ids: jax.Array                    # [B, stop ids] int32: suppressed while step < min_tokens
     repetition: Optional[jax.Array] = None  # [B] float32 (1: off)
     frequency: Optional[jax.Array] = None   # [B] float32
     presence: Optional[jax.Array] = None    # [B] float32
@@ -123,16 +123,16 @@ def banned_now(bad_words: Sequence[Sequence[int]], output_ids: Sequence[int]) ->
 
 def build(rows: Sequence[Optional[tuple[RowAdjust, list[int], int, int]]], penalty_pad_slot: int) -> LogitsAdjust:
     """Host arrays for a batch: rows[b] = (RowAdjust, banned ids now, occurrence slot or -1, counts)
-    or None (a row that adjusts nothing, or padding). K and S are bucketed to powers of two (few
-    compiled shapes)."""
+    or None (a row that adjusts nothing, or padding). The entry and stop-id counts are bucketed to powers of
+    two (few compiled shapes)."""
     from kimi_jax.engine.shapes import bucket
     B = len(rows)
     entries = [[] if r is None else [*r[0].bias.items(), *[(t, -np.inf) for t in r[1]]] for r in rows]
-    K = bucket(max(len(e) for e in entries), 4)
-    S = bucket(max((len(r[0].stop_ids) for r in rows if r is not None), default=1), 4)
-    bias_ids = np.full((B, K), PAD_ID, np.int32)
-    bias_vals = np.zeros((B, K), np.float32)
-    stop = np.full((B, S), PAD_ID, np.int32)
+    n_bias = bucket(max(len(e) for e in entries), 4)
+    n_stop = bucket(max((len(r[0].stop_ids) for r in rows if r is not None), default=1), 4)
+    bias_ids = np.full((B, n_bias), PAD_ID, np.int32)
+    bias_vals = np.zeros((B, n_bias), np.float32)
+    stop = np.full((B, n_stop), PAD_ID, np.int32)
     min_tokens = np.zeros((B,), np.int32)
     for b, (r, e) in enumerate(zip(rows, entries)):
         if e:
@@ -173,9 +173,10 @@ def adjust_logits(logits_BV: jax.Array, adj: LogitsAdjust, step_B: jax.Array,
     return x - adj.frequency[:, None] * count - adj.presence[:, None] * (count > 0)
 
 
-def count_sampled(occ_SV: jax.Array, adj: LogitsAdjust, tokens_B: jax.Array) -> jax.Array:
-    """The pool after this step's sampled tokens: +2 (one output occurrence) at each counted row."""
-    return occ_SV.at[adj.slot, tokens_B].add(2 * adj.counts, mode="drop")
+def count_sampled(occ: jax.Array, adj: LogitsAdjust, tokens_B: jax.Array) -> jax.Array:
+    """The pool occ [slots + 1, V] after this step's sampled tokens: +2 (one output occurrence) at each
+    counted row."""
+    return occ.at[adj.slot, tokens_B].add(2 * adj.counts, mode="drop")
 
 
 def occurrence_row(vocab_size: int, prompt_ids, output_ids) -> np.ndarray:

@@ -274,10 +274,10 @@ def target_probs(logits_BV: jax.Array, sp: SamplingArrays) -> jax.Array:
     return jnp.zeros_like(probs_sorted).at[jnp.arange(order.shape[0])[:, None], order].set(probs_sorted)
 
 
-def verify_drafts(logits_BTV: jax.Array, drafts_BK: jax.Array, n_draft_B: jax.Array, sp: SamplingArrays,
+def verify_drafts(logits_BTV: jax.Array, drafts_BY: jax.Array, n_draft_B: jax.Array, sp: SamplingArrays,
                   step_B: jax.Array):
     """Speculative verification (lossless). Position i of row b holds the target's next-token logits
-    after draft i (position 0: after the last accepted token); K = T - 1 drafts per row, n_draft_B valid.
+    after draft i (position 0: after the last accepted token); Y = T - 1 drafts per row, n_draft_B valid.
 
     Greedy rows accept draft i while it equals the target's argmax. Sampled rows use the standard
     rejection rule for a deterministic drafter (q = a point mass on the draft): accept draft i with
@@ -286,20 +286,20 @@ def verify_drafts(logits_BTV: jax.Array, drafts_BK: jax.Array, n_draft_B: jax.Ar
     exactly the target's distribution. Returns (accepted count [B], next token [B]).
     """
     B, T, V = logits_BTV.shape
-    K = T - 1
+    Y = T - 1
     greedy_BT = jnp.argmax(logits_BTV, axis=-1).astype(jnp.int32)
     sp_T = jax.tree.map(lambda a: jnp.repeat(a, T, axis=0), sp)
     probs_BTV = target_probs(logits_BTV.reshape(B * T, V), sp_T).reshape(B, T, V)
     sampled = sp.temperature > 0
-    p_draft_BK = jnp.take_along_axis(probs_BTV[:, :K], drafts_BK[..., None], axis=-1)[..., 0]
-    u_BK = jax.vmap(lambda k, s: jax.random.uniform(_row_key(k, s, 1), (K,)))(sp.key, step_B)
-    ok_BK = jnp.where(sampled[:, None], u_BK < p_draft_BK, drafts_BK == greedy_BT[:, :K])
-    ok_BK &= jnp.arange(K)[None, :] < n_draft_B[:, None]
-    n_acc_B = jnp.cumprod(ok_BK.astype(jnp.int32), axis=1).sum(axis=1)
+    p_draft_BY = jnp.take_along_axis(probs_BTV[:, :Y], drafts_BY[..., None], axis=-1)[..., 0]
+    u_BY = jax.vmap(lambda k, s: jax.random.uniform(_row_key(k, s, 1), (Y,)))(sp.key, step_B)
+    ok_BY = jnp.where(sampled[:, None], u_BY < p_draft_BY, drafts_BY == greedy_BT[:, :Y])
+    ok_BY &= jnp.arange(Y)[None, :] < n_draft_B[:, None]
+    n_acc_B = jnp.cumprod(ok_BY.astype(jnp.int32), axis=1).sum(axis=1)
     rows = jnp.arange(B)
     p_next_BV = probs_BTV[rows, n_acc_B]
     rejected = n_acc_B < n_draft_B
-    d_rej = drafts_BK[rows, jnp.minimum(n_acc_B, K - 1)] if K > 0 else jnp.zeros((B,), jnp.int32)
+    d_rej = drafts_BY[rows, jnp.minimum(n_acc_B, Y - 1)] if Y > 0 else jnp.zeros((B,), jnp.int32)
     residual = jnp.where(rejected[:, None] & (jnp.arange(V)[None, :] == d_rej[:, None]), 0.0, p_next_BV)
     draw = jax.vmap(lambda k, s, p: jax.random.categorical(_row_key(k, s, 2), jnp.log(p)))(sp.key, step_B, residual)
     nxt = jnp.where(sampled, draw.astype(jnp.int32), greedy_BT[rows, n_acc_B])

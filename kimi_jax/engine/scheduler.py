@@ -469,7 +469,7 @@ class BatchEngine:
         n_plp, targets = prompt_targets(rows, slots, tokens.shape)
         self.pages, out = self.engine.paged_step(self.pages, tokens, positions, table, last, sp, steps, n_lp,
                                                  occ=self.occ, n_prompt_logprobs=n_plp, targets_BT=targets,
-                                                 mask_BW=self._mask(rows, slots, tokens.shape[0]))
+                                                 mask_Bw=self._mask(rows, slots, tokens.shape[0]))
         self.stats["steps"] += 1
         self.stats["decode_passes" if T == 1 else "prefill_passes"] += 1
         return self._book(rows, out, slots)

@@ -32,10 +32,10 @@ class NgramDrafter:
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """Reference: scan for the most recent earlier occurrence of the last n tokens."""
-        L = len(tokens)
-        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            suffix = list(tokens[L - n:])
-            for start in range(L - n - 1, -1, -1):          # most recent earlier match first
+        length = len(tokens)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix = list(tokens[length - n:])
+            for start in range(length - n - 1, -1, -1):       # most recent earlier match first
                 if list(tokens[start:start + n]) == suffix:
                     follow = list(tokens[start + n:start + n + k])
                     if follow:
@@ -74,9 +74,9 @@ class NgramIndex:
         self.tokens.append(t)
 
     def propose(self, k: int) -> list[int]:
-        L = len(self.tokens)
-        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            f = self.follow[n].get(tuple(self.tokens[L - n:]))
+        length = len(self.tokens)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            f = self.follow[n].get(tuple(self.tokens[length - n:]))
             if f is not None:
                 return self.tokens[f:f + k]
         return []

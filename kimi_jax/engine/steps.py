@@ -56,7 +56,7 @@ class Occurrences:
 _OCC = "occurrences"      # the updated pool's key among a step's outputs (taken off by the Engine)
 
 
-def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None, occ=None, mask_BW=None):
+def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None, occ=None, mask_Bw=None):
     # The logits are first pinned vocab-split (each device multiplies its lm_head rows): without that,
     # XLA:GPU's partitioner all-gathered the whole lm_head weight (3.5 GB, 4 ms per step under TP2 on
     # two H200s) to produce the replicated logits directly.
@@ -70,8 +70,8 @@ def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None, occ=None, m
         adjusted = penalties.adjust_logits(logits_BV, sp.adjust, step_B, occ_BV)
     # structured outputs: tokens whose bit is clear in the row's packed mask [B, ceil(V / 32)] cannot be
     # sampled (applied after the adjustments, so no bias can lift a masked token)
-    if mask_BW is not None:
-        adjusted = apply_token_bitmask(adjusted, mask_BW)
+    if mask_Bw is not None:
+        adjusted = apply_token_bitmask(adjusted, mask_Bw)
     tok = sample(adjusted, sp, step_B, mode)
     out = {"tokens": tok}
     if n_logprobs is not None:       # of the raw logits (vLLM's default raw logprobs)
@@ -100,13 +100,13 @@ def _decode(graphdef, shard, state, cache, tokens_B, positions_B, sp, step_B, n_
 
 def _paged_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, last_B, sp, step_B,
                 n_logprobs, absorbed, fresh=False, sample_mode=None, occ=None, n_prompt_logprobs=None,
-                targets_BT=None, mask_BW=None, *, plan: ops.ExecPlan):
+                targets_BT=None, mask_Bw=None, *, plan: ops.ExecPlan):
     """One continuous-batching step over the paged cache: T query tokens per row (T = 1: decode,
     absorbed MLA; T > 1: a prefill chunk, expanded MLA; `fresh`: no row has cached tokens, so attention
     reads only the new tokens, on a GPU with cuDNN). Samples from each row's token at last_B.
     occ: the occurrence pool when some row uses penalties (kimi_jax.engine.penalties). With
     n_prompt_logprobs (static), the logits of every position score targets_BT (each position's next
-    prompt token; < 0: none) and give their top-n (prompt logprobs). mask_BW: structured outputs' packed
+    prompt token; < 0: none) and give their top-n (prompt logprobs). mask_Bw: structured outputs' packed
     int32 token bitmask [B, ceil(V / 32)] (None: no row is constrained, its own compiled program)."""
     model = nnx.merge(graphdef, state)
     tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
@@ -116,17 +116,17 @@ def _paged_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_ta
     pages = {k: _constrain(v, shard.get("pages")) for k, v in pages.items()}
     if n_prompt_logprobs is None:
         logits_BV = model.logits(h_BTD[jnp.arange(B), last_B][:, None], plan)[:, 0]
-        return pages, _sample_out(logits_BV, sp, step_B, n_logprobs, shard, sample_mode, occ, mask_BW)
+        return pages, _sample_out(logits_BV, sp, step_B, n_logprobs, shard, sample_mode, occ, mask_Bw)
     logits_BTV = _constrain(_constrain(model.logits(h_BTD, plan), shard.get("logits3")), shard.get("replicated"))
     out = _sample_out(logits_BTV[jnp.arange(B), last_B], sp, step_B, n_logprobs, shard, sample_mode, occ,
-                      mask_BW)
+                      mask_Bw)
     prompt = top_logprobs(logits_BTV, jnp.maximum(targets_BT, 0), n_prompt_logprobs)
     out.update(zip(("prompt_logprob", "prompt_rank", "prompt_top_ids", "prompt_top_vals"), prompt))
     return pages, out
 
 
 def _decode_step(graphdef, shard, state, pages, tokens_B, positions_B, block_table_BP, sp, step_B, n_logprobs,
-                 sample_mode=None, mla_schedule=None, occ=None, mask_BW=None, *, plan: ops.ExecPlan):
+                 sample_mode=None, mla_schedule=None, occ=None, mask_Bw=None, *, plan: ops.ExecPlan):
     """`_paged_step` for one token per row (absorbed decode) with tokens_B [B]: the previous step's
     sampled tokens can be fed as they are (device arrays), so the host never reads them first
     (overlap scheduling, kimi_jax.engine.scheduler). mla_schedule: this step's MLA decode schedule
@@ -134,7 +134,7 @@ def _decode_step(graphdef, shard, state, pages, tokens_B, positions_B, block_tab
     B = tokens_B.shape[0]
     return _paged_step(graphdef, shard, state, pages, tokens_B[:, None], positions_B[:, None], block_table_BP,
                        jnp.zeros((B,), jnp.int32), sp, step_B, n_logprobs, absorbed=True,
-                       sample_mode=sample_mode, occ=occ, mask_BW=mask_BW,
+                       sample_mode=sample_mode, occ=occ, mask_Bw=mask_Bw,
                        plan=dataclasses.replace(plan, mla_schedule=mla_schedule))
 
 
@@ -276,9 +276,9 @@ class Engine:
 
     def paged_step(self, pages, tokens_BT, positions_BT, block_table_BP, last_B, sp: SamplingArrays,
                    steps_B, n_logprobs: Optional[int], occ: Optional[Occurrences] = None,
-                   n_prompt_logprobs: Optional[int] = None, targets_BT=None, mask_BW: Optional[np.ndarray] = None):
+                   n_prompt_logprobs: Optional[int] = None, targets_BT=None, mask_Bw: Optional[np.ndarray] = None):
         """occ: the occurrence pool, when sp's adjustments have penalties (updated in place). With
-        n_prompt_logprobs: targets_BT [B, T] (see `_paged_step`). mask_BW: structured outputs' packed
+        n_prompt_logprobs: targets_BT [B, T] (see `_paged_step`). mask_Bw: structured outputs' packed
         int32 token bitmask [B, ceil(V / 32)] (None: no row is constrained; a separate compiled
         program, so unconstrained batches pay nothing)."""
         T = tokens_BT.shape[1]
@@ -288,7 +288,7 @@ class Engine:
                                 _i32(last_B), sp, _i32(steps_B), n_logprobs=n_logprobs, absorbed=T == 1,
                                 fresh=T > 1 and is_fresh(positions_BT), sample_mode=sample_mode_of(sp),
                                 occ=_occ_in(occ, sp), plan=self.plan,
-                                mask_BW=None if mask_BW is None else _i32(mask_BW), **extra)
+                                mask_Bw=None if mask_Bw is None else _i32(mask_Bw), **extra)
         _occ_out(occ, out)
         return pages, _to_host(out)
 

@@ -396,21 +396,21 @@ class StructuredBackend:
         return np.concatenate([mask, extra], axis=1)
 
 
-def apply_token_bitmask(logits_BV: jnp.ndarray, mask_BW: jnp.ndarray) -> jnp.ndarray:
-    """Logits with every token whose bit is clear set to -inf (jit-friendly; W = ceil(V / 32), bit
+def apply_token_bitmask(logits_BV: jnp.ndarray, mask_Bw: jnp.ndarray) -> jnp.ndarray:
+    """Logits with every token whose bit is clear set to -inf (jit-friendly; w = ceil(V / 32), bit
     t % 32 of word t // 32 is token t)."""
     B, V = logits_BV.shape
-    bits_BW32 = (mask_BW[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
-    allowed_BV = bits_BW32.reshape(B, -1)[:, :V].astype(bool)
+    bits_Bw32 = (mask_Bw[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed_BV = bits_Bw32.reshape(B, -1)[:, :V].astype(bool)
     return jnp.where(allowed_BV, logits_BV, jnp.asarray(-jnp.inf, logits_BV.dtype))
 
 
-def apply_token_bitmask_reference(logits_BV: np.ndarray, mask_BW: np.ndarray) -> np.ndarray:
+def apply_token_bitmask_reference(logits_BV: np.ndarray, mask_Bw: np.ndarray) -> np.ndarray:
     """Plain-loop numpy reference of `apply_token_bitmask`."""
     out = np.array(logits_BV, copy=True)
     B, V = out.shape
     for b in range(B):
         for t in range(V):
-            if not (int(mask_BW[b, t // 32]) >> (t % 32)) & 1:
+            if not (int(mask_Bw[b, t // 32]) >> (t % 32)) & 1:
                 out[b, t] = -np.inf
     return out

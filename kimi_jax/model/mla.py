@@ -27,10 +27,10 @@ _NEG = -1e30  # finite mask value: a fully-masked row can't produce NaN
 class MLA(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, parallel=None):
         self.parallel = parallel  # kimi_jax.parallel.sharding.MoEParallel or None: lets the kernel run per shard
-        D, N, H, R, A, V = (cfg.hidden_size, cfg.num_attention_heads, cfg.qk_nope_head_dim,
+        D, N, H, R, A, U = (cfg.hidden_size, cfg.num_attention_heads, cfg.qk_nope_head_dim,
                             cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim)
         self.cfg = cfg
-        self.dims = (N, H, R, A, V)
+        self.dims = (N, H, R, A, U)
         if cfg.q_lora_rank is None:
             self.q_proj = Linear(D, N * (H + R), ("q_heads", "embed"), dtype=dtype, rngs=rngs)
         else:
@@ -40,8 +40,8 @@ class MLA(nnx.Module):
             self.q_b_proj = Linear(Q, N * (H + R), ("q_heads", "q_lora"), dtype=dtype, rngs=rngs)
         self.kv_a_proj_with_mqa = Linear(D, A + R, ("kv_latent", "embed"), dtype=dtype, rngs=rngs)
         self.kv_a_layernorm = RMSNorm(A, cfg.latent_norm_eps, dtype=dtype)
-        self.kv_b_proj = Linear(A, N * (H + V), ("kv_heads", "kv_lora"), dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(N * V, D, ("embed", "o_heads"), dtype=dtype, rngs=rngs)
+        self.kv_b_proj = Linear(A, N * (H + U), ("kv_heads", "kv_lora"), dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(N * U, D, ("embed", "o_heads"), dtype=dtype, rngs=rngs)
 
     # -- projections ------------------------------------------------------------------------------
     def _queries(self, x_BTD, cos, sin):
@@ -50,8 +50,8 @@ class MLA(nnx.Module):
             q = self.q_proj(x_BTD)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
-        q_BTNK = q.reshape(*x_BTD.shape[:-1], N, H + R)
-        q_nope_BTNH, q_pe_BTNR = q_BTNK[..., :H], q_BTNK[..., H:]
+        q_BTNW = q.reshape(*x_BTD.shape[:-1], N, H + R)
+        q_nope_BTNH, q_pe_BTNR = q_BTNW[..., :H], q_BTNW[..., H:]
         return q_nope_BTNH, apply_rope(q_pe_BTNR, cos[..., None, :], sin[..., None, :])
 
     def latents(self, x_BTD, positions_BT):
@@ -64,21 +64,21 @@ class MLA(nnx.Module):
         return jnp.concatenate([c_BTA, kpe_BTR], axis=-1)
 
     def _kv_b(self):
-        N, H, _, A, V = self.dims
-        w = self.kv_b_proj.weight[...].reshape(N, H + V, A)
-        return w[:, :H, :], w[:, H:, :]                     # W_UK [N, H, A], W_UV [N, V, A]
+        N, H, _, A, U = self.dims
+        w = self.kv_b_proj.weight[...].reshape(N, H + U, A)
+        return w[:, :H, :], w[:, H:, :]                     # W_UK [N, H, A], W_UV [N, U, A]
 
     # -- attention --------------------------------------------------------------------------------
-    def __call__(self, x_BTD, positions_BT, kv_BSL=None, *, absorbed: bool = False, block_table_BP=None,
+    def __call__(self, x_BTD, positions_BT, kv_BSC=None, *, absorbed: bool = False, block_table_BP=None,
                  fresh: bool = False, layer=None, plan=None):
         """Attend from x's tokens (at absolute positions) to the cached tokens.
 
-        kv_BSL: the layer's latent cache [B, S, A + R] or None. With a cache, the new tokens' latents
+        kv_BSC: the layer's latent cache [B, S, A + R] or None. With a cache, the new tokens' latents
         are written at their positions (writes at positions >= S are dropped) and every query attends
         to cache slots s <= its position. Without one, queries attend to the new tokens only (a fresh
         prefill). Returns (output [B, T, D], updated cache, or the new latents [B, T, A + R]).
 
-        Paged: with block_table_BP [B, pages per sequence], kv_BSL is the whole paged pool of the layer
+        Paged: with block_table_BP [B, pages per sequence], kv_BSC is the whole paged pool of the layer
         stack [L, num_pages, page_size, A + R], `layer` this layer's index into it, and block_table_BP
         holds page ids into one layer's pages; position p of sequence b lives in page
         block_table[b, p // page_size] at offset p % page_size. (Or, layer None: a flat pool
@@ -101,79 +101,79 @@ class MLA(nnx.Module):
 
         plan: the kimi_jax.ops.ExecPlan the ops run (None: `ExecPlan.for_backend()`).
         """
-        N, H, R, A, V = self.dims
+        N, H, R, A, U = self.dims
         cos, sin = rope_cos_sin(positions_BT, rope_inv_freq(self.cfg), self.cfg.rope_scaling.cos_sin_scale)
         q_nope_BTNH, q_pe_BTNR = self._queries(x_BTD, cos, sin)
-        new_BTL = self.latents(x_BTD, positions_BT)
+        new_BTC = self.latents(x_BTD, positions_BT)
         mask_BTS = chunk_lens = None
         w_uk, w_uv = self._kv_b()
         scale = self.cfg.softmax_scale
         if block_table_BP is not None and absorbed:
             q_lat_BTNA = ops.einsum_f32("btnh,nha->btna", q_nope_BTNH, w_uk).astype(x_BTD.dtype)
-            o_lat_BTNA = ops.mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTL, kv_BSL, block_table_BP,
+            o_lat_BTNA = ops.mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTC, kv_BSC, block_table_BP,
                                                  positions_BT, scale, plan=plan, parallel=self.parallel,
                                                  layer=layer).astype(x_BTD.dtype)
-            o_BTNV = ops.einsum_f32("btna,nva->btnv", o_lat_BTNA, w_uv)
-            return self.o_proj(o_BTNV.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * V)), new_BTL
+            o_BTNU = ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv)
+            return self.o_proj(o_BTNU.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * U)), new_BTC
         fresh = fresh and not absorbed
         if block_table_BP is not None:
-            out_kv = new_BTL
+            out_kv = new_BTC
             if fresh:
-                keys_BSL, key_pos_BS = new_BTL, positions_BT
+                keys_BSC, key_pos_BS = new_BTC, positions_BT
             else:
-                keys_BSL, mask_BTS = ops.paged_keys(kv_BSL, block_table_BP, new_BTL, positions_BT, layer=layer,
+                keys_BSC, mask_BTS = ops.paged_keys(kv_BSC, block_table_BP, new_BTC, positions_BT, layer=layer,
                                                     parallel=self.parallel)
                 # the same layout as lengths: cached tokens before the row's first, then its real new ones
                 chunk_lens = (jnp.maximum(positions_BT[:, 0], 0), jnp.sum(positions_BT >= 0, axis=1))
-        elif kv_BSL is None:
-            keys_BSL, key_pos_BS, out_kv = new_BTL, positions_BT, new_BTL
+        elif kv_BSC is None:
+            keys_BSC, key_pos_BS, out_kv = new_BTC, positions_BT, new_BTC
         else:
-            B, S = kv_BSL.shape[:2]
+            B, S = kv_BSC.shape[:2]
             rows = jnp.arange(B)[:, None]
-            kv_BSL = kv_BSL.at[rows, positions_BT].set(new_BTL.astype(kv_BSL.dtype), mode="drop")
-            keys_BSL, key_pos_BS, out_kv = kv_BSL, jnp.broadcast_to(jnp.arange(S), (B, S)), kv_BSL
+            kv_BSC = kv_BSC.at[rows, positions_BT].set(new_BTC.astype(kv_BSC.dtype), mode="drop")
+            keys_BSC, key_pos_BS, out_kv = kv_BSC, jnp.broadcast_to(jnp.arange(S), (B, S)), kv_BSC
             if fresh:     # the written cache holds nothing a query may see beyond the new tokens
-                keys_BSL, key_pos_BS = new_BTL, positions_BT
+                keys_BSC, key_pos_BS = new_BTC, positions_BT
         if fresh:         # the new tokens, causally, padding keys never seen (as ops.paged_keys' new part)
             mask_BTS = (positions_BT[:, None, :] <= positions_BT[:, :, None]) & (positions_BT[:, None, :] >= 0)
         elif mask_BTS is None:
             mask_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
-        c_BSA, kpe_BSR = keys_BSL[..., :A].astype(x_BTD.dtype), keys_BSL[..., A:].astype(x_BTD.dtype)
+        c_BSA, kpe_BSR = keys_BSC[..., :A].astype(x_BTD.dtype), keys_BSC[..., A:].astype(x_BTD.dtype)
         if absorbed:
             rope_BNTS = ops.einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR)
             q_lat_BTNA = ops.einsum_f32("btnh,nha->btna", q_nope_BTNH, w_uk).astype(x_BTD.dtype)
             nope_BNTS = ops.einsum_f32("btna,bsa->bnts", q_lat_BTNA, c_BSA)
             p_BNTS = _softmax((nope_BNTS + rope_BNTS) * scale, mask_BTS).astype(x_BTD.dtype)
             o_lat_BTNA = ops.einsum_f32("bnts,bsa->btna", p_BNTS, c_BSA).astype(x_BTD.dtype)
-            o_BTNV = ops.einsum_f32("btna,nva->btnv", o_lat_BTNA, w_uv)
+            o_BTNU = ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv)
         else:
             k_BSNH = ops.einsum_f32("bsa,nha->bsnh", c_BSA, w_uk).astype(x_BTD.dtype)
-            v_BSNV = ops.einsum_f32("bsa,nva->bsnv", c_BSA, w_uv).astype(x_BTD.dtype)
-            o_BTNV = ops.mla_prefill_attention(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, mask_BTS, scale,
+            v_BSNU = ops.einsum_f32("bsa,nua->bsnu", c_BSA, w_uv).astype(x_BTD.dtype)
+            o_BTNU = ops.mla_prefill_attention(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNU, mask_BTS, scale,
                                                causal=fresh, plan=plan, parallel=self.parallel,
                                                chunk_lens=chunk_lens)
-        o_BTD = self.o_proj(o_BTNV.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * V))
+        o_BTD = self.o_proj(o_BTNU.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * U))
         return o_BTD, out_kv
 
 
-def write_pages(pool_LPpC, block_table_BP, positions_BT, new_LBTC, parallel=None):
+def write_pages(pool_LXpC, block_table_BP, positions_BT, new_LBTC, parallel=None):
     """Write every layer's new latents into their slots (tokens at position < 0 are padding).
     parallel: a page-split pool (`ops.page_split`, ids local to each row's shard) is written per shard:
     each data-parallel rank writes its own rows into its own pages."""
 
-    def write(pool_LPpC, block_table_BP, positions_BT, new_LBTC):
-        n_layers, n_pages, page, C = pool_LPpC.shape
+    def write(pool_LXpC, block_table_BP, positions_BT, new_LBTC):
+        n_layers, n_pages, page, C = pool_LXpC.shape
         valid = positions_BT >= 0
         pos = jnp.where(valid, positions_BT, 0)
         page_of = jnp.take_along_axis(block_table_BP, pos // page, axis=1)
         slot = jnp.where(valid, page_of * page + pos % page, n_pages * page).reshape(-1)   # padding: dropped
-        flat = pool_LPpC.reshape(n_layers, n_pages * page, C).at[:, slot].set(
-            new_LBTC.reshape(n_layers, -1, C).astype(pool_LPpC.dtype), mode="drop")
-        return flat.reshape(pool_LPpC.shape)
+        flat = pool_LXpC.reshape(n_layers, n_pages * page, C).at[:, slot].set(
+            new_LBTC.reshape(n_layers, -1, C).astype(pool_LXpC.dtype), mode="drop")
+        return flat.reshape(pool_LXpC.shape)
 
     write = ops.per_page_shard(write, parallel, ((None, "split", None, None), ("split", None), ("split", None),
                                                   (None, "split", None, None)), (None, "split", None, None))
-    return write(pool_LPpC, block_table_BP, positions_BT, new_LBTC)
+    return write(pool_LXpC, block_table_BP, positions_BT, new_LBTC)
 
 
 def _softmax(scores_BNTS, mask_BTS):

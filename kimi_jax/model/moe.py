@@ -37,8 +37,8 @@ class Router(nnx.Module):
             T = choice_TE.shape[0]
             grouped_TGe = choice_TE.reshape(T, G, E // G)
             group_score_TG = jax.lax.top_k(grouped_TGe, 2)[0].sum(-1)
-            _, keep_TK = jax.lax.top_k(group_score_TG, cfg.topk_group)
-            keep_TG = jnp.zeros((T, G), bool).at[jnp.arange(T)[:, None], keep_TK].set(True)
+            _, kept_Tk = jax.lax.top_k(group_score_TG, cfg.topk_group)
+            keep_TG = jnp.zeros((T, G), bool).at[jnp.arange(T)[:, None], kept_Tk].set(True)
             choice_TE = jnp.where(jnp.repeat(keep_TG, E // G, axis=1), choice_TE, -jnp.inf)
         _, idx_TK = jax.lax.top_k(choice_TE, K)
         w_TK = jnp.take_along_axis(s_TE, idx_TK, axis=-1)
@@ -73,16 +73,16 @@ class RoutedExperts(nnx.Module):
         shapes = {"gate_proj": (E, F, D), "up_proj": (E, F, D), "down_proj": (E, D, F)}
         axes = {"gate_proj": ("experts", "expert_mlp", "embed"), "up_proj": ("experts", "expert_mlp", "embed"),
                 "down_proj": ("experts", "embed", "expert_mlp")}
-        for name, (e, n, k) in shapes.items():
+        for name, (n_exp, out, inp) in shapes.items():
             if self.int4:
                 # random INT4 codes (uniform in [-8, 7]) with scale std/4: roughly std-sized weights
-                packed = jax.random.randint(rngs.params(), (e, n, k // 8), jnp.iinfo(jnp.int32).min,
+                packed = jax.random.randint(rngs.params(), (n_exp, out, inp // 8), jnp.iinfo(jnp.int32).min,
                                             jnp.iinfo(jnp.int32).max, dtype=jnp.int32)
                 setattr(self, name + "_packed", nnx.Param(packed, axes=axes[name]))
-                scale = jnp.full((e, n, k // q.group_size), 0.005, dtype)
+                scale = jnp.full((n_exp, out, inp // q.group_size), 0.005, dtype)
                 setattr(self, name + "_scale", nnx.Param(scale, axes=axes[name]))
             else:
-                setattr(self, name, param(rngs, (e, n, k), dtype, axes[name]))
+                setattr(self, name, param(rngs, (n_exp, out, inp), dtype, axes[name]))
 
     def weights(self) -> ops.ExpertWeights:
         def w(name):

@@ -30,7 +30,7 @@ from kimi_jax.ops.prefill_attention import (  # noqa: F401
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Int4Weight:
-    """compressed-tensors pack-quantized INT4: `packed` int32 [..., N, K/8], `scale` [..., N, K/g]."""
+    """compressed-tensors pack-quantized INT4: `packed` int32 [..., out, in/8], `scale` [..., out, in/g]."""
     packed: jax.Array
     scale: jax.Array
 
@@ -56,7 +56,7 @@ class ExpertWeights:
 
 
 def dequantize(w: Weight, dtype) -> jax.Array:
-    """Dense weight [..., N, K] from bf16 or INT4 storage (the XLA path; unfused)."""
+    """Dense weight [..., out, in] from bf16 or INT4 storage (the XLA path; unfused)."""
     if isinstance(w, Int4Weight):
         from checkpoints.int4 import dequantize_jnp
         return dequantize_jnp(w.packed, w.scale, w.group_size, dtype)
@@ -64,7 +64,7 @@ def dequantize(w: Weight, dtype) -> jax.Array:
 
 
 def linear(x: jax.Array, w: Weight, *, plan: Optional[ExecPlan] = None) -> jax.Array:
-    """y[..., N] = x[..., K] @ w[N, K]^T (HF Linear layout), float32 accumulation. plan: an INT4 weight
+    """y[..., out] = x[..., in] @ w[out, in]^T (HF Linear layout), float32 accumulation. plan: an INT4 weight
     runs the Pallas kernel under impl='pallas' (a bf16 weight is one XLA dot either way)."""
     if isinstance(w, Int4Weight) and default_plan(plan).pallas:
         from pallas_kernels.int4 import matmul as int4_matmul
@@ -185,7 +185,7 @@ def _routed_experts_xla(x_TD, idx_TK, weight_TK, experts: ExpertWeights):
     x_sorted = x_TD[token_of]                                          # [T*K, D]
     group_sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)    # [E]
 
-    def gmm(lhs, w):  # lhs [M, in], w [E, out, in] -> [M, out]
+    def gmm(lhs, w):  # lhs [T*K, in], w [E, out, in] -> [T*K, out]
         wd = jnp.swapaxes(dequantize(w, dtype), 1, 2)                  # [E, in, out]
         return jax.lax.ragged_dot(lhs, wd, group_sizes, preferred_element_type=jnp.float32)
 
@@ -220,16 +220,16 @@ def page_split(parallel) -> tuple[str, ...]:
     return axes if int(np.prod([parallel.mesh.shape[a] for a in axes])) > 1 else ()
 
 
-def _layer_pages(pool_LNpC: jax.Array, block_table_BP: jax.Array, layer):
-    """One layer's view of a stacked pool [L, N, page, C]: the pool flattened to [L * N, page, C] (a
-    bitcast) and the page ids offset by layer * N. Under a page split this runs per shard, N the
+def _layer_pages(pool_LXpC: jax.Array, block_table_BP: jax.Array, layer):
+    """One layer's view of a stacked pool [L, X, page, C]: the pool flattened to [L * X, page, C] (a
+    bitcast) and the page ids offset by layer * X. Under a page split this runs per shard, X the
     shard's own page count (ids are local)."""
-    L, N = pool_LNpC.shape[:2]
-    return pool_LNpC.reshape(L * N, *pool_LNpC.shape[2:]), block_table_BP + layer * N
+    L, X = pool_LXpC.shape[:2]
+    return pool_LXpC.reshape(L * X, *pool_LXpC.shape[2:]), block_table_BP + layer * X
 
 
 def _stacked(pool, layer):
-    """(stacked pool [L, N, page, C], layer): a flat pool [X, page, C] is a one-layer stack."""
+    """(stacked pool [L, X, page, C], layer): a flat pool [X, page, C] is a one-layer stack."""
     return (pool[None], 0) if layer is None else (pool, layer)
 
 
@@ -247,20 +247,20 @@ def per_page_shard(f, parallel, in_specs, out_specs):
 
 def gather_pages(pool: jax.Array, block_table_BP: jax.Array, *, layer=None, parallel=None) -> jax.Array:
     """The pages of each sequence in position order -> [B, P * page, C]. pool: [X, page, C] with
-    page ids into it (layer None), or a layer stack [L, N, page, C] with this layer's index and ids
-    into the layer's N pages. parallel: a page-split pool (`page_split`) is gathered per shard, each
+    page ids into it (layer None), or a layer stack [L, X, page, C] with this layer's index and ids
+    into the layer's X pages. parallel: a page-split pool (`page_split`) is gathered per shard, each
     rank reading its own rows' pages with local ids (the pool never moves)."""
-    pool_L, layer = _stacked(pool, layer)
+    pool_LXpC, layer = _stacked(pool, layer)
 
-    def gather(pool_L, table, layer):
-        flat, table = _layer_pages(pool_L, table, layer)
+    def gather(pool_LXpC, table, layer):
+        flat, table = _layer_pages(pool_LXpC, table, layer)
         B, P = table.shape
         return flat[table].reshape(B, P * flat.shape[1], flat.shape[2])
 
     if page_split(parallel):
         return per_page_shard(gather, parallel, ((None, "split", None, None), ("split", None), ()),
-                               ("split", None, None))(pool_L, block_table_BP, jnp.asarray(layer, jnp.int32))
-    return gather(pool_L, block_table_BP, layer)
+                               ("split", None, None))(pool_LXpC, block_table_BP, jnp.asarray(layer, jnp.int32))
+    return gather(pool_LXpC, block_table_BP, layer)
 
 
 def mla_decode_kernel(rows: int, A: int, R: int, page: int, dtype, *, batch: int = 64,
@@ -294,7 +294,7 @@ def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: ja
 
     q_lat: queries in latent space (W_UK^T q^C); q_pe: rotated rope queries; new_BTC: the new tokens'
     [c | k^R] (C = A + R), not yet in the pool; pool_XpC [X, page, C] with block_table_BP page ids into
-    it, or (layer given) the layer stack's pool [L, N, page, C] and ids into this layer's N pages;
+    it, or (layer given) the layer stack's pool [L, X, page, C] and ids into this layer's X pages;
     positions_BT: the new tokens' absolute positions (consecutive per row, < 0 = padding). Row b's
     cached tokens are positions [0, positions[b, 0]); new token t also sees new tokens t' <= t.
     score = (q_lat . c + q_pe . k^R) * scale, softmax in float32, output sum_s p_s c_s.
@@ -307,12 +307,12 @@ def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: ja
     plan = default_plan(plan)
     A, R = q_lat_BTNA.shape[-1], q_pe_BTNR.shape[-1]
     kernel_fits = all(v >= 16 and not v & (v - 1) for v in (A, R))   # the kernel's tiles: powers of two >= 16
-    pool_L, layer = _stacked(pool_XpC, layer)
+    pool_LXpC, layer = _stacked(pool_XpC, layer)
     if plan.pallas and kernel_fits:
         from pallas_kernels.mla import decode as mla_decode
 
-        def kernel(q_lat, q_pe, new, pool_L, table, positions, layer):
-            flat, table = _layer_pages(pool_L, table, layer)
+        def kernel(q_lat, q_pe, new, pool_LXpC, table, positions, layer):
+            flat, table = _layer_pages(pool_LXpC, table, layer)
             B, T, N, _ = q_lat.shape          # this device's shard under shard_map
             page = flat.shape[1]
             same = flat.dtype == q_lat.dtype == new.dtype       # the mgpu kernel takes bf16 throughout
@@ -341,9 +341,9 @@ def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: ja
                                 in_specs=(P(b, None, h, None), P(b, None, h, None), P(b, None, None),
                                           P(None, split, None, None), P(b, None), P(b, None), P()),
                                 out_specs=P(b, None, h, None))
-        return kernel(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_L, block_table_BP, positions_BT,
+        return kernel(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_LXpC, block_table_BP, positions_BT,
                       jnp.asarray(layer, jnp.int32))
-    return _mla_paged_attention_xla(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_L, block_table_BP, positions_BT,
+    return _mla_paged_attention_xla(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_LXpC, block_table_BP, positions_BT,
                                     scale, layer=layer, parallel=parallel)
 
 

@@ -57,7 +57,7 @@ class ExecPlan:
       lax.scan / fori_loop XLA copies each layer's slice of the stacked weights before its matmuls read it
       (950 GB/s effective), while static slices are read in place (2,060 GB/s); `for_backend` unrolls on GPU.
     combine_xla_max_macs: the balanced schedule's merge takes the XLA contraction up to this many
-      B x G x M x A multiply-adds, the Pallas kernel above (pallas_kernels.mla.combine.combine).
+      B x I x M x A multiply-adds, the Pallas kernel above (pallas_kernels.mla.combine.combine).
     one_new_token_elementwise: a decode step's single new token is merged elementwise instead of by the
       general einsum form (pallas_kernels.mla.decode._new_token_part); off only to time both.
     """

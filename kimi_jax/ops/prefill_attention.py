@@ -27,7 +27,7 @@ from kimi_jax.ops.plan import CHUNK_ATTENTION_CHOICES, PREFILL_ATTENTION_CHOICES
 
 
 def cudnn_attention_fits(qk_dim: int, v_dim: int, dtype) -> bool:
-    """Shapes and dtypes cuDNN flash attention takes through jax.nn.dot_product_attention (after V is
+    """Shapes and dtypes cuDNN flash attention takes through jax.nn.dot_product_attention (after v is
     padded to the qk head dim): bf16/fp16, head dim a multiple of 8 and at most 256 (Hopper and later;
     jax refuses > 128 on older GPUs at trace time, and the op then falls back to einsum)."""
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -52,15 +52,15 @@ def prefill_attention_path(qk_dim: int, v_dim: int, dtype, *, causal: bool, plan
     return "einsum"
 
 
-def _dot_product_attention(q_BTNK, k_BSNK, v_BSNK, scale, implementation):
+def _dot_product_attention(q_BTNW, k_BSNW, v_BSNW, scale, implementation):
     """jax.nn.dot_product_attention, causal (top-left); a module attribute so tests can wrap it."""
-    return jax.nn.dot_product_attention(q_BTNK, k_BSNK, v_BSNK, scale=scale, is_causal=True,
+    return jax.nn.dot_product_attention(q_BTNW, k_BSNW, v_BSNW, scale=scale, is_causal=True,
                                         implementation=implementation)
 
 
-def _masked_dot_product_attention(q_BTNK, k_BSNK, v_BSNK, mask_BTS, scale, implementation):
+def _masked_dot_product_attention(q_BTNW, k_BSNW, v_BSNW, mask_BTS, scale, implementation):
     """jax.nn.dot_product_attention with an explicit mask [B, T, S] (shared by the heads)."""
-    return jax.nn.dot_product_attention(q_BTNK, k_BSNK, v_BSNK, mask=mask_BTS[:, None], scale=scale,
+    return jax.nn.dot_product_attention(q_BTNW, k_BSNW, v_BSNW, mask=mask_BTS[:, None], scale=scale,
                                         implementation=implementation)
 
 
@@ -71,19 +71,19 @@ def _warn_fallback(path: str, error: str) -> None:
 
 
 def mla_prefill_attention(q_nope_BTNH: jax.Array, q_pe_BTNR: jax.Array, k_BSNH: jax.Array, kpe_BSR: jax.Array,
-                          v_BSNV: jax.Array, mask_BTS: jax.Array, scale: float, *, causal: bool = False,
+                          v_BSNU: jax.Array, mask_BTS: jax.Array, scale: float, *, causal: bool = False,
                           plan: Optional[ExecPlan] = None, parallel=None, chunk_lens=None) -> jax.Array:
-    """Expanded-form MLA attention; returns o [B, T, N, V] float32.
+    """Expanded-form MLA attention; returns o [B, T, N, U] float32.
 
     score[b,n,t,s] = (q_nope . k + q_pe . kpe) * scale over keys with mask[b,t,s], softmax in float32.
     q_nope [B, T, N, H], q_pe [B, T, N, R] (rotated), k [B, S, N, H], kpe [B, S, R] (rotated, shared by
-    every head), v [B, S, N, V]; mask [B, T, S] bool.
+    every head), v [B, S, N, U]; mask [B, T, S] bool.
     causal (static): a fresh prefill: S == T, the keys are the query tokens, each row's real tokens
     come first (positions 0, 1, ...) with padding only after them, and for every real query t
     mask[b,t,s] is exactly s <= t. Then jax.nn.dot_product_attention with is_causal=True gives the same
     outputs for the real tokens (padding tokens' outputs differ; they stay finite and are ignored).
     The dot_product_attention path concatenates [q_nope | q_pe] and [k | kpe] to one qk head dim and
-    zero-pads V to it (the public API wants equal qk and v head dims; zero columns of V give zero
+    zero-pads v to it (the public API wants equal qk and v head dims; zero columns of v give zero
     output columns, sliced off). Otherwise (keys = a cached prefix plus the chunk) the path is
     `prefill_attention_path(causal=False)`'s: einsums; the same call with `mask` (a real query always
     sees itself; a padding query that sees no key is given key 0, so no kernel meets an empty row); or,
@@ -95,53 +95,53 @@ def mla_prefill_attention(q_nope_BTNH: jax.Array, q_pe_BTNR: jax.Array, k_BSNH: 
     need it (without it they take the masked call).
     plan: the ExecPlan (default `ExecPlan.for_backend()`): its impl and forced paths.
     """
-    H, R, V = q_nope_BTNH.shape[-1], q_pe_BTNR.shape[-1], v_BSNV.shape[-1]
+    H, R, U = q_nope_BTNH.shape[-1], q_pe_BTNR.shape[-1], v_BSNU.shape[-1]
     dtype = q_nope_BTNH.dtype
     fresh = causal and k_BSNH.shape[1] == q_nope_BTNH.shape[1]
-    path = prefill_attention_path(H + R, V, dtype, causal=fresh, plan=plan)
+    path = prefill_attention_path(H + R, U, dtype, causal=fresh, plan=plan)
     masked = path.removesuffix("_split")      # a split path falls back to the masked call (chunks only)
     for p in ([path, masked] if path != masked and chunk_lens is not None else [masked]):
         if p == "einsum":
             break
         try:
-            return _mla_prefill_attention_dpa(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, scale, p,
+            return _mla_prefill_attention_dpa(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNU, scale, p,
                                               parallel, mask_BTS=None if fresh else mask_BTS,
                                               chunk_lens=chunk_lens if p.endswith("_split") else None)
         except (NotImplementedError, RuntimeError) as e:
             # raised while tracing (no cuDNN, an unsupported GPU or shape, jax's private cuDNN entry point
             # changed): take the next path (split -> masked call -> einsums)
             _warn_fallback(p, f"{type(e).__name__}: {e}")
-    return _mla_prefill_attention_einsum(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, mask_BTS, scale)
+    return _mla_prefill_attention_einsum(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNU, mask_BTS, scale)
 
 
-def _mla_prefill_attention_einsum(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, mask_BTS, scale):
+def _mla_prefill_attention_einsum(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNU, mask_BTS, scale):
     dtype = q_nope_BTNH.dtype
     rope_BNTS = einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR)
     nope_BNTS = einsum_f32("btnh,bsnh->bnts", q_nope_BTNH, k_BSNH)
     s_BNTS = jnp.where(mask_BTS[:, None], (nope_BNTS + rope_BNTS) * scale, -1e30)
     p_BNTS = jax.nn.softmax(s_BNTS, axis=-1).astype(dtype)
-    return einsum_f32("bnts,bsnv->btnv", p_BNTS, v_BSNV)
+    return einsum_f32("bnts,bsnu->btnu", p_BNTS, v_BSNU)
 
 
-def _mla_prefill_attention_dpa(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, scale, implementation, parallel,
+def _mla_prefill_attention_dpa(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNU, scale, implementation, parallel,
                                mask_BTS=None, chunk_lens=None):
     extra = tuple(chunk_lens) if chunk_lens is not None else (mask_BTS,) if mask_BTS is not None else ()
 
     def attend(q_nope, q_pe, k, kpe, v, *extra):
-        N, K, V = k.shape[2], k.shape[3] + kpe.shape[-1], v.shape[-1]
-        q_BTNK = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1)
+        N, W, U = k.shape[2], k.shape[3] + kpe.shape[-1], v.shape[-1]
+        q_BTNW = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1)
         kpe_BSNR = jnp.broadcast_to(kpe[:, :, None, :], (*kpe.shape[:2], N, kpe.shape[-1])).astype(k.dtype)
-        k_BSNK = jnp.concatenate([k, kpe_BSNR], axis=-1)
-        v_BSNK = jnp.pad(v.astype(k.dtype), ((0, 0), (0, 0), (0, 0), (0, K - V)))
+        k_BSNW = jnp.concatenate([k, kpe_BSNR], axis=-1)
+        v_BSNW = jnp.pad(v.astype(k.dtype), ((0, 0), (0, 0), (0, 0), (0, W - U)))
         if chunk_lens is not None:
-            o_BTNK = _split_attention(q_BTNK, k_BSNK, v_BSNK, *extra, scale, implementation.removesuffix("_split"))
+            o_BTNW = _split_attention(q_BTNW, k_BSNW, v_BSNW, *extra, scale, implementation.removesuffix("_split"))
         elif extra:
             m_BTS = extra[0]
             m_BTS = m_BTS.at[:, :, 0].set(m_BTS[:, :, 0] | ~m_BTS.any(axis=-1))   # padding queries
-            o_BTNK = _masked_dot_product_attention(q_BTNK, k_BSNK, v_BSNK, m_BTS, scale, implementation)
+            o_BTNW = _masked_dot_product_attention(q_BTNW, k_BSNW, v_BSNW, m_BTS, scale, implementation)
         else:
-            o_BTNK = _dot_product_attention(q_BTNK, k_BSNK, v_BSNK, scale, implementation)
-        return o_BTNK[..., :V].astype(jnp.float32)
+            o_BTNW = _dot_product_attention(q_BTNW, k_BSNW, v_BSNW, scale, implementation)
+        return o_BTNW[..., :U].astype(jnp.float32)
 
     if parallel is not None and parallel.mesh.size > 1:
         # jax's cuDNN attention is a custom call with its own partitioning rule; running it per shard
@@ -154,28 +154,28 @@ def _mla_prefill_attention_dpa(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, 
                             in_specs=(P(b, None, h, None), P(b, None, h, None), P(b, None, h, None),
                                       P(b, None, None), P(b, None, h, None)) + extra_specs,
                             out_specs=P(b, None, h, None))
-    return attend(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNV, *extra)
+    return attend(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNU, *extra)
 
 
-def _split_attention(q_BTNK, k_BSNK, v_BSNK, cached_B, new_B, scale, implementation):
+def _split_attention(q_BTNW, k_BSNW, v_BSNW, cached_B, new_B, scale, implementation):
     """Attention of a chunk after cached tokens without a mask: keys = S - T cached slots (row b's first
     cached[b] real), then the chunk's T tokens (its first new[b] real, attending causally). Two
     attention calls, each returning its log-sum-exp: queries x cached keys (per-row key lengths) and
     queries x chunk keys (causal, per-row lengths), merged as flash-decoding merges splits. Queries past
     new[b] (padding) get 0. implementation: 'cudnn' (jax's cuDNN entry point with per-row lengths) or
     'xla' (its CPU stand-in, jnp)."""
-    T = q_BTNK.shape[1]
-    S0 = k_BSNK.shape[1] - T
+    T = q_BTNW.shape[1]
+    S0 = k_BSNW.shape[1] - T
     parts = attention_lse_cudnn if implementation == "cudnn" else _attention_lse_xla
     if S0 == 0:                                                 # no cached slots at all: the chunk only
         cached_B = jnp.zeros_like(cached_B)
         pad = ((0, 0), (1, 0), (0, 0), (0, 0))                  # one slot no query sees
-        k_BSNK, v_BSNK, S0 = jnp.pad(k_BSNK, pad), jnp.pad(v_BSNK, pad), 1
+        k_BSNW, v_BSNW, S0 = jnp.pad(k_BSNW, pad), jnp.pad(v_BSNW, pad), 1
     has_old = (cached_B > 0)[:, None, None]
     new_len = jnp.maximum(new_B, 1).astype(jnp.int32)          # no kernel meets a zero length
-    o_old, lse_old = parts(q_BTNK, k_BSNK[:, :S0], v_BSNK[:, :S0], new_len,
+    o_old, lse_old = parts(q_BTNW, k_BSNW[:, :S0], v_BSNW[:, :S0], new_len,
                            jnp.maximum(cached_B, 1).astype(jnp.int32), scale, causal=False)
-    o_new, lse_new = parts(q_BTNK, k_BSNK[:, S0:], v_BSNK[:, S0:], new_len, new_len, scale, causal=True)
+    o_new, lse_new = parts(q_BTNW, k_BSNW[:, S0:], v_BSNW[:, S0:], new_len, new_len, scale, causal=True)
     lse_old = jnp.where(has_old, lse_old, -jnp.inf)             # [B, T, N]
     m = jnp.maximum(lse_old, lse_new)
     w_old, w_new = jnp.exp(lse_old - m), jnp.exp(lse_new - m)
@@ -185,29 +185,29 @@ def _split_attention(q_BTNK, k_BSNK, v_BSNK, cached_B, new_B, scale, implementat
     return jnp.where(real, o, 0.0)
 
 
-def attention_lse_cudnn(q_BTNK, k_BSNK, v_BSNK, q_len_B, kv_len_B, scale, *, causal):
-    """cuDNN flash attention with per-row lengths, (o [B, T, N, K], log-sum-exp [B, T, N] float32), through
+def attention_lse_cudnn(q_BTNW, k_BSNW, v_BSNW, q_len_B, kv_len_B, scale, *, causal):
+    """cuDNN flash attention with per-row lengths, (o [B, T, N, W], log-sum-exp [B, T, N] float32), through
     jax's cuDNN entry point: the public jax.nn.dot_product_attention returns the log-sum-exp rounded to
     the inputs' dtype (bf16: merge weights off by up to ~3%)."""
     from jax._src.cudnn import fused_attention_stablehlo as fa
     mask_type = fa.MaskType.PADDING_CAUSAL if causal else fa.MaskType.PADDING
     try:
-        o, lse_BNT = fa.dot_product_attention(q_BTNK, k_BSNK, v_BSNK, q_seqlen=q_len_B, kv_seqlen=kv_len_B,
+        o, lse_BNT = fa.dot_product_attention(q_BTNW, k_BSNW, v_BSNW, q_seqlen=q_len_B, kv_seqlen=kv_len_B,
                                               scale=scale, mask_type=mask_type, return_residual=True)
     except (TypeError, ValueError) as e:   # a JAX whose private signature differs, a shape this cuDNN
         raise NotImplementedError(f"jax's cuDNN entry point: {e}") from e   # refuses: the caller falls back
     return o, jnp.transpose(lse_BNT, (0, 2, 1)).astype(jnp.float32)
 
 
-def _attention_lse_xla(q_BTNK, k_BSNK, v_BSNK, q_len_B, kv_len_B, scale, *, causal):
+def _attention_lse_xla(q_BTNW, k_BSNW, v_BSNW, q_len_B, kv_len_B, scale, *, causal):
     """The same in jnp (float32 scores): the CPU stand-in of attention_lse_cudnn."""
     del q_len_B                       # rows past it are padding, zeroed by the caller
-    s_BNTS = einsum_f32("btnk,bsnk->bnts", q_BTNK, k_BSNK) * scale
-    S, T = k_BSNK.shape[1], q_BTNK.shape[1]
+    s_BNTS = einsum_f32("btnw,bsnw->bnts", q_BTNW, k_BSNW) * scale
+    S, T = k_BSNW.shape[1], q_BTNW.shape[1]
     see = jnp.arange(S)[None, None, :] < kv_len_B[:, None, None]                       # [B, 1, S]
     if causal:
         see = see & (jnp.arange(S)[None, None, :] <= jnp.arange(T)[None, :, None])     # [B, T, S]
     s_BNTS = jnp.where(see[:, None], s_BNTS, -jnp.inf)
     lse_BNT = jax.nn.logsumexp(s_BNTS, axis=-1)
-    p_BNTS = jnp.exp(s_BNTS - lse_BNT[..., None]).astype(q_BTNK.dtype)
-    return einsum_f32("bnts,bsnk->btnk", p_BNTS, v_BSNK).astype(q_BTNK.dtype), jnp.transpose(lse_BNT, (0, 2, 1))
+    p_BNTS = jnp.exp(s_BNTS - lse_BNT[..., None]).astype(q_BTNW.dtype)
+    return einsum_f32("bnts,bsnw->btnw", p_BNTS, v_BSNW).astype(q_BTNW.dtype), jnp.transpose(lse_BNT, (0, 2, 1))

@@ -130,19 +130,19 @@ def param_bytes(cfg: ModelConfig, layout: Layout, dtype_bytes: int = 2) -> dict[
     tp, dp, ep = layout.tensor_parallel_size, layout.data_parallel_size, layout.enable_expert_parallel
     db = dtype_bytes
     D, V, N = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads
-    H, R, A, Vh = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
-    E, F, I = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.intermediate_size
+    H, R, A, U = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+    E, F, Fd = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.intermediate_size
     L, Ld, Lm = cfg.num_hidden_layers, cfg.num_dense_layers, cfg.num_moe_layers
     if cfg.q_lora_rank is None:
         q = _cdiv(N * (H + R), tp) * D
     else:
         Q = cfg.q_lora_rank
         q = Q * D + Q + _cdiv(N * (H + R), tp) * Q
-    attn = q + (A + R) * D + A + _cdiv(N * (H + Vh), tp) * A + D * _cdiv(N * Vh, tp)
+    attn = q + (A + R) * D + A + _cdiv(N * (H + U), tp) * A + D * _cdiv(N * U, tp)
     out = {
         "attention": L * attn * db,
         "norms": (L * 2 * D + D) * db,
-        "dense_ffn": Ld * 3 * _cdiv(I, tp) * D * db,
+        "dense_ffn": Ld * 3 * _cdiv(Fd, tp) * D * db,
         "router": Lm * (E * D + E) * ROUTER_BYTES,
         "shared_experts": (Lm * 3 * _cdiv(F * cfg.n_shared_experts, tp) * D * db) if cfg.n_shared_experts else 0,
         "routed_experts": Lm * expert_bytes_local(cfg, layout, dtype_bytes) * experts_local(cfg, layout),
@@ -525,8 +525,8 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
                          layout.enable_expert_parallel, layout.world)
     db = o.dtype_bytes
     D, V, N = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads
-    H, R, A, Vh = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
-    E, K, F, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.intermediate_size
+    H, R, A, U = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+    E, K, F, Fd = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.intermediate_size
     L, Ld, Lm = cfg.num_hidden_layers, cfg.num_dense_layers, cfg.num_moe_layers
     Bp = padded_batch(batch, dp)
     Bl = Bp // dp
@@ -568,7 +568,7 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
              L * hw.attention_call_at(Nl) + cache_bytes * passes / (bw * hw.attention_efficiency_at(Nl)),
              core_flops / fl)]
     if Ld:
-        f = 2 * Bl * 3 * _cdiv(I, tp) * D * Ld
+        f = 2 * Bl * 3 * _cdiv(Fd, tp) * D * Ld
         terms.append(Term("dense FFN", weights["dense_ffn"], f, weights["dense_ffn"] / (bw * hw.gemv_efficiency),
                           f / fl))
     if Lm:

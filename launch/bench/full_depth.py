@@ -254,7 +254,7 @@ def _call_compiled(compiled, state, pages, tokens, positions, table, sp, steps):
 
 
 def _call_as_jit(compiled, schedule, state, pages, tokens, positions, table, sp, steps, *, n_logprobs,
-                 sample_mode, mla_schedule, plan=None, occ=None, mask_BW=None):
+                 sample_mode, mla_schedule, plan=None, occ=None, mask_Bw=None):
     """`Engine._decode_step`'s signature over one compiled executable (its static arguments must be
     the ones it was compiled for)."""
     if (n_logprobs, sample_mode, mla_schedule) != (None, "greedy", schedule):

@@ -747,29 +747,29 @@ def section_prefill():
     import jax
     import jax.numpy as jnp
     rows = []
-    N, H, V = (64, 192, 128)
+    N, W, U = (64, 192, 128)
     for S in ([128] if FLAGS.dry else [4096, 16384]):
         ks = jax.random.split(jax.random.PRNGKey(S), 3)
-        q = jax.random.normal(ks[0], (1, S, N, H), jnp.bfloat16)
-        k = jax.random.normal(ks[1], (1, S, N, H), jnp.bfloat16)
-        v = jax.random.normal(ks[2], (1, S, N, V), jnp.bfloat16)
-        scale = H ** -0.5
+        q = jax.random.normal(ks[0], (1, S, N, W), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (1, S, N, W), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (1, S, N, U), jnp.bfloat16)
+        scale = W ** -0.5
 
         @jax.jit
         def xla(q, k, v):
-            s = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32) * scale
+            s = jnp.einsum("btnw,bsnw->bnts", q, k, preferred_element_type=jnp.float32) * scale
             mask = jnp.arange(S)[None, :] <= jnp.arange(S)[:, None]
             p = jax.nn.softmax(jnp.where(mask, s, -1e30), axis=-1).astype(q.dtype)
-            return jnp.einsum("bnts,bsnv->btnv", p, v, preferred_element_type=jnp.float32).astype(q.dtype)
+            return jnp.einsum("bnts,bsnu->btnu", p, v, preferred_element_type=jnp.float32).astype(q.dtype)
 
         @jax.jit
         def cudnn(q, k, v):
-            vp = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, H - V)))
+            vp = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, W - U)))
             o = jax.nn.dot_product_attention(q, k, vp, scale=scale, is_causal=True, implementation="cudnn")
-            return o[..., :V]
+            return o[..., :U]
 
-        flops = 2 * N * S * S * (H + V) / 2                       # causal half
-        row = dict(section="prefill", S=S, N=N, H=H, V=V, flops=flops)
+        flops = 2 * N * S * S * (W + U) / 2                       # causal half
+        row = dict(section="prefill", S=S, N=N, W=W, U=U, flops=flops)
         ref = None
         for name, fn in (("xla", xla), ("cudnn_padv", cudnn)):
             try:
@@ -801,7 +801,7 @@ def _prefill_chunks():
     from kimi_jax import ops
     from kimi_jax.ops import prefill_attention
     rows = []
-    N, H, R, V = 64, 128, 64, 128
+    N, H, R, U = 64, 128, 64, 128
     # 'cudnn_split' (two unmasked calls through jax's private cuDNN entry point, merged): does the entry
     # point take our call here? (If not, the op falls back to einsums and its timing would mislead.)
     split_ok = not FLAGS.dry
@@ -821,7 +821,7 @@ def _prefill_chunks():
         bf = jnp.bfloat16
         args = (jax.random.normal(ks[0], (B, T, N, H), bf), jax.random.normal(ks[1], (B, T, N, R), bf),
                 jax.random.normal(ks[2], (B, S, N, H), bf), jax.random.normal(ks[3], (B, S, R), bf),
-                jax.random.normal(ks[4], (B, S, N, V), bf))
+                jax.random.normal(ks[4], (B, S, N, U), bf))
         cached = np.asarray([prefix - 7 * b for b in range(B)])        # ragged prefixes
         n_new = np.asarray([T - 5 * b for b in range(B)])               # ... and chunks: padding queries
         old = np.broadcast_to((np.arange(prefix)[None, :] < cached[:, None])[:, None, :], (B, T, prefix))
@@ -830,7 +830,7 @@ def _prefill_chunks():
         mask = jnp.asarray(np.concatenate([old, new], -1))
         valid = real[:, :, None, None]                                  # compare real queries only
         scale = (H + R) ** -0.5
-        flops = 2 * B * N * T * S * (H + R + V)
+        flops = 2 * B * N * T * S * (H + R + U)
         row = dict(section="prefill_chunk", B=B, prefix=prefix, T=T, N=N, flops=flops)
         lens = (jnp.asarray(cached, jnp.int32), jnp.asarray(n_new, jnp.int32))
         ref, ref_name = None, None     # the first path that ran (einsum, unless its scores do not fit)

@@ -225,7 +225,7 @@ def bench_sampling_step(batches, vocabs, reps):
 
 def bench_decode_step(batches, steps: int, context: int = 64, kimi_vocab: bool = True):
     """The engine's serving decode step (`Engine.paged_step`, T = 1, greedy, host inputs and fetch:
-    what the scheduler calls) with mask_BW None and with a mask, on the demo model and (kimi_vocab)
+    what the scheduler calls) with mask_Bw None and with a mask, on the demo model and (kimi_vocab)
     on the tiny preset at a 163,840-token vocabulary (float32, CPU)."""
     import jax.numpy as jnp
     import numpy as np

@@ -1,16 +1,16 @@
 """The flash-decoding combine of the balanced schedule's work items, one Pallas (Triton) launch.
 
-Under `schedule='balanced'` (`decode.balanced_items`) the decode kernels' B x K programs each
+Under `schedule='balanced'` (`decode.balanced_items`) the decode kernels' B x J programs each
 read one work item: part of ONE row's cached tokens, items of a row contiguous and in row order, a
 long row holding many more items than a short one. Each item wrote its normalized output
-o [G, M, A] (f32, G = B x K items, M = T x N query rows) and its log-sum-exp lse [G, M]. Row b's
-answer merges its items g in [first_b, first_b + count_b) and the step's new-token part
+o [I, M, A] (f32, I = B x J items, M = T x N query rows) and its log-sum-exp lse [I, M]. Row b's
+answer merges its items i in [first_b, first_b + count_b) and the step's new-token part
 (o_new [B, M, A], lse_new [B, M]) by their log-sum-exps:
 
     o_b = sum_parts exp(lse_part - mx) o_part / sum_parts exp(lse_part - mx),  lse_b = mx + ln(den)
 
-`combine_items_xla` writes that as XLA: per-row maxima and sums over a [B, G] row mask, the
-numerator a one-hot contraction at full f32 precision. Its cost is B x G x M x A multiply-adds, which
+`combine_items_xla` writes that as XLA: per-row maxima and sums over a [B, I] row mask, the
+numerator a one-hot contraction at full f32 precision. Its cost is B x I x M x A multiply-adds, which
 at batch 64 x 2 splits x 64 heads (537 MFLOP of f32) made the balanced schedule 0-20% slower than
 the rows schedule on equal lengths (H200, `kimi-bench mla --balanced`). `combine_items` is the same merge
 reading each item once (`combine` picks one by size): grid (B, M, A / block_a), one program per
@@ -31,18 +31,18 @@ from jax.experimental import pallas as pl
 from pallas_kernels.int4 import tile
 
 
-def combine_items_xla(o_GMA, lse_GM, row_G, o_new_BMA, lse_new_BM):
+def combine_items_xla(o_IMA, lse_IM, row_I, o_new_BMA, lse_new_BM):
     """The merge in XLA (the kernel's reference, and `combine`'s choice for small shapes): each row's
-    items (row_G; unused items carry lse = -inf) and its new-token part, by their lse."""
+    items (row_I; unused items carry lse = -inf) and its new-token part, by their lse."""
     B = o_new_BMA.shape[0]
-    mask_BG = row_G[None, :] == jnp.arange(B, dtype=row_G.dtype)[:, None]
-    mx_BM = jnp.max(jnp.where(mask_BG[:, :, None], lse_GM[None], -jnp.inf), axis=1)
+    mask_BI = row_I[None, :] == jnp.arange(B, dtype=row_I.dtype)[:, None]
+    mx_BM = jnp.max(jnp.where(mask_BI[:, :, None], lse_IM[None], -jnp.inf), axis=1)
     mx_BM = jnp.maximum(mx_BM, lse_new_BM)
     mx_BM = jnp.where(jnp.isfinite(mx_BM), mx_BM, 0.0)
-    w_GM = jnp.exp(lse_GM - mx_BM[row_G])                           # 0 for empty items
+    w_IM = jnp.exp(lse_IM - mx_BM[row_I])                           # 0 for empty items
     w_new_BM = jnp.exp(lse_new_BM - mx_BM)
-    den_BM = jnp.where(mask_BG[:, :, None], w_GM[None], 0.0).sum(axis=1) + w_new_BM
-    num_BMA = jnp.einsum("bgm,gma->bma", jnp.where(mask_BG[:, :, None], w_GM[None], 0.0), o_GMA,
+    den_BM = jnp.where(mask_BI[:, :, None], w_IM[None], 0.0).sum(axis=1) + w_new_BM
+    num_BMA = jnp.einsum("bim,ima->bma", jnp.where(mask_BI[:, :, None], w_IM[None], 0.0), o_IMA,
                          precision=lax.Precision.HIGHEST) + w_new_BM[..., None] * o_new_BMA
     has = den_BM > 0
     den_BM = jnp.where(has, den_BM, 1.0)
@@ -52,7 +52,7 @@ def combine_items_xla(o_GMA, lse_GM, row_G, o_new_BMA, lse_new_BM):
 def _kernel(span_ref, o_ref, lse_ref, onew_ref, lsenew_ref, out_ref, lseout_ref, *, n_rows: int, a: int,
             ba: int, bg: int):
     # Flattened refs, scalar-first indices (as the Triton lowering wants): span_ref [2 * B] int32 (each
-    # row's first item, then each row's item count), o_ref [G, M * A], lse_ref [G * M],
+    # row's first item, then each row's item count), o_ref [I, M * A], lse_ref [I * M],
     # onew_ref [B, M * A], lsenew_ref [B * M]; out_ref [B, M * A], lseout_ref [B * M].
     b, m, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     B = pl.num_programs(0)
@@ -116,17 +116,17 @@ _PROGRAMS = 2048          # the kernel's automatic block_a aims for about this m
 NUM_WARPS = 4
 
 
-def combine(o_GMA, lse_GM, work, o_new_BMA, lse_new_BM, *, interpret: bool, xla_max_macs: int = 1 << 27):
+def combine(o_IMA, lse_IM, work, o_new_BMA, lse_new_BM, *, interpret: bool, xla_max_macs: int = 1 << 27):
     """The balanced schedule's merge (`work`: `decode.balanced_items`' table): the XLA
-    contraction up to `xla_max_macs` B x G x M x A multiply-adds, the kernel above. The default is
+    contraction up to `xla_max_macs` B x I x M x A multiply-adds, the kernel above. The default is
     measured on the H200 (`kimi-bench mla --combine_sweep`): the contraction was the faster at batch <= 8
     (8 x 128 items x 64 heads: 34M) and 20-100 us slower at batch 64 (268M).
     Returns o [B, M, A] f32 and lse [B, M] f32."""
-    G, M, A = o_GMA.shape
+    I, M, A = o_IMA.shape
     B = o_new_BMA.shape[0]
-    if B * G * M * A <= xla_max_macs:
-        return combine_items_xla(o_GMA, lse_GM, work[0], o_new_BMA, lse_new_BM)
-    return combine_items(o_GMA, lse_GM, work[3, :B], work[4, :B], o_new_BMA, lse_new_BM, interpret=interpret)
+    if B * I * M * A <= xla_max_macs:
+        return combine_items_xla(o_IMA, lse_IM, work[0], o_new_BMA, lse_new_BM)
+    return combine_items(o_IMA, lse_IM, work[3, :B], work[4, :B], o_new_BMA, lse_new_BM, interpret=interpret)
 
 
 def _auto_blocks(B: int, M: int, A: int):
@@ -140,11 +140,11 @@ def _auto_blocks(B: int, M: int, A: int):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_a", "block_g", "num_warps"))
-def combine_items(o_GMA, lse_GM, first_B, count_B, o_new_BMA, lse_new_BM, *, interpret: bool = False,
+def combine_items(o_IMA, lse_IM, first_B, count_B, o_new_BMA, lse_new_BM, *, interpret: bool = False,
                   block_a: int = 0, block_g: int = 0, num_warps: int = NUM_WARPS):
     """`combine_items_xla` in one launch: rows' items given as [first_B, first_B + count_B)
     (from `decode.balanced_items`). Returns o [B, M, A] f32 and lse [B, M] f32."""
-    G, M, A = o_GMA.shape
+    I, M, A = o_IMA.shape
     B = o_new_BMA.shape[0]
     auto_a, auto_g = _auto_blocks(B, M, A)
     ba, block_g = block_a or auto_a, block_g or auto_g
@@ -162,6 +162,6 @@ def combine_items(o_GMA, lse_GM, first_B, count_B, o_new_BMA, lse_new_BM, *, int
         interpret=interpret,
         compiler_params=tile.compiler_params(num_warps, 3, interpret),
         name="mla_combine_items",
-    )(spans, o_GMA.reshape(G, M * A).astype(f32), lse_GM.reshape(G * M).astype(f32),
+    )(spans, o_IMA.reshape(I, M * A).astype(f32), lse_IM.reshape(I * M).astype(f32),
       o_new_BMA.reshape(B, M * A).astype(f32), lse_new_BM.reshape(B * M).astype(f32))
     return out.reshape(B, M, A), lse.reshape(B, M)

@@ -399,39 +399,39 @@ def balanced_items(lengths_B, items: int, quantum: int):
     read nothing (row B - 1, start = end = 0). Returns int32 [5, items]: each item's row, start,
     end; then, in the first B entries (items >= B), each row's first item and item count (the
     combine's spans, `mla_combine.combine_items`)."""
-    L = jnp.maximum(lengths_B.astype(jnp.int32), 0)
-    B = L.shape[0]
+    len_B = jnp.maximum(lengths_B.astype(jnp.int32), 0)
+    B = len_B.shape[0]
     splits = max(1, items // B)
     cdiv = lambda a, b: -(-a // b)  # noqa: E731
-    rows_chunk = jnp.maximum(cdiv(cdiv(jnp.max(L), splits), quantum) * quantum, quantum)
+    rows_chunk = jnp.maximum(cdiv(cdiv(jnp.max(len_B), splits), quantum) * quantum, quantum)
     scale = 2.0 ** (-jnp.arange(_CHUNK_STEPS, dtype=jnp.float32) / 16)
     cand = jnp.ceil(rows_chunk.astype(jnp.float32) * scale / quantum).astype(jnp.int32) * quantum
     cand = jnp.maximum(cand, quantum).at[0].set(rows_chunk)
-    need = cdiv(L[None, :], cand[:, None]).sum(axis=1)
+    need = cdiv(len_B[None, :], cand[:, None]).sum(axis=1)
     chunk = jnp.min(jnp.where(need <= items, cand, rows_chunk))
-    n_B = cdiv(L, chunk)
+    n_B = cdiv(len_B, chunk)
     incl_B = jnp.cumsum(n_B)
     g = jnp.arange(items, dtype=jnp.int32)
     row = (incl_B[None, :] <= g[:, None]).sum(axis=1).astype(jnp.int32)
     used = row < B
     row = jnp.minimum(row, B - 1)
     start = (g - (incl_B - n_B)[row]) * chunk
-    end = jnp.minimum(start + chunk, L[row])
+    end = jnp.minimum(start + chunk, len_B[row])
     spans = jnp.zeros((2, items), jnp.int32).at[:, :B].set(jnp.stack([incl_B - n_B, n_B]))
     return jnp.concatenate([jnp.stack([row, jnp.where(used, start, 0), jnp.where(used, end, 0)]),
                             spans]).astype(jnp.int32)
 
 
-def finish_items(o_BKMA, lse_BKM, work, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale, *,
+def finish_items(o_BJMA, lse_BJM, work, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale, *,
                  interpret: bool, combine_xla_max_macs: int = 1 << 27, one_new_token_elementwise: bool = True):
     """`finish_xla` for the balanced schedule (`work`: the kernel's `balanced_items` table): the new
     tokens' part in XLA, the merge by `mla_combine.combine` (XLA up to `combine_xla_max_macs`
     multiply-adds, else one launch)."""
     B, T, N, A = q_lat_BTNA.shape
-    G = o_BKMA.shape[0] * o_BKMA.shape[1]
+    I = o_BJMA.shape[0] * o_BJMA.shape[1]
     o_new_BTNA, lse_new_BTN = _new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,
                                               one_new_token_elementwise=one_new_token_elementwise)
-    o, lse = mla_combine.combine(o_BKMA.reshape(G, T * N, A), lse_BKM.reshape(G, T * N), work,
+    o, lse = mla_combine.combine(o_BJMA.reshape(I, T * N, A), lse_BJM.reshape(I, T * N), work,
                                  o_new_BTNA.reshape(B, T * N, A), lse_new_BTN.reshape(B, T * N),
                                  interpret=interpret, xla_max_macs=combine_xla_max_macs)
     return o.reshape(B, T, N, A), lse.reshape(B, T, N)
@@ -480,54 +480,54 @@ def _new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale, *, one_
     return o_BTNA, lse_BTN
 
 
-def combine(o_BTNKA, lse_BTNK, o_new_BTNA, lse_new_BTN):
-    """Flash-decoding merge of K split outputs and the new-token part, each normalized over its own
+def combine(o_BTNJA, lse_BTNJ, o_new_BTNA, lse_new_BTN):
+    """Flash-decoding merge of J split outputs and the new-token part, each normalized over its own
     disjoint key set, by their log-sum-exps. Parts with lse = -inf contribute nothing; a row with no
     part at all gives o = 0 and lse = -inf (padding tokens)."""
-    m = jnp.maximum(jnp.max(lse_BTNK, axis=-1), lse_new_BTN)
+    m = jnp.maximum(jnp.max(lse_BTNJ, axis=-1), lse_new_BTN)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
-    w_BTNK = jnp.exp(lse_BTNK - m[..., None])                     # 0 for empty parts
+    w_BTNJ = jnp.exp(lse_BTNJ - m[..., None])                     # 0 for empty parts
     w_new = jnp.exp(lse_new_BTN - m)
-    den = w_BTNK.sum(axis=-1) + w_new
+    den = w_BTNJ.sum(axis=-1) + w_new
     has = den > 0
     den = jnp.where(has, den, 1.0)
-    o = ((w_BTNK[..., None] * o_BTNKA).sum(axis=-2) + w_new[..., None] * o_new_BTNA) / den[..., None]
+    o = ((w_BTNJ[..., None] * o_BTNJA).sum(axis=-2) + w_new[..., None] * o_new_BTNA) / den[..., None]
     return o, jnp.where(has, m + jnp.log(den), -jnp.inf)
 
 
-def finish_xla(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale, *,
+def finish_xla(o_BJMA, lse_BJM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale, *,
                new_tokens: bool = True, splits_minor: bool = False, one_new_token_elementwise: bool = True):
     """The XLA end of a decode step: the new tokens' part (unless the kernel took them: new_tokens
-    False) merged with the K split partials o [B, K, M, A] f32 (splits_minor: [B, M, K, A]) and lse
-    [B, K, M] over M = T * N rows. Returns o [B, T, N, A] f32 and lse [B, T, N]
+    False) merged with the J split partials o [B, J, M, A] f32 (splits_minor: [B, M, J, A]) and lse
+    [B, J, M] over M = T * N rows. Returns o [B, T, N, A] f32 and lse [B, T, N]
     (`mla_finish.finish_partials` is the same in one Pallas launch)."""
     B, T, N, A = q_lat_BTNA.shape
-    K = lse_BKM.shape[1]
+    J = lse_BJM.shape[1]
     if splits_minor:
-        o_BTNKA = o_BKMA.reshape(B, T, N, K, A)
+        o_BTNJA = o_BJMA.reshape(B, T, N, J, A)
     else:
-        o_BTNKA = o_BKMA.reshape(B, K, T, N, A).transpose(0, 2, 3, 1, 4)
-    lse_BTNK = lse_BKM.reshape(B, K, T, N).transpose(0, 2, 3, 1)
+        o_BTNJA = o_BJMA.reshape(B, J, T, N, A).transpose(0, 2, 3, 1, 4)
+    lse_BTNJ = lse_BJM.reshape(B, J, T, N).transpose(0, 2, 3, 1)
     if new_tokens:
         o_new_BTNA, lse_new_BTN = _new_token_part(q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,
                                                   one_new_token_elementwise=one_new_token_elementwise)
     else:
         o_new_BTNA = jnp.zeros((B, T, N, A), jnp.float32)
         lse_new_BTN = jnp.full((B, T, N), -jnp.inf, jnp.float32)
-    return combine(o_BTNKA, lse_BTNK, o_new_BTNA, lse_new_BTN)
+    return combine(o_BTNJA, lse_BTNJ, o_new_BTNA, lse_new_BTN)
 
 
-def finish(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale, *, kernel: bool,
+def finish(o_BJMA, lse_BJM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale, *, kernel: bool,
            interpret: bool, new_tokens: bool = True, splits_minor: bool = False,
            one_new_token_elementwise: bool = True):
     """The end of a decode step for both decode kernels' wrappers: `mla_finish.finish_partials` (one
-    launch) where `kernel` asks for it and it applies (the new tokens still to do, [B, K, M, A]
+    launch) where `kernel` asks for it and it applies (the new tokens still to do, [B, J, M, A]
     partials, T <= mla_finish.MAX_NEW), else `finish_xla`. Returns o [B, T, N, A] (f32, or q's dtype
     from the kernel) and lse [B, T, N]."""
     if kernel and new_tokens and not splits_minor and mla_finish.supported(q_lat_BTNA.shape[1]):
-        return mla_finish.finish_partials(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT,
+        return mla_finish.finish_partials(o_BJMA, lse_BJM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT,
                                           scale, interpret=interpret)
-    return finish_xla(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,
+    return finish_xla(o_BJMA, lse_BJM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,
                       new_tokens=new_tokens, splits_minor=splits_minor,
                       one_new_token_elementwise=one_new_token_elementwise)
 
@@ -555,18 +555,18 @@ def mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP
     lengths_B = jnp.maximum(positions_BT[:, 0], 0)
     work = (balanced_items(lengths_B, B * cfg.num_splits, cfg.block_k) if cfg.schedule == "balanced"
             else None)       # one table for the kernel and the combine
-    o_BKMA, lse_BKM = mla_decode_partials(
+    o_BJMA, lse_BJM = mla_decode_partials(
         q_lat_BTNA.reshape(B, T * N, A), q_pe_BTNR.astype(q_lat_BTNA.dtype).reshape(B, T * N, R),
         pool_XpC, block_table_BP, lengths_B, scale=scale, config=cfg, interpret=interp,
         new_BTC=new_BTC, positions_BT=positions_BT, work=work)
     if work is not None:
-        o_BTNA, lse_BTN = finish_items(o_BKMA, lse_BKM, work, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT,
+        o_BTNA, lse_BTN = finish_items(o_BJMA, lse_BJM, work, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT,
                                        scale, interpret=interp, combine_xla_max_macs=combine_xla_max_macs,
                                        one_new_token_elementwise=one_new_token_elementwise)
     elif cfg.fuse_new and cfg.num_splits == 1:   # one split saw every key: its output is the answer
-        o_BTNA, lse_BTN = o_BKMA[:, 0].reshape(B, T, N, A), lse_BKM[:, 0].reshape(B, T, N)
+        o_BTNA, lse_BTN = o_BJMA[:, 0].reshape(B, T, N, A), lse_BJM[:, 0].reshape(B, T, N)
     else:
-        o_BTNA, lse_BTN = finish(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,
+        o_BTNA, lse_BTN = finish(o_BJMA, lse_BJM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,
                                  kernel=cfg.finish == "kernel", interpret=interp, new_tokens=not cfg.fuse_new,
                                  one_new_token_elementwise=one_new_token_elementwise)
     o_BTNA = o_BTNA.astype(q_lat_BTNA.dtype)

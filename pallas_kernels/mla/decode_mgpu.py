@@ -712,16 +712,16 @@ def mla_paged_attention_mgpu(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_tab
     if config is not None and config.schedule == "balanced":   # one table for the kernel and the combine
         work = _balanced_work(lengths_B, resolve_config(config, B, T * N,
                                                         block_table_BP.shape[1] * pool_XpC.shape[1]))
-    o_BKMA, lse_BKM = mla_decode_partials_mgpu(
+    o_BJMA, lse_BJM = mla_decode_partials_mgpu(
         q_lat_BTNA.reshape(B, T * N, A), q_pe_BTNR.astype(q_lat_BTNA.dtype).reshape(B, T * N, R),
         pool_XpC, block_table_BP, lengths_B, scale=scale, config=config, interpret=interpret, work=work)
     if work is not None:
-        o_BTNA, lse_BTN = tri.finish_items(o_BKMA, lse_BKM, work, q_lat_BTNA, q_pe_BTNR, new_BTC,
+        o_BTNA, lse_BTN = tri.finish_items(o_BJMA, lse_BJM, work, q_lat_BTNA, q_pe_BTNR, new_BTC,
                                            positions_BT, scale, interpret=bool(interpret),
                                            combine_xla_max_macs=combine_xla_max_macs,
                                            one_new_token_elementwise=one_new_token_elementwise)
     else:
-        o_BTNA, lse_BTN = tri.finish(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,
+        o_BTNA, lse_BTN = tri.finish(o_BJMA, lse_BJM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale,
                                      kernel=config is not None and config.finish == "kernel",
                                      interpret=bool(interpret), splits_minor=config is not None and config.o_bmsa,
                                      one_new_token_elementwise=one_new_token_elementwise)

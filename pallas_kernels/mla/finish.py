@@ -1,12 +1,12 @@
 """The end of an MLA decode step in ONE launch: the step's new tokens and the flash-decoding combine.
 
 After a decode kernel (decode.py on the Triton backend, decode_mgpu.py on Mosaic GPU) has written
-each split's normalized output o [B, K, M, A] (f32) and log-sum-exp lse [B, K, M] over the CACHED
+each split's normalized output o [B, J, M, A] (f32) and log-sum-exp lse [B, J, M] over the CACHED
 tokens, every query row (t, n) = divmod(m, N) still needs
 
   1. its scores against the step's own new tokens t' <= t (positions >= 0):
      s = (q_lat . c_t' + q_pe . k^R_t') * scale, their softmax output o_new and lse_new;
-  2. the merge of the K splits and the new-token part by their log-sum-exps:
+  2. the merge of the J splits and the new-token part by their log-sum-exps:
      o = sum_parts exp(lse_part - m) o_part / sum_parts exp(lse_part - m).
 
 `decode.finish_xla` does this in XLA (the reference here): a transpose, two score einsums, a
@@ -46,7 +46,7 @@ _EMPTY = -1e29        # an lse at or below this is an empty part (no keys)
 def _kernel(o_ref, lse_ref, ql_ref, qp_ref, new_ref, pos_ref, out_ref, lse_out_ref, *, splits: int,
             n_heads: int, t_len: int, rows: int, a: int, r: int, ba: int, bk: int, scale: float):
     # Flattened refs (every index below is scalar-first, as the Triton lowering wants):
-    # o_ref [B, K, M * A] f32, lse_ref [B, K * M] f32, ql_ref [B, M * A], qp_ref [B, M * R],
+    # o_ref [B, J, M * A] f32, lse_ref [B, J * M] f32, ql_ref [B, M * A], qp_ref [B, M * R],
     # new_ref [B, T, A + R], pos_ref [B, T] int32; out_ref [B, M * A], lse_out_ref [B, M] f32.
     b, m, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     f32 = jnp.float32
@@ -121,24 +121,24 @@ def _blocks(programs_per_block: int, splits: int, a: int, min_programs: int = 26
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_a", "block_k", "num_warps"))
-def finish_partials(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale: float, *,
+def finish_partials(o_BJMA, lse_BJM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_BT, scale: float, *,
                     interpret: bool = False, block_a: int = 0, block_k: int = 0, num_warps: int = 4):
-    """The new tokens' part and the combine of K split partials, one launch. o_BKMA [B, K, M, A] f32
-    and lse_BKM [B, K, M] f32 (natural log; -inf or very negative for an empty split) over M = T * N
+    """The new tokens' part and the combine of J split partials, one launch. o_BJMA [B, J, M, A] f32
+    and lse_BJM [B, J, M] f32 (natural log; -inf or very negative for an empty split) over M = T * N
     rows (t, n) = divmod(m, N). Returns (o [B, T, N, A] in q_lat's dtype, lse [B, T, N] f32); a row
     that sees no key at all gets o = 0 and lse = -inf, as `decode.combine`. block_a / block_k:
     latent columns per program / splits per load (0: `_blocks`)."""
     B, T, N, A = q_lat_BTNA.shape
     R = q_pe_BTNR.shape[-1]
-    K, M = o_BKMA.shape[1], o_BKMA.shape[2]
+    J, M = o_BJMA.shape[1], o_BJMA.shape[2]
     if M != T * N or not supported(T) or new_BTC.shape != (B, T, A + R):
-        raise ValueError(f"finish_partials: partials {o_BKMA.shape} / new tokens {new_BTC.shape} do not "
+        raise ValueError(f"finish_partials: partials {o_BJMA.shape} / new tokens {new_BTC.shape} do not "
                          f"match queries [B={B}, T={T}, N={N}, A={A}] (T <= {MAX_NEW})")
-    bk, ba = _blocks(B * M, K, A)
+    bk, ba = _blocks(B * M, J, A)
     bk, ba = block_k or bk, block_a or ba
     if A % ba:
         raise ValueError(f"finish_partials: block_a={ba} does not divide the latent width {A}")
-    kernel = functools.partial(_kernel, splits=K, n_heads=N, t_len=T, rows=M, a=A, r=R, ba=ba, bk=bk,
+    kernel = functools.partial(_kernel, splits=J, n_heads=N, t_len=T, rows=M, a=A, r=R, ba=ba, bk=bk,
                                scale=scale)
     o, lse = pl.pallas_call(
         kernel,
@@ -148,7 +148,7 @@ def finish_partials(o_BKMA, lse_BKM, q_lat_BTNA, q_pe_BTNR, new_BTC, positions_B
         interpret=interpret,
         compiler_params=tile.compiler_params(num_warps, 2, interpret),
         name="mla_decode_finish",
-    )(o_BKMA.reshape(B, K, M * A), lse_BKM.reshape(B, K * M), q_lat_BTNA.reshape(B, M * A),
+    )(o_BJMA.reshape(B, J, M * A), lse_BJM.reshape(B, J * M), q_lat_BTNA.reshape(B, M * A),
       q_pe_BTNR.astype(q_lat_BTNA.dtype).reshape(B, M * R), new_BTC, positions_BT.astype(jnp.int32))
     return o.reshape(B, T, N, A), lse.reshape(B, T, N)
 

@@ -173,10 +173,10 @@ def test_ops_on_a_split_pool_equal_the_whole_pool(impl):
     got = jax.jit(lambda p, t: ops.gather_pages(p, t, layer=layer, parallel=par))(split_pool, rows(local))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(ops.gather_pages(pool[layer], glob)))
 
-    new_L = jax.random.normal(ks[4], (L, B, T, A + R), jnp.float32)
+    new_LBTC = jax.random.normal(ks[4], (L, B, T, A + R), jnp.float32)
     got = jax.jit(lambda p, *a: write_pages(p, *a, parallel=par))(
-        split_pool, rows(local), rows(positions), jax.device_put(new_L, lay.sharding(P(None, "dp", None, None))))
-    want = write_pages(pool, glob, positions, new_L)
+        split_pool, rows(local), rows(positions), jax.device_put(new_LBTC, lay.sharding(P(None, "dp", None, None))))
+    want = write_pages(pool, glob, positions, new_LBTC)
     assert got.sharding.is_equivalent_to(split_pool.sharding, 4)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 

@@ -19,11 +19,11 @@ def _parts(seed, lengths, splits, M, A, quantum=16):
     decode kernels write them) and new-token parts (row 1's absent: lse -inf, o = 0)."""
     B = len(lengths)
     work = md.balanced_items(jnp.asarray(lengths), B * splits, quantum)
-    G = B * splits
+    I = B * splits
     ks = jax.random.split(jax.random.PRNGKey(seed), 4)
     size = np.asarray(work[2] - work[1])
-    o = jax.random.normal(ks[0], (G, M, A), jnp.float32)
-    lse = 4.0 * jax.random.normal(ks[1], (G, M), jnp.float32)
+    o = jax.random.normal(ks[0], (I, M, A), jnp.float32)
+    lse = 4.0 * jax.random.normal(ks[1], (I, M), jnp.float32)
     empty = jnp.asarray(size == 0)
     o = jnp.where(empty[:, None, None], 0.0, o)
     lse = jnp.where(empty[:, None], -jnp.inf, lse)

@@ -202,7 +202,7 @@ def test_balanced_items_cover_every_token_once(seed):
 
 
 def test_balanced_items_equal_lengths_and_one_long_row():
-    """Equal lengths: the rows schedule's chunks (row b's items are its own K). One 128K row among
+    """Equal lengths: the rows schedule's chunks (row b's items are its own J splits). One 128K row among
     seven of 4K, 128 items of 32-token steps: ~1.3K tokens per item instead of the rows schedule's 8K."""
     row, start, end = np.asarray(md.balanced_items(jnp.asarray([32768] * 64), 128, 64))[:3]
     assert np.array_equal(row, np.repeat(np.arange(64), 2)) and set(end - start) == {16384}

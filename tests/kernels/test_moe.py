@@ -117,7 +117,7 @@ def test_layer_stack_passes_whole_expert_stack_to_each_impl(layout, loop):
     from kimi_jax.model.transformer import Transformer
 
     cfg = dataclasses.replace(preset("tiny"), num_hidden_layers=4, moe_intermediate_size=64,
-                              quantization=QuantConfig(group_size=32))   # kernels need K % 64 == 0
+                              quantization=QuantConfig(group_size=32))   # kernels need D % 64 == F % 64 == 0
     tp, dp, ep = layout
     lay = Layout(tp, dp, ep)
     model = Transformer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3), parallel=lay.moe_parallel())
@@ -208,7 +208,7 @@ def test_expert_parallel_steers_the_decode_config(monkeypatch):
         return real(*a, **k)
     monkeypatch.setattr(moe_gmm, "moe_experts", spy)
     key = jax.random.PRNGKey(11)
-    E, F, D, T, K = 16, 256, 256, 3, 2         # pairs_cta splits K 4 ways: K / 4 >= 64
+    E, F, D, T, K = 16, 256, 256, 3, 2         # pairs_cta splits D and F 4 ways: D / 4, F / 4 >= 64
     ew = ops.ExpertWeights(*(ops.Int4Weight(*int4_ref.random_int4(jax.random.fold_in(key, i), shape))
                              for i, shape in enumerate(((E, F, D), (E, F, D), (E, D, F)))))
     x = jax.random.normal(jax.random.fold_in(key, 9), (T, D), jnp.bfloat16)

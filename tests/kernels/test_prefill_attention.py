@@ -1,5 +1,5 @@
 """Fused attention for fresh prefills (ops.mla_prefill_attention): which path is chosen (decided at trace
-time), the cuDNN formulation (V zero-padded to the qk head dim, one jax.nn.dot_product_attention call)
+time), the cuDNN formulation (v zero-padded to the qk head dim, one jax.nn.dot_product_attention call)
 against the XLA einsum path, and engine generation through it. cuDNN does not run on CPU: its stand-in
 is jax.nn.dot_product_attention(implementation="xla") on the very same padded inputs."""
 from __future__ import annotations
@@ -144,7 +144,7 @@ def test_mla_chooses_fused_only_for_fresh_prefill(recorder):
     assert np.isfinite(np.asarray(out)).all()                            # padding rows stay finite too
 
 
-# ---- (b) the padded-V formulation against the einsum path --------------------------------------------
+# ---- (b) the padded-v formulation against the einsum path --------------------------------------------
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 2e-2)])
 def test_padded_v_dot_product_attention_matches_einsum(dtype, tol):
@@ -152,13 +152,13 @@ def test_padded_v_dot_product_attention_matches_einsum(dtype, tol):
     (full, partial with padding after, all padding). Tolerances: float32 differs only in summation order
     (~1e-6); bf16 inputs round the probabilities to bf16 in both paths, at different points of the
     (differently ordered) sums, so outputs may differ by about one bf16 ulp (2^-8 ~ 0.4%) of |o| <~ 3."""
-    B, T, N, H, R, V = 4, 40, 4, 32, 16, 32
+    B, T, N, H, R, U = 4, 40, 4, 32, 16, 32
     ks = jax.random.split(jax.random.PRNGKey(7), 5)
     q_nope = jax.random.normal(ks[0], (B, T, N, H), dtype)
     q_pe = jax.random.normal(ks[1], (B, T, N, R), dtype)
     k = jax.random.normal(ks[2], (B, T, N, H), dtype)
     kpe = jax.random.normal(ks[3], (B, T, R), dtype)
-    v = jax.random.normal(ks[4], (B, T, N, V), dtype)
+    v = jax.random.normal(ks[4], (B, T, N, U), dtype)
     lengths = np.array([40, 17, 1, 0])
     pos = np.where(np.arange(T)[None, :] < lengths[:, None], np.arange(T)[None, :], -1)
     mask = (pos[:, None, :] <= pos[:, :, None]) & (pos[:, None, :] >= 0)
@@ -169,7 +169,7 @@ def test_padded_v_dot_product_attention_matches_einsum(dtype, tol):
     ref = run(fresh_path("einsum"))
     out = run(fresh_path("xla"))
     valid = (pos >= 0)[..., None, None]
-    assert out.shape == ref.shape == (B, T, N, V) and out.dtype == np.float32
+    assert out.shape == ref.shape == (B, T, N, U) and out.dtype == np.float32
     np.testing.assert_allclose(np.where(valid, out, 0), np.where(valid, ref, 0), rtol=tol, atol=tol)
     assert np.isfinite(out).all()
 
@@ -179,11 +179,11 @@ def test_sharded_dot_product_attention_per_shard(recorder, monkeypatch):
     gives the unsharded result."""
     from kimi_jax.parallel.sharding import Layout
     par = Layout(tensor_parallel_size=2, data_parallel_size=2).moe_parallel()
-    B, T, N, H, R, V = 4, 8, 4, 16, 8, 16
+    B, T, N, H, R, U = 4, 8, 4, 16, 8, 16
     ks = jax.random.split(jax.random.PRNGKey(1), 5)
     args = (jax.random.normal(ks[0], (B, T, N, H)), jax.random.normal(ks[1], (B, T, N, R)),
             jax.random.normal(ks[2], (B, T, N, H)), jax.random.normal(ks[3], (B, T, R)),
-            jax.random.normal(ks[4], (B, T, N, V)))
+            jax.random.normal(ks[4], (B, T, N, U)))
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
     shapes, inner = [], prefill_attention._dot_product_attention
     monkeypatch.setattr(prefill_attention, "_dot_product_attention",
@@ -199,7 +199,7 @@ def test_sharded_dot_product_attention_per_shard(recorder, monkeypatch):
     # its mask split over the rows like the queries
     S = 5 + T
     k2 = jax.random.normal(ks[2], (B, S, N, H))
-    kpe2, v2 = jax.random.normal(ks[3], (B, S, R)), jax.random.normal(ks[4], (B, S, N, V))
+    kpe2, v2 = jax.random.normal(ks[3], (B, S, R)), jax.random.normal(ks[4], (B, S, N, U))
     cached = np.array([5, 0, 3, 1])
     old = np.broadcast_to((np.arange(5)[None, :] < cached[:, None])[:, None, :], (B, T, 5))
     cmask = jnp.asarray(np.concatenate([old, np.broadcast_to(np.tril(np.ones((T, T), bool)), (B, T, T))], -1))
@@ -254,17 +254,17 @@ def test_chunk_after_cached_tokens_masked_call_matches_einsum(monkeypatch):
     jax.nn.dot_product_attention) against the einsum path, float32 (summation order only: ~1e-6), for
     ragged prefixes (none, partial pages), a padded chunk and an all-padding row; the fresh path is
     untouched (the causal call, no mask)."""
-    B, T, P, N, H, R, V = 4, 6, 20, 3, 16, 8, 16
+    B, T, S0, N, H, R, U = 4, 6, 20, 3, 16, 8, 16
     ks = jax.random.split(jax.random.PRNGKey(11), 5)
     f32 = jnp.float32
     q_nope = jax.random.normal(ks[0], (B, T, N, H), f32)
     q_pe = jax.random.normal(ks[1], (B, T, N, R), f32)
-    k = jax.random.normal(ks[2], (B, P + T, N, H), f32)
-    kpe = jax.random.normal(ks[3], (B, P + T, R), f32)
-    v = jax.random.normal(ks[4], (B, P + T, N, V), f32)
+    k = jax.random.normal(ks[2], (B, S0 + T, N, H), f32)
+    kpe = jax.random.normal(ks[3], (B, S0 + T, R), f32)
+    v = jax.random.normal(ks[4], (B, S0 + T, N, U), f32)
     cached, n_new = np.array([0, 7, 20, 3]), np.array([6, 4, 2, 0])
     pos = np.where(np.arange(T)[None] < n_new[:, None], cached[:, None] + np.arange(T)[None], -1)
-    old = np.broadcast_to((np.arange(P)[None, :] < cached[:, None])[:, None, :], (B, T, P))
+    old = np.broadcast_to((np.arange(S0)[None, :] < cached[:, None])[:, None, :], (B, T, S0))
     new = (pos[:, None, :] <= pos[:, :, None]) & (pos[:, None, :] >= 0)
     mask = jnp.asarray(np.concatenate([old, new], axis=-1))
     scale = (H + R) ** -0.5
@@ -276,10 +276,10 @@ def test_chunk_after_cached_tokens_masked_call_matches_einsum(monkeypatch):
     ref = run()
     assert calls == []                                       # automatic on CPU: einsum
     # automatic on GPU (impl 'pallas'): cuDNN where it fits (bf16), as fresh prefills; einsum otherwise
-    assert ops.prefill_attention_path(H + R, V, jnp.bfloat16, causal=False, plan=PALLAS) == "cudnn_split"
-    assert ops.prefill_attention_path(H + R, V, f32, causal=False, plan=PALLAS) == "einsum"
-    assert ops.prefill_attention_path(H + R, V, jnp.bfloat16, causal=False, plan=XLA) == "einsum"
-    assert ops.prefill_attention_path(H + R, V, f32, causal=False, plan=chunk_path("xla")) == "xla"
+    assert ops.prefill_attention_path(H + R, U, jnp.bfloat16, causal=False, plan=PALLAS) == "cudnn_split"
+    assert ops.prefill_attention_path(H + R, U, f32, causal=False, plan=PALLAS) == "einsum"
+    assert ops.prefill_attention_path(H + R, U, jnp.bfloat16, causal=False, plan=XLA) == "einsum"
+    assert ops.prefill_attention_path(H + R, U, f32, causal=False, plan=chunk_path("xla")) == "xla"
     out = run(chunk_path("xla"))
     assert calls == ["xla"]
     valid = (pos >= 0)[..., None, None]
@@ -299,7 +299,7 @@ def test_chunk_after_cached_tokens_masked_call_matches_einsum(monkeypatch):
     np.testing.assert_allclose(np.where(valid, split, 0), np.where(valid, ref, 0), rtol=1e-4, atol=1e-5)
     assert np.isfinite(split).all() and not split[3].any()
     # keys of the chunk alone (no cached slots): the chunk part only, as the einsum path over them
-    only = (q_nope, q_pe, k[:, P:], kpe[:, P:], v[:, P:], mask[:, :, P:])
+    only = (q_nope, q_pe, k[:, S0:], kpe[:, S0:], v[:, S0:], mask[:, :, S0:])
     zero = (jnp.zeros((B,), jnp.int32), lens[1])
     alone = np.asarray(ops.mla_prefill_attention(*only, scale, chunk_lens=zero, plan=split_plan))
     alone_ref = np.asarray(ops.mla_prefill_attention(*only, scale, plan=chunk_path("einsum")))

@@ -79,11 +79,11 @@ def kimi_bytes_by_hand(tp: int, ep_ways: int) -> int:
     """Per-device parameter bytes of Kimi-K2.5 (INT4 routed experts), from the published shapes.
     tp splits heads, dense/shared FFN width and vocab; experts split by ep_ways (whole experts) or,
     when ep_ways == 1, each expert's FFN width by tp."""
-    D, V, N, H, R, A, Q, Vh, I, F, E = 7168, 163840, 64, 128, 64, 512, 1536, 128, 18432, 2048, 384
+    D, V, N, H, R, A, Q, U, Fd, F, E = 7168, 163840, 64, 128, 64, 512, 1536, 128, 18432, 2048, 384
     bf16 = 2
     attn_repl = (Q * D + Q + (A + R) * D + A + 2 * D) * bf16          # q_a, norms, kv_a, layer norms
-    attn_split = (N * (H + R) * Q + N * (H + Vh) * A + D * N * Vh) * bf16 // tp
-    dense = 3 * I * D * bf16 // tp
+    attn_split = (N * (H + R) * Q + N * (H + U) * A + D * N * U) * bf16 // tp
+    dense = 3 * Fd * D * bf16 // tp
     router = E * D * 4 + E * 4                                           # float32 weight and bias
     shared = 3 * F * D * bf16 // tp
     expert = 3 * (F * D // 2 + F * D // 32 * bf16)                      # packed nibbles + bf16 scales
