@@ -27,6 +27,10 @@ from pallas_kernels.mla import decode as md
 from pallas_kernels.mla import decode_mgpu as mg
 
 SCALE = 1.0 / math.sqrt(192.0)
+# Kimi-K2.5's decode operands (shapes only): q latent [B, 64 heads, A 512], q rope [B, 64, R 64], a pool of
+# pages of 16 tokens x (A + R), the block table
+KIMI_MLA_SHAPES = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
+    ((1, 64, 512), jnp.bfloat16), ((1, 64, 64), jnp.bfloat16), ((8, 16, 576), jnp.bfloat16), ((1, 8), jnp.int32)))
 
 _interp = mg.interpret_params() if mg.plgpu is not None else None
 needs_interpreter = pytest.mark.skipif(
@@ -153,12 +157,9 @@ def test_serving_configs():
     assert mg.serving_config(64) == mg.serving_config(2) == mg.MgpuConfig() == mg.SERVING_CONFIGS["rows"]
     assert mg.serving_config(1) == dataclasses.replace(mg.MgpuConfig(), finish="kernel")
     assert mg.serving_config(1, "balanced") == mg.MgpuConfig(schedule="balanced")
-    # the served configs pass the kernel's own checks on Kimi-K2.5's MLA (A 512, R 64, 64 heads, pages of 16)
-    bf16 = jnp.bfloat16
-    kimi = (jax.ShapeDtypeStruct((1, 64, 512), bf16), jax.ShapeDtypeStruct((1, 64, 64), bf16),
-            jax.ShapeDtypeStruct((8, 16, 576), bf16), jax.ShapeDtypeStruct((1, 8), jnp.int32))
+    # the served configs pass the kernel's own checks on Kimi-K2.5's MLA
     for cfg in mg.SERVING_CONFIGS.values():
-        mg._check_shapes(*kimi, cfg)
+        mg._check_shapes(*KIMI_MLA_SHAPES, cfg)
 
 
 def test_resolve_config_and_validation():
