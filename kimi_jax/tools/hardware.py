@@ -103,7 +103,10 @@ class Hardware:
     def collective_time(self, kind: str, nbytes: float, n: int) -> float:
         """Seconds for one collective (see CollectiveModel.time); kinds without a model of their own
         use the all-reduce's latency and bus bandwidth."""
-        model = self.collectives.get(kind) or self.collectives["all-reduce"]
+        model = self.collectives.get(kind)
+        if model is None:
+            ar = self.collectives["all-reduce"]
+            model = CollectiveModel(ar.latency_s, ar.bus_bw)
         return model.time(kind, nbytes, n)
 
     def int4_efficiency_at(self, tokens: float) -> float:

@@ -190,7 +190,7 @@ def expected_touched(local: int, k: int, E: int, tokens: int) -> float:
 
 
 # expected maximum of n standard normal samples (Gaussian order statistics)
-_MAX_Z = {1: 0.0, 2: 0.5642, 4: 1.0294, 8: 1.4236, 16: 1.7660, 32: 2.0697, 64: 2.3409}
+_MAX_Z = {1: 0.0, 2: 0.5642, 4: 1.0294, 8: 1.4236, 16: 1.7660, 32: 2.0697, 64: 2.3437}
 
 
 def busiest_device_touched(local: int, k: int, E: int, tokens: int, devices: int) -> float:

@@ -27,6 +27,10 @@ from pallas_kernels.mla import decode as md
 from pallas_kernels.mla import decode_mgpu as mg
 
 SCALE = 1.0 / math.sqrt(192.0)
+# Kimi-K2.5's decode operands (shapes only): q latent [B, 64 heads, A 512], q rope [B, 64, R 64], a pool of
+# pages of 16 tokens x (A + R), the block table
+KIMI_MLA_SHAPES = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
+    ((1, 64, 512), jnp.bfloat16), ((1, 64, 64), jnp.bfloat16), ((8, 16, 576), jnp.bfloat16), ((1, 8), jnp.int32)))
 
 _interp = mg.interpret_params() if mg.plgpu is not None else None
 needs_interpreter = pytest.mark.skipif(
@@ -153,14 +157,23 @@ def test_serving_configs():
     assert mg.serving_config(64) == mg.serving_config(2) == mg.MgpuConfig() == mg.SERVING_CONFIGS["rows"]
     assert mg.serving_config(1) == dataclasses.replace(mg.MgpuConfig(), finish="kernel")
     assert mg.serving_config(1, "balanced") == mg.MgpuConfig(schedule="balanced")
-    assert mg.MgpuConfig().mask_tail_only and mg.MgpuConfig().block_k == 32 and mg.MgpuConfig().stages == 4
+    # the served configs pass the kernel's own checks on Kimi-K2.5's MLA
+    for cfg in mg.SERVING_CONFIGS.values():
+        mg._check_shapes(*KIMI_MLA_SHAPES, cfg)
 
 
 def test_resolve_config_and_validation():
     cfg = mg.MgpuConfig()
+    # shared memory as smem_bytes documents it: Q [64, C], stages tiles [bk, C] (stages / 2 pair slots of
+    # [2 bk, C]) and P [64, 2 bk] in the input dtype, plus fixed scratch and barriers
+    for bk, stages, c in ((32, 4, 576), (64, 2, 576), (32, 2, 128)):
+        base = mg.smem_bytes(bk, stages, c)
+        assert mg.smem_bytes(bk, stages + 2, c) - base == 2 * bk * c * 2                  # one more pair slot
+        assert mg.smem_bytes(bk, stages, c + 64) - base == (64 + stages * bk) * 64 * 2    # Q's and the slots' columns
+        assert mg.smem_bytes(2 * bk, stages, c) - base == (stages * bk * c + 64 * 2 * bk) * 2   # slots and P
+        assert mg.smem_bytes(bk, stages, c, 4) - base == 64 * c * 2 + stages * bk * c * 2 + 64 * 2 * bk * 2
     # 4 tiles (2 pairs) fit, 6 do not; auto splits fill the SMs, at least 512 tokens each
-    assert mg.smem_bytes(32, 4, 576) == 231_936 <= mg._SMEM_LIMIT
-    assert mg.smem_bytes(32, 6, 576) > mg._SMEM_LIMIT
+    assert mg.smem_bytes(32, 4, 576) <= mg._SMEM_LIMIT < mg.smem_bytes(32, 6, 576)
     assert mg.resolve_config(cfg, batch=1, rows=64, max_tokens=32768).num_splits == 64    # 32768 / 512
     assert mg.resolve_config(cfg, batch=1, rows=64, max_tokens=131072).num_splits == 132
     assert mg.resolve_config(cfg, batch=8, rows=64, max_tokens=32768).num_splits == 16    # 8 x 16 = 128 CTAs

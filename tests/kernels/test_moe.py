@@ -193,13 +193,21 @@ def test_expert_parallel_steers_the_decode_config(monkeypatch):
     from kimi_jax.parallel.sharding import Layout
     from pallas_kernels.int4 import reference as int4_ref
     from pallas_kernels.int4 import moe_gmm
-    assert moe_gmm.default_config(8, 48, 1 / 8).pairs_cta == 4       # Kimi at T = 1 under EP8: 1 pair
-    assert moe_gmm.default_config(16, 48, 1 / 8).pairs_cta == 4      # T = 2: 2 pairs
-    assert moe_gmm.default_config(24, 48, 1 / 8).pairs_cta == 2      # T = 3: 3 pairs, K split 2 ways
-    assert moe_gmm.default_config(32, 48, 1 / 8).pairs_cta == 2      # T = 4: 4 pairs
-    assert moe_gmm.default_config(40, 48, 1 / 8).pairs_cta == 0      # T = 5: 5 pairs
-    assert moe_gmm.default_config(8, 192, 1 / 2).pairs_cta == 2      # EP2 at T = 1: 4 pairs
-    assert moe_gmm.default_config(8, 384).pairs_cta == 0             # no EP: 8 pairs
+    # Kimi-K2.5 (top-8 of 384) at T tokens under EP over `ep` devices: T x 8 / ep expected held pairs; up to
+    # PAIRS_CTA_MAX_HELD (inclusive) pairs_cta, K split 4 ways up to PAIRS_CTA_SPLIT4_MAX_HELD (inclusive), 2
+    # above; beyond, the config without EP. EP8 at T = 1-5 walks across both bounds, EP2 and no EP add larger
+    # shares
+    outcomes = set()
+    for ep, t in [(8, 1), (8, 2), (8, 3), (8, 4), (8, 5), (2, 1), (2, 2), (1, 1)]:
+        held = t * 8 / ep
+        want = (0 if held > moe_gmm.PAIRS_CTA_MAX_HELD else
+                4 if held <= moe_gmm.PAIRS_CTA_SPLIT4_MAX_HELD else 2)
+        got = moe_gmm.default_config(t * 8, 384 // ep, 1 / ep)
+        assert got.pairs_cta == want, (ep, t)
+        if not want:
+            assert got == moe_gmm.default_config(t * 8, 384 // ep), (ep, t)
+        outcomes.add(want)
+    assert outcomes == {0, 2, 4}
     seen = []
     real = moe_gmm.moe_experts
 

@@ -59,7 +59,7 @@ def test_threshold_defaults_equal_the_kernel_wrappers():
     def default(fn, name):
         return inspect.signature(fn).parameters[name].default
 
-    assert default(mc.combine, "xla_max_macs") == plan.combine_xla_max_macs == 1 << 27
+    assert default(mc.combine, "xla_max_macs") == plan.combine_xla_max_macs
     for fn in (md.mla_paged_attention, mg.mla_paged_attention_mgpu, md.finish_items):
         assert default(fn, "combine_xla_max_macs") == plan.combine_xla_max_macs
     for fn in (md.mla_paged_attention, mg.mla_paged_attention_mgpu, md.finish_items, md.finish, md.finish_xla,

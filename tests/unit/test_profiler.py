@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import struct
+import zlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from kimi_jax.tools import planner
@@ -36,6 +39,62 @@ def wire_bytes(items, kind):
     return total
 
 
+def png_rgb(path):
+    """The pixels [h, w, 3] of an 8-bit RGB PNG without filters (what profiling writes); every chunk's CRC
+    checked."""
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, header, idat = 8, None, b""
+    while pos < len(data):
+        (n,) = struct.unpack(">I", data[pos:pos + 4])
+        tag, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
+        assert struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])[0] == zlib.crc32(tag + body), tag
+        if tag == b"IHDR":
+            header = struct.unpack(">IIBB", body[:10])
+        elif tag == b"IDAT":
+            idat += body
+        pos += 12 + n
+    w, h, depth, colour = header
+    assert (depth, colour) == (8, 2)
+    rows = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(h, 1 + 3 * w)
+    assert not rows[:, 0].any()                                   # filter 0 on every row
+    return rows[:, 1:].reshape(h, w, 3)
+
+
+def packed(img):
+    """[h, w] uint32 0xRRGGBB of an [h, w, 3] image."""
+    img = img.astype(np.uint32)
+    return (img[..., 0] << 16) | (img[..., 1] << 8) | img[..., 2]
+
+
+def is_colour(px, category):
+    r, g, b = profiling.COLORS[category]
+    return px == ((r << 16) | (g << 8) | b)
+
+
+def colour_count(px, category):
+    return int(is_colour(px, category).sum())
+
+
+def test_chart_stacks_bars_in_proportion(tmp_path):
+    """stacked_bar_png: each bar stacks its categories in CATEGORIES order, heights in proportion to the
+    values (the legend swatches, drawn whatever the values, cancel against the same chart of empty bars).
+    rel 3%: rectangles snap to whole pixel rows, at most one row of the ~80 a unit spans here, per rectangle."""
+    bars = [("A", {"matmul": 3.0, "all-reduce": 1.0}), ("B", {"matmul": 1.0, "attention": 2.0})]
+    full, empty = tmp_path / "full.png", tmp_path / "empty.png"
+    full.write_bytes(profiling.stacked_bar_png(bars, "t"))
+    empty.write_bytes(profiling.stacked_bar_png([(label, {}) for label, _ in bars], "t"))
+    img, legend = packed(png_rgb(full)), packed(png_rgb(empty))
+    area = {c: colour_count(img, c) - colour_count(legend, c) for c in profiling.CATEGORIES}
+    totals = {c: sum(v.get(c, 0.0) for _, v in bars) for c in profiling.CATEGORIES}
+    for c in profiling.CATEGORIES:
+        assert area[c] == pytest.approx(area["all-reduce"] * totals[c] / totals["all-reduce"], rel=0.03), c
+    # in bar A the all-reduce (earlier in CATEGORIES) sits below the matmul: larger row indices
+    ar = is_colour(img, "all-reduce") & ~is_colour(legend, "all-reduce")
+    mm = is_colour(img[:, np.flatnonzero(ar.any(0))], "matmul")
+    assert np.flatnonzero(ar.any(1)).min() > np.flatnonzero(mm.any(1)).max()
+
+
 @pytest.mark.parametrize("name,layout", [("tp8", Layout(8)), ("dp8_ep", Layout(1, 8, True))])
 def test_profile_reports_the_compiled_collectives(tmp_path, name, layout):
     assert jax.device_count() >= 8
@@ -57,8 +116,14 @@ def test_profile_reports_the_compiled_collectives(tmp_path, name, layout):
     data = json.load(open(tmp_path / "report.json"))
     assert data["collectives_program"] == report.collectives_program
     assert os.path.isfile(report.trace_file) and report.trace_dir.startswith(str(tmp_path))
-    w, h = profiling.read_png_size(str(tmp_path / "breakdown.png"))
-    assert (w, h) == (960, 520)
+    # the chart decodes to the size its header gives, and its busiest category has bars beside its legend
+    # swatch: more of its colour than a category with no time (legend only)
+    img = png_rgb(tmp_path / "breakdown.png")
+    assert img.shape[1::-1] == profiling.read_png_size(str(tmp_path / "breakdown.png"))
+    px = packed(img)
+    busiest = max(report.ms_per_step, key=report.ms_per_step.get)
+    idle = [c for c in profiling.CATEGORIES if not report.ms_per_step.get(c)]
+    assert idle and colour_count(px, busiest) > colour_count(px, idle[0])
     ops = profiling.collectives_of_hlo(open(tmp_path / "decode_step.hlo.txt").read()).ops
     if name == "tp8":
         # the MoE layers' while loop (3 trips) holds the attention and MoE all-reduces: 2 ops, 6 executions
