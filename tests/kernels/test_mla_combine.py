@@ -82,22 +82,30 @@ def test_spans_match_rows_and_bad_blocks():
                          jnp.ones(1, jnp.int32), jnp.zeros((1, 1, 48)), jnp.zeros((1, 1)), interpret=True)
 
 
-def test_sweep_checks_every_config_on_the_device_it_runs(cli, tmp_path):
+def test_sweep_checks_every_config_on_the_device_it_runs(tmp_path):
     """`kimi-bench mla --combine_sweep` (the GPU tuning sweep of this kernel) on the CPU (--dry: interpret
     mode, 32 latent columns): each config is checked against the reference before it is timed, and the
     run exits non-zero when one disagrees (here none does: a long row over chunks and equal rows); a
-    malformed case is a usage error before any case runs."""
+    malformed case is a usage error before any case runs. In a fresh interpreter: the sweep times each
+    config under jax.profiler, which in a process where other tests already traced can take minutes."""
     import json
-    r = cli("launch.bench", "mla", "--dry", "--combine_sweep", "--combine_cases=4:2:8:300:20,3:2:6:64:64",
-            "--combine_warps=1", "--combine_block_as=16", "--combine_block_gs=0", "--combine_calls=1",
-            "--out", str(tmp_path))
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
+
+    def bench(*args):
+        return subprocess.run([sys.executable, "-m", "launch.bench", "mla", "--dry", "--combine_sweep", *args],
+                              cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    r = bench("--combine_cases=4:2:8:300:20,3:2:6:64:64", "--combine_warps=1", "--combine_block_as=16",
+              "--combine_block_gs=0", "--combine_calls=1", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [x for x in r.stdout.splitlines() if " 4:2:8" in x or " 3:2:6" in x]
     assert len(lines) == 4 and all(" OK " in x for x in lines), r.stdout
     rows = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
     assert [(x["case"], x["config"], x["ok"]) for x in rows] == [
         (case, config, True) for case in ("4:2:8:300:20", "3:2:6:64:64") for config in ("xla", "(1, 16, 0)")]
-    bad = cli("launch.bench", "mla", "--dry", "--combine_sweep", "--combine_cases=4:2:8:300:20,4:2:3:5:5",
-              "--out", str(tmp_path / "bad"))
+    bad = bench("--combine_cases=4:2:8:300:20,4:2:3:5:5", "--out", str(tmp_path / "bad"))
     assert bad.returncode == 2 and "'4:2:3:5:5' needs" in bad.stderr
     assert "4:2:8:300:20" not in bad.stdout                 # rejected before any case ran
