@@ -301,10 +301,12 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
     def _i32(a):
         return np.asarray(a, np.int32)
     from kimi_jax.tools import hardware
+    from kimi_jax.engine.shapes import MIN_TABLE_TOKENS, table_bucket
     P = context // PAGE_SIZE
-    if context % PAGE_SIZE or P < 4 or P & (P - 1):
-        # the scheduler's block tables are bucketed to powers of two of at least 4 pages
-        raise ValueError(f"context={context}: need a power-of-two number (>= 4) of {PAGE_SIZE}-token pages")
+    if context % PAGE_SIZE or table_bucket(P, PAGE_SIZE) != P:
+        # the step is compiled for the block-table width the scheduler uses (engine.shapes.table_bucket)
+        raise ValueError(f"context={context}: need a power-of-two number of {PAGE_SIZE}-token pages covering "
+                         f"at least {MIN_TABLE_TOKENS} tokens")
     for v in variants:
         if v not in VARIANTS:
             raise ValueError(f"unknown command-buffer variant {v!r} (known: {', '.join(VARIANTS)})")

@@ -27,7 +27,7 @@ def rows(fd, tmp_path_factory):
     batch 1: the rows it appends to OUT/full_depth_rows.jsonl."""
     out = tmp_path_factory.mktemp("full_depth")
     with pytest.raises(SystemExit) as done:
-        fd.run(["kimi-bench full_depth", "--tiny", "--layers=2", "--batches=1", "--context=64", "--steps=2",
+        fd.run(["kimi-bench full_depth", "--tiny", "--layers=2", "--batches=1", "--context=256", "--steps=2",
                 "--variants=default,off", "--variant_batches=1", "--profile_batches=1", "--scheduler_batches=1",
                 "--hardware=cpu", f"--out={out}"])
     assert done.value.code in (0, None)
@@ -42,7 +42,7 @@ def test_full_depth_bench_rows(rows):
     assert steps == [(1, "default"), (1, "off"), (1, "serve")]
     for r in rows:
         if r["kind"] == "step":
-            assert r["layers"] == 2 and r["context"] == 64 and r["pred_ms"] > 0
+            assert r["layers"] == 2 and r["context"] == 256 and r["pred_ms"] > 0
             assert 0 < r["enqueue_ms"] <= r["chain_ms"] and r["sync_ms"] > 0
             assert r["pred_error"] == pytest.approx(r["chain_ms"] / r["pred_ms"] - 1)
         if r["kind"] == "step" and r["variant"] != "serve":
