@@ -2,6 +2,7 @@
 reported and the job goes on."""
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import signal
@@ -69,6 +70,7 @@ def stable(r) -> dict:
     return r
 
 
+@pytest.mark.slow
 def test_kill9_and_resume_gives_each_id_once(tmp_path):
     inp, out, ref = str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), str(tmp_path / "ref.jsonl")
     ids = write_input(inp)

@@ -67,6 +67,7 @@ def test_throughput_agreement(tool_module):
                        mean_prefix=(1.0 + 0.5 + 0.0) / 3)
 
 
+@pytest.mark.slow
 def test_throughput_rows_per_prefill_chunk(tool_module):
     """throughput_rows at two prefill_chunk values on one model: the default resolves to LLM's (256
     on CPU), both give the same greedy tokens, smaller chunks take more steps, and the latency columns

@@ -91,6 +91,7 @@ def test_fresh_pool_is_created_split(ckpt):
         assert {s.data.shape for s in pool.addressable_shards} == {pool.shape}
 
 
+@pytest.mark.slow
 def test_tp_only_layout_tokens_unchanged(ckpt):
     """dp = 1 (TP2): page ids are the global ones and the pool is whole; same tokens as one device."""
     ps, params = workload(8, seed=9)

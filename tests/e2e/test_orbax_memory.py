@@ -143,6 +143,7 @@ def test_chunk_plan_tiles_and_respects_shards():
     assert [s for s, _ in plan] == [(0, 0), (3, 0), (6, 0), (9, 0), (12, 0)] and plan[-1][1] == (1, 1000)
 
 
+@pytest.mark.slow
 def test_split_parameters_restore_bit_for_bit_onto_other_shardings(tmp_path, monkeypatch):
     devices = jax.devices()
     assert len(devices) == 8
@@ -192,6 +193,7 @@ def test_split_parameters_restore_bit_for_bit_onto_other_shardings(tmp_path, mon
                           np.asarray(jnp.asarray(host["embed"]).astype(jnp.bfloat16)))
 
 
+@pytest.mark.slow
 def test_model_written_under_tp8_with_small_chunks_loads_onto_dp2_tp4_ep(tmp_path):
     """The engine's own model (nnx, stacked layers) through save / load_model with entries everywhere."""
     from flax import nnx
@@ -300,6 +302,7 @@ def _run_child(mode: str, path: str, chunk: int) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+@pytest.mark.slow
 def test_peak_host_memory_of_save_and_restore_is_bounded(tmp_path):
     try:
         with open("/proc/self/clear_refs", "w") as f:

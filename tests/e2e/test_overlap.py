@@ -70,6 +70,7 @@ def assert_same(got, ref):
             np.testing.assert_allclose(vals(g), vals(r), rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_overlap_gives_the_same_tokens_under_pressure(pool_llm):
     """Greedy and seeded rows, admission mid-run, preemption; then the same requests with stop tokens
     taken from their own outputs (ends by 'stop' at different steps)."""

@@ -71,8 +71,9 @@ def mixed_prompts():
     return rep + [list(rng.integers(2, 500, int(n))) for n in (5, 17, 30)]
 
 
-@pytest.mark.parametrize("layout", [{}, {"data_parallel_size": 2, "tensor_parallel_size": 4,
-                                         "enable_expert_parallel": True}], ids=["1dev", "dp2_tp4_ep"])
+@pytest.mark.parametrize("layout", [{}, pytest.param({"data_parallel_size": 2, "tensor_parallel_size": 4,
+                                                      "enable_expert_parallel": True}, marks=pytest.mark.slow)],
+                         ids=["1dev", "dp2_tp4_ep"])
 def test_greedy_identical_with_speculation(ckpt, layout):
     sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     base = [o.outputs[0].token_ids for o in LLM(ckpt, dtype="float32", **layout).generate(mixed_prompts(), sp)]

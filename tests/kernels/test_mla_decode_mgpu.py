@@ -56,7 +56,7 @@ def _check(args, config, atol=3e-2, interpret=True):
 # and the served tail-only mask; under the race detector.
 @needs_interpreter
 @pytest.mark.parametrize("lengths,t,page,splits,cfg", [
-    ([1, 16, 97], 1, 16, 2, mg.MgpuConfig(mask_tail_only=False)),
+    pytest.param([1, 16, 97], 1, 16, 2, mg.MgpuConfig(mask_tail_only=False), marks=pytest.mark.slow),
     ([1, 16, 97], 1, 16, 2, mg.MgpuConfig()),
     ([280, 0], 2, 64, 1, mg.MgpuConfig()),
 ])
@@ -109,6 +109,7 @@ def test_partials_contract_and_empty_splits():
     np.testing.assert_allclose(o[0, 0], np.asarray(ref_o), atol=3e-2, rtol=0)
 
 
+@pytest.mark.slow
 @needs_interpreter
 def test_o_bmsa_layout():
     """o_bmsa: the kernel writes o as [B, M, splits, A] (the combine's order, no transpose before it). 70 tokens in 2 splits (64 + 6): both splits of row 0 hold data, so a mixed-up layout would

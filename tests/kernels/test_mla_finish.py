@@ -92,6 +92,7 @@ def test_finish_in_the_triton_decode_path():
 
 @pytest.mark.skipif(mg.interpret_params() is None if mg.plgpu is not None else True,
                     reason="this jax has no Mosaic GPU interpreter")
+@pytest.mark.slow
 def test_finish_in_the_mosaic_gpu_decode_path():
     """The Mosaic GPU kernel's partials (its interpreter) finished by the kernel: same answer as the
     reference of the whole op (bf16 cache, 64 query rows)."""

@@ -316,6 +316,7 @@ def test_chunk_after_cached_tokens_masked_call_matches_einsum(monkeypatch):
         chunk_path("flash")
 
 
+@pytest.mark.slow
 def test_engine_chunked_prefill_through_the_masked_call(monkeypatch):
     """Generation whose prompts are prefilled in several chunks (prefill_chunk 8: every chunk after a
     prompt's first follows cached tokens) gives the same greedy tokens with those chunks' attention

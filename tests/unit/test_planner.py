@@ -246,6 +246,7 @@ KIMI_LAYOUTS = [Layout(1), Layout(8), Layout(8, 1, True), Layout(1, 8, True), La
                 Layout(2, 4, True)]
 
 
+@pytest.mark.slow
 def test_param_bytes_match_sharding_for_kimi_k25():
     cfg = preset("kimi-k2.5")
     abstract = nnx.split(abstract_model(cfg, jnp.bfloat16))[1]

@@ -93,6 +93,7 @@ def kimi_bytes_by_hand(tp: int, ep_ways: int) -> int:
     return total + 2 * V * D * bf16 // tp + D * bf16                   # embed, lm_head, final norm
 
 
+@pytest.mark.slow
 def test_kimi_k25_per_device_bytes():
     cfg = preset("kimi-k2.5")
     abstract = nnx.split(abstract_model(cfg, jnp.bfloat16))[1]
