@@ -192,6 +192,7 @@ def _int4_bench_rows(cli, out, *args):
     return [json.loads(line) for line in open(os.path.join(out, "results.jsonl"))]
 
 
+@pytest.mark.slow
 def test_bench_moe_profile_records_device_time_per_kernel(tmp_path, cli):
     """bench --moe_profile (dry shapes, CPU): each timed i32 config gets a moe_profile record with its
     ops' device time per call (positive), their sum and the span; i16 timings are not profiled."""

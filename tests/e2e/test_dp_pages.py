@@ -44,9 +44,8 @@ def run(llm, ps, params):
     return [r.output_ids for r in reqs], be
 
 
-# the mixed DP x TP layouts without overlap scheduling are long checks (--run-slow); with overlap they
-# run by default, as do dp2 and dp8_ep both ways
-_SLOW_DP = {("dp2_tp2_ep", False), ("dp4_tp2_ep", False)}
+# the mixed DP x TP layouts are long checks (--run-slow); dp2 and dp8_ep run by default both ways
+_SLOW_DP = {("dp2_tp2_ep", False), ("dp4_tp2_ep", False), ("dp2_tp2_ep", True), ("dp4_tp2_ep", True)}
 
 
 @pytest.mark.parametrize("name,overlap", [pytest.param(n, o, marks=(pytest.mark.slow,) if (n, o) in _SLOW_DP else ())

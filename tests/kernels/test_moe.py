@@ -101,7 +101,7 @@ def test_routed_experts_tokens_on_one_expert_and_empty_experts():
 # every loop and every layout, but not every pair: (dp2-ep, unroll) is left out for the suite's time
 # budget (~18 s on 2 cores); the scan is the CPU default and runs under both layouts
 @pytest.mark.parametrize("layout,loop", [((1, 1, False), "scan"), ((1, 1, False), "unroll"),
-                                         ((1, 2, True), "scan")],
+                                         pytest.param((1, 2, True), "scan", marks=pytest.mark.slow)],
                          ids=["single-scan", "single-unroll", "dp2-ep-scan"])
 def test_layer_stack_passes_whole_expert_stack_to_each_impl(layout, loop):
     """scan_layers hands every MoE layer the whole [L, E, ...] expert stack plus its layer index (no
