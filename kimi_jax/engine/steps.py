@@ -237,9 +237,8 @@ class Engine:
         # the sharding of decode_step_async's output tokens (replicated), which host-fed tokens take too:
         # one compiled decode program serves both feeds from the first step on (jit keys its cache on
         # the inputs' shardings, and host arrays are uncommitted)
-        self._token_sharding = (shard.get("replicated") or
-                                (layout.sharding(jax.sharding.PartitionSpec()) if layout is not None
-                                 else jax.sharding.SingleDeviceSharding(jax.devices()[0])))
+        self._token_sharding = (layout.sharding(jax.sharding.PartitionSpec()) if layout is not None
+                                else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         self._decode_step = jax.jit(functools.partial(_decode_step, self.graphdef, shard),
                                     static_argnames=("n_logprobs", "sample_mode", "mla_schedule", "plan"),
                                     donate_argnames=("pages", "occ"))
