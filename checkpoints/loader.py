@@ -29,6 +29,8 @@ Streaming (`load_params`):
 * Buffers are anonymous mappings advised to use transparent huge pages; one thread pre-faults them
   ahead of the reads; when the checkpoint is large for the RAM, pages read are dropped from the page
   cache (POSIX_FADV_DONTNEED) so the cache does not force reclaim of the memory being filled.
+* Each floating tensor is checked for NaN / Inf by the reader thread that read it, in its host
+  buffer right after the read (FiniteCheck): the check overlaps the other reads and reads nothing again.
 * A tqdm bar shows GB read and GB/s (on a terminal). If anything fails, every array placed so far is
   deleted before the error propagates.
 
@@ -315,10 +317,17 @@ def _coalesce(reads: list[_Read]) -> Iterator[list[_Read]]:
         yield group
 
 
-def _read_group(reader: CheckpointReader, group: list[_Read]) -> None:
+def _read_group(reader: CheckpointReader, group: list[_Read], finite: Optional["FiniteCheck"]) -> None:
     if not group[0].direct:
         reader.read_slice(group[0].name, group[0].src, out=group[0].out)
-        return
+    else:
+        _read_runs(reader, group)
+    if finite is not None:
+        for r in group:
+            finite.check(r)
+
+
+def _read_runs(reader: CheckpointReader, group: list[_Read]) -> None:
     bufs, names, end = [], [], group[0].offset
     for r in group:
         if r.offset > end:                              # a gap: read and dropped
@@ -352,67 +361,65 @@ def _progress_bar(total: int, enabled: Optional[bool], desc: str):
 
 
 # ---- finite values -------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _finite_fn(depth: int):
-    """[stack dims] bool: every value of each stacked tensor is finite (one fused reduction)."""
-    def finite_check(x):
-        return jnp.isfinite(x).all(axis=tuple(range(depth, x.ndim)))
-    return jax.jit(finite_check)
+# IEEE floats: a value is NaN or Inf iff its exponent bits are all ones, i.e. iff its bit pattern read as a
+# signed integer is at least +Inf's (sign bit clear) or read as an unsigned integer at least -Inf's (sign
+# bit set). float dtype -> (signed view, unsigned view, +Inf bits, -Inf bits).
+_INF_BITS = {
+    np.dtype(np.float32): (np.int32, np.uint32, 0x7F800000, 0xFF800000),
+    np.dtype(np.float16): (np.int16, np.uint16, 0x7C00, 0xFC00),
+    np.dtype(jnp.bfloat16): (np.int16, np.uint16, 0x7F80, 0xFF80),
+}
+_FINITE_BLOCK = 256 << 10      # bytes per step: the second maximum reads what the first left in cache
+
+
+def all_finite(arr: np.ndarray) -> bool:
+    """No NaN or Inf in a host array: two integer maxima over its bits (see _INF_BITS), block by block,
+    with no temporary array; numpy releases the GIL, so reader threads check in parallel."""
+    bits = _INF_BITS.get(arr.dtype)
+    if bits is None:
+        return bool(np.isfinite(arr).all())
+    signed, unsigned, pos_inf, neg_inf = bits
+    flat = arr.reshape(-1)
+    s, u = flat.view(signed), flat.view(unsigned)
+    step = _FINITE_BLOCK // arr.itemsize
+    for i in range(0, flat.size, step):
+        if s[i:i + step].max() >= pos_inf or u[i:i + step].max() >= neg_inf:
+            return False
+    return True
 
 
 class FiniteCheck:
-    """NaN / Inf in the loaded weights, checked as each tensor lands, never read again from the files.
-    A large parameter (>= `stream_bytes`) gets one fused reduction on its device array (`add`: nothing
-    waits for it); a small one is checked on its host buffers right after they are read (`add_host`,
-    numpy): a reduction program per distinct small shape would cost a compile each (a small model's
-    load is mostly those compiles), for bytes the host has just read. Several processes use the device
-    path only, so that every process sees every flag. `raise_first` fetches the flags and raises
-    CheckpointError naming the file and tensor of the first bad one."""
+    """NaN / Inf in the loaded weights, found in each floating tensor's host buffer by the reader thread
+    that filled it, right after the read (`check`): the check of one read overlaps the disk's delivery
+    of the next ones, and no byte is read twice. The bytes checked are the parameter's (after any cast,
+    so a float32 value that overflows a bfloat16 parameter counts as Inf). `raise_first` raises
+    CheckpointError naming the file and tensor of the first bad tensor in file order; with several
+    processes (each reads only its own devices' slices) every process gathers every process's first
+    one, so all raise the same error (all call it, once, at the end of the load)."""
 
-    stream_bytes = 16 << 20
+    def __init__(self, reader: CheckpointReader):
+        self.reader = reader
+        self.bad: list[tuple[int, int, str]] = []          # (file index, offset, stored name)
+        self._order = {f: i for i, f in enumerate(reader.files)}
 
-    def __init__(self, reader: CheckpointReader, cfg: layout_lib.ModelShape):
-        self.reader, self.cfg, self.pending, self.bad = reader, cfg, [], []
-        self.host_ok = jax.process_count() == 1
-
-    def on_host(self, p: "_Param", whole_shards: bool) -> bool:
-        """Whether parameter p is checked on its host buffers (`add_host`) rather than on the device."""
-        return (self.host_ok and whole_shards and jnp.issubdtype(p.dtype, jnp.floating)
-                and math.prod(p.shape) * p.dtype.itemsize < self.stream_bytes)
-
-    def add_host(self, path: tuple[str, ...], depth: int, box: "Box", host: np.ndarray) -> None:
-        """Check a host block holding the parameter's `box` (global coordinates)."""
-        if self.bad or not jnp.issubdtype(host.dtype, jnp.floating):
-            return
-        ok = np.isfinite(host).all(axis=tuple(range(depth, host.ndim)))
-        if not ok.all():
-            first = np.argwhere(~ok)[0] if ok.ndim else ()
-            self.bad.append((path, tuple(int(i) + s for i, (s, _) in zip(first, box[:depth]))))
-
-    def add(self, path: tuple[str, ...], depth: int, arr: jax.Array) -> None:
-        if jnp.issubdtype(arr.dtype, jnp.floating):
-            self.pending.append((path, _finite_fn(depth)(arr)))
-
-    def _refuse(self, path: tuple[str, ...], idx: tuple) -> None:
-        info = self.reader.info(layout_lib.hf_name(path, self.cfg.num_dense_layers, idx))
-        raise CheckpointError(f"{os.path.join(self.reader.path, info.file)}: tensor {info.name!r} holds "
-                              "NaN or Inf values (check_finite_weights=False / --nocheck_finite_weights "
-                              "loads it anyway)")
+    def check(self, r: "_Read") -> None:
+        if jnp.issubdtype(r.out.dtype, jnp.floating) and not all_finite(r.out):
+            self.bad.append((self._order[r.info.file], r.info.begin, r.info.name))   # list.append: atomic
 
     def raise_first(self) -> None:
-        if self.bad:
-            self._refuse(*self.bad[0])
-        flags = [f for _, f in self.pending]
-        if all(f.is_fully_addressable for f in flags):
-            flags = jax.device_get(flags)
-        else:   # several processes: every one gathers every flag (all call this, in the same order)
+        first = min(self.bad) if self.bad else None
+        if jax.process_count() > 1:
             from jax.experimental import multihost_utils
-            flags = [np.asarray(multihost_utils.process_allgather(f, tiled=True)) for f in flags]
-        for (path, _), ok in zip(self.pending, flags):
-            ok = np.asarray(ok)
-            if not ok.all():
-                self._refuse(path, tuple(int(i) for i in np.argwhere(~ok)[0]) if ok.ndim else ())
-        self.pending = []
+            names = sorted(self.reader.tensors, key=lambda n: (self._order[self.reader.tensors[n].file],
+                                                                 self.reader.tensors[n].begin))
+            mine = names.index(first[2]) if first else len(names)
+            k = int(np.min(multihost_utils.process_allgather(np.array([mine], np.int64))))
+            first = (None, None, names[k]) if k < len(names) else None
+        if first is not None:
+            info = self.reader.info(first[2])
+            raise CheckpointError(f"{os.path.join(self.reader.path, info.file)}: tensor {info.name!r} holds "
+                                  "NaN or Inf values (check_finite_weights=False / --nocheck_finite_weights "
+                                  "loads it anyway)")
 
 
 # ---- loading ---------------------------------------------------------------------------------------
@@ -477,7 +484,7 @@ def load_params(reader: CheckpointReader, cfg: layout_lib.ModelShape, specs: Par
     # kernel's page zeroing overlaps disk waits instead of running inside the reads.
     faulter = cf.ThreadPoolExecutor(1, thread_name_prefix="kimi-prefault")
     buffers = _HostBuffers(keep=readahead_bytes + chunk_bytes)
-    finite = FiniteCheck(reader, cfg) if check_finite else None
+    finite = FiniteCheck(reader) if check_finite else None
 
     def start(batch: list[_Chunk]) -> list:
         """Allocate the chunks' host buffers and queue all their reads, in file order."""
@@ -499,7 +506,7 @@ def load_params(reader: CheckpointReader, cfg: layout_lib.ModelShape, specs: Par
             for r in group:
                 if r.out.nbytes >= 16 * _PAGE:
                     faulter.submit(_touch, r.out)
-            fut = pool.submit(_read_group, reader, group)
+            fut = pool.submit(_read_group, reader, group, finite)
             for futs in {id(r.futs): r.futs for r in group}.values():
                 futs.append(fut)
         return started
@@ -510,8 +517,6 @@ def load_params(reader: CheckpointReader, cfg: layout_lib.ModelShape, specs: Par
         new = []
         if ch.rel is None:                              # whole shards
             for host, (box, devs) in zip(hosts, ch.groups):
-                if finite is not None and finite.on_host(p, True):
-                    finite.add_host(p.path, p.depth, box, host)
                 for d in devs:
                     p.done[d] = jax.device_put(host, d)
                     new.append(p.done[d])
@@ -557,8 +562,6 @@ def load_params(reader: CheckpointReader, cfg: layout_lib.ModelShape, specs: Par
             p.done.clear()
         stats.shards += len(arr.addressable_shards)
         stats.params += 1
-        if finite is not None and not finite.on_host(p, ch.rel is None):
-            finite.add(p.path, p.depth, arr)
         out[p.path] = arr
 
     window: collections.deque = collections.deque()
@@ -588,9 +591,6 @@ def load_params(reader: CheckpointReader, cfg: layout_lib.ModelShape, specs: Par
         reader.drop_page_cache = False
         bar.close()
         _delete(placed)
-        if finite is not None:
-            _delete([f for _, f in finite.pending])
-            finite.pending = []
         for p in params:
             p.partial.clear()
             p.done.clear()

@@ -1,12 +1,16 @@
 r"""kimi-bench loading: the streamed loader against the raw read speed of the same
 files, in one run; peak host memory; orbax save and restore of the same model.
 
-  kimi-make-synthetic --model kimi-k2.5 --num-layers 2 --vocab-size 32768 --out /tmp/k25
-  kimi-bench loading --model /tmp/k25 --orbax-dir /tmp/k25-orbax --report out/loading_bench.md
+  kimi-make-synthetic --model kimi-k2.5 --num_layers 2 --vocab_size 32768 --out /tmp/k25
+  kimi-bench loading --model /tmp/k25 --orbax_dir /tmp/k25-orbax --report out/loading_bench.md
+  kimi-bench loading --model /tmp/k25 --platform cpu --finite_check both --rounds 6 --settle_s 15
 
 Rounds of: drop the page cache (root only; otherwise reported as warm), raw read of every safetensors
-file (positioned 64 MB reads into reused buffers by --workers threads: the disk's ceiling for this
-access pattern), drop again, load_model onto the first device (bf16: stored dtype, no conversion).
+file (positioned 64 MB reads into reused buffers by --raw_workers threads: the disk's ceiling for this
+access pattern), drop again, the same reads into freshly allocated memory (what any load onto a CPU
+device also pays), drop again, load_model onto the first device (bf16: stored dtype, no conversion).
+--finite_check both adds a load without the NaN / Inf check to every round, before the checked one in
+even rounds and after it in odd ones, and prints the check's median cost.
 Then orbax save of the loaded model and, cache dropped, orbax restore. Peak RSS per phase is the
 process's VmHWM, reset before the phase (/proc/self/clear_refs); on CPU the "device" arrays live in
 host memory, so a load's peak includes the model itself: the loader's own overhead is peak - base -
@@ -37,6 +41,10 @@ flags.DEFINE_integer("rounds", 2, "raw-read + load rounds")
 flags.DEFINE_integer("workers", None, "loader threads (default: the loader's)")
 flags.DEFINE_integer("raw_workers", 8, "threads for the raw read")
 flags.DEFINE_bool("drop_caches", True, "drop the page cache before each timed read (needs root)")
+flags.DEFINE_float("settle_s", 0.0, "seconds to wait after dropping the page cache, before each timed read: "
+                   "on a VM whose balloon driver reports free memory to the host, memory freed more than a "
+                   "few seconds earlier is several times slower to touch again, so a settle time of ~15 s "
+                   "puts every phase in that same state")
 flags.DEFINE_enum("finite_check", "on", ["on", "off", "both"], "load_model's NaN / Inf check of every "
                   "tensor (check_finite); both: each round also times a load without it (cache dropped again)")
 flags.DEFINE_string("report", None, "write a markdown report here (and JSON next to it)")
@@ -57,15 +65,20 @@ def _reset_peak() -> bool:
 
 
 def drop_caches() -> str:
-    if not FLAGS.drop_caches:
-        return "warm (not dropped)"
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "cold (dropped)"
-    except OSError:
-        return "unknown (drop_caches refused)"
+    """Drop the page cache (root only), then wait --settle_s."""
+    state = "warm (not dropped)"
+    if FLAGS.drop_caches:
+        os.sync()
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+            state = "cold (dropped)"
+        except OSError:
+            state = "unknown (drop_caches refused)"
+    if FLAGS.settle_s:
+        time.sleep(FLAGS.settle_s)
+        state += f", settled {FLAGS.settle_s:g} s"
+    return state
 
 
 def raw_read(paths, workers: int, block: int = 64 << 20) -> tuple[int, float]:
@@ -152,6 +165,7 @@ def main(argv):
         os.environ["JAX_PLATFORMS"] = FLAGS.platform
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from checkpoints import loader, orbax_io
     from checkpoints.safetensors_io import CheckpointReader
@@ -169,42 +183,26 @@ def main(argv):
     print(f"{FLAGS.model}: {len(files)} files, {res['file_bytes'] / 1e9:.2f} GB -> {res['device']}", flush=True)
     kw = {"workers": FLAGS.workers} if FLAGS.workers else {}
     net = None
-    for rnd in range(FLAGS.rounds):
-        row: dict = {}
-        net = None
-        gc.collect()                      # the previous round's model (nnx graphs hold cycles)
-        row["raw_cache"] = drop_caches()
-        n, dt = raw_read(files, FLAGS.raw_workers)
-        row.update(raw_bytes=n, raw_s=dt, raw_gbps=n / 1e9 / dt)
-        print(f"round {rnd}: raw read {n / 1e9:.2f} GB in {dt:.2f}s = {n / 1e9 / dt:.2f} GB/s "
-              f"({row['raw_cache']})", flush=True)
-        drop_caches()
-        n, dt = raw_read_fresh(files, FLAGS.raw_workers)
-        row.update(fresh_s=dt, fresh_gbps=n / 1e9 / dt)
-        print(f"round {rnd}: raw read into fresh memory {n / 1e9:.2f} GB in {dt:.2f}s = "
-              f"{n / 1e9 / dt:.2f} GB/s", flush=True)
-        if FLAGS.finite_check == "both":        # the same load without the finite check, first
-            net = None
-            gc.collect()
-            row["nocheck_cache"] = drop_caches()
-            t0 = time.perf_counter()
-            net = param_arrays(load_model(FLAGS.model, ModelConfig.from_pretrained(FLAGS.model), Layout(),
-                                          jnp.bfloat16, check=False, check_finite=False, **kw))
-            jax.block_until_ready(net)
-            dt = time.perf_counter() - t0
-            row.update(nocheck_s=dt, nocheck_gbps=res["file_bytes"] / 1e9 / dt)
-            print(f"round {rnd}: load_model without the finite check in {dt:.2f}s = "
-                  f"{row['nocheck_gbps']:.2f} GB/s of the files ({row['nocheck_cache']})", flush=True)
-            net = None
-            gc.collect()
+    def load_nocheck(row: dict):
+        row["nocheck_cache"] = drop_caches()
+        t0 = time.perf_counter()
+        net = param_arrays(load_model(FLAGS.model, ModelConfig.from_pretrained(FLAGS.model), Layout(),
+                                      jnp.bfloat16, check=False, check_finite=False, **kw))
+        jax.block_until_ready(net)
+        dt = time.perf_counter() - t0
+        row.update(nocheck_s=dt, nocheck_gbps=res["file_bytes"] / 1e9 / dt)
+        print(f"round {rnd}: load_model without the finite check in {dt:.2f}s = "
+              f"{row['nocheck_gbps']:.2f} GB/s of the files ({row['nocheck_cache']})", flush=True)
+
+    def load(row: dict):
         row["load_cache"] = drop_caches()
         _reset_peak()
         base = _status("VmRSS")
         stats = loader.LoadStats()
         t0 = time.perf_counter()
-        cfg = ModelConfig.from_pretrained(FLAGS.model)
-        net = param_arrays(load_model(FLAGS.model, cfg, Layout(), jnp.bfloat16, check=False, stats=stats,
-                                         check_finite=FLAGS.finite_check != "off", **kw))
+        net = param_arrays(load_model(FLAGS.model, ModelConfig.from_pretrained(FLAGS.model), Layout(),
+                                      jnp.bfloat16, check=False, stats=stats,
+                                      check_finite=FLAGS.finite_check != "off", **kw))
         jax.block_until_ready(net)
         dt = time.perf_counter() - t0
         model_bytes = sum(v.nbytes for v in net.values())
@@ -222,7 +220,45 @@ def main(argv):
               f"{peak / 1e9:.2f} GB = base {base / 1e9:.2f} + "
               + (f"model {model_bytes / 1e9:.2f} + " if on_host else "") +
               f"loader {row['overhead'] / 1e9:.2f} GB ({row['load_cache']})", flush=True)
+        return net
+
+    for rnd in range(FLAGS.rounds):
+        row: dict = {}
+        net = None
+        gc.collect()                      # the previous round's model (nnx graphs hold cycles)
+        row["raw_cache"] = drop_caches()
+        n, dt = raw_read(files, FLAGS.raw_workers)
+        row.update(raw_bytes=n, raw_s=dt, raw_gbps=n / 1e9 / dt)
+        print(f"round {rnd}: raw read {n / 1e9:.2f} GB in {dt:.2f}s = {n / 1e9 / dt:.2f} GB/s "
+              f"({row['raw_cache']})", flush=True)
+        drop_caches()
+        n, dt = raw_read_fresh(files, FLAGS.raw_workers)
+        row.update(fresh_s=dt, fresh_gbps=n / 1e9 / dt)
+        print(f"round {rnd}: raw read into fresh memory {n / 1e9:.2f} GB in {dt:.2f}s = "
+              f"{n / 1e9 / dt:.2f} GB/s", flush=True)
+        # both: the loads with and without the check alternate which goes first, round by round (on a
+        # VM, how fast fresh memory is depends on how long ago it was freed)
+        if FLAGS.finite_check == "both" and rnd % 2 == 0:
+            load_nocheck(row)
+            gc.collect()
+        net = load(row)
+        if FLAGS.finite_check == "both" and rnd % 2 == 1:
+            net = None
+            gc.collect()
+            load_nocheck(row)
+        if "nocheck_s" in row:
+            row["check_cost"] = row["load_s"] / row["nocheck_s"] - 1
         res["rounds"].append(row)
+    if FLAGS.finite_check == "both" and res["rounds"]:
+        # geometric mean of the per-round ratios: with the order alternating, a slower first (or second)
+        # position cancels out over each pair of rounds
+        res["check_cost"] = float(np.exp(np.mean([np.log1p(r["check_cost"]) for r in res["rounds"]]))) - 1
+        res["ratio_median"] = float(np.median([r["ratio"] for r in res["rounds"]]))
+        res["ratio_fresh_median"] = float(np.median([r["ratio_fresh"] for r in res["rounds"]]))
+        print(f"over {len(res['rounds'])} rounds: the check costs {res['check_cost']:+.1%} of the load time "
+              f"(geometric mean); the load with it runs at (median) {res['ratio_median']:.0%} of the raw read, "
+              f"{res['ratio_fresh_median']:.0%} of the raw read into fresh memory", flush=True)
+    cfg = ModelConfig.from_pretrained(FLAGS.model)
     if FLAGS.orbax_dir:
         if FLAGS.delete_source:
             shutil.rmtree(FLAGS.model)

@@ -41,6 +41,22 @@ def test_load_bench_deletes_the_source_only_when_asked_and_says_where_it_loads(t
     assert os.path.isfile(os.path.join(orbax, "config.json"))   # written from the config, source gone
 
 
+def test_load_bench_times_the_finite_check_both_ways_in_alternating_order(tmp_path, cli):
+    src, report = str(tmp_path / "ck"), str(tmp_path / "load.md")
+    write_checkpoint(src, preset("tiny"), seed=1)
+    r = cli("launch.bench", "loading", "--model", src, "--rounds", "2", "--nodrop_caches", "--finite_check",
+            "both", "--report", report)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = [line for line in r.stdout.splitlines() if line.startswith("round ") and "load_model" in line]
+    assert ["without" in line for line in out] == [True, False, False, True], out   # nocheck first, then last
+    res = json.load(open(report.replace(".md", ".json")))
+    for row in res["rounds"]:
+        assert row["nocheck_s"] > 0 and row["load_s"] > 0 and row["check_cost"] == row["load_s"] / row["nocheck_s"] - 1
+    costs = [1 + row["check_cost"] for row in res["rounds"]]
+    assert abs(1 + res["check_cost"] - (costs[0] * costs[1]) ** 0.5) < 1e-9
+    assert "the check costs" in r.stdout
+
+
 def test_bench_engine_loads_a_checkpoint_under_each_layout(tmp_path, cli):
     """--checkpoint streams a real-format checkpoint onto every layout's devices (the first 2 devices)
     instead of making random weights; each row is also appended as it finishes."""

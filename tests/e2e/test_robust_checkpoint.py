@@ -4,6 +4,7 @@ weight, a norm or an INT4 scale are each refused with one line naming config.jso
 the file and the tensor; nothing is loaded silently wrong."""
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -11,6 +12,8 @@ import struct
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -167,17 +170,31 @@ def test_non_finite_weight_is_refused_naming_file_and_tensor(int4_tensors, tmp_p
     LLM(path, dtype="float32", check_finite_weights=False)
 
 
-def test_non_finite_weight_is_refused_when_reduced_as_it_streams(int4_tensors, tmp_path, monkeypatch):
-    """Large tensors are reduced one by one as they land, small ones together at the end: the same
-    refusal from the streamed path (every tensor counted as large here)."""
-    from checkpoints.loader import FiniteCheck
-    monkeypatch.setattr(FiniteCheck, "stream_bytes", 0)
-    tensors = dict(int4_tensors)
-    name = "model.layers.1.mlp.experts.5.down_proj.weight_scale"
-    bad = np.array(tensors[name], copy=True)
-    bad.reshape(-1)[0] = math.nan
-    tensors[name] = bad
-    path = str(tmp_path / "ck")
-    synthetic.write_checkpoint_from_tensors(path, TINY_INT4, tensors)
-    with pytest.raises(CheckpointError, match=f"'{name}' holds NaN or Inf"):
-        LLM(path, dtype="float32")
+def test_non_finite_weight_is_refused_when_read_in_slices_and_blocks(int4_tensors, tmp_path, monkeypatch):
+    """Under TP x EP each device reads a slice of a tensor, and staged loads read a large shard in
+    blocks: a NaN in any one slice or block is found, and so is a float32 value that becomes Inf when
+    cast to a bfloat16 parameter."""
+    from checkpoints import loader
+    from kimi_jax.config import ModelConfig
+    from kimi_jax.entrypoints.llm import load_model
+    from kimi_jax.parallel.sharding import Layout
+    monkeypatch.setattr(loader, "CPU_ADOPTS_HOST_BUFFERS", False)
+    for name, value, dtype in [("model.layers.1.mlp.experts.5.down_proj.weight_scale", math.nan, jnp.float32),
+                               ("model.layers.0.mlp.down_proj.weight", -math.nan, jnp.float32),
+                               ("model.embed_tokens.weight", 3.4e38, jnp.bfloat16)]:
+        tensors = dict(int4_tensors)
+        bad = np.array(tensors[name], dtype=np.float32 if value == 3.4e38 else None, copy=True)  # finite as
+        # stored in float32, Inf once cast to a bfloat16 parameter
+        bad.reshape(-1)[-1] = value           # the last element: the last slice, the last block
+        tensors[name] = bad
+        path = str(tmp_path / name)
+        synthetic.write_checkpoint_from_tensors(path, TINY_INT4, tensors, strict=False)
+        cfg = ModelConfig.from_pretrained(path)
+        gc.collect()
+        live = len([a for a in jax.live_arrays() if not a.is_deleted()])
+        with pytest.raises(CheckpointError, match=f"'{name}' holds NaN or Inf"):
+            load_model(path, cfg, Layout(4, 2, True), dtype, chunk_bytes=4096, readahead_bytes=16384)
+        assert len([a for a in jax.live_arrays() if not a.is_deleted()]) == live     # nothing left behind
+        if value != 3.4e38:
+            load_model(path, cfg, Layout(4, 2, True), dtype, chunk_bytes=4096, readahead_bytes=16384,
+                       check_finite=False)
