@@ -36,8 +36,8 @@ flags.DEFINE_integer("prefill_chunk", None, "prompt tokens of one request per pr
 flags.DEFINE_integer("max_prefill_tokens", None, "prompt tokens of all requests per prefill step; default: LLM's")
 flags.DEFINE_bool("enable_prefix_caching", True, "reuse the cache pages of a prompt prefix seen before "
                   "(kimi-generate, kimi-batch, kimi-serve)")
-flags.DEFINE_bool("check_finite_weights", True, "check every loaded weight for NaN / Inf (one fused "
-                  "reduction per tensor on its devices) and refuse a checkpoint that has one")
+flags.DEFINE_bool("check_finite_weights", True, "check every loaded weight for NaN / Inf (on the host, as "
+                  "each tensor is read) and refuse a checkpoint that has one")
 flags.DEFINE_bool("xla_perf", True, "set XLA options that overlap collectives with compute (see launch/common.py)")
 flags.DEFINE_string("compilation_cache_dir", None, "persistent JAX compilation cache (compiled programs are "
                     "reused by later runs); 'none' turns it off. Default: $KIMI_JAX_CACHE_DIR, else "
