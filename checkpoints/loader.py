@@ -407,16 +407,16 @@ class FiniteCheck:
             self.bad.append((self._order[r.info.file], r.info.begin, r.info.name))   # list.append: atomic
 
     def raise_first(self) -> None:
-        first = min(self.bad) if self.bad else None
+        first = min(self.bad)[2] if self.bad else None
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             names = sorted(self.reader.tensors, key=lambda n: (self._order[self.reader.tensors[n].file],
                                                                  self.reader.tensors[n].begin))
-            mine = names.index(first[2]) if first else len(names)
+            mine = names.index(first) if first else len(names)
             k = int(np.min(multihost_utils.process_allgather(np.array([mine], np.int64))))
-            first = (None, None, names[k]) if k < len(names) else None
+            first = names[k] if k < len(names) else None
         if first is not None:
-            info = self.reader.info(first[2])
+            info = self.reader.info(first)
             raise CheckpointError(f"{os.path.join(self.reader.path, info.file)}: tensor {info.name!r} holds "
                                   "NaN or Inf values (check_finite_weights=False / --nocheck_finite_weights "
                                   "loads it anyway)")

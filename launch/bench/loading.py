@@ -10,7 +10,8 @@ file (positioned 64 MB reads into reused buffers by --raw_workers threads: the d
 access pattern), drop again, the same reads into freshly allocated memory (what any load onto a CPU
 device also pays), drop again, load_model onto the first device (bf16: stored dtype, no conversion).
 --finite_check both adds a load without the NaN / Inf check to every round, before the checked one in
-even rounds and after it in odd ones, and prints the check's median cost.
+even rounds and after it in odd ones, and prints the check's cost (the geometric mean of the
+rounds' ratios, which cancels the position effect over each pair of rounds).
 Then orbax save of the loaded model and, cache dropped, orbax restore. Peak RSS per phase is the
 process's VmHWM, reset before the phase (/proc/self/clear_refs); on CPU the "device" arrays live in
 host memory, so a load's peak includes the model itself: the loader's own overhead is peak - base -
@@ -182,32 +183,30 @@ def main(argv):
     res["file_bytes"] = sum(os.path.getsize(f) for f in files)
     print(f"{FLAGS.model}: {len(files)} files, {res['file_bytes'] / 1e9:.2f} GB -> {res['device']}", flush=True)
     kw = {"workers": FLAGS.workers} if FLAGS.workers else {}
-    net = None
-    def load_nocheck(row: dict):
-        row["nocheck_cache"] = drop_caches()
+    on_host = jax.devices()[0].platform == "cpu"     # only CPU "device" arrays live in host memory
+
+    def timed_load(check_finite: bool, stats: loader.LoadStats) -> tuple[dict, float, str]:
+        """load_model onto the first device from a dropped page cache: (parameters, seconds, cache state)."""
+        cache = drop_caches()
         t0 = time.perf_counter()
         net = param_arrays(load_model(FLAGS.model, ModelConfig.from_pretrained(FLAGS.model), Layout(),
-                                      jnp.bfloat16, check=False, check_finite=False, **kw))
+                                      jnp.bfloat16, check=False, stats=stats, check_finite=check_finite, **kw))
         jax.block_until_ready(net)
-        dt = time.perf_counter() - t0
+        return net, time.perf_counter() - t0, cache
+
+    def load_nocheck(rnd: int, row: dict) -> None:
+        _, dt, row["nocheck_cache"] = timed_load(False, loader.LoadStats())
         row.update(nocheck_s=dt, nocheck_gbps=res["file_bytes"] / 1e9 / dt)
         print(f"round {rnd}: load_model without the finite check in {dt:.2f}s = "
               f"{row['nocheck_gbps']:.2f} GB/s of the files ({row['nocheck_cache']})", flush=True)
 
-    def load(row: dict):
-        row["load_cache"] = drop_caches()
+    def load(rnd: int, row: dict) -> dict:
         _reset_peak()
         base = _status("VmRSS")
         stats = loader.LoadStats()
-        t0 = time.perf_counter()
-        net = param_arrays(load_model(FLAGS.model, ModelConfig.from_pretrained(FLAGS.model), Layout(),
-                                      jnp.bfloat16, check=False, stats=stats,
-                                      check_finite=FLAGS.finite_check != "off", **kw))
-        jax.block_until_ready(net)
-        dt = time.perf_counter() - t0
+        net, dt, row["load_cache"] = timed_load(FLAGS.finite_check != "off", stats)
         model_bytes = sum(v.nbytes for v in net.values())
         peak = _status("VmHWM")
-        on_host = jax.devices()[0].platform == "cpu"     # only CPU "device" arrays live in host memory
         row.update(load_s=dt, load_read_s=stats.seconds, load_bytes=stats.bytes_read,
                    load_gbps=stats.bytes_read / 1e9 / dt, model_bytes=model_bytes, rss_base=base,
                    rss_peak=peak, overhead=peak - base - (model_bytes if on_host else 0),
@@ -222,6 +221,7 @@ def main(argv):
               f"loader {row['overhead'] / 1e9:.2f} GB ({row['load_cache']})", flush=True)
         return net
 
+    net = None
     for rnd in range(FLAGS.rounds):
         row: dict = {}
         net = None
@@ -239,13 +239,13 @@ def main(argv):
         # both: the loads with and without the check alternate which goes first, round by round (on a
         # VM, how fast fresh memory is depends on how long ago it was freed)
         if FLAGS.finite_check == "both" and rnd % 2 == 0:
-            load_nocheck(row)
+            load_nocheck(rnd, row)
             gc.collect()
-        net = load(row)
+        net = load(rnd, row)
         if FLAGS.finite_check == "both" and rnd % 2 == 1:
             net = None
             gc.collect()
-            load_nocheck(row)
+            load_nocheck(rnd, row)
         if "nocheck_s" in row:
             row["check_cost"] = row["load_s"] / row["nocheck_s"] - 1
         res["rounds"].append(row)
