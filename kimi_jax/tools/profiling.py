@@ -466,11 +466,10 @@ def count_decode_collectives(cfg, layout, batch: int = 8, cache_len: int = 64, d
 
 
 def random_engine(cfg, layout, dtype=None, seed: int = 0):
-    """An Engine with the model's own random initializers (kimi_jax.entrypoints.llm.random_model: one jitted init
-    that places every parameter under `layout`): the same weights `LLM(ModelConfig)` makes, so engine and
-    throughput benchmarks time the same model. For timing and collective counts, not for quality."""
+    """An Engine with the random weights `LLM(ModelConfig)` makes (kimi_jax.entrypoints.weights.random_model),
+    for timing and collective counts."""
     import jax.numpy as jnp
-    from kimi_jax.entrypoints.llm import random_model
+    from kimi_jax.entrypoints.weights import random_model
     from kimi_jax.engine.steps import Engine
     layout.check_divisible(cfg)
     return Engine(random_model(cfg, layout, dtype or jnp.bfloat16, seed), cfg, layout)
