@@ -78,12 +78,8 @@ def latency_metrics(r: Request) -> dict:
 
 
 def default_prefill_chunk(cfg: ModelConfig, dtype, plan: Optional[ops.ExecPlan] = None) -> int:
-    """prefill_chunk when the caller gives none: 2048 where a chunk after cached tokens attends by the
-    split path (ops.prefill_attention_path: two unmasked cuDNN calls, no [B, N, T, S] scores; on the
-    H200 the time to first token of a 16K prompt was 438 / 231 / 181 / 155 ms at chunks of 256 / 1024
-    / 2048 / 4096, BENCHMARKS.md "Prefill chunk size"; 2048 is also max_prefill_tokens' default, so a
-    step holds one such chunk), else 256: the einsum path holds the f32 scores, which for 2048 tokens
-    after 128K cached ones at 64 heads are 70 GB per layer."""
+    """prefill_chunk's default: 2048 where a chunk after cached tokens takes the split path (no [B, N, T, S]
+    scores; BENCHMARKS.md "Prefill chunk size"), else 256 (the einsum path's f32 scores)."""
     path = ops.prefill_attention_path(cfg.qk_head_dim, cfg.v_head_dim, dtype, causal=False, plan=plan)
     return 2048 if path.endswith("_split") else 256
 
@@ -146,9 +142,8 @@ class LLM:
 
     def precompile(self) -> None:
         """Compile the batch engine's programs now (where the batch engine offers `precompile`)."""
-        be = self.batch_engine()
-        if hasattr(be, "precompile"):
-            be.precompile()
+        if hasattr(BatchEngine, "precompile"):
+            self.batch_engine().precompile()
 
     @property
     def exec_plan(self) -> ops.ExecPlan:
@@ -381,14 +376,10 @@ class LLM:
     def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
              add_generation_prompt: bool = True, tools=None, chat_template: Optional[str] = None,
              use_tqdm: bool = False, tool_choice=None, response_format=None):
-        """Render the checkpoint's own chat template (sandboxed) and generate from `chat_prompt_ids`
-        (message text never becomes special tokens); messages may be one conversation (a list of
-        dicts) or a list of conversations.
-
-        tools / tool_choice / response_format: OpenAI's fields. They constrain the output
-        (kimi_jax.engine.structured.from_openai; tool_choice defaults to "auto" with tools) unless
-        sampling_params already carries structured_outputs. With tools each output's tool-call
-        section is parsed: `content`, `tool_calls` and finish_reason "tool_calls"."""
+        """Generate from one conversation or a list of them, rendered with the checkpoint's chat template
+        (`chat_prompt_ids`). tools / tool_choice / response_format constrain the output (OpenAI's fields)
+        unless sampling_params has structured_outputs; with tools each output's calls are parsed into
+        `content`, `tool_calls` and finish_reason "tool_calls"."""
         from kimi_jax.engine.structured import StructuredOutputError, from_openai
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         kw = dict(add_generation_prompt=add_generation_prompt, tools=tools, chat_template=chat_template)
