@@ -195,3 +195,14 @@ def test_penalties_under_overlap_and_preemption(pool_llm):
         if overlap:
             assert stats["overlapped_steps"] > 0, stats
     assert results[True, 24] == results[False, 24] == results[False, 400]
+
+
+def test_max_logprobs_is_enforced_by_generate_and_the_batch_engine(pool_llm):
+    """LLM's max_logprobs (vLLM's 20) caps a request's logprobs in LLM.generate and in the batch engine
+    the server and kimi-batch submit to."""
+    from kimi_jax.engine.validation import RequestError
+    assert pool_llm.max_logprobs == 20
+    with pytest.raises(ValueError, match="request 0: logprobs 25 exceeds max_logprobs 20"):
+        pool_llm.generate([[1, 2]], SamplingParams(max_tokens=1, logprobs=25))
+    with pytest.raises(RequestError, match="prompt_logprobs 21 exceeds max_logprobs 20"):
+        pool_llm.batch_engine().make_request("x", [1, 2], SamplingParams(max_tokens=1, prompt_logprobs=21), 0)
