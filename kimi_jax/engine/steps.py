@@ -207,8 +207,8 @@ class Engine:
         self.plan = ops.default_plan(plan)
         self.cfg = cfg
         self.graphdef, self.state = nnx.split(model)
-        if self.plan.layer_loop == "unroll":
-            layer_weights.split_layers(self.state)     # one autotuned fusion per shape, not per layer
+        if self.plan.layer_weights == "per_layer":
+            layer_weights.split_layers(self.state)
         self.cache_dtype = model.dtype
         self.dp = 1 if layout is None else layout.data_parallel_size
         # (batch bucket, page-table bucket) -> (decode pass s, verification pass s): measured once by the

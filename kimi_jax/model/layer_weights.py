@@ -3,8 +3,8 @@
 A stacked weight [L, ...] sliced with static indices puts each layer's offset into that layer's matmul
 fusion, so XLA sees L different fusions and autotunes each one (compile time grows with depth). Held as L
 separate arrays (`LayerList`), every layer's fusion is the same computation and is autotuned once. The
-routed experts stay stacked: their kernels index them by layer. BENCHMARKS.md, "Compile time and the layer
-loop", has the measurement.
+routed experts stay stacked: their kernels index them by layer. ExecPlan.layer_weights chooses it;
+BENCHMARKS.md, "Compile time and per-layer weights", has the measurement.
 """
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ IMPLS = ("xla", "pallas")
 MLA_DECODE_KERNELS = ("auto", "triton", "mgpu")
 MLA_SCHEDULES = ("rows", "balanced")
 LAYER_LOOPS = ("scan", "unroll")
+LAYER_WEIGHTS = ("stacked", "per_layer")
 # fresh causal prefill: XLA einsums, or one jax.nn.dot_product_attention call by that implementation
 PREFILL_ATTENTION_CHOICES = ("einsum", "cudnn", "xla")
 # chunks after cached tokens also: two unmasked calls merged by log-sum-exp (ops.prefill_attention)
@@ -26,7 +27,9 @@ class ExecPlan:
     'mgpu' or 'auto' (`ops.mla_decode_kernel`, which reads `hopper`). mla_schedule: 'rows', 'balanced' or
     None (the engine picks per step, `mla_schedule_for`). prefill_attention / chunk_attention: the
     CHOICES above or 'auto'. layer_loop: 'scan' or 'unroll' (static slices; BENCHMARKS.md "Engine decode
-    step"). combine_xla_max_macs: the balanced merge's XLA / Pallas threshold.
+    step"). layer_weights: under 'unroll', 'per_layer' holds each layer's non-expert weights as arrays of
+    their own (kimi_jax.model.layer_weights: one autotuned fusion per shape; BENCHMARKS.md "Compile time
+    and per-layer weights") or 'stacked'. combine_xla_max_macs: the balanced merge's XLA / Pallas threshold.
     one_new_token_elementwise: merge a decode step's one new token elementwise (off only to time both).
     """
     impl: str = "xla"
@@ -36,6 +39,7 @@ class ExecPlan:
     prefill_attention: str = "auto"
     chunk_attention: str = "auto"
     layer_loop: str = "scan"
+    layer_weights: str = "stacked"
     combine_xla_max_macs: int = 1 << 27
     one_new_token_elementwise: bool = True
 
@@ -44,10 +48,12 @@ class ExecPlan:
                               ("mla_schedule", (None,) + MLA_SCHEDULES),
                               ("prefill_attention", ("auto",) + PREFILL_ATTENTION_CHOICES),
                               ("chunk_attention", ("auto",) + CHUNK_ATTENTION_CHOICES),
-                              ("layer_loop", LAYER_LOOPS)):
+                              ("layer_loop", LAYER_LOOPS), ("layer_weights", LAYER_WEIGHTS)):
             value = getattr(self, name)
             if value not in choices:
                 raise ValueError(f"ExecPlan.{name}={value!r}; expected one of {choices}")
+        if self.layer_weights == "per_layer" and self.layer_loop != "unroll":
+            raise ValueError("ExecPlan.layer_weights='per_layer' needs layer_loop='unroll'")
         if not isinstance(self.hopper, bool) or not isinstance(self.one_new_token_elementwise, bool):
             raise ValueError(f"ExecPlan.hopper and .one_new_token_elementwise must be bools, got "
                              f"{self.hopper!r} and {self.one_new_token_elementwise!r}")
@@ -62,7 +68,8 @@ class ExecPlan:
     def for_backend(cls, backend: Optional[str] = None, *, hopper: Optional[bool] = None,
                     **options) -> "ExecPlan":
         """The plan for `backend` (default jax.default_backend()); `options` are fields, impl and
-        layer_loop also None / 'auto' ('pallas' and 'unroll' on GPU, else 'xla' and 'scan')."""
+        layer_loop and layer_weights also None / 'auto' ('pallas', 'unroll' and 'per_layer' on GPU, else
+        'xla', 'scan' and 'stacked'; 'per_layer' only under 'unroll')."""
         unknown = set(options) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise TypeError(f"ExecPlan.for_backend: unknown option(s) {sorted(unknown)}")
@@ -72,9 +79,12 @@ class ExecPlan:
             hopper = gpu and _device_is_hopper()
         impl = options.pop("impl", None)
         loop = options.pop("layer_loop", None)
+        loop = ("unroll" if gpu else "scan") if loop in (None, "auto") else loop
+        weights = options.pop("layer_weights", None)
+        if weights in (None, "auto"):
+            weights = "per_layer" if gpu and loop == "unroll" else "stacked"
         return cls(impl=("pallas" if gpu else "xla") if impl in (None, "auto") else impl,
-                   layer_loop=("unroll" if gpu else "scan") if loop in (None, "auto") else loop,
-                   hopper=bool(hopper), **options)
+                   layer_loop=loop, layer_weights=weights, hopper=bool(hopper), **options)
 
 
 def _device_is_hopper() -> bool:

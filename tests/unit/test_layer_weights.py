@@ -1,5 +1,5 @@
-"""The unrolled layer loop's per-layer weights (kimi_jax.model.layer_weights): an Engine under the
-'unroll' plan holds every stacked non-expert weight as L arrays placed like the stack (its layer axis
+"""The unrolled layer loop's per-layer weights (kimi_jax.model.layer_weights): an Engine whose plan has
+layer_weights='per_layer' holds every stacked non-expert weight as L arrays placed like the stack (its layer axis
 dropped), the routed experts stay stacked, and its logits equal those of the stacked weights under
 lax.scan (float32 tiny model on the CPU: the two loops differ only in XLA's summation order, so 1e-5
 relative is far above their difference and far below a wrong layer's weights)."""
@@ -26,7 +26,7 @@ def test_unrolled_engine_holds_per_layer_weights_with_equal_logits(tp):
     layout = Layout(tp)
     scan = Engine(random_model(CFG, layout, jnp.float32, 3), CFG, layout, plan=ops.ExecPlan(layer_loop="scan"))
     unrolled = Engine(random_model(CFG, layout, jnp.float32, 3), CFG, layout,
-                      plan=ops.ExecPlan(layer_loop="unroll"))
+                      plan=ops.ExecPlan(layer_loop="unroll", layer_weights="per_layer"))
     stacked_leaves = dict(nnx.to_flat_state(scan.state))
     n_split = 0
     for path, var in nnx.to_flat_state(unrolled.state):
@@ -57,3 +57,11 @@ def test_layer_helpers_match_static_slices():
     assert back["b"].shape == (3, 2) and float(back["b"][2, 0]) == 2.0
     leaves = jax.tree.leaves(tree)           # a LayerList flattens to its arrays (the jitted step's arguments)
     assert len(leaves) == 4
+
+
+def test_plan_rule_for_per_layer_weights():
+    assert ops.ExecPlan.for_backend("gpu", hopper=True).layer_weights == "per_layer"
+    assert ops.ExecPlan.for_backend("gpu", hopper=True, layer_loop="scan").layer_weights == "stacked"
+    assert ops.ExecPlan.for_backend("cpu").layer_weights == "stacked"
+    with pytest.raises(ValueError, match="layer_weights='per_layer' needs layer_loop='unroll'"):
+        ops.ExecPlan(layer_weights="per_layer")
