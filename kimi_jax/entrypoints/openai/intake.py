@@ -38,6 +38,21 @@ def loads(text: Union[str, bytes], max_depth: int = MAX_DEPTH):
     return value
 
 
+def text_chars(value) -> int:
+    """Characters in every string of a parsed JSON value (keys included), without recursion."""
+    n, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            n += len(v)
+        elif isinstance(v, dict):
+            n += sum(len(k) for k in v if isinstance(k, str))
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return n
+
+
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """What one HTTP request may ask: body bytes (413 beyond), choices = prompts x n (400 beyond) and
