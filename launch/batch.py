@@ -62,6 +62,7 @@ def main(argv):
         llm = LLM(FLAGS.model, dtype=FLAGS.dtype, max_num_seqs=FLAGS.max_num_seqs,
                   max_model_len=FLAGS.max_model_len, **common.engine_kwargs())
     except (*common.user_errors(), ValueError) as e:
+        writer.close()                         # its lock goes with it
         common.fail("kimi-batch", e)
     model_name = FLAGS.served_model_name or FLAGS.model or "kimi-jax-demo"
     try:
