@@ -83,6 +83,13 @@ def _check_tokenizer(path: str, cfg: Any) -> None:
                               "tokenizer: copy the file, or remove both for a model without one)")
     if not has_config:
         return
+    cfg_file = os.path.join(path, "config.json")
+    for field in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        ids = getattr(cfg, field)
+        for tid in ids if isinstance(ids, tuple) else (ids,):
+            if tid is not None and tid >= cfg.vocab_size:
+                raise CheckpointError(f"{cfg_file}: {field}={tid} is outside the vocabulary (vocab_size="
+                                      f"{cfg.vocab_size}) of a model with a tokenizer")
     tc = _load_small_json(config_file)
     if not isinstance(tc, dict):
         raise CheckpointError(f"{config_file}: not a JSON object")

@@ -51,8 +51,8 @@ def _refused(path: str, *words: str, exc=ValueError) -> str:
     ("num_hidden_layers", 5, ["num_hidden_layers=5", "layers 0..3"]),
     ("n_routed_experts", 10**6, ["n_routed_experts", "config.json"]),
     ("num_hidden_layers", 1e6, ["'num_hidden_layers'", "integer"]),
-    ("bos_token_id", 4096, ["'bos_token_id'", "vocab_size=4096"]),
-    ("eos_token_id", [3841, 10**9], ["'eos_token_id'", "vocab_size"]),
+    ("bos_token_id", 4096, ["bos_token_id=4096", "vocab_size=4096"]),
+    ("eos_token_id", [3841, 10**9], ["eos_token_id=1000000000", "vocab_size"]),
     ("pad_token_id", -1, ["'pad_token_id'"]),
 ])
 def test_config_beyond_the_weights_or_vocab_is_refused_quickly(tmp_path, field, value, words):
