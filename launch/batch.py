@@ -51,7 +51,7 @@ def main(argv):
         common.fail("kimi-batch", f"--output {FLAGS.output} is the input file; give another path")
     try:
         infile = open(FLAGS.input, "rb")      # each line decoded on its own: one bad byte, one error line
-        total = B.count_lines(FLAGS.input)
+        total = B.count_lines(FLAGS.input) if os.path.isfile(FLAGS.input) else None   # a pipe is read once
     except OSError as e:
         common.fail("kimi-batch", f"--input {FLAGS.input}: {e.strerror}")
     try:

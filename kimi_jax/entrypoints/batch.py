@@ -42,6 +42,7 @@ ROUTES = {"/v1/chat/completions": P.parse_chat, "/v1/completions": P.parse_compl
 ENVELOPE_KEYS = {"custom_id", "method", "url", "body"}
 DUPLICATE = "duplicate_custom_id"
 MAX_DEPTH = intake.MAX_DEPTH + 1          # the envelope adds one level to the body's
+MAX_LINE_BYTES = intake.Limits().max_body_bytes + 4096       # a body as the server takes it, plus its envelope
 _AUTO_ID = re.compile(r"line-[0-9]+")
 
 
@@ -226,26 +227,31 @@ class ResultWriter:
             # a file system without locks (some network mounts): written unlocked
 
     def _recover(self) -> None:
+        keep = 0
         with open(self.path, "rb") as f:
-            data = f.read()
-        keep = data.rfind(b"\n") + 1          # a torn last line (kill -9 mid-write) is dropped
-        for lineno, raw in enumerate(data[:keep].splitlines(), start=1):
-            try:
-                obj = json.loads(raw)
-                ok = (isinstance(obj, dict) and isinstance(obj.get("custom_id"), str)
-                      and {"response", "error"} <= obj.keys())
-            except (ValueError, RecursionError):
-                ok = False
-            if not ok:
-                raise OutputFileError(f"{self.path}:{lineno}: the output file holds a line that is not a "
-                                      f"kimi-batch result ({_one_line(raw[:80].decode('utf-8', 'replace'), 60)}); "
-                                      "give another --output")
-            if isinstance(obj.get("error"), dict) and obj["error"].get("code") == DUPLICATE:
-                self.duplicates[obj["custom_id"]] += 1
-            else:
-                self.done.add(obj["custom_id"])
-        if keep < len(data):
+            for lineno, raw in enumerate(iter(f.readline, b""), start=1):
+                if not raw.endswith(b"\n"):
+                    break                       # a torn last line (kill -9 mid-write) is dropped
+                self._recover_line(raw, lineno)
+                keep += len(raw)
+        if keep < os.path.getsize(self.path):
             os.truncate(self.path, keep)
+
+    def _recover_line(self, raw: bytes, lineno: int) -> None:
+        try:
+            obj = json.loads(raw)
+            ok = (isinstance(obj, dict) and isinstance(obj.get("custom_id"), str)
+                  and {"response", "error"} <= obj.keys())
+        except (ValueError, RecursionError):
+            ok = False
+        if not ok:
+            raise OutputFileError(f"{self.path}:{lineno}: the output file holds a line that is not a "
+                                  f"kimi-batch result ({_one_line(raw[:80].decode('utf-8', 'replace'), 60)}); "
+                                  "give another --output")
+        if isinstance(obj.get("error"), dict) and obj["error"].get("code") == DUPLICATE:
+            self.duplicates[obj["custom_id"]] += 1
+        else:
+            self.done.add(obj["custom_id"])
 
     def write(self, record: dict, duplicate: bool = False) -> None:
         cid = record["custom_id"]
@@ -279,9 +285,42 @@ class ResultWriter:
 
 
 def count_lines(path: str) -> int:
-    """Non-blank lines of an input file (the job's total)."""
+    """Non-blank lines of an input file (the job's total), read in blocks (a line may be any size)."""
+    n, content = 0, False
     with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
+        while block := f.read(1 << 20):
+            *ended, last = block.split(b"\n")
+            for piece in ended:
+                n += content or bool(piece.strip())
+                content = False
+            content = content or bool(last.strip())
+    return n + content
+
+
+class TooLong:
+    """An input line of more than MAX_LINE_BYTES (its bytes were read in pieces and dropped)."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def strip(self) -> bool:
+        return True
+
+
+def input_lines(infile, max_bytes: Optional[int] = None):
+    """(line number, line) of an open input file, a line longer than max_bytes (default
+    MAX_LINE_BYTES) as TooLong."""
+    max_bytes, lineno = max_bytes or MAX_LINE_BYTES, 0
+    while line := infile.readline(max_bytes + 1):
+        lineno += 1
+        if len(line) > max_bytes and not line.endswith(b"\n" if isinstance(line, bytes) else "\n"):
+            size = len(line)
+            while (rest := infile.readline(1 << 20)) and size < 2**62:
+                size += len(rest)
+                if rest.endswith(b"\n" if isinstance(rest, bytes) else "\n"):
+                    break
+            line = TooLong(size)
+        yield lineno, line
 
 
 def _failure(lineno: int, e: BaseException, when: str = "while running") -> str:
@@ -327,7 +366,7 @@ def run_job(llm, infile: Iterable[Union[str, bytes]], writer: ResultWriter, *, m
     jobs: dict[str, _Job] = {}            # custom_id -> its job, until its output line is written
     by_rid: dict[str, tuple] = {}         # engine request id -> (custom_id, choice index)
     seen: collections.Counter = collections.Counter()
-    lines = enumerate(infile, start=1)
+    lines = input_lines(infile)
     totals: collections.Counter = collections.Counter()     # the stats of every engine the job used
     bar = tqdm(total=total, desc=desc, unit="line", disable=not progress, file=sys.stderr)
     counts: collections.Counter = collections.Counter()     # ok / refused / errors / skipped
@@ -380,10 +419,13 @@ def run_job(llm, infile: Iterable[Union[str, bytes]], writer: ResultWriter, *, m
             if not line.strip():
                 continue
             try:
+                if isinstance(line, TooLong):
+                    raise LineError(f"line {lineno}: {line.size} bytes, more than {MAX_LINE_BYTES}")
                 ln, err = read_line(line, lineno), None
                 cid = ln.custom_id
             except LineError as e:
-                ln, err, cid = None, e, custom_id_of(line, lineno)
+                ln, err = None, e
+                cid = f"line-{lineno}" if isinstance(line, TooLong) else custom_id_of(line, lineno)
             seen[cid] += 1
             if seen[cid] > 1:            # a repeat: an error under its own custom_id, the first one runs
                 if writer.duplicates[cid] < seen[cid] - 1:

@@ -136,3 +136,31 @@ def test_cli_dev_full_and_pipe(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     recs = [json.loads(x) for x in p.stdout.splitlines()]
     assert sorted(r["custom_id"] for r in recs) == ["line-2", "r1", "r2"]
+
+
+def test_a_line_beyond_the_limit_is_one_error_and_memory_stays_bounded(llm, tmp_path, monkeypatch):
+    monkeypatch.setattr(B, "MAX_LINE_BYTES", 4096)
+    huge = b'{"custom_id": "huge", "prompt": "' + b"a" * 100_000 + b'"}'
+    data = b"\n".join([_good(1), huge, _good(2), b"x" * 5000]) + b"\n" + b"y" * 9000   # no final newline
+    lines = list(B.input_lines(io.BytesIO(data), 4096))
+    assert [n for n, _ in lines] == [1, 2, 3, 4, 5]
+    assert [x.size for _, x in lines if isinstance(x, B.TooLong)] == [len(huge) + 1, 5001, 9000]
+    out = str(tmp_path / "o.jsonl")
+    _run(llm, data, out)
+    by_id = {r["custom_id"]: r for r in _records(out)}
+    assert set(by_id) == {"r1", "r2", "line-2", "line-4", "line-5"}
+    assert "more than 4096" in by_id["line-2"]["error"]["message"]
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(data)
+    assert B.count_lines(str(inp)) == 5
+    inp.write_bytes(b"\n \n" + _good(1) + b"\n\t\n" + b" " * (3 << 20) + b"z" + b"\n\n")
+    assert B.count_lines(str(inp)) == 2
+
+
+def test_cli_input_from_a_pipe_loses_no_line(tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(b"\n".join(_good(i) for i in range(5)) + b"\n")
+    out = str(tmp_path / "o.jsonl")
+    p = _cli("/dev/stdin", ["--output", out], shell_tail=f" < {inp}")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert sorted(r["custom_id"] for r in _records(out)) == [f"r{i}" for i in range(5)]
