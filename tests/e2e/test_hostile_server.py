@@ -58,6 +58,7 @@ def _health_while(url, fn) -> tuple[list, object]:
 
 def _err(r):
     status, _, body = r
+    assert "\n" not in body["error"]["message"]
     return status, body["error"]["param"], body["error"]["message"]
 
 
@@ -123,7 +124,8 @@ def test_deep_json_is_400(server, path, depth):
     assert status == 400 and "nested deeper than" in body["error"]["message"], body
 
 
-@pytest.mark.parametrize("value", [b"Bearer \xe9\xff\xfe", b"Bearer k\xc3\xa9", "Bearer é".encode("latin-1")])
+@pytest.mark.parametrize("value", [b"Bearer \xe9\xff\xfe", b"Bearer k\xc3\xa9", "Bearer é".encode("latin-1"),
+                                   b"", b"Bearer", b"bearer k", b"Bearer kk", b"Basic k", b"Bearer  k"])
 def test_non_ascii_authorization_is_401(server, value):
     srv, url = server
     port = int(url.rsplit(":", 1)[1])
@@ -180,6 +182,16 @@ def _wait_send_queue_full(server_port: int, client_port: int, timeout: float = 1
             return
         time.sleep(0.1)
     raise AssertionError(f"the server's send queue never filled ({last} bytes)")
+
+
+def test_a_taken_port_is_a_listen_error(server):
+    import asyncio
+    from kimi_jax.entrypoints.openai.server import ListenError, OpenAIServer, serve
+    srv, url = server
+    taken = int(url.rsplit(":", 1)[1])
+    other = OpenAIServer(srv.llm, served_model_name=NAME)
+    with pytest.raises(ListenError, match=f"cannot listen on 127.0.0.1:{taken}: "):
+        asyncio.run(serve(other, port=taken, stop=asyncio.Event()))
 
 
 @pytest.mark.slow

@@ -77,7 +77,8 @@ class OpenAIServer:
         self.max_choices = min(self.limits.max_choices, llm.max_num_seqs + max_queue
                                if max_queue is not None else self.limits.max_choices)
         # a longer text prompt cannot fit max_model_len tokens (a character is >= 1 byte, a token <= L bytes)
-        self.max_prompt_chars = min(self.limits.max_prompt_chars, llm.max_model_len * _longest_token(llm.tokenizer))
+        longest = _longest_token(llm.tokenizer)
+        self.max_prompt_chars = min(self.limits.max_prompt_chars, llm.max_model_len * (longest or 2**62))
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kimi-jax-intake")
         import kimi_jax
         install = os.path.dirname(os.path.dirname(os.path.abspath(kimi_jax.__file__)))
@@ -467,10 +468,12 @@ async def serve(server: OpenAIServer, *, host: str = "127.0.0.1", port: int = 80
         await runner.cleanup()
 
 
-def _longest_token(tokenizer) -> int:
-    """Characters one token may stand for at most (its bytes; 1 without a tokenizer: ids only)."""
+def _longest_token(tokenizer) -> Optional[int]:
+    """Bytes one token may stand for at most (1 without a tokenizer: ids only; None when unknown)."""
     if tokenizer is None:
         return 1
-    ranks = getattr(tokenizer, "mergeable_ranks", None) or {}
+    ranks = getattr(tokenizer, "mergeable_ranks", None)
+    if not ranks:
+        return None
     special = getattr(tokenizer, "special_tokens", None) or {}
-    return max([len(b) for b in ranks] + [len(t) for t in special] + [1])
+    return max([len(b) for b in ranks] + [len(t.encode()) for t in special])
