@@ -74,8 +74,8 @@ class OpenAIServer:
         self.limits = limits or intake.Limits()
         self.engine = AsyncLLM(llm, max_queue=max_queue)
         # choices one request may ask: beyond the running slots plus the queue it could never be admitted
-        self.max_choices = min(self.limits.max_choices, llm.max_num_seqs + max_queue
-                               if max_queue is not None else self.limits.max_choices)
+        queued = llm.max_num_seqs + max_queue if max_queue is not None else self.limits.max_choices
+        self.max_choices = min(self.limits.max_choices, queued)
         # a longer text prompt cannot fit max_model_len tokens (a character is >= 1 byte, a token <= L bytes)
         longest = _longest_token(llm.tokenizer)
         self.max_prompt_chars = min(self.limits.max_prompt_chars, llm.max_model_len * (longest or 2**62))
