@@ -70,6 +70,8 @@ def load_json(line: Union[str, bytes], lineno: int):
             line = line.decode("utf-8")
         except UnicodeDecodeError as e:
             raise LineError(f"line {lineno}: not valid UTF-8 (byte 0x{line[e.start]:02x} at offset {e.start})") from None
+    if lineno == 1:
+        line = line.removeprefix("\ufeff")        # a byte order mark some editors write
     try:
         return intake.loads(line, MAX_DEPTH)
     except json.JSONDecodeError as e:

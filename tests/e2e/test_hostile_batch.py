@@ -164,3 +164,10 @@ def test_cli_input_from_a_pipe_loses_no_line(tmp_path):
     p = _cli("/dev/stdin", ["--output", out], shell_tail=f" < {inp}")
     assert p.returncode == 0, p.stderr[-2000:]
     assert sorted(r["custom_id"] for r in _records(out)) == [f"r{i}" for i in range(5)]
+
+
+def test_byte_order_mark_and_crlf_lines_are_read(llm, tmp_path):
+    data = b"\xef\xbb\xbf" + b"\r\n".join(_good(i) for i in range(4)) + b"\r\n\r\n"
+    out = str(tmp_path / "o.jsonl")
+    s = _run(llm, data, out)
+    assert s.counts["ok"] == 4 and sorted(r["custom_id"] for r in _records(out)) == [f"r{i}" for i in range(4)]
