@@ -1,11 +1,6 @@
-"""Model configuration: one frozen dataclass, read from a checkpoint's config.json.
-
-Every field that changes the math of a DeepSeek-V3 / Kimi-K2.x forward pass is explicit here.
-`ModelConfig.from_hf_dict` is the only place a Hugging Face config is interpreted; it accepts the
-DeepSeek-V3 / Kimi-K2 layout (fields at the top level), the Kimi-K2.5 layout (the text model nested
-under `text_config`), rope settings under `rope_scaling` + `rope_theta` (as published) or under
-`rope_parameters` (as transformers 5 writes them).
-"""
+"""Model configuration: one frozen dataclass; `ModelConfig.from_hf_dict` is the only reader of a Hugging
+Face config.json (DeepSeek-V3 / Kimi-K2 at the top level, Kimi-K2.5 under text_config, rope under
+rope_scaling or rope_parameters)."""
 from __future__ import annotations
 
 import dataclasses

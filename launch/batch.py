@@ -27,7 +27,7 @@ flags.DEFINE_string("output", None, "output JSONL file (appended; existing ids a
 flags.DEFINE_string("model", None, "checkpoint directory or preset (default: the demo model)")
 flags.DEFINE_string("served_model_name", None, "the model name of the responses and the one a body's 'model' "
                     "must match (default: --model, else 'kimi-jax-demo')")
-flags.DEFINE_enum("dtype", "float32", ["bfloat16", "float32"], "compute dtype")
+flags.DEFINE_enum("dtype", "auto", ["auto", "bfloat16", "float32"], common.DTYPE_HELP)
 flags.DEFINE_integer("max_num_seqs", 64, "requests decoded together")
 flags.DEFINE_integer("max_model_len", None, "longest prompt + output")
 flags.DEFINE_integer("default_max_tokens", 256, "max_tokens for lines that give none")
@@ -59,8 +59,7 @@ def main(argv):
     except B.OutputFileError as e:
         common.fail("kimi-batch", f"--output {e}")
     try:
-        llm = LLM(FLAGS.model, dtype=FLAGS.dtype, max_num_seqs=FLAGS.max_num_seqs,
-                  max_model_len=FLAGS.max_model_len, **common.engine_kwargs())
+        llm = LLM.from_config(common.engine_config())
     except (*common.user_errors(), ValueError) as e:
         writer.close()                         # its lock goes with it
         common.fail("kimi-batch", e)

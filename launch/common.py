@@ -72,14 +72,38 @@ def setup() -> None:
 
 
 def layout_kwargs() -> dict:
-    """The LLM(...) layout arguments from the flags."""
+    """The layout arguments from the flags."""
     return dict(tensor_parallel_size=FLAGS.tensor_parallel_size, data_parallel_size=FLAGS.data_parallel_size,
                 enable_expert_parallel=FLAGS.enable_expert_parallel)
 
 
+#: EngineConfig fields whose launcher flags carry vLLM's other names
+FLAG_NAMES = {"page_size": "block_size", "num_pages": "num_gpu_blocks_override",
+              "overlap_scheduling": "async_scheduling"}
+#: the --dtype help every launcher that builds an engine shows
+DTYPE_HELP = "compute dtype; auto: float32 on CPU, else the checkpoint's torch_dtype (bfloat16 if it has none)"
+
+
+def engine_config(**fixed):
+    """The EngineConfig of the command line: each field from its flag where one is defined and set
+    (FLAG_NAMES for vLLM's names), `fixed` over those, EngineConfig's defaults for the rest."""
+    import dataclasses
+    from kimi_jax.engine.args import EngineConfig
+    kw = {}
+    for f in dataclasses.fields(EngineConfig):
+        name = FLAG_NAMES.get(f.name, f.name)
+        if name in FLAGS and FLAGS[name].value is not None:
+            kw[f.name] = FLAGS[name].value
+    kw.update(fixed)
+    try:
+        return EngineConfig(**kw)
+    except (TypeError, ValueError) as e:
+        field, _, rest = str(e).partition(" ")
+        raise app.UsageError(f"--{FLAG_NAMES.get(field, field)} {rest}") from None
+
+
 def engine_kwargs() -> dict:
-    """The LLM(...) layout arguments and the scheduling ones given on the command line (the others keep
-    LLM's defaults)."""
+    """LLM(...) keywords of the layout and scheduling flags (launch/tool_eval.py)."""
     sched = {k: getattr(FLAGS, k) for k in ("prefill_chunk", "max_prefill_tokens") if getattr(FLAGS, k) is not None}
     return dict(layout_kwargs(), **sched, check_finite_weights=FLAGS.check_finite_weights,
                 enable_prefix_caching=FLAGS.enable_prefix_caching)

@@ -45,8 +45,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("top_k", -1, "Sample among the k most likely tokens (-1: off).")
     flags.DEFINE_float("min_p", 0.0, "Drop tokens less likely than min_p times the most likely one.")
     flags.DEFINE_integer("seed", 0, "Sampling seed (the same seed gives the same text).")
-    flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"], "Compute dtype; auto: float32 on "
-                      "CPU (where XLA's bfloat16 is slower), bfloat16 on accelerators.")
+    flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"], common.DTYPE_HELP)
     flags.DEFINE_integer("max_model_len", None, "Longest prompt + output (default: the model's maximum).")
     flags.DEFINE_bool("stream", False, "Print the text piece by piece as tokens are decoded.")
     flags.DEFINE_bool("ignore_eos", False, "Keep generating past the end-of-text / end-of-turn tokens.")
@@ -77,13 +76,6 @@ def _messages(value: str):
     return msgs
 
 
-def _dtype(name: str) -> str:
-    if name != "auto":
-        return name
-    import jax
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
-
-
 def _sampling_params():
     from kimi_jax.engine.sampling import SamplingParams
     sp = SamplingParams(temperature=FLAGS.temperature, top_p=FLAGS.top_p, top_k=FLAGS.top_k,
@@ -96,14 +88,11 @@ def _sampling_params():
     return sp
 
 
-def _load(dtype: str):
+def _load():
     from kimi_jax.entrypoints.llm import LLM
     try:
-        return LLM(FLAGS.model, **common.engine_kwargs(), dtype=dtype,
-                   max_model_len=FLAGS.max_model_len, seed=FLAGS.seed,
-                   # one request: on CPU this also sizes the page pool for one sequence (LLM's default
-                   # of 256 sequences makes every decode step ~50x slower on the demo model)
-                   max_num_seqs=1)
+        # one request: on CPU this also sizes the page pool for one sequence
+        return LLM.from_config(common.engine_config(max_num_seqs=1))
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         # ValueError covers ConfigError, CheckpointError and TokenizerError: a bad --model or layout
         raise CliError(str(e)) from None
@@ -121,12 +110,11 @@ def generate() -> None:
         raise CliError("--prompt is empty")
     messages = _messages(FLAGS.messages) if FLAGS.messages is not None else None
     sp = _sampling_params()
-    dtype = _dtype(FLAGS.dtype)
     t0 = time.time()
-    llm = _load(dtype)
+    llm = _load()
     if llm.tokenizer is None:
         raise CliError(f"model {FLAGS.model!r} has no tokenizer (tiktoken.model); kimi-generate needs text")
-    logging.info("loaded %s (%s) in %.1fs", llm.model_path or FLAGS.model, dtype, time.time() - t0)
+    logging.info("loaded %s (%s) in %.1fs", llm.model_path or FLAGS.model, llm.dtype.__name__, time.time() - t0)
     prompt = DEFAULT_PROMPT if FLAGS.prompt is None and messages is None else FLAGS.prompt
     try:
         if FLAGS.stream:

@@ -9,7 +9,7 @@
 With no layout flag given, every layout of --world devices is planned and those that fit are ranked
 by tokens/s. --compiled_counts also compiles the engine's decode step for the layout on simulated CPU
 devices (shapes only, no weights) and prints the collective counts of the compiled program beside the
-planner's rules. The model behind the numbers is documented in kimi_jax/tools/planner.py.
+planner's rules. The model behind the numbers: docs/PLANNER.md.
 """
 from __future__ import annotations
 

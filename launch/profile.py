@@ -79,7 +79,7 @@ def main(argv):
         return
     if os.path.isdir(FLAGS.model):
         from kimi_jax import LLM
-        engine = LLM(FLAGS.model, dtype=FLAGS.dtype, **common.layout_kwargs()).engine
+        engine = LLM.from_config(common.engine_config()).engine
     else:
         engine = profiling.random_engine(cfg, layout, dtype)
     report = profiling.profile_decode(engine, layout, batch=batch, context=FLAGS.context, steps=FLAGS.steps,

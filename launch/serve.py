@@ -13,7 +13,6 @@ abort the rest and exit 0. A bad flag or model prints one line (`kimi-serve: err
 from __future__ import annotations
 
 import asyncio
-import json
 import logging as pylogging
 import os
 import sys
@@ -31,8 +30,7 @@ flags.DEFINE_string("served_model_name", None, "the model name clients send (def
 flags.DEFINE_string("host", "127.0.0.1", "address to bind (loopback unless told otherwise)")
 flags.DEFINE_integer("port", 8000, "port to listen on")
 flags.DEFINE_string("api_key", None, "require 'Authorization: Bearer KEY' on /v1/* (default: env KIMI_JAX_API_KEY)")
-flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"], "compute dtype; auto: float32 on CPU, "
-                  "bfloat16 on accelerators")
+flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"], common.DTYPE_HELP)
 flags.DEFINE_integer("max_num_seqs", 64, "requests decoded together")
 flags.DEFINE_integer("max_model_len", None, "longest prompt + output (default: the model's maximum)")
 flags.DEFINE_integer("max_queue", 1024, "requests waiting for a slot before new ones get 429")
@@ -44,18 +42,12 @@ flags.DEFINE_string("tokenizer", None, "tokenizer directory (default: the model'
 flags.DEFINE_string("speculative_config", None, "speculative decoding as JSON, e.g. "
                     "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'")
 flags.DEFINE_bool("async_scheduling", True, "overlap scheduling (off with speculation)")
+flags.DEFINE_bool("precompile", True, "compile the serving programs before reporting ready")
 flags.DEFINE_float("shutdown_grace_s", 30.0, "seconds in-flight requests get to finish after SIGTERM")
 flags.DEFINE_bool("metrics_need_key", False, "require the API key on /metrics too (it names the served model)")
 flags.DEFINE_integer("max_body_bytes", 64 * 2**20, "largest request body (413 beyond)")
 flags.DEFINE_integer("max_choices", 256, "most choices (prompts x n) one request may ask (400 beyond)")
 flags.DEFINE_integer("max_prompt_chars", 8 * 2**20, "longest text prompt / conversation in characters (400 beyond)")
-
-
-def _dtype(name: str) -> str:
-    if name != "auto":
-        return name
-    import jax
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
 def main(argv):
@@ -75,18 +67,8 @@ def main(argv):
                         max_prompt_chars=FLAGS.max_prompt_chars)
     except ValueError as e:
         common.fail(PROG, f"--{e}")
-    spec = None
-    if FLAGS.speculative_config:
-        try:
-            spec = json.loads(FLAGS.speculative_config)
-        except json.JSONDecodeError as e:
-            common.fail(PROG, f"--speculative_config is not valid JSON: {e}")
     try:
-        llm = LLM(FLAGS.model, **common.engine_kwargs(), dtype=_dtype(FLAGS.dtype),
-                  max_model_len=FLAGS.max_model_len, max_num_seqs=FLAGS.max_num_seqs, seed=FLAGS.seed,
-                  tokenizer=FLAGS.tokenizer, page_size=FLAGS.block_size, num_pages=FLAGS.num_gpu_blocks_override,
-                  gpu_memory_utilization=FLAGS.gpu_memory_utilization, speculative_config=spec,
-                  overlap_scheduling=FLAGS.async_scheduling)
+        llm = LLM.from_config(common.engine_config())
     except (*common.user_errors(), ValueError, NotImplementedError, FileNotFoundError) as e:
         common.fail(PROG, e)
     name = FLAGS.served_model_name or (FLAGS.model if FLAGS.model else "kimi-jax-demo")

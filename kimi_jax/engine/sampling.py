@@ -42,9 +42,9 @@ class SamplingParams:
     # constrained decoding (kimi_jax.engine.structured): json / regex / choice / grammar / json_object
     structured_outputs: Optional[StructuredOutputsParams] = None
 
-    def validate(self, vocab_size: Optional[int] = None) -> None:
+    def validate(self, vocab_size: Optional[int] = None, max_logprobs: Optional[int] = None) -> None:
         """Raise ValueError naming the parameter at fault. vocab_size: also check the values that
-        depend on the model (logprobs, stop_token_ids)."""
+        depend on the model (logprobs, stop_token_ids); max_logprobs: the engine's cap (-1: none)."""
         # ---- types and ranges of every field (kimi_jax.engine.validation) ----
         from kimi_jax.engine.validation import check_finite, check_seed, is_int
         check_finite("temperature", self.temperature)
@@ -84,6 +84,10 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids {list(self.stop_token_ids)} reach outside the vocabulary "
                                  f"[0, {vocab_size})")
         self._validate_vllm_fields()
+        if max_logprobs is not None and max_logprobs >= 0:
+            for name in ("logprobs", "prompt_logprobs"):
+                if getattr(self, name) is not None and getattr(self, name) > max_logprobs:
+                    raise ValueError(f"{name} {getattr(self, name)} exceeds max_logprobs {max_logprobs}")
 
     def _validate_vllm_fields(self) -> None:
         """n, best_of, the penalties, min_tokens, logit_bias, prompt_logprobs, bad_words (vLLM's rules;

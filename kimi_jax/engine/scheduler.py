@@ -95,13 +95,15 @@ class BatchEngine:
     def __init__(self, engine: Engine, *, num_pages: int, page_size: int, max_num_seqs: int,
                  max_model_len: int, cache_dtype, prefill_chunk: int = 256, max_prefill_tokens: int = 2048,
                  tokenizer=None, eos_ids=(), speculative: Optional[SpeculativeConfig] = None,
-                 overlap: bool = False, enable_prefix_caching: bool = False, structured=None):
+                 overlap: bool = False, enable_prefix_caching: bool = False, structured=None,
+                 max_logprobs: Optional[int] = None):
         """structured: a kimi_jax.engine.structured.StructuredBackend for requests with
         structured_outputs (one is made from the tokenizer when needed and not given)."""
         self.engine, self.tokenizer = engine, tokenizer
         self.structured = structured
         self.page_size, self.max_num_seqs, self.max_model_len = page_size, max_num_seqs, max_model_len
         self.prefill_chunk, self.max_prefill_tokens = prefill_chunk, max_prefill_tokens
+        self.max_logprobs = max_logprobs
         self.eos_ids = frozenset(eos_ids)
         # data parallelism: equal page partitions per rank (module docstring); spare pages are dropped
         self.dp = getattr(engine, "dp", 1)
@@ -132,7 +134,7 @@ class BatchEngine:
                      prompt: Optional[str] = None) -> Request:
         """Validate and build a request; RequestError names what is wrong."""
         prompt_ids = check_request(prompt_ids, params, vocab_size=self.engine.cfg.vocab_size,
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len, max_logprobs=self.max_logprobs)
         if -(-len(prompt_ids) // self.page_size) + 1 > self.pool.per_part:
             raise RequestError(f"prompt of {len(prompt_ids)} tokens does not fit in the cache "
                                f"({self.pool.per_part} pages of {self.page_size} tokens"

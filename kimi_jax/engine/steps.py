@@ -21,6 +21,7 @@ from flax import nnx
 
 from kimi_jax import ops
 from kimi_jax.config import ModelConfig
+from kimi_jax.model import layer_weights
 from kimi_jax.model.transformer import Transformer
 from kimi_jax.engine import penalties
 from kimi_jax.engine.shapes import bucket  # noqa: F401 (the steps' callers take it from here)
@@ -206,6 +207,8 @@ class Engine:
         self.plan = ops.default_plan(plan)
         self.cfg = cfg
         self.graphdef, self.state = nnx.split(model)
+        if self.plan.layer_loop == "unroll":
+            layer_weights.split_layers(self.state)     # one autotuned fusion per shape, not per layer
         self.cache_dtype = model.dtype
         self.dp = 1 if layout is None else layout.data_parallel_size
         # (batch bucket, page-table bucket) -> (decode pass s, verification pass s): measured once by the

@@ -62,10 +62,11 @@ def check_finite(name: str, v: Any) -> None:
         raise RequestError(f"{name} must be a finite number, got {v!r}")
 
 
-def check_request(prompt_ids: Any, params, *, vocab_size: int, max_model_len: Optional[int]) -> list[int]:
+def check_request(prompt_ids: Any, params, *, vocab_size: int, max_model_len: Optional[int],
+                  max_logprobs: Optional[int] = None) -> list[int]:
     """Validate a request's sampling parameters and prompt ids against the model; the ids as ints."""
     try:
-        params.validate(vocab_size=vocab_size)
+        params.validate(vocab_size=vocab_size, max_logprobs=max_logprobs)
     except RequestError:
         raise
     except (TypeError, ValueError) as e:

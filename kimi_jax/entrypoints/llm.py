@@ -14,39 +14,18 @@ import numpy as np
 import jax
 
 from kimi_jax import ops
-from kimi_jax.config import PRESETS, ModelConfig, preset
+from kimi_jax.config import ModelConfig, preset
 from kimi_jax.engine.steps import Engine
 from kimi_jax.engine.sampling import Logprob, SamplingParams
 from kimi_jax.engine.scheduler import BatchEngine, Request, RequestError, validate_prompt
-from kimi_jax.parallel.sharding import Layout, check_fits, param_shardings
-from kimi_jax.engine.speculative import SpeculativeConfig
+from kimi_jax.parallel.sharding import Layout
+from kimi_jax.entrypoints.weights import load_model, random_model  # noqa: F401  (LLM's weights)
+from kimi_jax.engine.args import EngineConfig
 from kimi_jax.entrypoints import compilation_cache, progress
 
 log = logging.getLogger(__name__)
 Prompt = Union[str, Sequence[int], dict]
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
-_TORCH_DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float": "float32"}
-#: dtype="auto" on CPU: float32 (BENCHMARKS.md "CPU default dtype": the demo model decoded 6.2x faster in
-#: float32 than bf16 at batch 1 and 10.8x at batch 16; XLA:CPU's bf16 dots run far below its f32 ones)
-CPU_AUTO_DTYPE = "float32"
-
-
-def resolve_dtype(dtype: str, model_path: Optional[str], platform: str) -> str:
-    """dtype="auto": the checkpoint's torch_dtype (config.json; bfloat16 if absent or unsupported) on
-    an accelerator, CPU_AUTO_DTYPE on CPU; any other name is checked against the supported ones."""
-    if dtype != "auto":
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not supported (choose 'auto' or one of {sorted(_DTYPES)})")
-        return dtype
-    if platform == "cpu":
-        return CPU_AUTO_DTYPE
-    declared = None
-    if model_path is not None and os.path.isfile(os.path.join(model_path, "config.json")):
-        import json
-        with open(os.path.join(model_path, "config.json")) as f:
-            cfg = json.load(f)
-        declared = cfg.get("torch_dtype") or cfg.get("text_config", {}).get("torch_dtype")
-    return _TORCH_DTYPES.get(str(declared), "bfloat16")
 
 
 @dataclasses.dataclass
@@ -103,51 +82,6 @@ def demo_model_path() -> Optional[str]:
     return here if os.path.isfile(os.path.join(here, "config.json")) else None
 
 
-def load_model(path: str, cfg: ModelConfig, layout: Layout, dtype=jnp.bfloat16, *, check: bool = True,
-               **load_kw):
-    """The Transformer of the checkpoint directory `path` (safetensors, streamed per-device slices, or
-    orbax from kimi-convert), every parameter placed on its devices under `layout`: the abstract model
-    gives the spec (path -> shape, dtype, sharding), checkpoints.loader reads the arrays for it, and
-    they are merged into the module. check: refuse first a layout whose per-device bytes do not fit.
-    load_kw: workers / chunk_bytes / readahead_bytes / progress / stats / keep_page_cache
-    (checkpoints.loader.load_arrays)."""
-    from flax import nnx
-    from checkpoints.loader import load_arrays
-    from kimi_jax.model.transformer import abstract_model
-    layout.check_divisible(cfg)
-    graphdef, state = nnx.split(abstract_model(cfg, dtype, layout.moe_parallel()))
-    if check:
-        check_fits(layout, state)
-    shardings = param_shardings(layout, state)
-    specs = {}
-    for p, var in nnx.to_flat_state(state):
-        key, v = tuple(str(k) for k in p), var.get_value()
-        specs[key] = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[key])
-    arrays = load_arrays(path, specs, cfg, **load_kw)
-    for p, var in nnx.to_flat_state(state):
-        var.set_value(arrays[tuple(str(k) for k in p)])
-    return nnx.merge(graphdef, state)
-
-
-def random_model(cfg: ModelConfig, layout: Layout, dtype, seed: int = 0):
-    """A Transformer with the model's own random initializers, made by one jitted init that creates
-    every parameter on its own devices under `layout` (no full copy on one device first; the values do
-    not depend on the layout). Checks that the per-device bytes fit first."""
-    from flax import nnx
-    from kimi_jax.model.transformer import Transformer, abstract_model
-    parallel = layout.moe_parallel()
-    make = lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed), parallel=parallel)
-    graphdef, state = nnx.split(abstract_model(cfg, dtype, parallel, seed))
-    check_fits(layout, state)
-    shardings = param_shardings(layout, state)
-    paths = [tuple(str(k) for k in p) for p, _ in nnx.to_flat_state(state)]
-    init = jax.jit(lambda: [v.get_value() for _, v in nnx.to_flat_state(nnx.split(make())[1])],
-                   out_shardings=[shardings[p] for p in paths])
-    for (_, var), value in zip(nnx.to_flat_state(state), init()):
-        var.set_value(value)
-    return nnx.merge(graphdef, state)
-
-
 def latency_metrics(r: Request) -> dict:
     """A finished request's timing as the host saw it: arrival_time, first_token_time and finished_time
     (time.time()), time_to_first_token (seconds from arrival, queueing included) and
@@ -162,89 +96,72 @@ def latency_metrics(r: Request) -> dict:
 
 
 def default_prefill_chunk(cfg: ModelConfig, dtype, plan: Optional[ops.ExecPlan] = None) -> int:
-    """prefill_chunk when the caller gives none: 2048 where a chunk after cached tokens attends by the
-    split path (ops.prefill_attention_path: two unmasked cuDNN calls, no [B, N, T, S] scores; on the
-    H200 the time to first token of a 16K prompt was 438 / 231 / 181 / 155 ms at chunks of 256 / 1024
-    / 2048 / 4096, BENCHMARKS.md "Prefill chunk size"; 2048 is also max_prefill_tokens' default, so a
-    step holds one such chunk), else 256: the einsum path holds the f32 scores, which for 2048 tokens
-    after 128K cached ones at 64 heads are 70 GB per layer."""
+    """prefill_chunk's default: 2048 where a chunk after cached tokens takes the split path (no [B, N, T, S]
+    scores; BENCHMARKS.md "Prefill chunk size"), else 256 (the einsum path's f32 scores)."""
     path = ops.prefill_attention_path(cfg.qk_head_dim, cfg.v_head_dim, dtype, causal=False, plan=plan)
     return 2048 if path.endswith("_split") else 256
 
 
 class LLM:
-    """An engine for one model. `model`: a checkpoint directory, a preset name or a ModelConfig
-    (random weights), or None for the shipped demo model. exec_plan: a kimi_jax.ops.ExecPlan (which
-    kernels and attention paths run, the layer loop); default `ExecPlan.for_backend()`, this machine's."""
+    """An engine for one model, built from an EngineConfig: `LLM(model, **EngineConfig fields)` or
+    `LLM.from_config(engine_config)` (kimi_jax.engine.args)."""
 
-    def __init__(self, model: Union[str, ModelConfig, None] = None, *, tensor_parallel_size: int = 1,
-                 data_parallel_size: int = 1, enable_expert_parallel: bool = False,
-                 dtype: str = "auto", max_model_len: Optional[int] = None, max_num_seqs: int = 256,
-                 seed: int = 0, tokenizer: Optional[str] = None, page_size: int = 16,
-                 num_pages: Optional[int] = None, gpu_memory_utilization: float = 0.9,
-                 prefill_chunk: Optional[int] = None, max_prefill_tokens: int = 2048,
-                 speculative_config=None, overlap_scheduling: bool = True,
-                 compilation_cache_dir: Optional[str] = None, check_finite_weights: bool = True,
-                 enable_prefix_caching: bool = True, exec_plan: Optional[ops.ExecPlan] = None):
-        """compilation_cache_dir: the persistent JAX compilation cache (kimi_jax.entrypoints.
-        compilation_cache; 'none': off). Default: $KIMI_JAX_CACHE_DIR, else ~/.cache/kimi_jax/xla,
-        unless the user configured JAX's own cache (then that one). check_finite_weights: refuse a
-        checkpoint tensor holding NaN or Inf while it loads. enable_prefix_caching: reuse the cached
-        pages of shared prompt prefixes (kimi_jax.engine.page_pool). exec_plan: the execution choices
-        (kimi_jax.ops.ExecPlan; default: ExecPlan.for_backend())."""
-        if tensor_parallel_size < 1 or data_parallel_size < 1:
-            raise ValueError("tensor_parallel_size and data_parallel_size must be >= 1")
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if (prefill_chunk is not None and prefill_chunk < 1) or max_prefill_tokens < 1:
-            raise ValueError(f"prefill_chunk and max_prefill_tokens must be >= 1, got {prefill_chunk} and "
-                             f"{max_prefill_tokens}")
-        if exec_plan is not None and not isinstance(exec_plan, ops.ExecPlan):
-            raise TypeError(f"exec_plan must be a kimi_jax.ops.ExecPlan, got {type(exec_plan).__name__}")
-        model = model if model is not None else demo_model_path()
-        is_dir = isinstance(model, str) and os.path.isdir(model)
-        self.dtype = _DTYPES[resolve_dtype(dtype, model if is_dir else None, jax.devices()[0].platform)]
-        self.model_path = None
-        if model is None:
-            log.warning("no demo model installed; using the random 'tiny' preset")
-            model = "tiny"
-        self.layout = Layout(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
-        if isinstance(model, ModelConfig):       # random weights of any geometry (benchmarks, tests)
-            self.config = model
-        elif os.path.isdir(model):
-            self.model_path = model
-            self.config = ModelConfig.from_pretrained(model)
-        elif model in PRESETS:
-            self.config = preset(model)
+    def __init__(self, model: Union[str, ModelConfig, None] = None, *,
+                 engine_config: Optional[EngineConfig] = None, **kwargs):
+        if engine_config is None:
+            engine_config = EngineConfig(model, **kwargs)
+        elif model is not None or kwargs:
+            raise TypeError("give LLM either engine_config or model and keyword arguments, not both")
+        if engine_config.model is None:
+            demo = demo_model_path()
+            if demo is None:
+                log.warning("no demo model installed; using the random 'tiny' preset")
+            engine_config = engine_config.replace(model=demo or "tiny")
+        self.engine_config = ec = engine_config
+        self.dtype = _DTYPES[ec.resolve_dtype(jax.devices()[0].platform)]
+        self.model_path = ec.model_path
+        self.layout = Layout(ec.tensor_parallel_size, ec.data_parallel_size, ec.enable_expert_parallel)
+        if isinstance(ec.model, ModelConfig):
+            self.config = ec.model
+        elif self.model_path is not None:
+            self.config = ModelConfig.from_pretrained(self.model_path)
         else:
-            raise ValueError(f"model={model!r} is neither a checkpoint directory nor a preset {PRESETS}")
+            self.config = preset(ec.model)
         self.layout.check_divisible(self.config)
-        compilation_cache.enable(compilation_cache_dir)
-        self.check_finite_weights = check_finite_weights
+        compilation_cache.enable(ec.compilation_cache_dir)
+        self.check_finite_weights = ec.check_finite_weights
         with progress.phase("loading weights" if self.model_path else "making random weights"):
-            net = self._build(seed)
-        self.tokenizer = self._load_tokenizer(tokenizer or self.model_path)
-        self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
+            net = self._build(ec.seed)
+        self.tokenizer = self._load_tokenizer(ec.tokenizer or self.model_path)
+        self.max_model_len = min(ec.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
-        self.max_num_seqs = max_num_seqs
-        self.engine = Engine(net, self.config, self.layout, plan=ops.default_plan(exec_plan))
-        if page_size < 1 or (num_pages is not None and num_pages < 2):
-            raise ValueError("page_size must be >= 1 and num_pages >= 2")
-        self.page_size = page_size
-        self.num_pages = num_pages or self._default_num_pages(gpu_memory_utilization)
-        self.prefill_chunk = prefill_chunk or default_prefill_chunk(self.config, self.dtype, self.exec_plan)
-        self.max_prefill_tokens = max_prefill_tokens
-        self.speculative = SpeculativeConfig.from_any(speculative_config)
-        # dispatch decode step N+1 before reading step N's tokens (kimi_jax.engine.scheduler); off with speculation
-        self.overlap_scheduling = overlap_scheduling
-        # reuse the cached pages of shared prefixes (kimi_jax.engine.page_pool); generate() then keeps one
-        # batch engine, so its cache outlives a call
-        self.enable_prefix_caching = enable_prefix_caching
+        self.max_num_seqs = ec.max_num_seqs
+        self.engine = Engine(net, self.config, self.layout, plan=ops.default_plan(ec.exec_plan))
+        self.page_size = ec.page_size
+        self.num_pages = ec.num_pages or self._default_num_pages(ec.gpu_memory_utilization)
+        self.prefill_chunk = ec.prefill_chunk or default_prefill_chunk(self.config, self.dtype, self.exec_plan)
+        self.max_prefill_tokens = ec.max_prefill_tokens
+        self.speculative = ec.speculative_config
+        self.overlap_scheduling = ec.overlap_scheduling
+        # generate() keeps one batch engine with prefix caching, so its cache outlives a call
+        self.enable_prefix_caching = ec.enable_prefix_caching
+        self.max_logprobs = ec.max_logprobs
         self._generate_engine: Optional[BatchEngine] = None
-        self._rng = random.Random(seed)
+        self._rng = random.Random(ec.seed)
         self._chat_template = None
         self._structured = None
         self._next_id = 0
+        if ec.precompile:
+            self.precompile()
+
+    @classmethod
+    def from_config(cls, engine_config: EngineConfig) -> "LLM":
+        return cls(engine_config=engine_config)
+
+    def precompile(self) -> None:
+        """Compile the batch engine's programs now (where the batch engine offers `precompile`)."""
+        if hasattr(BatchEngine, "precompile"):
+            self.batch_engine().precompile()
 
     @property
     def exec_plan(self) -> ops.ExecPlan:
@@ -374,7 +291,7 @@ class LLM:
             if not isinstance(sp, SamplingParams):
                 raise ValueError(f"request {i}: sampling_params must be SamplingParams, got {type(sp).__name__}")
             try:
-                sp.validate(vocab_size=self.config.vocab_size)
+                sp.validate(vocab_size=self.config.vocab_size, max_logprobs=self.max_logprobs)
                 seed = sp.seed if sp.seed is not None else self._rng.getrandbits(31)
                 groups.append(be.make_samples(str(self._next_id + i), t, sp, seed, prompt=text))
             except (RequestError, ValueError, TypeError) as e:
@@ -408,7 +325,8 @@ class LLM:
                            cache_dtype=self.dtype, prefill_chunk=self.prefill_chunk,
                            max_prefill_tokens=self.max_prefill_tokens, tokenizer=self.tokenizer, eos_ids=eos,
                            speculative=self.speculative, overlap=self.overlap_scheduling,
-                           enable_prefix_caching=self.enable_prefix_caching, structured=self.structured_backend())
+                           enable_prefix_caching=self.enable_prefix_caching, structured=self.structured_backend(),
+                           max_logprobs=self.max_logprobs)
 
     def structured_backend(self):
         """The structured-outputs backend over this model's tokenizer (None without one), shared by
@@ -493,14 +411,10 @@ class LLM:
     def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
              add_generation_prompt: bool = True, tools=None, chat_template: Optional[str] = None,
              use_tqdm: bool = False, tool_choice=None, response_format=None):
-        """Render the checkpoint's own chat template (sandboxed) and generate from `chat_prompt_ids`
-        (message text never becomes special tokens); messages may be one conversation (a list of
-        dicts) or a list of conversations.
-
-        tools / tool_choice / response_format: OpenAI's fields. They constrain the output
-        (kimi_jax.engine.structured.from_openai; tool_choice defaults to "auto" with tools) unless
-        sampling_params already carries structured_outputs. With tools each output's tool-call
-        section is parsed: `content`, `tool_calls` and finish_reason "tool_calls"."""
+        """Generate from one conversation or a list of them, rendered with the checkpoint's chat template
+        (`chat_prompt_ids`). tools / tool_choice / response_format constrain the output (OpenAI's fields)
+        unless sampling_params has structured_outputs; with tools each output's calls are parsed into
+        `content`, `tool_calls` and finish_reason "tool_calls"."""
         from kimi_jax.engine.structured import StructuredOutputError, from_openai
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         kw = dict(add_generation_prompt=add_generation_prompt, tools=tools, chat_template=chat_template)

@@ -15,6 +15,7 @@ from flax import nnx
 
 from kimi_jax import ops
 from kimi_jax.config import ModelConfig
+from kimi_jax.model import layer_weights
 from kimi_jax.model.layers import MLP, RMSNorm, param
 from kimi_jax.model.mla import MLA, write_pages
 from kimi_jax.model.moe import MoE
@@ -74,7 +75,7 @@ def scan_layers(stack: nnx.Module, x_BTD, positions_BT, kv_LBSC, *, absorbed: bo
     plan: the kimi_jax.ops.ExecPlan (None: `ExecPlan.for_backend()`): the layer loop and every op's path."""
     plan = ops.default_plan(plan)
     graphdef, experts, rest = nnx.split(stack, nnx.PathContains("experts"), ...)
-    n_layers = _num_layers(rest)
+    n_layers = layer_weights.num_layers(rest)
     paged = block_table_BP is not None
 
     def layer_fn(x, layer, layer_state, kv):
@@ -88,20 +89,17 @@ def scan_layers(stack: nnx.Module, x_BTD, positions_BT, kv_LBSC, *, absorbed: bo
         outs = []
         for i in range(n_layers):
             kv = None if paged or kv_LBSC is None else kv_LBSC[i]
-            x_BTD, out = layer_fn(x_BTD, i, jax.tree.map(lambda a: a[i], rest), kv)
+            x_BTD, out = layer_fn(x_BTD, i, layer_weights.layer(rest, i), kv)
             outs.append(out)
         out_L = jnp.stack(outs)
     else:
         layers = jnp.arange(n_layers, dtype=jnp.int32)
         per_layer_kv = None if paged else kv_LBSC
-        x_BTD, out_L = jax.lax.scan(lambda x, xs: layer_fn(x, *xs), x_BTD, (layers, rest, per_layer_kv))
+        x_BTD, out_L = jax.lax.scan(lambda x, xs: layer_fn(x, *xs), x_BTD,
+                                    (layers, layer_weights.stacked(rest), per_layer_kv))
     if paged:
         return x_BTD, write_pages(kv_LBSC, block_table_BP, positions_BT, out_L, parallel=stack.self_attn.parallel)
     return x_BTD, out_L
-
-
-def _num_layers(state) -> int:
-    return jax.tree.leaves(state)[0].shape[0]
 
 
 class Transformer(nnx.Module):

@@ -1,15 +1,7 @@
-"""Kernel selection: the model's ops, and the only module that imports `pallas_kernels`.
-
-Each op has an 'xla' implementation (plain jnp/lax, runs everywhere) and, where one exists, a 'pallas'
-implementation (GPU kernels). Which one runs, and every other execution choice, is the caller's
-`ExecPlan` (kimi_jax.ops.plan, re-exported here), passed as `plan=`; an op called without one runs
-`ExecPlan.for_backend()` (the GPU kernels on GPU, XLA elsewhere). Prefill attention lives in
-kimi_jax.ops.prefill_attention (its GPU path is cuDNN flash attention, not Pallas) and is re-exported here.
-
-Weight layout for routed experts (compressed-tensors / HF, rows are output features):
-  bf16:  ExpertWeights(gate=[E, F, D], up=[E, F, D], down=[E, D, F])
-  INT4:  ExpertWeights(gate=Int4Weight(packed int32 [E, F, D/8], scale bf16 [E, F, D/g]), ...)
-"""
+"""The model's ops, each with an 'xla' and (where one exists) a 'pallas' implementation, chosen by the
+caller's `ExecPlan` (`plan=`; default `ExecPlan.for_backend()`). The only module that imports
+`pallas_kernels`. Routed experts: ExpertWeights(gate [E, F, D], up [E, F, D], down [E, D, F]), bf16 or
+Int4Weight(packed int32 [E, F, D/8], scale [E, F, D/g])."""
 from __future__ import annotations
 
 import dataclasses
@@ -72,23 +64,17 @@ def linear(x: jax.Array, w: Weight, *, plan: Optional[ExecPlan] = None) -> jax.A
         y = int4_matmul.int4_matmul(x.reshape(-1, x.shape[-1]), w.packed, w.scale)
         return y.reshape(*lead, y.shape[-1])
     wd = dequantize(w, x.dtype)
-    # The dot accumulates in float32 either way (XLA's GPU/CPU dots); asking for the output in the
-    # model dtype keeps tensor-parallel partial sums in bf16 on the wire (half the bytes of f32).
+    # f32 accumulation either way; the model dtype out keeps TP partial sums bf16 on the wire
     return jnp.einsum("...k,nk->...n", x, wd, preferred_element_type=x.dtype)
 
 
 def routed_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array, experts: ExpertWeights,
                    *, plan: Optional[ExecPlan] = None, parallel=None, layer=None) -> jax.Array:
-    """sum_k weight[t,k] * down(silu(gate(x_t)) * up(x_t)) over the K experts idx[t,k] of each token.
+    """sum_k weight[t, k] * down(silu(gate(x_t)) * up(x_t)) over the experts idx[t, k] -> [T, D] in x's dtype.
 
-    x_TD: [T, D] activations; idx_TK: [T, K] int32 expert ids in [0, E); weight_TK: [T, K] float32.
-    Returns [T, D] in x's dtype. Experts that receive no token are never read by the pallas path.
-    `parallel` (kimi_jax.parallel.sharding.MoEParallel) runs the experts sharded inside shard_map.
-    `layer` (an int or a traced int32 scalar): the weights are a whole layer stack [L, E, ...] and this
-    call runs layer `layer` of it without copying that layer's slice out (the kernels offset the ids).
-    plan: the ExecPlan (default `ExecPlan.for_backend()`); INT4 experts run the Pallas kernels under
-    impl='pallas'.
-    """
+    x_TD [T, D], idx_TK [T, K] int32, weight_TK [T, K] float32. parallel: sharded inside shard_map. layer:
+    the weights are a stack [L, E, ...] and this runs layer `layer` without copying it out. The pallas path
+    never reads an expert that receives no token."""
     pallas = default_plan(plan).pallas
     if parallel is not None:
         return _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts, parallel, pallas, layer)
@@ -164,9 +150,7 @@ def _routed_experts_local(x_TD, idx_TK, weight_TK, experts: ExpertWeights, palla
     if pallas:
         from pallas_kernels.int4 import moe_gmm
         g, u, d = experts.gate, experts.up, experts.down
-        # The kernels are W4A16, bf16 activations in and out: a float32 model's experts see their input
-        # and return their sum rounded to bf16 (accumulation is float32 inside). Pairs whose expert lives
-        # on another device (id E_local) are skipped by the kernels.
+        # W4A16: bf16 in and out (f32 inside); pairs whose expert is on another device (id E_local) skip
         y = moe_gmm.moe_experts(x_TD.astype(jnp.bfloat16), idx_TK, weight_TK, g.packed, g.scale, u.packed,
                                 u.scale, d.packed, d.scale, held_share=held_share)
         return y.astype(x_TD.dtype)
@@ -265,19 +249,10 @@ def gather_pages(pool: jax.Array, block_table_BP: jax.Array, *, layer=None, para
 
 def mla_decode_kernel(rows: int, A: int, R: int, page: int, dtype, *, batch: int = 64,
                       context: int = 1 << 17, plan: Optional[ExecPlan] = None) -> str:
-    """The decode kernel for `rows` = T * N query rows per sequence on one device, `batch` sequences
-    whose block tables hold up to `context` tokens: the Mosaic GPU kernel where its 64-row wgmma tiles
-    are full (rows a multiple of 64: 64 heads at TP1 / DP, or T * N under speculation) on a Hopper GPU
-    with bf16, A a multiple of 256, R = 64, a page size of 8, 16, 32 or a multiple of 64, and a cache
-    large enough to pay for its fixed cost; else the Triton kernel (8 heads per device under TP8: the
-    mgpu kernel would pad 8 rows to 64). Measured on the H200 at 64 heads (BENCHMARKS.md, 'MLA decode attention', where
-    `ops.mla_decode_kernel` switches; device span per call): at 1 x 4K Triton wins (19.0 vs 28.3 us),
-    at 16K tokens in the batch the two tie (the mgpu kernel's fixed cost is ~23 us), at 8 x 4K (32K in
-    the batch) mgpu takes 33.6 us against Triton's 54.6. So mgpu needs tables of >= 16K tokens per row
-    or >= 32K in the batch (`context`: the block table's capacity, a bucket). (Timed with one dispatch
-    per call, Triton is ahead at 8 x 4K too: there the host's dispatch sets the pace of both.)
-    plan: its `mla_decode_kernel` when forced ('triton' / 'mgpu'); under 'auto' the rule above, with
-    the GPU kind from its `hopper` (default plan: `ExecPlan.for_backend()`)."""
+    """The paged decode kernel for `rows` = T * N query rows per sequence: 'mgpu' where its 64-row wgmma
+    tiles fill (bf16, A % 256 == 0, R == 64, a page of 8 / 16 / 32 or a multiple of 64), on a Hopper, with
+    tables of >= 16K tokens per row or >= 32K in the batch (its fixed cost; BENCHMARKS.md "MLA decode
+    attention"), else 'triton'; the plan's forced kernel wins."""
     plan = default_plan(plan)
     if plan.mla_decode_kernel != "auto":
         return plan.mla_decode_kernel
@@ -290,20 +265,12 @@ def mla_decode_kernel(rows: int, A: int, R: int, page: int, dtype, *, batch: int
 def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: jax.Array, pool_XpC: jax.Array,
                         block_table_BP: jax.Array, positions_BT: jax.Array, scale: float, *,
                         plan: Optional[ExecPlan] = None, parallel=None, layer=None) -> jax.Array:
-    """Absorbed MLA over a paged latent cache plus the step's new tokens; returns o_lat [B, T, N, A].
+    """Absorbed MLA over a paged latent cache plus the step's new tokens -> o_lat [B, T, N, A].
 
-    q_lat: queries in latent space (W_UK^T q^C); q_pe: rotated rope queries; new_BTC: the new tokens'
-    [c | k^R] (C = A + R), not yet in the pool; pool_XpC [X, page, C] with block_table_BP page ids into
-    it, or (layer given) the layer stack's pool [L, X, page, C] and ids into this layer's X pages;
-    positions_BT: the new tokens' absolute positions (consecutive per row, < 0 = padding). Row b's
-    cached tokens are positions [0, positions[b, 0]); new token t also sees new tokens t' <= t.
-    score = (q_lat . c + q_pe . k^R) * scale, softmax in float32, output sum_s p_s c_s.
-    parallel: a kimi_jax.parallel.sharding.MoEParallel: the GPU kernel then runs per device shard (rows over the
-    batch axes, heads over the head axes); a page-split pool (`page_split`: ids local to each row's
-    data-parallel rank) is read per shard by either path.
-    plan: the ExecPlan (default `ExecPlan.for_backend()`): impl, the decode kernel (`mla_decode_kernel`),
-    its work schedule (`mla_schedule`; None: each kernel's default) and the merge's thresholds.
-    """
+    q_lat [B, T, N, A] (W_UK^T q), q_pe [B, T, N, R] (rotated); new_BTC: the new tokens' [c | k^R], not yet in
+    the pool; pool_XpC [X, page, C] (or with `layer`, the stack [L, X, page, C]) read through block_table_BP;
+    positions_BT: the new tokens' positions (< 0: padding). Row b sees its cached [0, positions[b, 0]) and
+    new tokens t' <= t. parallel: per device shard; plan: the kernel, its schedule and thresholds."""
     plan = default_plan(plan)
     A, R = q_lat_BTNA.shape[-1], q_pe_BTNR.shape[-1]
     kernel_fits = all(v >= 16 and not v & (v - 1) for v in (A, R))   # the kernel's tiles: powers of two >= 16
@@ -330,10 +297,7 @@ def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: ja
                                                   **thresholds)
 
         if parallel is not None and parallel.mesh.size > 1:
-            # a kernel is opaque to XLA's partitioner (it would gather every operand and run the whole
-            # batch and every head on each device): run it per shard, rows split like the batch and
-            # heads like the attention weights; the pool's pages split like the rows (ids local to the
-            # shard) under data parallelism, else whole on every device
+            # opaque to XLA's partitioner: run per shard (rows like the batch, heads like the weights)
             from jax.sharding import PartitionSpec as P
             b, h = parallel.batch or None, parallel.heads or None
             split = page_split(parallel) or None

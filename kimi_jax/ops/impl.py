@@ -1,6 +1,4 @@
-"""Helpers the op modules share (`kimi_jax.ops`, `kimi_jax.ops.prefill_attention`). Which implementation
-an op runs is the caller's `ExecPlan` (kimi_jax.ops.plan), passed in.
-"""
+"""Helpers the op modules share."""
 from __future__ import annotations
 
 import jax
@@ -8,9 +6,8 @@ import jax.numpy as jnp
 
 
 def einsum_f32(eq: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """jnp.einsum accumulating and returning float32. XLA:CPU cannot run some bf16 x bf16 -> f32 dots
-    (batch dimensions that are not leading: "UNIMPLEMENTED ... DotThunk"), so on CPU the operands are
-    widened to f32 first (exact; the products and sums are f32 either way)."""
+    """jnp.einsum accumulating in and returning float32 (on CPU the operands are widened first: XLA:CPU
+    cannot run some bf16 x bf16 -> f32 dots)."""
     if jax.default_backend() == "cpu":
         a, b = a.astype(jnp.promote_types(a.dtype, jnp.float32)), b.astype(jnp.promote_types(b.dtype, jnp.float32))
     return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)

@@ -1,18 +1,7 @@
-"""Expanded-form (prefill) MLA attention: the XLA einsum path, cuDNN flash attention through
-jax.nn.dot_product_attention for fresh causal prefills, and for prefill chunks after cached tokens the
-masked call or two unmasked calls merged by log-sum-exp. `kimi_jax.ops` re-exports the public names;
-the plan's `prefill_attention` / `chunk_attention` (kimi_jax.ops.plan.ExecPlan) force a path.
-
-Prefill chunks that follow cached tokens (the scheduler's later prompt chunks, recomputes) have a mask of
-each row's cached prefix plus the chunk causally, which cuDNN's top-left causal mask cannot express.
-'cudnn' / 'xla': jax.nn.dot_product_attention with the explicit mask (cuDNN: an additive bias
-[B, 1, T, S], 64x smaller than the einsum path's f32 scores [B, N, T, S]). 'cudnn_split' / 'xla_split':
-no mask, two calls merged by their log-sum-exps (`_split_attention`): the chunk against the row's cached
-keys (per-row key lengths) and against itself (causal), for callers that pass `chunk_lens`. Automatic
-under impl='pallas' where cuDNN fits: 'cudnn_split'. On the H200 (BENCHMARKS.md, 'MLA prefill attention
-through cuDNN'), 64 heads after 32,768 cached tokens, chunks of 256 / 2,048 tokens: einsum 5.12 / 41.54
-ms, masked 3.48 / 21.65 ms, split 1.80 / 6.69 ms.
-"""
+"""Expanded-form (prefill) MLA attention: XLA einsums, cuDNN flash attention (jax.nn.dot_product_attention)
+for fresh causal prefills, and for chunks after cached tokens the masked call or two unmasked calls
+merged by log-sum-exp (cuDNN's top-left causal mask cannot express a cached prefix per row). Timings:
+BENCHMARKS.md "MLA prefill attention through cuDNN"."""
 from __future__ import annotations
 
 import functools
@@ -27,22 +16,15 @@ from kimi_jax.ops.plan import CHUNK_ATTENTION_CHOICES, PREFILL_ATTENTION_CHOICES
 
 
 def cudnn_attention_fits(qk_dim: int, v_dim: int, dtype) -> bool:
-    """Shapes and dtypes cuDNN flash attention takes through jax.nn.dot_product_attention (after v is
-    padded to the qk head dim): bf16/fp16, head dim a multiple of 8 and at most 256 (Hopper and later;
-    jax refuses > 128 on older GPUs at trace time, and the op then falls back to einsum)."""
+    """Shapes cuDNN flash attention takes after v is padded to the qk head dim: bf16 / fp16, head dim a
+    multiple of 8 and <= 256."""
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and qk_dim % 8 == 0 and qk_dim <= 256 and v_dim <= qk_dim)
 
 
 def prefill_attention_path(qk_dim: int, v_dim: int, dtype, *, causal: bool, plan: Optional[ExecPlan] = None) -> str:
-    """Which path mla_prefill_attention takes, decided at trace time: 'einsum' (XLA einsums and a masked
-    softmax), 'cudnn' or 'xla' (one jax.nn.dot_product_attention call with that implementation), or for
-    a chunk after cached tokens 'cudnn_split' / 'xla_split' (two unmasked calls merged).
-    Only a fresh causal prefill (`causal`: the keys are the query tokens themselves, row by row) can use
-    dot_product_attention: cuDNN's causal mask is aligned top-left, and rows with cached tokens before
-    their chunk need it aligned bottom-right, per row: they take the plan's `chunk_attention` if forced,
-    else 'cudnn_split' where cuDNN fits (two unmasked calls merged; the masked call where the caller gives
-    no chunk_lens or the split is unavailable). plan: default `ExecPlan.for_backend()`."""
+    """The path mla_prefill_attention takes (static): the plan's forced choice, else 'cudnn' (fresh causal)
+    or 'cudnn_split' (after cached tokens) under impl='pallas' where cuDNN fits, else 'einsum'."""
     plan = default_plan(plan)
     forced = plan.prefill_attention if causal else plan.chunk_attention
     if forced != "auto":
@@ -73,28 +55,14 @@ def _warn_fallback(path: str, error: str) -> None:
 def mla_prefill_attention(q_nope_BTNH: jax.Array, q_pe_BTNR: jax.Array, k_BSNH: jax.Array, kpe_BSR: jax.Array,
                           v_BSNU: jax.Array, mask_BTS: jax.Array, scale: float, *, causal: bool = False,
                           plan: Optional[ExecPlan] = None, parallel=None, chunk_lens=None) -> jax.Array:
-    """Expanded-form MLA attention; returns o [B, T, N, U] float32.
+    """Expanded-form MLA attention -> o [B, T, N, U] float32: softmax((q_nope . k + q_pe . kpe) * scale) . v
+    over the keys mask[b, t, s] allows; q_nope [B, T, N, H], q_pe [B, T, N, R], k [B, S, N, H], kpe [B, S, R],
+    v [B, S, N, U], mask [B, T, S].
 
-    score[b,n,t,s] = (q_nope . k + q_pe . kpe) * scale over keys with mask[b,t,s], softmax in float32.
-    q_nope [B, T, N, H], q_pe [B, T, N, R] (rotated), k [B, S, N, H], kpe [B, S, R] (rotated, shared by
-    every head), v [B, S, N, U]; mask [B, T, S] bool.
-    causal (static): a fresh prefill: S == T, the keys are the query tokens, each row's real tokens
-    come first (positions 0, 1, ...) with padding only after them, and for every real query t
-    mask[b,t,s] is exactly s <= t. Then jax.nn.dot_product_attention with is_causal=True gives the same
-    outputs for the real tokens (padding tokens' outputs differ; they stay finite and are ignored).
-    The dot_product_attention path concatenates [q_nope | q_pe] and [k | kpe] to one qk head dim and
-    zero-pads v to it (the public API wants equal qk and v head dims; zero columns of v give zero
-    output columns, sliced off). Otherwise (keys = a cached prefix plus the chunk) the path is
-    `prefill_attention_path(causal=False)`'s: einsums; the same call with `mask` (a real query always
-    sees itself; a padding query that sees no key is given key 0, so no kernel meets an empty row); or,
-    given chunk_lens, two unmasked calls merged (`_split_attention`).
-    parallel: a kimi_jax.parallel.sharding.MoEParallel: the cuDNN call runs per device shard inside shard_map
-    (rows over the batch axes, heads over the head axes), as the decode kernel does.
-    chunk_lens: (cached [B], new [B]) int32 when the keys are `paged_keys`' layout (S - T cached slots,
-    row b's first cached[b] real, then the chunk, its first new[b] tokens real): the '_split' paths
-    need it (without it they take the masked call).
-    plan: the ExecPlan (default `ExecPlan.for_backend()`): its impl and forced paths.
-    """
+    causal (static): a fresh prefill (S == T, real tokens first, mask exactly s <= t): the causal call's
+    outputs equal the masked ones for real tokens. Otherwise the path is
+    `prefill_attention_path(causal=False)`'s; chunk_lens (cached [B], new [B]) enables the split paths.
+    parallel: an MoEParallel (the cuDNN call runs per device shard); plan: default `ExecPlan.for_backend()`."""
     H, R, U = q_nope_BTNH.shape[-1], q_pe_BTNR.shape[-1], v_BSNU.shape[-1]
     dtype = q_nope_BTNH.dtype
     fresh = causal and k_BSNH.shape[1] == q_nope_BTNH.shape[1]
@@ -108,8 +76,7 @@ def mla_prefill_attention(q_nope_BTNH: jax.Array, q_pe_BTNR: jax.Array, k_BSNH: 
                                               parallel, mask_BTS=None if fresh else mask_BTS,
                                               chunk_lens=chunk_lens if p.endswith("_split") else None)
         except (NotImplementedError, RuntimeError) as e:
-            # raised while tracing (no cuDNN, an unsupported GPU or shape, jax's private cuDNN entry point
-            # changed): take the next path (split -> masked call -> einsums)
+            # unavailable while tracing: the next path (split -> masked call -> einsums)
             _warn_fallback(p, f"{type(e).__name__}: {e}")
     return _mla_prefill_attention_einsum(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNU, mask_BTS, scale)
 
@@ -144,9 +111,7 @@ def _mla_prefill_attention_dpa(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNU, 
         return o_BTNW[..., :U].astype(jnp.float32)
 
     if parallel is not None and parallel.mesh.size > 1:
-        # jax's cuDNN attention is a custom call with its own partitioning rule; running it per shard
-        # (rows like the batch, heads like the attention weights) states the placement outright, the same
-        # way as the decode kernel, so the partitioner never gathers heads or rows around it
+        # per shard, as the decode kernel: the partitioner never gathers heads or rows around it
         from jax.sharding import PartitionSpec as P
         b, h = parallel.batch or None, parallel.heads or None
         extra_specs = (P(b),) * 2 if chunk_lens is not None else (P(b, None, None),) * len(extra)

@@ -1,9 +1,5 @@
-"""Multi-process (multi-host) start-up: one JAX process per host (or per GPU), one global mesh.
-
-Every process calls `initialize(...)` before touching devices, then builds the same LLM with the same
-layout; `jax.devices()` then lists every process's devices and the mesh spans them all. On CPU the
-cross-process collectives go through gloo.
-"""
+"""Multi-process start-up: every process calls `initialize(...)` before touching devices and builds the
+same LLM; the mesh spans every process's devices (gloo between CPU processes)."""
 from __future__ import annotations
 
 from typing import Optional, Sequence

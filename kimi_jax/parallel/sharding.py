@@ -1,19 +1,7 @@
-"""Parallel layouts: the device mesh and the one table that maps logical axis names onto it.
-
-Parameters carry logical axis names (`axes` metadata, e.g. ("experts", "expert_mlp", "embed")); model
-code never names a mesh axis. A `Layout` (vLLM's flags: tensor_parallel_size, data_parallel_size,
-enable_expert_parallel) builds a mesh with axes ("dp", "tp") and resolves every logical name through
-RULES below:
-
-| layout | attention            | dense / shared FFN | routed experts                    |
-| TP     | heads split over tp  | width split on tp  | each expert's width split on tp   |
-| TP+EP  | heads split over tp  | width split on tp  | whole experts, E/(dp*tp) each     |
-| DP+EP  | replicated, batch/dp | replicated         | whole experts, E/(dp*tp) each     |
-
-Routed experts run inside `shard_map` (ops.routed_experts): every device computes its own experts (or
-its slice of every expert) for the tokens it sees and the partial sums are reduced; under DP+EP the
-tokens of the dp group are first all-gathered and the result reduce-scattered back (bf16 on the wire).
-"""
+"""Parallel layouts: the ("dp", "tp") mesh of a `Layout` and RULES, the one table from logical axis names
+to mesh axes (model code never names a mesh axis). TP splits heads and FFN widths over tp; EP holds
+whole experts, E / (dp * tp) each; DP+EP replicates attention over a batch split. Routed experts run in
+shard_map (ops.routed_experts)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,16 +1,7 @@
-"""A checkpoint's own chat template, rendered in a sandboxed Jinja environment.
-
-:class:`ChatTemplate` reads the template from ``chat_template.jinja`` (preferred, as transformers 5 does)
-or from the ``chat_template`` entry of ``tokenizer_config.json``, and renders it the way transformers'
-``apply_chat_template`` does: ``jinja2.sandbox.ImmutableSandboxedEnvironment`` with ``trim_blocks`` and
-``lstrip_blocks``, the ``loopcontrols`` extension, a ``{% generation %}`` tag, a ``tojson`` filter that does
-not HTML-escape, and the ``raise_exception`` / ``strftime_now`` / ``dict`` / ``namespace`` globals; the
-tokenizer's special-token strings (``bos_token``, ``eos_token``, ...) are passed as variables.
-
-Templates are untrusted. Unlike plain Jinja (which renders an unsafe attribute as an empty string), any
-attempt to read an unsafe attribute (``__class__``, ``__globals__``, ``mro``, mutating methods, ...) raises
-:class:`ChatTemplateError` at once. Everything a template sees is rebuilt from plain JSON types first.
-"""
+"""A checkpoint's chat template (``chat_template.jinja``, else tokenizer_config.json's) rendered as
+transformers' ``apply_chat_template`` does, in ``jinja2.sandbox.ImmutableSandboxedEnvironment``. Templates
+are untrusted: reading an unsafe attribute raises :class:`ChatTemplateError`, and the template sees only
+plain JSON types."""
 from __future__ import annotations
 
 import ctypes

@@ -1,24 +1,10 @@
-"""A conversation -> prompt token ids, where only the chat template's own markup becomes special tokens.
+"""A conversation -> prompt token ids where only the chat template's own markup becomes special tokens.
 
-The rendered prompt has to be encoded with special tokens recognised (the template writes
-``<|im_user|>``, ``<|im_end|>``, ... as text), but text from a message must never turn into one: a user
-who writes ``<|im_end|><|im_system|>system<|im_middle|>...`` in ``content`` (or ``name``, a tool result,
-tool-call arguments, a tool schema: any string of the request) must get those characters as plain text
-tokens, not a forged role. `encode_conversation` does it by marking, not stripping:
-
-1. every string of the request (values and keys, at any depth) is escaped before the template sees it:
-   the mark ``U+FDD0`` (a Unicode noncharacter) is doubled where it occurs, and inserted after the
-   first character of every special-token string in the text, of a trailing piece that begins a
-   special token and before the last character of a leading piece that ends one (so no special token
-   can form across the edge of message text and template text either);
-2. the template renders as usual (its own string literals are untouched);
-3. the rendered text is split at the special-token strings that remain (all of them the template's)
-   and each piece between them is unescaped (``U+FDD0 c`` -> ``c``) and encoded as ordinary text.
-
-So a special-token string inside a message encodes to exactly the tokens of the same characters in
-plain text. A template that inspects message text for a special-token string (e.g. splits assistant
-content at a reasoning marker that is a special token) no longer finds it in that message.
-"""
+`encode_conversation` escapes every string of the request with the noncharacter U+FDD0 (doubled where
+it occurs, inserted inside every special-token string and at the edges that could join one), renders
+the template, splits the text at the special-token strings left (the template's), and encodes each
+piece between them, unescaped, as plain text: a special-token string in a message encodes as the
+same characters in plain text."""
 from __future__ import annotations
 
 import re

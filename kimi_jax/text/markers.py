@@ -1,12 +1,6 @@
-"""Splitting model output into text and marker events, from token ids or from text, in any chunking.
-
-A marker is a string such as ``<|tool_call_begin|>`` or ``<think>``. Where the tokenizer has the
-marker as one special token it is recognised by that id only (a literal ``<|tool_call_begin|>`` spelled
-out by ordinary tokens stays text); markers without a token of their own are found in the decoded
-text. The events a `MarkerScanner` yields do not depend on how its input is cut into pieces: a text
-tail that could still become a marker is held back until the next piece (or `finish`) decides, and
-bytes of an unfinished UTF-8 character wait for the token that completes them.
-"""
+"""Model output -> text and marker events (``<|tool_call_begin|>``, ``<think>``), from ids or text, the same
+in any chunking: a marker with a special token of its own matches by id only, others in the decoded
+text; a tail that could still become a marker, or an unfinished UTF-8 character, waits."""
 from __future__ import annotations
 
 import codecs

@@ -1,18 +1,7 @@
-"""Thinking models' reasoning: ``<think>...</think>`` at the start of an output goes to
-``reasoning_content`` (vLLM's field); the rest is the answer.
-
-Rules (each decided the same way whatever the streaming chunking):
-
-* Reasoning starts when the output's first non-whitespace event is the ``<think>`` marker, or at the
-  first token when the prompt already ended in ``<think>`` (``starts_in_reasoning``, K2.5's thinking
-  mode). Anything else first makes the whole output the answer (leading whitespace included).
-* ``</think>`` ends reasoning; an output that stops before it is reasoning only.
-* Whitespace right after ``</think>`` is dropped from the answer.
-* ``keep_inline=True`` turns the split off: tags and reasoning stay in the answer as text.
-
-`ReasoningStage` consumes `kimi_jax.text.markers` events and returns ``(reasoning_text, answer_events)``:
-the answer events go on to the tool-call parser.
-"""
+"""``<think>...</think>`` at the start of an output -> ``reasoning_content`` (vLLM's field), the rest the
+answer, decided the same whatever the chunking: reasoning starts at a leading ``<think>`` or with the
+output when the prompt ended in one (``starts_in_reasoning``); ``</think>`` and the whitespace after it
+end it; ``keep_inline=True`` leaves everything in the answer."""
 from __future__ import annotations
 
 import dataclasses

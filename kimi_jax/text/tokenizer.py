@@ -1,21 +1,7 @@
-"""Kimi's tokenizer (``tiktoken.model`` + ``tokenizer_config.json``) through the tiktoken library.
-
-A Kimi checkpoint ships its tokenizer as
-
-* ``tiktoken.model``: one ``<base64 token bytes> <rank>`` line per BPE token (the format tiktoken's
-  ``load_tiktoken_bpe`` reads); the ranks are the ids ``0 .. num_base-1``;
-* ``tokenizer_config.json``: ``added_tokens_decoder`` naming the special tokens, whose ids follow the
-  base ranks (``num_base ..``), plus ``bos_token`` / ``eos_token`` / ``pad_token`` / ``unk_token``.
-
-As Kimi's own ``tokenization_kimi.py`` (``TikTokenTokenizer``) does, ``num_reserved_special_tokens + 2``
-(258) special ids starting at ``num_base`` always exist; the slots the config does not name are filled as
-``<|reserved_token_{id}|>``. Text is pre-split with Kimi's pattern (``KIMI_PAT_STR``, whose ``&&`` class
-intersections need tiktoken's regex engine), and long inputs are cut into pieces of at most 400k
-characters and runs of at most 25k whitespace / non-whitespace characters before they reach tiktoken.
-
-Special tokens are never produced from plain text unless asked for (``encode(..., allow_special=True)``):
-by default a literal ``"<|im_end|>"`` in the text encodes as ordinary bytes.
-"""
+"""Kimi's tokenizer (``tiktoken.model`` + ``tokenizer_config.json``) through tiktoken, as Kimi's
+``tokenization_kimi.py`` builds it: the base ranks, then num_reserved_special_tokens + 2 special ids
+(unnamed ones ``<|reserved_token_{id}|>``), Kimi's pre-split pattern, long inputs cut before tiktoken.
+Plain text never encodes to a special token unless ``encode(..., allow_special=True)``."""
 from __future__ import annotations
 
 import base64

@@ -1,27 +1,11 @@
 """Kimi tool calls in model output -> OpenAI ``tool_calls``, whole or streamed.
 
-Kimi writes calls as one section after any answer text::
-
-    <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}<|tool_call_end|>...<|tool_calls_section_end|>
-
-A call becomes ``{"id": "functions.NAME:IDX", "type": "function", "function": {"name": NAME,
-"arguments": "{json}"}}`` (the id is the one Kimi's chat template renders back; whitespace around the
-id and the arguments is dropped; the arguments are passed on as written, valid JSON or not). The text
-before the section is the ``content``. The parser never raises on model output; what it cannot read as
-a call is content:
-
-* a call id that is not ``[functions.]NAME:IDX`` makes that call's markers, id and arguments content;
-* text between calls (other than whitespace) and markers out of place are content;
-* a call cut off by the end of output keeps the arguments it has; a call cut off before its
-  ``<|tool_call_argument_begin|>`` is content;
-* text after ``<|tool_calls_section_end|>`` is content.
-
-`ChatOutputParser` chains `kimi_jax.text.reasoning` (``<think>`` -> ``reasoning_content``) and this
-parser; feed it token ids (markers that are special tokens match by id only) or text. Its streamed
-`DeltaMessage` s follow OpenAI's chunk shape: a call's first delta has ``index``, ``id``, ``type`` and
-``function.name`` (with ``arguments: ""``), later ones ``index`` and ``function.arguments`` fragments.
-Whatever the chunking, the deltas concatenate to `ParsedOutput` of the whole output.
-"""
+``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}
+<|tool_call_end|>...<|tool_calls_section_end|>`` after the answer text becomes ``{"id": "functions.NAME:IDX",
+"type": "function", "function": {"name", "arguments"}}`` (arguments as written). The parser never raises:
+a bad id, text between calls, a call cut off before its arguments and text after the section are
+content. `ChatOutputParser` chains the reasoning split and this parser; its streamed deltas follow
+OpenAI's chunk shape and concatenate to the whole output's `ParsedOutput`, whatever the chunking."""
 from __future__ import annotations
 
 import dataclasses

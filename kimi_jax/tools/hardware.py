@@ -1,21 +1,7 @@
-"""Accelerator descriptions for the planner: memory, bandwidths, matmul rate and collective latencies.
-
-A `Hardware` is one device of a homogeneous node plus the fabric between devices. Each number says
-where it comes from (`sources`): "datasheet" (vendor spec), "measured" (on this project's machines or
-a cited profile, see /work/shared/ANCHORS.md and JAX_GPU.md) or "assumed" (an estimate; calibrate it).
-
-Collective time model (NCCL's convention): t(bytes) = latency + wire_bytes / bus_bw, where
-wire_bytes is 2(n-1)/n x the buffer for an all-reduce and (n-1)/n x the full buffer for an
-all-gather, reduce-scatter or all-to-all (n devices in the group); collective-permute moves the
-buffer once. When a measured latency curve [(bytes, seconds), ...] is given for a kind, it replaces
-the formula: log-log linear interpolation between points, the first point's time below it, and the
-last segment's log-log slope beyond it. Curves are measured at one group size (`curve_devices`);
-they are used as-is for other group sizes (stated in the plan's notes).
-
-`Hardware.from_calibration(path)` reads a calibration JSON (see `calibration_dict`, which
-launch/bench/int4.py can call to write one from its measured copy bandwidth, matmul rate and collective
-latency curves); fields it does not give come from the preset named by its "base" key.
-"""
+"""Accelerator descriptions for the planner: memory, bandwidths, matmul rate and collective latencies,
+each with its source ("datasheet", "measured" or "assumed"). Collectives follow NCCL's model,
+latency + wire bytes / bus bandwidth, unless a measured latency curve replaces it (log-log
+interpolation). `Hardware.from_calibration(path)` reads a calibration JSON (`calibration_dict`)."""
 from __future__ import annotations
 
 import bisect
@@ -78,26 +64,19 @@ class Hardware:
     # fractions of hbm_bw that the decode kernels reach when reading weights / the cache
     gemv_efficiency: float = 0.88     # bf16 weight-streaming matmuls at small M
     int4_efficiency: float = 0.45     # fused INT4 expert kernels (Pallas / Marlin class)
-    # measured (tokens in the MoE call, efficiency) points; when given they replace int4_efficiency:
-    # interpolated linearly in log(tokens), flat beyond the ends
+    # (tokens, efficiency) points replacing int4_efficiency, linear in log(tokens), flat beyond the ends
     int4_curve: tuple = ()
-    # measured under expert parallelism, where a device holds a share of the experts and sees every token
-    # of its group: ((share, ((tokens, efficiency), ...)), ...); between shares interpolated linearly in
-    # log(share), flat below the smallest; above the largest share and past a curve's last token count
-    # int4_curve's value (unmeasured there: the EP penalty is applied only where it was measured)
+    # under EP: ((share of the experts held, ((tokens, efficiency), ...)), ...), linear in log(share);
+    # int4_curve's value where unmeasured (above the largest share, past a curve's last token count)
     int4_ep_curves: tuple = ()
     xla_int4_efficiency: float = 0.08  # XLA's unfused dequant path (materializes bf16 weights)
     attention_efficiency: float = 0.8  # latent-cache reads in attention (steady state)
-    # measured (query rows per device, efficiency) points; when given they replace attention_efficiency:
-    # interpolated linearly in log(rows), flat beyond the ends
+    # (query rows per device, efficiency) points replacing attention_efficiency, as int4_curve
     attention_curve: tuple = ()
     attention_call_s: float = 0.0      # device time of one layer's attention call beside its cache read
-    # measured (query rows per device, seconds) points; when given they replace attention_call_s
-    attention_call_curve: tuple = ()
+    attention_call_curve: tuple = ()    # (query rows per device, seconds) points replacing attention_call_s
     matmul_efficiency: float = 1.0     # of bf16_flops (bf16_flops is already an achieved rate)
-    # device time per decoder layer beyond the modeled terms: the ~34 small kernels of a layer (norms,
-    # rope, router, residual adds, cache-write pieces) each cost a few microseconds whatever their bytes
-    layer_overhead_s: float = 0.0
+    layer_overhead_s: float = 0.0      # device time per layer of its small kernels beyond their bytes
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def collective_time(self, kind: str, nbytes: float, n: int) -> float:
@@ -261,45 +240,15 @@ def _uniform(latency_s: float, bus_bw: float, curve=(), curve_devices=None, kind
     return {k: (m if k == "all-reduce" else CollectiveModel(latency_s, bus_bw)) for k in kinds}
 
 
-# JAX psum of bf16 buffers on 2 x H200, one process, NCCL 2.28.9, NVLS off (BENCHMARKS.md, "The planner's
-# calibration")
+# the H200 preset's measured numbers and their sources: BENCHMARKS.md "The planner's calibration"
 _H200_ALLREDUCE_CURVE = ((14336.0, 24.4e-6), (117760.0, 26.0e-6), (940032.0, 24.9e-6), (7654604.0, 43.8e-6))
-
-# The Pallas INT4 MoE kernels on one H200 (BENCHMARKS.md, "INT4 W4A16 kernels"): bytes of the touched
-# experts / device time of the gate+up and down kernels plus the routing ops, as a fraction of the
-# 4.24 TB/s copy. T=1: 198.5 MB in a device span of 62.0-63.0 us (BENCHMARKS.md, INT4 sections: the
-# no-EP row under expert parallelism and the default beside the blocked down weight; 64.8 in the main
-# table's run: gate/up ~37 us + down ~23 us + routing ~2.4 us);
-# T=16: 2736 MB in 440.6 + 229.1 + ~18 us; T=64: kernels ~94% minus 3-4% routing; T=256: 74%
-# (wall per call, no device-only figure).
 _H200_INT4_CURVE = ((1.0, 0.75), (16.0, 0.94), (64.0, 0.90), (256.0, 0.74))
-# The same kernels on a device holding 1/8 (EP8), 1/4 (EP4) or 1/2 (EP2) of the experts, one H200, jax
-# 0.11.2, 2026-12-01: device span per call of the engine's default config (`kimi-bench int4
-# --moe_held_pairs=1|2|4 --moe_profile`: each token's first 1 / 2 / 4 of its 8 pairs held), bytes of the
-# touched experts (24.84 MB each) / span / 4.24 TB/s. 1/8: T = 1, 2, 3, 4, 8 (23.6, 33.4, 41.6, 51.2,
-# 91.5 us; T = 3-4 on pairs_cta with the K split 2 ways, the default for 3-4 held pairs); 1/4: T = 1, 2,
-# 4, 8 (29.9, 44.9 on pairs_cta2 against 53.0-53.4 for the pair tiles, 66.8, 136.5 us); 1/2: T = 1
-# (pairs_cta2: 42.9 us), T = 2, 4, 8 (66.1, 114.8, 224.4 us). Unmeasured beyond T = 8, where the planner
-# uses int4_curve (BENCHMARKS.md, "INT4 experts under expert parallelism").
 _H200_INT4_EP_CURVES = ((0.125, ((1.0, 0.248), (2.0, 0.351), (3.0, 0.422), (4.0, 0.454), (8.0, 0.512))),
                         (0.25, ((1.0, 0.392), (2.0, 0.522), (4.0, 0.702), (8.0, 0.687))),
                         (0.5, ((1.0, 0.546), (2.0, 0.703), (4.0, 0.800), (8.0, 0.811))))
-# MLA absorbed decode as the engine calls it (ops.mla_paged_attention: the kernel plus XLA's finishing
-# ops), one H200, jax 0.11.2: per layer time = call + cache bytes / (4.24 TB/s x eff).
-# 64 query rows (the Mosaic GPU kernel): 34 us, eff 0.96, a least-squares fit (relative error) of the 6
-# wall-clock timings at batch 1-64 x context 32-128K of BENCHMARKS.md's MLA decode grid ("MLA decode
-# attention") within -2.2% / +1.9%. 8 rows (the Triton kernel under its present split rule): 28 us,
-# eff 0.97, a least-squares fit (relative error) of 15 wall-clock timings (2026-11-30, batch 1-64 x
-# 4K-128K) within -14% / +18% (BENCHMARKS.md, "The planner's calibration").
 _H200_ATTENTION_CURVE = ((8.0, 0.97), (64.0, 0.96))
 _H200_ATTENTION_CALL_S = 34e-6
 _H200_ATTENTION_CALL_CURVE = ((8.0, 28e-6), (64.0, 34e-6))
-# Kimi-K2.5 at 4 and 61 layers (kimi-k2.5-61x16: 16 INT4 experts, top-8), one H200, jax 0.11.2,
-# 2026-12-02, batch 1 x 4K context: the device-bound step (`kimi-bench full_depth`, `chain`) was
-# 1.555 ms at 4 layers and 13.23 / 13.46 ms at 61 (two runs) against 1.458 / 11.457 ms planned without
-# this term; 29 us per layer is the least-squares fit (relative error) of the two depths: -0.9% / +1.2%.
-# The profile of the 61-layer step: 2,101 kernels, 34 a layer; the INT4 experts (60.9 us a layer, 77% of
-# copy) and the MLA kernel match or beat their terms, the rest (bf16 projections, small kernels) is over.
 _H200_LAYER_OVERHEAD_S = 29e-6
 
 _PRESETS = {

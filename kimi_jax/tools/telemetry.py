@@ -1,17 +1,6 @@
-"""What the GPU's clocks and power did while a benchmark ran: `nvidia-smi` sampled in the background.
-
-A kernel's time on the H200 is not only its own: under a heavy enough load the board reaches its power
-limit (700 W) and the driver lowers the SM clock ("SW power cap"). The 64-head MLA decode kernel at
-batch 64 x 128K does (BENCHMARKS.md, 'MLA decode attention': 1,470-1,620 MHz against 1,980 with the
-power-cap bit set), the 8-head kernel of the same bytes does not slow. A benchmark row that says whether the
-board was capped while it ran tells a slow kernel from a slowed one.
-
-    with GpuSampler() as s:
-        run_the_case()
-    s.summary    # {} where there is no nvidia-smi (CPU machines, CI)
-
-Read-only: it queries, never sets, clocks or limits.
-"""
+"""The GPU's clocks and power while a benchmark runs (`nvidia-smi` sampled in the background, read-only),
+so a row tells a slow kernel from one the power cap slowed (BENCHMARKS.md "MLA decode attention").
+`GpuSampler().summary` is {} where there is no nvidia-smi."""
 from __future__ import annotations
 
 import os

@@ -7,7 +7,7 @@ host dispatch time, device time, and the planner's prediction beside each row.
 
 The model is the `kimi-k2.5-61x16` preset (Kimi-K2.5's shapes and 61 layers, 16 INT4 routed experts
 per layer, top-8: at batch 1 a token reads the bytes a real layer reads), random weights made on the
-device parameter by parameter (`leafwise_random_engine`). The step is the serving decode step
+device parameter by parameter (`kimi_jax.entrypoints.weights.random_model`). The step is the serving decode step
 (`Engine._decode_step`: paged latent cache, absorbed MLA, greedy sampling on the device) over a page
 pool holding `--context` tokens per row, random cache contents; every row attends over all of them
 (position context - 1, rewritten each step).
@@ -198,47 +198,6 @@ def profile_exe(call, pages, inputs, steps: int, hlo_text: str, top_kernels: int
                 top_kernels=[(k, us / steps, n / steps) for k, (us, n) in top]), pages
 
 
-@functools.lru_cache(maxsize=None)
-def _fill():
-    """One parameter's random value (jitted: one compile per shape, dtype and kind)."""
-    import jax
-    import jax.numpy as jnp
-
-    @functools.partial(jax.jit, static_argnums=(1, 2, 3))
-    def fill(key, shape, dt, kind):
-        if kind == "bits":
-            return jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint32), jnp.int32)
-        if kind == "scale":
-            return jnp.full(shape, 0.005, dt)
-        if kind in ("ones", "zeros"):
-            return (jnp.ones if kind == "ones" else jnp.zeros)(shape, dt)
-        return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dt)
-    return fill
-
-
-def leafwise_random_engine(cfg, layout, dtype, seed: int = 0):
-    """An Engine with random weights made parameter by parameter on the device, as the model's own
-    initializers make them (normal std 0.02; norms 1; router bias 0; INT4 codes uniform, scales
-    0.005), one small jitted fill per distinct shape. (`kimi_jax.entrypoints.llm.random_model` makes
-    the whole model in ONE jitted init: on the H200 that init of the 61-layer model did not finish
-    compiling within 5 minutes.)"""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from kimi_jax.engine.steps import Engine
-    from kimi_jax.model.transformer import abstract_model
-    graphdef, state = nnx.split(abstract_model(cfg, dtype, layout.moe_parallel(), seed))
-
-    key = jax.random.PRNGKey(seed)
-    for i, (path, var) in enumerate(nnx.to_flat_state(state)):
-        v, names = var.get_value(), [str(p) for p in path]
-        kind = ("bits" if v.dtype == jnp.int32 else "scale" if names[-1].endswith("_scale")
-                else "zeros" if names[-1] == "e_score_correction_bias"
-                else "ones" if any("norm" in n for n in names[:-1]) else "normal")
-        var.set_value(_fill()(jax.random.fold_in(key, i), tuple(v.shape), jnp.dtype(v.dtype), kind))
-    return Engine(nnx.merge(graphdef, state), cfg, layout)
-
-
 @contextlib.contextmanager
 def _serving(engine, step):
     """Inside the block the engine's decode step is `step` (an executable compiled already)."""
@@ -301,6 +260,7 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
     def _i32(a):
         return np.asarray(a, np.int32)
     from kimi_jax.tools import hardware
+    from kimi_jax.tools.profiling import random_engine
     from kimi_jax.engine.shapes import MIN_TABLE_TOKENS, table_bucket
     P = context // PAGE_SIZE
     if context % PAGE_SIZE or table_bucket(P, PAGE_SIZE) != P:
@@ -326,7 +286,7 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
     t0 = time.perf_counter()
     # compile_only builds the weights too: a step lowered over shapes only is another program (another
     # persistent cache key) than the one over the placed arrays
-    engine = leafwise_random_engine(cfg, layout, dtype)
+    engine = random_engine(cfg, layout, dtype)
     jax.block_until_ready(jax.tree.leaves(engine.state))
     out(dict(kind="build", seconds=time.perf_counter() - t0))
     pallas = engine.plan.impl == "pallas"

@@ -93,7 +93,7 @@ def test_leafwise_weights_are_the_models_parameters(fd):
     from kimi_jax.config import QuantConfig
     from kimi_jax.parallel.sharding import Layout
     from kimi_jax.model.transformer import Transformer
-    leafwise_random_engine = fd.leafwise_random_engine
+    from kimi_jax.tools.profiling import random_engine as leafwise_random_engine
     cfg = preset("tiny").replace(num_hidden_layers=2, quantization=QuantConfig())
     ours = {p: v.get_value() for p, v in nnx.to_flat_state(leafwise_random_engine(cfg, Layout(1), jnp.float32).state)}
     model = nnx.eval_shape(lambda: Transformer(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))   # random_model's

@@ -137,13 +137,13 @@ def test_generate_reports_loading_on_stderr_and_nothing_else(cli):
 @pytest.mark.parametrize("module,args", [("launch.generate", []), ("launch.serve", []),
                                          ("launch.batch", ["--input=/dev/null", "--output=OUT"])])
 def test_enable_prefix_caching_flag_reaches_the_engine(cli, monkeypatch, tmp_path, module, args):
-    """--enable-prefix-caching (default on) / --no-enable-prefix-caching is LLM(enable_prefix_caching=...);
+    """--enable-prefix-caching (default on) / --no-enable-prefix-caching is EngineConfig.enable_prefix_caching;
     the LLM is stopped before it loads anything (a ValueError: the launchers' one-line exit 2)."""
     from kimi_jax.entrypoints.llm import LLM
     seen = []
 
-    def spy(self, *a, **kw):
-        seen.append(kw.get("enable_prefix_caching"))
+    def spy(self, *a, engine_config, **kw):
+        seen.append(engine_config.enable_prefix_caching)
         raise ValueError("stopped by the test")
     monkeypatch.setattr(LLM, "__init__", spy)
     for flag, want in (([], True), (["--no-enable-prefix-caching"], False), (["--enable_prefix_caching"], True)):

@@ -9,7 +9,7 @@ import pytest
 
 from kimi_jax import SamplingParams
 from kimi_jax.config import preset
-from kimi_jax.entrypoints.llm import resolve_dtype
+from kimi_jax.engine.args import EngineConfig
 
 CFG = preset("tiny")
 
@@ -166,11 +166,11 @@ def test_prompt_dicts_and_dtype_auto(pool_llm):
         pool_llm.generate([{"tokens": [1, 2]}], sp)
     with pytest.raises(ValueError, match="request 1: a prompt is a string"):
         pool_llm.generate([[1, 2], 3.5], sp)
-    assert resolve_dtype("auto", None, "cpu") == "float32"
-    assert resolve_dtype("auto", pool_llm.model_path, "gpu") == "bfloat16"       # the checkpoint's torch_dtype
+    assert EngineConfig(dtype="auto").resolve_dtype("cpu") == "float32"
+    assert EngineConfig(pool_llm.model_path, dtype="auto").resolve_dtype("gpu") == "bfloat16"   # its torch_dtype
     assert pool_llm.dtype.__name__ == "float32"
     with pytest.raises(ValueError, match="dtype='float16' is not supported"):
-        resolve_dtype("float16", None, "cpu")
+        EngineConfig(dtype="float16")
 
 
 @pytest.mark.slow
@@ -195,3 +195,14 @@ def test_penalties_under_overlap_and_preemption(pool_llm):
         if overlap:
             assert stats["overlapped_steps"] > 0, stats
     assert results[True, 24] == results[False, 24] == results[False, 400]
+
+
+def test_max_logprobs_is_enforced_by_generate_and_the_batch_engine(pool_llm):
+    """LLM's max_logprobs (vLLM's 20) caps a request's logprobs in LLM.generate and in the batch engine
+    the server and kimi-batch submit to."""
+    from kimi_jax.engine.validation import RequestError
+    assert pool_llm.max_logprobs == 20
+    with pytest.raises(ValueError, match="request 0: logprobs 25 exceeds max_logprobs 20"):
+        pool_llm.generate([[1, 2]], SamplingParams(max_tokens=1, logprobs=25))
+    with pytest.raises(RequestError, match="prompt_logprobs 21 exceeds max_logprobs 20"):
+        pool_llm.batch_engine().make_request("x", [1, 2], SamplingParams(max_tokens=1, prompt_logprobs=21), 0)

@@ -171,3 +171,43 @@ def test_history_patterns(line, bad):
     """The patterns catch the phrasings they are for, over line breaks too, and leave a library's
     session objects alone."""
     assert bool(text_hits(line)) == bad, line
+
+
+# ---- the share of docstring and comment lines (a report: other parts of the library are trimmed apart) ----
+def doc_comment_lines(source: str) -> tuple[int, int]:
+    """(docstring + comment lines, non-blank lines) of one Python source: a line counts once if it holds
+    a COMMENT token or belongs to the docstring of a module, class or function."""
+    import ast
+    import io
+    import tokenize
+    lines = source.splitlines()
+    marked = set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            marked.add(tok.start[0])
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                marked.update(range(body[0].lineno, body[0].end_lineno + 1))
+    nonblank = {i for i, line in enumerate(lines, 1) if line.strip()}
+    return len(marked & nonblank), len(nonblank)
+
+
+def test_doc_comment_counter_counts_docstrings_and_comments_once():
+    src = ('"""Module.\n\nMore."""\nimport os  # why\n\n\ndef f():\n    """One line."""\n'
+           '    # a comment\n    return "not a docstring"\n\n\nclass C:\n    x = 1\n')
+    assert doc_comment_lines(src) == (5, 9)
+
+
+def test_report_doc_comment_share(capsys):
+    """Prints the library's docstring + comment share per file and in all (no threshold: a report)."""
+    rows, total = [], [0, 0]
+    for path in sorted(p for p in tracked() if p.startswith("kimi_jax/") and p.endswith(".py")):
+        doc, nonblank = doc_comment_lines(read(path))
+        total[0], total[1] = total[0] + doc, total[1] + nonblank
+        rows.append(f"{path:<50}{doc:>6}/{nonblank:<6}{doc / max(nonblank, 1):6.1%}")
+    assert total[1] > 0
+    with capsys.disabled():
+        print("\n".join(["", *rows, f"{'kimi_jax/ (all)':<50}{total[0]:>6}/{total[1]:<6}{total[0] / total[1]:6.1%}"]))

@@ -1,0 +1,112 @@
+"""EngineConfig: everything an engine is built from (vLLM's EngineArgs), checked when it is made."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import numbers
+import os
+from typing import Optional, Union
+
+from kimi_jax import ops
+from kimi_jax.config import PRESETS, ModelConfig
+from kimi_jax.engine.speculative import SpeculativeConfig
+
+DTYPES = ("bfloat16", "float32")
+_TORCH_DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float": "float32"}
+#: dtype="auto" on CPU (BENCHMARKS.md "CPU default dtype")
+CPU_AUTO_DTYPE = "float32"
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """model: a checkpoint directory, a preset name, a ModelConfig (random weights) or None (the demo
+    model). page_size / num_pages: the latent cache's pages (num_pages None: from free memory).
+    compilation_cache_dir: the persistent JAX cache ('none': off). exec_plan: kimi_jax.ops.ExecPlan
+    (None: this machine's). precompile: compile the serving programs before the first request.
+    max_logprobs: the most logprobs / prompt_logprobs a request may ask for (-1: no cap)."""
+    model: Union[str, ModelConfig, None] = None
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None
+    max_num_seqs: int = 256
+    page_size: int = 16
+    num_pages: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    prefill_chunk: Optional[int] = None
+    max_prefill_tokens: int = 2048
+    speculative_config: Union[SpeculativeConfig, dict, str, None] = None
+    overlap_scheduling: bool = True
+    enable_prefix_caching: bool = True
+    check_finite_weights: bool = True
+    compilation_cache_dir: Optional[str] = None
+    exec_plan: Optional[ops.ExecPlan] = None
+    tokenizer: Optional[str] = None
+    seed: int = 0
+    precompile: bool = False
+    max_logprobs: int = 20
+
+    def __post_init__(self):
+        m = self.model
+        if not (m is None or isinstance(m, ModelConfig)
+                or (isinstance(m, str) and (os.path.isdir(m) or m in PRESETS))):
+            raise ValueError(f"model={m!r} is neither a checkpoint directory nor a preset {PRESETS}")
+        for name, low in (("tensor_parallel_size", 1), ("data_parallel_size", 1), ("max_num_seqs", 1),
+                          ("page_size", 1), ("max_prefill_tokens", 1), ("max_logprobs", -1)):
+            v = getattr(self, name)
+            if not _is_int(v) or v < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+        for name, low in (("max_model_len", 1), ("num_pages", 2), ("prefill_chunk", 1)):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < low):
+                raise ValueError(f"{name} must be an integer >= {low} (or None), got {v!r}")
+        if not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.gpu_memory_utilization, bool) or not (
+                isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name in ("enable_expert_parallel", "overlap_scheduling", "enable_prefix_caching",
+                     "check_finite_weights", "precompile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported (choose 'auto' or one of {sorted(DTYPES)})")
+        if self.exec_plan is not None and not isinstance(self.exec_plan, ops.ExecPlan):
+            raise TypeError(f"exec_plan must be a kimi_jax.ops.ExecPlan, got {type(self.exec_plan).__name__}")
+        spec = self.speculative_config
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if spec is not None and not isinstance(spec, (dict, SpeculativeConfig)):
+            raise ValueError(f"speculative_config must be a dict or JSON object, got {type(spec).__name__}")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.from_any(spec))
+
+    @property
+    def model_path(self) -> Optional[str]:
+        """The checkpoint directory, or None for random weights."""
+        return self.model if isinstance(self.model, str) and os.path.isdir(self.model) else None
+
+    def resolve_dtype(self, platform: str) -> str:
+        """The compute dtype: "auto" is CPU_AUTO_DTYPE on CPU, else the checkpoint's torch_dtype
+        (bfloat16 when absent or unsupported, and for random weights)."""
+        if self.dtype != "auto":
+            return self.dtype
+        if platform == "cpu":
+            return CPU_AUTO_DTYPE
+        declared = None
+        path = self.model_path
+        if path is not None and os.path.isfile(os.path.join(path, "config.json")):
+            with open(os.path.join(path, "config.json")) as f:
+                cfg = json.load(f)
+            declared = cfg.get("torch_dtype") or cfg.get("text_config", {}).get("torch_dtype")
+        return _TORCH_DTYPES.get(str(declared), "bfloat16")
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,79 @@
+"""A model's weights placed on their devices under a layout: loaded from a checkpoint, or random."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kimi_jax.config import ModelConfig
+from kimi_jax.parallel.sharding import Layout, check_fits, param_shardings
+
+
+def load_model(path: str, cfg: ModelConfig, layout: Layout, dtype=jnp.bfloat16, *, check: bool = True,
+               **load_kw):
+    """The Transformer of the checkpoint directory `path` (safetensors, streamed per-device slices, or
+    orbax from kimi-convert), every parameter placed on its devices under `layout`: the abstract model
+    gives the spec (path -> shape, dtype, sharding), checkpoints.loader reads the arrays for it, and
+    they are merged into the module. check: refuse first a layout whose per-device bytes do not fit.
+    load_kw: workers / chunk_bytes / readahead_bytes / progress / stats / keep_page_cache
+    (checkpoints.loader.load_arrays)."""
+    from flax import nnx
+    from checkpoints.loader import load_arrays
+    from kimi_jax.model.transformer import abstract_model
+    layout.check_divisible(cfg)
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, layout.moe_parallel()))
+    if check:
+        check_fits(layout, state)
+    shardings = param_shardings(layout, state)
+    specs = {}
+    for p, var in nnx.to_flat_state(state):
+        key, v = tuple(str(k) for k in p), var.get_value()
+        specs[key] = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[key])
+    arrays = load_arrays(path, specs, cfg, **load_kw)
+    for p, var in nnx.to_flat_state(state):
+        var.set_value(arrays[tuple(str(k) for k in p)])
+    return nnx.merge(graphdef, state)
+
+
+@functools.lru_cache(maxsize=None)
+def _fill(shape: tuple, dtype, kind: str, sharding):
+    """A jitted init of one parameter (one compile per shape, dtype, kind and sharding)."""
+    def fill(key):
+        if kind == "bits":
+            return jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint32), jnp.int32)
+        if kind == "scale":
+            return jnp.full(shape, 0.005, dtype)
+        if kind in ("ones", "zeros"):
+            return (jnp.ones if kind == "ones" else jnp.zeros)(shape, dtype)
+        return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return jax.jit(fill, out_shardings=sharding)
+
+
+def _kind(names: list[str], dtype) -> str:
+    """Which of the model's initializers makes a parameter (kimi_jax.model.layers.param, RoutedExperts)."""
+    if dtype == jnp.int32:
+        return "bits"
+    if names[-1].endswith("_scale"):
+        return "scale"
+    if names[-1] == "e_score_correction_bias":
+        return "zeros"
+    return "ones" if any("norm" in n for n in names[:-1]) else "normal"
+
+
+def random_model(cfg: ModelConfig, layout: Layout, dtype, seed: int = 0):
+    """A Transformer with random weights of the model's initializers' kinds (normal std 0.02, norms 1,
+    router bias 0, INT4 codes uniform with scales 0.005), made parameter by parameter on its devices
+    under `layout` by one small jitted init per shape and sharding: a whole-model init does not
+    compile in minutes at 61 layers (BENCHMARKS.md "Full depth on one H200"). Checks the fit first."""
+    from flax import nnx
+    from kimi_jax.model.transformer import abstract_model
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, layout.moe_parallel(), seed))
+    check_fits(layout, state)
+    shardings = param_shardings(layout, state)
+    key = jax.random.PRNGKey(seed)
+    for i, (path, var) in enumerate(nnx.to_flat_state(state)):
+        v, names = var.get_value(), [str(p) for p in path]
+        fill = _fill(tuple(v.shape), jnp.dtype(v.dtype), _kind(names, v.dtype), shardings[tuple(names)])
+        var.set_value(fill(jax.random.fold_in(key, i)))
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,59 @@
+"""The unrolled layer loop's per-layer weights (kimi_jax.model.layer_weights): an Engine under the
+'unroll' plan holds every stacked non-expert weight as L arrays placed like the stack (its layer axis
+dropped), the routed experts stay stacked, and its logits equal those of the stacked weights under
+lax.scan (float32 tiny model on the CPU: the two loops differ only in XLA's summation order, so 1e-5
+relative is far above their difference and far below a wrong layer's weights)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kimi_jax import ops
+from kimi_jax.config import preset
+from kimi_jax.engine.steps import Engine
+from kimi_jax.entrypoints.llm import random_model
+from kimi_jax.model import layer_weights
+from kimi_jax.parallel.sharding import Layout
+
+CFG = preset("tiny")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_unrolled_engine_holds_per_layer_weights_with_equal_logits(tp):
+    layout = Layout(tp)
+    scan = Engine(random_model(CFG, layout, jnp.float32, 3), CFG, layout, plan=ops.ExecPlan(layer_loop="scan"))
+    unrolled = Engine(random_model(CFG, layout, jnp.float32, 3), CFG, layout,
+                      plan=ops.ExecPlan(layer_loop="unroll"))
+    stacked_leaves = dict(nnx.to_flat_state(scan.state))
+    n_split = 0
+    for path, var in nnx.to_flat_state(unrolled.state):
+        value, ref = var.get_value(), stacked_leaves[path].get_value()
+        if layer_weights.is_layer_list(value):
+            n_split += 1
+            assert path[0] in layer_weights.STACKS and "experts" not in [str(p) for p in path]
+            assert len(value) == ref.shape[0]
+            for i, a in enumerate(value.arrays):
+                assert a.shape == ref.shape[1:] and a.dtype == ref.dtype
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(ref[i]))
+                if tp > 1:
+                    assert tuple(a.sharding.spec) == tuple(ref.sharding.spec)[1:]
+        else:
+            assert path[0] not in layer_weights.STACKS or "experts" in [str(p) for p in path]
+    assert n_split >= 10                 # attention, norms, router and shared expert of both stacks
+    ids = list(range(2, 13))
+    np.testing.assert_allclose(unrolled.logits(ids), scan.logits(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_layer_helpers_match_static_slices():
+    tree = {"a": jnp.arange(24.0).reshape(3, 8), "b": layer_weights.LayerList([jnp.ones(2) * i for i in range(3)])}
+    assert layer_weights.num_layers({"b": tree["b"]}) == 3 and layer_weights.num_layers({"a": tree["a"]}) == 3
+    one = layer_weights.layer(tree, 1)
+    np.testing.assert_array_equal(one["a"], np.arange(8.0, 16.0))
+    np.testing.assert_array_equal(one["b"], np.ones(2))
+    back = layer_weights.stacked(tree)
+    assert back["b"].shape == (3, 2) and float(back["b"][2, 0]) == 2.0
+    leaves = jax.tree.leaves(tree)           # a LayerList flattens to its arrays (the jitted step's arguments)
+    assert len(leaves) == 4
