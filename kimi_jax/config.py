@@ -330,8 +330,7 @@ def _check_ranges(c: "ModelConfig") -> None:
         v = getattr(c, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise ConfigError(f"config field {name!r} must be a finite number > 0, got {v!r}")
-    # token ids name tokenizer entries (past a cut-down synthetic vocabulary one only never matches;
-    # checkpoints.preflight refuses that beside a tokenizer): >= 0
+    # >= 0; past vocab_size only for a synthetic cut-down vocabulary (checkpoints.preflight)
     for name, ids in (("bos_token_id", [c.bos_token_id]), ("pad_token_id", [c.pad_token_id]),
                       ("eos_token_id", list(c.eos_token_id))):
         for v in ids:

@@ -11,14 +11,12 @@ request model is kimi_jax.entrypoints.openai.protocol (plain dicts, checked by h
   GET  /metrics                   Prometheus text (kimi_jax.entrypoints.openai.metrics)
 
 Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: bad input (a field, a
-prompt longer than the context, a request beyond the intake Limits) 400, a body beyond
-max_body_bytes 413, unknown model 404, a missing or wrong API key 401 (with a key set, on /v1/*,
-/tokenize and /detokenize, and on /metrics when metrics_need_key; /health stays open), more than
-max_queue requests waiting 429 with Retry-After, shutting down 503. Parsing, tokenizing and request
-building run on a small thread pool, never on the event loop, so /health answers during any request.
-A client that disconnects has its requests aborted (pages freed before the engine's next step).
-`serve` stops admitting on SIGTERM / SIGINT, lets in-flight requests finish for a grace period,
-aborts the rest, closes every connection and returns.
+prompt longer than the context, beyond the intake Limits) 400, a body beyond them 413, unknown model
+404, a missing or wrong API key 401 (on /v1/*, /tokenize, /detokenize; /metrics when
+metrics_need_key), more than max_queue waiting 429 with Retry-After, shutting down 503. Intake
+(parsing, tokenizing, request building) runs on a thread pool, off the event loop. A client that
+disconnects has its requests aborted. `serve` stops admitting on SIGTERM / SIGINT, gives in-flight
+requests a grace period, aborts the rest, closes every connection and returns.
 """
 from __future__ import annotations
 
@@ -73,7 +71,6 @@ class OpenAIServer:
         self.metrics_need_key = metrics_need_key
         self.limits = limits or intake.Limits()
         self.engine = AsyncLLM(llm, max_queue=max_queue)
-        # choices one request may ask: beyond the running slots plus the queue it could never be admitted
         queued = llm.max_num_seqs + max_queue if max_queue is not None else self.limits.max_choices
         self.max_choices = min(self.limits.max_choices, queued)
         # a longer text prompt cannot fit max_model_len tokens (a character is >= 1 byte, a token <= L bytes)
@@ -196,7 +193,6 @@ class OpenAIServer:
             raise P.ProtocolError(f"the request body is not valid JSON: {e}") from None
 
     async def _off_loop(self, fn, *args):
-        """fn(*args) on the intake pool (parsing, tokenizing, request building), the loop kept free."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def _need_tokenizer(self, what: str):
@@ -256,8 +252,7 @@ class OpenAIServer:
                                   "tokens, or is beyond the server's limit)", field, code="prompt_too_large")
 
     def _intake(self, raw: bytes, parse):
-        """A body -> (GenerationRequest, its id, [(choice index, engine request)]): parsed, bounded, tokenized
-        and validated (on the intake pool; ProtocolError on bad input)."""
+        """A body -> (GenerationRequest, its id, [(choice index, engine request)]); ProtocolError on bad input."""
         g = parse(self._loads(raw))
         P.check_model(g.model, [self.model_name])
         choices = (1 if g.kind == "chat" else len(g.prompts)) * g.n
