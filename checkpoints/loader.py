@@ -623,7 +623,7 @@ def load_arrays(path: str, specs: ParamSpecs, cfg: layout_lib.ModelShape, *,
                 check_finite: bool = True) -> dict[tuple[str, ...], jax.Array]:
     """{parameter path: jax.Array} for `specs` from the checkpoint directory `path`, every tensor
     validated against `cfg` first (before any device memory is allocated); check_finite: refuse a
-    floating tensor holding NaN or Inf (safetensors checkpoints).
+    floating tensor holding NaN or Inf (safetensors), a file whose data checksum differs (orbax).
 
     A directory written by `kimi-convert` (checkpoints.orbax_io) is restored with orbax (after its
     config is compared with `cfg.to_hf_dict()`); any other is read as a published-layout safetensors
@@ -632,7 +632,7 @@ def load_arrays(path: str, specs: ParamSpecs, cfg: layout_lib.ModelShape, *,
     from checkpoints import orbax_io
     if orbax_io.is_orbax_checkpoint(path):
         t0 = time.perf_counter()
-        out = orbax_io.restore_params(path, cfg.to_hf_dict(), specs)
+        out = orbax_io.restore_params(path, cfg.to_hf_dict(), specs, verify=check_finite)
         if stats is not None:
             stats.bytes_read += sum(math.prod(a.shape) * a.dtype.itemsize for a in out.values())
             stats.seconds += time.perf_counter() - t0

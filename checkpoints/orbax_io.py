@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from checkpoints import checksums
 from checkpoints.safetensors_io import CONFIG_FILE, CheckpointError
 
 log = logging.getLogger(__name__)
@@ -389,6 +390,7 @@ def save(path: str, arrays: Mapping, config: Mapping[str, Any], *, source: Optio
         "parts": parts,
     }
     if jax.process_index() == 0:
+        meta["checksums"] = checksums.digest_tree(state)
         _write_side_files(path, config_json if config_json is not None else config, source)
         tmp = os.path.join(path, META_FILE + ".tmp")
         with open(tmp, "w") as f:
@@ -560,17 +562,22 @@ def check_compatible(path: str, config: Mapping[str, Any],
     return meta
 
 
-def restore_params(path: str, config: Mapping[str, Any], specs: Mapping) -> dict[tuple[str, ...], jax.Array]:
+def restore_params(path: str, config: Mapping[str, Any], specs: Mapping, *,
+                   verify: bool = True) -> dict[tuple[str, ...], jax.Array]:
     """{parameter path: jax.Array} restored from an orbax checkpoint for `specs` ({parameter path:
     ShapeDtypeStruct}: each parameter in its spec's dtype, onto its spec's sharding, None: the first
     local device), after check_compatible against `config` (HF dict). Version 2: one part at a time
     (host memory: about one part; device memory: the model plus one part); version 1: in one orbax
-    restore of whole arrays."""
+    restore of whole arrays. verify: first compare every file of state/ with its recorded sha256."""
     path = os.path.abspath(os.fspath(path))
     flat = flat_arrays(specs)
     one = _one(jax.local_devices()[0])
     shardings = {k: getattr(v, "sharding", None) or one for k, v in flat.items()}
     meta = check_compatible(path, config, {_key(k): (tuple(v.shape), v.dtype) for k, v in flat.items()})
+    if verify and meta["version"] >= 2 and "checksums" in meta:      # recorded by the version 2 writer
+        checksums.verify_tree(os.path.join(path, STATE_DIR), meta["checksums"])
+    elif verify:
+        log.warning("%s: no data checksums recorded; restoring unverified", os.path.join(path, META_FILE))
     if meta["version"] == 1:
         return _restore_whole(path, flat, shardings)
     return _restore_parts(path, meta, flat, shardings)

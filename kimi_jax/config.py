@@ -142,18 +142,27 @@ class ModelConfig:
         if not os.path.isfile(cfg_file):
             raise ConfigError(f"{cfg_file}: no config.json in the checkpoint directory")
         try:
-            with open(cfg_file) as f:
-                raw = json.load(f)
-        except json.JSONDecodeError as e:
+            with open(cfg_file, "rb") as f:
+                raw = json.loads(f.read())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ConfigError(f"{cfg_file}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise ConfigError(f"{cfg_file}: JSON nested too deeply to be a config") from None
         try:
-            return cls.from_hf_dict(raw)
+            cfg = cls.from_hf_dict(raw)
         except ConfigError as e:
             raise ConfigError(f"{cfg_file}: {e}") from None
+        from checkpoints import preflight      # the weights' index and tokenizer files back this config
+        preflight.check(path, cfg)
+        return cfg
 
     @classmethod
     def from_hf_dict(cls, raw: Mapping[str, Any]) -> "ModelConfig":
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"expected a JSON object, got {type(raw).__name__}")
         top = dict(raw)
+        if top.get("text_config") is not None and not isinstance(top["text_config"], Mapping):
+            raise ConfigError(f"config field 'text_config' must be an object, got {json.dumps(top['text_config'])[:60]}")
         model_type = top.get("model_type")
         text = dict(top["text_config"]) if isinstance(top.get("text_config"), Mapping) else top
         if model_type == "kimi_k25" or "text_config" in top:
@@ -321,7 +330,7 @@ def _check_ranges(c: "ModelConfig") -> None:
         v = getattr(c, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise ConfigError(f"config field {name!r} must be a finite number > 0, got {v!r}")
-    # token ids name tokenizer entries (an id past a cut-down vocabulary only never matches): >= 0
+    # >= 0; past vocab_size only for a synthetic cut-down vocabulary (checkpoints.preflight)
     for name, ids in (("bos_token_id", [c.bos_token_id]), ("pad_token_id", [c.pad_token_id]),
                       ("eos_token_id", list(c.eos_token_id))):
         for v in ids:
@@ -337,6 +346,9 @@ def _check_ranges(c: "ModelConfig") -> None:
 def _parse_rope(text: Mapping[str, Any]) -> tuple[float, RopeScaling]:
     params = text.get("rope_parameters")
     scaling = text.get("rope_scaling")
+    for name, v in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if v is not None and not isinstance(v, Mapping):
+            raise ConfigError(f"config field {name!r} must be an object or null, got {json.dumps(v)[:60]}")
     theta = text.get("rope_theta")
     src = None
     if isinstance(params, Mapping):
@@ -379,12 +391,16 @@ def _parse_rope(text: Mapping[str, Any]) -> tuple[float, RopeScaling]:
 def _parse_quant(q: Optional[Mapping[str, Any]]) -> Optional[QuantConfig]:
     if q is None:
         return None
+    if not isinstance(q, Mapping):
+        raise ConfigError(f"config field 'quantization_config' must be an object, got {json.dumps(q)[:60]}")
     method = q.get("quant_method")
     if method != "compressed-tensors":
         raise ConfigError(f"quantization_config.quant_method={method!r} is not supported "
                           "(only compressed-tensors pack-quantized INT4)")
     fmt = q.get("format")
     groups = q.get("config_groups") or {}
+    if not isinstance(groups, Mapping) or not all(isinstance(g, Mapping) for g in groups.values()):
+        raise ConfigError("config field 'quantization_config.config_groups' must be an object of objects")
     if len(groups) != 1:
         raise ConfigError(f"quantization_config has {len(groups)} config_groups; exactly one is supported")
     (gname, g), = groups.items()
@@ -392,6 +408,8 @@ def _parse_quant(q: Optional[Mapping[str, Any]]) -> Optional[QuantConfig]:
     if fmt != "pack-quantized":
         raise ConfigError(f"quantization_config format={fmt!r} is not supported (only 'pack-quantized')")
     w = g.get("weights") or {}
+    if not isinstance(w, Mapping):
+        raise ConfigError(f"config field 'quantization_config.config_groups.{gname}.weights' must be an object")
     checks = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}
     for k, v in checks.items():
         if w.get(k) != v:

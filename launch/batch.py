@@ -50,8 +50,8 @@ def main(argv):
     if _same_file(FLAGS.input, FLAGS.output):
         common.fail("kimi-batch", f"--output {FLAGS.output} is the input file; give another path")
     try:
-        infile = open(FLAGS.input, encoding="utf-8")
-        total = B.count_lines(FLAGS.input)
+        infile = open(FLAGS.input, "rb")      # each line decoded on its own: one bad byte, one error line
+        total = B.count_lines(FLAGS.input) if os.path.isfile(FLAGS.input) else None   # a pipe is read once
     except OSError as e:
         common.fail("kimi-batch", f"--input {FLAGS.input}: {e.strerror}")
     try:
@@ -61,6 +61,7 @@ def main(argv):
     try:
         llm = LLM.from_config(common.engine_config())
     except (*common.user_errors(), ValueError) as e:
+        writer.close()                         # its lock goes with it
         common.fail("kimi-batch", e)
     model_name = FLAGS.served_model_name or FLAGS.model or "kimi-jax-demo"
     try:
@@ -68,6 +69,9 @@ def main(argv):
             summary = B.run_job(llm, infile, writer, model_name=model_name,
                                 default_max_tokens=FLAGS.default_max_tokens, total=total,
                                 progress=FLAGS.progress is not False)
+    except B.OutputWriteError as e:
+        resume = f"; {writer.written} lines written, rerun to finish" if writer.regular else ""
+        common.fail("kimi-batch", f"--output {e.strerror}{resume}")
     except OSError as e:
         common.fail("kimi-batch", f"--output {FLAGS.output}: cannot write ({e.strerror or e})")
     print(f"kimi-batch: {summary.line(FLAGS.output)}", file=sys.stderr)

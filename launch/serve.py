@@ -44,17 +44,29 @@ flags.DEFINE_string("speculative_config", None, "speculative decoding as JSON, e
 flags.DEFINE_bool("async_scheduling", True, "overlap scheduling (off with speculation)")
 flags.DEFINE_bool("precompile", True, "compile the serving programs before reporting ready")
 flags.DEFINE_float("shutdown_grace_s", 30.0, "seconds in-flight requests get to finish after SIGTERM")
+flags.DEFINE_bool("metrics_need_key", False, "require the API key on /metrics too (it names the served model)")
+flags.DEFINE_integer("max_body_bytes", 64 * 2**20, "largest request body (413 beyond)")
+flags.DEFINE_integer("max_choices", 256, "most choices (prompts x n) one request may ask (400 beyond)")
+flags.DEFINE_integer("max_prompt_chars", 8 * 2**20, "longest text prompt / conversation in characters (400 beyond)")
 
 
 def main(argv):
     del argv
     common.setup()
     from kimi_jax.entrypoints.llm import LLM
-    from kimi_jax.entrypoints.openai.server import OpenAIServer, serve
+    from kimi_jax.entrypoints.openai.intake import Limits
+    from kimi_jax.entrypoints.openai.server import ListenError, OpenAIServer, serve
     if not 0 < FLAGS.port < 65536:
         common.fail(PROG, f"--port={FLAGS.port} is not a port number")
     if FLAGS.max_queue < 0:
         common.fail(PROG, f"--max_queue must be >= 0, got {FLAGS.max_queue}")
+    if not FLAGS.shutdown_grace_s >= 0:
+        common.fail(PROG, f"--shutdown_grace_s must be >= 0, got {FLAGS.shutdown_grace_s}")
+    try:
+        limits = Limits(max_body_bytes=FLAGS.max_body_bytes, max_choices=FLAGS.max_choices,
+                        max_prompt_chars=FLAGS.max_prompt_chars)
+    except ValueError as e:
+        common.fail(PROG, f"--{e}")
     try:
         llm = LLM.from_config(common.engine_config())
     except (*common.user_errors(), ValueError, NotImplementedError, FileNotFoundError) as e:
@@ -63,13 +75,14 @@ def main(argv):
     api_key = FLAGS.api_key or os.environ.get("KIMI_JAX_API_KEY") or None
     if FLAGS.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         logging.warning("listening on %s without --api_key: anyone who can reach it can use it", FLAGS.host)
-    server = OpenAIServer(llm, served_model_name=name, api_key=api_key, max_queue=FLAGS.max_queue)
+    server = OpenAIServer(llm, served_model_name=name, api_key=api_key, max_queue=FLAGS.max_queue, limits=limits,
+                          metrics_need_key=FLAGS.metrics_need_key)
     print(f"{PROG}: loading {name}; listening on http://{FLAGS.host}:{FLAGS.port}", file=sys.stderr, flush=True)
     try:
         asyncio.run(serve(server, host=FLAGS.host, port=FLAGS.port, grace_s=FLAGS.shutdown_grace_s,
                           on_ready=lambda: print(f"{PROG}: ready", file=sys.stderr, flush=True)))
-    except OSError as e:                    # the port is taken, the address is not ours
-        common.fail(PROG, f"cannot listen on {FLAGS.host}:{FLAGS.port}: {e.strerror or e}")
+    except ListenError as e:                # the port is taken, the address is not ours
+        common.fail(PROG, e.strerror)
     print(f"{PROG}: stopped", file=sys.stderr, flush=True)
 
 

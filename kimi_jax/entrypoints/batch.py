@@ -12,9 +12,11 @@ Every input line gets exactly one output line, OpenAI's batch output:
 with the completion / chat-completion body (status 200), or the API's error body for a request the
 server refuses (status 400 / 404) or one that fails while it runs (500); `error` is null then. A line
 that cannot be read as a request at all (malformed JSON, no custom_id, a bad url or method, a repeated
-custom_id) gets `response` null and the top-level `error` object. Output is appended line by line
-(flushed and fsynced), so a rerun after Ctrl-C or kill -9 skips the lines already written and a torn
-last line is cut off.
+custom_id, invalid UTF-8, nesting deeper than MAX_DEPTH) gets `response` null and the top-level `error`
+object. A line without a custom_id answers as `line-<number>`; an explicit custom_id of that form
+naming another line is refused (reported under its own line's id), so ids never collide. Output is
+appended line by line (fsynced when it is a regular file), so a rerun after Ctrl-C or kill -9 skips
+the lines already written and a torn last line is cut off; a pipe or device is written without resume.
 
 `run_job` is kimi-batch's job loop (the launcher parses flags, builds the LLM and calls it): lines are
 fed to one continuous-batching engine as slots free up; a step that raises is rerun request by request
@@ -24,17 +26,24 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
+import fcntl
 import json
 import os
+import re
+import stat
 import sys
 import uuid
-from typing import Optional, TextIO
+from typing import Iterable, Optional, Union
 
-from kimi_jax.entrypoints.openai import protocol as P
+from kimi_jax.entrypoints.openai import intake, protocol as P
 
 ROUTES = {"/v1/chat/completions": P.parse_chat, "/v1/completions": P.parse_completion}
 ENVELOPE_KEYS = {"custom_id", "method", "url", "body"}
 DUPLICATE = "duplicate_custom_id"
+MAX_DEPTH = intake.MAX_DEPTH + 1          # the envelope adds one level to the body's
+MAX_LINE_BYTES = intake.Limits().max_body_bytes + 4096       # a body as the server takes it, plus its envelope
+_AUTO_ID = re.compile(r"line-[0-9]+")
 
 
 class LineError(ValueError):
@@ -54,12 +63,26 @@ class Line:
     body: dict
 
 
-def read_line(line: str, lineno: int) -> Line:
-    """The envelope of one input line; LineError when it is not a request at all."""
+def load_json(line: Union[str, bytes], lineno: int):
+    """One line's JSON value; LineError for invalid UTF-8, malformed JSON or nesting beyond MAX_DEPTH."""
+    if isinstance(line, bytes):
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise LineError(f"line {lineno}: not valid UTF-8 (byte 0x{line[e.start]:02x} at offset {e.start})") from None
+    if lineno == 1:
+        line = line.removeprefix("\ufeff")        # a byte order mark some editors write
     try:
-        obj = json.loads(line)
+        return intake.loads(line, MAX_DEPTH)
     except json.JSONDecodeError as e:
         raise LineError(f"line {lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+    except intake.TooDeep as e:
+        raise LineError(f"line {lineno}: {e}") from None
+
+
+def read_line(line: Union[str, bytes], lineno: int) -> Line:
+    """The envelope of one input line; LineError when it is not a request at all."""
+    obj = load_json(line, lineno)
     if not isinstance(obj, dict):
         raise LineError(f"line {lineno}: expected a JSON object, got {type(obj).__name__}")
     envelope = bool({"body", "url", "method"} & set(obj))
@@ -68,6 +91,9 @@ def read_line(line: str, lineno: int) -> Line:
         raise LineError(f"line {lineno}: 'custom_id' is required")
     if not isinstance(cid, str) or not cid:
         raise LineError(f"line {lineno}: custom_id must be a non-empty string")
+    if _AUTO_ID.fullmatch(cid) and cid != f"line-{lineno}":
+        raise LineError(f"line {lineno}: custom_id {cid!r} is the automatic id of another line "
+                        "(line-<number> is reserved for lines without a custom_id)", "reserved_custom_id")
     if not envelope:
         body = {k: v for k, v in obj.items() if k != "custom_id"}
         return Line(cid, lineno, "/v1/chat/completions" if "messages" in body else "/v1/completions", body)
@@ -113,14 +139,21 @@ def _one_line(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def custom_id_of(line: str, lineno: int) -> str:
+def custom_id_of(line: Union[str, bytes], lineno: int) -> str:
     """The custom_id a line reports under, even when the line is broken."""
+    own, replaced = f"line-{lineno}", False
+    if isinstance(line, bytes):               # a bad byte elsewhere on the line keeps its custom_id
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError:
+            line, replaced = line.decode("utf-8", "replace"), True
     try:
-        obj = json.loads(line)
-        cid = obj.get("custom_id") if isinstance(obj, dict) else None
-        return cid if isinstance(cid, str) and cid else f"line-{lineno}"
-    except json.JSONDecodeError:
-        return f"line-{lineno}"
+        obj = load_json(line, lineno)
+    except LineError:
+        return own
+    cid = obj.get("custom_id") if isinstance(obj, dict) else None
+    ok = isinstance(cid, str) and cid and not _AUTO_ID.fullmatch(cid) and not (replaced and "\ufffd" in cid)
+    return cid if ok else own
 
 
 def _ids() -> tuple[str, str]:
@@ -158,67 +191,138 @@ class OutputFileError(ValueError):
     """An output file kimi-batch cannot append to (not its own results, or not writable)."""
 
 
+class OutputWriteError(OSError):
+    """Writing an output line failed (disk full, a closed pipe): the job stops, nothing is lost."""
+
+
 class ResultWriter:
     """Appends output lines durably and knows which input lines are already done: `done` holds the
     custom_ids answered (a line's own result or error), `duplicates[cid]` how many repeats of cid were
-    reported."""
+    reported. A regular file is locked (one job at a time), recovered and fsynced; a pipe or device
+    (/dev/stdout, /dev/full) is written as is, unbuffered."""
 
     def __init__(self, path: str):
         self.path = path
         self.done: set[str] = set()
         self.duplicates: collections.Counter = collections.Counter()
         self.written = 0
+        self._fd = -1
         try:
-            if os.path.exists(path):
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self.regular = stat.S_ISREG(os.fstat(self._fd).st_mode)
+            if self.regular:
+                self._lock()
                 self._recover()
-            self._f = open(path, "a", encoding="utf-8")
         except OSError as e:
+            self._close_fd()
             raise OutputFileError(f"{path}: cannot write the output file ({e.strerror or e})") from None
+        except OutputFileError:
+            self._close_fd()
+            raise
+
+    def _lock(self) -> None:
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                raise OutputFileError(f"{self.path}: another kimi-batch job is writing this output file") from None
+            # a file system without locks (some network mounts): written unlocked
 
     def _recover(self) -> None:
+        keep = 0
         with open(self.path, "rb") as f:
-            data = f.read()
-        keep = data.rfind(b"\n") + 1          # a torn last line (kill -9 mid-write) is dropped
-        for lineno, raw in enumerate(data[:keep].splitlines(), start=1):
-            try:
-                obj = json.loads(raw)
-                ok = (isinstance(obj, dict) and isinstance(obj.get("custom_id"), str)
-                      and {"response", "error"} <= obj.keys())
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                ok = False
-            if not ok:
-                raise OutputFileError(f"{self.path}:{lineno}: the output file holds a line that is not a "
-                                      f"kimi-batch result ({_one_line(raw[:80].decode('utf-8', 'replace'), 60)}); "
-                                      "give another --output")
-            if isinstance(obj.get("error"), dict) and obj["error"].get("code") == DUPLICATE:
-                self.duplicates[obj["custom_id"]] += 1
-            else:
-                self.done.add(obj["custom_id"])
-        if keep < len(data):
-            with open(self.path, "r+b") as f:
-                f.truncate(keep)
+            for lineno, raw in enumerate(iter(f.readline, b""), start=1):
+                if not raw.endswith(b"\n"):
+                    break                       # a torn last line (kill -9 mid-write) is dropped
+                self._recover_line(raw, lineno)
+                keep += len(raw)
+        if keep < os.path.getsize(self.path):
+            os.truncate(self.path, keep)
+
+    def _recover_line(self, raw: bytes, lineno: int) -> None:
+        try:
+            obj = json.loads(raw)
+            ok = (isinstance(obj, dict) and isinstance(obj.get("custom_id"), str)
+                  and {"response", "error"} <= obj.keys())
+        except (ValueError, RecursionError):
+            ok = False
+        if not ok:
+            raise OutputFileError(f"{self.path}:{lineno}: the output file holds a line that is not a "
+                                  f"kimi-batch result ({_one_line(raw[:80].decode('utf-8', 'replace'), 60)}); "
+                                  "give another --output")
+        if isinstance(obj.get("error"), dict) and obj["error"].get("code") == DUPLICATE:
+            self.duplicates[obj["custom_id"]] += 1
+        else:
+            self.done.add(obj["custom_id"])
 
     def write(self, record: dict, duplicate: bool = False) -> None:
         cid = record["custom_id"]
         if not duplicate and cid in self.done:
             return
-        self._f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        try:
+            text = json.dumps(record, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:            # a lone surrogate (from a \ud800 escape) stays escaped
+            text = json.dumps(record).encode("ascii")
+        data = memoryview(text + b"\n")
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+            if self.regular:
+                os.fsync(self._fd)
+        except OSError as e:
+            raise OutputWriteError(e.errno, f"{self.path}: cannot write ({e.strerror or e})") from None
         self.written += 1
         if duplicate:
             self.duplicates[cid] += 1
         else:
             self.done.add(cid)
 
+    def _close_fd(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
     def close(self) -> None:
-        self._f.close()
+        self._close_fd()
 
 
 def count_lines(path: str) -> int:
-    """Non-blank lines of an input file (the job's total)."""
+    """Non-blank lines of an input file (the job's total), read in blocks (a line may be any size)."""
+    n, content = 0, False
     with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
+        while block := f.read(1 << 20):
+            *ended, last = block.split(b"\n")
+            for piece in ended:
+                n += content or bool(piece.strip())
+                content = False
+            content = content or bool(last.strip())
+    return n + content
+
+
+class TooLong:
+    """An input line of more than MAX_LINE_BYTES (its bytes were read in pieces and dropped)."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def strip(self) -> bool:
+        return True
+
+
+def input_lines(infile, max_bytes: Optional[int] = None):
+    """(line number, line) of an open input file, a line longer than max_bytes (default
+    MAX_LINE_BYTES) as TooLong."""
+    max_bytes, lineno = max_bytes or MAX_LINE_BYTES, 0
+    while line := infile.readline(max_bytes + 1):
+        lineno += 1
+        if len(line) > max_bytes and not line.endswith(b"\n" if isinstance(line, bytes) else "\n"):
+            size = len(line)
+            while (rest := infile.readline(1 << 20)) and size < 2**62:
+                size += len(rest)
+                if rest.endswith(b"\n" if isinstance(rest, bytes) else "\n"):
+                    break
+            line = TooLong(size)
+        yield lineno, line
 
 
 def _failure(lineno: int, e: BaseException, when: str = "while running") -> str:
@@ -251,10 +355,11 @@ class JobSummary:
                 f"rate {rate} ({h} of {q} prompt tokens)")
 
 
-def run_job(llm, infile: TextIO, writer: ResultWriter, *, model_name: str, default_max_tokens: int,
+def run_job(llm, infile: Iterable[Union[str, bytes]], writer: ResultWriter, *, model_name: str, default_max_tokens: int,
             total: Optional[int] = None, progress: bool = True, desc: str = "kimi-batch") -> JobSummary:
-    """Answer every line of `infile` (an open input file) into `writer` with `llm`, skipping the
-    custom_ids the writer already holds; closes the writer. An OSError while writing propagates."""
+    """Answer every line of `infile` (an open input file, binary or text) into `writer` with `llm`,
+    skipping the custom_ids the writer already holds; closes the writer. OutputWriteError (an OSError)
+    stops the job at the first line that cannot be written."""
     from tqdm import tqdm
 
     from kimi_jax.engine.validation import RequestError
@@ -263,7 +368,7 @@ def run_job(llm, infile: TextIO, writer: ResultWriter, *, model_name: str, defau
     jobs: dict[str, _Job] = {}            # custom_id -> its job, until its output line is written
     by_rid: dict[str, tuple] = {}         # engine request id -> (custom_id, choice index)
     seen: collections.Counter = collections.Counter()
-    lines = enumerate(infile, start=1)
+    lines = input_lines(infile)
     totals: collections.Counter = collections.Counter()     # the stats of every engine the job used
     bar = tqdm(total=total, desc=desc, unit="line", disable=not progress, file=sys.stderr)
     counts: collections.Counter = collections.Counter()     # ok / refused / errors / skipped
@@ -316,10 +421,13 @@ def run_job(llm, infile: TextIO, writer: ResultWriter, *, model_name: str, defau
             if not line.strip():
                 continue
             try:
+                if isinstance(line, TooLong):
+                    raise LineError(f"line {lineno}: {line.size} bytes, more than {MAX_LINE_BYTES}")
                 ln, err = read_line(line, lineno), None
                 cid = ln.custom_id
             except LineError as e:
-                ln, err, cid = None, e, custom_id_of(line, lineno)
+                ln, err = None, e
+                cid = f"line-{lineno}" if isinstance(line, TooLong) else custom_id_of(line, lineno)
             seen[cid] += 1
             if seen[cid] > 1:            # a repeat: an error under its own custom_id, the first one runs
                 if writer.duplicates[cid] < seen[cid] - 1:
@@ -346,6 +454,8 @@ def run_job(llm, infile: TextIO, writer: ResultWriter, *, model_name: str, defau
                                         else "prompt")
                 write(refused_line(cid, e), "refused")
                 continue
+            except OutputWriteError:
+                raise
             except Exception as e:  # noqa: BLE001 - any failure of one line is that line's error
                 jobs.pop(cid, None)
                 write(failed_line(cid, _failure(lineno, e, "while being read")), "errors")
@@ -383,6 +493,8 @@ def run_job(llm, infile: TextIO, writer: ResultWriter, *, model_name: str, defau
                 for r in requests(cid, solo):
                     solo.add(r)
                 solo.run(on_finish=on_finish)
+            except OutputWriteError:
+                raise
             except Exception as e:  # noqa: BLE001
                 write(failed_line(cid, _failure(jobs[cid].line.lineno, e)), "errors")
                 jobs.pop(cid, None)
@@ -395,6 +507,8 @@ def run_job(llm, infile: TextIO, writer: ResultWriter, *, model_name: str, defau
                 be.run(on_finish=on_finish, feed=feed)
                 used(be)
                 break
+            except OutputWriteError:
+                raise
             except Exception:  # noqa: BLE001 - some request broke a step: find it, keep the others
                 used(be)
                 engine[0] = llm.batch_engine()

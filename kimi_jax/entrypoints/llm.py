@@ -5,6 +5,7 @@ import dataclasses
 import logging
 import os
 import random
+import threading
 from typing import Optional, Sequence, Union
 
 import jax.numpy as jnp
@@ -51,6 +52,23 @@ class RequestOutput:
     metrics: dict = dataclasses.field(default_factory=dict)
     num_cached_tokens: int = 0              # prompt tokens read from the prefix cache
     prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
+
+
+def _prompt_list(prompts) -> list:
+    """generate()'s prompts as a list of prompts (TypeError naming the argument otherwise)."""
+    if isinstance(prompts, np.ndarray):
+        if not np.issubdtype(prompts.dtype, np.integer) or prompts.ndim not in (1, 2):
+            raise TypeError(f"prompts: a numpy array of token ids must be 1-D or 2-D of integers, got "
+                            f"{prompts.dtype}{list(prompts.shape)}")
+        return [prompts.tolist()] if prompts.ndim == 1 else prompts.tolist()
+    if isinstance(prompts, (bytes, bytearray)) or not hasattr(prompts, "__iter__"):
+        raise TypeError(f"prompts must be a string, a list of token ids, a prompt dict or a list of those, "
+                        f"got {type(prompts).__name__}")
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
+                                            and isinstance(prompts[0], (int, np.integer))):
+        return [prompts]
+    return [p.tolist() if isinstance(p, np.ndarray) and np.issubdtype(p.dtype, np.integer) and p.ndim == 1
+            else p for p in prompts]
 
 
 def demo_model_path() -> Optional[str]:
@@ -234,20 +252,37 @@ class LLM:
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = False, *, _prompt_texts: Optional[list[str]] = None) -> list[RequestOutput]:
-        """Generate for one prompt or a list (text, token ids, or vLLM's prompt dicts). _prompt_texts:
-        the RequestOutput.prompt of each (chat: the rendered conversation)."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
-                                                and isinstance(prompts[0], (int, np.integer))):
-            prompts = [prompts]
-        prompts = list(prompts)
+        """Generate for one prompt or a list (text, token ids, or vLLM's prompt dicts; numpy integer
+        arrays of ids too). _prompt_texts: the RequestOutput.prompt of each (chat: the rendered
+        conversation). Calls from several threads run one at a time."""
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        sps = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
-               else list(sampling_params))
+        if isinstance(sampling_params, SamplingParams):
+            sps = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, (list, tuple)):
+            sps = list(sampling_params)
+        else:
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+                            f"{type(sampling_params).__name__}" + (" (build one: SamplingParams(**d))"
+                                                                   if isinstance(sampling_params, dict) else ""))
         if len(sps) != len(prompts):
             raise ValueError(f"got {len(sps)} SamplingParams for {len(prompts)} prompts")
         ids = [self.token_ids(p, i) for i, p in enumerate(prompts)]
         texts = _prompt_texts or [self._prompt_text(p) for p in prompts]
+        with self._generate_lock():          # one batch engine, its pages donated step to step: one caller
+            return self._generate(texts, ids, sps, use_tqdm)
+
+    _lock_guard = threading.Lock()
+
+    def _generate_lock(self) -> threading.RLock:
+        lock = self.__dict__.get("_generate_mutex")
+        if lock is None:
+            with LLM._lock_guard:
+                lock = self.__dict__.setdefault("_generate_mutex", threading.RLock())
+        return lock
+
+    def _generate(self, texts, ids, sps, use_tqdm) -> list[RequestOutput]:
         be = self._engine_for_generate()
         groups = []
         # every request is checked before any runs (kimi_jax.engine.validation): one bad value fails the

@@ -11,18 +11,21 @@ request model is kimi_jax.entrypoints.openai.protocol (plain dicts, checked by h
   GET  /metrics                   Prometheus text (kimi_jax.entrypoints.openai.metrics)
 
 Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: bad input (a field, a
-prompt longer than the context) 400, unknown model 404, a missing or wrong API key 401 (with a key
-set, on /v1/*, /tokenize and /detokenize; /health and /metrics stay open), more than max_queue
-requests waiting 429 with Retry-After, shutting down 503. A client that disconnects has its requests
-aborted (pages freed before the engine's next step). `serve` stops admitting on SIGTERM / SIGINT,
-lets in-flight requests finish for a grace period, aborts the rest and returns.
+prompt longer than the context, beyond the intake Limits) 400, a body beyond them 413, unknown model
+404, a missing or wrong API key 401 (on /v1/*, /tokenize, /detokenize; /metrics when
+metrics_need_key), more than max_queue waiting 429 with Retry-After, shutting down 503. Intake
+(parsing, tokenizing, request building) runs on a thread pool, off the event loop. A client that
+disconnects has its requests aborted. `serve` stops admitting on SIGTERM / SIGINT, gives in-flight
+requests a grace period, aborts the rest, closes every connection and returns.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import json
 import logging
+import os
 import signal
 import time
 import uuid
@@ -33,12 +36,17 @@ from aiohttp import web
 from kimi_jax.engine.async_engine import AsyncLLM, EngineDead, QueueFull
 from kimi_jax.engine.sampling import SamplingParams
 from kimi_jax.engine.scheduler import RequestError
-from kimi_jax.entrypoints.openai import protocol as P
+from kimi_jax.entrypoints.openai import intake, protocol as P
 from kimi_jax.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from kimi_jax.text.tool_parser import ChatOutputParser, tool_finish_reason
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
+CLOSE_S = 2.0                         # after the grace period: handlers unwind, connections close
+
+
+class ListenError(OSError):
+    """The server could not bind its address."""
 
 
 class _Aborted(Exception):
@@ -54,12 +62,26 @@ class OpenAIServer:
     """The app's state: the model, its AsyncLLM, names, key and metrics."""
 
     def __init__(self, llm, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
-                 max_queue: Optional[int] = None):
+                 max_queue: Optional[int] = None, limits: Optional[intake.Limits] = None,
+                 metrics_need_key: bool = False):
         self.llm = llm
         self.tokenizer = llm.tokenizer
         self.model_name = served_model_name or llm.model_path or "kimi-jax"
         self.api_key = api_key or None
+        self.metrics_need_key = metrics_need_key
+        self.limits = limits or intake.Limits()
         self.engine = AsyncLLM(llm, max_queue=max_queue)
+        queued = llm.max_num_seqs + max_queue if max_queue is not None else self.limits.max_choices
+        self.max_choices = min(self.limits.max_choices, queued)
+        # a longer text prompt cannot fit max_model_len tokens (a character is >= 1 byte, a token <= L bytes)
+        longest = _longest_token(llm.tokenizer)
+        self.max_prompt_chars = min(self.limits.max_prompt_chars, llm.max_model_len * (longest or 2**62))
+        self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kimi-jax-intake")
+        import kimi_jax
+        install = os.path.dirname(os.path.dirname(os.path.abspath(kimi_jax.__file__)))
+        model = [(os.path.abspath(llm.model_path), self.model_name), (llm.model_path, self.model_name)] \
+            if llm.model_path else []
+        self._paths = [(p, n) for p, n in model + [(install, "<install>")] if p not in ("", "/")]
         self.metrics = ServerMetrics(self.engine, self.model_name)
         self.ready = False
         self.draining = False
@@ -91,11 +113,15 @@ class OpenAIServer:
         except asyncio.TimeoutError:
             log.warning("%d requests still in flight after %.1fs; aborting them", self.active, grace_s)
             self.engine.shutdown()
-            await asyncio.wait_for(self._idle.wait(), 10.0)
+            try:             # handlers see their aborts; one blocked on a client that never reads is closed
+                await asyncio.wait_for(self._idle.wait(), CLOSE_S)
+            except asyncio.TimeoutError:
+                log.warning("%d requests still writing to clients; closing their connections", self.active)
         self.engine.shutdown()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=64 * 2**20)
+        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=self.limits.max_body_bytes)
         app.add_routes([web.get("/v1/models", self.models), web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat), web.post("/tokenize", self.tokenize),
                         web.post("/detokenize", self.detokenize), web.get("/health", self.health),
@@ -108,7 +134,12 @@ class OpenAIServer:
         try:
             return await handler(request)
         except P.ProtocolError as e:
-            return web.json_response(e.body(), status=e.status)
+            body = e.body()
+            body["error"]["message"] = self._scrub(body["error"]["message"])
+            return web.json_response(body, status=e.status)
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"the request body is larger than max_body_bytes={self.limits.max_body_bytes}",
+                          code="body_too_large")
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -118,13 +149,20 @@ class OpenAIServer:
             raise
         except Exception as e:              # a bug, not bad input: logged, the server goes on
             log.exception("error serving %s", request.path)
-            return _error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+            return _error(500, f"internal error ({type(e).__name__}); the server log has the details", "server_error")
+
+    def _scrub(self, message: str) -> str:
+        """An error text without the server's file paths (the checkpoint's, the installed package's)."""
+        for path, name in self._paths:
+            message = message.replace(path, name)
+        return message
 
     @web.middleware
     async def _auth(self, request, handler):
-        if self.api_key and request.path.startswith(("/v1/", "/tokenize", "/detokenize")):
-            got = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
+        guarded = ("/v1/", "/tokenize", "/detokenize") + (("/metrics",) if self.metrics_need_key else ())
+        if self.api_key and request.path.startswith(guarded):
+            got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(got, f"Bearer {self.api_key}".encode()):
                 return _error(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                               param=None, code="invalid_api_key")
         return await handler(request)
@@ -144,10 +182,18 @@ class OpenAIServer:
              "max_model_len": self.llm.max_model_len}]})
 
     async def _json(self, request):
+        return self._loads(await request.read())
+
+    def _loads(self, raw: bytes):
         try:
-            return await request.json()
+            return intake.loads(raw, self.limits.max_depth)
+        except intake.TooDeep as e:
+            raise P.ProtocolError(f"the request body is {e}", code="too_deep") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise P.ProtocolError(f"the request body is not valid JSON: {e}") from None
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def _need_tokenizer(self, what: str):
         if self.tokenizer is None:
@@ -161,7 +207,10 @@ class OpenAIServer:
             raise P.ProtocolError(str(e), "messages") from None
 
     async def tokenize(self, request):
-        body = await self._json(request)
+        return web.json_response(await self._off_loop(self._tokenize, await request.read()))
+
+    def _tokenize(self, raw: bytes) -> dict:
+        body = self._loads(raw)
         if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
             raise P.ProtocolError("the body needs exactly one of 'prompt' or 'messages'")
         if "messages" in body:
@@ -170,11 +219,15 @@ class OpenAIServer:
             if not isinstance(body["prompt"], str):
                 raise P.ProtocolError("'prompt' must be a string", "prompt")
             self._need_tokenizer("tokenize")
+            self._check_chars(len(body["prompt"]), "prompt")
             ids = self.tokenizer.encode(body["prompt"])
-        return web.json_response({"count": len(ids), "max_model_len": self.llm.max_model_len, "tokens": ids})
+        return {"count": len(ids), "max_model_len": self.llm.max_model_len, "tokens": ids}
 
     async def detokenize(self, request):
-        body = await self._json(request)
+        return web.json_response(await self._off_loop(self._detokenize, await request.read()))
+
+    def _detokenize(self, raw: bytes) -> dict:
+        body = self._loads(raw)
         toks = body.get("tokens") if isinstance(body, dict) else None
         if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
             raise P.ProtocolError("'tokens' must be a list of token ids", "tokens")
@@ -183,14 +236,36 @@ class OpenAIServer:
         bad = [t for t in toks if not 0 <= t < min(vocab, self.tokenizer.vocab_size)]
         if bad:
             raise P.ProtocolError(f"token id {bad[0]} is outside the vocabulary", "tokens")
-        return web.json_response({"prompt": self.tokenizer.decode(toks)})
+        return {"prompt": self.tokenizer.decode(toks)}
 
     # ---- generation -----------------------------------------------------------------------------
     async def completions(self, request):
-        return await self._generate(request, P.parse_completion(await self._json(request)))
+        return await self._generate(request, P.parse_completion)
 
     async def chat(self, request):
-        return await self._generate(request, P.parse_chat(await self._json(request)))
+        return await self._generate(request, P.parse_chat)
+
+    def _check_chars(self, n: int, field: str) -> None:
+        if n > self.max_prompt_chars:
+            raise P.ProtocolError(f"the {field} has {n} characters, more than max_prompt_chars="
+                                  f"{self.max_prompt_chars} (it cannot fit max_model_len={self.llm.max_model_len} "
+                                  "tokens, or is beyond the server's limit)", field, code="prompt_too_large")
+
+    def _intake(self, raw: bytes, parse):
+        """A body -> (GenerationRequest, its id, [(choice index, engine request)]); ProtocolError on bad input."""
+        g = parse(self._loads(raw))
+        P.check_model(g.model, [self.model_name])
+        choices = (1 if g.kind == "chat" else len(g.prompts)) * g.n
+        if choices > self.max_choices:
+            raise P.ProtocolError(f"the request asks for {choices} choices (prompts x n), more than the "
+                                  f"{self.max_choices} one request may have (max_choices, or max_num_seqs + "
+                                  "max_queue)", "n", code="too_many_choices")
+        if g.kind == "chat":
+            self._check_chars(intake.text_chars([g.messages, g.tools]), "messages")
+        else:
+            self._check_chars(sum(len(p) for p in g.prompts if isinstance(p, str)), "prompt")
+        rid = P.new_id(g.kind)
+        return g, rid, self._engine_requests(g, rid)
 
     def _engine_requests(self, g: P.GenerationRequest, rid: str) -> list:
         """(choice index, engine request) for every prompt and every n; ProtocolError on bad input."""
@@ -218,13 +293,14 @@ class OpenAIServer:
                 out.append((i * g.n + j, r))
         return out
 
-    async def _generate(self, request, g: P.GenerationRequest):
-        P.check_model(g.model, [self.model_name])
+    async def _generate(self, request, parse):
+        raw = await request.read()
         if self.draining or not self.ready:
             return _error(503, "the server is shutting down" if self.draining else "the server is starting",
                           "server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
-        rid = P.new_id(g.kind)
-        reqs = self._engine_requests(g, rid)
+        g, rid, reqs = await self._off_loop(self._intake, raw, parse)
+        if self.draining:
+            return _error(503, "the server is shutting down", "server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
         queue: asyncio.Queue = asyncio.Queue()
         submitted = []
         try:
@@ -366,10 +442,14 @@ async def serve(server: OpenAIServer, *, host: str = "127.0.0.1", port: int = 80
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=CLOSE_S)
     await runner.setup()
     site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise ListenError(e.errno, f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     try:
         await server.start()
         log.info("serving %s on %s", server.model_name, site.name)
@@ -381,3 +461,14 @@ async def serve(server: OpenAIServer, *, host: str = "127.0.0.1", port: int = 80
     finally:
         server.engine.shutdown()
         await runner.cleanup()
+
+
+def _longest_token(tokenizer) -> Optional[int]:
+    """Bytes one token may stand for at most (1 without a tokenizer: ids only; None when unknown)."""
+    if tokenizer is None:
+        return 1
+    ranks = getattr(tokenizer, "mergeable_ranks", None)
+    if not ranks:
+        return None
+    special = getattr(tokenizer, "special_tokens", None) or {}
+    return max([len(b) for b in ranks] + [len(t.encode()) for t in special])

@@ -1,0 +1,69 @@
+"""Bounds on what a request may ask before any work is done for it: JSON depth, body size, choices."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Union
+
+MAX_DEPTH = 128                   # JSON nesting of a body (a request needs far fewer)
+
+
+class TooDeep(ValueError):
+    """A JSON text nested deeper than the limit (or than the parser can go)."""
+
+
+def depth(value) -> int:
+    """The nesting depth of a parsed JSON value (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        deepest = max(deepest, d + 1)
+        stack.extend((x, d + 1) for x in v if isinstance(x, (dict, list)))
+    return deepest
+
+
+def loads(text: Union[str, bytes], max_depth: int = MAX_DEPTH):
+    """json.loads, refusing nesting beyond max_depth (TooDeep); JSONDecodeError / UnicodeDecodeError
+    as json.loads raises them."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise TooDeep(f"JSON nested deeper than {max_depth} levels") from None
+    if depth(value) > max_depth:
+        raise TooDeep(f"JSON nested deeper than {max_depth} levels")
+    return value
+
+
+def text_chars(value) -> int:
+    """Characters in every string of a parsed JSON value (keys included), without recursion."""
+    n, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            n += len(v)
+        elif isinstance(v, dict):
+            n += sum(len(k) for k in v if isinstance(k, str))
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return n
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one HTTP request may ask: body bytes (413 beyond), choices = prompts x n (400 beyond) and
+    text prompt characters (400 beyond: tokenizing it would take seconds for a prompt that cannot fit)."""
+    max_body_bytes: int = 64 * 2**20
+    max_choices: int = 256
+    max_prompt_chars: int = 8 * 2**20
+    max_depth: int = MAX_DEPTH
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f.name} must be an integer >= 1, got {v!r}")
