@@ -143,7 +143,8 @@ def test_batch_output_is_openai_batch_format(cli, tmp_path, monkeypatch):
     init, seen = LLM.__init__, []
 
     def spy(self, *a, **kw):
-        seen.append(kw.get("enable_prefix_caching"))
+        cfg = kw.get("engine_config")
+        seen.append(cfg.enable_prefix_caching if cfg is not None else kw.get("enable_prefix_caching"))
         init(self, *a, **kw)
     monkeypatch.setattr(LLM, "__init__", spy)
     before = out.read_text()
