@@ -7,7 +7,8 @@ A request's constraint is a `StructuredOutputsParams` (vLLM's names: ``json``, `
 closed (vLLM's ``disable_additional_properties``, on by default here); numbers are written in decimal
 within +-NUMBER_BOUND and integers within INTEGER_BOUNDS, so every one parses to a finite float. A
 grammar with no complete output within CLOSE_SEARCH tokens, or within a request's max_tokens, is
-refused. Tool calls are constrained to Kimi's section (``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}
+refused. Tool calls are constrained to Kimi's section
+(``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}
 <|tool_call_end|>...<|tool_calls_section_end|>``) as a Lark grammar whose markers are the special
 tokens themselves and whose arguments follow each tool's JSON schema.
 
