@@ -340,10 +340,10 @@ def run_job(llm, infile: TextIO, writer: ResultWriter, *, model_name: str, defau
                 jobs[cid] = prepare(ln)
                 reqs = requests(cid, be)
             except (P.ProtocolError, RequestError) as e:
-                jobs.pop(cid, None)
-                if not isinstance(e, P.ProtocolError):
-                    e = P.ProtocolError(" ".join(str(e).split()), "messages" if ln.url.endswith("chat/completions")
-                                        else "prompt")
+                job = jobs.pop(cid, None)
+                if not isinstance(e, P.ProtocolError):      # the engine refused it: a grammar, a value
+                    e = P.request_error(job.g if job else None, e,
+                                        "messages" if ln.url.endswith("chat/completions") else "prompt")
                 write(refused_line(cid, e), "refused")
                 continue
             except Exception as e:  # noqa: BLE001 - any failure of one line is that line's error
