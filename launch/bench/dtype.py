@@ -56,7 +56,8 @@ def main(argv):
     from kimi_jax import LLM, SamplingParams
     rows = []
     for dtype in FLAGS.dtypes:
-        llm = LLM(dtype=dtype, max_num_seqs=max(map(int, FLAGS.batches)))
+        # no prefix caching: every timed run takes the warm-up run's shapes (a cached prefix compiles others)
+        llm = LLM(dtype=dtype, max_num_seqs=max(map(int, FLAGS.batches)), enable_prefix_caching=False)
         rng = np.random.default_rng(0)
         for B in map(int, FLAGS.batches):
             prompts = [rng.integers(2, llm.config.vocab_size, FLAGS.prompt).tolist() for _ in range(B)]

@@ -214,9 +214,7 @@ def _path(loc: Sequence, body: Any) -> str:
     return out
 
 
-def _validate(model: type, body: Any):
-    if not isinstance(body, dict):
-        raise ProtocolError(f"the request body must be a JSON object, got {_typename(body)}")
+def _validate(model: type, body: dict):
     try:
         return model.model_validate(body)
     except ValidationError as e:
@@ -227,10 +225,12 @@ def _validate(model: type, body: Any):
         raise ProtocolError(f"'{path}': {msg}{got}", path) from None
 
 
-def _extras(req: _Request, kind: str) -> tuple:
+def _extras(model: type, body: Any, kind: str) -> tuple:
     """The fields the server does not use: a 400 for those whose ignoring would change the answer,
     the rest logged in one warning line."""
-    extra = req.model_extra or {}
+    if not isinstance(body, dict):
+        raise ProtocolError(f"the request body must be a JSON object, got {_typename(body)}")
+    extra = {k: v for k, v in body.items() if k not in model.model_fields}
     harmful = sorted(k for k, v in extra.items() if k in REFUSED[kind] and v not in (None, False, "", [], {}))
     if harmful:
         raise ProtocolError(f"'{harmful[0]}' is not supported by this server ({kind} requests)", harmful[0])
@@ -361,8 +361,8 @@ def _prompts(p: Any) -> tuple:
 # ---- requests -------------------------------------------------------------------------------------
 def parse_completion(body: Any) -> GenerationRequest:
     """A /v1/completions body -> GenerationRequest (ProtocolError naming the field)."""
+    ignored = _extras(CompletionRequest, body, "completion")
     req = _validate(CompletionRequest, body)
-    ignored = _extras(req, "completion")
     common = _common(req)
     if "prompt" not in body:
         raise ProtocolError("'prompt' is required", "prompt")
@@ -393,8 +393,8 @@ def _check_messages_and_tools(msgs: Any, tools: Optional[list]) -> None:
 def parse_chat(body: Any) -> GenerationRequest:
     """A /v1/chat/completions body -> GenerationRequest (ProtocolError naming the field). The messages
     are checked by the chat template when rendered."""
+    ignored = _extras(ChatCompletionRequest, body, "chat")
     req = _validate(ChatCompletionRequest, body)
-    ignored = _extras(req, "chat")
     common = _common(req)
     _check_messages_and_tools(req.messages, req.tools)
     if req.top_logprobs is not None and not req.logprobs:
