@@ -8,7 +8,7 @@ Tensors are streamed to disk (checkpoints.synthetic.write_safetensors): memory s
 32 MB piece whatever the shard size. --values fast (default) fills large tensors from raw random bits
 (INT4 words as drawn; bf16 numbers of the right magnitude), ~10x faster than normal samples quantized
 to INT4; --values normal gives the weights tests use (same seed, same weights, any layout/sharding).
-Prints the size before writing (kimi-k2.5's geometry: about 8.8 GB per MoE layer; --num_experts
+Prints the size before writing (kimi-k2.5's geometry: 9.8 GB per MoE layer; --num_experts
 shrinks it), refuses a checkpoint larger than the free space at --out, then bytes written, seconds
 and GB/s. Bad flags: one line on stderr, exit status 2.
 """

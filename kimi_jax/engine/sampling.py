@@ -46,8 +46,7 @@ class SamplingParams:
         self.validate()
 
     def validate(self, vocab_size: Optional[int] = None) -> None:
-        """RequestError (a ValueError) naming the field at fault (`.field`); run when built, and with
-        vocab_size (logprobs, stop_token_ids, logit_bias against the model) before a request runs."""
+        """RequestError naming the field at fault (`.field`); vocab_size: the model's checks too."""
         from kimi_jax.engine.validation import RequestError, check_finite, check_seed, is_int, is_real
 
         def need(ok: bool, field: str, what: str) -> None:

@@ -38,9 +38,9 @@ __all__ = [
 ]
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-NUMBER_BOUND = 1e18             # |number| in JSON schemas (llguidance's float-range regexes stop at ~1e19)
-INTEGER_BOUNDS = (-9 * 10 ** 18, 9 * 10 ** 18)    # within 64 bits (the full range does not compile)
-CLOSE_SEARCH = 4096             # tokens a complete output may need at most (longer: refused)
+NUMBER_BOUND = 1e18                             # llguidance's float-range regexes stop near 1e19
+INTEGER_BOUNDS = (-9 * 10 ** 18, 9 * 10 ** 18)    # the full 64 bits do not compile
+CLOSE_SEARCH = 4096
 
 
 class StructuredOutputError(ValueError):
@@ -55,9 +55,8 @@ class StructuredOutputsParams:
     disable_any_whitespace: JSON written compactly (``,`` and ``:``). The default writes it as
     ``json.dumps`` does (``, `` and ``: ``, the layout of the arguments in Kimi's chat template) and
     allows no other whitespace, unlike vLLM's default of any whitespace: a model that loops on
-    whitespace then cannot spend its max_tokens inside the JSON. disable_additional_properties
-    (default True, unlike vLLM): objects with declared properties take no other keys unless the
-    schema allows them with ``additionalProperties``."""
+    whitespace then cannot spend its max_tokens inside the JSON. disable_additional_properties:
+    `prepare_schema`'s closing (default True, unlike vLLM)."""
     json: Optional[Union[str, dict]] = None
     regex: Optional[str] = None
     choice: Optional[Sequence[str]] = None
@@ -114,8 +113,7 @@ class StructuredOutputsParams:
             raise StructuredOutputError(f"structured_outputs.{k}: {_one_line(e)}") from None
 
     def _structural_tag_grammar(self) -> str:
-        """vLLM's structural tag as llguidance tags: free text, each structure's begin (which starts
-        with one of the triggers) opening its schema's JSON up to its end."""
+        """vLLM's structural tag as llguidance's: free text, each begin opening its schema's JSON."""
         from llguidance import StructTag
         spec = json.loads(self.structural_tag) if isinstance(self.structural_tag, str) else self.structural_tag
         where = "structured_outputs.structural_tag"
@@ -139,9 +137,8 @@ _NOT_SCHEMAS = ("enum", "const", "default", "examples", "required", "x-guidance"
 
 
 def prepare_schema(schema: Any, where: str, close: bool = True) -> dict:
-    """A copy of a JSON schema as it is compiled: objects that declare ``properties`` and leave
-    ``additionalProperties`` unsaid are closed (`close`; not the branches of an ``allOf``, which
-    merge), numbers and integers bounded (module docstring); ``x-guidance`` must be an object."""
+    """A copy of a JSON schema as compiled (module docstring; `close`: closing objects, not the
+    branches of an ``allOf``, which merge); ``x-guidance`` must be an object."""
     if not isinstance(schema, dict):
         raise StructuredOutputError(f"{where} must be a JSON schema object, got {type(schema).__name__}")
 
@@ -405,8 +402,8 @@ class StructuredBackend:
         return self._priority
 
     def close_length(self, m) -> Optional[int]:
-        """Tokens of the shortest greedy close from a matcher's state (`closing_priority`, then the
-        same with closing brackets first, which ends optional recursion), None past CLOSE_SEARCH."""
+        """Tokens of the shorter greedy close from a state (`closing_priority`; closing brackets first,
+        which ends optional recursion), None past CLOSE_SEARCH."""
         stops = set(self.tokenizer.stop_token_ids)
         brackets = [t for t in self.closing_priority if self.tokenizer.decode([t]) in ("}", "]")]
         found = []
@@ -475,8 +472,7 @@ class StructuredBackend:
         return hit
 
     def matcher(self, params: StructuredOutputsParams, budget: Optional[int] = None) -> RowMatcher:
-        """A fresh grammar state; StructuredOutputError when no complete output fits `budget` tokens
-        (or none was found: e.g. a required recursive ``$ref``)."""
+        """A fresh grammar state; StructuredOutputError when no complete output fits `budget` tokens."""
         grammar = params.to_grammar()
         m, close = self._start(grammar, params.kind())
         if close is None:

@@ -236,3 +236,34 @@ def test_serve_takes_the_model_positionally_and_tools_hint_at_flags(cli, tmp_pat
     assert r.returncode == 2 and "given twice" in r.stderr, r.stderr
     r = cli("launch.batch", str(tmp_path), "--input=x", "--output=y")
     assert r.returncode == 2 and f"--model {tmp_path}" in r.stderr, r.stderr
+
+
+def test_documented_tools_state_sizes_and_device_counts(cli, tmp_path, monkeypatch):
+    import collections
+    import shutil
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 ** 12, 0, 10 ** 9))
+    r = cli("launch.make_synthetic", "--preset=kimi-k2.5", "--num-layers=4", f"--out={tmp_path / 'k'}")
+    assert r.returncode == 2 and "35.1 GB to write and 1.0 GB free" in r.stderr, r
+    assert "warning: 35.1 GB to write" in r.stderr and not (tmp_path / "k").exists()
+    r = cli("launch.profile", "--model=tiny", "--tensor-parallel-size=8", "--data-parallel-size=2")
+    assert r.returncode == 2 and "needs 16 devices; 8 cpu device(s) visible" in r.stderr, r
+
+
+def test_structured_outputs_through_kimi_batch(server, tmp_path):
+    from kimi_jax.entrypoints.batch import ResultWriter, run_job
+    bodies = {"so": ("/v1/chat/completions", {"messages": MSGS, "structured_outputs": {"json": SCHEMA}}),
+              "regex": ("/v1/completions", {"prompt": "x", "guided_regex": REGEX, "max_tokens": 32}),
+              "choice": ("/v1/chat/completions", {"messages": MSGS, "guided_choice": CHOICES}),
+              "bad": ("/v1/completions", {"prompt": "x", "guided_regex": "a{200}", "max_tokens": 20})}
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"custom_id": k, "method": "POST", "url": u, "body": {**b, "temperature": 1.0}})
+                           + "\n" for k, (u, b) in bodies.items()))
+    with open(inp) as f:
+        run_job(server[0].llm, f, ResultWriter(str(out)), model_name=NAME, default_max_tokens=48, progress=False)
+    got = {r["custom_id"]: r["response"] for r in map(json.loads, out.read_text().splitlines())}
+    jsonschema.validate(json.loads(got["so"]["body"]["choices"][0]["message"]["content"]), SCHEMA)
+    _check("regex", got["regex"]["body"]["choices"][0]["text"])
+    _check("choice", got["choice"]["body"]["choices"][0]["message"]["content"])
+    err = got["bad"]["body"]["error"]
+    assert got["bad"]["status_code"] == 400 and err["param"] == "guided_regex" and "max_tokens" in err["message"]

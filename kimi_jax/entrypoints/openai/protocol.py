@@ -1,24 +1,12 @@
 """OpenAI completions / chat-completions bodies: parsing into engine requests and building responses.
 
-Independent of HTTP (the server, kimi-batch and tool calling use it). The request bodies are pydantic
-models (`CompletionRequest`, `ChatCompletionRequest`: strict types, no coercion of strings or
-booleans into numbers); `parse_completion` / `parse_chat` turn a body into a `GenerationRequest`: the
-prompt(s) or the messages, the engine's SamplingParams (OpenAI names mapped onto vLLM's; their ranges
-are SamplingParams' own rule) and the response options. Anything wrong raises ProtocolError naming
-the field (`param`, a path such as ``stream_options.include_usage``), which the server returns as a
-400 with OpenAI's error body (`error_body`).
-
-Fields the server does not use are accepted and listed in one warning per request (as vLLM does),
-except those whose silent ignoring would change the answer (`REFUSED`), refused with a 400 naming them.
-vLLM's extensions: top_k, min_p, repetition_penalty, min_tokens, stop_token_ids, ignore_eos,
-include_stop_str_in_output, bad_words, ``structured_outputs`` ({json | regex | choice | grammar |
-json_object | structural_tag}, disable_any_whitespace, disable_additional_properties) and the older
-guided_json / guided_regex / guided_choice / guided_grammar, on both endpoints. n is served as n
-independent requests (`Choice` index i * n + j for prompt i).
-
-Responses: `completion_response` / `chat_response` and the streaming chunks take `Choice`s; a Choice
-carries `tool_calls` and `reasoning_content` for a chat message (set by a tool-call / reasoning parser;
-None leaves them out).
+Independent of HTTP (the server, kimi-batch and tool calling use it). Bodies are pydantic models with
+strict types (`CompletionRequest`, `ChatCompletionRequest`); `parse_completion` / `parse_chat` make a
+`GenerationRequest` whose SamplingParams apply their own ranges. A bad field raises ProtocolError
+naming its path (`param`), answered as a 400 with OpenAI's error body. Unused fields are accepted and
+listed in one warning per request, as vLLM does, except `REFUSED` ones (ignoring them would change
+the answer). vLLM's extensions (top_k, min_p, ..., ``structured_outputs`` and the older guided_*) work
+on both endpoints; n is served as n requests (`Choice` index i * n + j for prompt i).
 """
 from __future__ import annotations
 
@@ -38,13 +26,11 @@ log = logging.getLogger(__name__)
 MAX_LOGPROBS = 20
 MAX_N = 64
 
-# OpenAI / vLLM field -> SamplingParams field, with the value that changes nothing
 OPTIONAL_SAMPLING = {"presence_penalty": ("presence_penalty", 0.0),
                      "frequency_penalty": ("frequency_penalty", 0.0),
                      "repetition_penalty": ("repetition_penalty", 1.0),
                      "logit_bias": ("logit_bias", None),
                      "min_tokens": ("min_tokens", 0)}
-# fields this server does not implement whose silent ignoring would change the answer: 400 naming them
 _REFUSED_VLLM = {"use_beam_search", "length_penalty", "truncate_prompt_tokens", "allowed_token_ids",
                  "prompt_logprobs", "logits_processors", "return_tokens_as_token_ids", "echo", "suffix"}
 REFUSED = {"completion": _REFUSED_VLLM | {"messages"},
@@ -86,8 +72,7 @@ class GenerationRequest:
     ignored: tuple = ()                        # fields accepted and not used (logged)
 
     def constraint_error(self, message: str) -> ProtocolError:
-        """A grammar refused when the request is made (structured_outputs.KIND: ...), as a 400 naming
-        the field that gave it."""
+        """A grammar the engine refused, as a 400 naming the field that gave it."""
         field = self.constraint_field or "structured_outputs"
         kind = self.params.structured_outputs.kind() if self.params.structured_outputs is not None else ""
         if field != "structured_outputs" and message.startswith(f"structured_outputs.{kind}"):
@@ -123,7 +108,7 @@ class StructuredOutputsBody(_Strict):
     structural_tag: Optional[Schema] = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = True
-    disable_fallback: Optional[bool] = None                   # one backend: nothing to fall back to
+    disable_fallback: Optional[bool] = None
 
     def params(self) -> StructuredOutputsParams:
         return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
@@ -148,7 +133,6 @@ class _Request(BaseModel):
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[Union[Int, str], float]] = None
     response_format: Optional[dict[str, Any]] = None
-    # vLLM's extensions
     top_k: Optional[Int] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
@@ -163,12 +147,12 @@ class _Request(BaseModel):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
-    guided_decoding_backend: Optional[str] = None            # llguidance serves every request
+    guided_decoding_backend: Optional[str] = None
     guided_whitespace_pattern: Optional[str] = None
 
 
 class CompletionRequest(_Request):
-    prompt: Any = None                                       # checked by `_prompts`
+    prompt: Any = None
     logprobs: Optional[Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)]] = None
     echo: Optional[bool] = None
     suffix: Optional[str] = None
@@ -176,12 +160,12 @@ class CompletionRequest(_Request):
 
 
 class ChatCompletionRequest(_Request):
-    messages: Any = None                                     # checked by the chat template when rendered
+    messages: Any = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)]] = None
     max_completion_tokens: Optional[Int] = None
     tools: Optional[list[Any]] = None
-    tool_choice: Any = None                                  # checked by structured.from_openai
+    tool_choice: Any = None
     parallel_tool_calls: Optional[bool] = None
     metadata: Optional[dict[str, Any]] = None
     store: Optional[bool] = None
@@ -226,8 +210,7 @@ def _validate(model: type, body: dict):
 
 
 def _extras(model: type, body: Any, kind: str) -> tuple:
-    """The fields the server does not use: a 400 for those whose ignoring would change the answer,
-    the rest logged in one warning line."""
+    """The unused fields: REFUSED ones a 400, the rest logged in one line."""
     if not isinstance(body, dict):
         raise ProtocolError(f"the request body must be a JSON object, got {_typename(body)}")
     extra = {k: v for k, v in body.items() if k not in model.model_fields}
@@ -256,7 +239,7 @@ def _param_name(field: Optional[str], req: _Request, kind: str) -> Optional[str]
 
 
 def _sampling(req: _Request, kind: str, *, max_tokens, logprobs: Optional[int], structured) -> SamplingParams:
-    top_k = req.top_k if req.top_k != 0 else -1                        # vLLM: 0 also means off
+    top_k = req.top_k if req.top_k != 0 else -1
     kw = dict(temperature=req.temperature, top_p=req.top_p, top_k=top_k, min_p=req.min_p, seed=req.seed,
               stop=[req.stop] if isinstance(req.stop, str) else (req.stop or None), max_tokens=max_tokens,
               stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
@@ -268,7 +251,7 @@ def _sampling(req: _Request, kind: str, *, max_tokens, logprobs: Optional[int], 
     kw = {k: v for k, v in kw.items() if v is not None or k == "max_tokens"}
     try:
         return SamplingParams(**kw)
-    except ValueError as e:                  # SamplingParams' rule, naming its field
+    except ValueError as e:
         field = getattr(e, "field", None) or str(e).split()[0]
         raise ProtocolError(str(e), _param_name(field, req, kind)) from None
 
@@ -307,8 +290,7 @@ def _structured(req: _Request) -> tuple[Optional[StructuredOutputsParams], Optio
 
 
 def _constraint(req: _Request, tools=None, tool_choice=None, parallel=None):
-    """(StructuredOutputsParams or None, the field that gave it): vLLM's fields, else response_format
-    and the tools."""
+    """(constraint or None, its field): vLLM's fields, else response_format and the tools."""
     so, field = _structured(req)
     if so is not None:
         if req.response_format is not None and req.response_format.get("type") != "text":
@@ -414,8 +396,7 @@ _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def request_error(g: Optional[GenerationRequest], e: Exception, default: str) -> ProtocolError:
-    """An engine's refusal of a request (RequestError) as a 400 naming the field: the one that gave
-    its grammar, the sampling parameter at fault, else `default` (the prompt or the messages)."""
+    """An engine's RequestError as a 400 naming its grammar's field, its parameter, else `default`."""
     msg = " ".join(str(e).split())
     if g is not None and msg.startswith("structured_outputs"):
         return g.constraint_error(msg)
