@@ -9,7 +9,8 @@ Flags follow vLLM's names (block_size: tokens per cache page, num_gpu_blocks_ove
 async_scheduling: dispatch decode step N+1 before reading step N). It binds to 127.0.0.1 unless --host
 says otherwise. SIGTERM / SIGINT stop admitting, give in-flight requests --shutdown_grace_s to finish,
 abort the rest and exit 0. The model may be given positionally (`kimi-serve MODEL`, as vLLM's `vllm
-serve MODEL`) or as --model. Each request is logged at INFO (--noaccess_log turns it off). A bad flag or model prints one line (`kimi-serve: error: ...`), exit status 2.
+serve MODEL`) or as --model. Each request is logged at INFO (--noaccess_log turns it off). A bad
+flag or model prints one line (`kimi-serve: error: ...`), exit status 2.
 """
 from __future__ import annotations
 

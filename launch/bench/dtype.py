@@ -62,11 +62,11 @@ def main(argv):
         for B in map(int, FLAGS.batches):
             prompts = [rng.integers(2, llm.config.vocab_size, FLAGS.prompt).tolist() for _ in range(B)]
             sp = SamplingParams(temperature=0.0, max_tokens=FLAGS.tokens, ignore_eos=True)
-            llm.generate(prompts, sp)                                    # compile every shape
+            llm.generate(prompts, sp, use_tqdm=False)                    # compile every shape
             best = float("inf")
             for _ in range(FLAGS.reps):
                 t0 = time.perf_counter()
-                llm.generate(prompts, sp)
+                llm.generate(prompts, sp, use_tqdm=False)
                 best = min(best, time.perf_counter() - t0)
             row = dict(dtype=dtype, batch=B, tok_s=B * FLAGS.tokens / best, wall_s=best,
                        step_ms=step_ms(llm, B, FLAGS.prompt + FLAGS.tokens // 2, FLAGS.step_reps))

@@ -370,7 +370,8 @@ class OpenAIServer:
                         delta.content += tail.content
                         delta.tool_calls += tail.tool_calls
                         out = self.llm.to_output(r).outputs[0]
-                        c.finish_reason = tool_finish_reason(out.finish_reason, P.calls_complete(parser.result().tool_calls))
+                        complete = P.calls_complete(parser.result().tool_calls)
+                        c.finish_reason = tool_finish_reason(out.finish_reason, complete)
                         c.stop_reason = out.stop_reason
                     c.text, c.tool_calls = delta.content, delta.tool_calls or None
                     if not d.finished and not delta and c.logprobs is None:
