@@ -134,9 +134,9 @@ def baseline(model: str, dtype: str, ps: list, output_len: int, max_num_seqs: in
     llm = LLM(None if model == "demo" else model, dtype=dtype, max_num_seqs=max_num_seqs,
               max_model_len=max_model_len)
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate([ps[0]], sp)                   # compile
+    llm.generate([ps[0]], sp, use_tqdm=False)   # compile
     t0 = time.perf_counter()
-    n = sum(len(llm.generate([p], sp)[0].outputs[0].token_ids) for p in ps)
+    n = sum(len(llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids) for p in ps)
     wall = time.perf_counter() - t0
     return {"requests": len(ps), "output_tokens": n, "duration_s": wall, "output_throughput": n / wall}
 

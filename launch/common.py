@@ -209,9 +209,10 @@ def help_text(prog: str, module: str, doc: Optional[str] = None, *, common: bool
 
 
 def flags_parser(prog: str, module: str = "__main__", doc: Optional[str] = None, positional_hint: str = "",
-                 common: bool = True):
+                 common: bool = True, positionals: int = 0):
     """An absl flags_parser for app.run: --help prints the tool's own flags (exit 0); a bad flag is one
-    line on stderr and exit status 2; vLLM's dash spelling is accepted."""
+    line on stderr and exit status 2; vLLM's dash spelling is accepted; at most `positionals`
+    positional arguments (a path given positionally gets a hint naming --model)."""
     def parse(argv):
         argv = [argv[0]] + normalize_argv(argv[1:])
         if any(a in HELP_ARGS for a in argv[1:]):
@@ -224,8 +225,10 @@ def flags_parser(prog: str, module: str = "__main__", doc: Optional[str] = None,
             rest = FLAGS(argv)
         except flags.Error as e:
             fail(prog, f"{e} (see {prog} --help)")
-        if len(rest) > 1:
-            fail(prog, f"unexpected positional arguments {rest[1:]!r}{positional_hint}")
+        if len(rest) > 1 + positionals:
+            hint = positional_hint or next((f" (a path goes in a flag: --model {a}, or see {prog} --help)"
+                                            for a in rest[1:] if os.path.exists(a) or "/" in a), "")
+            fail(prog, f"unexpected positional arguments {rest[1 + positionals:]!r}{hint}")
         return rest
     return parse
 
@@ -250,7 +253,7 @@ def quiet_logs() -> None:
 
 def run(main: Callable, prog: str, module: str, doc: Optional[str] = None, *,
         argv: Optional[Sequence[str]] = None, positional_hint: str = "", errors: tuple = (),
-        common: bool = True) -> None:
+        common: bool = True, positionals: int = 0) -> None:
     """Run a launcher: parse (see flags_parser), then main(argv); the exceptions of user_errors() and
     `errors` are reported as one line with exit status 2."""
     quiet_logs()
@@ -262,4 +265,4 @@ def run(main: Callable, prog: str, module: str, doc: Optional[str] = None, *,
             return main(rest)
         except user_errors() + tuple(errors) as e:
             fail(prog, e)
-    app.run(guarded, argv=argv, flags_parser=flags_parser(prog, module, doc, positional_hint, common))
+    app.run(guarded, argv=argv, flags_parser=flags_parser(prog, module, doc, positional_hint, common, positionals))

@@ -120,10 +120,10 @@ def generate() -> None:
         if FLAGS.stream:
             completion = _stream(llm, prompt, messages, sp)
         elif messages is not None:
-            completion = llm.chat(messages, sp)[0].outputs[0]
+            completion = llm.chat(messages, sp, use_tqdm=False)[0].outputs[0]
             _emit(completion.text or "", "\n")
         else:
-            completion = llm.generate(prompt, sp)[0].outputs[0]
+            completion = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
             _emit(prompt + (completion.text or ""), "\n")
     except ValueError as e:          # prompt too long for max_model_len, a bad chat message, ...
         raise CliError(str(e)) from None

@@ -8,7 +8,9 @@ Tensors are streamed to disk (checkpoints.synthetic.write_safetensors): memory s
 32 MB piece whatever the shard size. --values fast (default) fills large tensors from raw random bits
 (INT4 words as drawn; bf16 numbers of the right magnitude), ~10x faster than normal samples quantized
 to INT4; --values normal gives the weights tests use (same seed, same weights, any layout/sharding).
-Prints bytes written, seconds and GB/s. Bad flags: one line on stderr, exit status 2.
+Prints the size before writing (kimi-k2.5's geometry: 9.8 GB per MoE layer; --num_experts
+shrinks it), refuses a checkpoint larger than the free space at --out, then bytes written, seconds
+and GB/s. Bad flags: one line on stderr, exit status 2.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ flags.DEFINE_enum("values", "fast", ["fast", "normal"], "random values: raw bits
 flags.DEFINE_bool("int4", None, "INT4 routed experts (default: as the preset)")
 flags.DEFINE_float("std", 0.02, "weight scale")
 flags.DEFINE_string("tokenizer_dir", None, "copy tokenizer files from this directory")
+LARGE_GB = 4.0          # a size printed as a warning line, with how to make it smaller
 
 
 def fail(message) -> None:
@@ -92,6 +95,16 @@ def main(argv):
           f"{cfg.num_moe_layers} MoE), {cfg.n_routed_experts} experts, "
           f"{'INT4' if cfg.quantization else 'bf16'} experts: {len(exp)} tensors, {total / 1e9:.2f} GB "
           f"in {shards} shard(s) -> {FLAGS.out}", flush=True)
+    if total / 1e9 >= LARGE_GB:
+        print(f"{PROG}: warning: {total / 1e9:.1f} GB to write (--num_layers / --num_experts make it smaller)",
+              file=sys.stderr, flush=True)
+    import shutil
+    where = os.path.abspath(FLAGS.out)
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    free = shutil.disk_usage(where).free
+    if free < total:
+        fail(f"{total / 1e9:.1f} GB to write and {free / 1e9:.1f} GB free at {where}")
     t0 = time.perf_counter()
     done = [0]
 

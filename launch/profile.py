@@ -58,6 +58,9 @@ def main(argv):
         cfg = cfg.replace(**parse_config_overrides(FLAGS.config_override, cfg))
         name += " (" + ",".join(FLAGS.config_override) + ")"
     layout = Layout(**common.layout_kwargs())
+    if layout.world > jax.device_count():
+        common.fail("kimi-profile", f"layout {layout.name} needs {layout.world} devices; {jax.device_count()} "
+                    f"{jax.default_backend()} device(s) visible (--cpu_devices={layout.world} simulates them)")
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[FLAGS.dtype]
     batch = padded_batch(FLAGS.batch, layout.data_parallel_size)
     rule = collective_counts(collective_plan(cfg, layout, batch, program=jax.default_backend()

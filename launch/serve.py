@@ -1,14 +1,16 @@
 r"""kimi-serve: an OpenAI-compatible HTTP server (kimi_jax.entrypoints.openai.server).
 
   kimi-serve                                            # the demo model on 127.0.0.1:8000
-  kimi-serve --model /path/to/Kimi-K2.5 --tensor_parallel_size 8 --max_num_seqs 64 --api_key KEY
+  kimi-serve /path/to/Kimi-K2.5 --tensor_parallel_size 8 --max_num_seqs 64 --api_key KEY
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
        -d '{"model": "kimi-jax-demo", "prompt": "The with statement", "max_tokens": 32}'
 
 Flags follow vLLM's names (block_size: tokens per cache page, num_gpu_blocks_override: cache pages,
 async_scheduling: dispatch decode step N+1 before reading step N). It binds to 127.0.0.1 unless --host
 says otherwise. SIGTERM / SIGINT stop admitting, give in-flight requests --shutdown_grace_s to finish,
-abort the rest and exit 0. A bad flag or model prints one line (`kimi-serve: error: ...`), exit status 2.
+abort the rest and exit 0. The model may be given positionally (`kimi-serve MODEL`, as vLLM's `vllm
+serve MODEL`) or as --model. Each request is logged at INFO (--noaccess_log turns it off). A bad
+flag or model prints one line (`kimi-serve: error: ...`), exit status 2.
 """
 from __future__ import annotations
 
@@ -29,7 +31,9 @@ flags.DEFINE_string("served_model_name", None, "the model name clients send (def
                     "demo model, else --model)")
 flags.DEFINE_string("host", "127.0.0.1", "address to bind (loopback unless told otherwise)")
 flags.DEFINE_integer("port", 8000, "port to listen on")
-flags.DEFINE_string("api_key", None, "require 'Authorization: Bearer KEY' on /v1/* (default: env KIMI_JAX_API_KEY)")
+flags.DEFINE_string("api_key", None, "require 'Authorization: Bearer KEY' on every route but /health, /metrics "
+                    "and /version (default: env KIMI_JAX_API_KEY)")
+flags.DEFINE_bool("access_log", True, "log one line per request (id, route, status, tokens, TTFT, total)")
 flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"], common.DTYPE_HELP)
 flags.DEFINE_integer("max_num_seqs", 64, "requests decoded together")
 flags.DEFINE_integer("max_model_len", None, "longest prompt + output (default: the model's maximum)")
@@ -51,7 +55,9 @@ flags.DEFINE_integer("max_prompt_chars", 8 * 2**20, "longest text prompt / conve
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1 and FLAGS.model is not None:
+        common.fail(PROG, f"the model is given twice: positionally ({argv[1]!r}) and as --model={FLAGS.model!r}")
+    model = argv[1] if len(argv) > 1 else FLAGS.model
     common.setup()
     from kimi_jax.entrypoints.llm import LLM
     from kimi_jax.entrypoints.openai.intake import Limits
@@ -68,15 +74,15 @@ def main(argv):
     except ValueError as e:
         common.fail(PROG, f"--{e}")
     try:
-        llm = LLM.from_config(common.engine_config())
+        llm = LLM.from_config(common.engine_config(model=model))
     except (*common.user_errors(), ValueError, NotImplementedError, FileNotFoundError) as e:
         common.fail(PROG, e)
-    name = FLAGS.served_model_name or (FLAGS.model if FLAGS.model else "kimi-jax-demo")
+    name = FLAGS.served_model_name or (model if model else "kimi-jax-demo")
     api_key = FLAGS.api_key or os.environ.get("KIMI_JAX_API_KEY") or None
     if FLAGS.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         logging.warning("listening on %s without --api_key: anyone who can reach it can use it", FLAGS.host)
     server = OpenAIServer(llm, served_model_name=name, api_key=api_key, max_queue=FLAGS.max_queue, limits=limits,
-                          metrics_need_key=FLAGS.metrics_need_key)
+                          metrics_need_key=FLAGS.metrics_need_key, access_log=FLAGS.access_log)
     print(f"{PROG}: loading {name}; listening on http://{FLAGS.host}:{FLAGS.port}", file=sys.stderr, flush=True)
     try:
         asyncio.run(serve(server, host=FLAGS.host, port=FLAGS.port, grace_s=FLAGS.shutdown_grace_s,
@@ -89,7 +95,7 @@ def main(argv):
 def run(argv=None):
     """Console-script entry point (`kimi-serve`)."""
     pylogging.basicConfig(level=pylogging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    common.run(main, PROG, __name__, __doc__, argv=argv)
+    common.run(main, PROG, __name__, __doc__, argv=argv, positionals=1)
 
 
 if __name__ == "__main__":

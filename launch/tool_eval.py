@@ -241,7 +241,7 @@ def run_llm(bodies: list[dict], llm, model_name: str = "llm") -> list[dict]:
         g0 = members[0][1]
         try:
             outs = llm.chat([g.messages for _, g in members], [g.params for _, g in members], tools=g0.tools,
-                            add_generation_prompt=g0.add_generation_prompt)
+                            add_generation_prompt=g0.add_generation_prompt, use_tqdm=False)
         except ValueError as e:
             for i, _ in members:
                 out[i] = P.error_body(" ".join(str(e).split()))

@@ -42,97 +42,79 @@ class SamplingParams:
     # constrained decoding (kimi_jax.engine.structured): json / regex / choice / grammar / json_object
     structured_outputs: Optional[StructuredOutputsParams] = None
 
+    def __post_init__(self):
+        self.validate()
+
     def validate(self, vocab_size: Optional[int] = None, max_logprobs: Optional[int] = None) -> None:
-        """Raise ValueError naming the parameter at fault. vocab_size: also check the values that
-        depend on the model (logprobs, stop_token_ids); max_logprobs: the engine's cap (-1: none)."""
-        # ---- types and ranges of every field (kimi_jax.engine.validation) ----
-        from kimi_jax.engine.validation import check_finite, check_seed, is_int
-        check_finite("temperature", self.temperature)
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        check_finite("top_p", self.top_p)
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
-        check_finite("min_p", self.min_p)
-        if not (0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
-        if self.stop_token_ids is not None:
-            if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Sequence):
-                raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
-            if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
-                raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        if self.stop is not None:
-            if not isinstance(self.stop, (str, Sequence)):
-                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-            stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-            if any(not isinstance(s, str) or not s for s in stops):
-                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        if not isinstance(self.ignore_eos, bool) or not isinstance(self.include_stop_str_in_output, bool):
-            raise ValueError("ignore_eos and include_stop_str_in_output must be booleans")
+        """RequestError naming the field at fault (`.field`); vocab_size: the model's checks too;
+        max_logprobs: the engine's cap on logprobs / prompt_logprobs (-1: none)."""
+        from kimi_jax.engine.validation import RequestError, check_finite, check_seed, is_int, is_real
+
+        def need(ok: bool, field: str, what: str) -> None:
+            if not ok:
+                raise RequestError(f"{field} {what}, got {getattr(self, field)!r}", field=field)
+
+        def number(field: str, ok, what: str) -> None:
+            check_finite(field, getattr(self, field))
+            need(ok(getattr(self, field)), field, what)
+
+        number("temperature", lambda v: v >= 0.0, "must be >= 0")
+        number("top_p", lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")
+        need(is_int(self.top_k) and (self.top_k == -1 or self.top_k > 0), "top_k", "must be -1 (off) or a positive integer")
+        number("min_p", lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
+        need(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+             "must be a positive integer")
+        for field in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, field)
+            need(v is None or (is_int(v) and v >= 0), field, "must be a non-negative integer")
+        ids = self.stop_token_ids
+        need(ids is None or (isinstance(ids, Sequence) and not isinstance(ids, (str, bytes))
+                             and all(is_int(t) and t >= 0 for t in ids)), "stop_token_ids",
+             "must be a list of non-negative token ids")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        need(stops is None or (isinstance(stops, Sequence) and all(isinstance(x, str) and x for x in stops)),
+             "stop", "must be a non-empty string or a list of them")
+        for field in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            need(isinstance(getattr(self, field), bool), field, "must be a boolean")
         check_seed(self.seed)
-        # ---- values checked against the model ----
-        if vocab_size is not None:
-            if self.logprobs is not None and self.logprobs > vocab_size:
-                raise ValueError(f"logprobs={self.logprobs} is more than the vocabulary ({vocab_size} tokens)")
-            if self.stop_token_ids and any(t >= vocab_size for t in self.stop_token_ids):
-                raise ValueError(f"stop_token_ids {list(self.stop_token_ids)} reach outside the vocabulary "
-                                 f"[0, {vocab_size})")
-        self._validate_vllm_fields()
-        if max_logprobs is not None and max_logprobs >= 0:
-            for name in ("logprobs", "prompt_logprobs"):
-                if getattr(self, name) is not None and getattr(self, name) > max_logprobs:
-                    raise ValueError(f"{name} {getattr(self, name)} exceeds max_logprobs {max_logprobs}")
-
-    def _validate_vllm_fields(self) -> None:
-        """n, best_of, the penalties, min_tokens, logit_bias, prompt_logprobs, bad_words (vLLM's rules;
-        logit_bias capped at MAX_LOGIT_BIAS entries in [-100, 100], as OpenAI's API does)."""
-        def is_int(v):
-            return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-        if not is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be a positive integer, got {self.n!r}")
+        need(is_int(self.n) and self.n >= 1, "n", "must be a positive integer")
         if self.best_of is not None:
-            if not is_int(self.best_of) or self.best_of < self.n:
-                raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
-            if self.best_of > 1 and self.temperature == 0.0:
-                raise ValueError(f"best_of must be 1 with greedy sampling (temperature 0), got {self.best_of}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
-        if (not isinstance(self.repetition_penalty, (int, float)) or not 0.0 < self.repetition_penalty < np.inf):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+            need(is_int(self.best_of) and self.best_of >= self.n, "best_of", f"must be an integer >= n ({self.n})")
+            need(self.best_of == 1 or self.temperature > 0.0, "best_of", "must be 1 with greedy sampling (temperature 0)")
+        number("presence_penalty", lambda v: -2.0 <= v <= 2.0, "must be in [-2, 2]")
+        number("frequency_penalty", lambda v: -2.0 <= v <= 2.0, "must be in [-2, 2]")
+        number("repetition_penalty", lambda v: v > 0.0, "must be > 0")
+        need(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be a non-negative integer")
+        need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             f"must be <= max_tokens ({self.max_tokens})")
         if self.logit_bias is not None:
             from kimi_jax.engine.penalties import MAX_LOGIT_BIAS
-            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
-                raise ValueError(f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token id -> bias entries")
-            for t, v in self.logit_bias.items():
-                if not is_int(t) or t < 0:
-                    raise ValueError(f"logit_bias keys must be non-negative token ids, got {t!r}")
-                if not isinstance(v, (int, float)) or not -100.0 <= v <= 100.0:
-                    raise ValueError(f"logit_bias values must be in [-100, 100], got {v!r} for token {t}")
-        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
-            raise ValueError(f"prompt_logprobs must be a non-negative integer, got {self.prompt_logprobs!r}")
-        if not isinstance(self.skip_special_tokens, bool):
-            raise ValueError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
-        if self.bad_words is not None and (isinstance(self.bad_words, str) or any(
-                not isinstance(w, str) or not w.strip() for w in self.bad_words)):
-            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+            need(isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
+                 f"must be a dict of at most {MAX_LOGIT_BIAS} token id -> bias entries")
+            need(all(is_int(t) and t >= 0 for t in self.logit_bias), "logit_bias", "keys must be non-negative token ids")
+            need(all(is_real(v) and -100.0 <= v <= 100.0 for v in self.logit_bias.values()), "logit_bias",
+                 "values must be finite numbers in [-100, 100]")
+        need(self.bad_words is None or (isinstance(self.bad_words, (list, tuple)) and all(
+            isinstance(w, str) and w.strip() for w in self.bad_words)), "bad_words", "must be a list of non-empty strings")
         if self.structured_outputs is not None:
-            if not isinstance(self.structured_outputs, StructuredOutputsParams):
-                raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
-                                 f"{type(self.structured_outputs).__name__}")
-            self.structured_outputs.validate()
+            need(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+                 "must be a StructuredOutputsParams")
+            try:
+                self.structured_outputs.validate()
+            except ValueError as e:
+                raise RequestError(str(e), field="structured_outputs") from None
+        if vocab_size is not None:
+            if self.logprobs is not None and self.logprobs > vocab_size:
+                raise RequestError(f"logprobs={self.logprobs} is more than the vocabulary ({vocab_size} tokens)",
+                                   field="logprobs")
+            if self.stop_token_ids and any(t >= vocab_size for t in self.stop_token_ids):
+                raise RequestError(f"stop_token_ids {list(self.stop_token_ids)} reach outside the vocabulary "
+                                   f"[0, {vocab_size})", field="stop_token_ids")
+        if max_logprobs is not None and max_logprobs >= 0:
+            for field in ("logprobs", "prompt_logprobs"):
+                v = getattr(self, field)
+                if v is not None and v > max_logprobs:
+                    raise RequestError(f"{field} {v} exceeds max_logprobs {max_logprobs}", field=field)
 
     @property
     def num_samples(self) -> int:

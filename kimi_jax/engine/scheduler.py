@@ -149,16 +149,16 @@ class BatchEngine:
         if params.prompt_logprobs is not None:
             r.prompt_logprobs = [None]
         if params.structured_outputs is not None:
-            r.structured = self._matcher(params)
+            r.structured = self._matcher(params, max_new)
         return r
 
-    def _matcher(self, params: SamplingParams):
+    def _matcher(self, params: SamplingParams, budget: Optional[int] = None):
         """The grammar state of a request with structured_outputs (RequestError when it cannot compile)."""
         from kimi_jax.engine.structured import StructuredBackend, StructuredOutputError
         try:
             if self.structured is None:
                 self.structured = StructuredBackend(self.tokenizer, self.engine.cfg.vocab_size)
-            return self.structured.matcher(params.structured_outputs)
+            return self.structured.matcher(params.structured_outputs, budget)
         except StructuredOutputError as e:
             raise RequestError(str(e)) from None
 
@@ -735,9 +735,10 @@ class BatchEngine:
             r.structured.accept(t)
         if t in r.stop_ids:
             r.finish_reason, r.stop_reason = "stop", t
-        elif r.structured is not None and (r.structured.is_finished() or r.structured.is_error()):
-            # the grammar is complete (only a stop token could follow; e.g. ignore_eos) or broken
-            r.finish_reason = "stop"
+        elif r.structured is not None and r.structured.is_finished():
+            r.finish_reason = "stop"        # the grammar is complete (only a stop token could follow)
+        elif r.structured is not None and r.structured.is_error():
+            r.finish_reason = "length"      # broken: the output is not a complete one
         elif r.params.stop_strings and self.tokenizer is not None and self._hit_stop(r):
             r.finish_reason = "stop"
         elif len(r.output_ids) >= r.max_new:

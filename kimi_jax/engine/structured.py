@@ -1,8 +1,13 @@
 """Constrained decoding: outputs valid by construction, through llguidance.
 
 A request's constraint is a `StructuredOutputsParams` (vLLM's names: ``json``, ``regex``, ``choice``,
-``grammar``, ``json_object``), built directly or from the OpenAI fields (`from_openai`:
-``response_format`` and ``tools`` + ``tool_choice``). Tool calls are constrained to Kimi's section
+``grammar``, ``json_object``, ``structural_tag``), built directly or from the OpenAI fields
+(`from_openai`: ``response_format`` and ``tools`` + ``tool_choice``). JSON schemas are compiled by
+`prepare_schema`: objects that declare properties and say nothing of ``additionalProperties`` are
+closed (vLLM's ``disable_additional_properties``, on by default here); numbers are written in decimal
+within +-NUMBER_BOUND and integers within INTEGER_BOUNDS, so every one parses to a finite float. A
+grammar with no complete output within CLOSE_SEARCH tokens, or within a request's max_tokens, is
+refused. Tool calls are constrained to Kimi's section
 (``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}
 <|tool_call_end|>...<|tool_calls_section_end|>``) as a Lark grammar whose markers are the special
 tokens themselves and whose arguments follow each tool's JSON schema.
@@ -29,10 +34,13 @@ import numpy as np
 __all__ = [
     "StructuredOutputsParams", "StructuredOutputError", "StructuredBackend", "RowMatcher",
     "apply_token_bitmask", "apply_token_bitmask_reference", "from_openai", "tool_call_grammar",
-    "mask_words",
+    "mask_words", "prepare_schema",
 ]
 
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+NUMBER_BOUND = 1e18                             # llguidance's float-range regexes stop near 1e19
+INTEGER_BOUNDS = (-9 * 10 ** 18, 9 * 10 ** 18)    # the full 64 bits do not compile
+CLOSE_SEARCH = 4096
 
 
 class StructuredOutputError(ValueError):
@@ -42,17 +50,21 @@ class StructuredOutputError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class StructuredOutputsParams:
     """Exactly one of: json (a JSON schema, dict or string), regex, choice (strings), grammar (Lark, in
-    llguidance's dialect; special tokens as ``<|name|>``), json_object (any JSON object).
+    llguidance's dialect; special tokens as ``<|name|>``), json_object (any JSON object),
+    structural_tag (vLLM's ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``).
     disable_any_whitespace: JSON written compactly (``,`` and ``:``). The default writes it as
     ``json.dumps`` does (``, `` and ``: ``, the layout of the arguments in Kimi's chat template) and
     allows no other whitespace, unlike vLLM's default of any whitespace: a model that loops on
-    whitespace then cannot spend its max_tokens inside the JSON."""
+    whitespace then cannot spend its max_tokens inside the JSON. disable_additional_properties:
+    `prepare_schema`'s closing (default True, unlike vLLM)."""
     json: Optional[Union[str, dict]] = None
     regex: Optional[str] = None
     choice: Optional[Sequence[str]] = None
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
+    structural_tag: Optional[Union[str, dict]] = None
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = True
 
     def kind(self) -> str:
         set_ = [k for k in _KINDS if getattr(self, k) not in (None, False)]
@@ -70,6 +82,11 @@ class StructuredOutputsParams:
             raise StructuredOutputError(f"structured_outputs.{k} must be a non-empty string")
         if k == "choice" and (isinstance(v, str) or not v or any(not isinstance(c, str) for c in v)):
             raise StructuredOutputError("structured_outputs.choice must be a non-empty list of strings")
+        if k == "structural_tag" and not isinstance(v, (str, dict)):
+            raise StructuredOutputError("structured_outputs.structural_tag must be an object or a JSON string")
+        for flag in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, flag), bool):
+                raise StructuredOutputError(f"structured_outputs.{flag} must be a boolean")
 
     def to_grammar(self) -> str:
         """The llguidance grammar (a JSON string) of this constraint."""
@@ -81,9 +98,10 @@ class StructuredOutputsParams:
                 schema = {"type": "object"} if k == "json_object" else self.json
                 if isinstance(schema, str):
                     schema = json.loads(schema)
-                if not isinstance(schema, dict):
-                    raise StructuredOutputError("structured_outputs.json must be a JSON object schema")
+                schema = prepare_schema(schema, "structured_outputs.json", self.disable_additional_properties)
                 return llg.LLMatcher.grammar_from_json_schema(schema, defaults=json_layout(self.disable_any_whitespace))
+            if k == "structural_tag":
+                return self._structural_tag_grammar()
             if k == "regex":
                 return llg.LLMatcher.grammar_from_regex(self.regex)
             if k == "choice":
@@ -91,8 +109,66 @@ class StructuredOutputsParams:
             return llg.LLMatcher.grammar_from_lark(self.grammar)
         except StructuredOutputError:
             raise
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, AssertionError) as e:
             raise StructuredOutputError(f"structured_outputs.{k}: {_one_line(e)}") from None
+
+    def _structural_tag_grammar(self) -> str:
+        """vLLM's structural tag as llguidance's: free text, each begin opening its schema's JSON."""
+        from llguidance import StructTag
+        spec = json.loads(self.structural_tag) if isinstance(self.structural_tag, str) else self.structural_tag
+        where = "structured_outputs.structural_tag"
+        if not isinstance(spec, dict) or not isinstance(spec.get("structures"), list) or not spec["structures"]:
+            raise StructuredOutputError(f"{where} needs a non-empty 'structures' list")
+        triggers = spec.get("triggers") or []
+        tags = []
+        for i, st in enumerate(spec["structures"]):
+            if not isinstance(st, dict) or not isinstance(st.get("begin"), str) or not isinstance(st.get("end"), str):
+                raise StructuredOutputError(f"{where}.structures[{i}] needs string 'begin' and 'end'")
+            trig = next((t for t in triggers if isinstance(t, str) and t and st["begin"].startswith(t)), None)
+            if trig is None:
+                raise StructuredOutputError(f"{where}.structures[{i}].begin starts with none of the triggers")
+            schema = prepare_schema(st.get("schema", {"type": "object"}), f"{where}.structures[{i}].schema",
+                                    self.disable_additional_properties)
+            tags.append(StructTag(trigger=trig, begin=st["begin"], grammar=schema, end=st["end"]))
+        return StructTag.to_grammar(tags)
+
+
+_NOT_SCHEMAS = ("enum", "const", "default", "examples", "required", "x-guidance")
+
+
+def prepare_schema(schema: Any, where: str, close: bool = True) -> dict:
+    """A copy of a JSON schema as compiled (module docstring; `close`: closing objects, not the
+    branches of an ``allOf``, which merge); ``x-guidance`` must be an object."""
+    if not isinstance(schema, dict):
+        raise StructuredOutputError(f"{where} must be a JSON schema object, got {type(schema).__name__}")
+
+    def walk(s: Any, path: str, in_all_of: bool = False) -> Any:
+        if isinstance(s, list):
+            return [walk(v, f"{path}[{i}]", in_all_of) for i, v in enumerate(s)]
+        if not isinstance(s, dict):
+            return s
+        out = {}
+        for k, v in s.items():
+            out[k] = v if k in _NOT_SCHEMAS else walk(v, f"{path}.{k}", k == "allOf")
+        if "x-guidance" in out and not isinstance(out["x-guidance"], dict):
+            raise StructuredOutputError(f"{path}.x-guidance must be an object, got {_typename(out['x-guidance'])}")
+        if (close and not in_all_of and "properties" in out and "additionalProperties" not in out
+                and "unevaluatedProperties" not in out and "patternProperties" not in out):
+            out["additionalProperties"] = False
+        types = out.get("type")
+        types = types if isinstance(types, list) else [types]
+        if "number" in types or "integer" in types:
+            lo, hi = (-NUMBER_BOUND, NUMBER_BOUND) if "number" in types else INTEGER_BOUNDS
+            if "minimum" not in out and "exclusiveMinimum" not in out:
+                out["minimum"] = lo
+            if "maximum" not in out and "exclusiveMaximum" not in out:
+                out["maximum"] = hi
+        return out
+    return walk(schema, where)
+
+
+def _typename(v: Any) -> str:
+    return "null" if v is None else type(v).__name__
 
 
 def json_layout(compact: bool) -> dict:
@@ -122,9 +198,7 @@ def _tool_function(tool: Any, where: str) -> tuple[str, dict]:
     params = fn.get("parameters", {"type": "object"})
     if params is None:
         params = {"type": "object"}
-    if not isinstance(params, dict):
-        raise StructuredOutputError(f"{where}.function.parameters must be a JSON schema object")
-    return name, params
+    return name, prepare_schema(params, f"{where}.function.parameters")
 
 
 def tool_call_grammar(tools: Sequence[dict], *, names: Optional[Sequence[str]] = None, single: bool = False,
@@ -133,7 +207,12 @@ def tool_call_grammar(tools: Sequence[dict], *, names: Optional[Sequence[str]] =
     objects): calls to the functions in `names` (all when None) with arguments that match each one's
     ``parameters`` schema; `single`: exactly one call; `allow_text`: free text first and the section
     optional (tool_choice "auto"). Call indices are 1-3 digits; arguments laid out as `json_layout`."""
-    fns = dict(_tool_function(t, f"tools[{i}]") for i, t in enumerate(tools))
+    fns = {}
+    for i, t in enumerate(tools):
+        name, params = _tool_function(t, f"tools[{i}]")
+        if name in fns:
+            raise StructuredOutputError(f"tools[{i}].function.name {name!r} repeats an earlier tool's name")
+        fns[name] = params
     chosen = list(fns) if names is None else list(names)
     for n in chosen:
         if n not in fns:
@@ -148,21 +227,21 @@ def tool_call_grammar(tools: Sequence[dict], *, names: Optional[Sequence[str]] =
               "IDX: /[0-9]{1,3}/"]
     for i, n in enumerate(chosen):
         schema = dict(fns[n])
-        schema["x-guidance"] = {**json_layout(disable_any_whitespace), **(schema.get("x-guidance") or {})}
+        schema["x-guidance"] = {**json_layout(disable_any_whitespace), **schema.get("x-guidance", {})}
         lines.append(f'call_{i}: {_CALL[0]} {json.dumps("functions." + n + ":")} IDX {_CALL[1]} args_{i} {_CALL[2]}')
         lines.append(f"args_{i}: %json {json.dumps(schema)}")
     return "\n".join(lines)
 
 
-def from_openai(response_format: Any = None, tools: Any = None, tool_choice: Any = None
-                ) -> Optional[StructuredOutputsParams]:
+def from_openai(response_format: Any = None, tools: Any = None, tool_choice: Any = None,
+                parallel_tool_calls: Optional[bool] = None) -> Optional[StructuredOutputsParams]:
     """The constraint of an OpenAI chat request, or None (free text).
 
     tool_choice "required" / {"type": "function", "function": {"name": N}}: the output is a tool-call
     section (one call to N when named); "auto" (the default with tools): free text, or a section whose
     calls are valid (with response_format too: its JSON or a section); "none": free text without any
     special token (so no section). response_format {"type": "json_object"} / {"type": "json_schema",
-    "json_schema": {"schema": ...}} / {"type": "text"}."""
+    "json_schema": {"schema": ...}} / {"type": "text"}. parallel_tool_calls=False: at most one call."""
     rf = None
     if response_format is not None:
         if not isinstance(response_format, dict) or response_format.get("type") not in ("text", "json_object", "json_schema"):
@@ -183,22 +262,24 @@ def from_openai(response_format: Any = None, tools: Any = None, tool_choice: Any
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none":
         return rf or StructuredOutputsParams(grammar="start: TEXT?\nTEXT: /(?s:.+)/")
+    single = parallel_tool_calls is False
     if choice == "required":
-        return StructuredOutputsParams(grammar=tool_call_grammar(tools))
+        return StructuredOutputsParams(grammar=tool_call_grammar(tools, single=single))
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str):
             raise StructuredOutputError("tool_choice must be 'none', 'auto', 'required' or "
                                         "{'type': 'function', 'function': {'name': ...}}")
         return StructuredOutputsParams(grammar=tool_call_grammar(tools, names=[name], single=True))
     if choice != "auto":
         raise StructuredOutputError(f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice!r}")
-    grammar = tool_call_grammar(tools, allow_text=rf is None)
+    grammar = tool_call_grammar(tools, allow_text=rf is None, single=single)
     if rf is not None:        # its JSON, or a section
         body = grammar.replace("start: section", "start: answer | section", 1)
         schema = {"type": "object"} if rf.json_object else rf.json
-        schema = json.loads(schema) if isinstance(schema, str) else dict(schema)
-        schema["x-guidance"] = {**json_layout(False), **(schema.get("x-guidance") or {})}
+        schema = prepare_schema(json.loads(schema) if isinstance(schema, str) else schema, "response_format")
+        schema["x-guidance"] = {**json_layout(False), **schema.get("x-guidance", {})}
         grammar = body + "\nanswer: %json " + json.dumps(schema)
     return StructuredOutputsParams(grammar=grammar)
 
@@ -320,6 +401,18 @@ class StructuredBackend:
             self._priority = ids
         return self._priority
 
+    def close_length(self, m) -> Optional[int]:
+        """Tokens of the shorter greedy close from a state (`closing_priority`; closing brackets first,
+        which ends optional recursion), None past CLOSE_SEARCH."""
+        stops = set(self.tokenizer.stop_token_ids)
+        brackets = [t for t in self.closing_priority if self.tokenizer.decode([t]) in ("}", "]")]
+        found = []
+        for prio in (self.closing_priority, brackets + self.closing_priority):
+            path = RowMatcher(m, "").closing_path(prio, stops, CLOSE_SEARCH)
+            if path is not None:
+                found.append(len(path))
+        return min(found, default=None)
+
     #: tokens of slack a close keeps: one sampled token can lengthen the close (an opening brace of an
     #: object with required keys), so it starts this much before it would need every token left
     close_margin: int = 16
@@ -361,24 +454,34 @@ class StructuredBackend:
         self._start(grammar, params.kind())
         return grammar
 
-    def _start(self, grammar: str, kind: str):
+    def _start(self, grammar: str, kind: str) -> tuple[Any, Optional[int]]:
+        """(compiled start state, `close_length` from it), cached per grammar."""
         with self._lock:
-            m = self._cache.get(grammar)
-            if m is not None:
+            hit = self._cache.get(grammar)
+            if hit is not None:
                 self._cache.move_to_end(grammar)
-                return m
+                return hit
         m = self._llg.LLMatcher(self._lltok, grammar, log_level=0)
         if m.is_error():
             raise StructuredOutputError(f"structured_outputs.{kind}: {_one_line(m.get_error())}")
+        hit = (m, self.close_length(m))
         with self._lock:
-            self._cache[grammar] = m
+            self._cache[grammar] = hit
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        return m
+        return hit
 
-    def matcher(self, params: StructuredOutputsParams) -> RowMatcher:
+    def matcher(self, params: StructuredOutputsParams, budget: Optional[int] = None) -> RowMatcher:
+        """A fresh grammar state; StructuredOutputError when no complete output fits `budget` tokens."""
         grammar = params.to_grammar()
-        return RowMatcher(self._start(grammar, params.kind()).deep_copy(), grammar)
+        m, close = self._start(grammar, params.kind())
+        if close is None:
+            raise StructuredOutputError(f"structured_outputs.{params.kind()}: cannot be satisfied: no complete "
+                                        f"output within {CLOSE_SEARCH} tokens (e.g. a required recursion)")
+        if budget is not None and close > budget:
+            raise StructuredOutputError(f"structured_outputs.{params.kind()}: a complete output takes {close} "
+                                        f"tokens, more than the {budget} max_tokens allows")
+        return RowMatcher(m.deep_copy(), grammar)
 
     def fill_bitmask(self, rows: Sequence[Optional[RowMatcher]], batch: Optional[int] = None) -> np.ndarray:
         """[batch, ceil(vocab_size / 32)] int32 for the rows of a step (None: unconstrained, all ones;

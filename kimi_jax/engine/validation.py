@@ -17,7 +17,11 @@ SEED_MIN, SEED_END = -(2 ** 63), 2 ** 64        # seeds are taken modulo 2^64
 
 
 class RequestError(ValueError):
-    """A request that cannot run; it fails alone."""
+    """A request that cannot run; it fails alone. field: the parameter at fault, when one is."""
+
+    def __init__(self, message: str, field: Optional[str] = None):
+        super().__init__(message)
+        self.field = field
 
 
 def is_int(v: Any) -> bool:
@@ -51,15 +55,15 @@ def check_seed(seed: Any) -> Optional[int]:
     if seed is None:
         return None
     if not is_int(seed):
-        raise RequestError(f"seed must be an integer, got {seed!r} ({type(seed).__name__})")
+        raise RequestError(f"seed must be an integer, got {seed!r} ({type(seed).__name__})", field="seed")
     if not SEED_MIN <= seed < SEED_END:
-        raise RequestError(f"seed {seed} does not fit 64 bits (need {SEED_MIN} <= seed < 2^64)")
+        raise RequestError(f"seed {seed} does not fit 64 bits (need {SEED_MIN} <= seed < 2^64)", field="seed")
     return int(seed)
 
 
 def check_finite(name: str, v: Any) -> None:
     if not is_real(v) or not math.isfinite(v):
-        raise RequestError(f"{name} must be a finite number, got {v!r}")
+        raise RequestError(f"{name} must be a finite number, got {v!r}", field=name)
 
 
 def check_request(prompt_ids: Any, params, *, vocab_size: int, max_model_len: Optional[int],
@@ -70,5 +74,5 @@ def check_request(prompt_ids: Any, params, *, vocab_size: int, max_model_len: Op
     except RequestError:
         raise
     except (TypeError, ValueError) as e:
-        raise RequestError(str(e)) from None
+        raise RequestError(str(e), getattr(e, "field", None)) from None
     return check_prompt_ids(prompt_ids, vocab_size, max_model_len)

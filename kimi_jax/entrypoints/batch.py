@@ -448,10 +448,10 @@ def run_job(llm, infile: Iterable[Union[str, bytes]], writer: ResultWriter, *, m
                 jobs[cid] = prepare(ln)
                 reqs = requests(cid, be)
             except (P.ProtocolError, RequestError) as e:
-                jobs.pop(cid, None)
-                if not isinstance(e, P.ProtocolError):
-                    e = P.ProtocolError(" ".join(str(e).split()), "messages" if ln.url.endswith("chat/completions")
-                                        else "prompt")
+                job = jobs.pop(cid, None)
+                if not isinstance(e, P.ProtocolError):      # the engine refused it: a grammar, a value
+                    e = P.request_error(job.g if job else None, e,
+                                        "messages" if ln.url.endswith("chat/completions") else "prompt")
                 write(refused_line(cid, e), "refused")
                 continue
             except OutputWriteError:

@@ -6,7 +6,8 @@ import logging
 import os
 import random
 import threading
-from typing import Optional, Sequence, Union
+import time
+from typing import Callable, Optional, Sequence, Union
 
 import jax.numpy as jnp
 import numpy as np
@@ -69,6 +70,14 @@ def _prompt_list(prompts) -> list:
         return [prompts]
     return [p.tolist() if isinstance(p, np.ndarray) and np.issubdtype(p.dtype, np.integer) and p.ndim == 1
             else p for p in prompts]
+def _progress_bar(use_tqdm, total: int):
+    """generate()'s bar over `total` requests: None (off), tqdm, or the class use_tqdm names."""
+    if not use_tqdm:
+        return None
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="requests", unit="req")
+    from tqdm import tqdm
+    return tqdm(total=total, desc="requests", unit="req")
 
 
 def demo_model_path() -> Optional[str]:
@@ -251,10 +260,12 @@ class LLM:
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = False, *, _prompt_texts: Optional[list[str]] = None) -> list[RequestOutput]:
+                 use_tqdm: Union[bool, Callable] = True, *, _prompt_texts: Optional[list[str]] = None
+                 ) -> list[RequestOutput]:
         """Generate for one prompt or a list (text, token ids, or vLLM's prompt dicts; numpy integer
-        arrays of ids too). _prompt_texts: the RequestOutput.prompt of each (chat: the rendered
-        conversation). Calls from several threads run one at a time."""
+        arrays of ids too). use_tqdm: a progress bar over the requests (or a tqdm-like class to make it).
+        _prompt_texts: the RequestOutput.prompt of each (chat: the rendered conversation). Calls from
+        several threads run one at a time."""
         prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -299,12 +310,26 @@ class LLM:
         self._next_id += len(groups)
         for g in groups:
             be.add_samples(g)
+        bar = _progress_bar(use_tqdm, sum(len(g) for g in groups))
+        t0 = time.perf_counter()
+
+        def finished(_r):
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{be.stats['generated_tokens'] / max(time.perf_counter() - t0, 1e-9):.1f}",
+                            refresh=False)
         try:
-            be.run(progress=use_tqdm)
+            be.run(on_finish=finished if bar is not None else None)
         except BaseException:
             self._generate_engine = None       # its pages and queues are in an unknown state
             raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [self.to_group_output(g) for g in groups]
+
+    def get_tokenizer(self):
+        """The tokenizer (vLLM's name; None for a model without one)."""
+        return self.tokenizer
 
     def _engine_for_generate(self) -> BatchEngine:
         """generate()'s batch engine: with prefix caching one kept for the LLM's life (its cached pages
@@ -410,7 +435,7 @@ class LLM:
 
     def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
              add_generation_prompt: bool = True, tools=None, chat_template: Optional[str] = None,
-             use_tqdm: bool = False, tool_choice=None, response_format=None):
+             use_tqdm: Union[bool, Callable] = True, tool_choice=None, response_format=None):
         """Generate from one conversation or a list of them, rendered with the checkpoint's chat template
         (`chat_prompt_ids`). tools / tool_choice / response_format constrain the output (OpenAI's fields)
         unless sampling_params has structured_outputs; with tools each output's calls are parsed into
@@ -431,12 +456,13 @@ class LLM:
                    else dataclasses.replace(sp, structured_outputs=constraint) for sp in sps]
         outs = self.generate(prompts, sps, use_tqdm=use_tqdm, _prompt_texts=texts)
         if tools:
+            from kimi_jax.entrypoints.openai.protocol import calls_complete
             from kimi_jax.text.tool_parser import parse_output, tool_finish_reason
             for ro in outs:
                 for c in ro.outputs:
                     parsed = parse_output(c.token_ids, self.tokenizer)
                     c.content, c.tool_calls = parsed.content, parsed.tool_calls
-                    c.finish_reason = tool_finish_reason(c.finish_reason, bool(parsed.tool_calls))
+                    c.finish_reason = tool_finish_reason(c.finish_reason, calls_complete(parsed.tool_calls))
         return outs
 
     def chat_prompt_ids(self, messages, *, add_generation_prompt: bool = True, tools=None,

@@ -50,8 +50,12 @@ class _StatusLine(logging.Handler):
         tty = bool(getattr(s, "isatty", lambda: False)())
         done = getattr(record, "kimi_done", True)
         worth = getattr(record, "kimi_seconds", self.min_seconds) >= self.min_seconds
+        bars = getattr(sys.modules.get("tqdm"), "tqdm", None)
         try:
-            if tty:
+            if bars is not None and getattr(bars, "_instances", None):    # a progress bar is drawn:
+                if done and worth:                                       # lines above it, none in it
+                    bars.write(msg, file=s)
+            elif tty:
                 s.write("\r\x1b[K" + (msg + "\n" if done and worth else "" if done else msg))
                 self.shown = not done
             elif done and worth:

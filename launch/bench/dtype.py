@@ -56,16 +56,17 @@ def main(argv):
     from kimi_jax import LLM, SamplingParams
     rows = []
     for dtype in FLAGS.dtypes:
-        llm = LLM(dtype=dtype, max_num_seqs=max(map(int, FLAGS.batches)))
+        # no prefix caching: every timed run takes the warm-up run's shapes (a cached prefix compiles others)
+        llm = LLM(dtype=dtype, max_num_seqs=max(map(int, FLAGS.batches)), enable_prefix_caching=False)
         rng = np.random.default_rng(0)
         for B in map(int, FLAGS.batches):
             prompts = [rng.integers(2, llm.config.vocab_size, FLAGS.prompt).tolist() for _ in range(B)]
             sp = SamplingParams(temperature=0.0, max_tokens=FLAGS.tokens, ignore_eos=True)
-            llm.generate(prompts, sp)                                    # compile every shape
+            llm.generate(prompts, sp, use_tqdm=False)                    # compile every shape
             best = float("inf")
             for _ in range(FLAGS.reps):
                 t0 = time.perf_counter()
-                llm.generate(prompts, sp)
+                llm.generate(prompts, sp, use_tqdm=False)
                 best = min(best, time.perf_counter() - t0)
             row = dict(dtype=dtype, batch=B, tok_s=B * FLAGS.tokens / best, wall_s=best,
                        step_ms=step_ms(llm, B, FLAGS.prompt + FLAGS.tokens // 2, FLAGS.step_reps))

@@ -42,7 +42,8 @@ def workloads(llm, n: int, gen_tokens: int, seed: int = 0, prompt_len=(20, 80)):
         plain = [llm.tokenizer.encode(" ".join(docs[s:s + int(rng.integers(12, 40))])) for s in starts]
     else:
         plain = [rng.integers(2, llm.config.vocab_size, int(rng.integers(*prompt_len))).tolist() for _ in range(n)]
-    first = llm.generate(plain, SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True))
+    first = llm.generate(plain, SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True),
+                         use_tqdm=False)
     repetitive = [p + o.outputs[0].token_ids + p for p, o in zip(plain, first)]
     return {"repetitive": repetitive, "non-repetitive": plain}
 

@@ -82,12 +82,12 @@ def test_bad_requests_fail_alone(ckpt):
     good = be.make_request("ok", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3), seed=0)
     errors = {}
     for rid, ids, sp in [("long", list(range(2, 80)), SamplingParams()), ("empty", [], SamplingParams()),
-                         ("badid", [5, 10**6], SamplingParams()), ("temp", [5], SamplingParams(temperature=-1))]:
+                         ("badid", [5, 10**6], SamplingParams()), ("lp", [5], SamplingParams(logprobs=10**6))]:
         with pytest.raises(RequestError) as e:
             be.make_request(rid, ids, sp, seed=0)
         errors[rid] = str(e.value)
     assert "max_model_len=64" in errors["long"] and "empty prompt" in errors["empty"]
-    assert "1000000" in errors["badid"] and "temperature" in errors["temp"]
+    assert "1000000" in errors["badid"] and "vocabulary" in errors["lp"]
     be.add(good)
     be.run()
     assert len(good.output_ids) == 3

@@ -112,7 +112,9 @@ def test_bad_requests_name_the_request(tiny_llm):
         tiny_llm.generate([[5, 6], [96]], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="request 0: empty prompt"):
         tiny_llm.generate([[]], SamplingParams(max_tokens=2))
-    with pytest.raises(ValueError, match="request 0: temperature"):
-        tiny_llm.generate([[5]], SamplingParams(temperature=-1.0))
+    with pytest.raises(ValueError, match="temperature must be >= 0"):      # refused when built
+        SamplingParams(temperature=-1.0)
+    with pytest.raises(ValueError, match="request 0: logprobs"):
+        tiny_llm.generate([[5]], SamplingParams(logprobs=10**6))
     with pytest.raises(ValueError, match="request 0: a text prompt needs a tokenizer"):
         tiny_llm.generate(["hello"], SamplingParams(max_tokens=2))

@@ -223,3 +223,68 @@ def test_logits_past_the_tokenizer_are_masked_in_constrained_rows_only(tok):
     bits = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, :V].astype(bool)
     assert mask.shape == (2, mask_words(V)) and bits[0].all()
     assert not bits[1, tok.vocab_size:].any() and bits[1, :tok.vocab_size].any()
+
+
+LOOSE = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "number"},
+                                          "c": {"type": "string", "maxLength": 4}}, "required": ["a"]}
+
+
+def _closed_draws(backend, tok, params, n, seed, budget=40):
+    """n outputs drawn uniformly among the allowed tokens, the budget close ending each."""
+    rng = np.random.default_rng(seed)
+    stops = set(tok.stop_token_ids)
+    outs = []
+    for _ in range(n):
+        m, out = backend.matcher(params), []
+        for k in range(budget):
+            mask = backend.fill_bitmask([m])
+            backend.bitmask_closing(mask[0], m, budget - k)
+            t = int(rng.choice(np.flatnonzero(np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:V_DEMO])))
+            if t in stops:
+                break
+            assert m.accept(t)
+            out.append(t)
+        outs.append(json.loads(tok.decode(out)))
+    return outs
+
+
+def test_schema_without_additional_properties_is_closed(backend, tok):
+    """50 uniform draws (a model that follows no instruction) under a schema that declares properties
+    and says nothing of additionalProperties: only declared keys, finite numbers; the opt-out
+    (disable_additional_properties=False) lets the same draws write other keys."""
+    closed = _closed_draws(backend, tok, StructuredOutputsParams(json=LOOSE), 50, 0)
+    for obj in closed:
+        jsonschema.validate(obj, LOOSE)
+        assert set(obj) <= {"a", "b", "c"} and all(np.isfinite(float(v)) for k, v in obj.items() if k != "c"), obj
+    open_ = _closed_draws(backend, tok, StructuredOutputsParams(json=LOOSE, disable_additional_properties=False), 10, 0)
+    assert any(set(obj) - {"a", "b", "c"} for obj in open_)
+
+
+def test_prepare_schema_closes_bounds_and_checks():
+    from kimi_jax.engine.structured import INTEGER_BOUNDS, NUMBER_BOUND, prepare_schema
+    s = prepare_schema({"type": "object", "properties": {"x": {"type": "object", "properties": {"y": {"type": "number"}}},
+                                                         "z": {"type": ["integer", "null"]}},
+                        "allOf": [{"properties": {"w": {}}}], "$defs": {"d": {"properties": {}}}}, "s")
+    assert s["additionalProperties"] is False and s["properties"]["x"]["additionalProperties"] is False
+    assert "additionalProperties" not in s["allOf"][0] and s["$defs"]["d"]["additionalProperties"] is False
+    assert (s["properties"]["x"]["properties"]["y"]["minimum"], s["properties"]["x"]["properties"]["y"]["maximum"]) \
+        == (-NUMBER_BOUND, NUMBER_BOUND)
+    assert (s["properties"]["z"]["minimum"], s["properties"]["z"]["maximum"]) == INTEGER_BOUNDS
+    kept = prepare_schema({"properties": {}, "additionalProperties": True, "minimum": 0}, "s")
+    assert kept["additionalProperties"] is True and prepare_schema({"properties": {}}, "s", close=False) == {"properties": {}}
+    with pytest.raises(StructuredOutputError, match=r"s\.properties\.a\.x-guidance must be an object"):
+        prepare_schema({"properties": {"a": {"x-guidance": "no"}}}, "s")
+
+
+def test_structural_tag_constrains_the_tagged_part(backend, tok):
+    tag = {"type": "structural_tag", "triggers": ["<fn="],
+           "structures": [{"begin": "<fn=add>", "schema": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                           "required": ["a"]}, "end": "</fn>"}]}
+
+    def accepts(text):
+        m = backend.matcher(StructuredOutputsParams(structural_tag=json.dumps(tag)))
+        return all(m.accept(t) for t in tok.encode(text))
+    assert accepts('Sure. <fn=add>{"a": 1}</fn> done')
+    assert not accepts('Sure. <fn=add>{"b": 1}')
+    with pytest.raises(StructuredOutputError, match="triggers"):
+        backend.compile(StructuredOutputsParams(structural_tag={**tag, "triggers": ["<x"]}))

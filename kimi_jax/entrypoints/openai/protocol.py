@@ -1,47 +1,41 @@
 """OpenAI completions / chat-completions bodies: parsing into engine requests and building responses.
 
-Independent of HTTP (the server, kimi-batch and tool calling use it). `parse_completion` and
-`parse_chat` turn a request body (a dict from JSON) into a `GenerationRequest`: the prompt(s) or the
-messages, the engine's SamplingParams (OpenAI names mapped onto vLLM's) and the response options.
-Anything wrong raises ProtocolError naming the field (`param`), which the server returns as a 400 with
-OpenAI's error body (`error_body`). Unknown fields are rejected, as OpenAI does.
-
-Sampling fields: temperature, top_p, max_tokens (chat: max_completion_tokens too), stop, seed, n,
-logprobs / top_logprobs, and vLLM's top_k, min_p, stop_token_ids, ignore_eos,
-include_stop_str_in_output. presence_penalty, frequency_penalty, repetition_penalty, logit_bias
-and min_tokens are passed on under vLLM's names when SamplingParams has those fields; otherwise a
-value other than the no-op default is rejected. n is served as n independent requests (`Choice`
-index i * n + j for prompt i).
-
-Responses: `completion_response` / `chat_response` and the streaming chunks take `Choice`s; a Choice
-carries `tool_calls` and `reasoning_content` for a chat message (set by a tool-call / reasoning parser;
-None leaves them out).
+Independent of HTTP (the server, kimi-batch and tool calling use it). Bodies are pydantic models with
+strict types (`CompletionRequest`, `ChatCompletionRequest`); `parse_completion` / `parse_chat` make a
+`GenerationRequest` whose SamplingParams apply their own ranges. A bad field raises ProtocolError
+naming its path (`param`), answered as a 400 with OpenAI's error body. Unused fields are accepted and
+listed in one warning per request, as vLLM does, except `REFUSED` ones (ignoring them would change
+the answer). vLLM's extensions (top_k, min_p, ..., ``structured_outputs`` and the older guided_*) work
+on both endpoints; n is served as n requests (`Choice` index i * n + j for prompt i).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import time
 import uuid
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Annotated, Any, Optional, Sequence, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from kimi_jax.engine.sampling import SamplingParams
+from kimi_jax.engine.structured import StructuredOutputError, StructuredOutputsParams, from_openai
 
+log = logging.getLogger(__name__)
 MAX_LOGPROBS = 20
 MAX_N = 64
 
-# OpenAI / vLLM field -> SamplingParams field, with the value that changes nothing
 OPTIONAL_SAMPLING = {"presence_penalty": ("presence_penalty", 0.0),
                      "frequency_penalty": ("frequency_penalty", 0.0),
                      "repetition_penalty": ("repetition_penalty", 1.0),
                      "logit_bias": ("logit_bias", None),
                      "min_tokens": ("min_tokens", 0)}
-_COMMON = {"model", "stream", "stream_options", "temperature", "top_p", "max_tokens", "stop", "seed", "n",
-           "user", "top_k", "min_p", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
-           "skip_special_tokens", *OPTIONAL_SAMPLING}
-COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "suffix", "best_of"}
-CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
-                         "parallel_tool_calls", "response_format", "metadata", "store", "service_tier",
-                         "add_generation_prompt", "modalities"}
+_REFUSED_VLLM = {"use_beam_search", "length_penalty", "truncate_prompt_tokens", "allowed_token_ids",
+                 "prompt_logprobs", "logits_processors", "return_tokens_as_token_ids", "echo", "suffix"}
+REFUSED = {"completion": _REFUSED_VLLM | {"messages"},
+           "chat": _REFUSED_VLLM | {"prompt", "functions", "function_call", "audio", "web_search_options",
+                                    "chat_template", "chat_template_kwargs", "continue_final_message", "documents"}}
 
 
 class ProtocolError(ValueError):
@@ -74,6 +68,110 @@ class GenerationRequest:
     logprobs: Optional[int] = None             # top logprobs per token (0: only the chosen token's)
     add_generation_prompt: bool = True
     tools: Optional[list] = None               # chat: passed to the chat template; calls parsed from the reply
+    constraint_field: Optional[str] = None     # the field that set params.structured_outputs
+    ignored: tuple = ()                        # fields accepted and not used (logged)
+
+    def constraint_error(self, message: str) -> ProtocolError:
+        """A grammar the engine refused, as a 400 naming the field that gave it."""
+        field = self.constraint_field or "structured_outputs"
+        kind = self.params.structured_outputs.kind() if self.params.structured_outputs is not None else ""
+        if field != "structured_outputs" and message.startswith(f"structured_outputs.{kind}"):
+            message = field + message[len(f"structured_outputs.{kind}"):]
+        return ProtocolError(message, field)
+
+
+# ---- the request models ---------------------------------------------------------------------------
+def _integral(v):
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+Schema = Union[str, dict[str, Any]]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: Optional[bool] = None
+    continuous_usage_stats: Optional[bool] = None
+
+
+class StructuredOutputsBody(_Strict):
+    """vLLM's ``structured_outputs`` request field (kimi_jax.engine.structured.StructuredOutputsParams)."""
+    json_: Optional[Schema] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Optional[Schema] = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = True
+    disable_fallback: Optional[bool] = None
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
+                                       json_object=self.json_object, structural_tag=self.structural_tag,
+                                       disable_any_whitespace=self.disable_any_whitespace,
+                                       disable_additional_properties=self.disable_additional_properties)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: Optional[str] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[Annotated[Int, Field(ge=1, le=MAX_N)]] = None
+    max_tokens: Optional[Int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[Int] = None
+    user: Optional[str] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[Union[Int, str], float]] = None
+    response_format: Optional[dict[str, Any]] = None
+    top_k: Optional[Int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: Optional[Int] = None
+    stop_token_ids: Optional[list[Int]] = None
+    ignore_eos: Optional[bool] = None
+    include_stop_str_in_output: Optional[bool] = None
+    skip_special_tokens: Optional[bool] = None
+    bad_words: Optional[list[str]] = None
+    structured_outputs: Optional[StructuredOutputsBody] = None
+    guided_json: Optional[Schema] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
+
+
+class CompletionRequest(_Request):
+    prompt: Any = None
+    logprobs: Optional[Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)]] = None
+    echo: Optional[bool] = None
+    suffix: Optional[str] = None
+    best_of: Optional[Int] = None
+
+
+class ChatCompletionRequest(_Request):
+    messages: Any = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)]] = None
+    max_completion_tokens: Optional[Int] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Any = None
+    parallel_tool_calls: Optional[bool] = None
+    metadata: Optional[dict[str, Any]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    add_generation_prompt: Optional[bool] = None
+    modalities: Optional[list[str]] = None
 
 
 # ---- field checks ---------------------------------------------------------------------------------
@@ -81,26 +179,142 @@ def _typename(v) -> str:
     return "null" if v is None else type(v).__name__
 
 
-def _number(body: dict, name: str, default, *, integer: bool = False, lo=None, hi=None):
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not float(v).is_integer()):
-        raise ProtocolError(f"'{name}' must be {'an integer' if integer else 'a number'}, got {v!r}", name)
-    v = int(v) if integer else float(v)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise ProtocolError(f"'{name}' must be in [{lo}, {hi}], got {v}" if hi is not None
-                            else f"'{name}' must be >= {lo}, got {v}", name)
-    return v
+def _short(v, limit: int = 80) -> str:
+    text = " ".join(repr(v).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _bool(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise ProtocolError(f"'{name}' must be a boolean, got {v!r}", name)
-    return v
+def _path(loc: Sequence, body: Any) -> str:
+    """The longest prefix of a pydantic error location that names a place in the body (union member
+    tags dropped), as ``a.b[0]``; a missing field's own name."""
+    out, here = "", body
+    for i, part in enumerate(loc):
+        if isinstance(part, int) and isinstance(here, list) and 0 <= part < len(here):
+            out, here = f"{out}[{part}]", here[part]
+        elif isinstance(part, str) and (isinstance(here, dict) and part in here or i == 0):
+            out, here = f"{out}.{part}" if out else part, here.get(part) if isinstance(here, dict) else None
+        else:
+            break
+    return out
+
+
+def _validate(model: type, body: dict):
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        path = _path(err["loc"], body)
+        msg = err["msg"][0].lower() + err["msg"][1:]
+        got = "" if err["type"] == "missing" else f", got {_short(err['input'])}"
+        raise ProtocolError(f"'{path}': {msg}{got}", path) from None
+
+
+def _extras(model: type, body: Any, kind: str) -> tuple:
+    """The unused fields: REFUSED ones a 400, the rest logged in one line."""
+    if not isinstance(body, dict):
+        raise ProtocolError(f"the request body must be a JSON object, got {_typename(body)}")
+    extra = {k: v for k, v in body.items() if k not in model.model_fields}
+    harmful = sorted(k for k, v in extra.items() if k in REFUSED[kind] and v not in (None, False, "", [], {}))
+    if harmful:
+        raise ProtocolError(f"'{harmful[0]}' is not supported by this server ({kind} requests)", harmful[0])
+    ignored = tuple(sorted(k for k in extra if k not in REFUSED[kind]))
+    if ignored:
+        log.warning("%s request: fields present in the request and ignored: %s", kind, ", ".join(ignored))
+    return ignored
+
+
+def _refuse_unless(req: _Request, name: str, ok, what: str) -> None:
+    v = getattr(req, name)
+    if v is not None and not ok(v):
+        raise ProtocolError(f"'{name}'={_short(v)} is not supported ({what})", name)
+
+
+def _param_name(field: Optional[str], req: _Request, kind: str) -> Optional[str]:
+    """The request field of a SamplingParams field."""
+    if field == "max_tokens" and kind == "chat" and req.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    if field == "logprobs" and kind == "chat":
+        return "top_logprobs" if req.top_logprobs is not None else "logprobs"
+    return field
+
+
+def _sampling(req: _Request, kind: str, *, max_tokens, logprobs: Optional[int], structured) -> SamplingParams:
+    top_k = req.top_k if req.top_k != 0 else -1
+    kw = dict(temperature=req.temperature, top_p=req.top_p, top_k=top_k, min_p=req.min_p, seed=req.seed,
+              stop=[req.stop] if isinstance(req.stop, str) else (req.stop or None), max_tokens=max_tokens,
+              stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
+              include_stop_str_in_output=req.include_stop_str_in_output, bad_words=req.bad_words or None,
+              presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+              repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens, structured_outputs=structured)
+    if req.logit_bias:
+        kw["logit_bias"] = _logit_bias(req.logit_bias)
+    kw = {k: v for k, v in kw.items() if v is not None or k == "max_tokens"}
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        field = getattr(e, "field", None) or str(e).split()[0]
+        raise ProtocolError(str(e), _param_name(field, req, kind)) from None
+
+
+def _logit_bias(v: dict) -> dict:
+    out = {}
+    for k, b in v.items():
+        try:
+            out[int(k)] = b
+        except ValueError:
+            raise ProtocolError(f"'logit_bias' key {k!r} is not a token id", "logit_bias") from None
+    return out
+
+
+def _structured(req: _Request) -> tuple[Optional[StructuredOutputsParams], Optional[str]]:
+    """The constraint of vLLM's fields (structured_outputs or one guided_*) and the field that gave it."""
+    given = [f for f in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+             if getattr(req, f) is not None]
+    if len(given) > 1:
+        raise ProtocolError(f"'{given[1]}' cannot be combined with '{given[0]}': give one constraint", given[1])
+    _refuse_unless(req, "guided_whitespace_pattern", lambda v: False, "JSON is written without free whitespace")
+    if not given:
+        return None, None
+    f = given[0]
+    if f == "structured_outputs":
+        so = req.structured_outputs.params()
+    else:
+        so = StructuredOutputsParams(**{f.removeprefix("guided_"): getattr(req, f)})
+    try:
+        so.validate()
+    except StructuredOutputError as e:
+        msg = str(e)
+        raise ProtocolError(msg if f == "structured_outputs" else msg.replace("structured_outputs.", f + ": ", 1)
+                            .replace("structured_outputs", f, 1), f) from None
+    return so, f
+
+
+def _constraint(req: _Request, tools=None, tool_choice=None, parallel=None):
+    """(constraint or None, its field): vLLM's fields, else response_format and the tools."""
+    so, field = _structured(req)
+    if so is not None:
+        if req.response_format is not None and req.response_format.get("type") != "text":
+            raise ProtocolError(f"'{field}' cannot be combined with 'response_format'", field)
+        if tools and tool_choice not in (None, "none", "auto"):
+            raise ProtocolError(f"'{field}' cannot be combined with tool_choice={_short(tool_choice)}", field)
+        return so, field
+    try:
+        c = from_openai(req.response_format, tools, tool_choice, parallel)
+    except StructuredOutputError as e:
+        msg = str(e)
+        field = next((f for f in ("response_format", "tool_choice", "tools") if msg.startswith(f)), "tools")
+        raise ProtocolError(msg, field) from None
+    if c is None:
+        return None, None
+    return c, ("response_format" if tools is None or tool_choice == "none" else "tools")
+
+
+def _common(req: _Request) -> dict:
+    if req.stream_options is not None and not req.stream:
+        raise ProtocolError("'stream_options' is only allowed with stream=true", "stream_options")
+    _refuse_unless(req, "skip_special_tokens", lambda v: v is True, "special tokens are always skipped")
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return dict(model=req.model, stream=bool(req.stream), include_usage=include_usage, n=req.n or 1)
 
 
 def _token_ids(v, name: str) -> tuple:
@@ -109,107 +323,7 @@ def _token_ids(v, name: str) -> tuple:
     return tuple(v)
 
 
-def _stop(body: dict):
-    v = body.get("stop")
-    if v is None:
-        return None
-    stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise ProtocolError(f"'stop' must be a non-empty string or a list of them, got {v!r}", "stop")
-    return list(stops) or None
-
-
-def _check_fields(body: Any, allowed: set) -> None:
-    if not isinstance(body, dict):
-        raise ProtocolError(f"the request body must be a JSON object, got {_typename(body)}")
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise ProtocolError(f"unrecognized request argument: '{unknown[0]}'", unknown[0])
-
-
-def _unsupported(body: dict, name: str, ok: Callable[[Any], bool], what: str) -> None:
-    if name in body and body[name] is not None and not ok(body[name]):
-        raise ProtocolError(f"'{name}'={body[name]!r} is not supported ({what})", name)
-
-
-def _sampling(body: dict, *, max_tokens, logprobs: Optional[int]) -> SamplingParams:
-    fields = {f.name for f in dataclasses.fields(SamplingParams)}
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None:
-        stop_ids = list(_token_ids(stop_ids, "stop_token_ids"))
-    seed = _number(body, "seed", None, integer=True, lo=-2**63, hi=2**63 - 1)
-    kw = dict(temperature=_number(body, "temperature", 1.0, lo=0.0),
-              top_p=_number(body, "top_p", 1.0), top_k=_number(body, "top_k", -1, integer=True),
-              min_p=_number(body, "min_p", 0.0), max_tokens=max_tokens, stop=_stop(body),
-              stop_token_ids=stop_ids, ignore_eos=_bool(body, "ignore_eos", False), seed=seed,
-              logprobs=logprobs,
-              include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False))
-    if body.get("top_k") is not None and kw["top_k"] == 0:    # vLLM: 0 also means off
-        kw["top_k"] = -1
-    for name, (field, noop) in OPTIONAL_SAMPLING.items():
-        if body.get(name) is None:
-            continue
-        value = body[name]
-        if name == "logit_bias":
-            value = _logit_bias(value)
-        else:
-            value = _number(body, name, noop, integer=name == "min_tokens")
-        if field in fields:
-            kw[field] = value
-        elif value != noop and value:
-            raise ProtocolError(f"'{name}' is not supported by this engine", name)
-    params = SamplingParams(**kw)
-    try:
-        params.validate()
-    except ValueError as e:                  # SamplingParams names the field first
-        msg = str(e)
-        field = msg.split()[0] if msg else None
-        raise ProtocolError(msg, field if field in body or field in fields else None) from None
-    return params
-
-
-def _logit_bias(v) -> Optional[dict]:
-    if not isinstance(v, dict):
-        raise ProtocolError("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
-    out = {}
-    for k, b in v.items():
-        try:
-            tid = int(k)
-        except (TypeError, ValueError):
-            raise ProtocolError(f"'logit_bias' key {k!r} is not a token id", "logit_bias") from None
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
-            raise ProtocolError(f"'logit_bias' value for {k!r} must be a number in [-100, 100]", "logit_bias")
-        out[tid] = float(b)
-    return out or None
-
-
-def _common(body: dict) -> dict:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ProtocolError(f"'model' must be a string, got {model!r}", "model")
-    stream = _bool(body, "stream", False)
-    opts = body.get("stream_options")
-    include_usage = False
-    if opts is not None:
-        if not stream:
-            raise ProtocolError("'stream_options' is only allowed with stream=true", "stream_options")
-        if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
-            raise ProtocolError(f"'stream_options' must be an object with 'include_usage', got {opts!r}",
-                                "stream_options")
-        include_usage = _bool(opts, "include_usage", False)
-    _unsupported(body, "skip_special_tokens", lambda v: v is True, "special tokens are always skipped")
-    n = _number(body, "n", 1, integer=True, lo=1, hi=MAX_N)
-    return dict(model=model, stream=stream, include_usage=include_usage, n=n)
-
-
-# ---- requests -------------------------------------------------------------------------------------
-def parse_completion(body: Any) -> GenerationRequest:
-    """A /v1/completions body -> GenerationRequest (ProtocolError naming the field)."""
-    _check_fields(body, COMPLETION_FIELDS)
-    common = _common(body)
-    if "prompt" not in body:
-        raise ProtocolError("'prompt' is required", "prompt")
-    p = body["prompt"]
+def _prompts(p: Any) -> tuple:
     if isinstance(p, str):
         prompts = (p,)
     elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
@@ -223,48 +337,71 @@ def parse_completion(body: Any) -> GenerationRequest:
                             "such lists (non-empty)", "prompt")
     if any(isinstance(s, str) and not s for s in prompts):
         raise ProtocolError("'prompt' is empty", "prompt")
-    _unsupported(body, "echo", lambda v: v is False, "prompts are not echoed")
-    _unsupported(body, "suffix", lambda v: False, "no insertion")
-    _unsupported(body, "best_of", lambda v: v == common["n"], "best_of must equal n")
-    logprobs = _number(body, "logprobs", None, integer=True, lo=0, hi=MAX_LOGPROBS)
-    max_tokens = _number(body, "max_tokens", 16, integer=True, lo=1)
-    params = _sampling(body, max_tokens=max_tokens, logprobs=logprobs)
-    return GenerationRequest("completion", params=params, prompts=prompts, logprobs=logprobs, **common)
+    return prompts
+
+
+# ---- requests -------------------------------------------------------------------------------------
+def parse_completion(body: Any) -> GenerationRequest:
+    """A /v1/completions body -> GenerationRequest (ProtocolError naming the field)."""
+    ignored = _extras(CompletionRequest, body, "completion")
+    req = _validate(CompletionRequest, body)
+    common = _common(req)
+    if "prompt" not in body:
+        raise ProtocolError("'prompt' is required", "prompt")
+    prompts = _prompts(req.prompt)
+    _refuse_unless(req, "echo", lambda v: v is False, "prompts are not echoed")
+    _refuse_unless(req, "suffix", lambda v: v == "", "no insertion")
+    _refuse_unless(req, "best_of", lambda v: v == common["n"], "best_of must equal n")
+    max_tokens = req.max_tokens if req.max_tokens is not None else 16
+    so, field = _constraint(req)
+    params = _sampling(req, "completion", max_tokens=max_tokens, logprobs=req.logprobs, structured=so)
+    return GenerationRequest("completion", params=params, prompts=prompts, logprobs=req.logprobs,
+                             constraint_field=field, ignored=ignored, **common)
+
+
+def _check_messages_and_tools(msgs: Any, tools: Optional[list]) -> None:
+    if not isinstance(msgs, list) or not msgs:
+        raise ProtocolError("'messages' must be a non-empty list", "messages")
+    for i, m in enumerate(msgs):
+        if isinstance(m, dict) and m.get("role") == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise ProtocolError(f"messages[{i}]: a tool message needs its 'tool_call_id' (a string)", "messages")
+    names = [t["function"].get("name") for t in tools or ()
+             if isinstance(t, dict) and isinstance(t.get("function"), dict)]
+    for i, n in enumerate(names):
+        if n in names[:i]:
+            raise ProtocolError(f"tools: two tools are named {n!r}", "tools")
 
 
 def parse_chat(body: Any) -> GenerationRequest:
     """A /v1/chat/completions body -> GenerationRequest (ProtocolError naming the field). The messages
     are checked by the chat template when rendered."""
-    _check_fields(body, CHAT_FIELDS)
-    common = _common(body)
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise ProtocolError("'messages' must be a non-empty list", "messages")
-    want = _bool(body, "logprobs", False)
-    top = _number(body, "top_logprobs", None, integer=True, lo=0, hi=MAX_LOGPROBS)
-    if top is not None and not want:
+    ignored = _extras(ChatCompletionRequest, body, "chat")
+    req = _validate(ChatCompletionRequest, body)
+    common = _common(req)
+    _check_messages_and_tools(req.messages, req.tools)
+    if req.top_logprobs is not None and not req.logprobs:
         raise ProtocolError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    logprobs = (top or 0) if want else None
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, name, None, integer=True, lo=1)
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise ProtocolError("'tools' must be a list", "tools")
-    _unsupported(body, "modalities", lambda v: v == ["text"], "text only")
-    params = _sampling(body, max_tokens=max_tokens, logprobs=logprobs)
-    # tools / tool_choice / response_format constrain the output (kimi_jax.engine.structured)
-    from kimi_jax.engine.structured import StructuredOutputError, from_openai
-    try:
-        constraint = from_openai(body.get("response_format"), tools, body.get("tool_choice"))
-    except StructuredOutputError as e:
-        msg = str(e)
-        field = next((f for f in ("response_format", "tool_choice", "tools") if msg.startswith(f)), "tools")
-        raise ProtocolError(msg, field) from None
-    if constraint is not None:
-        params = dataclasses.replace(params, structured_outputs=constraint)
-    return GenerationRequest("chat", params=params, messages=msgs, logprobs=logprobs,
-                             add_generation_prompt=_bool(body, "add_generation_prompt", True),
-                             tools=tools or None, **common)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    _refuse_unless(req, "modalities", lambda v: v == ["text"], "text only")
+    so, field = _constraint(req, req.tools, req.tool_choice, req.parallel_tool_calls)
+    params = _sampling(req, "chat", max_tokens=max_tokens, logprobs=logprobs, structured=so)
+    add_gp = req.add_generation_prompt if req.add_generation_prompt is not None else True
+    return GenerationRequest("chat", params=params, messages=req.messages, logprobs=logprobs,
+                             add_generation_prompt=add_gp, tools=req.tools or None, constraint_field=field,
+                             ignored=ignored, **common)
+
+
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def request_error(g: Optional[GenerationRequest], e: Exception, default: str) -> ProtocolError:
+    """An engine's RequestError as a 400 naming its grammar's field, its parameter, else `default`."""
+    msg = " ".join(str(e).split())
+    if g is not None and msg.startswith("structured_outputs"):
+        return g.constraint_error(msg)
+    field = getattr(e, "field", None) or next((f for f in _SAMPLING_FIELDS if msg.startswith(f + " ")), None)
+    return ProtocolError(msg, field or default)
 
 
 def check_context(n_prompt: int, max_tokens: Optional[int], limit: int, kind: str) -> None:
@@ -382,8 +519,18 @@ def with_tool_calls(c: Choice, tokenizer) -> Choice:
     from kimi_jax.text.tool_parser import parse_output, tool_finish_reason
     parsed = parse_output(c.token_ids, tokenizer)
     c.text, c.tool_calls = parsed.content, parsed.tool_calls or None
-    c.finish_reason = tool_finish_reason(c.finish_reason, bool(parsed.tool_calls))
+    c.finish_reason = tool_finish_reason(c.finish_reason, calls_complete(parsed.tool_calls))
     return c
+
+
+def calls_complete(tool_calls: Optional[list]) -> bool:
+    """Some calls, each with arguments that are a complete JSON object (else not "tool_calls")."""
+    def complete(call) -> bool:
+        try:
+            return isinstance(json.loads(call["function"]["arguments"]), dict)
+        except (ValueError, TypeError, KeyError):
+            return False
+    return bool(tool_calls) and all(complete(c) for c in tool_calls)
 
 
 def chat_response(rid: str, created: int, model: str, choices: list, usage_: dict, tokenizer=None,

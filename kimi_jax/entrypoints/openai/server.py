@@ -1,22 +1,24 @@
 """An OpenAI-compatible HTTP server over AsyncLLM (aiohttp).
 
-aiohttp rather than FastAPI / uvicorn / pydantic: the GPU machines have aiohttp and not those; the
-request model is kimi_jax.entrypoints.openai.protocol (plain dicts, checked by hand).
+aiohttp rather than FastAPI / uvicorn: the GPU machines have aiohttp and not those; the request
+models are kimi_jax.entrypoints.openai.protocol's (pydantic).
 
-  GET  /v1/models                 the served model
+  GET  /v1/models, /v1/models/ID  the served model
   POST /v1/completions            prompt(s) -> text, streamed as SSE with "stream": true
   POST /v1/chat/completions       messages -> reply (the checkpoint's chat template, as LLM.chat)
   POST /tokenize, /detokenize     {"prompt" | "messages"} -> token ids; {"tokens"} -> text
   GET  /health                    200 once the model is loaded and a warm-up request has run
   GET  /metrics                   Prometheus text (kimi_jax.entrypoints.openai.metrics)
+  GET  /version                   {"version": kimi_jax's version}
 
 Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: bad input (a field, a
 prompt longer than the context, beyond the intake Limits) 400, a body beyond them 413, unknown model
-404, a missing or wrong API key 401 (on /v1/*, /tokenize, /detokenize; /metrics when
+404, a missing or wrong API key 401 (with a key set, on every route but OPEN_ROUTES; /metrics too when
 metrics_need_key), more than max_queue waiting 429 with Retry-After, shutting down 503. Intake
 (parsing, tokenizing, request building) runs on a thread pool, off the event loop. A client that
-disconnects has its requests aborted. `serve` stops admitting on SIGTERM / SIGINT, gives in-flight
-requests a grace period, aborts the rest, closes every connection and returns.
+disconnects has its requests aborted. Each request is logged at INFO (`access_log`): id, route, status,
+prompt / output tokens, time to first token and total. `serve` stops admitting on SIGTERM / SIGINT, gives
+in-flight requests a grace period, aborts the rest, closes every connection and returns.
 """
 from __future__ import annotations
 
@@ -48,6 +50,10 @@ CLOSE_S = 2.0                         # after the grace period: handlers unwind,
 class ListenError(OSError):
     """The server could not bind its address."""
 
+OPEN_ROUTES = ("/health", "/metrics", "/version")       # answered without the API key
+# the access log's fields of a request (its id, tokens, time to first token)
+INFO = web.RequestKey("kimi_access", dict) if hasattr(web, "RequestKey") else "kimi_access"
+
 
 class _Aborted(Exception):
     """An engine request of a response was aborted; the message is what the client is told."""
@@ -63,8 +69,9 @@ class OpenAIServer:
 
     def __init__(self, llm, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
                  max_queue: Optional[int] = None, limits: Optional[intake.Limits] = None,
-                 metrics_need_key: bool = False):
+                 metrics_need_key: bool = False, access_log: bool = True):
         self.llm = llm
+        self.access_log = access_log
         self.tokenizer = llm.tokenizer
         self.model_name = served_model_name or llm.model_path or "kimi-jax"
         self.api_key = api_key or None
@@ -121,14 +128,34 @@ class OpenAIServer:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=self.limits.max_body_bytes)
-        app.add_routes([web.get("/v1/models", self.models), web.post("/v1/completions", self.completions),
+        app = web.Application(middlewares=[self._access, self._errors, self._auth],
+                              client_max_size=self.limits.max_body_bytes)
+        app.add_routes([web.get("/v1/models", self.models), web.get("/v1/models/{model:.+}", self.model),
+                        web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat), web.post("/tokenize", self.tokenize),
                         web.post("/detokenize", self.detokenize), web.get("/health", self.health),
-                        web.get("/metrics", self.metrics_endpoint)])
+                        web.get("/metrics", self.metrics_endpoint), web.get("/version", self.version)])
         return app
 
     # ---- middlewares ----------------------------------------------------------------------------
+    @web.middleware
+    async def _access(self, request, handler):
+        """One INFO line per request: id, route, status, tokens, time to first token, total."""
+        t0 = time.perf_counter()
+        request[INFO] = info = {}
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        finally:
+            if self.access_log:
+                ttft = info.get("ttft")
+                log.info("%s %s %s %d prompt_tokens=%s output_tokens=%s ttft=%s total=%.3fs",
+                         info.get("id", "-"), request.method, request.path, status, info.get("prompt_tokens", "-"),
+                         info.get("output_tokens", "-"), "-" if ttft is None else f"{ttft:.3f}s",
+                         time.perf_counter() - t0)
+
     @web.middleware
     async def _errors(self, request, handler):
         try:
@@ -159,8 +186,8 @@ class OpenAIServer:
 
     @web.middleware
     async def _auth(self, request, handler):
-        guarded = ("/v1/", "/tokenize", "/detokenize") + (("/metrics",) if self.metrics_need_key else ())
-        if self.api_key and request.path.startswith(guarded):
+        open_routes = tuple(r for r in OPEN_ROUTES if not (r == "/metrics" and self.metrics_need_key))
+        if self.api_key and request.path not in open_routes:
             got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(got, f"Bearer {self.api_key}".encode()):
                 return _error(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
@@ -176,10 +203,20 @@ class OpenAIServer:
     async def metrics_endpoint(self, request):
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "kimi_jax",
+                "root": self.llm.model_path or self.model_name, "max_model_len": self.llm.max_model_len}
+
     async def models(self, request):
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "kimi_jax",
-             "max_model_len": self.llm.max_model_len}]})
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request):
+        P.check_model(request.match_info["model"], [self.model_name])
+        return web.json_response(self._model_card())
+
+    async def version(self, request):
+        from kimi_jax import __version__
+        return web.json_response({"version": __version__})
 
     async def _json(self, request):
         return self._loads(await request.read())
@@ -214,7 +251,10 @@ class OpenAIServer:
         if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
             raise P.ProtocolError("the body needs exactly one of 'prompt' or 'messages'")
         if "messages" in body:
-            ids = self._chat_ids(body["messages"], P._bool(body, "add_generation_prompt", True))
+            agp = body.get("add_generation_prompt", True)
+            if not isinstance(agp, bool):
+                raise P.ProtocolError(f"'add_generation_prompt' must be a boolean, got {agp!r}", "add_generation_prompt")
+            ids = self._chat_ids(body["messages"], agp)
         else:
             if not isinstance(body["prompt"], str):
                 raise P.ProtocolError("'prompt' must be a string", "prompt")
@@ -289,7 +329,7 @@ class OpenAIServer:
                     r = self.engine.make_request(f"{rid}-{i}-{j}", ids, g.params, seed=P.choice_seed(g.params.seed, j),
                                                  prompt=text)
                 except RequestError as e:
-                    raise P.ProtocolError(str(e), field) from None
+                    raise P.request_error(g, e, field) from None
                 out.append((i * g.n + j, r))
         return out
 
@@ -299,6 +339,7 @@ class OpenAIServer:
             return _error(503, "the server is shutting down" if self.draining else "the server is starting",
                           "server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
         g, rid, reqs = await self._off_loop(self._intake, raw, parse)
+        request[INFO]["id"] = rid
         if self.draining:
             return _error(503, "the server is shutting down", "server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
         queue: asyncio.Queue = asyncio.Queue()
@@ -319,8 +360,10 @@ class OpenAIServer:
         try:
             if g.stream:
                 return await self._stream(request, g, rid, reqs, queue)
-            return await self._collect(g, rid, reqs, queue)
+            return await self._collect(g, rid, reqs, queue, request[INFO])
         finally:
+            request[INFO].update(prompt_tokens=sum(len(r.prompt_ids) for k, r in reqs if k % g.n == 0),
+                                   output_tokens=sum(len(r.output_ids) for _, r in reqs))
             for _, r in reqs:
                 if r.finish_reason is None:
                     self.engine.abort(r.request_id)
@@ -335,12 +378,14 @@ class OpenAIServer:
         if d.finished and d.request is not None and d.request.finish_reason != "abort":
             self.metrics.finished(d.request)
 
-    async def _deltas(self, reqs, queue):
+    async def _deltas(self, reqs, queue, info: Optional[dict] = None):
         """The engine's deltas for `reqs` ((choice index, engine request) pairs) as they arrive on
         `queue`, as (choice index, engine request, delta), until every request has finished. Each delta
         is counted in the metrics (a request's prompt tokens with its first tokens); an aborted request
-        (an engine error, or the server shutting down) raises _Aborted with the message to send."""
+        (an engine error, or the server shutting down) raises _Aborted with the message to send. info:
+        gets "ttft", seconds to the first token."""
         index = {r.request_id: (k, r) for k, r in reqs}
+        t0 = time.perf_counter()
         started, left = set(), len(reqs)
         while left:
             d = await queue.get()
@@ -348,15 +393,17 @@ class OpenAIServer:
             self._count(d, len(r.prompt_ids), d.request_id not in started)
             if d.token_ids:
                 started.add(d.request_id)
+                if info is not None and "ttft" not in info:
+                    info["ttft"] = time.perf_counter() - t0
             if d.error is not None or (d.finished and r.finish_reason == "abort"):
                 raise _Aborted(f"request aborted: {d.error or 'the server is shutting down'}")
             left -= bool(d.finished)
             yield k, r, d
 
-    async def _collect(self, g, rid, reqs, queue):
+    async def _collect(self, g, rid, reqs, queue, info=None):
         done = {}
         try:
-            async for k, r, d in self._deltas(reqs, queue):
+            async for k, r, d in self._deltas(reqs, queue, info):
                 if d.finished:
                     out = self.llm.to_output(r).outputs[0]
                     done[k] = P.Choice(k, out.text or "", out.token_ids, out.finish_reason, out.stop_reason,
@@ -390,7 +437,7 @@ class OpenAIServer:
                 await send(P.chat_chunk(rid, created, self.model_name, P.Choice(k, "", []), first=True,
                                         with_usage=g.include_usage))
         try:
-            async for k, r, d in self._deltas(reqs, queue):
+            async for k, r, d in self._deltas(reqs, queue, request[INFO]):
                 ts = streams[d.request_id]
                 c = P.Choice(k, "", d.token_ids, logprobs=d.logprobs if g.logprobs is not None else None)
                 if calls is not None:
@@ -401,7 +448,8 @@ class OpenAIServer:
                         delta.content += tail.content
                         delta.tool_calls += tail.tool_calls
                         out = self.llm.to_output(r).outputs[0]
-                        c.finish_reason = tool_finish_reason(out.finish_reason, bool(parser.result().tool_calls))
+                        complete = P.calls_complete(parser.result().tool_calls)
+                        c.finish_reason = tool_finish_reason(out.finish_reason, complete)
                         c.stop_reason = out.stop_reason
                     c.text, c.tool_calls = delta.content, delta.tool_calls or None
                     if not d.finished and not delta and c.logprobs is None:
