@@ -1,7 +1,5 @@
-"""The model's ops, each with an 'xla' and (where one exists) a 'pallas' implementation, chosen by the
-caller's `ExecPlan` (`plan=`; default `ExecPlan.for_backend()`). The only module that imports
-`pallas_kernels`. Routed experts: ExpertWeights(gate [E, F, D], up [E, F, D], down [E, D, F]), bf16 or
-Int4Weight(packed int32 [E, F, D/8], scale [E, F, D/g])."""
+"""The model's ops, each with an 'xla' and (where one exists) a 'pallas' implementation chosen by the
+caller's `ExecPlan` (`plan=`; default `ExecPlan.for_backend()`). The only module that imports `pallas_kernels`."""
 from __future__ import annotations
 
 import dataclasses
@@ -56,8 +54,7 @@ def dequantize(w: Weight, dtype) -> jax.Array:
 
 
 def linear(x: jax.Array, w: Weight, *, plan: Optional[ExecPlan] = None) -> jax.Array:
-    """y[..., out] = x[..., in] @ w[out, in]^T (HF Linear layout), float32 accumulation. plan: an INT4 weight
-    runs the Pallas kernel under impl='pallas' (a bf16 weight is one XLA dot either way)."""
+    """y[..., out] = x[..., in] @ w[out, in]^T (HF Linear layout); an INT4 weight runs Pallas under impl='pallas'."""
     if isinstance(w, Int4Weight) and default_plan(plan).pallas:
         from pallas_kernels.int4 import matmul as int4_matmul
         lead = x.shape[:-1]
@@ -71,10 +68,7 @@ def linear(x: jax.Array, w: Weight, *, plan: Optional[ExecPlan] = None) -> jax.A
 def routed_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array, experts: ExpertWeights,
                    *, plan: Optional[ExecPlan] = None, parallel=None, layer=None) -> jax.Array:
     """sum_k weight[t, k] * down(silu(gate(x_t)) * up(x_t)) over the experts idx[t, k] -> [T, D] in x's dtype.
-
-    x_TD [T, D], idx_TK [T, K] int32, weight_TK [T, K] float32. parallel: sharded inside shard_map. layer:
-    the weights are a stack [L, E, ...] and this runs layer `layer` without copying it out. The pallas path
-    never reads an expert that receives no token."""
+    idx_TK int32, weight_TK float32; layer: index into weights stacked [L, E, ...], read in place."""
     pallas = default_plan(plan).pallas
     if parallel is not None:
         return _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts, parallel, pallas, layer)
@@ -82,20 +76,19 @@ def routed_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array, exp
 
 
 def _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts: ExpertWeights, par, pallas: bool, layer):
-    """Each device runs the experts (or expert slices) it holds on the tokens of its data-parallel
-    group, then partial sums are reduced. Tokens whose expert lives elsewhere get weight 0 and an
-    out-of-range id (E_local), which both paths skip."""
+    """Each device runs its experts (or slices) on its data-parallel group's tokens; partial sums are reduced.
+    Pairs whose expert lives elsewhere get weight 0 and the out-of-range id E_local."""
     from jax.sharding import PartitionSpec as P
-    size1 = {a for a in par.mesh.axis_names if par.mesh.shape[a] == 1}     # nothing to exchange there
+    size1 = {a for a in par.mesh.axis_names if par.mesh.shape[a] == 1}
     reduce_axes = tuple(a for a in dict.fromkeys(par.experts + par.expert_mlp) if a not in size1)
     gather = tuple(a for a in par.batch if a in reduce_axes)     # tokens must meet every expert shard
     psum_axes = tuple(a for a in reduce_axes if a not in gather)
     batch = par.batch or None
 
-    lead = 0 if layer is None else 1          # a layer-stacked weight has the layer axis first
-    ep_degree = int(np.prod([par.mesh.shape[a] for a in par.experts]))   # each device holds 1/ep of the pairs
+    lead = 0 if layer is None else 1
+    ep_degree = int(np.prod([par.mesh.shape[a] for a in par.experts]))
 
-    def spec_of(w, mlp_dim):  # expert dim 0; FFN width at mlp_dim (packed/scale share the layout)
+    def spec_of(w, mlp_dim):
         dims = [None] * w.ndim
         dims[lead] = par.experts or None
         if par.expert_mlp:
@@ -132,7 +125,7 @@ def _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts: ExpertWeights, par
         return y
 
     args, specs = (x_TD, idx_TK, weight_TK, experts), (P(batch, None), P(batch, None), P(batch, None), w_specs)
-    if layer is not None:                     # the layer index rides along, replicated
+    if layer is not None:
         args, specs = args + (jnp.asarray(layer, jnp.int32),), specs + (P(),)
     return shard_map(local, par.mesh, in_specs=specs, out_specs=P(batch, None))(*args)
 
@@ -145,12 +138,11 @@ def _routed_experts_local(x_TD, idx_TK, weight_TK, experts: ExpertWeights, palla
             n_layers, E = _leading(experts.gate)
             experts = jax.tree.map(lambda a: a.reshape(n_layers * E, *a.shape[2:]), experts)
             idx_TK = jnp.where((idx_TK >= 0) & (idx_TK < E), idx_TK + layer * E, n_layers * E)
-        else:        # the XLA path reads the layer's slice (XLA fuses the dynamic slice into its users)
+        else:
             experts = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), experts)
     if pallas:
         from pallas_kernels.int4 import moe_gmm
         g, u, d = experts.gate, experts.up, experts.down
-        # W4A16: bf16 in and out (f32 inside); pairs whose expert is on another device (id E_local) skip
         y = moe_gmm.moe_experts(x_TD.astype(jnp.bfloat16), idx_TK, weight_TK, g.packed, g.scale, u.packed,
                                 u.scale, d.packed, d.scale, held_share=held_share)
         return y.astype(x_TD.dtype)
@@ -166,17 +158,17 @@ def _routed_experts_xla(x_TD, idx_TK, weight_TK, experts: ExpertWeights):
     flat_e = idx_TK.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)
     token_of = order // K
-    x_sorted = x_TD[token_of]                                          # [T*K, D]
-    group_sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)    # [E]
+    x_sorted = x_TD[token_of]
+    group_sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
 
     def gmm(lhs, w):  # lhs [T*K, in], w [E, out, in] -> [T*K, out]
-        wd = jnp.swapaxes(dequantize(w, dtype), 1, 2)                  # [E, in, out]
+        wd = jnp.swapaxes(dequantize(w, dtype), 1, 2)
         return jax.lax.ragged_dot(lhs, wd, group_sizes, preferred_element_type=jnp.float32)
 
     gate = gmm(x_sorted, experts.gate)
     up = gmm(x_sorted, experts.up)
     h = (jax.nn.silu(gate) * up).astype(dtype)
-    y_sorted = gmm(h, experts.down)                                    # [T*K, D] float32
+    y_sorted = gmm(h, experts.down)
     w_sorted = weight_TK.reshape(-1)[order].astype(jnp.float32)
     w_sorted = jnp.where(flat_e[order] < E, w_sorted, 0.0)
     y_sorted = jnp.where((flat_e[order] < E)[:, None], y_sorted, 0.0)
@@ -193,11 +185,8 @@ def _num_experts(w: Weight, stacked: bool = False) -> int:
 
 
 def page_split(parallel) -> tuple[str, ...]:
-    """Mesh axes a paged pool's page axis is split over: the batch's (data-parallel) axes when they span
-    more than one device, else () (the pool is whole on every device, as under tensor parallelism).
-    With a split, each data-parallel rank holds the pages of its own batch rows only (rows are split
-    over the same axes in contiguous blocks) and block tables hold page ids LOCAL to the row's rank
-    (kimi_jax.engine.scheduler allocates them from the rank's partition)."""
+    """Mesh axes a paged pool's page axis is split over: the batch axes when they span > 1 device, else ().
+    Each rank then holds its own rows' pages and block tables hold page ids LOCAL to the row's rank."""
     if parallel is None:
         return ()
     axes = tuple(parallel.batch)
@@ -205,9 +194,7 @@ def page_split(parallel) -> tuple[str, ...]:
 
 
 def _layer_pages(pool_LXpC: jax.Array, block_table_BP: jax.Array, layer):
-    """One layer's view of a stacked pool [L, X, page, C]: the pool flattened to [L * X, page, C] (a
-    bitcast) and the page ids offset by layer * X. Under a page split this runs per shard, X the
-    shard's own page count (ids are local)."""
+    """(pool [L, X, page, C] flattened to [L * X, page, C], page ids offset by layer * X)."""
     L, X = pool_LXpC.shape[:2]
     return pool_LXpC.reshape(L * X, *pool_LXpC.shape[2:]), block_table_BP + layer * X
 
@@ -230,10 +217,8 @@ def per_page_shard(f, parallel, in_specs, out_specs):
 
 
 def gather_pages(pool: jax.Array, block_table_BP: jax.Array, *, layer=None, parallel=None) -> jax.Array:
-    """The pages of each sequence in position order -> [B, P * page, C]. pool: [X, page, C] with
-    page ids into it (layer None), or a layer stack [L, X, page, C] with this layer's index and ids
-    into the layer's X pages. parallel: a page-split pool (`page_split`) is gathered per shard, each
-    rank reading its own rows' pages with local ids (the pool never moves)."""
+    """The pages of each sequence in position order -> [B, P * page, C]. pool: [X, page, C], or a stack
+    [L, X, page, C] with `layer`; a page-split pool (`page_split`) is gathered per shard, in place."""
     pool_LXpC, layer = _stacked(pool, layer)
 
     def gather(pool_LXpC, table, layer):
@@ -249,10 +234,8 @@ def gather_pages(pool: jax.Array, block_table_BP: jax.Array, *, layer=None, para
 
 def mla_decode_kernel(rows: int, A: int, R: int, page: int, dtype, *, batch: int = 64,
                       context: int = 1 << 17, plan: Optional[ExecPlan] = None) -> str:
-    """The paged decode kernel for `rows` = T * N query rows per sequence: 'mgpu' where its 64-row wgmma
-    tiles fill (bf16, A % 256 == 0, R == 64, a page of 8 / 16 / 32 or a multiple of 64), on a Hopper, with
-    tables of >= 16K tokens per row or >= 32K in the batch (its fixed cost; BENCHMARKS.md "MLA decode
-    attention"), else 'triton'; the plan's forced kernel wins."""
+    """'mgpu' or 'triton' for `rows` = T * N query rows per sequence: mgpu where its tiles fill, on Hopper, with
+    >= 16K tokens per row or >= 32K per batch (BENCHMARKS.md "MLA decode attention"); a forced plan wins."""
     plan = default_plan(plan)
     if plan.mla_decode_kernel != "auto":
         return plan.mla_decode_kernel
@@ -266,11 +249,8 @@ def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: ja
                         block_table_BP: jax.Array, positions_BT: jax.Array, scale: float, *,
                         plan: Optional[ExecPlan] = None, parallel=None, layer=None) -> jax.Array:
     """Absorbed MLA over a paged latent cache plus the step's new tokens -> o_lat [B, T, N, A].
-
-    q_lat [B, T, N, A] (W_UK^T q), q_pe [B, T, N, R] (rotated); new_BTC: the new tokens' [c | k^R], not yet in
-    the pool; pool_XpC [X, page, C] (or with `layer`, the stack [L, X, page, C]) read through block_table_BP;
-    positions_BT: the new tokens' positions (< 0: padding). Row b sees its cached [0, positions[b, 0]) and
-    new tokens t' <= t. parallel: per device shard; plan: the kernel, its schedule and thresholds."""
+    q_lat = W_UK^T q; new_BTC: the new tokens' [c | k^R], not in the pool; pool as `gather_pages`;
+    positions_BT < 0 is padding. Row b sees cached [0, positions[b, 0]) and new tokens t' <= t."""
     plan = default_plan(plan)
     A, R = q_lat_BTNA.shape[-1], q_pe_BTNR.shape[-1]
     kernel_fits = all(v >= 16 and not v & (v - 1) for v in (A, R))   # the kernel's tiles: powers of two >= 16
@@ -280,9 +260,9 @@ def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: ja
 
         def kernel(q_lat, q_pe, new, pool_LXpC, table, positions, layer):
             flat, table = _layer_pages(pool_LXpC, table, layer)
-            B, T, N, _ = q_lat.shape          # this device's shard under shard_map
+            B, T, N, _ = q_lat.shape
             page = flat.shape[1]
-            same = flat.dtype == q_lat.dtype == new.dtype       # the mgpu kernel takes bf16 throughout
+            same = flat.dtype == q_lat.dtype == new.dtype
             thresholds = dict(combine_xla_max_macs=plan.combine_xla_max_macs,
                               one_new_token_elementwise=plan.one_new_token_elementwise)
             if same and mla_decode_kernel(T * N, A, R, page, q_lat.dtype, batch=B,
@@ -297,7 +277,6 @@ def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: ja
                                                   **thresholds)
 
         if parallel is not None and parallel.mesh.size > 1:
-            # opaque to XLA's partitioner: run per shard (rows like the batch, heads like the weights)
             from jax.sharding import PartitionSpec as P
             b, h = parallel.batch or None, parallel.heads or None
             split = page_split(parallel) or None
@@ -313,10 +292,8 @@ def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: ja
 
 def paged_keys(pool: jax.Array, block_table_BP: jax.Array, new_BTC: jax.Array, positions_BT: jax.Array, *,
                layer=None, parallel=None):
-    """Keys of paged attention, (keys [B, P * page + T, C] in new_BTC's dtype, mask [B, T, P * page + T]):
-    each row's cached pages in position order followed by the step's new tokens. Row b's cached tokens
-    are positions [0, positions[b, 0]); new token t sees new tokens t' <= t (positions < 0: padding).
-    pool, layer, parallel: as `gather_pages`."""
+    """(keys [B, P * page + T, C] in new_BTC's dtype, mask [B, T, P * page + T]): cached pages, then the new
+    tokens; masks as `mla_paged_attention`; pool, layer, parallel as `gather_pages`."""
     old_BSC = gather_pages(pool, block_table_BP, layer=layer, parallel=parallel)
     S = old_BSC.shape[1]
     old_mask_BTS = jnp.broadcast_to((jnp.arange(S)[None, :] < positions_BT[:, :1])[:, None, :],

@@ -1,6 +1,4 @@
-"""ExecPlan: every execution choice of the model's ops in one frozen, hashable value, a static argument
-of each jitted step (a different plan is a different compiled step). Force a path in tests with
-`dataclasses.replace(plan, impl="xla")`."""
+"""ExecPlan: every execution choice of the model's ops in one frozen, hashable value (a static argument)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,25 +11,15 @@ MLA_DECODE_KERNELS = ("auto", "triton", "mgpu")
 MLA_SCHEDULES = ("rows", "balanced")
 LAYER_LOOPS = ("scan", "unroll")
 LAYER_WEIGHTS = ("stacked", "per_layer")
-# fresh causal prefill: XLA einsums, or one jax.nn.dot_product_attention call by that implementation
 PREFILL_ATTENTION_CHOICES = ("einsum", "cudnn", "xla")
-# chunks after cached tokens also: two unmasked calls merged by log-sum-exp (ops.prefill_attention)
 CHUNK_ATTENTION_CHOICES = PREFILL_ATTENTION_CHOICES + ("cudnn_split", "xla_split")
 
 
 @dataclasses.dataclass(frozen=True)
 class ExecPlan:
-    """How the ops run; the defaults are the portable plan, `for_backend()` this machine's.
-
-    impl: 'xla' or 'pallas' (the GPU kernels; on CPU their interpreters). mla_decode_kernel: 'triton',
-    'mgpu' or 'auto' (`ops.mla_decode_kernel`, which reads `hopper`). mla_schedule: 'rows', 'balanced' or
-    None (the engine picks per step, `mla_schedule_for`). prefill_attention / chunk_attention: the
-    CHOICES above or 'auto'. layer_loop: 'scan' or 'unroll' (static slices; BENCHMARKS.md "Engine decode
-    step"). layer_weights: under 'unroll', 'per_layer' holds each layer's non-expert weights as arrays of
-    their own (kimi_jax.model.layer_weights: one autotuned fusion per shape; BENCHMARKS.md "Compile time
-    and per-layer weights") or 'stacked'. combine_xla_max_macs: the balanced merge's XLA / Pallas threshold.
-    one_new_token_elementwise: merge a decode step's one new token elementwise (off only to time both).
-    """
+    """How the ops run; the defaults are the portable plan, `for_backend()` this machine's. mla_schedule None:
+    the engine picks per step; layer_weights 'per_layer' (under 'unroll'): each layer's non-expert weights
+    as arrays of their own (BENCHMARKS.md "Compile time and per-layer weights")."""
     impl: str = "xla"
     mla_decode_kernel: str = "auto"
     hopper: bool = False
@@ -67,9 +55,8 @@ class ExecPlan:
     @classmethod
     def for_backend(cls, backend: Optional[str] = None, *, hopper: Optional[bool] = None,
                     **options) -> "ExecPlan":
-        """The plan for `backend` (default jax.default_backend()); `options` are fields, impl and
-        layer_loop and layer_weights also None / 'auto' ('pallas', 'unroll' and 'per_layer' on GPU, else
-        'xla', 'scan' and 'stacked'; 'per_layer' only under 'unroll')."""
+        """The plan for `backend` (default jax.default_backend()); `options` are fields, where None / 'auto'
+        means 'pallas', 'unroll', 'per_layer' on GPU and 'xla', 'scan', 'stacked' elsewhere."""
         unknown = set(options) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise TypeError(f"ExecPlan.for_backend: unknown option(s) {sorted(unknown)}")

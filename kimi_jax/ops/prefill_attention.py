@@ -1,7 +1,5 @@
-"""Expanded-form (prefill) MLA attention: XLA einsums, cuDNN flash attention (jax.nn.dot_product_attention)
-for fresh causal prefills, and for chunks after cached tokens the masked call or two unmasked calls
-merged by log-sum-exp (cuDNN's top-left causal mask cannot express a cached prefix per row). Timings:
-BENCHMARKS.md "MLA prefill attention through cuDNN"."""
+"""Expanded-form (prefill) MLA attention: XLA einsums or cuDNN flash attention, masked or split in two calls
+merged by log-sum-exp. BENCHMARKS.md "MLA prefill attention through cuDNN"."""
 from __future__ import annotations
 
 import functools
@@ -16,15 +14,13 @@ from kimi_jax.ops.plan import CHUNK_ATTENTION_CHOICES, PREFILL_ATTENTION_CHOICES
 
 
 def cudnn_attention_fits(qk_dim: int, v_dim: int, dtype) -> bool:
-    """Shapes cuDNN flash attention takes after v is padded to the qk head dim: bf16 / fp16, head dim a
-    multiple of 8 and <= 256."""
+    """Whether cuDNN flash attention takes these head dims (v padded to qk_dim) and dtype."""
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and qk_dim % 8 == 0 and qk_dim <= 256 and v_dim <= qk_dim)
 
 
 def prefill_attention_path(qk_dim: int, v_dim: int, dtype, *, causal: bool, plan: Optional[ExecPlan] = None) -> str:
-    """The path mla_prefill_attention takes (static): the plan's forced choice, else 'cudnn' (fresh causal)
-    or 'cudnn_split' (after cached tokens) under impl='pallas' where cuDNN fits, else 'einsum'."""
+    """The path mla_prefill_attention takes (static): forced, 'cudnn' / 'cudnn_split' or 'einsum'."""
     plan = default_plan(plan)
     forced = plan.prefill_attention if causal else plan.chunk_attention
     if forced != "auto":
@@ -48,26 +44,20 @@ def _masked_dot_product_attention(q_BTNW, k_BSNW, v_BSNW, mask_BTS, scale, imple
 
 @functools.cache
 def _warn_fallback(path: str, error: str) -> None:
-    """Log one warning per (path, error): the same fallback meets every layer and every compiled step."""
+    """Log one warning per (path, error)."""
     logging.getLogger(__name__).warning("prefill attention: %s path unavailable (%s); falling back", path, error)
 
 
 def mla_prefill_attention(q_nope_BTNH: jax.Array, q_pe_BTNR: jax.Array, k_BSNH: jax.Array, kpe_BSR: jax.Array,
                           v_BSNU: jax.Array, mask_BTS: jax.Array, scale: float, *, causal: bool = False,
                           plan: Optional[ExecPlan] = None, parallel=None, chunk_lens=None) -> jax.Array:
-    """Expanded-form MLA attention -> o [B, T, N, U] float32: softmax((q_nope . k + q_pe . kpe) * scale) . v
-    over the keys mask[b, t, s] allows; q_nope [B, T, N, H], q_pe [B, T, N, R], k [B, S, N, H], kpe [B, S, R],
-    v [B, S, N, U], mask [B, T, S].
-
-    causal (static): a fresh prefill (S == T, real tokens first, mask exactly s <= t): the causal call's
-    outputs equal the masked ones for real tokens. Otherwise the path is
-    `prefill_attention_path(causal=False)`'s; chunk_lens (cached [B], new [B]) enables the split paths.
-    parallel: an MoEParallel (the cuDNN call runs per device shard); plan: default `ExecPlan.for_backend()`."""
+    """softmax((q_nope . k + q_pe . kpe) * scale) . v over the keys mask [B, T, S] allows -> o [B, T, N, U] f32.
+    causal (static): a fresh prefill (S == T, mask s <= t); chunk_lens (cached [B], new [B]) enables split."""
     H, R, U = q_nope_BTNH.shape[-1], q_pe_BTNR.shape[-1], v_BSNU.shape[-1]
     dtype = q_nope_BTNH.dtype
     fresh = causal and k_BSNH.shape[1] == q_nope_BTNH.shape[1]
     path = prefill_attention_path(H + R, U, dtype, causal=fresh, plan=plan)
-    masked = path.removesuffix("_split")      # a split path falls back to the masked call (chunks only)
+    masked = path.removesuffix("_split")
     for p in ([path, masked] if path != masked and chunk_lens is not None else [masked]):
         if p == "einsum":
             break
@@ -76,7 +66,6 @@ def mla_prefill_attention(q_nope_BTNH: jax.Array, q_pe_BTNR: jax.Array, k_BSNH: 
                                               parallel, mask_BTS=None if fresh else mask_BTS,
                                               chunk_lens=chunk_lens if p.endswith("_split") else None)
         except (NotImplementedError, RuntimeError) as e:
-            # unavailable while tracing: the next path (split -> masked call -> einsums)
             _warn_fallback(p, f"{type(e).__name__}: {e}")
     return _mla_prefill_attention_einsum(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNU, mask_BTS, scale)
 
@@ -104,14 +93,13 @@ def _mla_prefill_attention_dpa(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNU, 
             o_BTNW = _split_attention(q_BTNW, k_BSNW, v_BSNW, *extra, scale, implementation.removesuffix("_split"))
         elif extra:
             m_BTS = extra[0]
-            m_BTS = m_BTS.at[:, :, 0].set(m_BTS[:, :, 0] | ~m_BTS.any(axis=-1))   # padding queries
+            m_BTS = m_BTS.at[:, :, 0].set(m_BTS[:, :, 0] | ~m_BTS.any(axis=-1))
             o_BTNW = _masked_dot_product_attention(q_BTNW, k_BSNW, v_BSNW, m_BTS, scale, implementation)
         else:
             o_BTNW = _dot_product_attention(q_BTNW, k_BSNW, v_BSNW, scale, implementation)
         return o_BTNW[..., :U].astype(jnp.float32)
 
     if parallel is not None and parallel.mesh.size > 1:
-        # per shard, as the decode kernel: the partitioner never gathers heads or rows around it
         from jax.sharding import PartitionSpec as P
         b, h = parallel.batch or None, parallel.heads or None
         extra_specs = (P(b),) * 2 if chunk_lens is not None else (P(b, None, None),) * len(extra)
@@ -123,25 +111,21 @@ def _mla_prefill_attention_dpa(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNU, 
 
 
 def _split_attention(q_BTNW, k_BSNW, v_BSNW, cached_B, new_B, scale, implementation):
-    """Attention of a chunk after cached tokens without a mask: keys = S - T cached slots (row b's first
-    cached[b] real), then the chunk's T tokens (its first new[b] real, attending causally). Two
-    attention calls, each returning its log-sum-exp: queries x cached keys (per-row key lengths) and
-    queries x chunk keys (causal, per-row lengths), merged as flash-decoding merges splits. Queries past
-    new[b] (padding) get 0. implementation: 'cudnn' (jax's cuDNN entry point with per-row lengths) or
-    'xla' (its CPU stand-in, jnp)."""
+    """A chunk after cached tokens, unmasked: keys = S - T cached slots (first cached[b] real), then the T chunk
+    tokens (first new[b] real, causal); two calls merged by log-sum-exp; padding queries get 0."""
     T = q_BTNW.shape[1]
     S0 = k_BSNW.shape[1] - T
     parts = attention_lse_cudnn if implementation == "cudnn" else _attention_lse_xla
-    if S0 == 0:                                                 # no cached slots at all: the chunk only
+    if S0 == 0:
         cached_B = jnp.zeros_like(cached_B)
-        pad = ((0, 0), (1, 0), (0, 0), (0, 0))                  # one slot no query sees
+        pad = ((0, 0), (1, 0), (0, 0), (0, 0))
         k_BSNW, v_BSNW, S0 = jnp.pad(k_BSNW, pad), jnp.pad(v_BSNW, pad), 1
     has_old = (cached_B > 0)[:, None, None]
-    new_len = jnp.maximum(new_B, 1).astype(jnp.int32)          # no kernel meets a zero length
+    new_len = jnp.maximum(new_B, 1).astype(jnp.int32)
     o_old, lse_old = parts(q_BTNW, k_BSNW[:, :S0], v_BSNW[:, :S0], new_len,
                            jnp.maximum(cached_B, 1).astype(jnp.int32), scale, causal=False)
     o_new, lse_new = parts(q_BTNW, k_BSNW[:, S0:], v_BSNW[:, S0:], new_len, new_len, scale, causal=True)
-    lse_old = jnp.where(has_old, lse_old, -jnp.inf)             # [B, T, N]
+    lse_old = jnp.where(has_old, lse_old, -jnp.inf)
     m = jnp.maximum(lse_old, lse_new)
     w_old, w_new = jnp.exp(lse_old - m), jnp.exp(lse_new - m)
     o_old = jnp.where(has_old[..., None], o_old.astype(jnp.float32), 0.0)
@@ -151,27 +135,26 @@ def _split_attention(q_BTNW, k_BSNW, v_BSNW, cached_B, new_B, scale, implementat
 
 
 def attention_lse_cudnn(q_BTNW, k_BSNW, v_BSNW, q_len_B, kv_len_B, scale, *, causal):
-    """cuDNN flash attention with per-row lengths, (o [B, T, N, W], log-sum-exp [B, T, N] float32), through
-    jax's cuDNN entry point: the public jax.nn.dot_product_attention returns the log-sum-exp rounded to
-    the inputs' dtype (bf16: merge weights off by up to ~3%)."""
+    """(o [B, T, N, W], log-sum-exp [B, T, N] float32) with per-row lengths, via jax's private cuDNN entry point
+    (the public one rounds the log-sum-exp to the inputs' dtype)."""
     from jax._src.cudnn import fused_attention_stablehlo as fa
     mask_type = fa.MaskType.PADDING_CAUSAL if causal else fa.MaskType.PADDING
     try:
         o, lse_BNT = fa.dot_product_attention(q_BTNW, k_BSNW, v_BSNW, q_seqlen=q_len_B, kv_seqlen=kv_len_B,
                                               scale=scale, mask_type=mask_type, return_residual=True)
-    except (TypeError, ValueError) as e:   # a JAX whose private signature differs, a shape this cuDNN
-        raise NotImplementedError(f"jax's cuDNN entry point: {e}") from e   # refuses: the caller falls back
+    except (TypeError, ValueError) as e:   # a differing private signature or a refused shape: caller falls back
+        raise NotImplementedError(f"jax's cuDNN entry point: {e}") from e
     return o, jnp.transpose(lse_BNT, (0, 2, 1)).astype(jnp.float32)
 
 
 def _attention_lse_xla(q_BTNW, k_BSNW, v_BSNW, q_len_B, kv_len_B, scale, *, causal):
     """The same in jnp (float32 scores): the CPU stand-in of attention_lse_cudnn."""
-    del q_len_B                       # rows past it are padding, zeroed by the caller
+    del q_len_B
     s_BNTS = einsum_f32("btnw,bsnw->bnts", q_BTNW, k_BSNW) * scale
     S, T = k_BSNW.shape[1], q_BTNW.shape[1]
-    see = jnp.arange(S)[None, None, :] < kv_len_B[:, None, None]                       # [B, 1, S]
+    see = jnp.arange(S)[None, None, :] < kv_len_B[:, None, None]
     if causal:
-        see = see & (jnp.arange(S)[None, None, :] <= jnp.arange(T)[None, :, None])     # [B, T, S]
+        see = see & (jnp.arange(S)[None, None, :] <= jnp.arange(T)[None, :, None])
     s_BNTS = jnp.where(see[:, None], s_BNTS, -jnp.inf)
     lse_BNT = jax.nn.logsumexp(s_BNTS, axis=-1)
     p_BNTS = jnp.exp(s_BNTS - lse_BNT[..., None]).astype(q_BTNW.dtype)
