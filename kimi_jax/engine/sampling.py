@@ -1,8 +1,4 @@
-"""Sampling parameters (vLLM's names) and the on-device sampler.
-
-Every request in a batch carries its own parameters; the sampler takes them as [B] arrays so one
-compiled step serves any mix of greedy and sampled requests.
-"""
+"""Sampling parameters (vLLM's names) and the on-device sampler, which takes them as [B] arrays."""
 from __future__ import annotations
 
 import dataclasses
@@ -39,7 +35,6 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     bad_words: Optional[list[str]] = None
-    # constrained decoding (kimi_jax.engine.structured): json / regex / choice / grammar / json_object
     structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self):
@@ -139,11 +134,11 @@ class SamplingParams:
 class SamplingArrays:
     """Per-row sampling parameters as device arrays [B]."""
     temperature: jax.Array
-    top_k: jax.Array        # int32; <= 0 means off
+    top_k: jax.Array        # int32; <= 0: off
     top_p: jax.Array
     min_p: jax.Array
-    key: jax.Array          # [B, 2] uint32 raw PRNG keys (one stream per request)
-    adjust: Optional[LogitsAdjust] = None   # logits adjustments (None: no row adjusts; static)
+    key: jax.Array          # [B, 2] uint32 raw PRNG keys
+    adjust: Optional[LogitsAdjust] = None   # None: no row adjusts (static)
 
     @staticmethod
     def build(params: Sequence[SamplingParams], seeds: Sequence[int], keys=None,
@@ -151,11 +146,9 @@ class SamplingArrays:
         """keys: precomputed key_data rows (see key_data_for_seed); else derived from seeds."""
         if keys is None:
             keys = np.stack([key_data_for_seed(s) for s in seeds])
-        # host (numpy) arrays: a jitted step takes them through its C++ fast path, several times cheaper
-        # per step than creating device arrays one by one here
+        # numpy: the jitted step's C++ fast path takes them cheaper than device arrays made here
         return SamplingArrays(
             temperature=np.asarray([p.temperature for p in params], np.float32),
-            # top_k at or above the vocabulary keeps every token: off (and int32-safe)
             top_k=np.asarray([p.top_k if 0 < p.top_k < 2 ** 31 else -1 for p in params], np.int32),
             top_p=np.asarray([p.top_p for p in params], np.float32),
             min_p=np.asarray([p.min_p for p in params], np.float32),
@@ -163,10 +156,8 @@ class SamplingArrays:
 
 
 def key_data_for_seed(seed: int, sample: Optional[int] = None) -> np.ndarray:
-    """The raw uint32 key of a request's random stream (computed once per request): the seed modulo
-    2^64 as (high, low) 32-bit words, which is `jax.random.PRNGKey(seed)` for 0 <= seed < 2^32 and keeps
-    every 64-bit seed distinct; sample: the index of one of a request's n samples (each its own
-    stream, derived from the one seed)."""
+    """Raw uint32 key [2] of a request's stream: seed mod 2^64 as (high, low) words (= PRNGKey(seed) for
+    0 <= seed < 2^32); sample: one of the request's n samples, each its own stream."""
     s = int(seed) % 2 ** 64
     key = np.asarray([s >> 32, s & 0xFFFFFFFF], np.uint32)
     if sample is not None:
@@ -175,8 +166,7 @@ def key_data_for_seed(seed: int, sample: Optional[int] = None) -> np.ndarray:
 
 
 def _filtered_sorted(logits_BV, sp: SamplingArrays):
-    """(order [B, V] descending, filtered logits in that order): temperature, then top-k, top-p and
-    min-p masks (-inf outside); the best token always survives."""
+    """(order [B, V] descending, logits in that order after temperature and top-k / top-p / min-p: -inf)."""
     logits = logits_BV.astype(jnp.float32)
     temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)
     scaled = logits / temp[:, None]
@@ -186,7 +176,7 @@ def _filtered_sorted(logits_BV, sp: SamplingArrays):
     rank = jnp.arange(logits.shape[-1])[None, :]
     keep = jnp.ones_like(sorted_logits, dtype=bool)
     keep &= (sp.top_k[:, None] <= 0) | (rank < sp.top_k[:, None])
-    cum_before = jnp.cumsum(probs, axis=-1) - probs                # mass of strictly better tokens
+    cum_before = jnp.cumsum(probs, axis=-1) - probs
     keep &= cum_before < sp.top_p[:, None]
     keep &= probs >= sp.min_p[:, None] * probs[:, :1]
     keep = keep.at[:, 0].set(True)
@@ -202,11 +192,8 @@ SAMPLE_MODES = ("greedy", "plain", "filtered")
 
 
 def sample_mode(sp: SamplingArrays) -> str:
-    """The cheapest `sample` path that serves every row of a host (numpy) SamplingArrays: 'greedy' (no
-    row samples), 'plain' (some rows sample, none filters), 'filtered' (some row uses top-k / top-p /
-    min-p). A static argument of the jitted step: deciding on the host avoids a device conditional,
-    which on a GPU makes the host wait for the device inside every step (it cannot enqueue the next
-    step ahead)."""
+    """The cheapest `sample` path for host SamplingArrays: 'greedy', 'plain' (no row filters) or 'filtered';
+    static, so the step needs no device conditional (which makes a GPU host wait every step)."""
     sampling, filters = _row_paths(*map(np.asarray, (sp.temperature, sp.top_k, sp.top_p, sp.min_p)))
     if not sampling.any():
         return "greedy"
@@ -214,19 +201,15 @@ def sample_mode(sp: SamplingArrays) -> str:
 
 
 def _row_paths(temperature, top_k, top_p, min_p):
-    """Per row: (samples at all, samples with a top-k / top-p / min-p filter). numpy or jax arrays."""
+    """Per row: (samples at all, samples with a top-k / top-p / min-p filter)."""
     sampling = temperature > 0
     return sampling, sampling & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
 
 
 def sample(logits_BV: jax.Array, sp: SamplingArrays, step_B: jax.Array, mode: Optional[str] = None) -> jax.Array:
-    """Next token per row [B] int32. temperature 0 -> argmax; else top-k / top-p / min-p filtered
-    sampling at that temperature, with the row's key folded with its step (reproducible per seed).
-
-    The vocabulary sort that filtering needs (a [B, V] argsort: 1.8 ms at B=64, V=163840 on an H200)
-    runs only when some row in the batch samples with a filter; a row's token depends only on its own
-    parameters and key, never on which path its batch mates needed. mode (static, see `sample_mode`)
-    picks the path at trace time; None decides on the device (lax.cond), for traced parameters."""
+    """Next token per row [B] int32: argmax at temperature 0, else filtered sampling with the row's key
+    folded with its step; the [B, V] sort runs only if some row filters (BENCHMARKS.md "Engine decode step").
+    mode: static (`sample_mode`), or None to decide on the device; a row's token never depends on it."""
     if mode is not None and mode not in SAMPLE_MODES:
         raise ValueError(f"unknown sample mode {mode!r}; expected one of {SAMPLE_MODES}")
     greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
@@ -234,7 +217,7 @@ def sample(logits_BV: jax.Array, sp: SamplingArrays, step_B: jax.Array, mode: Op
     temp = jnp.where(sampling, sp.temperature, 1.0)
     draw = jax.vmap(lambda k, s, row: jax.random.categorical(_row_key(k, s), row))
 
-    def plain(_):       # unfiltered sampling needs no sort
+    def plain(_):
         return draw(sp.key, step_B, logits_BV.astype(jnp.float32) / temp[:, None]).astype(jnp.int32)
 
     def filtered(_):
@@ -293,9 +276,8 @@ def verify_drafts(logits_BTV: jax.Array, drafts_BY: jax.Array, n_draft_B: jax.Ar
 
 
 def top_logprobs(logits_BV: jax.Array, tokens_B: jax.Array, n: int):
-    """log-softmax of the raw logits (vLLM's raw logprobs): (chosen token's logprob [...], its rank
-    [...] (1 + the tokens with a larger logprob), top-n ids [..., n], top-n values [..., n]); any
-    leading shape."""
+    """Raw log-softmax: (chosen token's logprob [...], its rank (1 = best) [...], top-n ids [..., n],
+    top-n values [..., n]); any leading shape."""
     lp = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(lp, tokens_B[..., None], axis=-1)[..., 0]
     rank = (lp > chosen[..., None]).sum(axis=-1).astype(jnp.int32) + 1
@@ -305,8 +287,7 @@ def top_logprobs(logits_BV: jax.Array, tokens_B: jax.Array, n: int):
 
 @dataclasses.dataclass
 class Logprob:
-    """vLLM's Logprob: a token's log-probability, its rank in the vocabulary (1: the most likely) and
-    its text (None without a tokenizer)."""
+    """vLLM's Logprob: log-probability, vocabulary rank (1: most likely), text (None without a tokenizer)."""
     logprob: float
     rank: Optional[int] = None
     decoded_token: Optional[str] = None

@@ -1,10 +1,5 @@
-"""Shape buckets: the padded sizes a step is compiled for."""
 from __future__ import annotations
 
-# The narrowest block table covers this many tokens: short sequences (a chat turn, a benchmark's
-# prompts, kimi-generate's 64 tokens) share one compiled program instead of compiling again each time
-# they cross 4 and 8 pages. Padding pages cost a gather on the XLA path; the GPU kernels read only
-# each row's own tokens.
 MIN_TABLE_TOKENS = 256
 
 
@@ -14,6 +9,5 @@ def bucket(n: int, minimum: int = 8) -> int:
 
 
 def table_bucket(pages: int, page_size: int) -> int:
-    """Block-table width for rows holding at most `pages` pages of `page_size` tokens: a power of two
-    covering at least MIN_TABLE_TOKENS tokens."""
+    """Block-table width for `pages` pages: a power of two covering >= MIN_TABLE_TOKENS (one width for short rows)."""
     return bucket(pages, max(4, -(-MIN_TABLE_TOKENS // page_size)))

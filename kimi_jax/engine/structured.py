@@ -1,25 +1,8 @@
-"""Constrained decoding: outputs valid by construction, through llguidance.
-
-A request's constraint is a `StructuredOutputsParams` (vLLM's names: ``json``, ``regex``, ``choice``,
-``grammar``, ``json_object``, ``structural_tag``), built directly or from the OpenAI fields
-(`from_openai`: ``response_format`` and ``tools`` + ``tool_choice``). JSON schemas are compiled by
-`prepare_schema`: objects that declare properties and say nothing of ``additionalProperties`` are
-closed (vLLM's ``disable_additional_properties``, on by default here); numbers are written in decimal
-within +-NUMBER_BOUND and integers within INTEGER_BOUNDS, so every one parses to a finite float. A
-grammar with no complete output within CLOSE_SEARCH tokens, or within a request's max_tokens, is
-refused. Tool calls are constrained to Kimi's section
-(``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}
-<|tool_call_end|>...<|tool_calls_section_end|>``) as a Lark grammar whose markers are the special
-tokens themselves and whose arguments follow each tool's JSON schema.
-
-`StructuredBackend` holds the tokenizer as llguidance sees it (built once, about a second at a
-163,840-token vocabulary) and a cache of compiled grammars; `RowMatcher` is one request's grammar state.
-Each decode step the host fills a packed int32 bitmask [B, ceil(V/32)] (bit t of word t // 32 set: token
-t allowed; rows without a constraint all ones), the jitted step applies it on the device
-(`apply_token_bitmask`), and the host advances each matcher with the sampled token when it reads it.
-Why llguidance and not xgrammar: no torch dependency, and at a 163,840-token vocabulary its
-per-step masks and grammar compiles measured faster (BENCHMARKS.md "Structured outputs").
-"""
+"""Constrained decoding through llguidance: a `StructuredOutputsParams` (vLLM's names, or `from_openai`)
+compiles to a grammar; JSON schemas go through `prepare_schema` (objects closed, numbers bounded to
++-NUMBER_BOUND / INTEGER_BOUNDS); tool calls follow Kimi's section as a Lark grammar over its special
+tokens. Each step the host fills a packed int32 bitmask [B, ceil(V/32)] that `apply_token_bitmask`
+applies on the device. llguidance over xgrammar: BENCHMARKS.md "Structured outputs"."""
 from __future__ import annotations
 
 import collections
@@ -39,7 +22,7 @@ __all__ = [
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 NUMBER_BOUND = 1e18                             # llguidance's float-range regexes stop near 1e19
-INTEGER_BOUNDS = (-9 * 10 ** 18, 9 * 10 ** 18)    # the full 64 bits do not compile
+INTEGER_BOUNDS = (-9 * 10 ** 18, 9 * 10 ** 18)
 CLOSE_SEARCH = 4096
 
 
@@ -49,14 +32,9 @@ class StructuredOutputError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class StructuredOutputsParams:
-    """Exactly one of: json (a JSON schema, dict or string), regex, choice (strings), grammar (Lark, in
-    llguidance's dialect; special tokens as ``<|name|>``), json_object (any JSON object),
-    structural_tag (vLLM's ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``).
-    disable_any_whitespace: JSON written compactly (``,`` and ``:``). The default writes it as
-    ``json.dumps`` does (``, `` and ``: ``, the layout of the arguments in Kimi's chat template) and
-    allows no other whitespace, unlike vLLM's default of any whitespace: a model that loops on
-    whitespace then cannot spend its max_tokens inside the JSON. disable_additional_properties:
-    `prepare_schema`'s closing (default True, unlike vLLM)."""
+    """Exactly one of json (schema), regex, choice, grammar (llguidance Lark), json_object, structural_tag.
+    JSON is laid out as ``json.dumps`` writes it (compact with disable_any_whitespace), no other whitespace;
+    disable_additional_properties: `prepare_schema`'s closing (default True, unlike vLLM)."""
     json: Optional[Union[str, dict]] = None
     regex: Optional[str] = None
     choice: Optional[Sequence[str]] = None
@@ -137,8 +115,7 @@ _NOT_SCHEMAS = ("enum", "const", "default", "examples", "required", "x-guidance"
 
 
 def prepare_schema(schema: Any, where: str, close: bool = True) -> dict:
-    """A copy of a JSON schema as compiled (module docstring; `close`: closing objects, not the
-    branches of an ``allOf``, which merge); ``x-guidance`` must be an object."""
+    """A copy of a JSON schema as compiled (`close`: objects closed, not ``allOf`` branches)."""
     if not isinstance(schema, dict):
         raise StructuredOutputError(f"{where} must be a JSON schema object, got {type(schema).__name__}")
 
@@ -203,10 +180,8 @@ def _tool_function(tool: Any, where: str) -> tuple[str, dict]:
 
 def tool_call_grammar(tools: Sequence[dict], *, names: Optional[Sequence[str]] = None, single: bool = False,
                       allow_text: bool = False, disable_any_whitespace: bool = False) -> str:
-    """A Lark grammar (llguidance dialect) for Kimi's tool-call section over `tools` (OpenAI tool
-    objects): calls to the functions in `names` (all when None) with arguments that match each one's
-    ``parameters`` schema; `single`: exactly one call; `allow_text`: free text first and the section
-    optional (tool_choice "auto"). Call indices are 1-3 digits; arguments laid out as `json_layout`."""
+    """A Lark grammar for Kimi's tool-call section: calls to `names` (all when None) whose arguments match
+    each ``parameters`` schema; `single`: one call; `allow_text`: free text first, the section optional."""
     fns = {}
     for i, t in enumerate(tools):
         name, params = _tool_function(t, f"tools[{i}]")
@@ -235,13 +210,9 @@ def tool_call_grammar(tools: Sequence[dict], *, names: Optional[Sequence[str]] =
 
 def from_openai(response_format: Any = None, tools: Any = None, tool_choice: Any = None,
                 parallel_tool_calls: Optional[bool] = None) -> Optional[StructuredOutputsParams]:
-    """The constraint of an OpenAI chat request, or None (free text).
-
-    tool_choice "required" / {"type": "function", "function": {"name": N}}: the output is a tool-call
-    section (one call to N when named); "auto" (the default with tools): free text, or a section whose
-    calls are valid (with response_format too: its JSON or a section); "none": free text without any
-    special token (so no section). response_format {"type": "json_object"} / {"type": "json_schema",
-    "json_schema": {"schema": ...}} / {"type": "text"}. parallel_tool_calls=False: at most one call."""
+    """The constraint of an OpenAI chat request, or None (free text). tool_choice "required" / a named
+    function: a tool-call section; "auto": free text (or response_format's JSON) or valid calls; "none":
+    no special token. parallel_tool_calls=False: at most one call."""
     rf = None
     if response_format is not None:
         if not isinstance(response_format, dict) or response_format.get("type") not in ("text", "json_object", "json_schema"):
@@ -275,7 +246,7 @@ def from_openai(response_format: Any = None, tools: Any = None, tool_choice: Any
     if choice != "auto":
         raise StructuredOutputError(f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice!r}")
     grammar = tool_call_grammar(tools, allow_text=rf is None, single=single)
-    if rf is not None:        # its JSON, or a section
+    if rf is not None:
         body = grammar.replace("start: section", "start: answer | section", 1)
         schema = {"type": "object"} if rf.json_object else rf.json
         schema = prepare_schema(json.loads(schema) if isinstance(schema, str) else schema, "response_format")
@@ -291,8 +262,7 @@ def mask_words(vocab_size: int) -> int:
 
 
 class RowMatcher:
-    """One request's grammar state. `accept` advances it by a sampled token (False: the token broke the
-    grammar, which a mask-constrained step never samples); `is_finished`: only a stop token is left."""
+    """One request's grammar state: `accept` (False: the token broke the grammar), `is_finished`."""
 
     def __init__(self, matcher, grammar: str):
         self._m = matcher
@@ -312,10 +282,8 @@ class RowMatcher:
 
     def closing_path(self, priority: Sequence[int], stop_ids, limit: int, first: Optional[int] = None
                      ) -> Optional[list[int]]:
-        """The tokens a greedy closer would write from this state to a complete output, ending with a
-        stop token (or the grammar's end): the text the grammar forces (as llguidance tokenizes it),
-        else the first allowed token of `priority`, else the lowest allowed id. None if that takes more
-        than `limit` tokens. Works on a copy; `first`: a token taken before the close (not counted)."""
+        """Tokens a greedy closer writes to a complete output (forced text, else `priority`'s first allowed,
+        else the lowest id), None past `limit`; on a copy; `first`: taken before, not counted."""
         m = self._m.deep_copy()
         if first is not None and not m.consume_token(int(first)):
             return None
@@ -323,7 +291,7 @@ class RowMatcher:
         while len(path) < limit:
             if m.is_stopped():
                 return path
-            forced = m.compute_ff_tokens()          # text the grammar forces, in the tokenizer's tokens
+            forced = m.compute_ff_tokens()
             if forced:
                 if not m.consume_tokens(forced):
                     return None
@@ -346,10 +314,8 @@ class RowMatcher:
 
 
 class StructuredBackend:
-    """llguidance over one tokenizer (a `kimi_jax.text.tokenizer.Tokenizer`) and a model vocabulary of
-    `vocab_size` logits. Compiled grammars are cached (`cache_size` most recent); each request gets a
-    copy of the compiled start state. Cheap to create, and reads nothing of the tokenizer until a
-    request needs it: llguidance's tokenizer is built on first use."""
+    """llguidance over one tokenizer and `vocab_size` logits, with the `cache_size` most recent compiled
+    grammars; llguidance's tokenizer is built on first use."""
 
     def __init__(self, tokenizer, vocab_size: int, *, cache_size: int = 128, num_threads: Optional[int] = None):
         import llguidance as llg
@@ -389,9 +355,7 @@ class StructuredBackend:
 
     @property
     def closing_priority(self) -> list[int]:
-        """Token preference of `RowMatcher.closing_path`: stop tokens, the tool-call section's closing
-        markers, then single bytes that close or shortest-fill JSON (a quote, a brace, a bracket, 0,
-        separators, the start of a literal)."""
+        """Token preference of `RowMatcher.closing_path`: stops, closing markers, then JSON-closing bytes."""
         if getattr(self, "_priority", None) is None:
             tok = self.tokenizer
             ids = list(tok.stop_token_ids)
@@ -402,8 +366,7 @@ class StructuredBackend:
         return self._priority
 
     def close_length(self, m) -> Optional[int]:
-        """Tokens of the shorter greedy close from a state (`closing_priority`; closing brackets first,
-        which ends optional recursion), None past CLOSE_SEARCH."""
+        """Tokens of the shorter greedy close from a state, None past CLOSE_SEARCH."""
         stops = set(self.tokenizer.stop_token_ids)
         brackets = [t for t in self.closing_priority if self.tokenizer.decode([t]) in ("}", "]")]
         found = []
@@ -413,17 +376,14 @@ class StructuredBackend:
                 found.append(len(path))
         return min(found, default=None)
 
-    #: tokens of slack a close keeps: one sampled token can lengthen the close (an opening brace of an
-    #: object with required keys), so it starts this much before it would need every token left
+    #: slack a close keeps: one sampled token (an opening brace) can lengthen it
     close_margin: int = 16
 
     def bitmask_closing(self, mask_row: np.ndarray, row: RowMatcher, tokens_left: int) -> bool:
-        """Near the end of a request's budget: when a greedy close (`RowMatcher.closing_path`) needs
-        all but `close_margin` of the `tokens_left` tokens, narrow the row's mask to the close's next
-        token, so the output ends complete within max_tokens; before that, forbid the special tokens
-        (a new tool call, ...) after which the close would no longer fit. True if it narrowed."""
+        """Narrow the row's mask to the greedy close's next token once the close needs all but `close_margin`
+        of `tokens_left` (before that, forbid special tokens); True if it narrowed."""
         stops = set(self.tokenizer.stop_token_ids)
-        limit = 2 * tokens_left + 16      # a close longer than the budget still starts: the best left
+        limit = 2 * tokens_left + 16
         path = row.closing_path(self.closing_priority, stops, limit)
         if path is None or not path:
             return False
@@ -448,8 +408,7 @@ class StructuredBackend:
         return narrowed
 
     def compile(self, params: StructuredOutputsParams) -> str:
-        """The llguidance grammar of params, checked against this tokenizer (StructuredOutputError
-        names the field at fault)."""
+        """The llguidance grammar of params, checked against this tokenizer (StructuredOutputError)."""
         grammar = params.to_grammar()
         self._start(grammar, params.kind())
         return grammar
@@ -484,8 +443,7 @@ class StructuredBackend:
         return RowMatcher(m.deep_copy(), grammar)
 
     def fill_bitmask(self, rows: Sequence[Optional[RowMatcher]], batch: Optional[int] = None) -> np.ndarray:
-        """[batch, ceil(vocab_size / 32)] int32 for the rows of a step (None: unconstrained, all ones;
-        rows past len(rows) too). Constrained rows' masks are computed in parallel."""
+        """[batch, ceil(vocab_size / 32)] int32 for a step's rows (None or past len(rows): all ones)."""
         B = len(rows) if batch is None else batch
         mask = np.full((B, self._tok_words), -1, np.int32)
         pairs = [(r._m, b) for b, r in enumerate(rows) if r is not None]
@@ -493,15 +451,13 @@ class StructuredBackend:
             self._executor.unsafe_compute_mask_ptr(pairs, mask.ctypes.data, self._tok_words * 4, B)
         if self._tok_words >= self.words:
             return np.ascontiguousarray(mask[:, :self.words])
-        # logits past the tokenizer's ids: allowed in unconstrained rows only
         extra = np.full((B, self.words - self._tok_words), -1, np.int32)
         extra[[b for _, b in pairs]] = 0
         return np.concatenate([mask, extra], axis=1)
 
 
 def apply_token_bitmask(logits_BV: jnp.ndarray, mask_Bw: jnp.ndarray) -> jnp.ndarray:
-    """Logits with every token whose bit is clear set to -inf (jit-friendly; w = ceil(V / 32), bit
-    t % 32 of word t // 32 is token t)."""
+    """Logits with every token whose bit (t % 32 of word t // 32) is clear set to -inf (jit-friendly)."""
     B, V = logits_BV.shape
     bits_Bw32 = (mask_Bw[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
     allowed_BV = bits_Bw32.reshape(B, -1)[:, :V].astype(bool)

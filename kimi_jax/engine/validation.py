@@ -1,10 +1,4 @@
-"""Checks of one request's values against the model, shared by every entry point (LLM.generate,
-kimi-batch, the server): a bad request fails alone, with a one-line message naming the field.
-
-`check_prompt_ids` (token ids: integers, not booleans, inside the vocabulary, shorter than the
-context), `check_seed` (an integer that fits 64 bits) and `check_request` (both, plus
-`SamplingParams.validate(vocab_size=...)`). Errors are `RequestError` (a ValueError).
-"""
+"""Checks of one request against the model for every entry point: a bad request fails alone (RequestError)."""
 from __future__ import annotations
 
 import math
