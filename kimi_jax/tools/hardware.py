@@ -1,7 +1,5 @@
-"""Accelerator descriptions for the planner: memory, bandwidths, matmul rate and collective latencies,
-each with its source ("datasheet", "measured" or "assumed"). Collectives follow NCCL's model,
-latency + wire bytes / bus bandwidth, unless a measured latency curve replaces it (log-log
-interpolation). `Hardware.from_calibration(path)` reads a calibration JSON (`calibration_dict`)."""
+"""Accelerator descriptions for the planner, each number with its source ("datasheet", "measured", "assumed").
+Collectives: NCCL's latency + wire bytes / bus bandwidth, or a measured curve (log-log interpolated)."""
 from __future__ import annotations
 
 import bisect
@@ -22,9 +20,8 @@ class CollectiveModel:
     curve_devices: Optional[int] = None                  # group size the curve was measured at
 
     def time(self, kind: str, nbytes: float, n: int) -> float:
-        """Seconds for one `kind` collective over `n` devices on a buffer of `nbytes` (all-reduce:
-        the buffer; all-gather: the gathered result; reduce-scatter: the input; all-to-all: the
-        buffer each device sends in total)."""
+        """Seconds for one `kind` collective over `n` devices; nbytes: the all-reduce's buffer, all-gather's
+        result, reduce-scatter's input, all-to-all's bytes sent per device."""
         if n <= 1:
             return 0.0
         if self.curve:
@@ -39,8 +36,7 @@ class CollectiveModel:
 
 
 def _loglog(curve: Sequence[tuple[float, float]], x: float) -> float:
-    """Log-log linear interpolation of (bytes, seconds) points; flat below the first point (and for a
-    single point), the last segment's slope beyond the last."""
+    """Log-log interpolation of (bytes, seconds); flat below the first point, last slope beyond the end."""
     xs = [c[0] for c in curve]
     if len(curve) == 1 or x <= xs[0]:
         return curve[0][1]
@@ -64,15 +60,11 @@ class Hardware:
     # fractions of hbm_bw that the decode kernels reach when reading weights / the cache
     gemv_efficiency: float = 0.88     # bf16 weight-streaming matmuls at small M
     int4_efficiency: float = 0.45     # fused INT4 expert kernels (Pallas / Marlin class)
-    # (tokens, efficiency) points replacing int4_efficiency, linear in log(tokens), flat beyond the ends
-    int4_curve: tuple = ()
-    # under EP: ((share of the experts held, ((tokens, efficiency), ...)), ...), linear in log(share);
-    # int4_curve's value where unmeasured (above the largest share, past a curve's last token count)
-    int4_ep_curves: tuple = ()
+    int4_curve: tuple = ()             # (tokens, efficiency) points replacing int4_efficiency (`_log_interp`)
+    int4_ep_curves: tuple = ()         # ((share of the experts held, int4_curve), ...) under EP
     xla_int4_efficiency: float = 0.08  # XLA's unfused dequant path (materializes bf16 weights)
     attention_efficiency: float = 0.8  # latent-cache reads in attention (steady state)
-    # (query rows per device, efficiency) points replacing attention_efficiency, as int4_curve
-    attention_curve: tuple = ()
+    attention_curve: tuple = ()        # (query rows per device, efficiency) points, as int4_curve
     attention_call_s: float = 0.0      # device time of one layer's attention call beside its cache read
     attention_call_curve: tuple = ()    # (query rows per device, seconds) points replacing attention_call_s
     matmul_efficiency: float = 1.0     # of bf16_flops (bf16_flops is already an achieved rate)
@@ -80,8 +72,7 @@ class Hardware:
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def collective_time(self, kind: str, nbytes: float, n: int) -> float:
-        """Seconds for one collective (see CollectiveModel.time); kinds without a model of their own
-        use the all-reduce's latency and bus bandwidth."""
+        """Seconds for one collective (CollectiveModel.time; unmodelled kinds use the all-reduce's numbers)."""
         model = self.collectives.get(kind)
         if model is None:
             ar = self.collectives["all-reduce"]
@@ -93,27 +84,23 @@ class Hardware:
         return _log_interp(self.int4_curve, tokens, self.int4_efficiency)
 
     def int4_efficiency_ep(self, tokens: float, share: float) -> float:
-        """Fraction of hbm_bw the fused INT4 expert kernels reach with `tokens` rows in one MoE call on a
-        device holding `share` of the experts (1: no expert parallelism, `int4_efficiency_at`)."""
+        """`int4_efficiency_at` on a device holding `share` of the experts (unmeasured: no EP's value)."""
         no_ep = self.int4_efficiency_at(tokens)
         curves = sorted((float(sh), pts) for sh, pts in self.int4_ep_curves if sh < 1.0)
         if share >= 1.0 or not curves:
             return no_ep
-        # past a curve's last measured token count it gives way to no EP's (unmeasured there)
         pts = [(sh, _log_interp(c, tokens, self.int4_efficiency) if tokens <= max(t for t, _ in c) else no_ep)
                for sh, c in curves]
         if share > pts[-1][0]:
-            return no_ep       # above the largest measured share: unmeasured, no penalty
+            return no_ep
         return _log_interp(pts, share, no_ep, floor=0.0)
 
     def attention_efficiency_at(self, rows: float) -> float:
-        """Fraction of hbm_bw the decode attention kernels stream the latent cache at with `rows`
-        query rows per device (heads per device x new tokens per row)."""
+        """Fraction of hbm_bw decode attention streams the cache at with `rows` query rows per device."""
         return _log_interp(self.attention_curve, rows, self.attention_efficiency)
 
     def attention_call_at(self, rows: float) -> float:
-        """Device seconds of one layer's decode attention call beside its cache read with `rows` query rows
-        per device (launch, pipeline ramp, the split combine)."""
+        """Device seconds of one layer's attention call beside its cache read, `rows` query rows per device."""
         return _log_interp(self.attention_call_curve, rows, self.attention_call_s)
 
     def replace(self, **kw) -> "Hardware":
@@ -127,7 +114,6 @@ class Hardware:
                 f"{self.bf16_flops / 1e12:.0f} TFLOP/s bf16, {self.interconnect} "
                 f"{self.link_bw / 1e9:.0f} GB/s/dir, all-reduce {lat}")
 
-    # ---- calibration files ---------------------------------------------------------------------
     @classmethod
     def from_calibration(cls, path_or_dict) -> "Hardware":
         d = path_or_dict
@@ -166,7 +152,7 @@ class Hardware:
         if "int4_curve" in kw:
             kw["int4_ep_curves"] = ()      # the preset's EP curves belong to the preset's kernels
         if "attention_efficiency" in kw:
-            kw["attention_curve"] = ()     # likewise for the attention kernels
+            kw["attention_curve"] = ()
         if d.get("attention_curve"):
             kw["attention_curve"] = tuple((float(t), float(e)) for t, e in d["attention_curve"])
             src["attention_efficiency"] = tag
@@ -185,11 +171,8 @@ def calibration_dict(name: str, *, copy_bw: float, matmul_flops: Optional[float]
                      collectives: Optional[Mapping[str, Sequence[tuple[float, float]]]] = None,
                      n_devices: Optional[int] = None, hbm_bytes: Optional[float] = None, base: str = "h200",
                      source: str = "launch/bench/int4.py", **extra) -> dict:
-    """The calibration file's contents (json.dump it). copy_bw: measured device-to-device copy B/s
-    (bytes read + written); matmul_flops: measured bf16 FLOP/s; collectives: {kind: [(bytes,
-    seconds), ...]} measured over `n_devices`; extra: any of link_bw, gemv_efficiency,
-    int4_efficiency, int4_curve, xla_int4_efficiency, attention_efficiency, attention_curve,
-    attention_call_s, attention_call_curve, layer_overhead_s, interconnect."""
+    """The calibration file's contents (json.dump it): copy_bw B/s (read + written), matmul_flops bf16
+    FLOP/s, collectives {kind: [(bytes, seconds), ...]} over `n_devices`; extra: the fields in `allowed`."""
     allowed = {"link_bw", "gemv_efficiency", "int4_efficiency", "int4_curve", "xla_int4_efficiency",
                "attention_efficiency", "attention_curve", "attention_call_s", "attention_call_curve",
                "layer_overhead_s",
@@ -211,15 +194,14 @@ def calibration_dict(name: str, *, copy_bw: float, matmul_flops: Optional[float]
 
 
 def write_calibration(path: str, d: Mapping) -> str:
-    Hardware.from_calibration(d)   # validate before writing
+    Hardware.from_calibration(d)
     with open(path, "w") as f:
         json.dump(d, f, indent=1)
     return path
 
 
 def _log_interp(points, x: float, default: float, floor: float = 1.0) -> float:
-    """points [(x, y), ...] interpolated linearly in log(x), flat beyond the ends; `default` if none; x is
-    taken as at least `floor` (token and row counts: 1)."""
+    """points [(x, y), ...] interpolated linearly in log(max(x, floor)), flat beyond the ends; `default` if none."""
     pts = sorted(points)
     if not pts:
         return default
@@ -232,8 +214,6 @@ def _log_interp(points, x: float, default: float, floor: float = 1.0) -> float:
             return y0 + w * (y1 - y0)
     return pts[-1][1]
 
-
-# ---- presets -------------------------------------------------------------------------------------
 
 def _uniform(latency_s: float, bus_bw: float, curve=(), curve_devices=None, kinds=KINDS):
     m = CollectiveModel(latency_s, bus_bw, tuple(curve), curve_devices)

@@ -1,12 +1,6 @@
-"""Where a decode step's time goes: collectives counted in the compiled program, op time from a trace.
-
-`count_decode_collectives` compiles the step (`Engine.decode_jit`) for a layout, over shapes alone
-(`abstract_engine`), and counts its collectives (kimi_jax.tools.hlo). `profile_decode` runs N steps under
-`jax.profiler.trace`, puts each device op event of the step in a category (`hlo.categorize`) and writes
-a `ProfileReport` (JSON), a stacked-bar PNG (kimi_jax.tools.png_chart), the step's HLO and the raw
-trace. On CPU the events are the thunk executor's per-device ops, and a collective's time includes the
-wait for the slowest simulated device: CPU shares show the program's structure, not GPU timings.
-"""
+"""Where a decode step's time goes: collectives counted in the compiled program (`count_decode_collectives`),
+device op time by category from a profiler trace (`profile_decode`). On CPU a collective's time includes the
+wait for the slowest simulated device: CPU shares show the program's structure, not GPU timings."""
 from __future__ import annotations
 
 import bisect
@@ -26,7 +20,6 @@ from kimi_jax.tools.hlo import (CATEGORIES, COLLECTIVE_KINDS, CollectiveCounts, 
 from kimi_jax.tools.png_chart import COLORS, read_png_size, stacked_bar_png, write_png_chart  # noqa: F401
 
 
-# ---- compiling the decode step -------------------------------------------------------------------------
 
 def cache_sharding(layout):
     from jax.sharding import PartitionSpec as P
@@ -36,8 +29,7 @@ def cache_sharding(layout):
 
 
 def abstract_engine(cfg, layout, dtype=None):
-    """An Engine over shapes only (every parameter a sharded ShapeDtypeStruct): compiles any model
-    for any layout without allocating its weights."""
+    """An Engine over shapes only (sharded ShapeDtypeStructs): compiles any model without its weights."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -74,8 +66,7 @@ def decode_args(engine, layout, batch: int, cache_len: int, *, abstract: bool, t
     if sh is not None:
         cache = {k: jax.device_put(v, sh) for k, v in cache.items()}
     z = jnp.zeros((batch,), jnp.int32)
-    # distinct tokens per row: identical rows would all route to the same 8 experts and understate the
-    # MoE read at batch > 1 (the first H200 engine rows had this bug)
+    # distinct tokens per row: identical rows route to the same 8 experts and understate the MoE read
     tokens = (jnp.arange(batch, dtype=jnp.int32) * 7919 + 11) % cfg.vocab_size
     return cache, tokens, z, sp, jnp.ones((batch,), jnp.int32)
 
@@ -84,10 +75,8 @@ PAGE_SIZE = 16      # as kimi_jax.entrypoints.llm.LLM's default
 
 
 def paged_args(engine, layout, batch: int, cache_len: int, page_size: int = PAGE_SIZE):
-    """(pages, tokens [B, 1], block table [B, P], sampling arrays) for the serving decode step
-    (`Engine.paged_step_jit`, absorbed, T = 1): a pool sized for `cache_len` tokens per row, placed as the engine
-    keeps it (`Engine.init_pages`: split over the dp ranks); row b owns P pages of its rank's partition,
-    with ids local to that partition, as the scheduler emits them. `layout`: unused (the engine's own)."""
+    """(pages, tokens [B, 1], block table [B, P], sampling arrays) for `Engine.paged_step_jit` (T = 1), with
+    `cache_len` tokens per row and page ids local to each dp rank, as the scheduler emits them."""
     import numpy as np
     from kimi_jax.engine.sampling import SamplingArrays, SamplingParams
     cfg = engine.cfg
@@ -95,7 +84,7 @@ def paged_args(engine, layout, batch: int, cache_len: int, page_size: int = PAGE
     dp = engine.dp
     pages = engine.init_pages(batch * P, page_size)
     sp = SamplingArrays.build([SamplingParams(temperature=0.0)] * batch, list(range(batch)))
-    tokens = ((np.arange(batch, dtype=np.int32) * 7919 + 11) % cfg.vocab_size)[:, None]   # distinct rows
+    tokens = ((np.arange(batch, dtype=np.int32) * 7919 + 11) % cfg.vocab_size)[:, None]
     table = np.arange(batch * P, dtype=np.int32).reshape(batch, P) % (batch * P // dp)   # local ids per rank
     return pages, tokens, table, sp
 
@@ -121,8 +110,7 @@ def count_decode_collectives(cfg, layout, batch: int = 8, cache_len: int = 64, d
 
 
 def random_engine(cfg, layout, dtype=None, seed: int = 0):
-    """An Engine with the random weights `LLM(ModelConfig)` makes (kimi_jax.entrypoints.weights.random_model),
-    for timing and collective counts."""
+    """An Engine with the random weights `LLM(ModelConfig)` makes (kimi_jax.entrypoints.weights.random_model)."""
     import jax.numpy as jnp
     from kimi_jax.entrypoints.weights import random_model
     from kimi_jax.engine.steps import Engine
@@ -130,7 +118,6 @@ def random_engine(cfg, layout, dtype=None, seed: int = 0):
     return Engine(random_model(cfg, layout, dtype or jnp.bfloat16, seed), cfg, layout)
 
 
-# ---- trace parsing -----------------------------------------------------------------------------------
 
 def find_trace_file(trace_dir: str) -> str:
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
@@ -225,7 +212,6 @@ def device_ops_per_call(compiled, args, calls: int) -> tuple[dict, float, str]:
     return dict(sorted(per_op.items(), key=lambda kv: -kv[1])), span, tdir
 
 
-# ---- the report --------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class ProfileReport:
@@ -281,12 +267,9 @@ _OP_PREFIX = re.compile(r"^([a-z][a-z\-]*\.\d+)")
 
 
 class _Resolver:
-    """Trace event -> (HLO instruction or None, category), cached per (hlo_op, kernel name).
-
-    CPU events carry the instruction's name (`hlo_op`). GPU kernels carry `hlo_op` too, but inside a
-    CUDA-graph command buffer it names the buffer (command_buffer_N) and the kernel's own name is the
-    fused instruction's with '.' and '-' written '_' (gemm_fusion_dot_79 <- gemm_fusion_dot.79);
-    thunk-level kernels such as all-reduce.5.0-fusion.1 name the instruction as a prefix."""
+    """Trace event -> (HLO instruction or None, category), cached. In a CUDA-graph command buffer `hlo_op` names
+    the buffer; the kernel name is then the instruction's with '.' and '-' as '_' (gemm_fusion_dot_79), or
+    has it as a prefix (all-reduce.5.0-fusion.1)."""
 
     def __init__(self, module: HloModule):
         self.module = module
@@ -374,12 +357,8 @@ def analyze_trace(trace_file: str, module: HloModule, steps: int, *, module_name
 
 def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_dir: str,
                    model_name: str = "?", warmup: int = 2, paged: bool = True) -> ProfileReport:
-    """Run `steps` decode steps (after `warmup`) under the JAX profiler; write report.json,
-    breakdown.png and the raw trace (out_dir/trace) and return the report.
-
-    paged (default): the step generation runs (`Engine.paged_step_jit`: paged latent cache, absorbed MLA, on a
-    GPU the Pallas decode kernel, one page write after all layers); otherwise the contiguous-cache
-    reference step (`Engine.decode_jit`), which on a GPU uses the XLA attention path and rewrites the cache."""
+    """Run `steps` decode steps (after `warmup`) under the JAX profiler; write report.json, breakdown.png and
+    out_dir/trace; return the report. paged: `Engine.paged_step_jit`, else the contiguous `Engine.decode_jit`."""
     import jax
     import numpy as np
     from kimi_jax.engine.steps import _i32 as i32       # numpy step inputs: jit's fast path, as the engine's
@@ -402,8 +381,7 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
     program = collectives_of_hlo(module)
     m = re.match(r"HloModule\s+([\w.\-]+)", compiled_text)
     module_name = m.group(1) if m else None
-    # distinct tokens per row: identical rows route to the same 8 experts, so batch > 1 would time a
-    # best case (the H200 engine rows of 2026-11-29 fed token 0 to every row)
+    # distinct tokens per row (as `decode_args`)
     tokens = np.asarray(tok)
 
     def step(i, cache):

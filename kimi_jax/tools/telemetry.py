@@ -1,6 +1,5 @@
-"""The GPU's clocks and power while a benchmark runs (`nvidia-smi` sampled in the background, read-only),
-so a row tells a slow kernel from one the power cap slowed (BENCHMARKS.md "MLA decode attention").
-`GpuSampler().summary` is {} where there is no nvidia-smi."""
+"""The GPU's clocks and power while a benchmark runs (`nvidia-smi` sampled in the background, read-only), to
+tell a slow kernel from a power-capped one (BENCHMARKS.md "MLA decode attention")."""
 from __future__ import annotations
 
 import os
@@ -51,9 +50,8 @@ BUSY_W = 200.0          # an H200 idles at ~75-160 W: samples above this are the
 
 
 class GpuSampler:
-    """Context manager: samples GPU `gpu` every interval_ms through `nvidia-smi --loop-ms` while the block
-    runs; `summary` afterwards (summarize() of the samples; {} without nvidia-smi). busy_w: only samples
-    above this draw count (the idle gaps of a benchmark harness would otherwise dilute a kernel's window)."""
+    """Context manager sampling GPU `gpu` every interval_ms; `summary` afterwards ({} without nvidia-smi).
+    busy_w: only samples above this draw count (idle gaps would dilute a kernel's window)."""
 
     def __init__(self, interval_ms: int = 50, gpu: int = 0, busy_w: float = BUSY_W,
                  command: Optional[str] = None):
