@@ -2,25 +2,18 @@
 
 Input lines are the OpenAI Batch format
   {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...], ...}}
-(`url` /v1/chat/completions or /v1/completions; without `url` the body's `messages` / `prompt` picks
-it; `method` must be POST) or a plain {"custom_id"?: ..., "prompt": ..., ...} completions body. The
-bodies are parsed by the server's request model (kimi_jax.entrypoints.openai.protocol), so a body is
-accepted or refused exactly as the server would.
+(without `url` the body's `messages` / `prompt` picks it) or a plain completions body; bodies are parsed
+by the server's request model, so each is accepted or refused exactly as the server would.
 
 Every input line gets exactly one output line, OpenAI's batch output:
   {"id": "batch_req_...", "custom_id": ..., "response": {"status_code", "request_id", "body"}, "error"}
-with the completion / chat-completion body (status 200), or the API's error body for a request the
-server refuses (status 400 / 404) or one that fails while it runs (500); `error` is null then. A line
-that cannot be read as a request at all (malformed JSON, no custom_id, a bad url or method, a repeated
-custom_id, invalid UTF-8, nesting deeper than MAX_DEPTH) gets `response` null and the top-level `error`
-object. A line without a custom_id answers as `line-<number>`; an explicit custom_id of that form
-naming another line is refused (reported under its own line's id), so ids never collide. Output is
-appended line by line (fsynced when it is a regular file), so a rerun after Ctrl-C or kill -9 skips
-the lines already written and a torn last line is cut off; a pipe or device is written without resume.
+with the body (200) or the API's error body (400 / 404 refused, 500 failed while running). A line that is
+not a request at all (malformed JSON, a bad url, a repeated custom_id, ...) gets `response` null and the
+top-level `error`; a line without a custom_id answers as `line-<number>`. Output is appended and fsynced
+line by line, so a rerun after Ctrl-C or kill -9 skips the lines already written.
 
-`run_job` is kimi-batch's job loop (the launcher parses flags, builds the LLM and calls it): lines are
-fed to one continuous-batching engine as slots free up; a step that raises is rerun request by request
-on a fresh page pool, so the request that fails alone gets a 500 and the others their results.
+`run_job` feeds lines to one continuous-batching engine; a step that raises is rerun request by request,
+so the request that fails alone gets a 500 and the others their results.
 """
 from __future__ import annotations
 
@@ -115,8 +108,7 @@ def read_line(line: Union[str, bytes], lineno: int) -> Line:
 
 
 def parse_body(ln: Line, default_max_tokens: int) -> tuple[P.GenerationRequest, bool]:
-    """The line's GenerationRequest (ProtocolError as the server raises it) and whether max_tokens is
-    the job's default (the body gives none)."""
+    """(the line's GenerationRequest (ProtocolError as the server raises it), max_tokens is the default)."""
     body = ln.body
     defaulted = isinstance(body, dict) and body.get("max_tokens") is None \
         and body.get("max_completion_tokens") is None
@@ -126,8 +118,7 @@ def parse_body(ln: Line, default_max_tokens: int) -> tuple[P.GenerationRequest, 
 
 
 def fit_default_max_tokens(g: P.GenerationRequest, n_prompt: int, limit: int) -> P.GenerationRequest:
-    """A defaulted max_tokens cut to what the context leaves after the prompt (as the server does when
-    a request gives none)."""
+    """A defaulted max_tokens cut to what the context leaves after the prompt (as the server does)."""
     room = limit - n_prompt
     if 1 <= room < g.params.max_tokens:
         g = dataclasses.replace(g, params=dataclasses.replace(g.params, max_tokens=room))
@@ -310,8 +301,7 @@ class TooLong:
 
 
 def input_lines(infile, max_bytes: Optional[int] = None):
-    """(line number, line) of an open input file, a line longer than max_bytes (default
-    MAX_LINE_BYTES) as TooLong."""
+    """(line number, line) of an open input file; a line longer than max_bytes as TooLong."""
     max_bytes, lineno = max_bytes or MAX_LINE_BYTES, 0
     while line := infile.readline(max_bytes + 1):
         lineno += 1

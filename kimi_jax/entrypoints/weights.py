@@ -12,12 +12,9 @@ from kimi_jax.parallel.sharding import Layout, check_fits, param_shardings
 
 def load_model(path: str, cfg: ModelConfig, layout: Layout, dtype=jnp.bfloat16, *, check: bool = True,
                **load_kw):
-    """The Transformer of the checkpoint directory `path` (safetensors, streamed per-device slices, or
-    orbax from kimi-convert), every parameter placed on its devices under `layout`: the abstract model
-    gives the spec (path -> shape, dtype, sharding), checkpoints.loader reads the arrays for it, and
-    they are merged into the module. check: refuse first a layout whose per-device bytes do not fit.
-    load_kw: workers / chunk_bytes / readahead_bytes / progress / stats / keep_page_cache
-    (checkpoints.loader.load_arrays)."""
+    """The Transformer of checkpoint directory `path` (safetensors or orbax), each parameter read onto its devices
+    under `layout` by checkpoints.loader (load_kw: its load_arrays options); check: refuse a layout that does
+    not fit first."""
     from flax import nnx
     from checkpoints.loader import load_arrays
     from kimi_jax.model.transformer import abstract_model
@@ -62,10 +59,8 @@ def _kind(names: list[str], dtype) -> str:
 
 
 def random_model(cfg: ModelConfig, layout: Layout, dtype, seed: int = 0):
-    """A Transformer with random weights of the model's initializers' kinds (normal std 0.02, norms 1,
-    router bias 0, INT4 codes uniform with scales 0.005), made parameter by parameter on its devices
-    under `layout` by one small jitted init per shape and sharding: a whole-model init does not
-    compile in minutes at 61 layers (BENCHMARKS.md "Full depth on one H200"). Checks the fit first."""
+    """A Transformer with random weights of the model's initializers' kinds, made on its devices by one jitted
+    init per shape and sharding (BENCHMARKS.md "Full depth on one H200"); checks the fit first."""
     from flax import nnx
     from kimi_jax.model.transformer import abstract_model
     graphdef, state = nnx.split(abstract_model(cfg, dtype, layout.moe_parallel(), seed))

@@ -27,8 +27,7 @@ def depth(value) -> int:
 
 
 def loads(text: Union[str, bytes], max_depth: int = MAX_DEPTH):
-    """json.loads, refusing nesting beyond max_depth (TooDeep); JSONDecodeError / UnicodeDecodeError
-    as json.loads raises them."""
+    """json.loads, refusing nesting beyond max_depth (TooDeep); its other errors as json.loads raises them."""
     try:
         value = json.loads(text)
     except RecursionError:
@@ -55,8 +54,7 @@ def text_chars(value) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """What one HTTP request may ask: body bytes (413 beyond), choices = prompts x n (400 beyond) and
-    text prompt characters (400 beyond: tokenizing it would take seconds for a prompt that cannot fit)."""
+    """What one HTTP request may ask: body bytes (413 beyond), choices = prompts x n and prompt characters (400)."""
     max_body_bytes: int = 64 * 2**20
     max_choices: int = 256
     max_prompt_chars: int = 8 * 2**20

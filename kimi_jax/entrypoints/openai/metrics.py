@@ -1,16 +1,5 @@
-"""The server's Prometheus metrics: vLLM's names under the `kimi_jax:` prefix, one registry per server.
-
-  kimi_jax:num_requests_running / num_requests_waiting   gauges (read from the engine at scrape time)
-  kimi_jax:kv_cache_usage_perc                           gauge, cache pages in use / all pages (0..1)
-  kimi_jax:prompt_tokens_total, generation_tokens_total  counters
-  kimi_jax:request_success_total{finished_reason}        counter
-  kimi_jax:prefix_cache_queries_total, prefix_cache_hits_total
-                                                          counters, prompt tokens looked up in the prefix
-                                                          cache / found there (read from the engine's stats)
-  kimi_jax:time_to_first_token_seconds, time_per_output_token_seconds, e2e_request_latency_seconds
-                                                          histograms (arrival -> first token, between
-                                                          later tokens, arrival -> last token)
-"""
+"""The server's Prometheus metrics: vLLM's names under the `kimi_jax:` prefix, one registry per server; the
+gauges and prefix-cache counters are read from the engine at scrape time."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
