@@ -1,10 +1,5 @@
-"""A conversation -> prompt token ids where only the chat template's own markup becomes special tokens.
-
-`encode_conversation` escapes every string of the request with the noncharacter U+FDD0 (doubled where
-it occurs, inserted inside every special-token string and at the edges that could join one), renders
-the template, splits the text at the special-token strings left (the template's), and encodes each
-piece between them, unescaped, as plain text: a special-token string in a message encodes as the
-same characters in plain text."""
+"""A conversation -> prompt token ids where only the chat template's own markup becomes special tokens (request
+strings escaped with U+FDD0: doubled where it occurs, inside special-token strings, at edges that could join one)."""
 from __future__ import annotations
 
 import re
@@ -80,9 +75,8 @@ def _escaper(tokenizer: Tokenizer) -> TextEscaper:
 def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: Any, *,
                         add_generation_prompt: bool = True, tools: Optional[Sequence[Mapping]] = None,
                         **kwargs: Any) -> list[int]:
-    """Prompt token ids for a conversation: the template's markup as special tokens, every string of
-    the messages, tools and kwargs as plain text tokens (ChatTemplateError for a bad conversation or
-    template)."""
+    """Prompt token ids: the template's markup as special tokens, every request string as plain text
+    (ChatTemplateError for a bad conversation or template)."""
     esc = _escaper(tokenizer)
     rendered = template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                escape=esc.tree, **kwargs)

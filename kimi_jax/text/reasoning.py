@@ -17,9 +17,7 @@ THINK_END = "</think>"
 
 @dataclasses.dataclass(frozen=True)
 class ReasoningConfig:
-    """enabled: split reasoning off at all (a non-thinking model's output passes untouched when False).
-    starts_in_reasoning: the prompt ends in ``<think>`` (the output begins inside reasoning).
-    keep_inline: leave the tags and reasoning in the answer text (no ``reasoning_content``)."""
+    """enabled=False: the output passes untouched; starts_in_reasoning: the prompt ends in ``<think>``."""
     enabled: bool = True
     starts_in_reasoning: bool = False
     keep_inline: bool = False

@@ -56,11 +56,8 @@ def _one_line(text: str, limit: int = 200) -> str:
 
 
 def load_tiktoken_ranks(path: Union[str, os.PathLike]) -> dict[bytes, int]:
-    """Read a ``tiktoken.model`` file (``<base64> <rank>`` per line) into ``{token_bytes: rank}``.
-
-    Checks what tiktoken would otherwise fail on obscurely (or panic on): malformed lines, duplicate tokens
-    or ranks, ranks that are not exactly ``0 .. n-1``, and missing single bytes.
-    """
+    """Read a ``tiktoken.model`` file (``<base64> <rank>`` per line) into ``{token_bytes: rank}``, refusing
+    malformed lines, duplicates, ranks other than ``0 .. n-1`` and missing single bytes (TokenizerError)."""
     path = os.fspath(path)
     try:
         with open(path, "rb") as f:
@@ -155,15 +152,8 @@ def _chunks(text: str) -> Iterator[str]:
 
 
 class Tokenizer:
-    """A Kimi tokenizer: byte-level BPE ranks + special tokens, encoded through tiktoken.
-
-    Attributes:
-      special_tokens: ``{token string: id}`` for every special id (named and reserved).
-      num_base_tokens: number of BPE ranks (the first special id).
-      bos_id, eos_id, pad_id, unk_id: ids of the tokens tokenizer_config names (``None`` if unnamed).
-      chat_template: the ``chat_template`` entry of tokenizer_config.json (or ``None``).
-      config: the parsed tokenizer_config.json.
-    """
+    """A Kimi tokenizer: byte-level BPE ranks + special tokens (`special_tokens`: ``{string: id}``, named and
+    reserved; `num_base_tokens`: the first special id), encoded through tiktoken."""
 
     def __init__(
         self,
@@ -213,16 +203,11 @@ class Tokenizer:
         self.unk_id = _id(unk_token, "unk_token")
         self._special_re_all: Optional[re.Pattern] = None
 
-    # ------------------------------------------------------------------ loading
 
     @classmethod
     def from_pretrained(cls, path: Union[str, os.PathLike]) -> "Tokenizer":
-        """Load ``tiktoken.model`` + ``tokenizer_config.json`` from a checkpoint directory.
-
-        ``path`` may also be the ``tiktoken.model`` file itself. Raises :class:`TokenizerNotFound` (a
-        ``FileNotFoundError``) when the directory or one of the two files is missing, and
-        :class:`TokenizerError` (a ``ValueError``) with the file's name when a file is corrupt.
-        """
+        """Load ``tiktoken.model`` + ``tokenizer_config.json`` from a checkpoint directory (or the model file);
+        TokenizerNotFound when a file is missing, TokenizerError naming a corrupt one."""
         path = os.fspath(path)
         if os.path.isfile(path) and os.path.basename(path) == TIKTOKEN_FILE:
             path = os.path.dirname(path) or "."
@@ -302,14 +287,10 @@ class Tokenizer:
             config=cfg,
         )
 
-    # ------------------------------------------------------------------ properties
 
     @property
     def vocab_size(self) -> int:
-        """Number of token ids (largest id + 1): BPE ranks + the special range.
-
-        For Kimi-K2 this is 163584 + 258 = 163842; the model's embedding may have fewer rows (163840).
-        """
+        """Number of token ids (largest id + 1); the model's embedding may have fewer rows."""
         return self._enc.n_vocab
 
     @property
@@ -341,18 +322,13 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         return token_id in self._id_to_special
 
-    # ------------------------------------------------------------------ encode / decode
 
     def _special_regex(self, allowed: AbstractSet[str]) -> re.Pattern:
         return re.compile("|".join(re.escape(t) for t in sorted(allowed, key=len, reverse=True)))
 
     def encode(self, text: str, *, allow_special: Union[bool, AbstractSet[str]] = False) -> list[int]:
-        """Token ids for ``text``.
-
-        allow_special: ``False`` (default): special-token strings in the text are ordinary text (a literal
-          ``"<|im_end|>"`` becomes several BPE tokens, no error). ``True``: every special token's text maps
-          to its id. A set of strings: only those special tokens are recognised.
-        """
+        """Token ids for ``text``; allow_special: False (special-token strings are plain text), True (all map
+        to their ids) or a set of the special tokens recognised."""
         if not isinstance(text, str):
             raise TypeError(f"encode() expects str, got {type(text).__name__}")
         if not allow_special:
@@ -368,8 +344,7 @@ class Tokenizer:
             pattern = self._special_regex(allow_special)
         out: list[int] = []
         pos = 0
-        # Splitting at special tokens first is what tiktoken does internally; doing it here keeps the
-        # long-input chunking below from ever cutting a special token in two.
+        # split at special tokens first, so the long-input chunking never cuts one in two
         for m in pattern.finditer(text):
             if m.start() > pos:
                 out.extend(self._encode_ordinary(text[pos : m.start()]))
@@ -424,12 +399,8 @@ class Tokenizer:
 
 
 class IncrementalDecoder:
-    """Streaming detokenizer: feed ids one at a time, get the newly completed text.
-
-    Never returns part of a UTF-8 character: bytes of an unfinished character are held until the token
-    that completes it arrives. ``flush()`` returns whatever is left (an unfinishable tail becomes U+FFFD).
-    The concatenation of all deltas plus the flush equals ``tokenizer.decode(all_ids)``.
-    """
+    """Streaming detokenizer: ids in, newly completed text out (never part of a UTF-8 character); all deltas
+    plus ``flush()`` equal ``tokenizer.decode(all_ids)``."""
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False):
         self.tokenizer = tokenizer
