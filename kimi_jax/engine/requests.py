@@ -117,3 +117,40 @@ def score_prompt(r: Request, out, b: int, start: int, n: int) -> None:
         r.prompt_logprobs.append(logprob_dict(
             full[p + 1], out.prompt_logprob[b, j], out.prompt_rank[b, j], out.prompt_top_ids[b, j][:k],
             out.prompt_top_vals[b, j][:k]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One request's part of a step: the tokens it feeds at positions start, start + 1, ... (none in a
+    chained decode step: the step in flight's token), its pages and its batch row."""
+    req: Request
+    slot: int                               # batch row (data parallelism: in its rank's block)
+    tokens: tuple[int, ...]
+    start: int
+    pages: tuple[int, ...]
+    step: int                               # tokens the request has sampled before this step
+    live: bool = True                       # False: padding (it ends with the step in flight)
+
+    @property
+    def n(self) -> int:
+        """Tokens whose latents the step computes."""
+        return len(self.tokens) or 1
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """One pass of the scheduler (kimi_jax.engine.runner runs it): 'prefill' (prompt chunks, T > 1),
+    'decode' (one token per row) or 'verify' (the last token plus drafts), padded to [batch, width]
+    with a block table of `table` pages. chained: fed the step in flight's tokens on the device;
+    overlap: dispatched without waiting (its outputs come back with a later run)."""
+    kind: str
+    rows: tuple[Row, ...]
+    batch: int
+    width: int
+    table: int
+    chained: bool = False
+    overlap: bool = False
+
+    @property
+    def live(self) -> tuple[Row, ...]:
+        return tuple(r for r in self.rows if r.live)

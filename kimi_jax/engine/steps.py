@@ -98,44 +98,74 @@ def _decode(graphdef, shard, state, cache, tokens_B, positions_B, sp, step_B, n_
     return cache, _sample_out(logits[:, 0], sp, step_B, n_logprobs, shard, sample_mode)
 
 
-def _paged_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, last_B, sp, step_B,
-                n_logprobs, absorbed, fresh=False, sample_mode=None, occ=None, n_prompt_logprobs=None,
-                targets_BT=None, mask_Bw=None, *, plan: ops.ExecPlan):
-    """One continuous-batching step over the paged cache: T query tokens per row (T = 1: decode,
-    absorbed MLA; T > 1: a prefill chunk, expanded MLA; `fresh`: no row has cached tokens, so attention
-    reads only the new tokens, on a GPU with cuDNN). Samples from each row's token at last_B.
-    occ: the occurrence pool when some row uses penalties (kimi_jax.engine.penalties). With
-    n_prompt_logprobs (static), the logits of every position score targets_BT (each position's next
-    prompt token; < 0: none) and give their top-n (prompt logprobs). mask_Bw: structured outputs' packed
-    int32 token bitmask [B, ceil(V / 32)] (None: no row is constrained, its own compiled program)."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """One step's inputs (host numpy or device arrays; engine.runner lays them out from a StepPlan).
+    tokens: [B, T], or [B] for a decode step (the previous step's device tokens may be fed as they are).
+    The optional fields are None when no row needs them (the pytree's structure: its own program)."""
+    tokens: jax.Array
+    positions_BT: jax.Array               # -1: padding
+    block_table_BP: jax.Array             # page ids local to the row's data-parallel rank
+    last_B: jax.Array                     # the column each row samples from
+    step_B: jax.Array                     # tokens each row has sampled so far
+    sp: SamplingArrays
+    targets_BT: Optional[jax.Array] = None    # prompt logprobs: each position's next prompt token (< 0: none)
+    mask_Bw: Optional[jax.Array] = None       # structured outputs' packed token bitmask [B, ceil(V / 32)]
+    n_draft_B: Optional[jax.Array] = None     # verification: drafts per row (tokens[:, 1:])
+
+
+STEP_KINDS = ("prefill", "decode", "verify")
+
+
+def _step(graphdef, shard, state, pages, batch: StepBatch, occ=None, *, kind: str, n_logprobs=None,
+          n_prompt_logprobs=None, fresh: bool = False, sample_mode=None, plan: ops.ExecPlan):
+    """One continuous-batching step over the paged cache (kind static): 'decode' (T = 1) and 'verify'
+    (row b feeds [last token, drafts...]) run absorbed MLA, 'prefill' expanded MLA (`fresh`: no row has
+    cached tokens, attention reads only the new tokens). Samples from each row's token at last_B
+    (verify: returns (accepted [B], next [B])). occ: the occurrence pool when some row uses penalties.
+    With n_prompt_logprobs the logits of every position score targets_BT and give their top-n."""
     model = nnx.merge(graphdef, state)
+    tokens_BT = batch.tokens[:, None] if batch.tokens.ndim == 1 else batch.tokens
     tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
-    h_BTD, pages = model.hidden_states(tokens_BT, positions_BT, pages, absorbed=absorbed,
-                                       block_table_BP=block_table_BP, fresh=fresh, plan=plan)
-    B = tokens_BT.shape[0]
+    h_BTD, pages = model.hidden_states(tokens_BT, batch.positions_BT, pages, absorbed=kind != "prefill",
+                                       block_table_BP=batch.block_table_BP, fresh=fresh, plan=plan)
     pages = {k: _constrain(v, shard.get("pages")) for k, v in pages.items()}
+    B = tokens_BT.shape[0]
+    if kind == "verify":
+        logits_BTV = _constrain(_constrain(model.logits(h_BTD, plan), shard.get("logits3")), shard.get("replicated"))
+        n_acc, nxt = verify_drafts(logits_BTV, tokens_BT[:, 1:], batch.n_draft_B, batch.sp, batch.step_B)
+        return pages, tuple(_constrain(o, shard.get("replicated")) for o in (n_acc, nxt))
+    sample_args = (batch.sp, batch.step_B, n_logprobs, shard, sample_mode, occ, batch.mask_Bw)
     if n_prompt_logprobs is None:
-        logits_BV = model.logits(h_BTD[jnp.arange(B), last_B][:, None], plan)[:, 0]
-        return pages, _sample_out(logits_BV, sp, step_B, n_logprobs, shard, sample_mode, occ, mask_Bw)
+        logits_BV = model.logits(h_BTD[jnp.arange(B), batch.last_B][:, None], plan)[:, 0]
+        return pages, _sample_out(logits_BV, *sample_args)
     logits_BTV = _constrain(_constrain(model.logits(h_BTD, plan), shard.get("logits3")), shard.get("replicated"))
-    out = _sample_out(logits_BTV[jnp.arange(B), last_B], sp, step_B, n_logprobs, shard, sample_mode, occ,
-                      mask_Bw)
-    prompt = top_logprobs(logits_BTV, jnp.maximum(targets_BT, 0), n_prompt_logprobs)
+    out = _sample_out(logits_BTV[jnp.arange(B), batch.last_B], *sample_args)
+    prompt = top_logprobs(logits_BTV, jnp.maximum(batch.targets_BT, 0), n_prompt_logprobs)
     out.update(zip(("prompt_logprob", "prompt_rank", "prompt_top_ids", "prompt_top_vals"), prompt))
     return pages, out
 
 
+def _paged_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, last_B, sp, step_B,
+                n_logprobs, absorbed, fresh=False, sample_mode=None, occ=None, n_prompt_logprobs=None,
+                targets_BT=None, mask_Bw=None, *, plan: ops.ExecPlan):
+    """`_step` over loose arguments (the profiler's and benchmarks' entry; T = 1 with absorbed: decode)."""
+    batch = StepBatch(tokens_BT, positions_BT, block_table_BP, last_B, step_B, sp, targets_BT, mask_Bw)
+    return _step(graphdef, shard, state, pages, batch, occ, kind="decode" if absorbed else "prefill",
+                 n_logprobs=n_logprobs, n_prompt_logprobs=n_prompt_logprobs, fresh=fresh and not absorbed,
+                 sample_mode=sample_mode, plan=plan)
+
+
 def _decode_step(graphdef, shard, state, pages, tokens_B, positions_B, block_table_BP, sp, step_B, n_logprobs,
                  sample_mode=None, mla_schedule=None, occ=None, mask_Bw=None, *, plan: ops.ExecPlan):
-    """`_paged_step` for one token per row (absorbed decode) with tokens_B [B]: the previous step's
-    sampled tokens can be fed as they are (device arrays), so the host never reads them first
-    (overlap scheduling, kimi_jax.engine.scheduler). mla_schedule: this step's MLA decode schedule
-    (`step_schedule`; static: each value is its own compiled step), set on the step's copy of the plan."""
+    """`_step` for one token per row over loose arguments (benchmarks); mla_schedule: the step's MLA
+    decode schedule (`step_schedule`), set on the step's copy of the plan."""
     B = tokens_B.shape[0]
-    return _paged_step(graphdef, shard, state, pages, tokens_B[:, None], positions_B[:, None], block_table_BP,
-                       jnp.zeros((B,), jnp.int32), sp, step_B, n_logprobs, absorbed=True,
-                       sample_mode=sample_mode, occ=occ, mask_Bw=mask_Bw,
-                       plan=dataclasses.replace(plan, mla_schedule=mla_schedule))
+    batch = StepBatch(tokens_B, positions_B[:, None], block_table_BP, jnp.zeros((B,), jnp.int32), step_B, sp,
+                      mask_Bw=mask_Bw)
+    return _step(graphdef, shard, state, pages, batch, occ, kind="decode", n_logprobs=n_logprobs,
+                 sample_mode=sample_mode, plan=dataclasses.replace(plan, mla_schedule=mla_schedule))
 
 
 # A decode step runs the MLA kernels on the balanced schedule (pallas_kernels/mla/decode.py) when its
@@ -172,18 +202,12 @@ def step_schedule(plan: ops.ExecPlan, positions_B) -> Optional[str]:
 
 def _verify_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, n_draft_B, sp, step_B, *,
                  plan: ops.ExecPlan):
-    """Speculative verification: row b feeds [last token, drafts...]; returns (accepted [B], next [B]).
-    Absorbed MLA, as in decode: the same math per query token as a decode step (greedy outputs match
-    decoding without speculation), and on a GPU the decode kernel reads the cache once for all T
-    tokens, so a verification pass costs about one decode pass."""
-    model = nnx.merge(graphdef, state)
-    tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
-    h_BTD, pages = model.hidden_states(tokens_BT, positions_BT, pages, absorbed=True,
-                                       block_table_BP=block_table_BP, plan=plan)
-    logits_BTV = _constrain(_constrain(model.logits(h_BTD, plan), shard.get("logits3")), shard.get("replicated"))
-    n_acc, nxt = verify_drafts(logits_BTV, tokens_BT[:, 1:], n_draft_B, sp, step_B)
-    pages = {k: _constrain(v, shard.get("pages")) for k, v in pages.items()}
-    return pages, tuple(_constrain(o, shard.get("replicated")) for o in (n_acc, nxt))
+    """Speculative verification over loose arguments: absorbed MLA, the same math per query token as a
+    decode step (greedy outputs match decoding without speculation)."""
+    B = tokens_BT.shape[0]
+    batch = StepBatch(tokens_BT, positions_BT, block_table_BP, jnp.zeros((B,), jnp.int32), step_B, sp,
+                      n_draft_B=n_draft_B)
+    return _step(graphdef, shard, state, pages, batch, kind="verify", plan=plan)
 
 
 def _all_logits(graphdef, shard, state, tokens_BT, *, plan: ops.ExecPlan):
@@ -237,8 +261,12 @@ class Engine:
         # the sharding of decode_step_async's output tokens (replicated), which host-fed tokens take too:
         # one compiled decode program serves both feeds from the first step on (jit keys its cache on
         # the inputs' shardings, and host arrays are uncommitted)
-        self._token_sharding = (layout.sharding(jax.sharding.PartitionSpec()) if layout is not None
+        self.token_sharding = (layout.sharding(jax.sharding.PartitionSpec()) if layout is not None
                                 else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        # the one step the runner (kimi_jax.engine.runner) drives: a StepBatch in, the program by kind
+        self.step_jit = jax.jit(functools.partial(_step, self.graphdef, shard),
+                                static_argnames=("kind", "n_logprobs", "n_prompt_logprobs", "fresh", "sample_mode",
+                                                 "plan"), donate_argnames=("pages", "occ"))
         self._decode_step = jax.jit(functools.partial(_decode_step, self.graphdef, shard),
                                     static_argnames=("n_logprobs", "sample_mode", "mla_schedule", "plan"),
                                     donate_argnames=("pages", "occ"))
@@ -319,7 +347,7 @@ class Engine:
         derives it (pass it when sp is reused, to skip the host check)."""
         if not isinstance(tokens_B, jax.Array):
             host = _i32(tokens_B)            # committed like a step's own output tokens (see __init__)
-            tokens_B = jax.make_array_from_callback(host.shape, self._token_sharding, lambda i: host[i])
+            tokens_B = jax.make_array_from_callback(host.shape, self.token_sharding, lambda i: host[i])
         positions_B = _i32(positions_B)
         pages, out = self._decode_step(self.state, pages, tokens_B, positions_B, _i32(block_table_BP), sp,
                                        _i32(steps_B), n_logprobs=n_logprobs,
