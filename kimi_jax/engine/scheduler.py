@@ -12,14 +12,15 @@ from typing import Callable, Optional
 import numpy as np
 
 from kimi_jax.engine import penalties
-from kimi_jax.engine.page_pool import PagePool, chain_hashes
-from kimi_jax.engine.requests import (Request, Row, StepPlan, logprob_dict, n_logprobs,  # noqa: F401
-                                      prompt_entries_left, prompt_targets, score_prompt, validate_prompt)
+from kimi_jax.engine.page_pool import PagePool, cacheable_hashes, chain_hashes
+from kimi_jax.engine.requests import (Request, Row, StepPlan, append_token, logprob_dict,  # noqa: F401
+                                      n_logprobs, prefill_parent, prompt_entries_left, prompt_targets,
+                                      new_request, row_adjust_for, score_prompt, validate_prompt)
 from kimi_jax.engine.runner import CLOSE_WINDOW, Limits, Runner  # noqa: F401
 from kimi_jax.engine.shapes import bucket, table_bucket
 from kimi_jax.engine.steps import Engine
 from kimi_jax.engine.sampling import SamplingParams, key_data_for_seed
-from kimi_jax.engine.speculative import SpeculativeConfig
+from kimi_jax.engine.speculative import SpeculativeConfig, propose_drafts
 from kimi_jax.engine.validation import RequestError, check_request  # noqa: F401
 
 _PASSES = {"prefill": "prefill_passes", "decode": "decode_passes", "verify": "verify_passes"}
@@ -37,8 +38,6 @@ class Scheduler:
                  speculative: Optional[SpeculativeConfig] = None, overlap: bool = False,
                  enable_prefix_caching: bool = False, structured=None, pass_costs: Optional[dict] = None,
                  measure: Optional[Callable] = None):
-        """structured: a StructuredBackend (made from the tokenizer when a request needs one). pass_costs,
-        measure: speculation's per-bucket pass costs and what measures them (`Runner.measure_passes`)."""
         self.vocab_size, self.batch_size, self.dp, self.tokenizer = vocab_size, batch_size, dp, tokenizer
         self.structured = structured
         self.page_size, self.max_num_seqs, self.max_model_len = page_size, max_num_seqs, max_model_len
@@ -65,28 +64,15 @@ class Scheduler:
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "preemptions": 0,
                       "drafted": 0, "accepted": 0, "prefill_passes": 0, "decode_passes": 0, "verify_passes": 0,
                       "cost_calibrations": 0, "overlapped_steps": 0,
-                      # prefix caching, in tokens as vLLM counts them: asked for at admission, found cached
-                      "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+                      "prefix_cache_queries": 0, "prefix_cache_hits": 0}    # tokens, as vLLM counts them
 
     # ---- requests -----------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
                      prompt: Optional[str] = None) -> Request:
         """Validate and build a request; RequestError names what is wrong."""
-        prompt_ids = check_request(prompt_ids, params, vocab_size=self.vocab_size,
-                                   max_model_len=self.max_model_len)
-        if -(-len(prompt_ids) // self.page_size) + 1 > self.pool.per_part:
-            raise RequestError(f"prompt of {len(prompt_ids)} tokens does not fit in the cache "
-                               f"({self.pool.per_part} pages of {self.page_size} tokens"
-                               + (f" per data-parallel rank)" if self.dp > 1 else ")"))
-        stop = set(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stop |= self.eos_ids
-        max_new = min(params.max_tokens or self.max_model_len, self.max_model_len - len(prompt_ids))
-        r = Request(request_id, prompt, [int(t) for t in prompt_ids], params, key_data_for_seed(seed),
-                    frozenset(stop), max_new)
-        r.adjust = self._row_adjust(params, stop)
-        if params.prompt_logprobs is not None:
-            r.prompt_logprobs = [None]
+        r = new_request(request_id, prompt_ids, params, seed, prompt, vocab_size=self.vocab_size,
+                        max_model_len=self.max_model_len, page_size=self.page_size,
+                        pages_per_rank=self.pool.per_part, dp=self.dp, eos_ids=self.eos_ids, tokenizer=self.tokenizer)
         if params.structured_outputs is not None:
             r.structured = self._matcher(params)
         return r
@@ -101,25 +87,10 @@ class Scheduler:
         except StructuredOutputError as e:
             raise RequestError(str(e)) from None
 
-    def _row_adjust(self, params: SamplingParams, stop) -> Optional[penalties.RowAdjust]:
-        vocab = self.vocab_size
-        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
-        if bad:
-            raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        words = []
-        if params.bad_words:
-            if self.tokenizer is None or not hasattr(self.tokenizer, "encode"):
-                raise RequestError("bad_words needs a tokenizer; this model has none")
-            words = penalties.bad_words_token_ids(params.bad_words, self.tokenizer)
-            if any(t >= vocab for w in words for t in w):
-                raise RequestError(f"bad_words tokenize to ids outside the vocabulary [0, {vocab})")
-        return penalties.row_adjust(params, stop, words)
-
     def make_samples(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
                      prompt: Optional[str] = None) -> list[Request]:
-        """The params.num_samples requests of one prompt (n, or best_of), sample i with its own random
-        stream (the seed folded with i: distinct and reproducible) and request id f"{i}_{request_id}"
-        (one sample: the request itself, with the seed's own stream). Queue them with `add_samples`."""
+        """The params.num_samples requests of one prompt (n, or best_of), sample i with the seed folded
+        with i and request id f"{i}_{request_id}" (one sample: the request itself). See `add_samples`."""
         k = params.num_samples
         if k == 1:
             return [self.make_request(request_id, prompt_ids, params, seed, prompt)]
@@ -129,24 +100,13 @@ class Scheduler:
         return reqs
 
     def add_samples(self, reqs: list[Request]) -> None:
-        """Queue one prompt's samples (`make_samples`): its prompt but the last token is prefilled once
-        by a prefill-only request, whose cache pages every sample then starts from (copied); each
-        sample feeds the last prompt token itself and samples its first token from its own stream. A
-        sample that finds no free slot or pages then prefills alone (same tokens)."""
+        """Queue one prompt's samples: all but its last token is prefilled once (`prefill_parent`), and
+        each sample starts from a copy of those pages (`_fork`)."""
         if len(reqs) == 1 or len(reqs[0].prompt_ids) < 2:
             for r in reqs:
                 self.add(r)
             return
-        first = reqs[0]
-        parent = Request(f"prefill_{first.group_id}", first.prompt, first.prompt_ids[:-1],
-                         SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=first.params.prompt_logprobs),
-                         first.key, frozenset(), 0,
-                         prefill_only=True, forks=list(reqs), tail=first.prompt_ids[-1:],
-                         prompt_logprobs=[None] if first.prompt_logprobs is not None else None)
-        now = time.time()
-        for r in reqs:
-            r.arrival_time = r.arrival_time or now
-        self.add(parent)
+        self.add(prefill_parent(reqs))
 
     def add(self, req: Request) -> None:
         if req.arrival_time is None:
@@ -157,11 +117,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def abort(self, request_id: str) -> Optional[Request]:
-        """Stop a waiting or running request now (finish_reason "abort") and free its pages; returns
-        it, or None when no unfinished request has that id. Safe while a decode step that includes it
-        is in flight (overlap scheduling): later steps that could reuse its pages are ordered after that
-        step on the device, and the step's token for it is discarded when read (its finish_reason is
-        set). Call between steps, from the thread that steps."""
+        """Stop a waiting or running request now ("abort") and free its pages; returns it, or None when
+        no unfinished request has that id. Safe with a decode step in flight (its token is discarded);
+        call between steps, from the thread that steps."""
         for r in self.waiting:
             if r.request_id == request_id:
                 self.waiting.remove(r)
@@ -266,7 +224,7 @@ class Scheduler:
                 self._stop(r)
         if not ready:
             return None
-        drafts = {id(r): self._drafts(r) for r in ready}
+        drafts = {id(r): propose_drafts(r, self.drafter, self.spec, self.max_model_len) for r in ready}
         # any drafts worth it: every ready row goes through ONE verification pass (rows without drafts
         # just decode in it), never a decode pass and a verification pass
         speculate = any(drafts.values()) and self._verify_pays(ready, drafts)
@@ -356,33 +314,14 @@ class Scheduler:
             self._free_slots.append(r.pen_slot)
             r.pen_slot = -1
 
-    def _cacheable_hashes(self, r: Request) -> list[bytes]:
-        """Hashes of the pages of r's tokens that a cache hit may cover: full pages before its last
-        token (that token is always computed, for its logits, in a page of its own)."""
-        chain_hashes(r.tokens, self.page_size, r.page_hashes)
-        return r.page_hashes[:(len(r.tokens) - 1) // self.page_size]
-
     def _take_cached_prefix(self, r: Request) -> None:
-        """Extend r's pages, which hold only cached pages, by the cached pages that follow them."""
         if not r.cache_queried:
             r.cache_queried = True
             self.stats["prefix_cache_queries"] += len(r.tokens)
-        more = self.pool.acquire(self._cacheable_hashes(r)[len(r.pages):], r.rank)
-        r.pages += more
-        r.num_computed = r.num_registered = len(r.pages)
-        r.num_computed *= self.page_size
-        self.stats["prefix_cache_hits"] += len(more) * self.page_size
-        if r.num_preemptions == 0:
-            r.num_cached_tokens = r.num_computed
+        self.stats["prefix_cache_hits"] += self.pool.take_cached_prefix(r, self.page_size)
 
     def _register_pages(self, r: Request) -> None:
-        """Cache r's pages that its computed tokens have filled (prefix caching)."""
-        full = min(r.num_computed // self.page_size, len(r.pages))
-        if not self.pool.caching or full <= r.num_registered:
-            return
-        hashes = chain_hashes(r.tokens, self.page_size, r.page_hashes)
-        self.pool.register(r.pages[r.num_registered:full], hashes[r.num_registered:full], r.rank)
-        r.num_registered = full
+        self.pool.register_filled(r, self.page_size)
 
     def _rank_for(self, r: Request) -> Optional[int]:
         """The data-parallel rank a waiting request would join: among those with a free slot and the
@@ -391,14 +330,14 @@ class Scheduler:
         load = collections.Counter(q.rank for q in self.running)
         fits = [k for k in range(self.dp) if load[k] < self.slots_per_rank and first <= self.pool.free_in(k)]
         if self.pool.caching and self.dp > 1 and r.num_computed == 0 and len(fits) > 1:
-            hashes = self._cacheable_hashes(r)
+            hashes = cacheable_hashes(r, self.page_size)
             cached = {k: self.pool.peek(hashes, k) for k in fits}
             return min(fits, key=lambda k: (-cached[k], load[k], -self.pool.free_in(k), k))
         return min(fits, key=lambda k: (load[k], -self.pool.free_in(k), k), default=None)
 
     def _ensure_pages(self, r: Request, upto: int, protected=()) -> bool:
-        """Pages for positions [0, upto); preempt the newest other request (never one already in this
-        step's batch) if the pool is dry. Pages and victims come from r's data-parallel rank."""
+        """Pages for positions [0, upto) from r's rank; preempt its newest other request (never one in
+        this step's batch) while the pool is dry."""
         need = self._pages_short(r, upto)
         while need > 0:
             got = self.pool.take(need, r.rank)
@@ -412,14 +351,12 @@ class Scheduler:
         return True
 
     def _alone(self, r: Request) -> bool:
-        """No other running request holds pages of r's rank: if r cannot get a page now, none will
-        ever be freed for it."""
+        """No other running request holds pages of r's rank (none will ever be freed for it)."""
         return not any(v is not r and v.rank == r.rank for v in self.running)
 
     def _stop_at_pool_limit(self, r: Request) -> Request:
         """Finish r where it is ("length"): it has outgrown the page pool of its rank."""
-        r.finish_reason = "length"
-        r.finished_time = time.time()
+        r.finish_reason, r.finished_time = "length", time.time()
         return r
 
     def _pages_short(self, r: Request, upto: int) -> int:
@@ -451,8 +388,8 @@ class Scheduler:
         return B, slots
 
     def _fork(self, p: Request) -> None:
-        """A samples group's prefill is done: each sample starts from copies of its pages (positions
-        up to the prompt's last token), or, with no free slot or pages, waits to prefill alone."""
+        """A samples group's prefill is done: each sample starts from copies of its pages, or, with no
+        free slot or pages, waits to prefill alone."""
         self._leave(p)
         src, dst, late = [], [], []
         for c in p.forks:
@@ -529,7 +466,7 @@ class Scheduler:
         return finished
 
     def _ends_in_flight(self, r: Request) -> bool:
-        """The step in flight gives r its last token (max_tokens / max_model_len): known on the host."""
+        """The step in flight gives r its last token (max_tokens / max_model_len)."""
         return len(r.output_ids) + 1 >= r.max_new
 
     def _admissible(self) -> bool:
@@ -539,12 +476,8 @@ class Scheduler:
         return self._rank_for(self.waiting[0]) is not None
 
     def _verify_pays(self, ready: list[Request], drafts: dict) -> bool:
-        """Verify when it is expected to yield more tokens per second than a decode pass:
-        (n + A) / t_verify > n / t_decode, i.e. A > n (t_verify / t_decode - 1), for n ready rows and A
-        the expected accepted drafts (each request's acceptance estimate, real and shadow attempts).
-        The pass costs are measured once per engine and batch / page-table bucket (`_pass_costs`), so
-        the decision does not depend on per-step timings: on a memory-bound GPU t_verify ~ t_decode
-        and little acceptance pays; on a compute-bound CPU t_verify ~ (k + 1) t_decode and few do."""
+        """Verify when A > n (t_verify / t_decode - 1): n ready rows, A their expected accepted drafts,
+        the pass costs measured once per batch / page-table bucket (`_pass_costs`)."""
         if not self.spec.adaptive:
             return True
         t_decode, t_verify = self._pass_costs(ready)
@@ -563,56 +496,9 @@ class Scheduler:
             self.stats["cost_calibrations"] += 1
         return self.pass_costs[key]
 
-    def _drafts(self, r: Request) -> list[int]:
-        """Draft tokens for a decode-ready request (none without speculation, with logprobs, or near
-        the end of its budget). Also scores the request's pending shadow drafts."""
-        if (self.drafter is None or r.params.logprobs is not None or r.adjust is not None or r.prefill_only
-                or r.structured is not None):
-            return []
-        st = r.spec
-        if st.index is None:
-            st.index = self.drafter.index()
-        st.index.extend(r.prompt_ids, r.output_ids)
-        st.check_shadow(r.output_ids)
-        room = min(r.max_new - len(r.output_ids), self.max_model_len - len(r.tokens)) - 1
-        k = min(self.spec.num_speculative_tokens, room)
-        return st.index.propose(k) if k > 0 else []
-
     def _append(self, r: Request, t: int, out=None, b: int = 0) -> None:
-        r.output_ids.append(t)
-        now = time.time()
-        if r.first_token_time is None:
-            r.first_token_time = now
         self.stats["generated_tokens"] += 1
-        if out is not None and out.logprob is not None:
-            r.cumulative_logprob += float(out.logprob[b])
-            if r.params.logprobs is not None:
-                k = r.params.logprobs
-                r.logprobs.append(logprob_dict(t, out.logprob[b], out.rank[b], out.top_ids[b][:k],
-                                                out.top_vals[b][:k]))
-        if r.structured is not None and t not in r.stop_ids:
-            r.structured.accept(t)
-        if t in r.stop_ids:
-            r.finish_reason, r.stop_reason = "stop", t
-        elif r.structured is not None and (r.structured.is_finished() or r.structured.is_error()):
-            # the grammar is complete (only a stop token could follow; e.g. ignore_eos) or broken
-            r.finish_reason = "stop"
-        elif r.params.stop_strings and self.tokenizer is not None and self._hit_stop(r):
-            r.finish_reason = "stop"
-        elif len(r.output_ids) >= r.max_new:
-            r.finish_reason = "length"
-        if r.finish_reason is not None:
-            r.finished_time = now
-
-    def _hit_stop(self, r: Request) -> bool:
-        text = self.tokenizer.decode(r.output_ids, skip_special_tokens=r.params.skip_special_tokens)
-        hits = [(text.find(s), s) for s in r.params.stop_strings if s in text]
-        if not hits:
-            return False
-        k, s = min(hits)
-        r.text = text[: k + len(s)] if r.params.include_stop_str_in_output else text[:k]
-        r.stop_reason = s
-        return True
+        append_token(r, t, out, b, self.tokenizer)
 
     def _unblock(self) -> Request:
         """Finish the first running (else waiting) request at the pool's limit and free its pages."""
@@ -635,21 +521,9 @@ class BatchEngine(Scheduler):
         self.runner = Runner(engine, num_pages=self.pool.num_pages, page_size=page_size, cache_dtype=cache_dtype,
                              max_num_seqs=max_num_seqs, max_logprobs=max_logprobs)
 
-    @property
-    def pages(self):
-        return self.runner.pages
-
-    @pages.setter
-    def pages(self, value):
-        self.runner.pages = value
-
-    @property
-    def occ(self):
-        return self.runner.occ
-
-    @property
-    def _inflight(self):
-        return self.runner.inflight
+    pages = property(lambda self: self.runner.pages, lambda self, v: setattr(self.runner, "pages", v))
+    occ = property(lambda self: self.runner.occ)
+    _inflight = property(lambda self: self.runner.inflight)
 
     def step(self) -> list[Request]:
         """One iteration: its plans run in turn; returns the requests that finished. With overlap
@@ -680,13 +554,10 @@ class BatchEngine(Scheduler):
                       self.max_prefill_tokens, self.runner.max_logprobs,
                       self.spec.num_speculative_tokens if self.spec else 0, pages_per_rank=self.pool.per_part)
 
-    def programs(self) -> list:
-        """The step programs this engine can run (`Runner.programs` at `limits()`)."""
-        return self.runner.programs(self.limits())
-
     def precompile(self, progress: Optional[Callable] = None) -> int:
-        """Compile every program of `programs()` (the pool is left as it is); returns how many."""
-        programs = self.programs()
+        """Compile every program this engine can run (`Runner.programs` at `limits()`; the pool is left
+        as it is); returns how many."""
+        programs = self.runner.programs(self.limits())
         self.runner.precompile(programs, progress)
         return len(programs)
 
@@ -695,10 +566,8 @@ class BatchEngine(Scheduler):
             feed: Optional[Callable[[], bool]] = None) -> None:
         """Step until every request is done. `feed()` is called whenever slots are free so a caller
         can add requests lazily (returns False when it has no more)."""
-        bar, t0 = None, time.perf_counter()
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(desc="requests", unit="req", total=None)
+        t0 = time.perf_counter()
+        bar = __import__("tqdm").tqdm(desc="requests", unit="req", total=None) if progress else None
         more = feed is not None
         idle = 0                  # consecutive steps that ran no pass and finished nothing
         while True:
@@ -719,8 +588,7 @@ class BatchEngine(Scheduler):
                     on_finish(r)
                 if bar is not None:
                     bar.update(1)
-                    dt = max(time.perf_counter() - t0, 1e-9)
-                    bar.set_postfix(tok_s=f"{self.stats['generated_tokens'] / dt:.1f}",
+                    bar.set_postfix(tok_s=f"{self.stats['generated_tokens'] / max(time.perf_counter() - t0, 1e-9):.1f}",
                                     running=len(self.running))
         for r in self.drain():      # a step past every request's end: nothing left to report
             if on_finish is not None:
