@@ -35,15 +35,16 @@ class Limits:
     max_prefill_tokens: int
     max_logprobs: int = 20
     speculative_tokens: int = 0           # drafts per verification pass (0: no speculation)
-    structured: bool = True               # structured outputs (a token-mask variant of each program)
-    adjust: bool = True                   # logits adjustments (bias-only and penalty variants)
     pages_per_rank: Optional[int] = None  # a row can hold at most this many pages
 
 
 @dataclasses.dataclass(frozen=True)
 class ProgramKey:
     """One compiled step program: the static arguments and padded shapes of `Engine.step_jit`.
-    logprobs / prompt_logprobs: top-n returned (None: none); adjust: None, 'bias' or 'penalties'."""
+    logprobs: None for a plain program; else an extras program, which serves every row that wants
+    logprobs (top-n, n <= logprobs), logits adjustments or a token mask: all rows get the adjustments
+    (no-ops for rows without), a mask (all tokens for unconstrained rows) and the filtered sampler.
+    prompt_logprobs: top-n of every position (extras programs only)."""
     kind: str
     batch: int
     width: int
@@ -52,8 +53,6 @@ class ProgramKey:
     sampled: bool = False
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
-    adjust: Optional[str] = None
-    structured: bool = False
     mla_schedule: Optional[str] = None
 
 
@@ -61,7 +60,7 @@ class ProgramKey:
 class _InFlight:
     plan: StepPlan
     out: dict
-    sp: SamplingArrays
+    batch: StepBatch
     key: ProgramKey
 
 
@@ -95,7 +94,8 @@ class Runner:
         if plan.chained:
             f = self.inflight
             batch = self._layout_chained(plan, f)
-            key = f.key
+            key = dataclasses.replace(f.key, table=plan.table, mla_schedule=step_schedule(
+                self.engine.plan, np.asarray(batch.positions_BT)[:, 0]))
         else:
             batch, key = self.layout(plan, structured)
         out = self._call(batch, key)
@@ -104,7 +104,7 @@ class Runner:
         for o in out.values():
             if o.is_fully_addressable:
                 o.copy_to_host_async()
-        prev, self.inflight = self.inflight, _InFlight(plan, out, batch.sp, key)
+        prev, self.inflight = self.inflight, _InFlight(plan, out, batch, key)
         return [] if prev is None or not plan.chained else [(prev.plan, _host(prev.out))]
 
     def drain(self) -> list[tuple[StepPlan, object]]:
@@ -131,24 +131,24 @@ class Runner:
             if r.adjust is not None:        # (adjustments, bans by the output so far, slot, counts)
                 adjust[b] = (r.adjust, penalties.banned_now(r.adjust.bad_words, r.output_ids), r.pen_slot,
                              int(row.start + row.n == len(r.tokens)))
-        adj = None
-        if any(a is not None for a in adjust) and plan.kind != "verify":
-            adj = penalties.build(adjust, self.max_num_seqs, ADJUST_ENTRIES, ADJUST_STOPS)
-        sp = SamplingArrays.build(params, None, keys=keys, adjust=adj)
         reqs = [row.req for row in plan.live]
-        n_lp = self._top(n_logprobs(reqs)) if plan.kind != "verify" else None
-        n_plp, targets = (prompt_targets([(row.req, row.n) for row in plan.live], [row.slot for row in plan.live],
-                                         (B, T)) if plan.kind != "verify" else (None, None))
-        mask = self._mask(plan, structured) if plan.kind != "verify" else None
-        n_draft = None
-        if plan.kind == "verify":
+        verify = plan.kind == "verify"
+        n_plp, targets = (None, None) if verify else prompt_targets(
+            [(row.req, row.n) for row in plan.live], [row.slot for row in plan.live], (B, T))
+        n_lp = n_logprobs(reqs)
+        extras = not verify and (n_lp is not None or n_plp is not None
+                                 or any(a is not None for a in adjust) or any(r.structured is not None for r in reqs))
+        adj = mask = n_draft = None
+        if extras:
+            adj = penalties.build(adjust, self.max_num_seqs, ADJUST_ENTRIES, ADJUST_STOPS, with_penalties=True)
+            mask = self._mask(plan, structured)
+        if verify:
             n_draft = np.zeros((B,), np.int32)
             n_draft[[row.slot for row in plan.live]] = [len(row.tokens) - 1 for row in plan.live]
+        sp = SamplingArrays.build(params, None, keys=keys, adjust=adj)
         key = ProgramKey(plan.kind, B, T, P, fresh=plan.kind == "prefill" and is_fresh(positions),
-                         sampled=plan.kind != "verify" and sample_mode_of(sp) != "greedy", logprobs=n_lp,
-                         prompt_logprobs=self._top(n_plp),
-                         adjust=None if adj is None else "penalties" if adj.has_penalties else "bias",
-                         structured=mask is not None,
+                         sampled=extras or (not verify and sample_mode_of(sp) != "greedy"),
+                         logprobs=self._top(n_lp or 0) if extras else None, prompt_logprobs=self._top(n_plp),
                          mla_schedule=step_schedule(self.engine.plan, positions[:, 0]) if plan.kind == "decode" else None)
         batch = StepBatch(self._decode_tokens(tokens[:, 0]) if plan.kind == "decode" else tokens, positions, table,
                           last, steps, sp, targets, mask, n_draft)
@@ -164,7 +164,8 @@ class Runner:
         for row in plan.live:
             positions[row.slot, 0], steps[row.slot] = row.start, row.step
             table[row.slot, :len(row.pages)] = row.pages
-        return StepBatch(f.out["tokens"], positions, table, np.zeros((B,), np.int32), steps, f.sp)
+        return dataclasses.replace(f.batch, tokens=f.out["tokens"], positions_BT=positions, block_table_BP=table,
+                                   step_B=steps)
 
     def _top(self, n: Optional[int]) -> Optional[int]:
         """Top logprobs a program returns: max_logprobs for any request within it (sliced on the host),
@@ -176,11 +177,11 @@ class Runner:
         return jax.make_array_from_callback(host_B.shape, self.engine.token_sharding, lambda i: host_B[i])
 
     def _mask(self, plan: StepPlan, structured) -> Optional[np.ndarray]:
-        """The step's packed token bitmask [B, ceil(V / 32)] when some row is constrained; a row near the
-        end of its budget narrows its mask to a greedy close."""
+        """The step's packed token bitmask [B, ceil(V / 32)] (unconstrained rows: every token); a row
+        near the end of its budget narrows its mask to a greedy close."""
         rows = [row for row in plan.live if row.req.structured is not None]
         if not rows or structured is None:
-            return None
+            return np.full((plan.batch, -(-self.engine.cfg.vocab_size // 32)), -1, np.int32)
         matchers = [None] * plan.batch
         for row in rows:
             matchers[row.slot] = row.req.structured
@@ -193,7 +194,7 @@ class Runner:
 
     def _call(self, batch: StepBatch, key: ProgramKey):
         eng = self.engine
-        occ = self.occurrences().pool if key.adjust == "penalties" else None
+        occ = self.occurrences().pool if key.logprobs is not None else None
         plan = eng.plan if key.mla_schedule == eng.plan.mla_schedule else dataclasses.replace(
             eng.plan, mla_schedule=key.mla_schedule)
         self.pages, out = eng.step_jit(eng.state, self.pages, batch, occ, kind=key.kind, n_logprobs=key.logprobs,
@@ -206,30 +207,27 @@ class Runner:
 
     # ---- the program set ------------------------------------------------------------------------
     def programs(self, limits: Limits) -> list[ProgramKey]:
-        """Every step program a workload within `limits` can run. Sampling: greedy and one sampled
-        program ('filtered' serves unfiltered rows too, its sort unmeasurable on CPU; confirm on GPU);
-        logprobs 0 .. max_logprobs share one program (`_top`)."""
+        """Every step program a workload within `limits` can run: per padded shape a greedy and a
+        sampled plain program and the extras programs (without and with prompt logprobs). The extras
+        programs' adjustments, mask and sort cost [B, V] element-wise work per step, unmeasurable on CPU
+        next to the model (confirm on GPU)."""
         dp = self.engine.dp
-        per_rank = -(-limits.max_num_seqs // dp)
-        batches = sorted({self.engine.batch_size(dp * c) for c in range(1, per_rank + 1)})
+        batches = sorted({self.engine.batch_size(dp * c) for c in range(1, -(-limits.max_num_seqs // dp) + 1)})
         max_pages = -(-(limits.max_model_len + 1) // limits.page_size)
         if limits.pages_per_rank is not None:
             max_pages = min(max_pages, limits.pages_per_rank)
         tables = sorted({table_bucket(p, limits.page_size) for p in range(1, max_pages + 1)})
         chunk = min(limits.prefill_chunk, limits.max_prefill_tokens, limits.max_model_len)
-        widths = sorted({bucket(n, 16) for n in range(2, chunk + 1)})
-        lp = [None, self._top(limits.max_logprobs)]
-        adjust = [None, "bias", "penalties"] if limits.adjust else [None]
-        structured = [False, True] if limits.structured else [False]
-        pallas_schedules = [None, "balanced"] if self.engine.plan.pallas and self.engine.plan.mla_schedule is None \
-            else [self.engine.plan.mla_schedule]
+        shapes = [("decode", 1, False)] + [("prefill", T, fresh) for T in sorted({bucket(n, 16) for n in range(2, chunk + 1)})
+                                           for fresh in (False, True)]
+        n_lp = self._top(limits.max_logprobs)
+        variants = [(False, None, None), (True, None, None), (True, n_lp, None), (True, n_lp, n_lp)]
+        plan = self.engine.plan
+        schedules = [None, "balanced"] if plan.pallas and plan.mla_schedule is None else [plan.mla_schedule]
         out = []
-        for B, P, sampled, n_lp, plp, adj, st in itertools.product(batches, tables, (False, True), lp, lp, adjust,
-                                                                     structured):
-            for sched in pallas_schedules:
-                out.append(ProgramKey("decode", B, 1, P, False, sampled, n_lp, plp, adj, st, sched))
-            for T, fresh in itertools.product(widths, (False, True)):
-                out.append(ProgramKey("prefill", B, T, P, fresh, sampled, n_lp, plp, adj, st))
+        for B, P, (kind, T, fresh), (sampled, lp, plp) in itertools.product(batches, tables, shapes, variants):
+            for sched in (schedules if kind == "decode" else [None]):
+                out.append(ProgramKey(kind, B, T, P, fresh, sampled, lp, plp, sched))
         if limits.speculative_tokens:
             out += [ProgramKey("verify", B, limits.speculative_tokens + 1, P) for B in batches for P in tables]
         return out
@@ -241,23 +239,22 @@ class Runner:
             jax.block_until_ready(self._call(self._dummy(key), key))
             if progress is not None:
                 progress(i + 1, len(programs), key)
+        occ = self.occurrences()           # its row write, at the padding slot (which stays zero)
+        self.engine.set_occurrences(occ, occ.pad_slot, np.zeros((self.engine.cfg.vocab_size,), np.int32))
 
     def _dummy(self, key: ProgramKey) -> StepBatch:
         """Padding rows in the layout of key's program."""
         B, T, P = key.batch, key.width, key.table
         z = np.zeros((B,), np.int32)
-        params = [SamplingParams(temperature=1.0 if key.sampled else 0.0, top_p=0.5 if key.sampled else 1.0)] * B
-        adj = None
-        if key.adjust is not None:
-            row = penalties.RowAdjust({0: 0.0}, (), 0, 1.0, 0.0, 0.0, ())
-            slot = self.max_num_seqs if key.adjust == "penalties" else -1
-            adj = penalties.build([(row, [], slot, 0)] * B, self.max_num_seqs, ADJUST_ENTRIES, ADJUST_STOPS)
-        sp = SamplingArrays.build(params, None, keys=np.zeros((B, 2), np.uint32), adjust=adj)
+        adj = mask = None
+        if key.logprobs is not None:
+            adj = penalties.build([None] * B, self.max_num_seqs, ADJUST_ENTRIES, ADJUST_STOPS, with_penalties=True)
+            mask = np.full((B, -(-self.engine.cfg.vocab_size // 32)), -1, np.int32)
+        sp = SamplingArrays.build([SamplingParams(temperature=0.0)] * B, None, keys=np.zeros((B, 2), np.uint32),
+                                  adjust=adj)
         tokens = self._decode_tokens(z) if key.kind == "decode" else np.zeros((B, T), np.int32)
-        w = -(-self.engine.cfg.vocab_size // 32)
         return StepBatch(tokens, np.full((B, T), -1, np.int32), np.zeros((B, P), np.int32), z, z, sp,
-                         np.full((B, T), -1, np.int32) if key.prompt_logprobs is not None else None,
-                         np.full((B, w), -1, np.int32) if key.structured else None,
+                         np.full((B, T), -1, np.int32) if key.prompt_logprobs is not None else None, mask,
                          z if key.kind == "verify" else None)
 
     # ---- speculation's pass costs ---------------------------------------------------------------
@@ -267,7 +264,7 @@ class Runner:
         last token, so nothing is written beyond the rows' cache)."""
         dec, dkey = self.layout(decode)
         dec = dataclasses.replace(dec, sp=dataclasses.replace(dec.sp, adjust=None), targets_BT=None, mask_Bw=None)
-        dkey = dataclasses.replace(dkey, adjust=None, logprobs=None, prompt_logprobs=None, structured=False)
+        dkey = dataclasses.replace(dkey, logprobs=None, prompt_logprobs=None)
         ver, vkey = self.layout(verify)
         runs = [lambda: jax.block_until_ready(self._call(dec, dkey)), lambda: jax.block_until_ready(self._call(ver, vkey))]
         for f in runs:

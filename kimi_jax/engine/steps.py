@@ -271,7 +271,7 @@ class Engine:
                                     static_argnames=("n_logprobs", "sample_mode", "mla_schedule", "plan"),
                                     donate_argnames=("pages", "occ"))
         self._set_occ_row = jax.jit(lambda pool, slot, row: pool.at[slot].set(row), donate_argnums=0,
-                                    out_shardings=shard.get("replicated"))
+                                    out_shardings=self.token_sharding)
         self._copy_pages = jax.jit(lambda pages, src, dst: {k: v.at[:, dst].set(v[:, src]) for k, v in pages.items()},
                                    donate_argnums=0)
 
@@ -321,9 +321,9 @@ class Engine:
 
     def new_occurrences(self, num_slots: int) -> Occurrences:
         """A zeroed occurrence pool for num_slots penalty slots (plus the padding slot)."""
-        sharding = self._shard.get("replicated")
-        make = lambda: jnp.zeros((num_slots + 1, self.cfg.vocab_size), jnp.int32)
-        return Occurrences(make() if sharding is None else jax.jit(make, out_shardings=sharding)(), num_slots)
+        make = lambda: jnp.zeros((num_slots + 1, self.cfg.vocab_size), jnp.int32)  # noqa: E731
+        # committed as the steps return it (replicated), so its first step is the program of the rest
+        return Occurrences(jax.jit(make, out_shardings=self.token_sharding)(), num_slots)
 
     def set_occurrences(self, occ: Occurrences, slot: int, row_V: np.ndarray) -> None:
         """Write one slot's row (penalties.occurrence_row), ordered after every step dispatched before."""
