@@ -59,7 +59,7 @@ class OpenAIServer:
         self.tokenizer = llm.tokenizer
         self.model_name = served_model_name or llm.model_path or "kimi-jax"
         self.api_key = api_key or None
-        self.engine = AsyncLLM(llm, max_queue=max_queue)
+        self.engine = AsyncLLM(llm.batch_engine(), max_queue=max_queue)
         self.metrics = ServerMetrics(self.engine, self.model_name)
         self.ready = False
         self.draining = False
