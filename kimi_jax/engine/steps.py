@@ -1,13 +1,11 @@
-"""The jitted model steps the schedulers drive.
+"""The jitted model steps the runner drives.
 
-The model is split once into (graphdef, state); each step is a pure jitted function of the state,
-compiled once per shape bucket, with the cache donated: `_paged_step` (prefill chunks and decode over
-the paged latent cache), `_verify_step` (speculative verification), `_all_logits` (LLM.logits) and
-`_decode` (one decode step over a contiguous cache, for the profiler and planner). The engine's
-ExecPlan (kimi_jax.ops.ExecPlan: kernels, attention paths, layer loop) is a static argument of every
-step: it is part of each step's compile cache key. The generation loop (kimi_jax.engine.scheduler) runs
-on the host and only appends tokens and checks stop conditions.
-"""
+The model is split once into (graphdef, state); each step is a pure jitted function of the state with
+the cache donated: `_step` (one StepBatch: prefill chunks, decode or speculative verification over the
+paged cache; `Engine.step_jit`), its loose-argument forms for the profiler and benchmarks
+(`paged_step_jit`, `decode_step_async`, `verify_step`), `_all_logits` (LLM.logits) and `_decode` (a
+contiguous cache, the profiler's and planner's reference). The ExecPlan (kimi_jax.ops.ExecPlan) is a
+static argument of every step, part of its compile cache key."""
 from __future__ import annotations
 
 import dataclasses
@@ -57,9 +55,8 @@ _OCC = "occurrences"      # the updated pool's key among a step's outputs (taken
 
 
 def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None, occ=None, mask_Bw=None):
-    # The logits are first pinned vocab-split (each device multiplies its lm_head rows): without that,
-    # XLA:GPU's partitioner all-gathered the whole lm_head weight (3.5 GB, 4 ms per step under TP2 on
-    # two H200s) to produce the replicated logits directly.
+    # pinned vocab-split first, so each device multiplies its own lm_head rows (BENCHMARKS.md, 'Engine
+    # decode step': otherwise the partitioner all-gathers the whole lm_head weight)
     logits_BV = _constrain(logits_BV, shard.get("logits2"))
     # one all-gather of the (vocab-split) logits; sorting / cumsum over a sharded vocab would compile
     # to sequential loops and many small collectives
@@ -168,15 +165,9 @@ def _decode_step(graphdef, shard, state, pages, tokens_B, positions_B, block_tab
                  sample_mode=sample_mode, plan=dataclasses.replace(plan, mla_schedule=mla_schedule))
 
 
-# A decode step runs the MLA kernels on the balanced schedule (pallas_kernels/mla/decode.py) when its
-# rows' cached tokens total at least BALANCE_MIN_TOKENS and the longest row holds at least
-# BALANCE_MIN_SKEW times the mean. Measured per layer on the H200 (BENCHMARKS.md, 'MLA decode with rows of
-# mixed lengths'; the equal-row and low-skew cases by `kimi-bench mla --balanced`): one
-# long row among short ones (totals 96K-192K tokens, skew 4-22) 1.4-7.3x faster balanced (0.2-0.5 ms
-# per layer inside the engine's step); equal rows (skew 1) stay on the rows schedule, where balanced
-# is slower at 4K; at skew 1.2-1.9 (totals 70K-264K) the rows schedule was as fast or faster at 8
-# heads and up to skew 1.5 at 64 heads (64 heads at 1.9: balanced 1.12-1.36x); of two 46K-token
-# skewed batches one was 1.8x faster (64 heads), the other 5% slower (8 heads).
+# A decode step runs the MLA kernels on the balanced schedule when its rows' cached tokens total at
+# least BALANCE_MIN_TOKENS and the longest row holds at least BALANCE_MIN_SKEW times the mean
+# (BENCHMARKS.md, 'MLA decode with rows of mixed lengths').
 BALANCE_MIN_TOKENS = 1 << 16
 BALANCE_MIN_SKEW = 2.0
 
@@ -383,8 +374,7 @@ def is_fresh(positions_BT) -> bool:
 
 
 def _i32(a) -> np.ndarray:
-    """Step inputs stay numpy: jit takes them through its C++ fast path (a jnp.asarray per input cost
-    about 0.15 ms each on the host)."""
+    """Step inputs stay numpy: jit takes them through its C++ fast path."""
     return np.asarray(a, np.int32)
 
 
