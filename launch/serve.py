@@ -46,7 +46,8 @@ flags.DEFINE_string("tokenizer", None, "tokenizer directory (default: the model'
 flags.DEFINE_string("speculative_config", None, "speculative decoding as JSON, e.g. "
                     "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'")
 flags.DEFINE_bool("async_scheduling", True, "overlap scheduling (off with speculation)")
-flags.DEFINE_bool("precompile", True, "compile the serving programs before reporting ready")
+flags.DEFINE_bool("precompile", False, "compile every serving program the limits can reach before reporting "
+                  "ready (Runner.programs; README 'Start-up')")
 flags.DEFINE_float("shutdown_grace_s", 30.0, "seconds in-flight requests get to finish after SIGTERM")
 flags.DEFINE_bool("metrics_need_key", False, "require the API key on /metrics too (it names the served model)")
 flags.DEFINE_integer("max_body_bytes", 64 * 2**20, "largest request body (413 beyond)")

@@ -20,6 +20,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import random
 import threading
 import time
 from typing import AsyncIterator, Optional
@@ -57,12 +58,12 @@ class _Tracked:
 
 
 class AsyncLLM:
-    """Serves one LLM's BatchEngine from a background thread. `start()` from inside a running event
-    loop; `generate` streams a request's Deltas."""
+    """Serves a BatchEngine from a background thread. `start()` from inside a running event loop;
+    `generate` streams a request's Deltas. seed: the stream that seeds requests without their own."""
 
-    def __init__(self, llm, *, max_queue: Optional[int] = None, engine: Optional[BatchEngine] = None):
-        self.llm = llm
-        self.engine = engine if engine is not None else llm.batch_engine()
+    def __init__(self, engine: BatchEngine, *, seed: int = 0, max_queue: Optional[int] = None):
+        self.engine = engine
+        self._seeds = random.Random(seed)
         self.max_queue = max_queue
         self._cv = threading.Condition()
         self._inbox: collections.deque[_Tracked] = collections.deque()
@@ -113,7 +114,7 @@ class AsyncLLM:
                      seed: Optional[int] = None, prompt: Optional[str] = None) -> Request:
         """A validated request (RequestError names what is wrong); seed None draws one."""
         if seed is None:
-            seed = params.seed if params.seed is not None else self.llm._rng.getrandbits(31)
+            seed = params.seed if params.seed is not None else self._seeds.getrandbits(31)
         return self.engine.make_request(request_id, prompt_ids, params, seed, prompt=prompt)
 
     def submit(self, req: Request, queue: Optional[asyncio.Queue] = None) -> asyncio.Queue:

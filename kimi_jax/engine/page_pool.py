@@ -145,3 +145,30 @@ class PagePool:
                 continue
             table[h] = p
             hash_of[p] = h
+
+    def take_cached_prefix(self, r, page_size: int) -> int:
+        """Extend request r's pages, which hold only cached pages, by the cached pages that follow them;
+        returns the tokens found cached."""
+        more = self.acquire(cacheable_hashes(r, page_size)[len(r.pages):], r.rank)
+        r.pages += more
+        r.num_computed = r.num_registered = len(r.pages)
+        r.num_computed *= page_size
+        if r.num_preemptions == 0:
+            r.num_cached_tokens = r.num_computed
+        return len(more) * page_size
+
+    def register_filled(self, r, page_size: int) -> None:
+        """Cache request r's pages that its computed tokens have filled (with caching)."""
+        full = min(r.num_computed // page_size, len(r.pages))
+        if not self.caching or full <= r.num_registered:
+            return
+        hashes = chain_hashes(r.tokens, page_size, r.page_hashes)
+        self.register(r.pages[r.num_registered:full], hashes[r.num_registered:full], r.rank)
+        r.num_registered = full
+
+
+def cacheable_hashes(r, page_size: int) -> list[bytes]:
+    """Hashes of the pages of request r's tokens that a cache hit may cover: full pages before its last
+    token (that token is always computed, for its logits, in a page of its own)."""
+    chain_hashes(r.tokens, page_size, r.page_hashes)
+    return r.page_hashes[:(len(r.tokens) - 1) // page_size]

@@ -121,15 +121,17 @@ def banned_now(bad_words: Sequence[Sequence[int]], output_ids: Sequence[int]) ->
     return out
 
 
-def build(rows: Sequence[Optional[tuple[RowAdjust, list[int], int, int]]], penalty_pad_slot: int) -> LogitsAdjust:
+def build(rows: Sequence[Optional[tuple[RowAdjust, list[int], int, int]]], penalty_pad_slot: int,
+          min_entries: int = 4, min_stops: int = 4, with_penalties: bool = False) -> LogitsAdjust:
     """Host arrays for a batch: rows[b] = (RowAdjust, banned ids now, occurrence slot or -1, counts)
     or None (a row that adjusts nothing, or padding). The entry and stop-id counts are bucketed to powers of
-    two (few compiled shapes)."""
+    two, at least min_entries and min_stops (few compiled shapes); with_penalties: the penalty fields
+    even when no row has penalties (rows without: no-ops at the padding slot)."""
     from kimi_jax.engine.shapes import bucket
     B = len(rows)
     entries = [[] if r is None else [*r[0].bias.items(), *[(t, -np.inf) for t in r[1]]] for r in rows]
-    n_bias = bucket(max(len(e) for e in entries), 4)
-    n_stop = bucket(max((len(r[0].stop_ids) for r in rows if r is not None), default=1), 4)
+    n_bias = bucket(max(len(e) for e in entries), min_entries)
+    n_stop = bucket(max((len(r[0].stop_ids) for r in rows if r is not None), default=1), min_stops)
     bias_ids = np.full((B, n_bias), PAD_ID, np.int32)
     bias_vals = np.zeros((B, n_bias), np.float32)
     stop = np.full((B, n_stop), PAD_ID, np.int32)
@@ -142,7 +144,7 @@ def build(rows: Sequence[Optional[tuple[RowAdjust, list[int], int, int]]], penal
             stop[b, :len(r[0].stop_ids)] = r[0].stop_ids
             min_tokens[b] = r[0].min_tokens
     adj = LogitsAdjust(bias_ids, bias_vals, min_tokens, stop)
-    if not any(r is not None and r[2] >= 0 for r in rows):
+    if not with_penalties and not any(r is not None and r[2] >= 0 for r in rows):
         return adj
     rep = np.ones((B,), np.float32)
     freq, pres = np.zeros((B,), np.float32), np.zeros((B,), np.float32)

@@ -3,14 +3,15 @@ host side of logprobs and prompt logprobs."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Optional
 
 import numpy as np
 
 from kimi_jax.engine import penalties
-from kimi_jax.engine.sampling import Logprob, SamplingParams
+from kimi_jax.engine.sampling import Logprob, SamplingParams, key_data_for_seed
 from kimi_jax.engine.speculative import SpecState
-from kimi_jax.engine.validation import RequestError, check_prompt_ids
+from kimi_jax.engine.validation import RequestError, check_prompt_ids, check_request
 
 
 @dataclasses.dataclass
@@ -117,3 +118,127 @@ def score_prompt(r: Request, out, b: int, start: int, n: int) -> None:
         r.prompt_logprobs.append(logprob_dict(
             full[p + 1], out.prompt_logprob[b, j], out.prompt_rank[b, j], out.prompt_top_ids[b, j][:k],
             out.prompt_top_vals[b, j][:k]))
+
+
+def append_token(r: Request, t: int, out=None, b: int = 0, tokenizer=None) -> None:
+    """Append one output token (out, row b: its logprobs) and set r's finish reason when it ends."""
+    r.output_ids.append(t)
+    now = time.time()
+    if r.first_token_time is None:
+        r.first_token_time = now
+    if out is not None and out.logprob is not None:
+        r.cumulative_logprob += float(out.logprob[b])
+        if r.params.logprobs is not None:
+            k = r.params.logprobs
+            r.logprobs.append(logprob_dict(t, out.logprob[b], out.rank[b], out.top_ids[b][:k],
+                                            out.top_vals[b][:k]))
+    if r.structured is not None and t not in r.stop_ids:
+        r.structured.accept(t)
+    if t in r.stop_ids:
+        r.finish_reason, r.stop_reason = "stop", t
+    elif r.structured is not None and r.structured.is_finished():
+        r.finish_reason = "stop"        # the grammar is complete (only a stop token could follow)
+    elif r.structured is not None and r.structured.is_error():
+        r.finish_reason = "length"      # broken: the output is not a complete one
+    elif r.params.stop_strings and tokenizer is not None and _hit_stop(r, tokenizer):
+        r.finish_reason = "stop"
+    elif len(r.output_ids) >= r.max_new:
+        r.finish_reason = "length"
+    if r.finish_reason is not None:
+        r.finished_time = now
+
+
+def _hit_stop(r: Request, tokenizer) -> bool:
+    text = tokenizer.decode(r.output_ids, skip_special_tokens=r.params.skip_special_tokens)
+    hits = [(text.find(s), s) for s in r.params.stop_strings if s in text]
+    if not hits:
+        return False
+    k, s = min(hits)
+    r.text = text[: k + len(s)] if r.params.include_stop_str_in_output else text[:k]
+    r.stop_reason = s
+    return True
+
+
+def row_adjust_for(params: SamplingParams, stop, vocab: int, tokenizer) -> Optional[penalties.RowAdjust]:
+    """A request's logits adjustments (RequestError names a token id outside the vocabulary)."""
+    bad = [t for t in (params.logit_bias or {}) if t >= vocab]
+    if bad:
+        raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    words = []
+    if params.bad_words:
+        if tokenizer is None or not hasattr(tokenizer, "encode"):
+            raise RequestError("bad_words needs a tokenizer; this model has none")
+        words = penalties.bad_words_token_ids(params.bad_words, tokenizer)
+        if any(t >= vocab for w in words for t in w):
+            raise RequestError(f"bad_words tokenize to ids outside the vocabulary [0, {vocab})")
+    return penalties.row_adjust(params, stop, words)
+
+
+
+def new_request(request_id: str, prompt_ids, params: SamplingParams, seed: int, prompt: Optional[str], *,
+                vocab_size: int, max_model_len: int, page_size: int, pages_per_rank: int, dp: int, eos_ids,
+                tokenizer, max_logprobs: Optional[int] = None) -> Request:
+    """A validated Request (its grammar matcher aside); RequestError names what is wrong."""
+    prompt_ids = check_request(prompt_ids, params, vocab_size=vocab_size, max_model_len=max_model_len,
+                               max_logprobs=max_logprobs)
+    if -(-len(prompt_ids) // page_size) + 1 > pages_per_rank:
+        raise RequestError(f"prompt of {len(prompt_ids)} tokens does not fit in the cache "
+                           f"({pages_per_rank} pages of {page_size} tokens"
+                           + (" per data-parallel rank)" if dp > 1 else ")"))
+    stop = set(params.stop_token_ids or ())
+    if not params.ignore_eos:
+        stop |= eos_ids
+    max_new = min(params.max_tokens or max_model_len, max_model_len - len(prompt_ids))
+    r = Request(request_id, prompt, [int(t) for t in prompt_ids], params, key_data_for_seed(seed),
+                frozenset(stop), max_new)
+    r.adjust = row_adjust_for(params, stop, vocab_size, tokenizer)
+    if params.prompt_logprobs is not None:
+        r.prompt_logprobs = [None]
+    return r
+
+def prefill_parent(reqs: list[Request]) -> Request:
+    """The prefill-only request of one prompt's samples: all but the prompt's last token, computed once."""
+    first, now = reqs[0], time.time()
+    for r in reqs:
+        r.arrival_time = r.arrival_time or now
+    return Request(f"prefill_{first.group_id}", first.prompt, first.prompt_ids[:-1],
+                   SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=first.params.prompt_logprobs),
+                   first.key, frozenset(), 0, prefill_only=True, forks=list(reqs), tail=first.prompt_ids[-1:],
+                   prompt_logprobs=[None] if first.prompt_logprobs is not None else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One request's part of a step: the tokens it feeds at positions start, start + 1, ... (none in a
+    chained decode step: the step in flight's token), its pages and its batch row."""
+    req: Request
+    slot: int                               # batch row (data parallelism: in its rank's block)
+    tokens: tuple[int, ...]
+    start: int
+    pages: tuple[int, ...]
+    step: int                               # tokens the request has sampled before this step
+    live: bool = True                       # False: padding (it ends with the step in flight)
+
+    @property
+    def n(self) -> int:
+        """Tokens whose latents the step computes."""
+        return len(self.tokens) or 1
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """One pass of the scheduler (kimi_jax.engine.runner runs it): 'prefill' (prompt chunks, T > 1),
+    'decode' (one token per row) or 'verify' (the last token plus drafts), padded to [batch, width]
+    with a block table of `table` pages. chained: fed the step in flight's tokens on the device;
+    overlap: dispatched without waiting (its outputs come back with a later run)."""
+    kind: str
+    rows: tuple[Row, ...]
+    batch: int
+    width: int
+    table: int
+    chained: bool = False
+    overlap: bool = False
+
+    @property
+    def live(self) -> tuple[Row, ...]:
+        return tuple(r for r in self.rows if r.live)

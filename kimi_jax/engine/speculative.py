@@ -171,3 +171,19 @@ class SpecState:
         """E[accepted drafts] for n_draft drafts: a + a^2 + ... + a^n with a = rate."""
         a = self.rate
         return sum(a ** i for i in range(1, n_draft + 1))
+
+
+def propose_drafts(r, drafter: Optional["Drafter"], spec: Optional[SpeculativeConfig], max_model_len: int) -> list[int]:
+    """Draft tokens for a decode-ready request (none without speculation, with logprobs, logits
+    adjustments or a grammar, or near the end of its budget); also scores its pending shadow drafts."""
+    if (drafter is None or r.params.logprobs is not None or r.adjust is not None or r.prefill_only
+            or r.structured is not None):
+        return []
+    st = r.spec
+    if st.index is None:
+        st.index = drafter.index()
+    st.index.extend(r.prompt_ids, r.output_ids)
+    st.check_shadow(r.output_ids)
+    room = min(r.max_new - len(r.output_ids), max_model_len - len(r.tokens)) - 1
+    k = min(spec.num_speculative_tokens, room)
+    return st.index.propose(k) if k > 0 else []

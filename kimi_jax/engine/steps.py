@@ -1,13 +1,11 @@
-"""The jitted model steps the schedulers drive.
+"""The jitted model steps the runner drives.
 
-The model is split once into (graphdef, state); each step is a pure jitted function of the state,
-compiled once per shape bucket, with the cache donated: `_paged_step` (prefill chunks and decode over
-the paged latent cache), `_verify_step` (speculative verification), `_all_logits` (LLM.logits) and
-`_decode` (one decode step over a contiguous cache, for the profiler and planner). The engine's
-ExecPlan (kimi_jax.ops.ExecPlan: kernels, attention paths, layer loop) is a static argument of every
-step: it is part of each step's compile cache key. The generation loop (kimi_jax.engine.scheduler) runs
-on the host and only appends tokens and checks stop conditions.
-"""
+The model is split once into (graphdef, state); each step is a pure jitted function of the state with
+the cache donated: `_step` (one StepBatch: prefill chunks, decode or speculative verification over the
+paged cache; `Engine.step_jit`), its loose-argument forms for the profiler and benchmarks
+(`paged_step_jit`, `decode_step_async`, `verify_step`), `_all_logits` (LLM.logits) and `_decode` (a
+contiguous cache, the profiler's and planner's reference). The ExecPlan (kimi_jax.ops.ExecPlan) is a
+static argument of every step, part of its compile cache key."""
 from __future__ import annotations
 
 import dataclasses
@@ -58,9 +56,8 @@ _OCC = "occurrences"      # the updated pool's key among a step's outputs (taken
 
 
 def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None, occ=None, mask_Bw=None):
-    # The logits are first pinned vocab-split (each device multiplies its lm_head rows): without that,
-    # XLA:GPU's partitioner all-gathered the whole lm_head weight (3.5 GB, 4 ms per step under TP2 on
-    # two H200s) to produce the replicated logits directly.
+    # pinned vocab-split first, so each device multiplies its own lm_head rows (BENCHMARKS.md, 'Engine
+    # decode step': otherwise the partitioner all-gathers the whole lm_head weight)
     logits_BV = _constrain(logits_BV, shard.get("logits2"))
     # one all-gather of the (vocab-split) logits; sorting / cumsum over a sharded vocab would compile
     # to sequential loops and many small collectives
@@ -99,55 +96,79 @@ def _decode(graphdef, shard, state, cache, tokens_B, positions_B, sp, step_B, n_
     return cache, _sample_out(logits[:, 0], sp, step_B, n_logprobs, shard, sample_mode)
 
 
-def _paged_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, last_B, sp, step_B,
-                n_logprobs, absorbed, fresh=False, sample_mode=None, occ=None, n_prompt_logprobs=None,
-                targets_BT=None, mask_Bw=None, *, plan: ops.ExecPlan):
-    """One continuous-batching step over the paged cache: T query tokens per row (T = 1: decode,
-    absorbed MLA; T > 1: a prefill chunk, expanded MLA; `fresh`: no row has cached tokens, so attention
-    reads only the new tokens, on a GPU with cuDNN). Samples from each row's token at last_B.
-    occ: the occurrence pool when some row uses penalties (kimi_jax.engine.penalties). With
-    n_prompt_logprobs (static), the logits of every position score targets_BT (each position's next
-    prompt token; < 0: none) and give their top-n (prompt logprobs). mask_Bw: structured outputs' packed
-    int32 token bitmask [B, ceil(V / 32)] (None: no row is constrained, its own compiled program)."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """One step's inputs (host numpy or device arrays; engine.runner lays them out from a StepPlan).
+    tokens: [B, T], or [B] for a decode step (the previous step's device tokens may be fed as they are).
+    The optional fields are None when no row needs them (the pytree's structure: its own program)."""
+    tokens: jax.Array
+    positions_BT: jax.Array               # -1: padding
+    block_table_BP: jax.Array             # page ids local to the row's data-parallel rank
+    last_B: jax.Array                     # the column each row samples from
+    step_B: jax.Array                     # tokens each row has sampled so far
+    sp: SamplingArrays
+    targets_BT: Optional[jax.Array] = None    # prompt logprobs: each position's next prompt token (< 0: none)
+    mask_Bw: Optional[jax.Array] = None       # structured outputs' packed token bitmask [B, ceil(V / 32)]
+    n_draft_B: Optional[jax.Array] = None     # verification: drafts per row (tokens[:, 1:])
+
+
+STEP_KINDS = ("prefill", "decode", "verify")
+
+
+def _step(graphdef, shard, state, pages, batch: StepBatch, occ=None, *, kind: str, n_logprobs=None,
+          n_prompt_logprobs=None, fresh: bool = False, sample_mode=None, plan: ops.ExecPlan):
+    """One continuous-batching step over the paged cache (kind static): 'decode' (T = 1) and 'verify'
+    (row b feeds [last token, drafts...]) run absorbed MLA, 'prefill' expanded MLA (`fresh`: no row has
+    cached tokens, attention reads only the new tokens). Samples from each row's token at last_B
+    (verify: returns (accepted [B], next [B])). occ: the occurrence pool when some row uses penalties.
+    With n_prompt_logprobs the logits of every position score targets_BT and give their top-n."""
     model = nnx.merge(graphdef, state)
+    tokens_BT = batch.tokens[:, None] if batch.tokens.ndim == 1 else batch.tokens
     tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
-    h_BTD, pages = model.hidden_states(tokens_BT, positions_BT, pages, absorbed=absorbed,
-                                       block_table_BP=block_table_BP, fresh=fresh, plan=plan)
-    B = tokens_BT.shape[0]
+    h_BTD, pages = model.hidden_states(tokens_BT, batch.positions_BT, pages, absorbed=kind != "prefill",
+                                       block_table_BP=batch.block_table_BP, fresh=fresh, plan=plan)
     pages = {k: _constrain(v, shard.get("pages")) for k, v in pages.items()}
+    B = tokens_BT.shape[0]
+    if kind == "verify":
+        logits_BTV = _constrain(_constrain(model.logits(h_BTD, plan), shard.get("logits3")), shard.get("replicated"))
+        n_acc, nxt = verify_drafts(logits_BTV, tokens_BT[:, 1:], batch.n_draft_B, batch.sp, batch.step_B)
+        return pages, tuple(_constrain(o, shard.get("replicated")) for o in (n_acc, nxt))
+    sample_args = (batch.sp, batch.step_B, n_logprobs, shard, sample_mode, occ, batch.mask_Bw)
     if n_prompt_logprobs is None:
-        logits_BV = model.logits(h_BTD[jnp.arange(B), last_B][:, None], plan)[:, 0]
-        return pages, _sample_out(logits_BV, sp, step_B, n_logprobs, shard, sample_mode, occ, mask_Bw)
+        logits_BV = model.logits(h_BTD[jnp.arange(B), batch.last_B][:, None], plan)[:, 0]
+        return pages, _sample_out(logits_BV, *sample_args)
     logits_BTV = _constrain(_constrain(model.logits(h_BTD, plan), shard.get("logits3")), shard.get("replicated"))
-    out = _sample_out(logits_BTV[jnp.arange(B), last_B], sp, step_B, n_logprobs, shard, sample_mode, occ,
-                      mask_Bw)
-    prompt = top_logprobs(logits_BTV, jnp.maximum(targets_BT, 0), n_prompt_logprobs)
+    out = _sample_out(logits_BTV[jnp.arange(B), batch.last_B], *sample_args)
+    prompt = top_logprobs(logits_BTV, jnp.maximum(batch.targets_BT, 0), n_prompt_logprobs)
     out.update(zip(("prompt_logprob", "prompt_rank", "prompt_top_ids", "prompt_top_vals"), prompt))
     return pages, out
 
 
+def _paged_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, last_B, sp, step_B,
+                n_logprobs, absorbed, fresh=False, sample_mode=None, occ=None, n_prompt_logprobs=None,
+                targets_BT=None, mask_Bw=None, *, plan: ops.ExecPlan):
+    """`_step` over loose arguments (the profiler's and benchmarks' entry; T = 1 with absorbed: decode)."""
+    batch = StepBatch(tokens_BT, positions_BT, block_table_BP, last_B, step_B, sp, targets_BT, mask_Bw)
+    return _step(graphdef, shard, state, pages, batch, occ, kind="decode" if absorbed else "prefill",
+                 n_logprobs=n_logprobs, n_prompt_logprobs=n_prompt_logprobs, fresh=fresh and not absorbed,
+                 sample_mode=sample_mode, plan=plan)
+
+
 def _decode_step(graphdef, shard, state, pages, tokens_B, positions_B, block_table_BP, sp, step_B, n_logprobs,
                  sample_mode=None, mla_schedule=None, occ=None, mask_Bw=None, *, plan: ops.ExecPlan):
-    """`_paged_step` for one token per row (absorbed decode) with tokens_B [B]: the previous step's
-    sampled tokens can be fed as they are (device arrays), so the host never reads them first
-    (overlap scheduling, kimi_jax.engine.scheduler). mla_schedule: this step's MLA decode schedule
-    (`step_schedule`; static: each value is its own compiled step), set on the step's copy of the plan."""
+    """`_step` for one token per row over loose arguments (benchmarks); mla_schedule: the step's MLA
+    decode schedule (`step_schedule`), set on the step's copy of the plan."""
     B = tokens_B.shape[0]
-    return _paged_step(graphdef, shard, state, pages, tokens_B[:, None], positions_B[:, None], block_table_BP,
-                       jnp.zeros((B,), jnp.int32), sp, step_B, n_logprobs, absorbed=True,
-                       sample_mode=sample_mode, occ=occ, mask_Bw=mask_Bw,
-                       plan=dataclasses.replace(plan, mla_schedule=mla_schedule))
+    batch = StepBatch(tokens_B, positions_B[:, None], block_table_BP, jnp.zeros((B,), jnp.int32), step_B, sp,
+                      mask_Bw=mask_Bw)
+    return _step(graphdef, shard, state, pages, batch, occ, kind="decode", n_logprobs=n_logprobs,
+                 sample_mode=sample_mode, plan=dataclasses.replace(plan, mla_schedule=mla_schedule))
 
 
-# A decode step runs the MLA kernels on the balanced schedule (pallas_kernels/mla/decode.py) when its
-# rows' cached tokens total at least BALANCE_MIN_TOKENS and the longest row holds at least
-# BALANCE_MIN_SKEW times the mean. Measured per layer on the H200 (BENCHMARKS.md, 'MLA decode with rows of
-# mixed lengths'; the equal-row and low-skew cases by `kimi-bench mla --balanced`): one
-# long row among short ones (totals 96K-192K tokens, skew 4-22) 1.4-7.3x faster balanced (0.2-0.5 ms
-# per layer inside the engine's step); equal rows (skew 1) stay on the rows schedule, where balanced
-# is slower at 4K; at skew 1.2-1.9 (totals 70K-264K) the rows schedule was as fast or faster at 8
-# heads and up to skew 1.5 at 64 heads (64 heads at 1.9: balanced 1.12-1.36x); of two 46K-token
-# skewed batches one was 1.8x faster (64 heads), the other 5% slower (8 heads).
+# A decode step runs the MLA kernels on the balanced schedule when its rows' cached tokens total at
+# least BALANCE_MIN_TOKENS and the longest row holds at least BALANCE_MIN_SKEW times the mean
+# (BENCHMARKS.md, 'MLA decode with rows of mixed lengths').
 BALANCE_MIN_TOKENS = 1 << 16
 BALANCE_MIN_SKEW = 2.0
 
@@ -173,18 +194,12 @@ def step_schedule(plan: ops.ExecPlan, positions_B) -> Optional[str]:
 
 def _verify_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, n_draft_B, sp, step_B, *,
                  plan: ops.ExecPlan):
-    """Speculative verification: row b feeds [last token, drafts...]; returns (accepted [B], next [B]).
-    Absorbed MLA, as in decode: the same math per query token as a decode step (greedy outputs match
-    decoding without speculation), and on a GPU the decode kernel reads the cache once for all T
-    tokens, so a verification pass costs about one decode pass."""
-    model = nnx.merge(graphdef, state)
-    tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
-    h_BTD, pages = model.hidden_states(tokens_BT, positions_BT, pages, absorbed=True,
-                                       block_table_BP=block_table_BP, plan=plan)
-    logits_BTV = _constrain(_constrain(model.logits(h_BTD, plan), shard.get("logits3")), shard.get("replicated"))
-    n_acc, nxt = verify_drafts(logits_BTV, tokens_BT[:, 1:], n_draft_B, sp, step_B)
-    pages = {k: _constrain(v, shard.get("pages")) for k, v in pages.items()}
-    return pages, tuple(_constrain(o, shard.get("replicated")) for o in (n_acc, nxt))
+    """Speculative verification over loose arguments: absorbed MLA, the same math per query token as a
+    decode step (greedy outputs match decoding without speculation)."""
+    B = tokens_BT.shape[0]
+    batch = StepBatch(tokens_BT, positions_BT, block_table_BP, jnp.zeros((B,), jnp.int32), step_B, sp,
+                      n_draft_B=n_draft_B)
+    return _step(graphdef, shard, state, pages, batch, kind="verify", plan=plan)
 
 
 def _all_logits(graphdef, shard, state, tokens_BT, *, plan: ops.ExecPlan):
@@ -240,13 +255,17 @@ class Engine:
         # the sharding of decode_step_async's output tokens (replicated), which host-fed tokens take too:
         # one compiled decode program serves both feeds from the first step on (jit keys its cache on
         # the inputs' shardings, and host arrays are uncommitted)
-        self._token_sharding = (layout.sharding(jax.sharding.PartitionSpec()) if layout is not None
+        self.token_sharding = (layout.sharding(jax.sharding.PartitionSpec()) if layout is not None
                                 else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        # the one step the runner (kimi_jax.engine.runner) drives: a StepBatch in, the program by kind
+        self.step_jit = jax.jit(functools.partial(_step, self.graphdef, shard),
+                                static_argnames=("kind", "n_logprobs", "n_prompt_logprobs", "fresh", "sample_mode",
+                                                 "plan"), donate_argnames=("pages", "occ"))
         self._decode_step = jax.jit(functools.partial(_decode_step, self.graphdef, shard),
                                     static_argnames=("n_logprobs", "sample_mode", "mla_schedule", "plan"),
                                     donate_argnames=("pages", "occ"))
         self._set_occ_row = jax.jit(lambda pool, slot, row: pool.at[slot].set(row), donate_argnums=0,
-                                    out_shardings=shard.get("replicated"))
+                                    out_shardings=self.token_sharding)
         self._copy_pages = jax.jit(lambda pages, src, dst: {k: v.at[:, dst].set(v[:, src]) for k, v in pages.items()},
                                    donate_argnums=0)
 
@@ -296,9 +315,9 @@ class Engine:
 
     def new_occurrences(self, num_slots: int) -> Occurrences:
         """A zeroed occurrence pool for num_slots penalty slots (plus the padding slot)."""
-        sharding = self._shard.get("replicated")
-        make = lambda: jnp.zeros((num_slots + 1, self.cfg.vocab_size), jnp.int32)
-        return Occurrences(make() if sharding is None else jax.jit(make, out_shardings=sharding)(), num_slots)
+        make = lambda: jnp.zeros((num_slots + 1, self.cfg.vocab_size), jnp.int32)  # noqa: E731
+        # committed as the steps return it (replicated), so its first step is the program of the rest
+        return Occurrences(jax.jit(make, out_shardings=self.token_sharding)(), num_slots)
 
     def set_occurrences(self, occ: Occurrences, slot: int, row_V: np.ndarray) -> None:
         """Write one slot's row (penalties.occurrence_row), ordered after every step dispatched before."""
@@ -322,7 +341,7 @@ class Engine:
         derives it (pass it when sp is reused, to skip the host check)."""
         if not isinstance(tokens_B, jax.Array):
             host = _i32(tokens_B)            # committed like a step's own output tokens (see __init__)
-            tokens_B = jax.make_array_from_callback(host.shape, self._token_sharding, lambda i: host[i])
+            tokens_B = jax.make_array_from_callback(host.shape, self.token_sharding, lambda i: host[i])
         positions_B = _i32(positions_B)
         pages, out = self._decode_step(self.state, pages, tokens_B, positions_B, _i32(block_table_BP), sp,
                                        _i32(steps_B), n_logprobs=n_logprobs,
@@ -358,8 +377,7 @@ def is_fresh(positions_BT) -> bool:
 
 
 def _i32(a) -> np.ndarray:
-    """Step inputs stay numpy: jit takes them through its C++ fast path (a jnp.asarray per input cost
-    about 0.15 ms each on the host)."""
+    """Step inputs stay numpy: jit takes them through its C++ fast path."""
     return np.asarray(a, np.int32)
 
 

@@ -167,10 +167,13 @@ class LLM:
     def from_config(cls, engine_config: EngineConfig) -> "LLM":
         return cls(engine_config=engine_config)
 
-    def precompile(self) -> None:
-        """Compile the batch engine's programs now (where the batch engine offers `precompile`)."""
-        if hasattr(BatchEngine, "precompile"):
-            self.batch_engine().precompile()
+    def precompile(self) -> int:
+        """Compile every program the batch engine's limits can reach (`Runner.programs`), reporting
+        each on the progress log; returns how many."""
+        def report(i, n, key):
+            progress.log.info("precompiled %d / %d programs (%s)", i, n, key, extra={"kimi_done": i == n})
+        with progress.phase("precompiling the serving programs"):
+            return self.batch_engine().precompile(report)
 
     @property
     def exec_plan(self) -> ops.ExecPlan:

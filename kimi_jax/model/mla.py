@@ -69,91 +69,112 @@ class MLA(nnx.Module):
         return w[:, :H, :], w[:, H:, :]                     # W_UK [N, H, A], W_UV [N, U, A]
 
     # -- attention --------------------------------------------------------------------------------
-    def __call__(self, x_BTD, positions_BT, kv_BSC=None, *, absorbed: bool = False, block_table_BP=None,
+    def __call__(self, x_BTD, positions_BT, cache=None, *, absorbed: bool = False, block_table_BP=None,
                  fresh: bool = False, layer=None, plan=None):
-        """Attend from x's tokens (at absolute positions) to the cached tokens.
+        """Dispatch to the entry point the arguments name. cache: with block_table_BP the paged pool
+        (the stack's [L, X, p, C] with `layer`, or one layer's [X, p, C]); else a contiguous cache
+        [B, S, C] or None."""
+        if block_table_BP is None:
+            return self.contiguous(x_BTD, positions_BT, cache, absorbed=absorbed, fresh=fresh, plan=plan)
+        pool_LXpC, layer = (cache[None], 0) if layer is None else (cache, layer)
+        if absorbed:
+            return self.paged_decode(x_BTD, positions_BT, pool_LXpC, block_table_BP, layer, plan=plan)
+        if fresh:
+            return self.fresh_prefill(x_BTD, positions_BT, plan=plan)
+        return self.chunk_prefill(x_BTD, positions_BT, pool_LXpC, block_table_BP, layer, plan=plan)
 
-        kv_BSC: the layer's latent cache [B, S, A + R] or None. With a cache, the new tokens' latents
-        are written at their positions (writes at positions >= S are dropped) and every query attends
-        to cache slots s <= its position. Without one, queries attend to the new tokens only (a fresh
-        prefill). Returns (output [B, T, D], updated cache, or the new latents [B, T, A + R]).
-
-        Paged: with block_table_BP [B, pages per sequence], kv_BSC is the whole paged pool of the layer
-        stack [L, num_pages, page_size, A + R], `layer` this layer's index into it, and block_table_BP
-        holds page ids into one layer's pages; position p of sequence b lives in page
-        block_table[b, p // page_size] at offset p % page_size. (Or, layer None: a flat pool
-        [X pages, page_size, A + R] with ids into it.) Under data parallelism the pool's page axis is
-        split over the batch's mesh axes like the rows (`ops.page_split`) and the ids are local to the
-        row's shard: every read and write of the pool then runs per shard. Queries attend to the
-        cached positions before the row's first new token plus the new tokens themselves (causally),
-        and the new latents are returned for one write after all layers (`write_pages`), so the layer
-        loop never copies the pool. New tokens of a row must have consecutive positions, padding
-        (position < 0) only after them (as the scheduler lays rows out): padding is not written and
-        its outputs are garbage to be ignored. The
-        absorbed paged form runs as one op (`ops.mla_paged_attention`: a GPU kernel reads the pages
-        in place).
-
-        fresh (static, expanded form only): the caller guarantees that no row has tokens before this
-        step's: each row's real tokens are at positions 0, 1, ... and its padding (position < 0) comes
-        after them. Queries then attend to the new tokens only (the cache is not read; it is still
-        written as above) through `ops.mla_prefill_attention` with `causal=True`, which on a GPU runs
-        cuDNN flash attention.
-
-        plan: the kimi_jax.ops.ExecPlan the ops run (None: `ExecPlan.for_backend()`).
-        """
+    def paged_decode(self, x_BTD, positions_BT, pool_LXpC, block_table_BP, layer, *, plan=None):
+        """Absorbed attention over each row's cached pages plus its new tokens (decode, verification):
+        one op (`ops.mla_paged_attention`; a GPU kernel reads the pages in place). pool_LXpC: the
+        stack's paged pool, `layer` this layer's index into it; block_table_BP: page ids into one layer's
+        pages (under data parallelism local to the row's shard, `ops.page_split`). Returns (output
+        [B, T, D], the new latents [B, T, C], written after all layers by `write_pages`)."""
         N, H, R, A, U = self.dims
-        cos, sin = rope_cos_sin(positions_BT, rope_inv_freq(self.cfg), self.cfg.rope_scaling.cos_sin_scale)
-        q_nope_BTNH, q_pe_BTNR = self._queries(x_BTD, cos, sin)
-        new_BTC = self.latents(x_BTD, positions_BT)
-        mask_BTS = chunk_lens = None
+        q_nope_BTNH, q_pe_BTNR, new_BTC = self._project(x_BTD, positions_BT)
         w_uk, w_uv = self._kv_b()
-        scale = self.cfg.softmax_scale
-        if block_table_BP is not None and absorbed:
-            q_lat_BTNA = ops.einsum_f32("btnh,nha->btna", q_nope_BTNH, w_uk).astype(x_BTD.dtype)
-            o_lat_BTNA = ops.mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTC, kv_BSC, block_table_BP,
-                                                 positions_BT, scale, plan=plan, parallel=self.parallel,
-                                                 layer=layer).astype(x_BTD.dtype)
-            o_BTNU = ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv)
-            return self.o_proj(o_BTNU.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * U)), new_BTC
+        q_lat_BTNA = ops.einsum_f32("btnh,nha->btna", q_nope_BTNH, w_uk).astype(x_BTD.dtype)
+        o_lat_BTNA = ops.mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_LXpC, block_table_BP,
+                                             positions_BT, self.cfg.softmax_scale, plan=plan,
+                                             parallel=self.parallel, layer=layer).astype(x_BTD.dtype)
+        o_BTNU = ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv)
+        return self._out(o_BTNU, x_BTD), new_BTC
+
+    def fresh_prefill(self, x_BTD, positions_BT, *, plan=None):
+        """Expanded attention over this step's tokens only: no row has cached tokens (its real tokens
+        sit at positions 0, 1, ... from its first column, padding (< 0) after them), so the cache is
+        not read; causal through `ops.mla_prefill_attention` (cuDNN flash attention on a GPU).
+        Returns (output [B, T, D], the new latents [B, T, C])."""
+        q_nope_BTNH, q_pe_BTNR, new_BTC = self._project(x_BTD, positions_BT)
+        return self._expanded(x_BTD, q_nope_BTNH, q_pe_BTNR, new_BTC, _causal(positions_BT), True, plan), new_BTC
+
+    def chunk_prefill(self, x_BTD, positions_BT, pool_LXpC, block_table_BP, layer, *, plan=None):
+        """Expanded attention for a prompt chunk after cached tokens: each row's cached pages (positions
+        before its first new token) plus its new tokens, causally (`ops.paged_keys`). New tokens of a
+        row have consecutive positions, padding only after them. Returns (output [B, T, D], the new
+        latents [B, T, C])."""
+        q_nope_BTNH, q_pe_BTNR, new_BTC = self._project(x_BTD, positions_BT)
+        keys_BSC, mask_BTS = ops.paged_keys(pool_LXpC, block_table_BP, new_BTC, positions_BT, layer=layer,
+                                            parallel=self.parallel)
+        # the same layout as lengths: cached tokens before the row's first, then its real new ones
+        chunk_lens = (jnp.maximum(positions_BT[:, 0], 0), jnp.sum(positions_BT >= 0, axis=1))
+        o_BTD = self._expanded(x_BTD, q_nope_BTNH, q_pe_BTNR, keys_BSC, mask_BTS, False, plan, chunk_lens)
+        return o_BTD, new_BTC
+
+    def contiguous(self, x_BTD, positions_BT, cache_BSC=None, *, absorbed: bool = False, fresh: bool = False,
+                   plan=None):
+        """Attention over a contiguous cache [B, S, C] (the profiler's reference step): the new latents
+        are written at their positions (writes at S or beyond dropped) and each query sees slots up to
+        its position. cache_BSC None: the new tokens only. fresh (expanded only): as `fresh_prefill`.
+        Returns (output [B, T, D], the updated cache, or the new latents [B, T, C])."""
+        q_nope_BTNH, q_pe_BTNR, new_BTC = self._project(x_BTD, positions_BT)
         fresh = fresh and not absorbed
-        if block_table_BP is not None:
-            out_kv = new_BTC
-            if fresh:
-                keys_BSC, key_pos_BS = new_BTC, positions_BT
-            else:
-                keys_BSC, mask_BTS = ops.paged_keys(kv_BSC, block_table_BP, new_BTC, positions_BT, layer=layer,
-                                                    parallel=self.parallel)
-                # the same layout as lengths: cached tokens before the row's first, then its real new ones
-                chunk_lens = (jnp.maximum(positions_BT[:, 0], 0), jnp.sum(positions_BT >= 0, axis=1))
-        elif kv_BSC is None:
-            keys_BSC, key_pos_BS, out_kv = new_BTC, positions_BT, new_BTC
+        if cache_BSC is None:
+            keys_BSC, key_pos_BS, out = new_BTC, positions_BT, new_BTC
         else:
-            B, S = kv_BSC.shape[:2]
-            rows = jnp.arange(B)[:, None]
-            kv_BSC = kv_BSC.at[rows, positions_BT].set(new_BTC.astype(kv_BSC.dtype), mode="drop")
-            keys_BSC, key_pos_BS, out_kv = kv_BSC, jnp.broadcast_to(jnp.arange(S), (B, S)), kv_BSC
+            B, S = cache_BSC.shape[:2]
+            cache_BSC = cache_BSC.at[jnp.arange(B)[:, None], positions_BT].set(new_BTC.astype(cache_BSC.dtype),
+                                                                              mode="drop")
+            keys_BSC, key_pos_BS, out = cache_BSC, jnp.broadcast_to(jnp.arange(S), (B, S)), cache_BSC
             if fresh:     # the written cache holds nothing a query may see beyond the new tokens
                 keys_BSC, key_pos_BS = new_BTC, positions_BT
-        if fresh:         # the new tokens, causally, padding keys never seen (as ops.paged_keys' new part)
-            mask_BTS = (positions_BT[:, None, :] <= positions_BT[:, :, None]) & (positions_BT[:, None, :] >= 0)
-        elif mask_BTS is None:
-            mask_BTS = key_pos_BS[:, None, :] <= positions_BT[:, :, None]
+        mask_BTS = _causal(positions_BT) if fresh else key_pos_BS[:, None, :] <= positions_BT[:, :, None]
+        if not absorbed:
+            return self._expanded(x_BTD, q_nope_BTNH, q_pe_BTNR, keys_BSC, mask_BTS, fresh, plan), out
+        _, _, _, A, _ = self.dims
+        w_uk, w_uv = self._kv_b()
         c_BSA, kpe_BSR = keys_BSC[..., :A].astype(x_BTD.dtype), keys_BSC[..., A:].astype(x_BTD.dtype)
-        if absorbed:
-            rope_BNTS = ops.einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR)
-            q_lat_BTNA = ops.einsum_f32("btnh,nha->btna", q_nope_BTNH, w_uk).astype(x_BTD.dtype)
-            nope_BNTS = ops.einsum_f32("btna,bsa->bnts", q_lat_BTNA, c_BSA)
-            p_BNTS = _softmax((nope_BNTS + rope_BNTS) * scale, mask_BTS).astype(x_BTD.dtype)
-            o_lat_BTNA = ops.einsum_f32("bnts,bsa->btna", p_BNTS, c_BSA).astype(x_BTD.dtype)
-            o_BTNU = ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv)
-        else:
-            k_BSNH = ops.einsum_f32("bsa,nha->bsnh", c_BSA, w_uk).astype(x_BTD.dtype)
-            v_BSNU = ops.einsum_f32("bsa,nua->bsnu", c_BSA, w_uv).astype(x_BTD.dtype)
-            o_BTNU = ops.mla_prefill_attention(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNU, mask_BTS, scale,
-                                               causal=fresh, plan=plan, parallel=self.parallel,
-                                               chunk_lens=chunk_lens)
-        o_BTD = self.o_proj(o_BTNU.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * U))
-        return o_BTD, out_kv
+        rope_BNTS = ops.einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR)
+        q_lat_BTNA = ops.einsum_f32("btnh,nha->btna", q_nope_BTNH, w_uk).astype(x_BTD.dtype)
+        nope_BNTS = ops.einsum_f32("btna,bsa->bnts", q_lat_BTNA, c_BSA)
+        p_BNTS = _softmax((nope_BNTS + rope_BNTS) * self.cfg.softmax_scale, mask_BTS).astype(x_BTD.dtype)
+        o_lat_BTNA = ops.einsum_f32("bnts,bsa->btna", p_BNTS, c_BSA).astype(x_BTD.dtype)
+        return self._out(ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv), x_BTD), out
+
+    def _project(self, x_BTD, positions_BT):
+        """(q_nope [B, T, N, H], rotated q_pe [B, T, N, R], the new latents [B, T, C])."""
+        cos, sin = rope_cos_sin(positions_BT, rope_inv_freq(self.cfg), self.cfg.rope_scaling.cos_sin_scale)
+        return (*self._queries(x_BTD, cos, sin), self.latents(x_BTD, positions_BT))
+
+    def _expanded(self, x_BTD, q_nope_BTNH, q_pe_BTNR, keys_BSC, mask_BTS, causal, plan, chunk_lens=None):
+        """Expanded attention: keys and values from the latents keys_BSC through W_UK, W_UV."""
+        _, _, _, A, _ = self.dims
+        w_uk, w_uv = self._kv_b()
+        c_BSA, kpe_BSR = keys_BSC[..., :A].astype(x_BTD.dtype), keys_BSC[..., A:].astype(x_BTD.dtype)
+        k_BSNH = ops.einsum_f32("bsa,nha->bsnh", c_BSA, w_uk).astype(x_BTD.dtype)
+        v_BSNU = ops.einsum_f32("bsa,nua->bsnu", c_BSA, w_uv).astype(x_BTD.dtype)
+        o_BTNU = ops.mla_prefill_attention(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNU, mask_BTS,
+                                           self.cfg.softmax_scale, causal=causal, plan=plan,
+                                           parallel=self.parallel, chunk_lens=chunk_lens)
+        return self._out(o_BTNU, x_BTD)
+
+    def _out(self, o_BTNU, x_BTD):
+        N, _, _, _, U = self.dims
+        return self.o_proj(o_BTNU.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * U))
+
+
+def _causal(positions_BT):
+    """The new tokens, causally, padding keys never seen (as ops.paged_keys' new part)."""
+    return (positions_BT[:, None, :] <= positions_BT[:, :, None]) & (positions_BT[:, None, :] >= 0)
 
 
 def write_pages(pool_LXpC, block_table_BP, positions_BT, new_LBTC, parallel=None):

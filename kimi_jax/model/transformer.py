@@ -31,12 +31,12 @@ class DecoderLayer(nnx.Module):
         self.mlp = (MoE(cfg, dtype=dtype, rngs=rngs, parallel=parallel) if moe
                     else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs))
 
-    def __call__(self, x_BTD, positions_BT, kv_BSC=None, *, absorbed=False, block_table_BP=None, layer=None,
+    def __call__(self, x_BTD, positions_BT, cache=None, *, absorbed=False, block_table_BP=None, layer=None,
                  fresh=False, plan=None):
         """layer: this layer's index in its stack when the routed experts' weights are the whole stack
         [L, E, ...] (scan_layers); None when they are this layer's own [E, ...]. fresh: see MLA.
-        plan: the ExecPlan the ops run."""
-        a_BTD, kv = self.self_attn(self.input_layernorm(x_BTD), positions_BT, kv_BSC, absorbed=absorbed,
+        cache: as MLA's. plan: the ExecPlan the ops run."""
+        a_BTD, kv = self.self_attn(self.input_layernorm(x_BTD), positions_BT, cache, absorbed=absorbed,
                                    block_table_BP=block_table_BP, fresh=fresh,
                                    layer=layer if block_table_BP is not None else None, plan=plan)
         h_BTD = x_BTD + a_BTD
@@ -55,9 +55,11 @@ def stack_modules(make: Callable[[], nnx.Module], n: int) -> Optional[nnx.Module
     return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
 
 
-def scan_layers(stack: nnx.Module, x_BTD, positions_BT, kv_LBSC, *, absorbed: bool, block_table_BP=None,
+def scan_layers(stack: nnx.Module, x_BTD, positions_BT, cache_L, *, absorbed: bool, block_table_BP=None,
                 fresh: bool = False, plan: Optional[ops.ExecPlan] = None):
     """Run a stacked layer module over its leading axis; returns (x, per-layer cache or latents).
+    cache_L: the stack's contiguous cache [L, B, S, C], its paged pool [L, X, p, C] (block_table_BP
+    given) or None.
 
     The routed experts' weights (9.5 GB per Kimi layer) and a paged pool enter the loop whole, never
     as per-layer slices, and each layer indexes them with its layer number (the MoE kernels take expert
@@ -81,24 +83,24 @@ def scan_layers(stack: nnx.Module, x_BTD, positions_BT, kv_LBSC, *, absorbed: bo
     def layer_fn(x, layer, layer_state, kv):
         module = nnx.merge(graphdef, experts, layer_state)
         if paged:     # the whole stacked pool; the attention reads this layer's pages (ops._layer_pages)
-            return module(x, positions_BT, kv_LBSC, absorbed=absorbed, block_table_BP=block_table_BP,
+            return module(x, positions_BT, cache_L, absorbed=absorbed, block_table_BP=block_table_BP,
                           layer=layer, fresh=fresh, plan=plan)
         return module(x, positions_BT, kv, absorbed=absorbed, layer=layer, fresh=fresh, plan=plan)
 
     if plan.layer_loop == "unroll":
         outs = []
         for i in range(n_layers):
-            kv = None if paged or kv_LBSC is None else kv_LBSC[i]
+            kv = None if paged or cache_L is None else cache_L[i]
             x_BTD, out = layer_fn(x_BTD, i, layer_weights.layer(rest, i), kv)
             outs.append(out)
         out_L = jnp.stack(outs)
     else:
         layers = jnp.arange(n_layers, dtype=jnp.int32)
-        per_layer_kv = None if paged else kv_LBSC
+        per_layer_kv = None if paged else cache_L
         x_BTD, out_L = jax.lax.scan(lambda x, xs: layer_fn(x, *xs), x_BTD,
                                     (layers, layer_weights.stacked(rest), per_layer_kv))
     if paged:
-        return x_BTD, write_pages(kv_LBSC, block_table_BP, positions_BT, out_L, parallel=stack.self_attn.parallel)
+        return x_BTD, write_pages(cache_L, block_table_BP, positions_BT, out_L, parallel=stack.self_attn.parallel)
     return x_BTD, out_L
 
 

@@ -177,7 +177,7 @@ def test_a_repeated_workload_compiles_nothing_new(ckpt):
     llm = LLM(ckpt, dtype="float32", page_size=4, max_num_seqs=4, enable_prefix_caching=True)
     ps = shared_prefix_prompts(4, 12, seed=7)
     run(llm, ps, greedy(4))
-    steps = (llm.engine.paged_step_jit, llm.engine._decode_step)
+    steps = (llm.engine.step_jit,)
     sizes = [f._cache_size() for f in steps]
     run(llm, ps, greedy(4))
     assert [f._cache_size() for f in steps] == sizes

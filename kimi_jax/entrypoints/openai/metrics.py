@@ -6,6 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
 from prometheus_client.core import CounterMetricFamily
 
+from kimi_jax.engine import compiles
+
 _TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
          40.0, 80.0)
 _TPOT = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
@@ -30,6 +32,8 @@ class ServerMetrics:
         self.registry.register(_EngineCounters(async_llm, lab, {
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", "prefix_cache_hits")}))
+        compiles.install()
+        self.registry.register(_Compiles(lab))
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", list(lab),
                                      registry=self.registry).labels(**lab)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", list(lab),
@@ -71,3 +75,17 @@ class _EngineCounters:
             c = CounterMetricFamily("kimi_jax:" + name, doc, labels=list(self._labels))
             c.add_metric(list(self._labels.values()), float(stats.get(key, 0)))
             yield c
+
+
+class _Compiles:
+    """The programs this process has built (kimi_jax.engine.compiles): flat after start-up when the
+    precompiled set covers the workload."""
+
+    def __init__(self, labels: dict):
+        self._labels = labels
+
+    def collect(self):
+        c = CounterMetricFamily("kimi_jax:compiled_programs", "Programs jax built in this process.",
+                                labels=list(self._labels))
+        c.add_metric(list(self._labels.values()), float(compiles.compile_count()))
+        yield c

@@ -77,7 +77,7 @@ class OpenAIServer:
         self.api_key = api_key or None
         self.metrics_need_key = metrics_need_key
         self.limits = limits or intake.Limits()
-        self.engine = AsyncLLM(llm, max_queue=max_queue)
+        self.engine = AsyncLLM(llm.batch_engine(), seed=llm.engine_config.seed, max_queue=max_queue)
         queued = llm.max_num_seqs + max_queue if max_queue is not None else self.limits.max_choices
         self.max_choices = min(self.limits.max_choices, queued)
         # a longer text prompt cannot fit max_model_len tokens (a character is >= 1 byte, a token <= L bytes)

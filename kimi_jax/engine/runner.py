@@ -1,0 +1,289 @@
+"""The runner: lays a StepPlan out as one StepBatch, runs its compiled program, owns the device state
+(the page pool, the occurrence pool) and overlap dispatch, and declares the programs it can run."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+
+from kimi_jax.engine import penalties
+from kimi_jax.engine.requests import StepPlan, n_logprobs, prompt_targets
+from kimi_jax.engine.sampling import SamplingArrays, SamplingParams
+from kimi_jax.engine.sampling import sample_mode as sample_mode_of
+from kimi_jax.engine.shapes import bucket, table_bucket
+from kimi_jax.engine.steps import Engine, StepBatch, StepOutput, is_fresh, step_schedule
+
+# A constrained request with at most this many tokens left checks each step whether closing its output
+# (kimi_jax.engine.structured.StructuredBackend.bitmask_closing) must begin.
+CLOSE_WINDOW = 96
+# Logits adjustments are laid out at least this wide (bias entries, stop ids), so the declared
+# programs cover the usual requests; wider ones compile their own program.
+ADJUST_ENTRIES, ADJUST_STOPS = 16, 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What the engine admits: the bounds of the program set (`Runner.programs`)."""
+    max_num_seqs: int
+    max_model_len: int
+    page_size: int
+    prefill_chunk: int
+    max_prefill_tokens: int
+    max_logprobs: int = 20
+    speculative_tokens: int = 0           # drafts per verification pass (0: no speculation)
+    pages_per_rank: Optional[int] = None  # a row can hold at most this many pages
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramKey:
+    """One compiled step program: the static arguments and padded shapes of `Engine.step_jit`.
+    logprobs: None for a plain program; else an extras program, which serves every row that wants
+    logprobs (top-n, n <= logprobs), logits adjustments or a token mask: all rows get the adjustments
+    (no-ops for rows without), a mask (all tokens for unconstrained rows) and the filtered sampler.
+    prompt_logprobs: top-n of every position (extras programs only)."""
+    kind: str
+    batch: int
+    width: int
+    table: int
+    fresh: bool = False
+    sampled: bool = False
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    mla_schedule: Optional[str] = None
+
+
+@dataclasses.dataclass
+class _InFlight:
+    plan: StepPlan
+    out: dict
+    batch: StepBatch
+    key: ProgramKey
+
+
+class Runner:
+    def __init__(self, engine: Engine, *, num_pages: int, page_size: int, cache_dtype, max_num_seqs: int,
+                 max_logprobs: int = 20):
+        self.engine, self.page_size, self.max_num_seqs = engine, page_size, max_num_seqs
+        self.max_logprobs = max_logprobs
+        self.pages = engine.init_pages(num_pages, page_size, cache_dtype)
+        self.occ = None                   # the occurrence pool, made when a request first needs it
+        self.inflight: Optional[_InFlight] = None
+
+    # ---- device state the scheduler asks for ----------------------------------------------------
+    def apply(self, effects: list) -> None:
+        """Carry out the scheduler's device writes in order: ('occ', slot, row_V) or ('copy', src, dst, rank)."""
+        for e in effects:
+            if e[0] == "occ":
+                self.engine.set_occurrences(self.occurrences(), e[1], e[2])
+            else:
+                self.pages = self.engine.copy_pages(self.pages, *e[1:])
+
+    def occurrences(self):
+        if self.occ is None:
+            self.occ = self.engine.new_occurrences(self.max_num_seqs)
+        return self.occ
+
+    # ---- one plan ---------------------------------------------------------------------------------
+    def run(self, plan: StepPlan, structured=None) -> list[tuple[StepPlan, object]]:
+        """Run (or, plan.overlap, dispatch) a plan; returns the (plan, host outputs) pairs read now: its
+        own, none (dispatched), or, chained, the step in flight's."""
+        if plan.chained:
+            f = self.inflight
+            batch = self._layout_chained(plan, f)
+            key = dataclasses.replace(f.key, table=plan.table, mla_schedule=step_schedule(
+                self.engine.plan, np.asarray(batch.positions_BT)[:, 0]))
+        else:
+            batch, key = self.layout(plan, structured)
+        out = self._call(batch, key)
+        if not plan.overlap:
+            return [(plan, _host(out))]
+        for o in out.values():
+            if o.is_fully_addressable:
+                o.copy_to_host_async()
+        prev, self.inflight = self.inflight, _InFlight(plan, out, batch, key)
+        return [] if prev is None or not plan.chained else [(prev.plan, _host(prev.out))]
+
+    def drain(self) -> list[tuple[StepPlan, object]]:
+        """Read the step in flight, if any."""
+        f, self.inflight = self.inflight, None
+        return [] if f is None else [(f.plan, _host(f.out))]
+
+    def layout(self, plan: StepPlan, structured=None) -> tuple[StepBatch, ProgramKey]:
+        """The plan's padded StepBatch and the program that runs it."""
+        B, T, P = plan.batch, plan.width, plan.table
+        tokens = np.zeros((B, T), np.int32)
+        positions = np.full((B, T), -1, np.int32)
+        table = np.zeros((B, P), np.int32)
+        last, steps = np.zeros((B,), np.int32), np.zeros((B,), np.int32)
+        keys = np.zeros((B, 2), np.uint32)
+        params = [SamplingParams(temperature=0.0)] * B
+        adjust = [None] * B
+        for row in plan.live:
+            b, r = row.slot, row.req
+            tokens[b, :len(row.tokens)] = row.tokens
+            positions[b, :row.n] = np.arange(row.start, row.start + row.n)
+            table[b, :len(row.pages)] = row.pages
+            last[b], steps[b], keys[b], params[b] = row.n - 1, row.step, r.key, r.params
+            if r.adjust is not None:        # (adjustments, bans by the output so far, slot, counts)
+                adjust[b] = (r.adjust, penalties.banned_now(r.adjust.bad_words, r.output_ids), r.pen_slot,
+                             int(row.start + row.n == len(r.tokens)))
+        reqs = [row.req for row in plan.live]
+        verify = plan.kind == "verify"
+        n_plp, targets = (None, None) if verify else prompt_targets(
+            [(row.req, row.n) for row in plan.live], [row.slot for row in plan.live], (B, T))
+        n_lp = n_logprobs(reqs)
+        extras = not verify and (n_lp is not None or n_plp is not None
+                                 or any(a is not None for a in adjust) or any(r.structured is not None for r in reqs))
+        adj = mask = n_draft = None
+        if extras:
+            adj = penalties.build(adjust, self.max_num_seqs, ADJUST_ENTRIES, ADJUST_STOPS, with_penalties=True)
+            mask = self._mask(plan, structured)
+        if verify:
+            n_draft = np.zeros((B,), np.int32)
+            n_draft[[row.slot for row in plan.live]] = [len(row.tokens) - 1 for row in plan.live]
+        sp = SamplingArrays.build(params, None, keys=keys, adjust=adj)
+        key = ProgramKey(plan.kind, B, T, P, fresh=plan.kind == "prefill" and is_fresh(positions),
+                         sampled=extras or (not verify and sample_mode_of(sp) != "greedy"),
+                         logprobs=self._top(n_lp or 0) if extras else None, prompt_logprobs=self._top(n_plp),
+                         mla_schedule=step_schedule(self.engine.plan, positions[:, 0]) if plan.kind == "decode" else None)
+        batch = StepBatch(self._decode_tokens(tokens[:, 0]) if plan.kind == "decode" else tokens, positions, table,
+                          last, steps, sp, targets, mask, n_draft)
+        return batch, key
+
+    def _layout_chained(self, plan: StepPlan, f: _InFlight) -> StepBatch:
+        """A decode step fed the step in flight's sampled tokens (device arrays), its sampling arrays
+        reused; rows that end with the step in flight are padding."""
+        B = plan.batch
+        positions = np.full((B, 1), -1, np.int32)
+        steps = np.zeros((B,), np.int32)
+        table = np.zeros((B, plan.table), np.int32)
+        for row in plan.live:
+            positions[row.slot, 0], steps[row.slot] = row.start, row.step
+            table[row.slot, :len(row.pages)] = row.pages
+        return dataclasses.replace(f.batch, tokens=f.out["tokens"], positions_BT=positions, block_table_BP=table,
+                                   step_B=steps)
+
+    def _top(self, n: Optional[int]) -> Optional[int]:
+        """Top logprobs a program returns: max_logprobs for any request within it (sliced on the host),
+        so logprobs 0 .. max_logprobs share one program."""
+        return None if n is None else self.max_logprobs if n <= self.max_logprobs else bucket(n, 1)
+
+    def _decode_tokens(self, host_B: np.ndarray) -> jax.Array:
+        """Host-fed decode tokens committed like a step's own output tokens: one program serves both."""
+        return jax.make_array_from_callback(host_B.shape, self.engine.token_sharding, lambda i: host_B[i])
+
+    def _mask(self, plan: StepPlan, structured) -> Optional[np.ndarray]:
+        """The step's packed token bitmask [B, ceil(V / 32)] (unconstrained rows: every token); a row
+        near the end of its budget narrows its mask to a greedy close."""
+        rows = [row for row in plan.live if row.req.structured is not None]
+        if not rows or structured is None:
+            return np.full((plan.batch, -(-self.engine.cfg.vocab_size // 32)), -1, np.int32)
+        matchers = [None] * plan.batch
+        for row in rows:
+            matchers[row.slot] = row.req.structured
+        mask = structured.fill_bitmask(matchers)
+        for row in rows:
+            left = row.req.max_new - len(row.req.output_ids)
+            if left <= CLOSE_WINDOW:
+                structured.bitmask_closing(mask[row.slot], row.req.structured, left)
+        return mask
+
+    def _call(self, batch: StepBatch, key: ProgramKey):
+        eng = self.engine
+        occ = self.occurrences().pool if key.logprobs is not None else None
+        plan = eng.plan if key.mla_schedule == eng.plan.mla_schedule else dataclasses.replace(
+            eng.plan, mla_schedule=key.mla_schedule)
+        self.pages, out = eng.step_jit(eng.state, self.pages, batch, occ, kind=key.kind, n_logprobs=key.logprobs,
+                                       n_prompt_logprobs=key.prompt_logprobs, fresh=key.fresh,
+                                       sample_mode=("filtered" if key.sampled else "greedy")
+                                       if key.kind != "verify" else None, plan=plan)
+        if isinstance(out, dict) and "occurrences" in out:
+            self.occ.pool = out.pop("occurrences")
+        return out
+
+    # ---- the program set ------------------------------------------------------------------------
+    def programs(self, limits: Limits) -> list[ProgramKey]:
+        """Every step program a workload within `limits` can run: per padded shape a greedy and a
+        sampled plain program and the extras programs (without and with prompt logprobs). The extras
+        programs' adjustments, mask and sort cost [B, V] element-wise work per step, unmeasurable on CPU
+        next to the model (confirm on GPU)."""
+        dp = self.engine.dp
+        batches = sorted({self.engine.batch_size(dp * c) for c in range(1, -(-limits.max_num_seqs // dp) + 1)})
+        max_pages = -(-(limits.max_model_len + 1) // limits.page_size)
+        if limits.pages_per_rank is not None:
+            max_pages = min(max_pages, limits.pages_per_rank)
+        tables = sorted({table_bucket(p, limits.page_size) for p in range(1, max_pages + 1)})
+        chunk = min(limits.prefill_chunk, limits.max_prefill_tokens, limits.max_model_len)
+        shapes = [("decode", 1, False)] + [("prefill", T, fresh) for T in sorted({bucket(n, 16) for n in range(2, chunk + 1)})
+                                           for fresh in (False, True)]
+        n_lp = self._top(limits.max_logprobs)
+        variants = [(False, None, None), (True, None, None), (True, n_lp, None), (True, n_lp, n_lp)]
+        plan = self.engine.plan
+        schedules = [None, "balanced"] if plan.pallas and plan.mla_schedule is None else [plan.mla_schedule]
+        out = []
+        for B, P, (kind, T, fresh), (sampled, lp, plp) in itertools.product(batches, tables, shapes, variants):
+            for sched in (schedules if kind == "decode" else [None]):
+                out.append(ProgramKey(kind, B, T, P, fresh, sampled, lp, plp, sched))
+        if limits.speculative_tokens:
+            out += [ProgramKey("verify", B, limits.speculative_tokens + 1, P) for B in batches for P in tables]
+        return out
+
+    def precompile(self, programs: list[ProgramKey], progress: Optional[Callable[[int, int, ProgramKey], None]] = None):
+        """Compile each program by one call on padding rows (nothing written: the pool comes back as it
+        went in). progress(i, n, key) after each."""
+        for i, key in enumerate(programs):
+            jax.block_until_ready(self._call(self._dummy(key), key))
+            if progress is not None:
+                progress(i + 1, len(programs), key)
+        occ = self.occurrences()           # its row write, at the padding slot (which stays zero)
+        self.engine.set_occurrences(occ, occ.pad_slot, np.zeros((self.engine.cfg.vocab_size,), np.int32))
+
+    def _dummy(self, key: ProgramKey) -> StepBatch:
+        """Padding rows in the layout of key's program."""
+        B, T, P = key.batch, key.width, key.table
+        z = np.zeros((B,), np.int32)
+        adj = mask = None
+        if key.logprobs is not None:
+            adj = penalties.build([None] * B, self.max_num_seqs, ADJUST_ENTRIES, ADJUST_STOPS, with_penalties=True)
+            mask = np.full((B, -(-self.engine.cfg.vocab_size // 32)), -1, np.int32)
+        sp = SamplingArrays.build([SamplingParams(temperature=0.0)] * B, None, keys=np.zeros((B, 2), np.uint32),
+                                  adjust=adj)
+        tokens = self._decode_tokens(z) if key.kind == "decode" else np.zeros((B, T), np.int32)
+        return StepBatch(tokens, np.full((B, T), -1, np.int32), np.zeros((B, P), np.int32), z, z, sp,
+                         np.full((B, T), -1, np.int32) if key.prompt_logprobs is not None else None, mask,
+                         z if key.kind == "verify" else None)
+
+    # ---- speculation's pass costs ---------------------------------------------------------------
+    def measure_passes(self, decode: StepPlan, verify: StepPlan, reps: int = 5) -> tuple[float, float]:
+        """(decode pass seconds, verification pass seconds) on these rows (medians; the decode pass
+        without logits adjustments, which would count occurrences; the verification pass feeds only the
+        last token, so nothing is written beyond the rows' cache)."""
+        dec, dkey = self.layout(decode)
+        dec = dataclasses.replace(dec, sp=dataclasses.replace(dec.sp, adjust=None), targets_BT=None, mask_Bw=None)
+        dkey = dataclasses.replace(dkey, logprobs=None, prompt_logprobs=None)
+        ver, vkey = self.layout(verify)
+        runs = [lambda: jax.block_until_ready(self._call(dec, dkey)), lambda: jax.block_until_ready(self._call(ver, vkey))]
+        for f in runs:
+            f()                               # compile
+        times = [[], []]
+        for _ in range(reps):
+            for i, f in enumerate(runs):
+                t0 = time.perf_counter()
+                f()
+                times[i].append(time.perf_counter() - t0)
+        costs = np.asarray([np.median(t) for t in times], np.float64)
+        if jax.process_count() > 1:           # every process must take the same decisions
+            from jax.experimental import multihost_utils
+            costs = np.asarray(multihost_utils.broadcast_one_to_all(costs))
+        return float(costs[0]), float(costs[1])
+
+
+def _host(out):
+    """Host copy of a step's outputs: a StepOutput, or (accepted, next) of a verification pass."""
+    if isinstance(out, tuple):
+        return tuple(np.asarray(o) for o in jax.device_get(out))
+    return StepOutput(**{k: np.asarray(o) for k, o in jax.device_get(out).items()})
