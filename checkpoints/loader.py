@@ -37,6 +37,7 @@ Streaming (`load_params`):
 (One file over 600 lines: validation, the streamed read plan, the per-device placement and the
 finite-values check run as one pipeline over the same tensors.)
 """
+# Over 600 lines: the streamed reader, its placement and its checks share one pass over each tensor.
 from __future__ import annotations
 
 import collections

@@ -38,6 +38,7 @@ written into the target array in place (a jitted dynamic_update_slice with the t
 device memory holds the model plus one part. Floating parameters may be restored in another dtype
 than written (orbax casts).
 """
+# Over 600 lines: save and restore of one format, with the checks both directions share.
 from __future__ import annotations
 
 import functools

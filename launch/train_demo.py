@@ -47,6 +47,7 @@ minutes of training on a shared 2-core machine, 1.44 s/step):
   python -m launch.train_demo --from_params out/demo_params.npz      # redo export + evaluation only
   python -m launch.train_demo --eval_only          # re-evaluate checkpoints/demo, update its log
 """
+# Over 600 lines: the demo model's whole recipe (corpus, tokenizer, model, training loop, export) in one script.
 from __future__ import annotations
 
 import dataclasses

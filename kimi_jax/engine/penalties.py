@@ -17,15 +17,7 @@ row's sampled token, so the counts follow the sampled tokens with no host read: 
 (kimi_jax.engine.scheduler) can feed step N's tokens to step N+1 and the counts are already right.
 A slot's row is written from the host once when its request is admitted (prompt and output so far:
 after a preemption, the recompute starts from the right counts).
-
-Why a pool of [V] rows rather than a bounded [B, max_out] history of output ids: the history must be
-turned into a [B, V] count array every step anyway (a scatter-add into zeros: the same [B, V] write
-as the pool's gather), and repetition_penalty needs the prompt's tokens too, which a bounded history
-cannot hold (a 128K-token prompt would be a 128K-wide history sent every step). At V = 163,840 the
-pool costs 0.66 MB per slot (168 MB for 256 slots), and a step reads B * V * 4 bytes of it
-(42 MB at B = 64: about the size of the step's own float32 logits), only when some row uses
-penalties: the pool and the gathers exist in the compiled step only then (None in the pytree
-otherwise, a separate program), so batches without penalties pay nothing.
+Why a pool of [V] rows: docs/ARCHITECTURE.md, "Penalties".
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""The jitted model steps the runner drives.
-
-The model is split once into (graphdef, state); each step is a pure jitted function of the state with
-the cache donated: `_step` (one StepBatch: prefill chunks, decode or speculative verification over the
-paged cache; `Engine.step_jit`), its loose-argument forms for the profiler and benchmarks
-(`paged_step_jit`, `decode_step_async`, `verify_step`), `_all_logits` (LLM.logits) and `_decode` (a
-contiguous cache, the profiler's and planner's reference). The ExecPlan (kimi_jax.ops.ExecPlan) is a
-static argument of every step, part of its compile cache key."""
+"""The jitted model steps the runner drives: pure functions of the model's state with the cache donated
+(`_step` over one StepBatch, its loose-argument forms for the profiler and benchmarks, `_all_logits`,
+`_decode` over a contiguous cache); the ExecPlan is a static argument of each."""
 from __future__ import annotations
 
 import dataclasses
@@ -44,9 +39,8 @@ class StepOutput:
 
 
 class Occurrences:
-    """A batch engine's occurrence pool (kimi_jax.engine.penalties: [slots + 1, V] int32 on the
-    device, replicated); a step that uses it replaces `pool` with its updated copy (the old one is
-    donated). pad_slot: the row that padding rows use."""
+    """An occurrence pool (kimi_jax.engine.penalties) that steps replace with their updated copy;
+    pad_slot: the row padding rows use."""
 
     def __init__(self, pool, pad_slot: int):
         self.pool, self.pad_slot = pool, pad_slot
@@ -270,7 +264,7 @@ class Engine:
                                    donate_argnums=0)
 
     def init_pages(self, num_pages: int, page_size: int, dtype=None) -> dict:
-        """A zeroed paged pool {kind: [L, num_pages, page_size, A + R]} placed as the steps keep it:
+        """A zeroed paged pool {kind: [L, X, p, C]} placed as the steps keep it:
         under data parallelism its pages are split over the dp ranks in `dp` equal contiguous
         partitions (num_pages a multiple of dp), rank k holding pages [k * num_pages / dp, ...) and
         the rows of its batch block; block tables hold ids local to the row's rank. Created on its

@@ -13,6 +13,7 @@ host dispatch overlaps device work. time = median over `reps` of wall / (inner *
 baselines: the same R calls captured in one CUDA graph, timed with CUDA events, median over reps.
 Rotating over >= 64 weight sets (>= 1 GB) defeats the 60 MB L2.
 """
+# Over 600 lines: one kimi-bench suite: its cases, their references, timing and report.
 from __future__ import annotations
 
 import os

@@ -47,6 +47,7 @@ Sections, in order:
      jax.nn.dot_product_attention (v zero-padded to 192: the public API wants equal head dims).
 Writes results.jsonl and a markdown table (table.md) under --out.
 """
+# Over 600 lines: one kimi-bench suite: its cases, their references, timing and report.
 from __future__ import annotations
 
 import json

@@ -42,6 +42,7 @@ pipelines with cp.async just like the paged_attention example in jax.experimenta
 `mla_paged_attention_reference` (pure jnp, float32 math, no bf16 rounding of p) is the oracle of this
 kernel and of the Mosaic GPU one (decode_mgpu.py); `make_case` builds random inputs for both.
 """
+# Over 600 lines: the Triton kernel, its two work schedules and the item builder share one tile layout.
 from __future__ import annotations
 
 import dataclasses
