@@ -78,14 +78,12 @@ def _messages(value: str):
 
 def _sampling_params():
     from kimi_jax.engine.sampling import SamplingParams
-    sp = SamplingParams(temperature=FLAGS.temperature, top_p=FLAGS.top_p, top_k=FLAGS.top_k,
-                        min_p=FLAGS.min_p, max_tokens=FLAGS.max_tokens, seed=FLAGS.seed,
-                        ignore_eos=FLAGS.ignore_eos)
     try:
-        sp.validate()
+        return SamplingParams(temperature=FLAGS.temperature, top_p=FLAGS.top_p, top_k=FLAGS.top_k,
+                              min_p=FLAGS.min_p, max_tokens=FLAGS.max_tokens, seed=FLAGS.seed,
+                              ignore_eos=FLAGS.ignore_eos)
     except ValueError as e:
         raise CliError(f"--{e}") from None
-    return sp
 
 
 def _load():

@@ -51,7 +51,7 @@ def check_seed(seed: Any) -> Optional[int]:
     if not is_int(seed):
         raise RequestError(f"seed must be an integer, got {seed!r} ({type(seed).__name__})", field="seed")
     if not SEED_MIN <= seed < SEED_END:
-        raise RequestError(f"seed {seed} does not fit 64 bits (need {SEED_MIN} <= seed < 2^64)", field="seed")
+        raise RequestError(f"'seed' must be in [{SEED_MIN}, 2^64) (64 bits), got {seed}", field="seed")
     return int(seed)
 
 

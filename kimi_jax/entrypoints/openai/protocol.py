@@ -33,7 +33,7 @@ OPTIONAL_SAMPLING = {"presence_penalty": ("presence_penalty", 0.0),
                      "min_tokens": ("min_tokens", 0)}
 _REFUSED_VLLM = {"use_beam_search", "length_penalty", "truncate_prompt_tokens", "allowed_token_ids",
                  "prompt_logprobs", "logits_processors", "return_tokens_as_token_ids", "echo", "suffix"}
-REFUSED = {"completion": _REFUSED_VLLM | {"messages"},
+REFUSED = {"completion": _REFUSED_VLLM | {"messages", "top_logprobs"},
            "chat": _REFUSED_VLLM | {"prompt", "functions", "function_call", "audio", "web_search_options",
                                     "chat_template", "chat_template_kwargs", "continue_final_message", "documents"}}
 
@@ -198,6 +198,9 @@ def _path(loc: Sequence, body: Any) -> str:
     return out
 
 
+_RANGE_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+
+
 def _validate(model: type, body: dict):
     try:
         return model.model_validate(body)
@@ -206,6 +209,8 @@ def _validate(model: type, body: dict):
         path = _path(err["loc"], body)
         msg = err["msg"][0].lower() + err["msg"][1:]
         got = "" if err["type"] == "missing" else f", got {_short(err['input'])}"
+        if err["type"] in _RANGE_ERRORS:
+            raise ProtocolError(f"'{path}' must be in range ({msg}){got}", path) from None
         raise ProtocolError(f"'{path}': {msg}{got}", path) from None
 
 
