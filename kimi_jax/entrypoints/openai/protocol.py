@@ -198,9 +198,6 @@ def _path(loc: Sequence, body: Any) -> str:
     return out
 
 
-_RANGE_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
-
-
 def _validate(model: type, body: dict):
     try:
         return model.model_validate(body)
@@ -209,7 +206,7 @@ def _validate(model: type, body: dict):
         path = _path(err["loc"], body)
         msg = err["msg"][0].lower() + err["msg"][1:]
         got = "" if err["type"] == "missing" else f", got {_short(err['input'])}"
-        if err["type"] in _RANGE_ERRORS:
+        if err["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
             raise ProtocolError(f"'{path}' must be in range ({msg}){got}", path) from None
         raise ProtocolError(f"'{path}': {msg}{got}", path) from None
 
