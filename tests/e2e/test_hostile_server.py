@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.e2e.serving import free_socket, serving
-from tests.e2e.test_server import _http
+from tests.e2e.test_server import _http, _wait_ready
 
 KEY = "k"
 NAME = "demo"
@@ -209,16 +209,7 @@ def test_sigterm_with_a_client_that_never_reads_exits_0_in_grace():
                              "--shutdown_grace_s", str(grace)], env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        t0 = time.time()
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if _http(url + "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.time() - t0 < 240
-            time.sleep(0.2)
+        _wait_ready(proc, url, 240)
         # 64 streamed choices of 400 tokens with logprobs: megabytes of SSE into a 4 KB receive window
         client = socket.socket()
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

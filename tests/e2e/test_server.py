@@ -55,6 +55,20 @@ def _http(url, body=None, headers=None, method=None):
         return status, hdrs, raw.decode()
 
 
+def _wait_ready(proc, url: str, timeout_s: float) -> None:
+    """Poll a kimi-serve subprocess's /health until it answers 200 (the process must stay up)."""
+    t0 = time.time()
+    while True:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            if _http(url + "/health")[0] == 200:
+                return
+        except OSError:
+            pass
+        assert time.time() - t0 < timeout_s
+        time.sleep(0.2)
+
+
 def _metric(url, name) -> float:
     text = _http(url + "/metrics")[2]
     m = re.search(rf"^kimi_jax:{name}\{{[^}}]*\}} (\S+)$", text, re.M)
@@ -291,16 +305,7 @@ def test_sigterm_finishes_in_flight_and_exits_0(tmp_path):
                             env=env, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        t0 = time.time()
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if _http(url + "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.time() - t0 < 120
-            time.sleep(0.2)
+        _wait_ready(proc, url, 120)
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         name = c.models.list().data[0].id
         results = [None] * 3
