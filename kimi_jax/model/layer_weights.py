@@ -4,10 +4,13 @@ A stacked weight [L, ...] sliced with static indices puts each layer's offset in
 fusion, so XLA sees L different fusions and autotunes each one (compile time grows with depth). Held as L
 separate arrays (`LayerList`), every layer's fusion is the same computation and is autotuned once. The
 routed experts stay stacked: their kernels index them by layer. ExecPlan.layer_weights chooses it;
-BENCHMARKS.md, "Compile time and per-layer weights", has the measurement.
+BENCHMARKS.md, "Compile time and per-layer weights", has the measurement. Each layer's kv_b_proj is held
+as its two absorbed halves (`AbsorbedKvB`), laid out so the decode step's matrix-vector products reduce
+over their minor axis (BENCHMARKS.md, "MLA absorbed weights").
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -31,7 +34,7 @@ class LayerList:
         return len(self.arrays)
 
     def stacked(self):
-        return jnp.stack(self.arrays)
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *self.arrays)
 
     def tree_flatten(self):
         return self.arrays, None
@@ -39,6 +42,14 @@ class LayerList:
     @classmethod
     def tree_unflatten(cls, _, arrays):
         return cls(arrays)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AbsorbedKvB:
+    """One layer's kv_b_proj [N * (H + U), A] as W_UK^T [N, A, H] and W_UV [N, U, A]."""
+    uk_NAH: jax.Array
+    uv_NUA: jax.Array
 
 
 def is_layer_list(x) -> bool:
@@ -72,15 +83,34 @@ def _layer_sharding(a):
     return s if isinstance(s, jax.sharding.SingleDeviceSharding) else None
 
 
-def split_layers(state) -> int:
+@functools.lru_cache(maxsize=None)
+def _absorbed_fn(n: int, heads: int, head_dim: int, sharding):
+    specs = None
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        specs = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(tuple(sharding.spec)[0], None, None))
+    elif sharding is not None:
+        specs = sharding
+
+    def split(a_LKA):
+        w_LNKA = a_LKA.reshape(n, heads, -1, a_LKA.shape[-1])
+        return tuple(AbsorbedKvB(w_LNKA[i, :, :head_dim].swapaxes(1, 2), w_LNKA[i, :, head_dim:]) for i in range(n))
+    return jax.jit(split, out_shardings=None if specs is None else (AbsorbedKvB(specs, specs),) * n)
+
+
+def split_layers(state, cfg=None) -> int:
     """Replace, in place, every stacked non-expert weight of `state` (an nnx.State of a Transformer) by a
-    LayerList placed as the stack was (its leading layer axis dropped). Returns how many were split."""
+    LayerList placed as the stack was (its leading layer axis dropped); with `cfg` (the ModelConfig) each
+    layer's kv_b_proj becomes an AbsorbedKvB. Returns how many were split."""
     n = 0
     for path, var in nnx.to_flat_state(state):
         names = [str(p) for p in path]
         value = var.get_value()
         if names[0] not in STACKS or "experts" in names or is_layer_list(value):
             continue
-        var.set_value(LayerList(_unstack_fn(value.shape[0], _layer_sharding(value))(value)))
+        if cfg is not None and names[-2:] == ["kv_b_proj", "weight"]:
+            fn = _absorbed_fn(value.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim, _layer_sharding(value))
+        else:
+            fn = _unstack_fn(value.shape[0], _layer_sharding(value))
+        var.set_value(LayerList(fn(value)))
         n += 1
     return n

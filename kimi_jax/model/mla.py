@@ -19,6 +19,7 @@ from flax import nnx
 
 from kimi_jax import ops
 from kimi_jax.config import ModelConfig
+from kimi_jax.model.layer_weights import AbsorbedKvB
 from kimi_jax.model.layers import Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 _NEG = -1e30  # finite mask value: a fully-masked row can't produce NaN
@@ -64,9 +65,13 @@ class MLA(nnx.Module):
         return jnp.concatenate([c_BTA, kpe_BTR], axis=-1)
 
     def _kv_b(self):
+        """(W_UK^T [N, A, H], W_UV [N, U, A]): the per-layer weights' AbsorbedKvB, or slices of kv_b_proj."""
         N, H, _, A, U = self.dims
-        w = self.kv_b_proj.weight[...].reshape(N, H + U, A)
-        return w[:, :H, :], w[:, H:, :]                     # W_UK [N, H, A], W_UV [N, U, A]
+        w = self.kv_b_proj.weight.get_value()
+        if isinstance(w, AbsorbedKvB):
+            return w.uk_NAH, w.uv_NUA
+        w = w.reshape(N, H + U, A)
+        return w[:, :H, :].swapaxes(1, 2), w[:, H:, :]
 
     # -- attention --------------------------------------------------------------------------------
     def __call__(self, x_BTD, positions_BT, cache=None, *, absorbed: bool = False, block_table_BP=None,
@@ -92,7 +97,7 @@ class MLA(nnx.Module):
         N, H, R, A, U = self.dims
         q_nope_BTNH, q_pe_BTNR, new_BTC = self._project(x_BTD, positions_BT)
         w_uk, w_uv = self._kv_b()
-        q_lat_BTNA = ops.einsum_f32("btnh,nha->btna", q_nope_BTNH, w_uk).astype(x_BTD.dtype)
+        q_lat_BTNA = ops.einsum_f32("btnh,nah->btna", q_nope_BTNH, w_uk).astype(x_BTD.dtype)
         o_lat_BTNA = ops.mla_paged_attention(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_LXpC, block_table_BP,
                                              positions_BT, self.cfg.softmax_scale, plan=plan,
                                              parallel=self.parallel, layer=layer).astype(x_BTD.dtype)
@@ -144,7 +149,7 @@ class MLA(nnx.Module):
         w_uk, w_uv = self._kv_b()
         c_BSA, kpe_BSR = keys_BSC[..., :A].astype(x_BTD.dtype), keys_BSC[..., A:].astype(x_BTD.dtype)
         rope_BNTS = ops.einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR)
-        q_lat_BTNA = ops.einsum_f32("btnh,nha->btna", q_nope_BTNH, w_uk).astype(x_BTD.dtype)
+        q_lat_BTNA = ops.einsum_f32("btnh,nah->btna", q_nope_BTNH, w_uk).astype(x_BTD.dtype)
         nope_BNTS = ops.einsum_f32("btna,bsa->bnts", q_lat_BTNA, c_BSA)
         p_BNTS = _softmax((nope_BNTS + rope_BNTS) * self.cfg.softmax_scale, mask_BTS).astype(x_BTD.dtype)
         o_lat_BTNA = ops.einsum_f32("bnts,bsa->btna", p_BNTS, c_BSA).astype(x_BTD.dtype)
@@ -160,7 +165,7 @@ class MLA(nnx.Module):
         _, _, _, A, _ = self.dims
         w_uk, w_uv = self._kv_b()
         c_BSA, kpe_BSR = keys_BSC[..., :A].astype(x_BTD.dtype), keys_BSC[..., A:].astype(x_BTD.dtype)
-        k_BSNH = ops.einsum_f32("bsa,nha->bsnh", c_BSA, w_uk).astype(x_BTD.dtype)
+        k_BSNH = ops.einsum_f32("bsa,nah->bsnh", c_BSA, w_uk).astype(x_BTD.dtype)
         v_BSNU = ops.einsum_f32("bsa,nua->bsnu", c_BSA, w_uv).astype(x_BTD.dtype)
         o_BTNU = ops.mla_prefill_attention(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNU, mask_BTS,
                                            self.cfg.softmax_scale, causal=causal, plan=plan,

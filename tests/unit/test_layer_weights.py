@@ -1,6 +1,6 @@
 """The unrolled layer loop's per-layer weights (kimi_jax.model.layer_weights): an Engine whose plan has
 layer_weights='per_layer' holds every stacked non-expert weight as L arrays placed like the stack (its layer axis
-dropped), the routed experts stay stacked, and its logits equal those of the stacked weights under
+dropped; kv_b_proj as its two absorbed halves), the routed experts stay stacked, and its logits equal those of the stacked weights under
 lax.scan (float32 tiny model on the CPU: the two loops differ only in XLA's summation order, so 1e-5
 relative is far above their difference and far below a wrong layer's weights)."""
 from __future__ import annotations
@@ -35,6 +35,15 @@ def test_unrolled_engine_holds_per_layer_weights_with_equal_logits(tp):
             n_split += 1
             assert path[0] in layer_weights.STACKS and "experts" not in [str(p) for p in path]
             assert len(value) == ref.shape[0]
+            if [str(p) for p in path][-2:] == ["kv_b_proj", "weight"]:
+                N, H = CFG.num_attention_heads, CFG.qk_nope_head_dim
+                for i, kvb in enumerate(value.arrays):
+                    w = np.asarray(ref[i]).reshape(N, -1, ref.shape[-1])
+                    np.testing.assert_array_equal(np.asarray(kvb.uk_NAH), w[:, :H].swapaxes(1, 2))
+                    np.testing.assert_array_equal(np.asarray(kvb.uv_NUA), w[:, H:])
+                    if tp > 1:
+                        assert tuple(kvb.uk_NAH.sharding.spec)[0] == tuple(ref.sharding.spec)[1]
+                continue
             for i, a in enumerate(value.arrays):
                 assert a.shape == ref.shape[1:] and a.dtype == ref.dtype
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(ref[i]))
