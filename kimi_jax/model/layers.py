@@ -40,16 +40,22 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """y = w * x / sqrt(mean(x^2) + eps), statistics in float32 (as the reference)."""
+    """y = w * x / sqrt(mean(x^2) + eps), statistics in float32 (as the reference). Given a residual:
+    (h = x + residual, y of h), in one Pallas launch under the plan's norm_kernel 'pallas'."""
 
-    def __init__(self, dim: int, eps: float, *, dtype, axes=("norm",)):
+    def __init__(self, dim: int, eps: float, *, dtype, axes=("norm",), parallel=None):
         self.eps = eps
+        self.parallel = parallel
         self.weight = param(None, (dim,), dtype, axes, init="ones")
 
-    def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * y.astype(x.dtype)
+    def __call__(self, x, residual=None, *, plan=None):
+        if ops.default_plan(plan).norm_kernel == "pallas":
+            return ops.add_rms_norm(x, residual, self.weight[...], self.eps, parallel=self.parallel)
+        h = x if residual is None else x + residual
+        h32 = h.astype(jnp.float32)
+        y = self.weight[...] * (h32 * jax.lax.rsqrt(jnp.mean(h32 * h32, axis=-1, keepdims=True) + self.eps)
+                                ).astype(h.dtype)
+        return y if residual is None else (h, y)
 
 
 class MLP(nnx.Module):

@@ -37,10 +37,10 @@ class MLA(nnx.Module):
         else:
             Q = cfg.q_lora_rank
             self.q_a_proj = Linear(D, Q, ("q_lora", "embed"), dtype=dtype, rngs=rngs)
-            self.q_a_layernorm = RMSNorm(Q, cfg.latent_norm_eps, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(Q, cfg.latent_norm_eps, dtype=dtype, parallel=parallel)
             self.q_b_proj = Linear(Q, N * (H + R), ("q_heads", "q_lora"), dtype=dtype, rngs=rngs)
         self.kv_a_proj_with_mqa = Linear(D, A + R, ("kv_latent", "embed"), dtype=dtype, rngs=rngs)
-        self.kv_a_layernorm = RMSNorm(A, cfg.latent_norm_eps, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(A, cfg.latent_norm_eps, dtype=dtype, parallel=parallel)
         self.kv_b_proj = Linear(A, N * (H + U), ("kv_heads", "kv_lora"), dtype=dtype, rngs=rngs)
         self.o_proj = Linear(N * U, D, ("embed", "o_heads"), dtype=dtype, rngs=rngs)
 

@@ -18,33 +18,20 @@ from kimi_jax.model.layers import MLP, param
 
 
 class Router(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, parallel=None):
         self.cfg = cfg
+        self.parallel = parallel
         # kept in float32: the scores that pick experts are computed in float32 (as the reference)
         self.weight = param(rngs, (cfg.n_routed_experts, cfg.hidden_size), jnp.float32, ("router_experts", "embed"))
         self.e_score_correction_bias = param(None, (cfg.n_routed_experts,), jnp.float32, ("router_experts",),
                                              init="zeros")
 
-    def __call__(self, x_TD):
+    def __call__(self, x_TD, *, plan=None):
         """-> (expert ids [T, K] int32, weights [T, K] float32)."""
         cfg = self.cfg
-        E, G, K = cfg.n_routed_experts, cfg.n_group, cfg.num_experts_per_tok
-        logits_TE = jnp.einsum("td,ed->te", x_TD.astype(jnp.float32), self.weight[...],
-                               precision=jax.lax.Precision.HIGHEST)
-        s_TE = jax.nn.sigmoid(logits_TE)
-        choice_TE = s_TE + self.e_score_correction_bias[...]
-        if G > 1:
-            T = choice_TE.shape[0]
-            grouped_TGe = choice_TE.reshape(T, G, E // G)
-            group_score_TG = jax.lax.top_k(grouped_TGe, 2)[0].sum(-1)
-            _, kept_Tk = jax.lax.top_k(group_score_TG, cfg.topk_group)
-            keep_TG = jnp.zeros((T, G), bool).at[jnp.arange(T)[:, None], kept_Tk].set(True)
-            choice_TE = jnp.where(jnp.repeat(keep_TG, E // G, axis=1), choice_TE, -jnp.inf)
-        _, idx_TK = jax.lax.top_k(choice_TE, K)
-        w_TK = jnp.take_along_axis(s_TE, idx_TK, axis=-1)
-        if cfg.norm_topk_prob:
-            w_TK = w_TK / (w_TK.sum(-1, keepdims=True) + 1e-20)
-        return idx_TK.astype(jnp.int32), w_TK * cfg.routed_scaling_factor
+        return ops.route(x_TD, self.weight[...], self.e_score_correction_bias[...], k=cfg.num_experts_per_tok,
+                         n_group=cfg.n_group, topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
+                         scaling=cfg.routed_scaling_factor, plan=plan, parallel=self.parallel)
 
 
 def pin_routing(state, k: int) -> int:
@@ -100,7 +87,7 @@ class RoutedExperts(nnx.Module):
 
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, parallel=None):
-        self.gate = Router(cfg, rngs=rngs)
+        self.gate = Router(cfg, rngs=rngs, parallel=parallel)
         self.experts = RoutedExperts(cfg, dtype=dtype, rngs=rngs, parallel=parallel)
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
                                    dtype=dtype, rngs=rngs, ffn_axis="shared_mlp")
@@ -108,7 +95,7 @@ class MoE(nnx.Module):
 
     def __call__(self, x_BTD, layer=None, *, plan=None):
         x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
-        idx_TK, w_TK = self.gate(x_TD)
+        idx_TK, w_TK = self.gate(x_TD, plan=plan)
         y_TD = self.experts(x_TD, idx_TK, w_TK, layer, plan=plan)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)

@@ -25,9 +25,10 @@ class DecoderLayer(nnx.Module):
     """h = x + MLA(norm(x));  out = h + FFN(norm(h)), FFN dense or MoE."""
 
     def __init__(self, cfg: ModelConfig, *, moe: bool, dtype, rngs: nnx.Rngs, parallel=None):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, parallel=parallel)
         self.self_attn = MLA(cfg, dtype=dtype, rngs=rngs, parallel=parallel)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype,
+                                                parallel=parallel)
         self.mlp = (MoE(cfg, dtype=dtype, rngs=rngs, parallel=parallel) if moe
                     else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs))
 
@@ -36,11 +37,10 @@ class DecoderLayer(nnx.Module):
         """layer: this layer's index in its stack when the routed experts' weights are the whole stack
         [L, E, ...] (scan_layers); None when they are this layer's own [E, ...]. fresh: see MLA.
         cache: as MLA's. plan: the ExecPlan the ops run."""
-        a_BTD, kv = self.self_attn(self.input_layernorm(x_BTD), positions_BT, cache, absorbed=absorbed,
+        a_BTD, kv = self.self_attn(self.input_layernorm(x_BTD, plan=plan), positions_BT, cache, absorbed=absorbed,
                                    block_table_BP=block_table_BP, fresh=fresh,
                                    layer=layer if block_table_BP is not None else None, plan=plan)
-        h_BTD = x_BTD + a_BTD
-        ffn_in = self.post_attention_layernorm(h_BTD)
+        h_BTD, ffn_in = self.post_attention_layernorm(x_BTD, a_BTD, plan=plan)
         ffn = self.mlp(ffn_in, layer=layer, plan=plan) if isinstance(self.mlp, MoE) else self.mlp(ffn_in)
         return h_BTD + ffn, kv
 
@@ -118,7 +118,7 @@ class Transformer(nnx.Module):
         self.moe_layers = stack_modules(lambda: DecoderLayer(cfg, moe=True, dtype=dtype, rngs=rngs,
                                                              parallel=parallel),
                                         cfg.num_moe_layers)
-        self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype, parallel=parallel)
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Module()
             self.lm_head.weight = param(rngs, (V, D), dtype, ("vocab", "embed"))
@@ -142,7 +142,7 @@ class Transformer(nnx.Module):
             kv = None if cache is None else cache[kind]
             x, new[kind] = scan_layers(stack, x, positions_BT, kv, absorbed=absorbed,
                                        block_table_BP=block_table_BP, fresh=fresh, plan=plan)
-        return self.norm(x), new
+        return self.norm(x, plan=plan), new
 
     def logits(self, h_BTD, plan: Optional[ops.ExecPlan] = None):
         w = (self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head).weight[...]

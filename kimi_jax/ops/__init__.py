@@ -9,10 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kimi_jax.ops.fused import add_rms_norm, route  # noqa: F401
 from kimi_jax.ops.impl import einsum_f32, shard_map  # noqa: F401
 from kimi_jax.ops.plan import (  # noqa: F401  (re-exported: the engine, model and launchers call ops.*)
-    CHUNK_ATTENTION_CHOICES, IMPLS, LAYER_LOOPS, MLA_DECODE_KERNELS, MLA_SCHEDULES, PREFILL_ATTENTION_CHOICES,
-    ExecPlan, default_plan)
+    CHUNK_ATTENTION_CHOICES, IMPLS, LAYER_LOOPS, MLA_DECODE_KERNELS, MLA_SCHEDULES, NORM_KERNELS,
+    PREFILL_ATTENTION_CHOICES, ROUTER_KERNELS, ExecPlan, default_plan)
 from kimi_jax.ops.prefill_attention import (  # noqa: F401
     cudnn_attention_fits, mla_prefill_attention, prefill_attention_path)
 

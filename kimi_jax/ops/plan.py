@@ -13,13 +13,16 @@ LAYER_LOOPS = ("scan", "unroll")
 LAYER_WEIGHTS = ("stacked", "per_layer")
 PREFILL_ATTENTION_CHOICES = ("einsum", "cudnn", "xla")
 CHUNK_ATTENTION_CHOICES = PREFILL_ATTENTION_CHOICES + ("cudnn_split", "xla_split")
+ROUTER_KERNELS = ("xla", "pallas", "pallas_gemv")
+NORM_KERNELS = ("xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
 class ExecPlan:
     """How the ops run; the defaults are the portable plan, `for_backend()` this machine's. mla_schedule None:
     the engine picks per step; layer_weights 'per_layer' (under 'unroll'): each layer's non-expert weights
-    as arrays of their own (BENCHMARKS.md "Compile time and per-layer weights")."""
+    as arrays of their own (BENCHMARKS.md "Compile time and per-layer weights"). router_kernel 'pallas': XLA's
+    gemv, then one launch for the top-k; 'pallas_gemv': all in one launch (pallas_kernels/router)."""
     impl: str = "xla"
     mla_decode_kernel: str = "auto"
     hopper: bool = False
@@ -30,13 +33,16 @@ class ExecPlan:
     layer_weights: str = "stacked"
     combine_xla_max_macs: int = 1 << 27
     one_new_token_elementwise: bool = True
+    router_kernel: str = "xla"
+    norm_kernel: str = "xla"
 
     def __post_init__(self):
         for name, choices in (("impl", IMPLS), ("mla_decode_kernel", MLA_DECODE_KERNELS),
                               ("mla_schedule", (None,) + MLA_SCHEDULES),
                               ("prefill_attention", ("auto",) + PREFILL_ATTENTION_CHOICES),
                               ("chunk_attention", ("auto",) + CHUNK_ATTENTION_CHOICES),
-                              ("layer_loop", LAYER_LOOPS), ("layer_weights", LAYER_WEIGHTS)):
+                              ("layer_loop", LAYER_LOOPS), ("layer_weights", LAYER_WEIGHTS),
+                              ("router_kernel", ROUTER_KERNELS), ("norm_kernel", NORM_KERNELS)):
             value = getattr(self, name)
             if value not in choices:
                 raise ValueError(f"ExecPlan.{name}={value!r}; expected one of {choices}")

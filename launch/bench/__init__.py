@@ -40,6 +40,8 @@ SUITES = {
                                               "the scheduler with overlap on and off"),
     "gemv": ("launch.bench.gemv", "the decode step's bf16 projections at their TP8 shard shapes against a copy "
                                   "of the same bytes"),
+    "small_ops": ("launch.bench.small_ops", "the decode step's router and residual add + RMSNorm: XLA against "
+                                            "their Pallas launches, kernels per call, device time"),
     "structured": ("launch.bench.structured", "structured outputs: llguidance vs xgrammar grammar compile and "
                                               "mask fill, the mask's cost in the sampler and the decode step"),
     "dtype": ("launch.bench.dtype", "the demo model's greedy decoding in each dtype: tokens/s end to end and "

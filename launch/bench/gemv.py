@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
-import time
 
 from absl import flags
+
+from launch.bench import harness
 
 flags.DEFINE_list("rows", ["1", "16"], "M: token rows per matmul")
 flags.DEFINE_integer("rotate_mb", 512, "weights per executable, MB (several times the L2 cache)")
@@ -55,7 +55,6 @@ def cases(dry: bool):
 def run_case(name, N, K, M, *, rotate_bytes, max_copies, reps, seed=0) -> dict:
     import jax
     import jax.numpy as jnp
-    from kimi_jax.tools.profiling import device_ops_per_call
     wbytes = N * K * 2
     R = int(max(2, min(max_copies, -(-rotate_bytes // wbytes))))
     kw, kx = jax.random.split(jax.random.PRNGKey(seed))
@@ -70,20 +69,10 @@ def run_case(name, N, K, M, *, rotate_bytes, max_copies, reps, seed=0) -> dict:
 
     res = dict(case=name, M=M, N=N, K=K, weight_mb=wbytes / 1e6, copies=R)
     for what, f, args in (("gemv", mats, (xs, ws)), ("copy", copy, (ws,))):
-        compiled = jax.jit(f).lower(*args).compile()
-        per_op, span, _ = device_ops_per_call(compiled, args, 1)
-        kernel_us = sum(per_op.values())
-        walls = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(compiled(*args))
-            walls.append(time.perf_counter() - t0)
-        res[f"{what}_kernel_us"] = kernel_us / R
-        res[f"{what}_span_us"] = span / R
-        res[f"{what}_wall_us"] = 1e6 * statistics.median(walls) / R
-        res[f"{what}_kernels"] = len(per_op)
+        t = harness.timed(f, args, R, reps)
+        res.update({f"{what}_{k}": v for k, v in t.items() if k != "kernel_names"})
         if what == "gemv":
-            res["gemv_kernel_names"] = list(per_op)[:3]
+            res["gemv_kernel_names"] = t["kernel_names"][:3]
     copy_bw = 2 * wbytes / (res["copy_kernel_us"] * 1e-6) if res["copy_kernel_us"] else float("nan")
     res["copy_tbps"] = copy_bw / 1e12
     res["gemv_tbps"] = wbytes / (res["gemv_kernel_us"] * 1e-6) / 1e12 if res["gemv_kernel_us"] else float("nan")

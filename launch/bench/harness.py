@@ -1,9 +1,10 @@
 """What several kimi-bench suites share: a timed run of requests through the continuous-batching
-engine, and writing a suite's JSON result."""
+engine, device and wall time of one executable, and writing a suite's JSON result."""
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 
 
@@ -29,3 +30,20 @@ def write_json(out: str, name: str, obj) -> str:
     with open(path, "w") as f:
         json.dump(obj, f, indent=1, default=float)
     return path
+
+
+def timed(f, args, copies: int, reps: int) -> dict:
+    """f(*args) (an executable of `copies` calls) compiled and run: per call, the profiler's kernel time
+    (kernel_us), the span of its device ops (span_us), the median wall time over `reps` runs (wall_us);
+    the kernels per executable (kernels) and their names, most expensive first."""
+    import jax
+    from kimi_jax.tools.profiling import device_ops_per_call
+    compiled = jax.jit(f).lower(*args).compile()
+    per_op, span, _ = device_ops_per_call(compiled, args, 1)
+    walls = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        walls.append(time.perf_counter() - t0)
+    return dict(kernel_us=sum(per_op.values()) / copies, span_us=span / copies,
+                wall_us=1e6 * statistics.median(walls) / copies, kernels=len(per_op), kernel_names=list(per_op))

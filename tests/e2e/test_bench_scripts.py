@@ -14,13 +14,13 @@ def test_kimi_bench_lists_its_suites_and_refuses_an_unknown_one(cli):
     r = cli("launch.bench", "--help")
     assert r.returncode == 0
     for suite in ("int4", "mla", "engine", "throughput", "spec", "loading", "prefix_cache", "full_depth", "gemv",
-                  "structured", "dtype"):
+                  "small_ops", "structured", "dtype"):
         assert f"\n  {suite} " in r.stdout, suite
     assert cli("launch.bench").stdout == r.stdout                # no suite: the list
     bad = cli("launch.bench", "nosuch")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "kimi-bench: error: unknown suite 'nosuch' (suites: int4, mla, engine, throughput, spec, loading, "
-        "prefix_cache, full_depth, gemv, structured, dtype)"]
+        "prefix_cache, full_depth, gemv, small_ops, structured, dtype)"]
     # a suite's --help: its own flags, exit 0
     r = cli("launch.bench", "loading", "--help")
     assert r.returncode == 0 and "--orbax-dir" in r.stdout and "--raw-workers" in r.stdout
@@ -318,6 +318,21 @@ def test_bench_gemv_dry_times_every_projection_and_its_copy(tmp_path, cli):
     assert (first["M"], first["N"], first["K"], first["copies"]) == (1, 1536 // 16, 7168 // 16, 2)
     assert all(x["gemv_kernels"] >= 1 and x["copy_kernels"] >= 1 for x in rows)
     assert "%copy span" in r.stdout
+
+
+def test_bench_small_ops_smoke_times_each_variant_beside_xla(tmp_path, cli):
+    """kimi-bench small_ops --smoke (CPU, tiny shapes, kernels interpreted): per T, the three routers and
+    both norms' two variants, each with its kernels per call, device time, copy row and its difference
+    from the XLA variant (none in the ids, float32 rounding in the weights, none in the norms here)."""
+    r = cli("launch.bench", "small_ops", "--smoke", "--ops=router,add_rms_norm", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in open(tmp_path / "small_ops_rows.jsonl")]
+    assert [(x["op"], x["variant"], x["T"]) for x in rows] == [
+        (op, v, T) for T in (1, 5) for op, vs in (("router", ("xla", "pallas", "pallas_gemv")),
+                                                   ("add_rms_norm", ("xla", "pallas"))) for v in vs]
+    assert all(x["kernels"] >= 1 and x["kernel_us"] > 0 and x["copy_kernel_us"] > 0 for x in rows)
+    assert all(x["idx_diff"] == 0 and x["err"] <= 1e-6 for x in rows)
+    assert "kernel us" in r.stdout
 
 
 def test_bench_structured_dry_times_the_grammar_the_sampler_and_the_decode_step(tmp_path, cli):

@@ -1,0 +1,46 @@
+"""The router and residual add + RMSNorm: XLA, or Pallas launches (ExecPlan.router_kernel / norm_kernel)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+
+from kimi_jax.ops.impl import shard_map
+from kimi_jax.ops.plan import ExecPlan, default_plan
+
+
+def _per_batch_shard(f, parallel, rows: tuple, replicated: tuple, n_out: int):
+    """f(*rows, *replicated) on each shard of the rows' leading axis (parallel.batch) under a mesh."""
+    if parallel is None or parallel.mesh.size == 1:
+        return f(*rows, *replicated)
+    from jax.sharding import PartitionSpec as P
+    row = P(parallel.batch or None, None)
+    return shard_map(f, parallel.mesh, in_specs=(row,) * len(rows) + (P(),) * len(replicated),
+                     out_specs=row if n_out == 1 else (row,) * n_out)(*rows, *replicated)
+
+
+def route(x_TD, w_ED, bias_E, *, k: int, n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
+          scaling: float = 1.0, plan: Optional[ExecPlan] = None, parallel=None):
+    """-> (expert ids [T, K] int32, weights [T, K] float32); the kernels only without a group limit."""
+    from pallas_kernels.router import sigmoid_topk as st
+    kernel = default_plan(plan).router_kernel
+    if kernel == "xla" or topk_group < n_group:
+        return st.sigmoid_topk_reference(x_TD, w_ED, bias_E, k=k, n_group=n_group, topk_group=topk_group,
+                                         norm_topk_prob=norm_topk_prob, scaling=scaling)
+    config = st.RouterConfig(gemv="kernel" if kernel == "pallas_gemv" else "xla")
+    f = lambda x, w, b: st.sigmoid_topk(x, w, b, k=k, norm_topk_prob=norm_topk_prob,  # noqa: E731
+                                        scaling=scaling, config=config)
+    return _per_batch_shard(f, parallel, (x_TD,), (w_ED, bias_E), 2)
+
+
+def add_rms_norm(x, residual, w_D, eps: float, *, parallel=None):
+    """Pallas: (x + residual, its RMSNorm), or the norm of x alone (residual None); x [..., D]."""
+    from pallas_kernels.norm import rms_norm
+    D = x.shape[-1]
+    def f(*args):
+        *rows, w = args
+        return rms_norm.add_rms_norm(rows[0], rows[1] if len(rows) > 1 else None, w, eps)
+
+    rows = (x.reshape(-1, D),) + (() if residual is None else (residual.reshape(-1, D),))
+    out = _per_batch_shard(f, parallel, rows, (w_D,), 1 if residual is None else 2)
+    return jax.tree.map(lambda o: o.reshape(x.shape), out)
