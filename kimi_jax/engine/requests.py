@@ -10,6 +10,7 @@ import numpy as np
 
 from kimi_jax.engine import penalties
 from kimi_jax.engine.sampling import Logprob, SamplingParams, key_data_for_seed
+from kimi_jax.engine.shapes import bucket
 from kimi_jax.engine.speculative import SpecState
 from kimi_jax.engine.validation import RequestError, check_prompt_ids, check_request
 
@@ -84,6 +85,15 @@ def n_logprobs(reqs) -> Optional[int]:
 def prompt_entries_left(r: "Request") -> bool:
     """r asks for prompt logprobs and some of its prompt positions are not scored yet."""
     return r.prompt_logprobs is not None and len(r.prompt_logprobs) < len(r.prompt_ids) + len(r.tail)
+
+
+def prefill_shape(rows, page_size: int) -> tuple[int, int, bool]:
+    """(width T, pages of the longest row once it holds its chunk, fresh) of a prefill pass over rows
+    [(request, tokens fed)]. T = 1 (a decode-kind step) when each row feeds one token and scores no
+    prompt position (decode programs return no prompt logprobs), else bucket(max, 16)."""
+    one = all(n == 1 and not prompt_entries_left(r) for r, n in rows)
+    pages = max(max(len(r.pages), -(-(r.num_computed + n) // page_size)) for r, n in rows)
+    return 1 if one else bucket(max(n for _, n in rows), 16), pages, all(r.num_computed == 0 for r, _ in rows)
 
 
 def logprob_dict(token: int, logprob, rank, top_ids, top_vals) -> dict:

@@ -14,8 +14,8 @@ from kimi_jax.engine import penalties
 from kimi_jax.engine.requests import StepPlan, n_logprobs, prompt_targets
 from kimi_jax.engine.sampling import SamplingArrays, SamplingParams
 from kimi_jax.engine.sampling import sample_mode as sample_mode_of
-from kimi_jax.engine.shapes import bucket, table_bucket
-from kimi_jax.engine.steps import Engine, StepBatch, StepOutput, is_fresh, step_schedule
+from kimi_jax.engine.shapes import Shapes, bucket
+from kimi_jax.engine.steps import Engine, StepBatch, StepOutput, can_balance, is_fresh, step_schedule
 
 # A constrained request with at most this many tokens left checks each step whether closing its output
 # (kimi_jax.engine.structured.StructuredBackend.bitmask_closing) must begin.
@@ -44,7 +44,7 @@ class ProgramKey:
     logprobs: None for a plain program; else an extras program, which serves every row that wants
     logprobs (top-n, n <= logprobs), logits adjustments or a token mask: all rows get the adjustments
     (no-ops for rows without), a mask (all tokens for unconstrained rows) and the filtered sampler.
-    prompt_logprobs: top-n of every position (extras programs only)."""
+    prompt_logprobs: top-n of every position (extras programs of prefill steps only)."""
     kind: str
     batch: int
     width: int
@@ -207,29 +207,30 @@ class Runner:
 
     # ---- the program set ------------------------------------------------------------------------
     def programs(self, limits: Limits) -> list[ProgramKey]:
-        """Every step program a workload within `limits` can run: per padded shape a greedy and a
-        sampled plain program and the extras programs (without and with prompt logprobs). The extras
-        programs' adjustments, mask and sort cost [B, V] element-wise work per step, unmeasurable on CPU
-        next to the model (confirm on GPU)."""
-        dp = self.engine.dp
-        batches = sorted({self.engine.batch_size(dp * c) for c in range(1, -(-limits.max_num_seqs // dp) + 1)})
-        max_pages = -(-(limits.max_model_len + 1) // limits.page_size)
-        if limits.pages_per_rank is not None:
-            max_pages = min(max_pages, limits.pages_per_rank)
-        tables = sorted({table_bucket(p, limits.page_size) for p in range(1, max_pages + 1)})
-        chunk = min(limits.prefill_chunk, limits.max_prefill_tokens, limits.max_model_len)
-        shapes = [("decode", 1, False)] + [("prefill", T, fresh) for T in sorted({bucket(n, 16) for n in range(2, chunk + 1)})
-                                           for fresh in (False, True)]
+        """Every step program a workload within `limits` can run (the scheduler's `Shapes`): per padded
+        shape a greedy, a sampled and an extras program (sampler costs differ: BENCHMARKS.md, 'Program
+        set'), prefill shapes also extras with prompt logprobs, the balanced schedule where reachable."""
+        eng, plan = self.engine, self.engine.plan
+        shapes = Shapes.of(limits.max_model_len, limits.page_size, limits.max_prefill_tokens, limits.pages_per_rank,
+                           eng.dp, plan.pallas)
+        batches = sorted({eng.batch_size(eng.dp * c) for c in range(1, -(-limits.max_num_seqs // eng.dp) + 1)})
+        chunk = min(limits.prefill_chunk, limits.max_prefill_tokens, limits.max_model_len - 1)
+        widths = sorted({bucket(n, 16) for n in range(2, chunk + 1)})
         n_lp = self._top(limits.max_logprobs)
-        variants = [(False, None, None), (True, None, None), (True, n_lp, None), (True, n_lp, n_lp)]
-        plan = self.engine.plan
-        schedules = [None, "balanced"] if plan.pallas and plan.mla_schedule is None else [plan.mla_schedule]
+        plain, prompt = [(False, None, None), (True, None, None), (True, n_lp, None)], [(True, n_lp, n_lp)]
         out = []
-        for B, P, (kind, T, fresh), (sampled, lp, plp) in itertools.product(batches, tables, shapes, variants):
-            for sched in (schedules if kind == "decode" else [None]):
-                out.append(ProgramKey(kind, B, T, P, fresh, sampled, lp, plp, sched))
-        if limits.speculative_tokens:
-            out += [ProgramKey("verify", B, limits.speculative_tokens + 1, P) for B in batches for P in tables]
+        for B, P in itertools.product(batches, shapes.tables("decode")):
+            tokens = min(P * limits.page_size, limits.max_model_len)
+            auto = plan.pallas and plan.mla_schedule is None and can_balance(B, tokens)
+            out += [ProgramKey("decode", B, 1, P, False, s, lp, None, sched)
+                    for sched in ([None, "balanced"] if auto else [plan.mla_schedule]) for s, lp, _ in plain]
+            if limits.speculative_tokens:
+                out.append(ProgramKey("verify", B, limits.speculative_tokens + 1, P))
+        for B, T, fresh in itertools.product(batches, widths or [16], (False, True)):
+            for P in shapes.tables("prefill", T, fresh):
+                if B == batches[0] or shapes.prefill_fits(B, T, P, fresh):
+                    out += [ProgramKey("prefill", B, T, P, fresh, s, lp, plp)
+                            for s, lp, plp in (plain + prompt if widths else prompt)]
         return out
 
     def precompile(self, programs: list[ProgramKey], progress: Optional[Callable[[int, int, ProgramKey], None]] = None):

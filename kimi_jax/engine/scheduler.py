@@ -14,10 +14,10 @@ import numpy as np
 from kimi_jax.engine import penalties
 from kimi_jax.engine.page_pool import PagePool, cacheable_hashes, chain_hashes
 from kimi_jax.engine.requests import (Request, Row, StepPlan, append_token, logprob_dict,  # noqa: F401
-                                      n_logprobs, prefill_parent, prompt_entries_left, prompt_targets,
-                                      new_request, row_adjust_for, score_prompt, validate_prompt)
+                                      n_logprobs, prefill_parent, prefill_shape, prompt_entries_left,
+                                      prompt_targets, new_request, row_adjust_for, score_prompt, validate_prompt)
 from kimi_jax.engine.runner import CLOSE_WINDOW, Limits, Runner  # noqa: F401
-from kimi_jax.engine.shapes import bucket, table_bucket
+from kimi_jax.engine.shapes import Shapes
 from kimi_jax.engine.steps import Engine
 from kimi_jax.engine.sampling import SamplingParams, key_data_for_seed
 from kimi_jax.engine.speculative import SpeculativeConfig, propose_drafts
@@ -31,6 +31,7 @@ class Scheduler:
     StepPlan (prefill chunks, then decode or verification; None when the iteration is done) and
     `update(plan, outputs)` books a plan's host outputs and returns the requests that finished. Device
     writes it needs (occurrence rows, page copies) wait in `effects` for the runner."""
+    pallas = False                      # decode attention reads each row's length (`Shapes.table`)
 
     def __init__(self, *, vocab_size: int, batch_size: Callable[[int], int], dp: int, num_pages: int,
                  page_size: int, max_num_seqs: int, max_model_len: int, prefill_chunk: int = 256,
@@ -134,9 +135,7 @@ class Scheduler:
         self._release(r)
         return r
 
-    @property
-    def num_free_pages(self) -> int:
-        return self.pool.num_free
+    num_free_pages = property(lambda self: self.pool.num_free)
 
     # ---- planning -------------------------------------------------------------------------------
     def schedule(self) -> Optional[StepPlan]:
@@ -171,19 +170,22 @@ class Scheduler:
         return out
 
     def _stop(self, r: Request) -> None:
-        self._release(self._stop_at_pool_limit(r))
+        """Finish r where it is ("length"), its pages freed: it has outgrown the page pool of its rank."""
+        r.finish_reason, r.finished_time = "length", time.time()
+        self._release(r)
         self._stopped.append(r)
 
     def _plan(self, kind: str, feeds: list[tuple[Request, list[int]]], T: int, overlap: bool = False) -> StepPlan:
         """A plan for rows that feed these tokens at their next positions, padded to T per row."""
         B, slots = self._slots([r for r, _ in feeds])
-        P = table_bucket(max(len(r.pages) for r, _ in feeds), self.page_size)
+        P = self.shapes().table(kind, max(len(r.pages) for r, _ in feeds), T, not any(r.num_computed for r, _ in feeds))
         rows = tuple(Row(r, b, tuple(int(t) for t in feed), r.num_computed, tuple(r.pages), len(r.output_ids))
                      for (r, feed), b in zip(feeds, slots))
         return StepPlan(kind, rows, B, T, P, overlap=overlap)
 
     def _prefill_plan(self) -> Optional[StepPlan]:
-        """Prompt chunks: at most prefill_chunk tokens of each prompt, max_prefill_tokens in all."""
+        """Prompt chunks: at most prefill_chunk tokens of each prompt, max_prefill_tokens in all, rows
+        after the first while the pass `Shapes.prefill_fits`."""
         budget, rows, filling = self.max_prefill_tokens, [], set()
         for r in [r for r in self.running if r.pending > 1 or (r.pending == 1 and prompt_entries_left(r))]:
             if (self.pool.caching and r.prompt_logprobs is None
@@ -199,7 +201,8 @@ class Scheduler:
                 if r.pending <= 1 and not prompt_entries_left(r):
                     continue
             n = min(r.pending, self.prefill_chunk, budget)
-            if n <= 0:
+            shape = prefill_shape(rows + [(r, n)], self.page_size)
+            if n <= 0 or rows and not self.shapes().prefill_fits(self._slots([q for q, _ in rows] + [r])[0], *shape):
                 break
             if r in self.running and self._ensure_pages(r, r.num_computed + n, [q for q, _ in rows]):
                 rows.append((r, n))
@@ -211,7 +214,7 @@ class Scheduler:
                 self._stop(r)
         if not rows:
             return None
-        T = 1 if all(n == 1 for _, n in rows) else bucket(max(n for _, n in rows), 16)
+        T = prefill_shape(rows, self.page_size)[0]
         return self._plan("decode" if T == 1 else "prefill",
                           [(r, r.tokens[r.num_computed:r.num_computed + n]) for r, n in rows], T)
 
@@ -219,7 +222,7 @@ class Scheduler:
         """The decode pass of the rows with one token pending; with speculation, when drafts pay, the
         others verify their drafts in one verification pass (kept for the next phase)."""
         ready = []
-        for r in [r for r in self.running if r.pending == 1 and r.finish_reason is None]:
+        for r in [r for r in self.running if r.pending == 1 and r.finish_reason is None and not prompt_entries_left(r)]:
             if r in self.running and self._ensure_pages(r, r.num_computed + 1, ready):
                 ready.append(r)
             elif r in self.running and self._alone(r):
@@ -286,7 +289,7 @@ class Scheduler:
                 r.pages += self.pool.take(need, r.rank)   # checked free by overlap_continues
             # the step in flight feeds position num_computed and samples output number len(output_ids)
             rows.append(Row(r, row.slot, (), r.num_computed + 1, tuple(r.pages), len(r.output_ids) + 1))
-        P = table_bucket(max(len(row.pages) for row in rows if row.live), self.page_size)
+        P = self.shapes().table("decode", max(len(row.pages) for row in rows if row.live))
         self.inflight = StepPlan("decode", tuple(rows), f.batch, 1, P, chained=True, overlap=True)
         return self.inflight
 
@@ -322,9 +325,6 @@ class Scheduler:
             self.stats["prefix_cache_queries"] += len(r.tokens)
         self.stats["prefix_cache_hits"] += self.pool.take_cached_prefix(r, self.page_size)
 
-    def _register_pages(self, r: Request) -> None:
-        self.pool.register_filled(r, self.page_size)
-
     def _rank_for(self, r: Request) -> Optional[int]:
         """The data-parallel rank a waiting request would join: among those with a free slot and the
         pages of its first chunk, the one running fewest requests (then: most free pages); None if none."""
@@ -356,11 +356,6 @@ class Scheduler:
         """No other running request holds pages of r's rank (none will ever be freed for it)."""
         return not any(v is not r and v.rank == r.rank for v in self.running)
 
-    def _stop_at_pool_limit(self, r: Request) -> Request:
-        """Finish r where it is ("length"): it has outgrown the page pool of its rank."""
-        r.finish_reason, r.finished_time = "length", time.time()
-        return r
-
     def _pages_short(self, r: Request, upto: int) -> int:
         """Pages r lacks to hold positions [0, upto) (<= 0: none)."""
         return -(-upto // self.page_size) - len(r.pages)
@@ -377,6 +372,10 @@ class Scheduler:
         self._leave(r)
         self.pool.give(r.pages, r.rank)
         r.pages, r.num_registered = [], 0
+
+    def shapes(self) -> Shapes:
+        return Shapes.of(self.max_model_len, self.page_size, self.max_prefill_tokens, self.pool.per_part, self.dp,
+                         self.pallas)
 
     def _slots(self, reqs: list[Request]) -> tuple[int, list[int]]:
         """(padded batch B, each request's batch row): in order, each in its data-parallel rank's
@@ -438,7 +437,7 @@ class Scheduler:
             if out.prompt_logprob is not None and prompt_entries_left(r):
                 score_prompt(r, out, b, r.num_computed, n)
             r.num_computed += n
-            self._register_pages(r)
+            self.pool.register_filled(r, self.page_size)
             if r.pending > 0:      # a chunk in the middle of a prompt (or of a recompute): no token yet
                 continue
             if r.prefill_only:
@@ -459,7 +458,7 @@ class Scheduler:
             self.stats["drafted"] += len(drafts)
             self.stats["accepted"] += a
             r.num_computed += a + 1          # the last token and the accepted drafts are now cached
-            self._register_pages(r)
+            self.pool.register_filled(r, self.page_size)
             for t in [*drafts[:a], int(nxt[b])]:
                 self._append(r, t)
                 if r.finish_reason is not None:
@@ -490,7 +489,7 @@ class Scheduler:
         """(decode pass seconds, verification pass seconds) at this step's batch and page-table bucket,
         measured on the step's own rows the first time the engine meets the bucket and kept in
         pass_costs (shared by the engine's schedulers), so later runs take the same decisions."""
-        key = (self._slots(ready)[0], table_bucket(max(len(r.pages) for r in ready), self.page_size))
+        key = (self._slots(ready)[0], self.shapes().table("decode", max(len(r.pages) for r in ready)))
         if key not in self.pass_costs:
             feeds = [(r, [r.tokens[-1]]) for r in ready]
             self.pass_costs[key] = self.measure(self._plan("decode", feeds, 1),
@@ -504,9 +503,8 @@ class Scheduler:
 
     def _unblock(self) -> Request:
         """Finish the first running (else waiting) request at the pool's limit and free its pages."""
-        r = self.running[0] if self.running else self.waiting.popleft()
-        self._release(self._stop_at_pool_limit(r))
-        return r
+        self._stop(self.running[0] if self.running else self.waiting.popleft())
+        return self._stopped.pop()
 
 
 class BatchEngine(Scheduler):
@@ -527,6 +525,7 @@ class BatchEngine(Scheduler):
     pages = property(lambda self: self.runner.pages, lambda self, v: setattr(self.runner, "pages", v))
     occ = property(lambda self: self.runner.occ)
     _inflight = property(lambda self: self.runner.inflight)
+    pallas = property(lambda self: self.engine.plan.pallas)
 
     def step(self) -> list[Request]:
         """One iteration: its plans run in turn; returns the requests that finished. With overlap

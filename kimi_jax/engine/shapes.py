@@ -1,6 +1,13 @@
+"""Padded step shapes: one rule for the scheduler's plans and the runner's program set (`Runner.programs`)."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 MIN_TABLE_TOKENS = 256
+# Decode and verification on the Pallas MLA kernel, which reads each row's length, take one block-table
+# width for rows of up to this many pages: the width costs ~nothing (BENCHMARKS.md, 'Program set').
+DECODE_TABLE_PAGES = 1024
 
 
 def bucket(n: int, minimum: int = 8) -> int:
@@ -11,3 +18,44 @@ def bucket(n: int, minimum: int = 8) -> int:
 def table_bucket(pages: int, page_size: int) -> int:
     """Block-table width for `pages` pages: a power of two covering >= MIN_TABLE_TOKENS (one width for short rows)."""
     return bucket(pages, max(4, -(-MIN_TABLE_TOKENS // page_size)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """The padded shapes of an engine's steps: block-table widths and the prefill pass's bounds."""
+    page_size: int
+    max_pages: int                        # the most pages a row holds
+    prefill_tokens: int                   # a prefill pass's cap on B * T
+    rank_pages: Optional[int] = None      # pages of one data-parallel rank (None: no cap)
+    dp: int = 1
+    lengths_read: bool = False            # decode attention reads each row's length (Pallas)
+
+    @classmethod
+    def of(cls, max_model_len: int, page_size: int, max_prefill_tokens: int, rank_pages: Optional[int] = None,
+           dp: int = 1, pallas: bool = False) -> "Shapes":
+        # a prompt is shorter than max_model_len and the last sampled token is never fed
+        pages = max(1, -(-(max_model_len - 1) // page_size))
+        pages = pages if rank_pages is None else min(pages, rank_pages)
+        return cls(page_size, pages, bucket(max_prefill_tokens, 16), rank_pages, dp, pallas)
+
+    def table(self, kind: str, pages: int, width: int = 1, fresh: bool = False) -> int:
+        """Block-table width of a step whose longest row holds `pages` pages: fresh prefill never reads
+        the cache; the XLA path and chunk prefill gather the whole table."""
+        if kind == "prefill" and fresh:
+            return table_bucket(-(-width // self.page_size), self.page_size)
+        if kind != "prefill" and self.lengths_read and pages <= DECODE_TABLE_PAGES:
+            top = min(DECODE_TABLE_PAGES, table_bucket(self.max_pages, self.page_size))
+            return max(top, table_bucket(pages, self.page_size))
+        return table_bucket(pages, self.page_size)
+
+    def tables(self, kind: str, width: int = 1, fresh: bool = False) -> list[int]:
+        return sorted({self.table(kind, p, width, fresh) for p in range(1, self.max_pages + 1)})
+
+    def prefill_fits(self, batch: int, width: int, pages: int, fresh: bool) -> bool:
+        """Whether a prefill pass [batch, width] (longest row: `pages` pages) may take another row: B * T
+        within the cap and, chunk prefill, each rank's gathered tables within its pages (T = 1: decode)."""
+        if width == 1:
+            return True
+        table = self.table("prefill", pages, width, fresh)
+        return batch * width <= self.prefill_tokens and (
+            fresh or self.rank_pages is None or batch * table <= self.dp * self.rank_pages)

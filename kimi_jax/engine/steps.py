@@ -179,6 +179,11 @@ def mla_schedule_for(positions_B, pallas: bool) -> Optional[str]:
     return "balanced"
 
 
+def can_balance(batch: int, row_tokens: int) -> bool:
+    """Whether `mla_schedule_for` can pick 'balanced' for `batch` rows of fewer than row_tokens cached tokens."""
+    return batch >= BALANCE_MIN_SKEW and batch * row_tokens >= BALANCE_MIN_SKEW * BALANCE_MIN_TOKENS
+
+
 def step_schedule(plan: ops.ExecPlan, positions_B) -> Optional[str]:
     """A decode step's MLA schedule: the plan's when it forces one, else `mla_schedule_for`'s choice."""
     if plan.mla_schedule is not None:

@@ -1,0 +1,180 @@
+"""The runner's declared program set (`Runner.programs`) against the plans the scheduler makes: seeded
+random workloads run through a BatchEngine whose steps are faked (random tokens, no model), and every
+program a step asks for must be declared; at small limits the workloads reach every declared program."""
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kimi_jax import ops
+from kimi_jax.engine import shapes, steps
+from kimi_jax.engine.sampling import SamplingParams
+from kimi_jax.engine.scheduler import BatchEngine
+from kimi_jax.engine.speculative import SpeculativeConfig
+from kimi_jax.engine.steps import Occurrences
+
+
+class FakeEngine:
+    """What BatchEngine and Runner read of an Engine; the steps themselves are `fake_call`."""
+
+    def __init__(self, vocab_size: int, dp: int, plan: ops.ExecPlan):
+        self.cfg = types.SimpleNamespace(vocab_size=vocab_size)
+        self.dp, self.plan, self.pass_costs = dp, plan, {}
+        self.token_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def batch_size(self, n: int) -> int:
+        return -(-shapes.bucket(n, 1) // self.dp) * self.dp
+
+    def init_pages(self, num_pages, page_size, dtype=None):
+        return {}
+
+    def new_occurrences(self, num_slots):
+        return Occurrences(None, num_slots)
+
+    def set_occurrences(self, occ, slot, row_V):
+        pass
+
+    def copy_pages(self, pages, src, dst, rank=0):
+        return pages
+
+
+def fake_engine(rng, vocab_size, seen, **kw) -> BatchEngine:
+    be = BatchEngine(FakeEngine(vocab_size, kw.pop("dp", 1), kw.pop("plan", ops.ExecPlan())), cache_dtype=None, **kw)
+
+    def fake_call(batch, key):
+        seen.append(key)
+        B = key.batch
+        if key.kind == "verify":
+            n_draft = np.asarray(batch.n_draft_B)
+            return jnp.asarray(rng.integers(0, n_draft + 1)), jnp.asarray(rng.integers(0, vocab_size, B))
+        out = {"tokens": jnp.asarray(rng.integers(0, vocab_size, B), jnp.int32)}
+        if key.logprobs is not None:
+            n = key.logprobs
+            out.update(logprob=jnp.zeros((B,)), rank=jnp.ones((B,), jnp.int32),
+                       top_ids=jnp.asarray(rng.integers(0, vocab_size, (B, n))), top_vals=jnp.zeros((B, n)))
+        if key.prompt_logprobs is not None:
+            T, n = key.width, key.prompt_logprobs
+            out.update(prompt_logprob=jnp.zeros((B, T)), prompt_rank=jnp.ones((B, T), jnp.int32),
+                       prompt_top_ids=jnp.asarray(rng.integers(0, vocab_size, (B, T, n))),
+                       prompt_top_vals=jnp.zeros((B, T, n)))
+        return out
+
+    be.runner._call = fake_call
+    return be
+
+
+def random_params(rng, max_tokens: int) -> SamplingParams:
+    kw = dict(temperature=float(rng.choice([0.0, 0.8])), max_tokens=int(rng.integers(1, max_tokens + 1)),
+              ignore_eos=True, seed=int(rng.integers(1 << 20)))
+    pick = rng.integers(8)
+    if pick == 1:
+        kw["logprobs"] = int(rng.choice([0, 3]))
+    elif pick == 2:
+        kw["prompt_logprobs"] = int(rng.choice([0, 2]))
+    elif pick == 3:
+        kw.update(repetition_penalty=1.2, frequency_penalty=0.5)
+    elif pick == 4:
+        kw.update(logit_bias={1: 2.0}, min_tokens=1)
+    elif pick == 5:
+        kw.update(temperature=0.8, n=2, best_of=int(rng.choice([2, 3])),
+                  prompt_logprobs=int(rng.choice([0, 1])) if rng.random() < .5 else None)
+    return SamplingParams(**kw)
+
+
+def run_workload(seed: int, n_requests: int, vocab_size: int = 16, max_tokens: int = 24, **kw):
+    """(keys the steps asked for, the engine's declared programs) of one random workload."""
+    rng, seen = np.random.default_rng(seed), []
+    be = fake_engine(rng, vocab_size, seen, **kw)
+    mml, i = be.max_model_len, 0
+
+    def feed() -> bool:
+        nonlocal i
+        for _ in range(int(rng.integers(0, 4))):
+            if i == n_requests:
+                break
+            n = int(min(rng.choice([1, 2, rng.integers(1, 40), rng.integers(1, mml)]), mml - 1))
+            prompt = rng.integers(0, vocab_size, n).tolist()
+            be.add_samples(be.make_samples(str(i), prompt, random_params(rng, max_tokens), seed=i))
+            i += 1
+        return i < n_requests
+
+    be.run(feed=feed)
+    assert not be.has_unfinished()
+    return seen, be.runner.programs(be.limits())
+
+
+CONFIGS = {
+    "small": dict(num_pages=8, page_size=16, max_num_seqs=2, max_model_len=64, prefill_chunk=16,
+                  max_prefill_tokens=32),
+    "xla": dict(num_pages=96, page_size=8, max_num_seqs=8, max_model_len=160, prefill_chunk=40,
+                max_prefill_tokens=64, enable_prefix_caching=True, overlap=True),
+    "pallas": dict(num_pages=160, page_size=8, max_num_seqs=8, max_model_len=160, prefill_chunk=24,
+                   max_prefill_tokens=100, enable_prefix_caching=True, overlap=True,
+                   plan=ops.ExecPlan(impl="pallas", layer_loop="unroll")),
+    "pallas_dp2": dict(num_pages=80, page_size=4, max_num_seqs=6, max_model_len=120, prefill_chunk=32,
+                       max_prefill_tokens=48, dp=2, plan=ops.ExecPlan(impl="pallas", layer_loop="unroll")),
+    "speculative": dict(num_pages=64, page_size=8, max_num_seqs=4, max_model_len=128, prefill_chunk=32,
+                        max_prefill_tokens=64, speculative=SpeculativeConfig(num_speculative_tokens=3, adaptive=False)),
+    "pallas_speculative": dict(num_pages=64, page_size=8, max_num_seqs=4, max_model_len=128, prefill_chunk=16,
+                               max_prefill_tokens=64, plan=ops.ExecPlan(impl="pallas", layer_loop="unroll"),
+                               speculative=SpeculativeConfig(num_speculative_tokens=2, adaptive=False)),
+}
+
+
+@pytest.fixture
+def small_thresholds(monkeypatch):
+    """Thresholds these small limits cross: tables from 32 tokens, the one decode width up to 8 pages,
+    the balanced schedule from 256 cached tokens."""
+    monkeypatch.setattr(shapes, "MIN_TABLE_TOKENS", 32)
+    monkeypatch.setattr(shapes, "DECODE_TABLE_PAGES", 8)
+    monkeypatch.setattr(steps, "BALANCE_MIN_TOKENS", 256)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_every_program_a_workload_runs_is_declared(name, small_thresholds):
+    reached, kinds = set(), set()
+    for seed in range(3):
+        seen, declared = run_workload(seed, 24, **CONFIGS[name])
+        missing = sorted({k for k in seen if k not in set(declared)}, key=str)
+        assert not missing, f"{len(missing)} undeclared programs, e.g. {missing[:3]}"
+        reached |= set(seen)
+        kinds |= {(k.kind, k.fresh, k.prompt_logprobs is not None, k.mla_schedule) for k in seen}
+    assert {("decode", False, False, None), ("prefill", True, False, None), ("prefill", False, False, None),
+            ("prefill", True, True, None)} <= kinds
+    if "speculative" in name:
+        assert any(k.kind == "verify" for k in reached)
+    if name == "pallas":
+        assert ("decode", False, False, "balanced") in kinds
+
+
+def test_small_limits_reach_every_declared_program():
+    reached = set()
+    for seed in range(12):
+        seen, declared = run_workload(seed, 16, **CONFIGS["small"])
+        reached |= set(seen)
+    assert set(declared) == reached and len(declared) == 18
+
+
+def test_decode_widths_and_prefill_caps():
+    s = shapes.Shapes.of(4096, 16, 2048, rank_pages=2048, pallas=True)
+    assert s.max_pages == 256 and s.tables("decode") == [256] == s.tables("verify")
+    assert shapes.Shapes.of(1 << 16, 16, 2048, pallas=True).tables("decode") == [1024, 2048, 4096]
+    xla = shapes.Shapes.of(4096, 16, 2048)
+    assert xla.tables("decode") == [16, 32, 64, 128, 256] == xla.tables("prefill", 64)
+    assert xla.tables("prefill", 16, fresh=True) == [16] and xla.tables("prefill", 512, fresh=True) == [32]
+    assert s.prefill_fits(4, 512, 200, fresh=False) and not s.prefill_fits(8, 512, 200, fresh=True)
+    assert not s.prefill_fits(16, 16, 200, fresh=False) and s.prefill_fits(16, 16, 200, fresh=True)
+    assert steps.can_balance(2, 1 << 16) and not steps.can_balance(1, 1 << 20) and not steps.can_balance(8, 8191)
+
+
+def test_a_decode_plan_never_scores_prompt_positions():
+    """A 2-token prompt's samples prefill one token that scores the prompt's last: a prefill step."""
+    seen = []
+    be = fake_engine(np.random.default_rng(0), 16, seen, num_pages=16, page_size=16, max_num_seqs=4,
+                     max_model_len=64, prefill_chunk=16, max_prefill_tokens=32)
+    be.add_samples(be.make_samples("a", [3, 5], SamplingParams(n=2, max_tokens=2, prompt_logprobs=1), seed=0))
+    be.run()
+    assert seen[0].kind == "prefill" and seen[0].prompt_logprobs is not None
+    assert all(k.prompt_logprobs is None for k in seen if k.kind == "decode")
