@@ -35,6 +35,8 @@ SUITES = {
     "prefix_cache": ("launch.bench.prefix_cache", "prefix caching on vs off: a shared-prefix workload (prefill "
                                                   "tokens computed, wall time) and a distinct-prompt one (the "
                                                   "cost of hashing)"),
+    "program_costs": ("launch.bench.program_costs", "what sharing a step program would cost: decode block-table "
+                                                    "widths, sampler variants, chunk prefill widths"),
     "full_depth": ("launch.bench.full_depth", "all 61 layers of Kimi-K2.5 in one decode step on one device: "
                                               "compile, dispatch and device time, command-buffer variants, "
                                               "the scheduler with overlap on and off"),

@@ -42,11 +42,13 @@ table is printed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
 import statistics
 import time
+from typing import Optional
 
 from absl import flags
 
@@ -67,6 +69,8 @@ flags.DEFINE_string("cache_dir", None, "persistent compilation cache directory")
 flags.DEFINE_string("hardware", "h200", "planner hardware preset for the predictions")
 flags.DEFINE_string("tag", "", "label written into every row")
 flags.DEFINE_string("out", os.environ.get("OUT", "out/bench_full_depth"), "results directory")
+flags.DEFINE_string("router_kernel", None, "ExecPlan.router_kernel of the step (default: the plan's)")
+flags.DEFINE_string("norm_kernel", None, "ExecPlan.norm_kernel of the step (default: the plan's)")
 flags.DEFINE_bool("tiny", False, "CPU dry run: the tiny preset in float32")
 FLAGS = flags.FLAGS
 
@@ -247,7 +251,7 @@ class _CacheHits:
 
 def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(), profile_batches=(),
           scheduler_batches=(), compile_only: bool = False, hw_name: str = "h200", dtype=None, emit=print,
-          tag: str = "") -> list[dict]:
+          tag: str = "", plan_options: Optional[dict] = None) -> list[dict]:
     """Every measurement of the module docstring for `cfg` on one device; `emit(row)` is called as
     each row is done. Returns the rows."""
     import jax
@@ -287,6 +291,8 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
     # compile_only builds the weights too: a step lowered over shapes only is another program (another
     # persistent cache key) than the one over the placed arrays
     engine = random_engine(cfg, layout, dtype)
+    if plan_options:
+        engine.plan = dataclasses.replace(engine.plan, **plan_options)
     jax.block_until_ready(jax.tree.leaves(engine.state))
     out(dict(kind="build", seconds=time.perf_counter() - t0))
     pallas = engine.plan.impl == "pallas"
@@ -434,7 +440,8 @@ def main(argv):
     rows = bench(cfg, ints(FLAGS.batches), context=FLAGS.context, steps=FLAGS.steps, variants=FLAGS.variants,
                  variant_batches=ints(FLAGS.variant_batches), profile_batches=ints(FLAGS.profile_batches),
                  scheduler_batches=ints(FLAGS.scheduler_batches), compile_only=FLAGS.compile_only,
-                 hw_name=FLAGS.hardware, dtype=jnp.float32 if FLAGS.tiny else None, emit=emit, tag=FLAGS.tag)
+                 hw_name=FLAGS.hardware, dtype=jnp.float32 if FLAGS.tiny else None, emit=emit, tag=FLAGS.tag,
+                 plan_options={k: getattr(FLAGS, k) for k in ("router_kernel", "norm_kernel") if getattr(FLAGS, k)})
     print(table(rows), flush=True)
 
 

@@ -13,14 +13,14 @@ from kimi_jax.config import preset
 def test_kimi_bench_lists_its_suites_and_refuses_an_unknown_one(cli):
     r = cli("launch.bench", "--help")
     assert r.returncode == 0
-    for suite in ("int4", "mla", "engine", "throughput", "spec", "loading", "prefix_cache", "full_depth", "gemv",
-                  "small_ops", "structured", "dtype"):
+    for suite in ("int4", "mla", "engine", "throughput", "spec", "loading", "prefix_cache", "program_costs",
+                  "full_depth", "gemv", "small_ops", "structured", "dtype"):
         assert f"\n  {suite} " in r.stdout, suite
     assert cli("launch.bench").stdout == r.stdout                # no suite: the list
     bad = cli("launch.bench", "nosuch")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "kimi-bench: error: unknown suite 'nosuch' (suites: int4, mla, engine, throughput, spec, loading, "
-        "prefix_cache, full_depth, gemv, small_ops, structured, dtype)"]
+        "prefix_cache, program_costs, full_depth, gemv, small_ops, structured, dtype)"]
     # a suite's --help: its own flags, exit 0
     r = cli("launch.bench", "loading", "--help")
     assert r.returncode == 0 and "--orbax-dir" in r.stdout and "--raw-workers" in r.stdout
@@ -371,3 +371,16 @@ def test_bench_spec_compares_speculation_off_and_on(tmp_path, cli):
     assert [(x["batch"], x["workload"]) for x in rows] == [(2, "repetitive"), (2, "non-repetitive")]
     assert all(x["identical"] and x["tok_s_off"] > 0 and x["tok_s_on"] > 0 for x in rows)
     assert "| 2 | repetitive |" in r.stdout
+
+
+def test_bench_program_costs_tiny_times_every_case_with_its_compile(tmp_path, cli):
+    """kimi-bench program_costs --tiny (CPU, tiny preset): one row per program case, each with its compile
+    seconds and a positive step time; decode rows at every table width and each sampler variant."""
+    r = cli("launch.bench", "program_costs", "--tiny", "--batches=1", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in open(tmp_path / "program_costs_rows.jsonl")]
+    decode = [x for x in rows if x["kind"] == "decode"]
+    assert {x["table"] for x in decode} == {16, 32}
+    assert {(x.get("sampled", False), x.get("logprobs")) for x in decode} == {(False, None), (True, None), (True, 20)}
+    assert any(x.get("fresh") for x in rows) and len(rows) == 7           # 4 decode, 2 chunk prefill, 1 fresh
+    assert all(x["ms"] > 0 and x["compile_s"] > 0 for x in rows)
