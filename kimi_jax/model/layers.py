@@ -49,13 +49,7 @@ class RMSNorm(nnx.Module):
         self.weight = param(None, (dim,), dtype, axes, init="ones")
 
     def __call__(self, x, residual=None, *, plan=None):
-        if ops.default_plan(plan).norm_kernel == "pallas":
-            return ops.add_rms_norm(x, residual, self.weight[...], self.eps, parallel=self.parallel)
-        h = x if residual is None else x + residual
-        h32 = h.astype(jnp.float32)
-        y = self.weight[...] * (h32 * jax.lax.rsqrt(jnp.mean(h32 * h32, axis=-1, keepdims=True) + self.eps)
-                                ).astype(h.dtype)
-        return y if residual is None else (h, y)
+        return ops.add_rms_norm(x, residual, self.weight[...], self.eps, plan=plan, parallel=self.parallel)
 
 
 class MLP(nnx.Module):

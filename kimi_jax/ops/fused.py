@@ -33,9 +33,11 @@ def route(x_TD, w_ED, bias_E, *, k: int, n_group: int = 1, topk_group: int = 1, 
     return _per_batch_shard(f, parallel, (x_TD,), (w_ED, bias_E), 2)
 
 
-def add_rms_norm(x, residual, w_D, eps: float, *, parallel=None):
-    """Pallas: (x + residual, its RMSNorm), or the norm of x alone (residual None); x [..., D]."""
+def add_rms_norm(x, residual, w_D, eps: float, *, plan: Optional[ExecPlan] = None, parallel=None):
+    """(x + residual, its RMSNorm), or the norm of x alone (residual None); x [..., D]."""
     from pallas_kernels.norm import rms_norm
+    if default_plan(plan).norm_kernel == "xla":
+        return rms_norm.add_rms_norm_reference(x, residual, w_D, eps)
     D = x.shape[-1]
     def f(*args):
         *rows, w = args
