@@ -2,8 +2,10 @@
 (the page pool, the occurrence pool) and overlap dispatch, and declares the programs it can run."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
+import os
 import time
 from typing import Callable, Optional
 
@@ -72,6 +74,7 @@ class Runner:
         self.pages = engine.init_pages(num_pages, page_size, cache_dtype)
         self.occ = None                   # the occurrence pool, made when a request first needs it
         self.inflight: Optional[_InFlight] = None
+        self.compiled: dict = {}          # precompiled executables, kept alive for jax's cache
 
     # ---- device state the scheduler asks for ----------------------------------------------------
     def apply(self, effects: list) -> None:
@@ -192,15 +195,20 @@ class Runner:
                 structured.bitmask_closing(mask[row.slot], row.req.structured, left)
         return mask
 
-    def _call(self, batch: StepBatch, key: ProgramKey):
+    def _step_args(self, batch: StepBatch, key: ProgramKey) -> tuple[tuple, dict]:
+        """The occurrence pool and static arguments of `Engine.step_jit` for key's program."""
         eng = self.engine
         occ = self.occurrences().pool if key.logprobs is not None else None
         plan = eng.plan if key.mla_schedule == eng.plan.mla_schedule else dataclasses.replace(
             eng.plan, mla_schedule=key.mla_schedule)
-        self.pages, out = eng.step_jit(eng.state, self.pages, batch, occ, kind=key.kind, n_logprobs=key.logprobs,
-                                       n_prompt_logprobs=key.prompt_logprobs, fresh=key.fresh,
-                                       sample_mode=("filtered" if key.sampled else "greedy")
-                                       if key.kind != "verify" else None, plan=plan)
+        return (occ,), dict(kind=key.kind, n_logprobs=key.logprobs, n_prompt_logprobs=key.prompt_logprobs,
+                            fresh=key.fresh, sample_mode=("filtered" if key.sampled else "greedy")
+                            if key.kind != "verify" else None, plan=plan)
+
+    def _call(self, batch: StepBatch, key: ProgramKey):
+        eng = self.engine
+        args, kw = self._step_args(batch, key)
+        self.pages, out = eng.step_jit(eng.state, self.pages, batch, *args, **kw)
         if isinstance(out, dict) and "occurrences" in out:
             self.occ.pool = out.pop("occurrences")
         return out
@@ -212,7 +220,7 @@ class Runner:
         set'), prefill shapes also extras with prompt logprobs, the balanced schedule where reachable."""
         eng, plan = self.engine, self.engine.plan
         shapes = Shapes.of(limits.max_model_len, limits.page_size, limits.max_prefill_tokens, limits.pages_per_rank,
-                           eng.dp, plan.pallas)
+                           eng.dp, plan.pallas, plan.absorbed_chunk_tokens)
         batches = sorted({eng.batch_size(eng.dp * c) for c in range(1, -(-limits.max_num_seqs // eng.dp) + 1)})
         chunk = min(limits.prefill_chunk, limits.max_prefill_tokens, limits.max_model_len - 1)
         widths = sorted({bucket(n, 16) for n in range(2, chunk + 1)})
@@ -233,15 +241,42 @@ class Runner:
                             for s, lp, plp in (plain + prompt if widths else prompt)]
         return out
 
-    def precompile(self, programs: list[ProgramKey], progress: Optional[Callable[[int, int, ProgramKey], None]] = None):
-        """Compile each program by one call on padding rows (nothing written: the pool comes back as it
-        went in). progress(i, n, key) after each."""
-        for i, key in enumerate(programs):
+    def precompile(self, programs: list[ProgramKey], progress: Optional[Callable[[int, int, ProgramKey], None]] = None,
+                   threads: Optional[int] = None) -> None:
+        """Build each program: the first plain and extras ones by a call on padding rows (so the pool and
+        occurrences are step outputs, as later calls see them), the rest lowered here (tracing holds the
+        GIL) and compiled on `threads` threads into jax's executable cache. progress(i, n, key)."""
+        n, done, pending = len(programs), 0, {}
+        first = {next((k for k in programs if (k.logprobs is None) == plain), None) for plain in (True, False)}
+        for key in [k for k in programs if k in first]:
             jax.block_until_ready(self._call(self._dummy(key), key))
+            done += 1
             if progress is not None:
-                progress(i + 1, len(programs), key)
+                progress(done, n, key)
+
+        def report(futures) -> None:
+            nonlocal done
+            for f in futures:
+                self.compiled[pending.pop(f)] = f.result()
+                done += 1
+                if progress is not None:
+                    progress(done, n, key_of[f])
+
+        key_of = {}
+        with concurrent.futures.ThreadPoolExecutor(threads or min(8, os.cpu_count() or 1)) as pool:
+            for key in [k for k in programs if k not in first]:
+                f = pool.submit(self._lower(key).compile)
+                pending[f] = key_of[f] = key
+                report([f for f in list(pending) if f.done()])
+            report(concurrent.futures.as_completed(list(pending)))
         occ = self.occurrences()           # its row write, at the padding slot (which stays zero)
         self.engine.set_occurrences(occ, occ.pad_slot, np.zeros((self.engine.cfg.vocab_size,), np.int32))
+
+    def _lower(self, key: ProgramKey):
+        """`_call`'s program for key, lowered over padding rows."""
+        eng, batch = self.engine, self._dummy(key)
+        args, kw = self._step_args(batch, key)
+        return eng.step_jit.lower(eng.state, self.pages, batch, *args, **kw)
 
     def _dummy(self, key: ProgramKey) -> StepBatch:
         """Padding rows in the layout of key's program."""

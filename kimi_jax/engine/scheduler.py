@@ -31,7 +31,7 @@ class Scheduler:
     StepPlan (prefill chunks, then decode or verification; None when the iteration is done) and
     `update(plan, outputs)` books a plan's host outputs and returns the requests that finished. Device
     writes it needs (occurrence rows, page copies) wait in `effects` for the runner."""
-    pallas = False                      # decode attention reads each row's length (`Shapes.table`)
+    pallas, absorbed_chunk = False, 0   # decode attention reads each row's length (`Shapes.table`)
 
     def __init__(self, *, vocab_size: int, batch_size: Callable[[int], int], dp: int, num_pages: int,
                  page_size: int, max_num_seqs: int, max_model_len: int, prefill_chunk: int = 256,
@@ -375,7 +375,7 @@ class Scheduler:
 
     def shapes(self) -> Shapes:
         return Shapes.of(self.max_model_len, self.page_size, self.max_prefill_tokens, self.pool.per_part, self.dp,
-                         self.pallas)
+                         self.pallas, self.absorbed_chunk)
 
     def _slots(self, reqs: list[Request]) -> tuple[int, list[int]]:
         """(padded batch B, each request's batch row): in order, each in its data-parallel rank's
@@ -526,6 +526,7 @@ class BatchEngine(Scheduler):
     occ = property(lambda self: self.runner.occ)
     _inflight = property(lambda self: self.runner.inflight)
     pallas = property(lambda self: self.engine.plan.pallas)
+    absorbed_chunk = property(lambda self: self.engine.plan.absorbed_chunk_tokens)
 
     def step(self) -> list[Request]:
         """One iteration: its plans run in turn; returns the requests that finished. With overlap

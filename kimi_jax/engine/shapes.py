@@ -29,24 +29,28 @@ class Shapes:
     rank_pages: Optional[int] = None      # pages of one data-parallel rank (None: no cap)
     dp: int = 1
     lengths_read: bool = False            # decode attention reads each row's length (Pallas)
+    absorbed_chunk: int = 0               # chunk prefills up to this width run as decode does
 
     @classmethod
     def of(cls, max_model_len: int, page_size: int, max_prefill_tokens: int, rank_pages: Optional[int] = None,
-           dp: int = 1, pallas: bool = False) -> "Shapes":
+           dp: int = 1, pallas: bool = False, absorbed_chunk: int = 0) -> "Shapes":
         # a prompt is shorter than max_model_len and the last sampled token is never fed
         pages = max(1, -(-(max_model_len - 1) // page_size))
         pages = pages if rank_pages is None else min(pages, rank_pages)
-        return cls(page_size, pages, bucket(max_prefill_tokens, 16), rank_pages, dp, pallas)
+        return cls(page_size, pages, bucket(max_prefill_tokens, 16), rank_pages, dp, pallas, absorbed_chunk if pallas else 0)
 
     def table(self, kind: str, pages: int, width: int = 1, fresh: bool = False) -> int:
         """Block-table width of a step whose longest row holds `pages` pages: fresh prefill never reads
         the cache; the XLA path and chunk prefill gather the whole table."""
         if kind == "prefill" and fresh:
             return table_bucket(-(-width // self.page_size), self.page_size)
-        if kind != "prefill" and self.lengths_read and pages <= DECODE_TABLE_PAGES:
+        if self._reads_lengths(kind, width) and pages <= DECODE_TABLE_PAGES:
             top = min(DECODE_TABLE_PAGES, table_bucket(self.max_pages, self.page_size))
             return max(top, table_bucket(pages, self.page_size))
         return table_bucket(pages, self.page_size)
+
+    def _reads_lengths(self, kind: str, width: int) -> bool:
+        return self.lengths_read and (kind != "prefill" or width <= self.absorbed_chunk)
 
     def tables(self, kind: str, width: int = 1, fresh: bool = False) -> list[int]:
         return sorted({self.table(kind, p, width, fresh) for p in range(1, self.max_pages + 1)})
@@ -57,5 +61,5 @@ class Shapes:
         if width == 1:
             return True
         table = self.table("prefill", pages, width, fresh)
-        return batch * width <= self.prefill_tokens and (
-            fresh or self.rank_pages is None or batch * table <= self.dp * self.rank_pages)
+        return batch * width <= self.prefill_tokens and (fresh or self._reads_lengths("prefill", width)
+                                                         or self.rank_pages is None or batch * table <= self.dp * self.rank_pages)

@@ -82,7 +82,7 @@ class MLA(nnx.Module):
         if block_table_BP is None:
             return self.contiguous(x_BTD, positions_BT, cache, absorbed=absorbed, fresh=fresh, plan=plan)
         pool_LXpC, layer = (cache[None], 0) if layer is None else (cache, layer)
-        if absorbed:
+        if absorbed or not fresh and ops.default_plan(plan).absorbs_chunk(x_BTD.shape[1]):
             return self.paged_decode(x_BTD, positions_BT, pool_LXpC, block_table_BP, layer, plan=plan)
         if fresh:
             return self.fresh_prefill(x_BTD, positions_BT, plan=plan)

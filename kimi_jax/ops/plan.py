@@ -22,7 +22,8 @@ class ExecPlan:
     """How the ops run; the defaults are the portable plan, `for_backend()` this machine's. mla_schedule None:
     the engine picks per step; layer_weights 'per_layer' (under 'unroll'): each layer's non-expert weights
     as arrays of their own (BENCHMARKS.md "Compile time and per-layer weights"). router_kernel 'pallas': XLA's
-    gemv, then one launch for the top-k; 'pallas_gemv': all in one launch (pallas_kernels/router)."""
+    gemv, then one launch for the top-k; 'pallas_gemv': all in one launch (pallas_kernels/router).
+    absorbed_chunk_tokens: chunk prefills of at most this many tokens a row run absorbed (Pallas; 0: never)."""
     impl: str = "xla"
     mla_decode_kernel: str = "auto"
     hopper: bool = False
@@ -35,6 +36,7 @@ class ExecPlan:
     one_new_token_elementwise: bool = True
     router_kernel: str = "xla"
     norm_kernel: str = "xla"
+    absorbed_chunk_tokens: int = 0
 
     def __post_init__(self):
         for name, choices in (("impl", IMPLS), ("mla_decode_kernel", MLA_DECODE_KERNELS),
@@ -51,12 +53,16 @@ class ExecPlan:
         if not isinstance(self.hopper, bool) or not isinstance(self.one_new_token_elementwise, bool):
             raise ValueError(f"ExecPlan.hopper and .one_new_token_elementwise must be bools, got "
                              f"{self.hopper!r} and {self.one_new_token_elementwise!r}")
-        if not isinstance(self.combine_xla_max_macs, int) or self.combine_xla_max_macs < 0:
-            raise ValueError(f"ExecPlan.combine_xla_max_macs={self.combine_xla_max_macs!r} must be an int >= 0")
+        for name in ("combine_xla_max_macs", "absorbed_chunk_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"ExecPlan.{name}={getattr(self, name)!r} must be an int >= 0")
 
     @property
     def pallas(self) -> bool:
         return self.impl == "pallas"
+
+    def absorbs_chunk(self, tokens: int) -> bool:
+        return self.pallas and tokens <= self.absorbed_chunk_tokens
 
     @classmethod
     def for_backend(cls, backend: Optional[str] = None, *, hopper: Optional[bool] = None,

@@ -8,7 +8,8 @@ and variants it keeps apart; each row here times one program over rows at a give
 two rows differing in one key tell what sharing that program would cost:
 - decode at block-table widths 16 / 256 / 2048 pages over 256-token rows (and 4,096-token rows),
 - decode greedy / sampled (temperature 0.8, top-p 0.9, top-k 50) / extras (logprobs 20, adjustments, mask),
-- chunk prefill (cached tokens before the chunk) at table widths 16 / 256 / 2048, and fresh prefill.
+- chunk prefill (cached tokens before the chunk) at table widths 16 / 256 / 2048, and fresh prefill,
+- chunk prefill expanded (gathered table) against absorbed (the decode kernel: ExecPlan.absorbed_chunk_tokens).
 ms per step: the least of three means over --steps back-to-back calls (device-bound: the host
 keeps ahead at these sizes), the program's compile seconds beside it.
 """
@@ -32,18 +33,23 @@ PAGE = 16
 
 
 def cases(batches, tiny: bool):
-    """(ProgramKey fields, cached tokens, sampled params) per row."""
+    """(ProgramKey fields, cached tokens + T, sampled params, chunk absorbed) per row."""
     wide = (16, 32) if tiny else (16, 256, 2048)
     ctx = 256
     out = []
     for B in batches:
-        out += [(dict(kind="decode", batch=B, width=1, table=P), ctx, False) for P in wide]
+        out += [(dict(kind="decode", batch=B, width=1, table=P), ctx, False, False) for P in wide]
         if not tiny:
-            out += [(dict(kind="decode", batch=B, width=1, table=P), 4096, False) for P in (256, 2048)]
-        out += [(dict(kind="decode", batch=B, width=1, table=16, sampled=True), ctx, True),
-                (dict(kind="decode", batch=B, width=1, table=16, sampled=True, logprobs=20), ctx, True)]
-    out += [(dict(kind="prefill", batch=1, width=16, table=P), ctx, False) for P in wide]
-    out += [(dict(kind="prefill", batch=1, width=16, table=16, fresh=True), 16, False)]
+            out += [(dict(kind="decode", batch=B, width=1, table=P), 4096, False, False) for P in (256, 2048)]
+        out += [(dict(kind="decode", batch=B, width=1, table=16, sampled=True), ctx, True, False),
+                (dict(kind="decode", batch=B, width=1, table=16, sampled=True, logprobs=20), ctx, True, False)]
+    out += [(dict(kind="prefill", batch=1, width=16, table=P), ctx, False, False) for P in wide]
+    out += [(dict(kind="prefill", batch=1, width=16, table=16, fresh=True), 16, False, False)]
+    long = (4096, 256)          # absorbed rows take the decode table of 4K rows (GPU only: a Pallas plan)
+    for B, T, total, P in [] if tiny else [(1, 16, ctx, 16), (1, 64, ctx, 16), (1, 64, *long), (8, 64, *long),
+                                           (1, 128, *long), (8, 16, *long)]:
+        out += [(dict(kind="prefill", batch=B, width=T, table=P), total, False, False),
+                (dict(kind="prefill", batch=B, width=T, table=256), total, False, True)]
     return out
 
 
@@ -82,9 +88,10 @@ def main(argv):
         tokens = b.tokens if key.kind == "decode" else np.ones((B, T), np.int32)
         return dataclasses.replace(b, positions_BT=pos, block_table_BP=table, sp=sp, tokens=tokens)
 
-    rows = []
-    for fields, ctx, sampled in cases(batches, tiny):
+    rows, base = [], engine.plan
+    for fields, ctx, sampled, absorbed in cases(batches, tiny):
         key = ProgramKey(**fields)
+        engine.plan = dataclasses.replace(base, absorbed_chunk_tokens=key.width if absorbed else 0)
         batch = batch_for(key, ctx, sampled)
         t0 = time.perf_counter()
         jax.block_until_ready(runner._call(batch, key))
@@ -96,7 +103,7 @@ def main(argv):
                 out = runner._call(batch, key)
             jax.block_until_ready(out)
             means.append((time.perf_counter() - t0) / steps * 1e3)
-        r = dict(fields, context=ctx, compile_s=round(compile_s, 2), ms=round(min(means), 4),
+        r = dict(fields, context=ctx, absorbed=absorbed, compile_s=round(compile_s, 2), ms=round(min(means), 4),
                  layers=cfg.num_hidden_layers, device=jax.devices()[0].device_kind, jax=jax.__version__)
         rows.append(r)
         print(json.dumps(r), flush=True)
