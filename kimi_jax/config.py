@@ -492,7 +492,7 @@ PRESETS = ("kimi-k2.5", "kimi-k2-thinking", "deepseek-v3", "tiny", "kimi-k2.5-61
 
 
 def shard_of(cfg: ModelConfig, tensor_parallel_size: int, expert_parallel: bool = False) -> ModelConfig:
-    """One device's share of `cfg` on tp devices (BENCHMARKS.md "Shard presets"): heads, dense and shared FFN
+    """One device's share of `cfg` on tp devices (layouts TP, TP+EP): heads, dense and shared FFN
     widths and vocab / tp; q_a, kv_a, router and latent cache whole; routed experts F / tp each, or under
     expert_parallel E / tp whole experts with top-(K / tp), the same expected experts per token and batch."""
     tp, E, K = tensor_parallel_size, cfg.n_routed_experts, cfg.num_experts_per_tok

@@ -91,7 +91,7 @@ def test_shard_parameters_are_one_devices_share_of_the_whole_model(ep):
 def test_shard_presets_param_bytes_are_the_whole_models_per_device_bytes():
     """planner.param_bytes of a shard on one device equals the whole Kimi-K2.5's on 8 devices (the
     router: the shard's 48 of 384 experts under EP); the routed experts match the checkpoint's
-    published 24.77 MB per expert (KIMI_FORMAT.md), one eighth of it under TP."""
+    published 24.77 MB per expert (9.51 GB a layer), one eighth of it under TP."""
     full = preset("kimi-k2.5")
     for name, layout in (("kimi-k2.5-tp8-shard", TP8), ("kimi-k2.5-tp8-ep8-shard", TP8_EP8)):
         shard = planner.param_bytes(preset(name), Layout(1))
