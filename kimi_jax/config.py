@@ -88,6 +88,7 @@ class ModelConfig:
     pad_token_id: Optional[int] = None
     quantization: Optional[QuantConfig] = None
     model_type: str = "deepseek_v3"
+    shared_expert_intermediate_size: Optional[int] = None   # preset-only; None: F * n_shared_experts
 
     # ---- derived quantities -------------------------------------------------------------
     @property
@@ -101,6 +102,10 @@ class ModelConfig:
     @property
     def num_dense_layers(self) -> int:
         return min(self.first_k_dense_replace, self.num_hidden_layers)
+
+    @property
+    def shared_expert_width(self) -> int:
+        return self.shared_expert_intermediate_size or self.moe_intermediate_size * self.n_shared_experts
 
     @property
     def latent_dim(self) -> int:
@@ -230,6 +235,8 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict:
         """The DeepSeek-V3 config.json fields (published layout: rope_scaling + rope_theta)."""
+        if self.shared_expert_intermediate_size is not None:
+            raise ConfigError("config field shared_expert_intermediate_size has no DeepSeek-V3 config.json field")
         rs = self.rope_scaling
         d = {
             "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
@@ -321,6 +328,9 @@ def _check_ranges(c: "ModelConfig") -> None:
     at_least("first_k_dense_replace", 0)
     if c.q_lora_rank is not None:
         at_least("q_lora_rank", 1)
+    if c.shared_expert_intermediate_size is not None:
+        at_least("shared_expert_intermediate_size", 1)
+        at_least("n_shared_experts", 1)
     if c.num_experts_per_tok > c.n_routed_experts:
         raise ConfigError(f"config field 'num_experts_per_tok'={c.num_experts_per_tok} is more than "
                           f"n_routed_experts={c.n_routed_experts}")
@@ -438,10 +448,14 @@ _KIMI_COMMON = dict(
 
 
 def preset(name: str) -> ModelConfig:
-    """Named configurations: kimi-k2.5, kimi-k2-thinking, deepseek-v3, tiny, and kimi-k2.5-61x16:
-    Kimi-K2.5's shapes and depth with 16 routed experts per layer instead of 384 (top-8 kept, INT4),
-    so the whole depth fits one 141 GB device; at batch 1 a token reads the same bytes per layer as in
-    the real model (8 experts), at larger batches fewer distinct experts than in the real model."""
+    """Named configurations: kimi-k2.5, kimi-k2-thinking, deepseek-v3, tiny; kimi-k2.5-61x16: Kimi-K2.5 with
+    16 routed experts per layer (top-8, INT4: a batch-1 token reads a real layer's bytes, on one device);
+    kimi-k2.5-tp8-shard: one GPU's share of Kimi-K2.5 under TP8 (`shard_of`, tensor_parallel_size 8);
+    kimi-k2.5-tp8-ep8-shard: one GPU's share under TP8 attention + EP8 experts (`shard_of`, expert_parallel)."""
+    if name == "kimi-k2.5-tp8-shard":
+        return shard_of(preset("kimi-k2.5"), 8)
+    if name == "kimi-k2.5-tp8-ep8-shard":
+        return shard_of(preset("kimi-k2.5"), 8, expert_parallel=True)
     if name == "kimi-k2.5-61x16":
         return preset("kimi-k2.5").replace(n_routed_experts=16)
     if name == "kimi-k2.5":
@@ -473,4 +487,29 @@ def preset(name: str) -> ModelConfig:
     raise ConfigError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
 
 
-PRESETS = ("kimi-k2.5", "kimi-k2-thinking", "deepseek-v3", "tiny", "kimi-k2.5-61x16")
+PRESETS = ("kimi-k2.5", "kimi-k2-thinking", "deepseek-v3", "tiny", "kimi-k2.5-61x16", "kimi-k2.5-tp8-shard",
+           "kimi-k2.5-tp8-ep8-shard")
+
+
+def shard_of(cfg: ModelConfig, tensor_parallel_size: int, expert_parallel: bool = False) -> ModelConfig:
+    """One device's share of `cfg` on tp devices (layouts TP, TP+EP): heads, dense and shared FFN
+    widths and vocab / tp; q_a, kv_a, router and latent cache whole; routed experts F / tp each, or under
+    expert_parallel E / tp whole experts with top-(K / tp), the same expected experts per token and batch."""
+    tp, E, K = tensor_parallel_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+    split = {"num_attention_heads": cfg.num_attention_heads, "intermediate_size": cfg.intermediate_size,
+             "vocab_size": cfg.vocab_size, "shared_expert_width": cfg.shared_expert_width}
+    split.update({"n_routed_experts": E, "num_experts_per_tok": K} if expert_parallel
+                 else {"moe_intermediate_size": cfg.moe_intermediate_size})
+    for name, n in split.items():
+        if n % tp:
+            raise ConfigError(f"shard_of: {name} = {n} is not divisible by tensor_parallel_size {tp}")
+    if expert_parallel and cfg.n_group != 1:
+        raise ConfigError(f"shard_of: n_group = {cfg.n_group}: group-limited routing has no per-shard form")
+    out = cfg.replace(**{k: v // tp for k, v in split.items() if k != "shared_expert_width"})
+    if out.shared_expert_width != cfg.shared_expert_width // tp:
+        out = out.replace(shared_expert_intermediate_size=cfg.shared_expert_width // tp)
+    q = out.quantization
+    if q is not None and out.moe_intermediate_size % q.group_size:
+        raise ConfigError(f"shard_of: moe_intermediate_size = {out.moe_intermediate_size} is not a multiple of "
+                          f"the INT4 group size {q.group_size}")
+    return out

@@ -89,7 +89,7 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, parallel=None):
         self.gate = Router(cfg, rngs=rngs, parallel=parallel)
         self.experts = RoutedExperts(cfg, dtype=dtype, rngs=rngs, parallel=parallel)
-        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.shared_expert_width,
                                    dtype=dtype, rngs=rngs, ffn_axis="shared_mlp")
                                if cfg.n_shared_experts else None)
 

@@ -93,8 +93,7 @@ class Layout:
         tp, world = self.tensor_parallel_size, self.world
         checks = [("num_attention_heads", cfg.num_attention_heads, tp),
                   ("intermediate_size", cfg.intermediate_size, tp),
-                  ("moe_intermediate_size * n_shared_experts",
-                   cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1), tp),
+                  ("the shared experts' width", cfg.shared_expert_width or cfg.moe_intermediate_size, tp),
                   ("vocab_size", cfg.vocab_size, tp)]
         if self.enable_expert_parallel:
             checks.append(("n_routed_experts", cfg.n_routed_experts, world))

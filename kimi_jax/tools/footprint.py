@@ -46,7 +46,7 @@ def param_bytes(cfg: ModelConfig, layout: Layout, dtype_bytes: int = 2) -> dict[
         "norms": (L * 2 * D + D) * db,
         "dense_ffn": Ld * 3 * _cdiv(Fd, tp) * D * db,
         "router": Lm * (E * D + E) * ROUTER_BYTES,
-        "shared_experts": (Lm * 3 * _cdiv(F * cfg.n_shared_experts, tp) * D * db) if cfg.n_shared_experts else 0,
+        "shared_experts": Lm * 3 * _cdiv(cfg.shared_expert_width, tp) * D * db,
         "routed_experts": Lm * expert_bytes_local(cfg, layout, dtype_bytes) * experts_local(cfg, layout),
         "embedding": _cdiv(V, tp) * D * db,
         "lm_head": 0 if cfg.tie_word_embeddings else _cdiv(V, tp) * D * db,

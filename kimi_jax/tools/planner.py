@@ -224,7 +224,7 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
         f = 2 * Bl * E * D * Lm
         terms.append(Term("router (f32)", weights["router"], f, weights["router"] / (bw * hw.gemv_efficiency), f / fl))
         if cfg.n_shared_experts:
-            f = 2 * Bl * 3 * _cdiv(F * cfg.n_shared_experts, tp) * D * Lm
+            f = 2 * Bl * 3 * _cdiv(cfg.shared_expert_width, tp) * D * Lm
             terms.append(Term("shared experts", weights["shared_experts"], f,
                               weights["shared_experts"] / (bw * hw.gemv_efficiency), f / fl))
         e_loc = experts_local(cfg, layout)
@@ -288,6 +288,24 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
     p.max_context_for_batch = _pow2_floor(p.max_cache_tokens // Bl)   # cache lengths: powers of two
     p.max_batch_for_context = _pow2_floor((p.max_cache_tokens // S) * dp)
     return p
+
+
+def step_bytes(cfg: ModelConfig, batch: int, context: int, layout: Layout = Layout(1), *,
+               experts: str = "expected", dtype_bytes: int = 2) -> dict[str, float]:
+    """Bytes one device reads in a decode step of `batch` rows over `context` cached tokens, by group;
+    routed experts touched: 'expected' (uniform top-k, the mean device) or 'max' (min(E_local, tokens x K))."""
+    if experts not in ("expected", "max"):
+        raise ValueError(f"step_bytes: experts={experts!r} (expected 'expected' or 'max')")
+    w = param_bytes(cfg, layout, dtype_bytes)
+    rows = _cdiv(batch, layout.data_parallel_size)
+    tokens = batch if layout.enable_expert_parallel else rows
+    e_loc, K, E = experts_local(cfg, layout), cfg.num_experts_per_tok, cfg.n_routed_experts
+    touched = expected_touched(e_loc, K, E, tokens) if experts == "expected" else min(e_loc, tokens * K)
+    return {"attention": w["attention"] + w["norms"], "dense_ffn": w["dense_ffn"], "router": w["router"],
+            "shared_experts": w["shared_experts"],
+            "routed_experts": cfg.num_moe_layers * touched * expert_bytes_local(cfg, layout, dtype_bytes),
+            "latent_cache": rows * context * cfg.num_hidden_layers * cfg.latent_dim * KV_BYTES,
+            "lm_head": (w["lm_head"] or w["embedding"]) + rows * cfg.hidden_size * dtype_bytes}
 
 
 def expert_dense_elems(cfg: ModelConfig, layout: Layout) -> int:
@@ -458,6 +476,6 @@ def parse_config_overrides(items, cfg: ModelConfig) -> dict:
     return out
 
 
-__all__ = ["plan", "Plan", "PlanOptions", "param_bytes", "param_bytes_from_model", "collective_plan",
+__all__ = ["plan", "Plan", "PlanOptions", "step_bytes", "param_bytes", "param_bytes_from_model", "collective_plan",
            "vllm_collective_plan", "VLLM_TP_SOURCES", "collective_counts", "expected_touched", "rank_layouts", "ranking_table", "layouts_for",
            "ANCHOR_RTX6KPRO", "anchor_report", "preset_or_checkpoint", "parse_config_overrides"]

@@ -12,6 +12,13 @@ device parameter by parameter (`kimi_jax.entrypoints.weights.random_model`). The
 pool holding `--context` tokens per row, random cache contents; every row attends over all of them
 (position context - 1, rewritten each step).
 
+`--preset kimi-k2.5-tp8-shard` / `kimi-k2.5-tp8-ep8-shard` run one GPU's share of Kimi-K2.5 under TP8 /
+TP8 attention + EP8 experts (kimi_jax.config.shard_of) at full depth, no collectives. Every step row
+states the bytes the step reads (`bytes_gb`: planner.step_bytes, expected experts touched; `bytes_max_gb`:
+min(E, B x K) of them) and their floors at the hardware preset's copy bandwidth (`floor_ms`,
+`floor_max_ms`); a shard preset's rows add `pred_8dev_ms`, the planner's 8-device plan of the whole model
+on that layout without its collectives.
+
 Per batch the step is lowered once and compiled once per command-buffer variant (XLA compile options,
 no new process: `default` = XLA's own command-buffer (CUDA graph) settings, `off` =
 xla_gpu_enable_command_buffer empty); the compiled program's HLO is asked how many of its kernels
@@ -52,9 +59,10 @@ from typing import Optional
 
 from absl import flags
 
+from kimi_jax.config import PRESETS
 from launch import common
 
-flags.DEFINE_string("preset", "kimi-k2.5-61x16", "model preset (kimi_jax.config.preset)")
+flags.DEFINE_enum("preset", "kimi-k2.5-61x16", PRESETS, "model preset (kimi_jax.config.preset)")
 flags.DEFINE_integer("layers", 0, "num_hidden_layers (0: the preset's)")
 flags.DEFINE_list("batches", ["1", "16", "64"], "decode batches")
 flags.DEFINE_integer("context", 4096, "cached tokens per row (a multiple of the page size)")
@@ -227,11 +235,27 @@ def _call_as_jit(compiled, schedule, state, pages, tokens, positions, table, sp,
     return compiled(state, pages, tokens, positions, table, sp, steps)
 
 
-def plan_row(cfg, hw, batch: int, context: int) -> dict:
+# shard presets -> (the whole model's preset, the layout on 8 devices whose one-device share they are)
+SHARDS = {"kimi-k2.5-tp8-shard": ("kimi-k2.5", dict(tensor_parallel_size=8)),
+          "kimi-k2.5-tp8-ep8-shard": ("kimi-k2.5", dict(tensor_parallel_size=8, enable_expert_parallel=True))}
+
+
+def plan_row(cfg, hw, batch: int, context: int, whole=None) -> dict:
+    """The planner's one-device prediction, the bytes the step reads (planner.step_bytes: expected and
+    most experts touched) with their floors at hw's copy bandwidth, and with `whole` = (cfg, Layout) of
+    a shard preset the whole model's plan on that layout without its collectives (pred_8dev_ms)."""
     from kimi_jax.parallel.sharding import Layout
     from kimi_jax.tools import planner
     p = planner.plan(cfg, hw, Layout(1), batch, context)
-    return dict(pred_ms=1e3 * p.step_s, pred_weights_gb=p.weight_bytes / 1e9, pred_cache_gb=p.cache_bytes / 1e9)
+    read = sum(planner.step_bytes(cfg, batch, context).values())
+    most = sum(planner.step_bytes(cfg, batch, context, experts="max").values())
+    row = dict(pred_ms=1e3 * p.step_s, pred_weights_gb=p.weight_bytes / 1e9, pred_cache_gb=p.cache_bytes / 1e9,
+               bytes_gb=read / 1e9, bytes_max_gb=most / 1e9, floor_ms=1e3 * read / hw.hbm_bw,
+               floor_max_ms=1e3 * most / hw.hbm_bw)
+    if whole is not None:
+        w = planner.plan(whole[0], hw, whole[1], batch, context)
+        row.update(pred_8dev_ms=1e3 * (w.compute_memory_s + w.overhead_s), pred_8dev_layout=w.layout)
+    return row
 
 
 class _CacheHits:
@@ -251,9 +275,9 @@ class _CacheHits:
 
 def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(), profile_batches=(),
           scheduler_batches=(), compile_only: bool = False, hw_name: str = "h200", dtype=None, emit=print,
-          tag: str = "", plan_options: Optional[dict] = None) -> list[dict]:
+          tag: str = "", plan_options: Optional[dict] = None, whole=None) -> list[dict]:
     """Every measurement of the module docstring for `cfg` on one device; `emit(row)` is called as
-    each row is done. Returns the rows."""
+    each row is done; `whole`: as plan_row's. Returns the rows."""
     import jax
     import jax.numpy as jnp
     from kimi_jax import ops
@@ -308,7 +332,7 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
                                             _i32(step_B), n_logprobs=None, sample_mode="greedy", mla_schedule=schedule,
                                             plan=engine.plan)
         lower_s = time.perf_counter() - t0
-        plan = plan_row(cfg, hw, b, context)
+        plan = plan_row(cfg, hw, b, context, whole)
         first = None
         for v in (variants if b in variant_batches else variants[:1]):
             h0, m0 = hits.hits, hits.misses
@@ -396,7 +420,8 @@ def scheduler_run(engine, batch: int, context: int, steps: int, overlap: bool) -
 
 def table(rows) -> str:
     lines = [f"{'B':>3} {'variant':8} {'lower s':>7} {'compile s':>9} {'hit':>3} {'cb':>3} {'in/out':>9} "
-             f"{'sync':>7} {'chain':>7} {'enq':>6} {'busy':>7} {'pred':>7} {'err':>6} {'host%':>6}"]
+             f"{'sync':>7} {'chain':>7} {'enq':>6} {'busy':>7} {'pred':>7} {'err':>6} {'host%':>6} {'GB':>6} "
+             f"{'floor':>6} {'pred8':>7}"]
     f = lambda r, k, w, p=2: (format(r[k], f"{w}.{p}f") if isinstance(r.get(k), (int, float)) else " " * (w - 1) + "-")  # noqa: E731
     for r in rows:
         if r["kind"] == "step":
@@ -406,7 +431,8 @@ def table(rows) -> str:
                          f"{f(r, 'sync_ms', 7)} {f(r, 'chain_ms', 7)} {f(r, 'enqueue_ms', 6)} "
                          f"{f(r, 'device_busy_ms', 7)} {f(r, 'pred_ms', 7)} "
                          f"{100 * r['pred_error'] if 'pred_error' in r else float('nan'):5.1f}% "
-                         f"{100 * r['host_share_of_chain'] if 'host_share_of_chain' in r else float('nan'):5.1f}%")
+                         f"{100 * r['host_share_of_chain'] if 'host_share_of_chain' in r else float('nan'):5.1f}% "
+                         f"{f(r, 'bytes_gb', 6)} {f(r, 'floor_ms', 6)} {f(r, 'pred_8dev_ms', 7)}")
         elif r["kind"] == "scheduler":
             lines.append(f"{r['batch']:3d} sched overlap={r['overlap']}: {r['ms_per_step']:.2f} ms/step "
                          f"({r['engine_steps']} steps, {r['overlapped_steps']} overlapped), pred {r['pred_ms']:.2f}")
@@ -426,8 +452,14 @@ def main(argv):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     cfg = preset("tiny" if FLAGS.tiny else FLAGS.preset)
+    whole = None
+    if not FLAGS.tiny and FLAGS.preset in SHARDS:
+        from kimi_jax.parallel.sharding import Layout
+        name, layout = SHARDS[FLAGS.preset]
+        whole = (preset(name).replace(num_hidden_layers=cfg.num_hidden_layers), Layout(**layout))
     if FLAGS.layers:
         cfg = cfg.replace(num_hidden_layers=FLAGS.layers)
+        whole = whole and (whole[0].replace(num_hidden_layers=FLAGS.layers), whole[1])
     os.makedirs(FLAGS.out, exist_ok=True)
     path = os.path.join(FLAGS.out, "full_depth_rows.jsonl")
 
@@ -441,7 +473,8 @@ def main(argv):
                  variant_batches=ints(FLAGS.variant_batches), profile_batches=ints(FLAGS.profile_batches),
                  scheduler_batches=ints(FLAGS.scheduler_batches), compile_only=FLAGS.compile_only,
                  hw_name=FLAGS.hardware, dtype=jnp.float32 if FLAGS.tiny else None, emit=emit, tag=FLAGS.tag,
-                 plan_options={k: getattr(FLAGS, k) for k in ("router_kernel", "norm_kernel") if getattr(FLAGS, k)})
+                 plan_options={k: getattr(FLAGS, k) for k in ("router_kernel", "norm_kernel") if getattr(FLAGS, k)},
+                 whole=whole)
     print(table(rows), flush=True)
 
 

@@ -43,6 +43,7 @@ def test_full_depth_bench_rows(rows):
     for r in rows:
         if r["kind"] == "step":
             assert r["layers"] == 2 and r["context"] == 256 and r["pred_ms"] > 0
+            assert 0 < r["bytes_gb"] <= r["bytes_max_gb"] and 0 < r["floor_ms"] and "pred_8dev_ms" not in r
             assert 0 < r["enqueue_ms"] <= r["chain_ms"] and r["sync_ms"] > 0
             assert r["pred_error"] == pytest.approx(r["chain_ms"] / r["pred_ms"] - 1)
         if r["kind"] == "step" and r["variant"] != "serve":
