@@ -149,7 +149,8 @@ class Runner:
             n_draft = np.zeros((B,), np.int32)
             n_draft[[row.slot for row in plan.live]] = [len(row.tokens) - 1 for row in plan.live]
         sp = SamplingArrays.build(params, None, keys=keys, adjust=adj)
-        key = ProgramKey(plan.kind, B, T, P, fresh=plan.kind == "prefill" and is_fresh(positions),
+        fresh = plan.kind == "prefill" and not self.engine.plan.absorbs_chunk(T) and is_fresh(positions)
+        key = ProgramKey(plan.kind, B, T, P, fresh=fresh,
                          sampled=extras or (not verify and sample_mode_of(sp) != "greedy"),
                          logprobs=self._top(n_lp or 0) if extras else None, prompt_logprobs=self._top(n_plp),
                          mla_schedule=step_schedule(self.engine.plan, positions[:, 0]) if plan.kind == "decode" else None)
@@ -235,7 +236,7 @@ class Runner:
             if limits.speculative_tokens:
                 out.append(ProgramKey("verify", B, limits.speculative_tokens + 1, P))
         for B, T, fresh in itertools.product(batches, widths or [16], (False, True)):
-            for P in shapes.tables("prefill", T, fresh):
+            for P in [] if fresh and plan.absorbs_chunk(T) else shapes.tables("prefill", T, fresh):
                 if B == batches[0] or shapes.prefill_fits(B, T, P, fresh):
                     out += [ProgramKey("prefill", B, T, P, fresh, s, lp, plp)
                             for s, lp, plp in (plain + prompt if widths else prompt)]

@@ -42,7 +42,7 @@ class Shapes:
     def table(self, kind: str, pages: int, width: int = 1, fresh: bool = False) -> int:
         """Block-table width of a step whose longest row holds `pages` pages: fresh prefill never reads
         the cache; the XLA path and chunk prefill gather the whole table."""
-        if kind == "prefill" and fresh:
+        if kind == "prefill" and fresh and not self._reads_lengths(kind, width):
             return table_bucket(-(-width // self.page_size), self.page_size)
         if self._reads_lengths(kind, width) and pages <= DECODE_TABLE_PAGES:
             top = min(DECODE_TABLE_PAGES, table_bucket(self.max_pages, self.page_size))

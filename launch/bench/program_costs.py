@@ -9,7 +9,8 @@ two rows differing in one key tell what sharing that program would cost:
 - decode at block-table widths 16 / 256 / 2048 pages over 256-token rows (and 4,096-token rows),
 - decode greedy / sampled (temperature 0.8, top-p 0.9, top-k 50) / extras (logprobs 20, adjustments, mask),
 - chunk prefill (cached tokens before the chunk) at table widths 16 / 256 / 2048, and fresh prefill,
-- chunk prefill expanded (gathered table) against absorbed (the decode kernel: ExecPlan.absorbed_chunk_tokens).
+- chunk and fresh prefill expanded (gathered table, cuDNN) against absorbed (the decode kernel:
+  ExecPlan.absorbed_chunk_tokens), and the prefill sampler's variants.
 ms per step: the least of three means over --steps back-to-back calls (device-bound: the host
 keeps ahead at these sizes), the program's compile seconds beside it.
 """
@@ -50,6 +51,11 @@ def cases(batches, tiny: bool):
                                            (1, 128, *long), (8, 16, *long)]:
         out += [(dict(kind="prefill", batch=B, width=T, table=P), total, False, False),
                 (dict(kind="prefill", batch=B, width=T, table=256), total, False, True)]
+    for B, T in [] if tiny else [(1, 16), (1, 64), (8, 64), (32, 16)]:      # fresh prompts: cuDNN or absorbed
+        out += [(dict(kind="prefill", batch=B, width=T, table=16, fresh=True), T, False, False),
+                (dict(kind="prefill", batch=B, width=T, table=256), T, False, True)]
+        out += [(dict(kind="prefill", batch=B, width=T, table=256, sampled=True, logprobs=lp), T, True, True)
+                for lp in (None, 20) if T == 16]
     return out
 
 
