@@ -1,9 +1,10 @@
 """The DeepSeek-V3 / Kimi-K2 decoder: embeddings, dense layers, MoE layers, final norm, LM head.
 
 Layers of one kind (dense FFN, MoE) are stacked along a leading axis and run with `lax.scan` (one
-compiled layer body per kind instead of 61) or unrolled with static layer indices, as the ExecPlan's
-`layer_loop` says. The latent cache is stacked the same way: one array [L, B, S, A + R] per kind. Every
-call takes `plan` (a kimi_jax.ops.ExecPlan; None: `ExecPlan.for_backend()`) and hands it to the ops.
+compiled layer body per kind instead of 61) or unrolled (one call per layer of one jitted body per
+kind), as the ExecPlan's `layer_loop` says. The latent cache is stacked the same way: one array
+[L, B, S, A + R] per kind. Every call takes `plan` (a kimi_jax.ops.ExecPlan; None:
+`ExecPlan.for_backend()`) and hands it to the ops.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from kimi_jax import ops
@@ -55,6 +57,16 @@ def stack_modules(make: Callable[[], nnx.Module], n: int) -> Optional[nnx.Module
     return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
 
 
+def _layer_body(graphdef, experts, layer_state, x_BTD, positions_BT, kv, block_table_BP, layer, *, absorbed,
+                fresh, plan):
+    module = nnx.merge(graphdef, experts, layer_state)
+    return module(x_BTD, positions_BT, kv, absorbed=absorbed, block_table_BP=block_table_BP, layer=layer,
+                  fresh=fresh, plan=plan)
+
+
+_layer_call = jax.jit(_layer_body, static_argnums=0, static_argnames=("absorbed", "fresh", "plan"))
+
+
 def scan_layers(stack: nnx.Module, x_BTD, positions_BT, cache_L, *, absorbed: bool, block_table_BP=None,
                 fresh: bool = False, plan: Optional[ops.ExecPlan] = None):
     """Run a stacked layer module over its leading axis; returns (x, per-layer cache or latents).
@@ -68,10 +80,10 @@ def scan_layers(stack: nnx.Module, x_BTD, positions_BT, cache_L, *, absorbed: bo
     data parallelism, see ops.page_split). A paged pool (block_table_BP given) is only read inside the
     loop; the new latents of every layer come out of it and are written into the pool once afterwards
     (no copy of the pool per step).
-    The other per-layer weights are sliced per layer: by lax.scan, or with static indices when the loop
-    is unrolled (the plan's layer_loop 'unroll'), which on GPU reads them in place instead of copying
-    (measured on an H200, BENCHMARKS.md "Engine decode step", layer loop: 950 GB/s effective under lax.scan, 2,060 GB/s
-    unrolled; the dynamic-slice-fusion flag does not help).
+    The other per-layer weights are sliced per layer: by lax.scan, or, unrolled (layer_loop 'unroll'),
+    statically outside `_layer_call`, which takes each layer's own arrays (read in place on a GPU:
+    BENCHMARKS.md "Engine decode step") and its index as a traced int32, so one body per kind is traced
+    and lowered and every layer calls it (XLA inlines the calls).
     fresh (static): no row has tokens before this step's (see MLA): prefill attends to the new tokens
     only, on a GPU through cuDNN flash attention (ops.mla_prefill_attention).
     plan: the kimi_jax.ops.ExecPlan (None: `ExecPlan.for_backend()`): the layer loop and every op's path."""
@@ -80,24 +92,22 @@ def scan_layers(stack: nnx.Module, x_BTD, positions_BT, cache_L, *, absorbed: bo
     n_layers = layer_weights.num_layers(rest)
     paged = block_table_BP is not None
 
-    def layer_fn(x, layer, layer_state, kv):
-        module = nnx.merge(graphdef, experts, layer_state)
-        if paged:     # the whole stacked pool; the attention reads this layer's pages (ops._layer_pages)
-            return module(x, positions_BT, cache_L, absorbed=absorbed, block_table_BP=block_table_BP,
-                          layer=layer, fresh=fresh, plan=plan)
-        return module(x, positions_BT, kv, absorbed=absorbed, layer=layer, fresh=fresh, plan=plan)
+    def layer_fn(call, x, layer, layer_state, kv):
+        # a paged step passes the whole stacked pool; the attention reads this layer's pages (ops._layer_pages)
+        return call(graphdef, experts, layer_state, x, positions_BT, cache_L if paged else kv, block_table_BP,
+                    layer, absorbed=absorbed, fresh=fresh, plan=plan)
 
     if plan.layer_loop == "unroll":
         outs = []
         for i in range(n_layers):
             kv = None if paged or cache_L is None else cache_L[i]
-            x_BTD, out = layer_fn(x_BTD, i, layer_weights.layer(rest, i), kv)
+            x_BTD, out = layer_fn(_layer_call, x_BTD, np.int32(i), layer_weights.layer(rest, i), kv)
             outs.append(out)
         out_L = jnp.stack(outs)
     else:
         layers = jnp.arange(n_layers, dtype=jnp.int32)
         per_layer_kv = None if paged else cache_L
-        x_BTD, out_L = jax.lax.scan(lambda x, xs: layer_fn(x, *xs), x_BTD,
+        x_BTD, out_L = jax.lax.scan(lambda x, xs: layer_fn(_layer_body, x, *xs), x_BTD,
                                     (layers, layer_weights.stacked(rest), per_layer_kv))
     if paged:
         return x_BTD, write_pages(cache_L, block_table_BP, positions_BT, out_L, parallel=stack.self_attn.parallel)

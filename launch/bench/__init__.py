@@ -48,6 +48,8 @@ SUITES = {
                                               "mask fill, the mask's cost in the sampler and the decode step"),
     "dtype": ("launch.bench.dtype", "the demo model's greedy decoding in each dtype: tokens/s end to end and "
                                     "the jitted step alone"),
+    "lowering": ("launch.bench.lowering", "seconds to trace and lower (not compile) the serving step at 1 to 61 "
+                                          "layers, over shapes only"),
 }
 HELP_ARGS = ("--help", "-h", "-help", "--helpshort", "--helpfull", "-?")
 

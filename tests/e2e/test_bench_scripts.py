@@ -14,13 +14,13 @@ def test_kimi_bench_lists_its_suites_and_refuses_an_unknown_one(cli):
     r = cli("launch.bench", "--help")
     assert r.returncode == 0
     for suite in ("int4", "mla", "engine", "throughput", "spec", "loading", "prefix_cache", "program_costs",
-                  "full_depth", "gemv", "small_ops", "structured", "dtype"):
+                  "full_depth", "gemv", "small_ops", "structured", "dtype", "lowering"):
         assert f"\n  {suite} " in r.stdout, suite
     assert cli("launch.bench").stdout == r.stdout                # no suite: the list
     bad = cli("launch.bench", "nosuch")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "kimi-bench: error: unknown suite 'nosuch' (suites: int4, mla, engine, throughput, spec, loading, "
-        "prefix_cache, program_costs, full_depth, gemv, small_ops, structured, dtype)"]
+        "prefix_cache, program_costs, full_depth, gemv, small_ops, structured, dtype, lowering)"]
     # a suite's --help: its own flags, exit 0
     r = cli("launch.bench", "loading", "--help")
     assert r.returncode == 0 and "--orbax-dir" in r.stdout and "--raw-workers" in r.stdout
@@ -371,6 +371,15 @@ def test_bench_spec_compares_speculation_off_and_on(tmp_path, cli):
     assert [(x["batch"], x["workload"]) for x in rows] == [(2, "repetitive"), (2, "non-repetitive")]
     assert all(x["identical"] and x["tok_s_off"] > 0 and x["tok_s_on"] > 0 for x in rows)
     assert "| 2 | repetitive |" in r.stdout
+
+
+def test_bench_lowering_tiny_lowers_each_program_over_shapes(tmp_path, cli):
+    """kimi-bench lowering --tiny (CPU): one row per program and depth, trace and lowering seconds > 0."""
+    r = cli("launch.bench", "lowering", "--tiny", "--layers=1,3", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in open(tmp_path / "lowering_rows.jsonl")]
+    assert [(x["program"], x["layers"]) for x in rows] == [(p, n) for n in (1, 3) for p in ("decode", "prefill", "chunk")]
+    assert all(x["trace_s"] > 0 and x["lower_s"] > 0 and x["layer_weights"] == "per_layer" for x in rows)
 
 
 def test_bench_program_costs_tiny_times_every_case_with_its_compile(tmp_path, cli):
