@@ -21,6 +21,7 @@ from kimi_jax.engine.sampling import Logprob, SamplingParams
 from kimi_jax.engine.scheduler import BatchEngine, Request, RequestError, validate_prompt
 from kimi_jax.parallel.sharding import Layout
 from kimi_jax.entrypoints.weights import load_model, random_model  # noqa: F401  (LLM's weights)
+from kimi_jax.engine import compiles
 from kimi_jax.engine.args import EngineConfig
 from kimi_jax.entrypoints import compilation_cache, progress
 
@@ -138,6 +139,7 @@ class LLM:
             self.config = preset(ec.model)
         self.layout.check_divisible(self.config)
         compilation_cache.enable(ec.compilation_cache_dir)
+        compiles.install()                # /metrics counts the start-up's programs too
         self.check_finite_weights = ec.check_finite_weights
         with progress.phase("loading weights" if self.model_path else "making random weights"):
             net = self._build(ec.seed)

@@ -24,7 +24,7 @@ def test_no_program_is_built_after_precompile():
     before = compiles.compile_count()
     n = be.precompile()
     assert n == len(be.runner.programs(be.limits())) <= 18
-    assert compiles.compile_count() > before               # the warm calls built the programs
+    assert compiles.compile_count() - before >= n          # each program lowered once (called or compiled ahead)
     built = compiles.compile_count()
 
     rng = np.random.default_rng(0)
