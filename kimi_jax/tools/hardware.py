@@ -69,6 +69,8 @@ class Hardware:
     attention_call_curve: tuple = ()    # (query rows per device, seconds) points replacing attention_call_s
     matmul_efficiency: float = 1.0     # of bf16_flops (bf16_flops is already an achieved rate)
     layer_overhead_s: float = 0.0      # device time per layer of its small kernels beyond their bytes
+    kernels_per_layer: float = 0.0
+    host_launch_s: float = 0.0
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def collective_time(self, kind: str, nbytes: float, n: int) -> float:
@@ -140,6 +142,7 @@ class Hardware:
                            ("xla_int4_efficiency", "xla_int4_efficiency"),
                            ("attention_efficiency", "attention_efficiency"),
                            ("attention_call_s", "attention_call_s"), ("layer_overhead_s", "layer_overhead_s"),
+                           ("kernels_per_layer", "kernels_per_layer"), ("host_launch_s", "host_launch_s"),
                            ("interconnect", "interconnect")):
             if d.get(key) is not None:
                 kw[field] = d[key] if field == "interconnect" else float(d[key])
@@ -175,7 +178,7 @@ def calibration_dict(name: str, *, copy_bw: float, matmul_flops: Optional[float]
     FLOP/s, collectives {kind: [(bytes, seconds), ...]} over `n_devices`; extra: the fields in `allowed`."""
     allowed = {"link_bw", "gemv_efficiency", "int4_efficiency", "int4_curve", "xla_int4_efficiency",
                "attention_efficiency", "attention_curve", "attention_call_s", "attention_call_curve",
-               "layer_overhead_s",
+               "layer_overhead_s", "kernels_per_layer", "host_launch_s",
                "interconnect", "date", "device", "jax_version"}
     bad = set(extra) - allowed
     if bad:
@@ -240,7 +243,7 @@ _PRESETS = {
         int4_curve=_H200_INT4_CURVE, int4_ep_curves=_H200_INT4_EP_CURVES,
         attention_curve=_H200_ATTENTION_CURVE,
         attention_call_s=_H200_ATTENTION_CALL_S, attention_call_curve=_H200_ATTENTION_CALL_CURVE,
-        layer_overhead_s=_H200_LAYER_OVERHEAD_S,
+        layer_overhead_s=_H200_LAYER_OVERHEAD_S, kernels_per_layer=33.0, host_launch_s=2.9e-6,
         sources={"hbm_bytes": "datasheet (141 GB)",
                  "hbm_bw": "measured: device-to-device copy 4.24 TB/s (ANCHORS.md section 6; datasheet 4.8)",
                  "bf16_flops": "measured: 790 TFLOP/s bf16 matmul on this project's H200 (datasheet 989)",
@@ -266,7 +269,12 @@ _PRESETS = {
                                          "(8 heads) / 34 us + 96% (64 heads) (BENCHMARKS.md, the "
                                          "planner's calibration)",
                  "layer_overhead_s": "measured: 29 us per layer, fit to the batch-1 step of Kimi-K2.5 at 4 and "
-                                     "61 layers (BENCHMARKS.md, full depth on one H200)"}),
+                                     "61 layers (BENCHMARKS.md, full depth on one H200)",
+                 "kernels_per_layer": "measured: 1,960-2,037 kernels a decode step at 61 layers, batch 1 (TP8 "
+                                      "shard, kimi-k2.5-61x16; BENCHMARKS.md, shard presets)",
+                 "host_launch_s": "measured: host enqueue per kernel of the decode step, 2.5-3.7 us (5.3-7.5 ms "
+                                  "for 2,000-2,100 kernels at 61 layers, command buffers on; BENCHMARKS.md, full "
+                                  "depth on one H200 and the shard presets)"}),
     "h100": Hardware(
         name="H100 SXM", hbm_bytes=80e9, hbm_bw=3.0e12, bf16_flops=700e12,
         interconnect="NVLink 4 (NVSwitch)", link_bw=450e9, collectives=_uniform(24e-6, 360e9),

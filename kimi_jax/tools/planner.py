@@ -77,6 +77,8 @@ class Plan:
     max_context_for_batch: int = 0
     max_batch_for_context: int = 0
     max_cache_tokens: int = 0
+    kernels: float = 0.0
+    host_s: float = 0.0
     cache_note: str = "split over dp only (replicated over tp)"
 
     @property
@@ -117,9 +119,15 @@ class Plan:
     def tokens_per_s(self) -> float:
         return self.batch / self.step_s
 
+    @property
+    def served_step_s(self) -> float:
+        """The step under overlap scheduling: the device's or the host's enqueue, whichever is longer."""
+        return max(self.step_s, self.host_s)
+
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d.update(fits=self.fits, step_ms=1e3 * self.step_s, tokens_per_s=self.tokens_per_s,
+                 served_step_ms=1e3 * self.served_step_s,
                  weight_bytes=self.weight_bytes, workspace_bytes=self.workspace_bytes,
                  total_bytes=self.total_bytes)
         return d
@@ -161,6 +169,9 @@ class Plan:
             rows.append(f"  fixed overhead {1e3 * self.overhead_s:.3f} ms")
         rows.append(f"step {1e3 * self.step_s:.3f} ms -> {self.tokens_per_s:.1f} tokens/s "
                     f"({self.tokens_per_s / self.batch:.1f} per sequence)")
+        if self.host_s:
+            rows.append(f"host enqueue {self.kernels:.0f} kernels = {1e3 * self.host_s:.3f} ms; served step (overlap) "
+                        f"{1e3 * self.served_step_s:.3f} ms -> {self.batch / self.served_step_s:.1f} tokens/s")
         rows += [f"note: {n}" for n in self.notes]
         return "\n".join(rows)
 
@@ -280,7 +291,7 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
     p = Plan(model=model_name, hardware=hw.name, layout=layout.name, world=world, batch=batch, batch_padded=Bp,
              context=context, cache_len=S, weights=weights, cache_bytes=cache_bytes, workspace=workspace,
              capacity=capacity, terms=terms, collectives=specs, overhead_s=o.overhead_ms * 1e-3, notes=notes,
-             assumptions=assumptions)
+             assumptions=assumptions, kernels=L * hw.kernels_per_layer, host_s=L * hw.kernels_per_layer * hw.host_launch_s)
     free = capacity - p.weight_bytes - sum(v for k, v in workspace.items() if k != "attention_scores")
     # cache + attention scores grow with rows x cache length: bytes per (row, slot)
     per_row_slot = per_token_cache + 3 * Nl * 4

@@ -2,6 +2,7 @@
 with kimi_jax.parallel.sharding on the full Kimi-K2.5 geometry."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -324,6 +325,23 @@ def test_collective_model_and_calibration(tmp_path):
     assert "measured" in hw.sources["hbm_bw"] and "measured" in hw.sources["all-reduce"]
     with pytest.raises(ValueError, match="unknown fields"):
         hardware.calibration_dict("x", copy_bw=1.0, colour="red")
+
+
+def test_host_enqueue_term_and_its_calibration(tmp_path):
+    """The host's enqueue per step = layers x kernels a layer x seconds a kernel (H200: 33 kernels, 2.9 us,
+    measured at 61 layers); under overlap scheduling the step is the longer of the device's and the host's."""
+    hw = hardware.preset("h200")
+    p = planner.plan(preset("kimi-k2.5"), hw, Layout(8), 1, 4096, model_name="kimi-k2.5")
+    assert p.kernels == 61 * 33 and p.host_s == pytest.approx(61 * 33 * 2.9e-6)
+    assert p.served_step_s == max(p.step_s, p.host_s) and p.to_json()["served_step_ms"] == 1e3 * p.served_step_s
+    assert "host enqueue 2013 kernels" in p.table()
+    d = hardware.calibration_dict("fused", copy_bw=4.2e12, kernels_per_layer=11.0, host_launch_s=2e-6)
+    fused = hardware.get(hardware.write_calibration(str(tmp_path / "cal.json"), d))
+    q = planner.plan(preset("kimi-k2.5"), fused, Layout(8), 1, 4096, model_name="kimi-k2.5")
+    assert q.host_s == pytest.approx(61 * 11 * 2e-6) and "measured" in fused.sources["host_launch_s"]
+    slow = dataclasses.replace(hw, host_launch_s=1e-3)       # a host far slower than the device sets the step
+    r = planner.plan(preset("kimi-k2.5"), slow, Layout(8), 1, 4096, model_name="kimi-k2.5")
+    assert r.served_step_s == r.host_s > r.step_s
 
 
 def test_presets_say_where_numbers_come_from():
