@@ -6,7 +6,8 @@ separate arrays (`LayerList`), every layer's fusion is the same computation and 
 routed experts stay stacked: their kernels index them by layer. ExecPlan.layer_weights chooses it;
 BENCHMARKS.md, "Compile time and per-layer weights", has the measurement. Each layer's kv_b_proj is held
 as its two absorbed halves (`AbsorbedKvB`), laid out so the decode step's matrix-vector products reduce
-over their minor axis (BENCHMARKS.md, "MLA absorbed weights").
+over their minor axis (BENCHMARKS.md, "MLA absorbed weights"), and its q_a_proj and kv_a_proj_with_mqa,
+two products of the same input, as one weight (`JointQKvA`: one matrix-vector product a layer instead of two).
 """
 from __future__ import annotations
 
@@ -50,6 +51,15 @@ class AbsorbedKvB:
     """One layer's kv_b_proj [N * (H + U), A] as W_UK^T [N, A, H] and W_UV [N, U, A]."""
     uk_NAH: jax.Array
     uv_NUA: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class JointQKvA:
+    """One layer's q_a_proj [Q, D] and kv_a_proj_with_mqa [A + R, D] stacked as w_XD [Q + A + R, D]
+    (X = Q + A + R); the layer's q_a_proj and kv_a_proj_with_mqa both hold this one value."""
+    w_XD: jax.Array
+    q_rows: int = dataclasses.field(metadata=dict(static=True))
 
 
 def is_layer_list(x) -> bool:
@@ -97,12 +107,34 @@ def _absorbed_fn(n: int, heads: int, head_dim: int, sharding):
     return jax.jit(split, out_shardings=None if specs is None else (AbsorbedKvB(specs, specs),) * n)
 
 
+@functools.lru_cache(maxsize=None)
+def _joint_fn(n: int, q_rows: int, sharding):
+    def join(q_LQD, kv_LCD):
+        return tuple(JointQKvA(jnp.concatenate([q_LQD[i], kv_LCD[i]]), q_rows) for i in range(n))
+    return jax.jit(join, out_shardings=None if sharding is None else (JointQKvA(sharding, q_rows),) * n)
+
+
 def split_layers(state, cfg=None) -> int:
     """Replace, in place, every stacked non-expert weight of `state` (an nnx.State of a Transformer) by a
     LayerList placed as the stack was (its leading layer axis dropped); with `cfg` (the ModelConfig) each
-    layer's kv_b_proj becomes an AbsorbedKvB. Returns how many were split."""
+    layer's kv_b_proj becomes an AbsorbedKvB, and its q_a_proj and kv_a_proj_with_mqa one JointQKvA
+    (where both are plain arrays of one dtype). Returns how many were split."""
     n = 0
-    for path, var in nnx.to_flat_state(state):
+    flat = nnx.to_flat_state(state)
+    if cfg is not None:
+        by_path = {tuple(str(p) for p in path): var for path, var in flat}
+        for names, q_var in by_path.items():
+            if names[0] not in STACKS or names[-2:] != ("q_a_proj", "weight"):
+                continue
+            kv_var = by_path.get(names[:-2] + ("kv_a_proj_with_mqa", "weight"))
+            q, kv = q_var.get_value(), None if kv_var is None else kv_var.get_value()
+            if not (isinstance(q, jax.Array) and isinstance(kv, jax.Array) and q.dtype == kv.dtype):
+                continue
+            joint = LayerList(_joint_fn(q.shape[0], q.shape[1], _layer_sharding(q))(q, kv))
+            q_var.set_value(joint)
+            kv_var.set_value(joint)
+            n += 2
+    for path, var in flat:
         names = [str(p) for p in path]
         value = var.get_value()
         if names[0] not in STACKS or "experts" in names or is_layer_list(value):

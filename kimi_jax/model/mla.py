@@ -19,7 +19,7 @@ from flax import nnx
 
 from kimi_jax import ops
 from kimi_jax.config import ModelConfig
-from kimi_jax.model.layer_weights import AbsorbedKvB
+from kimi_jax.model.layer_weights import AbsorbedKvB, JointQKvA
 from kimi_jax.model.layers import Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 _NEG = -1e30  # finite mask value: a fully-masked row can't produce NaN
@@ -45,21 +45,33 @@ class MLA(nnx.Module):
         self.o_proj = Linear(N * U, D, ("embed", "o_heads"), dtype=dtype, rngs=rngs)
 
     # -- projections ------------------------------------------------------------------------------
-    def _queries(self, x_BTD, cos, sin):
+    def _down_projections(self, x_BTD):
+        """(q_a(x) [B, T, Q], or None without a q LoRA; kv_a(x) [B, T, A + R]): one product when the layer
+        holds them as a JointQKvA (per-layer weights)."""
+        if self.cfg.q_lora_rank is None:
+            return None, self.kv_a_proj_with_mqa(x_BTD)
+        w = self.q_a_proj.weight.get_value()
+        if isinstance(w, JointQKvA):
+            y = ops.linear(x_BTD, w.w_XD)
+            return y[..., :w.q_rows], y[..., w.q_rows:]
+        return self.q_a_proj(x_BTD), self.kv_a_proj_with_mqa(x_BTD)
+
+    def _queries(self, x_BTD, q_a_BTQ, cos, sin):
         N, H, R, _, _ = self.dims
         if self.cfg.q_lora_rank is None:
             q = self.q_proj(x_BTD)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+            q = self.q_b_proj(self.q_a_layernorm(q_a_BTQ))
         q_BTNW = q.reshape(*x_BTD.shape[:-1], N, H + R)
         q_nope_BTNH, q_pe_BTNR = q_BTNW[..., :H], q_BTNW[..., H:]
         return q_nope_BTNH, apply_rope(q_pe_BTNR, cos[..., None, :], sin[..., None, :])
 
-    def latents(self, x_BTD, positions_BT):
-        """What the cache stores for these tokens: [c (A) | rotated k^R (R)] -> [B, T, A + R]."""
+    def latents(self, x_BTD, positions_BT, kv_BTC=None):
+        """What the cache stores for these tokens: [c (A) | rotated k^R (R)] -> [B, T, A + R]; kv_BTC: their
+        kv_a projection, when computed already."""
         _, _, _, A, _ = self.dims
         cos, sin = rope_cos_sin(positions_BT, rope_inv_freq(self.cfg), self.cfg.rope_scaling.cos_sin_scale)
-        kv = self.kv_a_proj_with_mqa(x_BTD)
+        kv = self._down_projections(x_BTD)[1] if kv_BTC is None else kv_BTC
         c_BTA = self.kv_a_layernorm(kv[..., :A])
         kpe_BTR = apply_rope(kv[..., A:], cos, sin)
         return jnp.concatenate([c_BTA, kpe_BTR], axis=-1)
@@ -158,7 +170,8 @@ class MLA(nnx.Module):
     def _project(self, x_BTD, positions_BT):
         """(q_nope [B, T, N, H], rotated q_pe [B, T, N, R], the new latents [B, T, C])."""
         cos, sin = rope_cos_sin(positions_BT, rope_inv_freq(self.cfg), self.cfg.rope_scaling.cos_sin_scale)
-        return (*self._queries(x_BTD, cos, sin), self.latents(x_BTD, positions_BT))
+        q_a_BTQ, kv_BTC = self._down_projections(x_BTD)
+        return (*self._queries(x_BTD, q_a_BTQ, cos, sin), self.latents(x_BTD, positions_BT, kv_BTC))
 
     def _expanded(self, x_BTD, q_nope_BTNH, q_pe_BTNR, keys_BSC, mask_BTS, causal, plan, chunk_lens=None):
         """Expanded attention: keys and values from the latents keys_BSC through W_UK, W_UV."""

@@ -23,7 +23,7 @@ def route(x_TD, w_ED, bias_E, *, k: int, n_group: int = 1, topk_group: int = 1, 
           scaling: float = 1.0, plan: Optional[ExecPlan] = None, parallel=None):
     """-> (expert ids [T, K] int32, weights [T, K] float32); the kernels only without a group limit."""
     from pallas_kernels.router import sigmoid_topk as st
-    kernel = default_plan(plan).router_kernel
+    kernel = default_plan(plan).router_kernel_for(x_TD.shape[0], w_ED.shape[0])
     if kernel == "xla" or topk_group < n_group:
         return st.sigmoid_topk_reference(x_TD, w_ED, bias_E, k=k, n_group=n_group, topk_group=topk_group,
                                          norm_topk_prob=norm_topk_prob, scaling=scaling)

@@ -13,7 +13,11 @@ LAYER_LOOPS = ("scan", "unroll")
 LAYER_WEIGHTS = ("stacked", "per_layer")
 PREFILL_ATTENTION_CHOICES = ("einsum", "cudnn", "xla")
 CHUNK_ATTENTION_CHOICES = PREFILL_ATTENTION_CHOICES + ("cudnn_split", "xla_split")
-ROUTER_KERNELS = ("xla", "pallas", "pallas_gemv")
+ROUTER_KERNELS = ("auto", "xla", "pallas", "pallas_gemv")
+# router_kernel 'auto' runs the 'pallas' router where tokens x experts <= this (and impl is 'pallas'), XLA's above:
+# on the H200 (`kimi-bench small_ops`, pallas_kernels/NOTES.md "Small ops") the kernel won at 384 experts x 1 token
+# (8.1 us in 2 kernels against 14.6 in 5) and at 16 experts up to 32 tokens, and lost at 384 x 8 (23.4 against 20.7)
+ROUTER_AUTO_MAX_TOKEN_EXPERTS = 512
 NORM_KERNELS = ("xla", "pallas")
 
 
@@ -22,7 +26,8 @@ class ExecPlan:
     """How the ops run; the defaults are the portable plan, `for_backend()` this machine's. mla_schedule None:
     the engine picks per step; layer_weights 'per_layer' (under 'unroll'): each layer's non-expert weights
     as arrays of their own (BENCHMARKS.md "Compile time and per-layer weights"). router_kernel 'pallas': XLA's
-    gemv, then one launch for the top-k; 'pallas_gemv': all in one launch (pallas_kernels/router).
+    gemv, then one launch for the top-k; 'pallas_gemv': all in one launch (pallas_kernels/router); 'auto': 'pallas' for
+    small steps (ROUTER_AUTO_MAX_TOKEN_EXPERTS) under impl 'pallas', else 'xla'.
     absorbed_chunk_tokens: chunk prefills of at most this many tokens a row run absorbed (Pallas; 0: never)."""
     impl: str = "xla"
     mla_decode_kernel: str = "auto"
@@ -34,7 +39,7 @@ class ExecPlan:
     layer_weights: str = "stacked"
     combine_xla_max_macs: int = 1 << 27
     one_new_token_elementwise: bool = True
-    router_kernel: str = "xla"
+    router_kernel: str = "auto"
     norm_kernel: str = "xla"
     absorbed_chunk_tokens: int = 0
 
@@ -60,6 +65,12 @@ class ExecPlan:
     @property
     def pallas(self) -> bool:
         return self.impl == "pallas"
+
+    def router_kernel_for(self, tokens: int, experts: int) -> str:
+        """The router path a step of `tokens` tokens over `experts` experts takes ('auto' resolved)."""
+        if self.router_kernel != "auto":
+            return self.router_kernel
+        return "pallas" if self.pallas and tokens * experts <= ROUTER_AUTO_MAX_TOKEN_EXPERTS else "xla"
 
     def absorbs_chunk(self, tokens: int) -> bool:
         return self.pallas and tokens <= self.absorbed_chunk_tokens

@@ -205,7 +205,10 @@ def profile_exe(call, pages, inputs, steps: int, hlo_text: str, top_kernels: int
         us, n = by_kernel.get(o.kernel or o.name, (0.0, 0))
         by_kernel[o.kernel or o.name] = (us + o.dur_us, n + 1)
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top_kernels]
-    return dict(device_busy_ms=sum(o.dur_us for o in evs) / 1e3 / steps, device_span_ms=span / 1e3 / steps,
+    evs.sort(key=lambda o: o.start_us)
+    last = evs[len(evs) - len(evs) // steps:]        # the last step's kernels, in launch order
+    return dict(step_kernels=[(o.name, o.kernel, o.dur_us) for o in last],
+                device_busy_ms=sum(o.dur_us for o in evs) / 1e3 / steps, device_span_ms=span / 1e3 / steps,
                 kernels_per_step=len(evs) / steps,
                 top_kernels=[(k, us / steps, n / steps) for k, (us, n) in top]), pages
 
@@ -275,9 +278,12 @@ class _CacheHits:
 
 def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(), profile_batches=(),
           scheduler_batches=(), compile_only: bool = False, hw_name: str = "h200", dtype=None, emit=print,
-          tag: str = "", plan_options: Optional[dict] = None, whole=None) -> list[dict]:
+          tag: str = "", plan_options: Optional[dict] = None, whole=None,
+          kernel_dir: Optional[str] = None) -> list[dict]:
     """Every measurement of the module docstring for `cfg` on one device; `emit(row)` is called as
-    each row is done; `whole`: as plan_row's. Returns the rows."""
+    each row is done; `whole`: as plan_row's; `kernel_dir`: where each profiled step's kernels are
+    written in launch order (kernels_B<batch>.tsv: HLO op, kernel, us) beside its compiled HLO
+    (step_B<batch>.hlo.txt). Returns the rows."""
     import jax
     import jax.numpy as jnp
     from kimi_jax import ops
@@ -352,6 +358,12 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
                 row.update(times)
                 if b in profile_batches and v == variants[0]:
                     prof, pages = profile_exe(call, pages, inputs, min(steps, 3), text)
+                    listed = prof.pop("step_kernels", [])
+                    if kernel_dir:
+                        with open(os.path.join(kernel_dir, f"kernels_B{b}.tsv"), "w") as f:
+                            f.writelines(f"{op}\t{kernel}\t{us:.2f}\n" for op, kernel, us in listed)
+                        with open(os.path.join(kernel_dir, f"step_B{b}.hlo.txt"), "w") as f:
+                            f.write(text)
                     row.update(prof)
                 row["host_share_of_chain"] = row["enqueue_ms"] / row["chain_ms"]
                 row["pred_error"] = row["chain_ms"] / row["pred_ms"] - 1.0
@@ -474,7 +486,7 @@ def main(argv):
                  scheduler_batches=ints(FLAGS.scheduler_batches), compile_only=FLAGS.compile_only,
                  hw_name=FLAGS.hardware, dtype=jnp.float32 if FLAGS.tiny else None, emit=emit, tag=FLAGS.tag,
                  plan_options={k: getattr(FLAGS, k) for k in ("router_kernel", "norm_kernel") if getattr(FLAGS, k)},
-                 whole=whole)
+                 whole=whole, kernel_dir=FLAGS.out)
     print(table(rows), flush=True)
 
 

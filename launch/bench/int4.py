@@ -42,6 +42,8 @@ flags.DEFINE_integer("moe_held_pairs", 0, "MoE section: of each token's top-8 pa
                      "this device (the rest get id E, as expert parallelism passes them: skipped, read nothing); "
                      "1 is EP8 at batch 1, where a device runs about one expert per token. 0: all 8 (one "
                      "device holds every expert). Below 8 the baselines (which would run every pair) are skipped")
+flags.DEFINE_integer("moe_intermediate", 2048, "MoE section: each expert's intermediate width F (Kimi: 2048; one TP8 "
+                     "shard's slice: 256)")
 flags.DEFINE_integer("reps", 7, "timed repetitions (median)")
 flags.DEFINE_list("ms", ["1", "4", "16"], "dense token counts")
 flags.DEFINE_list("batches", ["1", "16", "64", "256"], "MoE token counts")
@@ -493,6 +495,21 @@ def moe_sweep(name):
         # expert parallelism"): one held pair 23.6 us against 45.8 for the pair tiles, so `default` (whose
         # config follows the held share) IS pairs_cta4 where <= 2 pairs are held (pairs_cta2 where 3-4
         # are: 4 held pairs 42.9 / 51.2 us against 51.5 / 53.5); `default_again` stays the pair tiles.
+        # one TP8 shard's experts (--moe_intermediate=256: every expert held, 256 wide): the pair tiles give
+        # T = 1 only 8 x 256/64 = 32 gate/up programs; narrower tiles, gate and up apart, and the
+        # dense-style pair programs with the K split (more programs per pair)
+        "tp8": [
+            ("default", None),
+            ("gu32_d32_w2", C(block_n_gate_up=32, block_n_down=32, num_warps=2)),
+            ("gu16_w1_d64_w4", C(block_n_gate_up=16, num_warps=1, num_warps_down=4)),
+            ("split_gu_bn32_w2", C(split_gate_up=True, block_n_gate_up=32, num_warps=2, num_warps_down=4)),
+            ("pairs_cta4", C(pairs_cta=4, block_k_gate_up=256, block_k_down=256)),
+            ("pairs_cta2", C(pairs_cta=2, block_k_gate_up=256, block_k_down=256)),
+            ("pairs_cta4_pt8", C(pairs_cta=4, block_k_gate_up=256, block_k_down=256, pair_tiles_max_t=8)),
+            ("fused_d32w2_sk4", C(decode="fused", block_n_gate_up=32, num_warps=2, block_n_down=32,
+                                  num_warps_down=2, split_k_down=4)),
+            ("default_again", C()),
+        ],
         "ep1_cta": [
             ("default", None),
             ("pairs_cta4", C(pairs_cta=4, block_k_gate_up=256, block_k_down=256)),
@@ -905,7 +922,8 @@ def section_moe():
     from kimi_jax.tools import telemetry
     from pallas_kernels.int4 import reference as int4_ref
     from pallas_kernels.int4 import moe_gmm as mg
-    e_, d, f, topk = (24, 512, 256, KIMI_TOPK) if FLAGS.dry else (FLAGS.moe_experts, 7168, 2048, KIMI_TOPK)
+    e_, d, f, topk = (24, 512, 256, KIMI_TOPK) if FLAGS.dry else (FLAGS.moe_experts, 7168, FLAGS.moe_intermediate,
+                                                                       KIMI_TOPK)
     key = jax.random.PRNGKey(2)
     g = int4_ref.random_int4(jax.random.fold_in(key, 1), (e_, f, d))
     u = int4_ref.random_int4(jax.random.fold_in(key, 2), (e_, f, d))

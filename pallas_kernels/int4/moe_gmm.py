@@ -99,6 +99,16 @@ class MoeGmmConfig:
 # 51.2 (split 4: 53.2) vs 53.5; with 8 held pairs it loses (T = 1 all held 72.8 vs 62.0, T = 4 with 2 of
 # 8 held 82.4 vs 66.8) or ties (T = 8 with 1 of 8 held: 92.0 vs 91.5).
 PAIRS_CTA_MAX_HELD = 4.0
+# ... and where the pair tiles would have at most this many gate/up programs, pairs_cta with the K split 4 ways
+# whatever the pairs held: one TP8 shard's experts (F = 256, all 8 pairs held) at T = 1 have 32 such programs on
+# the H200's 132 SMs, 28.5 us against 38.8 for the pair tiles (`kimi-bench int4 --moe_intermediate=256
+# --moe_configs=tp8`, BENCHMARKS.md "INT4 experts at one TP8 shard's widths"); at T = 4 (128 programs) it lost
+# (split 2: 59.4 against 56.6; split 4: 70.5)
+PAIRS_CTA_MAX_TILE_PROGRAMS = 32
+# at most this many gate/up programs (and not pairs_cta): the two-launch decode path with 32-row gate/up tiles
+# and the down loop split 4 ways: the TP8 shard at T = 4, 47.6 us against 56.6 for the pair tiles; at T = 8
+# (256 programs) the pair tiles win (102.5 against 115.8-134.2 for the narrower configs)
+FUSED_NARROW_MAX_TILE_PROGRAMS = 128
 PAIRS_CTA_SPLIT4_MAX_HELD = 2.0
 _PAIRS_CTA_BLOCK_K = 256        # the default's K step for pairs_cta's gate/up and down programs
 
@@ -127,12 +137,24 @@ def default_config(num_pairs: int, num_experts: int, held_share: float = 1.0,
     fraction of the pairs whose expert is on this device (1 / the expert-parallel degree); a step
     expected to hold at most PAIRS_CTA_MAX_HELD pairs takes `pairs_cta` (EP decode; K split 4 ways up to
     PAIRS_CTA_SPLIT4_MAX_HELD pairs, 2 ways above) if its programs tile `dims` (D, F) (K slices of at
-    least 64: the demo presets' small experts do not)."""
+    least 64: the demo presets' small experts do not). Narrow experts (one TP8 shard's slices), whose pair
+    tiles would have few programs: pairs_cta split 4 ways at one token (PAIRS_CTA_MAX_TILE_PROGRAMS), the
+    two-launch decode path with narrow tiles up to 4 tokens (FUSED_NARROW_MAX_TILE_PROGRAMS)."""
     held = num_pairs * held_share
     split = 4 if held <= PAIRS_CTA_SPLIT4_MAX_HELD else 2
     if held <= PAIRS_CTA_MAX_HELD and _pairs_cta_tiles(dims, split):
         return MoeGmmConfig(pairs_cta=split, block_k_gate_up=_PAIRS_CTA_BLOCK_K,
                             block_k_down=_PAIRS_CTA_BLOCK_K, pair_tiles_max_t=max(4, num_pairs))
+    # the pair tiles' gate/up programs (a pair per tile, F / block_n_gate_up each): few leave SMs idle
+    tile_programs = held * dims[1] / MoeGmmConfig.block_n_gate_up if dims else None
+    if (tile_programs is not None and tile_programs <= PAIRS_CTA_MAX_TILE_PROGRAMS and num_pairs <= 8
+            and _pairs_cta_tiles(dims, 4)):
+        return MoeGmmConfig(pairs_cta=4, block_k_gate_up=_PAIRS_CTA_BLOCK_K,
+                            block_k_down=_PAIRS_CTA_BLOCK_K, pair_tiles_max_t=max(4, num_pairs))
+    if (tile_programs is not None and tile_programs <= FUSED_NARROW_MAX_TILE_PROGRAMS and num_pairs <= 32
+            and dims[0] >= 2048 and dims[1] >= 256):        # sizes like the measured shard's, not a demo's
+        return MoeGmmConfig(decode="fused", block_n_gate_up=32, num_warps=2, block_n_down=32, num_warps_down=2,
+                            split_k_down=4)
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
     if rows_per_expert <= 8:
         return MoeGmmConfig()

@@ -245,3 +245,20 @@ def test_pairs_cta_default_falls_back_on_small_dims():
     ref = moe_gmm.moe_experts_reference(x, idx, wt, *g, *u, *dn)
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref, np.float32),
                                atol=1e-2 * float(jnp.abs(ref.astype(jnp.float32)).max()))
+
+
+def test_default_config_for_narrow_experts_follows_the_tile_programs():
+    """One TP8 shard's experts (D 7168, F 256, every pair held): the pair tiles would give T = 1 only 32 gate/up
+    programs, so the default is pairs_cta split 4 ways; up to 4 tokens (128 programs) the two-launch decode path
+    with narrow tiles; at 8 tokens, and for whole experts (F 2048) or a demo's small ones, as before (the H200
+    timings of each choice: moe_gmm.PAIRS_CTA_MAX_TILE_PROGRAMS, FUSED_NARROW_MAX_TILE_PROGRAMS)."""
+    from pallas_kernels.int4 import moe_gmm
+    shard, whole = (7168, 256), (7168, 2048)
+    one = moe_gmm.default_config(8, 384, dims=shard)
+    assert (one.pairs_cta, one.decode) == (4, "tiles")
+    four = moe_gmm.default_config(32, 384, dims=shard)
+    assert (four.pairs_cta, four.decode, four.block_n_gate_up, four.split_k_down) == (0, "fused", 32, 4)
+    assert moe_gmm.default_config(64, 384, dims=shard) == moe_gmm.MoeGmmConfig()
+    for t in (1, 4):
+        assert moe_gmm.default_config(t * 8, 384, dims=whole) == moe_gmm.MoeGmmConfig()
+        assert moe_gmm.default_config(t * 8, 16, dims=(256, 64)) == moe_gmm.MoeGmmConfig()

@@ -45,7 +45,12 @@ def test_for_backend_resolves_from_the_hardware_and_takes_options():
     assert (forced.impl, forced.layer_loop, forced.mla_decode_kernel, forced.chunk_attention) == (
         "xla", "scan", "triton", "cudnn")
     assert ops.ExecPlan.for_backend("cpu", impl="auto", layer_loop="auto") == ops.ExecPlan()
-    assert (gpu.router_kernel, gpu.norm_kernel) == ("xla", "xla")          # the small-op kernels: asked for
+    assert (gpu.router_kernel, gpu.norm_kernel) == ("auto", "xla")         # the norm kernel: asked for
+    # 'auto': the Pallas router for small steps under impl 'pallas' only (ROUTER_AUTO_MAX_TOKEN_EXPERTS)
+    assert [gpu.router_kernel_for(t, 384) for t in (1, 2, 8)] == ["pallas", "xla", "xla"]
+    assert [gpu.router_kernel_for(t, 16) for t in (1, 32, 33)] == ["pallas", "pallas", "xla"]
+    assert ops.ExecPlan().router_kernel_for(1, 16) == "xla"
+    assert ops.ExecPlan(impl="pallas", router_kernel="pallas_gemv").router_kernel_for(64, 384) == "pallas_gemv"
     assert ops.ExecPlan.for_backend("gpu", router_kernel="pallas", norm_kernel="pallas").norm_kernel == "pallas"
     with pytest.raises(TypeError, match="layer_loops"):
         ops.ExecPlan.for_backend(layer_loops="scan")

@@ -1,6 +1,6 @@
 """The unrolled layer loop's per-layer weights (kimi_jax.model.layer_weights): an Engine whose plan has
 layer_weights='per_layer' holds every stacked non-expert weight as L arrays placed like the stack (its layer axis
-dropped; kv_b_proj as its two absorbed halves), the routed experts stay stacked, and its logits equal those of the stacked weights under
+dropped; kv_b_proj as its two absorbed halves, q_a_proj and kv_a_proj_with_mqa as one joint weight), the routed experts stay stacked, and its logits equal those of the stacked weights under
 lax.scan (float32 tiny model on the CPU: the two loops differ only in XLA's summation order, so 1e-5
 relative is far above their difference and far below a wrong layer's weights)."""
 from __future__ import annotations
@@ -28,7 +28,7 @@ def test_unrolled_engine_holds_per_layer_weights_with_equal_logits(tp):
     unrolled = Engine(random_model(CFG, layout, jnp.float32, 3), CFG, layout,
                       plan=ops.ExecPlan(layer_loop="unroll", layer_weights="per_layer"))
     stacked_leaves = dict(nnx.to_flat_state(scan.state))
-    n_split = 0
+    n_split = n_joint = 0
     for path, var in nnx.to_flat_state(unrolled.state):
         value, ref = var.get_value(), stacked_leaves[path].get_value()
         if layer_weights.is_layer_list(value):
@@ -44,6 +44,17 @@ def test_unrolled_engine_holds_per_layer_weights_with_equal_logits(tp):
                     if tp > 1:
                         assert tuple(kvb.uk_NAH.sharding.spec)[0] == tuple(ref.sharding.spec)[1]
                 continue
+            if [str(p) for p in path][-2] in ("q_a_proj", "kv_a_proj_with_mqa"):
+                q_ref = stacked_leaves[path[:-2] + ("q_a_proj", "weight")].get_value()
+                kv_ref = stacked_leaves[path[:-2] + ("kv_a_proj_with_mqa", "weight")].get_value()
+                for i, joint in enumerate(value.arrays):
+                    assert joint.q_rows == CFG.q_lora_rank
+                    np.testing.assert_array_equal(np.asarray(joint.w_XD),
+                                                  np.concatenate([np.asarray(q_ref[i]), np.asarray(kv_ref[i])]))
+                    if tp > 1:
+                        assert tuple(joint.w_XD.sharding.spec) == tuple(q_ref.sharding.spec)[1:]
+                n_joint += 1
+                continue
             for i, a in enumerate(value.arrays):
                 assert a.shape == ref.shape[1:] and a.dtype == ref.dtype
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(ref[i]))
@@ -52,6 +63,7 @@ def test_unrolled_engine_holds_per_layer_weights_with_equal_logits(tp):
         else:
             assert path[0] not in layer_weights.STACKS or "experts" in [str(p) for p in path]
     assert n_split >= 10                 # attention, norms, router and shared expert of both stacks
+    assert n_joint == 4                  # q_a_proj and kv_a_proj_with_mqa of both stacks
     ids = list(range(2, 13))
     np.testing.assert_allclose(unrolled.logits(ids), scan.logits(ids), rtol=1e-5, atol=1e-5)
 
