@@ -190,10 +190,8 @@ class Scheduler:
         for r in [r for r in self.running if r.pending > 1 or (r.pending == 1 and prompt_entries_left(r))]:
             if (self.pool.caching and r.prompt_logprobs is None
                     and r.num_computed == r.num_registered * self.page_size == len(r.pages) * self.page_size):
-                # prefix caching: until a request computes anything it takes its cached prefix, when its
-                # first chunk is scheduled; one whose next page another row of this step is computing
-                # waits a step and then reads that page (not a request scoring its prompt: cached
-                # positions have no logits)
+                # prefix caching: a request takes its cached prefix with its first chunk, or waits a step for a
+                # page another row is computing (not one scoring its prompt: cached positions have no logits)
                 self._take_cached_prefix(r)
                 nxt = r.num_computed // self.page_size
                 if nxt < len(r.page_hashes) and r.page_hashes[nxt] in filling:

@@ -111,12 +111,9 @@ class SpeculativeConfig:
         return NgramDrafter(self.prompt_lookup_max, self.prompt_lookup_min)
 
 
-# Acceptance-rate estimate: a Beta-like prior of PRIOR_HITS accepted in PRIOR_TRIED tried positions,
-# and counts decayed by DECAY per recorded attempt (a window of ~1 / (1 - DECAY) = 20 attempts), so a
-# request whose text stops (or starts) repeating is noticed within a few steps. The prior is pessimistic
-# (no hits): a request's first drafts are scored as free shadow drafts, and verification starts only
-# once they have matched. An optimistic prior (1 in 2) made the H200 run verify 5 times on text that
-# never repeated (0.95x of speculation off at batch 1).
+# Acceptance estimate: a prior of PRIOR_HITS in PRIOR_TRIED, counts decayed by DECAY per attempt (~20 attempts).
+# Pessimistic (no hits): first drafts are free shadow drafts, verified once they match; a 1-in-2 prior made
+# the H200 run verify 5 times on text that never repeated (0.95x of speculation off at batch 1).
 PRIOR_HITS, PRIOR_TRIED, DECAY = 0.0, 2.0, 0.95
 
 

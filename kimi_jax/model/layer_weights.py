@@ -56,8 +56,7 @@ class AbsorbedKvB:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class JointQKvA:
-    """One layer's q_a_proj [Q, D] and kv_a_proj_with_mqa [A + R, D] stacked as w_XD [Q + A + R, D]
-    (X = Q + A + R); the layer's q_a_proj and kv_a_proj_with_mqa both hold this one value."""
+    """q_a_proj [Q, D] over kv_a_proj_with_mqa [A + R, D] as w_XD (X = Q + A + R), held by both."""
     w_XD: jax.Array
     q_rows: int = dataclasses.field(metadata=dict(static=True))
 

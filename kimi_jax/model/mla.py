@@ -46,8 +46,7 @@ class MLA(nnx.Module):
 
     # -- projections ------------------------------------------------------------------------------
     def _down_projections(self, x_BTD):
-        """(q_a(x) [B, T, Q], or None without a q LoRA; kv_a(x) [B, T, A + R]): one product when the layer
-        holds them as a JointQKvA (per-layer weights)."""
+        """(q_a(x) [B, T, Q] or None without a q LoRA, kv_a(x) [B, T, A + R]): one product under a JointQKvA."""
         if self.cfg.q_lora_rank is None:
             return None, self.kv_a_proj_with_mqa(x_BTD)
         w = self.q_a_proj.weight.get_value()
@@ -67,8 +66,7 @@ class MLA(nnx.Module):
         return q_nope_BTNH, apply_rope(q_pe_BTNR, cos[..., None, :], sin[..., None, :])
 
     def latents(self, x_BTD, positions_BT, kv_BTC=None):
-        """What the cache stores for these tokens: [c (A) | rotated k^R (R)] -> [B, T, A + R]; kv_BTC: their
-        kv_a projection, when computed already."""
+        """What the cache stores for these tokens: [c (A) | rotated k^R (R)] -> [B, T, A + R] (kv_BTC: kv_a(x))."""
         _, _, _, A, _ = self.dims
         cos, sin = rope_cos_sin(positions_BT, rope_inv_freq(self.cfg), self.cfg.rope_scaling.cos_sin_scale)
         kv = self._down_projections(x_BTD)[1] if kv_BTC is None else kv_BTC

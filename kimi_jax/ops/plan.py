@@ -14,10 +14,7 @@ LAYER_WEIGHTS = ("stacked", "per_layer")
 PREFILL_ATTENTION_CHOICES = ("einsum", "cudnn", "xla")
 CHUNK_ATTENTION_CHOICES = PREFILL_ATTENTION_CHOICES + ("cudnn_split", "xla_split")
 ROUTER_KERNELS = ("auto", "xla", "pallas", "pallas_gemv")
-# router_kernel 'auto' runs the 'pallas' router where tokens x experts <= this (and impl is 'pallas'), XLA's above:
-# on the H200 (`kimi-bench small_ops`, pallas_kernels/NOTES.md "Small ops") the kernel won at 384 experts x 1 token
-# (8.1 us in 2 kernels against 14.6 in 5) and at 16 experts up to 32 tokens, and lost at 384 x 8 (23.4 against 20.7)
-ROUTER_AUTO_MAX_TOKEN_EXPERTS = 512
+ROUTER_AUTO_MAX_TOKEN_EXPERTS = 512     # router 'auto': where it won on the H200 (pallas_kernels/NOTES.md "Small ops")
 NORM_KERNELS = ("xla", "pallas")
 
 

@@ -9,7 +9,7 @@ import math
 from typing import Mapping, Optional, Sequence
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +60,9 @@ class Hardware:
     # fractions of hbm_bw that the decode kernels reach when reading weights / the cache
     gemv_efficiency: float = 0.88     # bf16 weight-streaming matmuls at small M
     int4_efficiency: float = 0.45     # fused INT4 expert kernels (Pallas / Marlin class)
-    int4_curve: tuple = ()             # (tokens, efficiency) points replacing int4_efficiency (`_log_interp`)
-    int4_ep_curves: tuple = ()         # ((share of the experts held, int4_curve), ...) under EP
+    int4_curve: tuple = ()             # (pairs per touched expert, efficiency) points replacing int4_efficiency
+    int4_call_s: float = 0.0           # device time of one MoE layer's expert kernels beside their bytes
+    int4_ep_curves: tuple = ()         # ((share held, ((tokens, efficiency), ...)), ...) under EP: whole calls
     xla_int4_efficiency: float = 0.08  # XLA's unfused dequant path (materializes bf16 weights)
     attention_efficiency: float = 0.8  # latent-cache reads in attention (steady state)
     attention_curve: tuple = ()        # (query rows per device, efficiency) points, as int4_curve
@@ -81,13 +82,19 @@ class Hardware:
             model = CollectiveModel(ar.latency_s, ar.bus_bw)
         return model.time(kind, nbytes, n)
 
-    def int4_efficiency_at(self, tokens: float) -> float:
-        """Fraction of hbm_bw the fused INT4 expert kernels reach with `tokens` rows in one MoE call."""
-        return _log_interp(self.int4_curve, tokens, self.int4_efficiency)
+    def int4_efficiency_at(self, per_expert: float, call_bytes: float = 0.0) -> float:
+        """Fraction of hbm_bw one MoE call's INT4 expert kernels reach: int4_curve at `per_expert` (token, expert)
+        pairs per touched expert, with int4_call_s beside the call's `call_bytes` where given."""
+        stream = _log_interp(self.int4_curve, per_expert, self.int4_efficiency)
+        if not self.int4_call_s or call_bytes <= 0:
+            return stream
+        return call_bytes / (self.hbm_bw * self.int4_call_s + call_bytes / stream)
 
-    def int4_efficiency_ep(self, tokens: float, share: float) -> float:
-        """`int4_efficiency_at` on a device holding `share` of the experts (unmeasured: no EP's value)."""
-        no_ep = self.int4_efficiency_at(tokens)
+    def int4_efficiency_ep(self, tokens: float, share: float, per_expert: float = 1.0,
+                           call_bytes: float = 0.0) -> float:
+        """A call of `tokens` tokens holding `share` of the experts: the EP curves where measured (linear in
+        log(share) between them), else `int4_efficiency_at(per_expert, call_bytes)`."""
+        no_ep = self.int4_efficiency_at(per_expert, call_bytes)
         curves = sorted((float(sh), pts) for sh, pts in self.int4_ep_curves if sh < 1.0)
         if share >= 1.0 or not curves:
             return no_ep
@@ -136,9 +143,13 @@ class Hardware:
         src = dict(base.sources)
         tag = f"measured ({d.get('source', 'calibration file')})"
         kw = {}
+        if d.get("int4_curve") and int(d.get("version", CALIBRATION_VERSION)) < 2:
+            raise ValueError(f"calibration {d.get('name', '')!r}: its int4_curve (version "
+                             f"{d.get('version')}) is keyed on tokens per call; version 2 keys it on (token, expert) "
+                             "pairs per touched expert: measure it again")
         for key, field in (("hbm_bytes", "hbm_bytes"), ("copy_bw", "hbm_bw"), ("matmul_flops", "bf16_flops"),
                            ("link_bw", "link_bw"), ("gemv_efficiency", "gemv_efficiency"),
-                           ("int4_efficiency", "int4_efficiency"),
+                           ("int4_efficiency", "int4_efficiency"), ("int4_call_s", "int4_call_s"),
                            ("xla_int4_efficiency", "xla_int4_efficiency"),
                            ("attention_efficiency", "attention_efficiency"),
                            ("attention_call_s", "attention_call_s"), ("layer_overhead_s", "layer_overhead_s"),
@@ -154,6 +165,7 @@ class Hardware:
             src["int4_efficiency"] = tag
         if "int4_curve" in kw:
             kw["int4_ep_curves"] = ()      # the preset's EP curves belong to the preset's kernels
+            kw.setdefault("int4_call_s", 0.0)
         if "attention_efficiency" in kw:
             kw["attention_curve"] = ()
         if d.get("attention_curve"):
@@ -176,7 +188,7 @@ def calibration_dict(name: str, *, copy_bw: float, matmul_flops: Optional[float]
                      source: str = "launch/bench/int4.py", **extra) -> dict:
     """The calibration file's contents (json.dump it): copy_bw B/s (read + written), matmul_flops bf16
     FLOP/s, collectives {kind: [(bytes, seconds), ...]} over `n_devices`; extra: the fields in `allowed`."""
-    allowed = {"link_bw", "gemv_efficiency", "int4_efficiency", "int4_curve", "xla_int4_efficiency",
+    allowed = {"link_bw", "gemv_efficiency", "int4_efficiency", "int4_curve", "int4_call_s", "xla_int4_efficiency",
                "attention_efficiency", "attention_curve", "attention_call_s", "attention_call_curve",
                "layer_overhead_s", "kernels_per_layer", "host_launch_s",
                "interconnect", "date", "device", "jax_version"}
@@ -225,7 +237,10 @@ def _uniform(latency_s: float, bus_bw: float, curve=(), curve_devices=None, kind
 
 # the H200 preset's measured numbers and their sources: BENCHMARKS.md "The planner's calibration"
 _H200_ALLREDUCE_CURVE = ((14336.0, 24.4e-6), (117760.0, 26.0e-6), (940032.0, 24.9e-6), (7654604.0, 43.8e-6))
-_H200_INT4_CURVE = ((1.0, 0.75), (16.0, 0.94), (64.0, 0.90), (256.0, 0.74))
+# per MoE layer: INT4_CALL_S + bytes / (hbm_bw x efficiency at the pairs per touched expert); test_planner derives them
+_H200_INT4_CURVE = ((1.0, 0.997), (128 / 110.2, 0.984), (512 / 281.4, 0.940), (2048 / 382.0, 0.869), (8.0, 0.844),
+                    (16.0, 0.444), (32.0, 0.223))
+_H200_INT4_CALL_S = 13.9e-6
 _H200_INT4_EP_CURVES = ((0.125, ((1.0, 0.248), (2.0, 0.351), (3.0, 0.422), (4.0, 0.454), (8.0, 0.512))),
                         (0.25, ((1.0, 0.392), (2.0, 0.522), (4.0, 0.702), (8.0, 0.687))),
                         (0.5, ((1.0, 0.546), (2.0, 0.703), (4.0, 0.800), (8.0, 0.811))))
@@ -240,10 +255,10 @@ _PRESETS = {
         interconnect="NVLink 4 (NVSwitch)", link_bw=450e9,
         collectives=_uniform(24e-6, 360e9, _H200_ALLREDUCE_CURVE, 2),
         gemv_efficiency=0.88, int4_efficiency=0.45, xla_int4_efficiency=0.08,
-        int4_curve=_H200_INT4_CURVE, int4_ep_curves=_H200_INT4_EP_CURVES,
+        int4_curve=_H200_INT4_CURVE, int4_call_s=_H200_INT4_CALL_S, int4_ep_curves=_H200_INT4_EP_CURVES,
         attention_curve=_H200_ATTENTION_CURVE,
         attention_call_s=_H200_ATTENTION_CALL_S, attention_call_curve=_H200_ATTENTION_CALL_CURVE,
-        layer_overhead_s=_H200_LAYER_OVERHEAD_S, kernels_per_layer=33.0, host_launch_s=2.9e-6,
+        layer_overhead_s=_H200_LAYER_OVERHEAD_S, kernels_per_layer=31.0, host_launch_s=2.9e-6,
         sources={"hbm_bytes": "datasheet (141 GB)",
                  "hbm_bw": "measured: device-to-device copy 4.24 TB/s (ANCHORS.md section 6; datasheet 4.8)",
                  "bf16_flops": "measured: 790 TFLOP/s bf16 matmul on this project's H200 (datasheet 989)",
@@ -256,13 +271,17 @@ _PRESETS = {
                  "all-to-all": "assumed: 24 us + bytes / 360 GB/s bus bandwidth",
                  "collective-permute": "assumed: 24 us + bytes / 360 GB/s",
                  "gemv_efficiency": "measured: cuBLAS bf16 M=1 N=32768 K=7168 at 88% of copy (ANCHORS.md 6)",
-                 "int4_efficiency": "measured (int4_curve): this project's Pallas MoE kernels on the H200, "
-                                    "device time of kernels + routing ops per call (BENCHMARKS.md, INT4 "
-                                    "section): 71% of copy at 1 token, 94% at 16, ~90% at 64, 74% at 256 "
-                                    "(wall per call there); under EP (int4_ep_curves), device span at 1 / "
-                                    "8 tokens: 25% / 51% holding 1/8 of the experts, 39% / 69% holding "
-                                    "1/4, 55% / 81% holding 1/2 (BENCHMARKS.md, INT4 experts under expert "
-                                    "parallelism)",
+                 "int4_efficiency": "measured (int4_curve, int4_call_s): this project's Pallas MoE kernels on the "
+                                    "H200, kernel time per MoE layer = 13.9 us + bytes at the curve's efficiency "
+                                    "of copy by (token, expert) pairs per touched expert: 99.7% at 1 (the two "
+                                    "one-token points, whole experts 60.8 us for 198.5 MB and one TP8 shard's "
+                                    "slices 19.8 us for 25.0 MB, give both numbers), 98% at 1.16 and 94% at 1.82 "
+                                    "(384 experts, 16 / 64 tokens), 87% at 5.4 (256 tokens), 84% / 44% / 22% at "
+                                    "8 / 16 / 32 (kimi-k2.5-61x16 at batch 16 / 32 / 64; BENCHMARKS.md, INT4 "
+                                    "section, full depth on one H200, the decode step with one q_a / kv_a "
+                                    "product); under EP (int4_ep_curves), device span at 1 / 8 tokens: 25% / 51% "
+                                    "holding 1/8 of the experts, 39% / 69% holding 1/4, 55% / 81% holding 1/2 "
+                                    "(BENCHMARKS.md, INT4 experts under expert parallelism)",
                  "xla_int4_efficiency": "measured: XLA dequant path 0.34 TB/s effective = 8% (ANCHORS.md 6)",
                  "attention_efficiency": "measured (attention_curve, attention_call_s): this project's MLA "
                                          "decode op on the H200, per layer 28 us + the cache at 97% of hbm_bw "
@@ -270,8 +289,9 @@ _PRESETS = {
                                          "planner's calibration)",
                  "layer_overhead_s": "measured: 29 us per layer, fit to the batch-1 step of Kimi-K2.5 at 4 and "
                                      "61 layers (BENCHMARKS.md, full depth on one H200)",
-                 "kernels_per_layer": "measured: 1,960-2,037 kernels a decode step at 61 layers, batch 1 (TP8 "
-                                      "shard, kimi-k2.5-61x16; BENCHMARKS.md, shard presets)",
+                 "kernels_per_layer": "measured: 1,840-1,918 kernels a decode step at 61 layers, batch 1 (TP8 "
+                                      "shard, kimi-k2.5-61x16; BENCHMARKS.md, the decode step with one q_a / "
+                                      "kv_a product)",
                  "host_launch_s": "measured: host enqueue per kernel of the decode step, 2.5-3.7 us (5.3-7.5 ms "
                                   "for 2,000-2,100 kernels at 61 layers, command buffers on; BENCHMARKS.md, full "
                                   "depth on one H200 and the shard presets)"}),

@@ -248,7 +248,9 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
         per_expert = expert_bytes_local(cfg, layout, db)
         read = Lm * touched * per_expert
         share = e_loc / E if ep else 1.0            # of the experts this device holds whole
-        eff = (hw.xla_int4_efficiency if o.impl == "xla" else hw.int4_efficiency_ep(real_tokens, share)) \
+        per_touched = real_tokens * K * share / max(touched, 1e-9)
+        eff = (hw.xla_int4_efficiency if o.impl == "xla" else
+               hw.int4_efficiency_ep(real_tokens, share, per_touched, touched * per_expert)) \
             if cfg.quantization else hw.gemv_efficiency
         pairs = tokens * K * share
         f = 2 * pairs * 3 * (F if ep else _cdiv(F, tp)) * D * Lm

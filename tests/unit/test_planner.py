@@ -328,13 +328,13 @@ def test_collective_model_and_calibration(tmp_path):
 
 
 def test_host_enqueue_term_and_its_calibration(tmp_path):
-    """The host's enqueue per step = layers x kernels a layer x seconds a kernel (H200: 33 kernels, 2.9 us,
+    """The host's enqueue per step = layers x kernels a layer x seconds a kernel (H200: 31 kernels, 2.9 us,
     measured at 61 layers); under overlap scheduling the step is the longer of the device's and the host's."""
     hw = hardware.preset("h200")
     p = planner.plan(preset("kimi-k2.5"), hw, Layout(8), 1, 4096, model_name="kimi-k2.5")
-    assert p.kernels == 61 * 33 and p.host_s == pytest.approx(61 * 33 * 2.9e-6)
+    assert p.kernels == 61 * 31 and p.host_s == pytest.approx(61 * 31 * 2.9e-6)
     assert p.served_step_s == max(p.step_s, p.host_s) and p.to_json()["served_step_ms"] == 1e3 * p.served_step_s
-    assert "host enqueue 2013 kernels" in p.table()
+    assert "host enqueue 1891 kernels" in p.table()
     d = hardware.calibration_dict("fused", copy_bw=4.2e12, kernels_per_layer=11.0, host_launch_s=2e-6)
     fused = hardware.get(hardware.write_calibration(str(tmp_path / "cal.json"), d))
     q = planner.plan(preset("kimi-k2.5"), fused, Layout(8), 1, 4096, model_name="kimi-k2.5")
@@ -535,7 +535,8 @@ def test_int4_efficiency_curve_and_calibration_override():
 def test_int4_efficiency_under_expert_parallelism():
     """The H200 preset's EP curves (BENCHMARKS.md, 'INT4 experts under expert parallelism': device span of the
     engine's default MoE config holding 1/8, 1/4 or 1/2 of the experts) apply where they were measured
-    (T <= 8, shares <= 1/2); elsewhere the no-EP curve; between shares, linear in log(share)."""
+    (T <= 8, shares <= 1/2); elsewhere the no-EP model (its curve at the call's pairs per touched expert, one
+    pair here, with the call's fixed time where its bytes are given); between shares, linear in log(share)."""
     hw = hardware.preset("h200")
     curves = sorted(hw.int4_ep_curves)
     shares = [sh for sh, _ in curves]
@@ -543,7 +544,7 @@ def test_int4_efficiency_under_expert_parallelism():
     # at a measured share: its points, linear in log(tokens) between them, flat below; past its last token
     # count the no-EP curve (unmeasured there: no penalty)
     for share, pts in curves:
-        check_log_interp(lambda t: hw.int4_efficiency_ep(t, share), pts, beyond=hw.int4_efficiency_at)
+        check_log_interp(lambda t: hw.int4_efficiency_ep(t, share), pts, beyond=lambda t: hw.int4_efficiency_at(1.0))
     tokens = sorted({t for _, pts in curves for t, _ in pts})
     t_mid, t_past = math.sqrt(tokens[0] * tokens[1]), 2 * tokens[-1]      # between measured counts, past them
     # between neighbouring measured shares: linear in log(share) (the geometric mean share: the mean of the two)
@@ -552,15 +553,18 @@ def test_int4_efficiency_under_expert_parallelism():
         assert same(hw.int4_efficiency_ep(t_mid, math.sqrt(s0 * s1)), mean), (s0, s1)
     for t in (t_mid, t_past):
         assert hw.int4_efficiency_ep(t, shares[0] / 2) == hw.int4_efficiency_ep(t, shares[0])     # flat below
-        no_ep = hw.int4_efficiency_at(t)
+        no_ep = hw.int4_efficiency_at(1.0)
         for share in ((shares[-1] + 1) / 2, 1.0):              # above the largest measured share: no penalty
             assert hw.int4_efficiency_ep(t, share) == no_ep, (t, share)
     # past the measured token counts, between measured shares too: no penalty
-    assert hw.int4_efficiency_ep(t_past, math.sqrt(shares[0] * shares[1])) == hw.int4_efficiency_at(t_past)
+    assert hw.int4_efficiency_ep(t_past, math.sqrt(shares[0] * shares[1])) == hw.int4_efficiency_at(1.0)
+    # ... where the no-EP model takes the call's pairs per touched expert and bytes
+    assert hw.int4_efficiency_ep(t_past, 1.0, 16.0, 397e6) == hw.int4_efficiency_at(16.0, 397e6) < \
+        hw.int4_efficiency_at(16.0)
     # a calibrated INT4 curve or constant drops the preset's EP curves (they belong to the preset's kernels)
     for cal in ({"int4_curve": [[1, 0.3], [64, 0.9]]}, {"int4_efficiency": 0.5}):
         c = hardware.Hardware.from_calibration({"base": "h200", "copy_bw": 4e12, **cal})
-        assert all(c.int4_efficiency_ep(t_mid, share) == c.int4_efficiency_at(t_mid) for share in shares), cal
+        assert all(c.int4_efficiency_ep(t_mid, share) == c.int4_efficiency_at(1.0) for share in shares), cal
 
     # the plan streams the routed experts at the efficiency of the device's share of them: 1/8 under TP8+EP
     # (48 of 384 whole experts), every expert's slice under TP8; one token at batch 1
@@ -568,9 +572,9 @@ def test_int4_efficiency_under_expert_parallelism():
     eff = {}
     for lay in (Layout(8, 1, True), Layout(8)):
         share = planner.experts_local(cfg, lay) / cfg.n_routed_experts if lay.enable_expert_parallel else 1.0
-        eff[lay.name] = hw.int4_efficiency_ep(1, share)
         p = planner.plan(cfg, hw, lay, batch=1, context=8192)
         routed = next(t for t in p.terms if t.name.startswith("routed experts"))
+        eff[lay.name] = hw.int4_efficiency_ep(1, share, 1.0, routed.bytes / cfg.num_moe_layers)   # one pair each
         assert routed.mem_s == pytest.approx(routed.bytes / (hw.hbm_bw * eff[lay.name])), lay
     assert eff["TP8+EP"] < eff["TP8"]          # the two cases tell a share-blind plan apart
 
@@ -581,15 +585,26 @@ H200_INT4_EP_SPAN_US = {1 / 8: {1: 23.6, 2: 33.4, 3: 41.6, 4: 51.2, 8: 91.5},
                         1 / 4: {1: 29.9, 2: 44.9, 4: 66.8, 8: 136.5},
                         1 / 2: {1: 42.9, 2: 66.1, 4: 114.8, 8: 224.4}}
 H200_INT4_EXPERT_BYTES = 24.84e6       # one Kimi-K2.5 INT4 expert, as the benchmark counts it
+# ... and the no-EP model's: (pairs per touched expert, expert bytes of the call, kernel us per MoE layer).
+# 384 experts (BENCHMARKS.md, INT4 section: T = 16 / 64 / 256 touch 110.2 / 281.4 / 382.0 experts; the
+# gate/up + down spans at 16, the device spans less ~18 us of routing at 64 and 256); kimi-k2.5-61x16 in the
+# 61-layer step (BENCHMARKS.md, "Full depth on one H200": the INT4 experts' 3.65 / 7.5 / 26.0 ms over 60
+# MoE layers at batch 1 / 16 / 64; batch 32: 144 + 81 us, "One GPU's share"); one TP8 shard's slices in its
+# 61-layer step ("The decode step with one q_a / kv_a product": the two launches, 19.79 us a layer).
+H200_INT4_NO_EP_US = [(1.0, 198.5e6, 3650.0 / 60), (1.0, 25.0e6, 19.79), (128 / 110.2, 2736.4e6, 440.6 + 229.1),
+                      (512 / 281.4, 6991.1e6, 1786.6 - 18), (2048 / 382.0, 9546.0e6, 2623.1 - 18),
+                      (8.0, 16 * H200_INT4_EXPERT_BYTES, 7500.0 / 60), (16.0, 16 * H200_INT4_EXPERT_BYTES, 144 + 81),
+                      (32.0, 16 * H200_INT4_EXPERT_BYTES, 26000.0 / 60)]
 
 
 def test_h200_int4_curves_follow_from_their_measurements():
     """Each point of the preset's INT4 curves is touched expert bytes / device span / hbm_bw. Under EP a
     token holds 8 x share of its pairs: at T = 1 they are distinct experts, so the point is exactly that;
-    at T > 1 tokens may share an expert, so held pairs x expert bytes bound it from above. No EP (int4_curve):
-    T = 1 moves 198.5 MB in 62.0-63.0 us, T = 16 2736 MB in 440.6 + 229.1 + ~18 us. Slack: spans are given
-    to 0.1 us (+-0.05 us each), the ~18 us of routing taken as +-2 us; EP points are given to 3 decimals
-    (5e-4), no-EP ones to 2 (5e-3)."""
+    at T > 1 tokens may share an expert, so held pairs x expert bytes bound it from above. Spans are given to
+    0.1 us (+-0.05 us each); EP points to 3 decimals (5e-4). No EP: kernel time = int4_call_s + bytes /
+    (hbm_bw x curve): the two one-pair points (whole experts, one TP8 shard's slices) fix int4_call_s and the
+    first point (two equations, two unknowns); each other point is bytes / hbm_bw / (us - int4_call_s), to 3
+    decimals (5e-4) plus the routing estimate's +-2 us at 64 and 256 tokens."""
     hw, cfg = hardware.preset("h200"), preset("kimi-k2.5")
     curves = {share: dict(pts) for share, pts in hw.int4_ep_curves}
     assert {s: set(c) for s, c in curves.items()} == {s: set(c) for s, c in H200_INT4_EP_SPAN_US.items()}
@@ -602,11 +617,18 @@ def test_h200_int4_curves_follow_from_their_measurements():
                 assert abs(curves[share][t] - bound) <= slack, (share, t, bound)
             else:
                 assert curves[share][t] <= bound + slack, (share, t, bound)
-    no_ep = dict(hw.int4_curve)
-    assert 198.5e6 / (63.05e-6 * hw.hbm_bw) - 5e-3 <= no_ep[1] <= 198.5e6 / (61.95e-6 * hw.hbm_bw) + 5e-3
-    span16 = 440.6 + 229.1 + 18
-    t16 = 2736e6 / (1e-6 * span16 * hw.hbm_bw)
-    assert abs(no_ep[16] - t16) <= 5e-3 + t16 * (2 + 2 * 0.05) / span16
+    (_, b0, us0), (_, b1, us1) = H200_INT4_NO_EP_US[:2]
+    eff1 = (b0 - b1) / hw.hbm_bw / (1e-6 * (us0 - us1))
+    call = 1e-6 * us1 - b1 / (hw.hbm_bw * eff1)
+    assert abs(hw.int4_call_s - call) <= 0.05e-6 and abs(dict(hw.int4_curve)[1.0] - eff1) <= 5e-4
+    assert len(hw.int4_curve) == len(H200_INT4_NO_EP_US) - 1
+    for x, nbytes, us in H200_INT4_NO_EP_US[2:]:
+        eff = nbytes / hw.hbm_bw / (1e-6 * us - hw.int4_call_s)
+        slack = 5e-4 + eff * (2.0 if us > 1000 else 0.1) / (us - 1e6 * hw.int4_call_s)
+        assert abs(dict(hw.int4_curve)[x] - eff) <= slack, (x, eff)
+        # the preset's model gives the measured time back
+        model = hw.int4_call_s + nbytes / (hw.hbm_bw * hw.int4_efficiency_at(x))
+        assert abs(1e6 * model - us) / us < 0.01, x
 
 
 def test_dp_plans_hold_only_their_rows_of_the_paged_pool():
