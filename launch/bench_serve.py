@@ -6,7 +6,8 @@ r"""kimi-bench-serve: load a running OpenAI-compatible server (like `vllm bench 
 Sends --num_prompts streamed /v1/completions requests of synthetic prompts (random token ids, exactly
 --input_len tokens; ignore_eos so each yields exactly --output_len tokens), at most --max_concurrency
 at a time, started at --request_rate per second (Poisson arrivals; inf: all at once). Prints and writes
-(--result_json) throughput (requests/s, output tokens/s), TTFT, TPOT and ITL percentiles and errors.
+(--result_json) throughput (requests/s, output tokens/s), TTFT, TPOT and ITL percentiles, errors, and the
+programs the server compiled during the timed run (its /metrics `kimi_jax:compiled_programs`, where it has it).
 --num_warmups untimed requests go first. Targets loopback only unless --allow_remote. With --baseline_model it then runs LLM.generate on the
 same prompts one at a time in this process and reports its output tokens/s next to the server's.
 """
@@ -149,6 +150,27 @@ def report(res: dict) -> str:
             f"  TPOT ms {f(res['tpot_ms'])}\n  ITL ms  {f(res['itl_ms'])}")
 
 
+COMPILES_METRIC = "kimi_jax:compiled_programs"
+
+
+async def compiled_programs(url, headers):
+    """The server's count of compiled programs (its /metrics `kimi_jax:compiled_programs`), or None where it
+    has no such metric or no /metrics."""
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url + "/metrics", headers=headers) as r:
+                if r.status != 200:
+                    return None
+                text = await r.text()
+    except aiohttp.ClientError:
+        return None
+    found = [x.value for fam in text_string_to_metric_families(text) if fam.name == COMPILES_METRIC
+             for x in fam.samples if x.name.endswith("_total")]
+    return sum(found) if found else None
+
+
 async def _model_name(url, headers) -> str:
     import aiohttp
     async with aiohttp.ClientSession() as s:
@@ -178,10 +200,15 @@ def main(argv):
                               FLAGS.seed, FLAGS.timeout_s))
         if w["errors"]:
             common.fail(PROG, f"warm-up requests failed: {w['error_samples']}")
+    before = asyncio.run(compiled_programs(url, headers))
     res = asyncio.run(bench(url, model, ps, FLAGS.output_len, FLAGS.max_concurrency, FLAGS.request_rate,
                             headers, FLAGS.seed, FLAGS.timeout_s))
-    res.update(input_len=FLAGS.input_len, output_len=FLAGS.output_len, model=model)
+    after = asyncio.run(compiled_programs(url, headers))
+    res.update(input_len=FLAGS.input_len, output_len=FLAGS.output_len, model=model,
+               compiles_during_run=None if before is None or after is None else int(after - before))
     print(report(res))
+    if res["compiles_during_run"] is not None:
+        print(f"  programs compiled during the timed run: {res['compiles_during_run']}")
     if FLAGS.baseline_model:
         res["baseline"] = baseline(FLAGS.baseline_model, FLAGS.baseline_dtype, ps, FLAGS.output_len,
                                    FLAGS.baseline_max_num_seqs, FLAGS.baseline_max_model_len)

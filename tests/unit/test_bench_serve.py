@@ -1,6 +1,7 @@
-"""kimi-bench-serve's timing of one streamed request (`launch.bench_serve.one`) against a loopback stream
-shaped like the server's: every chunk with a choice is a token arrival, empty text included (random
-weights' tokens decode to nothing), and the output token count comes from the usage chunk."""
+"""kimi-bench-serve against loopback servers shaped like kimi-serve: one streamed request's timing
+(`launch.bench_serve.one`: every chunk with a choice is a token arrival, empty text included, as random
+weights' tokens decode to nothing; the output token count comes from the usage chunk), and the compile
+counter it reads from /metrics around a timed run (None where a server has no such metric)."""
 import asyncio
 import json
 
@@ -16,6 +17,21 @@ def _chunks(texts):
     yield {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": len(texts)}}
 
 
+async def _serve(routes, client):
+    """Run `client(base_url)` against an aiohttp app of `routes` on an ephemeral loopback port."""
+    app = web.Application()
+    for method, path, handler in routes:
+        app.router.add_route(method, path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        return await client(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+    finally:
+        await runner.cleanup()
+
+
 def test_every_chunk_is_a_token_and_usage_counts_them():
     texts = ["", "", "a", ""]
 
@@ -28,20 +44,28 @@ def test_every_chunk_is_a_token_and_usage_counts_them():
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    async def go():
-        app = web.Application()
-        app.router.add_post("/v1/completions", stream)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            async with aiohttp.ClientSession() as session:
-                return await bench_serve.one(session, f"http://127.0.0.1:{port}/v1/completions", {}, {}, 10.0)
-        finally:
-            await runner.cleanup()
+    async def go(base):
+        async with aiohttp.ClientSession() as session:
+            return await bench_serve.one(session, base + "/v1/completions", {}, {}, 10.0)
 
-    r = asyncio.run(go())
+    r = asyncio.run(_serve([("POST", "/v1/completions", stream)], go))
     assert r["output_tokens"] == len(texts) and len(r["times"]) == len(texts)
     assert r["start"] < r["times"][0] and all(a < b for a, b in zip(r["times"], r["times"][1:]))
+
+
+def test_compile_counter_is_read_from_metrics():
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+    reg = CollectorRegistry()
+    c = Counter("kimi_jax:compiled_programs", "Programs jax built in this process.", ["model_name"], registry=reg)
+    c.labels("m").inc(87)
+
+    async def metrics(request):
+        return web.Response(body=generate_latest(reg), content_type="text/plain")
+
+    async def missing(request):
+        return web.Response(status=404)
+
+    read = lambda base: bench_serve.compiled_programs(base, {})      # noqa: E731
+    assert asyncio.run(_serve([("GET", "/metrics", metrics)], read)) == 87
+    assert asyncio.run(_serve([("GET", "/metrics", missing)], read)) is None
+    assert asyncio.run(_serve([("GET", "/other", missing)], read)) is None
