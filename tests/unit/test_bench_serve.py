@@ -8,8 +8,6 @@ import json
 import aiohttp
 from aiohttp import web
 
-from launch import bench_serve
-
 
 def _chunks(texts):
     for t in texts:
@@ -32,7 +30,8 @@ async def _serve(routes, client):
         await runner.cleanup()
 
 
-def test_every_chunk_is_a_token_and_usage_counts_them():
+def test_every_chunk_is_a_token_and_usage_counts_them(tool_module):
+    bench_serve = tool_module("launch.bench_serve")
     texts = ["", "", "a", ""]
 
     async def stream(request):
@@ -53,7 +52,8 @@ def test_every_chunk_is_a_token_and_usage_counts_them():
     assert r["start"] < r["times"][0] and all(a < b for a, b in zip(r["times"], r["times"][1:]))
 
 
-def test_compile_counter_is_read_from_metrics():
+def test_compile_counter_is_read_from_metrics(tool_module):
+    bench_serve = tool_module("launch.bench_serve")
     from prometheus_client import CollectorRegistry, Counter, generate_latest
     reg = CollectorRegistry()
     c = Counter("kimi_jax:compiled_programs", "Programs jax built in this process.", ["model_name"], registry=reg)
