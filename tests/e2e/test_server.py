@@ -116,20 +116,23 @@ def test_completion_stream_equals_non_stream(client):
             assert [c.index for c in full.choices] == [0, 1] and full.choices[0].text != full.choices[1].text
 
 
-def test_completion_stream_sends_a_chunk_for_every_step(server, client):
-    """As vLLM: a streamed completion sends a chunk for each decode step, empty-text ones included, so a
-    client can time every token. logit_bias makes every token the lead byte 0xF0 of a 4-byte character:
-    the first decodes to nothing, each later one to U+FFFD for the byte before it (the last chunk flushes its
-    own too); greedy one-token steps give one chunk a token."""
+def test_streams_send_a_chunk_for_every_step(server, client):
+    """As vLLM: a streamed completion or chat (without tools) sends a chunk for each decode step, empty-text
+    ones included, so a client can time every token. logit_bias makes every token the lead byte 0xF0 of a
+    4-byte character: the first decodes to nothing, each later one to U+FFFD for the byte before it (the
+    last chunk flushes its own too); greedy one-token steps give one chunk a token."""
     tok = server[0].llm.tokenizer
     lead = next(i for i in range(tok.vocab_size) if not tok.is_special(i) and tok.token_bytes(i) == b"\xf0")
-    chunks = list(client.completions.create(model=NAME, prompt="The with statement", max_tokens=24, temperature=0.0,
-                                            stream=True, logit_bias={str(lead): 100}, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True}))
-    texts = [ch.choices[0].text for ch in chunks if ch.choices]
-    usage = [ch.usage for ch in chunks if ch.usage is not None]
-    assert texts[0] == "" and texts[1:-1] == ["\ufffd"] * 22 and texts[-1] == "\ufffd" * 2
-    assert len(texts) == usage[0].completion_tokens == 24
+    kw = dict(model=NAME, max_tokens=24, temperature=0.0, stream=True, logit_bias={str(lead): 100},
+              stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    text = list(client.completions.create(prompt="The with statement", **kw))
+    chat = list(client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw))
+    for chunks, piece in ((text, lambda ch: ch.choices[0].text),
+                          (chat[1:], lambda ch: ch.choices[0].delta.content or "")):  # chat: after the role chunk
+        pieces = [piece(ch) for ch in chunks if ch.choices]
+        usage = [ch.usage for ch in chunks if ch.usage is not None]
+        assert pieces[0] == "" and pieces[1:-1] == ["\ufffd"] * 22 and pieces[-1] == "\ufffd" * 2
+        assert len(pieces) == usage[-1].completion_tokens == 24
 
 
 def test_chat_matches_llm_chat_and_stream(server, client):

@@ -460,8 +460,8 @@ class OpenAIServer:
                     c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
                 else:
                     c.text = ts.feed(d.token_ids) if ts is not None else ""
-                    # as vLLM: a completion chunk for every step with tokens, empty text too (chat: content only)
-                    if not c.text and c.logprobs is None and (chat or not d.token_ids):
+                    # as vLLM: a chunk for every step with tokens, empty text too (tool calls: parsed deltas)
+                    if not c.text and c.logprobs is None and not d.token_ids:
                         continue
                 if chat:
                     await send(P.chat_chunk(rid, created, self.model_name, c, self.tokenizer, g.logprobs,
