@@ -16,6 +16,7 @@ CHUNK_ATTENTION_CHOICES = PREFILL_ATTENTION_CHOICES + ("cudnn_split", "xla_split
 ROUTER_KERNELS = ("auto", "xla", "pallas", "pallas_gemv")
 ROUTER_AUTO_MAX_TOKEN_EXPERTS = 512     # router 'auto': where it won on the H200 (pallas_kernels/NOTES.md "Small ops")
 NORM_KERNELS = ("xla", "pallas")
+ROUTINGS = ("model", "uniform")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +26,8 @@ class ExecPlan:
     as arrays of their own (BENCHMARKS.md "Compile time and per-layer weights"). router_kernel 'pallas': XLA's
     gemv, then one launch for the top-k; 'pallas_gemv': all in one launch (pallas_kernels/router); 'auto': 'pallas' for
     small steps (ROUTER_AUTO_MAX_TOKEN_EXPERTS) under impl 'pallas', else 'xla'.
-    absorbed_chunk_tokens: chunk prefills of at most this many tokens a row run absorbed (Pallas; 0: never)."""
+    absorbed_chunk_tokens: chunk prefills of at most this many tokens a row run absorbed (Pallas; 0: never).
+    routing 'uniform' (benchmarks of random weights, whose routing concentrates): experts by `fused.comb_ids`."""
     impl: str = "xla"
     mla_decode_kernel: str = "auto"
     hopper: bool = False
@@ -39,6 +41,7 @@ class ExecPlan:
     router_kernel: str = "auto"
     norm_kernel: str = "xla"
     absorbed_chunk_tokens: int = 0
+    routing: str = "model"
 
     def __post_init__(self):
         for name, choices in (("impl", IMPLS), ("mla_decode_kernel", MLA_DECODE_KERNELS),
@@ -46,7 +49,8 @@ class ExecPlan:
                               ("prefill_attention", ("auto",) + PREFILL_ATTENTION_CHOICES),
                               ("chunk_attention", ("auto",) + CHUNK_ATTENTION_CHOICES),
                               ("layer_loop", LAYER_LOOPS), ("layer_weights", LAYER_WEIGHTS),
-                              ("router_kernel", ROUTER_KERNELS), ("norm_kernel", NORM_KERNELS)):
+                              ("router_kernel", ROUTER_KERNELS), ("norm_kernel", NORM_KERNELS),
+                              ("routing", ROUTINGS)):
             value = getattr(self, name)
             if value not in choices:
                 raise ValueError(f"ExecPlan.{name}={value!r}; expected one of {choices}")

@@ -79,6 +79,9 @@ flags.DEFINE_string("tag", "", "label written into every row")
 flags.DEFINE_string("out", os.environ.get("OUT", "out/bench_full_depth"), "results directory")
 flags.DEFINE_string("router_kernel", None, "ExecPlan.router_kernel of the step (default: the plan's)")
 flags.DEFINE_string("norm_kernel", None, "ExecPlan.norm_kernel of the step (default: the plan's)")
+flags.DEFINE_string("routing", None, "ExecPlan.routing of the step: 'uniform' spreads each token's experts evenly "
+                    "(random weights route to fewer experts than uniform at batch > 1: BENCHMARKS.md, 'The decode "
+                    "step with one q_a / kv_a product'); default: the model's router")
 flags.DEFINE_bool("tiny", False, "CPU dry run: the tiny preset in float32")
 FLAGS = flags.FLAGS
 
@@ -307,7 +310,8 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
     dtype = dtype or jnp.bfloat16
     hw = hardware.get(hw_name)
     hits = _CacheHits()
-    base = dict(tag=tag, layers=cfg.num_hidden_layers, experts=cfg.n_routed_experts, context=context,
+    base = dict(tag=tag, **(plan_options or {}), layers=cfg.num_hidden_layers, experts=cfg.n_routed_experts,
+                context=context,
                 device=jax.devices()[0].device_kind, jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""))
     rows = []
 
@@ -485,7 +489,7 @@ def main(argv):
                  variant_batches=ints(FLAGS.variant_batches), profile_batches=ints(FLAGS.profile_batches),
                  scheduler_batches=ints(FLAGS.scheduler_batches), compile_only=FLAGS.compile_only,
                  hw_name=FLAGS.hardware, dtype=jnp.float32 if FLAGS.tiny else None, emit=emit, tag=FLAGS.tag,
-                 plan_options={k: getattr(FLAGS, k) for k in ("router_kernel", "norm_kernel") if getattr(FLAGS, k)},
+                 plan_options={k: getattr(FLAGS, k) for k in ("router_kernel", "norm_kernel", "routing") if getattr(FLAGS, k)},
                  whole=whole, kernel_dir=FLAGS.out)
     print(table(rows), flush=True)
 

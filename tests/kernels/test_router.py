@@ -85,6 +85,35 @@ def test_ops_route_takes_the_kernel_only_without_a_group_limit():
         assert all((np.asarray(a) == np.asarray(r)).all() for a, r in zip(limited, ref))   # the XLA path itself
 
 
+def test_uniform_routing_spreads_correlated_tokens_as_uniform_top_k_would():
+    """ExecPlan.routing='uniform' (benchmarks of random weights): the router's weights are kept, each token's
+    K experts are a comb h + j * E / K (distinct, in range), and tokens whose hidden states are nearly equal
+    (what deep random-weight layers give) still touch as many experts as independent uniform choices of
+    offsets would: over 8 tokens, E = 384, K = 8, 8 x 48 x (1 - (47/48)^8) = 59.4 on average, where the
+    model's router touches far fewer. 64 seeded groups: the mean's standard deviation is below 1, so 3
+    is a wide margin; the model's count is asserted only to be well below."""
+    T, E, D, K = 512, 384, 64, 8
+    key = jax.random.PRNGKey(5)
+    common = jax.random.normal(key, (1, D))
+    x = common + 1e-2 * jax.random.normal(jax.random.fold_in(key, 1), (T, D))
+    w = 0.1 * jax.random.normal(jax.random.fold_in(key, 2), (E, D))
+    b = jnp.zeros((E,), jnp.float32)
+    kw = dict(k=K, norm_topk_prob=True, scaling=2.5)
+    ids, wts = ops.route(x, w, b, plan=ops.ExecPlan(routing="uniform"), **kw)
+    mids, mwts = ops.route(x, w, b, plan=ops.ExecPlan(), **kw)
+    np.testing.assert_array_equal(np.asarray(wts), np.asarray(mwts))
+    ids, mids = np.asarray(ids), np.asarray(mids)
+    assert ids.shape == (T, K) and ids.dtype == np.int32 and ((ids >= 0) & (ids < E)).all()
+    assert all(len(set(r)) == K for r in ids)
+    np.testing.assert_array_equal((ids - ids[:, :1]) % E, np.arange(K) * (E // K) % E * np.ones((T, 1), int))
+    distinct = lambda a: np.mean([len(np.unique(g)) for g in a.reshape(-1, 8, K)])   # noqa: E731
+    expected = 8 * 48 * (1 - (47 / 48) ** 8)
+    assert abs(distinct(ids) - expected) < 3, distinct(ids)
+    assert distinct(mids) < expected / 2, distinct(mids)
+    with pytest.raises(ValueError, match="routing"):
+        ops.ExecPlan(routing="random")
+
+
 def test_bad_router_arguments_are_one_line_errors():
     with pytest.raises(ValueError, match="RouterConfig.gemv"):
         st.RouterConfig(gemv="cuda")
