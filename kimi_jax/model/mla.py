@@ -65,13 +65,11 @@ class MLA(nnx.Module):
         q_nope_BTNH, q_pe_BTNR = q_BTNW[..., :H], q_BTNW[..., H:]
         return q_nope_BTNH, apply_rope(q_pe_BTNR, cos[..., None, :], sin[..., None, :])
 
-    def latents(self, x_BTD, positions_BT, kv_BTC=None):
-        """What the cache stores for these tokens: [c (A) | rotated k^R (R)] -> [B, T, A + R] (kv_BTC: kv_a(x))."""
+    def latents(self, kv_BTC, cos, sin):
+        """The cache's entries [c (A) | rotated k^R (R)] -> [B, T, A + R] of tokens whose kv_a(x) is kv_BTC."""
         _, _, _, A, _ = self.dims
-        cos, sin = rope_cos_sin(positions_BT, rope_inv_freq(self.cfg), self.cfg.rope_scaling.cos_sin_scale)
-        kv = self._down_projections(x_BTD)[1] if kv_BTC is None else kv_BTC
-        c_BTA = self.kv_a_layernorm(kv[..., :A])
-        kpe_BTR = apply_rope(kv[..., A:], cos, sin)
+        c_BTA = self.kv_a_layernorm(kv_BTC[..., :A])
+        kpe_BTR = apply_rope(kv_BTC[..., A:], cos, sin)
         return jnp.concatenate([c_BTA, kpe_BTR], axis=-1)
 
     def _kv_b(self):
@@ -169,7 +167,7 @@ class MLA(nnx.Module):
         """(q_nope [B, T, N, H], rotated q_pe [B, T, N, R], the new latents [B, T, C])."""
         cos, sin = rope_cos_sin(positions_BT, rope_inv_freq(self.cfg), self.cfg.rope_scaling.cos_sin_scale)
         q_a_BTQ, kv_BTC = self._down_projections(x_BTD)
-        return (*self._queries(x_BTD, q_a_BTQ, cos, sin), self.latents(x_BTD, positions_BT, kv_BTC))
+        return (*self._queries(x_BTD, q_a_BTQ, cos, sin), self.latents(kv_BTC, cos, sin))
 
     def _expanded(self, x_BTD, q_nope_BTNH, q_pe_BTNR, keys_BSC, mask_BTS, causal, plan, chunk_lens=None):
         """Expanded attention: keys and values from the latents keys_BSC through W_UK, W_UV."""

@@ -311,8 +311,8 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
     hw = hardware.get(hw_name)
     hits = _CacheHits()
     base = dict(tag=tag, **(plan_options or {}), layers=cfg.num_hidden_layers, experts=cfg.n_routed_experts,
-                context=context,
-                device=jax.devices()[0].device_kind, jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""))
+                context=context, device=jax.devices()[0].device_kind, jax=jax.__version__,
+                xla_flags=os.environ.get("XLA_FLAGS", ""))
     rows = []
 
     def out(row):
@@ -489,7 +489,8 @@ def main(argv):
                  variant_batches=ints(FLAGS.variant_batches), profile_batches=ints(FLAGS.profile_batches),
                  scheduler_batches=ints(FLAGS.scheduler_batches), compile_only=FLAGS.compile_only,
                  hw_name=FLAGS.hardware, dtype=jnp.float32 if FLAGS.tiny else None, emit=emit, tag=FLAGS.tag,
-                 plan_options={k: getattr(FLAGS, k) for k in ("router_kernel", "norm_kernel", "routing") if getattr(FLAGS, k)},
+                 plan_options={k: getattr(FLAGS, k) for k in ("router_kernel", "norm_kernel", "routing")
+                               if getattr(FLAGS, k)},
                  whole=whole, kernel_dir=FLAGS.out)
     print(table(rows), flush=True)
 

@@ -141,16 +141,16 @@ def default_config(num_pairs: int, num_experts: int, held_share: float = 1.0,
     tiles would have few programs: pairs_cta split 4 ways at one token (PAIRS_CTA_MAX_TILE_PROGRAMS), the
     two-launch decode path with narrow tiles up to 4 tokens (FUSED_NARROW_MAX_TILE_PROGRAMS)."""
     held = num_pairs * held_share
+    pairs_cta = lambda split: MoeGmmConfig(pairs_cta=split, block_k_gate_up=_PAIRS_CTA_BLOCK_K,  # noqa: E731
+                                           block_k_down=_PAIRS_CTA_BLOCK_K, pair_tiles_max_t=max(4, num_pairs))
     split = 4 if held <= PAIRS_CTA_SPLIT4_MAX_HELD else 2
     if held <= PAIRS_CTA_MAX_HELD and _pairs_cta_tiles(dims, split):
-        return MoeGmmConfig(pairs_cta=split, block_k_gate_up=_PAIRS_CTA_BLOCK_K,
-                            block_k_down=_PAIRS_CTA_BLOCK_K, pair_tiles_max_t=max(4, num_pairs))
+        return pairs_cta(split)
     # the pair tiles' gate/up programs (a pair per tile, F / block_n_gate_up each): few leave SMs idle
     tile_programs = held * dims[1] / MoeGmmConfig.block_n_gate_up if dims else None
     if (tile_programs is not None and tile_programs <= PAIRS_CTA_MAX_TILE_PROGRAMS and num_pairs <= 8
             and _pairs_cta_tiles(dims, 4)):
-        return MoeGmmConfig(pairs_cta=4, block_k_gate_up=_PAIRS_CTA_BLOCK_K,
-                            block_k_down=_PAIRS_CTA_BLOCK_K, pair_tiles_max_t=max(4, num_pairs))
+        return pairs_cta(4)
     if (tile_programs is not None and tile_programs <= FUSED_NARROW_MAX_TILE_PROGRAMS and num_pairs <= 32
             and dims[0] >= 2048 and dims[1] >= 256):        # sizes like the measured shard's, not a demo's
         return MoeGmmConfig(decode="fused", block_n_gate_up=32, num_warps=2, block_n_down=32, num_warps_down=2,
