@@ -7,7 +7,8 @@ routed experts stay stacked: their kernels index them by layer. ExecPlan.layer_w
 BENCHMARKS.md, "Compile time and per-layer weights", has the measurement. Each layer's kv_b_proj is held
 as its two absorbed halves (`AbsorbedKvB`), laid out so the decode step's matrix-vector products reduce
 over their minor axis (BENCHMARKS.md, "MLA absorbed weights"), and its q_a_proj and kv_a_proj_with_mqa,
-two products of the same input, as one weight (`JointQKvA`: one matrix-vector product a layer instead of two).
+two products of the same input, as one weight (`JointQKvA`: one matrix-vector product a layer instead of two;
+kv_a_proj_with_mqa then holds an `InJoint`, no array).
 """
 from __future__ import annotations
 
@@ -58,6 +59,13 @@ class AbsorbedKvB:
 class JointQKvA:
     """q_a_proj [Q, D] over kv_a_proj_with_mqa [A + R, D] as w_XD (X = Q + A + R), held by both."""
     w_XD: jax.Array
+    q_rows: int = dataclasses.field(metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class InJoint:
+    """kv_a_proj_with_mqa's weight inside q_a_proj's JointQKvA: no array, so steps take the joint weight once."""
     q_rows: int = dataclasses.field(metadata=dict(static=True))
 
 
@@ -131,7 +139,7 @@ def split_layers(state, cfg=None) -> int:
                 continue
             joint = LayerList(_joint_fn(q.shape[0], q.shape[1], _layer_sharding(q))(q, kv))
             q_var.set_value(joint)
-            kv_var.set_value(joint)
+            kv_var.set_value(LayerList([InJoint(q.shape[1])] * q.shape[0]))
             n += 2
     for path, var in flat:
         names = [str(p) for p in path]

@@ -273,7 +273,10 @@ def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: ja
                 return mla_decode_mgpu.mla_paged_attention_mgpu(
                     q_lat, q_pe, new, flat, table, positions, scale,
                     config=cfg, interpret=jax.default_backend() != "gpu", **thresholds)
-            cfg = None if plan.mla_schedule is None else mla_decode.MlaDecodeConfig(schedule=plan.mla_schedule)
+            schedule = plan.mla_schedule or "rows"
+            fuse_new = plan.mla_fuse_new and schedule == "rows"     # the balanced schedule finishes in XLA
+            cfg = (None if plan.mla_schedule is None and not fuse_new
+                   else mla_decode.MlaDecodeConfig(schedule=schedule, fuse_new=fuse_new))
             return mla_decode.mla_paged_attention(q_lat, q_pe, new, flat, table, positions, scale, config=cfg,
                                                   **thresholds)
 

@@ -27,7 +27,8 @@ class ExecPlan:
     gemv, then one launch for the top-k; 'pallas_gemv': all in one launch (pallas_kernels/router); 'auto': 'pallas' for
     small steps (ROUTER_AUTO_MAX_TOKEN_EXPERTS) under impl 'pallas', else 'xla'.
     absorbed_chunk_tokens: chunk prefills of at most this many tokens a row run absorbed (Pallas; 0: never).
-    routing 'uniform' (benchmarks of random weights, whose routing concentrates): experts by `fused.comb_ids`."""
+    routing 'uniform' (benchmarks of random weights, whose routing concentrates): experts by `fused.comb_ids`.
+    mla_fuse_new: the Triton MLA kernel takes the new tokens in ('rows' schedule; `MlaDecodeConfig.fuse_new`)."""
     impl: str = "xla"
     mla_decode_kernel: str = "auto"
     hopper: bool = False
@@ -42,6 +43,7 @@ class ExecPlan:
     norm_kernel: str = "xla"
     absorbed_chunk_tokens: int = 0
     routing: str = "model"
+    mla_fuse_new: bool = False
 
     def __post_init__(self):
         for name, choices in (("impl", IMPLS), ("mla_decode_kernel", MLA_DECODE_KERNELS),
@@ -56,9 +58,9 @@ class ExecPlan:
                 raise ValueError(f"ExecPlan.{name}={value!r}; expected one of {choices}")
         if self.layer_weights == "per_layer" and self.layer_loop != "unroll":
             raise ValueError("ExecPlan.layer_weights='per_layer' needs layer_loop='unroll'")
-        if not isinstance(self.hopper, bool) or not isinstance(self.one_new_token_elementwise, bool):
-            raise ValueError(f"ExecPlan.hopper and .one_new_token_elementwise must be bools, got "
-                             f"{self.hopper!r} and {self.one_new_token_elementwise!r}")
+        for name in ("hopper", "one_new_token_elementwise", "mla_fuse_new"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ExecPlan.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("combine_xla_max_macs", "absorbed_chunk_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"ExecPlan.{name}={getattr(self, name)!r} must be an int >= 0")

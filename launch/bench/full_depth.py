@@ -82,6 +82,12 @@ flags.DEFINE_string("norm_kernel", None, "ExecPlan.norm_kernel of the step (defa
 flags.DEFINE_string("routing", None, "ExecPlan.routing of the step: 'uniform' spreads each token's experts evenly "
                     "(random weights route to fewer experts than uniform at batch > 1: BENCHMARKS.md, 'The decode "
                     "step with one q_a / kv_a product'); default: the model's router")
+flags.DEFINE_string("variant_options", None, "more command-buffer / XLA variants as JSON {name: {xla option: "
+                    "value}} (e.g. '{\"cb_while\": {\"xla_gpu_enable_command_buffer\": \"FUSION,WHILE\"}}'); "
+                    "name them in --variants")
+flags.DEFINE_bool("dispatch", True, "time the host's dispatch of an executable that takes the model's weights "
+                  "and does nothing (the per-argument share of enqueue)")
+flags.DEFINE_bool("mla_fuse_new", None, "ExecPlan.mla_fuse_new of the step (default: the plan's)")
 flags.DEFINE_bool("tiny", False, "CPU dry run: the tiny preset in float32")
 FLAGS = flags.FLAGS
 
@@ -179,6 +185,9 @@ def time_exe(call, pages, inputs, steps: int) -> tuple[dict, object]:
         chains.append((t2 - t0) / steps)
     res["chain_ms"] = 1e3 * statistics.median(chains)
     res["enqueue_ms"] = 1e3 * statistics.median(enq)
+    # the chain's last tokens: equal between processes that run the same calls on the same weights, so
+    # two XLA settings (e.g. command-buffer update modes) can be checked against each other
+    res["last_tokens"] = [int(t) for t in np.asarray(tok).reshape(-1)]
     return res, pages
 
 
@@ -282,11 +291,14 @@ class _CacheHits:
 def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(), profile_batches=(),
           scheduler_batches=(), compile_only: bool = False, hw_name: str = "h200", dtype=None, emit=print,
           tag: str = "", plan_options: Optional[dict] = None, whole=None,
-          kernel_dir: Optional[str] = None) -> list[dict]:
+          kernel_dir: Optional[str] = None, variant_options: Optional[dict] = None,
+          dispatch: bool = False) -> list[dict]:
     """Every measurement of the module docstring for `cfg` on one device; `emit(row)` is called as
     each row is done; `whole`: as plan_row's; `kernel_dir`: where each profiled step's kernels are
     written in launch order (kernels_B<batch>.tsv: HLO op, kernel, us) beside its compiled HLO
-    (step_B<batch>.hlo.txt). Returns the rows."""
+    (step_B<batch>.hlo.txt); `variant_options`: more variants {name: XLA compile options}; `dispatch`: a
+    row timing the host's dispatch of an executable that takes the weights and does nothing
+    (`dispatch_cost`). Returns the rows."""
     import jax
     import jax.numpy as jnp
     from kimi_jax import ops
@@ -304,9 +316,10 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
         # the step is compiled for the block-table width the scheduler uses (engine.shapes.table_bucket)
         raise ValueError(f"context={context}: need a power-of-two number of {PAGE_SIZE}-token pages covering "
                          f"at least {MIN_TABLE_TOKENS} tokens")
+    known = {**VARIANTS, **(variant_options or {})}
     for v in variants:
-        if v not in VARIANTS:
-            raise ValueError(f"unknown command-buffer variant {v!r} (known: {', '.join(VARIANTS)})")
+        if v not in known:
+            raise ValueError(f"unknown command-buffer variant {v!r} (known: {', '.join(known)})")
     dtype = dtype or jnp.bfloat16
     hw = hardware.get(hw_name)
     hits = _CacheHits()
@@ -329,6 +342,8 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
         engine.plan = dataclasses.replace(engine.plan, **plan_options)
     jax.block_until_ready(jax.tree.leaves(engine.state))
     out(dict(kind="build", seconds=time.perf_counter() - t0))
+    if dispatch and not compile_only:
+        out(dict(kind="dispatch", **dispatch_cost(engine.state)))
     pallas = engine.plan.impl == "pallas"
     served = {}           # batch -> (its compiled step as Engine._decode_step, its plan), for the scheduler
     for b in batches:
@@ -347,7 +362,13 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
         for v in (variants if b in variant_batches else variants[:1]):
             h0, m0 = hits.hits, hits.misses
             t0 = time.perf_counter()
-            compiled = lowered.compile(compiler_options=VARIANTS[v])
+            try:
+                compiled = lowered.compile(compiler_options=known[v])
+            except Exception as e:       # an option this XLA does not know: the row says so, the run goes on
+                if v == variants[0]:
+                    raise
+                out(dict(kind="step", batch=b, variant=v, error=f"{type(e).__name__}: {str(e)[:300]}"))
+                continue
             compile_s = time.perf_counter() - t0
             first = first or compiled
             text = compiled.as_text()
@@ -399,6 +420,30 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
     return rows
 
 
+def dispatch_cost(state, calls: int = 200, repeats: int = 5) -> dict:
+    """The host's share of a dispatch that is the arguments' alone: an executable that takes `state` (every
+    leaf kept) and a token vector and adds one to the tokens, enqueued `calls` times back to back, against
+    the same executable without `state`. us per call, the median of `repeats` loops."""
+    import jax
+    import jax.numpy as jnp
+    with_state = jax.jit(lambda s, x: x + 1, keep_unused=True)
+    alone = jax.jit(lambda x: x + 1)
+    x = jnp.zeros((8,), jnp.int32)
+    res = dict(arguments=len(jax.tree.leaves(state)))
+    for name, call in (("with_weights_us", lambda y: with_state(state, y)), ("alone_us", alone)):
+        y = jax.block_until_ready(call(x))
+        loops = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                y = call(y)
+            loops.append((time.perf_counter() - t0) / calls)
+            jax.block_until_ready(y)
+        res[name] = 1e6 * statistics.median(loops)
+    res["per_argument_us"] = (res["with_weights_us"] - res["alone_us"]) / max(res["arguments"], 1)
+    return res
+
+
 def scheduler_run(engine, batch: int, context: int, steps: int, overlap: bool) -> dict:
     """`BatchEngine.run` decoding `steps` tokens (after a 3-token warm-up run) for `batch` requests
     whose prompts of context - max(steps, page) - 1 tokens are already cached, over a pool of the
@@ -440,7 +485,9 @@ def table(rows) -> str:
              f"{'floor':>6} {'pred8':>7}"]
     f = lambda r, k, w, p=2: (format(r[k], f"{w}.{p}f") if isinstance(r.get(k), (int, float)) else " " * (w - 1) + "-")  # noqa: E731
     for r in rows:
-        if r["kind"] == "step":
+        if r["kind"] == "step" and "error" in r:
+            lines.append(f"{r['batch']:3d} {r['variant']:8} failed: {r['error'][:120]}")
+        elif r["kind"] == "step":
             cb = f"{r.get('kernels_in_buffers', '-')}/{r.get('kernels_outside', '-')}"
             lines.append(f"{r['batch']:3d} {r['variant']:8} {f(r, 'lower_s', 7, 1)} {f(r, 'compile_s', 9, 1)} "
                          f"{'y' if r.get('cache_hit') else 'n':>3} {r.get('command_buffers', '-'):>3} {cb:>9} "
@@ -454,6 +501,9 @@ def table(rows) -> str:
                          f"({r['engine_steps']} steps, {r['overlapped_steps']} overlapped), pred {r['pred_ms']:.2f}")
         elif r["kind"] == "build":
             lines.append(f"model built in {r['seconds']:.1f} s (random weights, on the device)")
+        elif r["kind"] == "dispatch":
+            lines.append(f"dispatch of a no-op over the {r['arguments']} weight arrays: {r['with_weights_us']:.0f} us "
+                         f"({r['alone_us']:.1f} without them, {r['per_argument_us']:.2f} us an argument)")
     return "\n".join(lines)
 
 
@@ -489,9 +539,10 @@ def main(argv):
                  variant_batches=ints(FLAGS.variant_batches), profile_batches=ints(FLAGS.profile_batches),
                  scheduler_batches=ints(FLAGS.scheduler_batches), compile_only=FLAGS.compile_only,
                  hw_name=FLAGS.hardware, dtype=jnp.float32 if FLAGS.tiny else None, emit=emit, tag=FLAGS.tag,
-                 plan_options={k: getattr(FLAGS, k) for k in ("router_kernel", "norm_kernel", "routing")
-                               if getattr(FLAGS, k)},
-                 whole=whole, kernel_dir=FLAGS.out)
+                 plan_options={k: getattr(FLAGS, k) for k in ("router_kernel", "norm_kernel", "routing", "mla_fuse_new")
+                               if getattr(FLAGS, k) is not None},
+                 whole=whole, kernel_dir=FLAGS.out, dispatch=FLAGS.dispatch,
+                 variant_options=json.loads(FLAGS.variant_options) if FLAGS.variant_options else None)
     print(table(rows), flush=True)
 
 

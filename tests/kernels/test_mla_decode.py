@@ -74,6 +74,22 @@ def test_ops_pallas_branch_matches_xla():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
+def test_plans_fused_new_tokens_match_xla(monkeypatch):
+    """ExecPlan.mla_fuse_new hands the kernel fuse_new=True under the 'rows' schedule (a spy records the
+    config) and agrees with the 'xla' implementation (float32: 2e-5, as above); under a forced 'balanced'
+    schedule the new tokens stay in XLA (the balanced finish cannot take them)."""
+    seen = []
+    real = md.mla_paged_attention
+    monkeypatch.setattr(md, "mla_paged_attention", lambda *a, **k: seen.append(k["config"]) or real(*a, **k))
+    args = _case(4, B=3, T=2, N=8, A=32, R=16, page=4, P=6, cached=[20, 0, 9], dtype=jnp.float32)
+    want = ops.mla_paged_attention(*args, 0.125, plan=ops.ExecPlan(impl="xla"))
+    for schedule in (None, "balanced"):
+        plan = ops.ExecPlan(impl="pallas", mla_fuse_new=True, mla_schedule=schedule)
+        got = ops.mla_paged_attention(*args, 0.125, plan=plan)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+    assert [(c.fuse_new, c.schedule) for c in seen] == [(True, "rows"), (False, "balanced")]
+
+
 # Options (resolve_config fills the rest): new tokens in XLA vs in the kernel's last split, latent
 # column slices (block_a < A: 2 and 4 slices of A = 64), 16/32/64-row tiles, T = 1 and 4, heads 8
 # and 64, the sweep's one-page-buffer baseline. Lengths: 0 (a row with only its new tokens), 1, exactly on a

@@ -29,7 +29,7 @@ def test_plan_is_frozen_hashable_and_validated():
         plan.impl = "pallas"
     for field, bad in (("impl", "cuda"), ("mla_decode_kernel", "cutlass"), ("mla_schedule", "fair"),
                        ("prefill_attention", "flash"), ("chunk_attention", "flash"), ("layer_loop", "auto"),
-                       ("combine_xla_max_macs", -1), ("one_new_token_elementwise", 1), ("hopper", "yes"),
+                       ("combine_xla_max_macs", -1), ("one_new_token_elementwise", 1), ("hopper", "yes"), ("mla_fuse_new", 1),
                        ("router_kernel", "triton"), ("norm_kernel", "fused")):
         with pytest.raises(ValueError, match=field):
             ops.ExecPlan(**{field: bad})

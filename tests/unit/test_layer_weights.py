@@ -44,7 +44,12 @@ def test_unrolled_engine_holds_per_layer_weights_with_equal_logits(tp):
                     if tp > 1:
                         assert tuple(kvb.uk_NAH.sharding.spec)[0] == tuple(ref.sharding.spec)[1]
                 continue
-            if [str(p) for p in path][-2] in ("q_a_proj", "kv_a_proj_with_mqa"):
+            if [str(p) for p in path][-2] == "kv_a_proj_with_mqa":     # its rows are in q_a_proj's joint weight
+                assert value.arrays == (layer_weights.InJoint(CFG.q_lora_rank),) * ref.shape[0]
+                assert jax.tree.leaves(value) == []
+                n_joint += 1
+                continue
+            if [str(p) for p in path][-2] == "q_a_proj":
                 q_ref = stacked_leaves[path[:-2] + ("q_a_proj", "weight")].get_value()
                 kv_ref = stacked_leaves[path[:-2] + ("kv_a_proj_with_mqa", "weight")].get_value()
                 for i, joint in enumerate(value.arrays):
@@ -64,6 +69,13 @@ def test_unrolled_engine_holds_per_layer_weights_with_equal_logits(tp):
             assert path[0] not in layer_weights.STACKS or "experts" in [str(p) for p in path]
     assert n_split >= 10                 # attention, norms, router and shared expert of both stacks
     assert n_joint == 4                  # q_a_proj and kv_a_proj_with_mqa of both stacks
+    # the step's arguments: a stacked weight's leaves once per layer, kv_b_proj's two halves, the joint
+    # weight once (kv_a_proj_with_mqa none of its own: +1 - 1 a layer), the routed experts stacked
+    stacks = [len(jax.tree.leaves(scan.state[k])) for k in layer_weights.STACKS]
+    L = [CFG.first_k_dense_replace, CFG.num_hidden_layers - CFG.first_k_dense_replace]
+    experts = len(jax.tree.leaves(scan.state["moe_layers"]["mlp"]["experts"]))
+    want = L[0] * stacks[0] + L[1] * (stacks[1] - experts) + experts
+    assert sum(len(jax.tree.leaves(unrolled.state[k])) for k in layer_weights.STACKS) == want
     ids = list(range(2, 13))
     np.testing.assert_allclose(unrolled.logits(ids), scan.logits(ids), rtol=1e-5, atol=1e-5)
 
