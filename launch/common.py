@@ -15,6 +15,8 @@ XLA options set by default on GPU (--xla_perf, on by default):
   --xla_gpu_enable_latency_hiding_scheduler=true: the same scheduler, explicitly, for jax versions
     without optimization levels.
   NCCL_NVLS_ENABLE=0: NVLink multicast stays off (required on this project's machines).
+--command_buffer_update_mode (XLA_FLAGS, read once at start): how XLA:GPU refreshes the CUDA graphs it runs
+  the step's kernels in when buffers move (`command_buffer_xla_flag`).
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 FLAGS = flags.FLAGS
+# --command_buffer_update_mode auto
+COMMAND_BUFFER_AUTO = "always"
 
 flags.DEFINE_integer("tensor_parallel_size", 1, "devices that split heads / FFN width (TP)")
 flags.DEFINE_integer("data_parallel_size", 1, "devices that split the batch (DP attention)")
@@ -39,6 +43,11 @@ flags.DEFINE_bool("enable_prefix_caching", True, "reuse the cache pages of a pro
 flags.DEFINE_bool("check_finite_weights", True, "check every loaded weight for NaN / Inf (on the host, as "
                   "each tensor is read) and refuse a checkpoint that has one")
 flags.DEFINE_bool("xla_perf", True, "set XLA options that overlap collectives with compute (see launch/common.py)")
+flags.DEFINE_enum("command_buffer_update_mode", "auto", ["auto", "always", "skip_temp", "skip_profiled"],
+                  "XLA:GPU's CUDA-graph update mode (--xla_gpu_command_buffer_update_mode, jaxlib >= 0.11.2): "
+                  "'always' patches every graph node whose buffers moved at each call; 'skip_temp' gives temporaries "
+                  "fixed addresses; 'skip_profiled' also the arguments and results that kept theirs over the first "
+                  f"calls; auto: {COMMAND_BUFFER_AUTO}")
 flags.DEFINE_string("compilation_cache_dir", None, "persistent JAX compilation cache (compiled programs are "
                     "reused by later runs); 'none' turns it off. Default: $KIMI_JAX_CACHE_DIR, else "
                     "$XDG_CACHE_HOME/kimi_jax/xla (~/.cache/kimi_jax/xla)")
@@ -51,6 +60,28 @@ HELP_ARGS = ("--help", "-h", "-help", "--helpshort", "-?")
 COMMON_MODULE = __name__
 
 
+def command_buffer_xla_flag(mode: str, jaxlib_version: Optional[str]) -> Optional[str]:
+    """The XLA_FLAGS entry for --command_buffer_update_mode `mode` under jaxlib `jaxlib_version` (None: not
+    installed), or None where XLA keeps its own setting: 'auto' resolves to COMMAND_BUFFER_AUTO; jaxlib before
+    0.11.2 knows none of the skip modes (0.10.2 aborts on them), so there any mode leaves XLA's."""
+    mode = COMMAND_BUFFER_AUTO if mode == "auto" else mode
+    if mode == "always" or jaxlib_version is None:
+        return None
+    import re
+    m = re.match(r"(\d+)\.(\d+)\.(\d+)", jaxlib_version)
+    if m is None or tuple(int(g) for g in m.groups()) < (0, 11, 2):
+        return None
+    return f"--xla_gpu_command_buffer_update_mode={mode.upper()}"
+
+
+def _jaxlib_version() -> Optional[str]:
+    from importlib import metadata
+    try:
+        return metadata.version("jaxlib")
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def setup() -> None:
     """XLA options, the compilation cache, progress and multi-process start; call first in every
     launcher's main()."""
@@ -59,7 +90,11 @@ def setup() -> None:
         os.environ.setdefault("JAX_OPTIMIZATION_LEVEL", "O1")
         xf = os.environ.get("XLA_FLAGS", "")
         if "xla_gpu_enable_latency_hiding_scheduler" not in xf:
-            os.environ["XLA_FLAGS"] = (xf + " --xla_gpu_enable_latency_hiding_scheduler=true").strip()
+            xf = os.environ["XLA_FLAGS"] = (xf + " --xla_gpu_enable_latency_hiding_scheduler=true").strip()
+    cb = command_buffer_xla_flag(FLAGS.command_buffer_update_mode, _jaxlib_version())
+    xf = os.environ.get("XLA_FLAGS", "")
+    if cb and "xla_gpu_command_buffer_update_mode" not in xf:
+        os.environ["XLA_FLAGS"] = (xf + " " + cb).strip()
     from kimi_jax.entrypoints import compilation_cache, progress
     compilation_cache.enable(FLAGS.compilation_cache_dir)
     if FLAGS.progress is False:

@@ -87,6 +87,8 @@ flags.DEFINE_string("variant_options", None, "more command-buffer / XLA variants
                     "name them in --variants")
 flags.DEFINE_bool("dispatch", True, "time the host's dispatch of an executable that takes the model's weights "
                   "and does nothing (the per-argument share of enqueue)")
+flags.DEFINE_bool("fixed_buffers", False, "also time the step with every buffer at a fixed address from call to "
+                  "call (variant 'fixed': no CUDA-graph update)")
 flags.DEFINE_bool("mla_fuse_new", None, "ExecPlan.mla_fuse_new of the step (default: the plan's)")
 flags.DEFINE_bool("tiny", False, "CPU dry run: the tiny preset in float32")
 FLAGS = flags.FLAGS
@@ -191,6 +193,61 @@ def time_exe(call, pages, inputs, steps: int) -> tuple[dict, object]:
     return res, pages
 
 
+def time_fixed_buffers(engine, pages, inputs, steps: int, schedule, call=None) -> tuple[dict, object]:
+    """The step with every buffer at a fixed address from call to call: block table, sampling arrays and
+    per-row steps placed on the device once, and tokens in / out and positions in one int32 [2, B] array
+    that is donated with the pool and returned in place (the sampled tokens become the next step's
+    input), so XLA's CUDA graph of the step sees no moved buffer and needs no update. The chain / enqueue
+    ways of `time_exe` (ms per step) and the last tokens; with `call` (the ordinary step, as time_exe's)
+    `tokens_match`: whether 3 chained steps of both from one copy of the pool sample the same tokens."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from kimi_jax.engine import steps as engine_steps
+    tokens, positions, table, sp, step_B = inputs
+
+    def step(state, pages, io_2B, table, sp, step_B):
+        pages, out = engine_steps._decode_step(engine.graphdef, engine._shard, state, pages, io_2B[0], io_2B[1],
+                                               table, sp, step_B, None, "greedy", schedule, plan=engine.plan)
+        return pages, io_2B.at[0].set(out["tokens"].astype(jnp.int32))
+
+    fixed = jax.jit(step, donate_argnums=(1, 2))
+    io = jnp.asarray(np.stack([np.asarray(tokens, np.int32), np.asarray(positions, np.int32)]))
+    table, sp, step_B = jax.device_put((np.asarray(table, np.int32), sp, np.asarray(step_B, np.int32)))
+    res = {}
+    if call is not None:
+        copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p))
+        ours, theirs, tok = [], [], tokens
+        p = copy(pages)
+        for _ in range(3):
+            p, o = call(p, tok, positions, table, sp, step_B)
+            tok = o["tokens"]
+            theirs.append(np.asarray(tok).tolist())
+        p = copy(pages)
+        for _ in range(3):
+            p, io = fixed(engine.state, p, io, table, sp, step_B)
+            ours.append(np.asarray(io[0]).tolist())
+        del p
+        res["tokens_match"] = ours == theirs
+        io = jnp.asarray(np.stack([np.asarray(tokens, np.int32), np.asarray(positions, np.int32)]))
+    for _ in range(4):          # compile, then the runs after which XLA keeps the graph
+        pages, io = fixed(engine.state, pages, io, table, sp, step_B)
+    chains, enq = [], []
+    for _ in range(3):
+        jax.block_until_ready((pages, io))
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            pages, io = fixed(engine.state, pages, io, table, sp, step_B)
+        t1 = time.perf_counter()
+        jax.block_until_ready((pages, io))
+        t2 = time.perf_counter()
+        enq.append((t1 - t0) / steps)
+        chains.append((t2 - t0) / steps)
+    res.update(chain_ms=1e3 * statistics.median(chains), enqueue_ms=1e3 * statistics.median(enq),
+               last_tokens=[int(t) for t in np.asarray(io[0])])
+    return res, pages
+
+
 def profile_exe(call, pages, inputs, steps: int, hlo_text: str, top_kernels: int = 30) -> tuple[dict, object]:
     """Kernel time per step of `steps` chained steps under the profiler: busy (sum of kernel
     durations, container ops dropped), span (first start to last end), kernels per step, and the
@@ -292,13 +349,14 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
           scheduler_batches=(), compile_only: bool = False, hw_name: str = "h200", dtype=None, emit=print,
           tag: str = "", plan_options: Optional[dict] = None, whole=None,
           kernel_dir: Optional[str] = None, variant_options: Optional[dict] = None,
-          dispatch: bool = False) -> list[dict]:
+          dispatch: bool = False, fixed_buffers: bool = False) -> list[dict]:
     """Every measurement of the module docstring for `cfg` on one device; `emit(row)` is called as
     each row is done; `whole`: as plan_row's; `kernel_dir`: where each profiled step's kernels are
     written in launch order (kernels_B<batch>.tsv: HLO op, kernel, us) beside its compiled HLO
     (step_B<batch>.hlo.txt); `variant_options`: more variants {name: XLA compile options}; `dispatch`: a
     row timing the host's dispatch of an executable that takes the weights and does nothing
-    (`dispatch_cost`). Returns the rows."""
+    (`dispatch_cost`); `fixed_buffers`: a row of the step with every buffer at a fixed address
+    (`time_fixed_buffers`). Returns the rows."""
     import jax
     import jax.numpy as jnp
     from kimi_jax import ops
@@ -407,6 +465,12 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
         out(dict(kind="step", batch=b, variant="serve", **times, **plan,
                  host_share_of_chain=times["enqueue_ms"] / times["chain_ms"],
                  pred_error=times["chain_ms"] / plan["pred_ms"] - 1.0))
+        if fixed_buffers:
+            times, pages = time_fixed_buffers(engine, pages, inputs, steps, schedule,
+                                              call=functools.partial(_call_compiled, first, engine.state))
+            out(dict(kind="step", batch=b, variant="fixed", **times, **plan,
+                     host_share_of_chain=times["enqueue_ms"] / times["chain_ms"],
+                     pred_error=times["chain_ms"] / plan["pred_ms"] - 1.0))
         del pages, first
         if b in scheduler_batches:
             served[b] = (serve, plan)
@@ -541,7 +605,7 @@ def main(argv):
                  hw_name=FLAGS.hardware, dtype=jnp.float32 if FLAGS.tiny else None, emit=emit, tag=FLAGS.tag,
                  plan_options={k: getattr(FLAGS, k) for k in ("router_kernel", "norm_kernel", "routing", "mla_fuse_new")
                                if getattr(FLAGS, k) is not None},
-                 whole=whole, kernel_dir=FLAGS.out, dispatch=FLAGS.dispatch,
+                 whole=whole, kernel_dir=FLAGS.out, dispatch=FLAGS.dispatch, fixed_buffers=FLAGS.fixed_buffers,
                  variant_options=json.loads(FLAGS.variant_options) if FLAGS.variant_options else None)
     print(table(rows), flush=True)
 

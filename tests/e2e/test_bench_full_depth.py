@@ -29,7 +29,7 @@ def rows(fd, tmp_path_factory):
     with pytest.raises(SystemExit) as done:
         fd.run(["kimi-bench full_depth", "--tiny", "--layers=2", "--batches=1", "--context=256", "--steps=2",
                 "--variants=default,off", "--variant_batches=1", "--profile_batches=1", "--scheduler_batches=1",
-                "--hardware=cpu", f"--out={out}"])
+                "--hardware=cpu", "--fixed_buffers", f"--out={out}"])
     assert done.value.code in (0, None)
     return [json.loads(line) for line in open(out / "full_depth_rows.jsonl")]
 
@@ -39,14 +39,18 @@ def test_full_depth_bench_rows(rows):
     profiled row counts kernels; the scheduler runs with overlap on (every step after the first
     overlapped) and off (none)."""
     steps = [(r["batch"], r["variant"]) for r in rows if r["kind"] == "step"]
-    assert steps == [(1, "default"), (1, "off"), (1, "serve")]
+    assert steps == [(1, "default"), (1, "off"), (1, "serve"), (1, "fixed")]
+    # the step over fixed buffers samples what the ordinary step samples from the same pool
+    assert [r["tokens_match"] for r in rows if r["kind"] == "step" and r["variant"] == "fixed"] == [True]
+    disp = [r for r in rows if r["kind"] == "dispatch"]
+    assert len(disp) == 1 and disp[0]["arguments"] > 0 and disp[0]["with_weights_us"] > disp[0]["alone_us"] > 0
     for r in rows:
         if r["kind"] == "step":
             assert r["layers"] == 2 and r["context"] == 256 and r["pred_ms"] > 0
             assert 0 < r["bytes_gb"] <= r["bytes_max_gb"] and 0 < r["floor_ms"] and "pred_8dev_ms" not in r
-            assert 0 < r["enqueue_ms"] <= r["chain_ms"] and r["sync_ms"] > 0
+            assert 0 < r["enqueue_ms"] <= r["chain_ms"] and (r["variant"] == "fixed" or r["sync_ms"] > 0)
             assert r["pred_error"] == pytest.approx(r["chain_ms"] / r["pred_ms"] - 1)
-        if r["kind"] == "step" and r["variant"] != "serve":
+        if r["kind"] == "step" and r["variant"] not in ("serve", "fixed"):
             assert r["compile_s"] > 0 and r["lower_s"] > 0 and r["kernels_outside"] > 0
             assert r["command_buffers"] == 0          # XLA:CPU has none
     prof = [r for r in rows if "kernels_per_step" in r]

@@ -208,3 +208,29 @@ def test_llm_fills_the_default_cache_directory(tmp_path):
                        timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert os.listdir(tmp_path / "kimi_jax" / "xla")
+
+
+def test_command_buffer_update_mode_reaches_xla_flags_only_where_xla_knows_it():
+    """--command_buffer_update_mode becomes one XLA_FLAGS entry on jaxlib >= 0.11.2 (where the skip modes were
+    measured); 'always' and older jaxlibs leave XLA's own setting, and 'auto' is COMMAND_BUFFER_AUTO."""
+    from launch import common as launch_common
+    flag = launch_common.command_buffer_xla_flag
+    assert flag("skip_profiled", "0.11.2") == "--xla_gpu_command_buffer_update_mode=SKIP_PROFILED"
+    assert flag("skip_temp", "0.12.0rc1") == "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+    assert flag("skip_temp", "0.10.2") is flag("skip_profiled", "0.11.1") is flag("skip_temp", None) is None
+    assert flag("always", "0.11.2") is None
+    assert flag("auto", "0.11.2") == flag(launch_common.COMMAND_BUFFER_AUTO, "0.11.2")
+
+
+def test_jaxlib_0_10_aborts_on_a_skip_update_mode():
+    """Why the gate above exists: jaxlib 0.10.2's XLA has no SKIP_* update modes and rejects XLA_FLAGS naming
+    one (the process fails at its first computation)."""
+    import importlib.metadata
+    import subprocess
+    import sys
+    if not importlib.metadata.version("jaxlib").startswith("0.10."):
+        pytest.skip("the rejected value is jaxlib 0.10's")
+    env = dict(os.environ, XLA_FLAGS="--xla_gpu_command_buffer_update_mode=SKIP_PROFILED")
+    done = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; print(float(jnp.ones(2).sum()))"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "2.0" not in done.stdout
