@@ -72,6 +72,8 @@ class Hardware:
     layer_overhead_s: float = 0.0      # device time per layer of its small kernels beyond their bytes
     kernels_per_layer: float = 0.0
     host_launch_s: float = 0.0
+    arguments_per_layer: float = 0.0   # weight arrays a layer hands the jitted step (each one costs the host)
+    host_argument_s: float = 0.0
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def collective_time(self, kind: str, nbytes: float, n: int) -> float:
@@ -154,6 +156,7 @@ class Hardware:
                            ("attention_efficiency", "attention_efficiency"),
                            ("attention_call_s", "attention_call_s"), ("layer_overhead_s", "layer_overhead_s"),
                            ("kernels_per_layer", "kernels_per_layer"), ("host_launch_s", "host_launch_s"),
+                           ("arguments_per_layer", "arguments_per_layer"), ("host_argument_s", "host_argument_s"),
                            ("interconnect", "interconnect")):
             if d.get(key) is not None:
                 kw[field] = d[key] if field == "interconnect" else float(d[key])
@@ -190,7 +193,7 @@ def calibration_dict(name: str, *, copy_bw: float, matmul_flops: Optional[float]
     FLOP/s, collectives {kind: [(bytes, seconds), ...]} over `n_devices`; extra: the fields in `allowed`."""
     allowed = {"link_bw", "gemv_efficiency", "int4_efficiency", "int4_curve", "int4_call_s", "xla_int4_efficiency",
                "attention_efficiency", "attention_curve", "attention_call_s", "attention_call_curve",
-               "layer_overhead_s", "kernels_per_layer", "host_launch_s",
+               "layer_overhead_s", "kernels_per_layer", "host_launch_s", "arguments_per_layer", "host_argument_s",
                "interconnect", "date", "device", "jax_version"}
     bad = set(extra) - allowed
     if bad:
@@ -258,7 +261,8 @@ _PRESETS = {
         int4_curve=_H200_INT4_CURVE, int4_call_s=_H200_INT4_CALL_S, int4_ep_curves=_H200_INT4_EP_CURVES,
         attention_curve=_H200_ATTENTION_CURVE,
         attention_call_s=_H200_ATTENTION_CALL_S, attention_call_curve=_H200_ATTENTION_CALL_CURVE,
-        layer_overhead_s=_H200_LAYER_OVERHEAD_S, kernels_per_layer=31.0, host_launch_s=2.9e-6,
+        layer_overhead_s=_H200_LAYER_OVERHEAD_S, kernels_per_layer=31.0, host_launch_s=2.3e-6,
+        arguments_per_layer=14.0, host_argument_s=1.4e-6,
         sources={"hbm_bytes": "datasheet (141 GB)",
                  "hbm_bw": "measured: device-to-device copy 4.24 TB/s (ANCHORS.md section 6; datasheet 4.8)",
                  "bf16_flops": "measured: 790 TFLOP/s bf16 matmul on this project's H200 (datasheet 989)",
@@ -292,9 +296,15 @@ _PRESETS = {
                  "kernels_per_layer": "measured: 1,840-1,918 kernels a decode step at 61 layers, batch 1 (TP8 "
                                       "shard, kimi-k2.5-61x16; BENCHMARKS.md, the decode step with one q_a / "
                                       "kv_a product)",
-                 "host_launch_s": "measured: host enqueue per kernel of the decode step, 2.5-3.7 us (5.3-7.5 ms "
-                                  "for 2,000-2,100 kernels at 61 layers, command buffers on; BENCHMARKS.md, full "
-                                  "depth on one H200 and the shard presets)"}),
+                 "host_launch_s": "measured: host enqueue of the decode step, 2.5-3.7 us a kernel with its "
+                                  "arguments (5.3-7.5 ms for 1,840-2,100 kernels at 61 layers, command buffers on; "
+                                  "BENCHMARKS.md, full depth on one H200 and the shard presets), less the arguments' "
+                                  "share (host_argument_s): 2.3 us a kernel, which is XLA patching the step's CUDA "
+                                  "graph (BENCHMARKS.md, the host's enqueue)",
+                 "arguments_per_layer": "counted: 861 weight arrays at 61 layers (14 a layer, 7 for the model)",
+                 "host_argument_s": "measured: 1.41 us an argument (a no-op dispatched over the 861 weight arrays, "
+                                    "1,248 us against 35 us without them; H100 machine of the same kind, "
+                                    "BENCHMARKS.md, the host's enqueue)"}),
     "h100": Hardware(
         name="H100 SXM", hbm_bytes=80e9, hbm_bw=3.0e12, bf16_flops=700e12,
         interconnect="NVLink 4 (NVSwitch)", link_bw=450e9, collectives=_uniform(24e-6, 360e9),

@@ -293,7 +293,8 @@ def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: in
     p = Plan(model=model_name, hardware=hw.name, layout=layout.name, world=world, batch=batch, batch_padded=Bp,
              context=context, cache_len=S, weights=weights, cache_bytes=cache_bytes, workspace=workspace,
              capacity=capacity, terms=terms, collectives=specs, overhead_s=o.overhead_ms * 1e-3, notes=notes,
-             assumptions=assumptions, kernels=L * hw.kernels_per_layer, host_s=L * hw.kernels_per_layer * hw.host_launch_s)
+             assumptions=assumptions, kernels=L * hw.kernels_per_layer, host_s=L * (hw.kernels_per_layer * hw.host_launch_s
+                                                            + hw.arguments_per_layer * hw.host_argument_s))
     free = capacity - p.weight_bytes - sum(v for k, v in workspace.items() if k != "attention_scores")
     # cache + attention scores grow with rows x cache length: bytes per (row, slot)
     per_row_slot = per_token_cache + 3 * Nl * 4

@@ -43,6 +43,11 @@ Compile times: `lower_s` (trace + lowering, once per batch), `compile_s` per var
 --cache_dir the persistent compilation cache is on, and `cache_hit` says whether the compile was served
 from it (run the same command again with --compile_only for the warm numbers).
 
+Timed rows carry the chain's last tokens (equal between processes making the same calls, e.g. under two
+XLA_FLAGS; XLA's command-buffer update mode is one: a process setting). `--dispatch`: a row timing a no-op over
+the weight arrays (host cost per argument); `--fixed_buffers`: the step with no moved buffer (`variant` fixed,
+`time_fixed_buffers`); `--variant_options`: more compile-option variants.
+
 Rows are appended to OUT/full_depth_rows.jsonl as they are measured (they survive a timeout), then a
 table is printed.
 """
@@ -61,6 +66,7 @@ from absl import flags
 
 from kimi_jax.config import PRESETS
 from launch import common
+from launch.bench import harness
 
 flags.DEFINE_enum("preset", "kimi-k2.5-61x16", PRESETS, "model preset (kimi_jax.config.preset)")
 flags.DEFINE_integer("layers", 0, "num_hidden_layers (0: the preset's)")
@@ -355,7 +361,7 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
     written in launch order (kernels_B<batch>.tsv: HLO op, kernel, us) beside its compiled HLO
     (step_B<batch>.hlo.txt); `variant_options`: more variants {name: XLA compile options}; `dispatch`: a
     row timing the host's dispatch of an executable that takes the weights and does nothing
-    (`dispatch_cost`); `fixed_buffers`: a row of the step with every buffer at a fixed address
+    (`harness.dispatch_cost`); `fixed_buffers`: a row of the step with every buffer at a fixed address
     (`time_fixed_buffers`). Returns the rows."""
     import jax
     import jax.numpy as jnp
@@ -401,7 +407,7 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
     jax.block_until_ready(jax.tree.leaves(engine.state))
     out(dict(kind="build", seconds=time.perf_counter() - t0))
     if dispatch and not compile_only:
-        out(dict(kind="dispatch", **dispatch_cost(engine.state)))
+        out(dict(kind="dispatch", **harness.dispatch_cost(engine.state)))
     pallas = engine.plan.impl == "pallas"
     served = {}           # batch -> (its compiled step as Engine._decode_step, its plan), for the scheduler
     for b in batches:
@@ -482,30 +488,6 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
                          **scheduler_run(engine, b, context, steps, overlap)))
     out(dict(kind="cache", hits=hits.hits, misses=hits.misses))
     return rows
-
-
-def dispatch_cost(state, calls: int = 200, repeats: int = 5) -> dict:
-    """The host's share of a dispatch that is the arguments' alone: an executable that takes `state` (every
-    leaf kept) and a token vector and adds one to the tokens, enqueued `calls` times back to back, against
-    the same executable without `state`. us per call, the median of `repeats` loops."""
-    import jax
-    import jax.numpy as jnp
-    with_state = jax.jit(lambda s, x: x + 1, keep_unused=True)
-    alone = jax.jit(lambda x: x + 1)
-    x = jnp.zeros((8,), jnp.int32)
-    res = dict(arguments=len(jax.tree.leaves(state)))
-    for name, call in (("with_weights_us", lambda y: with_state(state, y)), ("alone_us", alone)):
-        y = jax.block_until_ready(call(x))
-        loops = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                y = call(y)
-            loops.append((time.perf_counter() - t0) / calls)
-            jax.block_until_ready(y)
-        res[name] = 1e6 * statistics.median(loops)
-    res["per_argument_us"] = (res["with_weights_us"] - res["alone_us"]) / max(res["arguments"], 1)
-    return res
 
 
 def scheduler_run(engine, batch: int, context: int, steps: int, overlap: bool) -> dict:

@@ -1,5 +1,6 @@
 """What several kimi-bench suites share: a timed run of requests through the continuous-batching
-engine, device and wall time of one executable, and writing a suite's JSON result."""
+engine, device and wall time of one executable, the host's cost of an executable's arguments, and writing
+a suite's JSON result."""
 from __future__ import annotations
 
 import json
@@ -47,3 +48,27 @@ def timed(f, args, copies: int, reps: int) -> dict:
         walls.append(time.perf_counter() - t0)
     return dict(kernel_us=sum(per_op.values()) / copies, span_us=span / copies,
                 wall_us=1e6 * statistics.median(walls) / copies, kernels=len(per_op), kernel_names=list(per_op))
+
+
+def dispatch_cost(state, calls: int = 200, repeats: int = 5) -> dict:
+    """The host's share of a dispatch that is the arguments' alone: an executable that takes `state` (every
+    leaf kept) and a token vector and adds one to the tokens, enqueued `calls` times back to back, against
+    the same executable without `state`. us per call, the median of `repeats` loops."""
+    import jax
+    import jax.numpy as jnp
+    with_state = jax.jit(lambda s, x: x + 1, keep_unused=True)
+    alone = jax.jit(lambda x: x + 1)
+    x = jnp.zeros((8,), jnp.int32)
+    res = dict(arguments=len(jax.tree.leaves(state)))
+    for name, call in (("with_weights_us", lambda y: with_state(state, y)), ("alone_us", alone)):
+        y = jax.block_until_ready(call(x))
+        loops = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                y = call(y)
+            loops.append((time.perf_counter() - t0) / calls)
+            jax.block_until_ready(y)
+        res[name] = 1e6 * statistics.median(loops)
+    res["per_argument_us"] = (res["with_weights_us"] - res["alone_us"]) / max(res["arguments"], 1)
+    return res
