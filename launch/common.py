@@ -90,7 +90,7 @@ def setup() -> None:
         os.environ.setdefault("JAX_OPTIMIZATION_LEVEL", "O1")
         xf = os.environ.get("XLA_FLAGS", "")
         if "xla_gpu_enable_latency_hiding_scheduler" not in xf:
-            xf = os.environ["XLA_FLAGS"] = (xf + " --xla_gpu_enable_latency_hiding_scheduler=true").strip()
+            os.environ["XLA_FLAGS"] = (xf + " --xla_gpu_enable_latency_hiding_scheduler=true").strip()
     cb = command_buffer_xla_flag(FLAGS.command_buffer_update_mode, _jaxlib_version())
     xf = os.environ.get("XLA_FLAGS", "")
     if cb and "xla_gpu_command_buffer_update_mode" not in xf:

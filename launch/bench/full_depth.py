@@ -168,7 +168,6 @@ def _called(instr) -> list[str]:
 def time_exe(call, pages, inputs, steps: int) -> tuple[dict, object]:
     """Time one executable (`call(pages, tokens, positions, table, sp, steps) -> (pages, out)`) the
     sync / chain / enqueue ways (module docstring); returns (ms per step by mode, pages)."""
-    import jax
     import numpy as np
     tokens, positions, table, sp, step_B = inputs
     ts = []
@@ -178,25 +177,32 @@ def time_exe(call, pages, inputs, steps: int) -> tuple[dict, object]:
         np.asarray(out["tokens"])
         ts.append(time.perf_counter() - t0)
     res = {"sync_ms": 1e3 * statistics.median(ts)}
-    tok = out["tokens"]
+
+    def advance(carry):
+        pages, out = call(carry[0], carry[1], positions, table, sp, step_B)
+        return pages, out["tokens"]
+    (pages, tok), times = time_chain(advance, (pages, out["tokens"]), steps)
+    # the chain's last tokens: equal between processes that run the same calls on the same weights, so
+    # two XLA settings (e.g. command-buffer update modes) can be checked against each other
+    return dict(res, **times, last_tokens=[int(t) for t in np.asarray(tok).reshape(-1)]), pages
+
+
+def time_chain(advance, carry, steps: int, repeats: int = 3) -> tuple[object, dict]:
+    """`steps` calls `carry = advance(carry)` back to back, one wait at the end, `repeats` times: (the last
+    carry, {chain_ms: wall per step, enqueue_ms: the host's loop per step}), medians."""
+    import jax
     chains, enq = [], []
-    for _ in range(3):
-        jax.block_until_ready((pages, tok))
+    for _ in range(repeats):
+        jax.block_until_ready(carry)
         t0 = time.perf_counter()
         for _ in range(steps):
-            pages, out = call(pages, tok, positions, table, sp, step_B)
-            tok = out["tokens"]
+            carry = advance(carry)
         t1 = time.perf_counter()
-        jax.block_until_ready((pages, tok))
+        jax.block_until_ready(carry)
         t2 = time.perf_counter()
         enq.append((t1 - t0) / steps)
         chains.append((t2 - t0) / steps)
-    res["chain_ms"] = 1e3 * statistics.median(chains)
-    res["enqueue_ms"] = 1e3 * statistics.median(enq)
-    # the chain's last tokens: equal between processes that run the same calls on the same weights, so
-    # two XLA settings (e.g. command-buffer update modes) can be checked against each other
-    res["last_tokens"] = [int(t) for t in np.asarray(tok).reshape(-1)]
-    return res, pages
+    return carry, dict(chain_ms=1e3 * statistics.median(chains), enqueue_ms=1e3 * statistics.median(enq))
 
 
 def time_fixed_buffers(engine, pages, inputs, steps: int, schedule, call=None) -> tuple[dict, object]:
@@ -218,8 +224,9 @@ def time_fixed_buffers(engine, pages, inputs, steps: int, schedule, call=None) -
         return pages, io_2B.at[0].set(out["tokens"].astype(jnp.int32))
 
     fixed = jax.jit(step, donate_argnums=(1, 2))
-    io = jnp.asarray(np.stack([np.asarray(tokens, np.int32), np.asarray(positions, np.int32)]))
+    first_io = lambda: jnp.asarray(np.stack([np.asarray(tokens, np.int32), np.asarray(positions, np.int32)]))  # noqa: E731
     table, sp, step_B = jax.device_put((np.asarray(table, np.int32), sp, np.asarray(step_B, np.int32)))
+    advance = lambda carry: fixed(engine.state, *carry, table, sp, step_B)   # noqa: E731  (pages, io)
     res = {}
     if call is not None:
         copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p))
@@ -229,29 +236,17 @@ def time_fixed_buffers(engine, pages, inputs, steps: int, schedule, call=None) -
             p, o = call(p, tok, positions, table, sp, step_B)
             tok = o["tokens"]
             theirs.append(np.asarray(tok).tolist())
-        p = copy(pages)
+        carry = (copy(pages), first_io())
         for _ in range(3):
-            p, io = fixed(engine.state, p, io, table, sp, step_B)
-            ours.append(np.asarray(io[0]).tolist())
-        del p
+            carry = advance(carry)
+            ours.append(np.asarray(carry[1][0]).tolist())
+        del p, carry
         res["tokens_match"] = ours == theirs
-        io = jnp.asarray(np.stack([np.asarray(tokens, np.int32), np.asarray(positions, np.int32)]))
+    carry = (pages, first_io())
     for _ in range(4):          # compile, then the runs after which XLA keeps the graph
-        pages, io = fixed(engine.state, pages, io, table, sp, step_B)
-    chains, enq = [], []
-    for _ in range(3):
-        jax.block_until_ready((pages, io))
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            pages, io = fixed(engine.state, pages, io, table, sp, step_B)
-        t1 = time.perf_counter()
-        jax.block_until_ready((pages, io))
-        t2 = time.perf_counter()
-        enq.append((t1 - t0) / steps)
-        chains.append((t2 - t0) / steps)
-    res.update(chain_ms=1e3 * statistics.median(chains), enqueue_ms=1e3 * statistics.median(enq),
-               last_tokens=[int(t) for t in np.asarray(io[0])])
-    return res, pages
+        carry = advance(carry)
+    (pages, io), times = time_chain(advance, carry, steps)
+    return dict(res, **times, last_tokens=[int(t) for t in np.asarray(io[0])]), pages
 
 
 def profile_exe(call, pages, inputs, steps: int, hlo_text: str, top_kernels: int = 30) -> tuple[dict, object]:
