@@ -222,7 +222,7 @@ class Engine:
         self.cfg = cfg
         self.graphdef, self.state = nnx.split(model)
         if self.plan.layer_weights == "per_layer":
-            layer_weights.split_layers(self.state, cfg)
+            layer_weights.split_layers(self.state, cfg, pack=self.plan.pack_vectors)
         self.cache_dtype = model.dtype
         self.dp = 1 if layout is None else layout.data_parallel_size
         # (batch bucket, page-table bucket) -> (decode pass s, verification pass s): measured once by the

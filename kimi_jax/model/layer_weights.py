@@ -8,7 +8,11 @@ BENCHMARKS.md, "Compile time and per-layer weights", has the measurement. Each l
 as its two absorbed halves (`AbsorbedKvB`), laid out so the decode step's matrix-vector products reduce
 over their minor axis (BENCHMARKS.md, "MLA absorbed weights"), and its q_a_proj and kv_a_proj_with_mqa,
 two products of the same input, as one weight (`JointQKvA`: one matrix-vector product a layer instead of two;
-kv_a_proj_with_mqa then holds an `InJoint`, no array).
+kv_a_proj_with_mqa then holds an `InJoint`, no array). Each array is one argument of the jitted step, and the
+host pays ~1.4 us an argument at every call (BENCHMARKS.md, "The host's enqueue"): with `pack=True` a layer's
+small replicated vectors (its four norm scales, the router's bias) travel as one float32 array (`VectorPack`,
+the others an `InPack` each), cut back into their own dtypes inside the step (`unpacked`) at the same offsets
+in every layer, so every layer's fusions stay alike.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 STACKS = ("dense_layers", "moe_layers")
@@ -67,6 +72,44 @@ class JointQKvA:
 class InJoint:
     """kv_a_proj_with_mqa's weight inside q_a_proj's JointQKvA: no array, so steps take the joint weight once."""
     q_rows: int = dataclasses.field(metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class InPack:
+    """A vector held inside its layer's VectorPack: elements [offset, offset + size) in `dtype`."""
+    offset: int = dataclasses.field(metadata=dict(static=True))
+    size: int = dataclasses.field(metadata=dict(static=True))
+    dtype: str = dataclasses.field(metadata=dict(static=True))
+
+    def of(self, w_X: jax.Array) -> jax.Array:
+        return w_X[self.offset:self.offset + self.size].astype(self.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class VectorPack:
+    """A layer's small replicated vectors concatenated as float32 w_X (X: their total size), held by the
+    first of them, whose own elements `own` gives; the others hold an InPack."""
+    w_X: jax.Array
+    own: InPack = dataclasses.field(metadata=dict(static=True))
+
+
+def _is_packed(x) -> bool:
+    return isinstance(x, (VectorPack, InPack))
+
+
+def unpacked(layer_state):
+    """One layer's weights with every VectorPack / InPack replaced by its vector (traced inside the step;
+    a state without a pack is returned as it is)."""
+    packs = [x for x in jax.tree.leaves(layer_state, is_leaf=_is_packed) if isinstance(x, VectorPack)]
+    if not packs:
+        return layer_state
+    if len(packs) > 1:
+        raise ValueError(f"layer_weights.unpacked: a layer holds {len(packs)} VectorPacks, expected one")
+    w_X = packs[0].w_X
+    return jax.tree.map(lambda x: x.own.of(w_X) if isinstance(x, VectorPack) else x.of(w_X) if isinstance(x, InPack)
+                        else x, layer_state, is_leaf=_is_packed)
 
 
 def is_layer_list(x) -> bool:
@@ -121,11 +164,53 @@ def _joint_fn(n: int, q_rows: int, sharding):
     return jax.jit(join, out_shardings=None if sharding is None else (JointQKvA(sharding, q_rows),) * n)
 
 
-def split_layers(state, cfg=None) -> int:
+@functools.lru_cache(maxsize=None)
+def _pack_fn(n: int, count: int, sharding):
+    def pack(*vectors):     # count LayerLists' arrays, layer-major: vectors[j * n + i] is vector j of layer i
+        return tuple(jnp.concatenate([vectors[j * n + i].astype(jnp.float32) for j in range(count)]) for i in range(n))
+    return jax.jit(pack, out_shardings=None if sharding is None else (sharding,) * n)
+
+
+def _replicated(a) -> bool:
+    s = getattr(a, "sharding", None)
+    return isinstance(s, jax.sharding.SingleDeviceSharding) or (
+        isinstance(s, jax.sharding.NamedSharding) and all(p is None for p in s.spec))
+
+
+def pack_vectors(state, max_size: int = 1 << 16) -> int:
+    """Replace, in place, each stack's per-layer replicated floating-point vectors of at most `max_size`
+    elements (LayerLists of split_layers) by one VectorPack a layer, held by the first (in path order),
+    and an InPack for each of the others. Returns how many vectors were packed."""
+    n_packed = 0
+    for stack in STACKS:
+        found = []
+        for path, var in nnx.to_flat_state(state):
+            value = var.get_value()
+            if str(path[0]) != stack or not is_layer_list(value) or not all(isinstance(a, jax.Array) for a in value):
+                continue
+            a = value[0]
+            if a.ndim == 1 and a.size <= max_size and jnp.issubdtype(a.dtype, jnp.floating) and _replicated(a):
+                found.append((path, var, value))
+        if len(found) < 2:
+            continue
+        found.sort(key=lambda f: tuple(str(p) for p in f[0]))
+        n = len(found[0][2])
+        offsets = np.cumsum([0] + [v[0].size for _, _, v in found])
+        entries = [InPack(int(offsets[j]), int(v[0].size), str(v[0].dtype)) for j, (_, _, v) in enumerate(found)]
+        packs = _pack_fn(n, len(found), found[0][2][0].sharding)(*(a for _, _, v in found for a in v.arrays))
+        found[0][1].set_value(LayerList([VectorPack(w, entries[0]) for w in packs]))
+        for (_, var, _), entry in zip(found[1:], entries[1:]):
+            var.set_value(LayerList([entry] * n))
+        n_packed += len(found)
+    return n_packed
+
+
+def split_layers(state, cfg=None, pack: bool = False) -> int:
     """Replace, in place, every stacked non-expert weight of `state` (an nnx.State of a Transformer) by a
     LayerList placed as the stack was (its leading layer axis dropped); with `cfg` (the ModelConfig) each
     layer's kv_b_proj becomes an AbsorbedKvB, and its q_a_proj and kv_a_proj_with_mqa one JointQKvA
-    (where both are plain arrays of one dtype). Returns how many were split."""
+    (where both are plain arrays of one dtype); with `pack` its vectors one VectorPack (`pack_vectors`).
+    Returns how many were split."""
     n = 0
     flat = nnx.to_flat_state(state)
     if cfg is not None:
@@ -152,4 +237,6 @@ def split_layers(state, cfg=None) -> int:
             fn = _unstack_fn(value.shape[0], _layer_sharding(value))
         var.set_value(LayerList(fn(value)))
         n += 1
+    if pack:
+        pack_vectors(state)
     return n

@@ -59,7 +59,7 @@ def stack_modules(make: Callable[[], nnx.Module], n: int) -> Optional[nnx.Module
 
 def _layer_body(graphdef, experts, layer_state, x_BTD, positions_BT, kv, block_table_BP, layer, *, absorbed,
                 fresh, plan):
-    module = nnx.merge(graphdef, experts, layer_state)
+    module = nnx.merge(graphdef, experts, layer_weights.unpacked(layer_state))
     return module(x_BTD, positions_BT, kv, absorbed=absorbed, block_table_BP=block_table_BP, layer=layer,
                   fresh=fresh, plan=plan)
 

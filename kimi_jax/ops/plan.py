@@ -28,7 +28,9 @@ class ExecPlan:
     small steps (ROUTER_AUTO_MAX_TOKEN_EXPERTS) under impl 'pallas', else 'xla'.
     absorbed_chunk_tokens: chunk prefills of at most this many tokens a row run absorbed (Pallas; 0: never).
     routing 'uniform' (benchmarks of random weights, whose routing concentrates): experts by `fused.comb_ids`.
-    mla_fuse_new: the Triton MLA kernel takes the new tokens in ('rows' schedule; `MlaDecodeConfig.fuse_new`)."""
+    mla_fuse_new: the Triton MLA kernel takes the new tokens in ('rows' schedule; `MlaDecodeConfig.fuse_new`).
+    pack_vectors (with 'per_layer'): each layer's norm scales and router bias as one array
+    (`layer_weights.pack_vectors`: fewer arguments for the host to hand the step)."""
     impl: str = "xla"
     mla_decode_kernel: str = "auto"
     hopper: bool = False
@@ -44,6 +46,7 @@ class ExecPlan:
     absorbed_chunk_tokens: int = 0
     routing: str = "model"
     mla_fuse_new: bool = False
+    pack_vectors: bool = False
 
     def __post_init__(self):
         for name, choices in (("impl", IMPLS), ("mla_decode_kernel", MLA_DECODE_KERNELS),
@@ -58,7 +61,9 @@ class ExecPlan:
                 raise ValueError(f"ExecPlan.{name}={value!r}; expected one of {choices}")
         if self.layer_weights == "per_layer" and self.layer_loop != "unroll":
             raise ValueError("ExecPlan.layer_weights='per_layer' needs layer_loop='unroll'")
-        for name in ("hopper", "one_new_token_elementwise", "mla_fuse_new"):
+        if self.pack_vectors and self.layer_weights != "per_layer":
+            raise ValueError("ExecPlan.pack_vectors needs layer_weights='per_layer'")
+        for name in ("hopper", "one_new_token_elementwise", "mla_fuse_new", "pack_vectors"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ExecPlan.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("combine_xla_max_macs", "absorbed_chunk_tokens"):

@@ -109,13 +109,14 @@ def count_decode_collectives(cfg, layout, batch: int = 8, cache_len: int = 64, d
     return counts
 
 
-def random_engine(cfg, layout, dtype=None, seed: int = 0):
-    """An Engine with the random weights `LLM(ModelConfig)` makes (kimi_jax.entrypoints.weights.random_model)."""
+def random_engine(cfg, layout, dtype=None, seed: int = 0, plan=None):
+    """An Engine with the random weights `LLM(ModelConfig)` makes (kimi_jax.entrypoints.weights.random_model);
+    plan: its ExecPlan (default the backend's)."""
     import jax.numpy as jnp
     from kimi_jax.entrypoints.weights import random_model
     from kimi_jax.engine.steps import Engine
     layout.check_divisible(cfg)
-    return Engine(random_model(cfg, layout, dtype or jnp.bfloat16, seed), cfg, layout)
+    return Engine(random_model(cfg, layout, dtype or jnp.bfloat16, seed), cfg, layout, plan=plan)
 
 
 

@@ -96,6 +96,7 @@ flags.DEFINE_bool("dispatch", True, "time the host's dispatch of an executable t
 flags.DEFINE_bool("fixed_buffers", False, "also time the step with every buffer at a fixed address from call to "
                   "call (variant 'fixed': no CUDA-graph update)")
 flags.DEFINE_bool("mla_fuse_new", None, "ExecPlan.mla_fuse_new of the step (default: the plan's)")
+flags.DEFINE_bool("pack_vectors", None, "ExecPlan.pack_vectors of the step (default: the plan's)")
 flags.DEFINE_bool("tiny", False, "CPU dry run: the tiny preset in float32")
 FLAGS = flags.FLAGS
 
@@ -368,6 +369,7 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
     def _i32(a):
         return np.asarray(a, np.int32)
     from kimi_jax.tools import hardware
+    from kimi_jax.ops import ExecPlan
     from kimi_jax.tools.profiling import random_engine
     from kimi_jax.engine.shapes import MIN_TABLE_TOKENS, table_bucket
     P = context // PAGE_SIZE
@@ -396,9 +398,7 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
     t0 = time.perf_counter()
     # compile_only builds the weights too: a step lowered over shapes only is another program (another
     # persistent cache key) than the one over the placed arrays
-    engine = random_engine(cfg, layout, dtype)
-    if plan_options:
-        engine.plan = dataclasses.replace(engine.plan, **plan_options)
+    engine = random_engine(cfg, layout, dtype, plan=ExecPlan.for_backend(**(plan_options or {})))
     jax.block_until_ready(jax.tree.leaves(engine.state))
     out(dict(kind="build", seconds=time.perf_counter() - t0))
     if dispatch and not compile_only:
@@ -580,7 +580,8 @@ def main(argv):
                  variant_batches=ints(FLAGS.variant_batches), profile_batches=ints(FLAGS.profile_batches),
                  scheduler_batches=ints(FLAGS.scheduler_batches), compile_only=FLAGS.compile_only,
                  hw_name=FLAGS.hardware, dtype=jnp.float32 if FLAGS.tiny else None, emit=emit, tag=FLAGS.tag,
-                 plan_options={k: getattr(FLAGS, k) for k in ("router_kernel", "norm_kernel", "routing", "mla_fuse_new")
+                 plan_options={k: getattr(FLAGS, k) for k in ("router_kernel", "norm_kernel", "routing", "mla_fuse_new",
+                                                                  "pack_vectors")
                                if getattr(FLAGS, k) is not None},
                  whole=whole, kernel_dir=FLAGS.out, dispatch=FLAGS.dispatch, fixed_buffers=FLAGS.fixed_buffers,
                  variant_options=json.loads(FLAGS.variant_options) if FLAGS.variant_options else None)

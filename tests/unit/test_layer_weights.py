@@ -98,3 +98,43 @@ def test_plan_rule_for_per_layer_weights():
     assert ops.ExecPlan.for_backend("cpu").layer_weights == "stacked"
     with pytest.raises(ValueError, match="layer_weights='per_layer' needs layer_loop='unroll'"):
         ops.ExecPlan(layer_weights="per_layer")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_packed_vectors_give_equal_logits_with_fewer_arguments(tp):
+    """pack_vectors: each layer's four norm scales and router bias travel as one float32 array and are cut
+    back into their dtypes inside the step, so the logits are bit-for-bit those of the unpacked engine (the
+    same XLA computation over the same values; a wrong offset would swap a norm's scale for another's)."""
+    layout = Layout(tp)
+    plans = [ops.ExecPlan(layer_loop="unroll", layer_weights="per_layer", pack_vectors=p) for p in (False, True)]
+    plain, packed = (Engine(random_model(CFG, layout, jnp.bfloat16, 5), CFG, layout, plan=p) for p in plans)
+    L = [CFG.first_k_dense_replace, CFG.num_hidden_layers - CFG.first_k_dense_replace]
+    vectors = [4, 5]               # input / post-attention / q_a / kv_a norms; the MoE layers' router bias too
+    count = lambda e: sum(len(jax.tree.leaves(e.state[k])) for k in layer_weights.STACKS)   # noqa: E731
+    assert count(plain) - count(packed) == sum(n * (v - 1) for n, v in zip(L, vectors))
+    for path, var in nnx.to_flat_state(packed.state):
+        value = var.get_value()
+        if layer_weights.is_layer_list(value) and isinstance(value[0], layer_weights.VectorPack):
+            pack = value[0]
+            assert pack.w_X.dtype == jnp.float32 and pack.own.offset == 0
+            if tp > 1:
+                assert all(p is None for p in pack.w_X.sharding.spec)
+    ref = dict(nnx.to_flat_state(plain.state))
+    for path, var in nnx.to_flat_state(packed.state):
+        if str(path[0]) not in layer_weights.STACKS:
+            continue
+        for i in range(L[layer_weights.STACKS.index(str(path[0]))]):
+            layer = layer_weights.unpacked(layer_weights.layer(packed.state[str(path[0])], i))
+            got = dict(nnx.to_flat_state(layer))[path[1:]].get_value()
+            want = ref[path].get_value()[i]
+            assert jax.tree.structure(got) == jax.tree.structure(want)
+            for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                assert g.dtype == w.dtype
+                np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    ids = list(range(2, 13))
+    np.testing.assert_array_equal(packed.logits(ids), plain.logits(ids))
+
+
+def test_pack_vectors_needs_per_layer_weights():
+    with pytest.raises(ValueError, match="pack_vectors needs layer_weights='per_layer'"):
+        ops.ExecPlan(pack_vectors=True)
