@@ -1,5 +1,9 @@
 """The runner: lays a StepPlan out as one StepBatch, runs its compiled program, owns the device state
-(the page pool, the occurrence pool) and overlap dispatch, and declares the programs it can run."""
+(the page pool, the occurrence pool, each program's fixed input and output buffers) and overlap dispatch,
+and declares the programs it can run.
+
+Fixed buffers: a program's inputs and outputs stay at one address, so XLA never records its CUDA graph
+again (docs/ARCHITECTURE.md, "Fixed buffers")."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -68,9 +72,11 @@ class _InFlight:
 
 class Runner:
     def __init__(self, engine: Engine, *, num_pages: int, page_size: int, cache_dtype, max_num_seqs: int,
-                 max_logprobs: int = 20):
+                 max_logprobs: int = 20, fixed_buffers: bool = True):
         self.engine, self.page_size, self.max_num_seqs = engine, page_size, max_num_seqs
         self.max_logprobs = max_logprobs
+        self.fixed_buffers = fixed_buffers
+        self.resident: dict[ProgramKey, tuple[StepBatch, object]] = {}   # key -> (inputs, outputs) on the device
         self.pages = engine.init_pages(num_pages, page_size, cache_dtype)
         self.occ = None                   # the occurrence pool, made when a request first needs it
         self.inflight: Optional[_InFlight] = None
@@ -209,10 +215,33 @@ class Runner:
     def _call(self, batch: StepBatch, key: ProgramKey):
         eng = self.engine
         args, kw = self._step_args(batch, key)
-        self.pages, out = eng.step_jit(eng.state, self.pages, batch, *args, **kw)
+        if not self.fixed_buffers:
+            self.pages, out = eng.step_jit(eng.state, self.pages, batch, *args, **kw)
+            return self._take_occ(out)
+        io, prev = self._buffers(batch, key)
+        io = eng.put_batch(io, batch)
+        self.pages, out = eng.step_jit(eng.state, self.pages, io, *args, prev, **kw)
+        out = self._take_occ(out)
+        self.resident[key] = (io, out)
+        return eng.snapshot(out)
+
+    def _take_occ(self, out):
         if isinstance(out, dict) and "occurrences" in out:
             self.occ.pool = out.pop("occurrences")
         return out
+
+    def _buffers(self, batch: StepBatch, key: ProgramKey) -> tuple[StepBatch, object]:
+        """key's input and output buffers (zeros placed like the step's, on the program's first call)."""
+        if key not in self.resident:
+            eng = self.engine
+            args, kw = self._step_args(batch, key)
+            place = lambda a: jax.device_put(np.zeros(a.shape, a.dtype), eng.token_sharding)   # noqa: E731
+            io = jax.tree.map(place, batch)
+            out = jax.eval_shape(lambda *a: eng.step_jit(*a, **kw)[1], eng.state, self.pages, io, *args)
+            if isinstance(out, dict):
+                out.pop("occurrences", None)
+            self.resident[key] = (io, jax.tree.map(place, out))
+        return self.resident[key]
 
     # ---- the program set ------------------------------------------------------------------------
     def programs(self, limits: Limits) -> list[ProgramKey]:
@@ -274,10 +303,16 @@ class Runner:
         self.engine.set_occurrences(occ, occ.pad_slot, np.zeros((self.engine.cfg.vocab_size,), np.int32))
 
     def _lower(self, key: ProgramKey):
-        """`_call`'s program for key, lowered over padding rows."""
+        """`_call`'s program for key, lowered over padding rows (or key's fixed buffers)."""
         eng, batch = self.engine, self._dummy(key)
         args, kw = self._step_args(batch, key)
-        return eng.step_jit.lower(eng.state, self.pages, batch, *args, **kw)
+        if not self.fixed_buffers:
+            return eng.step_jit.lower(eng.state, self.pages, batch, *args, **kw)
+        io, prev = self._buffers(batch, key)
+        io = eng.put_batch(io, batch)
+        self.resident[key] = (io, prev)
+        eng.snapshot(prev)
+        return eng.step_jit.lower(eng.state, self.pages, io, *args, prev, **kw)
 
     def _dummy(self, key: ProgramKey) -> StepBatch:
         """Padding rows in the layout of key's program."""

@@ -510,7 +510,7 @@ class BatchEngine(Scheduler):
     plans are done. max_logprobs: the top logprobs one program returns (larger requests compile their own)."""
 
     def __init__(self, engine: Engine, *, num_pages: int, page_size: int, max_num_seqs: int, max_model_len: int,
-                 cache_dtype, max_logprobs: int = 20, **kw):
+                 cache_dtype, max_logprobs: int = 20, fixed_buffers: bool = True, **kw):
         self.engine = engine
         dp = getattr(engine, "dp", 1)
         super().__init__(vocab_size=engine.cfg.vocab_size, batch_size=engine.batch_size, dp=dp,
@@ -518,7 +518,8 @@ class BatchEngine(Scheduler):
                          max_model_len=max_model_len, pass_costs=engine.pass_costs, measure=self._measure,
                          max_logprobs=max_logprobs, **kw)
         self.runner = Runner(engine, num_pages=self.pool.num_pages, page_size=page_size, cache_dtype=cache_dtype,
-                             max_num_seqs=max_num_seqs, max_logprobs=max_logprobs if max_logprobs is not None and max_logprobs >= 0 else 20)
+                             max_num_seqs=max_num_seqs, max_logprobs=max_logprobs if max_logprobs is not None and max_logprobs >= 0 else 20,
+                             fixed_buffers=fixed_buffers)
 
     pages = property(lambda self: self.runner.pages, lambda self, v: setattr(self.runner, "pages", v))
     occ = property(lambda self: self.runner.occ)

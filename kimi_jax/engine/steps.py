@@ -110,13 +110,14 @@ class StepBatch:
 STEP_KINDS = ("prefill", "decode", "verify")
 
 
-def _step(graphdef, shard, state, pages, batch: StepBatch, occ=None, *, kind: str, n_logprobs=None,
+def _step(graphdef, shard, state, pages, batch: StepBatch, occ=None, prev=None, *, kind: str, n_logprobs=None,
           n_prompt_logprobs=None, fresh: bool = False, sample_mode=None, plan: ops.ExecPlan):
     """One continuous-batching step over the paged cache (kind static): 'decode' (T = 1) and 'verify'
     (row b feeds [last token, drafts...]) run absorbed MLA, 'prefill' expanded MLA (`fresh`: no row has
     cached tokens, attention reads only the new tokens). Samples from each row's token at last_B
     (verify: returns (accepted [B], next [B])). occ: the occurrence pool when some row uses penalties.
-    With n_prompt_logprobs the logits of every position score targets_BT and give their top-n."""
+    With n_prompt_logprobs the logits of every position score targets_BT and give their top-n.
+    prev: unread, donated: the outputs (but the pool) take its buffers (the runner's fixed buffers)."""
     model = nnx.merge(graphdef, state)
     tokens_BT = batch.tokens[:, None] if batch.tokens.ndim == 1 else batch.tokens
     tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
@@ -259,7 +260,10 @@ class Engine:
         # the one step the runner (kimi_jax.engine.runner) drives: a StepBatch in, the program by kind
         self.step_jit = jax.jit(functools.partial(_step, self.graphdef, shard),
                                 static_argnames=("kind", "n_logprobs", "n_prompt_logprobs", "fresh", "sample_mode",
-                                                 "plan"), donate_argnames=("pages", "occ"))
+                                                 "plan"), donate_argnames=("pages", "occ", "prev"), keep_unused=True)
+        self.put_batch = jax.jit(lambda io, new: jax.tree.map(jnp.copy, new), donate_argnums=0,
+                                 out_shardings=self.token_sharding, keep_unused=True)
+        self.snapshot = jax.jit(lambda out: jax.tree.map(jnp.copy, out))
         self._decode_step = jax.jit(functools.partial(_decode_step, self.graphdef, shard),
                                     static_argnames=("n_logprobs", "sample_mode", "mla_schedule", "plan"),
                                     donate_argnames=("pages", "occ"))

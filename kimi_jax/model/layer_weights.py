@@ -8,11 +8,8 @@ BENCHMARKS.md, "Compile time and per-layer weights", has the measurement. Each l
 as its two absorbed halves (`AbsorbedKvB`), laid out so the decode step's matrix-vector products reduce
 over their minor axis (BENCHMARKS.md, "MLA absorbed weights"), and its q_a_proj and kv_a_proj_with_mqa,
 two products of the same input, as one weight (`JointQKvA`: one matrix-vector product a layer instead of two;
-kv_a_proj_with_mqa then holds an `InJoint`, no array). Each array is one argument of the jitted step, and the
-host pays ~1.4 us an argument at every call (BENCHMARKS.md, "The host's enqueue"): with `pack=True` a layer's
-small replicated vectors (its four norm scales, the router's bias) travel as one float32 array (`VectorPack`,
-the others an `InPack` each), cut back into their own dtypes inside the step (`unpacked`) at the same offsets
-in every layer, so every layer's fusions stay alike.
+kv_a_proj_with_mqa then holds an `InJoint`, no array). `pack_vectors`: a layer's small vectors as one array
+(each array costs the host ~1.4 us a call: docs/ARCHITECTURE.md, "Fixed buffers").
 """
 from __future__ import annotations
 
@@ -69,6 +66,13 @@ class JointQKvA:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class JointGateUp:
+    """A SwiGLU MLP's gate_proj and up_proj [I, D] as w_2ID, held by gate_proj (up_proj: an InJoint)."""
+    w_2ID: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class InJoint:
     """kv_a_proj_with_mqa's weight inside q_a_proj's JointQKvA: no array, so steps take the joint weight once."""
     q_rows: int = dataclasses.field(metadata=dict(static=True))
@@ -89,8 +93,7 @@ class InPack:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class VectorPack:
-    """A layer's small replicated vectors concatenated as float32 w_X (X: their total size), held by the
-    first of them, whose own elements `own` gives; the others hold an InPack."""
+    """A layer's small vectors as one float32 w_X, held by the first (its own: `own`); the others: InPack."""
     w_X: jax.Array
     own: InPack = dataclasses.field(metadata=dict(static=True))
 
@@ -100,8 +103,7 @@ def _is_packed(x) -> bool:
 
 
 def unpacked(layer_state):
-    """One layer's weights with every VectorPack / InPack replaced by its vector (traced inside the step;
-    a state without a pack is returned as it is)."""
+    """One layer's weights with every VectorPack / InPack replaced by its vector (inside the step)."""
     packs = [x for x in jax.tree.leaves(layer_state, is_leaf=_is_packed) if isinstance(x, VectorPack)]
     if not packs:
         return layer_state
@@ -165,6 +167,16 @@ def _joint_fn(n: int, q_rows: int, sharding):
 
 
 @functools.lru_cache(maxsize=None)
+def _gate_up_fn(n: int, sharding):
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec))
+
+    def join(gate_LID, up_LID):
+        return tuple(JointGateUp(jnp.stack([gate_LID[i], up_LID[i]])) for i in range(n))
+    return jax.jit(join, out_shardings=None if sharding is None else (JointGateUp(sharding),) * n)
+
+
+@functools.lru_cache(maxsize=None)
 def _pack_fn(n: int, count: int, sharding):
     def pack(*vectors):     # count LayerLists' arrays, layer-major: vectors[j * n + i] is vector j of layer i
         return tuple(jnp.concatenate([vectors[j * n + i].astype(jnp.float32) for j in range(count)]) for i in range(n))
@@ -178,9 +190,8 @@ def _replicated(a) -> bool:
 
 
 def pack_vectors(state, max_size: int = 1 << 16) -> int:
-    """Replace, in place, each stack's per-layer replicated floating-point vectors of at most `max_size`
-    elements (LayerLists of split_layers) by one VectorPack a layer, held by the first (in path order),
-    and an InPack for each of the others. Returns how many vectors were packed."""
+    """Replace, in place, each stack's per-layer replicated float vectors (at most `max_size` long) by one
+    VectorPack a layer; returns how many were packed."""
     n_packed = 0
     for stack in STACKS:
         found = []
@@ -208,8 +219,9 @@ def pack_vectors(state, max_size: int = 1 << 16) -> int:
 def split_layers(state, cfg=None, pack: bool = False) -> int:
     """Replace, in place, every stacked non-expert weight of `state` (an nnx.State of a Transformer) by a
     LayerList placed as the stack was (its leading layer axis dropped); with `cfg` (the ModelConfig) each
-    layer's kv_b_proj becomes an AbsorbedKvB, and its q_a_proj and kv_a_proj_with_mqa one JointQKvA
-    (where both are plain arrays of one dtype); with `pack` its vectors one VectorPack (`pack_vectors`).
+    layer's kv_b_proj becomes an AbsorbedKvB, its q_a_proj and kv_a_proj_with_mqa one JointQKvA and each
+    SwiGLU MLP's gate_proj and up_proj (dense FFN, shared expert) one JointGateUp (where both are plain
+    arrays of one dtype, placed alike); with `pack` its vectors one VectorPack (`pack_vectors`).
     Returns how many were split."""
     n = 0
     flat = nnx.to_flat_state(state)
@@ -225,6 +237,17 @@ def split_layers(state, cfg=None, pack: bool = False) -> int:
             joint = LayerList(_joint_fn(q.shape[0], q.shape[1], _layer_sharding(q))(q, kv))
             q_var.set_value(joint)
             kv_var.set_value(LayerList([InJoint(q.shape[1])] * q.shape[0]))
+            n += 2
+        for names, gate_var in by_path.items():
+            if names[0] not in STACKS or names[-2:] != ("gate_proj", "weight") or "experts" in names:
+                continue
+            up_var = by_path.get(names[:-2] + ("up_proj", "weight"))
+            gate, up = gate_var.get_value(), None if up_var is None else up_var.get_value()
+            if not (isinstance(gate, jax.Array) and isinstance(up, jax.Array) and gate.dtype == up.dtype
+                    and gate.shape == up.shape and getattr(gate, "sharding", None) == getattr(up, "sharding", None)):
+                continue
+            gate_var.set_value(LayerList(_gate_up_fn(gate.shape[0], _layer_sharding(gate))(gate, up)))
+            up_var.set_value(LayerList([InJoint(0)] * gate.shape[0]))
             n += 2
     for path, var in flat:
         names = [str(p) for p in path]

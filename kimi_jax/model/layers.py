@@ -16,6 +16,7 @@ from flax import nnx
 
 from kimi_jax import ops
 from kimi_jax.config import ModelConfig
+from kimi_jax.model.layer_weights import JointGateUp
 
 
 def param(rngs: nnx.Rngs | None, shape, dtype, axes: tuple, *, std: float = 0.02, init: str = "normal"):
@@ -61,6 +62,10 @@ class MLP(nnx.Module):
         self.down_proj = Linear(hidden, dim, ("embed", ffn_axis), dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
+        w = self.gate_proj.weight.get_value()
+        if isinstance(w, JointGateUp):        # one product for gate and up (kimi_jax.model.layer_weights)
+            y = jnp.einsum("...d,kid->...ki", x, w.w_2ID, preferred_element_type=x.dtype)
+            return self.down_proj(jax.nn.silu(y[..., 0, :]) * y[..., 1, :])
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

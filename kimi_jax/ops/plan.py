@@ -102,6 +102,7 @@ class ExecPlan:
         if weights in (None, "auto"):
             weights = "per_layer" if gpu and loop == "unroll" else "stacked"
         options.setdefault("absorbed_chunk_tokens", 64 if gpu else 0)   # BENCHMARKS.md "Program set"
+        options.setdefault("pack_vectors", weights == "per_layer")     # BENCHMARKS.md "The host's enqueue"
         return cls(impl=("pallas" if gpu else "xla") if impl in (None, "auto") else impl,
                    layer_loop=loop, layer_weights=weights, hopper=bool(hopper), **options)
 

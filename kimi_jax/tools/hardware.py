@@ -261,8 +261,8 @@ _PRESETS = {
         int4_curve=_H200_INT4_CURVE, int4_call_s=_H200_INT4_CALL_S, int4_ep_curves=_H200_INT4_EP_CURVES,
         attention_curve=_H200_ATTENTION_CURVE,
         attention_call_s=_H200_ATTENTION_CALL_S, attention_call_curve=_H200_ATTENTION_CALL_CURVE,
-        layer_overhead_s=_H200_LAYER_OVERHEAD_S, kernels_per_layer=31.0, host_launch_s=2.3e-6,
-        arguments_per_layer=14.0, host_argument_s=1.4e-6,
+        layer_overhead_s=_H200_LAYER_OVERHEAD_S, kernels_per_layer=31.0, host_launch_s=0.28e-6,
+        arguments_per_layer=9.0, host_argument_s=1.4e-6,
         sources={"hbm_bytes": "datasheet (141 GB)",
                  "hbm_bw": "measured: device-to-device copy 4.24 TB/s (ANCHORS.md section 6; datasheet 4.8)",
                  "bf16_flops": "measured: 790 TFLOP/s bf16 matmul on this project's H200 (datasheet 989)",
@@ -296,12 +296,13 @@ _PRESETS = {
                  "kernels_per_layer": "measured: 1,840-1,918 kernels a decode step at 61 layers, batch 1 (TP8 "
                                       "shard, kimi-k2.5-61x16; BENCHMARKS.md, the decode step with one q_a / "
                                       "kv_a product)",
-                 "host_launch_s": "measured: host enqueue of the decode step, 2.5-3.7 us a kernel with its "
-                                  "arguments (5.3-7.5 ms for 1,840-2,100 kernels at 61 layers, command buffers on; "
-                                  "BENCHMARKS.md, full depth on one H200 and the shard presets), less the arguments' "
-                                  "share (host_argument_s): 2.3 us a kernel, which is XLA patching the step's CUDA "
-                                  "graph (BENCHMARKS.md, the host's enqueue)",
-                 "arguments_per_layer": "counted: 861 weight arrays at 61 layers (14 a layer, 7 for the model)",
+                 "host_launch_s": "measured: host enqueue of the decode step with every buffer fixed (the "
+                                  "runner's fixed buffers: XLA launches its CUDA graph as recorded), 1.28 ms at 61 "
+                                  "layers (kimi-k2.5-61x16, H100), less its 557 arrays' share (1.35 us each in that "
+                                  "process): 0.28 us a kernel for 1,915 kernels (BENCHMARKS.md, fixed buffers and "
+                                  "packed vectors). With buffers that move, XLA re-records the graph: 2.3 us a kernel",
+                 "arguments_per_layer": "counted: 557 weight arrays at 61 layers (9 a layer, 8 for the model) with "
+                                        "per-layer weights, the joint gate / up and packed vectors",
                  "host_argument_s": "measured: 1.41 us an argument (a no-op dispatched over the 861 weight arrays, "
                                     "1,248 us against 35 us without them; H100 machine of the same kind, "
                                     "BENCHMARKS.md, the host's enqueue)"}),

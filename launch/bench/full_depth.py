@@ -37,8 +37,8 @@ the census finds none, and the variants differ in their enqueue time only). Each
 The serving call itself (`Engine.decode_step_async`: its host work included) is timed the same ways
 (`variant` = serve: its host work, dispatching the first variant's executable), and with
 `--scheduler_batches` the continuous-batching scheduler (`BatchEngine.run`) decodes --steps tokens for
-every row with overlap scheduling on and off (requests enter with their prompt already in the cache;
-the synchronous path runs `Engine.paged_step`, which compiles its own step).
+every row with overlap scheduling on and off, its runner's fixed buffers on and off (requests enter with
+their prompt already in the cache; the runner compiles its own step programs).
 Compile times: `lower_s` (trace + lowering, once per batch), `compile_s` per variant; with
 --cache_dir the persistent compilation cache is on, and `cache_hit` says whether the compile was served
 from it (run the same command again with --compile_only for the warm numbers).
@@ -478,14 +478,14 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
     # last: the synchronous scheduler compiles a step of its own
     for b, (serve, plan) in served.items():
         with _serving(engine, serve):
-            for overlap in (True, False):
-                out(dict(kind="scheduler", batch=b, overlap=overlap, **plan,
-                         **scheduler_run(engine, b, context, steps, overlap)))
+            for overlap, fixed in ((True, True), (True, False), (False, True), (False, False)):
+                out(dict(kind="scheduler", batch=b, overlap=overlap, fixed_buffers=fixed, **plan,
+                         **scheduler_run(engine, b, context, steps, overlap, fixed)))
     out(dict(kind="cache", hits=hits.hits, misses=hits.misses))
     return rows
 
 
-def scheduler_run(engine, batch: int, context: int, steps: int, overlap: bool) -> dict:
+def scheduler_run(engine, batch: int, context: int, steps: int, overlap: bool, fixed_buffers: bool = True) -> dict:
     """`BatchEngine.run` decoding `steps` tokens (after a 3-token warm-up run) for `batch` requests
     whose prompts of context - max(steps, page) - 1 tokens are already cached, over a pool of the
     benchmark's shape (context / page pages per row, so the decode step is the one compiled already):
@@ -497,7 +497,7 @@ def scheduler_run(engine, batch: int, context: int, steps: int, overlap: bool) -
     # each row leaves at least one of its pages free before it decodes (admission needs one)
     prompt_len = context - max(steps, PAGE_SIZE) - 1
     be = BatchEngine(engine, num_pages=batch * (context // PAGE_SIZE), page_size=PAGE_SIZE, max_num_seqs=batch,
-                     max_model_len=context, cache_dtype=engine.cache_dtype, overlap=overlap)
+                     max_model_len=context, cache_dtype=engine.cache_dtype, overlap=overlap, fixed_buffers=fixed_buffers)
     be.pages = random_pages(engine, be.pool.num_pages)
     rng = np.random.default_rng(0)
 
@@ -538,7 +538,8 @@ def table(rows) -> str:
                          f"{100 * r['host_share_of_chain'] if 'host_share_of_chain' in r else float('nan'):5.1f}% "
                          f"{f(r, 'bytes_gb', 6)} {f(r, 'floor_ms', 6)} {f(r, 'pred_8dev_ms', 7)}")
         elif r["kind"] == "scheduler":
-            lines.append(f"{r['batch']:3d} sched overlap={r['overlap']}: {r['ms_per_step']:.2f} ms/step "
+            lines.append(f"{r['batch']:3d} sched overlap={r['overlap']} fixed={r.get('fixed_buffers')}: "
+                         f"{r['ms_per_step']:.2f} ms/step "
                          f"({r['engine_steps']} steps, {r['overlapped_steps']} overlapped), pred {r['pred_ms']:.2f}")
         elif r["kind"] == "build":
             lines.append(f"model built in {r['seconds']:.1f} s (random weights, on the device)")

@@ -1,6 +1,7 @@
 """The unrolled layer loop's per-layer weights (kimi_jax.model.layer_weights): an Engine whose plan has
 layer_weights='per_layer' holds every stacked non-expert weight as L arrays placed like the stack (its layer axis
-dropped; kv_b_proj as its two absorbed halves, q_a_proj and kv_a_proj_with_mqa as one joint weight), the routed experts stay stacked, and its logits equal those of the stacked weights under
+dropped; kv_b_proj as its two absorbed halves, q_a_proj and kv_a_proj_with_mqa as one joint weight, each MLP's
+gate_proj and up_proj as one), the routed experts stay stacked, and its logits equal those of the stacked weights under
 lax.scan (float32 tiny model on the CPU: the two loops differ only in XLA's summation order, so 1e-5
 relative is far above their difference and far below a wrong layer's weights)."""
 from __future__ import annotations
@@ -44,6 +45,19 @@ def test_unrolled_engine_holds_per_layer_weights_with_equal_logits(tp):
                     if tp > 1:
                         assert tuple(kvb.uk_NAH.sharding.spec)[0] == tuple(ref.sharding.spec)[1]
                 continue
+            if [str(p) for p in path][-2] == "up_proj":        # in gate_proj's joint weight
+                assert value.arrays == (layer_weights.InJoint(0),) * ref.shape[0]
+                n_joint += 1
+                continue
+            if [str(p) for p in path][-2] == "gate_proj":
+                up_ref = stacked_leaves[path[:-2] + ("up_proj", "weight")].get_value()
+                for i, joint in enumerate(value.arrays):
+                    np.testing.assert_array_equal(np.asarray(joint.w_2ID),
+                                                  np.stack([np.asarray(ref[i]), np.asarray(up_ref[i])]))
+                    if tp > 1:
+                        assert tuple(joint.w_2ID.sharding.spec) == (None,) + tuple(ref.sharding.spec)[1:]
+                n_joint += 1
+                continue
             if [str(p) for p in path][-2] == "kv_a_proj_with_mqa":     # its rows are in q_a_proj's joint weight
                 assert value.arrays == (layer_weights.InJoint(CFG.q_lora_rank),) * ref.shape[0]
                 assert jax.tree.leaves(value) == []
@@ -68,13 +82,13 @@ def test_unrolled_engine_holds_per_layer_weights_with_equal_logits(tp):
         else:
             assert path[0] not in layer_weights.STACKS or "experts" in [str(p) for p in path]
     assert n_split >= 10                 # attention, norms, router and shared expert of both stacks
-    assert n_joint == 4                  # q_a_proj and kv_a_proj_with_mqa of both stacks
-    # the step's arguments: a stacked weight's leaves once per layer, kv_b_proj's two halves, the joint
-    # weight once (kv_a_proj_with_mqa none of its own: +1 - 1 a layer), the routed experts stacked
+    assert n_joint == 8                  # q_a / kv_a_proj_with_mqa and the MLPs' gate / up of both stacks
+    # the step's arguments: a stacked weight's leaves once per layer, kv_b_proj's two halves, each joint
+    # weight once (kv_a_proj_with_mqa and up_proj none of their own), the routed experts stacked
     stacks = [len(jax.tree.leaves(scan.state[k])) for k in layer_weights.STACKS]
     L = [CFG.first_k_dense_replace, CFG.num_hidden_layers - CFG.first_k_dense_replace]
     experts = len(jax.tree.leaves(scan.state["moe_layers"]["mlp"]["experts"]))
-    want = L[0] * stacks[0] + L[1] * (stacks[1] - experts) + experts
+    want = L[0] * (stacks[0] - 1) + L[1] * (stacks[1] - experts - 1) + experts
     assert sum(len(jax.tree.leaves(unrolled.state[k])) for k in layer_weights.STACKS) == want
     ids = list(range(2, 13))
     np.testing.assert_allclose(unrolled.logits(ids), scan.logits(ids), rtol=1e-5, atol=1e-5)
@@ -94,6 +108,8 @@ def test_layer_helpers_match_static_slices():
 
 def test_plan_rule_for_per_layer_weights():
     assert ops.ExecPlan.for_backend("gpu", hopper=True).layer_weights == "per_layer"
+    assert ops.ExecPlan.for_backend("gpu", hopper=True).pack_vectors
+    assert not ops.ExecPlan.for_backend("gpu", hopper=True, layer_loop="scan").pack_vectors
     assert ops.ExecPlan.for_backend("gpu", hopper=True, layer_loop="scan").layer_weights == "stacked"
     assert ops.ExecPlan.for_backend("cpu").layer_weights == "stacked"
     with pytest.raises(ValueError, match="layer_weights='per_layer' needs layer_loop='unroll'"):
