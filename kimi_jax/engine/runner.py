@@ -107,7 +107,7 @@ class Runner:
                 self.engine.plan, np.asarray(batch.positions_BT)[:, 0]))
         else:
             batch, key = self.layout(plan, structured)
-        out = self._call(batch, key)
+        out = self._call(batch, key, snapshot=plan.overlap)
         if not plan.overlap:
             return [(plan, _host(out))]
         for o in out.values():
@@ -212,7 +212,7 @@ class Runner:
                             fresh=key.fresh, sample_mode=("filtered" if key.sampled else "greedy")
                             if key.kind != "verify" else None, plan=plan)
 
-    def _call(self, batch: StepBatch, key: ProgramKey):
+    def _call(self, batch: StepBatch, key: ProgramKey, snapshot: bool = True):
         eng = self.engine
         args, kw = self._step_args(batch, key)
         if not self.fixed_buffers:
@@ -223,7 +223,7 @@ class Runner:
         self.pages, out = eng.step_jit(eng.state, self.pages, io, *args, prev, **kw)
         out = self._take_occ(out)
         self.resident[key] = (io, out)
-        return eng.snapshot(out)
+        return eng.snapshot(out) if snapshot else out
 
     def _take_occ(self, out):
         if isinstance(out, dict) and "occurrences" in out:

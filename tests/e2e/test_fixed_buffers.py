@@ -31,8 +31,8 @@ def run(llm, fixed: bool, overlap: bool, watch=None):
     if watch is not None:
         call = be.runner._call
 
-        def watched(batch, key):
-            out = call(batch, key)
+        def watched(batch, key, **kw):
+            out = call(batch, key, **kw)
             watch(be.runner, key)
             return out
         be.runner._call = watched
