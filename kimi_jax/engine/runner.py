@@ -216,11 +216,11 @@ class Runner:
         eng = self.engine
         args, kw = self._step_args(batch, key)
         if not self.fixed_buffers:
-            self.pages, out = eng.step_jit(eng.state, self.pages, batch, *args, **kw)
+            self.pages, out = eng.step_jit(eng.weights, self.pages, batch, *args, **kw)
             return self._take_occ(out)
         io, prev = self._buffers(batch, key)
         io = eng.put_batch(io, batch)
-        self.pages, out = eng.step_jit(eng.state, self.pages, io, *args, prev, **kw)
+        self.pages, out = eng.step_jit(eng.weights, self.pages, io, *args, prev, **kw)
         out = self._take_occ(out)
         self.resident[key] = (io, out)
         return eng.snapshot(out) if snapshot else out
@@ -237,7 +237,7 @@ class Runner:
             args, kw = self._step_args(batch, key)
             place = lambda a: jax.device_put(np.zeros(a.shape, a.dtype), eng.token_sharding)   # noqa: E731
             io = jax.tree.map(place, batch)
-            out = jax.eval_shape(lambda *a: eng.step_jit(*a, **kw)[1], eng.state, self.pages, io, *args)
+            out = jax.eval_shape(lambda *a: eng.step_jit(*a, **kw)[1], eng.weights, self.pages, io, *args)
             if isinstance(out, dict):
                 out.pop("occurrences", None)
             self.resident[key] = (io, jax.tree.map(place, out))
@@ -307,12 +307,12 @@ class Runner:
         eng, batch = self.engine, self._dummy(key)
         args, kw = self._step_args(batch, key)
         if not self.fixed_buffers:
-            return eng.step_jit.lower(eng.state, self.pages, batch, *args, **kw)
+            return eng.step_jit.lower(eng.weights, self.pages, batch, *args, **kw)
         io, prev = self._buffers(batch, key)
         io = eng.put_batch(io, batch)
         self.resident[key] = (io, prev)
         eng.snapshot(prev)
-        return eng.step_jit.lower(eng.state, self.pages, io, *args, prev, **kw)
+        return eng.step_jit.lower(eng.weights, self.pages, io, *args, prev, **kw)
 
     def _dummy(self, key: ProgramKey) -> StepBatch:
         """Padding rows in the layout of key's program."""

@@ -49,6 +49,40 @@ class Occurrences:
 _OCC = "occurrences"      # the updated pool's key among a step's outputs (taken off by the Engine)
 
 
+class _Structure:
+    """A state's tree structure, compared by identity (a jit cache key checks it at every call)."""
+
+    def __init__(self, treedef):
+        self.treedef = treedef
+
+
+@jax.tree_util.register_pytree_node_class
+class FlatWeights:
+    """The model's state as one flat tuple of arrays, the steps' argument: flattening an nnx.State costs the
+    host about 0.4 us a Variable at each call (BENCHMARKS.md, "The host's enqueue"), a tuple next to nothing."""
+
+    def __init__(self, leaves, structure: _Structure):
+        self.leaves, self.structure = tuple(leaves), structure
+
+    @classmethod
+    def of(cls, state) -> "FlatWeights":
+        leaves, treedef = jax.tree.flatten(state)
+        return cls(leaves, _Structure(treedef))
+
+    def tree_flatten(self):
+        return self.leaves, self.structure
+
+    @classmethod
+    def tree_unflatten(cls, structure, leaves):
+        return cls(leaves, structure)
+
+
+def _merge(graphdef, state):
+    if isinstance(state, FlatWeights):
+        state = jax.tree.unflatten(state.structure.treedef, state.leaves)
+    return nnx.merge(graphdef, state)
+
+
 def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None, occ=None, mask_Bw=None):
     # pinned vocab-split first, so each device multiplies its own lm_head rows (BENCHMARKS.md, 'Engine
     # decode step': otherwise the partitioner all-gathers the whole lm_head weight)
@@ -83,7 +117,7 @@ def _decode(graphdef, shard, state, cache, tokens_B, positions_B, sp, step_B, n_
             plan: ops.ExecPlan):
     """One token per row at its position, absorbed MLA over a contiguous cache {kind: [L, B, S, A+R]}
     (the profiler's and planner's reference step; generation runs `_paged_step`)."""
-    model = nnx.merge(graphdef, state)
+    model = _merge(graphdef, state)
     tokens_B = _constrain(tokens_B, shard.get("batch1"))
     logits, cache = model(tokens_B[:, None], positions_B[:, None], cache, absorbed=True, plan=plan)
     cache = {k: _constrain(v, shard.get("cache")) for k, v in cache.items()}
@@ -118,7 +152,7 @@ def _step(graphdef, shard, state, pages, batch: StepBatch, occ=None, prev=None, 
     (verify: returns (accepted [B], next [B])). occ: the occurrence pool when some row uses penalties.
     With n_prompt_logprobs the logits of every position score targets_BT and give their top-n.
     prev: unread, donated: the outputs (but the pool) take its buffers (the runner's fixed buffers)."""
-    model = nnx.merge(graphdef, state)
+    model = _merge(graphdef, state)
     tokens_BT = batch.tokens[:, None] if batch.tokens.ndim == 1 else batch.tokens
     tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
     h_BTD, pages = model.hidden_states(tokens_BT, batch.positions_BT, pages, absorbed=kind != "prefill",
@@ -203,7 +237,7 @@ def _verify_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_t
 
 
 def _all_logits(graphdef, shard, state, tokens_BT, *, plan: ops.ExecPlan):
-    model = nnx.merge(graphdef, state)
+    model = _merge(graphdef, state)
     tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
     B, T = tokens_BT.shape
     logits, _ = model(tokens_BT, jnp.broadcast_to(jnp.arange(T), (B, T)), None, absorbed=False, fresh=True,
@@ -224,6 +258,7 @@ class Engine:
         self.graphdef, self.state = nnx.split(model)
         if self.plan.layer_weights == "per_layer":
             layer_weights.split_layers(self.state, cfg, pack=self.plan.pack_vectors)
+        self.weights = FlatWeights.of(self.state)     # what the steps take (the same arrays)
         self.cache_dtype = model.dtype
         self.dp = 1 if layout is None else layout.data_parallel_size
         # (batch bucket, page-table bucket) -> (decode pass s, verification pass s): measured once by the
@@ -296,7 +331,7 @@ class Engine:
         T = len(token_ids)
         padded = np.zeros((self.batch_size(1), bucket(T)), np.int32)
         padded[0, :T] = token_ids
-        return np.asarray(self._logits(self.state, jnp.asarray(padded), plan=self.plan)[0, :T], np.float32)
+        return np.asarray(self._logits(self.weights, jnp.asarray(padded), plan=self.plan)[0, :T], np.float32)
 
     def paged_step(self, pages, tokens_BT, positions_BT, block_table_BP, last_B, sp: SamplingArrays,
                    steps_B, n_logprobs: Optional[int], occ: Optional[Occurrences] = None,
@@ -308,7 +343,7 @@ class Engine:
         T = tokens_BT.shape[1]
         extra = {} if n_prompt_logprobs is None else {"n_prompt_logprobs": n_prompt_logprobs,
                                                        "targets_BT": _i32(targets_BT)}
-        pages, out = self.paged_step_jit(self.state, pages, _i32(tokens_BT), _i32(positions_BT), _i32(block_table_BP),
+        pages, out = self.paged_step_jit(self.weights, pages, _i32(tokens_BT), _i32(positions_BT), _i32(block_table_BP),
                                 _i32(last_B), sp, _i32(steps_B), n_logprobs=n_logprobs, absorbed=T == 1,
                                 fresh=T > 1 and is_fresh(positions_BT), sample_mode=sample_mode_of(sp),
                                 occ=_occ_in(occ, sp), plan=self.plan,
@@ -346,7 +381,7 @@ class Engine:
             host = _i32(tokens_B)            # committed like a step's own output tokens (see __init__)
             tokens_B = jax.make_array_from_callback(host.shape, self.token_sharding, lambda i: host[i])
         positions_B = _i32(positions_B)
-        pages, out = self._decode_step(self.state, pages, tokens_B, positions_B, _i32(block_table_BP), sp,
+        pages, out = self._decode_step(self.weights, pages, tokens_B, positions_B, _i32(block_table_BP), sp,
                                        _i32(steps_B), n_logprobs=n_logprobs,
                                        sample_mode=sample_mode or sample_mode_of(sp),
                                        mla_schedule=step_schedule(self.plan, positions_B),
@@ -364,7 +399,7 @@ class Engine:
 
     def verify_step(self, pages, tokens_BT, positions_BT, block_table_BP, n_draft_B, sp: SamplingArrays, steps_B):
         sp = dataclasses.replace(sp, adjust=None)   # rows that adjust logits never verify (scheduler)
-        pages, (n_acc, nxt) = self._verify(self.state, pages, _i32(tokens_BT), _i32(positions_BT),
+        pages, (n_acc, nxt) = self._verify(self.weights, pages, _i32(tokens_BT), _i32(positions_BT),
                                            _i32(block_table_BP), _i32(n_draft_B), sp, _i32(steps_B),
                                            plan=self.plan)
         return pages, np.asarray(n_acc), np.asarray(nxt)

@@ -227,7 +227,7 @@ def time_fixed_buffers(engine, pages, inputs, steps: int, schedule, call=None) -
     fixed = jax.jit(step, donate_argnums=(1, 2))
     first_io = lambda: jnp.asarray(np.stack([np.asarray(tokens, np.int32), np.asarray(positions, np.int32)]))  # noqa: E731
     table, sp, step_B = jax.device_put((np.asarray(table, np.int32), sp, np.asarray(step_B, np.int32)))
-    advance = lambda carry: fixed(engine.state, *carry, table, sp, step_B)   # noqa: E731  (pages, io)
+    advance = lambda carry: fixed(engine.weights, *carry, table, sp, step_B)   # noqa: E731  (pages, io)
     res = {}
     if call is not None:
         copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p))
@@ -402,7 +402,8 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
     jax.block_until_ready(jax.tree.leaves(engine.state))
     out(dict(kind="build", seconds=time.perf_counter() - t0))
     if dispatch and not compile_only:
-        out(dict(kind="dispatch", **harness.dispatch_cost(engine.state)))
+        cost = harness.dispatch_cost(engine.weights)      # what the steps take; then the nnx.State of it
+        out(dict(kind="dispatch", **cost, as_nnx_state_us=harness.dispatch_cost(engine.state)["with_weights_us"]))
     pallas = engine.plan.impl == "pallas"
     served = {}           # batch -> (its compiled step as Engine._decode_step, its plan), for the scheduler
     for b in batches:
@@ -412,7 +413,7 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
         schedule = mla_schedule_for(positions, pallas)
         pages = random_pages(engine, b * P)
         t0 = time.perf_counter()
-        lowered = engine._decode_step.lower(engine.state, pages, _i32(tokens), _i32(positions), _i32(table), sp,
+        lowered = engine._decode_step.lower(engine.weights, pages, _i32(tokens), _i32(positions), _i32(table), sp,
                                             _i32(step_B), n_logprobs=None, sample_mode="greedy", mla_schedule=schedule,
                                             plan=engine.plan)
         lower_s = time.perf_counter() - t0
@@ -435,7 +436,7 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
                        cache_hit=hits.hits > h0, cache_miss=hits.misses > m0, hlo_chars=len(text),
                        **command_buffer_census(text), **plan)
             if not compile_only:
-                call = functools.partial(_call_compiled, compiled, engine.state)
+                call = functools.partial(_call_compiled, compiled, engine.weights)
                 pages, o = call(pages, tokens, positions, table, sp, step_B)   # a first run (allocations)
                 jax.block_until_ready(o)
                 times, pages = time_exe(call, pages, inputs, steps)
@@ -468,7 +469,7 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
                  pred_error=times["chain_ms"] / plan["pred_ms"] - 1.0))
         if fixed_buffers:
             times, pages = time_fixed_buffers(engine, pages, inputs, steps, schedule,
-                                              call=functools.partial(_call_compiled, first, engine.state))
+                                              call=functools.partial(_call_compiled, first, engine.weights))
             out(dict(kind="step", batch=b, variant="fixed", **times, **plan,
                      host_share_of_chain=times["enqueue_ms"] / times["chain_ms"],
                      pred_error=times["chain_ms"] / plan["pred_ms"] - 1.0))
@@ -545,7 +546,8 @@ def table(rows) -> str:
             lines.append(f"model built in {r['seconds']:.1f} s (random weights, on the device)")
         elif r["kind"] == "dispatch":
             lines.append(f"dispatch of a no-op over the {r['arguments']} weight arrays: {r['with_weights_us']:.0f} us "
-                         f"({r['alone_us']:.1f} without them, {r['per_argument_us']:.2f} us an argument)")
+                         f"({r['alone_us']:.1f} without them, {r['per_argument_us']:.2f} us an argument; as an "
+                         f"nnx.State {r.get('as_nnx_state_us', float('nan')):.0f} us)")
     return "\n".join(lines)
 
 

@@ -154,3 +154,17 @@ def test_packed_vectors_give_equal_logits_with_fewer_arguments(tp):
 def test_pack_vectors_needs_per_layer_weights():
     with pytest.raises(ValueError, match="pack_vectors needs layer_weights='per_layer'"):
         ops.ExecPlan(pack_vectors=True)
+
+
+def test_steps_take_the_state_as_one_flat_node():
+    """Engine.weights (what the jitted steps take) holds the state's arrays themselves under one tree node,
+    so a call flattens no nnx Variable, and the model it merges back is the state's."""
+    from kimi_jax.engine.steps import FlatWeights, _merge
+    plan = ops.ExecPlan(layer_loop="unroll", layer_weights="per_layer", pack_vectors=True)
+    engine = Engine(random_model(CFG, Layout(1), jnp.float32, 2), CFG, Layout(1), plan=plan)
+    leaves = jax.tree.leaves(engine.state)
+    assert isinstance(engine.weights, FlatWeights)
+    assert all(a is b for a, b in zip(jax.tree.leaves(engine.weights), leaves)) and len(engine.weights.leaves) == len(leaves)
+    assert jax.tree.structure(engine.weights).num_nodes == len(leaves) + 1
+    merged = nnx.state(_merge(engine.graphdef, engine.weights))
+    assert jax.tree.structure(merged) == jax.tree.structure(engine.state)

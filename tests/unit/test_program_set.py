@@ -43,7 +43,7 @@ class FakeEngine:
 def fake_engine(rng, vocab_size, seen, **kw) -> BatchEngine:
     be = BatchEngine(FakeEngine(vocab_size, kw.pop("dp", 1), kw.pop("plan", ops.ExecPlan())), cache_dtype=None, **kw)
 
-    def fake_call(batch, key):
+    def fake_call(batch, key, **kw):
         seen.append(key)
         B = key.batch
         if key.kind == "verify":
