@@ -76,7 +76,8 @@ class Runner:
         self.engine, self.page_size, self.max_num_seqs = engine, page_size, max_num_seqs
         self.max_logprobs = max_logprobs
         self.fixed_buffers = fixed_buffers
-        self.resident: dict[ProgramKey, tuple[StepBatch, object]] = {}   # key -> (inputs, outputs) on the device
+        # (key, the batch's shapes: wide logits adjustments compile their own) -> (inputs, outputs) on the device
+        self.resident: dict[tuple, tuple[StepBatch, object]] = {}
         self.pages = engine.init_pages(num_pages, page_size, cache_dtype)
         self.occ = None                   # the occurrence pool, made when a request first needs it
         self.inflight: Optional[_InFlight] = None
@@ -222,7 +223,7 @@ class Runner:
         io = eng.put_batch(io, batch)
         self.pages, out = eng.step_jit(eng.weights, self.pages, io, *args, prev, **kw)
         out = self._take_occ(out)
-        self.resident[key] = (io, out)
+        self.resident[_slot(key, batch)] = (io, out)
         return eng.snapshot(out) if snapshot else out
 
     def _take_occ(self, out):
@@ -232,7 +233,8 @@ class Runner:
 
     def _buffers(self, batch: StepBatch, key: ProgramKey) -> tuple[StepBatch, object]:
         """key's input and output buffers (zeros placed like the step's, on the program's first call)."""
-        if key not in self.resident:
+        slot = _slot(key, batch)
+        if slot not in self.resident:
             eng = self.engine
             args, kw = self._step_args(batch, key)
             place = lambda a: jax.device_put(np.zeros(a.shape, a.dtype), eng.token_sharding)   # noqa: E731
@@ -240,8 +242,8 @@ class Runner:
             out = jax.eval_shape(lambda *a: eng.step_jit(*a, **kw)[1], eng.weights, self.pages, io, *args)
             if isinstance(out, dict):
                 out.pop("occurrences", None)
-            self.resident[key] = (io, jax.tree.map(place, out))
-        return self.resident[key]
+            self.resident[slot] = (io, jax.tree.map(place, out))
+        return self.resident[slot]
 
     # ---- the program set ------------------------------------------------------------------------
     def programs(self, limits: Limits) -> list[ProgramKey]:
@@ -310,7 +312,7 @@ class Runner:
             return eng.step_jit.lower(eng.weights, self.pages, batch, *args, **kw)
         io, prev = self._buffers(batch, key)
         io = eng.put_batch(io, batch)
-        self.resident[key] = (io, prev)
+        self.resident[_slot(key, batch)] = (io, prev)
         eng.snapshot(prev)
         return eng.step_jit.lower(eng.weights, self.pages, io, *args, prev, **kw)
 
@@ -352,6 +354,10 @@ class Runner:
             from jax.experimental import multihost_utils
             costs = np.asarray(multihost_utils.broadcast_one_to_all(costs))
         return float(costs[0]), float(costs[1])
+
+
+def _slot(key: ProgramKey, batch: StepBatch) -> tuple:
+    return key, tuple(np.shape(x) for x in jax.tree.leaves(batch))
 
 
 def _host(out):

@@ -18,7 +18,8 @@ def requests(n, seed=0):
     rng = np.random.default_rng(seed)
     ps = [rng.integers(2, CFG.vocab_size, int(rng.integers(1, 30))).tolist() for _ in range(n)]
     kinds = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9), dict(temperature=0.0, logprobs=3),
-             dict(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3)]
+             dict(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3),
+             dict(temperature=0.0, logit_bias={t: -5.0 for t in range(10, 30)})]   # wider than the declared 16
     params = [SamplingParams(max_tokens=int(rng.integers(2, 12)), ignore_eos=True, **kinds[i % len(kinds)])
               for i in range(n)]
     return ps, params
@@ -36,7 +37,7 @@ def run(llm, fixed: bool, overlap: bool, watch=None):
             watch(be.runner, key)
             return out
         be.runner._call = watched
-    ps, params = requests(6)
+    ps, params = requests(7)
     reqs = [be.make_request(str(i), p, sp, seed=50 + i) for i, (p, sp) in enumerate(zip(ps, params))]
     for r in reqs:
         be.add(r)
@@ -69,9 +70,9 @@ def test_each_program_keeps_its_buffers(pool_llm):
     seen, calls = {}, {}
 
     def watch(runner, key):
-        io, out = runner.resident[key]
-        now = (pointers(io), pointers(out), pointers(runner.pages))
-        assert seen.setdefault(key, now) == now, key
+        for slot, (io, out) in runner.resident.items():
+            now = (pointers(io), pointers(out), pointers(runner.pages))
+            assert seen.setdefault(slot, now) == now, slot
         calls[key] = calls.get(key, 0) + 1
     run(pool_llm, fixed=True, overlap=True, watch=watch)
     assert any(k.kind == "decode" and n >= 5 for k, n in calls.items()), calls
