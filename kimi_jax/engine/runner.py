@@ -219,11 +219,10 @@ class Runner:
         if not self.fixed_buffers:
             self.pages, out = eng.step_jit(eng.weights, self.pages, batch, *args, **kw)
             return self._take_occ(out)
-        io, prev = self._buffers(batch, key)
-        io = eng.put_batch(io, batch)
+        slot, io, prev = self._place(batch, key, args, kw)
         self.pages, out = eng.step_jit(eng.weights, self.pages, io, *args, prev, **kw)
         out = self._take_occ(out)
-        self.resident[_slot(key, batch)] = (io, out)
+        self.resident[slot] = (io, out)
         return eng.snapshot(out) if snapshot else out
 
     def _take_occ(self, out):
@@ -231,19 +230,20 @@ class Runner:
             self.occ.pool = out.pop("occurrences")
         return out
 
-    def _buffers(self, batch: StepBatch, key: ProgramKey) -> tuple[StepBatch, object]:
-        """key's input and output buffers (zeros placed like the step's, on the program's first call)."""
-        slot = _slot(key, batch)
+    def _place(self, batch: StepBatch, key: ProgramKey, args: tuple, kw: dict) -> tuple[tuple, StepBatch, object]:
+        """batch written into its program's buffers (made at the first call): (slot, inputs, outputs' buffers)."""
+        eng, slot = self.engine, _slot(key, batch)
         if slot not in self.resident:
-            eng = self.engine
-            args, kw = self._step_args(batch, key)
             place = lambda a: jax.device_put(np.zeros(a.shape, a.dtype), eng.token_sharding)   # noqa: E731
             io = jax.tree.map(place, batch)
             out = jax.eval_shape(lambda *a: eng.step_jit(*a, **kw)[1], eng.weights, self.pages, io, *args)
             if isinstance(out, dict):
                 out.pop("occurrences", None)
             self.resident[slot] = (io, jax.tree.map(place, out))
-        return self.resident[slot]
+        io, prev = self.resident[slot]
+        io = eng.put_batch(io, batch)
+        self.resident[slot] = (io, prev)
+        return slot, io, prev
 
     # ---- the program set ------------------------------------------------------------------------
     def programs(self, limits: Limits) -> list[ProgramKey]:
@@ -310,9 +310,7 @@ class Runner:
         args, kw = self._step_args(batch, key)
         if not self.fixed_buffers:
             return eng.step_jit.lower(eng.weights, self.pages, batch, *args, **kw)
-        io, prev = self._buffers(batch, key)
-        io = eng.put_batch(io, batch)
-        self.resident[_slot(key, batch)] = (io, prev)
+        _, io, prev = self._place(batch, key, args, kw)
         eng.snapshot(prev)
         return eng.step_jit.lower(eng.weights, self.pages, io, *args, prev, **kw)
 

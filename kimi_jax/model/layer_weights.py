@@ -74,8 +74,7 @@ class JointGateUp:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class InJoint:
-    """kv_a_proj_with_mqa's weight inside q_a_proj's JointQKvA: no array, so steps take the joint weight once."""
-    q_rows: int = dataclasses.field(metadata=dict(static=True))
+    """A weight inside another's joint one (kv_a_proj_with_mqa, up_proj): no array, the step takes it once."""
 
 
 @jax.tree_util.register_dataclass
@@ -192,16 +191,16 @@ def _replicated(a) -> bool:
 def pack_vectors(state, max_size: int = 1 << 16) -> int:
     """Replace, in place, each stack's per-layer replicated float vectors (at most `max_size` long) by one
     VectorPack a layer; returns how many were packed."""
+    by_stack = {stack: [] for stack in STACKS}
+    for path, var in nnx.to_flat_state(state):
+        value = var.get_value()
+        if str(path[0]) not in by_stack or not is_layer_list(value) or not all(isinstance(a, jax.Array) for a in value):
+            continue
+        a = value[0]
+        if a.ndim == 1 and a.size <= max_size and jnp.issubdtype(a.dtype, jnp.floating) and _replicated(a):
+            by_stack[str(path[0])].append((path, var, value))
     n_packed = 0
-    for stack in STACKS:
-        found = []
-        for path, var in nnx.to_flat_state(state):
-            value = var.get_value()
-            if str(path[0]) != stack or not is_layer_list(value) or not all(isinstance(a, jax.Array) for a in value):
-                continue
-            a = value[0]
-            if a.ndim == 1 and a.size <= max_size and jnp.issubdtype(a.dtype, jnp.floating) and _replicated(a):
-                found.append((path, var, value))
+    for found in by_stack.values():
         if len(found) < 2:
             continue
         found.sort(key=lambda f: tuple(str(p) for p in f[0]))
@@ -236,7 +235,7 @@ def split_layers(state, cfg=None, pack: bool = False) -> int:
                 continue
             joint = LayerList(_joint_fn(q.shape[0], q.shape[1], _layer_sharding(q))(q, kv))
             q_var.set_value(joint)
-            kv_var.set_value(LayerList([InJoint(q.shape[1])] * q.shape[0]))
+            kv_var.set_value(LayerList([InJoint()] * q.shape[0]))
             n += 2
         for names, gate_var in by_path.items():
             if names[0] not in STACKS or names[-2:] != ("gate_proj", "weight") or "experts" in names:
@@ -247,7 +246,7 @@ def split_layers(state, cfg=None, pack: bool = False) -> int:
                     and gate.shape == up.shape and getattr(gate, "sharding", None) == getattr(up, "sharding", None)):
                 continue
             gate_var.set_value(LayerList(_gate_up_fn(gate.shape[0], _layer_sharding(gate))(gate, up)))
-            up_var.set_value(LayerList([InJoint(0)] * gate.shape[0]))
+            up_var.set_value(LayerList([InJoint()] * gate.shape[0]))
             n += 2
     for path, var in flat:
         names = [str(p) for p in path]

@@ -294,6 +294,12 @@ def _serving(engine, step):
         engine._decode_step = jitted
 
 
+def _against_chain(times: dict, plan: dict) -> dict:
+    """A timed row's host share of its chain and its chain against the planner's prediction."""
+    return dict(host_share_of_chain=times["enqueue_ms"] / times["chain_ms"],
+                pred_error=times["chain_ms"] / plan["pred_ms"] - 1.0)
+
+
 def _call_compiled(compiled, state, pages, tokens, positions, table, sp, steps):
     return compiled(state, pages, tokens, positions, table, sp, steps)
 
@@ -405,7 +411,7 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
         cost = harness.dispatch_cost(engine.weights)      # what the steps take; then the nnx.State of it
         out(dict(kind="dispatch", **cost, as_nnx_state_us=harness.dispatch_cost(engine.state)["with_weights_us"]))
     pallas = engine.plan.impl == "pallas"
-    served = {}           # batch -> (its compiled step as Engine._decode_step, its plan), for the scheduler
+    scheduled = {}        # batch -> its plan row, for the scheduler
     for b in batches:
         inputs = step_inputs(cfg, b, context)
         tokens, positions, table, sp, step_B = inputs
@@ -450,8 +456,7 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
                         with open(os.path.join(kernel_dir, f"step_B{b}.hlo.txt"), "w") as f:
                             f.write(text)
                     row.update(prof)
-                row["host_share_of_chain"] = row["enqueue_ms"] / row["chain_ms"]
-                row["pred_error"] = row["chain_ms"] / row["pred_ms"] - 1.0
+                row.update(_against_chain(row, plan))
             out(row)
             del compiled
         del lowered
@@ -464,24 +469,19 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
         with _serving(engine, serve):
             call = lambda p, t, q, tb, s, st: engine.decode_step_async(p, t, q, tb, s, st, None, "greedy")  # noqa: E731
             times, pages = time_exe(call, pages, inputs, steps)
-        out(dict(kind="step", batch=b, variant="serve", **times, **plan,
-                 host_share_of_chain=times["enqueue_ms"] / times["chain_ms"],
-                 pred_error=times["chain_ms"] / plan["pred_ms"] - 1.0))
+        out(dict(kind="step", batch=b, variant="serve", **times, **plan, **_against_chain(times, plan)))
         if fixed_buffers:
             times, pages = time_fixed_buffers(engine, pages, inputs, steps, schedule,
                                               call=functools.partial(_call_compiled, first, engine.weights))
-            out(dict(kind="step", batch=b, variant="fixed", **times, **plan,
-                     host_share_of_chain=times["enqueue_ms"] / times["chain_ms"],
-                     pred_error=times["chain_ms"] / plan["pred_ms"] - 1.0))
+            out(dict(kind="step", batch=b, variant="fixed", **times, **plan, **_against_chain(times, plan)))
         del pages, first
         if b in scheduler_batches:
-            served[b] = (serve, plan)
-    # last: the synchronous scheduler compiles a step of its own
-    for b, (serve, plan) in served.items():
-        with _serving(engine, serve):
-            for overlap, fixed in ((True, True), (True, False), (False, True), (False, False)):
-                out(dict(kind="scheduler", batch=b, overlap=overlap, fixed_buffers=fixed, **plan,
-                         **scheduler_run(engine, b, context, steps, overlap, fixed)))
+            scheduled[b] = plan
+    # last: the scheduler's runner compiles step programs of its own
+    for b, plan in scheduled.items():
+        for overlap, fixed in ((True, True), (True, False), (False, True), (False, False)):
+            out(dict(kind="scheduler", batch=b, overlap=overlap, fixed_buffers=fixed, **plan,
+                     **scheduler_run(engine, b, context, steps, overlap, fixed)))
     out(dict(kind="cache", hits=hits.hits, misses=hits.misses))
     return rows
 

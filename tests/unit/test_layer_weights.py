@@ -46,7 +46,7 @@ def test_unrolled_engine_holds_per_layer_weights_with_equal_logits(tp):
                         assert tuple(kvb.uk_NAH.sharding.spec)[0] == tuple(ref.sharding.spec)[1]
                 continue
             if [str(p) for p in path][-2] == "up_proj":        # in gate_proj's joint weight
-                assert value.arrays == (layer_weights.InJoint(0),) * ref.shape[0]
+                assert value.arrays == (layer_weights.InJoint(),) * ref.shape[0]
                 n_joint += 1
                 continue
             if [str(p) for p in path][-2] == "gate_proj":
@@ -59,7 +59,7 @@ def test_unrolled_engine_holds_per_layer_weights_with_equal_logits(tp):
                 n_joint += 1
                 continue
             if [str(p) for p in path][-2] == "kv_a_proj_with_mqa":     # its rows are in q_a_proj's joint weight
-                assert value.arrays == (layer_weights.InJoint(CFG.q_lora_rank),) * ref.shape[0]
+                assert value.arrays == (layer_weights.InJoint(),) * ref.shape[0]
                 assert jax.tree.leaves(value) == []
                 n_joint += 1
                 continue
