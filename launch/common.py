@@ -82,19 +82,23 @@ def _jaxlib_version() -> Optional[str]:
         return None
 
 
+def add_xla_flag(entry: str) -> None:
+    """Append `entry` ('--name=value') to XLA_FLAGS unless the user's XLA_FLAGS already set that name."""
+    xf = os.environ.get("XLA_FLAGS", "")
+    if entry.lstrip("-").split("=", 1)[0] not in xf:
+        os.environ["XLA_FLAGS"] = (xf + " " + entry).strip()
+
+
 def setup() -> None:
     """XLA options, the compilation cache, progress and multi-process start; call first in every
     launcher's main()."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     if FLAGS.xla_perf:
         os.environ.setdefault("JAX_OPTIMIZATION_LEVEL", "O1")
-        xf = os.environ.get("XLA_FLAGS", "")
-        if "xla_gpu_enable_latency_hiding_scheduler" not in xf:
-            os.environ["XLA_FLAGS"] = (xf + " --xla_gpu_enable_latency_hiding_scheduler=true").strip()
+        add_xla_flag("--xla_gpu_enable_latency_hiding_scheduler=true")
     cb = command_buffer_xla_flag(FLAGS.command_buffer_update_mode, _jaxlib_version())
-    xf = os.environ.get("XLA_FLAGS", "")
-    if cb and "xla_gpu_command_buffer_update_mode" not in xf:
-        os.environ["XLA_FLAGS"] = (xf + " " + cb).strip()
+    if cb:
+        add_xla_flag(cb)
     from kimi_jax.entrypoints import compilation_cache, progress
     compilation_cache.enable(FLAGS.compilation_cache_dir)
     if FLAGS.progress is False:

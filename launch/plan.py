@@ -96,9 +96,7 @@ def main(argv):
 
 def _print_compiled(cfg, layout, p):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    xf = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in xf:
-        os.environ["XLA_FLAGS"] = (xf + f" --xla_force_host_platform_device_count={layout.world}").strip()
+    common.add_xla_flag(f"--xla_force_host_platform_device_count={layout.world}")
     from kimi_jax.tools import planner
     from kimi_jax.tools.profiling import count_decode_collectives
     counts = count_decode_collectives(cfg, layout, p.batch_padded, min(p.cache_len, 256))

@@ -42,9 +42,7 @@ def main(argv):
     del argv
     if FLAGS.cpu_devices:
         os.environ["JAX_PLATFORMS"] = "cpu"
-        xf = os.environ.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in xf:
-            os.environ["XLA_FLAGS"] = (xf + f" --xla_force_host_platform_device_count={FLAGS.cpu_devices}").strip()
+        common.add_xla_flag(f"--xla_force_host_platform_device_count={FLAGS.cpu_devices}")
     common.setup()
     import jax
     import jax.numpy as jnp
