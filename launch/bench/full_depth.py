@@ -230,14 +230,13 @@ def time_fixed_buffers(engine, pages, inputs, steps: int, schedule, call=None) -
     advance = lambda carry: fixed(engine.weights, *carry, table, sp, step_B)   # noqa: E731  (pages, io)
     res = {}
     if call is not None:
-        copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p))
         ours, theirs, tok = [], [], tokens
-        p = copy(pages)
+        p = engine.snapshot(pages)
         for _ in range(3):
             p, o = call(p, tok, positions, table, sp, step_B)
             tok = o["tokens"]
             theirs.append(np.asarray(tok).tolist())
-        carry = (copy(pages), first_io())
+        carry = (engine.snapshot(pages), first_io())
         for _ in range(3):
             carry = advance(carry)
             ours.append(np.asarray(carry[1][0]).tolist())
