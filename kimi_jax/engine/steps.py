@@ -226,16 +226,6 @@ def step_schedule(plan: ops.ExecPlan, positions_B) -> Optional[str]:
     return mla_schedule_for(positions_B, plan.pallas)
 
 
-def _verify_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, n_draft_B, sp, step_B, *,
-                 plan: ops.ExecPlan):
-    """Speculative verification over loose arguments: absorbed MLA, the same math per query token as a
-    decode step (greedy outputs match decoding without speculation)."""
-    B = tokens_BT.shape[0]
-    batch = StepBatch(tokens_BT, positions_BT, block_table_BP, jnp.zeros((B,), jnp.int32), step_B, sp,
-                      n_draft_B=n_draft_B)
-    return _step(graphdef, shard, state, pages, batch, kind="verify", plan=plan)
-
-
 def _all_logits(graphdef, shard, state, tokens_BT, *, plan: ops.ExecPlan):
     model = _merge(graphdef, state)
     tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
@@ -285,8 +275,6 @@ class Engine:
                                       static_argnames=("n_logprobs", "absorbed", "fresh", "sample_mode",
                                                        "n_prompt_logprobs", "plan"),
                                       donate_argnames=("pages", "occ"))
-        self._verify = jax.jit(functools.partial(_verify_step, self.graphdef, shard), static_argnames=("plan",),
-                               donate_argnames=("pages",))
         # the sharding of decode_step_async's output tokens (replicated), which host-fed tokens take too:
         # one compiled decode program serves both feeds from the first step on (jit keys its cache on
         # the inputs' shardings, and host arrays are uncommitted)
@@ -391,18 +379,6 @@ class Engine:
             if o.is_fully_addressable:
                 o.copy_to_host_async()
         return pages, out
-
-    @staticmethod
-    def fetch(out) -> StepOutput:
-        """Host copy of a `decode_step_async` output (waits for its step)."""
-        return _to_host(out)
-
-    def verify_step(self, pages, tokens_BT, positions_BT, block_table_BP, n_draft_B, sp: SamplingArrays, steps_B):
-        sp = dataclasses.replace(sp, adjust=None)   # rows that adjust logits never verify (scheduler)
-        pages, (n_acc, nxt) = self._verify(self.weights, pages, _i32(tokens_BT), _i32(positions_BT),
-                                           _i32(block_table_BP), _i32(n_draft_B), sp, _i32(steps_B),
-                                           plan=self.plan)
-        return pages, np.asarray(n_acc), np.asarray(nxt)
 
 
 def is_fresh(positions_BT) -> bool:
