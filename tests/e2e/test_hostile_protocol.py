@@ -106,6 +106,20 @@ def test_non_finite_values_are_400(server):
         assert e.value.code == 400 and err["param"] == param and param in err["message"], (raw, err)
 
 
+def test_values_past_float32_are_400(client):
+    """Finite in float64 but inf in float32, the dtype the device samples in: refused by name, over
+    HTTP and by SamplingParams."""
+    from kimi_jax import SamplingParams
+    text = lambda **kw: client.completions.create(model=NAME, prompt="x", max_tokens=2, **kw)
+    for field, v in [("temperature", 1e39), ("temperature", 3.5e38), ("repetition_penalty", 1e39)]:
+        kw = {field: v} if field == "temperature" else {"extra_body": {field: v}}
+        _refused(lambda: text(**kw), field, "float32")
+        with pytest.raises(ValueError, match=f"{field} must be within float32"):
+            SamplingParams(**{field: v})
+    SamplingParams(temperature=3.4e38)                   # the largest float32s are still finite
+    assert text(temperature=0.0).choices[0].finish_reason in ("stop", "length")
+
+
 def test_incomplete_tool_arguments_are_not_tool_calls(server):
     """A finished output whose call's arguments are not a complete JSON object (generation ended
     inside them) is not reported with finish_reason "tool_calls"."""
