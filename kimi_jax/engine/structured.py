@@ -485,9 +485,7 @@ class StructuredBackend:
             if hit is not None:
                 self._cache.move_to_end(grammar)
                 return hit
-        m = self._llg.LLMatcher(self._lltok, grammar, log_level=0)
-        if not m.is_error():
-            m.compute_bitmask()
+        m = _on_big_stack(lambda: self._first_state(grammar))
         if m.is_error():
             raise StructuredOutputError(f"structured_outputs.{kind}: {_one_line(m.get_error())}")
         hit = m
@@ -496,6 +494,12 @@ class StructuredBackend:
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return hit
+
+    def _first_state(self, grammar: str) -> Any:
+        m = self._llg.LLMatcher(self._lltok, grammar, log_level=0)
+        if not m.is_error():
+            m.compute_bitmask()
+        return m
 
     def matcher(self, params: StructuredOutputsParams, budget: Optional[int] = None) -> RowMatcher:
         """A fresh grammar state; an output that `budget` cuts off ends with "length"."""
@@ -514,6 +518,32 @@ class StructuredBackend:
         extra = np.full((B, self.words - self._tok_words), -1, np.int32)
         extra[[b for _, b in pairs]] = 0
         return np.concatenate([mask, extra], axis=1)
+
+
+COMPILE_STACK = 256 << 20     # llguidance builds 20,000 chained rules on it (8 MiB: SIGSEGV near 3,000)
+_STACK_LOCK = threading.Lock()
+
+
+def _on_big_stack(fn):
+    """fn() on a thread of its own with a COMPILE_STACK stack (reserved, used as it grows)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["v"] = fn()
+        except BaseException as e:      # re-raised on the caller's thread
+            box["e"] = e
+    with _STACK_LOCK:
+        old = threading.stack_size(COMPILE_STACK)
+        try:
+            t = threading.Thread(target=run, name="kimi-jax-grammar", daemon=True)
+            t.start()
+        finally:
+            threading.stack_size(old)
+    t.join()
+    if "e" in box:
+        raise box["e"]
+    return box["v"]
 
 
 def apply_token_bitmask(logits_BV: jnp.ndarray, mask_Bw: jnp.ndarray) -> jnp.ndarray:
