@@ -177,3 +177,22 @@ def test_server_still_serves(client):
     r = client.completions.create(model=NAME, prompt="hi", max_tokens=2, temperature=0.0,
                                   extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 2
+
+
+def test_plain_request_is_served_while_hostile_constraints_are_refused(client):
+    """Four x{100000} regexes and a 1 MB choice at once: each is refused by size without compiling
+    (seconds each in llguidance), and a plain request beside them is not held up."""
+    import concurrent.futures
+    import time
+    hostile = [{"guided_regex": "x{100000}"}] * 4 + [{"guided_choice": ["y" * 1000] * 1000}]
+    post = lambda body: client.completions.create(model=NAME, prompt="x", max_tokens=2, extra_body=body)
+    with concurrent.futures.ThreadPoolExecutor(len(hostile)) as pool:
+        t0 = time.monotonic()
+        refused = [pool.submit(post, b) for b in hostile]
+        assert post({}).choices[0].finish_reason in ("stop", "length")
+        plain_s = time.monotonic() - t0
+        for f in refused:
+            with pytest.raises(openai.BadRequestError) as e:
+                f.result()
+            assert e.value.body["param"] in ("guided_regex", "guided_choice"), e.value.body
+    assert plain_s < 10, plain_s
