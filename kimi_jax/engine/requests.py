@@ -144,12 +144,12 @@ def append_token(r: Request, t: int, out=None, b: int = 0, tokenizer=None) -> No
                                             out.top_vals[b][:k]))
     if r.structured is not None and t not in r.stop_ids:
         r.structured.accept(t)
-    if t in r.stop_ids:
+    if r.structured is not None and r.structured.is_error():
+        r.finish_reason = "length"      # broken (its mask then allows stop tokens): not a complete output
+    elif t in r.stop_ids:
         r.finish_reason, r.stop_reason = "stop", t
     elif r.structured is not None and r.structured.is_finished():
         r.finish_reason = "stop"        # the grammar is complete (only a stop token could follow)
-    elif r.structured is not None and r.structured.is_error():
-        r.finish_reason = "length"      # broken: the output is not a complete one
     elif r.params.stop_strings and tokenizer is not None and _hit_stop(r, tokenizer):
         r.finish_reason = "stop"
     elif len(r.output_ids) >= r.max_new:

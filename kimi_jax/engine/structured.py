@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import re
 import threading
 from typing import Any, Optional, Sequence, Union
 
@@ -23,7 +24,11 @@ __all__ = [
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 NUMBER_BOUND = 1e18                             # llguidance's float-range regexes stop near 1e19
 INTEGER_BOUNDS = (-9 * 10 ** 18, 9 * 10 ** 18)
-CLOSE_SEARCH = 4096
+# llguidance crashes (SIGSEGV) near 1,000 chained $refs or 3,000 chained rules; x{100000}: seconds
+MAX_SCHEMA_DEPTH = 128        # nested objects and lists of a schema's JSON, $refs followed
+MAX_GRAMMAR_RULES = 500       # rule definitions of a Lark grammar
+MAX_REPEAT = 10_000           # a regex's counted repetition {n} / {n,m}
+MAX_CONSTRAINT_BYTES = 65_536  # a regex, a grammar, a JSON schema, a choice list (UTF-8, in total)
 
 
 class StructuredOutputError(ValueError):
@@ -66,11 +71,26 @@ class StructuredOutputsParams:
             if not isinstance(getattr(self, flag), bool):
                 raise StructuredOutputError(f"structured_outputs.{flag} must be a boolean")
 
+    def check_limits(self) -> None:
+        k = self.kind()
+        v = getattr(self, k)
+        text = v if isinstance(v, str) else "".join(v) if k == "choice" else ""   # schemas: prepare_schema
+        if len(text.encode("utf-8", "surrogatepass")) > MAX_CONSTRAINT_BYTES:
+            raise StructuredOutputError(f"structured_outputs.{k} is longer than {MAX_CONSTRAINT_BYTES} bytes")
+        if k in ("regex", "grammar"):
+            check_repeats(v, f"structured_outputs.{k}")
+        if k == "grammar":
+            rules = len(re.findall(r"(?m)^\s*[?!]?[A-Za-z_][A-Za-z_0-9]*(\.-?\d+)?\s*:", v))
+            if rules > MAX_GRAMMAR_RULES:
+                raise StructuredOutputError(f"structured_outputs.grammar has {rules} rules, more than "
+                                            f"{MAX_GRAMMAR_RULES}")
+
     def to_grammar(self) -> str:
         """The llguidance grammar (a JSON string) of this constraint."""
         import llguidance as llg
         self.validate()
         k = self.kind()
+        self.check_limits()
         try:
             if k in ("json", "json_object"):
                 schema = {"type": "object"} if k == "json_object" else self.json
@@ -83,7 +103,8 @@ class StructuredOutputsParams:
             if k == "regex":
                 return llg.LLMatcher.grammar_from_regex(self.regex)
             if k == "choice":
-                return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+                return llg.LLMatcher.grammar_from_lark(
+                    "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in self.choice))
             return llg.LLMatcher.grammar_from_lark(self.grammar)
         except StructuredOutputError:
             raise
@@ -114,19 +135,70 @@ class StructuredOutputsParams:
 _NOT_SCHEMAS = ("enum", "const", "default", "examples", "required", "x-guidance")
 
 
+def check_repeats(regex: str, where: str) -> None:
+    for m in re.finditer(r"\{(\d+)(?:,(\d*))?\}", regex):
+        if max(int(m.group(1)), int(m.group(2) or 0)) > MAX_REPEAT:
+            raise StructuredOutputError(f"{where}: the repetition {m.group(0)} is over {MAX_REPEAT}")
+
+
+def _schema_depth(root: dict, where: str) -> None:
+    """Refuses nesting past MAX_SCHEMA_DEPTH ($refs followed) and $ref cycles with no schema between."""
+    memo: dict[str, int] = {}
+
+    def target(ref: str) -> Any:
+        node: Any = root
+        for part in ref[2:].split("/") if ref != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    def depth(s: Any, level: int, refs: tuple) -> int:
+        if level > MAX_SCHEMA_DEPTH:
+            raise StructuredOutputError(f"{where} nests schemas more than {MAX_SCHEMA_DEPTH} deep "
+                                        "($refs followed)")
+        if isinstance(s, list):
+            return max((depth(v, level, refs) for v in s), default=0)
+        if not isinstance(s, dict):
+            return 0
+        d = 0
+        ref = s.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            if ref in refs:
+                if all(isinstance(t := target(r), dict) and set(t) <= {"$ref", "$defs", "definitions",
+                                                                       "$schema", "$id", "title"}
+                       for r in refs[refs.index(ref):]):
+                    raise StructuredOutputError(f"{where}: $ref {ref!r} refers to itself through no "
+                                                "schema of its own, so no value matches")
+            elif ref in memo:
+                if level + memo[ref] > MAX_SCHEMA_DEPTH:
+                    depth({}, MAX_SCHEMA_DEPTH + 1, refs)
+                d = memo[ref]
+            else:
+                memo[ref] = d = depth(target(ref), level, refs + (ref,))
+        for k, v in s.items():
+            if k not in _NOT_SCHEMAS and k != "$ref":
+                d = max(d, 1 + depth(v, level + 1, refs))
+        return d
+    depth(root, 0, ())
+
+
 def prepare_schema(schema: Any, where: str, close: bool = True) -> dict:
     """A copy of a JSON schema as compiled (`close`: objects closed, not ``allOf`` branches)."""
     if not isinstance(schema, dict):
         raise StructuredOutputError(f"{where} must be a JSON schema object, got {type(schema).__name__}")
 
-    def walk(s: Any, path: str, in_all_of: bool = False) -> Any:
+    def walk(s: Any, path: str, in_all_of: bool = False, level: int = 0) -> Any:
+        if level > 2 * MAX_SCHEMA_DEPTH:
+            raise StructuredOutputError(f"{where} nests schemas more than {MAX_SCHEMA_DEPTH} deep")
         if isinstance(s, list):
-            return [walk(v, f"{path}[{i}]", in_all_of) for i, v in enumerate(s)]
+            return [walk(v, f"{path}[{i}]", in_all_of, level + 1) for i, v in enumerate(s)]
         if not isinstance(s, dict):
             return s
         out = {}
         for k, v in s.items():
-            out[k] = v if k in _NOT_SCHEMAS else walk(v, f"{path}.{k}", k == "allOf")
+            out[k] = v if k in _NOT_SCHEMAS else walk(v, f"{path}.{k}", k == "allOf", level + 1)
+        if isinstance(out.get("pattern"), str):
+            check_repeats(out["pattern"], f"{path}.pattern")
         if "x-guidance" in out and not isinstance(out["x-guidance"], dict):
             raise StructuredOutputError(f"{path}.x-guidance must be an object, got {_typename(out['x-guidance'])}")
         if (close and not in_all_of and "properties" in out and "additionalProperties" not in out
@@ -141,7 +213,11 @@ def prepare_schema(schema: Any, where: str, close: bool = True) -> dict:
             if "maximum" not in out and "exclusiveMaximum" not in out:
                 out["maximum"] = hi
         return out
-    return walk(schema, where)
+    out = walk(schema, where)
+    if len(json.dumps(out)) > MAX_CONSTRAINT_BYTES:
+        raise StructuredOutputError(f"{where} is longer than {MAX_CONSTRAINT_BYTES} bytes")
+    _schema_depth(out, where)
+    return out
 
 
 def _typename(v: Any) -> str:
@@ -365,17 +441,6 @@ class StructuredBackend:
             self._priority = ids
         return self._priority
 
-    def close_length(self, m) -> Optional[int]:
-        """Tokens of the shorter greedy close from a state, None past CLOSE_SEARCH."""
-        stops = set(self.tokenizer.stop_token_ids)
-        brackets = [t for t in self.closing_priority if self.tokenizer.decode([t]) in ("}", "]")]
-        found = []
-        for prio in (self.closing_priority, brackets + self.closing_priority):
-            path = RowMatcher(m, "").closing_path(prio, stops, CLOSE_SEARCH)
-            if path is not None:
-                found.append(len(path))
-        return min(found, default=None)
-
     #: slack a close keeps: one sampled token (an opening brace) can lengthen it
     close_margin: int = 16
 
@@ -413,34 +478,33 @@ class StructuredBackend:
         self._start(grammar, params.kind())
         return grammar
 
-    def _start(self, grammar: str, kind: str) -> tuple[Any, Optional[int]]:
-        """(compiled start state, `close_length` from it), cached per grammar."""
+    def _start(self, grammar: str, kind: str) -> Any:
+        """The compiled start state (its first mask computed: some errors show only then), cached."""
         with self._lock:
             hit = self._cache.get(grammar)
             if hit is not None:
                 self._cache.move_to_end(grammar)
                 return hit
-        m = self._llg.LLMatcher(self._lltok, grammar, log_level=0)
+        m = _on_big_stack(lambda: self._first_state(grammar))
         if m.is_error():
             raise StructuredOutputError(f"structured_outputs.{kind}: {_one_line(m.get_error())}")
-        hit = (m, self.close_length(m))
+        hit = m
         with self._lock:
             self._cache[grammar] = hit
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return hit
 
+    def _first_state(self, grammar: str) -> Any:
+        m = self._llg.LLMatcher(self._lltok, grammar, log_level=0)
+        if not m.is_error():
+            m.compute_bitmask()
+        return m
+
     def matcher(self, params: StructuredOutputsParams, budget: Optional[int] = None) -> RowMatcher:
-        """A fresh grammar state; StructuredOutputError when no complete output fits `budget` tokens."""
+        """A fresh grammar state; an output that `budget` cuts off ends with "length"."""
         grammar = params.to_grammar()
-        m, close = self._start(grammar, params.kind())
-        if close is None:
-            raise StructuredOutputError(f"structured_outputs.{params.kind()}: cannot be satisfied: no complete "
-                                        f"output within {CLOSE_SEARCH} tokens (e.g. a required recursion)")
-        if budget is not None and close > budget:
-            raise StructuredOutputError(f"structured_outputs.{params.kind()}: a complete output takes {close} "
-                                        f"tokens, more than the {budget} max_tokens allows")
-        return RowMatcher(m.deep_copy(), grammar)
+        return RowMatcher(self._start(grammar, params.kind()).deep_copy(), grammar)
 
     def fill_bitmask(self, rows: Sequence[Optional[RowMatcher]], batch: Optional[int] = None) -> np.ndarray:
         """[batch, ceil(vocab_size / 32)] int32 for a step's rows (None or past len(rows): all ones)."""
@@ -454,6 +518,32 @@ class StructuredBackend:
         extra = np.full((B, self.words - self._tok_words), -1, np.int32)
         extra[[b for _, b in pairs]] = 0
         return np.concatenate([mask, extra], axis=1)
+
+
+COMPILE_STACK = 256 << 20     # llguidance builds 20,000 chained rules on it (8 MiB: SIGSEGV near 3,000)
+_STACK_LOCK = threading.Lock()
+
+
+def _on_big_stack(fn):
+    """fn() on a thread of its own with a COMPILE_STACK stack (reserved, used as it grows)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["v"] = fn()
+        except BaseException as e:      # re-raised on the caller's thread
+            box["e"] = e
+    with _STACK_LOCK:
+        old = threading.stack_size(COMPILE_STACK)
+        try:
+            t = threading.Thread(target=run, name="kimi-jax-grammar", daemon=True)
+            t.start()
+        finally:
+            threading.stack_size(old)
+    t.join()
+    if "e" in box:
+        raise box["e"]
+    return box["v"]
 
 
 def apply_token_bitmask(logits_BV: jnp.ndarray, mask_Bw: jnp.ndarray) -> jnp.ndarray:

@@ -55,9 +55,16 @@ def check_seed(seed: Any) -> Optional[int]:
     return int(seed)
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def check_finite(name: str, v: Any) -> None:
+    """A number finite in float32, the dtype the device uses it in (larger ones round to inf there)."""
     if not is_real(v) or not math.isfinite(v):
         raise RequestError(f"{name} must be a finite number, got {v!r}", field=name)
+    if abs(v) > FLOAT32_MAX:
+        raise RequestError(f"{name} must be within float32's range (|x| <= {FLOAT32_MAX:.8g}), "
+                           f"got {v!r}", field=name)
 
 
 def check_request(prompt_ids: Any, params, *, vocab_size: int, max_model_len: Optional[int],

@@ -76,34 +76,89 @@ def test_ambiguity_is_refused(client):
     _refused(lambda: chat(messages=convo, tools=[ADD]), "messages", "messages[2]", "tool_call_id")
 
 
+SELF = {"$ref": "#"}
+
+
 def test_unsatisfiable_constraints_are_refused_not_reported_as_success(client):
+    """A constraint no output matches is a 400 naming its field; one the model can match but does not
+    complete within max_tokens (a required recursion, a long regex) ends with "length", never "stop"."""
+    loop = {"type": "function", "function": {"name": "loop", "parameters": SELF}}
+    chat = lambda **kw: client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=24, **kw)
+    _refused(lambda: chat(tools=[loop], tool_choice="required"), "tools", "$ref")
+    _refused(lambda: chat(response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SELF}}),
+             "response_format", "$ref")
+    _refused(lambda: chat(extra_body={"guided_json": SELF}), "guided_json", "$ref")
+    text = lambda regex, n: client.completions.create(model=NAME, prompt="x", max_tokens=n,
+                                                      extra_body={"guided_regex": regex}).choices[0]
+    _refused(lambda: text("a{2000000}", 20), "guided_regex", "{2000000}", "10000")
+    c = text("a{200}", 20)
+    assert c.finish_reason == "length" and set(c.text) == {"a"} and len(c.text) < 200, c
     rec = {"type": "function", "function": {"name": "loop", "parameters": RECURSIVE}}
-    chat = lambda **kw: client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=64, **kw)
-    _refused(lambda: chat(tools=[rec], tool_choice="required"), "tools", "cannot be satisfied")
-    _refused(lambda: chat(tools=[rec], tool_choice={"type": "function", "function": {"name": "loop"}}), "tools")
-    _refused(lambda: chat(response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": RECURSIVE}}),
-             "response_format", "cannot be satisfied")
-    _refused(lambda: chat(extra_body={"guided_json": RECURSIVE}), "guided_json", "cannot be satisfied")
-    # satisfiable, but not within max_tokens
-    _refused(lambda: client.completions.create(model=NAME, prompt="x", max_tokens=20,
-                                               extra_body={"guided_regex": "a{200}"}), "guided_regex", "max_tokens")
-    # what fits is served, and valid
-    r = client.completions.create(model=NAME, prompt="x", max_tokens=40, extra_body={"guided_regex": "a{20}"})
-    assert r.choices[0].text == "a" * 20 and r.choices[0].finish_reason == "stop"
+    r = chat(tools=[rec], tool_choice="required").choices[0]
+    assert r.finish_reason == "length", r
+    r = chat(extra_body={"guided_json": RECURSIVE}).choices[0]
+    assert r.finish_reason == "length" and r.message.content.startswith("{"), r
+    c = text("a{20}", 40)                                   # what fits is served, and valid
+    assert c.text == "a" * 20 and c.finish_reason == "stop"
 
 
-def test_non_finite_values_are_400(server):
-    _, url = server
-    for raw, param in [(b'{"prompt": "x", "temperature": NaN}', "temperature"),
-                       (b'{"prompt": "x", "top_p": Infinity}', "top_p"),
-                       (b'{"prompt": "x", "presence_penalty": -Infinity}', "presence_penalty"),
-                       (b'{"prompt": "x", "logit_bias": {"5": NaN}}', "logit_bias"),
-                       (b'{"prompt": "x", "max_tokens": 1e400}', "max_tokens")]:
-        req = urllib.request.Request(url + "/v1/completions", data=raw, headers={"Content-Type": "application/json"})
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(req, timeout=60)
-        err = json.loads(e.value.read())["error"]
-        assert e.value.code == 400 and err["param"] == param and param in err["message"], (raw, err)
+SATISFIABLE = [r"\w+@\w+\.com", r"\d+\.\d+", r"https?://[a-z]+\.com", "a*b", ".*end", "(yes|no)+ ok"]
+
+
+def test_satisfiable_constraints_are_served(client):
+    """Patterns whose shortest match a greedy closer misses are served: an output that ends with "stop"
+    matches in full, one cut off is a "length"."""
+    import re
+    for i, regex in enumerate(SATISFIABLE):
+        c = client.completions.create(model=NAME, prompt="x", max_tokens=24, seed=i, temperature=1.0,
+                                      extra_body={"guided_regex": regex}).choices[0]
+        assert c.finish_reason in ("stop", "length"), (regex, c)
+        assert c.finish_reason == "length" or re.fullmatch(regex, c.text), (regex, c)
+    options = [f"option-{i}" for i in range(2000)]
+    c = client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=16, seed=0,
+                                       extra_body={"guided_choice": options}).choices[0]
+    assert c.finish_reason == "stop" and c.message.content in options, c
+    c = client.completions.create(model=NAME, prompt="x", max_tokens=24, seed=0,
+                                  extra_body={"guided_grammar": "start: /[a-z]*z/"}).choices[0]
+    assert c.finish_reason == "length" or re.fullmatch("[a-z]*z", c.text), c
+
+
+def _chain(n):
+    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
+    return {"$ref": "#/$defs/d0", "$defs": {**defs, f"d{n}": {"type": "integer"}}}
+
+
+def test_constraints_past_the_compiler_limits_are_400_and_the_server_serves(server, client):
+    """Inputs that crash llguidance (a 3,000-deep $ref chain, 5,000 chained rules) or take it seconds
+    (x{100000}, a 1 MB choice) are refused by size before it sees them; /health and a plain request
+    are served at once after."""
+    from kimi_jax.engine import structured as S
+    text = lambda **kw: client.completions.create(model=NAME, prompt="x", max_tokens=4, extra_body=kw)
+    rules = lambda n: "start: r0\n" + "\n".join(f'r{i}: "a" r{i + 1}' for i in range(n)) + f'\nr{n}: "b"'
+    _refused(lambda: text(guided_json=_chain(3000)), "guided_json", str(S.MAX_CONSTRAINT_BYTES))
+    _refused(lambda: text(guided_json=_chain(100)), "guided_json", f"more than {S.MAX_SCHEMA_DEPTH} deep")
+    _refused(lambda: text(guided_grammar=rules(5000)), "guided_grammar", str(S.MAX_CONSTRAINT_BYTES))
+    _refused(lambda: text(guided_grammar=rules(600)), "guided_grammar", f"more than {S.MAX_GRAMMAR_RULES}")
+    _refused(lambda: text(guided_regex="x{100000}"), "guided_regex", str(S.MAX_REPEAT))
+    _refused(lambda: text(guided_choice=["x" * 1000] * 1000), "guided_choice", str(S.MAX_CONSTRAINT_BYTES))
+    assert text(guided_json=_chain(40)).choices[0].finish_reason in ("stop", "length")
+    with urllib.request.urlopen(server[1] + "/health", timeout=5) as r:
+        assert r.status == 200
+    assert text().choices[0].finish_reason in ("stop", "length")
+
+
+def test_values_past_float32_are_400(client):
+    """Finite in float64 but inf in float32, the dtype the device samples in: refused by name, over
+    HTTP and by SamplingParams."""
+    from kimi_jax import SamplingParams
+    text = lambda **kw: client.completions.create(model=NAME, prompt="x", max_tokens=2, **kw)
+    for field, v in [("temperature", 1e39), ("temperature", 3.5e38), ("repetition_penalty", 1e39)]:
+        kw = {field: v} if field == "temperature" else {"extra_body": {field: v}}
+        _refused(lambda: text(**kw), field, "float32")
+        with pytest.raises(ValueError, match=f"{field} must be within float32"):
+            SamplingParams(**{field: v})
+    SamplingParams(temperature=3.4e38)                   # the largest float32s are still finite
+    assert text(temperature=0.0).choices[0].finish_reason in ("stop", "length")
 
 
 def test_incomplete_tool_arguments_are_not_tool_calls(server):
@@ -122,3 +177,22 @@ def test_server_still_serves(client):
     r = client.completions.create(model=NAME, prompt="hi", max_tokens=2, temperature=0.0,
                                   extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 2
+
+
+def test_plain_request_is_served_while_hostile_constraints_are_refused(client):
+    """Four x{100000} regexes and a 1 MB choice at once: each is refused by size without compiling
+    (seconds each in llguidance), and a plain request beside them is not held up."""
+    import concurrent.futures
+    import time
+    hostile = [{"guided_regex": "x{100000}"}] * 4 + [{"guided_choice": ["y" * 1000] * 1000}]
+    post = lambda body: client.completions.create(model=NAME, prompt="x", max_tokens=2, extra_body=body)
+    with concurrent.futures.ThreadPoolExecutor(len(hostile)) as pool:
+        t0 = time.monotonic()
+        refused = [pool.submit(post, b) for b in hostile]
+        assert post({}).choices[0].finish_reason in ("stop", "length")
+        plain_s = time.monotonic() - t0
+        for f in refused:
+            with pytest.raises(openai.BadRequestError) as e:
+                f.result()
+            assert e.value.body["param"] in ("guided_regex", "guided_choice"), e.value.body
+    assert plain_s < 10, plain_s

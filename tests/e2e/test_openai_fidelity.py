@@ -255,7 +255,7 @@ def test_structured_outputs_through_kimi_batch(server, tmp_path):
     bodies = {"so": ("/v1/chat/completions", {"messages": MSGS, "structured_outputs": {"json": SCHEMA}}),
               "regex": ("/v1/completions", {"prompt": "x", "guided_regex": REGEX, "max_tokens": 32}),
               "choice": ("/v1/chat/completions", {"messages": MSGS, "guided_choice": CHOICES}),
-              "bad": ("/v1/completions", {"prompt": "x", "guided_regex": "a{200}", "max_tokens": 20})}
+              "bad": ("/v1/completions", {"prompt": "x", "guided_regex": "a{20000}", "max_tokens": 20})}
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps({"custom_id": k, "method": "POST", "url": u, "body": {**b, "temperature": 1.0}})
                            + "\n" for k, (u, b) in bodies.items()))
@@ -266,4 +266,4 @@ def test_structured_outputs_through_kimi_batch(server, tmp_path):
     _check("regex", got["regex"]["body"]["choices"][0]["text"])
     _check("choice", got["choice"]["body"]["choices"][0]["message"]["content"])
     err = got["bad"]["body"]["error"]
-    assert got["bad"]["status_code"] == 400 and err["param"] == "guided_regex" and "max_tokens" in err["message"]
+    assert got["bad"]["status_code"] == 400 and err["param"] == "guided_regex" and "10000" in err["message"]

@@ -288,3 +288,16 @@ def test_structural_tag_constrains_the_tagged_part(backend, tok):
     assert not accepts('Sure. <fn=add>{"b": 1}')
     with pytest.raises(StructuredOutputError, match="triggers"):
         backend.compile(StructuredOutputsParams(structural_tag={**tag, "triggers": ["<x"]}))
+
+
+def test_grammar_compiles_on_a_stack_deep_enough_past_the_limits(backend, monkeypatch):
+    """5,000 chained rules crash llguidance on an 8 MiB stack (SIGSEGV); with the limits lifted they
+    still compile, on the compile thread's own stack; with them, a 400-style error names the limit."""
+    from kimi_jax.engine import structured as S
+    rules = "start: r0\n" + "\n".join(f'r{i}: "a" r{i + 1}' for i in range(5000)) + '\nr5000: "b"'
+    with pytest.raises(StructuredOutputError, match="bytes"):
+        backend.compile(StructuredOutputsParams(grammar=rules))
+    monkeypatch.setattr(S, "MAX_CONSTRAINT_BYTES", 10 ** 7)
+    monkeypatch.setattr(S, "MAX_GRAMMAR_RULES", 10 ** 5)
+    m = backend.matcher(StructuredOutputsParams(grammar=rules))
+    assert all(m.accept(backend.tokenizer.encode("a")[0]) for _ in range(5))
