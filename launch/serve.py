@@ -82,6 +82,8 @@ def main(argv):
     api_key = FLAGS.api_key or os.environ.get("KIMI_JAX_API_KEY") or None
     if FLAGS.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         logging.warning("listening on %s without --api_key: anyone who can reach it can use it", FLAGS.host)
+    if FLAGS.access_log:    # absl puts the root logger at WARNING unless --verbosity is given
+        pylogging.getLogger("kimi_jax.entrypoints.openai.server").setLevel(pylogging.INFO)
     server = OpenAIServer(llm, served_model_name=name, api_key=api_key, max_queue=FLAGS.max_queue, limits=limits,
                           metrics_need_key=FLAGS.metrics_need_key, access_log=FLAGS.access_log)
     print(f"{PROG}: loading {name}; listening on http://{FLAGS.host}:{FLAGS.port}", file=sys.stderr, flush=True)
