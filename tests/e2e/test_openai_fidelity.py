@@ -139,7 +139,8 @@ def _tagged_parts(text: str, finish: str) -> int:
 
 
 def test_response_format_structural_tag(client):
-    """vLLM's response_format form of a structural tag: free text, each tagged part its schema's JSON."""
+    """vLLM's response_format form of a structural tag: free text, each tagged part its schema's
+    JSON."""
     chat = _chat(client, None, n=4, max_tokens=64, response_format=TAG).choices
     text = _text(client, {"response_format": TAG}, max_tokens=64).choices[0]
     outs = [(c.message.content, c.finish_reason) for c in chat] + [(text.text, text.finish_reason)]

@@ -94,6 +94,8 @@ def test_jsonschema_is_a_dependency_checked_before_any_request(cli, tmp_path, mo
     monkeypatch.setitem(sys.modules, "jsonschema", None)        # an install without it
     requests_file = tmp_path / "req.jsonl"
     assert cli("launch.tool_eval", f"--make-sample={requests_file}", "--n=1").returncode == 0
-    r = cli("launch.tool_eval", f"--requests={requests_file}", "--path=server", "--base-url=http://127.0.0.1:1/v1")
-    assert r.returncode == 2 and r.stderr.strip() == ("tool_eval: error: the scoring needs the jsonschema "
-                                                      "package (pip install jsonschema)"), r
+    r = cli("launch.tool_eval", f"--requests={requests_file}", "--path=server",
+            "--base-url=http://127.0.0.1:1/v1")
+    assert r.returncode == 2, r
+    assert r.stderr.strip() == ("tool_eval: error: the scoring needs the jsonschema package "
+                                "(pip install jsonschema)"), r
