@@ -22,8 +22,10 @@ from absl import flags
 
 from launch import common
 
-flags.DEFINE_string("input", None, "input JSONL file", required=True)
-flags.DEFINE_string("output", None, "output JSONL file (appended; existing ids are skipped)", required=True)
+flags.DEFINE_string("input", None, "input JSONL file (-i, as vLLM's run-batch)", required=True,
+                    short_name="i")
+flags.DEFINE_string("output", None, "output JSONL file (appended; existing ids are skipped; -o)",
+                    required=True, short_name="o")
 flags.DEFINE_string("model", None, "checkpoint directory or preset (default: the demo model)")
 flags.DEFINE_string("served_model_name", None, "the model name of the responses and the one a body's 'model' "
                     "must match (default: --model, else 'kimi-jax-demo')")

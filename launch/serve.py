@@ -52,6 +52,15 @@ flags.DEFINE_float("shutdown_grace_s", 30.0, "seconds in-flight requests get to 
 flags.DEFINE_bool("metrics_need_key", False, "require the API key on /metrics too (it names the served model)")
 flags.DEFINE_integer("max_body_bytes", 64 * 2**20, "largest request body (413 beyond)")
 flags.DEFINE_integer("max_choices", 256, "most choices (prompts x n) one request may ask (400 beyond)")
+# vLLM's launch flags, accepted with their meaning here: Kimi's tool calls and reasoning are parsed
+flags.DEFINE_bool("trust_remote_code", False,
+                  "accepted: no code from the checkpoint is ever run (LLM logs one warning)")
+flags.DEFINE_bool("enable_auto_tool_choice", True,
+                  "accepted: tool calls are always parsed (tool_choice auto)")
+flags.DEFINE_string("tool_call_parser", "kimi_k2",
+                    "accepted: kimi_k2 only (Kimi's tool-call section)")
+flags.DEFINE_string("reasoning_parser", "kimi_k2",
+                    "accepted: kimi_k2 only (the reply's reasoning_content)")
 flags.DEFINE_integer("max_prompt_chars", 8 * 2**20, "longest text prompt / conversation in characters (400 beyond)")
 
 
@@ -69,6 +78,13 @@ def main(argv):
         common.fail(PROG, f"--max_queue must be >= 0, got {FLAGS.max_queue}")
     if not FLAGS.shutdown_grace_s >= 0:
         common.fail(PROG, f"--shutdown_grace_s must be >= 0, got {FLAGS.shutdown_grace_s}")
+    for name in ("tool_call_parser", "reasoning_parser"):
+        if FLAGS[name].value != "kimi_k2":
+            common.fail(PROG, f"--{name.replace('_', '-')}={FLAGS[name].value!r} is not supported: "
+                        "only kimi_k2 (Kimi's format, always parsed)")
+    if not FLAGS.enable_auto_tool_choice:
+        common.fail(PROG, "--no-enable-auto-tool-choice is not supported: tool calls are always "
+                    "parsed")
     try:
         limits = Limits(max_body_bytes=FLAGS.max_body_bytes, max_choices=FLAGS.max_choices,
                         max_prompt_chars=FLAGS.max_prompt_chars)
@@ -82,6 +98,8 @@ def main(argv):
     api_key = FLAGS.api_key or os.environ.get("KIMI_JAX_API_KEY") or None
     if FLAGS.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         logging.warning("listening on %s without --api_key: anyone who can reach it can use it", FLAGS.host)
+    if FLAGS.access_log:    # absl puts the root logger at WARNING unless --verbosity is given
+        pylogging.getLogger("kimi_jax.entrypoints.openai.server").setLevel(pylogging.INFO)
     server = OpenAIServer(llm, served_model_name=name, api_key=api_key, max_queue=FLAGS.max_queue, limits=limits,
                           metrics_need_key=FLAGS.metrics_need_key, access_log=FLAGS.access_log)
     print(f"{PROG}: loading {name}; listening on http://{FLAGS.host}:{FLAGS.port}", file=sys.stderr, flush=True)

@@ -415,6 +415,10 @@ def main(argv):
         return
     if not FLAGS.requests:
         common.fail(PROG, "--requests (a JSONL of chat requests) or --make_sample is required")
+    try:
+        import jsonschema  # noqa: F401  (a dependency; checked before any request is sent)
+    except ImportError:
+        common.fail(PROG, "the scoring needs the jsonschema package (pip install jsonschema)")
     path = FLAGS.path or ("server" if FLAGS.base_url else "llm")
     if FLAGS.base_url and path != "server":
         common.fail(PROG, f"--base_url is for --path=server, not --path={path}")

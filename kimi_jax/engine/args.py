@@ -27,7 +27,8 @@ class EngineConfig:
     model). page_size / num_pages: the latent cache's pages (num_pages None: from free memory).
     compilation_cache_dir: the persistent JAX cache ('none': off). exec_plan: kimi_jax.ops.ExecPlan
     (None: this machine's). precompile: compile the serving programs before the first request.
-    max_logprobs: the most logprobs / prompt_logprobs a request may ask for (-1: no cap)."""
+    max_logprobs: the most logprobs / prompt_logprobs a request may ask for (-1: no cap).
+    vLLM's trust_remote_code (no checkpoint code runs; warns), enforce_eager (no precompile)."""
     model: Union[str, ModelConfig, None] = None
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -50,6 +51,8 @@ class EngineConfig:
     seed: int = 0
     precompile: bool = False
     max_logprobs: int = 20
+    trust_remote_code: bool = False
+    enforce_eager: bool = False
 
     def __post_init__(self):
         m = self.model
@@ -71,9 +74,12 @@ class EngineConfig:
                 isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         for name in ("enable_expert_parallel", "overlap_scheduling", "enable_prefix_caching",
-                     "check_finite_weights", "precompile"):
+                     "check_finite_weights", "precompile", "trust_remote_code", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.enforce_eager and self.precompile:
+            raise ValueError("enforce_eager=True compiles programs on first use; it cannot be "
+                             "combined with precompile=True")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported (choose 'auto' or one of {sorted(DTYPES)})")
         if self.exec_plan is not None and not isinstance(self.exec_plan, ops.ExecPlan):

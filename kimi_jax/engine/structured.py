@@ -37,7 +37,7 @@ class StructuredOutputError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class StructuredOutputsParams:
-    """Exactly one of json (schema), regex, choice, grammar (llguidance Lark), json_object, structural_tag.
+    """One of json (schema), regex, choice, grammar (Lark or GBNF), json_object, structural_tag.
     JSON is laid out as ``json.dumps`` writes it (compact with disable_any_whitespace), no other whitespace;
     disable_additional_properties: `prepare_schema`'s closing (default True, unlike vLLM)."""
     json: Optional[Union[str, dict]] = None
@@ -105,7 +105,7 @@ class StructuredOutputsParams:
             if k == "choice":
                 return llg.LLMatcher.grammar_from_lark(
                     "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in self.choice))
-            return llg.LLMatcher.grammar_from_lark(self.grammar)
+            return llg.grammar_from("grammar", self.grammar)  # Lark, else GBNF (`root ::= ...`)
         except StructuredOutputError:
             raise
         except (ValueError, TypeError, AssertionError) as e:
@@ -291,9 +291,14 @@ def from_openai(response_format: Any = None, tools: Any = None, tool_choice: Any
     no special token. parallel_tool_calls=False: at most one call."""
     rf = None
     if response_format is not None:
-        if not isinstance(response_format, dict) or response_format.get("type") not in ("text", "json_object", "json_schema"):
-            raise StructuredOutputError("response_format.type must be 'text', 'json_object' or 'json_schema'")
-        if response_format["type"] == "json_object":
+        kinds = ("text", "json_object", "json_schema", "structural_tag")
+        if not isinstance(response_format, dict) or response_format.get("type") not in kinds:
+            raise StructuredOutputError("response_format.type must be 'text', 'json_object', "
+                                        "'json_schema' or 'structural_tag'")
+        if response_format["type"] == "structural_tag":  # vLLM's: structures [{begin, schema, end}]
+            rf = StructuredOutputsParams(structural_tag={k: v for k, v in response_format.items()
+                                                         if k != "type"})
+        elif response_format["type"] == "json_object":
             rf = StructuredOutputsParams(json_object=True)
         elif response_format["type"] == "json_schema":
             js = response_format.get("json_schema")
@@ -321,6 +326,9 @@ def from_openai(response_format: Any = None, tools: Any = None, tool_choice: Any
         return StructuredOutputsParams(grammar=tool_call_grammar(tools, names=[name], single=True))
     if choice != "auto":
         raise StructuredOutputError(f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice!r}")
+    if rf is not None and rf.structural_tag is not None:
+        raise StructuredOutputError("response_format of type 'structural_tag' cannot be combined "
+                                    "with tools under tool_choice 'auto'")
     grammar = tool_call_grammar(tools, allow_text=rf is None, single=single)
     if rf is not None:
         body = grammar.replace("start: section", "start: answer | section", 1)

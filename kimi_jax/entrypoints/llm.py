@@ -128,6 +128,9 @@ class LLM:
                 log.warning("no demo model installed; using the random 'tiny' preset")
             engine_config = engine_config.replace(model=demo or "tiny")
         self.engine_config = ec = engine_config
+        if ec.trust_remote_code:
+            log.warning("trust_remote_code: no code from the checkpoint is ever run here; "
+                        "the model is kimi_jax's own")
         self.dtype = _DTYPES[ec.resolve_dtype(jax.devices()[0].platform)]
         self.model_path = ec.model_path
         self.layout = Layout(ec.tensor_parallel_size, ec.data_parallel_size, ec.enable_expert_parallel)
@@ -138,14 +141,17 @@ class LLM:
         else:
             self.config = preset(ec.model)
         self.layout.check_divisible(self.config)
+        limit = self.config.max_position_embeddings
+        if ec.max_model_len is not None and ec.max_model_len > limit:
+            raise ValueError(f"max_model_len={ec.max_model_len} exceeds the model's "
+                             f"max_position_embeddings ({limit})")
         compilation_cache.enable(ec.compilation_cache_dir)
         compiles.install()                # /metrics counts the start-up's programs too
         self.check_finite_weights = ec.check_finite_weights
         with progress.phase("loading weights" if self.model_path else "making random weights"):
             net = self._build(ec.seed)
         self.tokenizer = self._load_tokenizer(ec.tokenizer or self.model_path)
-        self.max_model_len = min(ec.max_model_len or self.config.max_position_embeddings,
-                                 self.config.max_position_embeddings)
+        self.max_model_len = ec.max_model_len or limit
         self.max_num_seqs = ec.max_num_seqs
         self.engine = Engine(net, self.config, self.layout, plan=ops.default_plan(ec.exec_plan))
         self.page_size = ec.page_size

@@ -152,6 +152,54 @@ def test_enable_prefix_caching_flag_reaches_the_engine(cli, monkeypatch, tmp_pat
         assert seen.pop() is want
 
 
+def test_vllm_launch_flags_are_accepted_with_their_meaning_here(cli, monkeypatch, tmp_path):
+    """kimi-serve takes vLLM's --trust-remote-code / --enable-auto-tool-choice / --tool-call-parser
+    kimi_k2 / --reasoning-parser kimi_k2 (another parser: one line, exit 2, before any loading);
+    kimi-batch takes run-batch's -i / -o."""
+    from launch import common as launch_common
+    from kimi_jax.entrypoints.llm import LLM
+    seen = []
+
+    def spy(self, *a, engine_config, **kw):
+        seen.append((engine_config.trust_remote_code, launch_common.FLAGS["input"].value
+                     if "input" in launch_common.FLAGS else None))
+        raise ValueError("stopped by the test")
+    monkeypatch.setattr(LLM, "__init__", spy)
+    r = cli("launch.serve", "--model=tiny", "--trust-remote-code", "--enable-auto-tool-choice",
+            "--tool-call-parser", "kimi_k2", "--reasoning-parser=kimi_k2")
+    assert r.returncode == 2 and "stopped by the test" in r.stderr and seen.pop() == (True, None), r
+    for flag in ("--tool-call-parser=hermes", "--reasoning-parser=deepseek_r1"):
+        r = cli("launch.serve", "--model=tiny", flag)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and not seen, r
+        assert lines[0].startswith("kimi-serve: error: " + flag.split("=")[0]), r
+        assert "kimi_k2" in lines[0], r
+    r = cli("launch.batch", "--model=tiny", "-i", "/dev/null", "-o", str(tmp_path / "out.jsonl"))
+    assert r.returncode == 2 and "stopped by the test" in r.stderr, r
+    assert seen.pop() == (False, "/dev/null")
+
+
+def test_vllm_llm_keywords_and_a_max_model_len_past_the_model(cli, caplog):
+    """LLM(trust_remote_code=True, enforce_eager=True) builds (one warning: no checkpoint code);
+    a max_model_len past the model's positions is refused naming both, from LLM and kimi-serve."""
+    import logging
+
+    from kimi_jax import LLM
+    from kimi_jax.config import preset
+    cfg = preset("tiny").replace(num_hidden_layers=1, vocab_size=256)
+    with caplog.at_level(logging.WARNING, logger="kimi_jax.entrypoints.llm"):
+        llm = LLM(cfg, dtype="float32", max_num_seqs=1, max_model_len=32, trust_remote_code=True,
+                  enforce_eager=True)
+    assert llm.max_model_len == 32
+    warned = [r.getMessage() for r in caplog.records if "trust_remote_code" in r.getMessage()]
+    assert len(warned) == 1 and "no code from the checkpoint" in warned[0], warned
+    with pytest.raises(ValueError) as e:
+        LLM(cfg, dtype="float32", max_num_seqs=1, max_model_len=4096)
+    assert str(e.value) == "max_model_len=4096 exceeds the model's max_position_embeddings (256)"
+    r = cli("launch.serve", "--max-model-len", "4096")       # the demo model: 1024 positions
+    assert r.returncode == 2 and "max_model_len=4096" in r.stderr and "(1024)" in r.stderr, r
+
+
 # ---- the persistent compilation cache ----------------------------------------------------------------
 class _Config:
     """The part of jax.config that compilation_cache.enable reads and sets."""

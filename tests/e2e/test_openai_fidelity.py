@@ -101,6 +101,56 @@ def test_guided_fields_on_both_endpoints(client, kind):
     _check(kind, _text(client, extra).choices[0].text)
 
 
+GBNF = 'root ::= "id=" digits ";"\ndigits ::= [0-9]{1,4}\n'     # llama.cpp's form of GRAMMAR
+
+
+def test_gbnf_grammar_in_every_grammar_field(client, server):
+    from kimi_jax import SamplingParams, StructuredOutputsParams
+    for extra in ({"structured_outputs": {"grammar": GBNF}}, {"guided_grammar": GBNF}):
+        _check("grammar", _chat(client, extra).choices[0].message.content)
+        _check("grammar", _text(client, extra).choices[0].text)
+    sp = SamplingParams(max_tokens=16, temperature=1.0, seed=5,
+                        structured_outputs=StructuredOutputsParams(grammar=GBNF))
+    _check("grammar", server[0].llm.generate(["x"], sp)[0].outputs[0].text)
+    with pytest.raises(openai.BadRequestError) as e:
+        _text(client, {"guided_grammar": 'root ::= "a" undefined'})
+    assert e.value.body["param"] == "guided_grammar" and "undefined" in e.value.body["message"]
+
+
+TAG = {"type": "structural_tag", "triggers": ["a"],       # a trigger the demo model soon writes
+       "structures": [{"begin": "a=", "schema": SCHEMA, "end": ";"}]}
+
+
+def _tagged_parts(text: str, finish: str) -> int:
+    """The count of TAG's parts in text, each checked: "a=", SCHEMA's JSON, ";" (the last may be cut
+    off by max_tokens)."""
+    n, at = 0, text.find("a")
+    while at >= 0:
+        try:
+            assert text[at:at + 2] == "a=", text
+            obj, end = json.JSONDecoder().raw_decode(text, at + 2)
+            assert text[end] == ";", text
+        except (ValueError, IndexError, AssertionError):
+            assert finish == "length", text
+            return n
+        jsonschema.validate(obj, SCHEMA)
+        n, at = n + 1, text.find("a", end + 1)
+    return n
+
+
+def test_response_format_structural_tag(client):
+    """vLLM's response_format form of a structural tag: free text, each tagged part its schema's
+    JSON."""
+    chat = _chat(client, None, n=4, max_tokens=64, response_format=TAG).choices
+    text = _text(client, {"response_format": TAG}, max_tokens=64).choices[0]
+    outs = [(c.message.content, c.finish_reason) for c in chat] + [(text.text, text.finish_reason)]
+    assert sum(_tagged_parts(t, f) for t, f in outs) >= 1, outs
+    for bad in ({**TAG, "structures": []}, {**TAG, "triggers": ["<x"]}):
+        with pytest.raises(openai.BadRequestError) as e:
+            _chat(client, None, response_format=bad)
+        assert e.value.body["param"] == "response_format", e.value.body
+
+
 def test_structured_outputs_streamed_adds_up(client):
     parts = [c.choices[0].delta.content or "" for c in _chat(client, {"guided_regex": REGEX}, stream=True)
              if c.choices]

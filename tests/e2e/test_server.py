@@ -345,6 +345,10 @@ def test_sigterm_finishes_in_flight_and_exits_0(tmp_path):
         for t in threads:
             t.join(150)
         assert proc.wait(30) == 0
+        err = proc.stderr.read()
+        # the access log is on by default: one INFO line per request
+        access = re.findall(r"\] cmpl-\S+ POST /v1/completions 200 prompt_tokens=", err)
+        assert len(access) == 3, err
         assert all(r is not None for r in results)
         assert all(r[0] == "ok" and r[1] for r in results), results      # in-flight requests completed
         with pytest.raises(OSError):

@@ -83,3 +83,19 @@ def test_usage_errors_are_one_line(cli, args, words):
 def test_help_lists_the_paths(cli):
     r = cli("launch.tool_eval", "--help")
     assert r.returncode == 0 and "--base-url" in r.stdout and "--batch-cli" in r.stdout, r
+
+
+def test_jsonschema_is_a_dependency_checked_before_any_request(cli, tmp_path, monkeypatch):
+    import sys
+    import tomllib
+    with open("pyproject.toml", "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    assert "jsonschema" in [d.split(">")[0].split("=")[0].strip() for d in deps]
+    monkeypatch.setitem(sys.modules, "jsonschema", None)        # an install without it
+    requests_file = tmp_path / "req.jsonl"
+    assert cli("launch.tool_eval", f"--make-sample={requests_file}", "--n=1").returncode == 0
+    r = cli("launch.tool_eval", f"--requests={requests_file}", "--path=server",
+            "--base-url=http://127.0.0.1:1/v1")
+    assert r.returncode == 2, r
+    assert r.stderr.strip() == ("tool_eval: error: the scoring needs the jsonschema package "
+                                "(pip install jsonschema)"), r

@@ -18,6 +18,8 @@ from kimi_jax.engine.speculative import SpeculativeConfig
     (dict(speculative_config="{"), "speculative_config"), (dict(speculative_config={"bogus": 1}), "speculative_config"),
     (dict(overlap_scheduling="yes"), "overlap_scheduling"), (dict(seed="7"), "seed"),
     (dict(max_logprobs=-2), "max_logprobs"), (dict(precompile=1), "precompile"),
+    (dict(trust_remote_code=1), "trust_remote_code"),
+    (dict(enforce_eager=True, precompile=True), "enforce_eager"),
 ])
 def test_bad_field_is_one_line_naming_it(kw, field):
     with pytest.raises(ValueError) as e:
