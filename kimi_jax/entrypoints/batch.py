@@ -69,7 +69,7 @@ def load_json(line: Union[str, bytes], lineno: int):
         return intake.loads(line, MAX_DEPTH)
     except json.JSONDecodeError as e:
         raise LineError(f"line {lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
-    except intake.TooDeep as e:
+    except (intake.TooDeep, intake.NumberTooLong) as e:
         raise LineError(f"line {lineno}: {e}") from None
 
 

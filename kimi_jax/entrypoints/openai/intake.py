@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from typing import Union
 
 MAX_DEPTH = 128                   # JSON nesting of a body (a request needs far fewer)
@@ -10,6 +11,10 @@ MAX_DEPTH = 128                   # JSON nesting of a body (a request needs far 
 
 class TooDeep(ValueError):
     """A JSON text nested deeper than the limit (or than the parser can go)."""
+
+
+class NumberTooLong(ValueError):
+    """A JSON integer with more digits than Python converts (sys.get_int_max_str_digits)."""
 
 
 def depth(value) -> int:
@@ -27,11 +32,17 @@ def depth(value) -> int:
 
 
 def loads(text: Union[str, bytes], max_depth: int = MAX_DEPTH):
-    """json.loads, refusing nesting beyond max_depth (TooDeep); its other errors as json.loads raises them."""
+    """json.loads, refusing nesting beyond max_depth (TooDeep) and integers beyond the interpreter's
+    digit limit (NumberTooLong); its other errors as json.loads raises them."""
     try:
         value = json.loads(text)
     except RecursionError:
         raise TooDeep(f"JSON nested deeper than {max_depth} levels") from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError:                  # int(): more digits than the interpreter's limit
+        raise NumberTooLong(f"JSON has an integer of more than {sys.get_int_max_str_digits()} "
+                            "digits") from None
     if depth(value) > max_depth:
         raise TooDeep(f"JSON nested deeper than {max_depth} levels")
     return value

@@ -226,6 +226,8 @@ class OpenAIServer:
             return intake.loads(raw, self.limits.max_depth)
         except intake.TooDeep as e:
             raise P.ProtocolError(f"the request body is {e}", code="too_deep") from None
+        except intake.NumberTooLong as e:
+            raise P.ProtocolError(f"the request body is not accepted: {e}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise P.ProtocolError(f"the request body is not valid JSON: {e}") from None
 
