@@ -1,8 +1,11 @@
 """The server's HTTP layer and kimi-batch's reader against hostile input: integers beyond Python's
 digit limit are a 400 / one error line (never a 500 or a lost line), and the server keeps serving."""
+import gzip
+import http.client
 import io
 import json
 import sys
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -54,3 +57,89 @@ def test_batch_answers_a_line_with_a_huge_integer_once_and_goes_on(tiny_ckpt, tm
     err = next(r for r in records if r["custom_id"] == "line-2")["error"]
     assert "line 2" in err["message"] and "digits" in err["message"]
     assert s.counts["ok"] == 3 and s.counts["errors"] == 1
+
+
+def _raw(url, method, path, body=b"", headers=None):
+    """(status, content type, parsed JSON body) of one request sent as given (no client checks)."""
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    try:
+        conn.putrequest(method, path, skip_accept_encoding=True)
+        for k, v in (headers or {}).items():
+            conn.putheader(k, v)
+        conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        r = conn.getresponse()
+        return r.status, r.getheader("Content-Type"), json.loads(r.read())
+    finally:
+        conn.close()
+
+
+BODY = json.dumps({"model": NAME, "prompt": [5], "max_tokens": 1}).encode()
+
+
+@pytest.mark.parametrize("case", ["deflate-on-gzip", "br", "long-url", "long-header",
+                                  "many-headers"])
+def test_what_the_http_parser_refuses_is_a_json_400(server, case):
+    srv, url = server
+    path, headers, body = "/v1/completions", {"Content-Type": "application/json"}, BODY
+    if case == "deflate-on-gzip":
+        headers["Content-Encoding"], body = "deflate", gzip.compress(BODY)
+    elif case == "br":
+        headers["Content-Encoding"], body = "br", b"\x0b\x02\x80{}\x03"
+    elif case == "long-url":
+        path += "?" + "a" * 9000
+    elif case == "long-header":
+        headers["X-Big"] = "b" * 9000
+    else:
+        headers.update({f"X-{i}": "v" for i in range(200)})
+    status, ctype, err = _raw(url, "POST", path, body, headers)
+    assert status == 400 and ctype.startswith("application/json"), (status, ctype, err)
+    assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["message"]
+    assert len(err["error"]["message"]) <= 200 and "\n" not in err["error"]["message"]
+    assert _http(url + "/v1/completions", {"model": NAME, "prompt": [5], "max_tokens": 1})[0] == 200
+
+
+def _post(url, path, body):
+    status, _, err = _raw(url, "POST", path, body if isinstance(body, bytes) else json.dumps(body).encode(),
+                          {"Content-Type": "application/json"})
+    return status, err["error"]
+
+
+@pytest.mark.parametrize("field", ["guided_json", "structured_outputs", "response_format"])
+def test_a_schema_string_nested_deep_is_400(server, field):
+    srv, url = server
+    schema = '{"items": ' * 1000 + "{}" + "}" * 1000
+    body = {"model": NAME, "prompt": [5], "max_tokens": 1}
+    if field == "guided_json":
+        body["guided_json"] = schema
+    elif field == "structured_outputs":
+        body["structured_outputs"] = {"json": schema}
+    else:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    status, err = _post(url, "/v1/completions", body)
+    assert status == 400 and err["param"].startswith(field) and "nested deeper than 128" in err["message"]
+
+
+def test_error_messages_are_one_bounded_line(server, monkeypatch):
+    from kimi_jax.engine.scheduler import RequestError
+    srv, url = server
+    body = {"model": NAME, "prompt": [5], "max_tokens": 1, "logit_bias": {str(i): 1.0 for i in range(100_000)}}
+    status, err = _post(url, "/v1/completions", body)
+    assert status == 400 and err["param"] == "logit_bias" and len(err["message"]) <= 1000
+
+    def panics(*a, **k):
+        raise RequestError("structured_outputs.regex: panicked at src/lib.rs:7:9:\nstack backtrace:\n"
+                           + "   0: frame\n" * 5000)
+    monkeypatch.setattr(srv.engine, "make_request", panics)
+    status, err = _post(url, "/v1/completions", {"model": NAME, "prompt": [5], "max_tokens": 1})
+    assert status == 400 and err["message"] == "structured_outputs.regex: panicked at src/lib.rs:7:9:"
+
+
+def test_a_lone_surrogate_key_is_named_escaped(server):
+    srv, url = server
+    raw = b'{"model": "demo", "prompt": [5], "stream_options": {"\\ud800": 1}, "stream": true}'
+    status, err = _post(url, "/v1/completions", raw)
+    assert status == 400 and err["param"] == "stream_options.\\ud800", err
+    status, err = _post(url, "/v1/completions", b'{"model": "demo", "prompt": [5], "\\udc80x": 1}')
+    assert status == 400 and err["param"] == "\\udc80x" and "not valid Unicode" in err["message"]

@@ -48,6 +48,41 @@ def loads(text: Union[str, bytes], max_depth: int = MAX_DEPTH):
     return value
 
 
+def json_text(v: str) -> str:
+    """A JSON string (a schema), held to the body's limits; not JSON, refused where it is read."""
+    try:
+        loads(v)
+    except TooDeep as e:
+        raise ValueError(f"the JSON string is {e}") from None
+    except NumberTooLong:
+        raise
+    except ValueError:
+        pass
+    return v
+
+
+def bad_key(value) -> str:
+    """The path of the first object key that is not valid Unicode (a lone surrogate), escaped."""
+    stack = [("", value)]
+    while stack:
+        where, v = stack.pop()
+        items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+        for k, x in items:
+            name = f"{where}[{k}]" if isinstance(k, int) else f"{where}.{k}" if where else k
+            if isinstance(k, str):
+                try:
+                    k.encode("utf-8")
+                except UnicodeEncodeError:
+                    return name.encode("utf-8", "backslashreplace").decode("utf-8")
+            stack.append((name, x))
+    return ""
+
+
+def first_line(text, limit: int) -> str:
+    line = " ".join(next((ln for ln in str(text).splitlines() if ln.strip()), "").split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 def text_chars(value) -> int:
     """Characters in every string of a parsed JSON value (keys included), without recursion."""
     n, stack = 0, [value]

@@ -6,7 +6,8 @@ strict types (`CompletionRequest`, `ChatCompletionRequest`); `parse_completion` 
 naming its path (`param`), answered as a 400 with OpenAI's error body. Unused fields are accepted and
 listed in one warning per request, as vLLM does, except `REFUSED` ones (ignoring them would change
 the answer). vLLM's extensions (top_k, min_p, ..., ``structured_outputs`` and the older guided_*) work
-on both endpoints; n is served as n requests (`Choice` index i * n + j for prompt i).
+on both endpoints; n is served as n requests (`Choice` index i * n + j for prompt i). Over 600 lines:
+the request models, their checks and the response bodies are one API's two directions.
 """
 from __future__ import annotations
 
@@ -17,14 +18,16 @@ import time
 import uuid
 from typing import Annotated, Any, Optional, Sequence, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from kimi_jax.engine.sampling import SamplingParams
 from kimi_jax.engine.structured import StructuredOutputError, StructuredOutputsParams, from_openai
+from kimi_jax.entrypoints.openai import intake
 
 log = logging.getLogger(__name__)
 MAX_LOGPROBS = 20
 MAX_N = 64
+MAX_MESSAGE = 1000
 
 OPTIONAL_SAMPLING = {"presence_penalty": ("presence_penalty", 0.0),
                      "frequency_penalty": ("frequency_penalty", 0.0),
@@ -43,6 +46,7 @@ class ProtocolError(ValueError):
 
     def __init__(self, message: str, param: Optional[str] = None, *, status: int = 400,
                  type: str = "invalid_request_error", code: Optional[str] = None):
+        message = intake.first_line(message, MAX_MESSAGE)
         super().__init__(message)
         self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
 
@@ -86,7 +90,7 @@ def _integral(v):
 
 
 Int = Annotated[int, BeforeValidator(_integral)]
-Schema = Union[str, dict[str, Any]]
+Schema = Union[Annotated[str, AfterValidator(intake.json_text)], dict[str, Any]]
 
 
 class _Strict(BaseModel):
@@ -204,6 +208,9 @@ def _validate(model: type, body: dict):
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         path = _path(err["loc"], body)
+        if err["type"] == "string_unicode" and (key := intake.bad_key(body)):
+            raise ProtocolError(f"'{key}': a field name that is not valid Unicode (a lone surrogate)",
+                                key) from None
         msg = err["msg"][0].lower() + err["msg"][1:]
         got = "" if err["type"] == "missing" else f", got {_short(err['input'])}"
         if err["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
@@ -300,6 +307,12 @@ def _constraint(req: _Request, tools=None, tool_choice=None, parallel=None):
         if tools and tool_choice not in (None, "none", "auto"):
             raise ProtocolError(f"'{field}' cannot be combined with tool_choice={_short(tool_choice)}", field)
         return so, field
+    js = (req.response_format or {}).get("json_schema")
+    if isinstance(js, dict) and isinstance(js.get("schema"), str):
+        try:
+            intake.json_text(js["schema"])
+        except ValueError as e:
+            raise ProtocolError(f"response_format.json_schema.schema: {e}", "response_format") from None
     try:
         c = from_openai(req.response_format, tools, tool_choice, parallel)
     except StructuredOutputError as e:
@@ -399,7 +412,7 @@ _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 def request_error(g: Optional[GenerationRequest], e: Exception, default: str) -> ProtocolError:
     """An engine's RequestError as a 400 naming its grammar's field, its parameter, else `default`."""
-    msg = " ".join(str(e).split())
+    msg = intake.first_line(e, 10 * MAX_MESSAGE)
     if g is not None and msg.startswith("structured_outputs"):
         return g.constraint_error(msg)
     field = getattr(e, "field", None) or next((f for f in _SAMPLING_FIELDS if msg.startswith(f + " ")), None)
