@@ -103,7 +103,7 @@ def test_what_the_http_parser_refuses_is_a_json_400(server, case):
 def _post(url, path, body):
     status, _, err = _raw(url, "POST", path, body if isinstance(body, bytes) else json.dumps(body).encode(),
                           {"Content-Type": "application/json"})
-    return status, err["error"]
+    return status, err.get("error", err)
 
 
 @pytest.mark.parametrize("field", ["guided_json", "structured_outputs", "response_format"])
@@ -143,3 +143,39 @@ def test_a_lone_surrogate_key_is_named_escaped(server):
     assert status == 400 and err["param"] == "stream_options.\\ud800", err
     status, err = _post(url, "/v1/completions", b'{"model": "demo", "prompt": [5], "\\udc80x": 1}')
     assert status == 400 and err["param"] == "\\udc80x" and "not valid Unicode" in err["message"]
+
+
+@pytest.mark.parametrize("key", [" 5 ", "\uff15", "1_0", "05", "+5", "-1", "5.0", "0x5", ""])
+def test_logit_bias_keys_are_canonical_decimals(server, key):
+    srv, url = server
+    body = {"model": NAME, "prompt": [5], "max_tokens": 1, "logit_bias": {key: 1.0}}
+    status, err = _post(url, "/v1/completions", body)
+    assert status == 400 and err["param"] == "logit_bias" and "not a token id" in err["message"], err
+    body["logit_bias"] = {"0": 1.0, "5": -1.0, "10": 2.0}
+    assert _post(url, "/v1/completions", body)[0] == 200
+
+
+def test_logit_bias_token_given_twice_is_refused():
+    from kimi_jax.entrypoints.openai import protocol as P
+    with pytest.raises(P.ProtocolError, match="token id 5 twice"):
+        P.parse_completion({"prompt": [5], "logit_bias": {5: 1.0, "5": 2.0}})
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_best_of_is_one_rule_on_both_routes(server, path):
+    srv, url = server
+    body = {"model": NAME, "max_tokens": 1, "n": 2, "best_of": 3}
+    body.update({"prompt": [5]} if path == "/v1/completions" else {"messages": [{"role": "user",
+                                                                                 "content": "hi"}]})
+    status, err = _post(url, path, body)
+    assert status == 400 and err["param"] == "best_of" and "must equal n" in err["message"], err
+
+
+@pytest.mark.parametrize("stop", ["s" * 1025, ["a"] * 65, ["ok", "x" * 2**20]])
+def test_stop_strings_are_bounded(server, stop):
+    srv, url = server
+    body = {"model": NAME, "prompt": [5], "max_tokens": 1, "stop": stop}
+    status, err = _post(url, "/v1/completions", body)
+    assert status == 400 and err["param"] == "stop" and "at most 64 strings of at most 1024" in err["message"]
+    body["stop"] = ["s" * 1024] * 64
+    assert _post(url, "/v1/completions", body)[0] == 200

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import time
 import uuid
 from typing import Annotated, Any, Optional, Sequence, Union
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 MAX_LOGPROBS = 20
 MAX_N = 64
 MAX_MESSAGE = 1000
+MAX_STOP, MAX_STOP_CHARS = 64, 1024       # stop strings of a request, characters of each
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]*")
 
 OPTIONAL_SAMPLING = {"presence_penalty": ("presence_penalty", 0.0),
                      "frequency_penalty": ("frequency_penalty", 0.0),
@@ -146,6 +149,7 @@ class _Request(BaseModel):
     include_stop_str_in_output: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
     bad_words: Optional[list[str]] = None
+    best_of: Optional[Int] = None
     structured_outputs: Optional[StructuredOutputsBody] = None
     guided_json: Optional[Schema] = None
     guided_regex: Optional[str] = None
@@ -160,7 +164,6 @@ class CompletionRequest(_Request):
     logprobs: Optional[Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)]] = None
     echo: Optional[bool] = None
     suffix: Optional[str] = None
-    best_of: Optional[Int] = None
 
 
 class ChatCompletionRequest(_Request):
@@ -268,10 +271,12 @@ def _sampling(req: _Request, kind: str, *, max_tokens, logprobs: Optional[int], 
 def _logit_bias(v: dict) -> dict:
     out = {}
     for k, b in v.items():
-        try:
-            out[int(k)] = b
-        except ValueError:
-            raise ProtocolError(f"'logit_bias' key {k!r} is not a token id", "logit_bias") from None
+        if isinstance(k, str) and not (_TOKEN_ID.fullmatch(k) and k.isascii()):
+            raise ProtocolError(f"'logit_bias' key {_short(k)} is not a token id (a decimal integer "
+                                "without sign, spaces or leading zeros)", "logit_bias")
+        if int(k) in out:
+            raise ProtocolError(f"'logit_bias' has token id {int(k)} twice", "logit_bias")
+        out[int(k)] = b
     return out
 
 
@@ -329,6 +334,11 @@ def _common(req: _Request) -> dict:
         raise ProtocolError("'stream_options' is only allowed with stream=true", "stream_options")
     _refuse_unless(req, "skip_special_tokens", lambda v: v is True, "special tokens are always skipped")
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    _refuse_unless(req, "best_of", lambda v: v == (req.n or 1), "best_of must equal n")
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    if len(stops) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ProtocolError(f"'stop' takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} "
+                            f"characters each, got {len(stops)} of up to {max(map(len, stops))}", "stop")
     return dict(model=req.model, stream=bool(req.stream), include_usage=include_usage, n=req.n or 1)
 
 
@@ -366,7 +376,6 @@ def parse_completion(body: Any) -> GenerationRequest:
     prompts = _prompts(req.prompt)
     _refuse_unless(req, "echo", lambda v: v is False, "prompts are not echoed")
     _refuse_unless(req, "suffix", lambda v: v == "", "no insertion")
-    _refuse_unless(req, "best_of", lambda v: v == common["n"], "best_of must equal n")
     max_tokens = req.max_tokens if req.max_tokens is not None else 16
     so, field = _constraint(req)
     params = _sampling(req, "completion", max_tokens=max_tokens, logprobs=req.logprobs, structured=so)
