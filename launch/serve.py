@@ -52,6 +52,8 @@ flags.DEFINE_float("shutdown_grace_s", 30.0, "seconds in-flight requests get to 
 flags.DEFINE_bool("metrics_need_key", False, "require the API key on /metrics too (it names the served model)")
 flags.DEFINE_integer("max_body_bytes", 64 * 2**20, "largest request body (413 beyond)")
 flags.DEFINE_integer("max_choices", 256, "most choices (prompts x n) one request may ask (400 beyond)")
+flags.DEFINE_float("keepalive_s", 15.0, "close a connection that completes no request's headers this long "
+                   "after opening or after its last response")
 flags.DEFINE_integer("max_prompt_chars", 8 * 2**20, "longest text prompt / conversation in characters (400 beyond)")
 
 
@@ -69,6 +71,8 @@ def main(argv):
         common.fail(PROG, f"--max_queue must be >= 0, got {FLAGS.max_queue}")
     if not FLAGS.shutdown_grace_s >= 0:
         common.fail(PROG, f"--shutdown_grace_s must be >= 0, got {FLAGS.shutdown_grace_s}")
+    if not FLAGS.keepalive_s > 0:
+        common.fail(PROG, f"--keepalive_s must be > 0, got {FLAGS.keepalive_s}")
     try:
         limits = Limits(max_body_bytes=FLAGS.max_body_bytes, max_choices=FLAGS.max_choices,
                         max_prompt_chars=FLAGS.max_prompt_chars)
@@ -87,6 +91,7 @@ def main(argv):
     print(f"{PROG}: loading {name}; listening on http://{FLAGS.host}:{FLAGS.port}", file=sys.stderr, flush=True)
     try:
         asyncio.run(serve(server, host=FLAGS.host, port=FLAGS.port, grace_s=FLAGS.shutdown_grace_s,
+                          keepalive_s=FLAGS.keepalive_s,
                           on_ready=lambda: print(f"{PROG}: ready", file=sys.stderr, flush=True)))
     except ListenError as e:                # the port is taken, the address is not ours
         common.fail(PROG, e.strerror)

@@ -1,10 +1,14 @@
 """The server's HTTP layer and kimi-batch's reader against hostile input: integers beyond Python's
-digit limit are a 400 / one error line (never a 500 or a lost line), and the server keeps serving."""
+digit limit are a 400 / one error line (never a 500 or a lost line); what the HTTP parser refuses, deep
+schema strings, odd logit_bias keys and long stop strings are JSON 400s of one bounded line; slow
+headers and idle connections are closed within the keep-alive bound; the server keeps serving."""
 import gzip
 import http.client
 import io
 import json
+import socket
 import sys
+import time
 from urllib.parse import urlsplit
 
 import pytest
@@ -15,6 +19,7 @@ from tests.e2e.test_server import _http
 
 NAME = "demo"
 HUGE_INT = b"1" * (sys.get_int_max_str_digits() + 1)
+KEEPALIVE_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +28,7 @@ def server():
     from kimi_jax.entrypoints.openai.server import OpenAIServer
     llm = LLM(None, dtype="float32", max_num_seqs=4, max_model_len=256)
     srv = OpenAIServer(llm, served_model_name=NAME)
-    with serving(srv) as url:
+    with serving(srv, keepalive_s=KEEPALIVE_S) as url:
         yield srv, url
 
 
@@ -179,3 +184,45 @@ def test_stop_strings_are_bounded(server, stop):
     assert status == 400 and err["param"] == "stop" and "at most 64 strings of at most 1024" in err["message"]
     body["stop"] = ["s" * 1024] * 64
     assert _post(url, "/v1/completions", body)[0] == 200
+
+
+def _closed_within(sock: socket.socket, seconds: float, drip: bytes = b"") -> float:
+    """Seconds until the server closes `sock`, sending `drip` a byte per 0.1 s meanwhile."""
+    t0 = time.monotonic()
+    sock.settimeout(0.1)
+    i = 0
+    while time.monotonic() - t0 < seconds:
+        try:
+            if sock.recv(65536) == b"":
+                return time.monotonic() - t0
+        except socket.timeout:
+            pass
+        except ConnectionError:
+            return time.monotonic() - t0
+        if i < len(drip):
+            try:
+                sock.send(drip[i:i + 1])
+            except ConnectionError:
+                return time.monotonic() - t0
+            i += 1
+    raise AssertionError(f"the connection is still open after {seconds} s")
+
+
+def test_slow_headers_and_idle_keep_alive_are_closed(server):
+    srv, url = server
+    port = urlsplit(url).port
+    slow = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: " + b"a" * 1000
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        assert _closed_within(s, KEEPALIVE_S + 4, slow) < KEEPALIVE_S + 4
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.settimeout(10)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        assert _closed_within(s, KEEPALIVE_S + 4) < KEEPALIVE_S + 4
+    assert _http(url + "/health")[0] == 200
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_serve_refuses_a_keepalive_that_is_not_positive(cli, value):
+    r = cli("launch.serve", "--model=tiny", f"--keepalive_s={value}")
+    assert r.returncode == 2 and "--keepalive_s must be > 0" in r.stderr, r
