@@ -226,3 +226,19 @@ def test_slow_headers_and_idle_keep_alive_are_closed(server):
 def test_serve_refuses_a_keepalive_that_is_not_positive(cli, value):
     r = cli("launch.serve", "--model=tiny", f"--keepalive_s={value}")
     assert r.returncode == 2 and "--keepalive_s must be > 0" in r.stderr, r
+
+
+def test_tokenize_renders_tools_as_the_chat_route_does(server):
+    srv, url = server
+    msgs = [{"role": "user", "content": "weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "the weather",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "city": {"type": "string"}}}}}]
+    status, bare = _post(url, "/tokenize", {"messages": msgs})
+    status, with_tools = _post(url, "/tokenize", {"messages": msgs, "tools": tools})
+    assert status == 200 and with_tools["count"] > bare["count"]
+    status, chat = _post(url, "/v1/chat/completions", {"model": NAME, "messages": msgs, "tools": tools,
+                                                       "max_tokens": 1, "temperature": 0})
+    assert status == 200 and chat["usage"]["prompt_tokens"] == with_tools["count"]
+    assert with_tools["tokens"] == srv.llm.chat_prompt_ids(msgs, tools=tools)
+    assert _post(url, "/tokenize", {"messages": msgs, "tools": "x"})[1]["param"] == "tools"

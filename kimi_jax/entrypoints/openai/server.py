@@ -6,7 +6,7 @@ models are kimi_jax.entrypoints.openai.protocol's (pydantic).
   GET  /v1/models, /v1/models/ID  the served model
   POST /v1/completions            prompt(s) -> text, streamed as SSE with "stream": true
   POST /v1/chat/completions       messages -> reply (the checkpoint's chat template, as LLM.chat)
-  POST /tokenize, /detokenize     {"prompt" | "messages"} -> token ids; {"tokens"} -> text
+  POST /tokenize, /detokenize     {"prompt" | "messages" (+ "tools")} -> token ids; {"tokens"} -> text
   GET  /health                    200 once the model is loaded and a warm-up request has run
   GET  /metrics                   Prometheus text (kimi_jax.entrypoints.openai.metrics)
   GET  /version                   {"version": kimi_jax's version}
@@ -290,7 +290,10 @@ class OpenAIServer:
             agp = body.get("add_generation_prompt", True)
             if not isinstance(agp, bool):
                 raise P.ProtocolError(f"'add_generation_prompt' must be a boolean, got {agp!r}", "add_generation_prompt")
-            ids = self._chat_ids(body["messages"], agp)
+            tools = body.get("tools")
+            if tools is not None and not isinstance(tools, list):
+                raise P.ProtocolError("'tools' must be a list", "tools")
+            ids = self._chat_ids(body["messages"], agp, tools or None)
         else:
             if not isinstance(body["prompt"], str):
                 raise P.ProtocolError("'prompt' must be a string", "prompt")
