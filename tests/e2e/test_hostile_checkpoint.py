@@ -159,3 +159,17 @@ def test_a_weights_file_that_is_not_a_regular_file_says_what_it_is(tmp_path, kin
         LLM(path, dtype="float32")
     assert "model.safetensors: not a regular file" in str(e.value) and want in str(e.value), e.value
     assert time.perf_counter() - t0 < QUICK_S
+
+
+def test_a_chat_template_beyond_the_limit_is_refused_naming_the_file(tmp_path):
+    from kimi_jax import LLM
+    from kimi_jax.text.chat_template import MAX_TEMPLATE_BYTES
+    path = _copy(DEMO, tmp_path / "c")
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write("{{ messages[0].content }}" + "x" * (10 * 2**20))
+    llm = LLM(path, dtype="float32", max_num_seqs=2, max_model_len=64)
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError) as e:
+        llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
+    assert "chat_template.jinja" in str(e.value) and f"MAX_TEMPLATE_BYTES={MAX_TEMPLATE_BYTES}" in str(e.value)
+    assert time.perf_counter() - t0 < QUICK_S
