@@ -104,6 +104,10 @@ def _check_tokenizer(path: str, cfg: Any) -> None:
         if tid is not None and not 0 <= tid < cfg.vocab_size:
             raise CheckpointError(f"{config_file}: {field} {_content(tc.get(field))!r} has id {tid}, outside the "
                                   f"model's vocabulary (vocab_size={cfg.vocab_size})")
+    for k, v in added.items() if isinstance(added, dict) else ():
+        if (tid := _int(k)) is not None and not 0 <= tid < cfg.vocab_size:
+            raise CheckpointError(f"{config_file}: added token {_content(v)!r} has id {tid}, outside the "
+                                  f"model's vocabulary (vocab_size={cfg.vocab_size})")
 
 
 def _content(v) -> Optional[str]:

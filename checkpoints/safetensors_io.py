@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import re
+import stat
 import struct
 import threading
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -76,6 +77,20 @@ def _bounds(index, shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
             raise ValueError(f"read_slice needs step-1 slices, got {sl!r}")
         out.append((start, max(start, stop)))
     return tuple(out)
+
+
+def _not_regular(path: str) -> str:
+    """What a path that exists and is not a regular file is ("" when it is one or is absent)."""
+    if not os.path.lexists(path) or os.path.isfile(path):
+        return ""
+    link = f"a symlink to {os.readlink(path)}, " if os.path.islink(path) else ""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        return f"{link}which cannot be opened: {e.strerror}"
+    kinds = [(stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")]
+    return link + next((k for test, k in kinds if test(mode)), "not a file")
 
 
 class CheckpointError(ValueError):
@@ -187,6 +202,8 @@ class CheckpointReader:
         elif os.path.isfile(os.path.join(self.path, SINGLE_FILE)):
             self.files = [SINGLE_FILE]
             self.tensors = read_header(self._abs(SINGLE_FILE))
+        elif what := _not_regular(os.path.join(self.path, SINGLE_FILE)):
+            raise CheckpointError(f"{os.path.join(self.path, SINGLE_FILE)}: not a regular file ({what})")
         else:
             shards = sorted(f for f in os.listdir(self.path) if _SHARD_RE.match(f))
             if shards:
@@ -240,6 +257,9 @@ class CheckpointReader:
             by_file.setdefault(fname, []).append(name)
         self.files = list(by_file)
         for fname, names in by_file.items():
+            if os.path.basename(fname) == fname and (what := _not_regular(self._abs(fname))):
+                raise CheckpointError(f"{self._abs(fname)}: not a regular file ({what}), a shard file "
+                                      f"of {index}")
             if os.path.basename(fname) != fname or not os.path.isfile(self._abs(fname)):
                 others = f" and {len(names) - 1} other tensor(s)" if len(names) > 1 else ""
                 raise CheckpointError(f"{index}: tensor {names[0]!r}{others} mapped to shard file "

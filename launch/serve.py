@@ -61,6 +61,8 @@ flags.DEFINE_string("tool_call_parser", "kimi_k2",
                     "accepted: kimi_k2 only (Kimi's tool-call section)")
 flags.DEFINE_string("reasoning_parser", "kimi_k2",
                     "accepted: kimi_k2 only (the reply's reasoning_content)")
+flags.DEFINE_float("keepalive_s", 15.0, "close a connection that completes no request's headers this long "
+                   "after opening or after its last response")
 flags.DEFINE_integer("max_prompt_chars", 8 * 2**20, "longest text prompt / conversation in characters (400 beyond)")
 
 
@@ -85,6 +87,8 @@ def main(argv):
     if not FLAGS.enable_auto_tool_choice:
         common.fail(PROG, "--no-enable-auto-tool-choice is not supported: tool calls are always "
                     "parsed")
+    if not FLAGS.keepalive_s > 0:
+        common.fail(PROG, f"--keepalive_s must be > 0, got {FLAGS.keepalive_s}")
     try:
         limits = Limits(max_body_bytes=FLAGS.max_body_bytes, max_choices=FLAGS.max_choices,
                         max_prompt_chars=FLAGS.max_prompt_chars)
@@ -105,6 +109,7 @@ def main(argv):
     print(f"{PROG}: loading {name}; listening on http://{FLAGS.host}:{FLAGS.port}", file=sys.stderr, flush=True)
     try:
         asyncio.run(serve(server, host=FLAGS.host, port=FLAGS.port, grace_s=FLAGS.shutdown_grace_s,
+                          keepalive_s=FLAGS.keepalive_s,
                           on_ready=lambda: print(f"{PROG}: ready", file=sys.stderr, flush=True)))
     except ListenError as e:                # the port is taken, the address is not ours
         common.fail(PROG, e.strerror)

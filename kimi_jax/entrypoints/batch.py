@@ -36,6 +36,7 @@ ENVELOPE_KEYS = {"custom_id", "method", "url", "body"}
 DUPLICATE = "duplicate_custom_id"
 MAX_DEPTH = intake.MAX_DEPTH + 1          # the envelope adds one level to the body's
 MAX_LINE_BYTES = intake.Limits().max_body_bytes + 4096       # a body as the server takes it, plus its envelope
+MAX_RUN_ON = 2**30
 _AUTO_ID = re.compile(r"line-[0-9]+")
 
 
@@ -69,7 +70,7 @@ def load_json(line: Union[str, bytes], lineno: int):
         return intake.loads(line, MAX_DEPTH)
     except json.JSONDecodeError as e:
         raise LineError(f"line {lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
-    except intake.TooDeep as e:
+    except (intake.TooDeep, intake.NumberTooLong) as e:
         raise LineError(f"line {lineno}: {e}") from None
 
 
@@ -291,10 +292,11 @@ def count_lines(path: str) -> int:
 
 
 class TooLong:
-    """An input line of more than MAX_LINE_BYTES (its bytes were read in pieces and dropped)."""
+    """An input line of more than MAX_LINE_BYTES (its bytes were read in pieces and dropped); `endless`
+    when it ran on past MAX_RUN_ON bytes, where reading stops (a device such as /dev/zero)."""
 
-    def __init__(self, size: int):
-        self.size = size
+    def __init__(self, size: int, endless: bool = False):
+        self.size, self.endless = size, endless
 
     def strip(self) -> bool:
         return True
@@ -307,12 +309,14 @@ def input_lines(infile, max_bytes: Optional[int] = None):
         lineno += 1
         if len(line) > max_bytes and not line.endswith(b"\n" if isinstance(line, bytes) else "\n"):
             size = len(line)
-            while (rest := infile.readline(1 << 20)) and size < 2**62:
+            while (rest := infile.readline(1 << 20)) and size <= MAX_RUN_ON:
                 size += len(rest)
                 if rest.endswith(b"\n" if isinstance(rest, bytes) else "\n"):
                     break
-            line = TooLong(size)
+            line = TooLong(size, size > MAX_RUN_ON)
         yield lineno, line
+        if isinstance(line, TooLong) and line.endless:
+            return
 
 
 def _failure(lineno: int, e: BaseException, when: str = "while running") -> str:
@@ -411,6 +415,9 @@ def run_job(llm, infile: Iterable[Union[str, bytes]], writer: ResultWriter, *, m
             if not line.strip():
                 continue
             try:
+                if isinstance(line, TooLong) and line.endless:
+                    raise LineError(f"line {lineno}: more than {MAX_RUN_ON} bytes without a newline; the "
+                                    "input is not read further", "input_not_lines")
                 if isinstance(line, TooLong):
                     raise LineError(f"line {lineno}: {line.size} bytes, more than {MAX_LINE_BYTES}")
                 ln, err = read_line(line, lineno), None

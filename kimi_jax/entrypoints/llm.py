@@ -231,6 +231,10 @@ class LLM:
         """Token ids of a prompt: text (tokenized), token ids, or vLLM's {"prompt": text} /
         {"prompt_token_ids": ids}; the ids' validity is checked by the batch engine."""
         if isinstance(prompt, dict):
+            for key in ("multi_modal_data", "mm_processor_kwargs"):
+                if prompt.get(key) not in (None, {}):
+                    raise ValueError(f"request {i}: the prompt's {key!r} is not supported (a text-only "
+                                     "model)")
             keys = set(prompt) - {"multi_modal_data", "mm_processor_kwargs"}
             if keys == {"prompt_token_ids"}:
                 ids = prompt["prompt_token_ids"]

@@ -26,6 +26,7 @@ __all__ = ["ChatTemplate", "ChatTemplateError", "RenderLimits", "ChatTemplateNot
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 VALID_ROLES = ("system", "user", "assistant", "tool")
+MAX_TEMPLATE_BYTES = 256 * 2**10          # a chat template's source (real ones are a few KB)
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -369,6 +370,9 @@ class ChatTemplate:
     ):
         if not isinstance(source, str):
             raise ChatTemplateError(f"{path or 'chat template'}: template must be a string, got {type(source).__name__}")
+        if len(source) > MAX_TEMPLATE_BYTES or len(source.encode("utf-8", "replace")) > MAX_TEMPLATE_BYTES:
+            raise ChatTemplateError(f"{path or 'chat template'}: the chat template is larger than "
+                                    f"MAX_TEMPLATE_BYTES={MAX_TEMPLATE_BYTES}")
         self.source = source
         self.path = path
         self.special_tokens = dict(special_tokens or {})
@@ -406,6 +410,9 @@ class ChatTemplate:
             if isinstance(v, str):
                 specials[key] = v
         if os.path.isfile(jinja_file):
+            if (size := os.path.getsize(jinja_file)) > MAX_TEMPLATE_BYTES:
+                raise ChatTemplateError(f"{jinja_file}: the chat template has {size} bytes, more than "
+                                        f"MAX_TEMPLATE_BYTES={MAX_TEMPLATE_BYTES}")
             try:
                 with open(jinja_file, "r", encoding="utf-8") as f:
                     source = f.read()

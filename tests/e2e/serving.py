@@ -14,7 +14,7 @@ def free_socket() -> socket.socket:
 
 
 @contextlib.contextmanager
-def serving(srv, ready_timeout: float = 300.0, grace_s: float = 5.0):
+def serving(srv, ready_timeout: float = 300.0, grace_s: float = 5.0, **serve_kw):
     """Serve `srv` (an OpenAIServer) until the block ends; yields its base URL (http://127.0.0.1:PORT)."""
     from kimi_jax.entrypoints.openai.server import serve
     sock = free_socket()
@@ -27,7 +27,8 @@ def serving(srv, ready_timeout: float = 300.0, grace_s: float = 5.0):
 
         async def main():
             box["stop"] = asyncio.Event()
-            await serve(srv, sock=sock, stop=box["stop"], grace_s=grace_s, on_ready=ready.set)
+            await serve(srv, sock=sock, stop=box["stop"], grace_s=grace_s, on_ready=ready.set,
+                        **serve_kw)
         loop.run_until_complete(main())
 
     thread = threading.Thread(target=run, daemon=True)

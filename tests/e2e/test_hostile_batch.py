@@ -171,3 +171,26 @@ def test_byte_order_mark_and_crlf_lines_are_read(llm, tmp_path):
     out = str(tmp_path / "o.jsonl")
     s = _run(llm, data, out)
     assert s.counts["ok"] == 4 and sorted(r["custom_id"] for r in _records(out)) == [f"r{i}" for i in range(4)]
+
+
+def test_an_input_without_newlines_ends_with_one_error(llm, tmp_path, monkeypatch):
+    monkeypatch.setattr(B, "MAX_LINE_BYTES", 4096)
+    monkeypatch.setattr(B, "MAX_RUN_ON", 1 << 20)
+    with open("/dev/zero", "rb") as zero:
+        lines = list(B.input_lines(zero, 4096))
+    assert len(lines) == 1 and lines[0][1].endless
+    out = str(tmp_path / "o.jsonl")
+    with open("/dev/zero", "rb") as zero:
+        s = B.run_job(llm, zero, B.ResultWriter(out), model_name="m", default_max_tokens=2, progress=False)
+    (rec,) = _records(out)
+    assert rec["custom_id"] == "line-1" and rec["error"]["code"] == "input_not_lines"
+    assert f"more than {1 << 20} bytes without a newline" in rec["error"]["message"]
+    assert s.counts["errors"] == 1
+
+
+def test_cli_dev_zero_input_terminates(tmp_path):
+    out = str(tmp_path / "o.jsonl")
+    p = _cli("/dev/zero", ["--output", out], timeout=200)
+    assert p.returncode == 0, p.stderr[-2000:]
+    (rec,) = _records(out)
+    assert "without a newline" in rec["error"]["message"]

@@ -137,3 +137,39 @@ def test_every_field_with_every_hostile_value_is_a_config_error():
                 except ConfigError:
                     seen += 1
     assert seen > 200           # most of them are refused (the rest are fields the math ignores)
+
+
+def test_an_added_token_beyond_the_vocabulary_is_refused(tmp_path):
+    edit = lambda d: d["added_tokens_decoder"].__setitem__("4096", {"content": "<|extra|>", "special": True})
+    _refused(_copy(DEMO, tmp_path / "c", edit_tok=edit), "tokenizer_config.json", "'<|extra|>'", "id 4096",
+             "vocab_size=4096")
+
+
+@pytest.mark.parametrize("kind", ["dev-zero", "fifo", "directory", "dangling"])
+def test_a_weights_file_that_is_not_a_regular_file_says_what_it_is(tmp_path, kind):
+    from kimi_jax import LLM
+    path = _copy(DEMO, tmp_path / "c", drop=["model.safetensors"])
+    f = os.path.join(path, "model.safetensors")
+    {"dev-zero": lambda: os.symlink("/dev/zero", f), "fifo": lambda: os.mkfifo(f),
+     "directory": lambda: os.mkdir(f), "dangling": lambda: os.symlink(str(tmp_path / "gone"), f)}[kind]()
+    want = {"dev-zero": "a symlink to /dev/zero, a character device", "fifo": "a FIFO",
+            "directory": "a directory", "dangling": "cannot be opened"}[kind]
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError) as e:
+        LLM(path, dtype="float32")
+    assert "model.safetensors: not a regular file" in str(e.value) and want in str(e.value), e.value
+    assert time.perf_counter() - t0 < QUICK_S
+
+
+def test_a_chat_template_beyond_the_limit_is_refused_naming_the_file(tmp_path):
+    from kimi_jax import LLM
+    from kimi_jax.text.chat_template import MAX_TEMPLATE_BYTES
+    path = _copy(DEMO, tmp_path / "c")
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write("{{ messages[0].content }}" + "x" * (10 * 2**20))
+    llm = LLM(path, dtype="float32", max_num_seqs=2, max_model_len=64)
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError) as e:
+        llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
+    assert "chat_template.jinja" in str(e.value) and f"MAX_TEMPLATE_BYTES={MAX_TEMPLATE_BYTES}" in str(e.value)
+    assert time.perf_counter() - t0 < QUICK_S

@@ -77,6 +77,9 @@ def test_bad_sampling_value_is_refused_naming_request_and_field(llm, clean, kw, 
     (None, ["prompt"]),
     ({"x": 1}, ["prompt"]),
     ([], ["empty prompt"]),
+    ({"prompt_token_ids": [5, 6], "multi_modal_data": {"image": "x"}}, ["'multi_modal_data'", "not supported"]),
+    ({"prompt_token_ids": [5, 6], "mm_processor_kwargs": {"a": 1}}, ["'mm_processor_kwargs'"]),
+    ({"prompt_token_ids": [5, 6], "extra": 1}, ["'extra'"]),
 ])
 def test_bad_prompt_is_refused_naming_request(llm, clean, prompt, words):
     prompts = [GOOD[0][0], prompt, GOOD[2][0]]

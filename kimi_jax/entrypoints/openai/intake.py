@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from typing import Union
 
 MAX_DEPTH = 128                   # JSON nesting of a body (a request needs far fewer)
@@ -10,6 +11,10 @@ MAX_DEPTH = 128                   # JSON nesting of a body (a request needs far 
 
 class TooDeep(ValueError):
     """A JSON text nested deeper than the limit (or than the parser can go)."""
+
+
+class NumberTooLong(ValueError):
+    """A JSON integer with more digits than Python converts (sys.get_int_max_str_digits)."""
 
 
 def depth(value) -> int:
@@ -27,14 +32,55 @@ def depth(value) -> int:
 
 
 def loads(text: Union[str, bytes], max_depth: int = MAX_DEPTH):
-    """json.loads, refusing nesting beyond max_depth (TooDeep); its other errors as json.loads raises them."""
+    """json.loads, refusing nesting beyond max_depth (TooDeep) and integers beyond the interpreter's
+    digit limit (NumberTooLong); its other errors as json.loads raises them."""
     try:
         value = json.loads(text)
     except RecursionError:
         raise TooDeep(f"JSON nested deeper than {max_depth} levels") from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError:                  # int(): more digits than the interpreter's limit
+        raise NumberTooLong(f"JSON has an integer of more than {sys.get_int_max_str_digits()} "
+                            "digits") from None
     if depth(value) > max_depth:
         raise TooDeep(f"JSON nested deeper than {max_depth} levels")
     return value
+
+
+def json_text(v: str) -> str:
+    """A JSON string (a schema), held to the body's limits; not JSON, refused where it is read."""
+    try:
+        loads(v)
+    except TooDeep as e:
+        raise ValueError(f"the JSON string is {e}") from None
+    except NumberTooLong:
+        raise
+    except ValueError:
+        pass
+    return v
+
+
+def bad_key(value) -> str:
+    """The path of the first object key that is not valid Unicode (a lone surrogate), escaped."""
+    stack = [("", value)]
+    while stack:
+        where, v = stack.pop()
+        items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+        for k, x in items:
+            name = f"{where}[{k}]" if isinstance(k, int) else f"{where}.{k}" if where else k
+            if isinstance(k, str):
+                try:
+                    k.encode("utf-8")
+                except UnicodeEncodeError:
+                    return name.encode("utf-8", "backslashreplace").decode("utf-8")
+            stack.append((name, x))
+    return ""
+
+
+def first_line(text, limit: int) -> str:
+    line = " ".join(next((ln for ln in str(text).splitlines() if ln.strip()), "").split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def text_chars(value) -> int:

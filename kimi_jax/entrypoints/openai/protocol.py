@@ -6,25 +6,31 @@ strict types (`CompletionRequest`, `ChatCompletionRequest`); `parse_completion` 
 naming its path (`param`), answered as a 400 with OpenAI's error body. Unused fields are accepted and
 listed in one warning per request, as vLLM does, except `REFUSED` ones (ignoring them would change
 the answer). vLLM's extensions (top_k, min_p, ..., ``structured_outputs`` and the older guided_*) work
-on both endpoints; n is served as n requests (`Choice` index i * n + j for prompt i).
+on both endpoints; n is served as n requests (`Choice` index i * n + j for prompt i). Over 600 lines:
+the request models, their checks and the response bodies are one API's two directions.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
+import re
 import time
 import uuid
 from typing import Annotated, Any, Optional, Sequence, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from kimi_jax.engine.sampling import SamplingParams
 from kimi_jax.engine.structured import StructuredOutputError, StructuredOutputsParams, from_openai
+from kimi_jax.entrypoints.openai import intake
 
 log = logging.getLogger(__name__)
 MAX_LOGPROBS = 20
 MAX_N = 64
+MAX_MESSAGE = 1000
+MAX_STOP, MAX_STOP_CHARS = 64, 1024       # stop strings of a request, characters of each
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]*")
 
 OPTIONAL_SAMPLING = {"presence_penalty": ("presence_penalty", 0.0),
                      "frequency_penalty": ("frequency_penalty", 0.0),
@@ -43,6 +49,7 @@ class ProtocolError(ValueError):
 
     def __init__(self, message: str, param: Optional[str] = None, *, status: int = 400,
                  type: str = "invalid_request_error", code: Optional[str] = None):
+        message = intake.first_line(message, MAX_MESSAGE)
         super().__init__(message)
         self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
 
@@ -86,7 +93,7 @@ def _integral(v):
 
 
 Int = Annotated[int, BeforeValidator(_integral)]
-Schema = Union[str, dict[str, Any]]
+Schema = Union[Annotated[str, AfterValidator(intake.json_text)], dict[str, Any]]
 
 
 class _Strict(BaseModel):
@@ -142,6 +149,7 @@ class _Request(BaseModel):
     include_stop_str_in_output: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
     bad_words: Optional[list[str]] = None
+    best_of: Optional[Int] = None
     structured_outputs: Optional[StructuredOutputsBody] = None
     guided_json: Optional[Schema] = None
     guided_regex: Optional[str] = None
@@ -156,7 +164,6 @@ class CompletionRequest(_Request):
     logprobs: Optional[Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)]] = None
     echo: Optional[bool] = None
     suffix: Optional[str] = None
-    best_of: Optional[Int] = None
 
 
 class ChatCompletionRequest(_Request):
@@ -204,6 +211,9 @@ def _validate(model: type, body: dict):
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         path = _path(err["loc"], body)
+        if err["type"] == "string_unicode" and (key := intake.bad_key(body)):
+            raise ProtocolError(f"'{key}': a field name that is not valid Unicode (a lone surrogate)",
+                                key) from None
         msg = err["msg"][0].lower() + err["msg"][1:]
         got = "" if err["type"] == "missing" else f", got {_short(err['input'])}"
         if err["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
@@ -261,10 +271,12 @@ def _sampling(req: _Request, kind: str, *, max_tokens, logprobs: Optional[int], 
 def _logit_bias(v: dict) -> dict:
     out = {}
     for k, b in v.items():
-        try:
-            out[int(k)] = b
-        except ValueError:
-            raise ProtocolError(f"'logit_bias' key {k!r} is not a token id", "logit_bias") from None
+        if isinstance(k, str) and not (_TOKEN_ID.fullmatch(k) and k.isascii()):
+            raise ProtocolError(f"'logit_bias' key {_short(k)} is not a token id (a decimal integer "
+                                "without sign, spaces or leading zeros)", "logit_bias")
+        if int(k) in out:
+            raise ProtocolError(f"'logit_bias' has token id {int(k)} twice", "logit_bias")
+        out[int(k)] = b
     return out
 
 
@@ -300,6 +312,12 @@ def _constraint(req: _Request, tools=None, tool_choice=None, parallel=None):
         if tools and tool_choice not in (None, "none", "auto"):
             raise ProtocolError(f"'{field}' cannot be combined with tool_choice={_short(tool_choice)}", field)
         return so, field
+    js = (req.response_format or {}).get("json_schema")
+    if isinstance(js, dict) and isinstance(js.get("schema"), str):
+        try:
+            intake.json_text(js["schema"])
+        except ValueError as e:
+            raise ProtocolError(f"response_format.json_schema.schema: {e}", "response_format") from None
     try:
         c = from_openai(req.response_format, tools, tool_choice, parallel)
     except StructuredOutputError as e:
@@ -316,6 +334,11 @@ def _common(req: _Request) -> dict:
         raise ProtocolError("'stream_options' is only allowed with stream=true", "stream_options")
     _refuse_unless(req, "skip_special_tokens", lambda v: v is True, "special tokens are always skipped")
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    _refuse_unless(req, "best_of", lambda v: v == (req.n or 1), "best_of must equal n")
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    if len(stops) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ProtocolError(f"'stop' takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} "
+                            f"characters each, got {len(stops)} of up to {max(map(len, stops))}", "stop")
     return dict(model=req.model, stream=bool(req.stream), include_usage=include_usage, n=req.n or 1)
 
 
@@ -353,7 +376,6 @@ def parse_completion(body: Any) -> GenerationRequest:
     prompts = _prompts(req.prompt)
     _refuse_unless(req, "echo", lambda v: v is False, "prompts are not echoed")
     _refuse_unless(req, "suffix", lambda v: v == "", "no insertion")
-    _refuse_unless(req, "best_of", lambda v: v == common["n"], "best_of must equal n")
     max_tokens = req.max_tokens if req.max_tokens is not None else 16
     so, field = _constraint(req)
     params = _sampling(req, "completion", max_tokens=max_tokens, logprobs=req.logprobs, structured=so)
@@ -399,7 +421,7 @@ _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 def request_error(g: Optional[GenerationRequest], e: Exception, default: str) -> ProtocolError:
     """An engine's RequestError as a 400 naming its grammar's field, its parameter, else `default`."""
-    msg = " ".join(str(e).split())
+    msg = intake.first_line(e, 10 * MAX_MESSAGE)
     if g is not None and msg.startswith("structured_outputs"):
         return g.constraint_error(msg)
     field = getattr(e, "field", None) or next((f for f in _SAMPLING_FIELDS if msg.startswith(f + " ")), None)

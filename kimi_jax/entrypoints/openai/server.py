@@ -6,7 +6,7 @@ models are kimi_jax.entrypoints.openai.protocol's (pydantic).
   GET  /v1/models, /v1/models/ID  the served model
   POST /v1/completions            prompt(s) -> text, streamed as SSE with "stream": true
   POST /v1/chat/completions       messages -> reply (the checkpoint's chat template, as LLM.chat)
-  POST /tokenize, /detokenize     {"prompt" | "messages"} -> token ids; {"tokens"} -> text
+  POST /tokenize, /detokenize     {"prompt" | "messages" (+ "tools")} -> token ids; {"tokens"} -> text
   GET  /health                    200 once the model is loaded and a warm-up request has run
   GET  /metrics                   Prometheus text (kimi_jax.entrypoints.openai.metrics)
   GET  /version                   {"version": kimi_jax's version}
@@ -33,7 +33,7 @@ import time
 import uuid
 from typing import Optional
 
-from aiohttp import web
+from aiohttp import web, web_protocol, web_server
 
 from kimi_jax.engine.async_engine import AsyncLLM, EngineDead, QueueFull
 from kimi_jax.engine.sampling import SamplingParams
@@ -45,6 +45,8 @@ from kimi_jax.text.tool_parser import ChatOutputParser, tool_finish_reason
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
 CLOSE_S = 2.0                         # after the grace period: handlers unwind, connections close
+KEEPALIVE_S = 15.0                    # an idle connection, or one slow with its headers, is closed
+MAX_ECHO = 200
 
 
 class ListenError(OSError):
@@ -62,6 +64,34 @@ class _Aborted(Exception):
 def _error(status: int, message: str, type: str = "invalid_request_error", param=None, code=None,
            headers=None) -> web.Response:
     return web.json_response(P.error_body(message, type, param, code), status=status, headers=headers)
+
+
+class _JSONErrorHandler(web_protocol.RequestHandler):
+    """aiohttp's connection handler, answering what its HTTP parser refuses (a header or URL beyond
+    its size, an unknown Content-Encoding, ...) with OpenAI's JSON error body, not plain text."""
+    __slots__ = ()
+
+    def handle_error(self, request, status=500, exc=None, message=None):
+        plain = super().handle_error(request, status, exc, message)     # logs; raises if sent
+        text = message or (plain.text if status != 500 else None) or "internal error"
+        text = " ".join(str(text).split())[:MAX_ECHO]
+        resp = _error(status, text, "server_error" if status >= 500 else "invalid_request_error")
+        resp.force_close()
+        return resp
+
+
+class _JSONErrorServer(web_server.Server):
+    __slots__ = ()
+
+    def __call__(self) -> web_protocol.RequestHandler:
+        return _JSONErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    async def _make_server(self) -> web_server.Server:
+        server = await super()._make_server()
+        server.__class__ = _JSONErrorServer
+        return server
 
 
 class OpenAIServer:
@@ -164,6 +194,10 @@ class OpenAIServer:
             body = e.body()
             body["error"]["message"] = self._scrub(body["error"]["message"])
             return web.json_response(body, status=e.status)
+        except web_protocol.RequestPayloadError as e:      # a body its Content-Encoding cannot decode
+            why = getattr(e.__cause__, "message", None) or str(e)
+            return _error(400, "the request body cannot be read: " + " ".join(str(why).split())[:MAX_ECHO],
+                          code="bad_body")
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"the request body is larger than max_body_bytes={self.limits.max_body_bytes}",
                           code="body_too_large")
@@ -226,6 +260,8 @@ class OpenAIServer:
             return intake.loads(raw, self.limits.max_depth)
         except intake.TooDeep as e:
             raise P.ProtocolError(f"the request body is {e}", code="too_deep") from None
+        except intake.NumberTooLong as e:
+            raise P.ProtocolError(f"the request body is not accepted: {e}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise P.ProtocolError(f"the request body is not valid JSON: {e}") from None
 
@@ -254,7 +290,10 @@ class OpenAIServer:
             agp = body.get("add_generation_prompt", True)
             if not isinstance(agp, bool):
                 raise P.ProtocolError(f"'add_generation_prompt' must be a boolean, got {agp!r}", "add_generation_prompt")
-            ids = self._chat_ids(body["messages"], agp)
+            tools = body.get("tools")
+            if tools is not None and not isinstance(tools, list):
+                raise P.ProtocolError("'tools' must be a list", "tools")
+            ids = self._chat_ids(body["messages"], agp, tools or None)
         else:
             if not isinstance(body["prompt"], str):
                 raise P.ProtocolError("'prompt' must be a string", "prompt")
@@ -483,15 +522,20 @@ class OpenAIServer:
 
 
 async def serve(server: OpenAIServer, *, host: str = "127.0.0.1", port: int = 8000, sock=None,
-                stop: Optional[asyncio.Event] = None, grace_s: float = 30.0, on_ready=None) -> None:
+                stop: Optional[asyncio.Event] = None, grace_s: float = 30.0, on_ready=None,
+                keepalive_s: float = KEEPALIVE_S) -> None:
     """Run until `stop` is set (or SIGTERM / SIGINT when stop is None): load check, warm-up, listen;
-    then drain (`OpenAIServer.drain`) and close."""
+    then drain (`OpenAIServer.drain`) and close. A connection that completes no request's headers
+    within keepalive_s of opening or of its last response is closed."""
+    if not keepalive_s > 0:
+        raise ValueError(f"keepalive_s must be > 0, got {keepalive_s!r}")
     loop = asyncio.get_running_loop()
     if stop is None:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=CLOSE_S)
+    runner = _Runner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=CLOSE_S,
+                     keepalive_timeout=keepalive_s)
     await runner.setup()
     site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
     try:
