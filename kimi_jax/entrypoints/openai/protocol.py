@@ -231,7 +231,8 @@ def _extras(model: type, body: Any, kind: str) -> tuple:
         raise ProtocolError(f"'{harmful[0]}' is not supported by this server ({kind} requests)", harmful[0])
     ignored = tuple(sorted(k for k in extra if k not in REFUSED[kind]))
     if ignored:
-        log.warning("%s request: fields present in the request and ignored: %s", kind, ", ".join(ignored))
+        names = ", ".join(ignored).encode("utf-8", "backslashreplace").decode("utf-8")
+        log.warning("%s request: fields present in the request and ignored: %s", kind, names[:MAX_MESSAGE])
     return ignored
 
 
