@@ -470,11 +470,16 @@ class StructuredBackend:
         narrowed = False
         base = self.tokenizer.num_base_tokens
         bits = np.unpackbits(mask_row.view(np.uint8), bitorder="little")
+        # each special token's close may search only as far as still fits, all of them together at
+        # most `limit` tokens (the engine thread's work a step stays bounded; past it, forbid the rest)
+        fits, budget = tokens_left - self.close_margin - 1, limit
         for t in np.flatnonzero(bits[base:]) + base:
             t = int(t)
             if t in stops or t >= self.vocab_size:
                 continue
-            after = row.closing_path(self.closing_priority, stops, limit, first=t)
+            reach = min(fits, budget)
+            after = row.closing_path(self.closing_priority, stops, reach, first=t) if reach > 0 else None
+            budget -= reach if after is None else len(after)
             if after is None or 1 + len(after) + self.close_margin >= tokens_left:
                 mask_row[t >> 5] &= np.int32(~np.uint32(1 << (t & 31)).view(np.int32))
                 narrowed = True

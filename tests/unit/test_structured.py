@@ -301,3 +301,32 @@ def test_grammar_compiles_on_a_stack_deep_enough_past_the_limits(backend, monkey
     monkeypatch.setattr(S, "MAX_GRAMMAR_RULES", 10 ** 5)
     m = backend.matcher(StructuredOutputsParams(grammar=rules))
     assert all(m.accept(backend.tokenizer.encode("a")[0]) for _ in range(5))
+
+
+def test_budget_close_searches_a_bounded_number_of_tokens_a_step(backend, tok, monkeypatch):
+    """Near the end of the budget the close checks each allowed special token (a section marker) with
+    a search of its own: together they follow at most as many tokens as the row's own close may, so
+    the engine thread's work a step is bounded; a section that still fits stays allowed."""
+    from kimi_jax.engine import structured as S
+    searched = []
+    original = S.RowMatcher.closing_path
+
+    def counted(self, priority, stop_ids, limit, first=None):
+        path = original(self, priority, stop_ids, limit, first)
+        searched.append(limit if path is None else len(path))       # the tokens it followed
+        return path
+
+    monkeypatch.setattr(S.RowMatcher, "closing_path", counted)
+    reserved = [k for k in tok.special_tokens if k.startswith("<|reserved_token_")][:8]
+    long_close = f'start: "a" | ({" | ".join(reserved)}) "{"ab" * 150}"'   # each special: a long close
+    many = backend.matcher(StructuredOutputsParams(grammar=long_close))
+    sb = tok.special_tokens["<|tool_calls_section_begin|>"]
+    auto = backend.matcher(from_openai(tools=TOOLS))           # auto: text or a section
+    for left in (90, 40, 20):
+        for m in (many, auto):
+            searched.clear()
+            mask = backend.fill_bitmask([m])
+            backend.bitmask_closing(mask[0], m, left)
+            assert sum(searched) <= 2 * (2 * left + 16), (left, searched)
+        allowed = (int(mask[0, sb // 32]) >> (sb % 32)) & 1
+        assert allowed == (left == 90), left       # a whole call needs ~20 tokens + the 16 kept
