@@ -144,6 +144,8 @@ class LLM:
         with progress.phase("loading weights" if self.model_path else "making random weights"):
             net = self._build(ec.seed)
         self.tokenizer = self._load_tokenizer(ec.tokenizer or self.model_path)
+        if self.tokenizer is not None and self.model_path is not None:
+            self.tokenizer.template_dir = self.model_path
         self.max_model_len = min(ec.max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
         self.max_num_seqs = ec.max_num_seqs
@@ -335,6 +337,11 @@ class LLM:
     def get_tokenizer(self):
         """The tokenizer (vLLM's name; None for a model without one)."""
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json defaults (vLLM's name)."""
+        from kimi_jax.sampling_params import generation_defaults
+        return SamplingParams(**generation_defaults(self.model_path))
 
     def _engine_for_generate(self) -> BatchEngine:
         """generate()'s batch engine: with prefix caching one kept for the LLM's life (its cached pages

@@ -1,0 +1,67 @@
+"""The calls vLLM's own example scripts make on LLM, its tokenizer and SamplingParams."""
+import json
+
+import pytest
+
+from kimi_jax import LLM
+from kimi_jax.entrypoints.llm import demo_model_path
+from kimi_jax.sampling_params import SamplingParams, StructuredOutputsParams, generation_defaults
+
+MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    path = demo_model_path()
+    assert path is not None, "checkpoints/demo is missing: run `python -m launch.train_demo`"
+    return LLM(path, dtype="float32", max_num_seqs=4, max_model_len=256, seed=0)
+
+
+def test_tokenizer_has_the_transformers_calls_examples_make(llm):
+    tok = llm.get_tokenizer()
+    ids = tok.apply_chat_template(MSGS, tokenize=True, add_generation_prompt=True)
+    assert ids == llm.chat_prompt_ids(MSGS)
+    text = tok.apply_chat_template(MSGS, tokenize=False, add_generation_prompt=True)
+    assert text == llm.render_chat(MSGS) and "Name a colour." in text
+    assert tok.apply_chat_template(MSGS, tokenize=False) != text      # no generation prompt by default
+    assert tok.eos_token_id == tok.eos_id is not None and tok.bos_token_id == tok.bos_id
+    assert tok.encode("a red hat", add_special_tokens=False) == tok.encode("a red hat")
+    enc = tok("a red hat")
+    assert enc.input_ids == enc["input_ids"] == tok.encode("a red hat")
+    assert enc.attention_mask == [1] * len(enc.input_ids)
+    assert tok(["a", "b c"])["input_ids"] == [tok.encode("a"), tok.encode("b c")]
+    pieces = tok.convert_ids_to_tokens(tok.encode("a red hat") + [tok.eos_token_id])
+    assert "".join(pieces[:-1]) == "a red hat" and pieces[-1] == tok.eos_token
+    assert tok.convert_ids_to_tokens(tok.eos_token_id) == tok.eos_token
+    assert tok.decode([*tok.encode("hat"), tok.eos_token_id], skip_special_tokens=True) == "hat"
+    sp = llm.get_default_sampling_params()
+    assert sp == SamplingParams()      # the demo checkpoint has no generation_config.json
+    sp.max_tokens, sp.temperature = 4, 0.0
+    out = llm.generate({"prompt_token_ids": ids}, sp, use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids and len(out.outputs[0].token_ids) <= 4
+
+
+def test_generation_config_gives_the_default_sampling_params(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "max_new_tokens": 32, "do_sample": True, "top_k": None}))
+    assert SamplingParams(**generation_defaults(str(tmp_path))) == SamplingParams(
+        temperature=0.6, top_p=0.95, max_tokens=32)
+    (tmp_path / "generation_config.json").write_text("[1]")
+    with pytest.raises(ValueError, match="generation_config.json"):
+        generation_defaults(str(tmp_path))
+    assert generation_defaults(str(tmp_path / "absent")) == {} and generation_defaults(None) == {}
+
+
+def test_sampling_params_are_mutable_and_checked_at_generate(llm):
+    sp = SamplingParams(temperature=0.0, seed=3)
+    sp.max_tokens = 3
+    out = llm.generate(["a red"], sp, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) <= 3
+    sp.top_p = 1.5
+    with pytest.raises(ValueError, match=r"request 0: top_p must be in \(0, 1\], got 1.5"):
+        llm.generate(["a red"], sp, use_tqdm=False)
+    sp.top_p, sp.max_tokens = 1.0, 0
+    with pytest.raises(ValueError, match="max_tokens must be a positive integer, got 0"):
+        llm.generate(["a red"], sp, use_tqdm=False)
+    sp.max_tokens, sp.structured_outputs = 2, StructuredOutputsParams(choice=["yes", "no"])
+    assert llm.generate(["a red"], sp, use_tqdm=False)[0].outputs[0].text in ("yes", "no")
