@@ -65,3 +65,43 @@ def test_sampling_params_are_mutable_and_checked_at_generate(llm):
         llm.generate(["a red"], sp, use_tqdm=False)
     sp.max_tokens, sp.structured_outputs = 2, StructuredOutputsParams(choice=["yes", "no"])
     assert llm.generate(["a red"], sp, use_tqdm=False)[0].outputs[0].text in ("yes", "no")
+
+
+@pytest.fixture(scope="module")
+def url(llm):
+    from kimi_jax.entrypoints.openai.server import OpenAIServer
+    from tests.e2e.serving import serving
+    with serving(OpenAIServer(llm, served_model_name="demo")) as u:
+        yield u
+
+
+def test_completion_top_logprobs_hold_the_sampled_token(url):
+    import openai
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    k = 3
+    r = client.completions.create(model="demo", prompt="a red", max_tokens=24, temperature=1.5, seed=11,
+                                  logprobs=k)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.top_logprobs) > 0
+    extra = 0
+    for tok, tok_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[tok] == pytest.approx(tok_lp) and k <= len(top) <= k + 1
+        extra += len(top) == k + 1
+    assert extra > 0          # some sampled token was outside the top 3 and still listed
+    chat = client.chat.completions.create(model="demo", messages=MSGS, max_tokens=8, temperature=1.5,
+                                          seed=11, logprobs=True, top_logprobs=k)
+    assert all(len(c.top_logprobs) == k for c in chat.choices[0].logprobs.content)
+
+
+def test_readme_metric_names_are_exposed(url):
+    import re
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        families = list(text_string_to_metric_families(r.read().decode()))
+    exposed = {f.name for f in families} | {s.name for f in families for s in f.samples}
+    with open("README.md", encoding="utf-8") as f:
+        named = set(re.findall(r"`(kimi_jax:[a-z_]+)`", f.read()))
+    assert "kimi_jax:compiled_programs_total" in named
+    assert named <= exposed, sorted(named - exposed)
