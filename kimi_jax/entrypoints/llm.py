@@ -141,9 +141,9 @@ class LLM:
         compilation_cache.enable(ec.compilation_cache_dir)
         compiles.install()                # /metrics counts the start-up's programs too
         self.check_finite_weights = ec.check_finite_weights
+        self.tokenizer = self._load_tokenizer(ec.tokenizer, self.model_path)    # before the weights
         with progress.phase("loading weights" if self.model_path else "making random weights"):
             net = self._build(ec.seed)
-        self.tokenizer = self._load_tokenizer(ec.tokenizer or self.model_path)
         if self.tokenizer is not None and self.model_path is not None:
             self.tokenizer.template_dir = self.model_path
         self.max_model_len = min(ec.max_model_len or self.config.max_position_embeddings,
@@ -213,14 +213,22 @@ class LLM:
         return load_model(self.model_path, cfg, layout, dtype, check_finite=self.check_finite_weights)
 
     @staticmethod
-    def _load_tokenizer(path):
+    def _load_tokenizer(tokenizer: Optional[str], model_path: Optional[str]):
+        """The tokenizer named by `tokenizer`, else the checkpoint's; None (a warning: token-id prompts
+        only) for a checkpoint with neither tokenizer file; a missing or corrupt file raises."""
+        from checkpoints.tokenizer_format import TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE
+        from kimi_jax.text.tokenizer import Tokenizer, TokenizerNotFound
+        path = tokenizer or model_path
         if path is None:
             return None
-        from kimi_jax.text.tokenizer import Tokenizer, TokenizerNotFound
+        if tokenizer is None and not any(os.path.isfile(os.path.join(path, f))
+                                         for f in (TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE)):
+            log.warning("%s has no %s: prompts must be token ids", path, TIKTOKEN_FILE)
+            return None
         try:
             return Tokenizer.from_pretrained(path)
-        except TokenizerNotFound:
-            return None
+        except TokenizerNotFound as e:
+            raise ValueError(str(e)) from None
 
     # ---- inputs -------------------------------------------------------------------------------
     def token_ids(self, prompt: Prompt, i: int) -> list[int]:

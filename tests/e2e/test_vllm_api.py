@@ -105,3 +105,50 @@ def test_readme_metric_names_are_exposed(url):
         named = set(re.findall(r"`(kimi_jax:[a-z_]+)`", f.read()))
     assert "kimi_jax:compiled_programs_total" in named
     assert named <= exposed, sorted(named - exposed)
+
+
+def _no_weights(monkeypatch):
+    def build(self, seed):
+        raise AssertionError("the weights were loaded before the tokenizer was checked")
+    monkeypatch.setattr(LLM, "_build", build)
+
+
+@pytest.mark.parametrize("drop,missing", [(["tiktoken.model"], "tiktoken.model"),
+                                          (["tokenizer_config.json"], "tokenizer_config.json")])
+def test_a_missing_tokenizer_file_fails_before_the_weights_load(tmp_path, monkeypatch, drop, missing):
+    import shutil
+    import time
+    path = tmp_path / "ckpt"
+    shutil.copytree(demo_model_path(), path, ignore=shutil.ignore_patterns(*drop))
+    _no_weights(monkeypatch)
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=missing) as e:
+        LLM(str(path), dtype="float32")
+    assert time.perf_counter() - t0 < 1.0 and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="tiktoken.model"):
+        LLM(demo_model_path(), dtype="float32", tokenizer=str(tmp_path))
+
+
+def test_a_checkpoint_without_a_tokenizer_warns_before_the_weights_load(tmp_path, monkeypatch, caplog):
+    import logging
+    import shutil
+    path = tmp_path / "ckpt"
+    shutil.copytree(demo_model_path(), path, ignore=shutil.ignore_patterns("tiktoken.model", "tokenizer_*"))
+    _no_weights(monkeypatch)
+    with caplog.at_level(logging.WARNING), pytest.raises(AssertionError, match="weights were loaded"):
+        LLM(str(path), dtype="float32")
+    assert any("has no tiktoken.model: prompts must be token ids" in r.getMessage() for r in caplog.records)
+
+
+def test_serve_on_a_taken_port_fails_before_the_weights_load(cli, monkeypatch):
+    from tests.e2e.serving import free_socket
+    taken = free_socket()
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    _no_weights(monkeypatch)
+    try:
+        r = cli("launch.serve", f"--port={port}", "--dtype=float32")
+    finally:
+        taken.close()
+    assert r.returncode == 2 and f"--port={port}: cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
+    assert "weights were loaded" not in r.stderr and "listening on" not in r.stderr
