@@ -152,3 +152,13 @@ def test_serve_on_a_taken_port_fails_before_the_weights_load(cli, monkeypatch):
         taken.close()
     assert r.returncode == 2 and f"--port={port}: cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
     assert "weights were loaded" not in r.stderr and "listening on" not in r.stderr
+
+
+def test_readme_kimi_profile_example_runs(cli, tmp_path):
+    import re
+    import shlex
+    with open("README.md", encoding="utf-8") as f:
+        (example,) = re.findall(r"`(kimi-profile --model=[^`]+)`", f.read())
+    args = shlex.split(example.replace("\n", " "))[1:]
+    r = cli("launch.profile", *args, "--compile_only", f"--out={tmp_path}")
+    assert r.returncode == 0 and "all-reduce" in r.stdout, r
