@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging as pylogging
 import os
+import socket
 import sys
 
 from absl import flags, logging
@@ -95,7 +96,12 @@ def main(argv):
     except ValueError as e:
         common.fail(PROG, f"--{e}")
     try:
-        llm = LLM.from_config(common.engine_config(model=model))
+        ec = common.engine_config(model=model)
+    except (*common.user_errors(), ValueError, NotImplementedError, FileNotFoundError) as e:
+        common.fail(PROG, e)
+    sock = _bind(FLAGS.host, FLAGS.port)          # before the weights load: a taken port fails now
+    try:
+        llm = LLM.from_config(ec)
     except (*common.user_errors(), ValueError, NotImplementedError, FileNotFoundError) as e:
         common.fail(PROG, e)
     name = FLAGS.served_model_name or (model if model else "kimi-jax-demo")
@@ -108,12 +114,24 @@ def main(argv):
                           metrics_need_key=FLAGS.metrics_need_key, access_log=FLAGS.access_log)
     print(f"{PROG}: loading {name}; listening on http://{FLAGS.host}:{FLAGS.port}", file=sys.stderr, flush=True)
     try:
-        asyncio.run(serve(server, host=FLAGS.host, port=FLAGS.port, grace_s=FLAGS.shutdown_grace_s,
-                          keepalive_s=FLAGS.keepalive_s,
+        asyncio.run(serve(server, sock=sock, grace_s=FLAGS.shutdown_grace_s, keepalive_s=FLAGS.keepalive_s,
                           on_ready=lambda: print(f"{PROG}: ready", file=sys.stderr, flush=True)))
     except ListenError as e:                # the port is taken, the address is not ours
         common.fail(PROG, e.strerror)
     print(f"{PROG}: stopped", file=sys.stderr, flush=True)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (listening starts once the model is ready); one line naming --port
+    when the address is taken or not this machine's."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        common.fail(PROG, f"--port={port}: cannot listen on {host}:{port}: {e.strerror or e}")
+    return sock
 
 
 def run(argv=None):

@@ -57,7 +57,7 @@ flags.DEFINE_string("base_url", None, "the OpenAI-compatible server, e.g. http:/
 flags.DEFINE_string("api_key", None, "sent to the server (default: env KIMI_JAX_API_KEY, else a placeholder)")
 flags.DEFINE_integer("concurrency", 16, "server requests in flight at most")
 flags.DEFINE_float("timeout_s", 600.0, "server: seconds one request may take")
-flags.DEFINE_integer("max_requests", 1000, "refuse a request file with more lines than this")
+flags.DEFINE_integer("max_requests", 1000, "evaluate the first this many requests of the file")
 flags.DEFINE_string("model", None, "llm / batch: checkpoint directory or preset (default: the demo model); "
                     "server: the model name sent (default: the server's first model)")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "llm / batch: compute dtype")
@@ -350,9 +350,12 @@ def run_batch(bodies: list[dict], workdir: str, *, llm=None, command: Optional[C
 
 # ---- files and the command line ------------------------------------------------------------------
 def read_requests(path: str, limit: Optional[int] = None) -> list[dict]:
+    """The file's requests, the first `limit` of them (lines after those are not read)."""
     reqs = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
+            if limit is not None and len(reqs) >= limit:
+                break
             if not line.strip():
                 continue
             try:
@@ -362,8 +365,6 @@ def read_requests(path: str, limit: Optional[int] = None) -> list[dict]:
             if not isinstance(q, dict) or not isinstance(q.get("messages"), list):
                 raise EvalError(f"{path}:{n}: a request needs a 'messages' list")
             reqs.append(q)
-            if limit is not None and len(reqs) > limit:
-                raise EvalError(f"{path} has more than --max_requests={limit} requests")
     return reqs
 
 
@@ -422,6 +423,8 @@ def main(argv):
     path = FLAGS.path or ("server" if FLAGS.base_url else "llm")
     if FLAGS.base_url and path != "server":
         common.fail(PROG, f"--base_url is for --path=server, not --path={path}")
+    if FLAGS.max_requests < 1:
+        common.fail(PROG, f"--max_requests must be >= 1, got {FLAGS.max_requests}")
     try:
         reqs = read_requests(FLAGS.requests, FLAGS.max_requests)
     except OSError as e:

@@ -12,8 +12,9 @@ from kimi_jax.engine.penalties import LogitsAdjust
 from kimi_jax.engine.structured import StructuredOutputsParams
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class SamplingParams:
+    """Mutable like vLLM's: checked when made and where a request takes them (generate, add_request)."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1

@@ -148,9 +148,11 @@ class LLM:
         compilation_cache.enable(ec.compilation_cache_dir)
         compiles.install()                # /metrics counts the start-up's programs too
         self.check_finite_weights = ec.check_finite_weights
+        self.tokenizer = self._load_tokenizer(ec.tokenizer, self.model_path)    # before the weights
         with progress.phase("loading weights" if self.model_path else "making random weights"):
             net = self._build(ec.seed)
-        self.tokenizer = self._load_tokenizer(ec.tokenizer or self.model_path)
+        if self.tokenizer is not None and self.model_path is not None:
+            self.tokenizer.template_dir = self.model_path
         self.max_model_len = ec.max_model_len or limit
         self.max_num_seqs = ec.max_num_seqs
         self.engine = Engine(net, self.config, self.layout, plan=ops.default_plan(ec.exec_plan))
@@ -217,14 +219,22 @@ class LLM:
         return load_model(self.model_path, cfg, layout, dtype, check_finite=self.check_finite_weights)
 
     @staticmethod
-    def _load_tokenizer(path):
+    def _load_tokenizer(tokenizer: Optional[str], model_path: Optional[str]):
+        """The tokenizer named by `tokenizer`, else the checkpoint's; None (a warning: token-id prompts
+        only) for a checkpoint with neither tokenizer file; a missing or corrupt file raises."""
+        from checkpoints.tokenizer_format import TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE
+        from kimi_jax.text.tokenizer import Tokenizer, TokenizerNotFound
+        path = tokenizer or model_path
         if path is None:
             return None
-        from kimi_jax.text.tokenizer import Tokenizer, TokenizerNotFound
+        if tokenizer is None and not any(os.path.isfile(os.path.join(path, f))
+                                         for f in (TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE)):
+            log.warning("%s has no %s: prompts must be token ids", path, TIKTOKEN_FILE)
+            return None
         try:
             return Tokenizer.from_pretrained(path)
-        except TokenizerNotFound:
-            return None
+        except TokenizerNotFound as e:
+            raise ValueError(str(e)) from None
 
     # ---- inputs -------------------------------------------------------------------------------
     def token_ids(self, prompt: Prompt, i: int) -> list[int]:
@@ -345,6 +355,11 @@ class LLM:
     def get_tokenizer(self):
         """The tokenizer (vLLM's name; None for a model without one)."""
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json defaults (vLLM's name)."""
+        from kimi_jax.sampling_params import generation_defaults
+        return SamplingParams(**generation_defaults(self.model_path))
 
     def _engine_for_generate(self) -> BatchEngine:
         """generate()'s batch engine: with prefix caching one kept for the LLM's life (its cached pages

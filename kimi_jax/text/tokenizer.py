@@ -202,7 +202,8 @@ class Tokenizer:
         self.pad_id = _id(pad_token, "pad_token")
         self.unk_id = _id(unk_token, "unk_token")
         self._special_re_all: Optional[re.Pattern] = None
-
+        self.template_dir: Optional[str] = None
+        self._template = None
 
     @classmethod
     def from_pretrained(cls, path: Union[str, os.PathLike]) -> "Tokenizer":
@@ -275,7 +276,7 @@ class Tokenizer:
                 raise TokenizerError(f"{config_file}: {key} {content!r} is not among the added tokens")
             return content
 
-        return cls(
+        tok = cls(
             ranks,
             special_tokens,
             bos_token=tok_field("bos_token", "[BOS]"),
@@ -286,6 +287,8 @@ class Tokenizer:
             name=os.path.basename(os.path.abspath(path)) or "kimi",
             config=cfg,
         )
+        tok.template_dir = path
+        return tok
 
 
     @property
@@ -326,9 +329,10 @@ class Tokenizer:
     def _special_regex(self, allowed: AbstractSet[str]) -> re.Pattern:
         return re.compile("|".join(re.escape(t) for t in sorted(allowed, key=len, reverse=True)))
 
-    def encode(self, text: str, *, allow_special: Union[bool, AbstractSet[str]] = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, *,
+               allow_special: Union[bool, AbstractSet[str]] = False) -> list[int]:
         """Token ids for ``text``; allow_special: False (special-token strings are plain text), True (all map
-        to their ids) or a set of the special tokens recognised."""
+        to their ids) or a set of the special tokens recognised (add_special_tokens: adds nothing)."""
         if not isinstance(text, str):
             raise TypeError(f"encode() expects str, got {type(text).__name__}")
         if not allow_special:
@@ -391,11 +395,74 @@ class Tokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
+    @property
+    def eos_token_id(self) -> Optional[int]:
+        return self.eos_id
+
+    @property
+    def bos_token_id(self) -> Optional[int]:
+        return self.bos_id
+
+    @property
+    def pad_token_id(self) -> Optional[int]:
+        return self.pad_id
+
+    def convert_ids_to_tokens(self, ids: Union[int, Iterable[int]]) -> Union[str, list[str]]:
+        """Each id's token text (`id_to_token`); one id gives one string."""
+        if not hasattr(ids, "__iter__"):
+            return self.id_to_token(ids)
+        return [self.id_to_token(i) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: Union[str, Iterable[str]]) -> Union[Optional[int], list]:
+        """Each token's id (`token_to_id`; None for an unknown token); one string gives one id."""
+        if isinstance(tokens, str):
+            return self.token_to_id(tokens)
+        return [self.token_to_id(t) for t in tokens]
+
+    def __call__(self, text: Union[str, Sequence[str]], add_special_tokens: bool = True,
+                 **_ignored) -> "Encoding":
+        """``tokenizer(text)``: input_ids and attention_mask (other keyword arguments are ignored)."""
+        if isinstance(text, str):
+            ids = self.encode(text)
+            return Encoding(input_ids=ids, attention_mask=[1] * len(ids))
+        batch = [self.encode(t) for t in text]
+        return Encoding(input_ids=batch, attention_mask=[[1] * len(b) for b in batch])
+
+    def apply_chat_template(self, conversation, tools=None, *, tokenize: bool = True,
+                            add_generation_prompt: bool = False, chat_template: Optional[str] = None,
+                            **kwargs) -> Union[str, list[int]]:
+        """The checkpoint's template as LLM.chat renders it: its prompt ids, or text (tokenize=False)."""
+        from kimi_jax.text.chat_template import ChatTemplate, ChatTemplateNotFound
+        from kimi_jax.text.conversation import encode_conversation, render_conversation
+        if chat_template is not None:
+            tmpl = ChatTemplate(chat_template)
+        else:
+            if self._template is None:
+                if self.template_dir is None:
+                    raise ChatTemplateNotFound("this tokenizer was not read from a checkpoint directory; "
+                                               "pass chat_template")
+                self._template = ChatTemplate.from_pretrained(self.template_dir)
+            tmpl = self._template
+        kw = dict(add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
+        if tokenize:
+            return encode_conversation(tmpl, self, conversation, **kw)
+        return render_conversation(tmpl, self, conversation, **kw)
+
     def __repr__(self) -> str:
         return (
             f"Tokenizer(num_base_tokens={self.num_base_tokens}, special_tokens={len(self.special_tokens)}, "
             f"bos_id={self.bos_id}, eos_id={self.eos_id})"
         )
+
+
+class Encoding(dict):
+    """``tokenizer(text)``'s result: a dict whose keys read as attributes too (``enc.input_ids``)."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 class IncrementalDecoder:

@@ -72,6 +72,7 @@ def test_server_and_batch_paths_validate(cli, server, tmp_path):
     (["--requests=/dev/null", "--base-url=http://10.1.2.3:8000/v1"], "not a loopback address"),
     (["--requests=/dev/null", "--path=llm", "--base-url=http://127.0.0.1:1/v1"], "--path=server"),
     (["--make-sample=/dev/null", "--kinds=json_schema,nosuch"], "nosuch"),
+    (["--requests=/dev/null", "--max-requests=0"], "--max_requests must be >= 1, got 0"),
 ])
 def test_usage_errors_are_one_line(cli, args, words):
     r = cli("launch.tool_eval", *args)
@@ -99,3 +100,16 @@ def test_jsonschema_is_a_dependency_checked_before_any_request(cli, tmp_path, mo
     assert r.returncode == 2, r
     assert r.stderr.strip() == ("tool_eval: error: the scoring needs the jsonschema package "
                                 "(pip install jsonschema)"), r
+
+
+def test_max_requests_takes_the_first_requests_of_a_longer_file(cli, server, tmp_path):
+    requests_file = tmp_path / "req.jsonl"
+    r = cli("launch.tool_eval", f"--make-sample={requests_file}", "--n=2", "--kinds=json_schema,required")
+    assert r.returncode == 0, r
+    lines = requests_file.read_text().splitlines()
+    requests_file.write_text("\n".join(lines + ["not json"]) + "\n")     # never read
+    report = _report(cli, tmp_path, requests_file, "--path=server", f"--base-url={server}/v1",
+                     "--max-requests=2", "--timeout-s=120")
+    s = report["summary"]     # the file's first two: its json_schema requests, no tool_choice ones
+    assert s["requests"] == len(report["responses"]) == 2 and s["errors"] == 0, s
+    assert s["json_schema_requests"] == 2 and "tool_requests" not in s, s

@@ -498,7 +498,8 @@ def completion_logprobs(c: Choice, tokenizer, k: int, offset: int = 0) -> dict:
         offset += len(s)
         tokens.append(s)
         lps.append(_lp(entry[tid]) if tid in entry else None)
-        tops.append({_token(tokenizer, t): v for t, v in _top(entry, k)} if k else None)
+        top = dict(_top(entry, k)) | ({tid: _lp(entry[tid])} if tid in entry else {})  # k + 1: sampled too
+        tops.append({_token(tokenizer, t): v for t, v in top.items()} if k else None)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
