@@ -167,7 +167,6 @@ class LLM:
         self.max_logprobs = ec.max_logprobs
         self._generate_engine: Optional[BatchEngine] = None
         self._rng = random.Random(ec.seed)
-        self._chat_template = None
         self._structured = None
         self._next_id = 0
         if ec.precompile:
@@ -434,32 +433,20 @@ class LLM:
     def render_chat(self, messages, *, add_generation_prompt: bool = True, tools=None,
                     chat_template: Optional[str] = None) -> str:
         """One conversation rendered with the checkpoint's own chat template (sandboxed Jinja)."""
-        from kimi_jax.text.chat_template import ChatTemplate
         if self.tokenizer is None:
             raise ValueError(f"chat needs a tokenizer; {self.model_path or 'this preset'} has none")
-        if self._chat_template is None or chat_template is not None:
-            tmpl = (ChatTemplate(chat_template) if chat_template is not None
-                    else ChatTemplate.from_pretrained(self.model_path))
-            if chat_template is not None:
-                return tmpl.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
-            self._chat_template = tmpl
-        return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        tmpl = self.tokenizer.load_chat_template(chat_template)
+        return tmpl.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
 
     def encode_chat(self, messages, *, add_generation_prompt: bool = True, tools=None,
                     chat_template: Optional[str] = None) -> list[int]:
         """Prompt token ids of one conversation: the checkpoint's chat template (sandboxed, bounded)
         with only its own markup as special tokens; text from the messages and tools always encodes as
         plain text (kimi_jax.text.conversation)."""
-        from kimi_jax.text.chat_template import ChatTemplate
         from kimi_jax.text.conversation import encode_conversation
         if self.tokenizer is None:
             raise ValueError(f"chat needs a tokenizer; {self.model_path or 'this preset'} has none")
-        if chat_template is not None:
-            tmpl = ChatTemplate(chat_template)
-        else:
-            if self._chat_template is None:
-                self._chat_template = ChatTemplate.from_pretrained(self.model_path)
-            tmpl = self._chat_template
+        tmpl = self.tokenizer.load_chat_template(chat_template)
         return encode_conversation(tmpl, self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
                                    tools=tools)
 

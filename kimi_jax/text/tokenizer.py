@@ -428,21 +428,24 @@ class Tokenizer:
         batch = [self.encode(t) for t in text]
         return Encoding(input_ids=batch, attention_mask=[[1] * len(b) for b in batch])
 
+    def load_chat_template(self, chat_template: Optional[str] = None):
+        """`chat_template` as a ChatTemplate, else the checkpoint's (read once)."""
+        from kimi_jax.text.chat_template import ChatTemplate, ChatTemplateNotFound
+        if chat_template is not None:
+            return ChatTemplate(chat_template)
+        if self._template is None:
+            if self.template_dir is None:
+                raise ChatTemplateNotFound("this tokenizer was not read from a checkpoint directory; "
+                                           "pass chat_template")
+            self._template = ChatTemplate.from_pretrained(self.template_dir)
+        return self._template
+
     def apply_chat_template(self, conversation, tools=None, *, tokenize: bool = True,
                             add_generation_prompt: bool = False, chat_template: Optional[str] = None,
                             **kwargs) -> Union[str, list[int]]:
         """The checkpoint's template as LLM.chat renders it: its prompt ids, or text (tokenize=False)."""
-        from kimi_jax.text.chat_template import ChatTemplate, ChatTemplateNotFound
         from kimi_jax.text.conversation import encode_conversation, render_conversation
-        if chat_template is not None:
-            tmpl = ChatTemplate(chat_template)
-        else:
-            if self._template is None:
-                if self.template_dir is None:
-                    raise ChatTemplateNotFound("this tokenizer was not read from a checkpoint directory; "
-                                               "pass chat_template")
-                self._template = ChatTemplate.from_pretrained(self.template_dir)
-            tmpl = self._template
+        tmpl = self.load_chat_template(chat_template)
         kw = dict(add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
         if tokenize:
             return encode_conversation(tmpl, self, conversation, **kw)

@@ -122,8 +122,8 @@ def test_hanging_checkpoint_template_times_out_naming_the_file(tmp_path):
         "{% set s = 'x' * 100000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}")
     llm = LLM(str(ck), dtype="float32", max_num_seqs=1)
     from kimi_jax.text import chat_template as ct
-    llm._chat_template = ct.ChatTemplate.from_pretrained(str(ck))      # the file's template, a 1 s deadline
-    llm._chat_template.limits = ct.RenderLimits(timeout_s=1.0)
+    llm.tokenizer._template = ct.ChatTemplate.from_pretrained(str(ck))      # the file's template, a 1 s deadline
+    llm.tokenizer._template.limits = ct.RenderLimits(timeout_s=1.0)
     t0 = time.time()
     with pytest.raises(ChatTemplateError) as e:
         llm.chat([{"role": "user", "content": "hi"}], SP)
