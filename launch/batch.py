@@ -46,8 +46,8 @@ def _same_file(a: str, b: str) -> bool:
 def main(argv):
     del argv
     common.setup()
-    from kimi_jax import LLM
     from kimi_jax.entrypoints import batch as B
+    from kimi_jax.entrypoints.frontend import Frontend
 
     if _same_file(FLAGS.input, FLAGS.output):
         common.fail("kimi-batch", f"--output {FLAGS.output} is the input file; give another path")
@@ -61,14 +61,14 @@ def main(argv):
     except B.OutputFileError as e:
         common.fail("kimi-batch", f"--output {e}")
     try:
-        llm = LLM.from_config(common.engine_config())
+        frontend = Frontend.from_config(common.engine_config())
     except (*common.user_errors(), ValueError) as e:
         writer.close()                         # its lock goes with it
         common.fail("kimi-batch", e)
     model_name = FLAGS.served_model_name or FLAGS.model or "kimi-jax-demo"
     try:
         with infile:
-            summary = B.run_job(llm, infile, writer, model_name=model_name,
+            summary = B.run_job(frontend, infile, writer, model_name=model_name,
                                 default_max_tokens=FLAGS.default_max_tokens, total=total,
                                 progress=FLAGS.progress is not False)
     except B.OutputWriteError as e:

@@ -130,15 +130,14 @@ def generate() -> None:
 
 
 def _stream(llm, prompt, messages, sp):
-    """Generate one request step by step on LLM's batch engine, printing text as tokens arrive
+    """Generate one request step by step on LLM's engine core, printing text as tokens arrive
     (through the streaming detokenizer, which never splits a UTF-8 character)."""
     if messages is not None:
         ids = llm.encode_chat(messages)
     else:
         ids = llm.tokenizer.encode(prompt)
-    engine = llm.batch_engine()
-    req = engine.make_request("0", ids, sp, sp.seed, prompt=prompt)    # raises on a bad request
-    engine.add(req)
+    engine = llm.engine_core()
+    [req] = engine.add_request("0", ids, sp, prompt=prompt)    # raises on a bad request
     from kimi_jax.entrypoints import progress
     progress.pause()                 # the text goes to the same terminal from here on
     if messages is None:
@@ -150,7 +149,7 @@ def _stream(llm, prompt, messages, sp):
         _emit(dec.feed_many(req.output_ids[seen:]))
         seen = len(req.output_ids)
     _emit(dec.flush(), "\n")
-    return llm.to_output(req).outputs[0]
+    return llm.outputs.completion(0, req)
 
 
 def main(argv):

@@ -72,7 +72,7 @@ def main(argv):
         common.fail(PROG, f"the model is given twice: positionally ({argv[1]!r}) and as --model={FLAGS.model!r}")
     model = argv[1] if len(argv) > 1 else FLAGS.model
     common.setup()
-    from kimi_jax.entrypoints.llm import LLM
+    from kimi_jax.entrypoints.frontend import Frontend
     from kimi_jax.entrypoints.openai.intake import Limits
     from kimi_jax.entrypoints.openai.server import ListenError, OpenAIServer, serve
     if not 0 < FLAGS.port < 65536:
@@ -101,7 +101,7 @@ def main(argv):
         common.fail(PROG, e)
     sock = _bind(FLAGS.host, FLAGS.port)          # before the weights load: a taken port fails now
     try:
-        llm = LLM.from_config(ec)
+        frontend = Frontend.from_config(ec)
     except (*common.user_errors(), ValueError, NotImplementedError, FileNotFoundError) as e:
         common.fail(PROG, e)
     name = FLAGS.served_model_name or (model if model else "kimi-jax-demo")
@@ -110,7 +110,7 @@ def main(argv):
         logging.warning("listening on %s without --api_key: anyone who can reach it can use it", FLAGS.host)
     if FLAGS.access_log:    # absl puts the root logger at WARNING unless --verbosity is given
         pylogging.getLogger("kimi_jax.entrypoints.openai.server").setLevel(pylogging.INFO)
-    server = OpenAIServer(llm, served_model_name=name, api_key=api_key, max_queue=FLAGS.max_queue, limits=limits,
+    server = OpenAIServer(frontend, served_model_name=name, api_key=api_key, max_queue=FLAGS.max_queue, limits=limits,
                           metrics_need_key=FLAGS.metrics_need_key, access_log=FLAGS.access_log)
     print(f"{PROG}: loading {name}; listening on http://{FLAGS.host}:{FLAGS.port}", file=sys.stderr, flush=True)
     try:

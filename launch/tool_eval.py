@@ -343,7 +343,7 @@ def run_batch(bodies: list[dict], workdir: str, *, llm=None, command: Optional[C
     else:
         from kimi_jax.entrypoints import batch as B
         with open(inp, encoding="utf-8") as f:
-            B.run_job(llm, f, B.ResultWriter(out), model_name="kimi-batch", default_max_tokens=max_tokens,
+            B.run_job(llm.frontend, f, B.ResultWriter(out), model_name="kimi-batch", default_max_tokens=max_tokens,
                       total=len(bodies), progress=progress)
     return read_batch_output(out, ids)
 

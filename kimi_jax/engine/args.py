@@ -1,4 +1,6 @@
-"""EngineConfig: everything an engine is built from (vLLM's EngineArgs), checked when it is made."""
+"""EngineConfig: everything an engine is built from (vLLM's EngineArgs), checked when it is made; and
+the two resolved sub-configs an EngineCore runs under, SchedulerConfig and CacheConfig (vLLM's names:
+every default filled in from the model and the machine, `kimi_jax.entrypoints.frontend`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -116,3 +118,27 @@ class EngineConfig:
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler plans within: at most max_num_seqs running requests of max_model_len tokens,
+    prompt chunks of at most prefill_chunk tokens and max_prefill_tokens a pass; max_logprobs the cap of a
+    request's logprobs (-1: none); speculation; overlap scheduling."""
+    max_num_seqs: int
+    max_model_len: int
+    prefill_chunk: int
+    max_prefill_tokens: int
+    max_logprobs: int = 20
+    speculative_config: Optional[SpeculativeConfig] = None
+    overlap_scheduling: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The latent cache: num_pages pages of page_size tokens in `dtype` (a jnp dtype), with or without
+    prefix caching."""
+    page_size: int
+    num_pages: int
+    dtype: object = None
+    enable_prefix_caching: bool = True

@@ -1,15 +1,16 @@
-"""AsyncLLM: the continuous-batching engine behind an asyncio API (for the OpenAI server).
+"""AsyncLLM: an engine core behind an asyncio API (for the OpenAI server).
 
-One engine thread owns the BatchEngine and is the only one that touches it: it admits the requests
-handed over since the last step (`BatchEngine.add`), carries out aborts (`BatchEngine.abort`), runs
+One engine thread owns the EngineCore and is the only one that steps it: it admits the requests
+handed over since the last step (`EngineCore.add`), carries out aborts (`EngineCore.abort`), runs
 one `step` (overlap scheduling stays on: while the batch is unchanged each step dispatches the next
 decode step before reading the previous one) and then hands every request's new tokens to its own
 asyncio queue, all of a step's deltas in ONE `loop.call_soon_threadsafe` callback. With nothing to
 do it sleeps on a condition variable (no polling).
 
-Requests are validated on the caller's thread (`BatchEngine.make_request` reads only fixed engine
-settings), so a bad request raises at once (RequestError) and never reaches the engine thread. The
-number of requests waiting for a slot is bounded by `max_queue` (QueueFull beyond it).
+Requests are validated on the caller's thread (`EngineCore.make_request` reads only fixed engine
+settings), so a bad request raises at once (RequestError) and never reaches the engine thread. A
+request is one prompt's samples (n of them: one shared prefill); each sample streams its own Deltas.
+The number of samples waiting for a slot is bounded by `max_queue` (QueueFull beyond it).
 
 A caller that stops listening (a client that disconnected) calls `abort`: the engine thread frees the
 request's pages before its next step.
@@ -20,13 +21,13 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import random
 import threading
 import time
 from typing import AsyncIterator, Optional
 
+from kimi_jax.engine.core import EngineCore
+from kimi_jax.engine.requests import Request
 from kimi_jax.engine.sampling import SamplingParams
-from kimi_jax.engine.scheduler import BatchEngine, Request
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +59,14 @@ class _Tracked:
 
 
 class AsyncLLM:
-    """Serves a BatchEngine from a background thread. `start()` from inside a running event loop;
-    `generate` streams a request's Deltas. seed: the stream that seeds requests without their own."""
+    """Serves an EngineCore from a background thread. `start()` from inside a running event loop;
+    `generate` streams a sample's Deltas."""
 
-    def __init__(self, engine: BatchEngine, *, seed: int = 0, max_queue: Optional[int] = None):
-        self.engine = engine
-        self._seeds = random.Random(seed)
+    def __init__(self, core: EngineCore, *, max_queue: Optional[int] = None):
+        self.core = core
         self.max_queue = max_queue
         self._cv = threading.Condition()
-        self._inbox: collections.deque[_Tracked] = collections.deque()
+        self._inbox: collections.deque[list[_Tracked]] = collections.deque()
         self._aborts: collections.deque[str] = collections.deque()
         self._tracked: dict[str, _Tracked] = {}
         self._stop = False
@@ -97,44 +97,47 @@ class AsyncLLM:
     # ---- load (read from any thread; lengths are atomic reads) ----------------------------------
     @property
     def num_running(self) -> int:
-        return len(self.engine.running)
+        return len(self.core.scheduler.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.engine.waiting) + self._n_pending
+        return len(self.core.scheduler.waiting) + self._n_pending
 
     @property
     def kv_cache_usage(self) -> float:
         """Fraction of cache pages in use (0..1)."""
-        total = self.engine.pool.num_pages
-        return (total - self.engine.num_free_pages) / total
+        pool = self.core.scheduler.pool
+        return (pool.num_pages - pool.num_free) / pool.num_pages
 
     # ---- requests -------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     seed: Optional[int] = None, prompt: Optional[str] = None) -> Request:
-        """A validated request (RequestError names what is wrong); seed None draws one."""
-        if seed is None:
-            seed = params.seed if params.seed is not None else self._seeds.getrandbits(31)
-        return self.engine.make_request(request_id, prompt_ids, params, seed, prompt=prompt)
+                     seed: Optional[int] = None, prompt: Optional[str] = None) -> list[Request]:
+        """One prompt's validated samples (`EngineCore.make_request`; RequestError names what is
+        wrong); the seed is params.seed, else `seed`, else drawn from the core's stream."""
+        return self.core.make_request(request_id, prompt_ids, params, seed=seed, prompt=prompt)
 
-    def submit(self, req: Request, queue: Optional[asyncio.Queue] = None) -> asyncio.Queue:
-        """Hand a request to the engine thread; its Deltas arrive on `queue` (a new one when None; several
-        requests may share one), which is returned. Raises
-        QueueFull when max_queue requests are already waiting, EngineDead when the engine stopped."""
+    def submit(self, samples: list[Request], queue: Optional[asyncio.Queue] = None) -> asyncio.Queue:
+        """Hand one prompt's samples to the engine thread; their Deltas arrive on `queue` (a new one
+        when None; several requests may share one), which is returned. Raises QueueFull when max_queue
+        samples are already waiting, EngineDead when the engine stopped."""
         if not self.alive:
             raise EngineDead(f"the engine is not running{': ' + repr(self.error) if self.error else ''}")
-        req.arrival_time = time.time()
-        t = _Tracked(req, queue if queue is not None else asyncio.Queue())
+        now = time.time()
+        queue = queue if queue is not None else asyncio.Queue()
+        tracked = []
+        for r in samples:
+            r.arrival_time = now
+            tracked.append(_Tracked(r, queue))
         with self._cv:
-            # waiting for a slot: the open requests beyond max_num_seqs (those just handed over count)
-            waiting = self._n_open - self.engine.max_num_seqs
+            # waiting for a slot: the open samples beyond max_num_seqs (those just handed over count)
+            waiting = self._n_open - self.core.scheduler.max_num_seqs
             if self.max_queue is not None and waiting >= self.max_queue:
                 raise QueueFull(f"{waiting} requests are waiting for a slot (max_queue={self.max_queue})")
-            self._n_open += 1
-            self._n_pending += 1
-            self._inbox.append(t)
+            self._n_open += len(tracked)
+            self._n_pending += len(tracked)
+            self._inbox.append(tracked)
             self._cv.notify()
-        return t.queue
+        return queue
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its pages before the engine's next step (no effect once finished)."""
@@ -142,23 +145,24 @@ class AsyncLLM:
             self._aborts.append(request_id)
             self._cv.notify()
 
-    async def generate(self, req: Request) -> AsyncIterator[Delta]:
-        """Submit and stream a request's Deltas; the last one has finished=True. Aborts the request if
-        the consumer stops early (or is cancelled)."""
-        queue = self.submit(req)
-        done = False
+    async def generate(self, samples: list[Request]) -> AsyncIterator[Delta]:
+        """Submit one prompt's samples and stream their Deltas until each has finished. Aborts the
+        unfinished ones if the consumer stops early (or is cancelled)."""
+        queue = self.submit(samples)
+        left = {r.request_id for r in samples}
         try:
-            while not done:
+            while left:
                 delta = await queue.get()
-                done = delta.finished or delta.error is not None
+                if delta.finished or delta.error is not None:
+                    left.discard(delta.request_id)
                 yield delta
         finally:
-            if not done:
-                self.abort(req.request_id)
+            for rid in left:
+                self.abort(rid)
 
     # ---- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
-        be = self.engine
+        be = self.core
         try:
             while True:
                 if not be.has_unfinished():
@@ -170,10 +174,11 @@ class AsyncLLM:
                         break
                     new, self._inbox = list(self._inbox), collections.deque()
                     aborts, self._aborts = list(self._aborts), collections.deque()
-                    for t in new:
-                        self._tracked[t.req.request_id] = t
-                        be.add(t.req)
-                    self._n_pending -= len(new)
+                    for tracked in new:
+                        for t in tracked:
+                            self._tracked[t.req.request_id] = t
+                        be.add([t.req for t in tracked])
+                        self._n_pending -= len(tracked)
                 out, closed = [], 0
                 for rid in aborts:
                     r = be.abort(rid)
@@ -216,7 +221,7 @@ class AsyncLLM:
 
     def _fail_all(self, message: str) -> None:
         with self._cv:
-            pending = list(self._inbox) + list(self._tracked.values())
+            pending = [t for tracked in self._inbox for t in tracked] + list(self._tracked.values())
             self._inbox.clear()
             self._tracked.clear()
             self._n_pending = self._n_open = 0

@@ -20,7 +20,7 @@ from kimi_jax.engine import penalties
 from kimi_jax.engine.requests import StepPlan, n_logprobs, prompt_targets
 from kimi_jax.engine.sampling import SamplingArrays, SamplingParams
 from kimi_jax.engine.sampling import sample_mode as sample_mode_of
-from kimi_jax.engine.shapes import Shapes, bucket
+from kimi_jax.engine.shapes import Limits, Shapes, bucket
 from kimi_jax.engine.steps import Engine, StepBatch, StepOutput, can_balance, is_fresh, step_schedule
 
 # A constrained request with at most this many tokens left checks each step whether closing its output
@@ -29,19 +29,6 @@ CLOSE_WINDOW = 96
 # Logits adjustments are laid out at least this wide (bias entries, stop ids), so the declared
 # programs cover the usual requests; wider ones compile their own program.
 ADJUST_ENTRIES, ADJUST_STOPS = 16, 8
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """What the engine admits: the bounds of the program set (`Runner.programs`)."""
-    max_num_seqs: int
-    max_model_len: int
-    page_size: int
-    prefill_chunk: int
-    max_prefill_tokens: int
-    max_logprobs: int = 20
-    speculative_tokens: int = 0           # drafts per verification pass (0: no speculation)
-    pages_per_rank: Optional[int] = None  # a row can hold at most this many pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,14 +58,21 @@ class _InFlight:
 
 
 class Runner:
-    def __init__(self, engine: Engine, *, num_pages: int, page_size: int, cache_dtype, max_num_seqs: int,
-                 max_logprobs: int = 20, fixed_buffers: bool = True):
-        self.engine, self.page_size, self.max_num_seqs = engine, page_size, max_num_seqs
+    """Runs an engine's plans on its devices and holds everything there: the page pool, the
+    occurrence pool, each program's fixed buffers, the step in flight, and the structured-outputs
+    backend (`structured`: kimi_jax.engine.structured.StructuredBackend, shared by the cores of one
+    model so compiled grammars are reused; None: made over `tokenizer` on first use) with the masks
+    it fills."""
+
+    def __init__(self, steps: Engine, *, num_pages: int, page_size: int, cache_dtype, max_num_seqs: int,
+                 max_logprobs: int = 20, fixed_buffers: bool = True, structured=None, tokenizer=None):
+        self.steps, self.page_size, self.max_num_seqs = steps, page_size, max_num_seqs
+        self.structured, self.tokenizer = structured, tokenizer
         self.max_logprobs = max_logprobs
         self.fixed_buffers = fixed_buffers
         # (key, the batch's shapes: wide logits adjustments compile their own) -> (inputs, outputs) on the device
         self.resident: dict[tuple, tuple[StepBatch, object]] = {}
-        self.pages = engine.init_pages(num_pages, page_size, cache_dtype)
+        self.pages = steps.init_pages(num_pages, page_size, cache_dtype)
         self.occ = None                   # the occurrence pool, made when a request first needs it
         self.inflight: Optional[_InFlight] = None
         self.compiled: dict = {}          # precompiled executables, kept alive for jax's cache
@@ -88,26 +82,38 @@ class Runner:
         """Carry out the scheduler's device writes in order: ('occ', slot, row_V) or ('copy', src, dst, rank)."""
         for e in effects:
             if e[0] == "occ":
-                self.engine.set_occurrences(self.occurrences(), e[1], e[2])
+                self.steps.set_occurrences(self.occurrences(), e[1], e[2])
             else:
-                self.pages = self.engine.copy_pages(self.pages, *e[1:])
+                self.pages = self.steps.copy_pages(self.pages, *e[1:])
 
     def occurrences(self):
         if self.occ is None:
-            self.occ = self.engine.new_occurrences(self.max_num_seqs)
+            self.occ = self.steps.new_occurrences(self.max_num_seqs)
         return self.occ
 
     # ---- one plan ---------------------------------------------------------------------------------
-    def run(self, plan: StepPlan, structured=None) -> list[tuple[StepPlan, object]]:
+    def matcher(self, constraint, budget: Optional[int] = None):
+        """The grammar state of a request constrained by `constraint` (RequestError when it cannot
+        compile); budget: the tokens it may take."""
+        from kimi_jax.engine.structured import StructuredBackend, StructuredOutputError
+        from kimi_jax.engine.validation import RequestError
+        try:
+            if self.structured is None:
+                self.structured = StructuredBackend(self.tokenizer, self.steps.cfg.vocab_size)
+            return self.structured.matcher(constraint, budget)
+        except StructuredOutputError as e:
+            raise RequestError(str(e)) from None
+
+    def run(self, plan: StepPlan) -> list[tuple[StepPlan, object]]:
         """Run (or, plan.overlap, dispatch) a plan; returns the (plan, host outputs) pairs read now: its
         own, none (dispatched), or, chained, the step in flight's."""
         if plan.chained:
             f = self.inflight
             batch = self._layout_chained(plan, f)
             key = dataclasses.replace(f.key, table=plan.table, mla_schedule=step_schedule(
-                self.engine.plan, np.asarray(batch.positions_BT)[:, 0]))
+                self.steps.plan, np.asarray(batch.positions_BT)[:, 0]))
         else:
-            batch, key = self.layout(plan, structured)
+            batch, key = self.layout(plan)
         out = self._call(batch, key, snapshot=plan.overlap)
         if not plan.overlap:
             return [(plan, _host(out))]
@@ -122,7 +128,7 @@ class Runner:
         f, self.inflight = self.inflight, None
         return [] if f is None else [(f.plan, _host(f.out))]
 
-    def layout(self, plan: StepPlan, structured=None) -> tuple[StepBatch, ProgramKey]:
+    def layout(self, plan: StepPlan) -> tuple[StepBatch, ProgramKey]:
         """The plan's padded StepBatch and the program that runs it."""
         B, T, P = plan.batch, plan.width, plan.table
         tokens = np.zeros((B, T), np.int32)
@@ -151,16 +157,16 @@ class Runner:
         adj = mask = n_draft = None
         if extras:
             adj = penalties.build(adjust, self.max_num_seqs, ADJUST_ENTRIES, ADJUST_STOPS, with_penalties=True)
-            mask = self._mask(plan, structured)
+            mask = self._mask(plan)
         if verify:
             n_draft = np.zeros((B,), np.int32)
             n_draft[[row.slot for row in plan.live]] = [len(row.tokens) - 1 for row in plan.live]
         sp = SamplingArrays.build(params, None, keys=keys, adjust=adj)
-        fresh = plan.kind == "prefill" and not self.engine.plan.absorbs_chunk(T) and is_fresh(positions)
+        fresh = plan.kind == "prefill" and not self.steps.plan.absorbs_chunk(T) and is_fresh(positions)
         key = ProgramKey(plan.kind, B, T, P, fresh=fresh,
                          sampled=extras or (not verify and sample_mode_of(sp) != "greedy"),
                          logprobs=self._top(n_lp or 0) if extras else None, prompt_logprobs=self._top(n_plp),
-                         mla_schedule=step_schedule(self.engine.plan, positions[:, 0]) if plan.kind == "decode" else None)
+                         mla_schedule=step_schedule(self.steps.plan, positions[:, 0]) if plan.kind == "decode" else None)
         batch = StepBatch(self._decode_tokens(tokens[:, 0]) if plan.kind == "decode" else tokens, positions, table,
                           last, steps, sp, targets, mask, n_draft)
         return batch, key
@@ -185,14 +191,15 @@ class Runner:
 
     def _decode_tokens(self, host_B: np.ndarray) -> jax.Array:
         """Host-fed decode tokens committed like a step's own output tokens: one program serves both."""
-        return jax.make_array_from_callback(host_B.shape, self.engine.token_sharding, lambda i: host_B[i])
+        return jax.make_array_from_callback(host_B.shape, self.steps.token_sharding, lambda i: host_B[i])
 
-    def _mask(self, plan: StepPlan, structured) -> Optional[np.ndarray]:
+    def _mask(self, plan: StepPlan) -> Optional[np.ndarray]:
         """The step's packed token bitmask [B, ceil(V / 32)] (unconstrained rows: every token); a row
         near the end of its budget narrows its mask to a greedy close."""
         rows = [row for row in plan.live if row.req.structured is not None]
+        structured = self.structured
         if not rows or structured is None:
-            return np.full((plan.batch, -(-self.engine.cfg.vocab_size // 32)), -1, np.int32)
+            return np.full((plan.batch, -(-self.steps.cfg.vocab_size // 32)), -1, np.int32)
         matchers = [None] * plan.batch
         for row in rows:
             matchers[row.slot] = row.req.structured
@@ -205,7 +212,7 @@ class Runner:
 
     def _step_args(self, batch: StepBatch, key: ProgramKey) -> tuple[tuple, dict]:
         """The occurrence pool and static arguments of `Engine.step_jit` for key's program."""
-        eng = self.engine
+        eng = self.steps
         occ = self.occurrences().pool if key.logprobs is not None else None
         plan = eng.plan if key.mla_schedule == eng.plan.mla_schedule else dataclasses.replace(
             eng.plan, mla_schedule=key.mla_schedule)
@@ -214,7 +221,7 @@ class Runner:
                             if key.kind != "verify" else None, plan=plan)
 
     def _call(self, batch: StepBatch, key: ProgramKey, snapshot: bool = True):
-        eng = self.engine
+        eng = self.steps
         args, kw = self._step_args(batch, key)
         if not self.fixed_buffers:
             self.pages, out = eng.step_jit(eng.weights, self.pages, batch, *args, **kw)
@@ -232,7 +239,7 @@ class Runner:
 
     def _place(self, batch: StepBatch, key: ProgramKey, args: tuple, kw: dict) -> tuple[tuple, StepBatch, object]:
         """batch written into its program's buffers (made at the first call): (slot, inputs, outputs' buffers)."""
-        eng, slot = self.engine, _slot(key, batch)
+        eng, slot = self.steps, _slot(key, batch)
         if slot not in self.resident:
             place = lambda a: jax.device_put(np.zeros(a.shape, a.dtype), eng.token_sharding)   # noqa: E731
             io = jax.tree.map(place, batch)
@@ -250,9 +257,8 @@ class Runner:
         """Every step program a workload within `limits` can run (the scheduler's `Shapes`): per padded
         shape a greedy, a sampled and an extras program (sampler costs differ: BENCHMARKS.md, 'Program
         set'), prefill shapes also extras with prompt logprobs, the balanced schedule where reachable."""
-        eng, plan = self.engine, self.engine.plan
-        shapes = Shapes.of(limits.max_model_len, limits.page_size, limits.max_prefill_tokens, limits.pages_per_rank,
-                           eng.dp, plan.pallas, plan.absorbed_chunk_tokens)
+        eng, plan = self.steps, self.steps.plan
+        shapes = Shapes.for_limits(limits, eng.dp, plan)
         batches = sorted({eng.batch_size(eng.dp * c) for c in range(1, -(-limits.max_num_seqs // eng.dp) + 1)})
         chunk = min(limits.prefill_chunk, limits.max_prefill_tokens, limits.max_model_len - 1)
         widths = sorted({bucket(n, 16) for n in range(2, chunk + 1)})
@@ -302,11 +308,11 @@ class Runner:
                 report([f for f in list(pending) if f.done()])
             report(concurrent.futures.as_completed(list(pending)))
         occ = self.occurrences()           # its row write, at the padding slot (which stays zero)
-        self.engine.set_occurrences(occ, occ.pad_slot, np.zeros((self.engine.cfg.vocab_size,), np.int32))
+        self.steps.set_occurrences(occ, occ.pad_slot, np.zeros((self.steps.cfg.vocab_size,), np.int32))
 
     def _lower(self, key: ProgramKey):
         """`_call`'s program for key, lowered over padding rows (or key's fixed buffers)."""
-        eng, batch = self.engine, self._dummy(key)
+        eng, batch = self.steps, self._dummy(key)
         args, kw = self._step_args(batch, key)
         if not self.fixed_buffers:
             return eng.step_jit.lower(eng.weights, self.pages, batch, *args, **kw)
@@ -321,7 +327,7 @@ class Runner:
         adj = mask = None
         if key.logprobs is not None:
             adj = penalties.build([None] * B, self.max_num_seqs, ADJUST_ENTRIES, ADJUST_STOPS, with_penalties=True)
-            mask = np.full((B, -(-self.engine.cfg.vocab_size // 32)), -1, np.int32)
+            mask = np.full((B, -(-self.steps.cfg.vocab_size // 32)), -1, np.int32)
         sp = SamplingArrays.build([SamplingParams(temperature=0.0)] * B, None, keys=np.zeros((B, 2), np.uint32),
                                   adjust=adj)
         tokens = self._decode_tokens(z) if key.kind == "decode" else np.zeros((B, T), np.int32)

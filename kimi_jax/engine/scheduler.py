@@ -1,6 +1,6 @@
 """Continuous batching over a paged latent cache: the Scheduler plans each pass as a StepPlan (admission,
 prefix cache, preemption, the speculation decision), the runner (kimi_jax.engine.runner) runs it, and
-the Scheduler books its outputs (`update`); BatchEngine drives the two. docs/ARCHITECTURE.md ('One
+the Scheduler books its outputs (`update`); the EngineCore (kimi_jax.engine.core) drives the two. docs/ARCHITECTURE.md ('One
 step') describes the passes, overlap scheduling, preemption and data parallelism."""
 from __future__ import annotations
 
@@ -9,108 +9,68 @@ import dataclasses
 import time
 from typing import Callable, Optional
 
-import numpy as np
-
 from kimi_jax.engine import penalties
 from kimi_jax.engine.page_pool import PagePool, cacheable_hashes, chain_hashes
-from kimi_jax.engine.requests import (Request, Row, StepPlan, append_token, logprob_dict,  # noqa: F401
-                                      n_logprobs, prefill_parent, prefill_shape, prompt_entries_left,
-                                      prompt_targets, new_request, row_adjust_for, score_prompt, validate_prompt)
-from kimi_jax.engine.runner import CLOSE_WINDOW, Limits, Runner  # noqa: F401
-from kimi_jax.engine.shapes import Shapes
-from kimi_jax.engine.steps import Engine
-from kimi_jax.engine.sampling import SamplingParams, key_data_for_seed
-from kimi_jax.engine.speculative import SpeculativeConfig, propose_drafts
-from kimi_jax.engine.validation import RequestError, check_request  # noqa: F401
-
-_PASSES = {"prefill": "prefill_passes", "decode": "decode_passes", "verify": "verify_passes"}
-
+from kimi_jax.engine.args import CacheConfig, SchedulerConfig
+from kimi_jax.engine.requests import (Request, Row, StepPlan, append_token, prefill_shape,
+                                      prompt_entries_left, score_prompt)
+from kimi_jax.engine.shapes import Limits, Shapes
+from kimi_jax.engine.speculative import propose_drafts
 
 class Scheduler:
-    """Requests, the page pool and the plan of every pass. `schedule()` returns the iteration's next
-    StepPlan (prefill chunks, then decode or verification; None when the iteration is done) and
-    `update(plan, outputs)` books a plan's host outputs and returns the requests that finished. Device
-    writes it needs (occurrence rows, page copies) wait in `effects` for the runner."""
-    pallas, absorbed_chunk = False, 0   # decode attention reads each row's length (`Shapes.table`)
+    """The policy: requests, the page accounting and the plan of every pass. `schedule()` returns the
+    iteration's next StepPlan (prefill chunks, then decode or verification; None when the iteration is
+    done) and `update(plan, outputs)` books a plan's host outputs and returns the requests that
+    finished. It holds no device state: the writes it needs (occurrence rows, page copies) wait in
+    `effects` for the runner. batch_size: a step's padded batch for n rows; exec_plan: what the steps
+    run (the padded shapes follow it); measure(decode, verify): the two passes' seconds (speculation)."""
 
-    def __init__(self, *, vocab_size: int, batch_size: Callable[[int], int], dp: int, num_pages: int,
-                 page_size: int, max_num_seqs: int, max_model_len: int, prefill_chunk: int = 256,
-                 max_prefill_tokens: int = 2048, tokenizer=None, eos_ids=(),
-                 speculative: Optional[SpeculativeConfig] = None, overlap: bool = False,
-                 enable_prefix_caching: bool = False, structured=None, pass_costs: Optional[dict] = None,
-                 measure: Optional[Callable] = None, max_logprobs: Optional[int] = None):
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig, *, vocab_size: int,
+                 batch_size: Callable[[int], int], dp: int, exec_plan, tokenizer=None, eos_ids=(),
+                 pass_costs: Optional[dict] = None, measure: Optional[Callable] = None):
+        self.config, self.cache = config, cache
         self.vocab_size, self.batch_size, self.dp, self.tokenizer = vocab_size, batch_size, dp, tokenizer
-        self.max_logprobs = max_logprobs       # the engine's cap on logprobs / prompt_logprobs (-1: none)
-        self.structured = structured
-        self.page_size, self.max_num_seqs, self.max_model_len = page_size, max_num_seqs, max_model_len
-        self.prefill_chunk, self.max_prefill_tokens = prefill_chunk, max_prefill_tokens
+        self.max_logprobs = config.max_logprobs   # the cap on logprobs / prompt_logprobs (-1: none)
+        self.page_size, self.max_num_seqs = cache.page_size, config.max_num_seqs
+        self.max_model_len = config.max_model_len
+        self.prefill_chunk, self.max_prefill_tokens = config.prefill_chunk, config.max_prefill_tokens
         self.eos_ids = frozenset(eos_ids)
         # data parallelism: equal page partitions per rank; spare pages are dropped
+        num_pages = cache.num_pages
         if num_pages < dp:
-            raise ValueError(f"num_pages={num_pages} gives no page to some of the {dp} data-parallel ranks")
+            raise ValueError(f"num_pages={num_pages} gives no page to some of the {dp} data-parallel "
+                             "ranks")
         num_pages -= num_pages % dp
-        self.slots_per_rank = -(-max_num_seqs // dp)
-        self.pool = PagePool(num_pages, dp, caching=enable_prefix_caching)
+        self.slots_per_rank = -(-config.max_num_seqs // dp)
+        self.pool = PagePool(num_pages, dp, caching=cache.enable_prefix_caching)
+        speculative = config.speculative_config
+        self.spec = speculative
+        self.shapes = Shapes.for_limits(self.limits(), dp, exec_plan)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        self.spec = speculative
         self.drafter = speculative.drafter() if speculative else None
         # overlap scheduling; drafts need the tokens on the host, so not with speculation
-        self.overlap = bool(overlap) and speculative is None
+        self.overlap = bool(config.overlap_scheduling) and speculative is None
         self.inflight: Optional[StepPlan] = None     # the overlapped decode plan not yet booked
         self.pass_costs = {} if pass_costs is None else pass_costs
         self.measure = measure
         self.effects: list = []
-        self._free_slots = collections.deque(range(max_num_seqs))   # occurrence-pool slots (penalties)
+        self._free_slots = collections.deque(range(config.max_num_seqs))   # occurrence-pool slots
         self._phase, self._verify_plan, self._stopped = 0, None, []
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "preemptions": 0,
-                      "drafted": 0, "accepted": 0, "prefill_passes": 0, "decode_passes": 0, "verify_passes": 0,
-                      "cost_calibrations": 0, "overlapped_steps": 0,
-                      "prefix_cache_queries": 0, "prefix_cache_hits": 0}    # tokens, as vLLM counts them
+                      "drafted": 0, "accepted": 0, "prefill_passes": 0, "decode_passes": 0,
+                      "verify_passes": 0, "cost_calibrations": 0, "overlapped_steps": 0,
+                      "prefix_cache_queries": 0, "prefix_cache_hits": 0}   # tokens, as vLLM counts
+
+    def limits(self, max_logprobs: int = 20) -> Limits:
+        """The bounds of the workloads planned here; max_logprobs: the top logprobs one program
+        returns (the runner's)."""
+        return Limits(self.max_num_seqs, self.max_model_len, self.page_size, self.prefill_chunk,
+                      self.max_prefill_tokens, max_logprobs,
+                      self.spec.num_speculative_tokens if self.spec else 0,
+                      pages_per_rank=self.pool.per_part)
 
     # ---- requests -----------------------------------------------------------------------------
-    def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
-                     prompt: Optional[str] = None) -> Request:
-        """Validate and build a request; RequestError names what is wrong."""
-        r = new_request(request_id, prompt_ids, params, seed, prompt, vocab_size=self.vocab_size,
-                        max_model_len=self.max_model_len, page_size=self.page_size,
-                        pages_per_rank=self.pool.per_part, dp=self.dp, eos_ids=self.eos_ids, tokenizer=self.tokenizer,
-                        max_logprobs=self.max_logprobs)
-        if params.structured_outputs is not None:
-            r.structured = self._matcher(params, r.max_new)
-        return r
-
-    def _matcher(self, params: SamplingParams, budget: Optional[int] = None):
-        """The grammar state of a request with structured_outputs (RequestError when it cannot compile)."""
-        from kimi_jax.engine.structured import StructuredBackend, StructuredOutputError
-        try:
-            if self.structured is None:
-                self.structured = StructuredBackend(self.tokenizer, self.vocab_size)
-            return self.structured.matcher(params.structured_outputs, budget)
-        except StructuredOutputError as e:
-            raise RequestError(str(e)) from None
-
-    def make_samples(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
-                     prompt: Optional[str] = None) -> list[Request]:
-        """The params.num_samples requests of one prompt (n, or best_of), sample i with the seed folded
-        with i and request id f"{i}_{request_id}" (one sample: the request itself). See `add_samples`."""
-        k = params.num_samples
-        if k == 1:
-            return [self.make_request(request_id, prompt_ids, params, seed, prompt)]
-        reqs = [self.make_request(f"{i}_{request_id}", prompt_ids, params, seed, prompt) for i in range(k)]
-        for i, r in enumerate(reqs):
-            r.key, r.sample_index, r.group_id = key_data_for_seed(seed, i), i, request_id
-        return reqs
-
-    def add_samples(self, reqs: list[Request]) -> None:
-        """Queue one prompt's samples: all but its last token is prefilled once (`prefill_parent`), and
-        each sample starts from a copy of those pages (`_fork`)."""
-        if len(reqs) == 1 or len(reqs[0].prompt_ids) < 2:
-            for r in reqs:
-                self.add(r)
-            return
-        self.add(prefill_parent(reqs))
-
     def add(self, req: Request) -> None:
         if req.arrival_time is None:
             req.arrival_time = time.time()
@@ -128,12 +88,27 @@ class Scheduler:
                 self.waiting.remove(r)
                 break
         else:
-            r = next((q for q in self.running if q.request_id == request_id and q.finish_reason is None), None)
+            r = next((q for q in self.running if q.request_id == request_id and q.finish_reason is None),
+                     None)
             if r is None:
-                return None
+                return self._abort_fork(request_id)
         r.finish_reason, r.finished_time = "abort", time.time()
         self._release(r)
         return r
+
+    def _abort_fork(self, request_id: str) -> Optional[Request]:
+        """Abort a sample whose prompt is still being prefilled for its group (`prefill_parent`); the
+        prefill itself stops with its last sample."""
+        for p in [*self.waiting, *self.running]:
+            c = next((c for c in p.forks if c.request_id == request_id), None) if p.prefill_only else None
+            if c is None:
+                continue
+            p.forks.remove(c)
+            c.finish_reason, c.finished_time = "abort", time.time()
+            if not p.forks:
+                self.abort(p.request_id)
+            return c
+        return None
 
     num_free_pages = property(lambda self: self.pool.num_free)
 
@@ -178,7 +153,7 @@ class Scheduler:
     def _plan(self, kind: str, feeds: list[tuple[Request, list[int]]], T: int, overlap: bool = False) -> StepPlan:
         """A plan for rows that feed these tokens at their next positions, padded to T per row."""
         B, slots = self._slots([r for r, _ in feeds])
-        P = self.shapes().table(kind, max(len(r.pages) for r, _ in feeds), T, not any(r.num_computed for r, _ in feeds))
+        P = self.shapes.table(kind, max(len(r.pages) for r, _ in feeds), T, not any(r.num_computed for r, _ in feeds))
         rows = tuple(Row(r, b, tuple(int(t) for t in feed), r.num_computed, tuple(r.pages), len(r.output_ids))
                      for (r, feed), b in zip(feeds, slots))
         return StepPlan(kind, rows, B, T, P, overlap=overlap)
@@ -200,7 +175,7 @@ class Scheduler:
                     continue
             n = min(r.pending, self.prefill_chunk, budget)
             shape = prefill_shape(rows + [(r, n)], self.page_size)
-            if n <= 0 or rows and not self.shapes().prefill_fits(self._slots([q for q, _ in rows] + [r])[0], *shape):
+            if n <= 0 or rows and not self.shapes.prefill_fits(self._slots([q for q, _ in rows] + [r])[0], *shape):
                 break
             if r in self.running and self._ensure_pages(r, r.num_computed + n, [q for q, _ in rows]):
                 rows.append((r, n))
@@ -287,7 +262,7 @@ class Scheduler:
                 r.pages += self.pool.take(need, r.rank)   # checked free by overlap_continues
             # the step in flight feeds position num_computed and samples output number len(output_ids)
             rows.append(Row(r, row.slot, (), r.num_computed + 1, tuple(r.pages), len(r.output_ids) + 1))
-        P = self.shapes().table("decode", max(len(row.pages) for row in rows if row.live))
+        P = self.shapes.table("decode", max(len(row.pages) for row in rows if row.live))
         self.inflight = StepPlan("decode", tuple(rows), f.batch, 1, P, chained=True, overlap=True)
         return self.inflight
 
@@ -370,10 +345,6 @@ class Scheduler:
         self._leave(r)
         self.pool.give(r.pages, r.rank)
         r.pages, r.num_registered = [], 0
-
-    def shapes(self) -> Shapes:
-        return Shapes.of(self.max_model_len, self.page_size, self.max_prefill_tokens, self.pool.per_part, self.dp,
-                         self.pallas, self.absorbed_chunk)
 
     def _slots(self, reqs: list[Request]) -> tuple[int, list[int]]:
         """(padded batch B, each request's batch row): in order, each in its data-parallel rank's
@@ -487,7 +458,7 @@ class Scheduler:
         """(decode pass seconds, verification pass seconds) at this step's batch and page-table bucket,
         measured on the step's own rows the first time the engine meets the bucket and kept in
         pass_costs (shared by the engine's schedulers), so later runs take the same decisions."""
-        key = (self._slots(ready)[0], self.shapes().table("decode", max(len(r.pages) for r in ready)))
+        key = (self._slots(ready)[0], self.shapes.table("decode", max(len(r.pages) for r in ready)))
         if key not in self.pass_costs:
             feeds = [(r, [r.tokens[-1]]) for r in ready]
             self.pass_costs[key] = self.measure(self._plan("decode", feeds, 1),
@@ -499,101 +470,7 @@ class Scheduler:
         self.stats["generated_tokens"] += 1
         append_token(r, t, out, b, self.tokenizer)
 
-    def _unblock(self) -> Request:
+    def unblock(self) -> Request:
         """Finish the first running (else waiting) request at the pool's limit and free its pages."""
         self._stop(self.running[0] if self.running else self.waiting.popleft())
         return self._stopped.pop()
-
-
-class BatchEngine(Scheduler):
-    """The Scheduler driving a Runner: every `step` is schedule -> run -> update until the iteration's
-    plans are done. max_logprobs: the top logprobs one program returns (larger requests compile their own)."""
-
-    def __init__(self, engine: Engine, *, num_pages: int, page_size: int, max_num_seqs: int, max_model_len: int,
-                 cache_dtype, max_logprobs: int = 20, fixed_buffers: bool = True, **kw):
-        self.engine = engine
-        dp = getattr(engine, "dp", 1)
-        super().__init__(vocab_size=engine.cfg.vocab_size, batch_size=engine.batch_size, dp=dp,
-                         num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
-                         max_model_len=max_model_len, pass_costs=engine.pass_costs, measure=self._measure,
-                         max_logprobs=max_logprobs, **kw)
-        self.runner = Runner(engine, num_pages=self.pool.num_pages, page_size=page_size, cache_dtype=cache_dtype,
-                             max_num_seqs=max_num_seqs, max_logprobs=max_logprobs if max_logprobs is not None and max_logprobs >= 0 else 20,
-                             fixed_buffers=fixed_buffers)
-
-    pages = property(lambda self: self.runner.pages, lambda self, v: setattr(self.runner, "pages", v))
-    occ = property(lambda self: self.runner.occ)
-    _inflight = property(lambda self: self.runner.inflight)
-    pallas = property(lambda self: self.engine.plan.pallas)
-    absorbed_chunk = property(lambda self: self.engine.plan.absorbed_chunk_tokens)
-
-    def step(self) -> list[Request]:
-        """One iteration: its plans run in turn; returns the requests that finished. With overlap
-        scheduling a decode step may still be in flight on return (read by the next call)."""
-        finished: list[Request] = []
-        if self.inflight is not None and not self.overlap_continues():
-            finished += self.drain()
-        while (plan := self.schedule()) is not None:
-            self.runner.apply(self.pop_effects())
-            self.stats["steps"] += 1
-            self.stats[_PASSES[plan.kind]] += 1
-            self.stats["overlapped_steps"] += plan.chained
-            for done, out in self.runner.run(plan, self.structured):
-                finished += self.update(done, out)
-        return finished + self.take_stopped()
-
-    def drain(self) -> list[Request]:
-        """Book a decode step still in flight (overlap scheduling); returns the requests that finished."""
-        return [r for plan, out in self.runner.drain() for r in self.update(plan, out)]
-
-    def _measure(self, decode: StepPlan, verify: StepPlan) -> tuple[float, float]:
-        self.runner.apply(self.pop_effects())
-        return self.runner.measure_passes(decode, verify)
-
-    def limits(self) -> Limits:
-        """The bounds of this engine's workloads (`Runner.programs`)."""
-        return Limits(self.max_num_seqs, self.max_model_len, self.page_size, self.prefill_chunk,
-                      self.max_prefill_tokens, self.runner.max_logprobs,
-                      self.spec.num_speculative_tokens if self.spec else 0, pages_per_rank=self.pool.per_part)
-
-    def precompile(self, progress: Optional[Callable] = None) -> int:
-        """Compile every program this engine can run (`Runner.programs` at `limits()`; the pool is left
-        as it is); returns how many."""
-        programs = self.runner.programs(self.limits())
-        self.runner.precompile(programs, progress)
-        return len(programs)
-
-    # ---- driving ------------------------------------------------------------------------------
-    def run(self, on_finish: Optional[Callable[[Request], None]] = None, progress: bool = False,
-            feed: Optional[Callable[[], bool]] = None) -> None:
-        """Step until every request is done. `feed()` is called whenever slots are free so a caller
-        can add requests lazily (returns False when it has no more)."""
-        t0 = time.perf_counter()
-        bar = __import__("tqdm").tqdm(desc="requests", unit="req", total=None) if progress else None
-        more = feed is not None
-        idle = 0                  # consecutive steps that ran no pass and finished nothing
-        while True:
-            if more and len(self.waiting) < self.max_num_seqs:
-                more = feed()
-            if not self.has_unfinished():
-                if not more:
-                    break
-                continue
-            steps0 = self.stats["steps"]
-            done = self.step()
-            idle = 0 if done or self.stats["steps"] != steps0 or self.inflight is not None else idle + 1
-            if idle >= 3:         # no request can make progress: the first one ends where it is
-                done = [self._unblock()]
-                idle = 0
-            for r in done:
-                if on_finish is not None:
-                    on_finish(r)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(tok_s=f"{self.stats['generated_tokens'] / max(time.perf_counter() - t0, 1e-9):.1f}",
-                                    running=len(self.running))
-        for r in self.drain():      # a step past every request's end: nothing left to report
-            if on_finish is not None:
-                on_finish(r)
-        if bar is not None:
-            bar.close()

@@ -21,6 +21,19 @@ def table_bucket(pages: int, page_size: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class Limits:
+    """What an engine admits: the bounds of its padded shapes and of its program set (`Runner.programs`)."""
+    max_num_seqs: int
+    max_model_len: int
+    page_size: int
+    prefill_chunk: int
+    max_prefill_tokens: int
+    max_logprobs: int = 20
+    speculative_tokens: int = 0           # drafts per verification pass (0: no speculation)
+    pages_per_rank: Optional[int] = None  # a row can hold at most this many pages
+
+
+@dataclasses.dataclass(frozen=True)
 class Shapes:
     """The padded shapes of an engine's steps: block-table widths and the prefill pass's bounds."""
     page_size: int
@@ -38,6 +51,12 @@ class Shapes:
         pages = max(1, -(-(max_model_len - 1) // page_size))
         pages = pages if rank_pages is None else min(pages, rank_pages)
         return cls(page_size, pages, bucket(max_prefill_tokens, 16), rank_pages, dp, pallas, absorbed_chunk if pallas else 0)
+
+    @classmethod
+    def for_limits(cls, limits: Limits, dp: int, exec_plan) -> "Shapes":
+        """The shapes of an engine within `limits` whose steps run `exec_plan` over dp ranks."""
+        return cls.of(limits.max_model_len, limits.page_size, limits.max_prefill_tokens,
+                      limits.pages_per_rank, dp, exec_plan.pallas, exec_plan.absorbed_chunk_tokens)
 
     def table(self, kind: str, pages: int, width: int = 1, fresh: bool = False) -> int:
         """Block-table width of a step whose longest row holds `pages` pages: fresh prefill never reads

@@ -349,18 +349,20 @@ class JobSummary:
                 f"rate {rate} ({h} of {q} prompt tokens)")
 
 
-def run_job(llm, infile: Iterable[Union[str, bytes]], writer: ResultWriter, *, model_name: str, default_max_tokens: int,
+def run_job(frontend, infile: Iterable[Union[str, bytes]], writer: ResultWriter, *, model_name: str, default_max_tokens: int,
             total: Optional[int] = None, progress: bool = True, desc: str = "kimi-batch") -> JobSummary:
-    """Answer every line of `infile` (an open input file, binary or text) into `writer` with `llm`,
+    """Answer every line of `infile` (an open input file, binary or text) into `writer` with engine
+    cores over `frontend` (kimi_jax.entrypoints.frontend.Frontend),
     skipping the custom_ids the writer already holds; closes the writer. OutputWriteError (an OSError)
     stops the job at the first line that cannot be written."""
     from tqdm import tqdm
 
     from kimi_jax.engine.validation import RequestError
 
-    engine = [llm.batch_engine()]
+    inputs = frontend.inputs
+    engine = [frontend.make_core()]
     jobs: dict[str, _Job] = {}            # custom_id -> its job, until its output line is written
-    by_rid: dict[str, tuple] = {}         # engine request id -> (custom_id, choice index)
+    by_rid: dict[str, tuple] = {}         # sample id -> (custom_id, choice index)
     seen: collections.Counter = collections.Counter()
     lines = input_lines(infile)
     totals: collections.Counter = collections.Counter()     # the stats of every engine the job used
@@ -373,15 +375,16 @@ def run_job(llm, infile: Iterable[Union[str, bytes]], writer: ResultWriter, *, m
         bar.update(1)
         bar.set_postfix(errors=counts["refused"] + counts["errors"], refresh=False)
 
-    def requests(cid: str, be) -> list:
+    def requests(cid: str, core) -> list:
+        """Each prompt's samples (one prompt's n share its prefill)."""
         job = jobs[cid]
         out = []
         for i, (text, ids) in enumerate(job.prompts):
-            for j in range(job.g.n):
-                k = i * job.g.n + j
-                rid = f"{job.line.lineno}-{k}"
-                by_rid[rid] = (cid, k)
-                out.append(be.make_request(rid, ids, job.g.params, P.choice_seed(job.seed, j), prompt=text))
+            samples = core.make_request(f"{job.line.lineno}-{i}", ids, job.g.params, seed=job.seed,
+                                        prompt=text)
+            for j, r in enumerate(samples):
+                by_rid[r.request_id] = (cid, i * job.g.n + j)
+            out.append(samples)
         return out
 
     def prepare(ln: Line) -> _Job:
@@ -390,24 +393,25 @@ def run_job(llm, infile: Iterable[Union[str, bytes]], writer: ResultWriter, *, m
         field = "messages" if g.kind == "chat" else "prompt"
         try:
             if g.kind == "chat":
-                prompts = [(None, llm.encode_chat(g.messages, add_generation_prompt=g.add_generation_prompt,
-                                                  tools=g.tools))]
+                prompts = [(None, inputs.encode_chat(g.messages, add_generation_prompt=g.add_generation_prompt,
+                                                     tools=g.tools))]
             else:
-                prompts = [(p if isinstance(p, str) else None, llm.token_ids(list(p) if isinstance(p, tuple) else p,
-                                                                            ln.lineno)) for p in g.prompts]
+                prompts = [(p if isinstance(p, str) else None,
+                            inputs.token_ids(list(p) if isinstance(p, tuple) else p, ln.lineno))
+                           for p in g.prompts]
         except ValueError as e:
             raise P.ProtocolError(" ".join(str(e).split()), field) from None
         if defaulted:
-            g = fit_default_max_tokens(g, max(len(ids) for _, ids in prompts), llm.max_model_len)
+            g = fit_default_max_tokens(g, max(len(ids) for _, ids in prompts), frontend.max_model_len)
         for _, ids in prompts:
-            P.check_context(len(ids), g.params.max_tokens, llm.max_model_len, g.kind)
+            P.check_context(len(ids), g.params.max_tokens, frontend.max_model_len, g.kind)
         seed = g.params.seed if g.params.seed is not None else ln.lineno
         return _Job(ln, g, prompts, seed)
 
     def feed() -> bool:
         """Add input lines until a batch's worth is waiting; False when the input is exhausted."""
         be = engine[0]
-        while len(be.waiting) < be.max_num_seqs:
+        while len(be.scheduler.waiting) < be.scheduler.max_num_seqs:
             try:
                 lineno, line = next(lines)
             except StopIteration:
@@ -457,8 +461,8 @@ def run_job(llm, infile: Iterable[Union[str, bytes]], writer: ResultWriter, *, m
                 jobs.pop(cid, None)
                 write(failed_line(cid, _failure(lineno, e, "while being read")), "errors")
                 continue
-            for r in reqs:
-                be.add(r)
+            for samples in reqs:
+                be.add(samples)
         return True
 
     def on_finish(r) -> None:
@@ -466,15 +470,15 @@ def run_job(llm, infile: Iterable[Union[str, bytes]], writer: ResultWriter, *, m
         job = jobs.get(cid)
         if job is None:
             return
-        out = llm.to_output(r).outputs[0]
+        out = frontend.outputs.completion(k, r)
         job.choices[k] = P.Choice(k, out.text or "", out.token_ids, out.finish_reason, out.stop_reason,
                                   out.logprobs)
-        if job.g.kind == "chat" and job.g.tools and llm.tokenizer is not None:
-            P.with_tool_calls(job.choices[k], llm.tokenizer)      # message.tool_calls
+        if job.g.kind == "chat" and job.g.tools and frontend.tokenizer is not None:
+            P.with_tool_calls(job.choices[k], frontend.tokenizer)      # message.tool_calls
         if len(job.choices) == len(job.prompts) * job.g.n:
             choices = [job.choices[i] for i in sorted(job.choices)]
             n_prompt = sum(len(ids) for _, ids in job.prompts)
-            body = result_body(job.g, model_name, choices, n_prompt, llm.tokenizer)
+            body = result_body(job.g, model_name, choices, n_prompt, frontend.tokenizer)
             write(response_line(cid, 200, body), "ok")
             del jobs[cid]
 
@@ -484,11 +488,11 @@ def run_job(llm, infile: Iterable[Union[str, bytes]], writer: ResultWriter, *, m
     def rerun_alone(cids) -> None:
         """Each request of a failed step on its own fresh pool; one that fails alone gets its error."""
         for cid in cids:
-            solo = llm.batch_engine()
+            solo = frontend.make_core()
             jobs[cid].choices.clear()
             try:
-                for r in requests(cid, solo):
-                    solo.add(r)
+                for samples in requests(cid, solo):
+                    solo.add(samples)
                 solo.run(on_finish=on_finish)
             except OutputWriteError:
                 raise
@@ -508,7 +512,7 @@ def run_job(llm, infile: Iterable[Union[str, bytes]], writer: ResultWriter, *, m
                 raise
             except Exception:  # noqa: BLE001 - some request broke a step: find it, keep the others
                 used(be)
-                engine[0] = llm.batch_engine()
+                engine[0] = frontend.make_core()
                 rerun_alone(list(jobs))
         for cid in list(jobs):           # none expected: every request reached on_finish
             write(failed_line(cid, f"line {jobs[cid].line.lineno}: the request did not finish"), "errors")

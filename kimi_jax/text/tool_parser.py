@@ -9,6 +9,7 @@ OpenAI's chunk shape and concatenate to the whole output's `ParsedOutput`, whate
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from typing import Iterable, Optional, Sequence
 
@@ -78,6 +79,16 @@ class ParsedOutput:
         if self.tool_calls:
             msg["tool_calls"] = self.tool_calls
         return msg
+
+
+def calls_complete(tool_calls: Optional[list]) -> bool:
+    """Some calls, each with arguments that are a complete JSON object (else not "tool_calls")."""
+    def complete(call) -> bool:
+        try:
+            return isinstance(json.loads(call["function"]["arguments"]), dict)
+        except (ValueError, TypeError, KeyError):
+            return False
+    return bool(tool_calls) and all(complete(c) for c in tool_calls)
 
 
 def tool_finish_reason(finish_reason: Optional[str], has_tool_calls: bool) -> Optional[str]:

@@ -492,23 +492,27 @@ def scheduler_run(engine, batch: int, context: int, steps: int, overlap: bool, f
     ms per step (wall / engine steps), the engine's steps and its overlapped steps."""
     import numpy as np
     from kimi_jax.engine.sampling import SamplingParams
-    from kimi_jax.engine.scheduler import BatchEngine
+    from kimi_jax.engine.args import CacheConfig, SchedulerConfig
+    from kimi_jax.engine.core import EngineCore
     cfg = engine.cfg
     # each row leaves at least one of its pages free before it decodes (admission needs one)
     prompt_len = context - max(steps, PAGE_SIZE) - 1
-    be = BatchEngine(engine, num_pages=batch * (context // PAGE_SIZE), page_size=PAGE_SIZE, max_num_seqs=batch,
-                     max_model_len=context, cache_dtype=engine.cache_dtype, overlap=overlap, fixed_buffers=fixed_buffers)
-    be.pages = random_pages(engine, be.pool.num_pages)
+    sc = SchedulerConfig(max_num_seqs=batch, max_model_len=context, prefill_chunk=256,
+                         max_prefill_tokens=2048, overlap_scheduling=overlap)
+    cc = CacheConfig(PAGE_SIZE, batch * (context // PAGE_SIZE), engine.cache_dtype)
+    be = EngineCore(engine, sc, cc, fixed_buffers=fixed_buffers)
+    pool = be.scheduler.pool
+    be.runner.pages = random_pages(engine, pool.num_pages)
     rng = np.random.default_rng(0)
 
     def one_run(n_tokens, tag):
         for i in range(batch):
             ids = [int(t) for t in rng.integers(0, cfg.vocab_size, prompt_len)]
-            r = be.make_request(f"{tag}{i}", ids, SamplingParams(temperature=0.0, max_tokens=n_tokens,
-                                                                 ignore_eos=True), seed=i)
+            [r] = be.make_request(f"{tag}{i}", ids, SamplingParams(temperature=0.0, max_tokens=n_tokens,
+                                                                   ignore_eos=True), seed=i)
             r.num_computed = prompt_len - 1     # prompt cached but its last token: decode only
-            r.pages = be.pool.take(-(-r.num_computed // PAGE_SIZE))
-            be.add(r)
+            r.pages = pool.take(-(-r.num_computed // PAGE_SIZE))
+            be.add([r])
         s0, o0 = be.stats["steps"], be.stats["overlapped_steps"]
         t0 = time.perf_counter()
         be.run()

@@ -9,18 +9,19 @@ import statistics
 import time
 
 
-def run_prompts(llm, prompts, sp):
-    """`prompts` (token id lists) through a fresh batch engine of `llm` with SamplingParams `sp`:
+def run_prompts(llm, prompts, sp, **core):
+    """`prompts` (token id lists) through a fresh engine core of `llm` (core: its settings,
+    `Frontend.make_core`) with SamplingParams `sp`:
     request i is named str(i) and seeded i; all are added at once (every request arrives at the start,
     so queueing behind the batch is in its time to first token) and run until every one finished.
     Returns (wall seconds from the first add to the end, the requests, the engine's stats)."""
-    be = llm.batch_engine()
-    reqs = [be.make_request(str(i), p, sp, seed=i) for i, p in enumerate(prompts)]
+    engine = llm.frontend.make_core(**core)
+    groups = [engine.make_request(str(i), p, sp, seed=i) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
-    for r in reqs:
-        be.add(r)
-    be.run()
-    return time.perf_counter() - t0, reqs, be.stats
+    for g in groups:
+        engine.add(g)
+    engine.run()
+    return time.perf_counter() - t0, [r for g in groups for r in g], engine.stats
 
 
 def write_json(out: str, name: str, obj) -> str:

@@ -65,15 +65,15 @@ def timed_cache_bookkeeping(clock: list):
 
 
 def run_once(llm, prompts, gen_tokens: int):
-    """(wall seconds, the batch engine's stats, outputs, seconds in the cache's bookkeeping)."""
+    """(wall seconds, the engine core's stats, outputs, seconds in the cache's bookkeeping)."""
     from kimi_jax import SamplingParams
     sp = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
-    be = llm.batch_engine()
-    reqs = [be.make_request(str(i), p, sp, seed=i) for i, p in enumerate(prompts)]
+    be = llm.frontend.make_core()
+    reqs = [r for i, p in enumerate(prompts) for r in be.make_request(str(i), p, sp, seed=i)]
     with timed_cache_bookkeeping([0.0]) as clock:
         t0 = time.perf_counter()
         for r in reqs:
-            be.add(r)
+            be.add([r])
         be.run()
         wall = time.perf_counter() - t0
     return wall, be.stats, [r.output_ids for r in reqs], clock[0]

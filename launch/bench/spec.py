@@ -62,9 +62,8 @@ class _Compiles:
 
 
 def _generate(llm, prompts, sp, spec) -> dict:
-    """One run through a fresh batch engine: wall time, token ids, speculation counts, engine stats."""
-    llm.speculative = spec
-    wall, reqs, stats = run_prompts(llm, prompts, sp)
+    """One run through a fresh engine core: wall time, token ids, speculation counts, engine stats."""
+    wall, reqs, stats = run_prompts(llm, prompts, sp, speculative_config=spec)
     return dict(wall=wall, tokens=sum(len(r.output_ids) for r in reqs), ids=[r.output_ids for r in reqs],
                 drafted=sum(r.spec.drafted for r in reqs), accepted=sum(r.spec.accepted for r in reqs),
                 verified_rows=sum(r.spec.verify_steps for r in reqs), stats=dict(stats))
@@ -88,7 +87,6 @@ def spec_rows(model, batches, *, gen_tokens: int = 48, k: int = 4, dtype: str = 
         if time.perf_counter() - t0 > budget_s:
             log(f"budget of {budget_s:.0f}s spent: skipping batch {B}")
             continue
-        llm.speculative = None
         for name, prompts in workloads(llm, B, gen_tokens, prompt_len=prompt_len).items():
             for s in (None, spec):
                 _generate(llm, prompts, sp, s)              # compile; the scheduler measures its pass costs

@@ -56,25 +56,23 @@ def throughput_rows(model, batches, *, n_min: int = 8, min_prompt: int = 16, max
     progress("model ready")
     V = llm.config.vocab_size
     for B in batches:
-        llm.max_num_seqs = B
         n = max(2 * B, n_min)
         lens, prompts = random_prompts(seed, n, min_prompt, max_prompt, V)
         sp = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
 
         for chunk, overlap in [(c, o) for c in prefill_chunks for o in overlaps]:
-            llm.overlap_scheduling = overlap
-            llm.prefill_chunk = chunk or default_chunk
-            what = f"batch {B}, overlap {overlap}, prefill_chunk {llm.prefill_chunk}"
+            core = dict(max_num_seqs=B, overlap_scheduling=overlap, prefill_chunk=chunk or default_chunk)
+            what = f"batch {B}, overlap {overlap}, prefill_chunk {core['prefill_chunk']}"
             progress(f"{what}: warm-up pass (compiles every bucket this workload hits)")
-            run_prompts(llm, prompts, sp)
+            run_prompts(llm, prompts, sp, **core)
             progress(f"{what}: timed pass")
-            wall, reqs, stats = run_prompts(llm, prompts, sp)      # every request arrives at the start
+            wall, reqs, stats = run_prompts(llm, prompts, sp, **core)   # all arrive at the start
             out_tok = stats["generated_tokens"]
             lat = [latency_metrics(r) for r in reqs]
             ttft = np.asarray([m["time_to_first_token"] for m in lat], float)
             tpot = np.asarray([m["time_per_output_token"] for m in lat if m["time_per_output_token"] is not None],
                               float)
-            rows.append(dict(batch=B, overlap=overlap, prefill_chunk=llm.prefill_chunk, requests=n,
+            rows.append(dict(batch=B, overlap=overlap, prefill_chunk=core["prefill_chunk"], requests=n,
                              prompt_tokens=int(lens.sum()), output_tokens=out_tok, wall_s=wall,
                              tok_s=out_tok / wall, steps=stats["steps"],
                              step_ms=1e3 * wall / max(1, stats["steps"]),

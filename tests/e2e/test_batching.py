@@ -10,7 +10,7 @@ import pytest
 from checkpoints.synthetic import write_checkpoint
 from kimi_jax import LLM, SamplingParams
 from kimi_jax.config import preset
-from kimi_jax.engine.scheduler import RequestError
+from kimi_jax.engine.validation import RequestError
 
 CFG = preset("tiny")
 

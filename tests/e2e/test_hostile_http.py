@@ -127,7 +127,7 @@ def test_a_schema_string_nested_deep_is_400(server, field):
 
 
 def test_error_messages_are_one_bounded_line(server, monkeypatch):
-    from kimi_jax.engine.scheduler import RequestError
+    from kimi_jax.engine.validation import RequestError
     srv, url = server
     body = {"model": NAME, "prompt": [5], "max_tokens": 1, "logit_bias": {str(i): 1.0 for i in range(100_000)}}
     status, err = _post(url, "/v1/completions", body)

@@ -64,13 +64,13 @@ class ServerMetrics:
 
 
 class _EngineCounters:
-    """Counters whose values are the engine's own running totals (BatchEngine.stats), read at scrape time."""
+    """Counters whose values are the engine's own running totals (EngineCore.stats), read at scrape time."""
 
     def __init__(self, async_llm, labels: dict, counters: dict):
         self._llm, self._labels, self._counters = async_llm, labels, counters
 
     def collect(self):
-        stats = self._llm.engine.stats
+        stats = self._llm.core.stats
         for name, (doc, key) in self._counters.items():
             c = CounterMetricFamily("kimi_jax:" + name, doc, labels=list(self._labels))
             c.add_metric(list(self._labels.values()), float(stats.get(key, 0)))

@@ -442,11 +442,6 @@ def check_context(n_prompt: int, max_tokens: Optional[int], limit: int, kind: st
                             code="context_length_exceeded")
 
 
-def choice_seed(seed: Optional[int], j: int) -> Optional[int]:
-    """The seed of choice j of n (j = 0: the request's own seed)."""
-    return (seed * 1_000_003 + j) % 2**63 if seed is not None and j else seed
-
-
 def check_model(req_model: Optional[str], served: Sequence[str]) -> None:
     if req_model is not None and req_model not in served:
         raise ProtocolError(f"The model '{req_model}' does not exist (served: {', '.join(served)})", "model",
@@ -542,21 +537,11 @@ def completion_response(rid: str, created: int, model: str, choices: list, usage
 def with_tool_calls(c: Choice, tokenizer) -> Choice:
     """A finished chat choice of a request with tools: Kimi's tool-call section of its tokens parsed into
     `tool_calls`, the text before it as the content, finish_reason "tool_calls" when it made calls."""
-    from kimi_jax.text.tool_parser import parse_output, tool_finish_reason
+    from kimi_jax.text.tool_parser import calls_complete, parse_output, tool_finish_reason
     parsed = parse_output(c.token_ids, tokenizer)
     c.text, c.tool_calls = parsed.content, parsed.tool_calls or None
     c.finish_reason = tool_finish_reason(c.finish_reason, calls_complete(parsed.tool_calls))
     return c
-
-
-def calls_complete(tool_calls: Optional[list]) -> bool:
-    """Some calls, each with arguments that are a complete JSON object (else not "tool_calls")."""
-    def complete(call) -> bool:
-        try:
-            return isinstance(json.loads(call["function"]["arguments"]), dict)
-        except (ValueError, TypeError, KeyError):
-            return False
-    return bool(tool_calls) and all(complete(c) for c in tool_calls)
 
 
 def chat_response(rid: str, created: int, model: str, choices: list, usage_: dict, tokenizer=None,

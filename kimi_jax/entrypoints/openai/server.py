@@ -37,10 +37,10 @@ from aiohttp import web, web_protocol, web_server
 
 from kimi_jax.engine.async_engine import AsyncLLM, EngineDead, QueueFull
 from kimi_jax.engine.sampling import SamplingParams
-from kimi_jax.engine.scheduler import RequestError
+from kimi_jax.engine.validation import RequestError
 from kimi_jax.entrypoints.openai import intake, protocol as P
 from kimi_jax.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from kimi_jax.text.tool_parser import ChatOutputParser, tool_finish_reason
+from kimi_jax.text.tool_parser import ChatOutputParser, calls_complete, tool_finish_reason
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
@@ -95,31 +95,33 @@ class _Runner(web.AppRunner):
 
 
 class OpenAIServer:
-    """The app's state: the model, its AsyncLLM, names, key and metrics."""
+    """The app's state: the model's Frontend (kimi_jax.entrypoints.frontend: its input and output
+    processors), the AsyncLLM over an engine core of its own, names, key and metrics."""
 
-    def __init__(self, llm, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
+    def __init__(self, frontend, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
                  max_queue: Optional[int] = None, limits: Optional[intake.Limits] = None,
                  metrics_need_key: bool = False, access_log: bool = True):
-        self.llm = llm
+        self.frontend = fe = frontend
         self.access_log = access_log
-        self.tokenizer = llm.tokenizer
-        self.model_name = served_model_name or llm.model_path or "kimi-jax"
+        self.tokenizer = fe.tokenizer
+        self.model_name = served_model_name or fe.model_path or "kimi-jax"
         self.api_key = api_key or None
         self.metrics_need_key = metrics_need_key
         self.limits = limits or intake.Limits()
-        self.engine = AsyncLLM(llm.batch_engine(), seed=llm.engine_config.seed, max_queue=max_queue)
-        queued = llm.max_num_seqs + max_queue if max_queue is not None else self.limits.max_choices
+        self.async_llm = AsyncLLM(fe.make_core(), max_queue=max_queue)
+        max_num_seqs = fe.scheduler_config.max_num_seqs
+        queued = max_num_seqs + max_queue if max_queue is not None else self.limits.max_choices
         self.max_choices = min(self.limits.max_choices, queued)
         # a longer text prompt cannot fit max_model_len tokens (a character is >= 1 byte, a token <= L bytes)
-        longest = _longest_token(llm.tokenizer)
-        self.max_prompt_chars = min(self.limits.max_prompt_chars, llm.max_model_len * (longest or 2**62))
+        longest = _longest_token(fe.tokenizer)
+        self.max_prompt_chars = min(self.limits.max_prompt_chars, fe.max_model_len * (longest or 2**62))
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kimi-jax-intake")
         import kimi_jax
         install = os.path.dirname(os.path.dirname(os.path.abspath(kimi_jax.__file__)))
-        model = [(os.path.abspath(llm.model_path), self.model_name), (llm.model_path, self.model_name)] \
-            if llm.model_path else []
+        model = [(os.path.abspath(fe.model_path), self.model_name), (fe.model_path, self.model_name)] \
+            if fe.model_path else []
         self._paths = [(p, n) for p, n in model + [(install, "<install>")] if p not in ("", "/")]
-        self.metrics = ServerMetrics(self.engine, self.model_name)
+        self.metrics = ServerMetrics(self.async_llm, self.model_name)
         self.ready = False
         self.draining = False
         self.active = 0                        # generation requests being served
@@ -127,7 +129,7 @@ class OpenAIServer:
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
-        self.engine.start()
+        self.async_llm.start()
         self._idle = asyncio.Event()
         self._idle.set()
         await self._warmup()
@@ -135,10 +137,11 @@ class OpenAIServer:
 
     async def _warmup(self) -> None:
         """One short greedy request, so the first shapes are compiled before /health says ready."""
-        ids = [self.llm.config.bos_token_id or 1] * 4
-        req = self.engine.make_request("warmup-" + uuid.uuid4().hex, ids,
-                                       SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), seed=0)
-        async for d in self.engine.generate(req):
+        ids = [self.frontend.config.bos_token_id or 1] * 4
+        samples = self.async_llm.make_request("warmup-" + uuid.uuid4().hex, ids,
+                                              SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                                              seed=0)
+        async for d in self.async_llm.generate(samples):
             if d.error:
                 raise RuntimeError(f"warm-up request failed: {d.error}")
 
@@ -149,12 +152,12 @@ class OpenAIServer:
             await asyncio.wait_for(self._idle.wait(), grace_s)
         except asyncio.TimeoutError:
             log.warning("%d requests still in flight after %.1fs; aborting them", self.active, grace_s)
-            self.engine.shutdown()
+            self.async_llm.shutdown()
             try:             # handlers see their aborts; one blocked on a client that never reads is closed
                 await asyncio.wait_for(self._idle.wait(), CLOSE_S)
             except asyncio.TimeoutError:
                 log.warning("%d requests still writing to clients; closing their connections", self.active)
-        self.engine.shutdown()
+        self.async_llm.shutdown()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def app(self) -> web.Application:
@@ -230,7 +233,7 @@ class OpenAIServer:
 
     # ---- simple endpoints -----------------------------------------------------------------------
     async def health(self, request):
-        if self.ready and self.engine.alive and not self.draining:
+        if self.ready and self.async_llm.alive and not self.draining:
             return web.Response(status=200)
         return _error(503, "not ready" if not self.ready else "shutting down", "server_error")
 
@@ -239,7 +242,8 @@ class OpenAIServer:
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "kimi_jax",
-                "root": self.llm.model_path or self.model_name, "max_model_len": self.llm.max_model_len}
+                "root": self.frontend.model_path or self.model_name,
+                "max_model_len": self.frontend.max_model_len}
 
     async def models(self, request):
         return web.json_response({"object": "list", "data": [self._model_card()]})
@@ -275,7 +279,8 @@ class OpenAIServer:
     def _chat_ids(self, messages, add_generation_prompt=True, tools=None) -> list[int]:
         self._need_tokenizer("chat")
         try:
-            return self.llm.chat_prompt_ids(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+            return self.frontend.inputs.encode_chat(messages, add_generation_prompt=add_generation_prompt,
+                                                    tools=tools)
         except ValueError as e:                 # ChatTemplateError: a bad message, names its index
             raise P.ProtocolError(str(e), "messages") from None
 
@@ -300,7 +305,7 @@ class OpenAIServer:
             self._need_tokenizer("tokenize")
             self._check_chars(len(body["prompt"]), "prompt")
             ids = self.tokenizer.encode(body["prompt"])
-        return {"count": len(ids), "max_model_len": self.llm.max_model_len, "tokens": ids}
+        return {"count": len(ids), "max_model_len": self.frontend.max_model_len, "tokens": ids}
 
     async def detokenize(self, request):
         return web.json_response(await self._off_loop(self._detokenize, await request.read()))
@@ -311,7 +316,7 @@ class OpenAIServer:
         if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
             raise P.ProtocolError("'tokens' must be a list of token ids", "tokens")
         self._need_tokenizer("detokenize")
-        vocab = self.llm.config.vocab_size
+        vocab = self.frontend.config.vocab_size
         bad = [t for t in toks if not 0 <= t < min(vocab, self.tokenizer.vocab_size)]
         if bad:
             raise P.ProtocolError(f"token id {bad[0]} is outside the vocabulary", "tokens")
@@ -327,7 +332,7 @@ class OpenAIServer:
     def _check_chars(self, n: int, field: str) -> None:
         if n > self.max_prompt_chars:
             raise P.ProtocolError(f"the {field} has {n} characters, more than max_prompt_chars="
-                                  f"{self.max_prompt_chars} (it cannot fit max_model_len={self.llm.max_model_len} "
+                                  f"{self.max_prompt_chars} (it cannot fit max_model_len={self.frontend.max_model_len} "
                                   "tokens, or is beyond the server's limit)", field, code="prompt_too_large")
 
     def _intake(self, raw: bytes, parse):
@@ -347,7 +352,8 @@ class OpenAIServer:
         return g, rid, self._engine_requests(g, rid)
 
     def _engine_requests(self, g: P.GenerationRequest, rid: str) -> list:
-        """(choice index, engine request) for every prompt and every n; ProtocolError on bad input."""
+        """(choice index, sample) for every prompt and each of its n samples (one prompt's samples
+        share its prefill); ProtocolError on bad input."""
         if g.kind == "chat":
             prompts = [(None, self._chat_ids(g.messages, g.add_generation_prompt, g.tools))]
             field = "messages"
@@ -360,16 +366,14 @@ class OpenAIServer:
                 else:
                     prompts.append((None, list(p)))
         out = []
-        limit = self.llm.max_model_len
+        limit = self.frontend.max_model_len
         for i, (text, ids) in enumerate(prompts):
             P.check_context(len(ids), g.params.max_tokens, limit, g.kind)
-            for j in range(g.n):
-                try:
-                    r = self.engine.make_request(f"{rid}-{i}-{j}", ids, g.params, seed=P.choice_seed(g.params.seed, j),
-                                                 prompt=text)
-                except RequestError as e:
-                    raise P.request_error(g, e, field) from None
-                out.append((i * g.n + j, r))
+            try:
+                samples = self.async_llm.make_request(f"{rid}-{i}", ids, g.params, prompt=text)
+            except RequestError as e:
+                raise P.request_error(g, e, field) from None
+            out += [(i * g.n + j, r) for j, r in enumerate(samples)]
         return out
 
     async def _generate(self, request, parse):
@@ -384,12 +388,13 @@ class OpenAIServer:
         queue: asyncio.Queue = asyncio.Queue()
         submitted = []
         try:
-            for _, r in reqs:
-                self.engine.submit(r, queue)
-                submitted.append(r)
+            for i in range(0, len(reqs), g.n):           # one prompt's samples at a time
+                samples = [r for _, r in reqs[i:i + g.n]]
+                self.async_llm.submit(samples, queue)
+                submitted += samples
         except QueueFull as e:
             for r in submitted:
-                self.engine.abort(r.request_id)
+                self.async_llm.abort(r.request_id)
             return _error(429, f"the server is busy: {e}", "rate_limit_error", code="rate_limit_exceeded",
                           headers={"Retry-After": str(RETRY_AFTER_S)})
         except EngineDead as e:
@@ -405,7 +410,7 @@ class OpenAIServer:
                                    output_tokens=sum(len(r.output_ids) for _, r in reqs))
             for _, r in reqs:
                 if r.finish_reason is None:
-                    self.engine.abort(r.request_id)
+                    self.async_llm.abort(r.request_id)
             self.active -= 1
             if self.active == 0:
                 self._idle.set()
@@ -444,7 +449,7 @@ class OpenAIServer:
         try:
             async for k, r, d in self._deltas(reqs, queue, info):
                 if d.finished:
-                    out = self.llm.to_output(r).outputs[0]
+                    out = self.frontend.outputs.completion(k, r)
                     done[k] = P.Choice(k, out.text or "", out.token_ids, out.finish_reason, out.stop_reason,
                                        out.logprobs)
                     if g.kind == "chat" and g.tools and self.tokenizer is not None:
@@ -486,15 +491,15 @@ class OpenAIServer:
                         tail = parser.finish()
                         delta.content += tail.content
                         delta.tool_calls += tail.tool_calls
-                        out = self.llm.to_output(r).outputs[0]
-                        complete = P.calls_complete(parser.result().tool_calls)
+                        out = self.frontend.outputs.completion(k, r)
+                        complete = calls_complete(parser.result().tool_calls)
                         c.finish_reason = tool_finish_reason(out.finish_reason, complete)
                         c.stop_reason = out.stop_reason
                     c.text, c.tool_calls = delta.content, delta.tool_calls or None
                     if not d.finished and not delta and c.logprobs is None:
                         continue
                 elif d.finished:      # the engine's final text (a stop string cut off) completes what was sent
-                    out = self.llm.to_output(r).outputs[0]
+                    out = self.frontend.outputs.completion(k, r)
                     c.text = ts.finish(out.text or "") if ts is not None else ""
                     c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
                 else:
@@ -552,7 +557,7 @@ async def serve(server: OpenAIServer, *, host: str = "127.0.0.1", port: int = 80
         log.info("stopping: no new requests; %d in flight get %.0fs", server.active, grace_s)
         await server.drain(grace_s)
     finally:
-        server.engine.shutdown()
+        server.async_llm.shutdown()
         await runner.cleanup()
 
 
