@@ -253,7 +253,7 @@ def _param_name(field: Optional[str], req: _Request, kind: str) -> Optional[str]
 
 def _sampling(req: _Request, kind: str, *, max_tokens, logprobs: Optional[int], structured) -> SamplingParams:
     top_k = req.top_k if req.top_k != 0 else -1
-    kw = dict(temperature=req.temperature, top_p=req.top_p, top_k=top_k, min_p=req.min_p, seed=req.seed,
+    kw = dict(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=top_k, min_p=req.min_p, seed=req.seed,
               stop=[req.stop] if isinstance(req.stop, str) else (req.stop or None), max_tokens=max_tokens,
               stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
               include_stop_str_in_output=req.include_stop_str_in_output, bad_words=req.bad_words or None,
