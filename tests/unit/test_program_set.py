@@ -1,5 +1,5 @@
 """The runner's declared program set (`Runner.programs`) against the plans the scheduler makes: seeded
-random workloads run through a BatchEngine whose steps are faked (random tokens, no model), and every
+random workloads run through an EngineCore whose steps are faked (random tokens, no model), and every
 program a step asks for must be declared; at small limits the workloads reach every declared program."""
 import types
 
@@ -10,14 +10,15 @@ import pytest
 
 from kimi_jax import ops
 from kimi_jax.engine import shapes, steps
+from kimi_jax.engine.args import CacheConfig, SchedulerConfig
+from kimi_jax.engine.core import EngineCore
 from kimi_jax.engine.sampling import SamplingParams
-from kimi_jax.engine.scheduler import BatchEngine
 from kimi_jax.engine.speculative import SpeculativeConfig
 from kimi_jax.engine.steps import Occurrences
 
 
 class FakeEngine:
-    """What BatchEngine and Runner read of an Engine; the steps themselves are `fake_call`."""
+    """What EngineCore (its Scheduler and Runner) reads of an Engine; the steps themselves are `fake_call`."""
 
     def __init__(self, vocab_size: int, dp: int, plan: ops.ExecPlan):
         self.cfg = types.SimpleNamespace(vocab_size=vocab_size)
@@ -40,8 +41,13 @@ class FakeEngine:
         return pages
 
 
-def fake_engine(rng, vocab_size, seen, **kw) -> BatchEngine:
-    be = BatchEngine(FakeEngine(vocab_size, kw.pop("dp", 1), kw.pop("plan", ops.ExecPlan())), cache_dtype=None, **kw)
+def fake_engine(rng, vocab_size, seen, *, num_pages, page_size, max_num_seqs, max_model_len, prefill_chunk,
+                max_prefill_tokens, dp=1, plan=ops.ExecPlan(), enable_prefix_caching=False, overlap=False,
+                speculative=None) -> EngineCore:
+    sc = SchedulerConfig(max_num_seqs, max_model_len, prefill_chunk, max_prefill_tokens,
+                         speculative_config=speculative, overlap_scheduling=overlap)
+    cc = CacheConfig(page_size, num_pages, enable_prefix_caching=enable_prefix_caching)
+    core = EngineCore(FakeEngine(vocab_size, dp, plan), sc, cc)
 
     def fake_call(batch, key, **kw):
         seen.append(key)
@@ -61,8 +67,8 @@ def fake_engine(rng, vocab_size, seen, **kw) -> BatchEngine:
                        prompt_top_vals=jnp.zeros((B, T, n)))
         return out
 
-    be.runner._call = fake_call
-    return be
+    core.runner._call = fake_call
+    return core
 
 
 def random_params(rng, max_tokens: int) -> SamplingParams:
@@ -86,8 +92,8 @@ def random_params(rng, max_tokens: int) -> SamplingParams:
 def run_workload(seed: int, n_requests: int, vocab_size: int = 16, max_tokens: int = 24, **kw):
     """(keys the steps asked for, the engine's declared programs) of one random workload."""
     rng, seen = np.random.default_rng(seed), []
-    be = fake_engine(rng, vocab_size, seen, **kw)
-    mml, i = be.max_model_len, 0
+    core = fake_engine(rng, vocab_size, seen, **kw)
+    mml, i = core.scheduler.max_model_len, 0
 
     def feed() -> bool:
         nonlocal i
@@ -96,13 +102,13 @@ def run_workload(seed: int, n_requests: int, vocab_size: int = 16, max_tokens: i
                 break
             n = int(min(rng.choice([1, 2, rng.integers(1, 40), rng.integers(1, mml)]), mml - 1))
             prompt = rng.integers(0, vocab_size, n).tolist()
-            be.add_samples(be.make_samples(str(i), prompt, random_params(rng, max_tokens), seed=i))
+            core.add(core.make_request(str(i), prompt, random_params(rng, max_tokens), seed=i))
             i += 1
         return i < n_requests
 
-    be.run(feed=feed)
-    assert not be.has_unfinished()
-    return seen, be.runner.programs(be.limits())
+    core.run(feed=feed)
+    assert not core.has_unfinished()
+    return seen, core.runner.programs(core.limits())
 
 
 CONFIGS = {
@@ -175,9 +181,9 @@ def test_decode_widths_and_prefill_caps():
 def test_a_decode_plan_never_scores_prompt_positions():
     """A 2-token prompt's samples prefill one token that scores the prompt's last: a prefill step."""
     seen = []
-    be = fake_engine(np.random.default_rng(0), 16, seen, num_pages=16, page_size=16, max_num_seqs=4,
+    core = fake_engine(np.random.default_rng(0), 16, seen, num_pages=16, page_size=16, max_num_seqs=4,
                      max_model_len=64, prefill_chunk=16, max_prefill_tokens=32)
-    be.add_samples(be.make_samples("a", [3, 5], SamplingParams(n=2, max_tokens=2, prompt_logprobs=1), seed=0))
-    be.run()
+    core.add_request("a", [3, 5], SamplingParams(n=2, max_tokens=2, prompt_logprobs=1), seed=0)
+    core.run()
     assert seen[0].kind == "prefill" and seen[0].prompt_logprobs is not None
     assert all(k.prompt_logprobs is None for k in seen if k.kind == "decode")
