@@ -33,26 +33,27 @@ def mixed_params(n, seed, **kw):
 
 
 def generate(llm, ps, params, overlap, stream=False):
-    """(requests, engine stats) of one run through a fresh batch engine."""
-    llm.overlap_scheduling = overlap
-    be = llm.batch_engine()
-    assert be.overlap == overlap
-    reqs = [be.make_request(str(i), p, sp, seed=100 + i) for i, (p, sp) in enumerate(zip(ps, params))]
+    """(requests, engine stats) of one run through a fresh engine core."""
+    core = llm.frontend.make_core(overlap_scheduling=overlap)
+    s = core.scheduler
+    assert s.overlap == overlap
+    reqs = [r for i, (p, sp) in enumerate(zip(ps, params))
+            for r in core.make_request(str(i), p, sp, seed=100 + i)]
     for r in reqs:
-        be.add(r)
+        core.add([r])
     if stream:                        # as kimi-generate --stream drives it: outputs only ever grow
         seen = {r.request_id: 0 for r in reqs}
-        while be.has_unfinished():
-            be.step()
+        while core.has_unfinished():
+            core.step()
             for r in reqs:
                 assert seen[r.request_id] <= len(r.output_ids) <= r.max_new
                 seen[r.request_id] = len(r.output_ids)
-        be.drain()
+        core.drain()
     else:
-        be.run()
-    assert not be.running and not be.waiting and be._inflight is None
-    assert len(be.pool.free) == be.pool.num_pages      # every page came back
-    return reqs, be.stats
+        core.run()
+    assert not s.running and not s.waiting and core.runner.inflight is None and s.inflight is None
+    assert len(s.pool.free) == s.pool.num_pages      # every page came back
+    return reqs, core.stats
 
 
 def summary(reqs):
@@ -95,12 +96,13 @@ def test_overlap_eos_stop_strings_logprobs_streaming(pool_llm, monkeypatch, word
     """The model's eos (made a token it often produces), stop strings found one step behind, logprobs,
     and the engine driven step by step as the streaming CLI does (outputs read between steps only
     grow)."""
-    monkeypatch.setattr(pool_llm, "tokenizer", word_tokenizer)
+    monkeypatch.setattr(pool_llm.frontend, "tokenizer", word_tokenizer)
     ps = prompts(6, seed=3)
     params = mixed_params(len(ps), seed=4, logprobs=2)
     ref, _ = generate(pool_llm, ps, params, overlap=False)
     counts = np.bincount(np.concatenate([r.output_ids for r in ref]), minlength=CFG.vocab_size)
-    monkeypatch.setattr(pool_llm, "config", pool_llm.config.replace(eos_token_id=(int(counts.argmax()),)))
+    eos = (int(counts.argmax()),)
+    monkeypatch.setattr(pool_llm.frontend, "config", pool_llm.config.replace(eos_token_id=eos))
     word = f" w{ref[0].output_ids[len(ref[0].output_ids) // 2]}"
     params = [SamplingParams(**{**sp.__dict__, "max_tokens": 24, "stop": [word]}) for sp in params]
     ref, _ = generate(pool_llm, ps, params, overlap=False)
@@ -114,10 +116,9 @@ def test_overlap_eos_stop_strings_logprobs_streaming(pool_llm, monkeypatch, word
 def test_overlap_is_off_with_speculation(pool_llm, monkeypatch):
     """Drafts need each step's tokens on the host: speculation runs the ordinary path."""
     from kimi_jax.engine.speculative import SpeculativeConfig
-    pool_llm.overlap_scheduling = True
-    assert pool_llm.batch_engine().overlap is True
-    monkeypatch.setattr(pool_llm, "speculative", SpeculativeConfig())
-    assert pool_llm.batch_engine().overlap is False
+    assert pool_llm.frontend.make_core(overlap_scheduling=True).scheduler.overlap is True
+    spec = pool_llm.frontend.make_core(overlap_scheduling=True, speculative_config=SpeculativeConfig())
+    assert spec.scheduler.overlap is False
 
 
 def test_decode_step_schedule_choice(pool_llm, monkeypatch):

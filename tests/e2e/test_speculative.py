@@ -125,13 +125,11 @@ def test_verification_preserves_the_target_distribution():
 
 
 def _run(llm, prompts, sp):
-    """Generate through a fresh batch engine; (token ids per request, engine stats)."""
-    be = llm.batch_engine()
-    reqs = [be.make_request(str(i), p, sp, seed=i) for i, p in enumerate(prompts)]
-    for r in reqs:
-        be.add(r)
-    be.run()
-    return [r.output_ids for r in reqs], be.stats
+    """Generate through a fresh engine core; (token ids per request, engine stats)."""
+    core = llm.frontend.make_core()
+    reqs = [r for i, p in enumerate(prompts) for r in core.add_request(str(i), p, sp, seed=i)]
+    core.run()
+    return [r.output_ids for r in reqs], core.stats
 
 
 def test_gate_uses_measured_costs_once_and_is_deterministic(ckpt):
@@ -145,13 +143,13 @@ def test_gate_uses_measured_costs_once_and_is_deterministic(ckpt):
     base, _ = _run(LLM(ckpt, dtype="float32"), prompts, sp)
     llm = LLM(ckpt, dtype="float32", speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1})
     first, s1 = _run(llm, prompts, sp)
-    assert first == base and s1["cost_calibrations"] == len(llm.engine.pass_costs) > 0
+    assert first == base and s1["cost_calibrations"] == len(llm.frontend.steps.pass_costs) > 0
     compiles = []
     monitoring.register_event_duration_secs_listener(
         lambda ev, d, **kw: compiles.append(ev) if ev.endswith("backend_compile_duration") else None)
     second, s2 = _run(llm, prompts, sp)
     assert second == base and not compiles and s2 == {**s1, "cost_calibrations": 0}
     for ratio, verifies in ((1.0, True), (100.0, False)):
-        llm.engine.pass_costs = {(b, p): (1.0, ratio) for b in (1, 2, 4, 8) for p in (4, 8, 16, 32)}
+        llm.frontend.steps.pass_costs = {(b, p): (1.0, ratio) for b in (1, 2, 4, 8) for p in (4, 8, 16, 32)}
         out, st = _run(llm, prompts, sp)
         assert out == base and (st["verify_passes"] > 0) == verifies and st["cost_calibrations"] == 0, (ratio, st)
