@@ -1,21 +1,22 @@
 """Continuous batching over a paged latent cache: the Scheduler plans each pass as a StepPlan (admission,
 prefix cache, preemption, the speculation decision), the runner (kimi_jax.engine.runner) runs it, and
-the Scheduler books its outputs (`update`); the EngineCore (kimi_jax.engine.core) drives the two. docs/ARCHITECTURE.md ('One
-step') describes the passes, overlap scheduling, preemption and data parallelism."""
+the Scheduler books its outputs (`update`); the EngineCore (kimi_jax.engine.core) drives the two.
+Who runs and which pages they hold is kimi_jax.engine.admission's. docs/ARCHITECTURE.md ('One step')
+describes the passes, overlap scheduling, preemption and data parallelism."""
 from __future__ import annotations
 
 import collections
 import dataclasses
-import time
 from typing import Callable, Optional
 
-from kimi_jax.engine import penalties
-from kimi_jax.engine.page_pool import PagePool, cacheable_hashes, chain_hashes
+from kimi_jax.engine.admission import Admission
+from kimi_jax.engine.page_pool import chain_hashes
 from kimi_jax.engine.args import CacheConfig, SchedulerConfig
 from kimi_jax.engine.requests import (Request, Row, StepPlan, append_token, prefill_shape,
                                       prompt_entries_left, score_prompt)
 from kimi_jax.engine.shapes import Limits, Shapes
 from kimi_jax.engine.speculative import propose_drafts
+
 
 class Scheduler:
     """The policy: requests, the page accounting and the plan of every pass. `schedule()` returns the
@@ -35,32 +36,26 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.prefill_chunk, self.max_prefill_tokens = config.prefill_chunk, config.max_prefill_tokens
         self.eos_ids = frozenset(eos_ids)
-        # data parallelism: equal page partitions per rank; spare pages are dropped
-        num_pages = cache.num_pages
-        if num_pages < dp:
-            raise ValueError(f"num_pages={num_pages} gives no page to some of the {dp} data-parallel "
-                             "ranks")
-        num_pages -= num_pages % dp
-        self.slots_per_rank = -(-config.max_num_seqs // dp)
-        self.pool = PagePool(num_pages, dp, caching=cache.enable_prefix_caching)
+        self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "preemptions": 0,
+                      "drafted": 0, "accepted": 0, "prefill_passes": 0, "decode_passes": 0,
+                      "verify_passes": 0, "cost_calibrations": 0, "overlapped_steps": 0,
+                      "prefix_cache_queries": 0, "prefix_cache_hits": 0}   # tokens, as vLLM counts
+        self.admission = adm = Admission(
+            num_pages=cache.num_pages, page_size=cache.page_size, dp=dp, max_num_seqs=config.max_num_seqs,
+            prefill_chunk=config.prefill_chunk, vocab_size=vocab_size,
+            caching=cache.enable_prefix_caching, stats=self.stats)
+        # the admission's own containers, read by the planning below and by the engine's clients
+        self.pool, self.waiting, self.running, self.effects = adm.pool, adm.waiting, adm.running, adm.effects
         speculative = config.speculative_config
         self.spec = speculative
         self.shapes = Shapes.for_limits(self.limits(), dp, exec_plan)
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []
         self.drafter = speculative.drafter() if speculative else None
         # overlap scheduling; drafts need the tokens on the host, so not with speculation
         self.overlap = bool(config.overlap_scheduling) and speculative is None
         self.inflight: Optional[StepPlan] = None     # the overlapped decode plan not yet booked
         self.pass_costs = {} if pass_costs is None else pass_costs
         self.measure = measure
-        self.effects: list = []
-        self._free_slots = collections.deque(range(config.max_num_seqs))   # occurrence-pool slots
-        self._phase, self._verify_plan, self._stopped = 0, None, []
-        self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "preemptions": 0,
-                      "drafted": 0, "accepted": 0, "prefill_passes": 0, "decode_passes": 0,
-                      "verify_passes": 0, "cost_calibrations": 0, "overlapped_steps": 0,
-                      "prefix_cache_queries": 0, "prefix_cache_hits": 0}   # tokens, as vLLM counts
+        self._phase, self._verify_plan = 0, None
 
     def limits(self, max_logprobs: int = 20) -> Limits:
         """The bounds of the workloads planned here; max_logprobs: the top logprobs one program
@@ -69,48 +64,6 @@ class Scheduler:
                       self.max_prefill_tokens, max_logprobs,
                       self.spec.num_speculative_tokens if self.spec else 0,
                       pages_per_rank=self.pool.per_part)
-
-    # ---- requests -----------------------------------------------------------------------------
-    def add(self, req: Request) -> None:
-        if req.arrival_time is None:
-            req.arrival_time = time.time()
-        self.waiting.append(req)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def abort(self, request_id: str) -> Optional[Request]:
-        """Stop a waiting or running request now ("abort") and free its pages; returns it, or None when
-        no unfinished request has that id. Safe with a decode step in flight (its token is discarded);
-        call between steps, from the thread that steps."""
-        for r in self.waiting:
-            if r.request_id == request_id:
-                self.waiting.remove(r)
-                break
-        else:
-            r = next((q for q in self.running if q.request_id == request_id and q.finish_reason is None),
-                     None)
-            if r is None:
-                return self._abort_fork(request_id)
-        r.finish_reason, r.finished_time = "abort", time.time()
-        self._release(r)
-        return r
-
-    def _abort_fork(self, request_id: str) -> Optional[Request]:
-        """Abort a sample whose prompt is still being prefilled for its group (`prefill_parent`); the
-        prefill itself stops with its last sample."""
-        for p in [*self.waiting, *self.running]:
-            c = next((c for c in p.forks if c.request_id == request_id), None) if p.prefill_only else None
-            if c is None:
-                continue
-            p.forks.remove(c)
-            c.finish_reason, c.finished_time = "abort", time.time()
-            if not p.forks:
-                self.abort(p.request_id)
-            return c
-        return None
-
-    num_free_pages = property(lambda self: self.pool.num_free)
 
     # ---- planning -------------------------------------------------------------------------------
     def schedule(self) -> Optional[StepPlan]:
@@ -123,7 +76,7 @@ class Scheduler:
                 if self.inflight is not None:
                     self._phase = 3
                     return self._chain_plan()
-                self._admit()
+                self.admission.admit()
                 plan = self._prefill_plan()
             elif phase == 1:
                 plan = self._decode_plans()
@@ -135,20 +88,26 @@ class Scheduler:
             if plan is not None:
                 return plan
 
-    def take_stopped(self) -> list[Request]:
-        """Requests finished while planning (outgrown their rank's pool), released already."""
-        out, self._stopped = self._stopped, []
-        return out
-
     def pop_effects(self) -> list:
-        out, self.effects = self.effects, []
+        out = list(self.effects)
+        self.effects.clear()
         return out
 
-    def _stop(self, r: Request) -> None:
-        """Finish r where it is ("length"), its pages freed: it has outgrown the page pool of its rank."""
-        r.finish_reason, r.finished_time = "length", time.time()
-        self._release(r)
-        self._stopped.append(r)
+    # ---- requests (kimi_jax.engine.admission) ---------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.admission.add(req)
+
+    def has_unfinished(self) -> bool:
+        return self.admission.has_unfinished()
+
+    def abort(self, request_id: str) -> Optional[Request]:
+        return self.admission.abort(request_id)
+
+    def take_stopped(self) -> list[Request]:
+        return self.admission.take_stopped()
+
+    def unblock(self) -> Request:
+        return self.admission.unblock()
 
     def _plan(self, kind: str, feeds: list[tuple[Request, list[int]]], T: int, overlap: bool = False) -> StepPlan:
         """A plan for rows that feed these tokens at their next positions, padded to T per row."""
@@ -167,7 +126,7 @@ class Scheduler:
                     and r.num_computed == r.num_registered * self.page_size == len(r.pages) * self.page_size):
                 # prefix caching: a request takes its cached prefix with its first chunk, or waits a step for a
                 # page another row is computing (not one scoring its prompt: cached positions have no logits)
-                self._take_cached_prefix(r)
+                self.admission.take_cached_prefix(r)
                 nxt = r.num_computed // self.page_size
                 if nxt < len(r.page_hashes) and r.page_hashes[nxt] in filling:
                     continue
@@ -177,14 +136,14 @@ class Scheduler:
             shape = prefill_shape(rows + [(r, n)], self.page_size)
             if n <= 0 or rows and not self.shapes.prefill_fits(self._slots([q for q, _ in rows] + [r])[0], *shape):
                 break
-            if r in self.running and self._ensure_pages(r, r.num_computed + n, [q for q, _ in rows]):
+            if r in self.running and self.admission.ensure_pages(r, r.num_computed + n, [q for q, _ in rows]):
                 rows.append((r, n))
                 budget -= n
                 if self.pool.caching:
                     chain_hashes(r.tokens, self.page_size, r.page_hashes)
                     filling.update(r.page_hashes[r.num_computed // self.page_size:(r.num_computed + n) // self.page_size])
-            elif r in self.running and self._alone(r):
-                self._stop(r)
+            elif r in self.running and self.admission.alone(r):
+                self.admission.stop(r)
         if not rows:
             return None
         T = prefill_shape(rows, self.page_size)[0]
@@ -196,10 +155,10 @@ class Scheduler:
         others verify their drafts in one verification pass (kept for the next phase)."""
         ready = []
         for r in [r for r in self.running if r.pending == 1 and r.finish_reason is None and not prompt_entries_left(r)]:
-            if r in self.running and self._ensure_pages(r, r.num_computed + 1, ready):
+            if r in self.running and self.admission.ensure_pages(r, r.num_computed + 1, ready):
                 ready.append(r)
-            elif r in self.running and self._alone(r):
-                self._stop(r)
+            elif r in self.running and self.admission.alone(r):
+                self.admission.stop(r)
         if not ready:
             return None
         drafts = {id(r): propose_drafts(r, self.drafter, self.spec, self.max_model_len) for r in ready}
@@ -215,7 +174,7 @@ class Scheduler:
             elif r.params.logprobs is not None or r.adjust is not None or r.structured is not None:
                 plain.append(r)
             else:
-                if d and not self._ensure_pages(r, r.num_computed + 1 + len(d), ready):
+                if d and not self.admission.ensure_pages(r, r.num_computed + 1 + len(d), ready):
                     d = []
                 rows.append((r, d))
         if rows:
@@ -240,12 +199,12 @@ class Scheduler:
         rows = [row.req for row in self.inflight.rows]
         if len(rows) != len(self.running) or any(r.finish_reason is not None for r in rows):
             return False
-        if {id(r) for r in rows} != {id(r) for r in self.running} or self._admissible():
+        if {id(r) for r in rows} != {id(r) for r in self.running} or self.admission.admissible():
             return False
         live = [r for r in rows if not self._ends_in_flight(r)]
         need = collections.Counter()
         for r in live:
-            need[r.rank] += max(0, self._pages_short(r, r.num_computed + 2))
+            need[r.rank] += max(0, self.admission.pages_short(r, r.num_computed + 2))
         return bool(live) and all(n <= self.pool.free_in(k) for k, n in need.items())
 
     def _chain_plan(self) -> StepPlan:
@@ -257,7 +216,7 @@ class Scheduler:
             if self._ends_in_flight(r):
                 rows.append(dataclasses.replace(row, live=False))
                 continue
-            need = self._pages_short(r, r.num_computed + 2)
+            need = self.admission.pages_short(r, r.num_computed + 2)
             if need > 0:
                 r.pages += self.pool.take(need, r.rank)   # checked free by overlap_continues
             # the step in flight feeds position num_computed and samples output number len(output_ids)
@@ -267,85 +226,6 @@ class Scheduler:
         return self.inflight
 
     # ---- admission, pages, preemption -----------------------------------------------------------
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            rank = self._rank_for(self.waiting[0])
-            if rank is None:
-                break
-            r = self.waiting.popleft()
-            r.rank = rank
-            self._enter(r)
-
-    def _enter(self, r: Request) -> None:
-        """r joins the running set; with penalties it takes an occurrence slot, written from its prompt
-        and output so far."""
-        self.running.append(r)
-        if r.adjust is None or not r.adjust.has_penalties:
-            return
-        r.pen_slot = self._free_slots.popleft()
-        self.effects.append(("occ", r.pen_slot, penalties.occurrence_row(self.vocab_size, r.prompt_ids, r.output_ids)))
-
-    def _leave(self, r: Request) -> None:
-        if r in self.running:
-            self.running.remove(r)
-        if r.pen_slot >= 0:
-            self._free_slots.append(r.pen_slot)
-            r.pen_slot = -1
-
-    def _take_cached_prefix(self, r: Request) -> None:
-        if not r.cache_queried:
-            r.cache_queried = True
-            self.stats["prefix_cache_queries"] += len(r.tokens)
-        self.stats["prefix_cache_hits"] += self.pool.take_cached_prefix(r, self.page_size)
-
-    def _rank_for(self, r: Request) -> Optional[int]:
-        """The data-parallel rank a waiting request would join: among those with a free slot and the
-        pages of its first chunk, the one running fewest requests (then: most free pages); None if none."""
-        first = -(-min(r.pending, self.prefill_chunk) // self.page_size)
-        load = collections.Counter(q.rank for q in self.running)
-        fits = [k for k in range(self.dp) if load[k] < self.slots_per_rank and first <= self.pool.free_in(k)]
-        if self.pool.caching and self.dp > 1 and r.num_computed == 0 and len(fits) > 1:
-            hashes = cacheable_hashes(r, self.page_size)
-            cached = {k: self.pool.peek(hashes, k) for k in fits}
-            return min(fits, key=lambda k: (-cached[k], load[k], -self.pool.free_in(k), k))
-        return min(fits, key=lambda k: (load[k], -self.pool.free_in(k), k), default=None)
-
-    def _ensure_pages(self, r: Request, upto: int, protected=()) -> bool:
-        """Pages for positions [0, upto) from r's rank; preempt its newest other request (never one in
-        this step's batch) while the pool is dry."""
-        need = self._pages_short(r, upto)
-        while need > 0:
-            got = self.pool.take(need, r.rank)
-            if got is not None:
-                r.pages += got
-                return True
-            victims = [v for v in self.running if v is not r and v not in protected and v.rank == r.rank]
-            if not victims:
-                return False
-            self._preempt(victims[-1])
-        return True
-
-    def _alone(self, r: Request) -> bool:
-        """No other running request holds pages of r's rank (none will ever be freed for it)."""
-        return not any(v is not r and v.rank == r.rank for v in self.running)
-
-    def _pages_short(self, r: Request, upto: int) -> int:
-        """Pages r lacks to hold positions [0, upto) (<= 0: none)."""
-        return -(-upto // self.page_size) - len(r.pages)
-
-    def _preempt(self, r: Request) -> None:
-        self._leave(r)
-        self.pool.give(r.pages, r.rank)
-        r.pages, r.num_computed, r.num_registered, r.cache_queried = [], 0, 0, False
-        r.num_preemptions += 1
-        self.stats["preemptions"] += 1
-        self.waiting.appendleft(r)
-
-    def _release(self, r: Request) -> None:
-        self._leave(r)
-        self.pool.give(r.pages, r.rank)
-        r.pages, r.num_registered = [], 0
-
     def _slots(self, reqs: list[Request]) -> tuple[int, list[int]]:
         """(padded batch B, each request's batch row): in order, each in its data-parallel rank's
         block of B / dp rows (with dp = 1: rows 0, 1, ...)."""
@@ -360,21 +240,21 @@ class Scheduler:
     def _fork(self, p: Request) -> None:
         """A samples group's prefill is done: each sample starts from copies of its pages, or, with no
         free slot or pages, waits to prefill alone."""
-        self._leave(p)
+        self.admission.leave(p)
         src, dst, late = [], [], []
         for c in p.forks:
             if p.prompt_logprobs is not None:
                 c.prompt_logprobs = list(p.prompt_logprobs)
             load = sum(q.rank == p.rank for q in self.running)
             got = (self.pool.take(len(p.pages), p.rank)
-                   if len(self.running) < self.max_num_seqs and load < self.slots_per_rank else None)
+                   if len(self.running) < self.max_num_seqs and load < self.admission.slots_per_rank else None)
             if got is None:
                 late.append(c)
                 continue
             src += p.pages
             dst += got
             c.pages, c.num_computed, c.rank = got, p.num_computed, p.rank
-            self._enter(c)
+            self.admission.enter(c)
         if src:
             self.effects.append(("copy", src, dst, p.rank))
         for c in reversed(late):
@@ -390,7 +270,7 @@ class Scheduler:
             self.inflight = None
         finished = self._book_verify(plan, *out) if plan.kind == "verify" else self._book(plan, out)
         for r in finished:
-            self._release(r)
+            self.admission.release(r)
         return finished
 
     def _book(self, plan: StepPlan, out) -> list[Request]:
@@ -439,12 +319,6 @@ class Scheduler:
         """The step in flight gives r its last token (max_tokens / max_model_len)."""
         return len(r.output_ids) + 1 >= r.max_new
 
-    def _admissible(self) -> bool:
-        """`_admit` would admit a request now."""
-        if not self.waiting or len(self.running) >= self.max_num_seqs:
-            return False
-        return self._rank_for(self.waiting[0]) is not None
-
     def _verify_pays(self, ready: list[Request], drafts: dict) -> bool:
         """Verify when A > n (t_verify / t_decode - 1): n ready rows, A their expected accepted drafts,
         the pass costs measured once per batch / page-table bucket (`_pass_costs`)."""
@@ -469,8 +343,3 @@ class Scheduler:
     def _append(self, r: Request, t: int, out=None, b: int = 0) -> None:
         self.stats["generated_tokens"] += 1
         append_token(r, t, out, b, self.tokenizer)
-
-    def unblock(self) -> Request:
-        """Finish the first running (else waiting) request at the pool's limit and free its pages."""
-        self._stop(self.running[0] if self.running else self.waiting.popleft())
-        return self._stopped.pop()
