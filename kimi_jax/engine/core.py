@@ -28,7 +28,8 @@ class EngineCore:
     """Requests in, finished samples out. `scheduler` plans and books (host state only: the queues,
     the page accounting, the prefix cache); `runner` lays plans out and runs them (the page and
     occurrence pools, the fixed buffers, the step in flight, the structured-outputs backend and its
-    masks). steps: the model's jitted steps (`Engine`), shared by every core over one model.
+    masks). steps: the model's jitted steps (`Engine`), shared by every core over one model;
+    structured: the structured-outputs backend over the tokenizer (None: no structured outputs);
     seed: the stream that seeds requests that bring no seed of their own."""
 
     def __init__(self, steps: Engine, scheduler_config: SchedulerConfig, cache_config: CacheConfig, *,
@@ -45,8 +46,7 @@ class EngineCore:
                              page_size=cache_config.page_size, cache_dtype=cache_config.dtype,
                              max_num_seqs=scheduler_config.max_num_seqs,
                              max_logprobs=lp if lp is not None and lp >= 0 else 20,
-                             fixed_buffers=fixed_buffers, structured=structured,
-                             tokenizer=tokenizer)
+                             fixed_buffers=fixed_buffers, structured=structured)
         self._seeds = random.Random(seed)
         self._seed_lock = threading.Lock()
 

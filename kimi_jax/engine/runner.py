@@ -60,14 +60,14 @@ class _InFlight:
 class Runner:
     """Runs an engine's plans on its devices and holds everything there: the page pool, the
     occurrence pool, each program's fixed buffers, the step in flight, and the structured-outputs
-    backend (`structured`: kimi_jax.engine.structured.StructuredBackend, shared by the cores of one
-    model so compiled grammars are reused; None: made over `tokenizer` on first use) with the masks
-    it fills."""
+    backend (`structured`: kimi_jax.engine.structured.StructuredBackend, made once per model by its
+    Frontend and shared by its cores, so compiled grammars are reused; None: no structured outputs)
+    with the masks it fills."""
 
     def __init__(self, steps: Engine, *, num_pages: int, page_size: int, cache_dtype, max_num_seqs: int,
-                 max_logprobs: int = 20, fixed_buffers: bool = True, structured=None, tokenizer=None):
+                 max_logprobs: int = 20, fixed_buffers: bool = True, structured=None):
         self.steps, self.page_size, self.max_num_seqs = steps, page_size, max_num_seqs
-        self.structured, self.tokenizer = structured, tokenizer
+        self.structured = structured
         self.max_logprobs = max_logprobs
         self.fixed_buffers = fixed_buffers
         # (key, the batch's shapes: wide logits adjustments compile their own) -> (inputs, outputs) on the device
@@ -95,11 +95,12 @@ class Runner:
     def matcher(self, constraint, budget: Optional[int] = None):
         """The grammar state of a request constrained by `constraint` (RequestError when it cannot
         compile); budget: the tokens it may take."""
-        from kimi_jax.engine.structured import StructuredBackend, StructuredOutputError
+        from kimi_jax.engine.structured import StructuredOutputError
         from kimi_jax.engine.validation import RequestError
+        if self.structured is None:
+            raise RequestError("structured outputs need the model's tokenizer, and this engine has none",
+                               "structured_outputs")
         try:
-            if self.structured is None:
-                self.structured = StructuredBackend(self.tokenizer, self.steps.cfg.vocab_size)
             return self.structured.matcher(constraint, budget)
         except StructuredOutputError as e:
             raise RequestError(str(e)) from None
