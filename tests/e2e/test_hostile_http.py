@@ -27,7 +27,7 @@ def server():
     from kimi_jax.entrypoints.llm import LLM
     from kimi_jax.entrypoints.openai.server import OpenAIServer
     llm = LLM(None, dtype="float32", max_num_seqs=4, max_model_len=256)
-    srv = OpenAIServer(llm, served_model_name=NAME)
+    srv = OpenAIServer(llm.frontend, served_model_name=NAME)
     with serving(srv, keepalive_s=KEEPALIVE_S) as url:
         yield srv, url
 
@@ -54,7 +54,7 @@ def test_batch_answers_a_line_with_a_huge_integer_once_and_goes_on(tiny_ckpt, tm
             for i in range(3)]
     bad = b'{"custom_id": "big", "prompt": [5], "max_tokens": ' + HUGE_INT + b"}"
     out = str(tmp_path / "o.jsonl")
-    s = B.run_job(llm, io.BytesIO(b"\n".join([good[0], bad, good[1], good[2]]) + b"\n"),
+    s = B.run_job(llm.frontend, io.BytesIO(b"\n".join([good[0], bad, good[1], good[2]]) + b"\n"),
                   B.ResultWriter(out), model_name="m", default_max_tokens=2, progress=False)
     with open(out, "rb") as f:
         records = [json.loads(x) for x in f.read().splitlines()]
@@ -136,7 +136,7 @@ def test_error_messages_are_one_bounded_line(server, monkeypatch):
     def panics(*a, **k):
         raise RequestError("structured_outputs.regex: panicked at src/lib.rs:7:9:\nstack backtrace:\n"
                            + "   0: frame\n" * 5000)
-    monkeypatch.setattr(srv.engine, "make_request", panics)
+    monkeypatch.setattr(srv.async_llm, "make_request", panics)
     status, err = _post(url, "/v1/completions", {"model": NAME, "prompt": [5], "max_tokens": 1})
     assert status == 400 and err["message"] == "structured_outputs.regex: panicked at src/lib.rs:7:9:"
 
@@ -242,5 +242,5 @@ def test_tokenize_renders_tools_as_the_chat_route_does(server):
     status, chat = _post(url, "/v1/chat/completions", {"model": NAME, "messages": msgs, "tools": tools,
                                                        "max_tokens": 1, "temperature": 0})
     assert status == 200 and chat["usage"]["prompt_tokens"] == with_tools["count"]
-    assert with_tools["tokens"] == srv.llm.chat_prompt_ids(msgs, tools=tools)
+    assert with_tools["tokens"] == srv.frontend.inputs.encode_chat(msgs, tools=tools)
     assert _post(url, "/tokenize", {"messages": msgs, "tools": "x"})[1]["param"] == "tools"

@@ -23,7 +23,7 @@ def server():
     from kimi_jax.entrypoints.llm import LLM
     from kimi_jax.entrypoints.openai.server import OpenAIServer
     llm = LLM(None, dtype="float32", max_num_seqs=4, max_model_len=512)
-    srv = OpenAIServer(llm, served_model_name=NAME)
+    srv = OpenAIServer(llm.frontend, served_model_name=NAME)
     with serving(srv) as url:
         yield srv, url
 

@@ -31,7 +31,7 @@ def server():
     from kimi_jax.entrypoints.openai.intake import Limits
     from kimi_jax.entrypoints.openai.server import OpenAIServer
     llm = LLM(None, dtype="float32", max_num_seqs=SLOTS, max_model_len=MAX_LEN)
-    srv = OpenAIServer(llm, served_model_name=NAME, api_key=KEY, max_queue=QUEUE,
+    srv = OpenAIServer(llm.frontend, served_model_name=NAME, api_key=KEY, max_queue=QUEUE,
                        limits=Limits(max_body_bytes=BODY_LIMIT), metrics_need_key=True)
     with serving(srv) as url:
         yield srv, url
@@ -189,7 +189,7 @@ def test_a_taken_port_is_a_listen_error(server):
     from kimi_jax.entrypoints.openai.server import ListenError, OpenAIServer, serve
     srv, url = server
     taken = int(url.rsplit(":", 1)[1])
-    other = OpenAIServer(srv.llm, served_model_name=NAME)
+    other = OpenAIServer(srv.frontend, served_model_name=NAME)
     with pytest.raises(ListenError, match=f"cannot listen on 127.0.0.1:{taken}: "):
         asyncio.run(serve(other, port=taken, stop=asyncio.Event()))
 

@@ -31,11 +31,16 @@ MSGS = [{"role": "user", "content": "Describe a pet."}]
 
 
 @pytest.fixture(scope="module")
-def server():
+def llm():
+    """The LLM the server's frontend belongs to (its own engine core next to the server's)."""
     from kimi_jax.entrypoints.llm import LLM
+    return LLM(None, dtype="float32", max_num_seqs=16, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
     from kimi_jax.entrypoints.openai.server import OpenAIServer
-    llm = LLM(None, dtype="float32", max_num_seqs=16, max_model_len=512)
-    srv = OpenAIServer(llm, served_model_name=NAME, api_key=KEY)
+    srv = OpenAIServer(llm.frontend, served_model_name=NAME, api_key=KEY)
     with serving(srv) as url:
         yield srv, url
 
@@ -104,14 +109,14 @@ def test_guided_fields_on_both_endpoints(client, kind):
 GBNF = 'root ::= "id=" digits ";"\ndigits ::= [0-9]{1,4}\n'     # llama.cpp's form of GRAMMAR
 
 
-def test_gbnf_grammar_in_every_grammar_field(client, server):
+def test_gbnf_grammar_in_every_grammar_field(client, llm):
     from kimi_jax import SamplingParams, StructuredOutputsParams
     for extra in ({"structured_outputs": {"grammar": GBNF}}, {"guided_grammar": GBNF}):
         _check("grammar", _chat(client, extra).choices[0].message.content)
         _check("grammar", _text(client, extra).choices[0].text)
     sp = SamplingParams(max_tokens=16, temperature=1.0, seed=5,
                         structured_outputs=StructuredOutputsParams(grammar=GBNF))
-    _check("grammar", server[0].llm.generate(["x"], sp)[0].outputs[0].text)
+    _check("grammar", llm.generate(["x"], sp)[0].outputs[0].text)
     with pytest.raises(openai.BadRequestError) as e:
         _text(client, {"guided_grammar": 'root ::= "a" undefined'})
     assert e.value.body["param"] == "guided_grammar" and "undefined" in e.value.body["message"]
@@ -250,12 +255,11 @@ def test_access_log_line_per_request(server, client, caplog):
         srv.access_log = True
 
 
-def test_python_api_vllm_names(server):
+def test_python_api_vllm_names(llm):
     import inspect
 
     import kimi_jax
     from kimi_jax import LLM, SamplingParams, StructuredOutputsParams
-    llm = server[0].llm
     assert llm.get_tokenizer() is llm.tokenizer and "StructuredOutputsParams" in kimi_jax.__all__
     assert inspect.signature(LLM.generate).parameters["use_tqdm"].default is True
     assert inspect.signature(LLM.chat).parameters["use_tqdm"].default is True
@@ -300,7 +304,7 @@ def test_documented_tools_state_sizes_and_device_counts(cli, tmp_path, monkeypat
     assert r.returncode == 2 and "needs 16 devices; 8 cpu device(s) visible" in r.stderr, r
 
 
-def test_structured_outputs_through_kimi_batch(server, tmp_path):
+def test_structured_outputs_through_kimi_batch(llm, tmp_path):
     from kimi_jax.entrypoints.batch import ResultWriter, run_job
     bodies = {"so": ("/v1/chat/completions", {"messages": MSGS, "structured_outputs": {"json": SCHEMA}}),
               "regex": ("/v1/completions", {"prompt": "x", "guided_regex": REGEX, "max_tokens": 32}),
@@ -310,7 +314,7 @@ def test_structured_outputs_through_kimi_batch(server, tmp_path):
     inp.write_text("".join(json.dumps({"custom_id": k, "method": "POST", "url": u, "body": {**b, "temperature": 1.0}})
                            + "\n" for k, (u, b) in bodies.items()))
     with open(inp) as f:
-        run_job(server[0].llm, f, ResultWriter(str(out)), model_name=NAME, default_max_tokens=48, progress=False)
+        run_job(llm.frontend, f, ResultWriter(str(out)), model_name=NAME, default_max_tokens=48, progress=False)
     got = {r["custom_id"]: r["response"] for r in map(json.loads, out.read_text().splitlines())}
     jsonschema.validate(json.loads(got["so"]["body"]["choices"][0]["message"]["content"]), SCHEMA)
     _check("regex", got["regex"]["body"]["choices"][0]["text"])

@@ -1,4 +1,4 @@
-"""The runner's declared program set covers a mixed workload: after BatchEngine.precompile no program
+"""The runner's declared program set covers a mixed workload: after EngineCore.precompile no program
 is built while greedy, sampled, penalised, logprobs 0 / 5 / 20, prompt-logprobs and json_schema requests
 with prompts of 1 token up to max_model_len run concurrently (kimi_jax.engine.compiles counts every
 jit cache miss)."""
@@ -20,10 +20,10 @@ def test_no_program_is_built_after_precompile():
     compiles.install()
     llm = LLM(demo_model_path(), dtype="float32", max_num_seqs=2, max_model_len=64, page_size=16, prefill_chunk=16,
               max_prefill_tokens=32, enable_prefix_caching=False)
-    be = llm.batch_engine()
+    core = llm.frontend.make_core()
     before = compiles.compile_count()
-    n = be.precompile()
-    assert n == len(be.runner.programs(be.limits())) <= 18
+    n = core.precompile()
+    assert n == len(core.runner.programs(core.limits())) == len(core.programs()) <= 18
     assert compiles.compile_count() - before >= n          # each program lowered once (called or compiled ahead)
     built = compiles.compile_count()
 
@@ -39,11 +39,11 @@ def test_no_program_is_built_after_precompile():
               SamplingParams(temperature=0.0, max_tokens=20, logit_bias={7: 2.0}, min_tokens=2),
               SamplingParams(temperature=1.0, max_tokens=24, seed=3,
                              structured_outputs=StructuredOutputsParams(json=SCHEMA))]
-    reqs = [be.make_request(str(i), rng.integers(2, V, n).tolist(), sp, seed=i)
-            for i, (n, sp) in enumerate(zip(lens, params))]
+    reqs = [r for i, (n, sp) in enumerate(zip(lens, params))
+            for r in core.make_request(str(i), rng.integers(2, V, n).tolist(), sp, seed=i)]
     for r in reqs:
-        be.add(r)
-    be.run()
+        core.add([r])
+    core.run()
     assert all(r.finish_reason in ("stop", "length") for r in reqs)
     assert len(reqs[5].logprobs) == 3 and all(len(lp) >= 20 for lp in reqs[5].logprobs)
     assert len(reqs[5].prompt_logprobs) == lens[5]

@@ -25,11 +25,16 @@ MAX_NUM_SEQS, MAX_QUEUE, MAX_MODEL_LEN = 32, 8, 512
 
 
 @pytest.fixture(scope="module")
-def server():
+def llm():
+    """The LLM the server's frontend belongs to (its own engine core next to the server's)."""
     from kimi_jax.entrypoints.llm import LLM
+    return LLM(None, dtype="float32", max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
     from kimi_jax.entrypoints.openai.server import OpenAIServer
-    llm = LLM(None, dtype="float32", max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN)
-    srv = OpenAIServer(llm, served_model_name=NAME, api_key=KEY, max_queue=MAX_QUEUE)
+    srv = OpenAIServer(llm.frontend, served_model_name=NAME, api_key=KEY, max_queue=MAX_QUEUE)
     with serving(srv) as url:
         yield srv, url
 
@@ -121,7 +126,7 @@ def test_streams_send_a_chunk_for_every_step(server, client):
     ones included, so a client can time every token. logit_bias makes every token the lead byte 0xF0 of a
     4-byte character: the first decodes to nothing, each later one to U+FFFD for the byte before it (the
     last chunk flushes its own too); greedy one-token steps give one chunk a token."""
-    tok = server[0].llm.tokenizer
+    tok = server[0].tokenizer
     lead = next(i for i in range(tok.vocab_size) if not tok.is_special(i) and tok.token_bytes(i) == b"\xf0")
     kw = dict(model=NAME, max_tokens=24, temperature=0.0, stream=True, logit_bias={str(lead): 100},
               stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
@@ -135,12 +140,11 @@ def test_streams_send_a_chunk_for_every_step(server, client):
         assert len(pieces) == usage[-1].completion_tokens == 24
 
 
-def test_chat_matches_llm_chat_and_stream(server, client):
-    srv, _ = server
+def test_chat_matches_llm_chat_and_stream(llm, client):
     from kimi_jax.engine.sampling import SamplingParams
     msgs = [{"role": "user", "content": "What does json.dumps do?"}]
     full = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=20, temperature=0.0)
-    ref = srv.llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=20))[0]
+    ref = llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=20))[0]
     assert full.choices[0].message.content == ref.outputs[0].text
     assert full.choices[0].message.role == "assistant"
     assert full.usage.prompt_tokens == len(ref.prompt_token_ids)
@@ -286,7 +290,7 @@ def test_tokenize_detokenize_and_metrics(server, client):
     assert status == 200 and body["tokens"] == srv.tokenizer.encode("The with statement")
     assert body["count"] == len(body["tokens"]) and body["max_model_len"] == MAX_MODEL_LEN
     msgs = [{"role": "user", "content": "hi"}]
-    assert _http(url + "/tokenize", {"messages": msgs}, AUTH)[2]["tokens"] == srv.llm.chat_prompt_ids(msgs)
+    assert _http(url + "/tokenize", {"messages": msgs}, AUTH)[2]["tokens"] == srv.frontend.inputs.encode_chat(msgs)
     assert _http(url + "/detokenize", {"tokens": body["tokens"]}, AUTH)[2]["prompt"] == "The with statement"
     assert _http(url + "/detokenize", {"tokens": [-1]}, AUTH)[0] == 400
     gen, prompt = _metric(url, "generation_tokens_total"), _metric(url, "prompt_tokens_total")
@@ -300,12 +304,13 @@ def test_tokenize_detokenize_and_metrics(server, client):
     # prefix caching (vLLM's counters, in prompt tokens): the same long prompt twice, the second finds
     # its full pages cached; the counters are the engine's own totals
     queries, hits = _metric(url, "prefix_cache_queries_total"), _metric(url, "prefix_cache_hits_total")
-    long_prompt = list(range(10, 10 + 3 * srv.llm.page_size + 1))
+    page_size = srv.frontend.cache_config.page_size
+    long_prompt = list(range(10, 10 + 3 * page_size + 1))
     for _ in range(2):
         client.completions.create(model=NAME, prompt=long_prompt, max_tokens=1, temperature=0.0)
-    stats = srv.engine.engine.stats
+    stats = srv.async_llm.core.stats
     assert _metric(url, "prefix_cache_queries_total") == stats["prefix_cache_queries"] >= queries + 2 * len(long_prompt)
-    assert _metric(url, "prefix_cache_hits_total") == stats["prefix_cache_hits"] >= hits + 3 * srv.llm.page_size
+    assert _metric(url, "prefix_cache_hits_total") == stats["prefix_cache_hits"] >= hits + 3 * page_size
 
 
 def test_sigterm_finishes_in_flight_and_exits_0(tmp_path):
@@ -359,24 +364,22 @@ def test_sigterm_finishes_in_flight_and_exits_0(tmp_path):
             proc.wait()
 
 
-def test_abort_frees_pages_while_a_step_is_in_flight(server):
-    """BatchEngine.abort with overlap scheduling: abort a request while a decode step that includes it
+def test_abort_frees_pages_while_a_step_is_in_flight(llm):
+    """EngineCore.abort with overlap scheduling: abort a request while a decode step that includes it
     is in flight; its pages return at once and the other request's tokens equal a run without it."""
-    srv, _ = server
     from kimi_jax.engine.sampling import SamplingParams
-    llm = srv.llm
     sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     ids = llm.tokenizer.encode("The with statement")
     ref = llm.generate([ids], sp)[0].outputs[0].token_ids
-    be = llm.batch_engine()
-    assert be.overlap
-    keep, drop = be.make_request("keep", ids, sp, 0), be.make_request("drop", ids[:2], sp, 0)
-    be.add(keep), be.add(drop)
-    while be._inflight is None or len(drop.output_ids) < 3:
-        be.step()
-    free_before = be.num_free_pages
-    assert be.abort("drop") is drop and drop.finish_reason == "abort"
-    assert be.num_free_pages > free_before and drop.pages == [] and drop not in be.running
-    assert be.abort("drop") is None
-    be.run()
-    assert keep.output_ids == ref and be.num_free_pages == be.pool.num_pages
+    core = llm.frontend.make_core()
+    s = core.scheduler
+    assert s.overlap
+    [keep], [drop] = core.add_request("keep", ids, sp, seed=0), core.add_request("drop", ids[:2], sp, seed=0)
+    while core.runner.inflight is None or len(drop.output_ids) < 3:
+        core.step()
+    free_before = s.pool.num_free
+    assert core.abort("drop") is drop and drop.finish_reason == "abort"
+    assert s.pool.num_free > free_before and drop.pages == [] and drop not in s.running
+    assert core.abort("drop") is None
+    core.run()
+    assert keep.output_ids == ref and s.pool.num_free == s.pool.num_pages

@@ -41,7 +41,7 @@ def llm():
 @pytest.fixture(scope="module")
 def mixed(llm):
     """One batch: a free row, json_schema rows and tool rows ("required" and named), all sampled."""
-    tool_prompt = llm.chat_prompt_ids([{"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS)
+    tool_prompt = llm.encode_chat([{"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS)
     required = from_openai(tools=TOOLS, tool_choice="required")
     named = from_openai(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}})
     # one row of each kind (4 rows: one batch bucket); the 50-sample acceptance run is launch.tool_eval's
