@@ -21,6 +21,7 @@ from kimi_jax.engine.sampling import Logprob, SamplingParams
 from kimi_jax.engine.scheduler import BatchEngine, Request, RequestError, validate_prompt
 from kimi_jax.parallel.sharding import Layout
 from kimi_jax.entrypoints.weights import load_model, random_model  # noqa: F401  (LLM's weights)
+from kimi_jax.entrypoints.weights import read_checkpoint_config
 from kimi_jax.engine import compiles
 from kimi_jax.engine.args import EngineConfig
 from kimi_jax.entrypoints import compilation_cache, progress
@@ -137,7 +138,7 @@ class LLM:
         if isinstance(ec.model, ModelConfig):
             self.config = ec.model
         elif self.model_path is not None:
-            self.config = ModelConfig.from_pretrained(self.model_path)
+            self.config = read_checkpoint_config(self.model_path)
         else:
             self.config = preset(ec.model)
         self.layout.check_divisible(self.config)

@@ -10,6 +10,16 @@ from kimi_jax.config import ModelConfig
 from kimi_jax.parallel.sharding import Layout, check_fits, param_shardings
 
 
+def read_checkpoint_config(path: str) -> ModelConfig:
+    """The ModelConfig of checkpoint directory `path` (its config.json), checked against the weights'
+    index and headers and the tokenizer files by checkpoints.preflight: a config the files cannot
+    back is refused in milliseconds, before anything is built."""
+    from checkpoints import preflight
+    cfg = ModelConfig.from_pretrained(path)
+    preflight.check(path, cfg)
+    return cfg
+
+
 def load_model(path: str, cfg: ModelConfig, layout: Layout, dtype=jnp.bfloat16, *, check: bool = True,
                **load_kw):
     """The Transformer of checkpoint directory `path` (safetensors or orbax), each parameter read onto its devices

@@ -457,11 +457,13 @@ def anchor_report(p: Plan, anchor: dict = ANCHOR_RTX6KPRO) -> str:
 
 
 def preset_or_checkpoint(model: str) -> tuple[ModelConfig, str]:
-    """A ModelConfig from a preset name or a checkpoint directory (its config.json)."""
+    """A ModelConfig from a preset name or a checkpoint directory (its config.json, checked against
+    the weights and tokenizer files)."""
     import os
     from kimi_jax.config import PRESETS, preset
+    from kimi_jax.entrypoints.weights import read_checkpoint_config
     if os.path.isdir(model):
-        return ModelConfig.from_pretrained(model), os.path.basename(os.path.normpath(model))
+        return read_checkpoint_config(model), os.path.basename(os.path.normpath(model))
     if model in PRESETS:
         return preset(model), model
     raise ValueError(f"--model={model!r} is neither a preset {PRESETS} nor a checkpoint directory")
