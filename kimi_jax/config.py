@@ -143,8 +143,12 @@ class ModelConfig:
     # ---- loading ------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str) -> "ModelConfig":
-        """The config.json of checkpoint directory `path`, parsed; the weights and tokenizer files are
-        not looked at (kimi_jax.entrypoints.weights.read_checkpoint_config checks them too)."""
+        """config.json of checkpoint directory `path`, only parsed (read_checkpoint checks it)."""
+        return cls.parse_pretrained(path)[0]
+
+    @classmethod
+    def parse_pretrained(cls, path: str) -> tuple["ModelConfig", dict]:
+        """from_pretrained's ModelConfig and the config.json dict it was parsed from (one read)."""
         cfg_file = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_file):
             raise ConfigError(f"{cfg_file}: no config.json in the checkpoint directory")
@@ -156,7 +160,7 @@ class ModelConfig:
         except RecursionError:
             raise ConfigError(f"{cfg_file}: JSON nested too deeply to be a config") from None
         try:
-            return cls.from_hf_dict(raw)
+            return cls.from_hf_dict(raw), raw
         except ConfigError as e:
             raise ConfigError(f"{cfg_file}: {e}") from None
 

@@ -21,7 +21,7 @@ from kimi_jax.engine.sampling import Logprob, SamplingParams
 from kimi_jax.engine.scheduler import BatchEngine, Request, RequestError, validate_prompt
 from kimi_jax.parallel.sharding import Layout
 from kimi_jax.entrypoints.weights import load_model, random_model  # noqa: F401  (LLM's weights)
-from kimi_jax.entrypoints.weights import read_checkpoint_config
+from kimi_jax.entrypoints.weights import read_checkpoint
 from kimi_jax.engine import compiles
 from kimi_jax.engine.args import EngineConfig
 from kimi_jax.entrypoints import compilation_cache, progress
@@ -138,7 +138,8 @@ class LLM:
         if isinstance(ec.model, ModelConfig):
             self.config = ec.model
         elif self.model_path is not None:
-            self.config = read_checkpoint_config(self.model_path)
+            self.checkpoint = read_checkpoint(self.model_path)     # config.json and index read once
+            self.config = self.checkpoint.config
         else:
             self.config = preset(ec.model)
         self.layout.check_divisible(self.config)
@@ -216,7 +217,7 @@ class LLM:
         cfg, layout, dtype = self.config, self.layout, self.dtype
         if self.model_path is None:
             return random_model(cfg, layout, dtype, seed)
-        return load_model(self.model_path, cfg, layout, dtype, check_finite=self.check_finite_weights)
+        return load_model(self.checkpoint, cfg, layout, dtype, check_finite=self.check_finite_weights)
 
     @staticmethod
     def _load_tokenizer(tokenizer: Optional[str], model_path: Optional[str]):

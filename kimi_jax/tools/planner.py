@@ -457,8 +457,7 @@ def anchor_report(p: Plan, anchor: dict = ANCHOR_RTX6KPRO) -> str:
 
 
 def preset_or_checkpoint(model: str) -> tuple[ModelConfig, str]:
-    """A ModelConfig from a preset name or a checkpoint directory (its config.json, checked against
-    the weights and tokenizer files)."""
+    """A ModelConfig from a preset name or a checkpoint directory (its config.json)."""
     import os
     from kimi_jax.config import PRESETS, preset
     from kimi_jax.entrypoints.weights import read_checkpoint_config

@@ -61,7 +61,7 @@ def test_config_beyond_the_weights_or_vocab_is_refused_quickly(tmp_path, field, 
 
 
 def test_from_pretrained_only_parses_and_read_checkpoint_config_checks_the_files(tmp_path):
-    path = _copy(DEMO, tmp_path / "c", edit_config=lambda d: d.__setitem__("num_hidden_layers", 10**6))
+    path = _copy(DEMO, tmp_path / "c", edit_config=lambda d: d.update(num_hidden_layers=10**6))
     assert ModelConfig.from_pretrained(path).num_hidden_layers == 10**6
     _refused(path, "num_hidden_layers", "config.json")
 
