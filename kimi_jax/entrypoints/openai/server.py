@@ -12,7 +12,7 @@ models are kimi_jax.entrypoints.openai.protocol's (pydantic).
   GET  /version                   {"version": kimi_jax's version}
 
 Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: bad input (a field, a
-prompt longer than the context, beyond the intake Limits) 400, a body beyond them 413, unknown model
+prompt longer than the context, beyond the RequestLimits) 400, a body beyond them 413, unknown model
 404, a missing or wrong API key 401 (with a key set, on every route but OPEN_ROUTES; /metrics too when
 metrics_need_key), more than max_queue waiting 429 with Retry-After, shutting down 503. Intake
 (parsing, tokenizing, request building) runs on a thread pool, off the event loop. A client that
@@ -98,7 +98,7 @@ class OpenAIServer:
     """The app's state: the model, its AsyncLLM, names, key and metrics."""
 
     def __init__(self, llm, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
-                 max_queue: Optional[int] = None, limits: Optional[intake.Limits] = None,
+                 max_queue: Optional[int] = None, limits: Optional[intake.RequestLimits] = None,
                  metrics_need_key: bool = False, access_log: bool = True):
         self.llm = llm
         self.access_log = access_log
@@ -106,7 +106,7 @@ class OpenAIServer:
         self.model_name = served_model_name or llm.model_path or "kimi-jax"
         self.api_key = api_key or None
         self.metrics_need_key = metrics_need_key
-        self.limits = limits or intake.Limits()
+        self.limits = limits or intake.RequestLimits()
         self.engine = AsyncLLM(llm.batch_engine(), seed=llm.engine_config.seed, max_queue=max_queue)
         queued = llm.max_num_seqs + max_queue if max_queue is not None else self.limits.max_choices
         self.max_choices = min(self.limits.max_choices, queued)
