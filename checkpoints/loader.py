@@ -621,14 +621,17 @@ def load_arrays(path: str, specs: ParamSpecs, cfg: layout_lib.ModelShape, *,
                 workers: int = DEFAULT_WORKERS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                 readahead_bytes: int = DEFAULT_READAHEAD_BYTES, progress: Optional[bool] = None,
                 stats: Optional[LoadStats] = None, keep_page_cache: Optional[bool] = None,
-                check_finite: bool = True) -> dict[tuple[str, ...], jax.Array]:
+                check_finite: bool = True, reader: Optional[CheckpointReader] = None,
+                ) -> dict[tuple[str, ...], jax.Array]:
     """{parameter path: jax.Array} for `specs` from the checkpoint directory `path`, every tensor
     validated against `cfg` first (before any device memory is allocated); check_finite: refuse a
     floating tensor holding NaN or Inf (safetensors), a file whose data checksum differs (orbax).
 
     A directory written by `kimi-convert` (checkpoints.orbax_io) is restored with orbax (after its
     config is compared with `cfg.to_hf_dict()`); any other is read as a published-layout safetensors
-    checkpoint (load_params: workers / chunk_bytes / readahead_bytes / keep_page_cache).
+    checkpoint (load_params: workers / chunk_bytes / readahead_bytes / keep_page_cache), through
+    `reader` when given (a CheckpointReader of `path`, e.g. checkpoints.preflight.check's: its index
+    and headers are not read again).
     """
     from checkpoints import orbax_io
     if orbax_io.is_orbax_checkpoint(path):
@@ -639,7 +642,7 @@ def load_arrays(path: str, specs: ParamSpecs, cfg: layout_lib.ModelShape, *,
             stats.seconds += time.perf_counter() - t0
             stats.params += len(out)
         return out
-    with CheckpointReader(path) as reader:
+    with reader if reader is not None else CheckpointReader(path) as reader:
         reader.validate(expected_for(reader, cfg))
         return load_params(reader, cfg, specs, workers=workers, chunk_bytes=chunk_bytes,
                            readahead_bytes=readahead_bytes, progress=progress, stats=stats,

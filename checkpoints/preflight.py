@@ -17,41 +17,49 @@ _EXPERT_RE = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
 _CONFIG_BYTES = 64 * 2**20        # a tokenizer_config.json is kilobytes; larger is not one
 
 
-def check(path: str, cfg: Any) -> None:
-    """Refuse (CheckpointError) a config (a ModelConfig) the checkpoint at `path` cannot back."""
+def check(path: str, cfg: Any, config_dict: Optional[dict] = None) -> Optional[CheckpointReader]:
+    """Refuse (CheckpointError) a config (a ModelConfig) the checkpoint at `path` cannot back.
+    Returns the reader the check opened on safetensors weights (their index and headers parsed, no
+    file left open) for the load to read through (checkpoints.loader.load_arrays' `reader`); None
+    for orbax or no weights. config_dict: config.json already parsed, not read again."""
     from checkpoints import orbax_io
+    reader = None
     if orbax_io.is_orbax_checkpoint(path):
         _check_orbax(path, cfg)
     elif _has_weights(path):
-        _check_safetensors(path, cfg)
+        reader = CheckpointReader(path, config_dict=config_dict)
+        _check_safetensors(reader, cfg)
     _check_tokenizer(path, cfg)
+    return reader
 
 
 def _has_weights(path: str) -> bool:
     return any(f.endswith(".safetensors") or f.endswith(".safetensors.index.json") for f in os.listdir(path))
 
 
-def _check_safetensors(path: str, cfg: Any) -> None:
+def _check_safetensors(reader: CheckpointReader, cfg: Any) -> None:
     """A config asking for more layers or experts than are stored is refused by the loader's own
     validation, run on the config cut to one layer / expert beyond what is stored (so the check costs
     what the stored model costs, not what the config asks)."""
     from checkpoints.loader import expected_for
-    with CheckpointReader(path) as reader:
-        names = [n for n in (layout_lib.canonical_name(s) for s in reader.tensors) if n is not None]
-        layers = {i for i in map(layout_lib.layer_of, names) if i is not None}
-        experts = {int(m.group(1)) for m in map(_EXPERT_RE.match, names) if m}
-        cut = {}
-        if cfg.num_hidden_layers > len(layers):
-            cut["num_hidden_layers"] = len(layers) + 1
-        if experts and cfg.n_routed_experts > max(experts) + 1:
-            cut["n_routed_experts"] = max(experts) + 2
-            cut["num_experts_per_tok"] = min(cfg.num_experts_per_tok, max(experts) + 2)
-            cut["n_group"] = 1
-            cut["topk_group"] = 1
-        if cut:
-            reader.validate(expected_for(reader, cfg.replace(**cut)))
-            raise CheckpointError(f"{os.path.join(path, 'config.json')}: {', '.join(f'{k}={getattr(cfg, k)}' for k in cut)}"
-                                  f" is more than {reader.index_path or os.path.join(path, reader.files[0])} holds")
+    path = reader.path
+    names = [n for n in (layout_lib.canonical_name(s) for s in reader.tensors) if n is not None]
+    layers = {i for i in map(layout_lib.layer_of, names) if i is not None}
+    experts = {int(m.group(1)) for m in map(_EXPERT_RE.match, names) if m}
+    cut = {}
+    if cfg.num_hidden_layers > len(layers):
+        cut["num_hidden_layers"] = len(layers) + 1
+    if experts and cfg.n_routed_experts > max(experts) + 1:
+        cut["n_routed_experts"] = max(experts) + 2
+        cut["num_experts_per_tok"] = min(cfg.num_experts_per_tok, max(experts) + 2)
+        cut["n_group"] = 1
+        cut["topk_group"] = 1
+    if cut:
+        reader.validate(expected_for(reader, cfg.replace(**cut)))
+        asked = ', '.join(f'{k}={getattr(cfg, k)}' for k in cut)
+        held = reader.index_path or os.path.join(path, reader.files[0])
+        raise CheckpointError(f"{os.path.join(path, 'config.json')}: {asked} is more than {held} "
+                              "holds")
 
 
 def _check_orbax(path: str, cfg: Any) -> None:

@@ -186,14 +186,16 @@ class CheckpointReader:
       files: shard file names (relative to path), in index order.
       index_path: path of model.safetensors.index.json, or None for a single model.safetensors.
       tensors: stored name -> TensorInfo, for every tensor in every shard.
-      config_dict: parsed config.json (None only with require_config=False and no config.json).
+      config_dict: parsed config.json (None only with require_config=False and no config.json);
+        given as `config_dict` by a caller that has parsed it already, the file is not read again.
     """
 
-    def __init__(self, path: str, *, require_config: bool = True):
+    def __init__(self, path: str, *, require_config: bool = True,
+                 config_dict: Optional[dict] = None):
         self.path = os.fspath(path)
         if not os.path.isdir(self.path):
             raise CheckpointError(f"{self.path}: checkpoint directory does not exist")
-        self.config_dict = self._read_config(require_config)
+        self.config_dict = self._read_config(require_config) if config_dict is None else config_dict
         self.index_path: Optional[str] = None
         self.tensors: dict[str, TensorInfo] = {}
         index = os.path.join(self.path, INDEX_FILE)

@@ -143,6 +143,12 @@ class ModelConfig:
     # ---- loading ------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str) -> "ModelConfig":
+        """config.json of checkpoint directory `path`, only parsed (read_checkpoint checks it)."""
+        return cls.parse_pretrained(path)[0]
+
+    @classmethod
+    def parse_pretrained(cls, path: str) -> tuple["ModelConfig", dict]:
+        """from_pretrained's ModelConfig and the config.json dict it was parsed from (one read)."""
         cfg_file = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_file):
             raise ConfigError(f"{cfg_file}: no config.json in the checkpoint directory")
@@ -154,12 +160,9 @@ class ModelConfig:
         except RecursionError:
             raise ConfigError(f"{cfg_file}: JSON nested too deeply to be a config") from None
         try:
-            cfg = cls.from_hf_dict(raw)
+            return cls.from_hf_dict(raw), raw
         except ConfigError as e:
             raise ConfigError(f"{cfg_file}: {e}") from None
-        from checkpoints import preflight      # the weights' index and tokenizer files back this config
-        preflight.check(path, cfg)
-        return cfg
 
     @classmethod
     def from_hf_dict(cls, raw: Mapping[str, Any]) -> "ModelConfig":

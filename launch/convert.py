@@ -52,8 +52,8 @@ def convert() -> None:
     import numpy as np
 
     from checkpoints import loader, orbax_io
-    from kimi_jax.config import ModelConfig
-    from kimi_jax.entrypoints.llm import load_model
+    from kimi_jax.entrypoints.weights import load_model
+    from kimi_jax.entrypoints.weights import read_checkpoint
     from kimi_jax.model.transformer import param_arrays
     from kimi_jax.parallel.sharding import Layout
 
@@ -67,14 +67,15 @@ def convert() -> None:
     if not restore_only:
         orbax_io.check_output(FLAGS.out, FLAGS.overwrite)      # before spending time loading
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[FLAGS.dtype]
-    cfg = ModelConfig.from_pretrained(FLAGS.model)
+    checkpoint = read_checkpoint(FLAGS.model)          # config.json and the index, read once
+    cfg = checkpoint.config
     layout = Layout(**common.layout_kwargs())
     kw = {"progress": FLAGS.progress}
     if FLAGS.workers and not restore_only:
         kw["workers"] = FLAGS.workers
     stats = loader.LoadStats()
     t0 = time.perf_counter()
-    net = load_model(FLAGS.model, cfg, layout, dtype, stats=stats, **kw)
+    net = load_model(checkpoint, cfg, layout, dtype, stats=stats, **kw)
     arrays = param_arrays(net)
     jax.block_until_ready(arrays)
     dt = time.perf_counter() - t0

@@ -73,7 +73,7 @@ def main(argv):
     model = argv[1] if len(argv) > 1 else FLAGS.model
     common.setup()
     from kimi_jax.entrypoints.frontend import Frontend
-    from kimi_jax.entrypoints.openai.intake import Limits
+    from kimi_jax.entrypoints.openai.intake import RequestLimits
     from kimi_jax.entrypoints.openai.server import ListenError, OpenAIServer, serve
     if not 0 < FLAGS.port < 65536:
         common.fail(PROG, f"--port={FLAGS.port} is not a port number")
@@ -91,8 +91,8 @@ def main(argv):
     if not FLAGS.keepalive_s > 0:
         common.fail(PROG, f"--keepalive_s must be > 0, got {FLAGS.keepalive_s}")
     try:
-        limits = Limits(max_body_bytes=FLAGS.max_body_bytes, max_choices=FLAGS.max_choices,
-                        max_prompt_chars=FLAGS.max_prompt_chars)
+        limits = RequestLimits(max_body_bytes=FLAGS.max_body_bytes, max_choices=FLAGS.max_choices,
+                               max_prompt_chars=FLAGS.max_prompt_chars)
     except ValueError as e:
         common.fail(PROG, f"--{e}")
     try:

@@ -101,19 +101,22 @@ class EngineConfig:
         """The checkpoint directory, or None for random weights."""
         return self.model if isinstance(self.model, str) and os.path.isdir(self.model) else None
 
-    def resolve_dtype(self, platform: str) -> str:
+    def resolve_dtype(self, platform: str, config_dict: Optional[dict] = None) -> str:
         """The compute dtype: "auto" is CPU_AUTO_DTYPE on CPU, else the checkpoint's torch_dtype
-        (bfloat16 when absent or unsupported, and for random weights)."""
+        (bfloat16 when absent or unsupported, and for random weights). config_dict: config.json as
+        read already (else it is read here)."""
         if self.dtype != "auto":
             return self.dtype
         if platform == "cpu":
             return CPU_AUTO_DTYPE
-        declared = None
+        declared, cfg = None, config_dict
         path = self.model_path
-        if path is not None and os.path.isfile(os.path.join(path, "config.json")):
+        if cfg is None and path is not None and os.path.isfile(os.path.join(path, "config.json")):
             with open(os.path.join(path, "config.json")) as f:
                 cfg = json.load(f)
-            declared = cfg.get("torch_dtype") or cfg.get("text_config", {}).get("torch_dtype")
+        if isinstance(cfg, dict):
+            text = cfg.get("text_config")
+            declared = cfg.get("torch_dtype") or (text.get("torch_dtype") if isinstance(text, dict) else None)
         return _TORCH_DTYPES.get(str(declared), "bfloat16")
 
     def replace(self, **changes) -> "EngineConfig":

@@ -35,7 +35,7 @@ ROUTES = {"/v1/chat/completions": P.parse_chat, "/v1/completions": P.parse_compl
 ENVELOPE_KEYS = {"custom_id", "method", "url", "body"}
 DUPLICATE = "duplicate_custom_id"
 MAX_DEPTH = intake.MAX_DEPTH + 1          # the envelope adds one level to the body's
-MAX_LINE_BYTES = intake.Limits().max_body_bytes + 4096       # a body as the server takes it, plus its envelope
+MAX_LINE_BYTES = intake.RequestLimits().max_body_bytes + 4096  # the server's body limit + envelope
 MAX_RUN_ON = 2**30
 _AUTO_ID = re.compile(r"line-[0-9]+")
 

@@ -21,7 +21,7 @@ from kimi_jax.engine.steps import Engine
 from kimi_jax.entrypoints import compilation_cache, progress
 from kimi_jax.entrypoints.inputs import InputProcessor, load_tokenizer
 from kimi_jax.entrypoints.outputs import OutputProcessor
-from kimi_jax.entrypoints.weights import load_model, random_model
+from kimi_jax.entrypoints.weights import load_model, random_model, read_checkpoint
 from kimi_jax.parallel.sharding import Layout, device_memory_bytes
 
 log = logging.getLogger(__name__)
@@ -117,15 +117,18 @@ class Frontend:
         if ec.trust_remote_code:
             log.warning("trust_remote_code: no code from the checkpoint is ever run here; "
                         "the model is kimi_jax's own")
-        dtype = DTYPES[ec.resolve_dtype(jax.devices()[0].platform)]
         path = ec.model_path
         layout = Layout(ec.tensor_parallel_size, ec.data_parallel_size, ec.enable_expert_parallel)
+        checkpoint = None
         if isinstance(ec.model, ModelConfig):
             cfg = ec.model
         elif path is not None:
-            cfg = ModelConfig.from_pretrained(path)
+            checkpoint = read_checkpoint(path)     # config.json and the weights' index read once
+            cfg = checkpoint.config
         else:
             cfg = preset(ec.model)
+        dtype = DTYPES[ec.resolve_dtype(jax.devices()[0].platform,
+                                        checkpoint.config_dict if checkpoint else None)]
         layout.check_divisible(cfg)
         limit = cfg.max_position_embeddings
         if ec.max_model_len is not None and ec.max_model_len > limit:
@@ -135,8 +138,8 @@ class Frontend:
         compiles.install()                # /metrics counts the start-up's programs too
         tokenizer = load_tokenizer(ec.tokenizer, path)    # before the weights
         with progress.phase("loading weights" if path else "making random weights"):
-            net = (random_model(cfg, layout, dtype, ec.seed) if path is None
-                   else load_model(path, cfg, layout, dtype, check_finite=ec.check_finite_weights))
+            net = (random_model(cfg, layout, dtype, ec.seed) if checkpoint is None
+                   else load_model(checkpoint, cfg, layout, dtype, check_finite=ec.check_finite_weights))
         if tokenizer is not None and path is not None:
             tokenizer.template_dir = path
         steps = Engine(net, cfg, layout, plan=ops.default_plan(ec.exec_plan))

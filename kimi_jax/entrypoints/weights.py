@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Union
 
 import jax
 import jax.numpy as jnp
@@ -10,14 +11,49 @@ from kimi_jax.config import ModelConfig
 from kimi_jax.parallel.sharding import Layout, check_fits, param_shardings
 
 
-def load_model(path: str, cfg: ModelConfig, layout: Layout, dtype=jnp.bfloat16, *, check: bool = True,
-               **load_kw):
-    """The Transformer of checkpoint directory `path` (safetensors or orbax), each parameter read onto its devices
-    under `layout` by checkpoints.loader (load_kw: its load_arrays options); check: refuse a layout that does
-    not fit first."""
+class Checkpoint:
+    """A checkpoint's config.json parsed and checked by checkpoints.preflight; the first load_model
+    of `config` reads the weights through the reader that check opened (index, headers parsed)."""
+
+    def __init__(self, path: str, config: ModelConfig, reader=None, config_dict=None):
+        self.path, self.config, self._reader, self._fresh = path, config, reader, True
+        self.config_dict = config_dict          # config.json as read (its torch_dtype: dtype "auto")
+
+    def reader_for(self, cfg: ModelConfig):
+        """That reader for the first load of `config`; else preflight.check of `cfg` again."""
+        from checkpoints import preflight
+        if self._fresh and cfg == self.config:
+            self._fresh, reader, self._reader = False, self._reader, None
+            return reader
+        return preflight.check(self.path, cfg)
+
+
+def read_checkpoint(path: str) -> Checkpoint:
+    """Checkpoint directory `path` for load_model, its config.json checked against the weights and
+    tokenizer files (what they cannot back is refused in milliseconds, before anything is built)."""
+    from checkpoints import preflight
+    cfg, raw = ModelConfig.parse_pretrained(path)
+    return Checkpoint(path, cfg, preflight.check(path, cfg, config_dict=raw), raw)
+
+
+def read_checkpoint_config(path: str) -> ModelConfig:
+    """read_checkpoint(path).config."""
+    return read_checkpoint(path).config
+
+
+def load_model(path: Union[str, Checkpoint], cfg: ModelConfig, layout: Layout, dtype=jnp.bfloat16,
+               *, check: bool = True, **load_kw):
+    """The Transformer of checkpoint directory (or read_checkpoint) `path`, `cfg` checked by
+    preflight, each parameter read onto its devices under `layout` by checkpoints.loader (load_kw:
+    its load_arrays options); check: refuse a layout that does not fit first."""
     from flax import nnx
+    from checkpoints import preflight
     from checkpoints.loader import load_arrays
     from kimi_jax.model.transformer import abstract_model
+    if isinstance(path, Checkpoint):
+        path, reader = path.path, path.reader_for(cfg)
+    else:
+        reader = preflight.check(path, cfg)
     layout.check_divisible(cfg)
     graphdef, state = nnx.split(abstract_model(cfg, dtype, layout.moe_parallel()))
     if check:
@@ -27,7 +63,7 @@ def load_model(path: str, cfg: ModelConfig, layout: Layout, dtype=jnp.bfloat16, 
     for p, var in nnx.to_flat_state(state):
         key, v = tuple(str(k) for k in p), var.get_value()
         specs[key] = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[key])
-    arrays = load_arrays(path, specs, cfg, **load_kw)
+    arrays = load_arrays(path, specs, cfg, reader=reader, **load_kw)
     for p, var in nnx.to_flat_state(state):
         var.set_value(arrays[tuple(str(k) for k in p)])
     return nnx.merge(graphdef, state)

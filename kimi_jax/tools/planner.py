@@ -460,8 +460,9 @@ def preset_or_checkpoint(model: str) -> tuple[ModelConfig, str]:
     """A ModelConfig from a preset name or a checkpoint directory (its config.json)."""
     import os
     from kimi_jax.config import PRESETS, preset
+    from kimi_jax.entrypoints.weights import read_checkpoint_config
     if os.path.isdir(model):
-        return ModelConfig.from_pretrained(model), os.path.basename(os.path.normpath(model))
+        return read_checkpoint_config(model), os.path.basename(os.path.normpath(model))
     if model in PRESETS:
         return preset(model), model
     raise ValueError(f"--model={model!r} is neither a preset {PRESETS} nor a checkpoint directory")

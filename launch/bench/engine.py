@@ -127,7 +127,7 @@ def time_mixed(engine, layout, spec: str, steps: int) -> dict:
 def load_engine(path, cfg, layout, dtype):
     """An Engine over a checkpoint, each device reading only its own slices (checkpoints.loader)."""
     from kimi_jax.engine.steps import Engine
-    from kimi_jax.entrypoints.llm import load_model
+    from kimi_jax.entrypoints.weights import load_model
     return Engine(load_model(path, cfg, layout, dtype), cfg, layout)
 
 
@@ -145,8 +145,8 @@ def main(argv):
     from kimi_jax.parallel.sharding import Layout
 
     if FLAGS.checkpoint:
-        from kimi_jax.config import ModelConfig
-        cfg = ModelConfig.from_pretrained(FLAGS.checkpoint)
+        from kimi_jax.entrypoints.weights import read_checkpoint_config
+        cfg = read_checkpoint_config(FLAGS.checkpoint)
     else:
         cfg = preset("tiny") if FLAGS.tiny else preset("kimi-k2.5").replace(num_hidden_layers=FLAGS.layers)
     os.makedirs(FLAGS.out, exist_ok=True)

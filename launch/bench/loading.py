@@ -171,7 +171,7 @@ def main(argv):
     from checkpoints import loader, orbax_io
     from checkpoints.safetensors_io import CheckpointReader
     from kimi_jax.config import ModelConfig
-    from kimi_jax.entrypoints.llm import load_model
+    from kimi_jax.entrypoints.weights import load_model
     from kimi_jax.model.transformer import param_arrays
     from kimi_jax.parallel.sharding import Layout
 

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from kimi_jax.config import ConfigError, ModelConfig
+from kimi_jax.entrypoints.weights import read_checkpoint_config
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "checkpoints", "demo")
 # a refusal must come before any model is built: reading headers and small JSON files takes
@@ -38,7 +39,7 @@ def _copy(src: str, dst, edit_config=None, edit_tok=None, drop=()) -> str:
 def _refused(path: str, *words: str, exc=ValueError) -> str:
     t0 = time.perf_counter()
     with pytest.raises(exc) as e:
-        ModelConfig.from_pretrained(path)
+        read_checkpoint_config(path)
     took = time.perf_counter() - t0
     msg = str(e.value)
     assert "\n" not in msg and all(w in msg for w in words), msg
@@ -57,6 +58,12 @@ def _refused(path: str, *words: str, exc=ValueError) -> str:
 ])
 def test_config_beyond_the_weights_or_vocab_is_refused_quickly(tmp_path, field, value, words):
     _refused(_copy(DEMO, tmp_path / "c", edit_config=lambda d: d.__setitem__(field, value)), *words)
+
+
+def test_from_pretrained_only_parses_and_read_checkpoint_config_checks_the_files(tmp_path):
+    path = _copy(DEMO, tmp_path / "c", edit_config=lambda d: d.update(num_hidden_layers=10**6))
+    assert ModelConfig.from_pretrained(path).num_hidden_layers == 10**6
+    _refused(path, "num_hidden_layers", "config.json")
 
 
 def test_llm_refuses_a_million_layers_before_building(tmp_path):

@@ -28,11 +28,11 @@ HEALTH_S = 0.5
 @pytest.fixture(scope="module")
 def server():
     from kimi_jax.entrypoints.llm import LLM
-    from kimi_jax.entrypoints.openai.intake import Limits
+    from kimi_jax.entrypoints.openai.intake import RequestLimits
     from kimi_jax.entrypoints.openai.server import OpenAIServer
     llm = LLM(None, dtype="float32", max_num_seqs=SLOTS, max_model_len=MAX_LEN)
     srv = OpenAIServer(llm.frontend, served_model_name=NAME, api_key=KEY, max_queue=QUEUE,
-                       limits=Limits(max_body_bytes=BODY_LIMIT), metrics_need_key=True)
+                       limits=RequestLimits(max_body_bytes=BODY_LIMIT), metrics_need_key=True)
     with serving(srv) as url:
         yield srv, url
 

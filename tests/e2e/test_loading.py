@@ -28,7 +28,7 @@ from checkpoints.safetensors_io import CheckpointError, CheckpointReader
 from checkpoints.synthetic import write_checkpoint, write_checkpoint_from_tensors
 from kimi_jax import LLM
 from kimi_jax.config import QuantConfig, preset
-from kimi_jax.entrypoints.llm import load_model
+from kimi_jax.entrypoints.weights import load_model
 from kimi_jax.model.transformer import abstract_model, param_arrays
 from kimi_jax.parallel.sharding import Layout, param_shardings
 

@@ -198,7 +198,7 @@ def test_model_written_under_tp8_with_small_chunks_loads_onto_dp2_tp4_ep(tmp_pat
     """The engine's own model (nnx, stacked layers) through save / load_model with entries everywhere."""
     from flax import nnx
 
-    from kimi_jax.entrypoints.llm import load_model
+    from kimi_jax.entrypoints.weights import load_model
     from kimi_jax.model.transformer import Transformer, abstract_model, param_arrays
     from kimi_jax.parallel.sharding import Layout, param_shardings
 

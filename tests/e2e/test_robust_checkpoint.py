@@ -175,7 +175,7 @@ def test_non_finite_weight_is_refused_when_read_in_slices_and_blocks(int4_tensor
     cast to a bfloat16 parameter."""
     from checkpoints import loader
     from kimi_jax.config import ModelConfig
-    from kimi_jax.entrypoints.llm import load_model
+    from kimi_jax.entrypoints.weights import load_model
     from kimi_jax.parallel.sharding import Layout
     monkeypatch.setattr(loader, "CPU_ADOPTS_HOST_BUFFERS", False)
     # (tensor, value, stored dtype (None: as written), parameter dtype); 3.4e38 is finite stored in

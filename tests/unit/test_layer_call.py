@@ -20,7 +20,7 @@ from flax import nnx
 from kimi_jax import ops
 from kimi_jax.config import preset
 from kimi_jax.engine.steps import Engine
-from kimi_jax.entrypoints.llm import random_model
+from kimi_jax.entrypoints.weights import random_model
 from kimi_jax.model import transformer
 from kimi_jax.model.transformer import DecoderLayer, init_cache
 from kimi_jax.parallel.sharding import Layout

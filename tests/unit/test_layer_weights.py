@@ -15,7 +15,7 @@ from flax import nnx
 from kimi_jax import ops
 from kimi_jax.config import preset
 from kimi_jax.engine.steps import Engine
-from kimi_jax.entrypoints.llm import random_model
+from kimi_jax.entrypoints.weights import random_model
 from kimi_jax.model import layer_weights
 from kimi_jax.parallel.sharding import Layout
 

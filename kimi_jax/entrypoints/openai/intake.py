@@ -99,7 +99,7 @@ def text_chars(value) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Limits:
+class RequestLimits:
     """What one HTTP request may ask: body bytes (413 beyond), choices = prompts x n and prompt characters (400)."""
     max_body_bytes: int = 64 * 2**20
     max_choices: int = 256

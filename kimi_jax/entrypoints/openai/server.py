@@ -12,7 +12,7 @@ models are kimi_jax.entrypoints.openai.protocol's (pydantic).
   GET  /version                   {"version": kimi_jax's version}
 
 Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: bad input (a field, a
-prompt longer than the context, beyond the intake Limits) 400, a body beyond them 413, unknown model
+prompt longer than the context, beyond the RequestLimits) 400, a body beyond them 413, unknown model
 404, a missing or wrong API key 401 (with a key set, on every route but OPEN_ROUTES; /metrics too when
 metrics_need_key), more than max_queue waiting 429 with Retry-After, shutting down 503. Intake
 (parsing, tokenizing, request building) runs on a thread pool, off the event loop. A client that
@@ -99,7 +99,7 @@ class OpenAIServer:
     processors), the AsyncLLM over an engine core of its own, names, key and metrics."""
 
     def __init__(self, frontend, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
-                 max_queue: Optional[int] = None, limits: Optional[intake.Limits] = None,
+                 max_queue: Optional[int] = None, limits: Optional[intake.RequestLimits] = None,
                  metrics_need_key: bool = False, access_log: bool = True):
         self.frontend = fe = frontend
         self.access_log = access_log
@@ -107,7 +107,7 @@ class OpenAIServer:
         self.model_name = served_model_name or fe.model_path or "kimi-jax"
         self.api_key = api_key or None
         self.metrics_need_key = metrics_need_key
-        self.limits = limits or intake.Limits()
+        self.limits = limits or intake.RequestLimits()
         self.async_llm = AsyncLLM(fe.make_core(), max_queue=max_queue)
         max_num_seqs = fe.scheduler_config.max_num_seqs
         queued = max_num_seqs + max_queue if max_queue is not None else self.limits.max_choices
