@@ -20,7 +20,7 @@ def llm():
 def test_tokenizer_has_the_transformers_calls_examples_make(llm):
     tok = llm.get_tokenizer()
     ids = tok.apply_chat_template(MSGS, tokenize=True, add_generation_prompt=True)
-    assert ids == llm.chat_prompt_ids(MSGS)
+    assert ids == llm.encode_chat(MSGS)
     text = tok.apply_chat_template(MSGS, tokenize=False, add_generation_prompt=True)
     assert text == llm.render_chat(MSGS) and "Name a colour." in text
     assert tok.apply_chat_template(MSGS, tokenize=False) != text      # no generation prompt by default
@@ -71,7 +71,7 @@ def test_sampling_params_are_mutable_and_checked_at_generate(llm):
 def url(llm):
     from kimi_jax.entrypoints.openai.server import OpenAIServer
     from tests.e2e.serving import serving
-    with serving(OpenAIServer(llm, served_model_name="demo")) as u:
+    with serving(OpenAIServer(llm.frontend, served_model_name="demo")) as u:
         yield u
 
 
@@ -108,9 +108,12 @@ def test_readme_metric_names_are_exposed(url):
 
 
 def _no_weights(monkeypatch):
-    def build(self, seed):
+    from kimi_jax.entrypoints import frontend
+
+    def build(*a, **kw):
         raise AssertionError("the weights were loaded before the tokenizer was checked")
-    monkeypatch.setattr(LLM, "_build", build)
+    monkeypatch.setattr(frontend, "load_model", build)
+    monkeypatch.setattr(frontend, "random_model", build)
 
 
 @pytest.mark.parametrize("drop,missing", [(["tiktoken.model"], "tiktoken.model"),
