@@ -1,7 +1,5 @@
-"""Admission: which requests run and which pages they hold. The waiting queue, the running set, the
-page pool with its prefix cache, each request's data-parallel rank and occurrence-pool slot, and
-preemption when a rank's pages run dry; the Scheduler (kimi_jax.engine.scheduler) plans and books
-around it."""
+"""Admission: which requests run and which pages they hold (the queues, the page pool and its prefix
+cache, ranks, occurrence-pool slots, preemption); the Scheduler plans and books around it."""
 from __future__ import annotations
 
 import collections
@@ -14,10 +12,8 @@ from kimi_jax.engine.requests import Request
 
 
 class Admission:
-    """The requests of one engine core and their pages. dp ranks share the pool in equal parts (spare
-    pages dropped); at most max_num_seqs run, slots_per_rank on each rank. stats: the scheduler's
-    counters (preemptions, prefix-cache queries and hits). Device writes it needs (a penalised
-    request's occurrence row) go to `effects` for the runner."""
+    """The requests of one engine core and their pages: dp ranks share the pool in equal parts; at
+    most max_num_seqs run. stats: the scheduler's counters; `effects`: device writes for the runner."""
 
     def __init__(self, *, num_pages: int, page_size: int, dp: int, max_num_seqs: int, prefill_chunk: int,
                  vocab_size: int, caching: bool, stats: dict):

@@ -1,19 +1,10 @@
 """AsyncLLM: an engine core behind an asyncio API (for the OpenAI server).
 
-One engine thread owns the EngineCore and is the only one that steps it: it admits the requests
-handed over since the last step (`EngineCore.add`), carries out aborts (`EngineCore.abort`), runs
-one `step` (overlap scheduling stays on: while the batch is unchanged each step dispatches the next
-decode step before reading the previous one) and then hands every request's new tokens to its own
-asyncio queue, all of a step's deltas in ONE `loop.call_soon_threadsafe` callback. With nothing to
-do it sleeps on a condition variable (no polling).
-
-Requests are validated on the caller's thread (`EngineCore.make_request` reads only fixed engine
-settings), so a bad request raises at once (RequestError) and never reaches the engine thread. A
-request is one prompt's samples (n of them: one shared prefill); each sample streams its own Deltas.
-The number of samples waiting for a slot is bounded by `max_queue` (QueueFull beyond it).
-
-A caller that stops listening (a client that disconnected) calls `abort`: the engine thread frees the
-request's pages before its next step.
+One engine thread owns the EngineCore: between steps it adds the requests handed over and carries
+out aborts, runs one `step`, and hands each sample's new tokens to its asyncio queue, all of a step's
+deltas in ONE `loop.call_soon_threadsafe` callback; idle, it sleeps on a condition variable. Requests
+are validated on the caller's thread (`EngineCore.make_request`), so a bad one raises at once; a
+request is one prompt's samples; `max_queue` bounds the samples waiting for a slot (QueueFull).
 """
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The engine core: a policy-only Scheduler and a Runner that owns every device resource, composed, with
-one request API that every front end (LLM, AsyncLLM and the OpenAI server, kimi-batch) goes through.
-
-A request is `make_request(request_id, prompt_ids, params)` (validated; its n / best_of samples made
-here, so every front end gets the same samples and the one shared prefill of their prompt), then
-`add(samples)`; `step()` runs one iteration (schedule -> run -> update) and returns the samples that
-finished. docs/ARCHITECTURE.md ('One step') describes the loop."""
+"""The engine core: a policy-only Scheduler and a Runner that owns every device resource, composed,
+under the one request API of every front end (docs/ARCHITECTURE.md, 'One step')."""
 from __future__ import annotations
 
 import random
@@ -25,12 +20,9 @@ _PASSES = {"prefill": "prefill_passes", "decode": "decode_passes", "verify": "ve
 
 
 class EngineCore:
-    """Requests in, finished samples out. `scheduler` plans and books (host state only: the queues,
-    the page accounting, the prefix cache); `runner` lays plans out and runs them (the page and
-    occurrence pools, the fixed buffers, the step in flight, the structured-outputs backend and its
-    masks). steps: the model's jitted steps (`Engine`), shared by every core over one model;
-    structured: the structured-outputs backend over the tokenizer (None: no structured outputs);
-    seed: the stream that seeds requests that bring no seed of their own."""
+    """Requests in, finished samples out: `scheduler` plans and books (host state), `runner` runs
+    the plans (device state). steps: the model's jitted steps, shared by the cores of one model;
+    structured: the structured-outputs backend (None: none); seed: seeds requests without one."""
 
     def __init__(self, steps: Engine, scheduler_config: SchedulerConfig, cache_config: CacheConfig, *,
                  tokenizer=None, eos_ids=(), structured=None, seed: int = 0, fixed_buffers: bool = True):
@@ -53,10 +45,9 @@ class EngineCore:
     # ---- requests -------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_ids, params: SamplingParams, *,
                      seed: Optional[int] = None, prompt: Optional[str] = None) -> list[Request]:
-        """One prompt's samples, validated (RequestError names what is wrong): params.num_samples of
-        them (n, or best_of), sample i with its own stream of the seed and id f"{i}_{request_id}"
-        (a single sample: the request itself, id request_id). The seed is params.seed, else `seed`,
-        else one drawn from the core's stream. Reads only fixed settings: any thread may call it."""
+        """One prompt's params.num_samples (n, or best_of) validated samples (RequestError names what
+        is wrong): sample i keyed by the seed's stream i, id f"{i}_{request_id}" (one: request_id).
+        The seed is params.seed, else `seed`, else drawn here. Safe from any thread."""
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         s = self.scheduler
@@ -86,8 +77,7 @@ class EngineCore:
         return r
 
     def add(self, samples: list[Request]) -> None:
-        """Queue one prompt's samples (`make_request`). Several samples prefill their prompt once:
-        all but its last token (`prefill_parent`), and each sample starts from a copy of those pages."""
+        """Queue one prompt's samples; several prefill their prompt once (`prefill_parent`)."""
         now = time.time()
         for r in samples:
             r.arrival_time = r.arrival_time or now
@@ -105,8 +95,7 @@ class EngineCore:
         return samples
 
     def abort(self, request_id: str) -> Optional[Request]:
-        """Stop a sample now ("abort") and free its pages (`Scheduler.abort`); returns it, or None when
-        no unfinished sample has that id. Call between steps, from the thread that steps."""
+        """Stop an unfinished sample now and free its pages (None: no such sample); between steps."""
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -118,8 +107,8 @@ class EngineCore:
 
     # ---- stepping -------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """One iteration: its plans run in turn; returns the samples that finished. With overlap
-        scheduling a decode step may still be in flight on return (read by the next call)."""
+        """One iteration's plans in turn; returns the samples that finished (overlap scheduling: a
+        decode step may still be in flight, read by the next call)."""
         s, finished = self.scheduler, []
         if s.inflight is not None and not s.overlap_continues():
             finished += self.drain()
@@ -138,8 +127,8 @@ class EngineCore:
 
     def run(self, on_finish: Optional[Callable[[Request], None]] = None,
             feed: Optional[Callable[[], bool]] = None) -> None:
-        """Step until every request is done. `feed()` is called whenever slots are free so a caller
-        can add requests lazily (returns False when it has no more)."""
+        """Step until every request is done; `feed()` adds requests while slots are free (False: no
+        more)."""
         s = self.scheduler
         more = feed is not None
         idle = 0                  # consecutive steps that ran no pass and finished nothing
@@ -177,8 +166,7 @@ class EngineCore:
         return self.runner.programs(self.limits())
 
     def precompile(self, progress: Optional[Callable] = None) -> int:
-        """Compile every program this core can run (`Runner.programs` at `limits()`; the pool is left
-        as it is); returns how many."""
+        """Compile every program of `programs()` (the pool unchanged); returns how many."""
         programs = self.programs()
         self.runner.precompile(programs, progress)
         return len(programs)

@@ -58,11 +58,9 @@ class _InFlight:
 
 
 class Runner:
-    """Runs an engine's plans on its devices and holds everything there: the page pool, the
-    occurrence pool, each program's fixed buffers, the step in flight, and the structured-outputs
-    backend (`structured`: kimi_jax.engine.structured.StructuredBackend, made once per model by its
-    Frontend and shared by its cores, so compiled grammars are reused; None: no structured outputs)
-    with the masks it fills."""
+    """Runs a core's plans and holds its device state: the page and occurrence pools, each program's
+    fixed buffers, the step in flight, and the structured-outputs backend (`structured`, shared by
+    the cores of one model; None: no structured outputs) with the masks it fills."""
 
     def __init__(self, steps: Engine, *, num_pages: int, page_size: int, cache_dtype, max_num_seqs: int,
                  max_logprobs: int = 20, fixed_buffers: bool = True, structured=None):
@@ -93,8 +91,7 @@ class Runner:
 
     # ---- one plan ---------------------------------------------------------------------------------
     def matcher(self, constraint, budget: Optional[int] = None):
-        """The grammar state of a request constrained by `constraint` (RequestError when it cannot
-        compile); budget: the tokens it may take."""
+        """The grammar state of a request within `budget` tokens (RequestError: it cannot compile)."""
         from kimi_jax.engine.structured import StructuredOutputError
         from kimi_jax.engine.validation import RequestError
         if self.structured is None:

@@ -19,12 +19,9 @@ from kimi_jax.engine.speculative import propose_drafts
 
 
 class Scheduler:
-    """The policy: requests, the page accounting and the plan of every pass. `schedule()` returns the
-    iteration's next StepPlan (prefill chunks, then decode or verification; None when the iteration is
-    done) and `update(plan, outputs)` books a plan's host outputs and returns the requests that
-    finished. It holds no device state: the writes it needs (occurrence rows, page copies) wait in
-    `effects` for the runner. batch_size: a step's padded batch for n rows; exec_plan: what the steps
-    run (the padded shapes follow it); measure(decode, verify): the two passes' seconds (speculation)."""
+    """The policy: `schedule()` returns the iteration's next StepPlan (None: the iteration is done),
+    `update(plan, outputs)` books a plan's host outputs and returns the requests that finished. No
+    device state: its writes wait in `effects`. measure(decode, verify): two passes' seconds."""
 
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, *, vocab_size: int,
                  batch_size: Callable[[int], int], dp: int, exec_plan, tokenizer=None, eos_ids=(),
@@ -58,8 +55,7 @@ class Scheduler:
         self._phase, self._verify_plan = 0, None
 
     def limits(self, max_logprobs: int = 20) -> Limits:
-        """The bounds of the workloads planned here; max_logprobs: the top logprobs one program
-        returns (the runner's)."""
+        """The bounds of the workloads planned here (max_logprobs: the runner's)."""
         return Limits(self.max_num_seqs, self.max_model_len, self.page_size, self.prefill_chunk,
                       self.max_prefill_tokens, max_logprobs,
                       self.spec.num_speculative_tokens if self.spec else 0,

@@ -1,6 +1,5 @@
-"""What every front end (LLM, the OpenAI server, kimi-batch) is built on: one model loaded from an
-EngineConfig, its jitted steps, the input and output processors, and the engine cores over them.
-`Frontend.from_config(engine_config)` reads the config, the tokenizer and the weights once."""
+"""What every front end (LLM, the OpenAI server, kimi-batch) is built on: one model loaded once from
+an EngineConfig, its jitted steps, the input and output processors, and engine cores over them."""
 from __future__ import annotations
 
 import dataclasses
@@ -49,10 +48,8 @@ def default_prefill_chunk(cfg: ModelConfig, dtype, plan: Optional[ops.ExecPlan] 
 
 @dataclasses.dataclass
 class Frontend:
-    """One loaded model and what serves it: `steps` (the jitted steps over its weights), `inputs`,
-    `outputs`, the resolved `scheduler_config` and `cache_config`, and `make_core()` for an engine
-    core over them (each core its own page pool; the structured-outputs backend and the measured pass
-    costs are shared)."""
+    """One loaded model: its jitted `steps`, `inputs`, `outputs`, the resolved configs, and
+    `make_core()` (each core its own page pool; grammars and pass costs shared)."""
     engine_config: EngineConfig
     config: ModelConfig
     layout: Layout
@@ -82,8 +79,7 @@ class Frontend:
         return eos
 
     def structured_backend(self):
-        """The structured-outputs backend over this model's tokenizer (None without one), shared by
-        every core: compiled grammars are cached across them."""
+        """The structured-outputs backend (None without a tokenizer), shared by every core."""
         with self._lock:
             if self._structured is None and self.tokenizer is not None:
                 from kimi_jax.engine.structured import StructuredBackend
@@ -91,8 +87,7 @@ class Frontend:
             return self._structured
 
     def make_core(self, **changes) -> EngineCore:
-        """A new engine core over this model (a fresh page pool). changes: SchedulerConfig and
-        CacheConfig fields to override for this core (a benchmark's or a test's own limits)."""
+        """A new engine core (a fresh page pool); changes: SchedulerConfig / CacheConfig fields."""
         sc, cc = self.scheduler_config, self.cache_config
         own = {f.name for f in dataclasses.fields(SchedulerConfig)}
         cache = {f.name for f in dataclasses.fields(CacheConfig)}

@@ -1,6 +1,4 @@
-"""The input processor every front end shares: prompts (text, token ids, vLLM's prompt dicts) and
-conversations (the checkpoint's chat template, sandboxed; message text never becomes special tokens)
-to prompt token ids."""
+"""The input processor every front end shares: prompts and conversations to prompt token ids."""
 from __future__ import annotations
 
 import os
@@ -12,8 +10,8 @@ Prompt = Union[str, Sequence[int], dict]
 
 
 def load_tokenizer(tokenizer: Optional[str], model_path: Optional[str]):
-    """The tokenizer named by `tokenizer`, else the checkpoint's; None (a warning: token-id prompts
-    only) for a checkpoint with neither tokenizer file; a missing or corrupt file raises."""
+    """The tokenizer named by `tokenizer`, else the checkpoint's (None, with a warning: it has no
+    tokenizer file); a missing or corrupt file raises."""
     import logging
 
     from checkpoints.tokenizer_format import TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE
@@ -33,16 +31,14 @@ def load_tokenizer(tokenizer: Optional[str], model_path: Optional[str]):
 
 
 class InputProcessor:
-    """Prompt token ids from what a user sends. tokenizer: None for a model without one (token-id
-    prompts only); source: what to name in errors (the checkpoint directory)."""
+    """Prompt token ids from what a user sends; source: what errors name (the checkpoint)."""
 
     def __init__(self, tokenizer, source: Optional[str] = None):
         self.tokenizer, self.source = tokenizer, source
 
     def token_ids(self, prompt: Prompt, i: int = 0) -> list[int]:
-        """Token ids of a prompt: text (tokenized), token ids, or vLLM's {"prompt": text} /
-        {"prompt_token_ids": ids}; i: the request's index in errors. The ids' validity is checked by
-        the engine core."""
+        """Token ids of a prompt: text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids":
+        ids}; i: the request's index in errors (the engine core checks the ids)."""
         if isinstance(prompt, dict):
             for key in ("multi_modal_data", "mm_processor_kwargs"):
                 if prompt.get(key) not in (None, {}):
@@ -91,9 +87,8 @@ class InputProcessor:
 
     def encode_chat(self, messages, *, add_generation_prompt: bool = True, tools=None,
                     chat_template: Optional[str] = None) -> list[int]:
-        """Prompt token ids of one conversation: the checkpoint's chat template (sandboxed, bounded)
-        with only its own markup as special tokens; text from the messages and tools always encodes as
-        plain text (kimi_jax.text.conversation). A bad message raises ValueError naming its index."""
+        """Prompt token ids of one conversation (kimi_jax.text.conversation: only the template's own
+        markup is special tokens); a bad message raises ValueError naming its index."""
         from kimi_jax.text.conversation import encode_conversation
         return encode_conversation(self._template(chat_template), self.tokenizer, messages,
                                    add_generation_prompt=add_generation_prompt, tools=tools)

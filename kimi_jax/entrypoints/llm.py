@@ -100,8 +100,8 @@ class LLM:
             return self.engine_core().precompile(report)
 
     def engine_core(self) -> EngineCore:
-        """generate()'s engine core: with prefix caching one kept for the LLM's life (its cached pages
-        serve later calls), else a fresh one per call."""
+        """generate()'s engine core: with prefix caching one kept (its cached pages serve later
+        calls), else a fresh one per call."""
         if self._core is None or not self.engine_config.enable_prefix_caching:
             self._core = self.frontend.make_core()
         return self._core
@@ -207,10 +207,9 @@ class LLM:
     def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
              add_generation_prompt: bool = True, tools=None, chat_template: Optional[str] = None,
              use_tqdm: Union[bool, Callable] = True, tool_choice=None, response_format=None):
-        """Generate from one conversation or a list of them, rendered with the checkpoint's chat template
-        (`encode_chat`). tools / tool_choice / response_format constrain the output (OpenAI's fields)
-        unless sampling_params has structured_outputs; with tools each output's calls are parsed into
-        `content`, `tool_calls` and finish_reason "tool_calls"."""
+        """Generate from one conversation or a list (`encode_chat`); tools / tool_choice /
+        response_format constrain the output unless sampling_params has structured_outputs, and
+        with tools each output's calls are parsed into `content`, `tool_calls`, finish_reason."""
         from kimi_jax.engine.structured import StructuredOutputError, from_openai
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         kw = dict(add_generation_prompt=add_generation_prompt, tools=tools, chat_template=chat_template)

@@ -1,5 +1,4 @@
-"""The output processor every front end shares: a prompt's finished samples -> RequestOutput (vLLM's
-types), with text detokenized, logprob entries decoded and best_of's choice."""
+"""The output processor every front end shares: finished samples -> RequestOutput (vLLM's types)."""
 from __future__ import annotations
 
 import dataclasses
@@ -56,9 +55,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
 
     def request_output(self, samples: list[Request]) -> RequestOutput:
-        """One prompt's RequestOutput from its finished samples (`EngineCore.make_request`): with
-        best_of, the n of highest cumulative logprob (best first), else all n in sample order; indices
-        0 .. n-1."""
+        """One prompt's RequestOutput from its finished samples: with best_of the n of highest
+        cumulative logprob (best first), else all n in sample order."""
         r0, p = samples[0], samples[0].params
         chosen = list(samples)
         if p.num_samples > p.n:
