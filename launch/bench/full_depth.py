@@ -497,10 +497,9 @@ def scheduler_run(engine, batch: int, context: int, steps: int, overlap: bool, f
     cfg = engine.cfg
     # each row leaves at least one of its pages free before it decodes (admission needs one)
     prompt_len = context - max(steps, PAGE_SIZE) - 1
-    sc = SchedulerConfig(max_num_seqs=batch, max_model_len=context, prefill_chunk=256,
-                         max_prefill_tokens=2048, overlap_scheduling=overlap)
-    cc = CacheConfig(PAGE_SIZE, batch * (context // PAGE_SIZE), engine.cache_dtype)
-    be = EngineCore(engine, sc, cc, fixed_buffers=fixed_buffers)
+    cache = CacheConfig(PAGE_SIZE, batch * (context // PAGE_SIZE), engine.cache_dtype)
+    sc = SchedulerConfig(batch, context, 256, 2048, overlap_scheduling=overlap)
+    be = EngineCore(engine, sc, cache, fixed_buffers=fixed_buffers)
     pool = be.scheduler.pool
     be.runner.pages = random_pages(engine, pool.num_pages)
     rng = np.random.default_rng(0)
