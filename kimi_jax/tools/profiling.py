@@ -90,8 +90,8 @@ def paged_args(engine, layout, batch: int, cache_len: int, page_size: int = PAGE
 
 
 def compile_decode_step(engine, layout, batch: int, cache_len: int, *, abstract: Optional[bool] = None):
-    """Lower and compile the contiguous-cache reference step (`step_adapters.decode_jit`) for this batch
-    and cache length; returns the Compiled."""
+    """Lower and compile the contiguous-cache reference step (`step_adapters.decode_jit`) for this
+    batch and cache length; returns the Compiled."""
     import jax
     from kimi_jax.tools.step_adapters import decode_jit
     if abstract is None:
@@ -361,8 +361,8 @@ def analyze_trace(trace_file: str, module: HloModule, steps: int, *, module_name
 def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_dir: str,
                    model_name: str = "?", warmup: int = 2, paged: bool = True) -> ProfileReport:
     """Run `steps` decode steps (after `warmup`) under the JAX profiler; write report.json, breakdown.png and
-    out_dir/trace; return the report. paged: the serving step (`Engine.step_jit`, kind 'decode'), else the
-    contiguous-cache reference step (`step_adapters.decode_jit`)."""
+    out_dir/trace; return the report. paged: the serving step (`Engine.step_jit`, kind 'decode'),
+    else the contiguous-cache reference step (`step_adapters.decode_jit`)."""
     import jax
     import numpy as np
     from kimi_jax.engine.steps import StepBatch, bucket
@@ -372,13 +372,14 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
     ones, zeros = np.ones((batch,), np.int32), np.zeros((batch,), np.int32)
     if paged:
         cache, tok, table, sp = paged_args(engine, layout, batch, cache_len)
-        rows = lambda tok, pos, step: StepBatch(tok, pos, i32(table), zeros, step, sp)   # noqa: E731
-        lowered = engine.step_jit.lower(engine.state, cache, rows(i32(tok), i32(tok), i32(ones)), kind="decode",
-                                        n_logprobs=None, sample_mode="greedy", plan=engine.plan)
+        rows = lambda tok, pos, step: StepBatch(tok, pos, i32(table), zeros, step, sp)  # noqa: E731
+        lowered = engine.step_jit.lower(engine.state, cache, rows(i32(tok), i32(tok), i32(ones)),
+                                        kind="decode", n_logprobs=None, sample_mode="greedy",
+                                        plan=engine.plan)
     else:
         cache, tok, _, sp, _ = decode_args(engine, layout, batch, cache_len, abstract=False)
-        lowered = decode_jit(engine).lower(engine.state, cache, tok, tok, sp, i32(ones), n_logprobs=None,
-                                           sample_mode="greedy", plan=engine.plan)
+        lowered = decode_jit(engine).lower(engine.state, cache, tok, tok, sp, i32(ones),
+                                           n_logprobs=None, sample_mode="greedy", plan=engine.plan)
     # the executable that runs is the one whose HLO is parsed (compiled once, called directly)
     compiled = lowered.compile()
     compiled_text = compiled.as_text()
@@ -392,7 +393,8 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
     def step(i, cache):
         pos = np.full(tokens.shape, context + i, np.int32)
         if paged:
-            cache, out = compiled(engine.state, cache, rows(i32(tokens), i32(pos), i32(ones * (i + 1))))
+            inputs = rows(i32(tokens), i32(pos), i32(ones * (i + 1)))
+            cache, out = compiled(engine.state, cache, inputs)
         else:
             cache, out = compiled(engine.state, cache, i32(tokens), i32(pos), sp, i32(ones * (i + 1)))
         jax.block_until_ready(out)

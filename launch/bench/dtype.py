@@ -44,8 +44,9 @@ def step_ms(llm, B: int, context: int, reps: int = 20) -> float:
     times = []
     for i in range(reps + 3):
         t0 = time.perf_counter()
-        pages, out = decode_step_async(eng, pages, tok, np.full(B, context + i, np.int32), table, sp,
-                                       np.full(B, i, np.int32), None)
+        pos = np.full(B, context + i, np.int32)
+        step_B = np.full(B, i, np.int32)
+        pages, out = decode_step_async(eng, pages, tok, pos, table, sp, step_B, None)
         jax.block_until_ready(out["tokens"])
         times.append(time.perf_counter() - t0)
     return 1e3 * float(np.min(times[3:]))

@@ -224,8 +224,8 @@ def bench_sampling_step(batches, vocabs, reps):
 
 
 def bench_decode_step(batches, steps: int, context: int = 64, kimi_vocab: bool = True):
-    """The engine's serving decode step (`step_adapters.paged_step`, T = 1, greedy, host inputs and fetch:
-    what the scheduler calls) with mask_Bw None and with a mask, on the demo model and (kimi_vocab)
+    """The engine's serving decode step (`step_adapters.paged_step`, T = 1, greedy, host inputs and
+    fetch: what the scheduler calls) with mask_Bw None and with a mask, on the demo model and (kimi_vocab)
     on the tiny preset at a 163,840-token vocabulary (float32, CPU)."""
     import jax.numpy as jnp
     import numpy as np
@@ -251,8 +251,9 @@ def bench_decode_step(batches, steps: int, context: int = 64, kimi_vocab: bool =
                 for name, m in (("no_mask", None), ("mask", mask)):
                     pos = np.full(tok.shape, context + i, np.int32)
                     t0 = time.perf_counter()
-                    pages, o = paged_step(engine, pages, tok, pos, table, last, sp, np.full((B,), i, np.int32),
-                                          None, mask_Bw=m)
+                    step_B = np.full((B,), i, np.int32)
+                    pages, o = paged_step(engine, pages, tok, pos, table, last, sp, step_B, None,
+                                          mask_Bw=m)
                     ts[name].append(time.perf_counter() - t0)
             res = {k: _median_ms(v[3:]) for k, v in ts.items()}    # the first 3 compile and warm up
             out[f"{label},B={B}"] = res

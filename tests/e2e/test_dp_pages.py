@@ -123,8 +123,9 @@ def test_compiled_paged_steps_move_no_pool(ckpt, name):
         tok = np.ones((B, T), np.int32)
         pos = np.tile(np.arange(T, dtype=np.int32) + (0 if fresh else 20), (B, 1))
         batch = StepBatch(tok, pos, table, z, z, sp)
-        compiled = eng.step_jit.lower(eng.state, pages, batch, kind="decode" if absorbed else "prefill",
-                                      n_logprobs=None, fresh=fresh, plan=eng.plan).compile()
+        kind = "decode" if absorbed else "prefill"
+        compiled = eng.step_jit.lower(eng.state, pages, batch, kind=kind, n_logprobs=None,
+                                      fresh=fresh, plan=eng.plan).compile()
         ops = profiling.collectives_of_hlo(compiled.as_text()).ops
         big = [(o.kind, o.bytes, o.source) for o in ops if not o.trivial and o.bytes >= shard_bytes]
         assert not big, (T, absorbed, fresh, big)
