@@ -82,7 +82,8 @@ class Scheduler:
 
     def _matcher(self, params: SamplingParams, budget: Optional[int] = None):
         """The grammar state of a request with structured_outputs (RequestError when it cannot compile)."""
-        from kimi_jax.engine.structured import StructuredBackend, StructuredOutputError
+        from kimi_jax.engine.structured import StructuredBackend
+        from kimi_jax.engine.structured_params import StructuredOutputError
         try:
             if self.structured is None:
                 self.structured = StructuredBackend(self.tokenizer, self.vocab_size)

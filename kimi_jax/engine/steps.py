@@ -19,7 +19,7 @@ from kimi_jax.model.transformer import Transformer
 from kimi_jax.engine import penalties
 from kimi_jax.engine.shapes import bucket  # noqa: F401 (the steps' callers take it from here)
 from kimi_jax.engine.sampling import SamplingArrays, sample, top_logprobs, verify_drafts
-from kimi_jax.engine.structured import apply_token_bitmask
+from kimi_jax.engine.token_mask import apply_token_bitmask
 
 
 @dataclasses.dataclass

@@ -457,7 +457,8 @@ class LLM:
         (`chat_prompt_ids`). tools / tool_choice / response_format constrain the output (OpenAI's fields)
         unless sampling_params has structured_outputs; with tools each output's calls are parsed into
         `content`, `tool_calls` and finish_reason "tool_calls"."""
-        from kimi_jax.engine.structured import StructuredOutputError, from_openai
+        from kimi_jax.engine.structured_openai import from_openai
+        from kimi_jax.engine.structured_params import StructuredOutputError
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         kw = dict(add_generation_prompt=add_generation_prompt, tools=tools, chat_template=chat_template)
         prompts = [self.chat_prompt_ids(c, **kw) for c in convs]

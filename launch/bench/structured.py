@@ -114,7 +114,8 @@ def _median_ms(xs):
 
 def bench_llguidance(tok, batches):
     import llguidance as llg
-    from kimi_jax.engine.structured import StructuredBackend, StructuredOutputsParams
+    from kimi_jax.engine.structured import StructuredBackend
+    from kimi_jax.engine.structured_params import StructuredOutputsParams
     backend = StructuredBackend(tok, KIMI_VOCAB if tok.vocab_size > 100_000 else 4096)
     t0 = time.perf_counter()
     backend._lltok                                   # built on first use
@@ -199,7 +200,7 @@ def bench_sampling_step(batches, vocabs, reps):
     import jax
     import numpy as np
     from kimi_jax.engine.sampling import SamplingArrays, SamplingParams, sample
-    from kimi_jax.engine.structured import apply_token_bitmask, mask_words
+    from kimi_jax.engine.token_mask import apply_token_bitmask, mask_words
     plain = jax.jit(lambda l, sp, s: sample(l, sp, s, "greedy"))
     masked = jax.jit(lambda l, m, sp, s: sample(apply_token_bitmask(l, m), sp, s, "greedy"))
     out = {}
@@ -231,7 +232,7 @@ def bench_decode_step(batches, steps: int, context: int = 64, kimi_vocab: bool =
     import numpy as np
     from kimi_jax.config import preset
     from kimi_jax.engine.steps import Engine, bucket
-    from kimi_jax.engine.structured import mask_words
+    from kimi_jax.engine.token_mask import mask_words
     from kimi_jax.entrypoints.llm import LLM, demo_model_path
     from kimi_jax.parallel.sharding import Layout
     from kimi_jax.tools.profiling import paged_args, random_engine
