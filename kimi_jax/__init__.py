@@ -2,7 +2,7 @@
 from kimi_jax.entrypoints.llm import LLM, CompletionOutput, RequestOutput
 from kimi_jax.config import ModelConfig, preset
 from kimi_jax.engine.sampling import SamplingParams
-from kimi_jax.engine.structured import StructuredOutputsParams
+from kimi_jax.engine.structured_params import StructuredOutputsParams
 from kimi_jax.ops.plan import ExecPlan
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "ModelConfig",

@@ -6,7 +6,7 @@ import os
 from typing import Optional
 
 from kimi_jax.engine.sampling import SamplingParams
-from kimi_jax.engine.structured import StructuredOutputsParams
+from kimi_jax.engine.structured_params import StructuredOutputsParams
 
 __all__ = ["SamplingParams", "StructuredOutputsParams", "generation_defaults"]
 

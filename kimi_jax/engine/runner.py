@@ -21,7 +21,8 @@ from kimi_jax.engine.requests import StepPlan, n_logprobs, prompt_targets
 from kimi_jax.engine.sampling import SamplingArrays, SamplingParams
 from kimi_jax.engine.sampling import sample_mode as sample_mode_of
 from kimi_jax.engine.shapes import Limits, Shapes, bucket
-from kimi_jax.engine.steps import Engine, StepBatch, StepOutput, can_balance, is_fresh, step_schedule
+from kimi_jax.engine.mla_schedule import can_balance, step_schedule
+from kimi_jax.engine.steps import Engine, StepBatch, StepOutput, is_fresh
 
 # A constrained request with at most this many tokens left checks each step whether closing its output
 # (kimi_jax.engine.structured.StructuredBackend.bitmask_closing) must begin.
@@ -92,7 +93,7 @@ class Runner:
     # ---- one plan ---------------------------------------------------------------------------------
     def matcher(self, constraint, budget: Optional[int] = None):
         """The grammar state of a request within `budget` tokens (RequestError: it cannot compile)."""
-        from kimi_jax.engine.structured import StructuredOutputError
+        from kimi_jax.engine.structured_params import StructuredOutputError
         from kimi_jax.engine.validation import RequestError
         if self.structured is None:
             raise RequestError("structured outputs need the model's tokenizer, and this engine has none",

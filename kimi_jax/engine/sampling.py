@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimi_jax.engine.penalties import LogitsAdjust
-from kimi_jax.engine.structured import StructuredOutputsParams
+from kimi_jax.engine.structured_params import StructuredOutputsParams
 
 
 @dataclasses.dataclass

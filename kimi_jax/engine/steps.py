@@ -1,6 +1,6 @@
 """The jitted model steps the runner drives: pure functions of the model's state with the cache donated
-(`_step` over one StepBatch, its loose-argument forms for the profiler and benchmarks, `_all_logits`,
-`_decode` over a contiguous cache); the ExecPlan is a static argument of each."""
+(`_step` over one StepBatch, `_all_logits`); the ExecPlan is a static argument of each. Their
+loose-argument forms for the profiler and benchmarks are in kimi_jax.tools.step_adapters."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +19,7 @@ from kimi_jax.model.transformer import Transformer
 from kimi_jax.engine import penalties
 from kimi_jax.engine.shapes import bucket  # noqa: F401 (the steps' callers take it from here)
 from kimi_jax.engine.sampling import SamplingArrays, sample, top_logprobs, verify_drafts
-from kimi_jax.engine.sampling import sample_mode as sample_mode_of
-from kimi_jax.engine.structured import apply_token_bitmask
+from kimi_jax.engine.token_mask import apply_token_bitmask
 
 
 @dataclasses.dataclass
@@ -113,17 +112,6 @@ def _constrain(x, sharding):
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
-def _decode(graphdef, shard, state, cache, tokens_B, positions_B, sp, step_B, n_logprobs, sample_mode=None, *,
-            plan: ops.ExecPlan):
-    """One token per row at its position, absorbed MLA over a contiguous cache {kind: [L, B, S, A+R]}
-    (the profiler's and planner's reference step; generation runs `_paged_step`)."""
-    model = _merge(graphdef, state)
-    tokens_B = _constrain(tokens_B, shard.get("batch1"))
-    logits, cache = model(tokens_B[:, None], positions_B[:, None], cache, absorbed=True, plan=plan)
-    cache = {k: _constrain(v, shard.get("cache")) for k, v in cache.items()}
-    return cache, _sample_out(logits[:, 0], sp, step_B, n_logprobs, shard, sample_mode)
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
@@ -174,58 +162,6 @@ def _step(graphdef, shard, state, pages, batch: StepBatch, occ=None, prev=None, 
     return pages, out
 
 
-def _paged_step(graphdef, shard, state, pages, tokens_BT, positions_BT, block_table_BP, last_B, sp, step_B,
-                n_logprobs, absorbed, fresh=False, sample_mode=None, occ=None, n_prompt_logprobs=None,
-                targets_BT=None, mask_Bw=None, *, plan: ops.ExecPlan):
-    """`_step` over loose arguments (the profiler's and benchmarks' entry; T = 1 with absorbed: decode)."""
-    batch = StepBatch(tokens_BT, positions_BT, block_table_BP, last_B, step_B, sp, targets_BT, mask_Bw)
-    return _step(graphdef, shard, state, pages, batch, occ, kind="decode" if absorbed else "prefill",
-                 n_logprobs=n_logprobs, n_prompt_logprobs=n_prompt_logprobs, fresh=fresh and not absorbed,
-                 sample_mode=sample_mode, plan=plan)
-
-
-def _decode_step(graphdef, shard, state, pages, tokens_B, positions_B, block_table_BP, sp, step_B, n_logprobs,
-                 sample_mode=None, mla_schedule=None, occ=None, mask_Bw=None, *, plan: ops.ExecPlan):
-    """`_step` for one token per row over loose arguments (benchmarks); mla_schedule: the step's MLA
-    decode schedule (`step_schedule`), set on the step's copy of the plan."""
-    B = tokens_B.shape[0]
-    batch = StepBatch(tokens_B, positions_B[:, None], block_table_BP, jnp.zeros((B,), jnp.int32), step_B, sp,
-                      mask_Bw=mask_Bw)
-    return _step(graphdef, shard, state, pages, batch, occ, kind="decode", n_logprobs=n_logprobs,
-                 sample_mode=sample_mode, plan=dataclasses.replace(plan, mla_schedule=mla_schedule))
-
-
-# A decode step runs the MLA kernels on the balanced schedule when its rows' cached tokens total at
-# least BALANCE_MIN_TOKENS and the longest row holds at least BALANCE_MIN_SKEW times the mean
-# (BENCHMARKS.md, 'MLA decode with rows of mixed lengths').
-BALANCE_MIN_TOKENS = 1 << 16
-BALANCE_MIN_SKEW = 2.0
-
-
-def mla_schedule_for(positions_B, pallas: bool) -> Optional[str]:
-    """The decode step's MLA schedule from the rows' host-side positions (= cached tokens; < 0:
-    padding): 'balanced' for a large, skewed batch on the Pallas kernels, else None (the default)."""
-    if not pallas:
-        return None
-    lengths = np.maximum(np.asarray(positions_B, np.int64), 0)
-    total = int(lengths.sum())
-    if total < BALANCE_MIN_TOKENS or lengths.max() * lengths.size < BALANCE_MIN_SKEW * total:
-        return None
-    return "balanced"
-
-
-def can_balance(batch: int, row_tokens: int) -> bool:
-    """Whether `mla_schedule_for` can pick 'balanced' for `batch` rows of fewer than row_tokens cached tokens."""
-    return batch >= BALANCE_MIN_SKEW and batch * row_tokens >= BALANCE_MIN_SKEW * BALANCE_MIN_TOKENS
-
-
-def step_schedule(plan: ops.ExecPlan, positions_B) -> Optional[str]:
-    """A decode step's MLA schedule: the plan's when it forces one, else `mla_schedule_for`'s choice."""
-    if plan.mla_schedule is not None:
-        return plan.mla_schedule
-    return mla_schedule_for(positions_B, plan.pallas)
-
-
 def _all_logits(graphdef, shard, state, tokens_BT, *, plan: ops.ExecPlan):
     model = _merge(graphdef, state)
     tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
@@ -266,16 +202,9 @@ class Engine:
                      "pages": layout.sharding(P(None, b if self.dp > 1 else None, None, None)),
                      "logits2": layout.sharding(P(b, v)), "logits3": layout.sharding(P(b, None, v))}
         self._shard = shard
-        # every step takes `plan=` (static): call them with plan=self.plan. The contiguous-cache reference
-        # step and the paged step are public (the profiler lowers them)
-        self.decode_jit = jax.jit(functools.partial(_decode, self.graphdef, shard),
-                                  static_argnames=("n_logprobs", "sample_mode", "plan"), donate_argnames=("cache",))
+        # every step takes `plan=` (static): call them with plan=self.plan
         self._logits = jax.jit(functools.partial(_all_logits, self.graphdef, shard), static_argnames=("plan",))
-        self.paged_step_jit = jax.jit(functools.partial(_paged_step, self.graphdef, shard),
-                                      static_argnames=("n_logprobs", "absorbed", "fresh", "sample_mode",
-                                                       "n_prompt_logprobs", "plan"),
-                                      donate_argnames=("pages", "occ"))
-        # the sharding of decode_step_async's output tokens (replicated), which host-fed tokens take too:
+        # the sharding of a decode step's output tokens (replicated), which host-fed tokens take:
         # one compiled decode program serves both feeds from the first step on (jit keys its cache on
         # the inputs' shardings, and host arrays are uncommitted)
         self.token_sharding = (layout.sharding(jax.sharding.PartitionSpec()) if layout is not None
@@ -287,9 +216,6 @@ class Engine:
         self.put_batch = jax.jit(lambda io, new: jax.tree.map(jnp.copy, new), donate_argnums=0,
                                  out_shardings=self.token_sharding, keep_unused=True)
         self.snapshot = jax.jit(lambda out: jax.tree.map(jnp.copy, out))
-        self._decode_step = jax.jit(functools.partial(_decode_step, self.graphdef, shard),
-                                    static_argnames=("n_logprobs", "sample_mode", "mla_schedule", "plan"),
-                                    donate_argnames=("pages", "occ"))
         self._set_occ_row = jax.jit(lambda pool, slot, row: pool.at[slot].set(row), donate_argnums=0,
                                     out_shardings=self.token_sharding)
         self._copy_pages = jax.jit(lambda pages, src, dst: {k: v.at[:, dst].set(v[:, src]) for k, v in pages.items()},
@@ -321,24 +247,6 @@ class Engine:
         padded[0, :T] = token_ids
         return np.asarray(self._logits(self.weights, jnp.asarray(padded), plan=self.plan)[0, :T], np.float32)
 
-    def paged_step(self, pages, tokens_BT, positions_BT, block_table_BP, last_B, sp: SamplingArrays,
-                   steps_B, n_logprobs: Optional[int], occ: Optional[Occurrences] = None,
-                   n_prompt_logprobs: Optional[int] = None, targets_BT=None, mask_Bw: Optional[np.ndarray] = None):
-        """occ: the occurrence pool, when sp's adjustments have penalties (updated in place). With
-        n_prompt_logprobs: targets_BT [B, T] (see `_paged_step`). mask_Bw: structured outputs' packed
-        int32 token bitmask [B, ceil(V / 32)] (None: no row is constrained; a separate compiled
-        program, so unconstrained batches pay nothing)."""
-        T = tokens_BT.shape[1]
-        extra = {} if n_prompt_logprobs is None else {"n_prompt_logprobs": n_prompt_logprobs,
-                                                       "targets_BT": _i32(targets_BT)}
-        pages, out = self.paged_step_jit(self.weights, pages, _i32(tokens_BT), _i32(positions_BT), _i32(block_table_BP),
-                                _i32(last_B), sp, _i32(steps_B), n_logprobs=n_logprobs, absorbed=T == 1,
-                                fresh=T > 1 and is_fresh(positions_BT), sample_mode=sample_mode_of(sp),
-                                occ=_occ_in(occ, sp), plan=self.plan,
-                                mask_Bw=None if mask_Bw is None else _i32(mask_Bw), **extra)
-        _occ_out(occ, out)
-        return pages, _to_host(out)
-
     def new_occurrences(self, num_slots: int) -> Occurrences:
         """A zeroed occurrence pool for num_slots penalty slots (plus the padding slot)."""
         make = lambda: jnp.zeros((num_slots + 1, self.cfg.vocab_size), jnp.int32)  # noqa: E731
@@ -357,30 +265,6 @@ class Engine:
         dst = [*dst, *[dst[-1]] * (n - len(dst))]
         return self._copy_pages(pages, _i32(src) + rank * per, _i32(dst) + rank * per)
 
-    def decode_step_async(self, pages, tokens_B, positions_B, block_table_BP, sp: SamplingArrays, steps_B,
-                          n_logprobs: Optional[int], sample_mode: Optional[str] = None,
-                          occ: Optional[Occurrences] = None):
-        """One decode step (one token per row) dispatched without waiting for it: tokens_B [B] may be a
-        device array (the previous step's `out["tokens"]`); positions_B [B] (-1: padding row). Returns
-        (pages, outputs as device arrays: {tokens [B], and with n_logprobs: logprob, rank, top_ids, top_vals}),
-        their copy to the host already started; `fetch` reads them. sample_mode: as `paged_step`
-        derives it (pass it when sp is reused, to skip the host check)."""
-        if not isinstance(tokens_B, jax.Array):
-            host = _i32(tokens_B)            # committed like a step's own output tokens (see __init__)
-            tokens_B = jax.make_array_from_callback(host.shape, self.token_sharding, lambda i: host[i])
-        positions_B = _i32(positions_B)
-        pages, out = self._decode_step(self.weights, pages, tokens_B, positions_B, _i32(block_table_BP), sp,
-                                       _i32(steps_B), n_logprobs=n_logprobs,
-                                       sample_mode=sample_mode or sample_mode_of(sp),
-                                       mla_schedule=step_schedule(self.plan, positions_B),
-                                       occ=_occ_in(occ, sp), plan=self.plan)
-        _occ_out(occ, out)
-        for o in out.values():
-            if o.is_fully_addressable:
-                o.copy_to_host_async()
-        return pages, out
-
-
 def is_fresh(positions_BT) -> bool:
     """Host check (static for the step): every row's real tokens sit at positions 0, 1, ... from its
     first column, padding (< 0) only after them; no row has cached tokens before them."""
@@ -393,18 +277,3 @@ def is_fresh(positions_BT) -> bool:
 def _i32(a) -> np.ndarray:
     """Step inputs stay numpy: jit takes them through its C++ fast path."""
     return np.asarray(a, np.int32)
-
-
-def _occ_in(occ: Optional[Occurrences], sp: SamplingArrays):
-    """The pool array a step takes: only when its adjustments have penalties."""
-    return occ.pool if occ is not None and sp.adjust is not None and sp.adjust.has_penalties else None
-
-
-def _occ_out(occ: Optional[Occurrences], out: dict) -> None:
-    if _OCC in out:
-        occ.pool = out.pop(_OCC)
-
-
-def _to_host(out: dict) -> StepOutput:
-    out = jax.device_get(out)
-    return StepOutput(**{k: np.asarray(o) for k, o in out.items()})

@@ -210,7 +210,8 @@ class LLM:
         """Generate from one conversation or a list (`encode_chat`); tools / tool_choice /
         response_format constrain the output unless sampling_params has structured_outputs, and
         with tools each output's calls are parsed into `content`, `tool_calls`, finish_reason."""
-        from kimi_jax.engine.structured import StructuredOutputError, from_openai
+        from kimi_jax.engine.structured_openai import from_openai
+        from kimi_jax.engine.structured_params import StructuredOutputError
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         kw = dict(add_generation_prompt=add_generation_prompt, tools=tools, chat_template=chat_template)
         prompts = [self.encode_chat(c, **kw) for c in convs]

@@ -1,5 +1,5 @@
 """One-line progress on stderr while a model loads and compiles ("loading weights ... 1.2 s",
-"compiling paged step ... 0.8 s", "loading compiled paged step from the cache ... 0.1 s").
+"compiling step ... 0.8 s", "loading compiled step from the cache ... 0.1 s").
 
 The library reports phases through the `kimi_jax.progress` logger (`phase`), and `enable()` (the
 launchers call it) shows them, plus each XLA compilation as JAX reports it (jax.monitoring), on
@@ -72,7 +72,7 @@ class _StatusLine(logging.Handler):
 
 
 def _name(kw) -> str:
-    """'jit(_paged_step)' -> 'paged step'."""
+    """'jit(_all_logits)' -> 'all logits'."""
     name = str(kw.get("fun_name", "a program"))
     m = re.fullmatch(r"\w+\((.*)\)", name)
     return (m.group(1) if m else name).strip("_").replace("_", " ")

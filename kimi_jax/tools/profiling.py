@@ -75,7 +75,7 @@ PAGE_SIZE = 16      # as kimi_jax.entrypoints.llm.LLM's default
 
 
 def paged_args(engine, layout, batch: int, cache_len: int, page_size: int = PAGE_SIZE):
-    """(pages, tokens [B, 1], block table [B, P], sampling arrays) for `Engine.paged_step_jit` (T = 1), with
+    """(pages, tokens [B, 1], block table [B, P], sampling arrays) for a decode step (T = 1), with
     `cache_len` tokens per row and page ids local to each dp rank, as the scheduler emits them."""
     import numpy as np
     from kimi_jax.engine.sampling import SamplingArrays, SamplingParams
@@ -90,14 +90,16 @@ def paged_args(engine, layout, batch: int, cache_len: int, page_size: int = PAGE
 
 
 def compile_decode_step(engine, layout, batch: int, cache_len: int, *, abstract: Optional[bool] = None):
-    """Lower and compile `engine.decode_jit` for this batch and cache length; returns the Compiled."""
+    """Lower and compile the contiguous-cache reference step (`step_adapters.decode_jit`) for this
+    batch and cache length; returns the Compiled."""
     import jax
+    from kimi_jax.tools.step_adapters import decode_jit
     if abstract is None:
         leaves = jax.tree.leaves(engine.state)
         abstract = bool(leaves) and isinstance(leaves[0], jax.ShapeDtypeStruct)
     cache, tok, pos, sp, steps = decode_args(engine, layout, batch, cache_len, abstract=abstract)
-    return engine.decode_jit.lower(engine.state, cache, tok, pos, sp, steps, n_logprobs=None,
-                                plan=engine.plan).compile()
+    return decode_jit(engine).lower(engine.state, cache, tok, pos, sp, steps, n_logprobs=None,
+                                    plan=engine.plan).compile()
 
 
 def count_decode_collectives(cfg, layout, batch: int = 8, cache_len: int = 64, dtype=None) -> CollectiveCounts:
@@ -359,22 +361,25 @@ def analyze_trace(trace_file: str, module: HloModule, steps: int, *, module_name
 def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_dir: str,
                    model_name: str = "?", warmup: int = 2, paged: bool = True) -> ProfileReport:
     """Run `steps` decode steps (after `warmup`) under the JAX profiler; write report.json, breakdown.png and
-    out_dir/trace; return the report. paged: `Engine.paged_step_jit`, else the contiguous `Engine.decode_jit`."""
+    out_dir/trace; return the report. paged: the serving step (`Engine.step_jit`, kind 'decode'),
+    else the contiguous-cache reference step (`step_adapters.decode_jit`)."""
     import jax
     import numpy as np
-    from kimi_jax.engine.steps import _i32 as i32       # numpy step inputs: jit's fast path, as the engine's
-    from kimi_jax.engine.steps import bucket
+    from kimi_jax.engine.steps import StepBatch, bucket
+    from kimi_jax.tools.step_adapters import _i32 as i32     # numpy step inputs: jit's fast path
+    from kimi_jax.tools.step_adapters import decode_jit
     cache_len = bucket(context + warmup + steps + 1)
     ones, zeros = np.ones((batch,), np.int32), np.zeros((batch,), np.int32)
     if paged:
         cache, tok, table, sp = paged_args(engine, layout, batch, cache_len)
-        lowered = engine.paged_step_jit.lower(engine.state, cache, i32(tok), i32(tok), i32(table), zeros, sp,
-                                     i32(ones), n_logprobs=None, absorbed=True, fresh=False,
-                                     sample_mode="greedy", plan=engine.plan)
+        rows = lambda tok, pos, step: StepBatch(tok, pos, i32(table), zeros, step, sp)  # noqa: E731
+        lowered = engine.step_jit.lower(engine.state, cache, rows(i32(tok), i32(tok), i32(ones)),
+                                        kind="decode", n_logprobs=None, sample_mode="greedy",
+                                        plan=engine.plan)
     else:
         cache, tok, _, sp, _ = decode_args(engine, layout, batch, cache_len, abstract=False)
-        lowered = engine.decode_jit.lower(engine.state, cache, tok, tok, sp, i32(ones), n_logprobs=None,
-                                       sample_mode="greedy", plan=engine.plan)
+        lowered = decode_jit(engine).lower(engine.state, cache, tok, tok, sp, i32(ones),
+                                           n_logprobs=None, sample_mode="greedy", plan=engine.plan)
     # the executable that runs is the one whose HLO is parsed (compiled once, called directly)
     compiled = lowered.compile()
     compiled_text = compiled.as_text()
@@ -388,8 +393,8 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
     def step(i, cache):
         pos = np.full(tokens.shape, context + i, np.int32)
         if paged:
-            cache, out = compiled(engine.state, cache, i32(tokens), i32(pos), i32(table), zeros, sp,
-                                  i32(ones * (i + 1)))
+            inputs = rows(i32(tokens), i32(pos), i32(ones * (i + 1)))
+            cache, out = compiled(engine.state, cache, inputs)
         else:
             cache, out = compiled(engine.state, cache, i32(tokens), i32(pos), sp, i32(ones * (i + 1)))
         jax.block_until_ready(out)
@@ -412,8 +417,8 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
     trace_file = find_trace_file(trace_dir)
     ms, per_step, coll_trace, nd, top = analyze_trace(trace_file, module, steps, module_name=module_name)
     busy = sum(ms.values())
-    notes = ["paged-cache decode step (Engine.paged_step_jit)" if paged
-             else "contiguous-cache reference step (Engine.decode_jit)",
+    notes = ["paged-cache decode step (Engine.step_jit)" if paged
+             else "contiguous-cache reference step (step_adapters.decode_jit)",
              "attention vs matmul split is a heuristic on the HLO instructions' Python stacks "
              "(MLA score/value einsums + softmax = attention)"]
     if jax.default_backend() == "cpu":

@@ -34,6 +34,7 @@ def step_ms(llm, B: int, context: int, reps: int = 20) -> float:
     `reps` calls (the minimum: the machine is shared, and other load only adds time)."""
     import jax
     from kimi_jax.engine.sampling import SamplingArrays, SamplingParams
+    from kimi_jax.tools.step_adapters import decode_step_async
     eng = llm.engine
     pages = eng.init_pages(B * (-(-(context + reps + 2) // llm.page_size)) + 1, llm.page_size)
     per = pages[next(iter(pages))].shape[1] // B
@@ -43,8 +44,9 @@ def step_ms(llm, B: int, context: int, reps: int = 20) -> float:
     times = []
     for i in range(reps + 3):
         t0 = time.perf_counter()
-        pages, out = eng.decode_step_async(pages, tok, np.full(B, context + i, np.int32), table, sp,
-                                           np.full(B, i, np.int32), None)
+        pos = np.full(B, context + i, np.int32)
+        step_B = np.full(B, i, np.int32)
+        pages, out = decode_step_async(eng, pages, tok, pos, table, sp, step_B, None)
         jax.block_until_ready(out["tokens"])
         times.append(time.perf_counter() - t0)
     return 1e3 * float(np.min(times[3:]))

@@ -41,8 +41,8 @@ flags.DEFINE_integer("top_ops", 0, "print this many of each case's most expensiv
 flags.DEFINE_string("out", os.environ.get("OUT", "out/bench_engine"), "results directory")
 flags.DEFINE_string("hardware", "h200", "planner hardware preset for the predictions")
 flags.DEFINE_bool("tiny", False, "CPU dry run on the tiny preset")
-flags.DEFINE_list("mixed", [], "also time the engine's decode step (Engine.decode_step_async, what generation "
-                  "runs) on mixed-length batches B:long:short (one row of `long` cached tokens, B - 1 of `short`), "
+flags.DEFINE_list("mixed", [], "also time the engine's decode step (step_adapters.decode_step_async, "
+                  "what generation runs) on mixed-length batches B:long:short (one row of `long` cached tokens, B - 1 of `short`), "
                   "on the first layout, with the engine's per-step MLA schedule choice and with the rows schedule")
 flags.DEFINE_string("checkpoint", None, "load this safetensors/orbax checkpoint under each layout "
                     "instead of random weights (its config.json sets the model)")
@@ -93,20 +93,23 @@ def parse_mixed(spec: str) -> tuple[int, int, int]:
 
 
 def time_mixed(engine, layout, spec: str, steps: int) -> dict:
-    """Seconds per decode step (`Engine.decode_step_async`, each step's tokens fed to the next, one
-    wait at the end) for one long row among short ones: as the engine schedules the MLA kernels
-    (`kimi_jax.engine.steps.mla_schedule_for`) and with its balanced choice switched off (rows schedule)."""
+    """Seconds per decode step (`step_adapters.decode_step_async`, each step's tokens fed to the
+    next, one wait at the end) for one long row among short ones: as the engine schedules the MLA kernels
+    (`kimi_jax.engine.mla_schedule.mla_schedule_for`) and with its balanced choice switched off (rows
+    schedule)."""
     import dataclasses
     import jax
     import numpy as np
-    from kimi_jax.engine import steps as eng
+    from kimi_jax.engine.mla_schedule import step_schedule
     from kimi_jax.tools.profiling import paged_args
+    from kimi_jax.tools.step_adapters import decode_step_async
     B, long, short = parse_mixed(spec)
     cache_len = long + steps + 2
     pages, tokens, table, sp = paged_args(engine, layout, B, cache_len)
     start = np.asarray([long] + [short] * (B - 1), np.int32)
     base = engine.plan
-    row = dict(mixed=spec, batch=B, cached_tokens=int(start.sum()), chosen=eng.step_schedule(base, start))
+    row = dict(mixed=spec, batch=B, cached_tokens=int(start.sum()),
+               chosen=step_schedule(base, start))
     for name, plan in (("engine", base), ("rows", dataclasses.replace(base, mla_schedule="rows"))):
         engine.plan = plan                                 # a static argument of the step: its own compile
         try:
@@ -115,7 +118,9 @@ def time_mixed(engine, layout, spec: str, steps: int) -> dict:
                 if i == 2:
                     jax.block_until_ready(tok)
                     t0 = time.perf_counter()
-                pages, out = engine.decode_step_async(pages, tok, start + i, table, sp, np.full(B, i, np.int32), None)
+                step_B = np.full(B, i, np.int32)
+                pos = start + i
+                pages, out = decode_step_async(engine, pages, tok, pos, table, sp, step_B, None)
                 tok = out["tokens"]
             jax.block_until_ready(tok)
             row[f"{name}_ms"] = (time.perf_counter() - t0) / steps * 1e3

@@ -8,9 +8,9 @@ host dispatch time, device time, and the planner's prediction beside each row.
 The model is the `kimi-k2.5-61x16` preset (Kimi-K2.5's shapes and 61 layers, 16 INT4 routed experts
 per layer, top-8: at batch 1 a token reads the bytes a real layer reads), random weights made on the
 device parameter by parameter (`kimi_jax.entrypoints.weights.random_model`). The step is the serving decode step
-(`Engine._decode_step`: paged latent cache, absorbed MLA, greedy sampling on the device) over a page
-pool holding `--context` tokens per row, random cache contents; every row attends over all of them
-(position context - 1, rewritten each step).
+(`Engine.step_jit`, kind 'decode': paged latent cache, absorbed MLA, greedy sampling on the device)
+over a page pool holding `--context` tokens per row, random cache contents; every row attends over
+all of them (position context - 1, rewritten each step).
 
 `--preset kimi-k2.5-tp8-shard` / `kimi-k2.5-tp8-ep8-shard` run one GPU's share of Kimi-K2.5 under TP8 /
 TP8 attention + EP8 experts (kimi_jax.config.shard_of) at full depth, no collectives. Every step row
@@ -34,8 +34,8 @@ the census finds none, and the variants differ in their enqueue time only). Each
             kernels one by one, outside command buffers): busy = sum of kernel durations, span = first
             start to last end per step
 
-The serving call itself (`Engine.decode_step_async`: its host work included) is timed the same ways
-(`variant` = serve: its host work, dispatching the first variant's executable), and with
+The serving call itself (`step_adapters.decode_step_async`: its host work included) is timed the
+same ways (`variant` = serve: its host work, dispatching the first variant's executable), and with
 `--scheduler_batches` the continuous-batching scheduler (`BatchEngine.run`) decodes --steps tokens for
 every row with overlap scheduling on and off, its runner's fixed buffers on and off (requests enter with
 their prompt already in the cache; the runner compiles its own step programs).
@@ -216,12 +216,14 @@ def time_fixed_buffers(engine, pages, inputs, steps: int, schedule, call=None) -
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from kimi_jax.engine import steps as engine_steps
+    from kimi_jax.tools.step_adapters import decode_batch, scheduled_plan
     tokens, positions, table, sp, step_B = inputs
+    plan = scheduled_plan(engine.plan, schedule)
 
     def step(state, pages, io_2B, table, sp, step_B):
-        pages, out = engine_steps._decode_step(engine.graphdef, engine._shard, state, pages, io_2B[0], io_2B[1],
-                                               table, sp, step_B, None, "greedy", schedule, plan=engine.plan)
+        batch = decode_batch(io_2B[0], io_2B[1], table, sp, step_B)
+        pages, out = engine.step_jit(state, pages, batch, kind="decode", n_logprobs=None,
+                                     sample_mode="greedy", plan=plan)
         return pages, io_2B.at[0].set(out["tokens"].astype(jnp.int32))
 
     fixed = jax.jit(step, donate_argnums=(1, 2))
@@ -285,12 +287,12 @@ def profile_exe(call, pages, inputs, steps: int, hlo_text: str, top_kernels: int
 
 @contextlib.contextmanager
 def _serving(engine, step):
-    """Inside the block the engine's decode step is `step` (an executable compiled already)."""
-    jitted, engine._decode_step = engine._decode_step, step
+    """Inside the block the engine's step is `step` (an executable compiled already)."""
+    jitted, engine.step_jit = engine.step_jit, step
     try:
         yield
     finally:
-        engine._decode_step = jitted
+        engine.step_jit = jitted
 
 
 def _against_chain(times: dict, plan: dict) -> dict:
@@ -300,18 +302,19 @@ def _against_chain(times: dict, plan: dict) -> dict:
 
 
 def _call_compiled(compiled, state, pages, tokens, positions, table, sp, steps):
-    return compiled(state, pages, tokens, positions, table, sp, steps)
+    from kimi_jax.tools.step_adapters import decode_batch
+    return compiled(state, pages, decode_batch(tokens, positions, table, sp, steps))
 
 
-def _call_as_jit(compiled, schedule, state, pages, tokens, positions, table, sp, steps, *, n_logprobs,
-                 sample_mode, mla_schedule, plan=None, occ=None, mask_Bw=None):
-    """`Engine._decode_step`'s signature over one compiled executable (its static arguments must be
-    the ones it was compiled for)."""
-    if (n_logprobs, sample_mode, mla_schedule) != (None, "greedy", schedule):
-        raise ValueError(f"the benchmark's step was compiled for greedy sampling without logprobs on the "
-                         f"MLA schedule {schedule}, got n_logprobs={n_logprobs} sample_mode={sample_mode!r} "
-                         f"mla_schedule={mla_schedule}")
-    return compiled(state, pages, tokens, positions, table, sp, steps)
+def _call_as_jit(compiled, schedule, state, pages, batch, occ=None, prev=None, *, kind, n_logprobs,
+                 sample_mode, plan, n_prompt_logprobs=None, fresh=False):
+    """`Engine.step_jit`'s signature over one compiled decode step (static arguments as compiled)."""
+    got = (kind, n_logprobs, n_prompt_logprobs, sample_mode, plan.mla_schedule, occ, prev)
+    if got != ("decode", None, None, "greedy", schedule, None, None):
+        raise ValueError(f"the benchmark's step was compiled for a greedy decode step without "
+                         f"logprobs on the MLA schedule {schedule}, got (kind, n_logprobs, "
+                         f"n_prompt_logprobs, sample_mode, mla_schedule, occ, prev) = {got}")
+    return compiled(state, pages, batch)
 
 
 # shard presets -> (the whole model's preset, the layout on 8 devices whose one-device share they are)
@@ -367,12 +370,9 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
     import jax
     import jax.numpy as jnp
     from kimi_jax import ops
-    import numpy as np
-    from kimi_jax.engine.steps import mla_schedule_for
+    from kimi_jax.engine.mla_schedule import mla_schedule_for
     from kimi_jax.parallel.sharding import Layout
-
-    def _i32(a):
-        return np.asarray(a, np.int32)
+    from kimi_jax.tools.step_adapters import decode_batch, decode_step_async, scheduled_plan
     from kimi_jax.tools import hardware
     from kimi_jax.ops import ExecPlan
     from kimi_jax.tools.profiling import random_engine
@@ -418,9 +418,10 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
         schedule = mla_schedule_for(positions, pallas)
         pages = random_pages(engine, b * P)
         t0 = time.perf_counter()
-        lowered = engine._decode_step.lower(engine.weights, pages, _i32(tokens), _i32(positions), _i32(table), sp,
-                                            _i32(step_B), n_logprobs=None, sample_mode="greedy", mla_schedule=schedule,
-                                            plan=engine.plan)
+        batch = decode_batch(tokens, positions, table, sp, step_B)
+        lowered = engine.step_jit.lower(engine.weights, pages, batch, kind="decode",
+                                        n_logprobs=None, sample_mode="greedy",
+                                        plan=scheduled_plan(engine.plan, schedule))
         lower_s = time.perf_counter() - t0
         plan = plan_row(cfg, hw, b, context, whole)
         first = None
@@ -462,11 +463,12 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
         if compile_only:
             del pages
             continue
-        # the serving call: Engine.decode_step_async's host work, dispatching the first variant's
-        # executable (the jitted step is served by it: no second compile)
+        # the serving call: step_adapters.decode_step_async's host work, dispatching the first
+        # variant's executable (the jitted step is served by it: no second compile)
         serve = functools.partial(_call_as_jit, first, schedule)
         with _serving(engine, serve):
-            call = lambda p, t, q, tb, s, st: engine.decode_step_async(p, t, q, tb, s, st, None, "greedy")  # noqa: E731
+            call = functools.partial(decode_step_async, engine, n_logprobs=None,
+                                     sample_mode="greedy")
             times, pages = time_exe(call, pages, inputs, steps)
         out(dict(kind="step", batch=b, variant="serve", **times, **plan, **_against_chain(times, plan)))
         if fixed_buffers:

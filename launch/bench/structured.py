@@ -114,7 +114,8 @@ def _median_ms(xs):
 
 def bench_llguidance(tok, batches):
     import llguidance as llg
-    from kimi_jax.engine.structured import StructuredBackend, StructuredOutputsParams
+    from kimi_jax.engine.structured import StructuredBackend
+    from kimi_jax.engine.structured_params import StructuredOutputsParams
     backend = StructuredBackend(tok, KIMI_VOCAB if tok.vocab_size > 100_000 else 4096)
     t0 = time.perf_counter()
     backend._lltok                                   # built on first use
@@ -199,7 +200,7 @@ def bench_sampling_step(batches, vocabs, reps):
     import jax
     import numpy as np
     from kimi_jax.engine.sampling import SamplingArrays, SamplingParams, sample
-    from kimi_jax.engine.structured import apply_token_bitmask, mask_words
+    from kimi_jax.engine.token_mask import apply_token_bitmask, mask_words
     plain = jax.jit(lambda l, sp, s: sample(l, sp, s, "greedy"))
     masked = jax.jit(lambda l, m, sp, s: sample(apply_token_bitmask(l, m), sp, s, "greedy"))
     out = {}
@@ -224,17 +225,18 @@ def bench_sampling_step(batches, vocabs, reps):
 
 
 def bench_decode_step(batches, steps: int, context: int = 64, kimi_vocab: bool = True):
-    """The engine's serving decode step (`Engine.paged_step`, T = 1, greedy, host inputs and fetch:
-    what the scheduler calls) with mask_Bw None and with a mask, on the demo model and (kimi_vocab)
+    """The engine's serving decode step (`step_adapters.paged_step`, T = 1, greedy, host inputs and
+    fetch: what the scheduler calls) with mask_Bw None and with a mask, on the demo model and (kimi_vocab)
     on the tiny preset at a 163,840-token vocabulary (float32, CPU)."""
     import jax.numpy as jnp
     import numpy as np
     from kimi_jax.config import preset
     from kimi_jax.engine.steps import Engine, bucket
-    from kimi_jax.engine.structured import mask_words
+    from kimi_jax.engine.token_mask import mask_words
     from kimi_jax.entrypoints.llm import LLM, demo_model_path
     from kimi_jax.parallel.sharding import Layout
     from kimi_jax.tools.profiling import paged_args, random_engine
+    from kimi_jax.tools.step_adapters import paged_step
     engines = {"demo_4096": LLM(demo_model_path(), dtype="float32").engine}
     if kimi_vocab:
         engines["tiny_163840"] = random_engine(preset("tiny").replace(vocab_size=KIMI_VOCAB), Layout(1), jnp.float32)
@@ -250,7 +252,9 @@ def bench_decode_step(batches, steps: int, context: int = 64, kimi_vocab: bool =
                 for name, m in (("no_mask", None), ("mask", mask)):
                     pos = np.full(tok.shape, context + i, np.int32)
                     t0 = time.perf_counter()
-                    pages, o = engine.paged_step(pages, tok, pos, table, last, sp, np.full((B,), i, np.int32), None, m)
+                    step_B = np.full((B,), i, np.int32)
+                    pages, o = paged_step(engine, pages, tok, pos, table, last, sp, step_B, None,
+                                          mask_Bw=m)
                     ts[name].append(time.perf_counter() - t0)
             res = {k: _median_ms(v[3:]) for k, v in ts.items()}    # the first 3 compile and warm up
             out[f"{label},B={B}"] = res

@@ -107,6 +107,7 @@ def test_compiled_paged_steps_move_no_pool(ckpt, name):
     prefill: no collective moves as many bytes as one layer's pool shard (the pool stays put)."""
     from kimi_jax.tools import profiling
     from kimi_jax.engine.sampling import SamplingArrays
+    from kimi_jax.engine.steps import StepBatch
     lay = LAYOUTS[name]
     dp = lay["data_parallel_size"]
     num_pages, page = 128 * dp, 16
@@ -121,8 +122,10 @@ def test_compiled_paged_steps_move_no_pool(ckpt, name):
     for T, absorbed, fresh in [(1, True, False), (16, False, False), (16, False, True)]:
         tok = np.ones((B, T), np.int32)
         pos = np.tile(np.arange(T, dtype=np.int32) + (0 if fresh else 20), (B, 1))
-        compiled = eng.paged_step_jit.lower(eng.state, pages, tok, pos, table, z, sp, z, n_logprobs=None,
-                                   absorbed=absorbed, fresh=fresh, plan=eng.plan).compile()
+        batch = StepBatch(tok, pos, table, z, z, sp)
+        kind = "decode" if absorbed else "prefill"
+        compiled = eng.step_jit.lower(eng.state, pages, batch, kind=kind, n_logprobs=None,
+                                      fresh=fresh, plan=eng.plan).compile()
         ops = profiling.collectives_of_hlo(compiled.as_text()).ops
         big = [(o.kind, o.bytes, o.source) for o in ops if not o.trivial and o.bytes >= shard_bytes]
         assert not big, (T, absorbed, fresh, big)

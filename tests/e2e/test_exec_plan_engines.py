@@ -13,6 +13,7 @@ import numpy as np
 from kimi_jax import LLM, SamplingParams, ops
 from kimi_jax.config import preset
 from kimi_jax.engine.sampling import SamplingArrays
+from kimi_jax.engine.steps import StepBatch
 from kimi_jax.ops import prefill_attention
 
 CFG = preset("tiny")
@@ -24,9 +25,11 @@ def _lowered_prefill(engine) -> str:
     T = 8
     i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
     sp = SamplingArrays.build([SamplingParams(temperature=0.0)], None, keys=np.zeros((1, 2), np.uint32))
-    return engine.paged_step_jit.lower(engine.state, engine.init_pages(4, 4), i32(np.ones((1, T))), i32(np.arange(T)[None]),
-                              i32(np.arange(2)[None]), i32([T - 1]), sp, i32([0]), n_logprobs=None,
-                              absorbed=False, fresh=True, sample_mode="greedy", plan=engine.plan).as_text()
+    batch = StepBatch(i32(np.ones((1, T))), i32(np.arange(T)[None]), i32(np.arange(2)[None]),
+                      i32([T - 1]), i32([0]), sp)
+    return engine.step_jit.lower(engine.state, engine.init_pages(4, 4), batch, kind="prefill",
+                                 n_logprobs=None, fresh=True, sample_mode="greedy",
+                                 plan=engine.plan).as_text()
 
 
 def test_two_engines_in_one_process_run_their_own_plans(tiny_ckpt, monkeypatch):

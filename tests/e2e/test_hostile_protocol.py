@@ -132,7 +132,7 @@ def test_constraints_past_the_compiler_limits_are_400_and_the_server_serves(serv
     """Inputs that crash llguidance (a 3,000-deep $ref chain, 5,000 chained rules) or take it seconds
     (x{100000}, a 1 MB choice) are refused by size before it sees them; /health and a plain request
     are served at once after."""
-    from kimi_jax.engine import structured as S
+    from kimi_jax.engine import structured_params as S
     text = lambda **kw: client.completions.create(model=NAME, prompt="x", max_tokens=4, extra_body=kw)
     rules = lambda n: "start: r0\n" + "\n".join(f'r{i}: "a" r{i + 1}' for i in range(n)) + f'\nr{n}: "b"'
     _refused(lambda: text(guided_json=_chain(3000)), "guided_json", str(S.MAX_CONSTRAINT_BYTES))

@@ -125,18 +125,19 @@ def test_decode_step_schedule_choice(pool_llm, monkeypatch):
     """The engine's per-step MLA schedule: 'balanced' only on the Pallas kernels for a large, skewed
     batch (host-side positions); a step traced with it gives the same tokens (on CPU the XLA path
     runs, so this checks the plumbing: the static argument reaches the step, one more compile)."""
-    from kimi_jax.engine import steps as engine
-    big = engine.BALANCE_MIN_TOKENS
-    assert engine.mla_schedule_for([big, 10, 10, -1], pallas=True) == "balanced"
-    assert engine.mla_schedule_for([big, 10, 10, -1], pallas=False) is None       # the XLA path
-    assert engine.mla_schedule_for([big // 2] * 4, pallas=True) is None           # equal rows
-    assert engine.mla_schedule_for([big // 4, 10, -1], pallas=True) is None       # small batch
-    assert engine.mla_schedule_for([-1, -1], pallas=True) is None
+    from kimi_jax.engine import mla_schedule
+    big, pick = mla_schedule.BALANCE_MIN_TOKENS, mla_schedule.mla_schedule_for
+    assert pick([big, 10, 10, -1], pallas=True) == "balanced"
+    assert pick([big, 10, 10, -1], pallas=False) is None       # the XLA path
+    assert pick([big // 2] * 4, pallas=True) is None           # equal rows
+    assert pick([big // 4, 10, -1], pallas=True) is None       # small batch
+    assert pick([-1, -1], pallas=True) is None
     ps = prompts(4, seed=3)
     params = mixed_params(len(ps), seed=4, ignore_eos=True)
     ref, _ = generate(pool_llm, ps, params, overlap=True)
     seen = []
-    monkeypatch.setattr(engine, "mla_schedule_for", lambda pos, pallas: seen.append(pallas) or "balanced")
+    monkeypatch.setattr(mla_schedule, "mla_schedule_for",
+                        lambda pos, pallas: seen.append(pallas) or "balanced")
     got, _ = generate(pool_llm, ps, params, overlap=True)
     assert seen and not any(seen)                     # asked on every decode step, XLA on CPU
     assert_same(got, ref)

@@ -9,7 +9,7 @@ import numpy as np
 
 from kimi_jax.engine import compiles
 from kimi_jax.engine.sampling import SamplingParams
-from kimi_jax.engine.structured import StructuredOutputsParams
+from kimi_jax.engine.structured_params import StructuredOutputsParams
 from kimi_jax.entrypoints.llm import LLM, demo_model_path
 
 SCHEMA = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],

@@ -8,7 +8,8 @@ import jsonschema
 import pytest
 
 from kimi_jax.engine.sampling import SamplingParams
-from kimi_jax.engine.structured import StructuredOutputsParams, from_openai
+from kimi_jax.engine.structured_openai import from_openai
+from kimi_jax.engine.structured_params import StructuredOutputsParams
 from kimi_jax.entrypoints.llm import LLM, demo_model_path
 from kimi_jax.text.tool_parser import parse_output
 

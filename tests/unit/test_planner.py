@@ -419,7 +419,7 @@ def test_h200_allreduce_follows_its_measured_curve():
     assert only.collective_time("all-reduce", 1e6, 8) == hw.collective_time("all-reduce", 1e6, 8)
 
 
-# Device time per paged decode step (the serving step, Engine.paged_step_jit) measured on H200s (jax 0.11.2,
+# Device time per paged decode step (the serving step, Engine.step_jit) on H200s (jax 0.11.2,
 # BENCHMARKS.md "Engine decode step (the paged serving step) on a Kimi-K2.5 slice, one and two H200s"):
 # a Kimi-K2.5 slice of 3 layers (1 dense + 2 MoE, 384 experts), context 1024, distinct tokens per row;
 # one GPU 2026-11-29, two GPUs 2026-11-30. (layout, batch, device ms)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kimi_jax import ops
-from kimi_jax.engine import shapes, steps
+from kimi_jax.engine import mla_schedule, shapes, steps
 from kimi_jax.engine.args import CacheConfig, SchedulerConfig
 from kimi_jax.engine.core import EngineCore
 from kimi_jax.engine.sampling import SamplingParams
@@ -138,7 +138,7 @@ def small_thresholds(monkeypatch):
     the balanced schedule from 256 cached tokens."""
     monkeypatch.setattr(shapes, "MIN_TABLE_TOKENS", 32)
     monkeypatch.setattr(shapes, "DECODE_TABLE_PAGES", 8)
-    monkeypatch.setattr(steps, "BALANCE_MIN_TOKENS", 256)
+    monkeypatch.setattr(mla_schedule, "BALANCE_MIN_TOKENS", 256)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -175,7 +175,8 @@ def test_decode_widths_and_prefill_caps():
     assert xla.tables("prefill", 16, fresh=True) == [16] and xla.tables("prefill", 512, fresh=True) == [32]
     assert s.prefill_fits(4, 512, 200, fresh=False) and not s.prefill_fits(8, 512, 200, fresh=True)
     assert not s.prefill_fits(16, 16, 200, fresh=False) and s.prefill_fits(16, 16, 200, fresh=True)
-    assert steps.can_balance(2, 1 << 16) and not steps.can_balance(1, 1 << 20) and not steps.can_balance(8, 8191)
+    assert mla_schedule.can_balance(2, 1 << 16) and not mla_schedule.can_balance(1, 1 << 20)
+    assert not mla_schedule.can_balance(8, 8191)
 
 
 def test_a_decode_plan_never_scores_prompt_positions():

@@ -9,8 +9,11 @@ import jsonschema
 import numpy as np
 import pytest
 
-from kimi_jax.engine.structured import (StructuredBackend, StructuredOutputError, StructuredOutputsParams,
-                                        apply_token_bitmask, apply_token_bitmask_reference, from_openai, mask_words)
+from kimi_jax.engine.structured import StructuredBackend
+from kimi_jax.engine.structured_openai import from_openai
+from kimi_jax.engine.structured_params import StructuredOutputError, StructuredOutputsParams
+from kimi_jax.engine.token_mask import (apply_token_bitmask, apply_token_bitmask_reference,
+                                        mask_words)
 from kimi_jax.text.tokenizer import Tokenizer
 from kimi_jax.text.tool_parser import parse_output
 
@@ -261,7 +264,7 @@ def test_schema_without_additional_properties_is_closed(backend, tok):
 
 
 def test_prepare_schema_closes_bounds_and_checks():
-    from kimi_jax.engine.structured import INTEGER_BOUNDS, NUMBER_BOUND, prepare_schema
+    from kimi_jax.engine.structured_params import INTEGER_BOUNDS, NUMBER_BOUND, prepare_schema
     s = prepare_schema({"type": "object", "properties": {"x": {"type": "object", "properties": {"y": {"type": "number"}}},
                                                          "z": {"type": ["integer", "null"]}},
                         "allOf": [{"properties": {"w": {}}}], "$defs": {"d": {"properties": {}}}}, "s")
@@ -293,7 +296,7 @@ def test_structural_tag_constrains_the_tagged_part(backend, tok):
 def test_grammar_compiles_on_a_stack_deep_enough_past_the_limits(backend, monkeypatch):
     """5,000 chained rules crash llguidance on an 8 MiB stack (SIGSEGV); with the limits lifted they
     still compile, on the compile thread's own stack; with them, a 400-style error names the limit."""
-    from kimi_jax.engine import structured as S
+    from kimi_jax.engine import structured_params as S
     rules = "start: r0\n" + "\n".join(f'r{i}: "a" r{i + 1}' for i in range(5000)) + '\nr5000: "b"'
     with pytest.raises(StructuredOutputError, match="bytes"):
         backend.compile(StructuredOutputsParams(grammar=rules))

@@ -22,7 +22,8 @@ from typing import Annotated, Any, Optional, Sequence, Union
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from kimi_jax.engine.sampling import SamplingParams
-from kimi_jax.engine.structured import StructuredOutputError, StructuredOutputsParams, from_openai
+from kimi_jax.engine.structured_openai import from_openai
+from kimi_jax.engine.structured_params import StructuredOutputError, StructuredOutputsParams
 from kimi_jax.entrypoints.openai import intake
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class StreamOptions(_Strict):
 
 
 class StructuredOutputsBody(_Strict):
-    """vLLM's ``structured_outputs`` request field (kimi_jax.engine.structured.StructuredOutputsParams)."""
+    """vLLM's ``structured_outputs`` request field (kimi_jax.engine.structured_params.StructuredOutputsParams)."""
     json_: Optional[Schema] = Field(None, alias="json")
     regex: Optional[str] = None
     choice: Optional[list[str]] = None
