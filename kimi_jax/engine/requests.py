@@ -42,7 +42,7 @@ class Request:
     # appended token; its mask constrains the request's next token
     structured: Optional[object] = None
     spec: SpecState = dataclasses.field(default_factory=SpecState)
-    # wall-clock times (time.time()) the host saw: queued (`BatchEngine.add`), first output token and
+    # wall-clock times (time.time()) the host saw: queued (`Scheduler.add`), first output token and
     # last one appended. With overlap scheduling a token is appended one step after it was sampled,
     # which is when a caller could first have it.
     arrival_time: Optional[float] = None
@@ -54,7 +54,7 @@ class Request:
     pen_slot: int = -1
     # [None, {id: Logprob}, ...] per prompt position, once computed (prompt_logprobs)
     prompt_logprobs: Optional[list] = None
-    # n samples sharing one prefill (`BatchEngine.add_samples`): a sample's index and its group's id;
+    # n samples sharing one prefill (`EngineCore.add`): a sample's index and its group's id;
     # the group's prefill-only request holds the samples (forks) and the prompt's last token (tail)
     sample_index: int = 0
     group_id: Optional[str] = None

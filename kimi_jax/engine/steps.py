@@ -29,8 +29,7 @@ class StepOutput:
     top_ids: Optional[np.ndarray] = None    # [B, n]
     top_vals: Optional[np.ndarray] = None   # [B, n]
     rank: Optional[np.ndarray] = None       # [B] chosen token's rank (1: the most likely)
-    # with prompt logprobs: the logprob and rank of each position's next prompt token (targets_BT),
-    # and each position's top-n
+    # prompt logprobs: each position's next prompt token's logprob and rank, and its top-n
     prompt_logprob: Optional[np.ndarray] = None    # [B, T]
     prompt_rank: Optional[np.ndarray] = None       # [B, T]
     prompt_top_ids: Optional[np.ndarray] = None    # [B, T, n]
@@ -187,8 +186,7 @@ class Engine:
         self.weights = FlatWeights.of(self.state)     # what the steps take (the same arrays)
         self.cache_dtype = model.dtype
         self.dp = 1 if layout is None else layout.data_parallel_size
-        # (batch bucket, page-table bucket) -> (decode pass s, verification pass s): measured once by the
-        # scheduler the first time speculation meets the bucket (kimi_jax.engine.scheduler._pass_costs)
+        # (batch, page-table bucket) -> (decode, verification pass s), measured once (speculation)
         self.pass_costs: dict[tuple[int, int], tuple[float, float]] = {}
         shard = {}
         if layout is not None and layout.world > 1:
@@ -202,7 +200,6 @@ class Engine:
                      "pages": layout.sharding(P(None, b if self.dp > 1 else None, None, None)),
                      "logits2": layout.sharding(P(b, v)), "logits3": layout.sharding(P(b, None, v))}
         self._shard = shard
-        # every step takes `plan=` (static): call them with plan=self.plan
         self._logits = jax.jit(functools.partial(_all_logits, self.graphdef, shard), static_argnames=("plan",))
         # the sharding of a decode step's output tokens (replicated), which host-fed tokens take:
         # one compiled decode program serves both feeds from the first step on (jit keys its cache on

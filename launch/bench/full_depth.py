@@ -36,7 +36,7 @@ the census finds none, and the variants differ in their enqueue time only). Each
 
 The serving call itself (`step_adapters.decode_step_async`: its host work included) is timed the
 same ways (`variant` = serve: its host work, dispatching the first variant's executable), and with
-`--scheduler_batches` the continuous-batching scheduler (`BatchEngine.run`) decodes --steps tokens for
+`--scheduler_batches` the continuous-batching engine core (`EngineCore.run`) decodes --steps tokens for
 every row with overlap scheduling on and off, its runner's fixed buffers on and off (requests enter with
 their prompt already in the cache; the runner compiles its own step programs).
 Compile times: `lower_s` (trace + lowering, once per batch), `compile_s` per variant; with
@@ -50,6 +50,8 @@ the weight arrays (host cost per argument); `--fixed_buffers`: the step with no 
 
 Rows are appended to OUT/full_depth_rows.jsonl as they are measured (they survive a timeout), then a
 table is printed.
+
+Over 600 lines: every way of timing the step shares one model, one lowering and one row format.
 """
 from __future__ import annotations
 
@@ -488,7 +490,7 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
 
 
 def scheduler_run(engine, batch: int, context: int, steps: int, overlap: bool, fixed_buffers: bool = True) -> dict:
-    """`BatchEngine.run` decoding `steps` tokens (after a 3-token warm-up run) for `batch` requests
+    """`EngineCore.run` decoding `steps` tokens (after a 3-token warm-up run) for `batch` requests
     whose prompts of context - max(steps, page) - 1 tokens are already cached, over a pool of the
     benchmark's shape (context / page pages per row, so the decode step is the one compiled already):
     ms per step (wall / engine steps), the engine's steps and its overlapped steps."""
