@@ -119,6 +119,8 @@ class EngineCore:
             s.stats["overlapped_steps"] += plan.chained
             for done, out in self.runner.run(plan):
                 finished += s.update(done, out)
+            if plan.split:            # sampled once the step before is booked (its grammars advanced)
+                self.runner.sample(plan)
         return finished + s.take_stopped()
 
     def drain(self) -> list[Request]:

@@ -240,7 +240,9 @@ class StepPlan:
     """One pass of the scheduler (kimi_jax.engine.runner runs it): 'prefill' (prompt chunks, T > 1),
     'decode' (one token per row) or 'verify' (the last token plus drafts), padded to [batch, width]
     with a block table of `table` pages. chained: fed the step in flight's tokens on the device;
-    overlap: dispatched without waiting (its outputs come back with a later run)."""
+    overlap: dispatched without waiting (its outputs come back with a later run); split: a decode
+    step run as a forward half and a sampling half, laid out after the step before is booked (rows
+    whose sampling needs their last token on the host: grammars, multi-token bad words)."""
     kind: str
     rows: tuple[Row, ...]
     batch: int
@@ -248,6 +250,7 @@ class StepPlan:
     table: int
     chained: bool = False
     overlap: bool = False
+    split: bool = False
 
     @property
     def live(self) -> tuple[Row, ...]:

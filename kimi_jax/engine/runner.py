@@ -22,7 +22,7 @@ from kimi_jax.engine.sampling import SamplingArrays, SamplingParams
 from kimi_jax.engine.sampling import sample_mode as sample_mode_of
 from kimi_jax.engine.shapes import Limits, Shapes, bucket
 from kimi_jax.engine.mla_schedule import can_balance, step_schedule
-from kimi_jax.engine.steps import Engine, StepBatch, StepOutput, is_fresh
+from kimi_jax.engine.steps import Engine, SampleInputs, StepBatch, StepOutput, is_fresh
 
 # A constrained request with at most this many tokens left checks each step whether closing its output
 # (kimi_jax.engine.structured.StructuredBackend.bitmask_closing) must begin.
@@ -38,7 +38,8 @@ class ProgramKey:
     logprobs: None for a plain program; else an extras program, which serves every row that wants
     logprobs (top-n, n <= logprobs), logits adjustments or a token mask: all rows get the adjustments
     (no-ops for rows without), a mask (all tokens for unconstrained rows) and the filtered sampler.
-    prompt_logprobs: top-n of every position (extras programs of prefill steps only)."""
+    prompt_logprobs: top-n of every position (extras programs of prefill steps only). part: one half
+    of a split decode step ('forward', 'sample'; None: the whole step)."""
     kind: str
     batch: int
     width: int
@@ -48,6 +49,7 @@ class ProgramKey:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     mla_schedule: Optional[str] = None
+    part: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -74,6 +76,7 @@ class Runner:
         self.pages = steps.init_pages(num_pages, page_size, cache_dtype)
         self.occ = None                   # the occurrence pool, made when a request first needs it
         self.inflight: Optional[_InFlight] = None
+        self._forward: Optional[tuple] = None     # a split step's forward half: (logits, batch, key)
         self.compiled: dict = {}          # precompiled executables, kept alive for jax's cache
 
     # ---- device state the scheduler asks for ----------------------------------------------------
@@ -105,7 +108,10 @@ class Runner:
 
     def run(self, plan: StepPlan) -> list[tuple[StepPlan, object]]:
         """Run (or, plan.overlap, dispatch) a plan; returns the (plan, host outputs) pairs read now: its
-        own, none (dispatched), or, chained, the step in flight's."""
+        own, none (dispatched), or, chained, the step in flight's. A split plan dispatches its forward
+        half here and its sampling half at `sample`, once the outputs read here are booked."""
+        if plan.split:
+            return self._run_forward(plan)
         if plan.chained:
             f = self.inflight
             batch = self._layout_chained(plan, f)
@@ -121,6 +127,57 @@ class Runner:
                 o.copy_to_host_async()
         prev, self.inflight = self.inflight, _InFlight(plan, out, batch, key)
         return [] if prev is None or not plan.chained else [(prev.plan, _host(prev.out))]
+
+    def _run_forward(self, plan: StepPlan) -> list[tuple[StepPlan, object]]:
+        f, self.inflight = self.inflight, None
+        if plan.chained:
+            batch = self._layout_chained(plan, f)
+            key = dataclasses.replace(f.key, table=plan.table, mla_schedule=step_schedule(
+                self.steps.plan, np.asarray(batch.positions_BT)[:, 0]))
+        else:
+            batch, key = self._forward_batch(plan)
+        self._forward = (self._call_forward(batch, key), batch, key)
+        return [] if f is None or not plan.chained else [(f.plan, _host(f.out))]
+
+    def sample(self, plan: StepPlan) -> None:
+        """Dispatch a split plan's sampling half over its forward half's logits, laid out from the
+        requests as they are booked now (their grammars' masks, bans by the output so far); rows that
+        finished meanwhile sample unconstrained, their tokens discarded."""
+        (logits, batch, key), self._forward = self._forward, None
+        inputs, skey = self._sample_inputs(plan)
+        out = self._call_sample(logits, inputs, skey)
+        for o in out.values():
+            if o.is_fully_addressable:
+                o.copy_to_host_async()
+        self.inflight = _InFlight(plan, out, batch, key)
+
+    def _forward_batch(self, plan: StepPlan) -> tuple[StepBatch, ProgramKey]:
+        """A split decode plan's forward inputs (no sampling arrays) and program."""
+        B, P = plan.batch, plan.table
+        tokens, z = np.zeros((B,), np.int32), np.zeros((B,), np.int32)
+        positions, table = np.full((B, 1), -1, np.int32), np.zeros((B, P), np.int32)
+        for row in plan.live:
+            tokens[row.slot], positions[row.slot, 0] = row.tokens[0], row.start
+            table[row.slot, :len(row.pages)] = row.pages
+        key = ProgramKey("decode", B, 1, P, mla_schedule=step_schedule(self.steps.plan, positions[:, 0]),
+                         part="forward")
+        return StepBatch(self._decode_tokens(tokens), positions, table, z, z, None), key
+
+    def _sample_inputs(self, plan: StepPlan) -> tuple[SampleInputs, ProgramKey]:
+        B = plan.batch
+        steps, keys = np.zeros((B,), np.int32), np.zeros((B, 2), np.uint32)
+        params, adjust = [SamplingParams(temperature=0.0)] * B, [None] * B
+        live = [row for row in plan.live if row.req.finish_reason is None]
+        for row in live:
+            b, r = row.slot, row.req
+            steps[b], keys[b], params[b] = row.step, r.key, r.params
+            if r.adjust is not None:        # (adjustments, bans by the output so far, slot, counts)
+                adjust[b] = (r.adjust, penalties.banned_now(r.adjust.bad_words, r.output_ids), r.pen_slot, 1)
+        adj = penalties.build(adjust, self.max_num_seqs, ADJUST_ENTRIES, ADJUST_STOPS, with_penalties=True)
+        sp = SamplingArrays.build(params, None, keys=keys, adjust=adj)
+        n_lp = n_logprobs([row.req for row in live])
+        key = ProgramKey("decode", B, 1, 0, sampled=True, logprobs=self._top(n_lp or 0), part="sample")
+        return SampleInputs(sp, steps, self._mask(plan)), key
 
     def drain(self) -> list[tuple[StepPlan, object]]:
         """Read the step in flight, if any."""
@@ -195,7 +252,7 @@ class Runner:
     def _mask(self, plan: StepPlan) -> Optional[np.ndarray]:
         """The step's packed token bitmask [B, ceil(V / 32)] (unconstrained rows: every token); a row
         near the end of its budget narrows its mask to a greedy close."""
-        rows = [row for row in plan.live if row.req.structured is not None]
+        rows = [row for row in plan.live if row.req.structured is not None and row.req.finish_reason is None]
         structured = self.structured
         if not rows or structured is None:
             return np.full((plan.batch, -(-self.steps.cfg.vocab_size // 32)), -1, np.int32)
@@ -231,6 +288,54 @@ class Runner:
         self.resident[slot] = (io, out)
         return eng.snapshot(out) if snapshot else out
 
+    def _call_forward(self, batch: StepBatch, key: ProgramKey):
+        """The forward half's logits (the pool updated), in its program's fixed buffers."""
+        steps = self.steps
+        kw = dict(plan=self._exec_plan(key))
+        if not self.fixed_buffers:
+            self.pages, logits = steps.forward_jit(steps.weights, self.pages, batch, **kw)
+            return logits
+        io, prev = self._resident(key, batch, lambda io: jax.eval_shape(
+            lambda *a: steps.forward_jit(*a, **kw)[1], steps.weights, self.pages, io), steps.logits_sharding)
+        self.pages, logits = steps.forward_jit(steps.weights, self.pages, io, prev, **kw)
+        self.resident[_slot(key, batch)] = (io, logits)
+        return logits
+
+    def _call_sample(self, logits, inputs: SampleInputs, key: ProgramKey, snapshot: bool = True):
+        steps, occ = self.steps, self.occurrences().pool
+        kw = dict(n_logprobs=key.logprobs, sample_mode="filtered")
+        if not self.fixed_buffers:
+            return self._take_occ(steps.sample_jit(logits, inputs, occ, **kw))
+
+        def shape(io):
+            out = jax.eval_shape(lambda *a: steps.sample_jit(*a, **kw), logits, io, occ)
+            out.pop("occurrences", None)
+            return out
+        io, prev = self._resident(key, inputs, shape)
+        out = self._take_occ(steps.sample_jit(logits, io, occ, prev, **kw))
+        self.resident[_slot(key, inputs)] = (io, out)
+        return steps.snapshot(out) if snapshot else out
+
+    def _resident(self, key: ProgramKey, inputs, out_shape: Callable, out_sharding=None) -> tuple:
+        """`inputs` written into key's program's buffers (made at the first call, the outputs' by
+        out_shape(inputs' buffers), placed as out_sharding, else replicated): (inputs' buffers, the
+        outputs' buffers)."""
+        steps, slot = self.steps, _slot(key, inputs)
+        if slot not in self.resident:
+            def place(a, sharding=steps.token_sharding):
+                return jax.device_put(np.zeros(a.shape, a.dtype), sharding)
+            io = jax.tree.map(place, inputs)
+            out = jax.tree.map(lambda a: place(a, out_sharding or steps.token_sharding), out_shape(io))
+            self.resident[slot] = (io, out)
+        io, prev = self.resident[slot]
+        io = steps.put_batch(io, inputs)
+        self.resident[slot] = (io, prev)
+        return io, prev
+
+    def _exec_plan(self, key: ProgramKey):
+        plan = self.steps.plan
+        return plan if key.mla_schedule == plan.mla_schedule else dataclasses.replace(plan, mla_schedule=key.mla_schedule)
+
     def _take_occ(self, out):
         if isinstance(out, dict) and "occurrences" in out:
             self.occ.pool = out.pop("occurrences")
@@ -263,20 +368,25 @@ class Runner:
         widths = sorted({bucket(n, 16) for n in range(2, chunk + 1)})
         n_lp = self._top(limits.max_logprobs)
         plain, prompt = [(False, None, None), (True, None, None), (True, n_lp, None)], [(True, n_lp, n_lp)]
-        out = []
+        out, halves = [], []
         for B, P in itertools.product(batches, shapes.tables("decode")):
             tokens = min(P * limits.page_size, limits.max_model_len)
             auto = plan.pallas and plan.mla_schedule is None and can_balance(B, tokens)
+            schedules = [None, "balanced"] if auto else [plan.mla_schedule]
             out += [ProgramKey("decode", B, 1, P, False, s, lp, None, sched)
-                    for sched in ([None, "balanced"] if auto else [plan.mla_schedule]) for s, lp, _ in plain]
+                    for sched in schedules for s, lp, _ in plain]
             if limits.speculative_tokens:
                 out.append(ProgramKey("verify", B, limits.speculative_tokens + 1, P))
+            if limits.split_decode:
+                halves += [ProgramKey("decode", B, 1, P, mla_schedule=sched, part="forward") for sched in schedules]
+        if limits.split_decode:       # a split decode step's halves (constrained rows under overlap)
+            halves += [ProgramKey("decode", B, 1, 0, sampled=True, logprobs=n_lp, part="sample") for B in batches]
         for B, T, fresh in itertools.product(batches, widths or [16], (False, True)):
             for P in [] if fresh and plan.absorbs_chunk(T) else shapes.tables("prefill", T, fresh):
                 if B == batches[0] or shapes.prefill_fits(B, T, P, fresh):
                     out += [ProgramKey("prefill", B, T, P, fresh, s, lp, plp)
                             for s, lp, plp in (plain + prompt if widths else prompt)]
-        return out
+        return out + halves
 
     def precompile(self, programs: list[ProgramKey], progress: Optional[Callable[[int, int, ProgramKey], None]] = None,
                    threads: Optional[int] = None) -> None:
@@ -284,7 +394,8 @@ class Runner:
         occurrences are step outputs, as later calls see them), the rest lowered here (tracing holds the
         GIL) and compiled on `threads` threads into jax's executable cache. progress(i, n, key)."""
         n, done, pending = len(programs), 0, {}
-        first = {next((k for k in programs if (k.logprobs is None) == plain), None) for plain in (True, False)}
+        first = {next((k for k in programs if (k.logprobs is None) == plain and k.part is None), None)
+                 for plain in (True, False)}
         for key in [k for k in programs if k in first]:
             jax.block_until_ready(self._call(self._dummy(key), key))
             done += 1
@@ -311,6 +422,8 @@ class Runner:
 
     def _lower(self, key: ProgramKey):
         """`_call`'s program for key, lowered over padding rows (or key's fixed buffers)."""
+        if key.part is not None:
+            return self._lower_half(key)
         eng, batch = self.steps, self._dummy(key)
         args, kw = self._step_args(batch, key)
         if not self.fixed_buffers:
@@ -318,6 +431,35 @@ class Runner:
         _, io, prev = self._place(batch, key, args, kw)
         eng.snapshot(prev)
         return eng.step_jit.lower(eng.weights, self.pages, io, *args, prev, **kw)
+
+    def _lower_half(self, key: ProgramKey):
+        """A split step's half for key, lowered over padding rows (or its fixed buffers)."""
+        steps, B = self.steps, key.batch
+        z = np.zeros((B,), np.int32)
+        if key.part == "forward":
+            batch = StepBatch(self._decode_tokens(z), np.full((B, 1), -1, np.int32),
+                              np.zeros((B, key.table), np.int32), z, z, None)
+            kw = dict(plan=self._exec_plan(key))
+            if not self.fixed_buffers:
+                return steps.forward_jit.lower(steps.weights, self.pages, batch, **kw)
+            io, prev = self._resident(key, batch, lambda io: jax.eval_shape(
+                lambda *a: steps.forward_jit(*a, **kw)[1], steps.weights, self.pages, io), steps.logits_sharding)
+            return steps.forward_jit.lower(steps.weights, self.pages, io, prev, **kw)
+        d = self._dummy(dataclasses.replace(key, part=None))
+        inputs = SampleInputs(d.sp, d.step_B, d.mask_Bw)
+        logits = jax.device_put(np.zeros((B, steps.cfg.vocab_size), np.float32), steps.logits_sharding)
+        kw = dict(n_logprobs=key.logprobs, sample_mode="filtered")
+        occ = self.occurrences().pool
+        if not self.fixed_buffers:
+            return steps.sample_jit.lower(logits, inputs, occ, **kw)
+
+        def shape(io):
+            out = jax.eval_shape(lambda *a: steps.sample_jit(*a, **kw), logits, io, occ)
+            out.pop("occurrences", None)
+            return out
+        io, prev = self._resident(key, inputs, shape)
+        steps.snapshot(prev)
+        return steps.sample_jit.lower(logits, io, occ, prev, **kw)
 
     def _dummy(self, key: ProgramKey) -> StepBatch:
         """Padding rows in the layout of key's program."""

@@ -45,10 +45,10 @@ class Scheduler:
         self.pool, self.waiting, self.running, self.effects = adm.pool, adm.waiting, adm.running, adm.effects
         speculative = config.speculative_config
         self.spec = speculative
-        self.shapes = Shapes.for_limits(self.limits(), dp, exec_plan)
         self.drafter = speculative.drafter() if speculative else None
         # overlap scheduling; drafts need the tokens on the host, so not with speculation
         self.overlap = bool(config.overlap_scheduling) and speculative is None
+        self.shapes = Shapes.for_limits(self.limits(), dp, exec_plan)
         self.inflight: Optional[StepPlan] = None     # the overlapped decode plan not yet booked
         self.pass_costs = {} if pass_costs is None else pass_costs
         self.measure = measure
@@ -59,7 +59,7 @@ class Scheduler:
         return Limits(self.max_num_seqs, self.max_model_len, self.page_size, self.prefill_chunk,
                       self.max_prefill_tokens, max_logprobs,
                       self.spec.num_speculative_tokens if self.spec else 0,
-                      pages_per_rank=self.pool.per_part)
+                      pages_per_rank=self.pool.per_part, split_decode=self.overlap)
 
     # ---- planning -------------------------------------------------------------------------------
     def schedule(self) -> Optional[StepPlan]:
@@ -179,10 +179,11 @@ class Scheduler:
         if not plain:
             return None
         # multi-token bad words are banned by the last output tokens, and a constrained row's mask needs
-        # its previous token: the host must have read them
-        overlap = self.overlap and not any((r.adjust is not None and r.adjust.bad_words) or r.structured is not None
-                                           for r in plain)
+        # its previous token: under overlap such a batch splits its step, sampling after the booking
+        overlap = self.overlap
         plan = self._plan("decode", [(r, [r.tokens[r.num_computed]]) for r in plain], 1, overlap=overlap)
+        if overlap and any(needs_host(r) for r in plain):
+            plan = dataclasses.replace(plan, split=True)
         if overlap:
             self.inflight = plan
         return plan
@@ -218,7 +219,8 @@ class Scheduler:
             # the step in flight feeds position num_computed and samples output number len(output_ids)
             rows.append(Row(r, row.slot, (), r.num_computed + 1, tuple(r.pages), len(r.output_ids) + 1))
         P = self.shapes.table("decode", max(len(row.pages) for row in rows if row.live))
-        self.inflight = StepPlan("decode", tuple(rows), f.batch, 1, P, chained=True, overlap=True)
+        self.inflight = StepPlan("decode", tuple(rows), f.batch, 1, P, chained=True, overlap=True,
+                                 split=f.split)
         return self.inflight
 
     # ---- admission, pages, preemption -----------------------------------------------------------
@@ -339,3 +341,8 @@ class Scheduler:
     def _append(self, r: Request, t: int, out=None, b: int = 0) -> None:
         self.stats["generated_tokens"] += 1
         append_token(r, t, out, b, self.tokenizer)
+
+
+def needs_host(r: Request) -> bool:
+    """r's next sampling needs its last token on the host (a grammar's mask, multi-token bad words)."""
+    return r.structured is not None or (r.adjust is not None and bool(r.adjust.bad_words))

@@ -31,6 +31,7 @@ class Limits:
     max_logprobs: int = 20
     speculative_tokens: int = 0           # drafts per verification pass (0: no speculation)
     pages_per_rank: Optional[int] = None  # a row can hold at most this many pages
+    split_decode: bool = False            # overlap scheduling: decode steps may run in two halves
 
 
 @dataclasses.dataclass(frozen=True)

@@ -128,6 +128,16 @@ class StepBatch:
     n_draft_B: Optional[jax.Array] = None     # verification: drafts per row (tokens[:, 1:])
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleInputs:
+    """The sampling half of a split decode step (`_sample_half`): what the host lays out after it has
+    booked the step before (the grammars' masks, the bans by the output so far)."""
+    sp: SamplingArrays
+    step_B: jax.Array
+    mask_Bw: Optional[jax.Array] = None
+
+
 STEP_KINDS = ("prefill", "decode", "verify")
 
 
@@ -159,6 +169,24 @@ def _step(graphdef, shard, state, pages, batch: StepBatch, occ=None, prev=None, 
     prompt = top_logprobs(logits_BTV, jnp.maximum(batch.targets_BT, 0), n_prompt_logprobs)
     out.update(zip(("prompt_logprob", "prompt_rank", "prompt_top_ids", "prompt_top_vals"), prompt))
     return pages, out
+
+
+def _forward(graphdef, shard, state, pages, batch: StepBatch, prev=None, *, plan: ops.ExecPlan):
+    """A decode step's forward half (absorbed MLA, T = 1): the pool updated and each row's next-token
+    logits [B, V], vocab-split; `_sample_half` samples them once the host has filled the masks."""
+    model = _merge(graphdef, state)
+    tokens_BT = _constrain(batch.tokens[:, None], shard.get("batch2"))
+    h_BTD, pages = model.hidden_states(tokens_BT, batch.positions_BT, pages, absorbed=True,
+                                       block_table_BP=batch.block_table_BP, plan=plan)
+    pages = {k: _constrain(v, shard.get("pages")) for k, v in pages.items()}
+    return pages, _constrain(model.logits(h_BTD, plan)[:, 0], shard.get("logits2"))
+
+
+def _sample_half(shard, logits_BV, inputs: SampleInputs, occ=None, prev=None, *, n_logprobs=None,
+                 sample_mode=None):
+    """A split decode step's sampling half: `_step`'s sampler over the forward half's logits."""
+    return _sample_out(logits_BV, inputs.sp, inputs.step_B, n_logprobs, shard, sample_mode, occ,
+                       inputs.mask_Bw)
 
 
 def _all_logits(graphdef, shard, state, tokens_BT, *, plan: ops.ExecPlan):
@@ -206,10 +234,18 @@ class Engine:
         # the inputs' shardings, and host arrays are uncommitted)
         self.token_sharding = (layout.sharding(jax.sharding.PartitionSpec()) if layout is not None
                                 else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        self.logits_sharding = shard.get("logits2", self.token_sharding)   # a split step's logits
         # the one step the runner (kimi_jax.engine.runner) drives: a StepBatch in, the program by kind
         self.step_jit = jax.jit(functools.partial(_step, self.graphdef, shard),
                                 static_argnames=("kind", "n_logprobs", "n_prompt_logprobs", "fresh", "sample_mode",
                                                  "plan"), donate_argnames=("pages", "occ", "prev"), keep_unused=True)
+        # a decode step split in two (constrained rows under overlap scheduling): the forward half is
+        # dispatched before the host has read the previous token, the sampling half after
+        self.forward_jit = jax.jit(functools.partial(_forward, self.graphdef, shard), static_argnames=("plan",),
+                                   donate_argnames=("pages", "prev"), keep_unused=True)
+        self.sample_jit = jax.jit(functools.partial(_sample_half, shard),
+                                  static_argnames=("n_logprobs", "sample_mode"), donate_argnames=("occ", "prev"),
+                                  keep_unused=True)
         self.put_batch = jax.jit(lambda io, new: jax.tree.map(jnp.copy, new), donate_argnums=0,
                                  out_shardings=self.token_sharding, keep_unused=True)
         self.snapshot = jax.jit(lambda out: jax.tree.map(jnp.copy, out))

@@ -44,6 +44,9 @@ SUITES = {
                                   "of the same bytes"),
     "small_ops": ("launch.bench.small_ops", "the decode step's router and residual add + RMSNorm: XLA against "
                                             "their Pallas launches, kernels per call, device time"),
+    "constrained": ("launch.bench.constrained", "decode steps with grammar-constrained rows in the batch: "
+                                                "overlap scheduling's split step against the same batch "
+                                                "unconstrained and the synchronous path"),
     "structured": ("launch.bench.structured", "structured outputs: llguidance vs xgrammar grammar compile and "
                                               "mask fill, the mask's cost in the sampler and the decode step"),
     "dtype": ("launch.bench.dtype", "the demo model's greedy decoding in each dtype: tokens/s end to end and "

@@ -69,6 +69,7 @@ from absl import flags
 from kimi_jax.config import PRESETS
 from launch import common
 from launch.bench import harness
+from launch.bench.harness import random_pages
 
 flags.DEFINE_enum("preset", "kimi-k2.5-61x16", PRESETS, "model preset (kimi_jax.config.preset)")
 flags.DEFINE_integer("layers", 0, "num_hidden_layers (0: the preset's)")
@@ -124,17 +125,6 @@ def step_inputs(cfg, batch: int, context: int):
     table = np.arange(batch * P, dtype=np.int32).reshape(batch, P)
     sp = SamplingArrays.build([SamplingParams(temperature=0.0)] * batch, list(range(batch)))
     return tokens, positions, table, sp, np.ones((batch,), np.int32)
-
-
-def random_pages(engine, num_pages: int, seed: int = 0):
-    """A page pool as `Engine.init_pages` places it, filled with random latents (0.1 x normal)."""
-    import jax
-    import jax.numpy as jnp
-    pages = engine.init_pages(num_pages, PAGE_SIZE)
-    fill = jax.jit(lambda p, k: {n: (0.1 * jax.random.normal(jax.random.fold_in(k, i), v.shape, jnp.float32)
-                                     ).astype(v.dtype) for i, (n, v) in enumerate(sorted(p.items()))},
-                   donate_argnums=0)
-    return jax.block_until_ready(fill(pages, jax.random.PRNGKey(seed)))
 
 
 def command_buffer_census(hlo_text: str) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
 import time
 
@@ -73,3 +74,55 @@ def dispatch_cost(state, calls: int = 200, repeats: int = 5) -> dict:
         res[name] = 1e6 * statistics.median(loops)
     res["per_argument_us"] = (res["with_weights_us"] - res["alone_us"]) / max(res["arguments"], 1)
     return res
+
+
+def random_pages(engine, num_pages: int, seed: int = 0, page_size: int = 16):
+    """A page pool as `Engine.init_pages` places it, filled with random latents (0.1 x normal)."""
+    import jax
+    import jax.numpy as jnp
+    pages = engine.init_pages(num_pages, page_size)
+    fill = jax.jit(lambda p, k: {n: (0.1 * jax.random.normal(jax.random.fold_in(k, i), v.shape, jnp.float32)
+                                     ).astype(v.dtype) for i, (n, v) in enumerate(sorted(p.items()))},
+                   donate_argnums=0)
+    return jax.block_until_ready(fill(pages, jax.random.PRNGKey(seed)))
+
+
+def synthetic_tokenizer(n_base: int = 163_584, seed: int = 0):
+    """A Kimi-shaped tokenizer with n_base ranks (module docstring)."""
+    from checkpoints.bpe import KIMI_SPECIAL_TOKEN_OFFSETS, NON_SPECIAL_TOKENS
+    from kimi_jax.entrypoints.llm import demo_model_path
+    from kimi_jax.text.tokenizer import NUM_RESERVED_SPECIAL_TOKENS, Tokenizer, load_tiktoken_ranks
+    demo = os.path.join(demo_model_path(), "tiktoken.model")
+    toks = [bytes([b]) for b in range(256)]
+    seen = set(toks)
+    for t, _ in sorted(load_tiktoken_ranks(demo).items(), key=lambda kv: kv[1]):
+        if t not in seen:
+            seen.add(t), toks.append(t)
+    rng = random.Random(seed)
+    lower = "etaoinshrdlcumwfgypbvkjxqz"
+    weights = [12, 9, 8, 7.5, 7, 6.7, 6.3, 6, 5.9, 4.3, 4, 2.8, 2.8, 2.4, 2.4, 2.2, 2, 2, 1.9, 1.5, 1, .8, .2, .2, .1, .1]
+    punct = list('{}[]":,.()-_/\\!?;\'*#@&%$+=<>|')
+    while len(toks) < n_base:
+        r = rng.random()
+        if r < 0.6:
+            w = "".join(rng.choices(lower, weights, k=rng.randint(2, 10)))
+            if rng.random() < 0.2:
+                w = w.capitalize()
+            s = (" " + w) if rng.random() < 0.6 else w
+        elif r < 0.72:
+            s = "".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(rng.randint(1, 3)))
+        elif r < 0.77:
+            s = str(rng.randint(0, 999))
+        elif r < 0.9:
+            s = (" " if rng.random() < 0.3 else "") + "".join(rng.choices(punct, k=rng.randint(1, 4)))
+        elif r < 0.95:
+            s = rng.choice([" ", "\n", "\t"]) * rng.randint(2, 16)
+        else:
+            s = "".join(chr(rng.randint(0x00C0, 0x04FF)) for _ in range(rng.randint(1, 6)))
+        b = s.encode("utf-8")
+        if b not in seen:
+            seen.add(b), toks.append(b)
+    ranks = {t: i for i, t in enumerate(toks)}
+    named = {n_base + off: name for name, off in KIMI_SPECIAL_TOKEN_OFFSETS.items()}
+    specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(n_base, n_base + NUM_RESERVED_SPECIAL_TOKENS + 2)}
+    return Tokenizer(ranks, specials, pad_token="[PAD]", unk_token="[UNK]", non_special=NON_SPECIAL_TOKENS)

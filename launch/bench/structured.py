@@ -25,7 +25,7 @@ import time
 
 from absl import flags
 
-from launch.bench.harness import write_json
+from launch.bench.harness import synthetic_tokenizer, write_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", os.path.join(os.environ.get("OUT", "out"), "bench_structured"),
@@ -65,47 +65,6 @@ SCHEMAS = {
         "required": ["id", "kind", "value"]},
         {"id": "req-42", "kind": "b", "value": "forty two", "meta": {"source": "bench", "lang": "en"}}),
 }
-
-
-def synthetic_tokenizer(n_base: int = 163_584, seed: int = 0):
-    """A Kimi-shaped tokenizer with n_base ranks (module docstring)."""
-    from checkpoints.bpe import KIMI_SPECIAL_TOKEN_OFFSETS, NON_SPECIAL_TOKENS
-    from kimi_jax.entrypoints.llm import demo_model_path
-    from kimi_jax.text.tokenizer import NUM_RESERVED_SPECIAL_TOKENS, Tokenizer, load_tiktoken_ranks
-    demo = os.path.join(demo_model_path(), "tiktoken.model")
-    toks = [bytes([b]) for b in range(256)]
-    seen = set(toks)
-    for t, _ in sorted(load_tiktoken_ranks(demo).items(), key=lambda kv: kv[1]):
-        if t not in seen:
-            seen.add(t), toks.append(t)
-    rng = random.Random(seed)
-    lower = "etaoinshrdlcumwfgypbvkjxqz"
-    weights = [12, 9, 8, 7.5, 7, 6.7, 6.3, 6, 5.9, 4.3, 4, 2.8, 2.8, 2.4, 2.4, 2.2, 2, 2, 1.9, 1.5, 1, .8, .2, .2, .1, .1]
-    punct = list('{}[]":,.()-_/\\!?;\'*#@&%$+=<>|')
-    while len(toks) < n_base:
-        r = rng.random()
-        if r < 0.6:
-            w = "".join(rng.choices(lower, weights, k=rng.randint(2, 10)))
-            if rng.random() < 0.2:
-                w = w.capitalize()
-            s = (" " + w) if rng.random() < 0.6 else w
-        elif r < 0.72:
-            s = "".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(rng.randint(1, 3)))
-        elif r < 0.77:
-            s = str(rng.randint(0, 999))
-        elif r < 0.9:
-            s = (" " if rng.random() < 0.3 else "") + "".join(rng.choices(punct, k=rng.randint(1, 4)))
-        elif r < 0.95:
-            s = rng.choice([" ", "\n", "\t"]) * rng.randint(2, 16)
-        else:
-            s = "".join(chr(rng.randint(0x00C0, 0x04FF)) for _ in range(rng.randint(1, 6)))
-        b = s.encode("utf-8")
-        if b not in seen:
-            seen.add(b), toks.append(b)
-    ranks = {t: i for i, t in enumerate(toks)}
-    named = {n_base + off: name for name, off in KIMI_SPECIAL_TOKEN_OFFSETS.items()}
-    specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(n_base, n_base + NUM_RESERVED_SPECIAL_TOKENS + 2)}
-    return Tokenizer(ranks, specials, pad_token="[PAD]", unk_token="[UNK]", non_special=NON_SPECIAL_TOKENS)
 
 
 def _median_ms(xs):
