@@ -176,7 +176,8 @@ class Runner:
         adj = penalties.build(adjust, self.max_num_seqs, ADJUST_ENTRIES, ADJUST_STOPS, with_penalties=True)
         sp = SamplingArrays.build(params, None, keys=keys, adjust=adj)
         n_lp = n_logprobs([row.req for row in live])
-        key = ProgramKey("decode", B, 1, 0, sampled=True, logprobs=self._top(n_lp or 0), part="sample")
+        key = ProgramKey("decode", B, 1, 0, sampled=sample_mode_of(sp) != "greedy", logprobs=self._top(n_lp or 0),
+                         part="sample")
         return SampleInputs(sp, steps, self._mask(plan)), key
 
     def drain(self) -> list[tuple[StepPlan, object]]:
@@ -303,7 +304,7 @@ class Runner:
 
     def _call_sample(self, logits, inputs: SampleInputs, key: ProgramKey, snapshot: bool = True):
         steps, occ = self.steps, self.occurrences().pool
-        kw = dict(n_logprobs=key.logprobs, sample_mode="filtered")
+        kw = dict(n_logprobs=key.logprobs, sample_mode="filtered" if key.sampled else "greedy")
         if not self.fixed_buffers:
             return self._take_occ(steps.sample_jit(logits, inputs, occ, **kw))
 
@@ -380,7 +381,8 @@ class Runner:
             if limits.split_decode:
                 halves += [ProgramKey("decode", B, 1, P, mla_schedule=sched, part="forward") for sched in schedules]
         if limits.split_decode:       # a split decode step's halves (constrained rows under overlap)
-            halves += [ProgramKey("decode", B, 1, 0, sampled=True, logprobs=n_lp, part="sample") for B in batches]
+            halves += [ProgramKey("decode", B, 1, 0, sampled=s, logprobs=n_lp, part="sample")
+                       for B in batches for s in (False, True)]
         for B, T, fresh in itertools.product(batches, widths or [16], (False, True)):
             for P in [] if fresh and plan.absorbs_chunk(T) else shapes.tables("prefill", T, fresh):
                 if B == batches[0] or shapes.prefill_fits(B, T, P, fresh):
@@ -448,7 +450,7 @@ class Runner:
         d = self._dummy(dataclasses.replace(key, part=None))
         inputs = SampleInputs(d.sp, d.step_B, d.mask_Bw)
         logits = jax.device_put(np.zeros((B, steps.cfg.vocab_size), np.float32), steps.logits_sharding)
-        kw = dict(n_logprobs=key.logprobs, sample_mode="filtered")
+        kw = dict(n_logprobs=key.logprobs, sample_mode="filtered" if key.sampled else "greedy")
         occ = self.occurrences().pool
         if not self.fixed_buffers:
             return steps.sample_jit.lower(logits, inputs, occ, **kw)

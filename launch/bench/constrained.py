@@ -17,6 +17,7 @@ row's ms per step is the wall time of --steps engine steps after its first, the 
 """
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import time
@@ -120,6 +121,9 @@ def measure(steps, tok, backend, batch: int, constrained: int, mode: str, contex
 
     one(n_steps, "w")                  # compiles every program the timed runs take
     runs = [one(n_steps, f"t{k}") for k in range(repeats)]
+    core.runner.resident.clear()            # the next row's core needs the device memory
+    del core
+    gc.collect()
     ms = [1e3 * w / n for w, n, _, _ in runs]
     return dict(batch=batch, constrained=0 if mode == "unconstrained" else constrained, mode=mode,
                 ms_per_step=statistics.median(ms), ms_all=ms, engine_steps=runs[0][1],
