@@ -139,14 +139,13 @@ def test_batch_output_is_openai_batch_format(cli, tmp_path, monkeypatch):
     assert m and int(m.group(3)) > 0 and int(m.group(2)) <= int(m.group(3)), summary
 
     # a rerun finds every line done (the repeated custom_id's error included): nothing is added
-    from kimi_jax.entrypoints.llm import LLM
-    init, seen = LLM.__init__, []
+    from kimi_jax.entrypoints.frontend import Frontend
+    load, seen = Frontend.from_config.__func__, []
 
-    def spy(self, *a, **kw):
-        cfg = kw.get("engine_config")
-        seen.append(cfg.enable_prefix_caching if cfg is not None else kw.get("enable_prefix_caching"))
-        init(self, *a, **kw)
-    monkeypatch.setattr(LLM, "__init__", spy)
+    def spy(cls, engine_config):
+        seen.append(engine_config.enable_prefix_caching)
+        return load(cls, engine_config)
+    monkeypatch.setattr(Frontend, "from_config", classmethod(spy))
     before = out.read_text()
     again = _run(cli, inp, out, "--no-enable-prefix-caching")
     assert again.returncode == 0, again

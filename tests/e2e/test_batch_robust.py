@@ -16,12 +16,12 @@ POISON = 77
 _POISONED_RUN = f"""
 import sys
 from kimi_jax.engine import scheduler
-append = scheduler.BatchEngine._append
+append = scheduler.Scheduler._append
 def _append(self, r, t, out=None, b=0):
     if r.prompt_ids[0] == {POISON}:
         raise RuntimeError("poisoned request")
     return append(self, r, t, out, b)
-scheduler.BatchEngine._append = _append
+scheduler.Scheduler._append = _append
 from launch.batch import run
 sys.argv = ["kimi-batch"] + sys.argv[1:]
 run()

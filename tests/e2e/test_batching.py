@@ -35,14 +35,16 @@ def test_continuous_batching_equals_solo(ckpt):
     # 24 pages of 4 tokens (< the 3 longest sequences at once: forces preemption and recompute)
     llm = LLM(ckpt, dtype="float32", max_num_seqs=3, page_size=4, num_pages=24, prefill_chunk=16,
               max_prefill_tokens=24)
-    be = llm.batch_engine()
-    reqs = [be.make_request(str(i), p, sp, seed=0) for i, (p, sp) in enumerate(zip(ps, params))]
+    core = llm.frontend.make_core()
+    reqs = [r for i, (p, sp) in enumerate(zip(ps, params))
+            for r in core.make_request(str(i), p, sp, seed=0)]
     for r in reqs:
-        be.add(r)
-    be.run()
+        core.add([r])
+    core.run()
+    pool = core.scheduler.pool
     assert [r.output_ids for r in reqs] == solo
-    assert be.stats["preemptions"] > 0          # the page pool really ran dry
-    assert len(be.pool.free) == be.pool.num_pages  # every page came back
+    assert core.stats["preemptions"] > 0        # the page pool really ran dry
+    assert len(pool.free) == pool.num_pages     # every page came back
 
 
 def test_latency_metrics(ckpt):
@@ -78,18 +80,19 @@ def test_seeded_sampling_does_not_depend_on_batch(ckpt):
 
 def test_bad_requests_fail_alone(ckpt):
     llm = LLM(ckpt, dtype="float32", max_model_len=64)
-    be = llm.batch_engine()
-    good = be.make_request("ok", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3), seed=0)
+    core = llm.frontend.make_core()
+    sp = SamplingParams(temperature=0.0, max_tokens=3)
+    [good] = core.make_request("ok", [5, 6, 7], sp, seed=0)
     errors = {}
     for rid, ids, sp in [("long", list(range(2, 80)), SamplingParams()), ("empty", [], SamplingParams()),
                          ("badid", [5, 10**6], SamplingParams()), ("lp", [5], SamplingParams(logprobs=10**6))]:
         with pytest.raises(RequestError) as e:
-            be.make_request(rid, ids, sp, seed=0)
+            core.make_request(rid, ids, sp, seed=0)
         errors[rid] = str(e.value)
     assert "max_model_len=64" in errors["long"] and "empty prompt" in errors["empty"]
     assert "1000000" in errors["badid"] and "vocabulary" in errors["lp"]
-    be.add(good)
-    be.run()
+    core.add([good])
+    core.run()
     assert len(good.output_ids) == 3
 
 

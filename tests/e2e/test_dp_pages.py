@@ -34,14 +34,16 @@ def workload(n, seed=0):
 
 
 def run(llm, ps, params):
-    be = llm.batch_engine()
-    reqs = [be.make_request(str(i), p, sp, seed=0) for i, (p, sp) in enumerate(zip(ps, params))]
+    core = llm.frontend.make_core()
+    reqs = [r for i, (p, sp) in enumerate(zip(ps, params))
+            for r in core.make_request(str(i), p, sp, seed=0)]
     for r in reqs:
-        be.add(r)
-    be.run()
-    assert not be.running and not be.waiting
-    assert len(be.pool.free) == be.pool.num_pages        # every page came back
-    return [r.output_ids for r in reqs], be
+        core.add([r])
+    core.run()
+    s = core.scheduler
+    assert not s.running and not s.waiting
+    assert len(s.pool.free) == s.pool.num_pages        # every page came back
+    return [r.output_ids for r in reqs], core
 
 
 # the mixed DP x TP layouts are long checks (--run-slow); dp2 and dp8_ep run by default both ways
@@ -60,11 +62,11 @@ def test_dp_split_pool_equals_single_device(ckpt, name, overlap):
     # the reference: one device, one sequence at a time
     ref, _ = run(LLM(ckpt, max_num_seqs=1, num_pages=PAGES_PER_RANK, **kw), ps, params)
     llm = LLM(ckpt, max_num_seqs=dp * SLOTS_PER_RANK, num_pages=dp * PAGES_PER_RANK, **kw, **lay)
-    got, be = run(llm, ps, params)
+    got, core = run(llm, ps, params)
     assert got == ref
-    assert be.stats["preemptions"] > 0                   # a partition really ran dry
+    assert core.stats["preemptions"] > 0                 # a partition really ran dry
     # each device holds its rank's partition only (after steps: the pool the steps returned)
-    for kind, pool in be.pages.items():
+    for kind, pool in core.runner.pages.items():
         L, num_pages, page, C = pool.shape
         assert num_pages == dp * PAGES_PER_RANK
         assert {s.data.shape for s in pool.addressable_shards} == {(L, PAGES_PER_RANK, page, C)}
@@ -76,17 +78,17 @@ def test_dp_split_pool_equals_single_device(ckpt, name, overlap):
 def test_fresh_pool_is_created_split(ckpt):
     llm = LLM(ckpt, dtype="float32", max_num_seqs=4, page_size=PAGE, num_pages=8 * 5,
               data_parallel_size=8, enable_expert_parallel=True)
-    be = llm.batch_engine()
-    assert be.pool.parts == 8 and be.pool.per_part == 5
-    for pool in be.pages.values():
+    core = llm.frontend.make_core()
+    assert core.scheduler.pool.parts == 8 and core.scheduler.pool.per_part == 5
+    for pool in core.runner.pages.values():
         L, _, page, C = pool.shape
         assert len(pool.addressable_shards) == 8
         assert {s.data.shape for s in pool.addressable_shards} == {(L, 5, page, C)}
     # tp-only: one partition, the pool whole on every device (as before)
-    be1 = LLM(ckpt, dtype="float32", max_num_seqs=4, page_size=PAGE, num_pages=10,
-              tensor_parallel_size=2).batch_engine()
-    assert be1.pool.parts == 1
-    for pool in be1.pages.values():
+    core1 = LLM(ckpt, dtype="float32", max_num_seqs=4, page_size=PAGE, num_pages=10,
+                tensor_parallel_size=2).frontend.make_core()
+    assert core1.scheduler.pool.parts == 1
+    for pool in core1.runner.pages.values():
         assert {s.data.shape for s in pool.addressable_shards} == {pool.shape}
 
 
@@ -97,8 +99,8 @@ def test_tp_only_layout_tokens_unchanged(ckpt):
     kw = dict(dtype="float32", page_size=PAGE, num_pages=24, max_num_seqs=3, prefill_chunk=16,
               max_prefill_tokens=24)
     ref, _ = run(LLM(ckpt, **kw), ps, params)
-    got, be = run(LLM(ckpt, tensor_parallel_size=2, **kw), ps, params)
-    assert got == ref and be.stats["preemptions"] > 0
+    got, core = run(LLM(ckpt, tensor_parallel_size=2, **kw), ps, params)
+    assert got == ref and core.stats["preemptions"] > 0
 
 
 @pytest.mark.parametrize("name", ["dp2_tp2_ep", "dp8_ep", "dp2"])
@@ -112,7 +114,7 @@ def test_compiled_paged_steps_move_no_pool(ckpt, name):
     dp = lay["data_parallel_size"]
     num_pages, page = 128 * dp, 16
     llm = LLM(ckpt, dtype="float32", max_num_seqs=2 * dp, page_size=page, num_pages=num_pages, **lay)
-    eng = llm.engine
+    eng = llm.frontend.steps
     pages = eng.init_pages(num_pages, page)
     shard_bytes = (num_pages // dp) * page * CFG.latent_dim * 4          # one layer's pool shard
     B = eng.batch_size(2 * dp)
@@ -187,21 +189,20 @@ def test_ops_on_a_split_pool_equal_the_whole_pool(impl):
 def test_default_pool_on_a_gpu_counts_every_dp_rank(monkeypatch):
     """On a device with a memory limit the default pool is what the free memory of one device holds,
     times dp: each device keeps only its rank's 1/dp of the pages."""
-    import types
     import jax
     import jax.numpy as jnp
-    from kimi_jax.entrypoints import llm as api
-    from kimi_jax.parallel import sharding
+    from kimi_jax.engine.args import EngineConfig
+    from kimi_jax.entrypoints import frontend
     from kimi_jax.parallel.sharding import Layout
-    monkeypatch.setattr(sharding, "device_memory_bytes", lambda: 2 ** 30)
+    monkeypatch.setattr(frontend, "device_memory_bytes", lambda: 2 ** 30)
     cfg = CFG
     page_bytes = cfg.num_hidden_layers * 16 * cfg.latent_dim * 4
+    ec = EngineConfig(cfg, page_size=16, max_num_seqs=10 ** 6, gpu_memory_utilization=0.5)
     for dp in (1, 4):
-        fake = types.SimpleNamespace(config=cfg, page_size=16, dtype=jnp.float32, max_num_seqs=10 ** 6,
-                                     max_model_len=10 ** 6, layout=Layout(1, dp, True))
         used = jax.devices()[0].memory_stats() or {}
         expect = int((2 ** 30 * 0.5 - used.get("bytes_in_use", 0)) // page_bytes) * dp
-        assert api.LLM._default_num_pages(fake, 0.5) == expect
+        got = frontend._default_num_pages(cfg, Layout(1, dp, True), jnp.float32, ec, 10 ** 6)
+        assert got == expect
 
 
 def test_split_chunk_attention_under_dp_tp_ep_equals_single_device(ckpt, monkeypatch):

@@ -43,10 +43,12 @@ def test_two_engines_in_one_process_run_their_own_plans(tiny_ckpt, monkeypatch):
     # cached tokens; 3 decode steps each
     kw = dict(dtype="float32", max_num_seqs=2, page_size=4, num_pages=32, prefill_chunk=8, max_prefill_tokens=16)
     plain, fused = LLM(tiny_ckpt, **kw), LLM(tiny_ckpt, exec_plan=FUSED, **kw)
-    assert plain.engine.plan == ops.ExecPlan.for_backend() == ops.ExecPlan() and fused.engine.plan == FUSED
-    assert fused.exec_plan is fused.engine.plan
+    plain_steps, fused_steps = plain.frontend.steps, fused.frontend.steps
+    assert plain_steps.plan == ops.ExecPlan.for_backend() == ops.ExecPlan()
+    assert fused_steps.plan == FUSED
+    assert fused.exec_plan is fused_steps.plan
 
-    text_plain, text_fused = _lowered_prefill(plain.engine), _lowered_prefill(fused.engine)
+    text_plain, text_fused = _lowered_prefill(plain_steps), _lowered_prefill(fused_steps)
     assert text_plain.count("stablehlo.while") == 2                # one lax.scan per layer stack (dense, MoE)
     assert "stablehlo.while" not in text_fused                     # unrolled: one call per layer
     assert fused_calls == ["xla"] * 2          # traced once per layer kind (dense, MoE), fused plan only
@@ -66,10 +68,10 @@ def test_two_engines_in_one_process_run_their_own_plans(tiny_ckpt, monkeypatch):
     # a live engine given another plan compiles for it instead of reusing the programs it has: its
     # full-sequence logits (one fresh prefill) before and after
     prompt = ps[1][:8]
-    before = plain.engine.logits(prompt)
+    before = plain_steps.logits(prompt)
     n_fused = len(fused_calls)
-    assert plain.engine.logits(prompt) is not None and len(fused_calls) == n_fused
-    plain.engine.plan = FUSED
-    after = plain.engine.logits(prompt)
+    assert plain_steps.logits(prompt) is not None and len(fused_calls) == n_fused
+    plain_steps.plan = FUSED
+    after = plain_steps.logits(prompt)
     assert len(fused_calls) == n_fused + 2                          # one trace per layer kind
     np.testing.assert_allclose(after, before, rtol=1e-4, atol=1e-4)   # float32, summation order only

@@ -26,22 +26,24 @@ def requests(n, seed=0):
 
 
 def run(llm, fixed: bool, overlap: bool, watch=None):
-    llm.overlap_scheduling = overlap
-    be = llm.batch_engine()
-    be.runner.fixed_buffers = fixed
+    core = llm.frontend.make_core(overlap_scheduling=overlap)
+    assert core.scheduler.overlap == overlap
+    runner = core.runner
+    runner.fixed_buffers = fixed
     if watch is not None:
-        call = be.runner._call
+        call = runner._call
 
         def watched(batch, key, **kw):
             out = call(batch, key, **kw)
-            watch(be.runner, key)
+            watch(runner, key)
             return out
-        be.runner._call = watched
+        runner._call = watched
     ps, params = requests(7)
-    reqs = [be.make_request(str(i), p, sp, seed=50 + i) for i, (p, sp) in enumerate(zip(ps, params))]
+    reqs = [r for i, (p, sp) in enumerate(zip(ps, params))
+            for r in core.make_request(str(i), p, sp, seed=50 + i)]
     for r in reqs:
-        be.add(r)
-    be.run()
+        core.add([r])
+    core.run()
     return reqs
 
 

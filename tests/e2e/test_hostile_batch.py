@@ -28,7 +28,7 @@ def _good(i: int) -> bytes:
 
 
 def _run(llm, data: bytes, out: str) -> B.JobSummary:
-    return B.run_job(llm, io.BytesIO(data), B.ResultWriter(out), model_name="m", default_max_tokens=2,
+    return B.run_job(llm.frontend, io.BytesIO(data), B.ResultWriter(out), model_name="m", default_max_tokens=2,
                      progress=False)
 
 
@@ -181,7 +181,7 @@ def test_an_input_without_newlines_ends_with_one_error(llm, tmp_path, monkeypatc
     assert len(lines) == 1 and lines[0][1].endless
     out = str(tmp_path / "o.jsonl")
     with open("/dev/zero", "rb") as zero:
-        s = B.run_job(llm, zero, B.ResultWriter(out), model_name="m", default_max_tokens=2, progress=False)
+        s = B.run_job(llm.frontend, zero, B.ResultWriter(out), model_name="m", default_max_tokens=2, progress=False)
     (rec,) = _records(out)
     assert rec["custom_id"] == "line-1" and rec["error"]["code"] == "input_not_lines"
     assert f"more than {1 << 20} bytes without a newline" in rec["error"]["message"]

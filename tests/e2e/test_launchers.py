@@ -138,14 +138,15 @@ def test_generate_reports_loading_on_stderr_and_nothing_else(cli):
                                          ("launch.batch", ["--input=/dev/null", "--output=OUT"])])
 def test_enable_prefix_caching_flag_reaches_the_engine(cli, monkeypatch, tmp_path, module, args):
     """--enable-prefix-caching (default on) / --no-enable-prefix-caching is EngineConfig.enable_prefix_caching;
-    the LLM is stopped before it loads anything (a ValueError: the launchers' one-line exit 2)."""
-    from kimi_jax.entrypoints.llm import LLM
+    the Frontend every launcher loads the model through is stopped before it loads anything (a
+    ValueError: the launchers' one-line exit 2)."""
+    from kimi_jax.entrypoints.frontend import Frontend
     seen = []
 
-    def spy(self, *a, engine_config, **kw):
+    def spy(cls, engine_config):
         seen.append(engine_config.enable_prefix_caching)
         raise ValueError("stopped by the test")
-    monkeypatch.setattr(LLM, "__init__", spy)
+    monkeypatch.setattr(Frontend, "from_config", classmethod(spy))
     for flag, want in (([], True), (["--no-enable-prefix-caching"], False), (["--enable_prefix_caching"], True)):
         r = cli(module, "--model=tiny", *[a.replace("OUT", str(tmp_path / "out.jsonl")) for a in args], *flag)
         assert r.returncode == 2 and "stopped by the test" in r.stderr, r
@@ -157,14 +158,14 @@ def test_vllm_launch_flags_are_accepted_with_their_meaning_here(cli, monkeypatch
     kimi_k2 / --reasoning-parser kimi_k2 (another parser: one line, exit 2, before any loading);
     kimi-batch takes run-batch's -i / -o."""
     from launch import common as launch_common
-    from kimi_jax.entrypoints.llm import LLM
+    from kimi_jax.entrypoints.frontend import Frontend
     seen = []
 
-    def spy(self, *a, engine_config, **kw):
+    def spy(cls, engine_config):
         seen.append((engine_config.trust_remote_code, launch_common.FLAGS["input"].value
                      if "input" in launch_common.FLAGS else None))
         raise ValueError("stopped by the test")
-    monkeypatch.setattr(LLM, "__init__", spy)
+    monkeypatch.setattr(Frontend, "from_config", classmethod(spy))
     r = cli("launch.serve", "--model=tiny", "--trust-remote-code", "--enable-auto-tool-choice",
             "--tool-call-parser", "kimi_k2", "--reasoning-parser=kimi_k2")
     assert r.returncode == 2 and "stopped by the test" in r.stderr and seen.pop() == (True, None), r
@@ -187,7 +188,7 @@ def test_vllm_llm_keywords_and_a_max_model_len_past_the_model(cli, caplog):
     from kimi_jax import LLM
     from kimi_jax.config import preset
     cfg = preset("tiny").replace(num_hidden_layers=1, vocab_size=256)
-    with caplog.at_level(logging.WARNING, logger="kimi_jax.entrypoints.llm"):
+    with caplog.at_level(logging.WARNING, logger="kimi_jax.entrypoints.frontend"):
         llm = LLM(cfg, dtype="float32", max_num_seqs=1, max_model_len=32, trust_remote_code=True,
                   enforce_eager=True)
     assert llm.max_model_len == 32

@@ -117,7 +117,8 @@ def test_overlap_is_off_with_speculation(pool_llm, monkeypatch):
     """Drafts need each step's tokens on the host: speculation runs the ordinary path."""
     from kimi_jax.engine.speculative import SpeculativeConfig
     assert pool_llm.frontend.make_core(overlap_scheduling=True).scheduler.overlap is True
-    spec = pool_llm.frontend.make_core(overlap_scheduling=True, speculative_config=SpeculativeConfig())
+    spec = pool_llm.frontend.make_core(overlap_scheduling=True,
+                                       speculative_config=SpeculativeConfig())
     assert spec.scheduler.overlap is False
 
 

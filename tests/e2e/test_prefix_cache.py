@@ -76,28 +76,31 @@ def shared_prefix_prompts(n, prefix_len, seed=0):
 POISON = 1e4
 
 
-def poison_freed(be):
+def poison_freed(core):
     """Fill every page the pool gives up with POISON, on the device, at the moment it is given up."""
     def poison(part, pages):
-        ids = jnp.asarray([part * be.pool.per_part + p for p in pages], jnp.int32)
-        be.pages = {k: v.at[:, ids].set(POISON) for k, v in be.pages.items()}
-    be.pool.on_reclaim = poison
-    return be
+        ids = jnp.asarray([part * pool.per_part + p for p in pages], jnp.int32)
+        core.runner.pages = {k: v.at[:, ids].set(POISON) for k, v in core.runner.pages.items()}
+    pool = core.scheduler.pool
+    pool.on_reclaim = poison
+    return core
 
 
 def run(llm, prompts, params, poison=False):
-    be = llm.batch_engine()
+    core = llm.frontend.make_core()
     if poison:
-        poison_freed(be)
-    reqs = [be.make_request(str(i), p, sp, seed=i) for i, (p, sp) in enumerate(zip(prompts, params))]
+        poison_freed(core)
+    reqs = [r for i, (p, sp) in enumerate(zip(prompts, params))
+            for r in core.make_request(str(i), p, sp, seed=i)]
     for r in reqs:
-        be.add(r)
-    be.run()
-    return [r.output_ids for r in reqs], reqs, be
+        core.add([r])
+    core.run()
+    return [r.output_ids for r in reqs], reqs, core
 
 
-def all_pages_back(be):
-    return len(be.pool.free) == be.pool.num_pages       # every page came back (cached or free)
+def all_pages_back(core):
+    pool = core.scheduler.pool
+    return len(pool.free) == pool.num_pages       # every page came back (cached or free)
 
 
 def greedy(n, m=6):
@@ -133,10 +136,10 @@ def test_caching_gives_the_uncached_tokens(ckpt, layout):
     dp = layout.get("data_parallel_size", 1)
     kw["num_pages"] = 24 * dp
     ref, _, _ = run(LLM(ckpt, enable_prefix_caching=False, **kw), ps, params)
-    got, reqs, be = run(LLM(ckpt, enable_prefix_caching=True, **kw), ps, params, poison=True)
+    got, reqs, core = run(LLM(ckpt, enable_prefix_caching=True, **kw), ps, params, poison=True)
     assert got == ref
-    assert be.stats["prefix_cache_hits"] > 0 and all_pages_back(be)
-    assert be.stats["prompt_tokens"] < sum(len(p) for p in ps)      # cached tokens were not recomputed
+    assert core.stats["prefix_cache_hits"] > 0 and all_pages_back(core)
+    assert core.stats["prompt_tokens"] < sum(len(p) for p in ps)      # cached tokens were not recomputed
 
 
 def test_eviction_under_pressure_and_preemption(ckpt):
@@ -147,9 +150,10 @@ def test_eviction_under_pressure_and_preemption(ckpt):
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=7, ignore_eos=True, seed=3)] * len(ps)
     kw = dict(dtype="float32", max_num_seqs=3, page_size=4, num_pages=14, prefill_chunk=16)
     ref, _, _ = run(LLM(ckpt, enable_prefix_caching=False, **kw), ps, params)
-    got, _, be = run(LLM(ckpt, enable_prefix_caching=True, **kw), ps, params, poison=True)
-    assert got == ref and all_pages_back(be)
-    assert be.pool.evictions > 0 and be.stats["preemptions"] > 0 and be.stats["prefix_cache_hits"] > 0
+    got, _, core = run(LLM(ckpt, enable_prefix_caching=True, **kw), ps, params, poison=True)
+    assert got == ref and all_pages_back(core)
+    assert core.scheduler.pool.evictions > 0
+    assert core.stats["preemptions"] > 0 and core.stats["prefix_cache_hits"] > 0
 
 
 @pytest.mark.slow
@@ -161,14 +165,14 @@ def test_caching_with_speculation(ckpt):
     spec = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
     kw = dict(dtype="float32", page_size=4, max_num_seqs=2, speculative_config=spec)
     ref, _, _ = run(LLM(ckpt, enable_prefix_caching=False, **kw), ps, greedy(3, m=8))
-    got, _, be = run(LLM(ckpt, enable_prefix_caching=True, **kw), ps, greedy(3, m=8), poison=True)
-    assert got == ref and be.stats["prefix_cache_hits"] > 0 and all_pages_back(be)
+    got, _, core = run(LLM(ckpt, enable_prefix_caching=True, **kw), ps, greedy(3, m=8), poison=True)
+    assert got == ref and core.stats["prefix_cache_hits"] > 0 and all_pages_back(core)
 
 
 def test_no_hits_without_caching(ckpt):
     ps = shared_prefix_prompts(2, 16)
-    _, reqs, be = run(LLM(ckpt, dtype="float32", page_size=4, enable_prefix_caching=False), ps, greedy(2))
-    assert be.stats["prefix_cache_hits"] == 0 and all(r.num_cached_tokens == 0 for r in reqs)
+    _, reqs, core = run(LLM(ckpt, dtype="float32", page_size=4, enable_prefix_caching=False), ps, greedy(2))
+    assert core.stats["prefix_cache_hits"] == 0 and all(r.num_cached_tokens == 0 for r in reqs)
 
 
 def test_a_repeated_workload_compiles_nothing_new(ckpt):
@@ -177,7 +181,7 @@ def test_a_repeated_workload_compiles_nothing_new(ckpt):
     llm = LLM(ckpt, dtype="float32", page_size=4, max_num_seqs=4, enable_prefix_caching=True)
     ps = shared_prefix_prompts(4, 12, seed=7)
     run(llm, ps, greedy(4))
-    steps = (llm.engine.step_jit,)
+    steps = (llm.frontend.steps.step_jit,)
     sizes = [f._cache_size() for f in steps]
     run(llm, ps, greedy(4))
     assert [f._cache_size() for f in steps] == sizes

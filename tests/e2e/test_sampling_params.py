@@ -23,20 +23,27 @@ def log_softmax(x):
 PROMPT = list(range(5, 40))           # 35 tokens: three prompt chunks of 16
 
 
-def run(llm, groups, num_pages=None):
-    """Requests of (prompt, params, seed) through one batch engine (num_pages: its pool, default the
-    fixture's), each group via add_samples."""
-    saved, llm.num_pages = llm.num_pages, num_pages or llm.num_pages
-    try:
-        be = llm.batch_engine()
-    finally:
-        llm.num_pages = saved
-    out = [be.make_samples(str(i), p, sp, seed) for i, (p, sp, seed) in enumerate(groups)]
+def use_tokenizer(monkeypatch, llm, tokenizer):
+    """`tokenizer` for everything of llm that reads one (the tiny checkpoint has none): its frontend
+    (the cores it makes), input and output processors; generate's kept core is made anew."""
+    for owner in (llm, llm.frontend, llm.inputs, llm.outputs):
+        monkeypatch.setattr(owner, "tokenizer", tokenizer)
+    monkeypatch.setattr(llm, "_core", None)
+
+
+def run(llm, groups, num_pages=None, **changes):
+    """Requests of (prompt, params, seed) through one fresh engine core (num_pages: its pool, default
+    the fixture's; changes: its other make_core overrides), each group's samples added together."""
+    if num_pages is not None:
+        changes["num_pages"] = num_pages
+    core = llm.frontend.make_core(**changes)
+    out = [core.make_request(str(i), p, sp, seed=seed) for i, (p, sp, seed) in enumerate(groups)]
     for g in out:
-        be.add_samples(g)
-    be.run()
-    assert len(be.pool.free) == be.pool.num_pages and not be.running
-    return out, be.stats
+        core.add(g)
+    core.run()
+    s = core.scheduler
+    assert len(s.pool.free) == s.pool.num_pages and not s.running
+    return out, core.stats
 
 
 def test_n_samples_share_one_prefill(pool_llm):
@@ -52,15 +59,11 @@ def test_n_samples_share_one_prefill(pool_llm):
     assert len({tuple(t) for t in toks}) == 3
     (shared,), stats = run(pool_llm, [(PROMPT, sp, 11)], num_pages=64)
     assert stats["prompt_tokens"] == len(PROMPT) - 1 + 3 and stats["preemptions"] == 0, stats
-    saved, pool_llm.num_pages = pool_llm.num_pages, 64
-    try:
-        be = pool_llm.batch_engine()
-    finally:
-        pool_llm.num_pages = saved
-    alone = be.make_samples("x", PROMPT, sp, 11)
+    core = pool_llm.frontend.make_core(num_pages=64)
+    alone = core.make_request("x", PROMPT, sp, seed=11)
     for r in alone:
-        be.add(r)
-    be.run()
+        core.add([r])                 # each sample on its own: its own prefill of the whole prompt
+    core.run()
     assert [r.output_ids for r in shared] == [r.output_ids for r in alone] == toks
 
 
@@ -114,8 +117,7 @@ def test_min_tokens_logit_bias_and_bad_words(pool_llm, monkeypatch, word_tokeniz
     sampled = pool_llm.generate([PROMPT], SamplingParams(temperature=1.0, n=6, seed=3, max_tokens=6, ignore_eos=True,
                                                     logit_bias={first: -100.0}))[0].outputs
     assert all(first not in s.token_ids for s in sampled)
-    monkeypatch.setattr(pool_llm, "tokenizer", word_tokenizer)
-    monkeypatch.setattr(pool_llm, "_generate_engine", None)     # the kept engine (prefix caching) has no tokenizer
+    use_tokenizer(monkeypatch, pool_llm, word_tokenizer)
     g = greedy.token_ids
     banned = pool_llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
                                                    bad_words=[f"w{g[0]}", f"w{g[2]} w{g[3]}"]))[0].outputs[0]
@@ -128,7 +130,7 @@ def test_prompt_logprobs_and_logprob_fields_equal_llm_logits(pool_llm, monkeypat
     first, then per position the prompt token's logprob and rank and the top-3, equal to
     log_softmax(llm.logits) to 2e-5 (float32 logits of two attention paths); the output's Logprob
     entries (token, rank, top-2, decoded_token) likewise against llm.logits of prompt + output."""
-    monkeypatch.setattr(pool_llm, "tokenizer", word_tokenizer)
+    use_tokenizer(monkeypatch, pool_llm, word_tokenizer)
     ref = log_softmax(pool_llm.logits(PROMPT))
     for n in (1, 2):
         res = pool_llm.generate([PROMPT], SamplingParams(temperature=0.0, n=n, max_tokens=3, logprobs=2,
@@ -187,8 +189,8 @@ def test_penalties_under_overlap_and_preemption(pool_llm):
               for i, m in enumerate(rng.integers(8, 16, len(ps)))]
     results = {}
     for overlap, pages in ((False, 24), (True, 24), (False, 400)):
-        pool_llm.overlap_scheduling = overlap
-        reqs, stats = run(pool_llm, [(p, sp, 100 + i) for i, (p, sp) in enumerate(zip(ps, params))], pages)
+        groups = [(p, sp, 100 + i) for i, (p, sp) in enumerate(zip(ps, params))]
+        reqs, stats = run(pool_llm, groups, pages, overlap_scheduling=overlap)
         results[overlap, pages] = [r.output_ids for (r,) in reqs]
         if pages == 24:
             assert stats["preemptions"] > 0, stats
@@ -197,12 +199,13 @@ def test_penalties_under_overlap_and_preemption(pool_llm):
     assert results[True, 24] == results[False, 24] == results[False, 400]
 
 
-def test_max_logprobs_is_enforced_by_generate_and_the_batch_engine(pool_llm):
-    """LLM's max_logprobs (vLLM's 20) caps a request's logprobs in LLM.generate and in the batch engine
+def test_max_logprobs_is_enforced_by_generate_and_the_engine_core(pool_llm):
+    """LLM's max_logprobs (vLLM's 20) caps a request's logprobs in LLM.generate and in the engine core
     the server and kimi-batch submit to."""
     from kimi_jax.engine.validation import RequestError
     assert pool_llm.max_logprobs == 20
     with pytest.raises(ValueError, match="request 0: logprobs 25 exceeds max_logprobs 20"):
         pool_llm.generate([[1, 2]], SamplingParams(max_tokens=1, logprobs=25))
+    sp, core = SamplingParams(max_tokens=1, prompt_logprobs=21), pool_llm.frontend.make_core()
     with pytest.raises(RequestError, match="prompt_logprobs 21 exceeds max_logprobs 20"):
-        pool_llm.batch_engine().make_request("x", [1, 2], SamplingParams(max_tokens=1, prompt_logprobs=21), 0)
+        core.make_request("x", [1, 2], sp, seed=0)

@@ -290,7 +290,8 @@ def test_tokenize_detokenize_and_metrics(server, client):
     assert status == 200 and body["tokens"] == srv.tokenizer.encode("The with statement")
     assert body["count"] == len(body["tokens"]) and body["max_model_len"] == MAX_MODEL_LEN
     msgs = [{"role": "user", "content": "hi"}]
-    assert _http(url + "/tokenize", {"messages": msgs}, AUTH)[2]["tokens"] == srv.frontend.inputs.encode_chat(msgs)
+    tokens = _http(url + "/tokenize", {"messages": msgs}, AUTH)[2]["tokens"]
+    assert tokens == srv.frontend.inputs.encode_chat(msgs)
     assert _http(url + "/detokenize", {"tokens": body["tokens"]}, AUTH)[2]["prompt"] == "The with statement"
     assert _http(url + "/detokenize", {"tokens": [-1]}, AUTH)[0] == 400
     gen, prompt = _metric(url, "generation_tokens_total"), _metric(url, "prompt_tokens_total")
@@ -374,7 +375,8 @@ def test_abort_frees_pages_while_a_step_is_in_flight(llm):
     core = llm.frontend.make_core()
     s = core.scheduler
     assert s.overlap
-    [keep], [drop] = core.add_request("keep", ids, sp, seed=0), core.add_request("drop", ids[:2], sp, seed=0)
+    [keep] = core.add_request("keep", ids, sp, seed=0)
+    [drop] = core.add_request("drop", ids[:2], sp, seed=0)
     while core.runner.inflight is None or len(drop.output_ids) < 3:
         core.step()
     free_before = s.pool.num_free

@@ -22,7 +22,7 @@ def server():
     from tests.e2e.serving import serving
     llm = LLM(None, dtype="float32", max_num_seqs=4, max_model_len=1024, prefill_chunk=512,
               enable_prefix_caching=False)
-    with serving(OpenAIServer(llm, served_model_name="kimi-jax-demo")) as url:
+    with serving(OpenAIServer(llm.frontend, served_model_name="kimi-jax-demo")) as url:
         yield url
 
 

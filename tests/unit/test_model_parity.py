@@ -72,7 +72,8 @@ def test_absorbed_equals_expanded(tiny_llm):
     from flax import nnx
     from kimi_jax.model.transformer import init_cache
 
-    model = nnx.merge(tiny_llm.engine.graphdef, tiny_llm.engine.state)
+    steps = tiny_llm.frontend.steps
+    model = nnx.merge(steps.graphdef, steps.state)
     toks = jnp.asarray(np.random.default_rng(1).integers(2, 96, (2, 17)), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(17), (2, 17))
     expanded, _ = model(toks, pos, None, absorbed=False)

@@ -1,6 +1,7 @@
 """The runner's declared program set (`Runner.programs`) against the plans the scheduler makes: seeded
-random workloads run through an EngineCore whose steps are faked (random tokens, no model), and every
-program a step asks for must be declared; at small limits the workloads reach every declared program."""
+random workloads run through an EngineCore whose steps are faked (random tokens, no model), and
+every program a step asks for must be declared; at small limits the workloads reach every declared
+program."""
 import types
 
 import jax
@@ -18,7 +19,8 @@ from kimi_jax.engine.steps import Occurrences
 
 
 class FakeEngine:
-    """What EngineCore (its Scheduler and Runner) reads of an Engine; the steps themselves are `fake_call`."""
+    """What EngineCore (its Scheduler and Runner) reads of an Engine; the steps themselves are
+    `fake_call`."""
 
     def __init__(self, vocab_size: int, dp: int, plan: ops.ExecPlan):
         self.cfg = types.SimpleNamespace(vocab_size=vocab_size)
@@ -41,9 +43,9 @@ class FakeEngine:
         return pages
 
 
-def fake_engine(rng, vocab_size, seen, *, num_pages, page_size, max_num_seqs, max_model_len, prefill_chunk,
-                max_prefill_tokens, dp=1, plan=ops.ExecPlan(), enable_prefix_caching=False, overlap=False,
-                speculative=None) -> EngineCore:
+def fake_engine(rng, vocab_size, seen, *, num_pages, page_size, max_num_seqs, max_model_len,
+                prefill_chunk, max_prefill_tokens, dp=1, plan=ops.ExecPlan(),
+                enable_prefix_caching=False, overlap=False, speculative=None) -> EngineCore:
     sc = SchedulerConfig(max_num_seqs, max_model_len, prefill_chunk, max_prefill_tokens,
                          speculative_config=speculative, overlap_scheduling=overlap)
     cc = CacheConfig(page_size, num_pages, enable_prefix_caching=enable_prefix_caching)
