@@ -35,7 +35,7 @@ def step_ms(llm, B: int, context: int, reps: int = 20) -> float:
     import jax
     from kimi_jax.engine.sampling import SamplingArrays, SamplingParams
     from kimi_jax.tools.step_adapters import decode_step_async
-    eng = llm.engine
+    eng = llm.frontend.steps
     pages = eng.init_pages(B * (-(-(context + reps + 2) // llm.page_size)) + 1, llm.page_size)
     per = pages[next(iter(pages))].shape[1] // B
     table = np.arange(B * per, dtype=np.int32).reshape(B, per)

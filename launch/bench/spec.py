@@ -112,7 +112,7 @@ def spec_rows(model, batches, *, gen_tokens: int = 48, k: int = 4, dtype: str = 
             rows.append(row)
             log(f"[{time.perf_counter() - t0:6.1f}s] " + json.dumps(row, default=float))
     costs = {f"B{b}_P{p}": dict(decode_ms=d * 1e3, verify_ms=v * 1e3, ratio=v / d)
-             for (b, p), (d, v) in sorted(llm.engine.pass_costs.items())}
+             for (b, p), (d, v) in sorted(llm.frontend.steps.pass_costs.items())}
     log("measured pass costs (batch bucket, page-table bucket): " + json.dumps(costs))
     for r in rows:
         r["pass_costs"] = costs

@@ -196,7 +196,7 @@ def bench_decode_step(batches, steps: int, context: int = 64, kimi_vocab: bool =
     from kimi_jax.parallel.sharding import Layout
     from kimi_jax.tools.profiling import paged_args, random_engine
     from kimi_jax.tools.step_adapters import paged_step
-    engines = {"demo_4096": LLM(demo_model_path(), dtype="float32").engine}
+    engines = {"demo_4096": LLM(demo_model_path(), dtype="float32").frontend.steps}
     if kimi_vocab:
         engines["tiny_163840"] = random_engine(preset("tiny").replace(vocab_size=KIMI_VOCAB), Layout(1), jnp.float32)
     out = {}
