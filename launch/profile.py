@@ -11,7 +11,7 @@ matmuls, attention and the rest, with shares; the collective counts also come fr
 program (trip counts of the layer loops applied), so they do not depend on the trace. Writes
 OUT/report.json, OUT/breakdown.png (stacked bars: each traced step and the mean) and the raw trace
 under OUT/trace (open the .trace.json.gz in Perfetto, or the directory in XProf / TensorBoard).
-A preset model runs with random weights; a checkpoint directory loads through kimi_jax.entrypoints.frontend.Frontend.
+A preset model runs with random weights; a checkpoint directory loads through its Frontend.
 --compile_only compiles the step over shapes alone (no weights), for models too big to run here.
 """
 from __future__ import annotations
