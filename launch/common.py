@@ -117,8 +117,7 @@ def layout_kwargs() -> dict:
 
 
 #: EngineConfig fields whose launcher flags carry vLLM's other names
-FLAG_NAMES = {"page_size": "block_size", "num_pages": "num_gpu_blocks_override",
-              "overlap_scheduling": "async_scheduling"}
+FLAG_NAMES = {"overlap_scheduling": "async_scheduling"}
 #: the --dtype help every launcher that builds an engine shows
 DTYPE_HELP = "compute dtype; auto: float32 on CPU, else the checkpoint's torch_dtype (bfloat16 if it has none)"
 

@@ -1,5 +1,5 @@
 """Admission: which requests run and which pages they hold (the queues, the page pool and its prefix
-cache, ranks, occurrence-pool slots, preemption); the Scheduler plans and books around it."""
+cache, ranks, occurrence-pool rows, preemption); the Scheduler plans and books around it."""
 from __future__ import annotations
 
 import collections
@@ -23,11 +23,11 @@ class Admission:
         self.page_size, self.dp, self.max_num_seqs = page_size, dp, max_num_seqs
         self.prefill_chunk, self.vocab_size, self.stats = prefill_chunk, vocab_size, stats
         self.pool = PagePool(num_pages - num_pages % dp, dp, caching=caching)
-        self.slots_per_rank = -(-max_num_seqs // dp)
+        self.seqs_per_rank = -(-max_num_seqs // dp)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.effects: list = []
-        self._free_slots = collections.deque(range(max_num_seqs))   # occurrence-pool slots
+        self._free_occ_rows = collections.deque(range(max_num_seqs))   # occurrence-pool rows
         self._stopped: list[Request] = []
 
     def add(self, req: Request) -> None:
@@ -90,20 +90,20 @@ class Admission:
             self.enter(r)
 
     def enter(self, r: Request) -> None:
-        """r joins the running set; with penalties it takes an occurrence slot, written from its prompt
+        """r joins the running set; with penalties it takes an occurrence-pool row, written from its prompt
         and output so far."""
         self.running.append(r)
         if r.adjust is None or not r.adjust.has_penalties:
             return
-        r.pen_slot = self._free_slots.popleft()
-        self.effects.append(("occ", r.pen_slot, penalties.occurrence_row(self.vocab_size, r.prompt_ids, r.output_ids)))
+        r.occ_row = self._free_occ_rows.popleft()
+        self.effects.append(("occ", r.occ_row, penalties.occurrence_row(self.vocab_size, r.prompt_ids, r.output_ids)))
 
     def leave(self, r: Request) -> None:
         if r in self.running:
             self.running.remove(r)
-        if r.pen_slot >= 0:
-            self._free_slots.append(r.pen_slot)
-            r.pen_slot = -1
+        if r.occ_row >= 0:
+            self._free_occ_rows.append(r.occ_row)
+            r.occ_row = -1
 
     def take_cached_prefix(self, r: Request) -> None:
         if not r.cache_queried:
@@ -116,7 +116,7 @@ class Admission:
         pages of its first chunk, the one running fewest requests (then: most free pages); None if none."""
         first = -(-min(r.pending, self.prefill_chunk) // self.page_size)
         load = collections.Counter(q.rank for q in self.running)
-        fits = [k for k in range(self.dp) if load[k] < self.slots_per_rank and first <= self.pool.free_in(k)]
+        fits = [k for k in range(self.dp) if load[k] < self.seqs_per_rank and first <= self.pool.free_in(k)]
         if self.pool.caching and self.dp > 1 and r.num_computed == 0 and len(fits) > 1:
             hashes = cacheable_hashes(r, self.page_size)
             cached = {k: self.pool.peek(hashes, k) for k in fits}

@@ -26,7 +26,8 @@ def _is_int(v) -> bool:
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """model: a checkpoint directory, a preset name, a ModelConfig (random weights) or None (the demo
-    model). page_size / num_pages: the latent cache's pages (num_pages None: from free memory).
+    model). block_size / num_gpu_blocks_override: tokens per page of the latent cache and its pages
+    (vLLM's names; None: from free memory).
     compilation_cache_dir: the persistent JAX cache ('none': off). exec_plan: kimi_jax.ops.ExecPlan
     (None: this machine's). precompile: compile the serving programs before the first request.
     max_logprobs: the most logprobs / prompt_logprobs a request may ask for (-1: no cap).
@@ -38,8 +39,8 @@ class EngineConfig:
     dtype: str = "auto"
     max_model_len: Optional[int] = None
     max_num_seqs: int = 256
-    page_size: int = 16
-    num_pages: Optional[int] = None
+    block_size: int = 16
+    num_gpu_blocks_override: Optional[int] = None
     gpu_memory_utilization: float = 0.9
     prefill_chunk: Optional[int] = None
     max_prefill_tokens: int = 2048
@@ -62,11 +63,11 @@ class EngineConfig:
                 or (isinstance(m, str) and (os.path.isdir(m) or m in PRESETS))):
             raise ValueError(f"model={m!r} is neither a checkpoint directory nor a preset {PRESETS}")
         for name, low in (("tensor_parallel_size", 1), ("data_parallel_size", 1), ("max_num_seqs", 1),
-                          ("page_size", 1), ("max_prefill_tokens", 1), ("max_logprobs", -1)):
+                          ("block_size", 1), ("max_prefill_tokens", 1), ("max_logprobs", -1)):
             v = getattr(self, name)
             if not _is_int(v) or v < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
-        for name, low in (("max_model_len", 1), ("num_pages", 2), ("prefill_chunk", 1)):
+        for name, low in (("max_model_len", 1), ("num_gpu_blocks_override", 2), ("prefill_chunk", 1)):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < low):
                 raise ValueError(f"{name} must be an integer >= {low} (or None), got {v!r}")

@@ -13,7 +13,7 @@ from kimi_jax.engine.runner import Runner
 from kimi_jax.engine.sampling import SamplingParams, key_data_for_seed
 from kimi_jax.engine.scheduler import Scheduler
 from kimi_jax.engine.shapes import Limits
-from kimi_jax.engine.steps import Engine
+from kimi_jax.engine.steps import ModelSteps
 from kimi_jax.engine.validation import RequestError
 
 _PASSES = {"prefill": "prefill_passes", "decode": "decode_passes", "verify": "verify_passes"}
@@ -24,13 +24,13 @@ class EngineCore:
     the plans (device state). steps: the model's jitted steps, shared by the cores of one model;
     structured: the structured-outputs backend (None: none); seed: seeds requests without one."""
 
-    def __init__(self, steps: Engine, scheduler_config: SchedulerConfig, cache_config: CacheConfig, *,
+    def __init__(self, steps: ModelSteps, scheduler_config: SchedulerConfig, cache_config: CacheConfig, *,
                  tokenizer=None, eos_ids=(), structured=None, seed: int = 0, fixed_buffers: bool = True):
         self.steps = steps
         self.scheduler_config, self.cache_config = scheduler_config, cache_config
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(scheduler_config, cache_config, vocab_size=steps.cfg.vocab_size,
-                                   batch_size=steps.batch_size, dp=steps.dp, exec_plan=steps.plan,
+                                   batch_size=steps.batch_size, dp=steps.dp, exec_plan=steps.exec_plan,
                                    tokenizer=tokenizer, eos_ids=eos_ids, pass_costs=steps.pass_costs,
                                    measure=self._measure)
         lp = scheduler_config.max_logprobs

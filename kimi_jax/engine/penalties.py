@@ -10,12 +10,12 @@ penalties):
   - frequency_penalty f and presence_penalty p (output tokens only): logit - f * count - p * (count > 0).
 
 The penalties need each row's output-token counts and prompt-token presence. They live on the
-device in an occurrence pool [slots + 1, V] int32, one row per penalty slot (a running request that uses
+device in an occurrence pool [rows + 1, V] int32, one row per penalised request (a running request that uses
 penalties holds one; the last row absorbs padding rows): value = 2 * (times the token was output) + (1 if
-it is in the prompt). A step gathers its rows' slots ([B, V]), and after sampling adds 2 at each
+it is in the prompt). A step gathers its rows' pool rows ([B, V]), and after sampling adds 2 at each
 row's sampled token, so the counts follow the sampled tokens with no host read: overlap scheduling
 (kimi_jax.engine.scheduler) can feed step N's tokens to step N+1 and the counts are already right.
-A slot's row is written from the host once when its request is admitted (prompt and output so far:
+A request's pool row is written from the host once when its request is admitted (prompt and output so far:
 after a preemption, the recompute starts from the right counts).
 Why a pool of [V] rows: docs/ARCHITECTURE.md, "Penalties".
 """
@@ -46,12 +46,12 @@ class LogitsAdjust:
     repetition: Optional[jax.Array] = None  # [B] float32 (1: off)
     frequency: Optional[jax.Array] = None   # [B] float32
     presence: Optional[jax.Array] = None    # [B] float32
-    slot: Optional[jax.Array] = None        # [B] int32: the row's occurrence-pool slot
+    occ_row: Optional[jax.Array] = None     # [B] int32: the row's occurrence-pool row
     counts: Optional[jax.Array] = None      # [B] int32: 1 where the sampled token is an output token
 
     @property
     def has_penalties(self) -> bool:
-        return self.slot is not None
+        return self.occ_row is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,12 +113,12 @@ def banned_now(bad_words: Sequence[Sequence[int]], output_ids: Sequence[int]) ->
     return out
 
 
-def build(rows: Sequence[Optional[tuple[RowAdjust, list[int], int, int]]], penalty_pad_slot: int,
+def build(rows: Sequence[Optional[tuple[RowAdjust, list[int], int, int]]], penalty_pad_row: int,
           min_entries: int = 4, min_stops: int = 4, with_penalties: bool = False) -> LogitsAdjust:
-    """Host arrays for a batch: rows[b] = (RowAdjust, banned ids now, occurrence slot or -1, counts)
+    """Host arrays for a batch: rows[b] = (RowAdjust, banned ids now, occurrence-pool row or -1, counts)
     or None (a row that adjusts nothing, or padding). The entry and stop-id counts are bucketed to powers of
     two, at least min_entries and min_stops (few compiled shapes); with_penalties: the penalty fields
-    even when no row has penalties (rows without: no-ops at the padding slot)."""
+    even when no row has penalties (rows without: no-ops at the padding row)."""
     from kimi_jax.engine.shapes import bucket
     B = len(rows)
     entries = [[] if r is None else [*r[0].bias.items(), *[(t, -np.inf) for t in r[1]]] for r in rows]
@@ -140,13 +140,13 @@ def build(rows: Sequence[Optional[tuple[RowAdjust, list[int], int, int]]], penal
         return adj
     rep = np.ones((B,), np.float32)
     freq, pres = np.zeros((B,), np.float32), np.zeros((B,), np.float32)
-    slot = np.full((B,), penalty_pad_slot, np.int32)
+    occ_row = np.full((B,), penalty_pad_row, np.int32)
     counts = np.zeros((B,), np.int32)
     for b, r in enumerate(rows):
         if r is not None and r[2] >= 0:
             rep[b], freq[b], pres[b] = r[0].repetition, r[0].frequency, r[0].presence
-            slot[b], counts[b] = r[2], r[3]
-    return dataclasses.replace(adj, repetition=rep, frequency=freq, presence=pres, slot=slot, counts=counts)
+            occ_row[b], counts[b] = r[2], r[3]
+    return dataclasses.replace(adj, repetition=rep, frequency=freq, presence=pres, occ_row=occ_row, counts=counts)
 
 
 def adjust_logits(logits_BV: jax.Array, adj: LogitsAdjust, step_B: jax.Array,
@@ -168,13 +168,13 @@ def adjust_logits(logits_BV: jax.Array, adj: LogitsAdjust, step_B: jax.Array,
 
 
 def count_sampled(occ: jax.Array, adj: LogitsAdjust, tokens_B: jax.Array) -> jax.Array:
-    """The pool occ [slots + 1, V] after this step's sampled tokens: +2 (one output occurrence) at each
+    """The pool occ [rows + 1, V] after this step's sampled tokens: +2 (one output occurrence) at each
     counted row."""
-    return occ.at[adj.slot, tokens_B].add(2 * adj.counts, mode="drop")
+    return occ.at[adj.occ_row, tokens_B].add(2 * adj.counts, mode="drop")
 
 
 def occurrence_row(vocab_size: int, prompt_ids, output_ids) -> np.ndarray:
-    """A slot's pool row [V] int32 from a request's prompt and output so far (host)."""
+    """A request's pool row [V] int32 from a request's prompt and output so far (host)."""
     row = np.zeros((vocab_size,), np.int32)
     row[np.asarray(prompt_ids, np.int64)] = 1
     np.add.at(row, np.asarray(output_ids, np.int64), 2)

@@ -48,10 +48,10 @@ class Request:
     arrival_time: Optional[float] = None
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
-    # logits adjustments (kimi_jax.engine.penalties; None: none) and the occurrence-pool slot held
+    # logits adjustments (kimi_jax.engine.penalties; None: none) and the occurrence-pool row held
     # while running (-1: none)
     adjust: Optional[penalties.RowAdjust] = None
-    pen_slot: int = -1
+    occ_row: int = -1
     # [None, {id: Logprob}, ...] per prompt position, once computed (prompt_logprobs)
     prompt_logprobs: Optional[list] = None
     # n samples sharing one prefill (`EngineCore.add`): a sample's index and its group's id;
@@ -104,10 +104,10 @@ def logprob_dict(token: int, logprob, rank, top_ids, top_vals) -> dict:
     return out
 
 
-def prompt_targets(rows, slots, shape):
+def prompt_targets(rows, batch_rows, shape):
     """(top prompt logprobs the step returns or None, each position's next prompt token [B, T]
     (-1: none)) for the rows still scoring prompt positions."""
-    want = [(b, r, n) for b, (r, n) in zip(slots, rows) if prompt_entries_left(r)]
+    want = [(b, r, n) for b, (r, n) in zip(batch_rows, rows) if prompt_entries_left(r)]
     if not want:
         return None, None
     targets = np.full(shape, -1, np.int32)
@@ -222,7 +222,7 @@ class Row:
     """One request's part of a step: the tokens it feeds at positions start, start + 1, ... (none in a
     chained decode step: the step in flight's token), its pages and its batch row."""
     req: Request
-    slot: int                               # batch row (data parallelism: in its rank's block)
+    batch_row: int                               # batch row (data parallelism: in its rank's block)
     tokens: tuple[int, ...]
     start: int
     pages: tuple[int, ...]

@@ -22,7 +22,7 @@ from kimi_jax.engine.sampling import SamplingArrays, SamplingParams
 from kimi_jax.engine.sampling import sample_mode as sample_mode_of
 from kimi_jax.engine.shapes import Limits, Shapes, bucket
 from kimi_jax.engine.mla_schedule import can_balance, step_schedule
-from kimi_jax.engine.steps import Engine, SampleInputs, StepBatch, StepOutput, is_fresh
+from kimi_jax.engine.steps import ModelSteps, SampleInputs, StepBatch, StepOutput, is_fresh
 
 # A constrained request with at most this many tokens left checks each step whether closing its output
 # (kimi_jax.engine.structured.StructuredBackend.bitmask_closing) must begin.
@@ -34,7 +34,7 @@ ADJUST_ENTRIES, ADJUST_STOPS = 16, 8
 
 @dataclasses.dataclass(frozen=True)
 class ProgramKey:
-    """One compiled step program: the static arguments and padded shapes of `Engine.step_jit`.
+    """One compiled step program: the static arguments and padded shapes of `ModelSteps.step_jit`.
     logprobs: None for a plain program; else an extras program, which serves every row that wants
     logprobs (top-n, n <= logprobs), logits adjustments or a token mask: all rows get the adjustments
     (no-ops for rows without), a mask (all tokens for unconstrained rows) and the filtered sampler.
@@ -65,7 +65,7 @@ class Runner:
     fixed buffers, the step in flight, and the structured-outputs backend (`structured`, shared by
     the cores of one model; None: no structured outputs) with the masks it fills."""
 
-    def __init__(self, steps: Engine, *, num_pages: int, page_size: int, cache_dtype, max_num_seqs: int,
+    def __init__(self, steps: ModelSteps, *, num_pages: int, page_size: int, cache_dtype, max_num_seqs: int,
                  max_logprobs: int = 20, fixed_buffers: bool = True, structured=None):
         self.steps, self.page_size, self.max_num_seqs = steps, page_size, max_num_seqs
         self.structured = structured
@@ -81,7 +81,7 @@ class Runner:
 
     # ---- device state the scheduler asks for ----------------------------------------------------
     def apply(self, effects: list) -> None:
-        """Carry out the scheduler's device writes in order: ('occ', slot, row_V) or ('copy', src, dst, rank)."""
+        """Carry out the scheduler's device writes in order: ('occ', pool row, row_V) or ('copy', src, dst, rank)."""
         for e in effects:
             if e[0] == "occ":
                 self.steps.set_occurrences(self.occurrences(), e[1], e[2])
@@ -116,9 +116,9 @@ class Runner:
             f = self.inflight
             batch = self._layout_chained(plan, f)
             key = dataclasses.replace(f.key, table=plan.table, mla_schedule=step_schedule(
-                self.steps.plan, np.asarray(batch.positions_BT)[:, 0]))
+                self.steps.exec_plan, np.asarray(batch.positions_BT)[:, 0]))
         else:
-            batch, key = self.layout(plan)
+            batch, key = self.batch_for(plan)
         out = self._call(batch, key, snapshot=plan.overlap)
         if not plan.overlap:
             return [(plan, _host(out))]
@@ -133,16 +133,15 @@ class Runner:
         if plan.chained:
             batch = self._layout_chained(plan, f)
             key = dataclasses.replace(f.key, table=plan.table, mla_schedule=step_schedule(
-                self.steps.plan, np.asarray(batch.positions_BT)[:, 0]))
+                self.steps.exec_plan, np.asarray(batch.positions_BT)[:, 0]))
         else:
             batch, key = self._forward_batch(plan)
         self._forward = (self._call_forward(batch, key), batch, key)
         return [] if f is None or not plan.chained else [(f.plan, _host(f.out))]
 
     def sample(self, plan: StepPlan) -> None:
-        """Dispatch a split plan's sampling half over its forward half's logits, laid out from the
-        requests as they are booked now (their grammars' masks, bans by the output so far); rows that
-        finished meanwhile sample unconstrained, their tokens discarded."""
+        """Dispatch a split plan's sampling half, laid out from the requests as booked now (masks,
+        bans); rows that finished meanwhile sample unconstrained, their tokens discarded."""
         (logits, batch, key), self._forward = self._forward, None
         inputs, skey = self._sample_inputs(plan)
         out = self._call_sample(logits, inputs, skey)
@@ -157,9 +156,9 @@ class Runner:
         tokens, z = np.zeros((B,), np.int32), np.zeros((B,), np.int32)
         positions, table = np.full((B, 1), -1, np.int32), np.zeros((B, P), np.int32)
         for row in plan.live:
-            tokens[row.slot], positions[row.slot, 0] = row.tokens[0], row.start
-            table[row.slot, :len(row.pages)] = row.pages
-        key = ProgramKey("decode", B, 1, P, mla_schedule=step_schedule(self.steps.plan, positions[:, 0]),
+            tokens[row.batch_row], positions[row.batch_row, 0] = row.tokens[0], row.start
+            table[row.batch_row, :len(row.pages)] = row.pages
+        key = ProgramKey("decode", B, 1, P, mla_schedule=step_schedule(self.steps.exec_plan, positions[:, 0]),
                          part="forward")
         return StepBatch(self._decode_tokens(tokens), positions, table, z, z, None), key
 
@@ -169,10 +168,10 @@ class Runner:
         params, adjust = [SamplingParams(temperature=0.0)] * B, [None] * B
         live = [row for row in plan.live if row.req.finish_reason is None]
         for row in live:
-            b, r = row.slot, row.req
+            b, r = row.batch_row, row.req
             steps[b], keys[b], params[b] = row.step, r.key, r.params
-            if r.adjust is not None:        # (adjustments, bans by the output so far, slot, counts)
-                adjust[b] = (r.adjust, penalties.banned_now(r.adjust.bad_words, r.output_ids), r.pen_slot, 1)
+            if r.adjust is not None:        # (adjustments, bans by the output so far, pool row, counts)
+                adjust[b] = (r.adjust, penalties.banned_now(r.adjust.bad_words, r.output_ids), r.occ_row, 1)
         adj = penalties.build(adjust, self.max_num_seqs, ADJUST_ENTRIES, ADJUST_STOPS, with_penalties=True)
         sp = SamplingArrays.build(params, None, keys=keys, adjust=adj)
         n_lp = n_logprobs([row.req for row in live])
@@ -185,7 +184,7 @@ class Runner:
         f, self.inflight = self.inflight, None
         return [] if f is None else [(f.plan, _host(f.out))]
 
-    def layout(self, plan: StepPlan) -> tuple[StepBatch, ProgramKey]:
+    def batch_for(self, plan: StepPlan) -> tuple[StepBatch, ProgramKey]:
         """The plan's padded StepBatch and the program that runs it."""
         B, T, P = plan.batch, plan.width, plan.table
         tokens = np.zeros((B, T), np.int32)
@@ -196,18 +195,18 @@ class Runner:
         params = [SamplingParams(temperature=0.0)] * B
         adjust = [None] * B
         for row in plan.live:
-            b, r = row.slot, row.req
+            b, r = row.batch_row, row.req
             tokens[b, :len(row.tokens)] = row.tokens
             positions[b, :row.n] = np.arange(row.start, row.start + row.n)
             table[b, :len(row.pages)] = row.pages
             last[b], steps[b], keys[b], params[b] = row.n - 1, row.step, r.key, r.params
-            if r.adjust is not None:        # (adjustments, bans by the output so far, slot, counts)
-                adjust[b] = (r.adjust, penalties.banned_now(r.adjust.bad_words, r.output_ids), r.pen_slot,
+            if r.adjust is not None:        # (adjustments, bans by the output so far, pool row, counts)
+                adjust[b] = (r.adjust, penalties.banned_now(r.adjust.bad_words, r.output_ids), r.occ_row,
                              int(row.start + row.n == len(r.tokens)))
         reqs = [row.req for row in plan.live]
         verify = plan.kind == "verify"
         n_plp, targets = (None, None) if verify else prompt_targets(
-            [(row.req, row.n) for row in plan.live], [row.slot for row in plan.live], (B, T))
+            [(row.req, row.n) for row in plan.live], [row.batch_row for row in plan.live], (B, T))
         n_lp = n_logprobs(reqs)
         extras = not verify and (n_lp is not None or n_plp is not None
                                  or any(a is not None for a in adjust) or any(r.structured is not None for r in reqs))
@@ -217,13 +216,13 @@ class Runner:
             mask = self._mask(plan)
         if verify:
             n_draft = np.zeros((B,), np.int32)
-            n_draft[[row.slot for row in plan.live]] = [len(row.tokens) - 1 for row in plan.live]
+            n_draft[[row.batch_row for row in plan.live]] = [len(row.tokens) - 1 for row in plan.live]
         sp = SamplingArrays.build(params, None, keys=keys, adjust=adj)
-        fresh = plan.kind == "prefill" and not self.steps.plan.absorbs_chunk(T) and is_fresh(positions)
+        fresh = plan.kind == "prefill" and not self.steps.exec_plan.absorbs_chunk(T) and is_fresh(positions)
         key = ProgramKey(plan.kind, B, T, P, fresh=fresh,
                          sampled=extras or (not verify and sample_mode_of(sp) != "greedy"),
                          logprobs=self._top(n_lp or 0) if extras else None, prompt_logprobs=self._top(n_plp),
-                         mla_schedule=step_schedule(self.steps.plan, positions[:, 0]) if plan.kind == "decode" else None)
+                         mla_schedule=step_schedule(self.steps.exec_plan, positions[:, 0]) if plan.kind == "decode" else None)
         batch = StepBatch(self._decode_tokens(tokens[:, 0]) if plan.kind == "decode" else tokens, positions, table,
                           last, steps, sp, targets, mask, n_draft)
         return batch, key
@@ -236,8 +235,8 @@ class Runner:
         steps = np.zeros((B,), np.int32)
         table = np.zeros((B, plan.table), np.int32)
         for row in plan.live:
-            positions[row.slot, 0], steps[row.slot] = row.start, row.step
-            table[row.slot, :len(row.pages)] = row.pages
+            positions[row.batch_row, 0], steps[row.batch_row] = row.start, row.step
+            table[row.batch_row, :len(row.pages)] = row.pages
         return dataclasses.replace(f.batch, tokens=f.out["tokens"], positions_BT=positions, block_table_BP=table,
                                    step_B=steps)
 
@@ -259,20 +258,20 @@ class Runner:
             return np.full((plan.batch, -(-self.steps.cfg.vocab_size // 32)), -1, np.int32)
         matchers = [None] * plan.batch
         for row in rows:
-            matchers[row.slot] = row.req.structured
+            matchers[row.batch_row] = row.req.structured
         mask = structured.fill_bitmask(matchers)
         for row in rows:
             left = row.req.max_new - len(row.req.output_ids)
             if left <= CLOSE_WINDOW:
-                structured.bitmask_closing(mask[row.slot], row.req.structured, left)
+                structured.bitmask_closing(mask[row.batch_row], row.req.structured, left)
         return mask
 
     def _step_args(self, batch: StepBatch, key: ProgramKey) -> tuple[tuple, dict]:
-        """The occurrence pool and static arguments of `Engine.step_jit` for key's program."""
+        """The occurrence pool and static arguments of `ModelSteps.step_jit` for key's program."""
         eng = self.steps
         occ = self.occurrences().pool if key.logprobs is not None else None
-        plan = eng.plan if key.mla_schedule == eng.plan.mla_schedule else dataclasses.replace(
-            eng.plan, mla_schedule=key.mla_schedule)
+        plan = eng.exec_plan if key.mla_schedule == eng.exec_plan.mla_schedule else dataclasses.replace(
+            eng.exec_plan, mla_schedule=key.mla_schedule)
         return (occ,), dict(kind=key.kind, n_logprobs=key.logprobs, n_prompt_logprobs=key.prompt_logprobs,
                             fresh=key.fresh, sample_mode=("filtered" if key.sampled else "greedy")
                             if key.kind != "verify" else None, plan=plan)
@@ -283,10 +282,10 @@ class Runner:
         if not self.fixed_buffers:
             self.pages, out = eng.step_jit(eng.weights, self.pages, batch, *args, **kw)
             return self._take_occ(out)
-        slot, io, prev = self._place(batch, key, args, kw)
+        bkey, io, prev = self._place(batch, key, args, kw)
         self.pages, out = eng.step_jit(eng.weights, self.pages, io, *args, prev, **kw)
         out = self._take_occ(out)
-        self.resident[slot] = (io, out)
+        self.resident[bkey] = (io, out)
         return eng.snapshot(out) if snapshot else out
 
     def _call_forward(self, batch: StepBatch, key: ProgramKey):
@@ -299,7 +298,7 @@ class Runner:
         io, prev = self._resident(key, batch, lambda io: jax.eval_shape(
             lambda *a: steps.forward_jit(*a, **kw)[1], steps.weights, self.pages, io), steps.logits_sharding)
         self.pages, logits = steps.forward_jit(steps.weights, self.pages, io, prev, **kw)
-        self.resident[_slot(key, batch)] = (io, logits)
+        self.resident[_buffer_key(key, batch)] = (io, logits)
         return logits
 
     def _call_sample(self, logits, inputs: SampleInputs, key: ProgramKey, snapshot: bool = True):
@@ -314,27 +313,25 @@ class Runner:
             return out
         io, prev = self._resident(key, inputs, shape)
         out = self._take_occ(steps.sample_jit(logits, io, occ, prev, **kw))
-        self.resident[_slot(key, inputs)] = (io, out)
+        self.resident[_buffer_key(key, inputs)] = (io, out)
         return steps.snapshot(out) if snapshot else out
 
     def _resident(self, key: ProgramKey, inputs, out_shape: Callable, out_sharding=None) -> tuple:
-        """`inputs` written into key's program's buffers (made at the first call, the outputs' by
-        out_shape(inputs' buffers), placed as out_sharding, else replicated): (inputs' buffers, the
-        outputs' buffers)."""
-        steps, slot = self.steps, _slot(key, inputs)
-        if slot not in self.resident:
+        """`inputs` written into key's program's buffers (made at the first call): (inputs', outputs')."""
+        steps, bkey = self.steps, _buffer_key(key, inputs)
+        if bkey not in self.resident:
             def place(a, sharding=steps.token_sharding):
                 return jax.device_put(np.zeros(a.shape, a.dtype), sharding)
             io = jax.tree.map(place, inputs)
             out = jax.tree.map(lambda a: place(a, out_sharding or steps.token_sharding), out_shape(io))
-            self.resident[slot] = (io, out)
-        io, prev = self.resident[slot]
+            self.resident[bkey] = (io, out)
+        io, prev = self.resident[bkey]
         io = steps.put_batch(io, inputs)
-        self.resident[slot] = (io, prev)
+        self.resident[bkey] = (io, prev)
         return io, prev
 
     def _exec_plan(self, key: ProgramKey):
-        plan = self.steps.plan
+        plan = self.steps.exec_plan
         return plan if key.mla_schedule == plan.mla_schedule else dataclasses.replace(plan, mla_schedule=key.mla_schedule)
 
     def _take_occ(self, out):
@@ -343,26 +340,26 @@ class Runner:
         return out
 
     def _place(self, batch: StepBatch, key: ProgramKey, args: tuple, kw: dict) -> tuple[tuple, StepBatch, object]:
-        """batch written into its program's buffers (made at the first call): (slot, inputs, outputs' buffers)."""
-        eng, slot = self.steps, _slot(key, batch)
-        if slot not in self.resident:
+        """batch written into its program's buffers (made at the first call): (its key, inputs, outputs' buffers)."""
+        eng, bkey = self.steps, _buffer_key(key, batch)
+        if bkey not in self.resident:
             place = lambda a: jax.device_put(np.zeros(a.shape, a.dtype), eng.token_sharding)   # noqa: E731
             io = jax.tree.map(place, batch)
             out = jax.eval_shape(lambda *a: eng.step_jit(*a, **kw)[1], eng.weights, self.pages, io, *args)
             if isinstance(out, dict):
                 out.pop("occurrences", None)
-            self.resident[slot] = (io, jax.tree.map(place, out))
-        io, prev = self.resident[slot]
+            self.resident[bkey] = (io, jax.tree.map(place, out))
+        io, prev = self.resident[bkey]
         io = eng.put_batch(io, batch)
-        self.resident[slot] = (io, prev)
-        return slot, io, prev
+        self.resident[bkey] = (io, prev)
+        return bkey, io, prev
 
     # ---- the program set ------------------------------------------------------------------------
     def programs(self, limits: Limits) -> list[ProgramKey]:
         """Every step program a workload within `limits` can run (the scheduler's `Shapes`): per padded
         shape a greedy, a sampled and an extras program (sampler costs differ: BENCHMARKS.md, 'Program
         set'), prefill shapes also extras with prompt logprobs, the balanced schedule where reachable."""
-        eng, plan = self.steps, self.steps.plan
+        eng, plan = self.steps, self.steps.exec_plan
         shapes = Shapes.for_limits(limits, eng.dp, plan)
         batches = sorted({eng.batch_size(eng.dp * c) for c in range(1, -(-limits.max_num_seqs // eng.dp) + 1)})
         chunk = min(limits.prefill_chunk, limits.max_prefill_tokens, limits.max_model_len - 1)
@@ -419,8 +416,8 @@ class Runner:
                 pending[f] = key_of[f] = key
                 report([f for f in list(pending) if f.done()])
             report(concurrent.futures.as_completed(list(pending)))
-        occ = self.occurrences()           # its row write, at the padding slot (which stays zero)
-        self.steps.set_occurrences(occ, occ.pad_slot, np.zeros((self.steps.cfg.vocab_size,), np.int32))
+        occ = self.occurrences()           # its row write, at the padding row (which stays zero)
+        self.steps.set_occurrences(occ, occ.pad_row, np.zeros((self.steps.cfg.vocab_size,), np.int32))
 
     def _lower(self, key: ProgramKey):
         """`_call`'s program for key, lowered over padding rows (or key's fixed buffers)."""
@@ -483,10 +480,10 @@ class Runner:
         """(decode pass seconds, verification pass seconds) on these rows (medians; the decode pass
         without logits adjustments, which would count occurrences; the verification pass feeds only the
         last token, so nothing is written beyond the rows' cache)."""
-        dec, dkey = self.layout(decode)
+        dec, dkey = self.batch_for(decode)
         dec = dataclasses.replace(dec, sp=dataclasses.replace(dec.sp, adjust=None), targets_BT=None, mask_Bw=None)
         dkey = dataclasses.replace(dkey, logprobs=None, prompt_logprobs=None)
-        ver, vkey = self.layout(verify)
+        ver, vkey = self.batch_for(verify)
         runs = [lambda: jax.block_until_ready(self._call(dec, dkey)), lambda: jax.block_until_ready(self._call(ver, vkey))]
         for f in runs:
             f()                               # compile
@@ -503,7 +500,7 @@ class Runner:
         return float(costs[0]), float(costs[1])
 
 
-def _slot(key: ProgramKey, batch: StepBatch) -> tuple:
+def _buffer_key(key: ProgramKey, batch: StepBatch) -> tuple:
     return key, tuple(np.shape(x) for x in jax.tree.leaves(batch))
 
 

@@ -209,7 +209,7 @@ def _row_paths(temperature, top_k, top_p, min_p):
 
 def sample(logits_BV: jax.Array, sp: SamplingArrays, step_B: jax.Array, mode: Optional[str] = None) -> jax.Array:
     """Next token per row [B] int32: argmax at temperature 0, else filtered sampling with the row's key
-    folded with its step; the [B, V] sort runs only if some row filters (BENCHMARKS.md "Engine decode step").
+    folded with its step; the [B, V] sort runs only if some row filters (BENCHMARKS.md "ModelSteps decode step").
     mode: static (`sample_mode`), or None to decide on the device; a row's token never depends on it."""
     if mode is not None and mode not in SAMPLE_MODES:
         raise ValueError(f"unknown sample mode {mode!r}; expected one of {SAMPLE_MODES}")

@@ -107,10 +107,10 @@ class Scheduler:
 
     def _plan(self, kind: str, feeds: list[tuple[Request, list[int]]], T: int, overlap: bool = False) -> StepPlan:
         """A plan for rows that feed these tokens at their next positions, padded to T per row."""
-        B, slots = self._slots([r for r, _ in feeds])
+        B, batch_rows = self._batch_rows([r for r, _ in feeds])
         P = self.shapes.table(kind, max(len(r.pages) for r, _ in feeds), T, not any(r.num_computed for r, _ in feeds))
         rows = tuple(Row(r, b, tuple(int(t) for t in feed), r.num_computed, tuple(r.pages), len(r.output_ids))
-                     for (r, feed), b in zip(feeds, slots))
+                     for (r, feed), b in zip(feeds, batch_rows))
         return StepPlan(kind, rows, B, T, P, overlap=overlap)
 
     def _prefill_plan(self) -> Optional[StepPlan]:
@@ -130,7 +130,7 @@ class Scheduler:
                     continue
             n = min(r.pending, self.prefill_chunk, budget)
             shape = prefill_shape(rows + [(r, n)], self.page_size)
-            if n <= 0 or rows and not self.shapes.prefill_fits(self._slots([q for q, _ in rows] + [r])[0], *shape):
+            if n <= 0 or rows and not self.shapes.prefill_fits(self._batch_rows([q for q, _ in rows] + [r])[0], *shape):
                 break
             if r in self.running and self.admission.ensure_pages(r, r.num_computed + n, [q for q, _ in rows]):
                 rows.append((r, n))
@@ -217,23 +217,23 @@ class Scheduler:
             if need > 0:
                 r.pages += self.pool.take(need, r.rank)   # checked free by overlap_continues
             # the step in flight feeds position num_computed and samples output number len(output_ids)
-            rows.append(Row(r, row.slot, (), r.num_computed + 1, tuple(r.pages), len(r.output_ids) + 1))
+            rows.append(Row(r, row.batch_row, (), r.num_computed + 1, tuple(r.pages), len(r.output_ids) + 1))
         P = self.shapes.table("decode", max(len(row.pages) for row in rows if row.live))
         self.inflight = StepPlan("decode", tuple(rows), f.batch, 1, P, chained=True, overlap=True,
                                  split=f.split)
         return self.inflight
 
     # ---- admission, pages, preemption -----------------------------------------------------------
-    def _slots(self, reqs: list[Request]) -> tuple[int, list[int]]:
+    def _batch_rows(self, reqs: list[Request]) -> tuple[int, list[int]]:
         """(padded batch B, each request's batch row): in order, each in its data-parallel rank's
         block of B / dp rows (with dp = 1: rows 0, 1, ...)."""
         count = collections.Counter(r.rank for r in reqs)
         B = self.batch_size(self.dp * max(count.values()))
-        per, seen, slots = B // self.dp, collections.Counter(), []
+        per, seen, batch_rows = B // self.dp, collections.Counter(), []
         for r in reqs:
-            slots.append(r.rank * per + seen[r.rank])
+            batch_rows.append(r.rank * per + seen[r.rank])
             seen[r.rank] += 1
-        return B, slots
+        return B, batch_rows
 
     def _fork(self, p: Request) -> None:
         """A samples group's prefill is done: each sample starts from copies of its pages, or, with no
@@ -245,7 +245,7 @@ class Scheduler:
                 c.prompt_logprobs = list(p.prompt_logprobs)
             load = sum(q.rank == p.rank for q in self.running)
             got = (self.pool.take(len(p.pages), p.rank)
-                   if len(self.running) < self.max_num_seqs and load < self.admission.slots_per_rank else None)
+                   if len(self.running) < self.max_num_seqs and load < self.admission.seqs_per_rank else None)
             if got is None:
                 late.append(c)
                 continue
@@ -276,7 +276,7 @@ class Scheduler:
         that finished before (overlap: a step ran past their end) are skipped, their token discarded."""
         finished = []
         for row in plan.rows:
-            r, n, b = row.req, row.n, row.slot
+            r, n, b = row.req, row.n, row.batch_row
             if r.finish_reason is not None:
                 continue
             prompt_left = len(r.prompt_ids) - r.num_computed
@@ -298,7 +298,7 @@ class Scheduler:
     def _book_verify(self, plan: StepPlan, n_acc, nxt) -> list[Request]:
         finished = []
         for row in plan.rows:
-            r, b, drafts = row.req, row.slot, list(row.tokens[1:])
+            r, b, drafts = row.req, row.batch_row, list(row.tokens[1:])
             a = int(n_acc[b])
             if drafts:
                 r.spec.record(len(drafts), a)
@@ -330,7 +330,7 @@ class Scheduler:
         """(decode pass seconds, verification pass seconds) at this step's batch and page-table bucket,
         measured on the step's own rows the first time the engine meets the bucket and kept in
         pass_costs (shared by the engine's schedulers), so later runs take the same decisions."""
-        key = (self._slots(ready)[0], self.shapes.table("decode", max(len(r.pages) for r in ready)))
+        key = (self._batch_rows(ready)[0], self.shapes.table("decode", max(len(r.pages) for r in ready)))
         if key not in self.pass_costs:
             feeds = [(r, [r.tokens[-1]]) for r in ready]
             self.pass_costs[key] = self.measure(self._plan("decode", feeds, 1),

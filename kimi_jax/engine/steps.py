@@ -38,13 +38,13 @@ class StepOutput:
 
 class Occurrences:
     """An occurrence pool (kimi_jax.engine.penalties) that steps replace with their updated copy;
-    pad_slot: the row padding rows use."""
+    pad_row: the row padding rows use."""
 
-    def __init__(self, pool, pad_slot: int):
-        self.pool, self.pad_slot = pool, pad_slot
+    def __init__(self, pool, pad_row: int):
+        self.pool, self.pad_row = pool, pad_row
 
 
-_OCC = "occurrences"      # the updated pool's key among a step's outputs (taken off by the Engine)
+_OCC = "occurrences"      # the updated pool's key among a step's outputs (taken off by the ModelSteps)
 
 
 class _Structure:
@@ -82,7 +82,7 @@ def _merge(graphdef, state):
 
 
 def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None, occ=None, mask_Bw=None):
-    # pinned vocab-split first, so each device multiplies its own lm_head rows (BENCHMARKS.md, 'Engine
+    # pinned vocab-split first, so each device multiplies its own lm_head rows (BENCHMARKS.md, 'ModelSteps
     # decode step': otherwise the partitioner all-gathers the whole lm_head weight)
     logits_BV = _constrain(logits_BV, shard.get("logits2"))
     # one all-gather of the (vocab-split) logits; sorting / cumsum over a sharded vocab would compile
@@ -90,7 +90,7 @@ def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None, occ=None, m
     logits_BV = _constrain(logits_BV, shard.get("replicated"))
     adjusted = logits_BV
     if sp.adjust is not None:        # logit_bias, bans, min_tokens, penalties (static: the pytree's shape)
-        occ_BV = None if occ is None else occ[sp.adjust.slot]
+        occ_BV = None if occ is None else occ[sp.adjust.occ_row]
         adjusted = penalties.adjust_logits(logits_BV, sp.adjust, step_B, occ_BV)
     # structured outputs: tokens whose bit is clear in the row's packed mask [B, ceil(V / 32)] cannot be
     # sampled (applied after the adjustments, so no bias can lift a masked token)
@@ -131,8 +131,7 @@ class StepBatch:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SampleInputs:
-    """The sampling half of a split decode step (`_sample_half`): what the host lays out after it has
-    booked the step before (the grammars' masks, the bans by the output so far)."""
+    """A split decode step's sampling inputs, laid out once the step before is booked."""
     sp: SamplingArrays
     step_B: jax.Array
     mask_Bw: Optional[jax.Array] = None
@@ -198,19 +197,19 @@ def _all_logits(graphdef, shard, state, tokens_BT, *, plan: ops.ExecPlan):
     return _constrain(_constrain(logits, shard.get("logits3")), shard.get("replicated"))
 
 
-class Engine:
+class ModelSteps:
     """layout: a kimi_jax.parallel.sharding.Layout; the batch is split over its data-parallel axis.
     plan: the kimi_jax.ops.ExecPlan every step runs (default `ExecPlan.for_backend()`); a static argument
-    of each jitted step, so assigning another plan to `engine.plan` compiles steps for it."""
+    of each jitted step, so assigning another plan to `engine.exec_plan` compiles steps for it."""
 
     def __init__(self, model: Transformer, cfg: ModelConfig, layout=None, plan: Optional[ops.ExecPlan] = None):
         if plan is not None and not isinstance(plan, ops.ExecPlan):
-            raise TypeError(f"Engine: plan must be a kimi_jax.ops.ExecPlan, got {type(plan).__name__}")
-        self.plan = ops.default_plan(plan)
+            raise TypeError(f"ModelSteps: plan must be a kimi_jax.ops.ExecPlan, got {type(plan).__name__}")
+        self.exec_plan = ops.default_plan(plan)
         self.cfg = cfg
         self.graphdef, self.state = nnx.split(model)
-        if self.plan.layer_weights == "per_layer":
-            layer_weights.split_layers(self.state, cfg, pack=self.plan.pack_vectors)
+        if self.exec_plan.layer_weights == "per_layer":
+            layer_weights.split_layers(self.state, cfg, pack=self.exec_plan.pack_vectors)
         self.weights = FlatWeights.of(self.state)     # what the steps take (the same arrays)
         self.cache_dtype = model.dtype
         self.dp = 1 if layout is None else layout.data_parallel_size
@@ -249,7 +248,7 @@ class Engine:
         self.put_batch = jax.jit(lambda io, new: jax.tree.map(jnp.copy, new), donate_argnums=0,
                                  out_shardings=self.token_sharding, keep_unused=True)
         self.snapshot = jax.jit(lambda out: jax.tree.map(jnp.copy, out))
-        self._set_occ_row = jax.jit(lambda pool, slot, row: pool.at[slot].set(row), donate_argnums=0,
+        self._set_occ_row = jax.jit(lambda pool, i, row: pool.at[i].set(row), donate_argnums=0,
                                     out_shardings=self.token_sharding)
         self._copy_pages = jax.jit(lambda pages, src, dst: {k: v.at[:, dst].set(v[:, src]) for k, v in pages.items()},
                                    donate_argnums=0)
@@ -278,17 +277,17 @@ class Engine:
         T = len(token_ids)
         padded = np.zeros((self.batch_size(1), bucket(T)), np.int32)
         padded[0, :T] = token_ids
-        return np.asarray(self._logits(self.weights, jnp.asarray(padded), plan=self.plan)[0, :T], np.float32)
+        return np.asarray(self._logits(self.weights, jnp.asarray(padded), plan=self.exec_plan)[0, :T], np.float32)
 
-    def new_occurrences(self, num_slots: int) -> Occurrences:
-        """A zeroed occurrence pool for num_slots penalty slots (plus the padding slot)."""
-        make = lambda: jnp.zeros((num_slots + 1, self.cfg.vocab_size), jnp.int32)  # noqa: E731
+    def new_occurrences(self, num_rows: int) -> Occurrences:
+        """A zeroed occurrence pool for num_rows penalised requests (plus the padding row)."""
+        make = lambda: jnp.zeros((num_rows + 1, self.cfg.vocab_size), jnp.int32)  # noqa: E731
         # committed as the steps return it (replicated), so its first step is the program of the rest
-        return Occurrences(jax.jit(make, out_shardings=self.token_sharding)(), num_slots)
+        return Occurrences(jax.jit(make, out_shardings=self.token_sharding)(), num_rows)
 
-    def set_occurrences(self, occ: Occurrences, slot: int, row_V: np.ndarray) -> None:
-        """Write one slot's row (penalties.occurrence_row), ordered after every step dispatched before."""
-        occ.pool = self._set_occ_row(occ.pool, np.int32(slot), np.asarray(row_V, np.int32))
+    def set_occurrences(self, occ: Occurrences, row: int, row_V: np.ndarray) -> None:
+        """Write one pool row (penalties.occurrence_row), ordered after every step dispatched before."""
+        occ.pool = self._set_occ_row(occ.pool, np.int32(row), np.asarray(row_V, np.int32))
 
     def copy_pages(self, pages, src: Sequence[int], dst: Sequence[int], rank: int = 0):
         """The pool with pages dst holding copies of pages src (ids local to data-parallel rank `rank`)."""

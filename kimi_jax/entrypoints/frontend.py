@@ -16,7 +16,7 @@ from kimi_jax.config import ModelConfig, preset
 from kimi_jax.engine import compiles
 from kimi_jax.engine.args import CacheConfig, EngineConfig, SchedulerConfig
 from kimi_jax.engine.core import EngineCore
-from kimi_jax.engine.steps import Engine
+from kimi_jax.engine.steps import ModelSteps
 from kimi_jax.entrypoints import compilation_cache, progress
 from kimi_jax.entrypoints.inputs import InputProcessor, load_tokenizer
 from kimi_jax.entrypoints.outputs import OutputProcessor
@@ -55,7 +55,7 @@ class Frontend:
     layout: Layout
     dtype: object
     tokenizer: object
-    steps: Engine
+    steps: ModelSteps
     scheduler_config: SchedulerConfig
     cache_config: CacheConfig
     inputs: InputProcessor
@@ -137,15 +137,15 @@ class Frontend:
                    else load_model(checkpoint, cfg, layout, dtype, check_finite=ec.check_finite_weights))
         if tokenizer is not None and path is not None:
             tokenizer.template_dir = path
-        steps = Engine(net, cfg, layout, plan=ops.default_plan(ec.exec_plan))
+        steps = ModelSteps(net, cfg, layout, plan=ops.default_plan(ec.exec_plan))
         max_model_len = ec.max_model_len or limit
-        num_pages = ec.num_pages or _default_num_pages(cfg, layout, dtype, ec, max_model_len)
+        num_pages = ec.num_gpu_blocks_override or _default_num_pages(cfg, layout, dtype, ec, max_model_len)
         sc = SchedulerConfig(
             max_num_seqs=ec.max_num_seqs, max_model_len=max_model_len,
-            prefill_chunk=ec.prefill_chunk or default_prefill_chunk(cfg, dtype, steps.plan),
+            prefill_chunk=ec.prefill_chunk or default_prefill_chunk(cfg, dtype, steps.exec_plan),
             max_prefill_tokens=ec.max_prefill_tokens, max_logprobs=ec.max_logprobs,
             speculative_config=ec.speculative_config, overlap_scheduling=ec.overlap_scheduling)
-        cc = CacheConfig(ec.page_size, num_pages, dtype, ec.enable_prefix_caching)
+        cc = CacheConfig(ec.block_size, num_pages, dtype, ec.enable_prefix_caching)
         return cls(ec, cfg, layout, dtype, tokenizer, steps, sc, cc, InputProcessor(tokenizer, path),
                    OutputProcessor(tokenizer))
 
@@ -156,8 +156,8 @@ def _default_num_pages(cfg: ModelConfig, layout: Layout, dtype, ec: EngineConfig
     holds 1/dp of the pool, so the pool is dp times what one device has room for); on CPU, enough for
     every sequence slot to reach max_model_len, capped at 2048 pages (XLA:CPU's cache update costs
     time in proportion to the pool; a fuller pool preempts and recomputes instead)."""
-    page_bytes = cfg.num_hidden_layers * ec.page_size * cfg.latent_dim * jnp.dtype(dtype).itemsize
-    full = ec.max_num_seqs * -(-max_model_len // ec.page_size)
+    page_bytes = cfg.num_hidden_layers * ec.block_size * cfg.latent_dim * jnp.dtype(dtype).itemsize
+    full = ec.max_num_seqs * -(-max_model_len // ec.block_size)
     limit = device_memory_bytes()
     if limit is None:
         return max(2, min(full, 2048))

@@ -82,13 +82,13 @@ class LLM:
     max_num_seqs = property(lambda self: self.frontend.scheduler_config.max_num_seqs)
     prefill_chunk = property(lambda self: self.frontend.scheduler_config.prefill_chunk)
     max_logprobs = property(lambda self: self.frontend.scheduler_config.max_logprobs)
-    page_size = property(lambda self: self.frontend.cache_config.page_size)
-    num_pages = property(lambda self: self.frontend.cache_config.num_pages)
+    block_size = property(lambda self: self.frontend.cache_config.page_size)
+    num_gpu_blocks = property(lambda self: self.frontend.cache_config.num_pages)
 
     @property
     def exec_plan(self) -> ops.ExecPlan:
         """The ExecPlan the model's steps run."""
-        return self.frontend.steps.plan
+        return self.frontend.steps.exec_plan
 
     def precompile(self) -> int:
         """Compile every program this LLM's engine core can reach (`Runner.programs`), reporting each

@@ -82,7 +82,7 @@ def scan_layers(stack: nnx.Module, x_BTD, positions_BT, cache_L, *, absorbed: bo
     (no copy of the pool per step).
     The other per-layer weights are sliced per layer: by lax.scan, or, unrolled (layer_loop 'unroll'),
     statically outside `_layer_call`, which takes each layer's own arrays (read in place on a GPU:
-    BENCHMARKS.md "Engine decode step") and its index as a traced int32, so one body per kind is traced
+    BENCHMARKS.md "ModelSteps decode step") and its index as a traced int32, so one body per kind is traced
     and lowered and every layer calls it (XLA inlines the calls).
     fresh (static): no row has tokens before this step's (see MLA): prefill attends to the new tokens
     only, on a GPU through cuDNN flash attention (ops.mla_prefill_attention).

@@ -23,7 +23,7 @@ def bucket(n: int, minimum: int = 8) -> int:
 
 
 def padded_batch(batch: int, dp: int) -> int:
-    """As Engine.batch_size: a power of two, rounded up to a multiple of dp."""
+    """As ModelSteps.batch_size: a power of two, rounded up to a multiple of dp."""
     return _cdiv(bucket(batch, 1), dp) * dp
 
 

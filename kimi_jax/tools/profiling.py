@@ -29,11 +29,11 @@ def cache_sharding(layout):
 
 
 def abstract_engine(cfg, layout, dtype=None):
-    """An Engine over shapes only (sharded ShapeDtypeStructs): compiles any model without its weights."""
+    """An ModelSteps over shapes only (sharded ShapeDtypeStructs): compiles any model without its weights."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from kimi_jax.engine.steps import Engine
+    from kimi_jax.engine.steps import ModelSteps
     from kimi_jax.model.transformer import abstract_model
     from kimi_jax.parallel.sharding import param_shardings
     dtype = dtype or jnp.bfloat16
@@ -45,7 +45,7 @@ def abstract_engine(cfg, layout, dtype=None):
         v = var.get_value()
         sh = shardings[tuple(str(k) for k in path)] if shardings else None
         var.set_value(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh))   # shapes only
-    return Engine(nnx.merge(graphdef, state), cfg, layout)
+    return ModelSteps(nnx.merge(graphdef, state), cfg, layout)
 
 
 def decode_args(engine, layout, batch: int, cache_len: int, *, abstract: bool, temperature: float = 0.0):
@@ -99,7 +99,7 @@ def compile_decode_step(engine, layout, batch: int, cache_len: int, *, abstract:
         abstract = bool(leaves) and isinstance(leaves[0], jax.ShapeDtypeStruct)
     cache, tok, pos, sp, steps = decode_args(engine, layout, batch, cache_len, abstract=abstract)
     return decode_jit(engine).lower(engine.state, cache, tok, pos, sp, steps, n_logprobs=None,
-                                    plan=engine.plan).compile()
+                                    plan=engine.exec_plan).compile()
 
 
 def count_decode_collectives(cfg, layout, batch: int = 8, cache_len: int = 64, dtype=None) -> CollectiveCounts:
@@ -112,13 +112,13 @@ def count_decode_collectives(cfg, layout, batch: int = 8, cache_len: int = 64, d
 
 
 def random_engine(cfg, layout, dtype=None, seed: int = 0, plan=None):
-    """An Engine with the random weights `LLM(ModelConfig)` makes (kimi_jax.entrypoints.weights.random_model);
+    """An ModelSteps with the random weights `LLM(ModelConfig)` makes (kimi_jax.entrypoints.weights.random_model);
     plan: its ExecPlan (default the backend's)."""
     import jax.numpy as jnp
     from kimi_jax.entrypoints.weights import random_model
-    from kimi_jax.engine.steps import Engine
+    from kimi_jax.engine.steps import ModelSteps
     layout.check_divisible(cfg)
-    return Engine(random_model(cfg, layout, dtype or jnp.bfloat16, seed), cfg, layout, plan=plan)
+    return ModelSteps(random_model(cfg, layout, dtype or jnp.bfloat16, seed), cfg, layout, plan=plan)
 
 
 
@@ -361,7 +361,7 @@ def analyze_trace(trace_file: str, module: HloModule, steps: int, *, module_name
 def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_dir: str,
                    model_name: str = "?", warmup: int = 2, paged: bool = True) -> ProfileReport:
     """Run `steps` decode steps (after `warmup`) under the JAX profiler; write report.json, breakdown.png and
-    out_dir/trace; return the report. paged: the serving step (`Engine.step_jit`, kind 'decode'),
+    out_dir/trace; return the report. paged: the serving step (`ModelSteps.step_jit`, kind 'decode'),
     else the contiguous-cache reference step (`step_adapters.decode_jit`)."""
     import jax
     import numpy as np
@@ -375,11 +375,11 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
         rows = lambda tok, pos, step: StepBatch(tok, pos, i32(table), zeros, step, sp)  # noqa: E731
         lowered = engine.step_jit.lower(engine.state, cache, rows(i32(tok), i32(tok), i32(ones)),
                                         kind="decode", n_logprobs=None, sample_mode="greedy",
-                                        plan=engine.plan)
+                                        plan=engine.exec_plan)
     else:
         cache, tok, _, sp, _ = decode_args(engine, layout, batch, cache_len, abstract=False)
         lowered = decode_jit(engine).lower(engine.state, cache, tok, tok, sp, i32(ones),
-                                           n_logprobs=None, sample_mode="greedy", plan=engine.plan)
+                                           n_logprobs=None, sample_mode="greedy", plan=engine.exec_plan)
     # the executable that runs is the one whose HLO is parsed (compiled once, called directly)
     compiled = lowered.compile()
     compiled_text = compiled.as_text()
@@ -417,7 +417,7 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
     trace_file = find_trace_file(trace_dir)
     ms, per_step, coll_trace, nd, top = analyze_trace(trace_file, module, steps, module_name=module_name)
     busy = sum(ms.values())
-    notes = ["paged-cache decode step (Engine.step_jit)" if paged
+    notes = ["paged-cache decode step (ModelSteps.step_jit)" if paged
              else "contiguous-cache reference step (step_adapters.decode_jit)",
              "attention vs matmul split is a heuristic on the HLO instructions' Python stacks "
              "(MLA score/value einsums + softmax = attention)"]

@@ -1,4 +1,4 @@
-"""`Engine.step_jit` over loose arguments for the profiler and benchmarks, and `decode_jit`, the
+"""`ModelSteps.step_jit` over loose arguments for the profiler and benchmarks, and `decode_jit`, the
 contiguous-cache reference step the profiler lowers."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from kimi_jax import ops
 from kimi_jax.engine.mla_schedule import step_schedule
 from kimi_jax.engine.sampling import SamplingArrays
 from kimi_jax.engine.sampling import sample_mode as sample_mode_of
-from kimi_jax.engine.steps import (_OCC, Engine, Occurrences, StepBatch, StepOutput, _constrain,
+from kimi_jax.engine.steps import (_OCC, ModelSteps, Occurrences, StepBatch, StepOutput, _constrain,
                                    _merge, _sample_out, is_fresh)
 
 
@@ -39,7 +39,7 @@ def scheduled_plan(plan: ops.ExecPlan, mla_schedule: Optional[str]) -> ops.ExecP
     return dataclasses.replace(plan, mla_schedule=mla_schedule)
 
 
-def paged_step(engine: Engine, pages, tokens_BT, positions_BT, block_table_BP, last_B,
+def paged_step(engine: ModelSteps, pages, tokens_BT, positions_BT, block_table_BP, last_B,
                sp: SamplingArrays, steps_B, n_logprobs: Optional[int],
                occ: Optional[Occurrences] = None, n_prompt_logprobs: Optional[int] = None,
                targets_BT=None, mask_Bw=None):
@@ -55,12 +55,12 @@ def paged_step(engine: Engine, pages, tokens_BT, positions_BT, block_table_BP, l
                                  kind="decode" if T == 1 else "prefill", n_logprobs=n_logprobs,
                                  n_prompt_logprobs=n_prompt_logprobs,
                                  fresh=T > 1 and is_fresh(positions_BT),
-                                 sample_mode=sample_mode_of(sp), plan=engine.plan)
+                                 sample_mode=sample_mode_of(sp), plan=engine.exec_plan)
     _occ_out(occ, out)
     return pages, _to_host(out)
 
 
-def decode_step_async(engine: Engine, pages, tokens_B, positions_B, block_table_BP,
+def decode_step_async(engine: ModelSteps, pages, tokens_B, positions_B, block_table_BP,
                       sp: SamplingArrays, steps_B, n_logprobs: Optional[int],
                       sample_mode: Optional[str] = None, occ: Optional[Occurrences] = None):
     """One decode step dispatched without a wait, on the runner's MLA schedule (`step_schedule`):
@@ -71,7 +71,7 @@ def decode_step_async(engine: Engine, pages, tokens_B, positions_B, block_table_
         tokens_B = jax.make_array_from_callback(host.shape, engine.token_sharding,
                                                 lambda i: host[i])
     positions_B = _i32(positions_B)
-    plan = scheduled_plan(engine.plan, step_schedule(engine.plan, positions_B))
+    plan = scheduled_plan(engine.exec_plan, step_schedule(engine.exec_plan, positions_B))
     batch = decode_batch(tokens_B, positions_B, block_table_BP, sp, steps_B)
     pages, out = engine.step_jit(engine.weights, pages, batch, _occ_in(occ, sp), kind="decode",
                                  n_logprobs=n_logprobs,
@@ -86,7 +86,7 @@ def decode_step_async(engine: Engine, pages, tokens_B, positions_B, block_table_
 def _decode(graphdef, shard, state, cache, tokens_B, positions_B, sp, step_B, n_logprobs,
             sample_mode=None, *, plan: ops.ExecPlan):
     """One token per row, absorbed MLA over a contiguous cache {kind: [L, B, S, A+R]} (the
-    profiler's and planner's reference step; generation runs the paged `Engine.step_jit`)."""
+    profiler's and planner's reference step; generation runs the paged `ModelSteps.step_jit`)."""
     model = _merge(graphdef, state)
     tokens_B = _constrain(tokens_B, shard.get("batch1"))
     logits, cache = model(tokens_B[:, None], positions_B[:, None], cache, absorbed=True, plan=plan)
@@ -94,10 +94,10 @@ def _decode(graphdef, shard, state, cache, tokens_B, positions_B, sp, step_B, n_
     return cache, _sample_out(logits[:, 0], sp, step_B, n_logprobs, shard, sample_mode)
 
 
-_DECODE_JITS: "weakref.WeakKeyDictionary[Engine, object]" = weakref.WeakKeyDictionary()
+_DECODE_JITS: "weakref.WeakKeyDictionary[ModelSteps, object]" = weakref.WeakKeyDictionary()
 
 
-def decode_jit(engine: Engine):
+def decode_jit(engine: ModelSteps):
     """The engine's contiguous-cache reference step `_decode`, jitted once per engine."""
     if engine not in _DECODE_JITS:
         _DECODE_JITS[engine] = jax.jit(functools.partial(_decode, engine.graphdef, engine._shard),

@@ -122,8 +122,6 @@ def measure(steps, tok, backend, batch: int, constrained: int, mode: str, contex
     one(n_steps, "w")                  # compiles every program the timed runs take
     runs = [one(n_steps, f"t{k}") for k in range(repeats)]
     core.runner.resident.clear()            # the next row's core needs the device memory
-    del core
-    gc.collect()
     ms = [1e3 * w / n for w, n, _, _ in runs]
     return dict(batch=batch, constrained=0 if mode == "unconstrained" else constrained, mode=mode,
                 ms_per_step=statistics.median(ms), ms_all=ms, engine_steps=runs[0][1],
@@ -145,6 +143,7 @@ def main(argv):
         got = {}
         for mode in ("unconstrained", "overlap", "sync", "bad_words"):
             got[mode] = row = measure(steps, tok, backend, b, c, mode, FLAGS.context, FLAGS.steps, FLAGS.repeats)
+            gc.collect()                        # that row's core and its pool
             row.update(device=jax.devices()[0].device_kind, jax=jax.__version__,
                        layers=steps.cfg.num_hidden_layers, context=FLAGS.context,
                        preset="tiny" if FLAGS.tiny else FLAGS.preset)

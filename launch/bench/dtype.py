@@ -36,7 +36,7 @@ def step_ms(llm, B: int, context: int, reps: int = 20) -> float:
     from kimi_jax.engine.sampling import SamplingArrays, SamplingParams
     from kimi_jax.tools.step_adapters import decode_step_async
     eng = llm.frontend.steps
-    pages = eng.init_pages(B * (-(-(context + reps + 2) // llm.page_size)) + 1, llm.page_size)
+    pages = eng.init_pages(B * (-(-(context + reps + 2) // llm.block_size)) + 1, llm.block_size)
     per = pages[next(iter(pages))].shape[1] // B
     table = np.arange(B * per, dtype=np.int32).reshape(B, per)
     sp = SamplingArrays.build([SamplingParams(temperature=0.0)] * B, list(range(B)))

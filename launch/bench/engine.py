@@ -1,4 +1,4 @@
-"""Engine benchmark on a true-geometry Kimi-K2.5 slice (D 7168, 384 INT4 experts, MLA 64 heads):
+"""ModelSteps benchmark on a true-geometry Kimi-K2.5 slice (D 7168, 384 INT4 experts, MLA 64 heads):
 decode step time per layout and batch, tokens/s, the profiler's breakdown (collective count and
 share), the planner's prediction beside each measurement, and the copy-bandwidth roofline of the run.
 
@@ -107,11 +107,11 @@ def time_mixed(engine, layout, spec: str, steps: int) -> dict:
     cache_len = long + steps + 2
     pages, tokens, table, sp = paged_args(engine, layout, B, cache_len)
     start = np.asarray([long] + [short] * (B - 1), np.int32)
-    base = engine.plan
+    base = engine.exec_plan
     row = dict(mixed=spec, batch=B, cached_tokens=int(start.sum()),
                chosen=step_schedule(base, start))
     for name, plan in (("engine", base), ("rows", dataclasses.replace(base, mla_schedule="rows"))):
-        engine.plan = plan                                 # a static argument of the step: its own compile
+        engine.exec_plan = plan                                 # a static argument of the step: its own compile
         try:
             tok = tokens[:, 0]
             for i in range(2 + steps):                     # 2 warm-up steps (compile), then timed
@@ -125,15 +125,15 @@ def time_mixed(engine, layout, spec: str, steps: int) -> dict:
             jax.block_until_ready(tok)
             row[f"{name}_ms"] = (time.perf_counter() - t0) / steps * 1e3
         finally:
-            engine.plan = base
+            engine.exec_plan = base
     return row
 
 
 def load_engine(path, cfg, layout, dtype):
-    """An Engine over a checkpoint, each device reading only its own slices (checkpoints.loader)."""
-    from kimi_jax.engine.steps import Engine
+    """An ModelSteps over a checkpoint, each device reading only its own slices (checkpoints.loader)."""
+    from kimi_jax.engine.steps import ModelSteps
     from kimi_jax.entrypoints.weights import load_model
-    return Engine(load_model(path, cfg, layout, dtype), cfg, layout)
+    return ModelSteps(load_model(path, cfg, layout, dtype), cfg, layout)
 
 
 def main(argv):

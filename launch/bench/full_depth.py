@@ -8,7 +8,7 @@ host dispatch time, device time, and the planner's prediction beside each row.
 The model is the `kimi-k2.5-61x16` preset (Kimi-K2.5's shapes and 61 layers, 16 INT4 routed experts
 per layer, top-8: at batch 1 a token reads the bytes a real layer reads), random weights made on the
 device parameter by parameter (`kimi_jax.entrypoints.weights.random_model`). The step is the serving decode step
-(`Engine.step_jit`, kind 'decode': paged latent cache, absorbed MLA, greedy sampling on the device)
+(`ModelSteps.step_jit`, kind 'decode': paged latent cache, absorbed MLA, greedy sampling on the device)
 over a page pool holding `--context` tokens per row, random cache contents; every row attends over
 all of them (position context - 1, rewritten each step).
 
@@ -210,7 +210,7 @@ def time_fixed_buffers(engine, pages, inputs, steps: int, schedule, call=None) -
     import numpy as np
     from kimi_jax.tools.step_adapters import decode_batch, scheduled_plan
     tokens, positions, table, sp, step_B = inputs
-    plan = scheduled_plan(engine.plan, schedule)
+    plan = scheduled_plan(engine.exec_plan, schedule)
 
     def step(state, pages, io_2B, table, sp, step_B):
         batch = decode_batch(io_2B[0], io_2B[1], table, sp, step_B)
@@ -300,7 +300,7 @@ def _call_compiled(compiled, state, pages, tokens, positions, table, sp, steps):
 
 def _call_as_jit(compiled, schedule, state, pages, batch, occ=None, prev=None, *, kind, n_logprobs,
                  sample_mode, plan, n_prompt_logprobs=None, fresh=False):
-    """`Engine.step_jit`'s signature over one compiled decode step (static arguments as compiled)."""
+    """`ModelSteps.step_jit`'s signature over one compiled decode step (static arguments as compiled)."""
     got = (kind, n_logprobs, n_prompt_logprobs, sample_mode, plan.mla_schedule, occ, prev)
     if got != ("decode", None, None, "greedy", schedule, None, None):
         raise ValueError(f"the benchmark's step was compiled for a greedy decode step without "
@@ -401,7 +401,7 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
     if dispatch and not compile_only:
         cost = harness.dispatch_cost(engine.weights)      # what the steps take; then the nnx.State of it
         out(dict(kind="dispatch", **cost, as_nnx_state_us=harness.dispatch_cost(engine.state)["with_weights_us"]))
-    pallas = engine.plan.impl == "pallas"
+    pallas = engine.exec_plan.impl == "pallas"
     scheduled = {}        # batch -> its plan row, for the scheduler
     for b in batches:
         inputs = step_inputs(cfg, b, context)
@@ -413,7 +413,7 @@ def bench(cfg, batches, *, context: int, steps: int, variants, variant_batches=(
         batch = decode_batch(tokens, positions, table, sp, step_B)
         lowered = engine.step_jit.lower(engine.weights, pages, batch, kind="decode",
                                         n_logprobs=None, sample_mode="greedy",
-                                        plan=scheduled_plan(engine.plan, schedule))
+                                        plan=scheduled_plan(engine.exec_plan, schedule))
         lower_s = time.perf_counter() - t0
         plan = plan_row(cfg, hw, b, context, whole)
         first = None

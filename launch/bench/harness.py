@@ -77,7 +77,7 @@ def dispatch_cost(state, calls: int = 200, repeats: int = 5) -> dict:
 
 
 def random_pages(engine, num_pages: int, seed: int = 0, page_size: int = 16):
-    """A page pool as `Engine.init_pages` places it, filled with random latents (0.1 x normal)."""
+    """A page pool as `ModelSteps.init_pages` places it, filled with random latents (0.1 x normal)."""
     import jax
     import jax.numpy as jnp
     pages = engine.init_pages(num_pages, page_size)

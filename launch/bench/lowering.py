@@ -4,7 +4,7 @@ r"""kimi-bench lowering: seconds to trace and lower (not compile) the engine's s
   python3 -m launch.bench.lowering --layers=2 --tiny       # CPU dry run (the tiny preset's shapes)
   PYTHONPATH=/other/tree python3 /this/tree/launch/bench/lowering.py   # the same rows for another tree
 
-`Engine.step_jit` is lowered over shapes only (the weights, pages and batch as ShapeDtypeStructs: nothing is
+`ModelSteps.step_jit` is lowered over shapes only (the weights, pages and batch as ShapeDtypeStructs: nothing is
 allocated, so any depth runs on a CPU) for a decode program (one token per row), a fresh prefill and a
 prefill chunk after cached tokens, under the plan the flags give (default: the unrolled loop over
 per-layer weights, the GPU plan's loop). jax's caches are cleared before each program, so every row is a
@@ -39,10 +39,10 @@ FLAGS = flags.FLAGS
 
 
 def abstract_serving_engine(cfg, plan, dtype):
-    """An Engine over ShapeDtypeStructs with the plan's weight layout (per-layer weights split over shapes)."""
+    """An ModelSteps over ShapeDtypeStructs with the plan's weight layout (per-layer weights split over shapes)."""
     import jax
     from flax import nnx
-    from kimi_jax.engine.steps import Engine
+    from kimi_jax.engine.steps import ModelSteps
     from kimi_jax.model import layer_weights
     from kimi_jax.model.transformer import abstract_model
 
@@ -52,7 +52,7 @@ def abstract_serving_engine(cfg, plan, dtype):
             layer_weights.split_layers(s, cfg)
             return s
         state = jax.eval_shape(split, state)
-    return Engine(nnx.merge(graphdef, state), cfg, None, plan=plan)
+    return ModelSteps(nnx.merge(graphdef, state), cfg, None, plan=plan)
 
 
 def program_args(engine, program: str, batch: int, width: int, table: int, page_size: int):

@@ -94,10 +94,10 @@ def main(argv):
         tokens = b.tokens if key.kind == "decode" else np.ones((B, T), np.int32)
         return dataclasses.replace(b, positions_BT=pos, block_table_BP=table, sp=sp, tokens=tokens)
 
-    rows, base = [], engine.plan
+    rows, base = [], engine.exec_plan
     for fields, ctx, sampled, absorbed in cases(batches, tiny):
         key = ProgramKey(**fields)
-        engine.plan = dataclasses.replace(base, absorbed_chunk_tokens=key.width if absorbed else 0)
+        engine.exec_plan = dataclasses.replace(base, absorbed_chunk_tokens=key.width if absorbed else 0)
         batch = batch_for(key, ctx, sampled)
         t0 = time.perf_counter()
         jax.block_until_ready(runner._call(batch, key))

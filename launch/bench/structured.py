@@ -190,7 +190,7 @@ def bench_decode_step(batches, steps: int, context: int = 64, kimi_vocab: bool =
     import jax.numpy as jnp
     import numpy as np
     from kimi_jax.config import preset
-    from kimi_jax.engine.steps import Engine, bucket
+    from kimi_jax.engine.steps import ModelSteps, bucket
     from kimi_jax.engine.token_mask import mask_words
     from kimi_jax.entrypoints.llm import LLM, demo_model_path
     from kimi_jax.parallel.sharding import Layout

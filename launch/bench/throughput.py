@@ -150,7 +150,7 @@ def main(argv):
     first = None
     for kernel in FLAGS.mla_kernels:
         rows = throughput_rows(model, [int(b) for b in FLAGS.batches], gen_tokens=FLAGS.gen_tokens,
-                               dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len, num_pages=FLAGS.num_pages,
+                               dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len, num_gpu_blocks_override=FLAGS.num_pages,
                                overlaps=(True, False) if FLAGS.overlap_compare else (FLAGS.overlap,),
                                min_prompt=FLAGS.min_prompt, max_prompt=FLAGS.max_prompt,
                                prefill_chunks=tuple(int(c) for c in FLAGS.prefill_chunks) or (None,),

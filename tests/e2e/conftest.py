@@ -16,7 +16,7 @@ def pool_llm(tiny_ckpt, pool_slots):
     (long prompts span several steps), 24 pages of 4 tokens (fewer than the longest sequences need at
     once: preemption and recompute)."""
     from kimi_jax import LLM
-    return LLM(tiny_ckpt, dtype="float32", max_num_seqs=pool_slots, page_size=4, num_pages=24, prefill_chunk=16,
+    return LLM(tiny_ckpt, dtype="float32", max_num_seqs=pool_slots, block_size=4, num_gpu_blocks_override=24, prefill_chunk=16,
                max_prefill_tokens=24)
 
 

@@ -33,7 +33,7 @@ def test_continuous_batching_equals_solo(ckpt):
     solo = [solo_llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(ps, params)]
     # 3 slots (requests join as others finish), chunks of 16 (long prompts span several steps), and
     # 24 pages of 4 tokens (< the 3 longest sequences at once: forces preemption and recompute)
-    llm = LLM(ckpt, dtype="float32", max_num_seqs=3, page_size=4, num_pages=24, prefill_chunk=16,
+    llm = LLM(ckpt, dtype="float32", max_num_seqs=3, block_size=4, num_gpu_blocks_override=24, prefill_chunk=16,
               max_prefill_tokens=24)
     core = llm.frontend.make_core()
     reqs = [r for i, (p, sp) in enumerate(zip(ps, params))
@@ -52,7 +52,7 @@ def test_latency_metrics(ckpt):
     figures, and show queueing: with 2 slots the third request starts only after the first finished."""
     ps = prompts(5, seed=3)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (1, 5, 9, 2, 7)]
-    llm = LLM(ckpt, dtype="float32", max_num_seqs=2, page_size=4, num_pages=24, prefill_chunk=16)
+    llm = LLM(ckpt, dtype="float32", max_num_seqs=2, block_size=4, num_gpu_blocks_override=24, prefill_chunk=16)
     t0 = time.time()
     outs = llm.generate(ps, params)
     t1 = time.time()
@@ -101,7 +101,7 @@ def test_bfloat16_batch_runs_on_cpu(ckpt):
     BF16 = F32" for einsums whose batch dimension is not leading); ops.einsum_f32 widens on CPU. Before
     the fix this raised; now every row must finish with its 4 tokens."""
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    llm = LLM(ckpt, dtype="bfloat16", max_num_seqs=4, page_size=4, num_pages=64)
+    llm = LLM(ckpt, dtype="bfloat16", max_num_seqs=4, block_size=4, num_gpu_blocks_override=64)
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts(4, seed=3), sp)]
     assert all(len(t) == 4 for t in outs)
 
@@ -119,7 +119,7 @@ def test_mla_kernel_runs_per_shard_and_matches_xla(tmp_path_factory, layout):
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     out = {}
     for impl in ("xla", "pallas"):
-        llm = LLM(ckpt, dtype="float32", max_num_seqs=4, page_size=4, num_pages=64,
+        llm = LLM(ckpt, dtype="float32", max_num_seqs=4, block_size=4, num_gpu_blocks_override=64,
                   exec_plan=ops.ExecPlan(impl=impl), **layout)
         out[impl] = [o.outputs[0].token_ids for o in llm.generate(prompts(4, seed=5), sp)]
     assert out["pallas"] == out["xla"]

@@ -91,7 +91,7 @@ def test_throughput_rows_per_prefill_chunk(tool_module):
     tp = tool_module("launch.bench.throughput")
     format_rows, throughput_rows = tp.format_rows, tp.throughput_rows
     rows = throughput_rows("tiny", [2], gen_tokens=4, dtype="float32", min_prompt=20, max_prompt=60,
-                           prefill_chunks=(8, None), num_pages=64)
+                           prefill_chunks=(8, None), num_gpu_blocks_override=64)
     assert [r["prefill_chunk"] for r in rows] == [8, 256]
     assert rows[0]["outputs"] == rows[1]["outputs"] and rows[0]["steps"] > rows[1]["steps"]
     for r in rows:

@@ -57,11 +57,11 @@ def test_dp_split_pool_equals_single_device(ckpt, name, overlap):
     dp = lay["data_parallel_size"]
     n = 4 * dp * SLOTS_PER_RANK if dp < 8 else 2 * dp * SLOTS_PER_RANK
     ps, params = workload(n, seed=dp)
-    kw = dict(dtype="float32", page_size=PAGE, prefill_chunk=16, max_prefill_tokens=24,
+    kw = dict(dtype="float32", block_size=PAGE, prefill_chunk=16, max_prefill_tokens=24,
               overlap_scheduling=overlap)
     # the reference: one device, one sequence at a time
-    ref, _ = run(LLM(ckpt, max_num_seqs=1, num_pages=PAGES_PER_RANK, **kw), ps, params)
-    llm = LLM(ckpt, max_num_seqs=dp * SLOTS_PER_RANK, num_pages=dp * PAGES_PER_RANK, **kw, **lay)
+    ref, _ = run(LLM(ckpt, max_num_seqs=1, num_gpu_blocks_override=PAGES_PER_RANK, **kw), ps, params)
+    llm = LLM(ckpt, max_num_seqs=dp * SLOTS_PER_RANK, num_gpu_blocks_override=dp * PAGES_PER_RANK, **kw, **lay)
     got, core = run(llm, ps, params)
     assert got == ref
     assert core.stats["preemptions"] > 0                 # a partition really ran dry
@@ -76,7 +76,7 @@ def test_dp_split_pool_equals_single_device(ckpt, name, overlap):
 
 
 def test_fresh_pool_is_created_split(ckpt):
-    llm = LLM(ckpt, dtype="float32", max_num_seqs=4, page_size=PAGE, num_pages=8 * 5,
+    llm = LLM(ckpt, dtype="float32", max_num_seqs=4, block_size=PAGE, num_gpu_blocks_override=8 * 5,
               data_parallel_size=8, enable_expert_parallel=True)
     core = llm.frontend.make_core()
     assert core.scheduler.pool.parts == 8 and core.scheduler.pool.per_part == 5
@@ -85,7 +85,7 @@ def test_fresh_pool_is_created_split(ckpt):
         assert len(pool.addressable_shards) == 8
         assert {s.data.shape for s in pool.addressable_shards} == {(L, 5, page, C)}
     # tp-only: one partition, the pool whole on every device (as before)
-    core1 = LLM(ckpt, dtype="float32", max_num_seqs=4, page_size=PAGE, num_pages=10,
+    core1 = LLM(ckpt, dtype="float32", max_num_seqs=4, block_size=PAGE, num_gpu_blocks_override=10,
                 tensor_parallel_size=2).frontend.make_core()
     assert core1.scheduler.pool.parts == 1
     for pool in core1.runner.pages.values():
@@ -96,7 +96,7 @@ def test_fresh_pool_is_created_split(ckpt):
 def test_tp_only_layout_tokens_unchanged(ckpt):
     """dp = 1 (TP2): page ids are the global ones and the pool is whole; same tokens as one device."""
     ps, params = workload(8, seed=9)
-    kw = dict(dtype="float32", page_size=PAGE, num_pages=24, max_num_seqs=3, prefill_chunk=16,
+    kw = dict(dtype="float32", block_size=PAGE, num_gpu_blocks_override=24, max_num_seqs=3, prefill_chunk=16,
               max_prefill_tokens=24)
     ref, _ = run(LLM(ckpt, **kw), ps, params)
     got, core = run(LLM(ckpt, tensor_parallel_size=2, **kw), ps, params)
@@ -113,7 +113,7 @@ def test_compiled_paged_steps_move_no_pool(ckpt, name):
     lay = LAYOUTS[name]
     dp = lay["data_parallel_size"]
     num_pages, page = 128 * dp, 16
-    llm = LLM(ckpt, dtype="float32", max_num_seqs=2 * dp, page_size=page, num_pages=num_pages, **lay)
+    llm = LLM(ckpt, dtype="float32", max_num_seqs=2 * dp, block_size=page, num_gpu_blocks_override=num_pages, **lay)
     eng = llm.frontend.steps
     pages = eng.init_pages(num_pages, page)
     shard_bytes = (num_pages // dp) * page * CFG.latent_dim * 4          # one layer's pool shard
@@ -127,7 +127,7 @@ def test_compiled_paged_steps_move_no_pool(ckpt, name):
         batch = StepBatch(tok, pos, table, z, z, sp)
         kind = "decode" if absorbed else "prefill"
         compiled = eng.step_jit.lower(eng.state, pages, batch, kind=kind, n_logprobs=None,
-                                      fresh=fresh, plan=eng.plan).compile()
+                                      fresh=fresh, plan=eng.exec_plan).compile()
         ops = profiling.collectives_of_hlo(compiled.as_text()).ops
         big = [(o.kind, o.bytes, o.source) for o in ops if not o.trivial and o.bytes >= shard_bytes]
         assert not big, (T, absorbed, fresh, big)
@@ -197,7 +197,7 @@ def test_default_pool_on_a_gpu_counts_every_dp_rank(monkeypatch):
     monkeypatch.setattr(frontend, "device_memory_bytes", lambda: 2 ** 30)
     cfg = CFG
     page_bytes = cfg.num_hidden_layers * 16 * cfg.latent_dim * 4
-    ec = EngineConfig(cfg, page_size=16, max_num_seqs=10 ** 6, gpu_memory_utilization=0.5)
+    ec = EngineConfig(cfg, block_size=16, max_num_seqs=10 ** 6, gpu_memory_utilization=0.5)
     for dp in (1, 4):
         used = jax.devices()[0].memory_stats() or {}
         expect = int((2 ** 30 * 0.5 - used.get("bytes_in_use", 0)) // page_bytes) * dp
@@ -214,13 +214,13 @@ def test_split_chunk_attention_under_dp_tp_ep_equals_single_device(ckpt, monkeyp
     from kimi_jax.ops import prefill_attention
     lay = LAYOUTS["dp2_tp2_ep"]
     ps, params = workload(8, seed=5)
-    kw = dict(dtype="float32", page_size=PAGE, prefill_chunk=8, max_prefill_tokens=24)
-    ref, _ = run(LLM(ckpt, max_num_seqs=1, num_pages=PAGES_PER_RANK, **kw), ps, params)
+    kw = dict(dtype="float32", block_size=PAGE, prefill_chunk=8, max_prefill_tokens=24)
+    ref, _ = run(LLM(ckpt, max_num_seqs=1, num_gpu_blocks_override=PAGES_PER_RANK, **kw), ps, params)
     halves, real = [], prefill_attention._attention_lse_xla
     monkeypatch.setattr(prefill_attention, "_attention_lse_xla",
                         lambda *a, **k: halves.append(k["causal"]) or real(*a, **k))
     split = ops.ExecPlan(chunk_attention="xla_split")
-    got, _ = run(LLM(ckpt, max_num_seqs=2 * SLOTS_PER_RANK, num_pages=2 * PAGES_PER_RANK, exec_plan=split, **kw,
+    got, _ = run(LLM(ckpt, max_num_seqs=2 * SLOTS_PER_RANK, num_gpu_blocks_override=2 * PAGES_PER_RANK, exec_plan=split, **kw,
                      **lay), ps, params)
     assert set(halves) == {False, True}                  # traced: both halves of the split path
     assert got == ref

@@ -29,7 +29,7 @@ def _lowered_prefill(engine) -> str:
                       i32([T - 1]), i32([0]), sp)
     return engine.step_jit.lower(engine.state, engine.init_pages(4, 4), batch, kind="prefill",
                                  n_logprobs=None, fresh=True, sample_mode="greedy",
-                                 plan=engine.plan).as_text()
+                                 plan=engine.exec_plan).as_text()
 
 
 def test_two_engines_in_one_process_run_their_own_plans(tiny_ckpt, monkeypatch):
@@ -41,12 +41,12 @@ def test_two_engines_in_one_process_run_their_own_plans(tiny_ckpt, monkeypatch):
                         lambda *a, **k: split_calls.append(k["causal"]) or real_lse(*a, **k))
     # prompts of 5-14 tokens in chunks of 8: a fresh first chunk, then (the longer ones) a chunk after
     # cached tokens; 3 decode steps each
-    kw = dict(dtype="float32", max_num_seqs=2, page_size=4, num_pages=32, prefill_chunk=8, max_prefill_tokens=16)
+    kw = dict(dtype="float32", max_num_seqs=2, block_size=4, num_gpu_blocks_override=32, prefill_chunk=8, max_prefill_tokens=16)
     plain, fused = LLM(tiny_ckpt, **kw), LLM(tiny_ckpt, exec_plan=FUSED, **kw)
     plain_steps, fused_steps = plain.frontend.steps, fused.frontend.steps
-    assert plain_steps.plan == ops.ExecPlan.for_backend() == ops.ExecPlan()
-    assert fused_steps.plan == FUSED
-    assert fused.exec_plan is fused_steps.plan
+    assert plain_steps.exec_plan == ops.ExecPlan.for_backend() == ops.ExecPlan()
+    assert fused_steps.exec_plan == FUSED
+    assert fused.exec_plan is fused_steps.exec_plan
 
     text_plain, text_fused = _lowered_prefill(plain_steps), _lowered_prefill(fused_steps)
     assert text_plain.count("stablehlo.while") == 2                # one lax.scan per layer stack (dense, MoE)
@@ -71,7 +71,7 @@ def test_two_engines_in_one_process_run_their_own_plans(tiny_ckpt, monkeypatch):
     before = plain_steps.logits(prompt)
     n_fused = len(fused_calls)
     assert plain_steps.logits(prompt) is not None and len(fused_calls) == n_fused
-    plain_steps.plan = FUSED
+    plain_steps.exec_plan = FUSED
     after = plain_steps.logits(prompt)
     assert len(fused_calls) == n_fused + 2                          # one trace per layer kind
     np.testing.assert_allclose(after, before, rtol=1e-4, atol=1e-4)   # float32, summation order only

@@ -14,7 +14,7 @@ from kimi_jax.engine.sampling import SamplingParams
 @pytest.fixture(scope="module")
 def llm(tiny_ckpt):
     from kimi_jax import LLM
-    return LLM(tiny_ckpt, dtype="float32", max_num_seqs=4, page_size=4, num_pages=64)
+    return LLM(tiny_ckpt, dtype="float32", max_num_seqs=4, block_size=4, num_gpu_blocks_override=64)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -19,7 +19,7 @@ from tests.e2e.test_batch_cli import ROOT, env
 @pytest.fixture(scope="module")
 def llm(tiny_ckpt):
     from kimi_jax import LLM
-    return LLM(tiny_ckpt, dtype="float32", max_num_seqs=16, page_size=4, num_pages=96)
+    return LLM(tiny_ckpt, dtype="float32", max_num_seqs=16, block_size=4, num_gpu_blocks_override=96)
 
 
 def _good(i: int) -> bytes:

@@ -49,7 +49,7 @@ def test_an_integer_beyond_the_digit_limit_is_400(server, path):
 
 def test_batch_answers_a_line_with_a_huge_integer_once_and_goes_on(tiny_ckpt, tmp_path):
     from kimi_jax import LLM
-    llm = LLM(tiny_ckpt, dtype="float32", max_num_seqs=4, page_size=4, num_pages=32)
+    llm = LLM(tiny_ckpt, dtype="float32", max_num_seqs=4, block_size=4, num_gpu_blocks_override=32)
     good = [json.dumps({"custom_id": f"r{i}", "prompt": [5 + i, 6], "max_tokens": 1}).encode()
             for i in range(3)]
     bad = b'{"custom_id": "big", "prompt": [5], "max_tokens": ' + HUGE_INT + b"}"

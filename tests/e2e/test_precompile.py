@@ -18,7 +18,7 @@ SCHEMA = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required
 
 def test_no_program_is_built_after_precompile():
     compiles.install()
-    llm = LLM(demo_model_path(), dtype="float32", max_num_seqs=2, max_model_len=64, page_size=16, prefill_chunk=16,
+    llm = LLM(demo_model_path(), dtype="float32", max_num_seqs=2, max_model_len=64, block_size=16, prefill_chunk=16,
               max_prefill_tokens=32, enable_prefix_caching=False)
     core = llm.frontend.make_core()
     before = compiles.compile_count()

@@ -109,8 +109,8 @@ def greedy(n, m=6):
 
 def test_generate_reports_cached_tokens_and_keeps_the_cache_between_calls(ckpt):
     ps = shared_prefix_prompts(3, 40)
-    off = LLM(ckpt, dtype="float32", page_size=8, enable_prefix_caching=False)
-    on = LLM(ckpt, dtype="float32", page_size=8, enable_prefix_caching=True)
+    off = LLM(ckpt, dtype="float32", block_size=8, enable_prefix_caching=False)
+    on = LLM(ckpt, dtype="float32", block_size=8, enable_prefix_caching=True)
     ref = [o.outputs[0].token_ids for o in off.generate(ps, greedy(3))]
     first = on.generate(ps[:1], greedy(1))
     rest = on.generate(ps[1:], greedy(2))
@@ -132,7 +132,7 @@ def test_caching_gives_the_uncached_tokens(ckpt, layout):
     freed pages; greedy float32 tokens equal with caching off."""
     ps = shared_prefix_prompts(6, 29, seed=1) + shared_prefix_prompts(3, 21, seed=2)
     params = greedy(len(ps), m=5)
-    kw = dict(dtype="float32", max_num_seqs=4, page_size=4, prefill_chunk=16, max_prefill_tokens=24, **layout)
+    kw = dict(dtype="float32", max_num_seqs=4, block_size=4, prefill_chunk=16, max_prefill_tokens=24, **layout)
     dp = layout.get("data_parallel_size", 1)
     kw["num_pages"] = 24 * dp
     ref, _, _ = run(LLM(ckpt, enable_prefix_caching=False, **kw), ps, params)
@@ -148,7 +148,7 @@ def test_eviction_under_pressure_and_preemption(ckpt):
     never read."""
     ps = [p for s in range(4) for p in shared_prefix_prompts(3, 24, seed=10 + s)]
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=7, ignore_eos=True, seed=3)] * len(ps)
-    kw = dict(dtype="float32", max_num_seqs=3, page_size=4, num_pages=14, prefill_chunk=16)
+    kw = dict(dtype="float32", max_num_seqs=3, block_size=4, num_gpu_blocks_override=14, prefill_chunk=16)
     ref, _, _ = run(LLM(ckpt, enable_prefix_caching=False, **kw), ps, params)
     got, _, core = run(LLM(ckpt, enable_prefix_caching=True, **kw), ps, params, poison=True)
     assert got == ref and all_pages_back(core)
@@ -163,7 +163,7 @@ def test_caching_with_speculation(ckpt):
     prefix = motif * 5
     ps = [prefix + rng.integers(2, CFG.vocab_size, 3).tolist() for _ in range(3)]
     spec = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
-    kw = dict(dtype="float32", page_size=4, max_num_seqs=2, speculative_config=spec)
+    kw = dict(dtype="float32", block_size=4, max_num_seqs=2, speculative_config=spec)
     ref, _, _ = run(LLM(ckpt, enable_prefix_caching=False, **kw), ps, greedy(3, m=8))
     got, _, core = run(LLM(ckpt, enable_prefix_caching=True, **kw), ps, greedy(3, m=8), poison=True)
     assert got == ref and core.stats["prefix_cache_hits"] > 0 and all_pages_back(core)
@@ -171,14 +171,14 @@ def test_caching_with_speculation(ckpt):
 
 def test_no_hits_without_caching(ckpt):
     ps = shared_prefix_prompts(2, 16)
-    _, reqs, core = run(LLM(ckpt, dtype="float32", page_size=4, enable_prefix_caching=False), ps, greedy(2))
+    _, reqs, core = run(LLM(ckpt, dtype="float32", block_size=4, enable_prefix_caching=False), ps, greedy(2))
     assert core.stats["prefix_cache_hits"] == 0 and all(r.num_cached_tokens == 0 for r in reqs)
 
 
 def test_a_repeated_workload_compiles_nothing_new(ckpt):
     """The first decode step's host-fed tokens are committed like the steps' own output tokens, so the
     programs compiled by one run of a workload serve every later run (a fresh pool, cached prefixes)."""
-    llm = LLM(ckpt, dtype="float32", page_size=4, max_num_seqs=4, enable_prefix_caching=True)
+    llm = LLM(ckpt, dtype="float32", block_size=4, max_num_seqs=4, enable_prefix_caching=True)
     ps = shared_prefix_prompts(4, 12, seed=7)
     run(llm, ps, greedy(4))
     steps = (llm.frontend.steps.step_jit,)

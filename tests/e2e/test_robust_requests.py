@@ -16,7 +16,7 @@ GOOD = [([5, 6, 7], SamplingParams(temperature=0, max_tokens=4)),
 @pytest.fixture(scope="module")
 def llm(tiny_ckpt):
     # a pool of 4 pages of 16 tokens: less than max_model_len (256), so one request can outgrow it
-    return LLM(tiny_ckpt, dtype="float32", max_num_seqs=4, num_pages=4, page_size=16)
+    return LLM(tiny_ckpt, dtype="float32", max_num_seqs=4, num_gpu_blocks_override=4, block_size=16)
 
 
 @pytest.fixture(scope="module")

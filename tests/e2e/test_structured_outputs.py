@@ -35,7 +35,7 @@ def llm():
     # few compiled programs: every prompt is one prefill chunk, and pages of 64 tokens put every
     # request's pages in one page-table bucket (8 pages); no prefix caching, so LLM.chat's prompts
     # (those of `mixed`) run the same prefill program instead of one over cached pages
-    return LLM(demo_model_path(), dtype="float32", max_num_seqs=4, max_model_len=512, page_size=64, prefill_chunk=512,
+    return LLM(demo_model_path(), dtype="float32", max_num_seqs=4, max_model_len=512, block_size=64, prefill_chunk=512,
                enable_prefix_caching=False)
 
 

@@ -28,7 +28,7 @@ def test_absorbed_chunks_match_the_expanded_path(monkeypatch):
     sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=0)
     outs = []
     for tokens in (0, 16):
-        llm = LLM(CFG, dtype="float32", max_num_seqs=2, page_size=16, num_pages=16, prefill_chunk=8,
+        llm = LLM(CFG, dtype="float32", max_num_seqs=2, block_size=16, num_gpu_blocks_override=16, prefill_chunk=8,
                   max_prefill_tokens=16, exec_plan=dataclasses.replace(PLAN, absorbed_chunk_tokens=tokens))
         outs.append(llm.generate(prompts, [sp, sp]))
     assert 16 in rows and rows.count(16) >= 2             # the chunks after cached tokens ran in the kernel

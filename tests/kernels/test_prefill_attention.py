@@ -75,10 +75,10 @@ def test_default_prefill_chunk():
     assert default_prefill_chunk(cfg, jnp.float32, PALLAS) == 256              # cuDNN takes 16-bit only
     split = chunk_path("xla_split")
     assert default_prefill_chunk(cfg, jnp.float32, split) == 2048
-    assert LLM("tiny", dtype="float32", num_pages=8, exec_plan=split).prefill_chunk == 2048
-    assert LLM("tiny", dtype="float32", num_pages=8, prefill_chunk=64, exec_plan=split).prefill_chunk == 64
+    assert LLM("tiny", dtype="float32", num_gpu_blocks_override=8, exec_plan=split).prefill_chunk == 2048
+    assert LLM("tiny", dtype="float32", num_gpu_blocks_override=8, prefill_chunk=64, exec_plan=split).prefill_chunk == 64
     assert default_prefill_chunk(cfg, jnp.bfloat16, chunk_path("cudnn")) == 256   # one masked call
-    assert LLM("tiny", dtype="float32", num_pages=8).prefill_chunk == 256
+    assert LLM("tiny", dtype="float32", num_gpu_blocks_override=8).prefill_chunk == 256
 
 
 def test_is_fresh():
@@ -235,7 +235,7 @@ def test_engine_generation_same_tokens(recorder, monkeypatch):
     # few shapes to compile (compiles dominate the time): the first prompt, done a step earlier, decodes
     # one token more, so all three finish together and decode at one batch size
     sp = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (5, 4, 4)]
-    kw = dict(dtype="float32", max_num_seqs=4, page_size=16, num_pages=16, prefill_chunk=16,
+    kw = dict(dtype="float32", max_num_seqs=4, block_size=16, num_gpu_blocks_override=16, prefill_chunk=16,
               max_prefill_tokens=48)
     with monkeypatch.context() as m:
         m.setattr(engine_mod, "is_fresh", lambda positions: False)
@@ -325,7 +325,7 @@ def test_engine_chunked_prefill_through_the_masked_call(monkeypatch):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(2, CFG.vocab_size, n).tolist() for n in (21, 9, 30)]
     sp = [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 3
-    kw = dict(dtype="float32", max_num_seqs=4, page_size=16, num_pages=16, prefill_chunk=8,
+    kw = dict(dtype="float32", max_num_seqs=4, block_size=16, num_gpu_blocks_override=16, prefill_chunk=8,
               max_prefill_tokens=24)
     calls = []
     real = prefill_attention._masked_dot_product_attention

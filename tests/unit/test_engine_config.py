@@ -12,7 +12,8 @@ from kimi_jax.engine.speculative import SpeculativeConfig
 @pytest.mark.parametrize("kw,field", [
     (dict(model="no/such/dir"), "model"), (dict(tensor_parallel_size=0), "tensor_parallel_size"),
     (dict(data_parallel_size=1.5), "data_parallel_size"), (dict(max_num_seqs=0), "max_num_seqs"),
-    (dict(max_model_len=0), "max_model_len"), (dict(page_size=0), "page_size"), (dict(num_pages=1), "num_pages"),
+    (dict(max_model_len=0), "max_model_len"), (dict(block_size=0), "block_size"),
+    (dict(num_gpu_blocks_override=1), "num_gpu_blocks_override"),
     (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization"), (dict(prefill_chunk=0), "prefill_chunk"),
     (dict(max_prefill_tokens=0), "max_prefill_tokens"), (dict(dtype="float16"), "dtype"),
     (dict(speculative_config="{"), "speculative_config"), (dict(speculative_config={"bogus": 1}), "speculative_config"),

@@ -19,7 +19,7 @@ from flax import nnx
 
 from kimi_jax import ops
 from kimi_jax.config import preset
-from kimi_jax.engine.steps import Engine
+from kimi_jax.engine.steps import ModelSteps
 from kimi_jax.entrypoints.weights import random_model
 from kimi_jax.model import transformer
 from kimi_jax.model.transformer import DecoderLayer, init_cache
@@ -40,7 +40,7 @@ def static_index_loop(monkeypatch):
     monkeypatch.setattr(transformer, "_layer_call", inline)
 
 
-def paged_steps(engine: Engine):
+def paged_steps(engine: ModelSteps):
     """{name: (logits, pool)} of a fresh prefill, a chunk after its cached tokens and a decode step; row b's
     pages are ids b * PAGES ... local to its data-parallel rank (row 1 shorter: padding after its tokens)."""
     step = jax.jit(lambda state, pages, tok, pos, table, absorbed, fresh: _step(engine, state, pages, tok, pos, table,
@@ -67,14 +67,14 @@ def paged_steps(engine: Engine):
 def _step(engine, state, pages, tokens, positions, table, absorbed, fresh):
     model = nnx.merge(engine.graphdef, state)
     h, pages = model.hidden_states(tokens, positions, pages, absorbed=absorbed, block_table_BP=table, fresh=fresh,
-                                   plan=engine.plan)
-    return model.logits(h, engine.plan), pages
+                                   plan=engine.exec_plan)
+    return model.logits(h, engine.exec_plan), pages
 
 
-def contiguous_decode(engine: Engine):
+def contiguous_decode(engine: ModelSteps):
     """(logits, cache) of one absorbed token per row over a contiguous cache (the profiler's reference step)."""
     def f(state, cache, tok, pos):
-        return nnx.merge(engine.graphdef, state)(tok, pos, cache, absorbed=True, plan=engine.plan)
+        return nnx.merge(engine.graphdef, state)(tok, pos, cache, absorbed=True, plan=engine.exec_plan)
     cache = init_cache(engine.cfg, B, 8, jnp.float32)
     tok, pos = jnp.asarray([[5], [7]], jnp.int32), jnp.asarray([[3], [1]], jnp.int32)
     logits, cache = jax.jit(f)(engine.state, cache, tok, pos)
@@ -82,7 +82,7 @@ def contiguous_decode(engine: Engine):
 
 
 def engine_for(cfg, layout, plan):
-    return Engine(random_model(cfg, layout, jnp.float32, 3), cfg, layout, plan=plan)
+    return ModelSteps(random_model(cfg, layout, jnp.float32, 3), cfg, layout, plan=plan)
 
 
 def assert_runs_equal(got, ref, rtol=0.0):

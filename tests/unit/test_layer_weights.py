@@ -1,4 +1,4 @@
-"""The unrolled layer loop's per-layer weights (kimi_jax.model.layer_weights): an Engine whose plan has
+"""The unrolled layer loop's per-layer weights (kimi_jax.model.layer_weights): an ModelSteps whose plan has
 layer_weights='per_layer' holds every stacked non-expert weight as L arrays placed like the stack (its layer axis
 dropped; kv_b_proj as its two absorbed halves, q_a_proj and kv_a_proj_with_mqa as one joint weight, each MLP's
 gate_proj and up_proj as one), the routed experts stay stacked, and its logits equal those of the stacked weights under
@@ -14,7 +14,7 @@ from flax import nnx
 
 from kimi_jax import ops
 from kimi_jax.config import preset
-from kimi_jax.engine.steps import Engine
+from kimi_jax.engine.steps import ModelSteps
 from kimi_jax.entrypoints.weights import random_model
 from kimi_jax.model import layer_weights
 from kimi_jax.parallel.sharding import Layout
@@ -25,8 +25,8 @@ CFG = preset("tiny")
 @pytest.mark.parametrize("tp", [1, 2])
 def test_unrolled_engine_holds_per_layer_weights_with_equal_logits(tp):
     layout = Layout(tp)
-    scan = Engine(random_model(CFG, layout, jnp.float32, 3), CFG, layout, plan=ops.ExecPlan(layer_loop="scan"))
-    unrolled = Engine(random_model(CFG, layout, jnp.float32, 3), CFG, layout,
+    scan = ModelSteps(random_model(CFG, layout, jnp.float32, 3), CFG, layout, plan=ops.ExecPlan(layer_loop="scan"))
+    unrolled = ModelSteps(random_model(CFG, layout, jnp.float32, 3), CFG, layout,
                       plan=ops.ExecPlan(layer_loop="unroll", layer_weights="per_layer"))
     stacked_leaves = dict(nnx.to_flat_state(scan.state))
     n_split = n_joint = 0
@@ -123,7 +123,7 @@ def test_packed_vectors_give_equal_logits_with_fewer_arguments(tp):
     same XLA computation over the same values; a wrong offset would swap a norm's scale for another's)."""
     layout = Layout(tp)
     plans = [ops.ExecPlan(layer_loop="unroll", layer_weights="per_layer", pack_vectors=p) for p in (False, True)]
-    plain, packed = (Engine(random_model(CFG, layout, jnp.bfloat16, 5), CFG, layout, plan=p) for p in plans)
+    plain, packed = (ModelSteps(random_model(CFG, layout, jnp.bfloat16, 5), CFG, layout, plan=p) for p in plans)
     L = [CFG.first_k_dense_replace, CFG.num_hidden_layers - CFG.first_k_dense_replace]
     vectors = [4, 5]               # input / post-attention / q_a / kv_a norms; the MoE layers' router bias too
     count = lambda e: sum(len(jax.tree.leaves(e.state[k])) for k in layer_weights.STACKS)   # noqa: E731
@@ -157,11 +157,11 @@ def test_pack_vectors_needs_per_layer_weights():
 
 
 def test_steps_take_the_state_as_one_flat_node():
-    """Engine.weights (what the jitted steps take) holds the state's arrays themselves under one tree node,
+    """ModelSteps.weights (what the jitted steps take) holds the state's arrays themselves under one tree node,
     so a call flattens no nnx Variable, and the model it merges back is the state's."""
     from kimi_jax.engine.steps import FlatWeights, _merge
     plan = ops.ExecPlan(layer_loop="unroll", layer_weights="per_layer", pack_vectors=True)
-    engine = Engine(random_model(CFG, Layout(1), jnp.float32, 2), CFG, Layout(1), plan=plan)
+    engine = ModelSteps(random_model(CFG, Layout(1), jnp.float32, 2), CFG, Layout(1), plan=plan)
     leaves = jax.tree.leaves(engine.state)
     assert isinstance(engine.weights, FlatWeights)
     assert all(a is b for a, b in zip(jax.tree.leaves(engine.weights), leaves)) and len(engine.weights.leaves) == len(leaves)

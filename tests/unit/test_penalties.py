@@ -52,9 +52,9 @@ def test_adjustments_match_the_reference():
         rows.append(None if adj is None else (adj, banned[b], b if adj.has_penalties else -1, 1))
         occ[b] = penalties.occurrence_row(V, pr, out)
     assert rows[-1] is None
-    adj = penalties.build(rows, penalty_pad_slot=len(params))
+    adj = penalties.build(rows, penalty_pad_row=len(params))
     got = np.asarray(penalties.adjust_logits(jnp.asarray(logits), adj, jnp.asarray(steps),
-                                             jnp.asarray(occ)[adj.slot]))
+                                             jnp.asarray(occ)[adj.occ_row]))
     for b, p in enumerate(params):
         want = reference(logits[b], p, prompts[b], outputs[b], banned[b], stops if p.min_tokens else (), steps[b])
         np.testing.assert_allclose(got[b], want, rtol=1e-6, atol=1e-6, err_msg=f"row {b}")
@@ -65,7 +65,7 @@ def test_adjustments_match_the_reference():
     for b in range(len(params)):
         if rows[b] is not None and rows[b][2] >= 0:
             expect[b, int(tokens[b])] += 2
-        elif adj.slot[b] == len(params):
+        elif adj.occ_row[b] == len(params):
             expect[len(params), int(tokens[b])] += 2 * int(adj.counts[b])
     np.testing.assert_array_equal(after, expect)
 

@@ -218,7 +218,7 @@ def test_busiest_device_is_the_expected_maximum_of_normals():
 
 # ---- the rules against compiled programs on the GPU ----------------------------------------------------
 # Counted from the compiled decode step (launch/bench/engine.py, contiguous-cache reference step) on
-# 2 x H200, jax 0.11.2, 2026-11-29 (BENCHMARKS.md, "Engine decode step"): a Kimi-K2.5 slice of 3
+# 2 x H200, jax 0.11.2, 2026-11-29 (BENCHMARKS.md, "ModelSteps decode step"): a Kimi-K2.5 slice of 3
 # layers (1 dense + 2 MoE, 384 experts), batch 2 and 64 gave the same counts.
 H200_RECORDED_3L = {
     Layout(2): {"all-reduce": 7, "all-gather": 1, "reduce-scatter": 0, "all-to-all": 0, "collective-permute": 0},
@@ -419,8 +419,8 @@ def test_h200_allreduce_follows_its_measured_curve():
     assert only.collective_time("all-reduce", 1e6, 8) == hw.collective_time("all-reduce", 1e6, 8)
 
 
-# Device time per paged decode step (the serving step, Engine.step_jit) on H200s (jax 0.11.2,
-# BENCHMARKS.md "Engine decode step (the paged serving step) on a Kimi-K2.5 slice, one and two H200s"):
+# Device time per paged decode step (the serving step, ModelSteps.step_jit) on H200s (jax 0.11.2,
+# BENCHMARKS.md "ModelSteps decode step (the paged serving step) on a Kimi-K2.5 slice, one and two H200s"):
 # a Kimi-K2.5 slice of 3 layers (1 dense + 2 MoE, 384 experts), context 1024, distinct tokens per row;
 # one GPU 2026-11-29, two GPUs 2026-11-30. (layout, batch, device ms)
 H200_MEASURED = [(Layout(1), 1, 1.28), (Layout(1), 16, 2.63), (Layout(1), 64, 5.10),

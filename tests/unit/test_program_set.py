@@ -18,13 +18,13 @@ from kimi_jax.engine.speculative import SpeculativeConfig
 from kimi_jax.engine.steps import Occurrences
 
 
-class FakeEngine:
-    """What EngineCore (its Scheduler and Runner) reads of an Engine; the steps themselves are
+class FakeSteps:
+    """What EngineCore (its Scheduler and Runner) reads of an ModelSteps; the steps themselves are
     `fake_call`."""
 
     def __init__(self, vocab_size: int, dp: int, plan: ops.ExecPlan):
         self.cfg = types.SimpleNamespace(vocab_size=vocab_size)
-        self.dp, self.plan, self.pass_costs = dp, plan, {}
+        self.dp, self.exec_plan, self.pass_costs = dp, plan, {}
         self.token_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
     def batch_size(self, n: int) -> int:
@@ -33,10 +33,10 @@ class FakeEngine:
     def init_pages(self, num_pages, page_size, dtype=None):
         return {}
 
-    def new_occurrences(self, num_slots):
-        return Occurrences(None, num_slots)
+    def new_occurrences(self, num_rows):
+        return Occurrences(None, num_rows)
 
-    def set_occurrences(self, occ, slot, row_V):
+    def set_occurrences(self, occ, row, row_V):
         pass
 
     def copy_pages(self, pages, src, dst, rank=0):
@@ -49,7 +49,7 @@ def fake_engine(rng, vocab_size, seen, *, num_pages, page_size, max_num_seqs, ma
     sc = SchedulerConfig(max_num_seqs, max_model_len, prefill_chunk, max_prefill_tokens,
                          speculative_config=speculative, overlap_scheduling=overlap)
     cc = CacheConfig(page_size, num_pages, enable_prefix_caching=enable_prefix_caching)
-    core = EngineCore(FakeEngine(vocab_size, dp, plan), sc, cc)
+    core = EngineCore(FakeSteps(vocab_size, dp, plan), sc, cc)
 
     def fake_call(batch, key, **kw):
         seen.append(key)

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from kimi_jax.config import QuantConfig, preset
-from kimi_jax.engine.steps import Engine
+from kimi_jax.engine.steps import ModelSteps
 from kimi_jax.entrypoints.weights import random_model
 from kimi_jax.model.transformer import Transformer, abstract_model
 from kimi_jax.parallel.sharding import Layout, param_shardings
@@ -40,5 +40,5 @@ def test_leafwise_weights_match_the_whole_model_init(layout, int4):
     ours, ref = leaves(model), whole_model_init(cfg, layout, jnp.float32, seed=1)
     describe = lambda d: {p: (x.shape, x.dtype, x.sharding) for p, x in d.items()}      # noqa: E731
     assert describe(ours) == describe(ref)
-    logits = Engine(model, cfg, layout).logits([3, 1, 4, 1, 5])
+    logits = ModelSteps(model, cfg, layout).logits([3, 1, 4, 1, 5])
     assert logits.shape == (5, cfg.vocab_size) and np.isfinite(logits).all()
