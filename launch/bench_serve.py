@@ -8,6 +8,10 @@ Sends --num_prompts streamed /v1/completions requests of synthetic prompts (rand
 at a time, started at --request_rate per second (Poisson arrivals; inf: all at once). Prints and writes
 (--result_json) throughput (requests/s, output tokens/s), TTFT, TPOT and ITL percentiles, errors, and the
 programs the server compiled during the timed run (its /metrics `kimi_jax:compiled_programs`, where it has it).
+--structured_output_ratio (vLLM's --structured-output-ratio) is the share of requests, picked by the seed,
+that carry a grammar: a JSON schema (`structured_outputs.json`, an array of at least --output_len strings,
+so the grammar never closes before --output_len tokens), or with --structured_kind tool_call a
+/v1/chat/completions request with one tool and tool_choice "required" (its arguments the same array).
 --num_warmups untimed requests go first. Targets loopback only unless --allow_remote. With --baseline_model it then runs LLM.generate on the
 same prompts one at a time in this process and reports its output tokens/s next to the server's.
 """
@@ -18,6 +22,7 @@ import json
 import random
 import sys
 import time
+from typing import Optional
 
 from absl import flags
 
@@ -37,6 +42,9 @@ flags.DEFINE_integer("vocab_low", 16, "smallest token id in prompts")
 flags.DEFINE_integer("vocab_high", 3800, "largest token id in prompts (below the special tokens)")
 flags.DEFINE_integer("num_warmups", 0, "untimed requests sent first at the same concurrency (compiles the "
                      "batch shapes the timed run meets)")
+flags.DEFINE_float("structured_output_ratio", 0.0, "share of requests with a grammar (0 .. 1)")
+flags.DEFINE_enum("structured_kind", "json", ["json", "tool_call"], "the grammar requests' kind: a JSON "
+                  "schema on /v1/completions, or a required tool call on /v1/chat/completions")
 flags.DEFINE_string("api_key", None, "sent as Authorization: Bearer KEY")
 flags.DEFINE_string("result_json", None, "write the results here")
 flags.DEFINE_bool("allow_remote", False, "allow a non-loopback server")
@@ -91,19 +99,41 @@ async def one(session, url, body, headers, timeout) -> dict:
     return {"start": t0, "times": times, "end": time.perf_counter(), "output_tokens": n_tokens}
 
 
+def grammar_schema(output_len: int) -> dict:
+    """A JSON schema whose shortest instance is longer than output_len tokens."""
+    return {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"},
+                                                       "minItems": output_len}},
+            "required": ["items"], "additionalProperties": False}
+
+
+def request(model: str, prompt: list, output_len: int, grammar: Optional[str]) -> tuple[str, dict]:
+    """(path, body) of one streamed greedy request; grammar None, 'json' or 'tool_call'."""
+    body = {"model": model, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if grammar == "tool_call":
+        tool = {"type": "function", "function": {"name": "record", "description": "Record the items.",
+                                                 "parameters": grammar_schema(output_len)}}
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "Record some items."}],
+                                        "tools": [tool], "tool_choice": "required"}
+    if grammar == "json":
+        body["structured_outputs"] = {"json": grammar_schema(output_len)}
+    return "/v1/completions", {**body, "prompt": prompt}
+
+
 async def bench(url: str, model: str, ps: list, output_len: int, concurrency: int, rate: float, headers,
-                seed: int, timeout: float) -> dict:
+                seed: int, timeout: float, ratio: float = 0.0, kind: str = "json") -> dict:
     import aiohttp
     sem = asyncio.Semaphore(concurrency)
     rng = random.Random(seed + 1)
     conn = aiohttp.TCPConnector(limit=concurrency)
+    picks = random.Random(seed + 2)
+    grammars = [kind if picks.random() < ratio else None for _ in ps]
 
-    async def task(p, delay):
+    async def task(p, delay, grammar):
         await asyncio.sleep(delay)
         async with sem:
-            body = {"model": model, "prompt": p, "max_tokens": output_len, "temperature": 0.0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            return await one(session, url + "/v1/completions", body, headers, timeout)
+            path, body = request(model, p, output_len, grammar)
+            return await one(session, url + path, body, headers, timeout)
 
     delays, t = [], 0.0
     for _ in ps:
@@ -112,7 +142,7 @@ async def bench(url: str, model: str, ps: list, output_len: int, concurrency: in
             t += rng.expovariate(rate)
     async with aiohttp.ClientSession(connector=conn) as session:
         t0 = time.perf_counter()
-        results = await asyncio.gather(*[task(p, d) for p, d in zip(ps, delays)])
+        results = await asyncio.gather(*[task(p, d, g) for p, d, g in zip(ps, delays, grammars)])
         wall = time.perf_counter() - t0
     ok = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
@@ -122,6 +152,8 @@ async def bench(url: str, model: str, ps: list, output_len: int, concurrency: in
     itl = [b - a for r in ok for a, b in zip(r["times"], r["times"][1:])]
     out_tokens = sum(r["output_tokens"] for r in ok)
     return {"num_prompts": len(ps), "max_concurrency": concurrency, "request_rate": rate,
+            "structured_output_ratio": ratio, "structured_kind": kind,
+            "structured_requests": sum(g is not None for g in grammars),
             "completed": len(ok), "errors": len(errors), "error_samples": errors[:5], "duration_s": wall,
             "request_throughput": len(ok) / wall, "output_throughput": out_tokens / wall,
             "total_output_tokens": out_tokens, "ttft_ms": percentiles(ttft), "tpot_ms": percentiles(tpot),
@@ -144,7 +176,8 @@ def baseline(model: str, dtype: str, ps: list, output_len: int, max_num_seqs: in
 
 def report(res: dict) -> str:
     f = lambda d: " ".join(f"{k}={v:.1f}" for k, v in d.items() if v is not None)
-    return (f"concurrency {res['max_concurrency']}: {res['completed']}/{res['num_prompts']} ok, "
+    return (f"concurrency {res['max_concurrency']}, structured {res['structured_requests']}: "
+            f"{res['completed']}/{res['num_prompts']} ok, "
             f"{res['errors']} errors, {res['duration_s']:.1f}s, {res['request_throughput']:.2f} req/s, "
             f"{res['output_throughput']:.1f} out tok/s\n  TTFT ms {f(res['ttft_ms'])}\n"
             f"  TPOT ms {f(res['tpot_ms'])}\n  ITL ms  {f(res['itl_ms'])}")
@@ -188,6 +221,8 @@ def main(argv):
             common.fail(PROG, e)
     if FLAGS.num_prompts < 1 or FLAGS.max_concurrency < 1 or FLAGS.input_len < 1 or FLAGS.output_len < 1:
         common.fail(PROG, "--num_prompts, --max_concurrency, --input_len and --output_len must be >= 1")
+    if not 0.0 <= FLAGS.structured_output_ratio <= 1.0:
+        common.fail(PROG, f"--structured_output_ratio must be in [0, 1], got {FLAGS.structured_output_ratio}")
     headers = {"Authorization": f"Bearer {FLAGS.api_key}"} if FLAGS.api_key else {}
     try:
         model = FLAGS.model or asyncio.run(_model_name(url, headers))
@@ -197,12 +232,13 @@ def main(argv):
     if FLAGS.num_warmups > 0:
         warm = prompts(FLAGS.num_warmups, FLAGS.input_len, FLAGS.seed + 1, FLAGS.vocab_low, FLAGS.vocab_high)
         w = asyncio.run(bench(url, model, warm, FLAGS.output_len, FLAGS.max_concurrency, float("inf"), headers,
-                              FLAGS.seed, FLAGS.timeout_s))
+                              FLAGS.seed, FLAGS.timeout_s, FLAGS.structured_output_ratio, FLAGS.structured_kind))
         if w["errors"]:
             common.fail(PROG, f"warm-up requests failed: {w['error_samples']}")
     before = asyncio.run(compiled_programs(url, headers))
     res = asyncio.run(bench(url, model, ps, FLAGS.output_len, FLAGS.max_concurrency, FLAGS.request_rate,
-                            headers, FLAGS.seed, FLAGS.timeout_s))
+                            headers, FLAGS.seed, FLAGS.timeout_s, FLAGS.structured_output_ratio,
+                            FLAGS.structured_kind))
     after = asyncio.run(compiled_programs(url, headers))
     res.update(input_len=FLAGS.input_len, output_len=FLAGS.output_len, model=model,
                compiles_during_run=None if before is None or after is None else int(after - before))

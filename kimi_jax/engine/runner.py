@@ -77,6 +77,7 @@ class Runner:
         self.occ = None                   # the occurrence pool, made when a request first needs it
         self.inflight: Optional[_InFlight] = None
         self._forward: Optional[tuple] = None     # a split step's forward half: (logits, batch, key)
+        self._masks: dict[int, np.ndarray] = {}   # batch -> the host mask buffer its steps fill in place
         self.compiled: dict = {}          # precompiled executables, kept alive for jax's cache
 
     # ---- device state the scheduler asks for ----------------------------------------------------
@@ -259,7 +260,9 @@ class Runner:
         matchers = [None] * plan.batch
         for row in rows:
             matchers[row.batch_row] = row.req.structured
-        mask = structured.fill_bitmask(matchers)
+        # the step reads its copy of the buffer before the next fill (each step's outputs are read first)
+        buffer = self._masks.setdefault(plan.batch, np.empty((plan.batch, structured.words), np.int32))
+        mask = structured.fill_bitmask(matchers, out=buffer)
         for row in rows:
             left = row.req.max_new - len(row.req.output_ids)
             if left <= CLOSE_WINDOW:

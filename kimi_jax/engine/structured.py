@@ -191,18 +191,27 @@ class StructuredBackend:
         grammar = params.to_grammar()
         return RowMatcher(self._start(grammar, params.kind()).deep_copy(), grammar)
 
-    def fill_bitmask(self, rows: Sequence[Optional[RowMatcher]], batch: Optional[int] = None) -> np.ndarray:
-        """[batch, ceil(vocab_size / 32)] int32 for a step's rows (None or past len(rows): all ones)."""
+    def fill_bitmask(self, rows: Sequence[Optional[RowMatcher]], batch: Optional[int] = None,
+                     out: Optional[np.ndarray] = None) -> np.ndarray:
+        """[batch, ceil(vocab_size / 32)] int32 for a step's rows (None or past len(rows): all ones),
+        written into `out` when given (a buffer kept from step to step) and returned."""
         B = len(rows) if batch is None else batch
-        mask = np.full((B, self._tok_words), -1, np.int32)
+        if out is None:
+            out = np.empty((B, self.words), np.int32)
+        direct = self._tok_words == self.words and out.flags.c_contiguous
+        mask = out if direct else np.empty((B, self._tok_words), np.int32)
+        mask.fill(-1)
         pairs = [(r._m, b) for b, r in enumerate(rows) if r is not None]
         if pairs:
             self._executor.unsafe_compute_mask_ptr(pairs, mask.ctypes.data, self._tok_words * 4, B)
-        if self._tok_words >= self.words:
-            return np.ascontiguousarray(mask[:, :self.words])
-        extra = np.full((B, self.words - self._tok_words), -1, np.int32)
-        extra[[b for _, b in pairs]] = 0
-        return np.concatenate([mask, extra], axis=1)
+        if direct:
+            return out
+        w = min(self.words, self._tok_words)
+        out[:, :w] = mask[:, :w]
+        if self.words > w:             # tokens past the tokenizer's: never for a constrained row
+            out[:, w:] = -1
+            out[[b for _, b in pairs], w:] = 0
+        return out
 
 
 COMPILE_STACK = 256 << 20     # llguidance builds 20,000 chained rules on it (8 MiB: SIGSEGV near 3,000)

@@ -73,6 +73,7 @@ def _median_ms(xs):
 
 def bench_llguidance(tok, batches):
     import llguidance as llg
+    import numpy as np
     from kimi_jax.engine.structured import StructuredBackend
     from kimi_jax.engine.structured_params import StructuredOutputsParams
     backend = StructuredBackend(tok, KIMI_VOCAB if tok.vocab_size > 100_000 else 4096)
@@ -98,9 +99,10 @@ def bench_llguidance(tok, batches):
         seq = [seqs[names[b % len(names)]] for b in range(B)]
         steps = min(len(s) for s in seq)
         fill, consume = [], []
+        buffer = np.empty((B, backend.words), np.int32)     # filled in place, as the runner's
         for k in range(steps):
             t0 = time.perf_counter()
-            mask = backend.fill_bitmask(rows)
+            mask = backend.fill_bitmask(rows, out=buffer)
             fill.append(time.perf_counter() - t0)
             for b in range(B):       # the instance's token must be allowed
                 t = seq[b][k]
