@@ -20,7 +20,7 @@ def test_kimi_bench_lists_its_suites_and_refuses_an_unknown_one(cli):
     bad = cli("launch.bench", "nosuch")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "kimi-bench: error: unknown suite 'nosuch' (suites: int4, mla, engine, throughput, spec, loading, "
-        "prefix_cache, program_costs, full_depth, gemv, small_ops, structured, dtype, lowering)"]
+        "prefix_cache, program_costs, full_depth, gemv, small_ops, constrained, structured, dtype, lowering)"]
     # a suite's --help: its own flags, exit 0
     r = cli("launch.bench", "loading", "--help")
     assert r.returncode == 0 and "--orbax-dir" in r.stdout and "--raw-workers" in r.stdout
@@ -393,3 +393,15 @@ def test_bench_program_costs_tiny_times_every_case_with_its_compile(tmp_path, cl
     assert {(x.get("sampled", False), x.get("logprobs")) for x in decode} == {(False, None), (True, None), (True, 20)}
     assert any(x.get("fresh") for x in rows) and len(rows) == 7           # 4 decode, 2 chunk prefill, 1 fresh
     assert all(x["ms"] > 0 and x["compile_s"] > 0 for x in rows)
+
+
+def test_bench_constrained_splits_the_step_and_keeps_the_tokens(tmp_path, cli):
+    """kimi-bench constrained's CPU dry run: the constrained batch overlaps every timed step (its
+    steps split) and its tokens equal the synchronous path's; the bad-words rows overlap too."""
+    r = cli("launch.bench", "constrained", "--tiny", "--batches=2", "--constrained=1", "--context=256",
+            "--steps=3", "--repeats=1", "--out", str(tmp_path))
+    assert r.returncode == 0, r
+    rows = {row["mode"]: row for row in json.loads((tmp_path / "constrained.json").read_text())}
+    assert set(rows) == {"unconstrained", "overlap", "sync", "bad_words"}
+    assert rows["overlap"]["same_tokens"] and rows["overlap"]["overlapped_steps"] == 3
+    assert rows["sync"]["overlapped_steps"] == 0 and rows["bad_words"]["overlapped_steps"] == 3

@@ -23,7 +23,9 @@ def test_no_program_is_built_after_precompile():
     core = llm.frontend.make_core()
     before = compiles.compile_count()
     n = core.precompile()
-    assert n == len(core.runner.programs(core.limits())) == len(core.programs()) <= 18
+    # 18 whole-step programs and, under overlap scheduling, the split decode step's 6 halves (a forward
+    # half per decode shape, a greedy and a sampling half per batch): the json_schema row takes them
+    assert n == len(core.runner.programs(core.limits())) == len(core.programs()) <= 24
     assert compiles.compile_count() - before >= n          # each program lowered once (called or compiled ahead)
     built = compiles.compile_count()
 

@@ -69,3 +69,38 @@ def test_compile_counter_is_read_from_metrics(tool_module):
     assert asyncio.run(_serve([("GET", "/metrics", metrics)], read)) == 87
     assert asyncio.run(_serve([("GET", "/metrics", missing)], read)) is None
     assert asyncio.run(_serve([("GET", "/other", missing)], read)) is None
+
+
+def test_a_structured_share_sends_grammars_the_server_takes(tool_module):
+    """--structured_output_ratio: json requests carry vLLM's structured_outputs (a schema whose
+    shortest instance outlasts output_len tokens), tool-call ones a required tool on chat; the share
+    is the seed's pick of requests."""
+    import jsonschema
+    bench_serve = tool_module("launch.bench_serve")
+    path, body = bench_serve.request("m", [5, 6], 8, "json")
+    assert path == "/v1/completions" and body["prompt"] == [5, 6] and body["stream"]
+    schema = body["structured_outputs"]["json"]
+    jsonschema.Draft202012Validator.check_schema(schema)
+    assert schema["properties"]["items"]["minItems"] == 8     # >= 8 strings: at least 8 tokens
+    path, body = bench_serve.request("m", [5, 6], 8, "tool_call")
+    assert path == "/v1/chat/completions" and body["tool_choice"] == "required"
+    assert body["tools"][0]["function"]["parameters"] == schema and "prompt" not in body
+    path, body = bench_serve.request("m", [5, 6], 8, None)
+    assert path == "/v1/completions" and "structured_outputs" not in body
+
+    seen = []
+
+    async def completions(request):
+        seen.append(("structured_outputs" in await request.json()))
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for c in _chunks(["a", "b"]):
+            await resp.write(b"data: " + json.dumps(c).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def run(base):
+        return await bench_serve.bench(base, "m", [[1]] * 40, 2, 4, float("inf"), {}, 0, 10.0, ratio=0.25)
+    res = asyncio.run(_serve([("POST", "/v1/completions", completions)], run))
+    assert res["completed"] == 40 and res["structured_requests"] == sum(seen)
+    assert 4 <= sum(seen) <= 16                                 # about a quarter of 40
