@@ -109,8 +109,7 @@ class Runner:
             self.occ = self.steps.new_occurrences(self.max_num_seqs)
         return self.occ
 
-    # ---- one plan
-    # ---------------------------------------------------------------------------------
+    # ---- one plan --------------------------------------------------------------------------------
     def matcher(self, constraint, budget: Optional[int] = None):
         """The grammar state of a request within `budget` tokens (RequestError: it cannot
         compile)."""

@@ -25,8 +25,7 @@ COLLECTIVE_KINDS = (
 )
 CATEGORIES = COLLECTIVE_KINDS + ("matmul", "attention", "rest")
 
-# ---- HLO text parsing
-# ------------------------------------------------------------------------------
+# ---- HLO text parsing ----------------------------------------------------------------------------
 
 _COMP_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
@@ -306,8 +305,7 @@ def collectives_of_hlo(text_or_module) -> CollectiveCounts:
     return CollectiveCounts(ops)
 
 
-# ---- op categories
-# -----------------------------------------------------------------------------------
+# ---- op categories -------------------------------------------------------------------------------
 
 _MATMUL_OPS = ("dot", "convolution", "ragged-dot")
 _GEMM_TARGET = re.compile(

@@ -465,8 +465,7 @@ def _pow2_floor(n: int) -> int:
     return 0 if n < 1 else 1 << (int(n).bit_length() - 1)
 
 
-# ---- every layout of a world size
-# ------------------------------------------------------------------
+# ---- every layout of a world size ----------------------------------------------------------------
 
 def layouts_for(world: int) -> list[Layout]:
     """Every (dp, tp, expert-parallel) layout of `world` devices."""
@@ -524,8 +523,7 @@ def ranking_table(fits, rejected) -> str:
     return "\n".join(rows)
 
 
-# ---- the published anchor
-# ----------------------------------------------------------------------------
+# ---- the published anchor ------------------------------------------------------------------------
 
 ANCHOR_RTX6KPRO = dict(
     model="kimi-k2.5", hardware="rtx-pro-6000", tensor_parallel_size=8, batch=1, context=4096,

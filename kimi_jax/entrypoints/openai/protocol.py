@@ -123,8 +123,7 @@ class GenerationRequest:
         return ProtocolError(message, field)
 
 
-# ---- the request models
-# ---------------------------------------------------------------------------
+# ---- the request models --------------------------------------------------------------------------
 def _integral(v):
     return int(v) if isinstance(v, float) and v.is_integer() else v
 
@@ -226,8 +225,7 @@ class ChatCompletionRequest(_Request):
     modalities: Optional[list[str]] = None
 
 
-# ---- field checks
-# ---------------------------------------------------------------------------------
+# ---- field checks --------------------------------------------------------------------------------
 def _typename(v) -> str:
     return "null" if v is None else type(v).__name__
 
@@ -477,8 +475,7 @@ def _prompts(p: Any) -> tuple:
     return prompts
 
 
-# ---- requests
-# -------------------------------------------------------------------------------------
+# ---- requests ------------------------------------------------------------------------------------
 def parse_completion(body: Any) -> GenerationRequest:
     """A /v1/completions body -> GenerationRequest (ProtocolError naming the field)."""
     ignored = _extras(CompletionRequest, body, "completion")
@@ -590,8 +587,7 @@ def check_model(req_model: Optional[str], served: Sequence[str]) -> None:
         )
 
 
-# ---- responses
-# ------------------------------------------------------------------------------------
+# ---- responses -----------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Choice:
     """One generated sequence (or, streaming, one piece of it)."""
@@ -782,8 +778,7 @@ def now() -> int:
     return int(time.time())
 
 
-# ---- streaming text
-# -------------------------------------------------------------------------------
+# ---- streaming text ------------------------------------------------------------------------------
 class TextStream:
     """A choice's text as its tokens arrive: the streaming detokenizer's output, minus a tail that
     could still begin a stop string (held until it cannot). `finish(final)` returns what completes
