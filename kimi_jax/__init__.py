@@ -1,5 +1,4 @@
-"""kimi_jax: a JAX/XLA inference engine for Kimi-K2.5-class (DeepSeek-V3 architecture) MoE
-models."""
+"""kimi_jax: a JAX/XLA inference engine for Kimi-K2.5-class (DeepSeek-V3 architecture) MoE models"""
 
 from kimi_jax.entrypoints.llm import LLM, CompletionOutput, RequestOutput
 from kimi_jax.config import ModelConfig, preset

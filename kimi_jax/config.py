@@ -122,8 +122,7 @@ class ModelConfig:
 
     @property
     def softmax_scale(self) -> float:
-        """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (as
-        HF/vLLM/SGLang)."""
+        """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (HF/vLLM/SGLang's)"""
         scale = self.qk_head_dim ** -0.5
         rs = self.rope_scaling
         if rs.rope_type == "yarn" and rs.mscale_all_dim:

@@ -93,8 +93,7 @@ class Admission:
         return out
 
     def stop(self, r: Request) -> None:
-        """Finish r where it is ("length"), its pages freed: it has outgrown the page pool of its
-        rank."""
+        """Finish r where it is ("length"), pages freed: it has outgrown its rank's page pool."""
         r.finish_reason, r.finished_time = "length", time.time()
         self.release(r)
         self._stopped.append(r)
@@ -198,7 +197,6 @@ class Admission:
         return self.rank_for(self.waiting[0]) is not None
 
     def unblock(self) -> Request:
-        """Finish the first running (else waiting) request at the pool's limit and free its
-        pages."""
+        """Finish the first running (else waiting) request at the pool's limit; free its pages."""
         self.stop(self.running[0] if self.running else self.waiting.popleft())
         return self._stopped.pop()

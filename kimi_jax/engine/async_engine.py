@@ -141,8 +141,7 @@ class AsyncLLM:
         return queue
 
     def abort(self, request_id: str) -> None:
-        """Stop a request and free its pages before the engine's next step (no effect once
-        finished)."""
+        """Stop a request and free its pages before the engine's next step (none once finished)."""
         with self._cv:
             self._aborts.append(request_id)
             self._cv.notify()

@@ -115,8 +115,7 @@ class EngineCore:
         return samples
 
     def abort(self, request_id: str) -> Optional[Request]:
-        """Stop an unfinished sample now and free its pages (None: no such sample); between
-        steps."""
+        """Stop an unfinished sample and free its pages (None: no such sample); between steps."""
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -146,8 +145,7 @@ class EngineCore:
         return finished + s.take_stopped()
 
     def drain(self) -> list[Request]:
-        """Book a decode step still in flight (overlap scheduling); returns the samples that
-        finished."""
+        """Book a decode step still in flight (overlap scheduling); returns the finished samples."""
         return [r for plan, out in self.runner.drain() for r in self.scheduler.update(plan, out)]
 
     def run(self, on_finish: Optional[Callable[[Request], None]] = None,

@@ -62,8 +62,7 @@ class PagePool:
 
     @property
     def free(self) -> list[int]:
-        """Every page no request holds, of all partitions (local ids; cached evictable pages
-        included)."""
+        """Every page no request holds, of all partitions (local ids; cached evictable ones too)."""
         return [p for k in range(self.parts) for p in (*self._free[k], *self._lru[k])]
 
     @property

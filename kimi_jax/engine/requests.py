@@ -112,8 +112,7 @@ def prefill_shape(rows, page_size: int) -> tuple[int, int, bool]:
 
 
 def logprob_dict(token: int, logprob, rank, top_ids, top_vals) -> dict:
-    """{token: Logprob, then the top ids not already there: Logprob with rank 1, 2, ...}
-    (vLLM's)."""
+    """{token: Logprob, then the top ids not yet there: Logprob with rank 1, 2, ...} (vLLM's)."""
     out = {int(token): Logprob(float(logprob), int(rank))}
     for i, (t, v) in enumerate(zip(top_ids, top_vals)):
         out.setdefault(int(t), Logprob(float(v), i + 1))

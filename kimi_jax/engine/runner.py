@@ -111,8 +111,7 @@ class Runner:
 
     # ---- one plan --------------------------------------------------------------------------------
     def matcher(self, constraint, budget: Optional[int] = None):
-        """The grammar state of a request within `budget` tokens (RequestError: it cannot
-        compile)."""
+        """A request's grammar state within `budget` tokens (RequestError: it cannot compile)."""
         from kimi_jax.engine.structured_params import StructuredOutputError
         from kimi_jax.engine.validation import RequestError
         if self.structured is None:
@@ -327,8 +326,7 @@ class Runner:
         return None if n is None else self.max_logprobs if n <= self.max_logprobs else bucket(n, 1)
 
     def _decode_tokens(self, host_B: np.ndarray) -> jax.Array:
-        """Host-fed decode tokens committed like a step's own output tokens: one program serves
-        both."""
+        """Host-fed decode tokens committed as a step's own output tokens: one program for both."""
         return jax.make_array_from_callback(
             host_B.shape, self.steps.token_sharding, lambda i: host_B[i]
         )

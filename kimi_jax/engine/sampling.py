@@ -14,8 +14,7 @@ from kimi_jax.engine.structured_params import StructuredOutputsParams
 
 @dataclasses.dataclass
 class SamplingParams:
-    """Mutable like vLLM's: checked when made and where a request takes them (generate,
-    add_request)."""
+    """Mutable as vLLM's: checked when made and when a request takes them (generate, add_request)"""
 
     temperature: float = 1.0
     top_p: float = 1.0

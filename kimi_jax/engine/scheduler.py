@@ -417,6 +417,5 @@ class Scheduler:
 
 
 def needs_host(r: Request) -> bool:
-    """r's next sampling needs its last token on the host (a grammar's mask, multi-token bad
-    words)."""
+    """r's next sampling needs its last token on the host (grammar mask, multi-token bad words)."""
     return r.structured is not None or (r.adjust is not None and bool(r.adjust.bad_words))

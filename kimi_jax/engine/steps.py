@@ -372,13 +372,11 @@ class ModelSteps:
         return Occurrences(jax.jit(make, out_shardings=self.token_sharding)(), num_rows)
 
     def set_occurrences(self, occ: Occurrences, row: int, row_V: np.ndarray) -> None:
-        """Write one pool row (penalties.occurrence_row), ordered after every step dispatched
-        before."""
+        """Write one pool row (penalties.occurrence_row), after every step dispatched before."""
         occ.pool = self._set_occ_row(occ.pool, np.int32(row), np.asarray(row_V, np.int32))
 
     def copy_pages(self, pages, src: Sequence[int], dst: Sequence[int], rank: int = 0):
-        """The pool with pages dst holding copies of pages src (ids local to data-parallel rank
-        `rank`)."""
+        """The pool with pages dst holding copies of pages src (ids local to DP rank `rank`)."""
         per = next(iter(pages.values())).shape[1] // self.dp
         n = bucket(len(src), 1)
         src = [*src, *[src[-1]] * (n - len(src))]          # padding repeats the last copy

@@ -100,8 +100,7 @@ class StructuredBackend:
 
     @property
     def _tok_words(self) -> int:
-        """Mask words of the tokenizer's ids (its vocabulary may be larger than the model's
-        logits)."""
+        """Mask words of the tokenizer's ids (its vocabulary may exceed the model's logits)."""
         return mask_words(self.tokenizer.vocab_size)
 
     @property
@@ -184,15 +183,13 @@ class StructuredBackend:
         return narrowed
 
     def compile(self, params: StructuredOutputsParams) -> str:
-        """The llguidance grammar of params, checked against this tokenizer
-        (StructuredOutputError)."""
+        """The llguidance grammar of params, checked with this tokenizer (StructuredOutputError)."""
         grammar = params.to_grammar()
         self._start(grammar, params.kind())
         return grammar
 
     def _start(self, grammar: str, kind: str) -> Any:
-        """The compiled start state (its first mask computed: some errors show only then),
-        cached."""
+        """The compiled start state (first mask computed: some errors show only then), cached."""
         with self._lock:
             hit = self._cache.get(grammar)
             if hit is not None:

@@ -121,8 +121,7 @@ class StructuredOutputsParams:
             raise StructuredOutputError(f"structured_outputs.{k}: {one_line(e)}") from None
 
     def _structural_tag_grammar(self) -> str:
-        """vLLM's structural tag as llguidance's: free text, each begin opening its schema's
-        JSON."""
+        """vLLM's structural tag as llguidance's: free text, each begin opens its schema's JSON."""
         from llguidance import StructTag
 
         spec = (
@@ -177,8 +176,7 @@ def check_repeats(regex: str, where: str) -> None:
 
 
 def _schema_depth(root: dict, where: str) -> None:
-    """Refuses nesting past MAX_SCHEMA_DEPTH ($refs followed) and $ref cycles with no schema
-    between."""
+    """Refuses nesting past MAX_SCHEMA_DEPTH ($refs followed) and $ref cycles without a schema."""
     memo: dict[str, int] = {}
 
     def target(ref: str) -> Any:
@@ -269,8 +267,7 @@ def _typename(v: Any) -> str:
 
 
 def json_layout(compact: bool) -> dict:
-    """llguidance JSON options: no free whitespace; separators as json.dumps (compact: ``,``
-    ``:``)."""
+    """llguidance JSON options: no free whitespace; compact json.dumps separators (``,`` ``:``)."""
     return {"whitespace_flexible": False, "item_separator": "," if compact else ", ",
             "key_separator": ":" if compact else ": "}
 

@@ -71,8 +71,7 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 
 def check_finite(name: str, v: Any) -> None:
-    """A number finite in float32, the dtype the device uses it in (larger ones round to inf
-    there)."""
+    """A number finite in float32, the dtype the device uses (larger ones round to inf there)."""
     if not is_real(v) or not math.isfinite(v):
         raise RequestError(f"{name} must be a finite number, got {v!r}", field=name)
     if abs(v) > FLOAT32_MAX:
@@ -82,8 +81,7 @@ def check_finite(name: str, v: Any) -> None:
 
 def check_request(prompt_ids: Any, params, *, vocab_size: int, max_model_len: Optional[int],
                   max_logprobs: Optional[int] = None) -> list[int]:
-    """Validate a request's sampling parameters and prompt ids against the model; the ids as
-    ints."""
+    """Check a request's sampling parameters and prompt ids against the model; the ids as ints."""
     try:
         params.validate(vocab_size=vocab_size, max_logprobs=max_logprobs)
     except RequestError:

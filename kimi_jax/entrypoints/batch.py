@@ -63,8 +63,7 @@ class Line:
 
 
 def load_json(line: Union[str, bytes], lineno: int):
-    """One line's JSON value; LineError for invalid UTF-8, malformed JSON or nesting beyond
-    MAX_DEPTH."""
+    """One line's JSON value; LineError for invalid UTF-8, bad JSON or nesting beyond MAX_DEPTH."""
     if isinstance(line, bytes):
         try:
             line = line.decode("utf-8")
@@ -140,8 +139,7 @@ def parse_body(ln: Line, default_max_tokens: int) -> tuple[P.GenerationRequest, 
 def fit_default_max_tokens(
     g: P.GenerationRequest, n_prompt: int, limit: int
 ) -> P.GenerationRequest:
-    """A defaulted max_tokens cut to what the context leaves after the prompt (as the server
-    does)."""
+    """A defaulted max_tokens cut to what the context leaves after the prompt, as the server's."""
     room = limit - n_prompt
     if 1 <= room < g.params.max_tokens:
         g = dataclasses.replace(g, params=dataclasses.replace(g.params, max_tokens=room))
@@ -326,8 +324,7 @@ class ResultWriter:
 
 
 def count_lines(path: str) -> int:
-    """Non-blank lines of an input file (the job's total), read in blocks (a line may be any
-    size)."""
+    """Non-blank lines of an input file (the job's total), read in blocks (lines of any size)."""
     n, content = 0, False
     with open(path, "rb") as f:
         while block := f.read(1 << 20):
@@ -573,8 +570,7 @@ def run_job(
         totals.update({k: v for k, v in be.stats.items() if isinstance(v, (int, float))})
 
     def rerun_alone(cids) -> None:
-        """Each request of a failed step on its own fresh pool; one that fails alone gets its
-        error."""
+        """Each request of a failed step on a fresh pool; one that fails alone gets its error."""
         for cid in cids:
             solo = frontend.make_core()
             jobs[cid].choices.clear()

@@ -95,8 +95,7 @@ class OutputProcessor:
                                 finish_reason=r.finish_reason, stop_reason=r.stop_reason)
 
     def decoded(self, lp: dict) -> dict:
-        """Logprob entries with decoded_token set (each token's own text, special tokens
-        included)."""
+        """Logprob entries with decoded_token set (each token's text, special tokens included)."""
         if self.tokenizer is None:
             return lp
         return {

@@ -116,8 +116,7 @@ def pause() -> None:
 
 
 def enable(stream=None, min_seconds: float = 0.5) -> None:
-    """Show progress on `stream` (default stderr); idempotent. The status line is cleared at
-    exit."""
+    """Show progress on `stream` (default stderr); idempotent. The status line clears at exit."""
     log.setLevel(logging.INFO)
     if any(isinstance(h, _StatusLine) for h in log.handlers):
         return

@@ -68,8 +68,7 @@ class JointQKvA:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class JointGateUp:
-    """A SwiGLU MLP's gate_proj and up_proj [I, D] as w_2ID, held by gate_proj (up_proj: an
-    InJoint)."""
+    """A SwiGLU MLP's gate_proj and up_proj [I, D] as w_2ID, held by gate_proj (up_proj: InJoint)"""
 
     w_2ID: jax.Array
 
@@ -108,8 +107,7 @@ def _is_packed(x) -> bool:
 
 
 def unpacked(layer_state):
-    """One layer's weights with every VectorPack / InPack replaced by its vector (inside the
-    step)."""
+    """One layer's weights, every VectorPack / InPack replaced by its vector (inside the step)."""
     packs = [
         x for x in jax.tree.leaves(layer_state, is_leaf=_is_packed) if isinstance(x, VectorPack)
     ]
@@ -136,8 +134,7 @@ def is_layer_list(x) -> bool:
 
 
 def layer(tree, i: int):
-    """Layer i of a stack's weights: LayerLists give their i-th array, stacked arrays a static
-    slice."""
+    """Layer i of a stack's weights: a LayerList's i-th array, a stacked array's static slice."""
     return jax.tree.map(lambda a: a[i], tree, is_leaf=is_layer_list)
 
 

@@ -64,8 +64,7 @@ def pin_routing(state, k: int) -> int:
 
 
 class RoutedExperts(nnx.Module):
-    """E expert FFNs stacked: gate/up [E, F, D], down [E, D, F]; bf16, or INT4 packed + group
-    scales."""
+    """E expert FFNs stacked: gate/up [E, F, D], down [E, D, F]; bf16, or INT4 + group scales."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, parallel=None):
         # kimi_jax.parallel.sharding.MoEParallel or None (opaque to the model)

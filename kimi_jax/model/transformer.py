@@ -259,8 +259,7 @@ def abstract_model(
 
 
 def param_arrays(model_or_state) -> dict[tuple[str, ...], jax.Array]:
-    """{parameter path: value} of a Transformer (or its nnx.State); paths as in
-    checkpoints.layout."""
+    """{parameter path: value} of a Transformer (or its nnx.State); paths: checkpoints.layout's."""
     state = (
         nnx.split(model_or_state)[1] if isinstance(model_or_state, nnx.Module) else model_or_state
     )

@@ -13,8 +13,7 @@ from kimi_jax.ops.plan import ExecPlan, default_plan
 
 
 def _per_batch_shard(f, parallel, rows: tuple, replicated: tuple, n_out: int):
-    """f(*rows, *replicated) on each shard of the rows' leading axis (parallel.batch) under a
-    mesh."""
+    """f(*rows, *replicated) on each shard of the rows' leading axis (parallel.batch), on a mesh."""
     if parallel is None or parallel.mesh.size == 1:
         return f(*rows, *replicated)
     from jax.sharding import PartitionSpec as P
@@ -36,8 +35,7 @@ def route(
     plan: Optional[ExecPlan] = None,
     parallel=None,
 ):
-    """-> (expert ids [T, K] int32, weights [T, K] float32); the kernels only without a group
-    limit."""
+    """-> (expert ids [T, K] int32, weights [T, K] float32); kernels only without a group limit."""
     from pallas_kernels.router import sigmoid_topk as st
     plan = default_plan(plan)
     kernel = plan.router_kernel_for(x_TD.shape[0], w_ED.shape[0])

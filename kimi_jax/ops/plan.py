@@ -80,8 +80,7 @@ class ExecPlan:
         return self.impl == "pallas"
 
     def router_kernel_for(self, tokens: int, experts: int) -> str:
-        """The router path a step of `tokens` tokens over `experts` experts takes ('auto'
-        resolved)."""
+        """The router path of a step of `tokens` tokens over `experts` experts ('auto' resolved)."""
         if self.router_kernel != "auto":
             return self.router_kernel
         return (

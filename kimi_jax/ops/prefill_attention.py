@@ -27,8 +27,7 @@ def cudnn_attention_fits(qk_dim: int, v_dim: int, dtype) -> bool:
 def prefill_attention_path(
     qk_dim: int, v_dim: int, dtype, *, causal: bool, plan: Optional[ExecPlan] = None
 ) -> str:
-    """The path mla_prefill_attention takes (static): forced, 'cudnn' / 'cudnn_split' or
-    'einsum'."""
+    """mla_prefill_attention's path (static): forced, 'cudnn' / 'cudnn_split' or 'einsum'."""
     plan = default_plan(plan)
     forced = plan.prefill_attention if causal else plan.chunk_attention
     if forced != "auto":

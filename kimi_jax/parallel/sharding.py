@@ -65,8 +65,7 @@ class Layout:
         return RULES[logical][1 if self.enable_expert_parallel else 0]
 
     def spec(self, logical_axes: tuple, ndim: int) -> P:
-        """PartitionSpec for a parameter with these logical axes (stacked: a leading 'layers'
-        axis)."""
+        """PartitionSpec of a parameter with these logical axes (stacked: leading 'layers' axis)."""
         axes = ("layers",) * (ndim - len(logical_axes)) + tuple(logical_axes)
         return P(*[self.axis_rule(a) for a in axes])
 
@@ -124,8 +123,7 @@ class Layout:
 
 @dataclasses.dataclass(frozen=True)
 class MoEParallel:
-    """What the kernels that run inside shard_map need (ops.routed_experts,
-    ops.mla_paged_attention)."""
+    """What the kernels run inside shard_map need (ops.routed_experts, ops.mla_paged_attention)."""
 
     mesh: Mesh
     batch: tuple[str, ...]        # mesh axes the tokens are split over
@@ -157,8 +155,7 @@ def param_shardings(layout: Layout, state) -> dict[tuple[str, ...], NamedShardin
 
 
 def per_device_bytes(layout: Layout, state) -> int:
-    """Bytes of parameters one device holds under `layout` (the largest shard, from shapes
-    alone)."""
+    """Bytes of parameters one device holds under `layout` (largest shard, from shapes alone)."""
     from flax import nnx
     total = 0
     for path, v in nnx.to_flat_state(state):

@@ -17,8 +17,7 @@ THINK_END = "</think>"
 
 @dataclasses.dataclass(frozen=True)
 class ReasoningConfig:
-    """enabled=False: the output passes untouched; starts_in_reasoning: the prompt ends in
-    ``<think>``."""
+    """enabled=False: output passes untouched; starts_in_reasoning: the prompt ends ``<think>``."""
 
     enabled: bool = True
     starts_in_reasoning: bool = False

@@ -49,8 +49,7 @@ _LONG_RUN = re.compile(
 
 
 class TokenizerError(ValueError):
-    """A tokenizer file that exists but cannot be used (corrupt, inconsistent), or a bad token
-    id."""
+    """A tokenizer file that exists but is unusable (corrupt, inconsistent), or a bad token id."""
 
 
 class TokenizerNotFound(FileNotFoundError):
@@ -166,8 +165,7 @@ def _split_long_runs(text: str) -> Iterator[str]:
 
 
 def _chunks(text: str) -> Iterator[str]:
-    """Pieces of at most 400k chars, each cut further so no (non-)whitespace run exceeds 25k
-    chars."""
+    """Pieces of at most 400k chars, cut further so no (non-)whitespace run exceeds 25k chars."""
     if len(text) <= MAX_NO_WHITESPACES_CHARS:
         yield text
         return
@@ -365,15 +363,13 @@ class Tokenizer:
         return out
 
     def token_to_id(self, token: str) -> Optional[int]:
-        """Id of a special token, or of a base token given as its UTF-8 text; ``None`` if
-        neither."""
+        """Id of a special token, or of a base token given as UTF-8 text; ``None`` if neither."""
         if token in self.special_tokens:
             return self.special_tokens[token]
         return self.mergeable_ranks.get(token.encode("utf-8"))
 
     def id_to_token(self, token_id: int) -> str:
-        """Text of one token (special tokens by name; a partial UTF-8 sequence decodes with
-        U+FFFD)."""
+        """Text of one token (special tokens by name; a partial UTF-8 sequence gives U+FFFD)."""
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -489,8 +485,7 @@ class Tokenizer:
 
     def __call__(self, text: Union[str, Sequence[str]], add_special_tokens: bool = True,
                  **_ignored) -> "Encoding":
-        """``tokenizer(text)``: input_ids and attention_mask (other keyword arguments are
-        ignored)."""
+        """``tokenizer(text)``: input_ids and attention_mask (other keyword arguments ignored)."""
         if isinstance(text, str):
             ids = self.encode(text)
             return Encoding(input_ids=ids, attention_mask=[1] * len(ids))
@@ -520,8 +515,7 @@ class Tokenizer:
         chat_template: Optional[str] = None,
         **kwargs,
     ) -> Union[str, list[int]]:
-        """The checkpoint's template as LLM.chat renders it: its prompt ids, or text
-        (tokenize=False)."""
+        """The checkpoint's template as LLM.chat renders it: prompt ids or text (tokenize=False)"""
         from kimi_jax.text.conversation import encode_conversation, render_conversation
         tmpl = self.load_chat_template(chat_template)
         kw = dict(add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
@@ -538,8 +532,7 @@ class Tokenizer:
 
 
 class Encoding(dict):
-    """``tokenizer(text)``'s result: a dict whose keys read as attributes too
-    (``enc.input_ids``)."""
+    """``tokenizer(text)``'s result: a dict whose keys read as attributes (``enc.input_ids``)."""
 
     def __getattr__(self, name: str):
         try:

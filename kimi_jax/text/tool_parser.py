@@ -46,8 +46,7 @@ def format_call_id(name: str, index: int) -> str:
 
 @dataclasses.dataclass
 class DeltaMessage:
-    """One streamed step: any of content / reasoning_content text and tool-call deltas (OpenAI
-    shape)."""
+    """One streamed step: content / reasoning_content text and tool-call deltas (OpenAI shape)."""
 
     content: str = ""
     reasoning_content: str = ""

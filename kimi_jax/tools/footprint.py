@@ -82,8 +82,7 @@ def expert_bytes_local(cfg: ModelConfig, layout: Layout, dtype_bytes: int = 2) -
 
 
 def param_bytes_from_model(cfg: ModelConfig, layout: Layout, dtype=None) -> int:
-    """sharding.per_device_bytes on the model's abstract state (shapes only; slow for big
-    models)."""
+    """sharding.per_device_bytes of the model's abstract state (shapes only; slow for big ones)."""
     import jax.numpy as jnp
     from flax import nnx
     from kimi_jax.model.transformer import abstract_model

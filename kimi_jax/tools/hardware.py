@@ -126,8 +126,7 @@ class Hardware:
         return _log_interp(pts, share, no_ep, floor=0.0)
 
     def attention_efficiency_at(self, rows: float) -> float:
-        """Fraction of hbm_bw decode attention streams the cache at with `rows` query rows per
-        device."""
+        """Share of hbm_bw decode attention streams the cache at, `rows` query rows per device."""
         return _log_interp(self.attention_curve, rows, self.attention_efficiency)
 
     def attention_call_at(self, rows: float) -> float:

@@ -140,8 +140,7 @@ class Plan:
 
     @property
     def served_step_s(self) -> float:
-        """The step under overlap scheduling: the device's or the host's enqueue, whichever is
-        longer."""
+        """The step under overlap scheduling: the device's or the host's enqueue, the longer."""
         return max(self.step_s, self.host_s)
 
     def to_json(self) -> dict:
@@ -214,8 +213,7 @@ class Plan:
 
 def plan(cfg: ModelConfig, hw: Hardware, layout: Layout, batch: int, context: int,
          options: PlanOptions = PlanOptions(), *, model_name: str = "model") -> Plan:
-    """Plan one decode step (see the module docstring). Raises LayoutError for indivisible
-    layouts."""
+    """Plan one decode step (see the module docstring); LayoutError for indivisible layouts."""
     o = options
     layout.check_divisible(cfg)
     tp, dp, ep, world = (layout.tensor_parallel_size, layout.data_parallel_size,

@@ -124,8 +124,7 @@ class _Canvas:
 def stacked_bar_png(
     bars: list[tuple[str, dict[str, float]]], title: str, unit: str = "MS"
 ) -> bytes:
-    """A stacked-bar chart: one bar per (label, {category: value}), categories in CATEGORIES
-    order."""
+    """A stacked-bar chart: a bar per (label, {category: value}), categories in CATEGORIES order."""
     W, H, left, top, bottom = 960, 520, 80, 56, 60
     legend_w = 250
     plot_w = W - left - legend_w - 20

@@ -130,8 +130,7 @@ def compile_decode_step(
 def count_decode_collectives(
     cfg, layout, batch: int = 8, cache_len: int = 64, dtype=None
 ) -> CollectiveCounts:
-    """Collectives per decode step of `cfg` under `layout`, from the compiled program (shapes
-    only)."""
+    """Collectives per decode step of `cfg` under `layout`, from its compiled program (shapes)"""
     engine = abstract_engine(cfg, layout, dtype)
     text = compile_decode_step(engine, layout, batch, cache_len, abstract=True).as_text()
     counts = collectives_of_hlo(text)

@@ -1,5 +1,4 @@
-"""Bounds on what a request may ask before any work is done for it: JSON depth, body size,
-choices."""
+"""Bounds on what a request may ask before any work is done: JSON depth, body size, choices."""
 
 from __future__ import annotations
 

@@ -69,8 +69,7 @@ REFUSED = {
 
 
 class ProtocolError(ValueError):
-    """A request the server refuses: HTTP status, OpenAI error type, the field at fault and a
-    code."""
+    """A request the server refuses: HTTP status, OpenAI error type, field at fault and a code."""
 
     def __init__(self, message: str, param: Optional[str] = None, *, status: int = 400,
                  type: str = "invalid_request_error", code: Optional[str] = None):
@@ -548,8 +547,7 @@ _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def request_error(g: Optional[GenerationRequest], e: Exception, default: str) -> ProtocolError:
-    """An engine's RequestError as a 400 naming its grammar's field, its parameter, else
-    `default`."""
+    """An engine's RequestError as a 400 naming its grammar's field, parameter, else `default`."""
     msg = intake.first_line(e, 10 * MAX_MESSAGE)
     if g is not None and msg.startswith("structured_outputs"):
         return g.constraint_error(msg)
@@ -560,8 +558,7 @@ def request_error(g: Optional[GenerationRequest], e: Exception, default: str) ->
 
 
 def check_context(n_prompt: int, max_tokens: Optional[int], limit: int, kind: str) -> None:
-    """A prompt of n_prompt tokens and max_tokens within the model's context (ProtocolError,
-    400)."""
+    """A prompt of n_prompt tokens and max_tokens within the model's context (ProtocolError 400)."""
     field = "messages" if kind == "chat" else "prompt"
     if n_prompt >= limit:
         raise ProtocolError(

@@ -271,8 +271,7 @@ class OpenAIServer:
             )
 
     def _scrub(self, message: str) -> str:
-        """An error text without the server's file paths (the checkpoint's, the installed
-        package's)."""
+        """An error text without the server's file paths (the checkpoint's, the package's)."""
         for path, name in self._paths:
             message = message.replace(path, name)
         return message
@@ -722,8 +721,7 @@ async def serve(server: OpenAIServer, *, host: str = "127.0.0.1", port: int = 80
 
 
 def _longest_token(tokenizer) -> Optional[int]:
-    """Bytes one token may stand for at most (1 without a tokenizer: ids only; None when
-    unknown)."""
+    """Bytes one token may stand for at most (1 without a tokenizer: ids only; None: unknown)."""
     if tokenizer is None:
         return 1
     ranks = getattr(tokenizer, "mergeable_ranks", None)
