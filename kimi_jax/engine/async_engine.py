@@ -127,8 +127,7 @@ class AsyncLLM:
             r.arrival_time = now
             tracked.append(_Tracked(r, queue))
         with self._cv:
-            # waiting for a slot: the open samples beyond max_num_seqs (those just handed over
-            # count)
+            # waiting for a slot: the open samples beyond max_num_seqs (those just handed over too)
             waiting = self._n_open - self.core.scheduler.max_num_seqs
             if self.max_queue is not None and waiting >= self.max_queue:
                 raise QueueFull(

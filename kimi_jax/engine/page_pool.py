@@ -51,8 +51,7 @@ class PagePool:
         self.on_reclaim = on_reclaim
         self._free = [collections.deque(range(self.per_part)) for _ in range(parts)]
         self._refs = [collections.Counter() for _ in range(parts)]
-        # caching: hash -> page, page -> hash, and the evictable pages (reference count 0) in LRU
-        # order
+        # caching: hash -> page, page -> hash, the evictable pages (reference count 0) in LRU order
         self._table: list[dict[bytes, int]] = [{} for _ in range(parts)]
         self._hash_of: list[dict[int, bytes]] = [{} for _ in range(parts)]
         self._lru: list[collections.OrderedDict[int, None]] = [

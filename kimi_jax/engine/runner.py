@@ -82,8 +82,7 @@ class Runner:
         self.structured = structured
         self.max_logprobs = max_logprobs
         self.fixed_buffers = fixed_buffers
-        # (key, the batch's shapes: wide logits adjustments compile their own) -> (inputs, outputs)
-        # on the device
+        # (key, batch shapes: wide logits adjustments compile their own) -> device (inputs, outputs)
         self.resident: dict[tuple, tuple[StepBatch, object]] = {}
         self.pages = steps.init_pages(num_pages, page_size, cache_dtype)
         self.occ = None                   # the occurrence pool, made when a request first needs it
@@ -345,8 +344,7 @@ class Runner:
         matchers = [None] * plan.batch
         for row in rows:
             matchers[row.batch_row] = row.req.structured
-        # the step reads its copy of the buffer before the next fill (each step's outputs are read
-        # first)
+        # the step reads its copy of the buffer before the next fill (a step's outputs read first)
         buffer = self._masks.setdefault(
             plan.batch, np.empty((plan.batch, structured.words), np.int32)
         )

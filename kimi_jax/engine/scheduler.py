@@ -156,8 +156,7 @@ class Scheduler:
                 == len(r.pages) * self.page_size
             ):
                 # prefix caching: a request takes its cached prefix with its first chunk, or waits a
-                # step for a page another row is computing (not one scoring its prompt: cached
-                # positions have no logits)
+                # step for a page another row computes (not one scoring a prompt: no cached logits)
                 self.admission.take_cached_prefix(r)
                 nxt = r.num_computed // self.page_size
                 if nxt < len(r.page_hashes) and r.page_hashes[nxt] in filling:
@@ -235,8 +234,7 @@ class Scheduler:
         if not plain:
             return None
         # multi-token bad words are banned by the last output tokens, and a constrained row's mask
-        # needs its previous token: under overlap such a batch splits its step, sampling after the
-        # booking
+        # needs its previous token: under overlap such a batch splits its step, sampling once booked
         overlap = self.overlap
         plan = self._plan(
             "decode", [(r, [r.tokens[r.num_computed]]) for r in plain], 1, overlap=overlap
@@ -276,8 +274,7 @@ class Scheduler:
             need = self.admission.pages_short(r, r.num_computed + 2)
             if need > 0:
                 r.pages += self.pool.take(need, r.rank)   # checked free by overlap_continues
-            # the step in flight feeds position num_computed and samples output number
-            # len(output_ids)
+            # the step in flight feeds position num_computed, samples output number len(output_ids)
             rows.append(
                 Row(r, row.batch_row, (), r.num_computed + 1, tuple(r.pages), len(r.output_ids) + 1)
             )

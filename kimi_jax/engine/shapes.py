@@ -8,8 +8,7 @@ from typing import Optional
 
 MIN_TABLE_TOKENS = 256
 # Decode and verification on the Pallas MLA kernel, which reads each row's length, take one
-# block-table width for rows of up to this many pages: the width costs ~nothing (BENCHMARKS.md,
-# 'Program set').
+# block-table width for rows up to this many pages: ~free (BENCHMARKS.md 'Program set').
 DECODE_TABLE_PAGES = 1024
 
 

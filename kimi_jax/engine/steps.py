@@ -293,8 +293,7 @@ class ModelSteps:
         self.token_sharding = (layout.sharding(jax.sharding.PartitionSpec()) if layout is not None
                                 else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         self.logits_sharding = shard.get("logits2", self.token_sharding)   # a split step's logits
-        # the one step the runner (kimi_jax.engine.runner) drives: a StepBatch in, the program by
-        # kind
+        # the one step the runner (kimi_jax.engine.runner) drives: a StepBatch in, program by kind
         self.step_jit = jax.jit(
             functools.partial(_step, self.graphdef, shard),
             static_argnames=(
@@ -367,8 +366,7 @@ class ModelSteps:
     def new_occurrences(self, num_rows: int) -> Occurrences:
         """A zeroed occurrence pool for num_rows penalised requests (plus the padding row)."""
         make = lambda: jnp.zeros((num_rows + 1, self.cfg.vocab_size), jnp.int32)  # noqa: E731
-        # committed as the steps return it (replicated), so its first step is the program of the
-        # rest
+        # committed as the steps return it (replicated): its first step runs the program of the rest
         return Occurrences(jax.jit(make, out_shardings=self.token_sharding)(), num_rows)
 
     def set_occurrences(self, occ: Occurrences, row: int, row_V: np.ndarray) -> None:

@@ -163,8 +163,7 @@ class StructuredBackend:
         base = self.tokenizer.num_base_tokens
         bits = np.unpackbits(mask_row.view(np.uint8), bitorder="little")
         # each special token's close may search only as far as still fits, all of them together at
-        # most `limit` tokens (the engine thread's work a step stays bounded; past it, forbid the
-        # rest)
+        # most `limit` tokens (the engine thread's work a step stays bounded; past it, forbid them)
         fits, budget = tokens_left - self.close_margin - 1, limit
         for t in np.flatnonzero(bits[base:]) + base:
             t = int(t)

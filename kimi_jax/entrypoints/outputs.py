@@ -17,8 +17,7 @@ class CompletionOutput:
     logprobs: Optional[list[dict[int, Logprob]]]
     finish_reason: Optional[str]            # "stop" | "length" | "tool_calls" (LLM.chat with tools)
     stop_reason: Union[int, str, None] = None
-    # LLM.chat with tools: the parsed answer (text before Kimi's tool-call section) and OpenAI
-    # tool_calls
+    # LLM.chat with tools: the parsed answer (text before Kimi's tool-call section), tool_calls
     content: Optional[str] = None
     tool_calls: Optional[list] = None
 

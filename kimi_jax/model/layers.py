@@ -105,8 +105,7 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
     extrapolation = 1.0 - ramp                       # 1: keep original frequency
     inv = (inv_freq / rs.factor) * (1.0 - extrapolation) + inv_freq * extrapolation
-    # computed in float64 then rounded once; the reference computes in float32 (differences ~1e-7
-    # rel)
+    # computed in float64 then rounded once; the reference computes in float32 (~1e-7 relative)
     return inv.astype(np.float32)
 
 

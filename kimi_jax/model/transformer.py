@@ -146,8 +146,7 @@ def scan_layers(
     paged = block_table_BP is not None
 
     def layer_fn(call, x, layer, layer_state, kv):
-        # a paged step passes the whole stacked pool; the attention reads this layer's pages
-        # (ops._layer_pages)
+        # a paged step passes the whole stacked pool; attention reads its layer's (ops._layer_pages)
         return call(
             graphdef,
             experts,

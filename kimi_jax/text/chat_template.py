@@ -534,8 +534,7 @@ class ChatTemplate:
         bounded by the template's RenderLimits; going over one is a ChatTemplateError naming the
         template."""
         chat = validate_messages(messages)
-        # transformers aliases reasoning fields so templates reading any of the names see the
-        # reasoning.
+        # transformers aliases reasoning fields: templates reading any of the names see it.
         for i, m in enumerate(chat):
             reasoning = next(
                 (

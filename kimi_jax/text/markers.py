@@ -56,8 +56,7 @@ class MarkerScanner:
             i = operator.index(i)
             marker = self._id_markers.get(i)
             if marker is not None:
-                # a marker token ends the text before it: unfinished UTF-8 and held prefixes are
-                # text
+                # a marker token ends the text before it: unfinished UTF-8 and held prefixes as text
                 text.append(self._utf8.decode(b"", final=True))
                 self._utf8.reset()
                 self._scan("".join(text), out, final=True)

@@ -35,8 +35,7 @@ __all__ = [
 ]
 
 # tiktoken handles up to ~400k chars per call without a Rust panic, and runs of (non-)whitespace
-# longer than ~25k make its regex / BPE quadratic (openai/tiktoken#195). Kimi's tokenizer cuts input
-# at these sizes.
+# over ~25k make its regex / BPE quadratic (openai/tiktoken#195). Kimi's tokenizer cuts there.
 TIKTOKEN_MAX_ENCODE_CHARS = 400_000
 MAX_NO_WHITESPACES_CHARS = 25_000
 

@@ -315,7 +315,7 @@ _H200_ALLREDUCE_CURVE = (
     (940032.0, 24.9e-6),
     (7654604.0, 43.8e-6),
 )
-# per MoE layer: INT4_CALL_S + bytes / (hbm_bw x efficiency at the pairs per touched expert);
+# per MoE layer: INT4_CALL_S + bytes / (hbm_bw x efficiency at pairs per touched expert), as
 # test_planner derives them
 _H200_INT4_CURVE = (
     (1.0, 0.997),

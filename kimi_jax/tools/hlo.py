@@ -350,8 +350,7 @@ def categorize(instr: Optional[HloInstr], module: Optional[HloModule], event_nam
                         ("collective-permute", ("collective-permute", "sendrecv", "ppermute"))):
             if any(x in n for x in keys):
                 return k
-        # Pallas kernels run under their own names: the INT4 expert matmuls and the MLA decode
-        # kernel
+        # Pallas kernels run under their own names: the INT4 expert matmuls, the MLA decode kernel
         if any(
             x in n
             for x in ("gemm", "dot", "cublas", "matmul", "ragged", "cutlass", "nvjet", "int4")

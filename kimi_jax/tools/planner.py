@@ -546,8 +546,7 @@ def anchor_report(p: Plan, anchor: dict = ANCHOR_RTX6KPRO) -> str:
     step_ms = 1e3 * p.step_s
     prod_ms = 1e3 / anchor["published_tokens_per_s"]
     int4_eff = p.assumptions.get("expert_efficiency", float("nan"))
-    # the all-reduce latency at which this plan's step would give the production rate (other terms
-    # as planned)
+    # the all-reduce latency at which this plan's step gives the production rate (others as planned)
     budget = prod_ms - mem_ms - other_ms
     implied_us = 1e3 * budget / ar_n if ar_n and budget > 0 else float("nan")
     residual = anchor["published_step_ms"] - step_ms

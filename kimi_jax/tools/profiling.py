@@ -87,8 +87,7 @@ def decode_args(
     if sh is not None:
         cache = {k: jax.device_put(v, sh) for k, v in cache.items()}
     z = jnp.zeros((batch,), jnp.int32)
-    # distinct tokens per row: identical rows route to the same 8 experts and understate the MoE
-    # read
+    # distinct tokens per row: identical rows route to the same 8 experts, understating MoE reads
     tokens = (jnp.arange(batch, dtype=jnp.int32) * 7919 + 11) % cfg.vocab_size
     return cache, tokens, z, sp, jnp.ones((batch,), jnp.int32)
 

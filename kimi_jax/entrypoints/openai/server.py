@@ -124,8 +124,7 @@ class OpenAIServer:
         max_num_seqs = fe.scheduler_config.max_num_seqs
         queued = max_num_seqs + max_queue if max_queue is not None else self.limits.max_choices
         self.max_choices = min(self.limits.max_choices, queued)
-        # a longer text prompt cannot fit max_model_len tokens (a character is >= 1 byte, a token <=
-        # L bytes)
+        # a longer text prompt cannot fit max_model_len tokens (a char is >= 1 byte, a token <= L)
         longest = _longest_token(fe.tokenizer)
         self.max_prompt_chars = min(
             self.limits.max_prompt_chars, fe.max_model_len * (longest or 2**62)
