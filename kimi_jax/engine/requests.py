@@ -249,8 +249,7 @@ def new_request(
     return r
 
 def prefill_parent(reqs: list[Request]) -> Request:
-    """The prefill-only request of one prompt's samples: all but the prompt's last token, computed
-    once."""
+    """The prefill-only request of a prompt's samples: all but its last token, computed once."""
     first, now = reqs[0], time.time()
     for r in reqs:
         r.arrival_time = r.arrival_time or now

@@ -1,5 +1,4 @@
-"""Padded step shapes: one rule for the scheduler's plans and the runner's program set
-(`Runner.programs`)."""
+"""Padded step shapes: one rule for the scheduler's plans and the runner's `Runner.programs`."""
 
 from __future__ import annotations
 

@@ -85,8 +85,7 @@ def _fill(shape: tuple, dtype, kind: str, sharding):
 
 
 def _kind(names: list[str], dtype) -> str:
-    """Which of the model's initializers makes a parameter (kimi_jax.model.layers.param,
-    RoutedExperts)."""
+    """Which model initializer makes a parameter (kimi_jax.model.layers.param, RoutedExperts)."""
     if dtype == jnp.int32:
         return "bits"
     if names[-1].endswith("_scale"):

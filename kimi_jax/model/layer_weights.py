@@ -76,8 +76,7 @@ class JointGateUp:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class InJoint:
-    """A weight inside another's joint one (kv_a_proj_with_mqa, up_proj): no array, the step takes
-    it once."""
+    """A weight inside another's joint one (kv_a_proj_with_mqa, up_proj): no array; taken once."""
 
 
 @jax.tree_util.register_dataclass

@@ -182,8 +182,7 @@ def scan_layers(
 
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs, parallel=None):
-        """parallel: a kimi_jax.parallel.sharding.MoEParallel when the experts run sharded (else
-        None)."""
+        """parallel: a kimi_jax.parallel.sharding.MoEParallel for sharded experts (else None)."""
         self.cfg = cfg
         self.dtype = dtype
         D, V = cfg.hidden_size, cfg.vocab_size

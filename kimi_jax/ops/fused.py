@@ -1,5 +1,4 @@
-"""The router and residual add + RMSNorm: XLA, or Pallas launches (ExecPlan.router_kernel /
-norm_kernel)."""
+"""The router and residual add + RMSNorm: XLA or Pallas (ExecPlan.router_kernel / norm_kernel)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""ExecPlan: every execution choice of the model's ops in one frozen, hashable value (a static
-argument)."""
+"""ExecPlan: every execution choice of the model's ops in one frozen, hashable (static) value."""
 
 from __future__ import annotations
 

@@ -153,8 +153,7 @@ def _read_config(path: str) -> dict:
 
 
 def _split_long_runs(text: str) -> Iterator[str]:
-    """Kimi's ``_split_whitespaces_or_nonwhitespaces``: cut every run longer than the limit every
-    25k chars."""
+    """Kimi's ``_split_whitespaces_or_nonwhitespaces``: runs past the limit cut every 25k chars."""
     start = 0
     for m in _LONG_RUN.finditer(text):
         for cut in range(m.start() + MAX_NO_WHITESPACES_CHARS, m.end(), MAX_NO_WHITESPACES_CHARS):
