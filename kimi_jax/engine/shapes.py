@@ -24,8 +24,7 @@ def table_bucket(pages: int, page_size: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """What an engine admits: the bounds of its padded shapes and of its program set
-    (`Runner.programs`)."""
+    """What an engine admits: bounds of its padded shapes and program set (`Runner.programs`)."""
 
     max_num_seqs: int
     max_model_len: int

@@ -122,8 +122,7 @@ class StructuredBackend:
 
     @property
     def closing_priority(self) -> list[int]:
-        """Token preference of `RowMatcher.closing_path`: stops, closing markers, then JSON-closing
-        bytes."""
+        """`RowMatcher.closing_path`'s token order: stops, closing markers, JSON-closing bytes."""
         if getattr(self, "_priority", None) is None:
             tok = self.tokenizer
             ids = list(tok.stop_token_ids)

@@ -76,8 +76,7 @@ class MLA(nnx.Module):
         return jnp.concatenate([c_BTA, kpe_BTR], axis=-1)
 
     def _kv_b(self):
-        """(W_UK^T [N, A, H], W_UV [N, U, A]): the per-layer weights' AbsorbedKvB, or slices of
-        kv_b_proj."""
+        """(W_UK^T [N, A, H], W_UV [N, U, A]): the layer's AbsorbedKvB, or kv_b_proj slices."""
         N, H, _, A, U = self.dims
         w = self.kv_b_proj.weight.get_value()
         if isinstance(w, AbsorbedKvB):

@@ -47,8 +47,7 @@ _SPECIAL_TOKEN_KEYS = (
 
 
 class ChatTemplateError(ValueError):
-    """A chat template that cannot be used (syntax, refused by the sandbox, raise_exception), or bad
-    messages."""
+    """An unusable chat template (syntax, sandbox refusal, raise_exception), or bad messages."""
 
 
 class ChatTemplateNotFound(ChatTemplateError, FileNotFoundError):
@@ -244,8 +243,7 @@ class _Deadline:
 
 
 class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` (assistant-mask marker in HF templates): renders
-    its body."""
+    """``{% generation %}...{% endgeneration %}`` (HF assistant-mask marker): renders its body."""
 
     tags = {"generation"}
 

@@ -28,8 +28,7 @@ def padded_batch(batch: int, dp: int) -> int:
 
 
 def param_bytes(cfg: ModelConfig, layout: Layout, dtype_bytes: int = 2) -> dict[str, int]:
-    """Bytes of parameters one device holds, by group (same sharding rules as
-    kimi_jax.parallel.sharding)."""
+    """Bytes of parameters a device holds, by group (kimi_jax.parallel.sharding's rules)."""
     tp, dp, ep = (
         layout.tensor_parallel_size,
         layout.data_parallel_size,

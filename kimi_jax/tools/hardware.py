@@ -87,8 +87,7 @@ class Hardware:
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def collective_time(self, kind: str, nbytes: float, n: int) -> float:
-        """Seconds for one collective (CollectiveModel.time; unmodelled kinds use the all-reduce's
-        numbers)."""
+        """Seconds of a collective (CollectiveModel.time; unmodelled kinds: the all-reduce's)."""
         model = self.collectives.get(kind)
         if model is None:
             ar = self.collectives["all-reduce"]

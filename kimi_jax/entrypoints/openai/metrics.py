@@ -143,8 +143,7 @@ class ServerMetrics:
 
 
 class _EngineCounters:
-    """Counters whose values are the engine's own running totals (EngineCore.stats), read at scrape
-    time."""
+    """Counters holding the engine's running totals (EngineCore.stats), read at scrape time."""
 
     def __init__(self, async_llm, labels: dict, counters: dict):
         self._llm, self._labels, self._counters = async_llm, labels, counters

@@ -141,8 +141,7 @@ class StreamOptions(_Strict):
 
 
 class StructuredOutputsBody(_Strict):
-    """vLLM's ``structured_outputs`` request field
-    (kimi_jax.engine.structured_params.StructuredOutputsParams)."""
+    """vLLM's ``structured_outputs`` (kimi_jax.engine.structured_params.StructuredOutputsParams)."""
 
     json_: Optional[Schema] = Field(None, alias="json")
     regex: Optional[str] = None
