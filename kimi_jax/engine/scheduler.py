@@ -2,8 +2,7 @@
 (admission, prefix cache, preemption, the speculation decision), the runner (kimi_jax.engine.runner)
 runs it, and the Scheduler books its outputs (`update`); the EngineCore (kimi_jax.engine.core)
 drives the two. Who runs and which pages they hold is kimi_jax.engine.admission's.
-docs/ARCHITECTURE.md ('One step') describes the passes, overlap scheduling, preemption and data
-parallelism."""
+docs/ARCHITECTURE.md ('One step') describes the passes, overlap, preemption and data parallelism."""
 from __future__ import annotations
 
 import collections

@@ -51,8 +51,7 @@ class NgramIndex:
     """Incremental prompt lookup for one sequence; proposes exactly what NgramDrafter.propose does.
 
     follow[n] maps each n-gram to the position just after its most recent occurrence, for
-    occurrences followed by at least one token (so the sequence's own suffix never matches
-    itself)."""
+    occurrences followed by at least one token (so the sequence's own suffix never matches)."""
 
     def __init__(self, max_n: int, min_n: int):
         self.max_n, self.min_n = max_n, min_n
@@ -186,8 +185,7 @@ def propose_drafts(
     r, drafter: Optional["Drafter"], spec: Optional[SpeculativeConfig], max_model_len: int
 ) -> list[int]:
     """Draft tokens for a decode-ready request (none without speculation, with logprobs, logits
-    adjustments or a grammar, or near the end of its budget); also scores its pending shadow
-    drafts."""
+    adjustments or a grammar, or near the end of its budget); also scores pending shadow drafts."""
     if (drafter is None or r.params.logprobs is not None or r.adjust is not None or r.prefill_only
             or r.structured is not None):
         return []

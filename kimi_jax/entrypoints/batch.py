@@ -338,8 +338,7 @@ def count_lines(path: str) -> int:
 
 class TooLong:
     """An input line of more than MAX_LINE_BYTES (its bytes were read in pieces and dropped);
-    `endless` when it ran on past MAX_RUN_ON bytes, where reading stops (a device such as
-    /dev/zero)."""
+    `endless` when it ran on past MAX_RUN_ON bytes, where reading stops (a device: /dev/zero)."""
 
     def __init__(self, size: int, endless: bool = False):
         self.size, self.endless = size, endless

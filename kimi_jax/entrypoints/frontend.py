@@ -41,8 +41,7 @@ def demo_model_path() -> Optional[str]:
 
 def default_prefill_chunk(cfg: ModelConfig, dtype, plan: Optional[ops.ExecPlan] = None) -> int:
     """prefill_chunk's default: 2048 where a chunk after cached tokens takes the split path (no
-    [B, N, T, S] scores; BENCHMARKS.md "Prefill chunk size"), else 256 (the einsum path's f32
-    scores)."""
+    [B, N, T, S] scores; BENCHMARKS.md "Prefill chunk size"), else 256 (einsum path: f32 scores)."""
     path = ops.prefill_attention_path(
         cfg.qk_head_dim, cfg.v_head_dim, dtype, causal=False, plan=plan
     )

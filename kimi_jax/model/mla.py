@@ -178,8 +178,7 @@ class MLA(nnx.Module):
         """Attention over a contiguous cache [B, S, C] (the profiler's reference step): the new
         latents are written at their positions (writes at S or beyond dropped) and each query sees
         slots up to its position. cache_BSC None: the new tokens only. fresh (expanded only): as
-        `fresh_prefill`. Returns (output [B, T, D], the updated cache, or the new latents [B, T,
-        C])."""
+        `fresh_prefill`. Returns (output [B, T, D], the updated cache, or new latents [B, T, C])."""
         q_nope_BTNH, q_pe_BTNR, new_BTC = self._project(x_BTD, positions_BT)
         fresh = fresh and not absorbed
         if cache_BSC is None:

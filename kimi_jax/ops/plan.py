@@ -33,8 +33,7 @@ class ExecPlan:
     (benchmarks of random weights, whose routing concentrates): experts by `fused.comb_ids`.
     mla_fuse_new: the Triton MLA kernel takes the new tokens in ('rows' schedule;
     `MlaDecodeConfig.fuse_new`). pack_vectors (with 'per_layer'): each layer's norm scales and
-    router bias as one array (`layer_weights.pack_vectors`: fewer arguments for the host to hand the
-    step)."""
+    router bias as one array (`layer_weights.pack_vectors`: fewer arguments for the host)."""
     impl: str = "xla"
     mla_decode_kernel: str = "auto"
     hopper: bool = False

@@ -33,8 +33,7 @@ def parse_samples(text: str) -> list[tuple[float, float, int]]:
 
 def summarize(samples: Sequence[tuple[float, float, int]], busy_w: float = 0.0) -> dict:
     """Clock and power statistics of the samples drawing more than busy_w watts (0: all): median and
-    lowest SM clock, median and highest power, and the fraction of samples under each kind of
-    cap."""
+    lowest SM clock, median and highest power, and the share of samples under each kind of cap."""
     busy = [s for s in samples if s[1] > busy_w]
     if not busy:
         return {"samples": 0}
