@@ -1,6 +1,7 @@
-"""Model configuration: one frozen dataclass; `ModelConfig.from_hf_dict` is the only reader of a Hugging
-Face config.json (DeepSeek-V3 / Kimi-K2 at the top level, Kimi-K2.5 under text_config, rope under
-rope_scaling or rope_parameters)."""
+"""Model configuration: one frozen dataclass; `ModelConfig.from_hf_dict` is the only reader of a
+Hugging Face config.json (DeepSeek-V3 / Kimi-K2 at the top level, Kimi-K2.5 under text_config, rope
+under rope_scaling or rope_parameters)."""
+# Over 600 lines: the model configuration, its config.json reader and writer, the presets.
 from __future__ import annotations
 
 import dataclasses
@@ -24,7 +25,8 @@ class RopeScaling:
     original_max_position_embeddings: int = 4096
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    mscale: Optional[float] = None          # None: absent from the config (changes attention_factor)
+    # None: absent from the config (changes attention_factor)
+    mscale: Optional[float] = None
     mscale_all_dim: Optional[float] = None
     attention_factor: Optional[float] = None  # explicit cos/sin scale; None: derived as HF does
     truncate: bool = True
@@ -37,7 +39,9 @@ class RopeScaling:
         if self.attention_factor is not None:
             return self.attention_factor
         if self.mscale and self.mscale_all_dim:
-            return yarn_get_mscale(self.factor, self.mscale) / yarn_get_mscale(self.factor, self.mscale_all_dim)
+            return yarn_get_mscale(self.factor, self.mscale) / yarn_get_mscale(
+                self.factor, self.mscale_all_dim
+            )
         return yarn_get_mscale(self.factor)
 
 
@@ -88,7 +92,8 @@ class ModelConfig:
     pad_token_id: Optional[int] = None
     quantization: Optional[QuantConfig] = None
     model_type: str = "deepseek_v3"
-    shared_expert_intermediate_size: Optional[int] = None   # preset-only; None: F * n_shared_experts
+    # preset-only; None: F * n_shared_experts
+    shared_expert_intermediate_size: Optional[int] = None
 
     # ---- derived quantities -------------------------------------------------------------
     @property
@@ -105,7 +110,10 @@ class ModelConfig:
 
     @property
     def shared_expert_width(self) -> int:
-        return self.shared_expert_intermediate_size or self.moe_intermediate_size * self.n_shared_experts
+        return (
+            self.shared_expert_intermediate_size
+            or self.moe_intermediate_size * self.n_shared_experts
+        )
 
     @property
     def latent_dim(self) -> int:
@@ -114,7 +122,7 @@ class ModelConfig:
 
     @property
     def softmax_scale(self) -> float:
-        """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (as HF/vLLM/SGLang)."""
+        """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (HF/vLLM/SGLang's)"""
         scale = self.qk_head_dim ** -0.5
         rs = self.rope_scaling
         if rs.rope_type == "yarn" and rs.mscale_all_dim:
@@ -128,15 +136,25 @@ class ModelConfig:
     def __post_init__(self):
         _check_ranges(self)
         if self.scoring_func != "sigmoid":
-            raise ConfigError(f"config field scoring_func={self.scoring_func!r}: only 'sigmoid' is supported")
+            raise ConfigError(
+                f"config field scoring_func={self.scoring_func!r}: only 'sigmoid' is supported"
+            )
         if self.topk_method not in ("noaux_tc",):
-            raise ConfigError(f"config field topk_method={self.topk_method!r}: only 'noaux_tc' is supported")
+            raise ConfigError(
+                f"config field topk_method={self.topk_method!r}: only 'noaux_tc' is supported"
+            )
         if self.hidden_act != "silu":
-            raise ConfigError(f"config field hidden_act={self.hidden_act!r}: only 'silu' is supported")
+            raise ConfigError(
+                f"config field hidden_act={self.hidden_act!r}: only 'silu' is supported"
+            )
         if self.attention_bias:
-            raise ConfigError("config field attention_bias=true is not supported (DeepSeek-V3 has none)")
+            raise ConfigError(
+                "config field attention_bias=true is not supported (DeepSeek-V3 has none)"
+            )
         if self.n_routed_experts % self.n_group:
-            raise ConfigError(f"config field n_group={self.n_group} does not divide n_routed_experts")
+            raise ConfigError(
+                f"config field n_group={self.n_group} does not divide n_routed_experts"
+            )
         if self.qk_rope_head_dim % 2:
             raise ConfigError("config field qk_rope_head_dim must be even")
 
@@ -170,15 +188,23 @@ class ModelConfig:
             raise ConfigError(f"expected a JSON object, got {type(raw).__name__}")
         top = dict(raw)
         if top.get("text_config") is not None and not isinstance(top["text_config"], Mapping):
-            raise ConfigError(f"config field 'text_config' must be an object, got {json.dumps(top['text_config'])[:60]}")
+            raise ConfigError(
+                "config field 'text_config' must be an object, got "
+                f"{json.dumps(top['text_config'])[:60]}"
+            )
         model_type = top.get("model_type")
         text = dict(top["text_config"]) if isinstance(top.get("text_config"), Mapping) else top
         if model_type == "kimi_k25" or "text_config" in top:
             model_type = "kimi_k25"
             if text.get("model_type") not in (None, "kimi_k2", "deepseek_v3"):
-                raise ConfigError(f"text_config.model_type={text.get('model_type')!r} is not a DeepSeek-V3 model")
+                raise ConfigError(
+                    f"text_config.model_type={text.get('model_type')!r} is not a DeepSeek-V3 model"
+                )
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(f"model_type={model_type!r} is not supported (expected one of {SUPPORTED_MODEL_TYPES})")
+            raise ConfigError(
+                f"model_type={model_type!r} is not supported (expected one of "
+                f"{SUPPORTED_MODEL_TYPES})"
+            )
 
         def need(name, kind=None):
             if name not in text:
@@ -195,10 +221,15 @@ class ModelConfig:
         eos = opt("eos_token_id", None)
         if eos is None:
             eos = top.get("eos_token_id")
-        eos_t = tuple(_typed("eos_token_id", e, int) for e in (eos if isinstance(eos, (list, tuple)) else () if eos is None else (eos,)))
+        eos_t = tuple(
+            _typed("eos_token_id", e, int)
+            for e in (eos if isinstance(eos, (list, tuple)) else () if eos is None else (eos,))
+        )
         q_lora = text.get("q_lora_rank", "__missing__")
         if q_lora == "__missing__":
-            raise ConfigError("missing config field 'q_lora_rank' (use null for no query compression)")
+            raise ConfigError(
+                "missing config field 'q_lora_rank' (use null for no query compression)"
+            )
         tie = text.get("tie_word_embeddings", top.get("tie_word_embeddings", False))
         return cls(
             vocab_size=need("vocab_size", int),
@@ -239,37 +270,66 @@ class ModelConfig:
     def to_hf_dict(self) -> dict:
         """The DeepSeek-V3 config.json fields (published layout: rope_scaling + rope_theta)."""
         if self.shared_expert_intermediate_size is not None:
-            raise ConfigError("config field shared_expert_intermediate_size has no DeepSeek-V3 config.json field")
+            raise ConfigError(
+                "config field shared_expert_intermediate_size has no DeepSeek-V3 config.json field"
+            )
         rs = self.rope_scaling
         d = {
-            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size, "moe_intermediate_size": self.moe_intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_attention_heads,
-            "n_routed_experts": self.n_routed_experts, "num_experts_per_tok": self.num_experts_per_tok,
-            "n_shared_experts": self.n_shared_experts, "first_k_dense_replace": self.first_k_dense_replace,
+            "n_routed_experts": self.n_routed_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "n_shared_experts": self.n_shared_experts,
+            "first_k_dense_replace": self.first_k_dense_replace,
             "moe_layer_freq": 1,
-            "kv_lora_rank": self.kv_lora_rank, "q_lora_rank": self.q_lora_rank,
-            "qk_nope_head_dim": self.qk_nope_head_dim, "qk_rope_head_dim": self.qk_rope_head_dim,
-            "v_head_dim": self.v_head_dim, "n_group": self.n_group, "topk_group": self.topk_group,
-            "norm_topk_prob": self.norm_topk_prob, "routed_scaling_factor": self.routed_scaling_factor,
-            "scoring_func": self.scoring_func, "topk_method": self.topk_method,
-            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
-            "rope_scaling": None if rs.rope_type == "default" else {
-                "type": rs.rope_type, "factor": rs.factor,
+            "kv_lora_rank": self.kv_lora_rank,
+            "q_lora_rank": self.q_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+            "norm_topk_prob": self.norm_topk_prob,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "scoring_func": self.scoring_func,
+            "topk_method": self.topk_method,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None
+            if rs.rope_type == "default"
+            else {
+                "type": rs.rope_type,
+                "factor": rs.factor,
                 "original_max_position_embeddings": rs.original_max_position_embeddings,
-                "beta_fast": rs.beta_fast, "beta_slow": rs.beta_slow,
-                "mscale": rs.mscale, "mscale_all_dim": rs.mscale_all_dim,
-                **({} if rs.attention_factor is None else {"attention_factor": rs.attention_factor}),
-                **({} if rs.truncate else {"truncate": False})},
+                "beta_fast": rs.beta_fast,
+                "beta_slow": rs.beta_slow,
+                "mscale": rs.mscale,
+                "mscale_all_dim": rs.mscale_all_dim,
+                **(
+                    {} if rs.attention_factor is None else {"attention_factor": rs.attention_factor}
+                ),
+                **({} if rs.truncate else {"truncate": False}),
+            },
             "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": self.hidden_act,
-            "attention_bias": self.attention_bias, "num_nextn_predict_layers": 0,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": self.hidden_act,
+            "attention_bias": self.attention_bias,
+            "num_nextn_predict_layers": 0,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": (self.eos_token_id[0] if len(self.eos_token_id) == 1
-                             else list(self.eos_token_id) or None),
-            "pad_token_id": self.pad_token_id, "torch_dtype": "bfloat16",
+            "eos_token_id": (
+                self.eos_token_id[0]
+                if len(self.eos_token_id) == 1
+                else list(self.eos_token_id) or None
+            ),
+            "pad_token_id": self.pad_token_id,
+            "torch_dtype": "bfloat16",
         }
         if self.quantization is not None:
             d["quantization_config"] = quantization_config_dict(self.quantization)
@@ -305,7 +365,11 @@ def _typed(name: str, v: Any, kind: type) -> Any:
         if not isinstance(v, bool):
             raise ConfigError(f"config field {name!r} must be true or false, got {json.dumps(v)}")
         return v
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, (int, float))
+        or (kind is int and not isinstance(v, int))
+    ):
         what = "an integer" if kind is int else "a number"
         raise ConfigError(f"config field {name!r} must be {what}, got {json.dumps(v)}")
     if kind is float:
@@ -322,10 +386,23 @@ def _check_ranges(c: "ModelConfig") -> None:
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ConfigError(f"config field {name!r} must be an integer >= {lo}, got {v!r}")
 
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-                 "num_attention_heads", "n_routed_experts", "num_experts_per_tok", "kv_lora_rank",
-                 "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group",
-                 "max_position_embeddings"):
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "n_group",
+        "topk_group",
+        "max_position_embeddings",
+    ):
         at_least(name, 1)
     at_least("n_shared_experts", 0)
     at_least("first_k_dense_replace", 0)
@@ -335,10 +412,14 @@ def _check_ranges(c: "ModelConfig") -> None:
         at_least("shared_expert_intermediate_size", 1)
         at_least("n_shared_experts", 1)
     if c.num_experts_per_tok > c.n_routed_experts:
-        raise ConfigError(f"config field 'num_experts_per_tok'={c.num_experts_per_tok} is more than "
-                          f"n_routed_experts={c.n_routed_experts}")
+        raise ConfigError(
+            f"config field 'num_experts_per_tok'={c.num_experts_per_tok} is more than "
+            f"n_routed_experts={c.n_routed_experts}"
+        )
     if c.topk_group > c.n_group:
-        raise ConfigError(f"config field 'topk_group'={c.topk_group} is more than n_group={c.n_group}")
+        raise ConfigError(
+            f"config field 'topk_group'={c.topk_group} is more than n_group={c.n_group}"
+        )
     for name in ("rms_norm_eps", "latent_norm_eps", "rope_theta", "routed_scaling_factor"):
         v = getattr(c, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -361,7 +442,9 @@ def _parse_rope(text: Mapping[str, Any]) -> tuple[float, RopeScaling]:
     scaling = text.get("rope_scaling")
     for name, v in (("rope_parameters", params), ("rope_scaling", scaling)):
         if v is not None and not isinstance(v, Mapping):
-            raise ConfigError(f"config field {name!r} must be an object or null, got {json.dumps(v)[:60]}")
+            raise ConfigError(
+                f"config field {name!r} must be an object or null, got {json.dumps(v)[:60]}"
+            )
     theta = text.get("rope_theta")
     src = None
     if isinstance(params, Mapping):
@@ -378,7 +461,9 @@ def _parse_rope(text: Mapping[str, Any]) -> tuple[float, RopeScaling]:
     if rtype in (None, "default"):
         return float(theta), RopeScaling()
     if rtype != "yarn":
-        raise ConfigError(f"config field rope_scaling.type={rtype!r}: only 'yarn' (or none) is supported")
+        raise ConfigError(
+            f"config field rope_scaling.type={rtype!r}: only 'yarn' (or none) is supported"
+        )
     orig = src.get("original_max_position_embeddings")
     if orig is None:
         raise ConfigError("missing config field 'rope_scaling.original_max_position_embeddings', "
@@ -405,7 +490,9 @@ def _parse_quant(q: Optional[Mapping[str, Any]]) -> Optional[QuantConfig]:
     if q is None:
         return None
     if not isinstance(q, Mapping):
-        raise ConfigError(f"config field 'quantization_config' must be an object, got {json.dumps(q)[:60]}")
+        raise ConfigError(
+            f"config field 'quantization_config' must be an object, got {json.dumps(q)[:60]}"
+        )
     method = q.get("quant_method")
     if method != "compressed-tensors":
         raise ConfigError(f"quantization_config.quant_method={method!r} is not supported "
@@ -413,26 +500,38 @@ def _parse_quant(q: Optional[Mapping[str, Any]]) -> Optional[QuantConfig]:
     fmt = q.get("format")
     groups = q.get("config_groups") or {}
     if not isinstance(groups, Mapping) or not all(isinstance(g, Mapping) for g in groups.values()):
-        raise ConfigError("config field 'quantization_config.config_groups' must be an object of objects")
+        raise ConfigError(
+            "config field 'quantization_config.config_groups' must be an object of objects"
+        )
     if len(groups) != 1:
-        raise ConfigError(f"quantization_config has {len(groups)} config_groups; exactly one is supported")
+        raise ConfigError(
+            f"quantization_config has {len(groups)} config_groups; exactly one is supported"
+        )
     (gname, g), = groups.items()
     fmt = g.get("format", fmt)
     if fmt != "pack-quantized":
-        raise ConfigError(f"quantization_config format={fmt!r} is not supported (only 'pack-quantized')")
+        raise ConfigError(
+            f"quantization_config format={fmt!r} is not supported (only 'pack-quantized')"
+        )
     w = g.get("weights") or {}
     if not isinstance(w, Mapping):
-        raise ConfigError(f"config field 'quantization_config.config_groups.{gname}.weights' must be an object")
+        raise ConfigError(
+            f"config field 'quantization_config.config_groups.{gname}.weights' must be an object"
+        )
     checks = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}
     for k, v in checks.items():
         if w.get(k) != v:
             raise ConfigError(f"quantization_config.config_groups.{gname}.weights.{k}={w.get(k)!r} "
                               f"is not supported (need {v!r})")
     if w.get("actorder") not in (None, False):
-        raise ConfigError(f"quantization_config.config_groups.{gname}.weights.actorder is not supported")
+        raise ConfigError(
+            f"quantization_config.config_groups.{gname}.weights.actorder is not supported"
+        )
     if g.get("input_activations") is not None:
-        raise ConfigError(f"quantization_config.config_groups.{gname}.input_activations: only weight-only "
-                          "(W4A16) quantization is supported")
+        raise ConfigError(
+            f"quantization_config.config_groups.{gname}.input_activations: only weight-only "
+            "(W4A16) quantization is supported"
+        )
     gs = w.get("group_size")
     if not isinstance(gs, int) or gs <= 0 or gs % 8:
         raise ConfigError(f"quantization_config group_size={gs!r} is not supported (multiple of 8)")
@@ -451,10 +550,11 @@ _KIMI_COMMON = dict(
 
 
 def preset(name: str) -> ModelConfig:
-    """Named configurations: kimi-k2.5, kimi-k2-thinking, deepseek-v3, tiny; kimi-k2.5-61x16: Kimi-K2.5 with
-    16 routed experts per layer (top-8, INT4: a batch-1 token reads a real layer's bytes, on one device);
-    kimi-k2.5-tp8-shard: one GPU's share of Kimi-K2.5 under TP8 (`shard_of`, tensor_parallel_size 8);
-    kimi-k2.5-tp8-ep8-shard: one GPU's share under TP8 attention + EP8 experts (`shard_of`, expert_parallel)."""
+    """Named configurations: kimi-k2.5, kimi-k2-thinking, deepseek-v3, tiny; kimi-k2.5-61x16:
+    Kimi-K2.5 with 16 routed experts per layer (top-8, INT4: a batch-1 token reads a real layer's
+    bytes, on one device); kimi-k2.5-tp8-shard: one GPU's share of Kimi-K2.5 under TP8 (`shard_of`,
+    tensor_parallel_size 8); kimi-k2.5-tp8-ep8-shard: one GPU's share under TP8 attention + EP8
+    experts (`shard_of`, expert_parallel)."""
     if name == "kimi-k2.5-tp8-shard":
         return shard_of(preset("kimi-k2.5"), 8)
     if name == "kimi-k2.5-tp8-ep8-shard":
@@ -471,13 +571,32 @@ def preset(name: str) -> ModelConfig:
                            eos_token_id=(163586,), model_type="kimi_k2")
     if name == "deepseek-v3":
         return ModelConfig(
-            vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-            num_hidden_layers=61, num_attention_heads=128, n_routed_experts=256, num_experts_per_tok=8,
-            n_shared_experts=1, first_k_dense_replace=3, kv_lora_rank=512, q_lora_rank=1536,
-            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_group=8, topk_group=4,
-            norm_topk_prob=True, routed_scaling_factor=2.5, rms_norm_eps=1e-6, rope_theta=10000.0,
+            vocab_size=129280,
+            hidden_size=7168,
+            intermediate_size=18432,
+            moe_intermediate_size=2048,
+            num_hidden_layers=61,
+            num_attention_heads=128,
+            n_routed_experts=256,
+            num_experts_per_tok=8,
+            n_shared_experts=1,
+            first_k_dense_replace=3,
+            kv_lora_rank=512,
+            q_lora_rank=1536,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            n_group=8,
+            topk_group=4,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
             rope_scaling=RopeScaling("yarn", 40.0, 4096, 32.0, 1.0, 1.0, 1.0),
-            max_position_embeddings=163840, bos_token_id=0, eos_token_id=(1,))
+            max_position_embeddings=163840,
+            bos_token_id=0,
+            eos_token_id=(1,),
+        )
     if name == "tiny":
         return ModelConfig(
             vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -490,29 +609,49 @@ def preset(name: str) -> ModelConfig:
     raise ConfigError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
 
 
-PRESETS = ("kimi-k2.5", "kimi-k2-thinking", "deepseek-v3", "tiny", "kimi-k2.5-61x16", "kimi-k2.5-tp8-shard",
-           "kimi-k2.5-tp8-ep8-shard")
+PRESETS = (
+    "kimi-k2.5",
+    "kimi-k2-thinking",
+    "deepseek-v3",
+    "tiny",
+    "kimi-k2.5-61x16",
+    "kimi-k2.5-tp8-shard",
+    "kimi-k2.5-tp8-ep8-shard",
+)
 
 
-def shard_of(cfg: ModelConfig, tensor_parallel_size: int, expert_parallel: bool = False) -> ModelConfig:
+def shard_of(
+    cfg: ModelConfig, tensor_parallel_size: int, expert_parallel: bool = False
+) -> ModelConfig:
     """One device's share of `cfg` on tp devices (layouts TP, TP+EP): heads, dense and shared FFN
-    widths and vocab / tp; q_a, kv_a, router and latent cache whole; routed experts F / tp each, or under
-    expert_parallel E / tp whole experts with top-(K / tp), the same expected experts per token and batch."""
+    widths and vocab / tp; q_a, kv_a, router and latent cache whole; routed experts F / tp each, or
+    under expert_parallel E / tp whole experts with top-(K / tp), the same expected experts per
+    token and batch."""
     tp, E, K = tensor_parallel_size, cfg.n_routed_experts, cfg.num_experts_per_tok
-    split = {"num_attention_heads": cfg.num_attention_heads, "intermediate_size": cfg.intermediate_size,
-             "vocab_size": cfg.vocab_size, "shared_expert_width": cfg.shared_expert_width}
+    split = {
+        "num_attention_heads": cfg.num_attention_heads,
+        "intermediate_size": cfg.intermediate_size,
+        "vocab_size": cfg.vocab_size,
+        "shared_expert_width": cfg.shared_expert_width,
+    }
     split.update({"n_routed_experts": E, "num_experts_per_tok": K} if expert_parallel
                  else {"moe_intermediate_size": cfg.moe_intermediate_size})
     for name, n in split.items():
         if n % tp:
-            raise ConfigError(f"shard_of: {name} = {n} is not divisible by tensor_parallel_size {tp}")
+            raise ConfigError(
+                f"shard_of: {name} = {n} is not divisible by tensor_parallel_size {tp}"
+            )
     if expert_parallel and cfg.n_group != 1:
-        raise ConfigError(f"shard_of: n_group = {cfg.n_group}: group-limited routing has no per-shard form")
+        raise ConfigError(
+            f"shard_of: n_group = {cfg.n_group}: group-limited routing has no per-shard form"
+        )
     out = cfg.replace(**{k: v // tp for k, v in split.items() if k != "shared_expert_width"})
     if out.shared_expert_width != cfg.shared_expert_width // tp:
         out = out.replace(shared_expert_intermediate_size=cfg.shared_expert_width // tp)
     q = out.quantization
     if q is not None and out.moe_intermediate_size % q.group_size:
-        raise ConfigError(f"shard_of: moe_intermediate_size = {out.moe_intermediate_size} is not a multiple of "
-                          f"the INT4 group size {q.group_size}")
+        raise ConfigError(
+            f"shard_of: moe_intermediate_size = {out.moe_intermediate_size} is not a multiple of "
+            f"the INT4 group size {q.group_size}"
+        )
     return out

@@ -16,7 +16,7 @@ _FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "mi
 
 
 def generation_defaults(model_path: Optional[str]) -> dict:
-    """SamplingParams keyword arguments from ``model_path/generation_config.json`` ({} without one)."""
+    """SamplingParams keyword arguments from ``model_path/generation_config.json`` ({}: none)."""
     if model_path is None:
         return {}
     path = os.path.join(model_path, GENERATION_CONFIG_FILE)

@@ -13,13 +13,25 @@ from kimi_jax.engine.requests import Request
 
 class Admission:
     """The requests of one engine core and their pages: dp ranks share the pool in equal parts; at
-    most max_num_seqs run. stats: the scheduler's counters; `effects`: device writes for the runner."""
+    most max_num_seqs run. stats: the scheduler's counters; `effects`: device writes for the
+    runner."""
 
-    def __init__(self, *, num_pages: int, page_size: int, dp: int, max_num_seqs: int, prefill_chunk: int,
-                 vocab_size: int, caching: bool, stats: dict):
+    def __init__(
+        self,
+        *,
+        num_pages: int,
+        page_size: int,
+        dp: int,
+        max_num_seqs: int,
+        prefill_chunk: int,
+        vocab_size: int,
+        caching: bool,
+        stats: dict,
+    ):
         if num_pages < dp:
-            raise ValueError(f"num_pages={num_pages} gives no page to some of the {dp} data-parallel "
-                             "ranks")
+            raise ValueError(
+                f"num_pages={num_pages} gives no page to some of the {dp} data-parallel " "ranks"
+            )
         self.page_size, self.dp, self.max_num_seqs = page_size, dp, max_num_seqs
         self.prefill_chunk, self.vocab_size, self.stats = prefill_chunk, vocab_size, stats
         self.pool = PagePool(num_pages - num_pages % dp, dp, caching=caching)
@@ -39,16 +51,18 @@ class Admission:
         return bool(self.waiting or self.running)
 
     def abort(self, request_id: str) -> Optional[Request]:
-        """Stop a waiting or running request now ("abort") and free its pages; returns it, or None when
-        no unfinished request has that id. Safe with a decode step in flight (its token is discarded);
-        call between steps, from the thread that steps."""
+        """Stop a waiting or running request now ("abort") and free its pages; returns it, or None
+        when no unfinished request has that id. Safe with a decode step in flight (its token is
+        discarded); call between steps, from the thread that steps."""
         for r in self.waiting:
             if r.request_id == request_id:
                 self.waiting.remove(r)
                 break
         else:
-            r = next((q for q in self.running if q.request_id == request_id and q.finish_reason is None),
-                     None)
+            r = next(
+                (q for q in self.running if q.request_id == request_id and q.finish_reason is None),
+                None,
+            )
             if r is None:
                 return self._abort_fork(request_id)
         r.finish_reason, r.finished_time = "abort", time.time()
@@ -56,10 +70,14 @@ class Admission:
         return r
 
     def _abort_fork(self, request_id: str) -> Optional[Request]:
-        """Abort a sample whose prompt is still being prefilled for its group (`prefill_parent`); the
-        prefill itself stops with its last sample."""
+        """Abort a sample whose prompt is still being prefilled for its group (`prefill_parent`);
+        the prefill itself stops with its last sample."""
         for p in [*self.waiting, *self.running]:
-            c = next((c for c in p.forks if c.request_id == request_id), None) if p.prefill_only else None
+            c = (
+                next((c for c in p.forks if c.request_id == request_id), None)
+                if p.prefill_only
+                else None
+            )
             if c is None:
                 continue
             p.forks.remove(c)
@@ -75,7 +93,7 @@ class Admission:
         return out
 
     def stop(self, r: Request) -> None:
-        """Finish r where it is ("length"), its pages freed: it has outgrown the page pool of its rank."""
+        """Finish r where it is ("length"), pages freed: it has outgrown its rank's page pool."""
         r.finish_reason, r.finished_time = "length", time.time()
         self.release(r)
         self._stopped.append(r)
@@ -90,13 +108,19 @@ class Admission:
             self.enter(r)
 
     def enter(self, r: Request) -> None:
-        """r joins the running set; with penalties it takes an occurrence-pool row, written from its prompt
-        and output so far."""
+        """r joins the running set; with penalties it takes an occurrence-pool row, written from its
+        prompt and output so far."""
         self.running.append(r)
         if r.adjust is None or not r.adjust.has_penalties:
             return
         r.occ_row = self._free_occ_rows.popleft()
-        self.effects.append(("occ", r.occ_row, penalties.occurrence_row(self.vocab_size, r.prompt_ids, r.output_ids)))
+        self.effects.append(
+            (
+                "occ",
+                r.occ_row,
+                penalties.occurrence_row(self.vocab_size, r.prompt_ids, r.output_ids),
+            )
+        )
 
     def leave(self, r: Request) -> None:
         if r in self.running:
@@ -113,10 +137,15 @@ class Admission:
 
     def rank_for(self, r: Request) -> Optional[int]:
         """The data-parallel rank a waiting request would join: among those with a free slot and the
-        pages of its first chunk, the one running fewest requests (then: most free pages); None if none."""
+        pages of its first chunk, the one running fewest requests (then: most free pages); None if
+        none."""
         first = -(-min(r.pending, self.prefill_chunk) // self.page_size)
         load = collections.Counter(q.rank for q in self.running)
-        fits = [k for k in range(self.dp) if load[k] < self.seqs_per_rank and first <= self.pool.free_in(k)]
+        fits = [
+            k
+            for k in range(self.dp)
+            if load[k] < self.seqs_per_rank and first <= self.pool.free_in(k)
+        ]
         if self.pool.caching and self.dp > 1 and r.num_computed == 0 and len(fits) > 1:
             hashes = cacheable_hashes(r, self.page_size)
             cached = {k: self.pool.peek(hashes, k) for k in fits}
@@ -124,15 +153,17 @@ class Admission:
         return min(fits, key=lambda k: (load[k], -self.pool.free_in(k), k), default=None)
 
     def ensure_pages(self, r: Request, upto: int, protected=()) -> bool:
-        """Pages for positions [0, upto) from r's rank; preempt its newest other request (never one in
-        this step's batch) while the pool is dry."""
+        """Pages for positions [0, upto) from r's rank; preempt its newest other request (never one
+        in this step's batch) while the pool is dry."""
         need = self.pages_short(r, upto)
         while need > 0:
             got = self.pool.take(need, r.rank)
             if got is not None:
                 r.pages += got
                 return True
-            victims = [v for v in self.running if v is not r and v not in protected and v.rank == r.rank]
+            victims = [
+                v for v in self.running if v is not r and v not in protected and v.rank == r.rank
+            ]
             if not victims:
                 return False
             self.preempt(victims[-1])
@@ -166,6 +197,6 @@ class Admission:
         return self.rank_for(self.waiting[0]) is not None
 
     def unblock(self) -> Request:
-        """Finish the first running (else waiting) request at the pool's limit and free its pages."""
+        """Finish the first running (else waiting) request at the pool's limit; free its pages."""
         self.stop(self.running[0] if self.running else self.waiting.popleft())
         return self._stopped.pop()

@@ -1,6 +1,6 @@
-"""EngineConfig: everything an engine is built from (vLLM's EngineArgs), checked when it is made; and
-the two resolved sub-configs an EngineCore runs under, SchedulerConfig and CacheConfig (vLLM's names:
-every default filled in from the model and the machine, `kimi_jax.entrypoints.frontend`)."""
+"""EngineConfig: everything an engine is built from (vLLM's EngineArgs), checked when it is made;
+and the two resolved sub-configs an EngineCore runs under, SchedulerConfig and CacheConfig (vLLM's
+names: every default filled in from the model and the machine, `kimi_jax.entrypoints.frontend`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,9 +25,9 @@ def _is_int(v) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """model: a checkpoint directory, a preset name, a ModelConfig (random weights) or None (the demo
-    model). block_size / num_gpu_blocks_override: tokens per page of the latent cache and its pages
-    (vLLM's names; None: from free memory).
+    """model: a checkpoint directory, a preset name, a ModelConfig (random weights) or None (the
+    demo model). block_size / num_gpu_blocks_override: tokens per page of the latent cache and its
+    pages (vLLM's names; None: from free memory).
     compilation_cache_dir: the persistent JAX cache ('none': off). exec_plan: kimi_jax.ops.ExecPlan
     (None: this machine's). precompile: compile the serving programs before the first request.
     max_logprobs: the most logprobs / prompt_logprobs a request may ask for (-1: no cap).
@@ -61,21 +61,37 @@ class EngineConfig:
         m = self.model
         if not (m is None or isinstance(m, ModelConfig)
                 or (isinstance(m, str) and (os.path.isdir(m) or m in PRESETS))):
-            raise ValueError(f"model={m!r} is neither a checkpoint directory nor a preset {PRESETS}")
-        for name, low in (("tensor_parallel_size", 1), ("data_parallel_size", 1), ("max_num_seqs", 1),
-                          ("block_size", 1), ("max_prefill_tokens", 1), ("max_logprobs", -1)):
+            raise ValueError(
+                f"model={m!r} is neither a checkpoint directory nor a preset {PRESETS}"
+            )
+        for name, low in (
+            ("tensor_parallel_size", 1),
+            ("data_parallel_size", 1),
+            ("max_num_seqs", 1),
+            ("block_size", 1),
+            ("max_prefill_tokens", 1),
+            ("max_logprobs", -1),
+        ):
             v = getattr(self, name)
             if not _is_int(v) or v < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
-        for name, low in (("max_model_len", 1), ("num_gpu_blocks_override", 2), ("prefill_chunk", 1)):
+        for name, low in (
+            ("max_model_len", 1),
+            ("num_gpu_blocks_override", 2),
+            ("prefill_chunk", 1),
+        ):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < low):
                 raise ValueError(f"{name} must be an integer >= {low} (or None), got {v!r}")
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if isinstance(self.gpu_memory_utilization, bool) or not (
-                isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+            isinstance(self.gpu_memory_utilization, (int, float))
+            and 0 < self.gpu_memory_utilization <= 1
+        ):
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
         for name in ("enable_expert_parallel", "overlap_scheduling", "enable_prefix_caching",
                      "check_finite_weights", "precompile", "trust_remote_code", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
@@ -84,9 +100,13 @@ class EngineConfig:
             raise ValueError("enforce_eager=True compiles programs on first use; it cannot be "
                              "combined with precompile=True")
         if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not supported (choose 'auto' or one of {sorted(DTYPES)})")
+            raise ValueError(
+                f"dtype={self.dtype!r} is not supported (choose 'auto' or one of {sorted(DTYPES)})"
+            )
         if self.exec_plan is not None and not isinstance(self.exec_plan, ops.ExecPlan):
-            raise TypeError(f"exec_plan must be a kimi_jax.ops.ExecPlan, got {type(self.exec_plan).__name__}")
+            raise TypeError(
+                f"exec_plan must be a kimi_jax.ops.ExecPlan, got {type(self.exec_plan).__name__}"
+            )
         spec = self.speculative_config
         if isinstance(spec, str):
             try:
@@ -94,7 +114,9 @@ class EngineConfig:
             except json.JSONDecodeError as e:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if spec is not None and not isinstance(spec, (dict, SpeculativeConfig)):
-            raise ValueError(f"speculative_config must be a dict or JSON object, got {type(spec).__name__}")
+            raise ValueError(
+                f"speculative_config must be a dict or JSON object, got {type(spec).__name__}"
+            )
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_any(spec))
 
     @property
@@ -117,7 +139,9 @@ class EngineConfig:
                 cfg = json.load(f)
         if isinstance(cfg, dict):
             text = cfg.get("text_config")
-            declared = cfg.get("torch_dtype") or (text.get("torch_dtype") if isinstance(text, dict) else None)
+            declared = cfg.get("torch_dtype") or (
+                text.get("torch_dtype") if isinstance(text, dict) else None
+            )
         return _TORCH_DTYPES.get(str(declared), "bfloat16")
 
     def replace(self, **changes) -> "EngineConfig":
@@ -126,9 +150,9 @@ class EngineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    """What the scheduler plans within: at most max_num_seqs running requests of max_model_len tokens,
-    prompt chunks of at most prefill_chunk tokens and max_prefill_tokens a pass; max_logprobs the cap of a
-    request's logprobs (-1: none); speculation; overlap scheduling."""
+    """What the scheduler plans within: at most max_num_seqs running requests of max_model_len
+    tokens, prompt chunks of at most prefill_chunk tokens and max_prefill_tokens a pass;
+    max_logprobs the cap of a request's logprobs (-1: none); speculation; overlap scheduling."""
     max_num_seqs: int
     max_model_len: int
     prefill_chunk: int
@@ -140,8 +164,8 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    """The latent cache: num_pages pages of page_size tokens in `dtype` (a jnp dtype), with or without
-    prefix caching."""
+    """The latent cache: num_pages pages of page_size tokens in `dtype` (a jnp dtype), with or
+    without prefix caching."""
     page_size: int
     num_pages: int
     dtype: object = None

@@ -1,10 +1,11 @@
 """AsyncLLM: an engine core behind an asyncio API (for the OpenAI server).
 
 One engine thread owns the EngineCore: between steps it adds the requests handed over and carries
-out aborts, runs one `step`, and hands each sample's new tokens to its asyncio queue, all of a step's
-deltas in ONE `loop.call_soon_threadsafe` callback; idle, it sleeps on a condition variable. Requests
-are validated on the caller's thread (`EngineCore.make_request`), so a bad one raises at once; a
-request is one prompt's samples; `max_queue` bounds the samples waiting for a slot (QueueFull).
+out aborts, runs one `step`, and hands each sample's new tokens to its asyncio queue, all of a
+step's deltas in ONE `loop.call_soon_threadsafe` callback; idle, it sleeps on a condition variable.
+Requests are validated on the caller's thread (`EngineCore.make_request`), so a bad one raises at
+once; a request is one prompt's samples; `max_queue` bounds the samples waiting for a slot
+(QueueFull).
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ class Delta:
     logprobs: list                         # one entry per token when the request asked for logprobs
     finished: bool = False
     request: Optional[Request] = None      # the finished request (set with finished=True)
-    error: Optional[str] = None            # the engine failed or shut down before the request finished
+    # the engine failed or shut down before the request finished
+    error: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -64,7 +66,8 @@ class AsyncLLM:
         self._thread: Optional[threading.Thread] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.error: Optional[BaseException] = None
-        self._n_pending = 0                        # handed over, not yet admitted by the engine thread
+        # handed over, not yet admitted by the engine thread
+        self._n_pending = 0
         self._n_open = 0                           # handed over and not finished (under _cv)
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -107,12 +110,16 @@ class AsyncLLM:
         wrong); the seed is params.seed, else `seed`, else drawn from the core's stream."""
         return self.core.make_request(request_id, prompt_ids, params, seed=seed, prompt=prompt)
 
-    def submit(self, samples: list[Request], queue: Optional[asyncio.Queue] = None) -> asyncio.Queue:
+    def submit(
+        self, samples: list[Request], queue: Optional[asyncio.Queue] = None
+    ) -> asyncio.Queue:
         """Hand one prompt's samples to the engine thread; their Deltas arrive on `queue` (a new one
-        when None; several requests may share one), which is returned. Raises QueueFull when max_queue
-        samples are already waiting, EngineDead when the engine stopped."""
+        when None; several requests may share one), which is returned. Raises QueueFull when
+        max_queue samples are already waiting, EngineDead when the engine stopped."""
         if not self.alive:
-            raise EngineDead(f"the engine is not running{': ' + repr(self.error) if self.error else ''}")
+            raise EngineDead(
+                f"the engine is not running{': ' + repr(self.error) if self.error else ''}"
+            )
         now = time.time()
         queue = queue if queue is not None else asyncio.Queue()
         tracked = []
@@ -120,10 +127,12 @@ class AsyncLLM:
             r.arrival_time = now
             tracked.append(_Tracked(r, queue))
         with self._cv:
-            # waiting for a slot: the open samples beyond max_num_seqs (those just handed over count)
+            # waiting for a slot: the open samples beyond max_num_seqs (those just handed over too)
             waiting = self._n_open - self.core.scheduler.max_num_seqs
             if self.max_queue is not None and waiting >= self.max_queue:
-                raise QueueFull(f"{waiting} requests are waiting for a slot (max_queue={self.max_queue})")
+                raise QueueFull(
+                    f"{waiting} requests are waiting for a slot (max_queue={self.max_queue})"
+                )
             self._n_open += len(tracked)
             self._n_pending += len(tracked)
             self._inbox.append(tracked)
@@ -131,7 +140,7 @@ class AsyncLLM:
         return queue
 
     def abort(self, request_id: str) -> None:
-        """Stop a request and free its pages before the engine's next step (no effect once finished)."""
+        """Stop a request and free its pages before the engine's next step (none once finished)."""
         with self._cv:
             self._aborts.append(request_id)
             self._cv.notify()
@@ -157,7 +166,8 @@ class AsyncLLM:
         try:
             while True:
                 if not be.has_unfinished():
-                    be.drain()                  # a decode step past every request's end (outside the lock)
+                    # a decode step past every request's end (outside the lock)
+                    be.drain()
                 with self._cv:
                     while not (self._stop or self._inbox or self._aborts or be.has_unfinished()):
                         self._cv.wait()
@@ -192,7 +202,9 @@ class AsyncLLM:
             self.error = e
         finally:
             self._stop = True
-            self._fail_all("the engine stopped" if self.error is None else f"engine error: {self.error!r}")
+            self._fail_all(
+                "the engine stopped" if self.error is None else f"engine error: {self.error!r}"
+            )
 
     def _deltas(self, finished: list[Request]) -> list:
         out = []

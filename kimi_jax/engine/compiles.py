@@ -1,6 +1,6 @@
-"""A process-wide count of the programs jax builds (jax.monitoring: each jit cache miss lowers one, even
-when the persistent compilation cache then serves its executable), for checking that nothing compiles
-after start-up. `install()` registers the listener once; `compile_count()` reads the count."""
+"""A process-wide count of the programs jax builds (jax.monitoring: each jit cache miss lowers one,
+even when the persistent compilation cache then serves its executable), for checking that nothing
+compiles after start-up. `install()` registers the listener once; `compile_count()` reads it."""
 from __future__ import annotations
 
 import threading

@@ -24,15 +24,33 @@ class EngineCore:
     the plans (device state). steps: the model's jitted steps, shared by the cores of one model;
     structured: the structured-outputs backend (None: none); seed: seeds requests without one."""
 
-    def __init__(self, steps: ModelSteps, scheduler_config: SchedulerConfig, cache_config: CacheConfig, *,
-                 tokenizer=None, eos_ids=(), structured=None, seed: int = 0, fixed_buffers: bool = True):
+    def __init__(
+        self,
+        steps: ModelSteps,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        *,
+        tokenizer=None,
+        eos_ids=(),
+        structured=None,
+        seed: int = 0,
+        fixed_buffers: bool = True,
+    ):
         self.steps = steps
         self.scheduler_config, self.cache_config = scheduler_config, cache_config
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(scheduler_config, cache_config, vocab_size=steps.cfg.vocab_size,
-                                   batch_size=steps.batch_size, dp=steps.dp, exec_plan=steps.exec_plan,
-                                   tokenizer=tokenizer, eos_ids=eos_ids, pass_costs=steps.pass_costs,
-                                   measure=self._measure)
+        self.scheduler = Scheduler(
+            scheduler_config,
+            cache_config,
+            vocab_size=steps.cfg.vocab_size,
+            batch_size=steps.batch_size,
+            dp=steps.dp,
+            exec_plan=steps.exec_plan,
+            tokenizer=tokenizer,
+            eos_ids=eos_ids,
+            pass_costs=steps.pass_costs,
+            measure=self._measure,
+        )
         lp = scheduler_config.max_logprobs
         self.runner = Runner(steps, num_pages=self.scheduler.pool.num_pages,
                              page_size=cache_config.page_size, cache_dtype=cache_config.dtype,
@@ -45,11 +63,13 @@ class EngineCore:
     # ---- requests -------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_ids, params: SamplingParams, *,
                      seed: Optional[int] = None, prompt: Optional[str] = None) -> list[Request]:
-        """One prompt's params.num_samples (n, or best_of) validated samples (RequestError names what
-        is wrong): sample i keyed by the seed's stream i, id f"{i}_{request_id}" (one: request_id).
-        The seed is params.seed, else `seed`, else drawn here. Safe from any thread."""
+        """One prompt's params.num_samples (n, or best_of) validated samples (RequestError names
+        what is wrong): sample i keyed by the seed's stream i, id f"{i}_{request_id}" (one:
+        request_id). The seed is params.seed, else `seed`, else drawn here. Safe from any thread."""
         if not isinstance(params, SamplingParams):
-            raise RequestError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+            raise RequestError(
+                f"sampling_params must be SamplingParams, got {type(params).__name__}"
+            )
         s = self.scheduler
         params.validate(vocab_size=s.vocab_size, max_logprobs=s.max_logprobs)
         if params.seed is not None:
@@ -95,7 +115,7 @@ class EngineCore:
         return samples
 
     def abort(self, request_id: str) -> Optional[Request]:
-        """Stop an unfinished sample now and free its pages (None: no such sample); between steps."""
+        """Stop an unfinished sample and free its pages (None: no such sample); between steps."""
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -119,12 +139,13 @@ class EngineCore:
             s.stats["overlapped_steps"] += plan.chained
             for done, out in self.runner.run(plan):
                 finished += s.update(done, out)
-            if plan.split:            # sampled once the step before is booked (its grammars advanced)
+            # sampled once the step before is booked (its grammars advanced)
+            if plan.split:
                 self.runner.sample(plan)
         return finished + s.take_stopped()
 
     def drain(self) -> list[Request]:
-        """Book a decode step still in flight (overlap scheduling); returns the samples that finished."""
+        """Book a decode step still in flight (overlap scheduling); returns the finished samples."""
         return [r for plan, out in self.runner.drain() for r in self.scheduler.update(plan, out)]
 
     def run(self, on_finish: Optional[Callable[[Request], None]] = None,

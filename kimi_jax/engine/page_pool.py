@@ -1,14 +1,15 @@
 """The paged latent cache's page pool, with automatic prefix caching.
 
-Pages are handed out per data-parallel partition (`parts` equal partitions of num_pages; page ids are
-local to their partition, [0, num_pages / parts)). Every page a request holds is reference-counted.
+Pages are handed out per data-parallel partition (`parts` equal partitions of num_pages; page ids
+are local to their partition, [0, num_pages / parts)). Every page a request holds is
+reference-counted.
 
 Prefix caching (`caching=True`): a FULL page of a sequence is identified by a chained hash of its
 tokens, h_i = H(h_{i-1}, tokens[i * page : (i + 1) * page]) (SHA-256: a page's content is a function
 of every token before it and their positions, which the chain fixes; a cryptographic hash so that no
-request can be made to collide with another's pages). Once a request has computed a page's tokens the
-page is registered under its hash; when the request ends (or is preempted) the page is not freed but
-kept, evictable, until the pool needs room, and then evicted least recently used. A request that
+request can be made to collide with another's pages). Once a request has computed a page's tokens
+the page is registered under its hash; when the request ends (or is preempted) the page is not freed
+but kept, evictable, until the pool needs room, and then evicted least recently used. A request that
 starts with the same tokens takes the cached pages (reference count + 1) and computes only the rest.
 A page is written only while it is being filled, by the request that fills it; a registered page is
 full and never written again, so sharing it is safe. Pages with no hash go straight back to the free
@@ -50,15 +51,17 @@ class PagePool:
         self.on_reclaim = on_reclaim
         self._free = [collections.deque(range(self.per_part)) for _ in range(parts)]
         self._refs = [collections.Counter() for _ in range(parts)]
-        # caching: hash -> page, page -> hash, and the evictable pages (reference count 0) in LRU order
+        # caching: hash -> page, page -> hash, the evictable pages (reference count 0) in LRU order
         self._table: list[dict[bytes, int]] = [{} for _ in range(parts)]
         self._hash_of: list[dict[int, bytes]] = [{} for _ in range(parts)]
-        self._lru: list[collections.OrderedDict[int, None]] = [collections.OrderedDict() for _ in range(parts)]
+        self._lru: list[collections.OrderedDict[int, None]] = [
+            collections.OrderedDict() for _ in range(parts)
+        ]
         self.evictions = 0
 
     @property
     def free(self) -> list[int]:
-        """Every page no request holds, of all partitions (local ids; cached evictable pages included)."""
+        """Every page no request holds, of all partitions (local ids; cached evictable ones too)."""
         return [p for k in range(self.parts) for p in (*self._free[k], *self._lru[k])]
 
     @property
@@ -96,8 +99,8 @@ class PagePool:
         return got
 
     def give(self, pages: list[int], part: int = 0) -> None:
-        """A request lets go of its pages: each one no request holds any more goes back to the free list
-        or, if it is cached, to the evictable end of the LRU order (most recent last)."""
+        """A request lets go of its pages: each one no request holds any more goes back to the free
+        list or, if it is cached, to the evictable end of the LRU order (most recent last)."""
         refs, freed = self._refs[part], []
         for p in pages:
             refs[p] -= 1
@@ -147,8 +150,8 @@ class PagePool:
             hash_of[p] = h
 
     def take_cached_prefix(self, r, page_size: int) -> int:
-        """Extend request r's pages, which hold only cached pages, by the cached pages that follow them;
-        returns the tokens found cached."""
+        """Extend request r's pages, which hold only cached pages, by the cached pages that follow
+        them; returns the tokens found cached."""
         more = self.acquire(cacheable_hashes(r, page_size)[len(r.pages):], r.rank)
         r.pages += more
         r.num_computed = r.num_registered = len(r.pages)
@@ -168,7 +171,7 @@ class PagePool:
 
 
 def cacheable_hashes(r, page_size: int) -> list[bytes]:
-    """Hashes of the pages of request r's tokens that a cache hit may cover: full pages before its last
-    token (that token is always computed, for its logits, in a page of its own)."""
+    """Hashes of the pages of request r's tokens that a cache hit may cover: full pages before its
+    last token (that token is always computed, for its logits, in a page of its own)."""
     chain_hashes(r.tokens, page_size, r.page_hashes)
     return r.page_hashes[:(len(r.tokens) - 1) // page_size]

@@ -3,20 +3,23 @@ logit_bias, then the repetition, frequency and presence penalties.
 
 Per row, on the device, in this order (vLLM's sampler order: token masks and logits processors, then
 penalties):
-  - banned tokens and logit_bias: added to the logits (-inf for a ban), from [B, entries] (id, value) lists;
+  - banned tokens and logit_bias: added to the logits (-inf for a ban), from [B, entries] (id,
+  value) lists;
   - min_tokens: the row's stop tokens (eos and stop_token_ids) are -inf while its output has fewer
     than min_tokens tokens (its step, the output index being sampled, is below min_tokens);
-  - repetition_penalty r (tokens in the prompt or the output): logit > 0 -> logit / r, else logit * r;
-  - frequency_penalty f and presence_penalty p (output tokens only): logit - f * count - p * (count > 0).
+  - repetition_penalty r (tokens in the prompt or the output): logit > 0 -> logit / r, else logit *
+  r;
+  - frequency_penalty f and presence_penalty p (output tokens only): logit - f * count - p * (count
+  > 0).
 
 The penalties need each row's output-token counts and prompt-token presence. They live on the
-device in an occurrence pool [rows + 1, V] int32, one row per penalised request (a running request that uses
-penalties holds one; the last row absorbs padding rows): value = 2 * (times the token was output) + (1 if
-it is in the prompt). A step gathers its rows' pool rows ([B, V]), and after sampling adds 2 at each
-row's sampled token, so the counts follow the sampled tokens with no host read: overlap scheduling
-(kimi_jax.engine.scheduler) can feed step N's tokens to step N+1 and the counts are already right.
-A request's pool row is written from the host once when its request is admitted (prompt and output so far:
-after a preemption, the recompute starts from the right counts).
+device in an occurrence pool [rows + 1, V] int32, one row per penalised request (a running request
+that uses penalties holds one; the last row absorbs padding rows): value = 2 * (times the token was
+output) + (1 if it is in the prompt). A step gathers its rows' pool rows ([B, V]), and after
+sampling adds 2 at each row's sampled token, so the counts follow the sampled tokens with no host
+read: overlap scheduling (kimi_jax.engine.scheduler) can feed step N's tokens to step N+1 and the
+counts are already right. A request's pool row is written from the host once when its request is
+admitted (prompt and output so far: after a preemption, the recompute starts from the right counts).
 Why a pool of [V] rows: docs/ARCHITECTURE.md, "Penalties".
 """
 from __future__ import annotations
@@ -30,15 +33,15 @@ import numpy as np
 
 #: logit_bias entries per request (OpenAI's limit).
 MAX_LOGIT_BIAS = 300
-#: an index past any vocabulary: padding entries of the [B, entries] id lists (dropped by the scatters).
+#: an index past any vocabulary: pads the [B, entries] id lists (dropped by the scatters).
 PAD_ID = 1 << 30
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LogitsAdjust:
-    """Per-row adjustments as arrays (host numpy when built; see `build`). The penalty fields are all
-    None when no row of the batch uses penalties."""
+    """Per-row adjustments as arrays (host numpy when built; see `build`). The penalty fields are
+    all None when no row of the batch uses penalties."""
     bias_ids: jax.Array                    # [B, entries] int32 (PAD_ID: none)
     bias_vals: jax.Array                   # [B, entries] float32 (-inf: banned)
     min_tokens: jax.Array                  # [B] int32
@@ -47,7 +50,8 @@ class LogitsAdjust:
     frequency: Optional[jax.Array] = None   # [B] float32
     presence: Optional[jax.Array] = None    # [B] float32
     occ_row: Optional[jax.Array] = None     # [B] int32: the row's occurrence-pool row
-    counts: Optional[jax.Array] = None      # [B] int32: 1 where the sampled token is an output token
+    # [B] int32: 1 where the sampled token is an output token
+    counts: Optional[jax.Array] = None
 
     @property
     def has_penalties(self) -> bool:
@@ -63,7 +67,8 @@ class RowAdjust:
     repetition: float
     frequency: float
     presence: float
-    bad_words: tuple[tuple[int, ...], ...]  # multi-token bad words (ids): banned by their output's tail
+    # multi-token bad words (ids): banned by their output's tail
+    bad_words: tuple[tuple[int, ...], ...]
 
     @property
     def has_penalties(self) -> bool:
@@ -80,9 +85,15 @@ def row_adjust(params, stop_ids, bad_word_ids: Sequence[Sequence[int]]) -> Optio
             bias[int(ids[0])] = -np.inf
         elif ids:
             multi.append(tuple(int(t) for t in ids))
-    row = RowAdjust(bias, tuple(sorted(stop_ids)) if params.min_tokens else (), int(params.min_tokens),
-                    float(params.repetition_penalty), float(params.frequency_penalty),
-                    float(params.presence_penalty), tuple(multi))
+    row = RowAdjust(
+        bias,
+        tuple(sorted(stop_ids)) if params.min_tokens else (),
+        int(params.min_tokens),
+        float(params.repetition_penalty),
+        float(params.frequency_penalty),
+        float(params.presence_penalty),
+        tuple(multi),
+    )
     if not (row.bias or row.min_tokens or row.has_penalties or row.bad_words):
         return None
     return row
@@ -108,20 +119,25 @@ def banned_now(bad_words: Sequence[Sequence[int]], output_ids: Sequence[int]) ->
     out = []
     for word in bad_words:
         prefix = len(word) - 1
-        if prefix <= len(output_ids) and tuple(output_ids[len(output_ids) - prefix:]) == tuple(word[:-1]):
+        if prefix <= len(output_ids) and tuple(output_ids[len(output_ids) - prefix :]) == tuple(
+            word[:-1]
+        ):
             out.append(word[-1])
     return out
 
 
 def build(rows: Sequence[Optional[tuple[RowAdjust, list[int], int, int]]], penalty_pad_row: int,
           min_entries: int = 4, min_stops: int = 4, with_penalties: bool = False) -> LogitsAdjust:
-    """Host arrays for a batch: rows[b] = (RowAdjust, banned ids now, occurrence-pool row or -1, counts)
-    or None (a row that adjusts nothing, or padding). The entry and stop-id counts are bucketed to powers of
-    two, at least min_entries and min_stops (few compiled shapes); with_penalties: the penalty fields
-    even when no row has penalties (rows without: no-ops at the padding row)."""
+    """Host arrays for a batch: rows[b] = (RowAdjust, banned ids now, occurrence-pool row or -1,
+    counts) or None (a row that adjusts nothing, or padding). The entry and stop-id counts are
+    bucketed to powers of two, at least min_entries and min_stops (few compiled shapes);
+    with_penalties: the penalty fields even when no row has penalties (rows without: no-ops at the
+    padding row)."""
     from kimi_jax.engine.shapes import bucket
     B = len(rows)
-    entries = [[] if r is None else [*r[0].bias.items(), *[(t, -np.inf) for t in r[1]]] for r in rows]
+    entries = [
+        [] if r is None else [*r[0].bias.items(), *[(t, -np.inf) for t in r[1]]] for r in rows
+    ]
     n_bias = bucket(max(len(e) for e in entries), min_entries)
     n_stop = bucket(max((len(r[0].stop_ids) for r in rows if r is not None), default=1), min_stops)
     bias_ids = np.full((B, n_bias), PAD_ID, np.int32)
@@ -146,13 +162,15 @@ def build(rows: Sequence[Optional[tuple[RowAdjust, list[int], int, int]]], penal
         if r is not None and r[2] >= 0:
             rep[b], freq[b], pres[b] = r[0].repetition, r[0].frequency, r[0].presence
             occ_row[b], counts[b] = r[2], r[3]
-    return dataclasses.replace(adj, repetition=rep, frequency=freq, presence=pres, occ_row=occ_row, counts=counts)
+    return dataclasses.replace(
+        adj, repetition=rep, frequency=freq, presence=pres, occ_row=occ_row, counts=counts
+    )
 
 
 def adjust_logits(logits_BV: jax.Array, adj: LogitsAdjust, step_B: jax.Array,
                   occ_BV: Optional[jax.Array] = None) -> jax.Array:
-    """float32 logits after the adjustments (module docstring). occ_BV: the rows' occurrence-pool rows
-    (2 * output count + prompt flag), needed when adj has penalties."""
+    """float32 logits after the adjustments (module docstring). occ_BV: the rows' occurrence-pool
+    rows (2 * output count + prompt flag), needed when adj has penalties."""
     x = logits_BV.astype(jnp.float32)
     rows = jnp.arange(x.shape[0])[:, None]
     x = x.at[rows, adj.bias_ids].add(adj.bias_vals, mode="drop")
@@ -168,8 +186,8 @@ def adjust_logits(logits_BV: jax.Array, adj: LogitsAdjust, step_B: jax.Array,
 
 
 def count_sampled(occ: jax.Array, adj: LogitsAdjust, tokens_B: jax.Array) -> jax.Array:
-    """The pool occ [rows + 1, V] after this step's sampled tokens: +2 (one output occurrence) at each
-    counted row."""
+    """The pool occ [rows + 1, V] after this step's sampled tokens: +2 (one output occurrence) at
+    each counted row."""
     return occ.at[adj.occ_row, tokens_B].add(2 * adj.counts, mode="drop")
 
 

@@ -1,5 +1,5 @@
-"""Requests of the batch engine (kimi_jax.engine.scheduler): the Request record, prompt checks, and the
-host side of logprobs and prompt logprobs."""
+"""Requests of the batch engine (kimi_jax.engine.scheduler): the Request record, prompt checks, and
+the host side of logprobs and prompt logprobs."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,20 +26,23 @@ class Request:
     max_new: int
     output_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0                 # tokens whose latents are in the cache
-    num_cached_tokens: int = 0            # prompt tokens taken from the prefix cache when first admitted
+    # prompt tokens taken from the prefix cache when first admitted
+    num_cached_tokens: int = 0
     page_hashes: list = dataclasses.field(default_factory=list)   # chained hashes of its full pages
     num_registered: int = 0               # leading pages registered in the prefix cache
     cache_queried: bool = False           # its prefix was looked up since it was admitted
     pages: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[dict] = dataclasses.field(default_factory=list)     # per output token {id: Logprob}
+    # per output token {id: Logprob}
+    logprobs: list[dict] = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0
     finish_reason: Optional[str] = None
     stop_reason: object = None
     text: Optional[str] = None            # set when a stop string truncated it
     num_preemptions: int = 0
-    rank: int = 0                         # data-parallel rank whose rows and pages it uses while admitted
-    # structured outputs: the grammar state (kimi_jax.engine.structured.RowMatcher), advanced by every
-    # appended token; its mask constrains the request's next token
+    # data-parallel rank whose rows and pages it uses while admitted
+    rank: int = 0
+    # structured outputs: the grammar state (kimi_jax.engine.structured.RowMatcher), advanced by
+    # every appended token; its mask constrains the request's next token
     structured: Optional[object] = None
     spec: SpecState = dataclasses.field(default_factory=SpecState)
     # wall-clock times (time.time()) the host saw: queued (`Scheduler.add`), first output token and
@@ -78,26 +81,38 @@ def validate_prompt(prompt_ids, vocab_size: int, max_model_len: int) -> None:
 def n_logprobs(reqs) -> Optional[int]:
     """Top logprobs a step must return: the most any of its requests asks for (None: none asks; 0
     when only best_of needs the chosen tokens' logprobs)."""
-    return max((r.params.logprobs if r.params.logprobs is not None else 0 for r in reqs
-                if r.params.logprobs is not None or r.params.num_samples > r.params.n), default=None)
+    return max(
+        (
+            r.params.logprobs if r.params.logprobs is not None else 0
+            for r in reqs
+            if r.params.logprobs is not None or r.params.num_samples > r.params.n
+        ),
+        default=None,
+    )
 
 
 def prompt_entries_left(r: "Request") -> bool:
     """r asks for prompt logprobs and some of its prompt positions are not scored yet."""
-    return r.prompt_logprobs is not None and len(r.prompt_logprobs) < len(r.prompt_ids) + len(r.tail)
+    return r.prompt_logprobs is not None and len(r.prompt_logprobs) < len(r.prompt_ids) + len(
+        r.tail
+    )
 
 
 def prefill_shape(rows, page_size: int) -> tuple[int, int, bool]:
-    """(width T, pages of the longest row once it holds its chunk, fresh) of a prefill pass over rows
-    [(request, tokens fed)]. T = 1 (a decode-kind step) when each row feeds one token and scores no
-    prompt position (decode programs return no prompt logprobs), else bucket(max, 16)."""
+    """(width T, pages of the longest row once it holds its chunk, fresh) of a prefill pass over
+    rows [(request, tokens fed)]. T = 1 (a decode-kind step) when each row feeds one token and
+    scores no prompt position (decode programs return no prompt logprobs), else bucket(max, 16)."""
     one = all(n == 1 and not prompt_entries_left(r) for r, n in rows)
     pages = max(max(len(r.pages), -(-(r.num_computed + n) // page_size)) for r, n in rows)
-    return 1 if one else bucket(max(n for _, n in rows), 16), pages, all(r.num_computed == 0 for r, _ in rows)
+    return (
+        1 if one else bucket(max(n for _, n in rows), 16),
+        pages,
+        all(r.num_computed == 0 for r, _ in rows),
+    )
 
 
 def logprob_dict(token: int, logprob, rank, top_ids, top_vals) -> dict:
-    """{token: Logprob, then the top ids not already there: Logprob with rank 1, 2, ...} (vLLM's)."""
+    """{token: Logprob, then the top ids not yet there: Logprob with rank 1, 2, ...} (vLLM's)."""
     out = {int(token): Logprob(float(logprob), int(rank))}
     for i, (t, v) in enumerate(zip(top_ids, top_vals)):
         out.setdefault(int(t), Logprob(float(v), i + 1))
@@ -125,9 +140,15 @@ def score_prompt(r: Request, out, b: int, start: int, n: int) -> None:
         p = start + j
         if p + 1 != len(r.prompt_logprobs) or p + 1 >= len(full):
             continue
-        r.prompt_logprobs.append(logprob_dict(
-            full[p + 1], out.prompt_logprob[b, j], out.prompt_rank[b, j], out.prompt_top_ids[b, j][:k],
-            out.prompt_top_vals[b, j][:k]))
+        r.prompt_logprobs.append(
+            logprob_dict(
+                full[p + 1],
+                out.prompt_logprob[b, j],
+                out.prompt_rank[b, j],
+                out.prompt_top_ids[b, j][:k],
+                out.prompt_top_vals[b, j][:k],
+            )
+        )
 
 
 def append_token(r: Request, t: int, out=None, b: int = 0, tokenizer=None) -> None:
@@ -145,7 +166,8 @@ def append_token(r: Request, t: int, out=None, b: int = 0, tokenizer=None) -> No
     if r.structured is not None and t not in r.stop_ids:
         r.structured.accept(t)
     if r.structured is not None and r.structured.is_error():
-        r.finish_reason = "length"      # broken (its mask then allows stop tokens): not a complete output
+        # broken (its mask then allows stop tokens): not a complete output
+        r.finish_reason = "length"
     elif t in r.stop_ids:
         r.finish_reason, r.stop_reason = "stop", t
     elif r.structured is not None and r.structured.is_finished():
@@ -169,7 +191,9 @@ def _hit_stop(r: Request, tokenizer) -> bool:
     return True
 
 
-def row_adjust_for(params: SamplingParams, stop, vocab: int, tokenizer) -> Optional[penalties.RowAdjust]:
+def row_adjust_for(
+    params: SamplingParams, stop, vocab: int, tokenizer
+) -> Optional[penalties.RowAdjust]:
     """A request's logits adjustments (RequestError names a token id outside the vocabulary)."""
     bad = [t for t in (params.logit_bias or {}) if t >= vocab]
     if bad:
@@ -185,12 +209,30 @@ def row_adjust_for(params: SamplingParams, stop, vocab: int, tokenizer) -> Optio
 
 
 
-def new_request(request_id: str, prompt_ids, params: SamplingParams, seed: int, prompt: Optional[str], *,
-                vocab_size: int, max_model_len: int, page_size: int, pages_per_rank: int, dp: int, eos_ids,
-                tokenizer, max_logprobs: Optional[int] = None) -> Request:
+def new_request(
+    request_id: str,
+    prompt_ids,
+    params: SamplingParams,
+    seed: int,
+    prompt: Optional[str],
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    page_size: int,
+    pages_per_rank: int,
+    dp: int,
+    eos_ids,
+    tokenizer,
+    max_logprobs: Optional[int] = None,
+) -> Request:
     """A validated Request (its grammar matcher aside); RequestError names what is wrong."""
-    prompt_ids = check_request(prompt_ids, params, vocab_size=vocab_size, max_model_len=max_model_len,
-                               max_logprobs=max_logprobs)
+    prompt_ids = check_request(
+        prompt_ids,
+        params,
+        vocab_size=vocab_size,
+        max_model_len=max_model_len,
+        max_logprobs=max_logprobs,
+    )
     if -(-len(prompt_ids) // page_size) + 1 > pages_per_rank:
         raise RequestError(f"prompt of {len(prompt_ids)} tokens does not fit in the cache "
                            f"({pages_per_rank} pages of {page_size} tokens"
@@ -207,20 +249,29 @@ def new_request(request_id: str, prompt_ids, params: SamplingParams, seed: int, 
     return r
 
 def prefill_parent(reqs: list[Request]) -> Request:
-    """The prefill-only request of one prompt's samples: all but the prompt's last token, computed once."""
+    """The prefill-only request of a prompt's samples: all but its last token, computed once."""
     first, now = reqs[0], time.time()
     for r in reqs:
         r.arrival_time = r.arrival_time or now
-    return Request(f"prefill_{first.group_id}", first.prompt, first.prompt_ids[:-1],
-                   SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=first.params.prompt_logprobs),
-                   first.key, frozenset(), 0, prefill_only=True, forks=list(reqs), tail=first.prompt_ids[-1:],
-                   prompt_logprobs=[None] if first.prompt_logprobs is not None else None)
+    return Request(
+        f"prefill_{first.group_id}",
+        first.prompt,
+        first.prompt_ids[:-1],
+        SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=first.params.prompt_logprobs),
+        first.key,
+        frozenset(),
+        0,
+        prefill_only=True,
+        forks=list(reqs),
+        tail=first.prompt_ids[-1:],
+        prompt_logprobs=[None] if first.prompt_logprobs is not None else None,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One request's part of a step: the tokens it feeds at positions start, start + 1, ... (none in a
-    chained decode step: the step in flight's token), its pages and its batch row."""
+    """One request's part of a step: the tokens it feeds at positions start, start + 1, ... (none in
+    a chained decode step: the step in flight's token), its pages and its batch row."""
     req: Request
     batch_row: int                               # batch row (data parallelism: in its rank's block)
     tokens: tuple[int, ...]

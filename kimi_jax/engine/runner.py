@@ -1,9 +1,10 @@
-"""The runner: lays a StepPlan out as one StepBatch, runs its compiled program, owns the device state
-(the page pool, the occurrence pool, each program's fixed input and output buffers) and overlap dispatch,
-and declares the programs it can run.
+"""The runner: lays a StepPlan out as one StepBatch, runs its compiled program, owns the device
+state (the page pool, the occurrence pool, each program's fixed input and output buffers) and
+overlap dispatch, and declares the programs it can run.
 
-Fixed buffers: a program's inputs and outputs stay at one address, so XLA never records its CUDA graph
-again (docs/ARCHITECTURE.md, "Fixed buffers")."""
+Fixed buffers: a program's inputs and outputs stay at one address, so XLA never records its CUDA
+graph again (docs/ARCHITECTURE.md, "Fixed buffers")."""
+# Over 600 lines: the one owner of the device state: batch layout, programs, buffers.
 from __future__ import annotations
 
 import concurrent.futures
@@ -24,8 +25,8 @@ from kimi_jax.engine.shapes import Limits, Shapes, bucket
 from kimi_jax.engine.mla_schedule import can_balance, step_schedule
 from kimi_jax.engine.steps import ModelSteps, SampleInputs, StepBatch, StepOutput, is_fresh
 
-# A constrained request with at most this many tokens left checks each step whether closing its output
-# (kimi_jax.engine.structured.StructuredBackend.bitmask_closing) must begin.
+# A constrained request with at most this many tokens left checks each step whether closing its
+# output (kimi_jax.engine.structured.StructuredBackend.bitmask_closing) must begin.
 CLOSE_WINDOW = 96
 # Logits adjustments are laid out at least this wide (bias entries, stop ids), so the declared
 # programs cover the usual requests; wider ones compile their own program.
@@ -36,10 +37,10 @@ ADJUST_ENTRIES, ADJUST_STOPS = 16, 8
 class ProgramKey:
     """One compiled step program: the static arguments and padded shapes of `ModelSteps.step_jit`.
     logprobs: None for a plain program; else an extras program, which serves every row that wants
-    logprobs (top-n, n <= logprobs), logits adjustments or a token mask: all rows get the adjustments
-    (no-ops for rows without), a mask (all tokens for unconstrained rows) and the filtered sampler.
-    prompt_logprobs: top-n of every position (extras programs of prefill steps only). part: one half
-    of a split decode step ('forward', 'sample'; None: the whole step)."""
+    logprobs (top-n, n <= logprobs), logits adjustments or a token mask: all rows get the
+    adjustments (no-ops for rows without), a mask (all tokens for unconstrained rows) and the
+    filtered sampler. prompt_logprobs: top-n of every position (extras programs of prefill steps
+    only). part: one half of a split decode step ('forward', 'sample'; None: the whole step)."""
     kind: str
     batch: int
     width: int
@@ -65,24 +66,37 @@ class Runner:
     fixed buffers, the step in flight, and the structured-outputs backend (`structured`, shared by
     the cores of one model; None: no structured outputs) with the masks it fills."""
 
-    def __init__(self, steps: ModelSteps, *, num_pages: int, page_size: int, cache_dtype, max_num_seqs: int,
-                 max_logprobs: int = 20, fixed_buffers: bool = True, structured=None):
+    def __init__(
+        self,
+        steps: ModelSteps,
+        *,
+        num_pages: int,
+        page_size: int,
+        cache_dtype,
+        max_num_seqs: int,
+        max_logprobs: int = 20,
+        fixed_buffers: bool = True,
+        structured=None,
+    ):
         self.steps, self.page_size, self.max_num_seqs = steps, page_size, max_num_seqs
         self.structured = structured
         self.max_logprobs = max_logprobs
         self.fixed_buffers = fixed_buffers
-        # (key, the batch's shapes: wide logits adjustments compile their own) -> (inputs, outputs) on the device
+        # (key, batch shapes: wide logits adjustments compile their own) -> device (inputs, outputs)
         self.resident: dict[tuple, tuple[StepBatch, object]] = {}
         self.pages = steps.init_pages(num_pages, page_size, cache_dtype)
         self.occ = None                   # the occurrence pool, made when a request first needs it
         self.inflight: Optional[_InFlight] = None
-        self._forward: Optional[tuple] = None     # a split step's forward half: (logits, batch, key)
-        self._masks: dict[int, np.ndarray] = {}   # batch -> the host mask buffer its steps fill in place
+        # a split step's forward half: (logits, batch, key)
+        self._forward: Optional[tuple] = None
+        # batch -> the host mask buffer its steps fill in place
+        self._masks: dict[int, np.ndarray] = {}
         self.compiled: dict = {}          # precompiled executables, kept alive for jax's cache
 
     # ---- device state the scheduler asks for ----------------------------------------------------
     def apply(self, effects: list) -> None:
-        """Carry out the scheduler's device writes in order: ('occ', pool row, row_V) or ('copy', src, dst, rank)."""
+        """Carry out the scheduler's device writes in order: ('occ', pool row, row_V) or ('copy',
+        src, dst, rank)."""
         for e in effects:
             if e[0] == "occ":
                 self.steps.set_occurrences(self.occurrences(), e[1], e[2])
@@ -94,23 +108,26 @@ class Runner:
             self.occ = self.steps.new_occurrences(self.max_num_seqs)
         return self.occ
 
-    # ---- one plan ---------------------------------------------------------------------------------
+    # ---- one plan --------------------------------------------------------------------------------
     def matcher(self, constraint, budget: Optional[int] = None):
-        """The grammar state of a request within `budget` tokens (RequestError: it cannot compile)."""
+        """A request's grammar state within `budget` tokens (RequestError: it cannot compile)."""
         from kimi_jax.engine.structured_params import StructuredOutputError
         from kimi_jax.engine.validation import RequestError
         if self.structured is None:
-            raise RequestError("structured outputs need the model's tokenizer, and this engine has none",
-                               "structured_outputs")
+            raise RequestError(
+                "structured outputs need the model's tokenizer, and this engine has none",
+                "structured_outputs",
+            )
         try:
             return self.structured.matcher(constraint, budget)
         except StructuredOutputError as e:
             raise RequestError(str(e)) from None
 
     def run(self, plan: StepPlan) -> list[tuple[StepPlan, object]]:
-        """Run (or, plan.overlap, dispatch) a plan; returns the (plan, host outputs) pairs read now: its
-        own, none (dispatched), or, chained, the step in flight's. A split plan dispatches its forward
-        half here and its sampling half at `sample`, once the outputs read here are booked."""
+        """Run (or, plan.overlap, dispatch) a plan; returns the (plan, host outputs) pairs read now:
+        its own, none (dispatched), or, chained, the step in flight's. A split plan dispatches its
+        forward half here and its sampling half at `sample`, once the outputs read here are
+        booked."""
         if plan.split:
             return self._run_forward(plan)
         if plan.chained:
@@ -159,8 +176,14 @@ class Runner:
         for row in plan.live:
             tokens[row.batch_row], positions[row.batch_row, 0] = row.tokens[0], row.start
             table[row.batch_row, :len(row.pages)] = row.pages
-        key = ProgramKey("decode", B, 1, P, mla_schedule=step_schedule(self.steps.exec_plan, positions[:, 0]),
-                         part="forward")
+        key = ProgramKey(
+            "decode",
+            B,
+            1,
+            P,
+            mla_schedule=step_schedule(self.steps.exec_plan, positions[:, 0]),
+            part="forward",
+        )
         return StepBatch(self._decode_tokens(tokens), positions, table, z, z, None), key
 
     def _sample_inputs(self, plan: StepPlan) -> tuple[SampleInputs, ProgramKey]:
@@ -171,13 +194,28 @@ class Runner:
         for row in live:
             b, r = row.batch_row, row.req
             steps[b], keys[b], params[b] = row.step, r.key, r.params
-            if r.adjust is not None:        # (adjustments, bans by the output so far, pool row, counts)
-                adjust[b] = (r.adjust, penalties.banned_now(r.adjust.bad_words, r.output_ids), r.occ_row, 1)
-        adj = penalties.build(adjust, self.max_num_seqs, ADJUST_ENTRIES, ADJUST_STOPS, with_penalties=True)
+            # (adjustments, bans by the output so far, pool row, counts)
+            if r.adjust is not None:
+                adjust[b] = (
+                    r.adjust,
+                    penalties.banned_now(r.adjust.bad_words, r.output_ids),
+                    r.occ_row,
+                    1,
+                )
+        adj = penalties.build(
+            adjust, self.max_num_seqs, ADJUST_ENTRIES, ADJUST_STOPS, with_penalties=True
+        )
         sp = SamplingArrays.build(params, None, keys=keys, adjust=adj)
         n_lp = n_logprobs([row.req for row in live])
-        key = ProgramKey("decode", B, 1, 0, sampled=sample_mode_of(sp) != "greedy", logprobs=self._top(n_lp or 0),
-                         part="sample")
+        key = ProgramKey(
+            "decode",
+            B,
+            1,
+            0,
+            sampled=sample_mode_of(sp) != "greedy",
+            logprobs=self._top(n_lp or 0),
+            part="sample",
+        )
         return SampleInputs(sp, steps, self._mask(plan)), key
 
     def drain(self) -> list[tuple[StepPlan, object]]:
@@ -201,36 +239,71 @@ class Runner:
             positions[b, :row.n] = np.arange(row.start, row.start + row.n)
             table[b, :len(row.pages)] = row.pages
             last[b], steps[b], keys[b], params[b] = row.n - 1, row.step, r.key, r.params
-            if r.adjust is not None:        # (adjustments, bans by the output so far, pool row, counts)
-                adjust[b] = (r.adjust, penalties.banned_now(r.adjust.bad_words, r.output_ids), r.occ_row,
-                             int(row.start + row.n == len(r.tokens)))
+            # (adjustments, bans by the output so far, pool row, counts)
+            if r.adjust is not None:
+                adjust[b] = (
+                    r.adjust,
+                    penalties.banned_now(r.adjust.bad_words, r.output_ids),
+                    r.occ_row,
+                    int(row.start + row.n == len(r.tokens)),
+                )
         reqs = [row.req for row in plan.live]
         verify = plan.kind == "verify"
         n_plp, targets = (None, None) if verify else prompt_targets(
             [(row.req, row.n) for row in plan.live], [row.batch_row for row in plan.live], (B, T))
         n_lp = n_logprobs(reqs)
-        extras = not verify and (n_lp is not None or n_plp is not None
-                                 or any(a is not None for a in adjust) or any(r.structured is not None for r in reqs))
+        extras = not verify and (
+            n_lp is not None
+            or n_plp is not None
+            or any(a is not None for a in adjust)
+            or any(r.structured is not None for r in reqs)
+        )
         adj = mask = n_draft = None
         if extras:
-            adj = penalties.build(adjust, self.max_num_seqs, ADJUST_ENTRIES, ADJUST_STOPS, with_penalties=True)
+            adj = penalties.build(
+                adjust, self.max_num_seqs, ADJUST_ENTRIES, ADJUST_STOPS, with_penalties=True
+            )
             mask = self._mask(plan)
         if verify:
             n_draft = np.zeros((B,), np.int32)
-            n_draft[[row.batch_row for row in plan.live]] = [len(row.tokens) - 1 for row in plan.live]
+            n_draft[[row.batch_row for row in plan.live]] = [
+                len(row.tokens) - 1 for row in plan.live
+            ]
         sp = SamplingArrays.build(params, None, keys=keys, adjust=adj)
-        fresh = plan.kind == "prefill" and not self.steps.exec_plan.absorbs_chunk(T) and is_fresh(positions)
-        key = ProgramKey(plan.kind, B, T, P, fresh=fresh,
-                         sampled=extras or (not verify and sample_mode_of(sp) != "greedy"),
-                         logprobs=self._top(n_lp or 0) if extras else None, prompt_logprobs=self._top(n_plp),
-                         mla_schedule=step_schedule(self.steps.exec_plan, positions[:, 0]) if plan.kind == "decode" else None)
-        batch = StepBatch(self._decode_tokens(tokens[:, 0]) if plan.kind == "decode" else tokens, positions, table,
-                          last, steps, sp, targets, mask, n_draft)
+        fresh = (
+            plan.kind == "prefill"
+            and not self.steps.exec_plan.absorbs_chunk(T)
+            and is_fresh(positions)
+        )
+        key = ProgramKey(
+            plan.kind,
+            B,
+            T,
+            P,
+            fresh=fresh,
+            sampled=extras or (not verify and sample_mode_of(sp) != "greedy"),
+            logprobs=self._top(n_lp or 0) if extras else None,
+            prompt_logprobs=self._top(n_plp),
+            mla_schedule=step_schedule(self.steps.exec_plan, positions[:, 0])
+            if plan.kind == "decode"
+            else None,
+        )
+        batch = StepBatch(
+            self._decode_tokens(tokens[:, 0]) if plan.kind == "decode" else tokens,
+            positions,
+            table,
+            last,
+            steps,
+            sp,
+            targets,
+            mask,
+            n_draft,
+        )
         return batch, key
 
     def _layout_chained(self, plan: StepPlan, f: _InFlight) -> StepBatch:
-        """A decode step fed the step in flight's sampled tokens (device arrays), its sampling arrays
-        reused; rows that end with the step in flight are padding."""
+        """A decode step fed the step in flight's sampled tokens (device arrays), its sampling
+        arrays reused; rows that end with the step in flight are padding."""
         B = plan.batch
         positions = np.full((B, 1), -1, np.int32)
         steps = np.zeros((B,), np.int32)
@@ -238,30 +311,43 @@ class Runner:
         for row in plan.live:
             positions[row.batch_row, 0], steps[row.batch_row] = row.start, row.step
             table[row.batch_row, :len(row.pages)] = row.pages
-        return dataclasses.replace(f.batch, tokens=f.out["tokens"], positions_BT=positions, block_table_BP=table,
-                                   step_B=steps)
+        return dataclasses.replace(
+            f.batch,
+            tokens=f.out["tokens"],
+            positions_BT=positions,
+            block_table_BP=table,
+            step_B=steps,
+        )
 
     def _top(self, n: Optional[int]) -> Optional[int]:
-        """Top logprobs a program returns: max_logprobs for any request within it (sliced on the host),
-        so logprobs 0 .. max_logprobs share one program."""
+        """Top logprobs a program returns: max_logprobs for any request within it (sliced on the
+        host), so logprobs 0 .. max_logprobs share one program."""
         return None if n is None else self.max_logprobs if n <= self.max_logprobs else bucket(n, 1)
 
     def _decode_tokens(self, host_B: np.ndarray) -> jax.Array:
-        """Host-fed decode tokens committed like a step's own output tokens: one program serves both."""
-        return jax.make_array_from_callback(host_B.shape, self.steps.token_sharding, lambda i: host_B[i])
+        """Host-fed decode tokens committed as a step's own output tokens: one program for both."""
+        return jax.make_array_from_callback(
+            host_B.shape, self.steps.token_sharding, lambda i: host_B[i]
+        )
 
     def _mask(self, plan: StepPlan) -> Optional[np.ndarray]:
-        """The step's packed token bitmask [B, ceil(V / 32)] (unconstrained rows: every token); a row
-        near the end of its budget narrows its mask to a greedy close."""
-        rows = [row for row in plan.live if row.req.structured is not None and row.req.finish_reason is None]
+        """The step's packed token bitmask [B, ceil(V / 32)] (unconstrained rows: every token); a
+        row near the end of its budget narrows its mask to a greedy close."""
+        rows = [
+            row
+            for row in plan.live
+            if row.req.structured is not None and row.req.finish_reason is None
+        ]
         structured = self.structured
         if not rows or structured is None:
             return np.full((plan.batch, -(-self.steps.cfg.vocab_size // 32)), -1, np.int32)
         matchers = [None] * plan.batch
         for row in rows:
             matchers[row.batch_row] = row.req.structured
-        # the step reads its copy of the buffer before the next fill (each step's outputs are read first)
-        buffer = self._masks.setdefault(plan.batch, np.empty((plan.batch, structured.words), np.int32))
+        # the step reads its copy of the buffer before the next fill (a step's outputs read first)
+        buffer = self._masks.setdefault(
+            plan.batch, np.empty((plan.batch, structured.words), np.int32)
+        )
         mask = structured.fill_bitmask(matchers, out=buffer)
         for row in rows:
             left = row.req.max_new - len(row.req.output_ids)
@@ -273,11 +359,19 @@ class Runner:
         """The occurrence pool and static arguments of `ModelSteps.step_jit` for key's program."""
         eng = self.steps
         occ = self.occurrences().pool if key.logprobs is not None else None
-        plan = eng.exec_plan if key.mla_schedule == eng.exec_plan.mla_schedule else dataclasses.replace(
-            eng.exec_plan, mla_schedule=key.mla_schedule)
-        return (occ,), dict(kind=key.kind, n_logprobs=key.logprobs, n_prompt_logprobs=key.prompt_logprobs,
-                            fresh=key.fresh, sample_mode=("filtered" if key.sampled else "greedy")
-                            if key.kind != "verify" else None, plan=plan)
+        plan = (
+            eng.exec_plan
+            if key.mla_schedule == eng.exec_plan.mla_schedule
+            else dataclasses.replace(eng.exec_plan, mla_schedule=key.mla_schedule)
+        )
+        return (occ,), dict(
+            kind=key.kind,
+            n_logprobs=key.logprobs,
+            n_prompt_logprobs=key.prompt_logprobs,
+            fresh=key.fresh,
+            sample_mode=("filtered" if key.sampled else "greedy") if key.kind != "verify" else None,
+            plan=plan,
+        )
 
     def _call(self, batch: StepBatch, key: ProgramKey, snapshot: bool = True):
         eng = self.steps
@@ -298,8 +392,14 @@ class Runner:
         if not self.fixed_buffers:
             self.pages, logits = steps.forward_jit(steps.weights, self.pages, batch, **kw)
             return logits
-        io, prev = self._resident(key, batch, lambda io: jax.eval_shape(
-            lambda *a: steps.forward_jit(*a, **kw)[1], steps.weights, self.pages, io), steps.logits_sharding)
+        io, prev = self._resident(
+            key,
+            batch,
+            lambda io: jax.eval_shape(
+                lambda *a: steps.forward_jit(*a, **kw)[1], steps.weights, self.pages, io
+            ),
+            steps.logits_sharding,
+        )
         self.pages, logits = steps.forward_jit(steps.weights, self.pages, io, prev, **kw)
         self.resident[_buffer_key(key, batch)] = (io, logits)
         return logits
@@ -320,13 +420,16 @@ class Runner:
         return steps.snapshot(out) if snapshot else out
 
     def _resident(self, key: ProgramKey, inputs, out_shape: Callable, out_sharding=None) -> tuple:
-        """`inputs` written into key's program's buffers (made at the first call): (inputs', outputs')."""
+        """`inputs` written into key's program's buffers (made at the first call): (inputs',
+        outputs')."""
         steps, bkey = self.steps, _buffer_key(key, inputs)
         if bkey not in self.resident:
             def place(a, sharding=steps.token_sharding):
                 return jax.device_put(np.zeros(a.shape, a.dtype), sharding)
             io = jax.tree.map(place, inputs)
-            out = jax.tree.map(lambda a: place(a, out_sharding or steps.token_sharding), out_shape(io))
+            out = jax.tree.map(
+                lambda a: place(a, out_sharding or steps.token_sharding), out_shape(io)
+            )
             self.resident[bkey] = (io, out)
         io, prev = self.resident[bkey]
         io = steps.put_batch(io, inputs)
@@ -335,20 +438,31 @@ class Runner:
 
     def _exec_plan(self, key: ProgramKey):
         plan = self.steps.exec_plan
-        return plan if key.mla_schedule == plan.mla_schedule else dataclasses.replace(plan, mla_schedule=key.mla_schedule)
+        return (
+            plan
+            if key.mla_schedule == plan.mla_schedule
+            else dataclasses.replace(plan, mla_schedule=key.mla_schedule)
+        )
 
     def _take_occ(self, out):
         if isinstance(out, dict) and "occurrences" in out:
             self.occ.pool = out.pop("occurrences")
         return out
 
-    def _place(self, batch: StepBatch, key: ProgramKey, args: tuple, kw: dict) -> tuple[tuple, StepBatch, object]:
-        """batch written into its program's buffers (made at the first call): (its key, inputs, outputs' buffers)."""
+    def _place(
+        self, batch: StepBatch, key: ProgramKey, args: tuple, kw: dict
+    ) -> tuple[tuple, StepBatch, object]:
+        """batch written into its program's buffers (made at the first call): (its key, inputs,
+        outputs' buffers)."""
         eng, bkey = self.steps, _buffer_key(key, batch)
         if bkey not in self.resident:
-            place = lambda a: jax.device_put(np.zeros(a.shape, a.dtype), eng.token_sharding)   # noqa: E731
+            place = lambda a: jax.device_put(  # noqa: E731
+                np.zeros(a.shape, a.dtype), eng.token_sharding
+            )
             io = jax.tree.map(place, batch)
-            out = jax.eval_shape(lambda *a: eng.step_jit(*a, **kw)[1], eng.weights, self.pages, io, *args)
+            out = jax.eval_shape(
+                lambda *a: eng.step_jit(*a, **kw)[1], eng.weights, self.pages, io, *args
+            )
             if isinstance(out, dict):
                 out.pop("occurrences", None)
             self.resident[bkey] = (io, jax.tree.map(place, out))
@@ -359,16 +473,22 @@ class Runner:
 
     # ---- the program set ------------------------------------------------------------------------
     def programs(self, limits: Limits) -> list[ProgramKey]:
-        """Every step program a workload within `limits` can run (the scheduler's `Shapes`): per padded
-        shape a greedy, a sampled and an extras program (sampler costs differ: BENCHMARKS.md, 'Program
-        set'), prefill shapes also extras with prompt logprobs, the balanced schedule where reachable."""
+        """Every step program a workload within `limits` can run (the scheduler's `Shapes`): per
+        padded shape a greedy, a sampled and an extras program (sampler costs differ: BENCHMARKS.md,
+        'Program set'), prefill shapes also extras with prompt logprobs, the balanced schedule where
+        reachable."""
         eng, plan = self.steps, self.steps.exec_plan
         shapes = Shapes.for_limits(limits, eng.dp, plan)
-        batches = sorted({eng.batch_size(eng.dp * c) for c in range(1, -(-limits.max_num_seqs // eng.dp) + 1)})
+        batches = sorted(
+            {eng.batch_size(eng.dp * c) for c in range(1, -(-limits.max_num_seqs // eng.dp) + 1)}
+        )
         chunk = min(limits.prefill_chunk, limits.max_prefill_tokens, limits.max_model_len - 1)
         widths = sorted({bucket(n, 16) for n in range(2, chunk + 1)})
         n_lp = self._top(limits.max_logprobs)
-        plain, prompt = [(False, None, None), (True, None, None), (True, n_lp, None)], [(True, n_lp, n_lp)]
+        plain, prompt = (
+            [(False, None, None), (True, None, None), (True, n_lp, None)],
+            [(True, n_lp, n_lp)],
+        )
         out, halves = [], []
         for B, P in itertools.product(batches, shapes.tables("decode")):
             tokens = min(P * limits.page_size, limits.max_model_len)
@@ -379,8 +499,12 @@ class Runner:
             if limits.speculative_tokens:
                 out.append(ProgramKey("verify", B, limits.speculative_tokens + 1, P))
             if limits.split_decode:
-                halves += [ProgramKey("decode", B, 1, P, mla_schedule=sched, part="forward") for sched in schedules]
-        if limits.split_decode:       # a split decode step's halves (constrained rows under overlap)
+                halves += [
+                    ProgramKey("decode", B, 1, P, mla_schedule=sched, part="forward")
+                    for sched in schedules
+                ]
+        # a split decode step's halves (constrained rows under overlap)
+        if limits.split_decode:
             halves += [ProgramKey("decode", B, 1, 0, sampled=s, logprobs=n_lp, part="sample")
                        for B in batches for s in (False, True)]
         for B, T, fresh in itertools.product(batches, widths or [16], (False, True)):
@@ -390,14 +514,21 @@ class Runner:
                             for s, lp, plp in (plain + prompt if widths else prompt)]
         return out + halves
 
-    def precompile(self, programs: list[ProgramKey], progress: Optional[Callable[[int, int, ProgramKey], None]] = None,
-                   threads: Optional[int] = None) -> None:
-        """Build each program: the first plain and extras ones by a call on padding rows (so the pool and
-        occurrences are step outputs, as later calls see them), the rest lowered here (tracing holds the
-        GIL) and compiled on `threads` threads into jax's executable cache. progress(i, n, key)."""
+    def precompile(
+        self,
+        programs: list[ProgramKey],
+        progress: Optional[Callable[[int, int, ProgramKey], None]] = None,
+        threads: Optional[int] = None,
+    ) -> None:
+        """Build each program: the first plain and extras ones by a call on padding rows (so the
+        pool and occurrences are step outputs, as later calls see them), the rest lowered here
+        (tracing holds the GIL) and compiled on `threads` threads into jax's executable cache.
+        progress(i, n, key)."""
         n, done, pending = len(programs), 0, {}
-        first = {next((k for k in programs if (k.logprobs is None) == plain and k.part is None), None)
-                 for plain in (True, False)}
+        first = {
+            next((k for k in programs if (k.logprobs is None) == plain and k.part is None), None)
+            for plain in (True, False)
+        }
         for key in [k for k in programs if k in first]:
             jax.block_until_ready(self._call(self._dummy(key), key))
             done += 1
@@ -419,8 +550,10 @@ class Runner:
                 pending[f] = key_of[f] = key
                 report([f for f in list(pending) if f.done()])
             report(concurrent.futures.as_completed(list(pending)))
-        occ = self.occurrences()           # its row write, at the padding row (which stays zero)
-        self.steps.set_occurrences(occ, occ.pad_row, np.zeros((self.steps.cfg.vocab_size,), np.int32))
+        occ = self.occurrences()  # its row write, at the padding row (which stays zero)
+        self.steps.set_occurrences(
+            occ, occ.pad_row, np.zeros((self.steps.cfg.vocab_size,), np.int32)
+        )
 
     def _lower(self, key: ProgramKey):
         """`_call`'s program for key, lowered over padding rows (or key's fixed buffers)."""
@@ -444,12 +577,20 @@ class Runner:
             kw = dict(plan=self._exec_plan(key))
             if not self.fixed_buffers:
                 return steps.forward_jit.lower(steps.weights, self.pages, batch, **kw)
-            io, prev = self._resident(key, batch, lambda io: jax.eval_shape(
-                lambda *a: steps.forward_jit(*a, **kw)[1], steps.weights, self.pages, io), steps.logits_sharding)
+            io, prev = self._resident(
+                key,
+                batch,
+                lambda io: jax.eval_shape(
+                    lambda *a: steps.forward_jit(*a, **kw)[1], steps.weights, self.pages, io
+                ),
+                steps.logits_sharding,
+            )
             return steps.forward_jit.lower(steps.weights, self.pages, io, prev, **kw)
         d = self._dummy(dataclasses.replace(key, part=None))
         inputs = SampleInputs(d.sp, d.step_B, d.mask_Bw)
-        logits = jax.device_put(np.zeros((B, steps.cfg.vocab_size), np.float32), steps.logits_sharding)
+        logits = jax.device_put(
+            np.zeros((B, steps.cfg.vocab_size), np.float32), steps.logits_sharding
+        )
         kw = dict(n_logprobs=key.logprobs, sample_mode="filtered" if key.sampled else "greedy")
         occ = self.occurrences().pool
         if not self.fixed_buffers:
@@ -469,25 +610,46 @@ class Runner:
         z = np.zeros((B,), np.int32)
         adj = mask = None
         if key.logprobs is not None:
-            adj = penalties.build([None] * B, self.max_num_seqs, ADJUST_ENTRIES, ADJUST_STOPS, with_penalties=True)
+            adj = penalties.build(
+                [None] * B, self.max_num_seqs, ADJUST_ENTRIES, ADJUST_STOPS, with_penalties=True
+            )
             mask = np.full((B, -(-self.steps.cfg.vocab_size // 32)), -1, np.int32)
-        sp = SamplingArrays.build([SamplingParams(temperature=0.0)] * B, None, keys=np.zeros((B, 2), np.uint32),
-                                  adjust=adj)
+        sp = SamplingArrays.build(
+            [SamplingParams(temperature=0.0)] * B,
+            None,
+            keys=np.zeros((B, 2), np.uint32),
+            adjust=adj,
+        )
         tokens = self._decode_tokens(z) if key.kind == "decode" else np.zeros((B, T), np.int32)
-        return StepBatch(tokens, np.full((B, T), -1, np.int32), np.zeros((B, P), np.int32), z, z, sp,
-                         np.full((B, T), -1, np.int32) if key.prompt_logprobs is not None else None, mask,
-                         z if key.kind == "verify" else None)
+        return StepBatch(
+            tokens,
+            np.full((B, T), -1, np.int32),
+            np.zeros((B, P), np.int32),
+            z,
+            z,
+            sp,
+            np.full((B, T), -1, np.int32) if key.prompt_logprobs is not None else None,
+            mask,
+            z if key.kind == "verify" else None,
+        )
 
     # ---- speculation's pass costs ---------------------------------------------------------------
-    def measure_passes(self, decode: StepPlan, verify: StepPlan, reps: int = 5) -> tuple[float, float]:
+    def measure_passes(
+        self, decode: StepPlan, verify: StepPlan, reps: int = 5
+    ) -> tuple[float, float]:
         """(decode pass seconds, verification pass seconds) on these rows (medians; the decode pass
-        without logits adjustments, which would count occurrences; the verification pass feeds only the
-        last token, so nothing is written beyond the rows' cache)."""
+        without logits adjustments, which would count occurrences; the verification pass feeds only
+        the last token, so nothing is written beyond the rows' cache)."""
         dec, dkey = self.batch_for(decode)
-        dec = dataclasses.replace(dec, sp=dataclasses.replace(dec.sp, adjust=None), targets_BT=None, mask_Bw=None)
+        dec = dataclasses.replace(
+            dec, sp=dataclasses.replace(dec.sp, adjust=None), targets_BT=None, mask_Bw=None
+        )
         dkey = dataclasses.replace(dkey, logprobs=None, prompt_logprobs=None)
         ver, vkey = self.batch_for(verify)
-        runs = [lambda: jax.block_until_ready(self._call(dec, dkey)), lambda: jax.block_until_ready(self._call(ver, vkey))]
+        runs = [
+            lambda: jax.block_until_ready(self._call(dec, dkey)),
+            lambda: jax.block_until_ready(self._call(ver, vkey)),
+        ]
         for f in runs:
             f()                               # compile
         times = [[], []]

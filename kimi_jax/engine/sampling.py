@@ -14,7 +14,8 @@ from kimi_jax.engine.structured_params import StructuredOutputsParams
 
 @dataclasses.dataclass
 class SamplingParams:
-    """Mutable like vLLM's: checked when made and where a request takes them (generate, add_request)."""
+    """Mutable as vLLM's: checked when made and when a request takes them (generate, add_request)"""
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -41,10 +42,18 @@ class SamplingParams:
     def __post_init__(self):
         self.validate()
 
-    def validate(self, vocab_size: Optional[int] = None, max_logprobs: Optional[int] = None) -> None:
+    def validate(
+        self, vocab_size: Optional[int] = None, max_logprobs: Optional[int] = None
+    ) -> None:
         """RequestError naming the field at fault (`.field`); vocab_size: the model's checks too;
         max_logprobs: the engine's cap on logprobs / prompt_logprobs (-1: none)."""
-        from kimi_jax.engine.validation import RequestError, check_finite, check_seed, is_int, is_real
+        from kimi_jax.engine.validation import (
+            RequestError,
+            check_finite,
+            check_seed,
+            is_int,
+            is_real,
+        )
 
         def need(ok: bool, field: str, what: str) -> None:
             if not ok:
@@ -56,10 +65,17 @@ class SamplingParams:
 
         number("temperature", lambda v: v >= 0.0, "must be >= 0")
         number("top_p", lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")
-        need(is_int(self.top_k) and (self.top_k == -1 or self.top_k > 0), "top_k", "must be -1 (off) or a positive integer")
+        need(
+            is_int(self.top_k) and (self.top_k == -1 or self.top_k > 0),
+            "top_k",
+            "must be -1 (off) or a positive integer",
+        )
         number("min_p", lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
-        need(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
-             "must be a positive integer")
+        need(
+            self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
+            "max_tokens",
+            "must be a positive integer",
+        )
         for field in ("logprobs", "prompt_logprobs"):
             v = getattr(self, field)
             need(v is None or (is_int(v) and v >= 0), field, "must be a non-negative integer")
@@ -68,30 +84,64 @@ class SamplingParams:
                              and all(is_int(t) and t >= 0 for t in ids)), "stop_token_ids",
              "must be a list of non-negative token ids")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        need(stops is None or (isinstance(stops, Sequence) and all(isinstance(x, str) and x for x in stops)),
-             "stop", "must be a non-empty string or a list of them")
+        need(
+            stops is None
+            or (isinstance(stops, Sequence) and all(isinstance(x, str) and x for x in stops)),
+            "stop",
+            "must be a non-empty string or a list of them",
+        )
         for field in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             need(isinstance(getattr(self, field), bool), field, "must be a boolean")
         check_seed(self.seed)
         need(is_int(self.n) and self.n >= 1, "n", "must be a positive integer")
         if self.best_of is not None:
-            need(is_int(self.best_of) and self.best_of >= self.n, "best_of", f"must be an integer >= n ({self.n})")
-            need(self.best_of == 1 or self.temperature > 0.0, "best_of", "must be 1 with greedy sampling (temperature 0)")
+            need(
+                is_int(self.best_of) and self.best_of >= self.n,
+                "best_of",
+                f"must be an integer >= n ({self.n})",
+            )
+            need(
+                self.best_of == 1 or self.temperature > 0.0,
+                "best_of",
+                "must be 1 with greedy sampling (temperature 0)",
+            )
         number("presence_penalty", lambda v: -2.0 <= v <= 2.0, "must be in [-2, 2]")
         number("frequency_penalty", lambda v: -2.0 <= v <= 2.0, "must be in [-2, 2]")
         number("repetition_penalty", lambda v: v > 0.0, "must be > 0")
-        need(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be a non-negative integer")
+        need(
+            is_int(self.min_tokens) and self.min_tokens >= 0,
+            "min_tokens",
+            "must be a non-negative integer",
+        )
         need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              f"must be <= max_tokens ({self.max_tokens})")
         if self.logit_bias is not None:
             from kimi_jax.engine.penalties import MAX_LOGIT_BIAS
-            need(isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
-                 f"must be a dict of at most {MAX_LOGIT_BIAS} token id -> bias entries")
-            need(all(is_int(t) and t >= 0 for t in self.logit_bias), "logit_bias", "keys must be non-negative token ids")
-            need(all(is_real(v) and -100.0 <= v <= 100.0 for v in self.logit_bias.values()), "logit_bias",
-                 "values must be finite numbers in [-100, 100]")
-        need(self.bad_words is None or (isinstance(self.bad_words, (list, tuple)) and all(
-            isinstance(w, str) and w.strip() for w in self.bad_words)), "bad_words", "must be a list of non-empty strings")
+
+            need(
+                isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS,
+                "logit_bias",
+                f"must be a dict of at most {MAX_LOGIT_BIAS} token id -> bias entries",
+            )
+            need(
+                all(is_int(t) and t >= 0 for t in self.logit_bias),
+                "logit_bias",
+                "keys must be non-negative token ids",
+            )
+            need(
+                all(is_real(v) and -100.0 <= v <= 100.0 for v in self.logit_bias.values()),
+                "logit_bias",
+                "values must be finite numbers in [-100, 100]",
+            )
+        need(
+            self.bad_words is None
+            or (
+                isinstance(self.bad_words, (list, tuple))
+                and all(isinstance(w, str) and w.strip() for w in self.bad_words)
+            ),
+            "bad_words",
+            "must be a list of non-empty strings",
+        )
         if self.structured_outputs is not None:
             need(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
                  "must be a StructuredOutputsParams")
@@ -101,16 +151,23 @@ class SamplingParams:
                 raise RequestError(str(e), field="structured_outputs") from None
         if vocab_size is not None:
             if self.logprobs is not None and self.logprobs > vocab_size:
-                raise RequestError(f"logprobs={self.logprobs} is more than the vocabulary ({vocab_size} tokens)",
-                                   field="logprobs")
+                raise RequestError(
+                    f"logprobs={self.logprobs} is more than the vocabulary ({vocab_size} tokens)",
+                    field="logprobs",
+                )
             if self.stop_token_ids and any(t >= vocab_size for t in self.stop_token_ids):
-                raise RequestError(f"stop_token_ids {list(self.stop_token_ids)} reach outside the vocabulary "
-                                   f"[0, {vocab_size})", field="stop_token_ids")
+                raise RequestError(
+                    f"stop_token_ids {list(self.stop_token_ids)} reach outside the vocabulary "
+                    f"[0, {vocab_size})",
+                    field="stop_token_ids",
+                )
         if max_logprobs is not None and max_logprobs >= 0:
             for field in ("logprobs", "prompt_logprobs"):
                 v = getattr(self, field)
                 if v is not None and v > max_logprobs:
-                    raise RequestError(f"{field} {v} exceeds max_logprobs {max_logprobs}", field=field)
+                    raise RequestError(
+                        f"{field} {v} exceeds max_logprobs {max_logprobs}", field=field
+                    )
 
     @property
     def num_samples(self) -> int:
@@ -120,8 +177,14 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Some adjustment runs before sampling (kimi_jax.engine.penalties)."""
-        return bool(self.logit_bias or self.bad_words or self.min_tokens or self.repetition_penalty != 1.0
-                    or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0)
+        return bool(
+            self.logit_bias
+            or self.bad_words
+            or self.min_tokens
+            or self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
 
     @property
     def stop_strings(self) -> list[str]:
@@ -157,17 +220,21 @@ class SamplingArrays:
 
 
 def key_data_for_seed(seed: int, sample: Optional[int] = None) -> np.ndarray:
-    """Raw uint32 key [2] of a request's stream: seed mod 2^64 as (high, low) words (= PRNGKey(seed) for
-    0 <= seed < 2^32); sample: one of the request's n samples, each its own stream."""
+    """Raw uint32 key [2] of a request's stream: seed mod 2^64 as (high, low) words (= PRNGKey(seed)
+    for 0 <= seed < 2^32); sample: one of the request's n samples, each its own stream."""
     s = int(seed) % 2 ** 64
     key = np.asarray([s >> 32, s & 0xFFFFFFFF], np.uint32)
     if sample is not None:
-        key = np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(key), sample)), np.uint32)
+        key = np.asarray(
+            jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(key), sample)),
+            np.uint32,
+        )
     return key
 
 
 def _filtered_sorted(logits_BV, sp: SamplingArrays):
-    """(order [B, V] descending, logits in that order after temperature and top-k / top-p / min-p: -inf)."""
+    """(order [B, V] descending, logits in that order after temperature and top-k / top-p / min-p:
+    -inf)."""
     logits = logits_BV.astype(jnp.float32)
     temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)
     scaled = logits / temp[:, None]
@@ -193,8 +260,9 @@ SAMPLE_MODES = ("greedy", "plain", "filtered")
 
 
 def sample_mode(sp: SamplingArrays) -> str:
-    """The cheapest `sample` path for host SamplingArrays: 'greedy', 'plain' (no row filters) or 'filtered';
-    static, so the step needs no device conditional (which makes a GPU host wait every step)."""
+    """The cheapest `sample` path for host SamplingArrays: 'greedy', 'plain' (no row filters) or
+    'filtered'; static, so the step needs no device conditional (which makes a GPU host wait every
+    step)."""
     sampling, filters = _row_paths(*map(np.asarray, (sp.temperature, sp.top_k, sp.top_p, sp.min_p)))
     if not sampling.any():
         return "greedy"
@@ -207,10 +275,13 @@ def _row_paths(temperature, top_k, top_p, min_p):
     return sampling, sampling & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
 
 
-def sample(logits_BV: jax.Array, sp: SamplingArrays, step_B: jax.Array, mode: Optional[str] = None) -> jax.Array:
-    """Next token per row [B] int32: argmax at temperature 0, else filtered sampling with the row's key
-    folded with its step; the [B, V] sort runs only if some row filters (BENCHMARKS.md "ModelSteps decode step").
-    mode: static (`sample_mode`), or None to decide on the device; a row's token never depends on it."""
+def sample(
+    logits_BV: jax.Array, sp: SamplingArrays, step_B: jax.Array, mode: Optional[str] = None
+) -> jax.Array:
+    """Next token per row [B] int32: argmax at temperature 0, else filtered sampling with the row's
+    key folded with its step; the [B, V] sort runs only if some row filters (BENCHMARKS.md
+    "ModelSteps decode step"). mode: static (`sample_mode`), or None to decide on the device; a
+    row's token never depends on it."""
     if mode is not None and mode not in SAMPLE_MODES:
         raise ValueError(f"unknown sample mode {mode!r}; expected one of {SAMPLE_MODES}")
     greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
@@ -241,19 +312,29 @@ def target_probs(logits_BV: jax.Array, sp: SamplingArrays) -> jax.Array:
     """The distribution `sample` draws from, in vocabulary order [B, V] (float32)."""
     order, filtered = _filtered_sorted(logits_BV, sp)
     probs_sorted = jax.nn.softmax(filtered, axis=-1)
-    return jnp.zeros_like(probs_sorted).at[jnp.arange(order.shape[0])[:, None], order].set(probs_sorted)
+    return (
+        jnp.zeros_like(probs_sorted)
+        .at[jnp.arange(order.shape[0])[:, None], order]
+        .set(probs_sorted)
+    )
 
 
-def verify_drafts(logits_BTV: jax.Array, drafts_BY: jax.Array, n_draft_B: jax.Array, sp: SamplingArrays,
-                  step_B: jax.Array):
+def verify_drafts(
+    logits_BTV: jax.Array,
+    drafts_BY: jax.Array,
+    n_draft_B: jax.Array,
+    sp: SamplingArrays,
+    step_B: jax.Array,
+):
     """Speculative verification (lossless). Position i of row b holds the target's next-token logits
-    after draft i (position 0: after the last accepted token); Y = T - 1 drafts per row, n_draft_B valid.
+    after draft i (position 0: after the last accepted token); Y = T - 1 drafts per row, n_draft_B
+    valid.
 
     Greedy rows accept draft i while it equals the target's argmax. Sampled rows use the standard
     rejection rule for a deterministic drafter (q = a point mass on the draft): accept draft i with
     probability p_i(d_i); at the first rejection draw from p_i with d_i removed (the residual
-    (p - q)+ normalized); if every draft is accepted draw a bonus token from p_n. The output then has
-    exactly the target's distribution. Returns (accepted count [B], next token [B]).
+    (p - q)+ normalized); if every draft is accepted draw a bonus token from p_n. The output then
+    has exactly the target's distribution. Returns (accepted count [B], next token [B]).
     """
     B, T, V = logits_BTV.shape
     Y = T - 1
@@ -270,15 +351,19 @@ def verify_drafts(logits_BTV: jax.Array, drafts_BY: jax.Array, n_draft_B: jax.Ar
     p_next_BV = probs_BTV[rows, n_acc_B]
     rejected = n_acc_B < n_draft_B
     d_rej = drafts_BY[rows, jnp.minimum(n_acc_B, Y - 1)] if Y > 0 else jnp.zeros((B,), jnp.int32)
-    residual = jnp.where(rejected[:, None] & (jnp.arange(V)[None, :] == d_rej[:, None]), 0.0, p_next_BV)
-    draw = jax.vmap(lambda k, s, p: jax.random.categorical(_row_key(k, s, 2), jnp.log(p)))(sp.key, step_B, residual)
+    residual = jnp.where(
+        rejected[:, None] & (jnp.arange(V)[None, :] == d_rej[:, None]), 0.0, p_next_BV
+    )
+    draw = jax.vmap(lambda k, s, p: jax.random.categorical(_row_key(k, s, 2), jnp.log(p)))(
+        sp.key, step_B, residual
+    )
     nxt = jnp.where(sampled, draw.astype(jnp.int32), greedy_BT[rows, n_acc_B])
     return n_acc_B.astype(jnp.int32), nxt
 
 
 def top_logprobs(logits_BV: jax.Array, tokens_B: jax.Array, n: int):
-    """Raw log-softmax: (chosen token's logprob [...], its rank (1 = best) [...], top-n ids [..., n],
-    top-n values [..., n]); any leading shape."""
+    """Raw log-softmax: (chosen token's logprob [...], its rank (1 = best) [...], top-n ids [...,
+    n], top-n values [..., n]); any leading shape."""
     lp = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(lp, tokens_B[..., None], axis=-1)[..., 0]
     rank = (lp > chosen[..., None]).sum(axis=-1).astype(jnp.int32) + 1
@@ -288,7 +373,9 @@ def top_logprobs(logits_BV: jax.Array, tokens_B: jax.Array, n: int):
 
 @dataclasses.dataclass
 class Logprob:
-    """vLLM's Logprob: log-probability, vocabulary rank (1: most likely), text (None without a tokenizer)."""
+    """vLLM's Logprob: log-probability, vocabulary rank (1: most likely), text (None without a
+    tokenizer)."""
+
     logprob: float
     rank: Optional[int] = None
     decoded_token: Optional[str] = None

@@ -1,8 +1,8 @@
-"""Continuous batching over a paged latent cache: the Scheduler plans each pass as a StepPlan (admission,
-prefix cache, preemption, the speculation decision), the runner (kimi_jax.engine.runner) runs it, and
-the Scheduler books its outputs (`update`); the EngineCore (kimi_jax.engine.core) drives the two.
-Who runs and which pages they hold is kimi_jax.engine.admission's. docs/ARCHITECTURE.md ('One step')
-describes the passes, overlap scheduling, preemption and data parallelism."""
+"""Continuous batching over a paged latent cache: the Scheduler plans each pass as a StepPlan
+(admission, prefix cache, preemption, the speculation decision), the runner (kimi_jax.engine.runner)
+runs it, and the Scheduler books its outputs (`update`); the EngineCore (kimi_jax.engine.core)
+drives the two. Who runs and which pages they hold is kimi_jax.engine.admission's.
+docs/ARCHITECTURE.md ('One step') describes the passes, overlap, preemption and data parallelism."""
 from __future__ import annotations
 
 import collections
@@ -27,22 +27,41 @@ class Scheduler:
                  batch_size: Callable[[int], int], dp: int, exec_plan, tokenizer=None, eos_ids=(),
                  pass_costs: Optional[dict] = None, measure: Optional[Callable] = None):
         self.config, self.cache = config, cache
-        self.vocab_size, self.batch_size, self.dp, self.tokenizer = vocab_size, batch_size, dp, tokenizer
+        self.vocab_size, self.batch_size, self.dp, self.tokenizer = (
+            vocab_size,
+            batch_size,
+            dp,
+            tokenizer,
+        )
         self.max_logprobs = config.max_logprobs   # the cap on logprobs / prompt_logprobs (-1: none)
         self.page_size, self.max_num_seqs = cache.page_size, config.max_num_seqs
         self.max_model_len = config.max_model_len
-        self.prefill_chunk, self.max_prefill_tokens = config.prefill_chunk, config.max_prefill_tokens
+        self.prefill_chunk, self.max_prefill_tokens = (
+            config.prefill_chunk,
+            config.max_prefill_tokens,
+        )
         self.eos_ids = frozenset(eos_ids)
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "preemptions": 0,
                       "drafted": 0, "accepted": 0, "prefill_passes": 0, "decode_passes": 0,
                       "verify_passes": 0, "cost_calibrations": 0, "overlapped_steps": 0,
                       "prefix_cache_queries": 0, "prefix_cache_hits": 0}   # tokens, as vLLM counts
         self.admission = adm = Admission(
-            num_pages=cache.num_pages, page_size=cache.page_size, dp=dp, max_num_seqs=config.max_num_seqs,
-            prefill_chunk=config.prefill_chunk, vocab_size=vocab_size,
-            caching=cache.enable_prefix_caching, stats=self.stats)
+            num_pages=cache.num_pages,
+            page_size=cache.page_size,
+            dp=dp,
+            max_num_seqs=config.max_num_seqs,
+            prefill_chunk=config.prefill_chunk,
+            vocab_size=vocab_size,
+            caching=cache.enable_prefix_caching,
+            stats=self.stats,
+        )
         # the admission's own containers, read by the planning below and by the engine's clients
-        self.pool, self.waiting, self.running, self.effects = adm.pool, adm.waiting, adm.running, adm.effects
+        self.pool, self.waiting, self.running, self.effects = (
+            adm.pool,
+            adm.waiting,
+            adm.running,
+            adm.effects,
+        )
         speculative = config.speculative_config
         self.spec = speculative
         self.drafter = speculative.drafter() if speculative else None
@@ -63,9 +82,9 @@ class Scheduler:
 
     # ---- planning -------------------------------------------------------------------------------
     def schedule(self) -> Optional[StepPlan]:
-        """The iteration's next pass: a chained decode step while the overlapped batch stays the same
-        (`overlap_continues`), else admission and a prefill pass, then a decode and / or a verification
-        pass; None ends the iteration (the next call starts another)."""
+        """The iteration's next pass: a chained decode step while the overlapped batch stays the
+        same (`overlap_continues`), else admission and a prefill pass, then a decode and / or a
+        verification pass; None ends the iteration (the next call starts another)."""
         while True:
             phase, self._phase = self._phase, self._phase + 1
             if phase == 0:
@@ -105,23 +124,38 @@ class Scheduler:
     def unblock(self) -> Request:
         return self.admission.unblock()
 
-    def _plan(self, kind: str, feeds: list[tuple[Request, list[int]]], T: int, overlap: bool = False) -> StepPlan:
+    def _plan(
+        self, kind: str, feeds: list[tuple[Request, list[int]]], T: int, overlap: bool = False
+    ) -> StepPlan:
         """A plan for rows that feed these tokens at their next positions, padded to T per row."""
         B, batch_rows = self._batch_rows([r for r, _ in feeds])
-        P = self.shapes.table(kind, max(len(r.pages) for r, _ in feeds), T, not any(r.num_computed for r, _ in feeds))
-        rows = tuple(Row(r, b, tuple(int(t) for t in feed), r.num_computed, tuple(r.pages), len(r.output_ids))
-                     for (r, feed), b in zip(feeds, batch_rows))
+        P = self.shapes.table(
+            kind, max(len(r.pages) for r, _ in feeds), T, not any(r.num_computed for r, _ in feeds)
+        )
+        rows = tuple(
+            Row(
+                r, b, tuple(int(t) for t in feed), r.num_computed, tuple(r.pages), len(r.output_ids)
+            )
+            for (r, feed), b in zip(feeds, batch_rows)
+        )
         return StepPlan(kind, rows, B, T, P, overlap=overlap)
 
     def _prefill_plan(self) -> Optional[StepPlan]:
-        """Prompt chunks: at most prefill_chunk tokens of each prompt, max_prefill_tokens in all, rows
-        after the first while the pass `Shapes.prefill_fits`."""
+        """Prompt chunks: at most prefill_chunk tokens of each prompt, max_prefill_tokens in all,
+        rows after the first while the pass `Shapes.prefill_fits`."""
         budget, rows, filling = self.max_prefill_tokens, [], set()
-        for r in [r for r in self.running if r.pending > 1 or (r.pending == 1 and prompt_entries_left(r))]:
-            if (self.pool.caching and r.prompt_logprobs is None
-                    and r.num_computed == r.num_registered * self.page_size == len(r.pages) * self.page_size):
-                # prefix caching: a request takes its cached prefix with its first chunk, or waits a step for a
-                # page another row is computing (not one scoring its prompt: cached positions have no logits)
+        for r in [
+            r for r in self.running if r.pending > 1 or (r.pending == 1 and prompt_entries_left(r))
+        ]:
+            if (
+                self.pool.caching
+                and r.prompt_logprobs is None
+                and r.num_computed
+                == r.num_registered * self.page_size
+                == len(r.pages) * self.page_size
+            ):
+                # prefix caching: a request takes its cached prefix with its first chunk, or waits a
+                # step for a page another row computes (not one scoring a prompt: no cached logits)
                 self.admission.take_cached_prefix(r)
                 nxt = r.num_computed // self.page_size
                 if nxt < len(r.page_hashes) and r.page_hashes[nxt] in filling:
@@ -130,14 +164,27 @@ class Scheduler:
                     continue
             n = min(r.pending, self.prefill_chunk, budget)
             shape = prefill_shape(rows + [(r, n)], self.page_size)
-            if n <= 0 or rows and not self.shapes.prefill_fits(self._batch_rows([q for q, _ in rows] + [r])[0], *shape):
+            if (
+                n <= 0
+                or rows
+                and not self.shapes.prefill_fits(
+                    self._batch_rows([q for q, _ in rows] + [r])[0], *shape
+                )
+            ):
                 break
-            if r in self.running and self.admission.ensure_pages(r, r.num_computed + n, [q for q, _ in rows]):
+            if r in self.running and self.admission.ensure_pages(
+                r, r.num_computed + n, [q for q, _ in rows]
+            ):
                 rows.append((r, n))
                 budget -= n
                 if self.pool.caching:
                     chain_hashes(r.tokens, self.page_size, r.page_hashes)
-                    filling.update(r.page_hashes[r.num_computed // self.page_size:(r.num_computed + n) // self.page_size])
+                    filling.update(
+                        r.page_hashes[
+                            r.num_computed // self.page_size : (r.num_computed + n)
+                            // self.page_size
+                        ]
+                    )
             elif r in self.running and self.admission.alone(r):
                 self.admission.stop(r)
         if not rows:
@@ -147,21 +194,28 @@ class Scheduler:
                           [(r, r.tokens[r.num_computed:r.num_computed + n]) for r, n in rows], T)
 
     def _decode_plans(self) -> Optional[StepPlan]:
-        """The decode pass of the rows with one token pending; with speculation, when drafts pay, the
-        others verify their drafts in one verification pass (kept for the next phase)."""
+        """The decode pass of the rows with one token pending; with speculation, when drafts pay,
+        the others verify their drafts in one verification pass (kept for the next phase)."""
         ready = []
-        for r in [r for r in self.running if r.pending == 1 and r.finish_reason is None and not prompt_entries_left(r)]:
+        for r in [
+            r
+            for r in self.running
+            if r.pending == 1 and r.finish_reason is None and not prompt_entries_left(r)
+        ]:
             if r in self.running and self.admission.ensure_pages(r, r.num_computed + 1, ready):
                 ready.append(r)
             elif r in self.running and self.admission.alone(r):
                 self.admission.stop(r)
         if not ready:
             return None
-        drafts = {id(r): propose_drafts(r, self.drafter, self.spec, self.max_model_len) for r in ready}
-        # any drafts worth it: every ready row goes through ONE verification pass (rows without drafts
-        # just decode in it), never a decode pass and a verification pass
+        drafts = {
+            id(r): propose_drafts(r, self.drafter, self.spec, self.max_model_len) for r in ready
+        }
+        # any drafts worth it: every ready row goes through ONE verification pass (rows without
+        # drafts just decode in it), never a decode pass and a verification pass
         speculate = any(drafts.values()) and self._verify_pays(ready, drafts)
-        rows, plain = [], []            # plain: decode rows outside verification (rows wanting logprobs)
+        # plain: decode rows outside verification (rows wanting logprobs)
+        rows, plain = [], []
         for r in ready:
             d = drafts[id(r)]
             if not speculate:
@@ -178,10 +232,12 @@ class Scheduler:
                                            self.spec.num_speculative_tokens + 1)
         if not plain:
             return None
-        # multi-token bad words are banned by the last output tokens, and a constrained row's mask needs
-        # its previous token: under overlap such a batch splits its step, sampling after the booking
+        # multi-token bad words are banned by the last output tokens, and a constrained row's mask
+        # needs its previous token: under overlap such a batch splits its step, sampling once booked
         overlap = self.overlap
-        plan = self._plan("decode", [(r, [r.tokens[r.num_computed]]) for r in plain], 1, overlap=overlap)
+        plan = self._plan(
+            "decode", [(r, [r.tokens[r.num_computed]]) for r in plain], 1, overlap=overlap
+        )
         if overlap and any(needs_host(r) for r in plain):
             plan = dataclasses.replace(plan, split=True)
         if overlap:
@@ -190,9 +246,10 @@ class Scheduler:
 
     # ---- overlap scheduling ---------------------------------------------------------------------
     def overlap_continues(self) -> bool:
-        """Whether the next decode step can run on the rows in flight before that step is read: none of
-        them finished, no other request is running or could be admitted, some row is not certain to
-        end with the step in flight, and every page the next step needs is free (no preemption)."""
+        """Whether the next decode step can run on the rows in flight before that step is read: none
+        of them finished, no other request is running or could be admitted, some row is not certain
+        to end with the step in flight, and every page the next step needs is free (no
+        preemption)."""
         rows = [row.req for row in self.inflight.rows]
         if len(rows) != len(self.running) or any(r.finish_reason is not None for r in rows):
             return False
@@ -205,8 +262,8 @@ class Scheduler:
         return bool(live) and all(n <= self.pool.free_in(k) for k, n in need.items())
 
     def _chain_plan(self) -> StepPlan:
-        """The next decode step of the rows in flight, fed their tokens on the device; rows ending with
-        the step in flight are padding."""
+        """The next decode step of the rows in flight, fed their tokens on the device; rows ending
+        with the step in flight are padding."""
         f, rows = self.inflight, []
         for row in f.rows:
             r = row.req
@@ -216,8 +273,10 @@ class Scheduler:
             need = self.admission.pages_short(r, r.num_computed + 2)
             if need > 0:
                 r.pages += self.pool.take(need, r.rank)   # checked free by overlap_continues
-            # the step in flight feeds position num_computed and samples output number len(output_ids)
-            rows.append(Row(r, row.batch_row, (), r.num_computed + 1, tuple(r.pages), len(r.output_ids) + 1))
+            # the step in flight feeds position num_computed, samples output number len(output_ids)
+            rows.append(
+                Row(r, row.batch_row, (), r.num_computed + 1, tuple(r.pages), len(r.output_ids) + 1)
+            )
         P = self.shapes.table("decode", max(len(row.pages) for row in rows if row.live))
         self.inflight = StepPlan("decode", tuple(rows), f.batch, 1, P, chained=True, overlap=True,
                                  split=f.split)
@@ -236,16 +295,19 @@ class Scheduler:
         return B, batch_rows
 
     def _fork(self, p: Request) -> None:
-        """A samples group's prefill is done: each sample starts from copies of its pages, or, with no
-        free slot or pages, waits to prefill alone."""
+        """A samples group's prefill is done: each sample starts from copies of its pages, or, with
+        no free slot or pages, waits to prefill alone."""
         self.admission.leave(p)
         src, dst, late = [], [], []
         for c in p.forks:
             if p.prompt_logprobs is not None:
                 c.prompt_logprobs = list(p.prompt_logprobs)
             load = sum(q.rank == p.rank for q in self.running)
-            got = (self.pool.take(len(p.pages), p.rank)
-                   if len(self.running) < self.max_num_seqs and load < self.admission.seqs_per_rank else None)
+            got = (
+                self.pool.take(len(p.pages), p.rank)
+                if len(self.running) < self.max_num_seqs and load < self.admission.seqs_per_rank
+                else None
+            )
             if got is None:
                 late.append(c)
                 continue
@@ -272,8 +334,9 @@ class Scheduler:
         return finished
 
     def _book(self, plan: StepPlan, out) -> list[Request]:
-        """n tokens of each row are now cached; rows done with their prompt get the sampled token. Rows
-        that finished before (overlap: a step ran past their end) are skipped, their token discarded."""
+        """n tokens of each row are now cached; rows done with their prompt get the sampled token.
+        Rows that finished before (overlap: a step ran past their end) are skipped, their token
+        discarded."""
         finished = []
         for row in plan.rows:
             r, n, b = row.req, row.n, row.batch_row
@@ -285,7 +348,8 @@ class Scheduler:
                 score_prompt(r, out, b, r.num_computed, n)
             r.num_computed += n
             self.pool.register_filled(r, self.page_size)
-            if r.pending > 0:      # a chunk in the middle of a prompt (or of a recompute): no token yet
+            # a chunk in the middle of a prompt (or of a recompute): no token yet
+            if r.pending > 0:
                 continue
             if r.prefill_only:
                 self._fork(r)
@@ -318,8 +382,8 @@ class Scheduler:
         return len(r.output_ids) + 1 >= r.max_new
 
     def _verify_pays(self, ready: list[Request], drafts: dict) -> bool:
-        """Verify when A > n (t_verify / t_decode - 1): n ready rows, A their expected accepted drafts,
-        the pass costs measured once per batch / page-table bucket (`_pass_costs`)."""
+        """Verify when A > n (t_verify / t_decode - 1): n ready rows, A their expected accepted
+        drafts, the pass costs measured once per batch / page-table bucket (`_pass_costs`)."""
         if not self.spec.adaptive:
             return True
         t_decode, t_verify = self._pass_costs(ready)
@@ -327,14 +391,19 @@ class Scheduler:
         return gain > len(ready) * (t_verify / t_decode - 1.0)
 
     def _pass_costs(self, ready: list[Request]) -> tuple[float, float]:
-        """(decode pass seconds, verification pass seconds) at this step's batch and page-table bucket,
-        measured on the step's own rows the first time the engine meets the bucket and kept in
-        pass_costs (shared by the engine's schedulers), so later runs take the same decisions."""
-        key = (self._batch_rows(ready)[0], self.shapes.table("decode", max(len(r.pages) for r in ready)))
+        """(decode pass seconds, verification pass seconds) at this step's batch and page-table
+        bucket, measured on the step's own rows the first time the engine meets the bucket and kept
+        in pass_costs (shared by the engine's schedulers), so later runs take the same decisions."""
+        key = (
+            self._batch_rows(ready)[0],
+            self.shapes.table("decode", max(len(r.pages) for r in ready)),
+        )
         if key not in self.pass_costs:
             feeds = [(r, [r.tokens[-1]]) for r in ready]
-            self.pass_costs[key] = self.measure(self._plan("decode", feeds, 1),
-                                                self._plan("verify", feeds, self.spec.num_speculative_tokens + 1))
+            self.pass_costs[key] = self.measure(
+                self._plan("decode", feeds, 1),
+                self._plan("verify", feeds, self.spec.num_speculative_tokens + 1),
+            )
             self.stats["cost_calibrations"] += 1
         return self.pass_costs[key]
 
@@ -344,5 +413,5 @@ class Scheduler:
 
 
 def needs_host(r: Request) -> bool:
-    """r's next sampling needs its last token on the host (a grammar's mask, multi-token bad words)."""
+    """r's next sampling needs its last token on the host (grammar mask, multi-token bad words)."""
     return r.structured is not None or (r.adjust is not None and bool(r.adjust.bad_words))

@@ -1,12 +1,13 @@
-"""Padded step shapes: one rule for the scheduler's plans and the runner's program set (`Runner.programs`)."""
+"""Padded step shapes: one rule for the scheduler's plans and the runner's `Runner.programs`."""
+
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
 
 MIN_TABLE_TOKENS = 256
-# Decode and verification on the Pallas MLA kernel, which reads each row's length, take one block-table
-# width for rows of up to this many pages: the width costs ~nothing (BENCHMARKS.md, 'Program set').
+# Decode and verification on the Pallas MLA kernel, which reads each row's length, take one
+# block-table width for rows up to this many pages: ~free (BENCHMARKS.md 'Program set').
 DECODE_TABLE_PAGES = 1024
 
 
@@ -16,13 +17,15 @@ def bucket(n: int, minimum: int = 8) -> int:
 
 
 def table_bucket(pages: int, page_size: int) -> int:
-    """Block-table width for `pages` pages: a power of two covering >= MIN_TABLE_TOKENS (one width for short rows)."""
+    """Block-table width for `pages` pages: a power of two covering >= MIN_TABLE_TOKENS (one width
+    for short rows)."""
     return bucket(pages, max(4, -(-MIN_TABLE_TOKENS // page_size)))
 
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """What an engine admits: the bounds of its padded shapes and of its program set (`Runner.programs`)."""
+    """What an engine admits: bounds of its padded shapes and program set (`Runner.programs`)."""
+
     max_num_seqs: int
     max_model_len: int
     page_size: int
@@ -46,12 +49,28 @@ class Shapes:
     absorbed_chunk: int = 0               # chunk prefills up to this width run as decode does
 
     @classmethod
-    def of(cls, max_model_len: int, page_size: int, max_prefill_tokens: int, rank_pages: Optional[int] = None,
-           dp: int = 1, pallas: bool = False, absorbed_chunk: int = 0) -> "Shapes":
+    def of(
+        cls,
+        max_model_len: int,
+        page_size: int,
+        max_prefill_tokens: int,
+        rank_pages: Optional[int] = None,
+        dp: int = 1,
+        pallas: bool = False,
+        absorbed_chunk: int = 0,
+    ) -> "Shapes":
         # a prompt is shorter than max_model_len and the last sampled token is never fed
         pages = max(1, -(-(max_model_len - 1) // page_size))
         pages = pages if rank_pages is None else min(pages, rank_pages)
-        return cls(page_size, pages, bucket(max_prefill_tokens, 16), rank_pages, dp, pallas, absorbed_chunk if pallas else 0)
+        return cls(
+            page_size,
+            pages,
+            bucket(max_prefill_tokens, 16),
+            rank_pages,
+            dp,
+            pallas,
+            absorbed_chunk if pallas else 0,
+        )
 
     @classmethod
     def for_limits(cls, limits: Limits, dp: int, exec_plan) -> "Shapes":
@@ -60,8 +79,8 @@ class Shapes:
                       limits.pages_per_rank, dp, exec_plan.pallas, exec_plan.absorbed_chunk_tokens)
 
     def table(self, kind: str, pages: int, width: int = 1, fresh: bool = False) -> int:
-        """Block-table width of a step whose longest row holds `pages` pages: fresh prefill never reads
-        the cache; the XLA path and chunk prefill gather the whole table."""
+        """Block-table width of a step whose longest row holds `pages` pages: fresh prefill never
+        reads the cache; the XLA path and chunk prefill gather the whole table."""
         if kind == "prefill" and fresh and not self._reads_lengths(kind, width):
             return table_bucket(-(-width // self.page_size), self.page_size)
         if self._reads_lengths(kind, width) and pages <= DECODE_TABLE_PAGES:
@@ -76,10 +95,15 @@ class Shapes:
         return sorted({self.table(kind, p, width, fresh) for p in range(1, self.max_pages + 1)})
 
     def prefill_fits(self, batch: int, width: int, pages: int, fresh: bool) -> bool:
-        """Whether a prefill pass [batch, width] (longest row: `pages` pages) may take another row: B * T
-        within the cap and, chunk prefill, each rank's gathered tables within its pages (T = 1: decode)."""
+        """Whether a prefill pass [batch, width] (longest row: `pages` pages) may take another row:
+        B * T within the cap and, chunk prefill, each rank's gathered tables within its pages (T =
+        1: decode)."""
         if width == 1:
             return True
         table = self.table("prefill", pages, width, fresh)
-        return batch * width <= self.prefill_tokens and (fresh or self._reads_lengths("prefill", width)
-                                                         or self.rank_pages is None or batch * table <= self.dp * self.rank_pages)
+        return batch * width <= self.prefill_tokens and (
+            fresh
+            or self._reads_lengths("prefill", width)
+            or self.rank_pages is None
+            or batch * table <= self.dp * self.rank_pages
+        )

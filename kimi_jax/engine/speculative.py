@@ -6,13 +6,14 @@ down to min_n) and proposes the tokens that followed it; it needs no extra model
 every checkpoint. `NgramIndex` is the same lookup kept incrementally per request (O(max_n) per token
 and per proposal instead of a scan of the whole sequence); `NgramDrafter.propose` is its reference.
 
-When to verify (kimi_jax.engine.scheduler) is decided from acceptance statistics and measured pass costs, not
-from per-step timings. `SpecState` keeps each request's acceptance rate per draft position, from real
-verifications and from "shadow" drafts: drafts proposed while the engine decodes plainly are checked
-against the tokens that the request then produces. A draft token is accepted exactly when it equals
-the token the target emits at that position (greedy: the argmax; sampled: the rejection rule accepts
-d with probability p(d), which is the probability that the sampled token is d), so the shadow match
-rate is an unbiased estimate of the acceptance rate and costs no verification pass.
+When to verify (kimi_jax.engine.scheduler) is decided from acceptance statistics and measured pass
+costs, not from per-step timings. `SpecState` keeps each request's acceptance rate per draft
+position, from real verifications and from "shadow" drafts: drafts proposed while the engine decodes
+plainly are checked against the tokens that the request then produces. A draft token is accepted
+exactly when it equals the token the target emits at that position (greedy: the argmax; sampled: the
+rejection rule accepts d with probability p(d), which is the probability that the sampled token is
+d), so the shadow match rate is an unbiased estimate of the acceptance rate and costs no
+verification pass.
 """
 from __future__ import annotations
 
@@ -49,8 +50,8 @@ class NgramDrafter:
 class NgramIndex:
     """Incremental prompt lookup for one sequence; proposes exactly what NgramDrafter.propose does.
 
-    follow[n] maps each n-gram to the position just after its most recent occurrence, for occurrences
-    followed by at least one token (so the sequence's own suffix never matches itself)."""
+    follow[n] maps each n-gram to the position just after its most recent occurrence, for
+    occurrences followed by at least one token (so the sequence's own suffix never matches)."""
 
     def __init__(self, max_n: int, min_n: int):
         self.max_n, self.min_n = max_n, min_n
@@ -67,7 +68,8 @@ class NgramIndex:
                 self._append(int(t))
 
     def _append(self, t: int) -> None:
-        i = len(self.tokens)                      # the n-grams ending just before i now have a follower
+        # the n-grams ending just before i now have a follower
+        i = len(self.tokens)
         for n, table in self.follow.items():
             if i - n >= 0:
                 table[tuple(self.tokens[i - n:i])] = i
@@ -87,7 +89,8 @@ class SpeculativeConfig:
     """vLLM-style: method 'ngram', num_speculative_tokens k, prompt_lookup_max/min n."""
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 3
-    prompt_lookup_min: int = 2      # a 1-token match is mostly chance: it costs verification, rarely pays
+    # a 1-token match is mostly chance: it costs verification, rarely pays
+    prompt_lookup_min: int = 2
     method: str = "ngram"
     adaptive: bool = True           # verify only when the expected tokens/s beat plain decoding
 
@@ -101,8 +104,13 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unknown key(s) {sorted(unknown)}")
         out = cls(**cfg)
         if out.method != "ngram":
-            raise ValueError(f"speculative_config.method={out.method!r}: only 'ngram' is implemented")
-        if out.num_speculative_tokens < 1 or not 1 <= out.prompt_lookup_min <= out.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config.method={out.method!r}: only 'ngram' is implemented"
+            )
+        if (
+            out.num_speculative_tokens < 1
+            or not 1 <= out.prompt_lookup_min <= out.prompt_lookup_max
+        ):
             raise ValueError("speculative_config: need num_speculative_tokens >= 1 and "
                              "1 <= prompt_lookup_min <= prompt_lookup_max")
         return out
@@ -111,9 +119,10 @@ class SpeculativeConfig:
         return NgramDrafter(self.prompt_lookup_max, self.prompt_lookup_min)
 
 
-# Acceptance estimate: a prior of PRIOR_HITS in PRIOR_TRIED, counts decayed by DECAY per attempt (~20 attempts).
-# Pessimistic (no hits): first drafts are free shadow drafts, verified once they match; a 1-in-2 prior made
-# the H200 run verify 5 times on text that never repeated (0.95x of speculation off at batch 1).
+# Acceptance estimate: a prior of PRIOR_HITS in PRIOR_TRIED, counts decayed by DECAY per attempt
+# (~20 attempts). Pessimistic (no hits): first drafts are free shadow drafts, verified once they
+# match; a 1-in-2 prior made the H200 run verify 5 times on text that never repeated (0.95x of
+# speculation off at batch 1).
 PRIOR_HITS, PRIOR_TRIED, DECAY = 0.0, 2.0, 0.95
 
 
@@ -125,8 +134,10 @@ class SpecState:
     accepted: int = 0
     verify_steps: int = 0
     hits: float = 0.0          # decayed accepted draft positions (real + shadow)
-    tried: float = 0.0         # decayed tried draft positions: a draft position is tried when all before it matched
-    shadow: Optional[tuple[int, list[int]]] = None   # (output length when proposed, drafts), unverified
+    # decayed tried draft positions: a draft position is tried when all before it matched
+    tried: float = 0.0
+    # (output length when proposed, drafts), unverified
+    shadow: Optional[tuple[int, list[int]]] = None
     index: Optional[NgramIndex] = None
 
     def _observe(self, n_draft: int, n_accepted: int) -> None:
@@ -170,9 +181,11 @@ class SpecState:
         return sum(a ** i for i in range(1, n_draft + 1))
 
 
-def propose_drafts(r, drafter: Optional["Drafter"], spec: Optional[SpeculativeConfig], max_model_len: int) -> list[int]:
+def propose_drafts(
+    r, drafter: Optional["Drafter"], spec: Optional[SpeculativeConfig], max_model_len: int
+) -> list[int]:
     """Draft tokens for a decode-ready request (none without speculation, with logprobs, logits
-    adjustments or a grammar, or near the end of its budget); also scores its pending shadow drafts."""
+    adjustments or a grammar, or near the end of its budget); also scores pending shadow drafts."""
     if (drafter is None or r.params.logprobs is not None or r.adjust is not None or r.prefill_only
             or r.structured is not None):
         return []

@@ -1,6 +1,6 @@
-"""The jitted model steps the runner drives: pure functions of the model's state with the cache donated
-(`_step` over one StepBatch, `_all_logits`); the ExecPlan is a static argument of each. Their
-loose-argument forms for the profiler and benchmarks are in kimi_jax.tools.step_adapters."""
+"""The jitted model steps the runner drives: pure functions of the model's state with the cache
+donated (`_step` over one StepBatch, `_all_logits`); the ExecPlan is a static argument of each.
+Their loose-argument forms for the profiler and benchmarks are in kimi_jax.tools.step_adapters."""
 from __future__ import annotations
 
 import dataclasses
@@ -44,7 +44,8 @@ class Occurrences:
         self.pool, self.pad_row = pool, pad_row
 
 
-_OCC = "occurrences"      # the updated pool's key among a step's outputs (taken off by the ModelSteps)
+# the updated pool's key among a step's outputs (taken off by the ModelSteps)
+_OCC = "occurrences"
 
 
 class _Structure:
@@ -56,8 +57,9 @@ class _Structure:
 
 @jax.tree_util.register_pytree_node_class
 class FlatWeights:
-    """The model's state as one flat tuple of arrays, the steps' argument: flattening an nnx.State costs the
-    host about 0.4 us a Variable at each call (BENCHMARKS.md, "The host's enqueue"), a tuple next to nothing."""
+    """The model's state as one flat tuple of arrays, the steps' argument: flattening an nnx.State
+    costs the host about 0.4 us a Variable at each call (BENCHMARKS.md, "The host's enqueue"), a
+    tuple next to nothing."""
 
     def __init__(self, leaves, structure: _Structure):
         self.leaves, self.structure = tuple(leaves), structure
@@ -82,28 +84,35 @@ def _merge(graphdef, state):
 
 
 def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None, occ=None, mask_Bw=None):
-    # pinned vocab-split first, so each device multiplies its own lm_head rows (BENCHMARKS.md, 'ModelSteps
-    # decode step': otherwise the partitioner all-gathers the whole lm_head weight)
+    # pinned vocab-split first, so each device multiplies its own lm_head rows (BENCHMARKS.md,
+    # 'ModelSteps decode step': otherwise the partitioner all-gathers the whole lm_head weight)
     logits_BV = _constrain(logits_BV, shard.get("logits2"))
-    # one all-gather of the (vocab-split) logits; sorting / cumsum over a sharded vocab would compile
-    # to sequential loops and many small collectives
+    # one all-gather of the (vocab-split) logits; sorting / cumsum over a sharded vocab would
+    # compile to sequential loops and many small collectives
     logits_BV = _constrain(logits_BV, shard.get("replicated"))
     adjusted = logits_BV
-    if sp.adjust is not None:        # logit_bias, bans, min_tokens, penalties (static: the pytree's shape)
+    # logit_bias, bans, min_tokens, penalties (static: the pytree's shape)
+    if sp.adjust is not None:
         occ_BV = None if occ is None else occ[sp.adjust.occ_row]
         adjusted = penalties.adjust_logits(logits_BV, sp.adjust, step_B, occ_BV)
-    # structured outputs: tokens whose bit is clear in the row's packed mask [B, ceil(V / 32)] cannot be
-    # sampled (applied after the adjustments, so no bias can lift a masked token)
+    # structured outputs: tokens whose bit is clear in the row's packed mask [B, ceil(V / 32)]
+    # cannot be sampled (applied after the adjustments, so no bias can lift a masked token)
     if mask_Bw is not None:
         adjusted = apply_token_bitmask(adjusted, mask_Bw)
     tok = sample(adjusted, sp, step_B, mode)
     out = {"tokens": tok}
-    if n_logprobs is not None:       # of the raw logits (vLLM's default raw logprobs)
-        out.update(zip(("logprob", "rank", "top_ids", "top_vals"), top_logprobs(logits_BV, tok, n_logprobs)))
+    if n_logprobs is not None:  # of the raw logits (vLLM's default raw logprobs)
+        out.update(
+            zip(
+                ("logprob", "rank", "top_ids", "top_vals"), top_logprobs(logits_BV, tok, n_logprobs)
+            )
+        )
     # replicated, so every process (multi-host) can read the tokens
     out = {k: _constrain(o, shard.get("replicated")) for k, o in out.items()}
     if occ is not None:
-        out[_OCC] = _constrain(penalties.count_sampled(occ, sp.adjust, tok), shard.get("replicated"))
+        out[_OCC] = _constrain(
+            penalties.count_sampled(occ, sp.adjust, tok), shard.get("replicated")
+        )
     return out
 
 
@@ -115,16 +124,19 @@ def _constrain(x, sharding):
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
     """One step's inputs (host numpy or device arrays; engine.runner lays them out from a StepPlan).
-    tokens: [B, T], or [B] for a decode step (the previous step's device tokens may be fed as they are).
-    The optional fields are None when no row needs them (the pytree's structure: its own program)."""
+    tokens: [B, T], or [B] for a decode step (the previous step's device tokens may be fed as they
+    are). The optional fields are None when no row needs them (the pytree's structure: its own
+    program)."""
     tokens: jax.Array
     positions_BT: jax.Array               # -1: padding
     block_table_BP: jax.Array             # page ids local to the row's data-parallel rank
     last_B: jax.Array                     # the column each row samples from
     step_B: jax.Array                     # tokens each row has sampled so far
     sp: SamplingArrays
-    targets_BT: Optional[jax.Array] = None    # prompt logprobs: each position's next prompt token (< 0: none)
-    mask_Bw: Optional[jax.Array] = None       # structured outputs' packed token bitmask [B, ceil(V / 32)]
+    # prompt logprobs: each position's next prompt token (< 0: none)
+    targets_BT: Optional[jax.Array] = None
+    # structured outputs' packed token bitmask [B, ceil(V / 32)]
+    mask_Bw: Optional[jax.Array] = None
     n_draft_B: Optional[jax.Array] = None     # verification: drafts per row (tokens[:, 1:])
 
 
@@ -140,30 +152,58 @@ class SampleInputs:
 STEP_KINDS = ("prefill", "decode", "verify")
 
 
-def _step(graphdef, shard, state, pages, batch: StepBatch, occ=None, prev=None, *, kind: str, n_logprobs=None,
-          n_prompt_logprobs=None, fresh: bool = False, sample_mode=None, plan: ops.ExecPlan):
-    """One continuous-batching step over the paged cache (kind static): 'decode' (T = 1) and 'verify'
-    (row b feeds [last token, drafts...]) run absorbed MLA, 'prefill' expanded MLA (`fresh`: no row has
-    cached tokens, attention reads only the new tokens). Samples from each row's token at last_B
-    (verify: returns (accepted [B], next [B])). occ: the occurrence pool when some row uses penalties.
-    With n_prompt_logprobs the logits of every position score targets_BT and give their top-n.
-    prev: unread, donated: the outputs (but the pool) take its buffers (the runner's fixed buffers)."""
+def _step(
+    graphdef,
+    shard,
+    state,
+    pages,
+    batch: StepBatch,
+    occ=None,
+    prev=None,
+    *,
+    kind: str,
+    n_logprobs=None,
+    n_prompt_logprobs=None,
+    fresh: bool = False,
+    sample_mode=None,
+    plan: ops.ExecPlan,
+):
+    """One continuous-batching step over the paged cache (kind static): 'decode' (T = 1) and
+    'verify' (row b feeds [last token, drafts...]) run absorbed MLA, 'prefill' expanded MLA
+    (`fresh`: no row has cached tokens, attention reads only the new tokens). Samples from each
+    row's token at last_B (verify: returns (accepted [B], next [B])). occ: the occurrence pool when
+    some row uses penalties. With n_prompt_logprobs the logits of every position score targets_BT
+    and give their top-n. prev: unread, donated: the outputs (but the pool) take its buffers (the
+    runner's fixed buffers)."""
     model = _merge(graphdef, state)
     tokens_BT = batch.tokens[:, None] if batch.tokens.ndim == 1 else batch.tokens
     tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
-    h_BTD, pages = model.hidden_states(tokens_BT, batch.positions_BT, pages, absorbed=kind != "prefill",
-                                       block_table_BP=batch.block_table_BP, fresh=fresh, plan=plan)
+    h_BTD, pages = model.hidden_states(
+        tokens_BT,
+        batch.positions_BT,
+        pages,
+        absorbed=kind != "prefill",
+        block_table_BP=batch.block_table_BP,
+        fresh=fresh,
+        plan=plan,
+    )
     pages = {k: _constrain(v, shard.get("pages")) for k, v in pages.items()}
     B = tokens_BT.shape[0]
     if kind == "verify":
-        logits_BTV = _constrain(_constrain(model.logits(h_BTD, plan), shard.get("logits3")), shard.get("replicated"))
-        n_acc, nxt = verify_drafts(logits_BTV, tokens_BT[:, 1:], batch.n_draft_B, batch.sp, batch.step_B)
+        logits_BTV = _constrain(
+            _constrain(model.logits(h_BTD, plan), shard.get("logits3")), shard.get("replicated")
+        )
+        n_acc, nxt = verify_drafts(
+            logits_BTV, tokens_BT[:, 1:], batch.n_draft_B, batch.sp, batch.step_B
+        )
         return pages, tuple(_constrain(o, shard.get("replicated")) for o in (n_acc, nxt))
     sample_args = (batch.sp, batch.step_B, n_logprobs, shard, sample_mode, occ, batch.mask_Bw)
     if n_prompt_logprobs is None:
         logits_BV = model.logits(h_BTD[jnp.arange(B), batch.last_B][:, None], plan)[:, 0]
         return pages, _sample_out(logits_BV, *sample_args)
-    logits_BTV = _constrain(_constrain(model.logits(h_BTD, plan), shard.get("logits3")), shard.get("replicated"))
+    logits_BTV = _constrain(
+        _constrain(model.logits(h_BTD, plan), shard.get("logits3")), shard.get("replicated")
+    )
     out = _sample_out(logits_BTV[jnp.arange(B), batch.last_B], *sample_args)
     prompt = top_logprobs(logits_BTV, jnp.maximum(batch.targets_BT, 0), n_prompt_logprobs)
     out.update(zip(("prompt_logprob", "prompt_rank", "prompt_top_ids", "prompt_top_vals"), prompt))
@@ -171,8 +211,9 @@ def _step(graphdef, shard, state, pages, batch: StepBatch, occ=None, prev=None, 
 
 
 def _forward(graphdef, shard, state, pages, batch: StepBatch, prev=None, *, plan: ops.ExecPlan):
-    """A decode step's forward half (absorbed MLA, T = 1): the pool updated and each row's next-token
-    logits [B, V], vocab-split; `_sample_half` samples them once the host has filled the masks."""
+    """A decode step's forward half (absorbed MLA, T = 1): the pool updated and each row's
+    next-token logits [B, V], vocab-split; `_sample_half` samples them once the host has filled the
+    masks."""
     model = _merge(graphdef, state)
     tokens_BT = _constrain(batch.tokens[:, None], shard.get("batch2"))
     h_BTD, pages = model.hidden_states(tokens_BT, batch.positions_BT, pages, absorbed=True,
@@ -192,19 +233,30 @@ def _all_logits(graphdef, shard, state, tokens_BT, *, plan: ops.ExecPlan):
     model = _merge(graphdef, state)
     tokens_BT = _constrain(tokens_BT, shard.get("batch2"))
     B, T = tokens_BT.shape
-    logits, _ = model(tokens_BT, jnp.broadcast_to(jnp.arange(T), (B, T)), None, absorbed=False, fresh=True,
-                      plan=plan)
+    logits, _ = model(
+        tokens_BT,
+        jnp.broadcast_to(jnp.arange(T), (B, T)),
+        None,
+        absorbed=False,
+        fresh=True,
+        plan=plan,
+    )
     return _constrain(_constrain(logits, shard.get("logits3")), shard.get("replicated"))
 
 
 class ModelSteps:
     """layout: a kimi_jax.parallel.sharding.Layout; the batch is split over its data-parallel axis.
-    plan: the kimi_jax.ops.ExecPlan every step runs (default `ExecPlan.for_backend()`); a static argument
-    of each jitted step, so assigning another plan to `engine.exec_plan` compiles steps for it."""
+    plan: the kimi_jax.ops.ExecPlan every step runs (default `ExecPlan.for_backend()`); a static
+    argument of each jitted step, so assigning another plan to `engine.exec_plan` compiles steps for
+    it."""
 
-    def __init__(self, model: Transformer, cfg: ModelConfig, layout=None, plan: Optional[ops.ExecPlan] = None):
+    def __init__(
+        self, model: Transformer, cfg: ModelConfig, layout=None, plan: Optional[ops.ExecPlan] = None
+    ):
         if plan is not None and not isinstance(plan, ops.ExecPlan):
-            raise TypeError(f"ModelSteps: plan must be a kimi_jax.ops.ExecPlan, got {type(plan).__name__}")
+            raise TypeError(
+                f"ModelSteps: plan must be a kimi_jax.ops.ExecPlan, got {type(plan).__name__}"
+            )
         self.exec_plan = ops.default_plan(plan)
         self.cfg = cfg
         self.graphdef, self.state = nnx.split(model)
@@ -220,38 +272,64 @@ class ModelSteps:
             from jax.sharding import PartitionSpec as P
             b = layout.axis_rule("batch")
             v = layout.axis_rule("vocab")
-            shard = {"batch1": layout.sharding(P(b)), "batch2": layout.sharding(P(b, None)),
-                     "cache": layout.sharding(P(None, b, None, None)), "replicated": layout.sharding(P()),
-                     # the paged pool [L, num_pages, page, C]: pages split like the rows (each dp rank
-                     # holds its own rows' pages; the scheduler gives rows page ids local to their rank)
-                     "pages": layout.sharding(P(None, b if self.dp > 1 else None, None, None)),
-                     "logits2": layout.sharding(P(b, v)), "logits3": layout.sharding(P(b, None, v))}
+            shard = {
+                "batch1": layout.sharding(P(b)),
+                "batch2": layout.sharding(P(b, None)),
+                "cache": layout.sharding(P(None, b, None, None)),
+                "replicated": layout.sharding(P()),
+                # the paged pool [L, num_pages, page, C]: pages split like the rows (each dp rank
+                # holds its own rows' pages; the scheduler gives rows page ids local to their rank)
+                "pages": layout.sharding(P(None, b if self.dp > 1 else None, None, None)),
+                "logits2": layout.sharding(P(b, v)),
+                "logits3": layout.sharding(P(b, None, v)),
+            }
         self._shard = shard
-        self._logits = jax.jit(functools.partial(_all_logits, self.graphdef, shard), static_argnames=("plan",))
+        self._logits = jax.jit(
+            functools.partial(_all_logits, self.graphdef, shard), static_argnames=("plan",)
+        )
         # the sharding of a decode step's output tokens (replicated), which host-fed tokens take:
-        # one compiled decode program serves both feeds from the first step on (jit keys its cache on
-        # the inputs' shardings, and host arrays are uncommitted)
+        # one compiled decode program serves both feeds from the first step on (jit keys its cache
+        # on the inputs' shardings, and host arrays are uncommitted)
         self.token_sharding = (layout.sharding(jax.sharding.PartitionSpec()) if layout is not None
                                 else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         self.logits_sharding = shard.get("logits2", self.token_sharding)   # a split step's logits
-        # the one step the runner (kimi_jax.engine.runner) drives: a StepBatch in, the program by kind
-        self.step_jit = jax.jit(functools.partial(_step, self.graphdef, shard),
-                                static_argnames=("kind", "n_logprobs", "n_prompt_logprobs", "fresh", "sample_mode",
-                                                 "plan"), donate_argnames=("pages", "occ", "prev"), keep_unused=True)
-        # a decode step split in two (constrained rows under overlap scheduling): the forward half is
-        # dispatched before the host has read the previous token, the sampling half after
-        self.forward_jit = jax.jit(functools.partial(_forward, self.graphdef, shard), static_argnames=("plan",),
-                                   donate_argnames=("pages", "prev"), keep_unused=True)
-        self.sample_jit = jax.jit(functools.partial(_sample_half, shard),
-                                  static_argnames=("n_logprobs", "sample_mode"), donate_argnames=("occ", "prev"),
-                                  keep_unused=True)
+        # the one step the runner (kimi_jax.engine.runner) drives: a StepBatch in, program by kind
+        self.step_jit = jax.jit(
+            functools.partial(_step, self.graphdef, shard),
+            static_argnames=(
+                "kind",
+                "n_logprobs",
+                "n_prompt_logprobs",
+                "fresh",
+                "sample_mode",
+                "plan",
+            ),
+            donate_argnames=("pages", "occ", "prev"),
+            keep_unused=True,
+        )
+        # a decode step split in two (constrained rows under overlap scheduling): the forward half
+        # is dispatched before the host has read the previous token, the sampling half after
+        self.forward_jit = jax.jit(
+            functools.partial(_forward, self.graphdef, shard),
+            static_argnames=("plan",),
+            donate_argnames=("pages", "prev"),
+            keep_unused=True,
+        )
+        self.sample_jit = jax.jit(
+            functools.partial(_sample_half, shard),
+            static_argnames=("n_logprobs", "sample_mode"),
+            donate_argnames=("occ", "prev"),
+            keep_unused=True,
+        )
         self.put_batch = jax.jit(lambda io, new: jax.tree.map(jnp.copy, new), donate_argnums=0,
                                  out_shardings=self.token_sharding, keep_unused=True)
         self.snapshot = jax.jit(lambda out: jax.tree.map(jnp.copy, out))
         self._set_occ_row = jax.jit(lambda pool, i, row: pool.at[i].set(row), donate_argnums=0,
                                     out_shardings=self.token_sharding)
-        self._copy_pages = jax.jit(lambda pages, src, dst: {k: v.at[:, dst].set(v[:, src]) for k, v in pages.items()},
-                                   donate_argnums=0)
+        self._copy_pages = jax.jit(
+            lambda pages, src, dst: {k: v.at[:, dst].set(v[:, src]) for k, v in pages.items()},
+            donate_argnums=0,
+        )
 
     def init_pages(self, num_pages: int, page_size: int, dtype=None) -> dict:
         """A zeroed paged pool {kind: [L, X, p, C]} placed as the steps keep it:
@@ -261,8 +339,12 @@ class ModelSteps:
         devices (never whole on one)."""
         from kimi_jax.model.transformer import init_pages
         if num_pages % self.dp:
-            raise ValueError(f"num_pages={num_pages} is not a multiple of the data-parallel size {self.dp}")
-        make = functools.partial(init_pages, self.cfg, num_pages, page_size, dtype or self.cache_dtype)
+            raise ValueError(
+                f"num_pages={num_pages} is not a multiple of the data-parallel size {self.dp}"
+            )
+        make = functools.partial(
+            init_pages, self.cfg, num_pages, page_size, dtype or self.cache_dtype
+        )
         sharding = self._shard.get("pages")
         if sharding is None:
             return make()
@@ -277,20 +359,22 @@ class ModelSteps:
         T = len(token_ids)
         padded = np.zeros((self.batch_size(1), bucket(T)), np.int32)
         padded[0, :T] = token_ids
-        return np.asarray(self._logits(self.weights, jnp.asarray(padded), plan=self.exec_plan)[0, :T], np.float32)
+        return np.asarray(
+            self._logits(self.weights, jnp.asarray(padded), plan=self.exec_plan)[0, :T], np.float32
+        )
 
     def new_occurrences(self, num_rows: int) -> Occurrences:
         """A zeroed occurrence pool for num_rows penalised requests (plus the padding row)."""
         make = lambda: jnp.zeros((num_rows + 1, self.cfg.vocab_size), jnp.int32)  # noqa: E731
-        # committed as the steps return it (replicated), so its first step is the program of the rest
+        # committed as the steps return it (replicated): its first step runs the program of the rest
         return Occurrences(jax.jit(make, out_shardings=self.token_sharding)(), num_rows)
 
     def set_occurrences(self, occ: Occurrences, row: int, row_V: np.ndarray) -> None:
-        """Write one pool row (penalties.occurrence_row), ordered after every step dispatched before."""
+        """Write one pool row (penalties.occurrence_row), after every step dispatched before."""
         occ.pool = self._set_occ_row(occ.pool, np.int32(row), np.asarray(row_V, np.int32))
 
     def copy_pages(self, pages, src: Sequence[int], dst: Sequence[int], rank: int = 0):
-        """The pool with pages dst holding copies of pages src (ids local to data-parallel rank `rank`)."""
+        """The pool with pages dst holding copies of pages src (ids local to DP rank `rank`)."""
         per = next(iter(pages.values())).shape[1] // self.dp
         n = bucket(len(src), 1)
         src = [*src, *[src[-1]] * (n - len(src))]          # padding repeats the last copy

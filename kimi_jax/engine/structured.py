@@ -36,10 +36,12 @@ class RowMatcher:
     def error(self) -> str:
         return self._m.get_error()
 
-    def closing_path(self, priority: Sequence[int], stop_ids, limit: int, first: Optional[int] = None
-                     ) -> Optional[list[int]]:
-        """Tokens a greedy closer writes to a complete output (forced text, else `priority`'s first allowed,
-        else the lowest id), None past `limit`; on a copy; `first`: taken before, not counted."""
+    def closing_path(
+        self, priority: Sequence[int], stop_ids, limit: int, first: Optional[int] = None
+    ) -> Optional[list[int]]:
+        """Tokens a greedy closer writes to a complete output (forced text, else `priority`'s first
+        allowed, else the lowest id), None past `limit`; on a copy; `first`: taken before, not
+        counted."""
         m = self._m.deep_copy()
         if first is not None and not m.consume_token(int(first)):
             return None
@@ -70,13 +72,22 @@ class RowMatcher:
 
 
 class StructuredBackend:
-    """llguidance over one tokenizer and `vocab_size` logits, with the `cache_size` most recent compiled
-    grammars; llguidance's tokenizer is built on first use."""
+    """llguidance over one tokenizer and `vocab_size` logits, with the `cache_size` most recent
+    compiled grammars; llguidance's tokenizer is built on first use."""
 
-    def __init__(self, tokenizer, vocab_size: int, *, cache_size: int = 128, num_threads: Optional[int] = None):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        *,
+        cache_size: int = 128,
+        num_threads: Optional[int] = None,
+    ):
         import llguidance as llg
         if tokenizer is None:
-            raise StructuredOutputError("structured outputs need the model's tokenizer; this model has none")
+            raise StructuredOutputError(
+                "structured outputs need the model's tokenizer; this model has none"
+            )
         self.tokenizer, self.vocab_size = tokenizer, int(vocab_size)
         self._llg = llg
         self._lltok_built = None
@@ -89,7 +100,7 @@ class StructuredBackend:
 
     @property
     def _tok_words(self) -> int:
-        """Mask words of the tokenizer's ids (its vocabulary may be larger than the model's logits)."""
+        """Mask words of the tokenizer's ids (its vocabulary may exceed the model's logits)."""
         return mask_words(self.tokenizer.vocab_size)
 
     @property
@@ -111,13 +122,20 @@ class StructuredBackend:
 
     @property
     def closing_priority(self) -> list[int]:
-        """Token preference of `RowMatcher.closing_path`: stops, closing markers, then JSON-closing bytes."""
+        """`RowMatcher.closing_path`'s token order: stops, closing markers, JSON-closing bytes."""
         if getattr(self, "_priority", None) is None:
             tok = self.tokenizer
             ids = list(tok.stop_token_ids)
-            ids += [tok.special_tokens[m] for m in ("<|tool_calls_section_end|>", "<|tool_call_end|>")
-                    if m in tok.special_tokens]
-            ids += [tok.mergeable_ranks[bytes([c])] for c in b'"}],:0[{tfn' if bytes([c]) in tok.mergeable_ranks]
+            ids += [
+                tok.special_tokens[m]
+                for m in ("<|tool_calls_section_end|>", "<|tool_call_end|>")
+                if m in tok.special_tokens
+            ]
+            ids += [
+                tok.mergeable_ranks[bytes([c])]
+                for c in b'"}],:0[{tfn'
+                if bytes([c]) in tok.mergeable_ranks
+            ]
             self._priority = ids
         return self._priority
 
@@ -125,8 +143,9 @@ class StructuredBackend:
     close_margin: int = 16
 
     def bitmask_closing(self, mask_row: np.ndarray, row: RowMatcher, tokens_left: int) -> bool:
-        """Narrow the row's mask to the greedy close's next token once the close needs all but `close_margin`
-        of `tokens_left` (before that, forbid special tokens); True if it narrowed."""
+        """Narrow the row's mask to the greedy close's next token once the close needs all but
+        `close_margin` of `tokens_left` (before that, forbid special tokens); True if it
+        narrowed."""
         stops = set(self.tokenizer.stop_token_ids)
         limit = 2 * tokens_left + 16
         path = row.closing_path(self.closing_priority, stops, limit)
@@ -143,14 +162,18 @@ class StructuredBackend:
         base = self.tokenizer.num_base_tokens
         bits = np.unpackbits(mask_row.view(np.uint8), bitorder="little")
         # each special token's close may search only as far as still fits, all of them together at
-        # most `limit` tokens (the engine thread's work a step stays bounded; past it, forbid the rest)
+        # most `limit` tokens (the engine thread's work a step stays bounded; past it, forbid them)
         fits, budget = tokens_left - self.close_margin - 1, limit
         for t in np.flatnonzero(bits[base:]) + base:
             t = int(t)
             if t in stops or t >= self.vocab_size:
                 continue
             reach = min(fits, budget)
-            after = row.closing_path(self.closing_priority, stops, reach, first=t) if reach > 0 else None
+            after = (
+                row.closing_path(self.closing_priority, stops, reach, first=t)
+                if reach > 0
+                else None
+            )
             budget -= reach if after is None else len(after)
             if after is None or 1 + len(after) + self.close_margin >= tokens_left:
                 mask_row[t >> 5] &= np.int32(~np.uint32(1 << (t & 31)).view(np.int32))
@@ -158,13 +181,13 @@ class StructuredBackend:
         return narrowed
 
     def compile(self, params: StructuredOutputsParams) -> str:
-        """The llguidance grammar of params, checked against this tokenizer (StructuredOutputError)."""
+        """The llguidance grammar of params, checked with this tokenizer (StructuredOutputError)."""
         grammar = params.to_grammar()
         self._start(grammar, params.kind())
         return grammar
 
     def _start(self, grammar: str, kind: str) -> Any:
-        """The compiled start state (its first mask computed: some errors show only then), cached."""
+        """The compiled start state (first mask computed: some errors show only then), cached."""
         with self._lock:
             hit = self._cache.get(grammar)
             if hit is not None:
@@ -193,8 +216,8 @@ class StructuredBackend:
 
     def fill_bitmask(self, rows: Sequence[Optional[RowMatcher]], batch: Optional[int] = None,
                      out: Optional[np.ndarray] = None) -> np.ndarray:
-        """[batch, ceil(vocab_size / 32)] int32 for a step's rows (None or past len(rows): all ones),
-        written into `out` when given (a buffer kept from step to step) and returned."""
+        """[batch, ceil(vocab_size / 32)] int32 for a step's rows (None or past len(rows): all
+        ones), written into `out` when given (a buffer kept from step to step) and returned."""
         B = len(rows) if batch is None else batch
         if out is None:
             out = np.empty((B, self.words), np.int32)
@@ -214,7 +237,8 @@ class StructuredBackend:
         return out
 
 
-COMPILE_STACK = 256 << 20     # llguidance builds 20,000 chained rules on it (8 MiB: SIGSEGV near 3,000)
+# llguidance builds 20,000 chained rules on it (8 MiB: SIGSEGV near 3,000)
+COMPILE_STACK = 256 << 20
 _STACK_LOCK = threading.Lock()
 
 

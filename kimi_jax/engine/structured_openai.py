@@ -16,32 +16,56 @@ _CALL = ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end
 
 
 def _tool_function(tool: Any, where: str) -> tuple[str, dict]:
-    if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(tool.get("function"), dict):
-        raise StructuredOutputError(f"{where}: a tool must be {{'type': 'function', 'function': {{...}}}}")
+    if (
+        not isinstance(tool, dict)
+        or tool.get("type", "function") != "function"
+        or not isinstance(tool.get("function"), dict)
+    ):
+        raise StructuredOutputError(
+            f"{where}: a tool must be {{'type': 'function', 'function': {{...}}}}"
+        )
     fn = tool["function"]
     name = fn.get("name")
-    if not isinstance(name, str) or not name or not all(c.isalnum() or c in "_-." for c in name) or not name.isascii():
-        raise StructuredOutputError(f"{where}.function.name must be letters, digits, '_', '-' or '.', got {name!r}")
+    if (
+        not isinstance(name, str)
+        or not name
+        or not all(c.isalnum() or c in "_-." for c in name)
+        or not name.isascii()
+    ):
+        raise StructuredOutputError(
+            f"{where}.function.name must be letters, digits, '_', '-' or '.', got {name!r}"
+        )
     params = fn.get("parameters", {"type": "object"})
     if params is None:
         params = {"type": "object"}
     return name, prepare_schema(params, f"{where}.function.parameters")
 
 
-def tool_call_grammar(tools: Sequence[dict], *, names: Optional[Sequence[str]] = None, single: bool = False,
-                      allow_text: bool = False, disable_any_whitespace: bool = False) -> str:
-    """A Lark grammar for Kimi's tool-call section: calls to `names` (all when None) whose arguments match
-    each ``parameters`` schema; `single`: one call; `allow_text`: free text first, the section optional."""
+def tool_call_grammar(
+    tools: Sequence[dict],
+    *,
+    names: Optional[Sequence[str]] = None,
+    single: bool = False,
+    allow_text: bool = False,
+    disable_any_whitespace: bool = False,
+) -> str:
+    """A Lark grammar for Kimi's tool-call section: calls to `names` (all when None) whose arguments
+    match each ``parameters`` schema; `single`: one call; `allow_text`: free text first, the section
+    optional."""
     fns = {}
     for i, t in enumerate(tools):
         name, params = _tool_function(t, f"tools[{i}]")
         if name in fns:
-            raise StructuredOutputError(f"tools[{i}].function.name {name!r} repeats an earlier tool's name")
+            raise StructuredOutputError(
+                f"tools[{i}].function.name {name!r} repeats an earlier tool's name"
+            )
         fns[name] = params
     chosen = list(fns) if names is None else list(names)
     for n in chosen:
         if n not in fns:
-            raise StructuredOutputError(f"tool_choice names function {n!r}, which is not among the tools")
+            raise StructuredOutputError(
+                f"tool_choice names function {n!r}, which is not among the tools"
+            )
     lines = []
     if allow_text:
         lines += ["start: TEXT? section?", "TEXT: /(?s:.+)/"]
@@ -52,17 +76,23 @@ def tool_call_grammar(tools: Sequence[dict], *, names: Optional[Sequence[str]] =
               "IDX: /[0-9]{1,3}/"]
     for i, n in enumerate(chosen):
         schema = dict(fns[n])
-        schema["x-guidance"] = {**json_layout(disable_any_whitespace), **schema.get("x-guidance", {})}
-        lines.append(f'call_{i}: {_CALL[0]} {json.dumps("functions." + n + ":")} IDX {_CALL[1]} args_{i} {_CALL[2]}')
+        schema["x-guidance"] = {
+            **json_layout(disable_any_whitespace),
+            **schema.get("x-guidance", {}),
+        }
+        lines.append(
+            f'call_{i}: {_CALL[0]} {json.dumps("functions." + n + ":")} IDX {_CALL[1]} args_{i} '
+            f'{_CALL[2]}'
+        )
         lines.append(f"args_{i}: %json {json.dumps(schema)}")
     return "\n".join(lines)
 
 
 def from_openai(response_format: Any = None, tools: Any = None, tool_choice: Any = None,
                 parallel_tool_calls: Optional[bool] = None) -> Optional[StructuredOutputsParams]:
-    """The constraint of an OpenAI chat request, or None (free text). tool_choice "required" / a named
-    function: a tool-call section; "auto": free text (or response_format's JSON) or valid calls; "none":
-    no special token. parallel_tool_calls=False: at most one call."""
+    """The constraint of an OpenAI chat request, or None (free text). tool_choice "required" / a
+    named function: a tool-call section; "auto": free text (or response_format's JSON) or valid
+    calls; "none": no special token. parallel_tool_calls=False: at most one call."""
     rf = None
     if response_format is not None:
         kinds = ("text", "json_object", "json_schema", "structural_tag")
@@ -77,7 +107,9 @@ def from_openai(response_format: Any = None, tools: Any = None, tool_choice: Any
         elif response_format["type"] == "json_schema":
             js = response_format.get("json_schema")
             if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
-                raise StructuredOutputError("response_format.json_schema must be an object with a 'schema' object")
+                raise StructuredOutputError(
+                    "response_format.json_schema must be an object with a 'schema' object"
+                )
             rf = StructuredOutputsParams(json=js.get("schema", {"type": "object"}))
     if not tools:
         if tool_choice not in (None, "none", "auto"):
@@ -99,7 +131,9 @@ def from_openai(response_format: Any = None, tools: Any = None, tool_choice: Any
                                         "{'type': 'function', 'function': {'name': ...}}")
         return StructuredOutputsParams(grammar=tool_call_grammar(tools, names=[name], single=True))
     if choice != "auto":
-        raise StructuredOutputError(f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice!r}")
+        raise StructuredOutputError(
+            f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice!r}"
+        )
     if rf is not None and rf.structural_tag is not None:
         raise StructuredOutputError("response_format of type 'structural_tag' cannot be combined "
                                     "with tools under tool_choice 'auto'")
@@ -107,7 +141,9 @@ def from_openai(response_format: Any = None, tools: Any = None, tool_choice: Any
     if rf is not None:
         body = grammar.replace("start: section", "start: answer | section", 1)
         schema = {"type": "object"} if rf.json_object else rf.json
-        schema = prepare_schema(json.loads(schema) if isinstance(schema, str) else schema, "response_format")
+        schema = prepare_schema(
+            json.loads(schema) if isinstance(schema, str) else schema, "response_format"
+        )
         schema["x-guidance"] = {**json_layout(False), **schema.get("x-guidance", {})}
         grammar = body + "\nanswer: %json " + json.dumps(schema)
     return StructuredOutputsParams(grammar=grammar)

@@ -28,8 +28,9 @@ class StructuredOutputError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class StructuredOutputsParams:
     """One of json (schema), regex, choice, grammar (Lark or GBNF), json_object, structural_tag.
-    JSON is laid out as ``json.dumps`` writes it (compact with disable_any_whitespace), no other whitespace;
-    disable_additional_properties: `prepare_schema`'s closing (default True, unlike vLLM)."""
+    JSON is laid out as ``json.dumps`` writes it (compact with disable_any_whitespace), no other
+    whitespace; disable_additional_properties: `prepare_schema`'s closing (default True, unlike
+    vLLM)."""
     json: Optional[Union[str, dict]] = None
     regex: Optional[str] = None
     choice: Optional[Sequence[str]] = None
@@ -43,20 +44,30 @@ class StructuredOutputsParams:
         set_ = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if len(set_) != 1:
             raise StructuredOutputError(
-                f"structured_outputs needs exactly one of {', '.join(_KINDS)}; got {set_ or 'none'}")
+                f"structured_outputs needs exactly one of {', '.join(_KINDS)}; got {set_ or 'none'}"
+            )
         return set_[0]
 
     def validate(self) -> None:
         k = self.kind()
         v = getattr(self, k)
         if k == "json" and not isinstance(v, (str, dict)):
-            raise StructuredOutputError(f"structured_outputs.json must be a JSON schema (object or string), got {type(v).__name__}")
+            raise StructuredOutputError(
+                "structured_outputs.json must be a JSON schema (object or string), got "
+                f"{type(v).__name__}"
+            )
         if k in ("regex", "grammar") and (not isinstance(v, str) or not v):
             raise StructuredOutputError(f"structured_outputs.{k} must be a non-empty string")
-        if k == "choice" and (isinstance(v, str) or not v or any(not isinstance(c, str) for c in v)):
-            raise StructuredOutputError("structured_outputs.choice must be a non-empty list of strings")
+        if k == "choice" and (
+            isinstance(v, str) or not v or any(not isinstance(c, str) for c in v)
+        ):
+            raise StructuredOutputError(
+                "structured_outputs.choice must be a non-empty list of strings"
+            )
         if k == "structural_tag" and not isinstance(v, (str, dict)):
-            raise StructuredOutputError("structured_outputs.structural_tag must be an object or a JSON string")
+            raise StructuredOutputError(
+                "structured_outputs.structural_tag must be an object or a JSON string"
+            )
         for flag in ("disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, flag), bool):
                 raise StructuredOutputError(f"structured_outputs.{flag} must be a boolean")
@@ -64,16 +75,20 @@ class StructuredOutputsParams:
     def check_limits(self) -> None:
         k = self.kind()
         v = getattr(self, k)
-        text = v if isinstance(v, str) else "".join(v) if k == "choice" else ""   # schemas: prepare_schema
+        # schemas: prepare_schema
+        text = v if isinstance(v, str) else "".join(v) if k == "choice" else ""
         if len(text.encode("utf-8", "surrogatepass")) > MAX_CONSTRAINT_BYTES:
-            raise StructuredOutputError(f"structured_outputs.{k} is longer than {MAX_CONSTRAINT_BYTES} bytes")
+            raise StructuredOutputError(
+                f"structured_outputs.{k} is longer than {MAX_CONSTRAINT_BYTES} bytes"
+            )
         if k in ("regex", "grammar"):
             check_repeats(v, f"structured_outputs.{k}")
         if k == "grammar":
             rules = len(re.findall(r"(?m)^\s*[?!]?[A-Za-z_][A-Za-z_0-9]*(\.-?\d+)?\s*:", v))
             if rules > MAX_GRAMMAR_RULES:
-                raise StructuredOutputError(f"structured_outputs.grammar has {rules} rules, more than "
-                                            f"{MAX_GRAMMAR_RULES}")
+                raise StructuredOutputError(
+                    f"structured_outputs.grammar has {rules} rules, more than {MAX_GRAMMAR_RULES}"
+                )
 
     def to_grammar(self) -> str:
         """The llguidance grammar (a JSON string) of this constraint."""
@@ -86,8 +101,12 @@ class StructuredOutputsParams:
                 schema = {"type": "object"} if k == "json_object" else self.json
                 if isinstance(schema, str):
                     schema = json.loads(schema)
-                schema = prepare_schema(schema, "structured_outputs.json", self.disable_additional_properties)
-                return llg.LLMatcher.grammar_from_json_schema(schema, defaults=json_layout(self.disable_any_whitespace))
+                schema = prepare_schema(
+                    schema, "structured_outputs.json", self.disable_additional_properties
+                )
+                return llg.LLMatcher.grammar_from_json_schema(
+                    schema, defaults=json_layout(self.disable_any_whitespace)
+                )
             if k == "structural_tag":
                 return self._structural_tag_grammar()
             if k == "regex":
@@ -102,22 +121,45 @@ class StructuredOutputsParams:
             raise StructuredOutputError(f"structured_outputs.{k}: {one_line(e)}") from None
 
     def _structural_tag_grammar(self) -> str:
-        """vLLM's structural tag as llguidance's: free text, each begin opening its schema's JSON."""
+        """vLLM's structural tag as llguidance's: free text, each begin opens its schema's JSON."""
         from llguidance import StructTag
-        spec = json.loads(self.structural_tag) if isinstance(self.structural_tag, str) else self.structural_tag
+
+        spec = (
+            json.loads(self.structural_tag)
+            if isinstance(self.structural_tag, str)
+            else self.structural_tag
+        )
         where = "structured_outputs.structural_tag"
-        if not isinstance(spec, dict) or not isinstance(spec.get("structures"), list) or not spec["structures"]:
+        if (
+            not isinstance(spec, dict)
+            or not isinstance(spec.get("structures"), list)
+            or not spec["structures"]
+        ):
             raise StructuredOutputError(f"{where} needs a non-empty 'structures' list")
         triggers = spec.get("triggers") or []
         tags = []
         for i, st in enumerate(spec["structures"]):
-            if not isinstance(st, dict) or not isinstance(st.get("begin"), str) or not isinstance(st.get("end"), str):
-                raise StructuredOutputError(f"{where}.structures[{i}] needs string 'begin' and 'end'")
-            trig = next((t for t in triggers if isinstance(t, str) and t and st["begin"].startswith(t)), None)
+            if (
+                not isinstance(st, dict)
+                or not isinstance(st.get("begin"), str)
+                or not isinstance(st.get("end"), str)
+            ):
+                raise StructuredOutputError(
+                    f"{where}.structures[{i}] needs string 'begin' and 'end'"
+                )
+            trig = next(
+                (t for t in triggers if isinstance(t, str) and t and st["begin"].startswith(t)),
+                None,
+            )
             if trig is None:
-                raise StructuredOutputError(f"{where}.structures[{i}].begin starts with none of the triggers")
-            schema = prepare_schema(st.get("schema", {"type": "object"}), f"{where}.structures[{i}].schema",
-                                    self.disable_additional_properties)
+                raise StructuredOutputError(
+                    f"{where}.structures[{i}].begin starts with none of the triggers"
+                )
+            schema = prepare_schema(
+                st.get("schema", {"type": "object"}),
+                f"{where}.structures[{i}].schema",
+                self.disable_additional_properties,
+            )
             tags.append(StructTag(trigger=trig, begin=st["begin"], grammar=schema, end=st["end"]))
         return StructTag.to_grammar(tags)
 
@@ -128,11 +170,13 @@ _NOT_SCHEMAS = ("enum", "const", "default", "examples", "required", "x-guidance"
 def check_repeats(regex: str, where: str) -> None:
     for m in re.finditer(r"\{(\d+)(?:,(\d*))?\}", regex):
         if max(int(m.group(1)), int(m.group(2) or 0)) > MAX_REPEAT:
-            raise StructuredOutputError(f"{where}: the repetition {m.group(0)} is over {MAX_REPEAT}")
+            raise StructuredOutputError(
+                f"{where}: the repetition {m.group(0)} is over {MAX_REPEAT}"
+            )
 
 
 def _schema_depth(root: dict, where: str) -> None:
-    """Refuses nesting past MAX_SCHEMA_DEPTH ($refs followed) and $ref cycles with no schema between."""
+    """Refuses nesting past MAX_SCHEMA_DEPTH ($refs followed) and $ref cycles without a schema."""
     memo: dict[str, int] = {}
 
     def target(ref: str) -> Any:
@@ -154,11 +198,15 @@ def _schema_depth(root: dict, where: str) -> None:
         ref = s.get("$ref")
         if isinstance(ref, str) and ref.startswith("#"):
             if ref in refs:
-                if all(isinstance(t := target(r), dict) and set(t) <= {"$ref", "$defs", "definitions",
-                                                                       "$schema", "$id", "title"}
-                       for r in refs[refs.index(ref):]):
-                    raise StructuredOutputError(f"{where}: $ref {ref!r} refers to itself through no "
-                                                "schema of its own, so no value matches")
+                if all(
+                    isinstance(t := target(r), dict)
+                    and set(t) <= {"$ref", "$defs", "definitions", "$schema", "$id", "title"}
+                    for r in refs[refs.index(ref) :]
+                ):
+                    raise StructuredOutputError(
+                        f"{where}: $ref {ref!r} refers to itself through no "
+                        "schema of its own, so no value matches"
+                    )
             elif ref in memo:
                 if level + memo[ref] > MAX_SCHEMA_DEPTH:
                     depth({}, MAX_SCHEMA_DEPTH + 1, refs)
@@ -175,7 +223,9 @@ def _schema_depth(root: dict, where: str) -> None:
 def prepare_schema(schema: Any, where: str, close: bool = True) -> dict:
     """A copy of a JSON schema as compiled (`close`: objects closed, not ``allOf`` branches)."""
     if not isinstance(schema, dict):
-        raise StructuredOutputError(f"{where} must be a JSON schema object, got {type(schema).__name__}")
+        raise StructuredOutputError(
+            f"{where} must be a JSON schema object, got {type(schema).__name__}"
+        )
 
     def walk(s: Any, path: str, in_all_of: bool = False, level: int = 0) -> Any:
         if level > 2 * MAX_SCHEMA_DEPTH:
@@ -190,7 +240,9 @@ def prepare_schema(schema: Any, where: str, close: bool = True) -> dict:
         if isinstance(out.get("pattern"), str):
             check_repeats(out["pattern"], f"{path}.pattern")
         if "x-guidance" in out and not isinstance(out["x-guidance"], dict):
-            raise StructuredOutputError(f"{path}.x-guidance must be an object, got {_typename(out['x-guidance'])}")
+            raise StructuredOutputError(
+                f"{path}.x-guidance must be an object, got {_typename(out['x-guidance'])}"
+            )
         if (close and not in_all_of and "properties" in out and "additionalProperties" not in out
                 and "unevaluatedProperties" not in out and "patternProperties" not in out):
             out["additionalProperties"] = False
@@ -215,7 +267,7 @@ def _typename(v: Any) -> str:
 
 
 def json_layout(compact: bool) -> dict:
-    """llguidance JSON options: no free whitespace; separators as json.dumps (compact: ``,`` ``:``)."""
+    """llguidance JSON options: no free whitespace; compact json.dumps separators (``,`` ``:``)."""
     return {"whitespace_flexible": False, "item_separator": "," if compact else ", ",
             "key_separator": ":" if compact else ": "}
 

@@ -13,7 +13,7 @@ def mask_words(vocab_size: int) -> int:
 
 
 def apply_token_bitmask(logits_BV: jnp.ndarray, mask_Bw: jnp.ndarray) -> jnp.ndarray:
-    """Logits with every token whose bit (t % 32 of word t // 32) is clear set to -inf (jit-friendly)."""
+    """Logits with each token whose bit (t % 32 of word t // 32) is clear at -inf (jit-friendly)."""
     B, V = logits_BV.shape
     bits_Bw32 = (mask_Bw[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
     allowed_BV = bits_Bw32.reshape(B, -1)[:, :V].astype(bool)

@@ -1,4 +1,6 @@
-"""Checks of one request against the model for every entry point: a bad request fails alone (RequestError)."""
+"""Checks of one request against the model for every entry point: a bad request fails alone
+(RequestError)."""
+
 from __future__ import annotations
 
 import math
@@ -25,18 +27,24 @@ def is_int(v: Any) -> bool:
 
 def is_real(v: Any) -> bool:
     """A real number (int or float, numpy included), not a boolean."""
-    return isinstance(v, (numbers.Real, np.floating, np.integer)) and not isinstance(v, (bool, np.bool_))
+    return isinstance(v, (numbers.Real, np.floating, np.integer)) and not isinstance(
+        v, (bool, np.bool_)
+    )
 
 
 def check_prompt_ids(prompt_ids: Any, vocab_size: int, max_model_len: Optional[int]) -> list[int]:
     """The prompt as a list of Python ints; RequestError naming the first bad id."""
     if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, (Sequence, np.ndarray)):
-        raise RequestError(f"prompt must be text or a list of token ids, got {type(prompt_ids).__name__}")
+        raise RequestError(
+            f"prompt must be text or a list of token ids, got {type(prompt_ids).__name__}"
+        )
     if len(prompt_ids) == 0:
         raise RequestError("empty prompt")
     for i, t in enumerate(prompt_ids):
         if not is_int(t):
-            raise RequestError(f"prompt token {i} is {t!r} ({type(t).__name__}), not an integer token id")
+            raise RequestError(
+                f"prompt token {i} is {t!r} ({type(t).__name__}), not an integer token id"
+            )
         if not 0 <= t < vocab_size:
             raise RequestError(f"token id {int(t)} is outside the vocabulary [0, {vocab_size})")
     if max_model_len is not None and len(prompt_ids) >= max_model_len:
@@ -49,9 +57,13 @@ def check_seed(seed: Any) -> Optional[int]:
     if seed is None:
         return None
     if not is_int(seed):
-        raise RequestError(f"seed must be an integer, got {seed!r} ({type(seed).__name__})", field="seed")
+        raise RequestError(
+            f"seed must be an integer, got {seed!r} ({type(seed).__name__})", field="seed"
+        )
     if not SEED_MIN <= seed < SEED_END:
-        raise RequestError(f"'seed' must be in [{SEED_MIN}, 2^64) (64 bits), got {seed}", field="seed")
+        raise RequestError(
+            f"'seed' must be in [{SEED_MIN}, 2^64) (64 bits), got {seed}", field="seed"
+        )
     return int(seed)
 
 
@@ -59,7 +71,7 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 
 def check_finite(name: str, v: Any) -> None:
-    """A number finite in float32, the dtype the device uses it in (larger ones round to inf there)."""
+    """A number finite in float32, the dtype the device uses (larger ones round to inf there)."""
     if not is_real(v) or not math.isfinite(v):
         raise RequestError(f"{name} must be a finite number, got {v!r}", field=name)
     if abs(v) > FLOAT32_MAX:
@@ -69,7 +81,7 @@ def check_finite(name: str, v: Any) -> None:
 
 def check_request(prompt_ids: Any, params, *, vocab_size: int, max_model_len: Optional[int],
                   max_logprobs: Optional[int] = None) -> list[int]:
-    """Validate a request's sampling parameters and prompt ids against the model; the ids as ints."""
+    """Check a request's sampling parameters and prompt ids against the model; the ids as ints."""
     try:
         params.validate(vocab_size=vocab_size, max_logprobs=max_logprobs)
     except RequestError:

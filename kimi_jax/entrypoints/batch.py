@@ -1,20 +1,25 @@
-"""JSONL batch jobs in the OpenAI Batch format: input lines -> requests, results -> output lines, resuming.
+"""JSONL batch jobs in the OpenAI Batch format: input lines -> requests, results -> output lines,
+resuming.
 
 Input lines are the OpenAI Batch format
-  {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...], ...}}
-(without `url` the body's `messages` / `prompt` picks it) or a plain completions body; bodies are parsed
-by the server's request model, so each is accepted or refused exactly as the server would.
+  {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...],
+  ...}}
+(without `url` the body's `messages` / `prompt` picks it) or a plain completions body; bodies are
+parsed by the server's request model, so each is accepted or refused exactly as the server would.
 
 Every input line gets exactly one output line, OpenAI's batch output:
-  {"id": "batch_req_...", "custom_id": ..., "response": {"status_code", "request_id", "body"}, "error"}
-with the body (200) or the API's error body (400 / 404 refused, 500 failed while running). A line that is
-not a request at all (malformed JSON, a bad url, a repeated custom_id, ...) gets `response` null and the
-top-level `error`; a line without a custom_id answers as `line-<number>`. Output is appended and fsynced
-line by line, so a rerun after Ctrl-C or kill -9 skips the lines already written.
+  {"id": "batch_req_...", "custom_id": ..., "response": {"status_code", "request_id", "body"},
+  "error"}
+with the body (200) or the API's error body (400 / 404 refused, 500 failed while running). A line
+that is not a request at all (malformed JSON, a bad url, a repeated custom_id, ...) gets `response`
+null and the top-level `error`; a line without a custom_id answers as `line-<number>`. Output is
+appended and fsynced line by line, so a rerun after Ctrl-C or kill -9 skips the lines already
+written.
 
-`run_job` feeds lines to one continuous-batching engine; a step that raises is rerun request by request,
-so the request that fails alone gets a 500 and the others their results.
+`run_job` feeds lines to one continuous-batching engine; a step that raises is rerun request by
+request, so the request that fails alone gets a 500 and the others their results.
 """
+# Over 600 lines: kimi-batch whole: its input reader, request checks, resume, summary.
 from __future__ import annotations
 
 import collections
@@ -58,12 +63,14 @@ class Line:
 
 
 def load_json(line: Union[str, bytes], lineno: int):
-    """One line's JSON value; LineError for invalid UTF-8, malformed JSON or nesting beyond MAX_DEPTH."""
+    """One line's JSON value; LineError for invalid UTF-8, bad JSON or nesting beyond MAX_DEPTH."""
     if isinstance(line, bytes):
         try:
             line = line.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise LineError(f"line {lineno}: not valid UTF-8 (byte 0x{line[e.start]:02x} at offset {e.start})") from None
+            raise LineError(
+                f"line {lineno}: not valid UTF-8 (byte 0x{line[e.start]:02x} at offset {e.start})"
+            ) from None
     if lineno == 1:
         line = line.removeprefix("\ufeff")        # a byte order mark some editors write
     try:
@@ -86,18 +93,28 @@ def read_line(line: Union[str, bytes], lineno: int) -> Line:
     if not isinstance(cid, str) or not cid:
         raise LineError(f"line {lineno}: custom_id must be a non-empty string")
     if _AUTO_ID.fullmatch(cid) and cid != f"line-{lineno}":
-        raise LineError(f"line {lineno}: custom_id {cid!r} is the automatic id of another line "
-                        "(line-<number> is reserved for lines without a custom_id)", "reserved_custom_id")
+        raise LineError(
+            f"line {lineno}: custom_id {cid!r} is the automatic id of another line "
+            "(line-<number> is reserved for lines without a custom_id)",
+            "reserved_custom_id",
+        )
     if not envelope:
         body = {k: v for k, v in obj.items() if k != "custom_id"}
-        return Line(cid, lineno, "/v1/chat/completions" if "messages" in body else "/v1/completions", body)
+        return Line(
+            cid, lineno, "/v1/chat/completions" if "messages" in body else "/v1/completions", body
+        )
     unknown = sorted(set(obj) - ENVELOPE_KEYS)
     if unknown:
-        raise LineError(f"line {lineno}: unknown field(s) {unknown} (a line has {sorted(ENVELOPE_KEYS)})")
+        raise LineError(
+            f"line {lineno}: unknown field(s) {unknown} (a line has {sorted(ENVELOPE_KEYS)})"
+        )
     method = obj.get("method", "POST")
     if method != "POST":
-        raise LineError(f"line {lineno}: method {_one_line(json.dumps(method), 40)} is not supported "
-                        "(only POST)", "invalid_method")
+        raise LineError(
+            f"line {lineno}: method {_one_line(json.dumps(method), 40)} is not supported "
+            "(only POST)",
+            "invalid_method",
+        )
     body = obj.get("body")
     if not isinstance(body, dict):
         raise LineError(f"line {lineno}: 'body' must be a JSON object")
@@ -109,7 +126,8 @@ def read_line(line: Union[str, bytes], lineno: int) -> Line:
 
 
 def parse_body(ln: Line, default_max_tokens: int) -> tuple[P.GenerationRequest, bool]:
-    """(the line's GenerationRequest (ProtocolError as the server raises it), max_tokens is the default)."""
+    """(the line's GenerationRequest (ProtocolError as the server raises it), max_tokens is the
+    default)."""
     body = ln.body
     defaulted = isinstance(body, dict) and body.get("max_tokens") is None \
         and body.get("max_completion_tokens") is None
@@ -118,8 +136,10 @@ def parse_body(ln: Line, default_max_tokens: int) -> tuple[P.GenerationRequest, 
     return ROUTES[ln.url](body), defaulted
 
 
-def fit_default_max_tokens(g: P.GenerationRequest, n_prompt: int, limit: int) -> P.GenerationRequest:
-    """A defaulted max_tokens cut to what the context leaves after the prompt (as the server does)."""
+def fit_default_max_tokens(
+    g: P.GenerationRequest, n_prompt: int, limit: int
+) -> P.GenerationRequest:
+    """A defaulted max_tokens cut to what the context leaves after the prompt, as the server's."""
     room = limit - n_prompt
     if 1 <= room < g.params.max_tokens:
         g = dataclasses.replace(g, params=dataclasses.replace(g.params, max_tokens=room))
@@ -144,7 +164,12 @@ def custom_id_of(line: Union[str, bytes], lineno: int) -> str:
     except LineError:
         return own
     cid = obj.get("custom_id") if isinstance(obj, dict) else None
-    ok = isinstance(cid, str) and cid and not _AUTO_ID.fullmatch(cid) and not (replaced and "\ufffd" in cid)
+    ok = (
+        isinstance(cid, str)
+        and cid
+        and not _AUTO_ID.fullmatch(cid)
+        and not (replaced and "\ufffd" in cid)
+    )
     return cid if ok else own
 
 
@@ -155,8 +180,12 @@ def _ids() -> tuple[str, str]:
 def response_line(custom_id: str, status_code: int, body: dict) -> dict:
     """An output line carrying an HTTP response: a completion body, or the API's error body."""
     line_id, request_id = _ids()
-    return {"id": line_id, "custom_id": custom_id,
-            "response": {"status_code": status_code, "request_id": request_id, "body": body}, "error": None}
+    return {
+        "id": line_id,
+        "custom_id": custom_id,
+        "response": {"status_code": status_code, "request_id": request_id, "body": body},
+        "error": None,
+    }
 
 
 def refused_line(custom_id: str, e: P.ProtocolError) -> dict:
@@ -169,10 +198,17 @@ def failed_line(custom_id: str, message: str) -> dict:
 
 def error_line(custom_id: str, message: str, code: str = "invalid_request") -> dict:
     line_id, _ = _ids()
-    return {"id": line_id, "custom_id": custom_id, "response": None, "error": {"code": code, "message": message}}
+    return {
+        "id": line_id,
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }
 
 
-def result_body(g: P.GenerationRequest, model: str, choices: list, n_prompt: int, tokenizer) -> dict:
+def result_body(
+    g: P.GenerationRequest, model: str, choices: list, n_prompt: int, tokenizer
+) -> dict:
     """The completion / chat-completion body, built as the server builds it."""
     use = P.usage(n_prompt, sum(len(c.token_ids) for c in choices))
     build = P.chat_response if g.kind == "chat" else P.completion_response
@@ -189,9 +225,9 @@ class OutputWriteError(OSError):
 
 class ResultWriter:
     """Appends output lines durably and knows which input lines are already done: `done` holds the
-    custom_ids answered (a line's own result or error), `duplicates[cid]` how many repeats of cid were
-    reported. A regular file is locked (one job at a time), recovered and fsynced; a pipe or device
-    (/dev/stdout, /dev/full) is written as is, unbuffered."""
+    custom_ids answered (a line's own result or error), `duplicates[cid]` how many repeats of cid
+    were reported. A regular file is locked (one job at a time), recovered and fsynced; a pipe or
+    device (/dev/stdout, /dev/full) is written as is, unbuffered."""
 
     def __init__(self, path: str):
         self.path = path
@@ -207,7 +243,9 @@ class ResultWriter:
                 self._recover()
         except OSError as e:
             self._close_fd()
-            raise OutputFileError(f"{path}: cannot write the output file ({e.strerror or e})") from None
+            raise OutputFileError(
+                f"{path}: cannot write the output file ({e.strerror or e})"
+            ) from None
         except OutputFileError:
             self._close_fd()
             raise
@@ -217,7 +255,9 @@ class ResultWriter:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno in (errno.EAGAIN, errno.EACCES):
-                raise OutputFileError(f"{self.path}: another kimi-batch job is writing this output file") from None
+                raise OutputFileError(
+                    f"{self.path}: another kimi-batch job is writing this output file"
+                ) from None
             # a file system without locks (some network mounts): written unlocked
 
     def _recover(self) -> None:
@@ -239,9 +279,11 @@ class ResultWriter:
         except (ValueError, RecursionError):
             ok = False
         if not ok:
-            raise OutputFileError(f"{self.path}:{lineno}: the output file holds a line that is not a "
-                                  f"kimi-batch result ({_one_line(raw[:80].decode('utf-8', 'replace'), 60)}); "
-                                  "give another --output")
+            raise OutputFileError(
+                f"{self.path}:{lineno}: the output file holds a line that is not a "
+                f"kimi-batch result ({_one_line(raw[:80].decode('utf-8', 'replace'), 60)}); "
+                "give another --output"
+            )
         if isinstance(obj.get("error"), dict) and obj["error"].get("code") == DUPLICATE:
             self.duplicates[obj["custom_id"]] += 1
         else:
@@ -253,7 +295,8 @@ class ResultWriter:
             return
         try:
             text = json.dumps(record, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:            # a lone surrogate (from a \ud800 escape) stays escaped
+        # a lone surrogate (from a \ud800 escape) stays escaped
+        except UnicodeEncodeError:
             text = json.dumps(record).encode("ascii")
         data = memoryview(text + b"\n")
         try:
@@ -262,7 +305,9 @@ class ResultWriter:
             if self.regular:
                 os.fsync(self._fd)
         except OSError as e:
-            raise OutputWriteError(e.errno, f"{self.path}: cannot write ({e.strerror or e})") from None
+            raise OutputWriteError(
+                e.errno, f"{self.path}: cannot write ({e.strerror or e})"
+            ) from None
         self.written += 1
         if duplicate:
             self.duplicates[cid] += 1
@@ -279,7 +324,7 @@ class ResultWriter:
 
 
 def count_lines(path: str) -> int:
-    """Non-blank lines of an input file (the job's total), read in blocks (a line may be any size)."""
+    """Non-blank lines of an input file (the job's total), read in blocks (lines of any size)."""
     n, content = 0, False
     with open(path, "rb") as f:
         while block := f.read(1 << 20):
@@ -292,8 +337,8 @@ def count_lines(path: str) -> int:
 
 
 class TooLong:
-    """An input line of more than MAX_LINE_BYTES (its bytes were read in pieces and dropped); `endless`
-    when it ran on past MAX_RUN_ON bytes, where reading stops (a device such as /dev/zero)."""
+    """An input line of more than MAX_LINE_BYTES (its bytes were read in pieces and dropped);
+    `endless` when it ran on past MAX_RUN_ON bytes, where reading stops (a device: /dev/zero)."""
 
     def __init__(self, size: int, endless: bool = False):
         self.size, self.endless = size, endless
@@ -320,7 +365,10 @@ def input_lines(infile, max_bytes: Optional[int] = None):
 
 
 def _failure(lineno: int, e: BaseException, when: str = "while running") -> str:
-    return f"line {lineno}: request failed {when}: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    return (
+        f"line {lineno}: request failed {when}: {type(e).__name__}: "
+        f"{' '.join(str(e).split())[:300]}"
+    )
 
 
 @dataclasses.dataclass
@@ -344,17 +392,28 @@ class JobSummary:
         c, t = self.counts, self.stats
         q, h = t["prefix_cache_queries"], t["prefix_cache_hits"]
         rate = f"{h / q:.1%}" if q else "n/a"
-        return (f"{c['ok']} results, {c['refused']} refused, {c['errors']} errors, {c['skipped']} already done, "
-                f"of {self.total} lines, in {output}; {t['generated_tokens']} tokens generated; prefix cache hit "
-                f"rate {rate} ({h} of {q} prompt tokens)")
+        return (
+            f"{c['ok']} results, {c['refused']} refused, {c['errors']} errors, {c['skipped']} "
+            f"already done, of {self.total} lines, in {output}; {t['generated_tokens']} tokens "
+            f"generated; prefix cache hit rate {rate} ({h} of {q} prompt tokens)"
+        )
 
 
-def run_job(frontend, infile: Iterable[Union[str, bytes]], writer: ResultWriter, *, model_name: str, default_max_tokens: int,
-            total: Optional[int] = None, progress: bool = True, desc: str = "kimi-batch") -> JobSummary:
+def run_job(
+    frontend,
+    infile: Iterable[Union[str, bytes]],
+    writer: ResultWriter,
+    *,
+    model_name: str,
+    default_max_tokens: int,
+    total: Optional[int] = None,
+    progress: bool = True,
+    desc: str = "kimi-batch",
+) -> JobSummary:
     """Answer every line of `infile` (an open input file, binary or text) into `writer` with engine
     cores over `frontend` (kimi_jax.entrypoints.frontend.Frontend),
-    skipping the custom_ids the writer already holds; closes the writer. OutputWriteError (an OSError)
-    stops the job at the first line that cannot be written."""
+    skipping the custom_ids the writer already holds; closes the writer. OutputWriteError (an
+    OSError) stops the job at the first line that cannot be written."""
     from tqdm import tqdm
 
     from kimi_jax.engine.validation import RequestError
@@ -393,8 +452,14 @@ def run_job(frontend, infile: Iterable[Union[str, bytes]], writer: ResultWriter,
         field = "messages" if g.kind == "chat" else "prompt"
         try:
             if g.kind == "chat":
-                prompts = [(None, inputs.encode_chat(g.messages, add_generation_prompt=g.add_generation_prompt,
-                                                     tools=g.tools))]
+                prompts = [
+                    (
+                        None,
+                        inputs.encode_chat(
+                            g.messages, add_generation_prompt=g.add_generation_prompt, tools=g.tools
+                        ),
+                    )
+                ]
             else:
                 prompts = [(p if isinstance(p, str) else None,
                             inputs.token_ids(list(p) if isinstance(p, tuple) else p, ln.lineno))
@@ -402,7 +467,9 @@ def run_job(frontend, infile: Iterable[Union[str, bytes]], writer: ResultWriter,
         except ValueError as e:
             raise P.ProtocolError(" ".join(str(e).split()), field) from None
         if defaulted:
-            g = fit_default_max_tokens(g, max(len(ids) for _, ids in prompts), frontend.max_model_len)
+            g = fit_default_max_tokens(
+                g, max(len(ids) for _, ids in prompts), frontend.max_model_len
+            )
         for _, ids in prompts:
             P.check_context(len(ids), g.params.max_tokens, frontend.max_model_len, g.kind)
         seed = g.params.seed if g.params.seed is not None else ln.lineno
@@ -420,8 +487,11 @@ def run_job(frontend, infile: Iterable[Union[str, bytes]], writer: ResultWriter,
                 continue
             try:
                 if isinstance(line, TooLong) and line.endless:
-                    raise LineError(f"line {lineno}: more than {MAX_RUN_ON} bytes without a newline; the "
-                                    "input is not read further", "input_not_lines")
+                    raise LineError(
+                        f"line {lineno}: more than {MAX_RUN_ON} bytes without a newline; the "
+                        "input is not read further",
+                        "input_not_lines",
+                    )
                 if isinstance(line, TooLong):
                     raise LineError(f"line {lineno}: {line.size} bytes, more than {MAX_LINE_BYTES}")
                 ln, err = read_line(line, lineno), None
@@ -430,10 +500,18 @@ def run_job(frontend, infile: Iterable[Union[str, bytes]], writer: ResultWriter,
                 ln, err = None, e
                 cid = f"line-{lineno}" if isinstance(line, TooLong) else custom_id_of(line, lineno)
             seen[cid] += 1
-            if seen[cid] > 1:            # a repeat: an error under its own custom_id, the first one runs
+            # a repeat: an error under its own custom_id, the first one runs
+            if seen[cid] > 1:
                 if writer.duplicates[cid] < seen[cid] - 1:
-                    write(error_line(cid, f"line {lineno}: duplicate custom_id {cid!r} (an earlier line has it)",
-                                     DUPLICATE), "errors", duplicate=True)
+                    write(
+                        error_line(
+                            cid,
+                            f"line {lineno}: duplicate custom_id {cid!r} (an earlier line has it)",
+                            DUPLICATE,
+                        ),
+                        "errors",
+                        duplicate=True,
+                    )
                 else:
                     counts["skipped"] += 1
                     bar.update(1)
@@ -450,9 +528,13 @@ def run_job(frontend, infile: Iterable[Union[str, bytes]], writer: ResultWriter,
                 reqs = requests(cid, be)
             except (P.ProtocolError, RequestError) as e:
                 job = jobs.pop(cid, None)
-                if not isinstance(e, P.ProtocolError):      # the engine refused it: a grammar, a value
-                    e = P.request_error(job.g if job else None, e,
-                                        "messages" if ln.url.endswith("chat/completions") else "prompt")
+                # the engine refused it: a grammar, a value
+                if not isinstance(e, P.ProtocolError):
+                    e = P.request_error(
+                        job.g if job else None,
+                        e,
+                        "messages" if ln.url.endswith("chat/completions") else "prompt",
+                    )
                 write(refused_line(cid, e), "refused")
                 continue
             except OutputWriteError:
@@ -471,8 +553,9 @@ def run_job(frontend, infile: Iterable[Union[str, bytes]], writer: ResultWriter,
         if job is None:
             return
         out = frontend.outputs.completion(k, r)
-        job.choices[k] = P.Choice(k, out.text or "", out.token_ids, out.finish_reason, out.stop_reason,
-                                  out.logprobs)
+        job.choices[k] = P.Choice(
+            k, out.text or "", out.token_ids, out.finish_reason, out.stop_reason, out.logprobs
+        )
         if job.g.kind == "chat" and job.g.tools and frontend.tokenizer is not None:
             P.with_tool_calls(job.choices[k], frontend.tokenizer)      # message.tool_calls
         if len(job.choices) == len(job.prompts) * job.g.n:
@@ -486,7 +569,7 @@ def run_job(frontend, infile: Iterable[Union[str, bytes]], writer: ResultWriter,
         totals.update({k: v for k, v in be.stats.items() if isinstance(v, (int, float))})
 
     def rerun_alone(cids) -> None:
-        """Each request of a failed step on its own fresh pool; one that fails alone gets its error."""
+        """Each request of a failed step on a fresh pool; one that fails alone gets its error."""
         for cid in cids:
             solo = frontend.make_core()
             jobs[cid].choices.clear()
@@ -514,8 +597,11 @@ def run_job(frontend, infile: Iterable[Union[str, bytes]], writer: ResultWriter,
                 used(be)
                 engine[0] = frontend.make_core()
                 rerun_alone(list(jobs))
-        for cid in list(jobs):           # none expected: every request reached on_finish
-            write(failed_line(cid, f"line {jobs[cid].line.lineno}: the request did not finish"), "errors")
+        for cid in list(jobs):  # none expected: every request reached on_finish
+            write(
+                failed_line(cid, f"line {jobs[cid].line.lineno}: the request did not finish"),
+                "errors",
+            )
     finally:
         writer.close()
         bar.close()

@@ -1,5 +1,6 @@
-"""The persistent JAX compilation cache; `enable` must run before the first compilation. Every program is
-cached however quick to compile (min compile time 0 unless set): small programs dominate a CPU start."""
+"""The persistent JAX compilation cache; `enable` must run before the first compilation. Every
+program is cached however quick to compile (min compile time 0 unless set): small programs dominate
+a CPU start."""
 from __future__ import annotations
 
 import os
@@ -29,8 +30,9 @@ def resolve(path: Optional[str] = None) -> Optional[str]:
 
 
 def enable(path: Optional[str] = None, *, config=None) -> Optional[str]:
-    """Point JAX's cache at resolve(path) unless the user configured one through JAX (kept) or it is off; an
-    explicit `path` overrides the environment. Returns the directory in use (None: none, or unwritable)."""
+    """Point JAX's cache at resolve(path) unless the user configured one through JAX (kept) or it is
+    off; an explicit `path` overrides the environment. Returns the directory in use (None: none, or
+    unwritable)."""
     if config is None:
         import jax
         config = jax.config

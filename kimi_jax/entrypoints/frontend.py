@@ -41,8 +41,10 @@ def demo_model_path() -> Optional[str]:
 
 def default_prefill_chunk(cfg: ModelConfig, dtype, plan: Optional[ops.ExecPlan] = None) -> int:
     """prefill_chunk's default: 2048 where a chunk after cached tokens takes the split path (no
-    [B, N, T, S] scores; BENCHMARKS.md "Prefill chunk size"), else 256 (the einsum path's f32 scores)."""
-    path = ops.prefill_attention_path(cfg.qk_head_dim, cfg.v_head_dim, dtype, causal=False, plan=plan)
+    [B, N, T, S] scores; BENCHMARKS.md "Prefill chunk size"), else 256 (einsum path: f32 scores)."""
+    path = ops.prefill_attention_path(
+        cfg.qk_head_dim, cfg.v_head_dim, dtype, causal=False, plan=plan
+    )
     return 2048 if path.endswith("_split") else 256
 
 
@@ -102,8 +104,9 @@ class Frontend:
 
     @classmethod
     def from_config(cls, ec: EngineConfig) -> "Frontend":
-        """Load what `ec` names (the demo model when it names none): its config, tokenizer (before the
-        weights, so a missing file fails at once) and weights, checked and placed under its layout."""
+        """Load what `ec` names (the demo model when it names none): its config, tokenizer (before
+        the weights, so a missing file fails at once) and weights, checked and placed under its
+        layout."""
         if ec.model is None:
             demo = demo_model_path()
             if demo is None:
@@ -133,29 +136,46 @@ class Frontend:
         compiles.install()                # /metrics counts the start-up's programs too
         tokenizer = load_tokenizer(ec.tokenizer, path)    # before the weights
         with progress.phase("loading weights" if path else "making random weights"):
-            net = (random_model(cfg, layout, dtype, ec.seed) if checkpoint is None
-                   else load_model(checkpoint, cfg, layout, dtype, check_finite=ec.check_finite_weights))
+            net = (
+                random_model(cfg, layout, dtype, ec.seed)
+                if checkpoint is None
+                else load_model(
+                    checkpoint, cfg, layout, dtype, check_finite=ec.check_finite_weights
+                )
+            )
         if tokenizer is not None and path is not None:
             tokenizer.template_dir = path
         steps = ModelSteps(net, cfg, layout, plan=ops.default_plan(ec.exec_plan))
         max_model_len = ec.max_model_len or limit
-        num_pages = ec.num_gpu_blocks_override or _default_num_pages(cfg, layout, dtype, ec, max_model_len)
+        num_pages = ec.num_gpu_blocks_override or _default_num_pages(
+            cfg, layout, dtype, ec, max_model_len
+        )
         sc = SchedulerConfig(
             max_num_seqs=ec.max_num_seqs, max_model_len=max_model_len,
             prefill_chunk=ec.prefill_chunk or default_prefill_chunk(cfg, dtype, steps.exec_plan),
             max_prefill_tokens=ec.max_prefill_tokens, max_logprobs=ec.max_logprobs,
             speculative_config=ec.speculative_config, overlap_scheduling=ec.overlap_scheduling)
         cc = CacheConfig(ec.block_size, num_pages, dtype, ec.enable_prefix_caching)
-        return cls(ec, cfg, layout, dtype, tokenizer, steps, sc, cc, InputProcessor(tokenizer, path),
-                   OutputProcessor(tokenizer))
+        return cls(
+            ec,
+            cfg,
+            layout,
+            dtype,
+            tokenizer,
+            steps,
+            sc,
+            cc,
+            InputProcessor(tokenizer, path),
+            OutputProcessor(tokenizer),
+        )
 
 
 def _default_num_pages(cfg: ModelConfig, layout: Layout, dtype, ec: EngineConfig,
                        max_model_len: int) -> int:
     """Pages from the device memory left after the weights (GPU; under data parallelism each device
-    holds 1/dp of the pool, so the pool is dp times what one device has room for); on CPU, enough for
-    every sequence slot to reach max_model_len, capped at 2048 pages (XLA:CPU's cache update costs
-    time in proportion to the pool; a fuller pool preempts and recomputes instead)."""
+    holds 1/dp of the pool, so the pool is dp times what one device has room for); on CPU, enough
+    for every sequence slot to reach max_model_len, capped at 2048 pages (XLA:CPU's cache update
+    costs time in proportion to the pool; a fuller pool preempts and recomputes instead)."""
     page_bytes = cfg.num_hidden_layers * ec.block_size * cfg.latent_dim * jnp.dtype(dtype).itemsize
     full = ec.max_num_seqs * -(-max_model_len // ec.block_size)
     limit = device_memory_bytes()
@@ -165,6 +185,8 @@ def _default_num_pages(cfg: ModelConfig, layout: Layout, dtype, ec: EngineConfig
     free = limit * ec.gpu_memory_utilization - stats.get("bytes_in_use", 0)
     pages = int(free // page_bytes) * layout.data_parallel_size
     if pages < 2:
-        raise ValueError(f"no memory left for the cache: {free / 2**30:.2f} GiB free after the weights "
-                         f"at gpu_memory_utilization={ec.gpu_memory_utilization}")
+        raise ValueError(
+            f"no memory left for the cache: {free / 2**30:.2f} GiB free after the weights "
+            f"at gpu_memory_utilization={ec.gpu_memory_utilization}"
+        )
     return min(pages, full)

@@ -42,8 +42,9 @@ class InputProcessor:
         if isinstance(prompt, dict):
             for key in ("multi_modal_data", "mm_processor_kwargs"):
                 if prompt.get(key) not in (None, {}):
-                    raise ValueError(f"request {i}: the prompt's {key!r} is not supported (a text-only "
-                                     "model)")
+                    raise ValueError(
+                        f"request {i}: the prompt's {key!r} is not supported (a text-only " "model)"
+                    )
             keys = set(prompt) - {"multi_modal_data", "mm_processor_kwargs"}
             if keys == {"prompt_token_ids"}:
                 ids = prompt["prompt_token_ids"]
@@ -59,12 +60,16 @@ class InputProcessor:
                              f"'prompt_token_ids', got keys {sorted(prompt)}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"request {i}: a text prompt needs a tokenizer, and the checkpoint "
-                                 f"{self.source or '(preset)'} has no tiktoken.model; pass token ids")
+                raise ValueError(
+                    f"request {i}: a text prompt needs a tokenizer, and the checkpoint "
+                    f"{self.source or '(preset)'} has no tiktoken.model; pass token ids"
+                )
             return self.tokenizer.encode(prompt)
         if not isinstance(prompt, (Sequence, np.ndarray)) or isinstance(prompt, bytes):
-            raise ValueError(f"request {i}: a prompt is a string, a list of token ids or a dict with "
-                             f"'prompt' / 'prompt_token_ids', got {type(prompt).__name__}")
+            raise ValueError(
+                f"request {i}: a prompt is a string, a list of token ids or a dict with "
+                f"'prompt' / 'prompt_token_ids', got {type(prompt).__name__}"
+            )
         return list(prompt)
 
     @staticmethod
@@ -82,8 +87,9 @@ class InputProcessor:
     def render_chat(self, messages, *, add_generation_prompt: bool = True, tools=None,
                     chat_template: Optional[str] = None) -> str:
         """One conversation rendered with the checkpoint's own chat template (sandboxed Jinja)."""
-        return self._template(chat_template).render(messages, add_generation_prompt=add_generation_prompt,
-                                                    tools=tools)
+        return self._template(chat_template).render(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools
+        )
 
     def encode_chat(self, messages, *, add_generation_prompt: bool = True, tools=None,
                     chat_template: Optional[str] = None) -> list[int]:

@@ -1,6 +1,7 @@
-"""The user-facing API (vLLM's names): LLM, SamplingParams, RequestOutput, CompletionOutput. LLM is a
-thin client of one engine core (kimi_jax.engine.core) over a Frontend (kimi_jax.entrypoints.frontend):
-the same input processor, request API and output processor as the OpenAI server and kimi-batch."""
+"""The user-facing API (vLLM's names): LLM, SamplingParams, RequestOutput, CompletionOutput. LLM is
+a thin client of one engine core (kimi_jax.engine.core) over a Frontend
+(kimi_jax.entrypoints.frontend): the same input processor, request API and output processor as the
+OpenAI server and kimi-batch."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,9 +20,17 @@ from kimi_jax.engine.sampling import SamplingParams
 from kimi_jax.engine.requests import validate_prompt
 from kimi_jax.engine.validation import RequestError
 from kimi_jax.entrypoints import progress
-from kimi_jax.entrypoints.frontend import Frontend, default_prefill_chunk, demo_model_path  # noqa: F401
+from kimi_jax.entrypoints.frontend import (  # noqa: F401
+    Frontend,
+    default_prefill_chunk,
+    demo_model_path,
+)
 from kimi_jax.entrypoints.inputs import Prompt
-from kimi_jax.entrypoints.outputs import CompletionOutput, RequestOutput, latency_metrics  # noqa: F401
+from kimi_jax.entrypoints.outputs import (  # noqa: F401
+    CompletionOutput,
+    RequestOutput,
+    latency_metrics,
+)
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +39,16 @@ def _prompt_list(prompts) -> list:
     """generate()'s prompts as a list of prompts (TypeError naming the argument otherwise)."""
     if isinstance(prompts, np.ndarray):
         if not np.issubdtype(prompts.dtype, np.integer) or prompts.ndim not in (1, 2):
-            raise TypeError(f"prompts: a numpy array of token ids must be 1-D or 2-D of integers, got "
-                            f"{prompts.dtype}{list(prompts.shape)}")
+            raise TypeError(
+                f"prompts: a numpy array of token ids must be 1-D or 2-D of integers, got "
+                f"{prompts.dtype}{list(prompts.shape)}"
+            )
         return [prompts.tolist()] if prompts.ndim == 1 else prompts.tolist()
     if isinstance(prompts, (bytes, bytearray)) or not hasattr(prompts, "__iter__"):
-        raise TypeError(f"prompts must be a string, a list of token ids, a prompt dict or a list of "
-                        f"those, got {type(prompts).__name__}")
+        raise TypeError(
+            f"prompts must be a string, a list of token ids, a prompt dict or a list of "
+            f"those, got {type(prompts).__name__}"
+        )
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
                                             and isinstance(prompts[0], (int, np.integer))):
         return [prompts]
@@ -62,10 +75,17 @@ class LLM:
         if engine_config is None:
             engine_config = EngineConfig(model, **kwargs)
         elif model is not None or kwargs:
-            raise TypeError("give LLM either engine_config or model and keyword arguments, not both")
+            raise TypeError(
+                "give LLM either engine_config or model and keyword arguments, not both"
+            )
         self.frontend = fe = Frontend.from_config(engine_config)
         self.engine_config = fe.engine_config
-        self.config, self.tokenizer, self.layout, self.dtype = fe.config, fe.tokenizer, fe.layout, fe.dtype
+        self.config, self.tokenizer, self.layout, self.dtype = (
+            fe.config,
+            fe.tokenizer,
+            fe.layout,
+            fe.dtype,
+        )
         self.inputs, self.outputs = fe.inputs, fe.outputs
         self._core: Optional[EngineCore] = None
         self._next_id = 0
@@ -91,8 +111,8 @@ class LLM:
         return self.frontend.steps.exec_plan
 
     def precompile(self) -> int:
-        """Compile every program this LLM's engine core can reach (`Runner.programs`), reporting each
-        on the progress log; returns how many."""
+        """Compile every program this LLM's engine core can reach (`Runner.programs`), reporting
+        each on the progress log; returns how many."""
         def report(i, n, key):
             progress.log.info("precompiled %d / %d programs (%s)", i, n, key,
                               extra={"kimi_done": i == n})
@@ -116,14 +136,18 @@ class LLM:
             raise ValueError(str(e)) from None
         return self.frontend.steps.logits([int(t) for t in ids])
 
-    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
-                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: Union[bool, Callable] = True, *, _prompt_texts: Optional[list[str]] = None
-                 ) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: Union[bool, Callable] = True,
+        *,
+        _prompt_texts: Optional[list[str]] = None,
+    ) -> list[RequestOutput]:
         """Generate for one prompt or a list (text, token ids, or vLLM's prompt dicts; numpy integer
-        arrays of ids too). use_tqdm: a progress bar over the requests (or a tqdm-like class to make it).
-        _prompt_texts: the RequestOutput.prompt of each (chat: the rendered conversation). Calls from
-        several threads run one at a time."""
+        arrays of ids too). use_tqdm: a progress bar over the requests (or a tqdm-like class to make
+        it). _prompt_texts: the RequestOutput.prompt of each (chat: the rendered conversation).
+        Calls from several threads run one at a time."""
         prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -132,10 +156,11 @@ class LLM:
         elif isinstance(sampling_params, (list, tuple)):
             sps = list(sampling_params)
         else:
-            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
-                            f"{type(sampling_params).__name__}" + (" (build one: SamplingParams(**d))"
-                                                                   if isinstance(sampling_params, dict)
-                                                                   else ""))
+            raise TypeError(
+                f"sampling_params must be a SamplingParams or a list of them, got "
+                f"{type(sampling_params).__name__}"
+                + (" (build one: SamplingParams(**d))" if isinstance(sampling_params, dict) else "")
+            )
         if len(sps) != len(prompts):
             raise ValueError(f"got {len(sps)} SamplingParams for {len(prompts)} prompts")
         ids = [self.inputs.token_ids(p, i) for i, p in enumerate(prompts)]
@@ -155,8 +180,8 @@ class LLM:
     def _generate(self, texts, ids, sps, use_tqdm) -> list[RequestOutput]:
         core = self.engine_core()
         groups = []
-        # every request is checked before any runs (kimi_jax.engine.validation): one bad value fails the
-        # call up front, naming the request and the field
+        # every request is checked before any runs (kimi_jax.engine.validation): one bad value fails
+        # the call up front, naming the request and the field
         for i, (text, t, sp) in enumerate(zip(texts, ids, sps)):
             try:
                 groups.append(core.make_request(str(self._next_id + i), t, sp, prompt=text))
@@ -194,26 +219,45 @@ class LLM:
     def render_chat(self, messages, *, add_generation_prompt: bool = True, tools=None,
                     chat_template: Optional[str] = None) -> str:
         """One conversation rendered with the checkpoint's own chat template (sandboxed Jinja)."""
-        return self.inputs.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                       chat_template=chat_template)
+        return self.inputs.render_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            chat_template=chat_template,
+        )
 
     def encode_chat(self, messages, *, add_generation_prompt: bool = True, tools=None,
                     chat_template: Optional[str] = None) -> list[int]:
         """Prompt token ids of one conversation, as `chat` feeds them (`InputProcessor.encode_chat`:
         message text never becomes special tokens)."""
-        return self.inputs.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                       chat_template=chat_template)
+        return self.inputs.encode_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            chat_template=chat_template,
+        )
 
-    def chat(self, messages, sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *,
-             add_generation_prompt: bool = True, tools=None, chat_template: Optional[str] = None,
-             use_tqdm: Union[bool, Callable] = True, tool_choice=None, response_format=None):
+    def chat(
+        self,
+        messages,
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        add_generation_prompt: bool = True,
+        tools=None,
+        chat_template: Optional[str] = None,
+        use_tqdm: Union[bool, Callable] = True,
+        tool_choice=None,
+        response_format=None,
+    ):
         """Generate from one conversation or a list (`encode_chat`); tools / tool_choice /
         response_format constrain the output unless sampling_params has structured_outputs, and
         with tools each output's calls are parsed into `content`, `tool_calls`, finish_reason."""
         from kimi_jax.engine.structured_openai import from_openai
         from kimi_jax.engine.structured_params import StructuredOutputError
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        kw = dict(add_generation_prompt=add_generation_prompt, tools=tools, chat_template=chat_template)
+        kw = dict(
+            add_generation_prompt=add_generation_prompt, tools=tools, chat_template=chat_template
+        )
         prompts = [self.encode_chat(c, **kw) for c in convs]
         texts = [self.render_chat(c, **kw) for c in convs]
         try:
@@ -232,5 +276,7 @@ class LLM:
                 for c in ro.outputs:
                     parsed = parse_output(c.token_ids, self.tokenizer)
                     c.content, c.tool_calls = parsed.content, parsed.tool_calls
-                    c.finish_reason = tool_finish_reason(c.finish_reason, calls_complete(parsed.tool_calls))
+                    c.finish_reason = tool_finish_reason(
+                        c.finish_reason, calls_complete(parsed.tool_calls)
+                    )
         return outs

@@ -17,7 +17,7 @@ class CompletionOutput:
     logprobs: Optional[list[dict[int, Logprob]]]
     finish_reason: Optional[str]            # "stop" | "length" | "tool_calls" (LLM.chat with tools)
     stop_reason: Union[int, str, None] = None
-    # LLM.chat with tools: the parsed answer (text before Kimi's tool-call section) and OpenAI tool_calls
+    # LLM.chat with tools: the parsed answer (text before Kimi's tool-call section), tool_calls
     content: Optional[str] = None
     tool_calls: Optional[list] = None
 
@@ -35,8 +35,8 @@ class RequestOutput:
 
 
 def latency_metrics(r: Request) -> dict:
-    """A finished request's timing as the host saw it: arrival_time, first_token_time and finished_time
-    (time.time()), time_to_first_token (seconds from arrival, queueing included) and
+    """A finished request's timing as the host saw it: arrival_time, first_token_time and
+    finished_time (time.time()), time_to_first_token (seconds from arrival, queueing included) and
     time_per_output_token (mean seconds between its later tokens; None with fewer than two)."""
     n = len(r.output_ids)
     ttft = (r.first_token_time - r.arrival_time
@@ -66,14 +66,20 @@ class OutputProcessor:
         if r0.prompt_logprobs is not None:
             prompt_lp = [None] + [self.decoded(d) for d in r0.prompt_logprobs[1:]]
         return RequestOutput(
-            request_id=r0.group_id or r0.request_id, prompt=r0.prompt, prompt_token_ids=r0.prompt_ids,
-            outputs=outputs, prompt_logprobs=prompt_lp,
-            metrics={"num_preemptions": sum(r.num_preemptions for r in samples),
-                     "spec_drafted": sum(r.spec.drafted for r in samples),
-                     "spec_accepted": sum(r.spec.accepted for r in samples),
-                     "spec_verify_steps": sum(r.spec.verify_steps for r in samples),
-                     **latency_metrics(r0)},
-            num_cached_tokens=max(r.num_cached_tokens for r in samples))
+            request_id=r0.group_id or r0.request_id,
+            prompt=r0.prompt,
+            prompt_token_ids=r0.prompt_ids,
+            outputs=outputs,
+            prompt_logprobs=prompt_lp,
+            metrics={
+                "num_preemptions": sum(r.num_preemptions for r in samples),
+                "spec_drafted": sum(r.spec.drafted for r in samples),
+                "spec_accepted": sum(r.spec.accepted for r in samples),
+                "spec_verify_steps": sum(r.spec.verify_steps for r in samples),
+                **latency_metrics(r0),
+            },
+            num_cached_tokens=max(r.num_cached_tokens for r in samples),
+        )
 
     def completion(self, index: int, r: Request) -> CompletionOutput:
         """One finished sample as choice `index`."""
@@ -88,7 +94,10 @@ class OutputProcessor:
                                 finish_reason=r.finish_reason, stop_reason=r.stop_reason)
 
     def decoded(self, lp: dict) -> dict:
-        """Logprob entries with decoded_token set (each token's own text, special tokens included)."""
+        """Logprob entries with decoded_token set (each token's text, special tokens included)."""
         if self.tokenizer is None:
             return lp
-        return {t: dataclasses.replace(v, decoded_token=self.tokenizer.decode([t])) for t, v in lp.items()}
+        return {
+            t: dataclasses.replace(v, decoded_token=self.tokenizer.decode([t]))
+            for t, v in lp.items()
+        }

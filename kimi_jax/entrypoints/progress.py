@@ -53,7 +53,8 @@ class _StatusLine(logging.Handler):
         bars = getattr(sys.modules.get("tqdm"), "tqdm", None)
         try:
             if bars is not None and getattr(bars, "_instances", None):    # a progress bar is drawn:
-                if done and worth:                                       # lines above it, none in it
+                # lines above it, none in it
+                if done and worth:
                     bars.write(msg, file=s)
             elif tty:
                 s.write("\r\x1b[K" + (msg + "\n" if done and worth else "" if done else msg))
@@ -97,7 +98,12 @@ class _CompileListener:
     def end(self, event: str, seconds: float, **kw) -> None:
         if event == _COMPILE and log.isEnabledFor(logging.INFO):
             what = "loading compiled %s from the cache" if self.hit else "compiling %s"
-            log.info(what + " ... %.1f s", _name(kw), seconds, extra={"kimi_done": True, "kimi_seconds": seconds})
+            log.info(
+                what + " ... %.1f s",
+                _name(kw),
+                seconds,
+                extra={"kimi_done": True, "kimi_seconds": seconds},
+            )
             self.hit = False
 
 
@@ -110,7 +116,7 @@ def pause() -> None:
 
 
 def enable(stream=None, min_seconds: float = 0.5) -> None:
-    """Show progress on `stream` (default stderr); idempotent. The status line is cleared at exit."""
+    """Show progress on `stream` (default stderr); idempotent. The status line clears at exit."""
     log.setLevel(logging.INFO)
     if any(isinstance(h, _StatusLine) for h in log.handlers):
         return

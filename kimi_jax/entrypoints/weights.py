@@ -17,7 +17,8 @@ class Checkpoint:
 
     def __init__(self, path: str, config: ModelConfig, reader=None, config_dict=None):
         self.path, self.config, self._reader, self._fresh = path, config, reader, True
-        self.config_dict = config_dict          # config.json as read (its torch_dtype: dtype "auto")
+        # config.json as read (its torch_dtype: dtype "auto")
+        self.config_dict = config_dict
 
     def reader_for(self, cfg: ModelConfig):
         """That reader for the first load of `config`; else preflight.check of `cfg` again."""
@@ -84,7 +85,7 @@ def _fill(shape: tuple, dtype, kind: str, sharding):
 
 
 def _kind(names: list[str], dtype) -> str:
-    """Which of the model's initializers makes a parameter (kimi_jax.model.layers.param, RoutedExperts)."""
+    """Which model initializer makes a parameter (kimi_jax.model.layers.param, RoutedExperts)."""
     if dtype == jnp.int32:
         return "bits"
     if names[-1].endswith("_scale"):
@@ -95,8 +96,9 @@ def _kind(names: list[str], dtype) -> str:
 
 
 def random_model(cfg: ModelConfig, layout: Layout, dtype, seed: int = 0):
-    """A Transformer with random weights of the model's initializers' kinds, made on its devices by one jitted
-    init per shape and sharding (BENCHMARKS.md "Full depth on one H200"); checks the fit first."""
+    """A Transformer with random weights of the model's initializers' kinds, made on its devices by
+    one jitted init per shape and sharding (BENCHMARKS.md "Full depth on one H200"); checks the fit
+    first."""
     from flax import nnx
     from kimi_jax.model.transformer import abstract_model
     graphdef, state = nnx.split(abstract_model(cfg, dtype, layout.moe_parallel(), seed))
@@ -105,6 +107,8 @@ def random_model(cfg: ModelConfig, layout: Layout, dtype, seed: int = 0):
     key = jax.random.PRNGKey(seed)
     for i, (path, var) in enumerate(nnx.to_flat_state(state)):
         v, names = var.get_value(), [str(p) for p in path]
-        fill = _fill(tuple(v.shape), jnp.dtype(v.dtype), _kind(names, v.dtype), shardings[tuple(names)])
+        fill = _fill(
+            tuple(v.shape), jnp.dtype(v.dtype), _kind(names, v.dtype), shardings[tuple(names)]
+        )
         var.set_value(fill(jax.random.fold_in(key, i)))
     return nnx.merge(graphdef, state)

@@ -1,8 +1,9 @@
 """Building blocks: linear, RMSNorm, dense SwiGLU MLP, and interleaved RoPE with YaRN.
 
 Weights keep the Hugging Face layout ([out, in] for a linear) so checkpoint tensors load without
-transposes; every parameter carries logical axis names (`axes` metadata) that kimi_jax.parallel.sharding maps
-onto a device mesh. Shape letters follow the glossary in docs/ARCHITECTURE.md ("Shape letters").
+transposes; every parameter carries logical axis names (`axes` metadata) that
+kimi_jax.parallel.sharding maps onto a device mesh. Shape letters follow the glossary in
+docs/ARCHITECTURE.md ("Shape letters").
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from kimi_jax.config import ModelConfig
 from kimi_jax.model.layer_weights import JointGateUp
 
 
-def param(rngs: nnx.Rngs | None, shape, dtype, axes: tuple, *, std: float = 0.02, init: str = "normal"):
+def param(
+    rngs: nnx.Rngs | None, shape, dtype, axes: tuple, *, std: float = 0.02, init: str = "normal"
+):
     """An nnx.Param with logical axis names; `init` is 'normal' (std) or 'ones' or 'zeros'."""
     if init == "ones":
         value = jnp.ones(shape, dtype)
@@ -41,8 +44,9 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """y = w * x / sqrt(mean(x^2) + eps), statistics in float32 (as the reference). Given a residual:
-    (h = x + residual, y of h), in one Pallas launch under the plan's norm_kernel 'pallas'."""
+    """y = w * x / sqrt(mean(x^2) + eps), statistics in float32 (as the reference). Given a
+    residual: (h = x + residual, y of h), in one Pallas launch under the plan's norm_kernel
+    'pallas'."""
 
     def __init__(self, dim: int, eps: float, *, dtype, axes=("norm",), parallel=None):
         self.eps = eps
@@ -50,7 +54,9 @@ class RMSNorm(nnx.Module):
         self.weight = param(None, (dim,), dtype, axes, init="ones")
 
     def __call__(self, x, residual=None, *, plan=None):
-        return ops.add_rms_norm(x, residual, self.weight[...], self.eps, plan=plan, parallel=self.parallel)
+        return ops.add_rms_norm(
+            x, residual, self.weight[...], self.eps, plan=plan, parallel=self.parallel
+        )
 
 
 class MLP(nnx.Module):
@@ -63,7 +69,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         w = self.gate_proj.weight.get_value()
-        if isinstance(w, JointGateUp):        # one product for gate and up (kimi_jax.model.layer_weights)
+        # one product for gate and up (kimi_jax.model.layer_weights)
+        if isinstance(w, JointGateUp):
             y = jnp.einsum("...d,kid->...ki", x, w.w_2ID, preferred_element_type=x.dtype)
             return self.down_proj(jax.nn.silu(y[..., 0, :]) * y[..., 1, :])
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -83,7 +90,11 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
         return inv_freq.astype(np.float32)
 
     def correction_dim(n_rot):
-        return dim * math.log(rs.original_max_position_embeddings / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+        return (
+            dim
+            * math.log(rs.original_max_position_embeddings / (n_rot * 2 * math.pi))
+            / (2 * math.log(base))
+        )
 
     low, high = correction_dim(rs.beta_fast), correction_dim(rs.beta_slow)
     if rs.truncate:
@@ -94,7 +105,7 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
     extrapolation = 1.0 - ramp                       # 1: keep original frequency
     inv = (inv_freq / rs.factor) * (1.0 - extrapolation) + inv_freq * extrapolation
-    # computed in float64 then rounded once; the reference computes in float32 (differences ~1e-7 rel)
+    # computed in float64 then rounded once; the reference computes in float32 (~1e-7 relative)
     return inv.astype(np.float32)
 
 

@@ -1,9 +1,11 @@
-"""DeepSeek-V3 mixture of experts: sigmoid router with group-limited top-k, routed experts, shared experts.
+"""DeepSeek-V3 mixture of experts: sigmoid router with group-limited top-k, routed experts, shared
+experts.
 
 Router (noaux_tc), in float32:
   s = sigmoid(x W_g^T);  choose with s + b (b = e_score_correction_bias, used ONLY for choosing):
-  keep the topk_group groups whose two best biased scores sum highest, then the top-K experts in them;
-  weights = s at the chosen experts, normalized to sum 1 (norm_topk_prob), times routed_scaling_factor.
+  keep the topk_group groups whose two best biased scores sum highest, then the top-K experts in
+  them; weights = s at the chosen experts, normalized to sum 1 (norm_topk_prob), times
+  routed_scaling_factor.
 Output = sum_k weight_k * expert_k(x) + shared_experts(x).
 """
 from __future__ import annotations
@@ -22,23 +24,35 @@ class Router(nnx.Module):
         self.cfg = cfg
         self.parallel = parallel
         # kept in float32: the scores that pick experts are computed in float32 (as the reference)
-        self.weight = param(rngs, (cfg.n_routed_experts, cfg.hidden_size), jnp.float32, ("router_experts", "embed"))
-        self.e_score_correction_bias = param(None, (cfg.n_routed_experts,), jnp.float32, ("router_experts",),
-                                             init="zeros")
+        self.weight = param(
+            rngs, (cfg.n_routed_experts, cfg.hidden_size), jnp.float32, ("router_experts", "embed")
+        )
+        self.e_score_correction_bias = param(
+            None, (cfg.n_routed_experts,), jnp.float32, ("router_experts",), init="zeros"
+        )
 
     def __call__(self, x_TD, *, plan=None):
         """-> (expert ids [T, K] int32, weights [T, K] float32)."""
         cfg = self.cfg
-        return ops.route(x_TD, self.weight[...], self.e_score_correction_bias[...], k=cfg.num_experts_per_tok,
-                         n_group=cfg.n_group, topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
-                         scaling=cfg.routed_scaling_factor, plan=plan, parallel=self.parallel)
+        return ops.route(
+            x_TD,
+            self.weight[...],
+            self.e_score_correction_bias[...],
+            k=cfg.num_experts_per_tok,
+            n_group=cfg.n_group,
+            topk_group=cfg.topk_group,
+            norm_topk_prob=cfg.norm_topk_prob,
+            scaling=cfg.routed_scaling_factor,
+            plan=plan,
+            parallel=self.parallel,
+        )
 
 
 def pin_routing(state, k: int) -> int:
-    """A diagnostic control (fixed routing, to compare runs whose router inputs differ slightly): set
-    every router's choice bias in `state` (an nnx.State) to 2 for experts 0..k-1 and 0 for the rest.
-    Sigmoid scores (0..1) cannot outweigh it, so every token picks experts 0..k-1 while the routing
-    weights still follow the scores. Returns the number of biases set (0: no router)."""
+    """A diagnostic control (fixed routing, to compare runs whose router inputs differ slightly):
+    set every router's choice bias in `state` (an nnx.State) to 2 for experts 0..k-1 and 0 for the
+    rest. Sigmoid scores (0..1) cannot outweigh it, so every token picks experts 0..k-1 while the
+    routing weights still follow the scores. Returns the number of biases set (0: no router)."""
     n = 0
     for path, var in nnx.to_flat_state(state):
         if str(path[-1]) == "e_score_correction_bias":
@@ -50,21 +64,30 @@ def pin_routing(state, k: int) -> int:
 
 
 class RoutedExperts(nnx.Module):
-    """E expert FFNs stacked: gate/up [E, F, D], down [E, D, F]; bf16, or INT4 packed + group scales."""
+    """E expert FFNs stacked: gate/up [E, F, D], down [E, D, F]; bf16, or INT4 + group scales."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, parallel=None):
-        self.parallel = parallel  # kimi_jax.parallel.sharding.MoEParallel or None (opaque to the model)
+        # kimi_jax.parallel.sharding.MoEParallel or None (opaque to the model)
+        self.parallel = parallel
         E, F, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
         q = cfg.quantization
         self.int4 = q is not None
         shapes = {"gate_proj": (E, F, D), "up_proj": (E, F, D), "down_proj": (E, D, F)}
-        axes = {"gate_proj": ("experts", "expert_mlp", "embed"), "up_proj": ("experts", "expert_mlp", "embed"),
-                "down_proj": ("experts", "embed", "expert_mlp")}
+        axes = {
+            "gate_proj": ("experts", "expert_mlp", "embed"),
+            "up_proj": ("experts", "expert_mlp", "embed"),
+            "down_proj": ("experts", "embed", "expert_mlp"),
+        }
         for name, (n_exp, out, inp) in shapes.items():
             if self.int4:
                 # random INT4 codes (uniform in [-8, 7]) with scale std/4: roughly std-sized weights
-                packed = jax.random.randint(rngs.params(), (n_exp, out, inp // 8), jnp.iinfo(jnp.int32).min,
-                                            jnp.iinfo(jnp.int32).max, dtype=jnp.int32)
+                packed = jax.random.randint(
+                    rngs.params(),
+                    (n_exp, out, inp // 8),
+                    jnp.iinfo(jnp.int32).min,
+                    jnp.iinfo(jnp.int32).max,
+                    dtype=jnp.int32,
+                )
                 setattr(self, name + "_packed", nnx.Param(packed, axes=axes[name]))
                 scale = jnp.full((n_exp, out, inp // q.group_size), 0.005, dtype)
                 setattr(self, name + "_scale", nnx.Param(scale, axes=axes[name]))
@@ -74,15 +97,18 @@ class RoutedExperts(nnx.Module):
     def weights(self) -> ops.ExpertWeights:
         def w(name):
             if self.int4:
-                return ops.Int4Weight(getattr(self, name + "_packed")[...], getattr(self, name + "_scale")[...])
+                return ops.Int4Weight(
+                    getattr(self, name + "_packed")[...], getattr(self, name + "_scale")[...]
+                )
             return getattr(self, name)[...]
         return ops.ExpertWeights(gate=w("gate_proj"), up=w("up_proj"), down=w("down_proj"))
 
     def __call__(self, x_TD, idx_TK, w_TK, layer=None, *, plan=None):
         """layer: with weights stacked over layers [L, E, ...] (scan_layers), which layer to run.
         plan: the kimi_jax.ops.ExecPlan (None: `ExecPlan.for_backend()`)."""
-        return ops.routed_experts(x_TD, idx_TK, w_TK, self.weights(), plan=plan, parallel=self.parallel,
-                                  layer=layer)
+        return ops.routed_experts(
+            x_TD, idx_TK, w_TK, self.weights(), plan=plan, parallel=self.parallel, layer=layer
+        )
 
 
 class MoE(nnx.Module):

@@ -27,23 +27,46 @@ class DecoderLayer(nnx.Module):
     """h = x + MLA(norm(x));  out = h + FFN(norm(h)), FFN dense or MoE."""
 
     def __init__(self, cfg: ModelConfig, *, moe: bool, dtype, rngs: nnx.Rngs, parallel=None):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, parallel=parallel)
+        self.input_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, parallel=parallel
+        )
         self.self_attn = MLA(cfg, dtype=dtype, rngs=rngs, parallel=parallel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype,
                                                 parallel=parallel)
         self.mlp = (MoE(cfg, dtype=dtype, rngs=rngs, parallel=parallel) if moe
                     else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs))
 
-    def __call__(self, x_BTD, positions_BT, cache=None, *, absorbed=False, block_table_BP=None, layer=None,
-                 fresh=False, plan=None):
-        """layer: this layer's index in its stack when the routed experts' weights are the whole stack
-        [L, E, ...] (scan_layers); None when they are this layer's own [E, ...]. fresh: see MLA.
-        cache: as MLA's. plan: the ExecPlan the ops run."""
-        a_BTD, kv = self.self_attn(self.input_layernorm(x_BTD, plan=plan), positions_BT, cache, absorbed=absorbed,
-                                   block_table_BP=block_table_BP, fresh=fresh,
-                                   layer=layer if block_table_BP is not None else None, plan=plan)
+    def __call__(
+        self,
+        x_BTD,
+        positions_BT,
+        cache=None,
+        *,
+        absorbed=False,
+        block_table_BP=None,
+        layer=None,
+        fresh=False,
+        plan=None,
+    ):
+        """layer: this layer's index in its stack when the routed experts' weights are the whole
+        stack [L, E, ...] (scan_layers); None when they are this layer's own [E, ...]. fresh: see
+        MLA. cache: as MLA's. plan: the ExecPlan the ops run."""
+        a_BTD, kv = self.self_attn(
+            self.input_layernorm(x_BTD, plan=plan),
+            positions_BT,
+            cache,
+            absorbed=absorbed,
+            block_table_BP=block_table_BP,
+            fresh=fresh,
+            layer=layer if block_table_BP is not None else None,
+            plan=plan,
+        )
         h_BTD, ffn_in = self.post_attention_layernorm(x_BTD, a_BTD, plan=plan)
-        ffn = self.mlp(ffn_in, layer=layer, plan=plan) if isinstance(self.mlp, MoE) else self.mlp(ffn_in)
+        ffn = (
+            self.mlp(ffn_in, layer=layer, plan=plan)
+            if isinstance(self.mlp, MoE)
+            else self.mlp(ffn_in)
+        )
         return h_BTD + ffn, kv
 
 
@@ -57,45 +80,86 @@ def stack_modules(make: Callable[[], nnx.Module], n: int) -> Optional[nnx.Module
     return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
 
 
-def _layer_body(graphdef, experts, layer_state, x_BTD, positions_BT, kv, block_table_BP, layer, *, absorbed,
-                fresh, plan):
+def _layer_body(
+    graphdef,
+    experts,
+    layer_state,
+    x_BTD,
+    positions_BT,
+    kv,
+    block_table_BP,
+    layer,
+    *,
+    absorbed,
+    fresh,
+    plan,
+):
     module = nnx.merge(graphdef, experts, layer_weights.unpacked(layer_state))
-    return module(x_BTD, positions_BT, kv, absorbed=absorbed, block_table_BP=block_table_BP, layer=layer,
-                  fresh=fresh, plan=plan)
+    return module(
+        x_BTD,
+        positions_BT,
+        kv,
+        absorbed=absorbed,
+        block_table_BP=block_table_BP,
+        layer=layer,
+        fresh=fresh,
+        plan=plan,
+    )
 
 
 _layer_call = jax.jit(_layer_body, static_argnums=0, static_argnames=("absorbed", "fresh", "plan"))
 
 
-def scan_layers(stack: nnx.Module, x_BTD, positions_BT, cache_L, *, absorbed: bool, block_table_BP=None,
-                fresh: bool = False, plan: Optional[ops.ExecPlan] = None):
+def scan_layers(
+    stack: nnx.Module,
+    x_BTD,
+    positions_BT,
+    cache_L,
+    *,
+    absorbed: bool,
+    block_table_BP=None,
+    fresh: bool = False,
+    plan: Optional[ops.ExecPlan] = None,
+):
     """Run a stacked layer module over its leading axis; returns (x, per-layer cache or latents).
     cache_L: the stack's contiguous cache [L, B, S, C], its paged pool [L, X, p, C] (block_table_BP
     given) or None.
 
     The routed experts' weights (9.5 GB per Kimi layer) and a paged pool enter the loop whole, never
-    as per-layer slices, and each layer indexes them with its layer number (the MoE kernels take expert
-    ids offset by layer * E; the paged attention flattens the pool [L, num_pages, ...] and offsets page
-    ids by layer * num_pages, per shard with the shard's num_pages when the pool's pages are split over
-    data parallelism, see ops.page_split). A paged pool (block_table_BP given) is only read inside the
-    loop; the new latents of every layer come out of it and are written into the pool once afterwards
-    (no copy of the pool per step).
-    The other per-layer weights are sliced per layer: by lax.scan, or, unrolled (layer_loop 'unroll'),
-    statically outside `_layer_call`, which takes each layer's own arrays (read in place on a GPU:
-    BENCHMARKS.md "ModelSteps decode step") and its index as a traced int32, so one body per kind is traced
-    and lowered and every layer calls it (XLA inlines the calls).
-    fresh (static): no row has tokens before this step's (see MLA): prefill attends to the new tokens
-    only, on a GPU through cuDNN flash attention (ops.mla_prefill_attention).
-    plan: the kimi_jax.ops.ExecPlan (None: `ExecPlan.for_backend()`): the layer loop and every op's path."""
+    as per-layer slices, and each layer indexes them with its layer number (the MoE kernels take
+    expert ids offset by layer * E; the paged attention flattens the pool [L, num_pages, ...] and
+    offsets page ids by layer * num_pages, per shard with the shard's num_pages when the pool's
+    pages are split over data parallelism, see ops.page_split). A paged pool (block_table_BP given)
+    is only read inside the loop; the new latents of every layer come out of it and are written into
+    the pool once afterwards (no copy of the pool per step).
+    The other per-layer weights are sliced per layer: by lax.scan, or, unrolled (layer_loop
+    'unroll'), statically outside `_layer_call`, which takes each layer's own arrays (read in place
+    on a GPU: BENCHMARKS.md "ModelSteps decode step") and its index as a traced int32, so one body
+    per kind is traced and lowered and every layer calls it (XLA inlines the calls).
+    fresh (static): no row has tokens before this step's (see MLA): prefill attends to the new
+    tokens only, on a GPU through cuDNN flash attention (ops.mla_prefill_attention).
+    plan: the kimi_jax.ops.ExecPlan (None: `ExecPlan.for_backend()`): the layer loop and every op's
+    path."""
     plan = ops.default_plan(plan)
     graphdef, experts, rest = nnx.split(stack, nnx.PathContains("experts"), ...)
     n_layers = layer_weights.num_layers(rest)
     paged = block_table_BP is not None
 
     def layer_fn(call, x, layer, layer_state, kv):
-        # a paged step passes the whole stacked pool; the attention reads this layer's pages (ops._layer_pages)
-        return call(graphdef, experts, layer_state, x, positions_BT, cache_L if paged else kv, block_table_BP,
-                    layer, absorbed=absorbed, fresh=fresh, plan=plan)
+        # a paged step passes the whole stacked pool; attention reads its layer's (ops._layer_pages)
+        return call(
+            graphdef,
+            experts,
+            layer_state,
+            x,
+            positions_BT,
+            cache_L if paged else kv,
+            block_table_BP,
+            layer,
+            absorbed=absorbed,
+            fresh=fresh,
+            plan=plan,
+        )
 
     if plan.layer_loop == "unroll":
         outs = []
@@ -110,21 +174,24 @@ def scan_layers(stack: nnx.Module, x_BTD, positions_BT, cache_L, *, absorbed: bo
         x_BTD, out_L = jax.lax.scan(lambda x, xs: layer_fn(_layer_body, x, *xs), x_BTD,
                                     (layers, layer_weights.stacked(rest), per_layer_kv))
     if paged:
-        return x_BTD, write_pages(cache_L, block_table_BP, positions_BT, out_L, parallel=stack.self_attn.parallel)
+        return x_BTD, write_pages(
+            cache_L, block_table_BP, positions_BT, out_L, parallel=stack.self_attn.parallel
+        )
     return x_BTD, out_L
 
 
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs, parallel=None):
-        """parallel: a kimi_jax.parallel.sharding.MoEParallel when the experts run sharded (else None)."""
+        """parallel: a kimi_jax.parallel.sharding.MoEParallel for sharded experts (else None)."""
         self.cfg = cfg
         self.dtype = dtype
         D, V = cfg.hidden_size, cfg.vocab_size
         self.embed_tokens = nnx.Module()
         self.embed_tokens.weight = param(rngs, (V, D), dtype, ("vocab", "embed"))
-        self.dense_layers = stack_modules(lambda: DecoderLayer(cfg, moe=False, dtype=dtype, rngs=rngs,
-                                                               parallel=parallel),
-                                          cfg.num_dense_layers)
+        self.dense_layers = stack_modules(
+            lambda: DecoderLayer(cfg, moe=False, dtype=dtype, rngs=rngs, parallel=parallel),
+            cfg.num_dense_layers,
+        )
         self.moe_layers = stack_modules(lambda: DecoderLayer(cfg, moe=True, dtype=dtype, rngs=rngs,
                                                              parallel=parallel),
                                         cfg.num_moe_layers)
@@ -137,12 +204,22 @@ class Transformer(nnx.Module):
     def layer_stacks(self) -> tuple[tuple[str, Optional[nnx.Module]], ...]:
         return (("dense", self.dense_layers), ("moe", self.moe_layers))
 
-    def hidden_states(self, tokens_BT, positions_BT, cache=None, *, absorbed=False, block_table_BP=None,
-                      fresh=False, plan: Optional[ops.ExecPlan] = None):
-        """Final-norm hidden states [B, T, D] and the cache dict {kind: [L, B, S, A+R]} (updated), or,
-        without a cache, the new latents {kind: [L, B, T, A+R]}. With block_table_BP the cache is paged:
-        {kind: [L, num_pages, page_size, A+R]} (see MLA). fresh (static): every row's tokens start at
-        position 0, padding after them (see MLA). plan: the ExecPlan (None: `ExecPlan.for_backend()`)."""
+    def hidden_states(
+        self,
+        tokens_BT,
+        positions_BT,
+        cache=None,
+        *,
+        absorbed=False,
+        block_table_BP=None,
+        fresh=False,
+        plan: Optional[ops.ExecPlan] = None,
+    ):
+        """Final-norm hidden states [B, T, D] and the cache dict {kind: [L, B, S, A+R]} (updated),
+        or, without a cache, the new latents {kind: [L, B, T, A+R]}. With block_table_BP the cache
+        is paged: {kind: [L, num_pages, page_size, A+R]} (see MLA). fresh (static): every row's
+        tokens start at position 0, padding after them (see MLA). plan: the ExecPlan (None:
+        `ExecPlan.for_backend()`)."""
         plan = ops.default_plan(plan)
         x = jnp.take(self.embed_tokens.weight[...], tokens_BT, axis=0)
         new = {}
@@ -156,23 +233,34 @@ class Transformer(nnx.Module):
 
     def logits(self, h_BTD, plan: Optional[ops.ExecPlan] = None):
         w = (self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head).weight[...]
-        return ops.linear(h_BTD, w, plan=plan).astype(jnp.float32) if h_BTD.dtype == jnp.float32 else \
-            jnp.einsum("btd,vd->btv", h_BTD, w, preferred_element_type=jnp.float32)
+        return (
+            ops.linear(h_BTD, w, plan=plan).astype(jnp.float32)
+            if h_BTD.dtype == jnp.float32
+            else jnp.einsum("btd,vd->btv", h_BTD, w, preferred_element_type=jnp.float32)
+        )
 
     def __call__(self, tokens_BT, positions_BT, cache=None, *, absorbed=False, fresh=False,
                  plan: Optional[ops.ExecPlan] = None):
-        h, new = self.hidden_states(tokens_BT, positions_BT, cache, absorbed=absorbed, fresh=fresh, plan=plan)
+        h, new = self.hidden_states(
+            tokens_BT, positions_BT, cache, absorbed=absorbed, fresh=fresh, plan=plan
+        )
         return self.logits(h, plan), new
 
 
-def abstract_model(cfg: ModelConfig, dtype=jnp.bfloat16, parallel=None, seed: int = 0) -> Transformer:
+def abstract_model(
+    cfg: ModelConfig, dtype=jnp.bfloat16, parallel=None, seed: int = 0
+) -> Transformer:
     """The Transformer with every parameter a ShapeDtypeStruct (shapes only, nothing allocated)."""
-    return nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed), parallel=parallel))
+    return nnx.eval_shape(
+        lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed), parallel=parallel)
+    )
 
 
 def param_arrays(model_or_state) -> dict[tuple[str, ...], jax.Array]:
-    """{parameter path: value} of a Transformer (or its nnx.State); paths as in checkpoints.layout."""
-    state = nnx.split(model_or_state)[1] if isinstance(model_or_state, nnx.Module) else model_or_state
+    """{parameter path: value} of a Transformer (or its nnx.State); paths: checkpoints.layout's."""
+    state = (
+        nnx.split(model_or_state)[1] if isinstance(model_or_state, nnx.Module) else model_or_state
+    )
     return {tuple(str(k) for k in path): v.get_value() for path, v in nnx.to_flat_state(state)}
 
 

@@ -1,5 +1,6 @@
-"""The model's ops, each with an 'xla' and (where one exists) a 'pallas' implementation chosen by the
-caller's `ExecPlan` (`plan=`; default `ExecPlan.for_backend()`). The only module that imports `pallas_kernels`."""
+"""The model's ops, each with an 'xla' and (where one exists) a 'pallas' implementation chosen by
+the caller's `ExecPlan` (`plan=`; default `ExecPlan.for_backend()`). The only module that imports
+`pallas_kernels`."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,9 +12,19 @@ import numpy as np
 
 from kimi_jax.ops.fused import add_rms_norm, route  # noqa: F401
 from kimi_jax.ops.impl import einsum_f32, shard_map  # noqa: F401
-from kimi_jax.ops.plan import (  # noqa: F401  (re-exported: the engine, model and launchers call ops.*)
-    CHUNK_ATTENTION_CHOICES, IMPLS, LAYER_LOOPS, MLA_DECODE_KERNELS, MLA_SCHEDULES, NORM_KERNELS,
-    PREFILL_ATTENTION_CHOICES, ROUTER_KERNELS, ExecPlan, default_plan)
+# re-exported: the engine, model and launchers call ops.*
+from kimi_jax.ops.plan import (  # noqa: F401
+    CHUNK_ATTENTION_CHOICES,
+    IMPLS,
+    LAYER_LOOPS,
+    MLA_DECODE_KERNELS,
+    MLA_SCHEDULES,
+    NORM_KERNELS,
+    PREFILL_ATTENTION_CHOICES,
+    ROUTER_KERNELS,
+    ExecPlan,
+    default_plan,
+)
 from kimi_jax.ops.prefill_attention import (  # noqa: F401
     cudnn_attention_fits, mla_prefill_attention, prefill_attention_path)
 
@@ -21,7 +32,9 @@ from kimi_jax.ops.prefill_attention import (  # noqa: F401
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Int4Weight:
-    """compressed-tensors pack-quantized INT4: `packed` int32 [..., out, in/8], `scale` [..., out, in/g]."""
+    """compressed-tensors pack-quantized INT4: `packed` int32 [..., out, in/8], `scale` [..., out,
+    in/g]."""
+
     packed: jax.Array
     scale: jax.Array
 
@@ -55,7 +68,8 @@ def dequantize(w: Weight, dtype) -> jax.Array:
 
 
 def linear(x: jax.Array, w: Weight, *, plan: Optional[ExecPlan] = None) -> jax.Array:
-    """y[..., out] = x[..., in] @ w[out, in]^T (HF Linear layout); an INT4 weight runs Pallas under impl='pallas'."""
+    """y[..., out] = x[..., in] @ w[out, in]^T (HF Linear layout); an INT4 weight runs Pallas under
+    impl='pallas'."""
     if isinstance(w, Int4Weight) and default_plan(plan).pallas:
         from pallas_kernels.int4 import matmul as int4_matmul
         lead = x.shape[:-1]
@@ -68,21 +82,25 @@ def linear(x: jax.Array, w: Weight, *, plan: Optional[ExecPlan] = None) -> jax.A
 
 def routed_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array, experts: ExpertWeights,
                    *, plan: Optional[ExecPlan] = None, parallel=None, layer=None) -> jax.Array:
-    """sum_k weight[t, k] * down(silu(gate(x_t)) * up(x_t)) over the experts idx[t, k] -> [T, D] in x's dtype.
-    idx_TK int32, weight_TK float32; layer: index into weights stacked [L, E, ...], read in place."""
+    """sum_k weight[t, k] * down(silu(gate(x_t)) * up(x_t)) over the experts idx[t, k] -> [T, D] in
+    x's dtype. idx_TK int32, weight_TK float32; layer: index into weights stacked [L, E, ...], read
+    in place."""
     pallas = default_plan(plan).pallas
     if parallel is not None:
         return _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts, parallel, pallas, layer)
     return _routed_experts_local(x_TD, idx_TK, weight_TK, experts, pallas, layer)
 
 
-def _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts: ExpertWeights, par, pallas: bool, layer):
-    """Each device runs its experts (or slices) on its data-parallel group's tokens; partial sums are reduced.
-    Pairs whose expert lives elsewhere get weight 0 and the out-of-range id E_local."""
+def _routed_experts_sharded(
+    x_TD, idx_TK, weight_TK, experts: ExpertWeights, par, pallas: bool, layer
+):
+    """Each device runs its experts (or slices) on its data-parallel group's tokens; partial sums
+    are reduced. Pairs whose expert lives elsewhere get weight 0 and the out-of-range id E_local."""
     from jax.sharding import PartitionSpec as P
     size1 = {a for a in par.mesh.axis_names if par.mesh.shape[a] == 1}
     reduce_axes = tuple(a for a in dict.fromkeys(par.experts + par.expert_mlp) if a not in size1)
-    gather = tuple(a for a in par.batch if a in reduce_axes)     # tokens must meet every expert shard
+    # tokens must meet every expert shard
+    gather = tuple(a for a in par.batch if a in reduce_axes)
     psum_axes = tuple(a for a in reduce_axes if a not in gather)
     batch = par.batch or None
 
@@ -101,7 +119,9 @@ def _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts: ExpertWeights, par
             return Int4Weight(spec_of(w.packed, mlp_dim), spec_of(w.scale, mlp_dim))
         return spec_of(w, mlp_dim)
 
-    w_specs = ExpertWeights(specs_for(experts.gate, 1), specs_for(experts.up, 1), specs_for(experts.down, 2))
+    w_specs = ExpertWeights(
+        specs_for(experts.gate, 1), specs_for(experts.up, 1), specs_for(experts.down, 2)
+    )
 
     def local(x, idx, wt, ew: ExpertWeights, *layer_arg):
         layer = layer_arg[0] if layer_arg else None
@@ -125,7 +145,10 @@ def _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts: ExpertWeights, par
             y = jax.lax.psum(y, psum_axes)
         return y
 
-    args, specs = (x_TD, idx_TK, weight_TK, experts), (P(batch, None), P(batch, None), P(batch, None), w_specs)
+    args, specs = (
+        (x_TD, idx_TK, weight_TK, experts),
+        (P(batch, None), P(batch, None), P(batch, None), w_specs),
+    )
     if layer is not None:
         args, specs = args + (jnp.asarray(layer, jnp.int32),), specs + (P(),)
     return shard_map(local, par.mesh, in_specs=specs, out_specs=P(batch, None))(*args)
@@ -135,17 +158,30 @@ def _routed_experts_local(x_TD, idx_TK, weight_TK, experts: ExpertWeights, palla
                           held_share: float = 1.0):
     pallas = pallas and isinstance(experts.gate, Int4Weight)
     if layer is not None:
-        if pallas:   # [L, E, ...] -> [L*E, ...] (a bitcast) and ids offset into it; others stay out of range
+        # [L, E, ...] -> [L*E, ...] (a bitcast) and ids offset into it; others stay out of range
+        if pallas:
             n_layers, E = _leading(experts.gate)
             experts = jax.tree.map(lambda a: a.reshape(n_layers * E, *a.shape[2:]), experts)
             idx_TK = jnp.where((idx_TK >= 0) & (idx_TK < E), idx_TK + layer * E, n_layers * E)
         else:
-            experts = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), experts)
+            experts = jax.tree.map(
+                lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), experts
+            )
     if pallas:
         from pallas_kernels.int4 import moe_gmm
         g, u, d = experts.gate, experts.up, experts.down
-        y = moe_gmm.moe_experts(x_TD.astype(jnp.bfloat16), idx_TK, weight_TK, g.packed, g.scale, u.packed,
-                                u.scale, d.packed, d.scale, held_share=held_share)
+        y = moe_gmm.moe_experts(
+            x_TD.astype(jnp.bfloat16),
+            idx_TK,
+            weight_TK,
+            g.packed,
+            g.scale,
+            u.packed,
+            u.scale,
+            d.packed,
+            d.scale,
+            held_share=held_share,
+        )
         return y.astype(x_TD.dtype)
     return _routed_experts_xla(x_TD, idx_TK, weight_TK, experts)
 
@@ -186,8 +222,9 @@ def _num_experts(w: Weight, stacked: bool = False) -> int:
 
 
 def page_split(parallel) -> tuple[str, ...]:
-    """Mesh axes a paged pool's page axis is split over: the batch axes when they span > 1 device, else ().
-    Each rank then holds its own rows' pages and block tables hold page ids LOCAL to the row's rank."""
+    """Mesh axes a paged pool's page axis is split over: the batch axes when they span > 1 device,
+    else (). Each rank then holds its own rows' pages and block tables hold page ids LOCAL to the
+    row's rank."""
     if parallel is None:
         return ()
     axes = tuple(parallel.batch)
@@ -206,8 +243,8 @@ def _stacked(pool, layer):
 
 
 def per_page_shard(f, parallel, in_specs, out_specs):
-    """f run per shard of a page-split pool (`page_split`), else f itself. Specs are written with the
-    placeholder "split" for the page / batch axes; it becomes the split's mesh axes."""
+    """f run per shard of a page-split pool (`page_split`), else f itself. Specs are written with
+    the placeholder "split" for the page / batch axes; it becomes the split's mesh axes."""
     split = page_split(parallel)
     if not split:
         return f
@@ -217,9 +254,12 @@ def per_page_shard(f, parallel, in_specs, out_specs):
                       out_specs=sub(out_specs))
 
 
-def gather_pages(pool: jax.Array, block_table_BP: jax.Array, *, layer=None, parallel=None) -> jax.Array:
-    """The pages of each sequence in position order -> [B, P * page, C]. pool: [X, page, C], or a stack
-    [L, X, page, C] with `layer`; a page-split pool (`page_split`) is gathered per shard, in place."""
+def gather_pages(
+    pool: jax.Array, block_table_BP: jax.Array, *, layer=None, parallel=None
+) -> jax.Array:
+    """The pages of each sequence in position order -> [B, P * page, C]. pool: [X, page, C], or a
+    stack [L, X, page, C] with `layer`; a page-split pool (`page_split`) is gathered per shard, in
+    place."""
     pool_LXpC, layer = _stacked(pool, layer)
 
     def gather(pool_LXpC, table, layer):
@@ -228,33 +268,55 @@ def gather_pages(pool: jax.Array, block_table_BP: jax.Array, *, layer=None, para
         return flat[table].reshape(B, P * flat.shape[1], flat.shape[2])
 
     if page_split(parallel):
-        return per_page_shard(gather, parallel, ((None, "split", None, None), ("split", None), ()),
-                               ("split", None, None))(pool_LXpC, block_table_BP, jnp.asarray(layer, jnp.int32))
+        return per_page_shard(
+            gather,
+            parallel,
+            ((None, "split", None, None), ("split", None), ()),
+            ("split", None, None),
+        )(pool_LXpC, block_table_BP, jnp.asarray(layer, jnp.int32))
     return gather(pool_LXpC, block_table_BP, layer)
 
 
 def mla_decode_kernel(rows: int, A: int, R: int, page: int, dtype, *, batch: int = 64,
                       context: int = 1 << 17, plan: Optional[ExecPlan] = None) -> str:
-    """'mgpu' or 'triton' for `rows` = T * N query rows per sequence: mgpu where its tiles fill, on Hopper, with
-    >= 16K tokens per row or >= 32K per batch (BENCHMARKS.md "MLA decode attention"); a forced plan wins."""
+    """'mgpu' or 'triton' for `rows` = T * N query rows per sequence: mgpu where its tiles fill, on
+    Hopper, with >= 16K tokens per row or >= 32K per batch (BENCHMARKS.md "MLA decode attention"); a
+    forced plan wins."""
     plan = default_plan(plan)
     if plan.mla_decode_kernel != "auto":
         return plan.mla_decode_kernel
-    fits = (rows % 64 == 0 and A % 256 == 0 and R == 64 and page % 8 == 0 and (64 % page == 0 or page % 64 == 0)
-            and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16))
+    fits = (
+        rows % 64 == 0
+        and A % 256 == 0
+        and R == 64
+        and page % 8 == 0
+        and (64 % page == 0 or page % 64 == 0)
+        and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+    )
     pays = batch * context >= 32768 or context >= 16384
     return "mgpu" if fits and pays and plan.hopper else "triton"
 
 
-def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: jax.Array, pool_XpC: jax.Array,
-                        block_table_BP: jax.Array, positions_BT: jax.Array, scale: float, *,
-                        plan: Optional[ExecPlan] = None, parallel=None, layer=None) -> jax.Array:
+def mla_paged_attention(
+    q_lat_BTNA: jax.Array,
+    q_pe_BTNR: jax.Array,
+    new_BTC: jax.Array,
+    pool_XpC: jax.Array,
+    block_table_BP: jax.Array,
+    positions_BT: jax.Array,
+    scale: float,
+    *,
+    plan: Optional[ExecPlan] = None,
+    parallel=None,
+    layer=None,
+) -> jax.Array:
     """Absorbed MLA over a paged latent cache plus the step's new tokens -> o_lat [B, T, N, A].
     q_lat = W_UK^T q; new_BTC: the new tokens' [c | k^R], not in the pool; pool as `gather_pages`;
     positions_BT < 0 is padding. Row b sees cached [0, positions[b, 0]) and new tokens t' <= t."""
     plan = default_plan(plan)
     A, R = q_lat_BTNA.shape[-1], q_pe_BTNR.shape[-1]
-    kernel_fits = all(v >= 16 and not v & (v - 1) for v in (A, R))   # the kernel's tiles: powers of two >= 16
+    # the kernel's tiles: powers of two >= 16
+    kernel_fits = all(v >= 16 and not v & (v - 1) for v in (A, R))
     pool_LXpC, layer = _stacked(pool_XpC, layer)
     if plan.pallas and kernel_fits:
         from pallas_kernels.mla import decode as mla_decode
@@ -274,45 +336,86 @@ def mla_paged_attention(q_lat_BTNA: jax.Array, q_pe_BTNR: jax.Array, new_BTC: ja
                     q_lat, q_pe, new, flat, table, positions, scale,
                     config=cfg, interpret=jax.default_backend() != "gpu", **thresholds)
             schedule = plan.mla_schedule or "rows"
-            fuse_new = plan.mla_fuse_new and schedule == "rows"     # the balanced schedule finishes in XLA
+            # the balanced schedule finishes in XLA
+            fuse_new = plan.mla_fuse_new and schedule == "rows"
             cfg = (None if plan.mla_schedule is None and not fuse_new
                    else mla_decode.MlaDecodeConfig(schedule=schedule, fuse_new=fuse_new))
-            return mla_decode.mla_paged_attention(q_lat, q_pe, new, flat, table, positions, scale, config=cfg,
-                                                  **thresholds)
+            return mla_decode.mla_paged_attention(
+                q_lat, q_pe, new, flat, table, positions, scale, config=cfg, **thresholds
+            )
 
         if parallel is not None and parallel.mesh.size > 1:
             from jax.sharding import PartitionSpec as P
             b, h = parallel.batch or None, parallel.heads or None
             split = page_split(parallel) or None
-            kernel = shard_map(kernel, parallel.mesh,
-                                in_specs=(P(b, None, h, None), P(b, None, h, None), P(b, None, None),
-                                          P(None, split, None, None), P(b, None), P(b, None), P()),
-                                out_specs=P(b, None, h, None))
+            kernel = shard_map(
+                kernel,
+                parallel.mesh,
+                in_specs=(
+                    P(b, None, h, None),
+                    P(b, None, h, None),
+                    P(b, None, None),
+                    P(None, split, None, None),
+                    P(b, None),
+                    P(b, None),
+                    P(),
+                ),
+                out_specs=P(b, None, h, None),
+            )
         return kernel(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_LXpC, block_table_BP, positions_BT,
                       jnp.asarray(layer, jnp.int32))
-    return _mla_paged_attention_xla(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_LXpC, block_table_BP, positions_BT,
-                                    scale, layer=layer, parallel=parallel)
+    return _mla_paged_attention_xla(
+        q_lat_BTNA,
+        q_pe_BTNR,
+        new_BTC,
+        pool_LXpC,
+        block_table_BP,
+        positions_BT,
+        scale,
+        layer=layer,
+        parallel=parallel,
+    )
 
 
-def paged_keys(pool: jax.Array, block_table_BP: jax.Array, new_BTC: jax.Array, positions_BT: jax.Array, *,
-               layer=None, parallel=None):
-    """(keys [B, P * page + T, C] in new_BTC's dtype, mask [B, T, P * page + T]): cached pages, then the new
-    tokens; masks as `mla_paged_attention`; pool, layer, parallel as `gather_pages`."""
+def paged_keys(
+    pool: jax.Array,
+    block_table_BP: jax.Array,
+    new_BTC: jax.Array,
+    positions_BT: jax.Array,
+    *,
+    layer=None,
+    parallel=None,
+):
+    """(keys [B, P * page + T, C] in new_BTC's dtype, mask [B, T, P * page + T]): cached pages, then
+    the new tokens; masks as `mla_paged_attention`; pool, layer, parallel as `gather_pages`."""
     old_BSC = gather_pages(pool, block_table_BP, layer=layer, parallel=parallel)
     S = old_BSC.shape[1]
     old_mask_BTS = jnp.broadcast_to((jnp.arange(S)[None, :] < positions_BT[:, :1])[:, None, :],
                                     (*positions_BT.shape, S))
-    new_mask_BTS = (positions_BT[:, None, :] <= positions_BT[:, :, None]) & (positions_BT[:, None, :] >= 0)
+    new_mask_BTS = (positions_BT[:, None, :] <= positions_BT[:, :, None]) & (
+        positions_BT[:, None, :] >= 0
+    )
     return (jnp.concatenate([old_BSC.astype(new_BTC.dtype), new_BTC], axis=1),
             jnp.concatenate([old_mask_BTS, new_mask_BTS], axis=-1))
 
 
-def _mla_paged_attention_xla(q_lat_BTNA, q_pe_BTNR, new_BTC, pool, block_table_BP, positions_BT, scale, *,
-                             layer=None, parallel=None):
+def _mla_paged_attention_xla(
+    q_lat_BTNA,
+    q_pe_BTNR,
+    new_BTC,
+    pool,
+    block_table_BP,
+    positions_BT,
+    scale,
+    *,
+    layer=None,
+    parallel=None,
+):
     A = q_lat_BTNA.shape[-1]
     dtype = q_lat_BTNA.dtype
-    keys_BSC, mask_BTS = paged_keys(pool, block_table_BP, new_BTC.astype(dtype), positions_BT, layer=layer,
-                                    parallel=parallel)
+    keys_BSC, mask_BTS = paged_keys(
+        pool, block_table_BP, new_BTC.astype(dtype), positions_BT, layer=layer, parallel=parallel
+    )
     c_BSA, kpe_BSR = keys_BSC[..., :A], keys_BSC[..., A:]
     s_BNTS = (einsum_f32("btna,bsa->bnts", q_lat_BTNA, c_BSA)
               + einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR)) * scale

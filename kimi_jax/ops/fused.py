@@ -1,4 +1,5 @@
-"""The router and residual add + RMSNorm: XLA, or Pallas launches (ExecPlan.router_kernel / norm_kernel)."""
+"""The router and residual add + RMSNorm: XLA or Pallas (ExecPlan.router_kernel / norm_kernel)."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -11,7 +12,7 @@ from kimi_jax.ops.plan import ExecPlan, default_plan
 
 
 def _per_batch_shard(f, parallel, rows: tuple, replicated: tuple, n_out: int):
-    """f(*rows, *replicated) on each shard of the rows' leading axis (parallel.batch) under a mesh."""
+    """f(*rows, *replicated) on each shard of the rows' leading axis (parallel.batch), on a mesh."""
     if parallel is None or parallel.mesh.size == 1:
         return f(*rows, *replicated)
     from jax.sharding import PartitionSpec as P
@@ -20,32 +21,65 @@ def _per_batch_shard(f, parallel, rows: tuple, replicated: tuple, n_out: int):
                      out_specs=row if n_out == 1 else (row,) * n_out)(*rows, *replicated)
 
 
-def route(x_TD, w_ED, bias_E, *, k: int, n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
-          scaling: float = 1.0, plan: Optional[ExecPlan] = None, parallel=None):
-    """-> (expert ids [T, K] int32, weights [T, K] float32); the kernels only without a group limit."""
+def route(
+    x_TD,
+    w_ED,
+    bias_E,
+    *,
+    k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm_topk_prob: bool = True,
+    scaling: float = 1.0,
+    plan: Optional[ExecPlan] = None,
+    parallel=None,
+):
+    """-> (expert ids [T, K] int32, weights [T, K] float32); kernels only without a group limit."""
     from pallas_kernels.router import sigmoid_topk as st
     plan = default_plan(plan)
     kernel = plan.router_kernel_for(x_TD.shape[0], w_ED.shape[0])
     if kernel == "xla" or topk_group < n_group:
-        ids, wts = st.sigmoid_topk_reference(x_TD, w_ED, bias_E, k=k, n_group=n_group, topk_group=topk_group,
-                                             norm_topk_prob=norm_topk_prob, scaling=scaling)
+        ids, wts = st.sigmoid_topk_reference(
+            x_TD,
+            w_ED,
+            bias_E,
+            k=k,
+            n_group=n_group,
+            topk_group=topk_group,
+            norm_topk_prob=norm_topk_prob,
+            scaling=scaling,
+        )
     else:
         config = st.RouterConfig(gemv="kernel" if kernel == "pallas_gemv" else "xla")
-        f = lambda x, w, b: st.sigmoid_topk(x, w, b, k=k, norm_topk_prob=norm_topk_prob,  # noqa: E731
-                                            scaling=scaling, config=config)
+        f = lambda x, w, b: st.sigmoid_topk(
+            x,
+            w,
+            b,
+            k=k,
+            norm_topk_prob=norm_topk_prob,  # noqa: E731
+            scaling=scaling,
+            config=config,
+        )
         ids, wts = _per_batch_shard(f, parallel, (x_TD,), (w_ED, bias_E), 2)
     return (comb_ids(wts, w_ED.shape[0]), wts) if plan.routing == "uniform" else (ids, wts)
 
 
 def comb_ids(wts_TK, experts: int):
-    """Token t's experts h_t + j * (E // K) mod E, j < K (ExecPlan.routing 'uniform'), h_t a hash of the bits of
-    its router weights: each expert equally likely, a token's K distinct, tokens independent of each other."""
+    """Token t's experts h_t + j * (E // K) mod E, j < K (ExecPlan.routing 'uniform'), h_t a hash of
+    the bits of its router weights: each expert equally likely, a token's K distinct, tokens
+    independent of each other."""
     K = wts_TK.shape[-1]
-    mix = lambda v, c: (v ^ (v >> 16)) * jnp.uint32(c)         # noqa: E731  (murmur3's finalizer steps)
-    m = mix(jax.lax.bitcast_convert_type(wts_TK.astype(jnp.float32), jnp.uint32) * jnp.uint32(0x9E3779B1), 0x85EBCA6B)
+    mix = lambda v, c: (v ^ (v >> 16)) * jnp.uint32(c)  # noqa: E731  (murmur3's finalizer steps)
+    m = mix(
+        jax.lax.bitcast_convert_type(wts_TK.astype(jnp.float32), jnp.uint32)
+        * jnp.uint32(0x9E3779B1),
+        0x85EBCA6B,
+    )
     h = mix(jnp.sum(m ^ (m >> 13), -1, dtype=jnp.uint32), 0xC2B2AE35)
     h = h ^ (h >> 16)
-    return ((h % experts).astype(jnp.int32)[:, None] + jnp.arange(K, dtype=jnp.int32) * (experts // K)) % experts
+    return (
+        (h % experts).astype(jnp.int32)[:, None] + jnp.arange(K, dtype=jnp.int32) * (experts // K)
+    ) % experts
 
 
 def add_rms_norm(x, residual, w_D, eps: float, *, plan: Optional[ExecPlan] = None, parallel=None):

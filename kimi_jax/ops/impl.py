@@ -5,9 +5,13 @@ import jax.numpy as jnp
 
 
 def einsum_f32(eq: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """jnp.einsum returning float32 (on CPU operands are widened first: XLA:CPU lacks some bf16 -> f32 dots)."""
+    """jnp.einsum returning float32 (on CPU operands are widened first: XLA:CPU lacks some bf16 ->
+    f32 dots)."""
     if jax.default_backend() == "cpu":
-        a, b = a.astype(jnp.promote_types(a.dtype, jnp.float32)), b.astype(jnp.promote_types(b.dtype, jnp.float32))
+        a, b = (
+            a.astype(jnp.promote_types(a.dtype, jnp.float32)),
+            b.astype(jnp.promote_types(b.dtype, jnp.float32)),
+        )
     return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
 
 

@@ -1,4 +1,5 @@
-"""ExecPlan: every execution choice of the model's ops in one frozen, hashable value (a static argument)."""
+"""ExecPlan: every execution choice of the model's ops in one frozen, hashable (static) value."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,23 +15,25 @@ LAYER_WEIGHTS = ("stacked", "per_layer")
 PREFILL_ATTENTION_CHOICES = ("einsum", "cudnn", "xla")
 CHUNK_ATTENTION_CHOICES = PREFILL_ATTENTION_CHOICES + ("cudnn_split", "xla_split")
 ROUTER_KERNELS = ("auto", "xla", "pallas", "pallas_gemv")
-ROUTER_AUTO_MAX_TOKEN_EXPERTS = 512     # router 'auto': where it won on the H200 (pallas_kernels/NOTES.md "Small ops")
+# router 'auto': where it won on the H200 (pallas_kernels/NOTES.md "Small ops")
+ROUTER_AUTO_MAX_TOKEN_EXPERTS = 512
 NORM_KERNELS = ("xla", "pallas")
 ROUTINGS = ("model", "uniform")
 
 
 @dataclasses.dataclass(frozen=True)
 class ExecPlan:
-    """How the ops run; the defaults are the portable plan, `for_backend()` this machine's. mla_schedule None:
-    the engine picks per step; layer_weights 'per_layer' (under 'unroll'): each layer's non-expert weights
-    as arrays of their own (BENCHMARKS.md "Compile time and per-layer weights"). router_kernel 'pallas': XLA's
-    gemv, then one launch for the top-k; 'pallas_gemv': all in one launch (pallas_kernels/router); 'auto': 'pallas' for
-    small steps (ROUTER_AUTO_MAX_TOKEN_EXPERTS) under impl 'pallas', else 'xla'.
-    absorbed_chunk_tokens: chunk prefills of at most this many tokens a row run absorbed (Pallas; 0: never).
-    routing 'uniform' (benchmarks of random weights, whose routing concentrates): experts by `fused.comb_ids`.
-    mla_fuse_new: the Triton MLA kernel takes the new tokens in ('rows' schedule; `MlaDecodeConfig.fuse_new`).
-    pack_vectors (with 'per_layer'): each layer's norm scales and router bias as one array
-    (`layer_weights.pack_vectors`: fewer arguments for the host to hand the step)."""
+    """How the ops run; the defaults are the portable plan, `for_backend()` this machine's.
+    mla_schedule None: the engine picks per step; layer_weights 'per_layer' (under 'unroll'): each
+    layer's non-expert weights as arrays of their own (BENCHMARKS.md "Compile time and per-layer
+    weights"). router_kernel 'pallas': XLA's gemv, then one launch for the top-k; 'pallas_gemv': all
+    in one launch (pallas_kernels/router); 'auto': 'pallas' for small steps
+    (ROUTER_AUTO_MAX_TOKEN_EXPERTS) under impl 'pallas', else 'xla'. absorbed_chunk_tokens: chunk
+    prefills of at most this many tokens a row run absorbed (Pallas; 0: never). routing 'uniform'
+    (benchmarks of random weights, whose routing concentrates): experts by `fused.comb_ids`.
+    mla_fuse_new: the Triton MLA kernel takes the new tokens in ('rows' schedule;
+    `MlaDecodeConfig.fuse_new`). pack_vectors (with 'per_layer'): each layer's norm scales and
+    router bias as one array (`layer_weights.pack_vectors`: fewer arguments for the host)."""
     impl: str = "xla"
     mla_decode_kernel: str = "auto"
     hopper: bool = False
@@ -75,10 +78,12 @@ class ExecPlan:
         return self.impl == "pallas"
 
     def router_kernel_for(self, tokens: int, experts: int) -> str:
-        """The router path a step of `tokens` tokens over `experts` experts takes ('auto' resolved)."""
+        """The router path of a step of `tokens` tokens over `experts` experts ('auto' resolved)."""
         if self.router_kernel != "auto":
             return self.router_kernel
-        return "pallas" if self.pallas and tokens * experts <= ROUTER_AUTO_MAX_TOKEN_EXPERTS else "xla"
+        return (
+            "pallas" if self.pallas and tokens * experts <= ROUTER_AUTO_MAX_TOKEN_EXPERTS else "xla"
+        )
 
     def absorbs_chunk(self, tokens: int) -> bool:
         return self.pallas and tokens <= self.absorbed_chunk_tokens
@@ -86,8 +91,9 @@ class ExecPlan:
     @classmethod
     def for_backend(cls, backend: Optional[str] = None, *, hopper: Optional[bool] = None,
                     **options) -> "ExecPlan":
-        """The plan for `backend` (default jax.default_backend()); `options` are fields, where None / 'auto'
-        means 'pallas', 'unroll', 'per_layer' on GPU and 'xla', 'scan', 'stacked' elsewhere."""
+        """The plan for `backend` (default jax.default_backend()); `options` are fields, where None
+        / 'auto' means 'pallas', 'unroll', 'per_layer' on GPU and 'xla', 'scan', 'stacked'
+        elsewhere."""
         unknown = set(options) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise TypeError(f"ExecPlan.for_backend: unknown option(s) {sorted(unknown)}")
@@ -101,8 +107,10 @@ class ExecPlan:
         weights = options.pop("layer_weights", None)
         if weights in (None, "auto"):
             weights = "per_layer" if gpu and loop == "unroll" else "stacked"
-        options.setdefault("absorbed_chunk_tokens", 64 if gpu else 0)   # BENCHMARKS.md "Program set"
-        options.setdefault("pack_vectors", weights == "per_layer")     # BENCHMARKS.md "The host's enqueue"
+        # BENCHMARKS.md "Program set"
+        options.setdefault("absorbed_chunk_tokens", 64 if gpu else 0)
+        # BENCHMARKS.md "The host's enqueue"
+        options.setdefault("pack_vectors", weights == "per_layer")
         return cls(impl=("pallas" if gpu else "xla") if impl in (None, "auto") else impl,
                    layer_loop=loop, layer_weights=weights, hopper=bool(hopper), **options)
 

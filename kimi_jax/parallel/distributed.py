@@ -1,5 +1,5 @@
-"""Multi-process start-up: every process calls `initialize(...)` before touching devices and builds the
-same LLM; the mesh spans every process's devices (gloo between CPU processes)."""
+"""Multi-process start-up: every process calls `initialize(...)` before touching devices and builds
+the same LLM; the mesh spans every process's devices (gloo between CPU processes)."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -7,8 +7,12 @@ from typing import Optional, Sequence
 import jax
 
 
-def initialize(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
-               process_id: Optional[int] = None, local_device_ids: Optional[Sequence[int]] = None) -> None:
+def initialize(
+    coordinator_address: Optional[str] = None,
+    num_processes: Optional[int] = None,
+    process_id: Optional[int] = None,
+    local_device_ids: Optional[Sequence[int]] = None,
+) -> None:
     """jax.distributed.initialize with the usual flags (all None: auto-detect SLURM/MPI/k8s)."""
     if num_processes is not None and num_processes <= 1:
         return

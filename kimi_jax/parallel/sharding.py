@@ -1,7 +1,7 @@
-"""Parallel layouts: the ("dp", "tp") mesh of a `Layout` and RULES, the one table from logical axis names
-to mesh axes (model code never names a mesh axis). TP splits heads and FFN widths over tp; EP holds
-whole experts, E / (dp * tp) each; DP+EP replicates attention over a batch split. Routed experts run in
-shard_map (ops.routed_experts)."""
+"""Parallel layouts: the ("dp", "tp") mesh of a `Layout` and RULES, the one table from logical axis
+names to mesh axes (model code never names a mesh axis). TP splits heads and FFN widths over tp; EP
+holds whole experts, E / (dp * tp) each; DP+EP replicates attention over a batch split. Routed
+experts run in shard_map (ops.routed_experts)."""
 from __future__ import annotations
 
 import dataclasses
@@ -59,11 +59,13 @@ class Layout:
         if logical is None:
             return None
         if logical not in RULES:
-            raise KeyError(f"logical axis {logical!r} has no sharding rule in kimi_jax.parallel.sharding.RULES")
+            raise KeyError(
+                f"logical axis {logical!r} has no sharding rule in kimi_jax.parallel.sharding.RULES"
+            )
         return RULES[logical][1 if self.enable_expert_parallel else 0]
 
     def spec(self, logical_axes: tuple, ndim: int) -> P:
-        """PartitionSpec for a parameter with these logical axes (stacked: a leading 'layers' axis)."""
+        """PartitionSpec of a parameter with these logical axes (stacked: leading 'layers' axis)."""
         axes = ("layers",) * (ndim - len(logical_axes)) + tuple(logical_axes)
         return P(*[self.axis_rule(a) for a in axes])
 
@@ -71,9 +73,13 @@ class Layout:
     def mesh(self) -> Mesh:
         devices = jax.devices()
         if len(devices) < self.world:
-            raise LayoutError(f"layout {self.name} needs {self.world} devices; {len(devices)} visible "
-                              f"({devices[0].platform})")
-        grid = np.asarray(devices[: self.world]).reshape(self.data_parallel_size, self.tensor_parallel_size)
+            raise LayoutError(
+                f"layout {self.name} needs {self.world} devices; {len(devices)} visible "
+                f"({devices[0].platform})"
+            )
+        grid = np.asarray(devices[: self.world]).reshape(
+            self.data_parallel_size, self.tensor_parallel_size
+        )
         return Mesh(grid, MESH_AXES)
 
     def sharding(self, spec: P) -> NamedSharding:
@@ -91,18 +97,25 @@ class Layout:
     def check_divisible(self, cfg) -> None:
         """Refuse a layout the model's dimensions cannot be split by, naming the dimension."""
         tp, world = self.tensor_parallel_size, self.world
-        checks = [("num_attention_heads", cfg.num_attention_heads, tp),
-                  ("intermediate_size", cfg.intermediate_size, tp),
-                  ("the shared experts' width", cfg.shared_expert_width or cfg.moe_intermediate_size, tp),
-                  ("vocab_size", cfg.vocab_size, tp)]
+        checks = [
+            ("num_attention_heads", cfg.num_attention_heads, tp),
+            ("intermediate_size", cfg.intermediate_size, tp),
+            ("the shared experts' width", cfg.shared_expert_width or cfg.moe_intermediate_size, tp),
+            ("vocab_size", cfg.vocab_size, tp),
+        ]
         if self.enable_expert_parallel:
             checks.append(("n_routed_experts", cfg.n_routed_experts, world))
         else:
             checks.append(("moe_intermediate_size", cfg.moe_intermediate_size, tp))
-            if cfg.quantization is not None and (cfg.moe_intermediate_size // tp) % cfg.quantization.group_size:
-                raise LayoutError(f"layout {self.name}: moe_intermediate_size/tp = "
-                                  f"{cfg.moe_intermediate_size // tp} is not a multiple of the INT4 group "
-                                  f"size {cfg.quantization.group_size}; use enable_expert_parallel")
+            if (
+                cfg.quantization is not None
+                and (cfg.moe_intermediate_size // tp) % cfg.quantization.group_size
+            ):
+                raise LayoutError(
+                    f"layout {self.name}: moe_intermediate_size/tp = "
+                    f"{cfg.moe_intermediate_size // tp} is not a multiple of the INT4 group "
+                    f"size {cfg.quantization.group_size}; use enable_expert_parallel"
+                )
         for what, n, k in checks:
             if n % k:
                 raise LayoutError(f"layout {self.name}: {what} = {n} is not divisible by {k}")
@@ -110,7 +123,8 @@ class Layout:
 
 @dataclasses.dataclass(frozen=True)
 class MoEParallel:
-    """What the kernels that run inside shard_map need (ops.routed_experts, ops.mla_paged_attention)."""
+    """What the kernels run inside shard_map need (ops.routed_experts, ops.mla_paged_attention)."""
+
     mesh: Mesh
     batch: tuple[str, ...]        # mesh axes the tokens are split over
     experts: tuple[str, ...]      # mesh axes the expert dimension is split over
@@ -141,7 +155,7 @@ def param_shardings(layout: Layout, state) -> dict[tuple[str, ...], NamedShardin
 
 
 def per_device_bytes(layout: Layout, state) -> int:
-    """Bytes of parameters one device holds under `layout` (the largest shard, from shapes alone)."""
+    """Bytes of parameters one device holds under `layout` (largest shard, from shapes alone)."""
     from flax import nnx
     total = 0
     for path, v in nnx.to_flat_state(state):
@@ -165,12 +179,16 @@ def device_memory_bytes() -> Optional[int]:
     return None if not stats else stats.get("bytes_limit")
 
 
-def check_fits(layout: Layout, state, *, cache_bytes: int = 0, capacity: Optional[int] = None) -> int:
+def check_fits(
+    layout: Layout, state, *, cache_bytes: int = 0, capacity: Optional[int] = None
+) -> int:
     """Refuse (before allocating) a layout whose per-device bytes exceed the device memory."""
     need = per_device_bytes(layout, state) + cache_bytes
     capacity = capacity if capacity is not None else device_memory_bytes()
     if capacity is not None and need > capacity:
-        raise LayoutError(f"layout {layout.name} needs {need / 2**30:.2f} GiB per device "
-                          f"(parameters {per_device_bytes(layout, state) / 2**30:.2f} GiB + cache "
-                          f"{cache_bytes / 2**30:.2f} GiB) but a device has {capacity / 2**30:.2f} GiB")
+        raise LayoutError(
+            f"layout {layout.name} needs {need / 2**30:.2f} GiB per device "
+            f"(parameters {per_device_bytes(layout, state) / 2**30:.2f} GiB + cache "
+            f"{cache_bytes / 2**30:.2f} GiB) but a device has {capacity / 2**30:.2f} GiB"
+        )
     return need

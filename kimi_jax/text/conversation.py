@@ -1,5 +1,6 @@
-"""A conversation -> prompt token ids where only the chat template's own markup becomes special tokens (request
-strings escaped with U+FDD0: doubled where it occurs, inside special-token strings, at edges that could join one)."""
+"""A conversation -> prompt token ids where only the chat template's own markup becomes special
+tokens (request strings escaped with U+FDD0: doubled where it occurs, inside special-token strings,
+at edges that could join one)."""
 from __future__ import annotations
 
 import re
@@ -72,9 +73,15 @@ def _escaper(tokenizer: Tokenizer) -> TextEscaper:
     return esc
 
 
-def encode_conversation(template: ChatTemplate, tokenizer: Tokenizer, messages: Any, *,
-                        add_generation_prompt: bool = True, tools: Optional[Sequence[Mapping]] = None,
-                        **kwargs: Any) -> list[int]:
+def encode_conversation(
+    template: ChatTemplate,
+    tokenizer: Tokenizer,
+    messages: Any,
+    *,
+    add_generation_prompt: bool = True,
+    tools: Optional[Sequence[Mapping]] = None,
+    **kwargs: Any,
+) -> list[int]:
     """Prompt token ids: the template's markup as special tokens, every request string as plain text
     (ChatTemplateError for a bad conversation or template)."""
     esc = _escaper(tokenizer)

@@ -1,6 +1,6 @@
-"""Model output -> text and marker events (``<|tool_call_begin|>``, ``<think>``), from ids or text, the same
-in any chunking: a marker with a special token of its own matches by id only, others in the decoded
-text; a tail that could still become a marker, or an unfinished UTF-8 character, waits."""
+"""Model output -> text and marker events (``<|tool_call_begin|>``, ``<think>``), from ids or text,
+the same in any chunking: a marker with a special token of its own matches by id only, others in the
+decoded text; a tail that could still become a marker, or an unfinished UTF-8 character, waits."""
 from __future__ import annotations
 
 import codecs
@@ -34,7 +34,9 @@ class MarkerScanner:
         self.tokenizer = tokenizer
         specials = getattr(tokenizer, "special_tokens", {}) if tokenizer is not None else {}
         self._id_markers = {specials[m]: Marker(m) for m in markers if m in specials}
-        self._text_markers = sorted({m for m in markers if m not in specials}, key=len, reverse=True)
+        self._text_markers = sorted(
+            {m for m in markers if m not in specials}, key=len, reverse=True
+        )
         self._prefixes = {m[:k] for m in self._text_markers for k in range(1, len(m))}
         self._max_prefix = max((len(m) - 1 for m in self._text_markers), default=0)
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -54,7 +56,7 @@ class MarkerScanner:
             i = operator.index(i)
             marker = self._id_markers.get(i)
             if marker is not None:
-                # a marker token ends the text before it: unfinished UTF-8 and held prefixes are text
+                # a marker token ends the text before it: unfinished UTF-8 and held prefixes as text
                 text.append(self._utf8.decode(b"", final=True))
                 self._utf8.reset()
                 self._scan("".join(text), out, final=True)

@@ -1,7 +1,7 @@
-"""``<think>...</think>`` at the start of an output -> ``reasoning_content`` (vLLM's field), the rest the
-answer, decided the same whatever the chunking: reasoning starts at a leading ``<think>`` or with the
-output when the prompt ended in one (``starts_in_reasoning``); ``</think>`` and the whitespace after it
-end it; ``keep_inline=True`` leaves everything in the answer."""
+"""``<think>...</think>`` at the start of an output -> ``reasoning_content`` (vLLM's field), the
+rest the answer, decided the same whatever the chunking: reasoning starts at a leading ``<think>``
+or with the output when the prompt ended in one (``starts_in_reasoning``); ``</think>`` and the
+whitespace after it end it; ``keep_inline=True`` leaves everything in the answer."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +17,8 @@ THINK_END = "</think>"
 
 @dataclasses.dataclass(frozen=True)
 class ReasoningConfig:
-    """enabled=False: the output passes untouched; starts_in_reasoning: the prompt ends in ``<think>``."""
+    """enabled=False: output passes untouched; starts_in_reasoning: the prompt ends ``<think>``."""
+
     enabled: bool = True
     starts_in_reasoning: bool = False
     keep_inline: bool = False
@@ -30,7 +31,9 @@ class ReasoningStage:
     def __init__(self, config: ReasoningConfig = ReasoningConfig()):
         self.config = config
         passthrough = not config.enabled or config.keep_inline
-        self._state = _ANSWER if passthrough else (_REASONING if config.starts_in_reasoning else _START)
+        self._state = (
+            _ANSWER if passthrough else (_REASONING if config.starts_in_reasoning else _START)
+        )
         self._pending = ""        # leading whitespace seen in _START / after </think>
 
     @property
@@ -43,7 +46,11 @@ class ReasoningStage:
         for ev in events:
             st = self._state
             if st == _ANSWER:
-                answer.append(ev.text if isinstance(ev, Marker) and ev.text in (THINK_BEGIN, THINK_END) else ev)
+                answer.append(
+                    ev.text
+                    if isinstance(ev, Marker) and ev.text in (THINK_BEGIN, THINK_END)
+                    else ev
+                )
             elif st == _REASONING:
                 if isinstance(ev, Marker) and ev.text == THINK_END:
                     self._state = _AFTER
@@ -63,7 +70,11 @@ class ReasoningStage:
                     answer.append(self._pending)
                 self._pending = ""
                 self._state = _ANSWER
-                answer.append(ev.text if isinstance(ev, Marker) and ev.text in (THINK_BEGIN, THINK_END) else ev)
+                answer.append(
+                    ev.text
+                    if isinstance(ev, Marker) and ev.text in (THINK_BEGIN, THINK_END)
+                    else ev
+                )
         return "".join(reasoning), answer
 
     def finish(self) -> tuple[str, list[Event]]:

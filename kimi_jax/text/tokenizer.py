@@ -1,7 +1,7 @@
 """Kimi's tokenizer (``tiktoken.model`` + ``tokenizer_config.json``) through tiktoken, as Kimi's
 ``tokenization_kimi.py`` builds it: the base ranks, then num_reserved_special_tokens + 2 special ids
-(unnamed ones ``<|reserved_token_{id}|>``), Kimi's pre-split pattern, long inputs cut before tiktoken.
-Plain text never encodes to a special token unless ``encode(..., allow_special=True)``."""
+(unnamed ones ``<|reserved_token_{id}|>``), Kimi's pre-split pattern, long inputs cut before
+tiktoken. Plain text never encodes to a special token unless ``encode(..., allow_special=True)``."""
 from __future__ import annotations
 
 import base64
@@ -15,7 +15,12 @@ from typing import AbstractSet, Iterable, Iterator, Mapping, Optional, Sequence,
 
 import tiktoken
 
-from checkpoints.tokenizer_format import KIMI_PAT_STR, NUM_RESERVED_SPECIAL_TOKENS, TIKTOKEN_FILE, TOKENIZER_CONFIG_FILE
+from checkpoints.tokenizer_format import (
+    KIMI_PAT_STR,
+    NUM_RESERVED_SPECIAL_TOKENS,
+    TIKTOKEN_FILE,
+    TOKENIZER_CONFIG_FILE,
+)
 
 __all__ = [
     "KIMI_PAT_STR",
@@ -29,21 +34,21 @@ __all__ = [
     "load_tiktoken_ranks",
 ]
 
-# tiktoken handles up to ~400k chars per call without a Rust panic, and runs of (non-)whitespace longer than
-# ~25k make its regex / BPE quadratic (openai/tiktoken#195). Kimi's tokenizer cuts input at these sizes.
+# tiktoken handles up to ~400k chars per call without a Rust panic, and runs of (non-)whitespace
+# over ~25k make its regex / BPE quadratic (openai/tiktoken#195). Kimi's tokenizer cuts there.
 TIKTOKEN_MAX_ENCODE_CHARS = 400_000
 MAX_NO_WHITESPACES_CHARS = 25_000
 
-# A maximal run (preceded by a different class or the start) longer than the limit. Python's `\s` matches
-# exactly the characters for which str.isspace() is true, as Kimi's splitter uses. The look-behinds make
-# the scan linear: a run is only tried from its first character.
+# A maximal run (preceded by a different class or the start) longer than the limit. Python's `\s`
+# matches exactly the characters for which str.isspace() is true, as Kimi's splitter uses. The
+# look-behinds make the scan linear: a run is only tried from its first character.
 _LONG_RUN = re.compile(
     r"(?<!\s)\s{%d,}|(?<!\S)\S{%d,}" % (MAX_NO_WHITESPACES_CHARS + 1, MAX_NO_WHITESPACES_CHARS + 1)
 )
 
 
 class TokenizerError(ValueError):
-    """A tokenizer file that exists but cannot be used (corrupt, inconsistent), or a bad token id."""
+    """A tokenizer file that exists but is unusable (corrupt, inconsistent), or a bad token id."""
 
 
 class TokenizerNotFound(FileNotFoundError):
@@ -56,8 +61,9 @@ def _one_line(text: str, limit: int = 200) -> str:
 
 
 def load_tiktoken_ranks(path: Union[str, os.PathLike]) -> dict[bytes, int]:
-    """Read a ``tiktoken.model`` file (``<base64> <rank>`` per line) into ``{token_bytes: rank}``, refusing
-    malformed lines, duplicates, ranks other than ``0 .. n-1`` and missing single bytes (TokenizerError)."""
+    """Read a ``tiktoken.model`` file (``<base64> <rank>`` per line) into ``{token_bytes: rank}``,
+    refusing malformed lines, duplicates, ranks other than ``0 .. n-1`` and missing single bytes
+    (TokenizerError)."""
     path = os.fspath(path)
     try:
         with open(path, "rb") as f:
@@ -74,34 +80,43 @@ def load_tiktoken_ranks(path: Union[str, os.PathLike]) -> dict[bytes, int]:
         parts = line.split()
         if len(parts) != 2:
             raise TokenizerError(
-                f"{path}:{lineno}: corrupt tiktoken.model: expected '<base64 token> <rank>', got {_one_line(line[:80])!s}"
+                f"{path}:{lineno}: corrupt tiktoken.model: expected '<base64 token> <rank>', got "
+                f"{_one_line(line[:80])!s}"
             )
         try:
             token = base64.b64decode(parts[0], validate=True)
             rank = int(parts[1])
         except (binascii.Error, ValueError):
             raise TokenizerError(
-                f"{path}:{lineno}: corrupt tiktoken.model: bad base64 token or rank in line {_one_line(line[:80])!s}"
+                f"{path}:{lineno}: corrupt tiktoken.model: bad base64 token or rank in line "
+                f"{_one_line(line[:80])!s}"
             ) from None
         if not token or rank < 0:
-            raise TokenizerError(f"{path}:{lineno}: corrupt tiktoken.model: empty token or negative rank")
+            raise TokenizerError(
+                f"{path}:{lineno}: corrupt tiktoken.model: empty token or negative rank"
+            )
         if token in ranks:
-            raise TokenizerError(f"{path}:{lineno}: corrupt tiktoken.model: token {token!r} appears twice")
+            raise TokenizerError(
+                f"{path}:{lineno}: corrupt tiktoken.model: token {token!r} appears twice"
+            )
         if rank in seen_ranks:
-            raise TokenizerError(f"{path}:{lineno}: corrupt tiktoken.model: rank {rank} appears twice")
+            raise TokenizerError(
+                f"{path}:{lineno}: corrupt tiktoken.model: rank {rank} appears twice"
+            )
         ranks[token] = rank
         seen_ranks.add(rank)
     if not ranks:
         raise TokenizerError(f"{path}: corrupt tiktoken.model: no tokens")
     if max(seen_ranks) != len(ranks) - 1:
         raise TokenizerError(
-            f"{path}: corrupt tiktoken.model: ranks are not contiguous 0..{len(ranks) - 1} (max rank {max(seen_ranks)})"
+            f"{path}: corrupt tiktoken.model: ranks are not contiguous 0..{len(ranks) - 1} (max "
+            f"rank {max(seen_ranks)})"
         )
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if missing:
         raise TokenizerError(
-            f"{path}: corrupt tiktoken.model: {len(missing)} single-byte tokens missing (first: {missing[0]:#04x}); "
-            "a byte-level BPE needs all 256"
+            f"{path}: corrupt tiktoken.model: {len(missing)} single-byte tokens missing (first: "
+            f"{missing[0]:#04x}); a byte-level BPE needs all 256"
         )
     return ranks
 
@@ -126,14 +141,19 @@ def _read_config(path: str) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TokenizerError(f"{path}: corrupt tokenizer_config.json: {_one_line(e)}") from None
     except OSError as e:
-        raise TokenizerError(f"{path}: cannot read tokenizer_config.json ({e.strerror or e})") from None
+        raise TokenizerError(
+            f"{path}: cannot read tokenizer_config.json ({e.strerror or e})"
+        ) from None
     if not isinstance(cfg, dict):
-        raise TokenizerError(f"{path}: corrupt tokenizer_config.json: top level is {type(cfg).__name__}, not an object")
+        raise TokenizerError(
+            f"{path}: corrupt tokenizer_config.json: top level is {type(cfg).__name__}, not an "
+            "object"
+        )
     return cfg
 
 
 def _split_long_runs(text: str) -> Iterator[str]:
-    """Kimi's ``_split_whitespaces_or_nonwhitespaces``: cut every run longer than the limit every 25k chars."""
+    """Kimi's ``_split_whitespaces_or_nonwhitespaces``: runs past the limit cut every 25k chars."""
     start = 0
     for m in _LONG_RUN.finditer(text):
         for cut in range(m.start() + MAX_NO_WHITESPACES_CHARS, m.end(), MAX_NO_WHITESPACES_CHARS):
@@ -143,7 +163,7 @@ def _split_long_runs(text: str) -> Iterator[str]:
 
 
 def _chunks(text: str) -> Iterator[str]:
-    """Pieces of at most 400k chars, each cut further so no (non-)whitespace run exceeds 25k chars."""
+    """Pieces of at most 400k chars, cut further so no (non-)whitespace run exceeds 25k chars."""
     if len(text) <= MAX_NO_WHITESPACES_CHARS:
         yield text
         return
@@ -152,8 +172,8 @@ def _chunks(text: str) -> Iterator[str]:
 
 
 class Tokenizer:
-    """A Kimi tokenizer: byte-level BPE ranks + special tokens (`special_tokens`: ``{string: id}``, named and
-    reserved; `num_base_tokens`: the first special id), encoded through tiktoken."""
+    """A Kimi tokenizer: byte-level BPE ranks + special tokens (`special_tokens`: ``{string: id}``,
+    named and reserved; `num_base_tokens`: the first special id), encoded through tiktoken."""
 
     def __init__(
         self,
@@ -174,18 +194,27 @@ class Tokenizer:
         self.num_base_tokens = len(self.mergeable_ranks)
         for tok, i in self.special_tokens.items():
             if i < self.num_base_tokens:
-                raise TokenizerError(f"special token {tok!r} has id {i}, inside the {self.num_base_tokens} BPE ranks")
+                raise TokenizerError(
+                    f"special token {tok!r} has id {i}, inside the {self.num_base_tokens} BPE ranks"
+                )
         if len(set(self.special_tokens.values())) != len(self.special_tokens):
             raise TokenizerError("two special tokens share an id")
         self.pat_str = pat_str
         self._enc = tiktoken.Encoding(
-            name, pat_str=pat_str, mergeable_ranks=self.mergeable_ranks, special_tokens=self.special_tokens
+            name,
+            pat_str=pat_str,
+            mergeable_ranks=self.mergeable_ranks,
+            special_tokens=self.special_tokens,
         )
         self._id_to_special: dict[int, str] = {i: t for t, i in self.special_tokens.items()}
-        self._special_bytes: dict[int, bytes] = {i: t.encode("utf-8") for t, i in self.special_tokens.items()}
-        # Added tokens marked "special": false in tokenizer_config (Kimi's tool-call tokens) are kept by
-        # decode(skip_special_tokens=True); everything else in the special range is skipped.
-        self._skippable_ids = frozenset(i for t, i in self.special_tokens.items() if t not in non_special)
+        self._special_bytes: dict[int, bytes] = {
+            i: t.encode("utf-8") for t, i in self.special_tokens.items()
+        }
+        # Added tokens marked "special": false in tokenizer_config (Kimi's tool-call tokens) are
+        # kept by decode(skip_special_tokens=True); everything else in the special range is skipped.
+        self._skippable_ids = frozenset(
+            i for t, i in self.special_tokens.items() if t not in non_special
+        )
         self.config = dict(config or {})
         self.chat_template = self.config.get("chat_template")
 
@@ -196,7 +225,12 @@ class Tokenizer:
                 raise TokenizerError(f"{what} {tok!r} is not one of the special tokens")
             return self.special_tokens[tok]
 
-        self.bos_token, self.eos_token, self.pad_token, self.unk_token = bos_token, eos_token, pad_token, unk_token
+        self.bos_token, self.eos_token, self.pad_token, self.unk_token = (
+            bos_token,
+            eos_token,
+            pad_token,
+            unk_token,
+        )
         self.bos_id = _id(bos_token, "bos_token")
         self.eos_id = _id(eos_token, "eos_token")
         self.pad_id = _id(pad_token, "pad_token")
@@ -207,8 +241,9 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: Union[str, os.PathLike]) -> "Tokenizer":
-        """Load ``tiktoken.model`` + ``tokenizer_config.json`` from a checkpoint directory (or the model file);
-        TokenizerNotFound when a file is missing, TokenizerError naming a corrupt one."""
+        """Load ``tiktoken.model`` + ``tokenizer_config.json`` from a checkpoint directory (or the
+        model file); TokenizerNotFound when a file is missing, TokenizerError naming a corrupt
+        one."""
         path = os.fspath(path)
         if os.path.isfile(path) and os.path.basename(path) == TIKTOKEN_FILE:
             path = os.path.dirname(path) or "."
@@ -219,12 +254,17 @@ class Tokenizer:
         has_model, has_config = os.path.isfile(model_file), os.path.isfile(config_file)
         if not has_model and not has_config:
             raise TokenizerNotFound(
-                f"{path}: no tokenizer in this directory (expected {TIKTOKEN_FILE} and {TOKENIZER_CONFIG_FILE})"
+                f"{path}: no tokenizer in this directory (expected {TIKTOKEN_FILE} and "
+                f"{TOKENIZER_CONFIG_FILE})"
             )
         if not has_model:
-            raise TokenizerNotFound(f"{model_file}: tokenizer file not found (next to {TOKENIZER_CONFIG_FILE})")
+            raise TokenizerNotFound(
+                f"{model_file}: tokenizer file not found (next to {TOKENIZER_CONFIG_FILE})"
+            )
         if not has_config:
-            raise TokenizerNotFound(f"{config_file}: tokenizer config not found (next to {TIKTOKEN_FILE})")
+            raise TokenizerNotFound(
+                f"{config_file}: tokenizer config not found (next to {TIKTOKEN_FILE})"
+            )
 
         ranks = load_tiktoken_ranks(model_file)
         cfg = _read_config(config_file)
@@ -232,7 +272,10 @@ class Tokenizer:
 
         decoder = cfg.get("added_tokens_decoder") or {}
         if not isinstance(decoder, dict):
-            raise TokenizerError(f"{config_file}: corrupt tokenizer_config.json: added_tokens_decoder is not an object")
+            raise TokenizerError(
+                f"{config_file}: corrupt tokenizer_config.json: added_tokens_decoder is not an "
+                "object"
+            )
         named: dict[int, str] = {}
         non_special: set[str] = set()
         for key, entry in decoder.items():
@@ -240,29 +283,37 @@ class Tokenizer:
                 idx = int(key)
             except ValueError:
                 raise TokenizerError(
-                    f"{config_file}: corrupt tokenizer_config.json: added_tokens_decoder key {key!r} is not an id"
+                    f"{config_file}: corrupt tokenizer_config.json: added_tokens_decoder key "
+                    f"{key!r} is not an id"
                 ) from None
             content = _token_content(entry)
             if content is None:
                 raise TokenizerError(
-                    f"{config_file}: corrupt tokenizer_config.json: added token {key} has no string 'content'"
+                    f"{config_file}: corrupt tokenizer_config.json: added token {key} has no "
+                    "string 'content'"
                 )
             if idx < num_base:
                 raise TokenizerError(
-                    f"{config_file}: added token {content!r} has id {idx}, inside the {num_base} ranks of {TIKTOKEN_FILE}"
+                    f"{config_file}: added token {content!r} has id {idx}, inside the {num_base} "
+                    f"ranks of {TIKTOKEN_FILE}"
                 )
             named[idx] = content
             if isinstance(entry, Mapping) and entry.get("special") is False:
                 non_special.add(content)
         n_reserved = cfg.get("num_reserved_special_tokens", NUM_RESERVED_SPECIAL_TOKENS)
         if not isinstance(n_reserved, int) or n_reserved < 0:
-            raise TokenizerError(f"{config_file}: num_reserved_special_tokens must be a non-negative integer")
+            raise TokenizerError(
+                f"{config_file}: num_reserved_special_tokens must be a non-negative integer"
+            )
         ids = set(range(num_base, num_base + n_reserved + 2)) | set(named)
         special_tokens: dict[str, int] = {}
         for i in sorted(ids):
             tok = named.get(i, f"<|reserved_token_{i}|>")
             if tok in special_tokens:
-                raise TokenizerError(f"{config_file}: special token {tok!r} has two ids ({special_tokens[tok]} and {i})")
+                raise TokenizerError(
+                    f"{config_file}: special token {tok!r} has two ids ({special_tokens[tok]} and "
+                    f"{i})"
+                )
             special_tokens[tok] = i
 
         def tok_field(key: str, default: Optional[str]) -> Optional[str]:
@@ -271,9 +322,13 @@ class Tokenizer:
             value = cfg[key]
             content = _token_content(value)
             if value is not None and content is None:
-                raise TokenizerError(f"{config_file}: corrupt tokenizer_config.json: {key} is not a token string")
+                raise TokenizerError(
+                    f"{config_file}: corrupt tokenizer_config.json: {key} is not a token string"
+                )
             if content is not None and content not in special_tokens:
-                raise TokenizerError(f"{config_file}: {key} {content!r} is not among the added tokens")
+                raise TokenizerError(
+                    f"{config_file}: {key} {content!r} is not among the added tokens"
+                )
             return content
 
         tok = cls(
@@ -306,13 +361,13 @@ class Tokenizer:
         return out
 
     def token_to_id(self, token: str) -> Optional[int]:
-        """Id of a special token, or of a base token given as its UTF-8 text; ``None`` if neither."""
+        """Id of a special token, or of a base token given as UTF-8 text; ``None`` if neither."""
         if token in self.special_tokens:
             return self.special_tokens[token]
         return self.mergeable_ranks.get(token.encode("utf-8"))
 
     def id_to_token(self, token_id: int) -> str:
-        """Text of one token (special tokens by name; a partial UTF-8 sequence decodes with U+FFFD)."""
+        """Text of one token (special tokens by name; a partial UTF-8 sequence gives U+FFFD)."""
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -331,8 +386,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True, *,
                allow_special: Union[bool, AbstractSet[str]] = False) -> list[int]:
-        """Token ids for ``text``; allow_special: False (special-token strings are plain text), True (all map
-        to their ids) or a set of the special tokens recognised (add_special_tokens: adds nothing)."""
+        """Token ids for ``text``; allow_special: False (special-token strings are plain text), True
+        (all map to their ids) or a set of the special tokens recognised (add_special_tokens: adds
+        nothing)."""
         if not isinstance(text, str):
             raise TypeError(f"encode() expects str, got {type(text).__name__}")
         if not allow_special:
@@ -344,7 +400,9 @@ class Tokenizer:
         else:
             unknown = set(allow_special) - self.special_tokens.keys()
             if unknown:
-                raise ValueError(f"allow_special names tokens that are not special tokens: {sorted(unknown)[:5]}")
+                raise ValueError(
+                    f"allow_special names tokens that are not special tokens: {sorted(unknown)[:5]}"
+                )
             pattern = self._special_regex(allow_special)
         out: list[int] = []
         pos = 0
@@ -367,7 +425,9 @@ class Tokenizer:
                 out.extend(self._enc.encode_ordinary(piece))
         return out
 
-    def encode_batch(self, texts: Sequence[str], *, allow_special: Union[bool, AbstractSet[str]] = False) -> list[list[int]]:
+    def encode_batch(
+        self, texts: Sequence[str], *, allow_special: Union[bool, AbstractSet[str]] = False
+    ) -> list[list[int]]:
         return [self.encode(t, allow_special=allow_special) for t in texts]
 
     def _check_ids(self, ids: Iterable[int]) -> None:
@@ -384,9 +444,9 @@ class Tokenizer:
         return self._enc.decode_bytes(ids)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        """Text for ``ids``. Special tokens decode to their names unless ``skip_special_tokens``, which drops
-        every special id except added tokens marked ``"special": false`` (Kimi's tool-call tokens).
-        Invalid UTF-8 (e.g. a truncated multi-byte character) becomes U+FFFD."""
+        """Text for ``ids``. Special tokens decode to their names unless ``skip_special_tokens``,
+        which drops every special id except added tokens marked ``"special": false`` (Kimi's
+        tool-call tokens). Invalid UTF-8 (e.g. a truncated multi-byte character) becomes U+FFFD."""
         return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
 
     def incremental_decoder(self, skip_special_tokens: bool = False) -> "IncrementalDecoder":
@@ -413,7 +473,9 @@ class Tokenizer:
             return self.id_to_token(ids)
         return [self.id_to_token(i) for i in ids]
 
-    def convert_tokens_to_ids(self, tokens: Union[str, Iterable[str]]) -> Union[Optional[int], list]:
+    def convert_tokens_to_ids(
+        self, tokens: Union[str, Iterable[str]]
+    ) -> Union[Optional[int], list]:
         """Each token's id (`token_to_id`; None for an unknown token); one string gives one id."""
         if isinstance(tokens, str):
             return self.token_to_id(tokens)
@@ -421,7 +483,7 @@ class Tokenizer:
 
     def __call__(self, text: Union[str, Sequence[str]], add_special_tokens: bool = True,
                  **_ignored) -> "Encoding":
-        """``tokenizer(text)``: input_ids and attention_mask (other keyword arguments are ignored)."""
+        """``tokenizer(text)``: input_ids and attention_mask (other keyword arguments ignored)."""
         if isinstance(text, str):
             ids = self.encode(text)
             return Encoding(input_ids=ids, attention_mask=[1] * len(ids))
@@ -435,15 +497,23 @@ class Tokenizer:
             return ChatTemplate(chat_template)
         if self._template is None:
             if self.template_dir is None:
-                raise ChatTemplateNotFound("this tokenizer was not read from a checkpoint directory; "
-                                           "pass chat_template")
+                raise ChatTemplateNotFound(
+                    "this tokenizer was not read from a checkpoint directory; " "pass chat_template"
+                )
             self._template = ChatTemplate.from_pretrained(self.template_dir)
         return self._template
 
-    def apply_chat_template(self, conversation, tools=None, *, tokenize: bool = True,
-                            add_generation_prompt: bool = False, chat_template: Optional[str] = None,
-                            **kwargs) -> Union[str, list[int]]:
-        """The checkpoint's template as LLM.chat renders it: its prompt ids, or text (tokenize=False)."""
+    def apply_chat_template(
+        self,
+        conversation,
+        tools=None,
+        *,
+        tokenize: bool = True,
+        add_generation_prompt: bool = False,
+        chat_template: Optional[str] = None,
+        **kwargs,
+    ) -> Union[str, list[int]]:
+        """The checkpoint's template as LLM.chat renders it: prompt ids or text (tokenize=False)"""
         from kimi_jax.text.conversation import encode_conversation, render_conversation
         tmpl = self.load_chat_template(chat_template)
         kw = dict(add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
@@ -453,13 +523,14 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return (
-            f"Tokenizer(num_base_tokens={self.num_base_tokens}, special_tokens={len(self.special_tokens)}, "
+            f"Tokenizer(num_base_tokens={self.num_base_tokens}, "
+            f"special_tokens={len(self.special_tokens)}, "
             f"bos_id={self.bos_id}, eos_id={self.eos_id})"
         )
 
 
 class Encoding(dict):
-    """``tokenizer(text)``'s result: a dict whose keys read as attributes too (``enc.input_ids``)."""
+    """``tokenizer(text)``'s result: a dict whose keys read as attributes (``enc.input_ids``)."""
 
     def __getattr__(self, name: str):
         try:
@@ -469,8 +540,8 @@ class Encoding(dict):
 
 
 class IncrementalDecoder:
-    """Streaming detokenizer: ids in, newly completed text out (never part of a UTF-8 character); all deltas
-    plus ``flush()`` equal ``tokenizer.decode(all_ids)``."""
+    """Streaming detokenizer: ids in, newly completed text out (never part of a UTF-8 character);
+    all deltas plus ``flush()`` equal ``tokenizer.decode(all_ids)``."""
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False):
         self.tokenizer = tokenizer

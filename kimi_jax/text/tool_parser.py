@@ -1,11 +1,12 @@
 """Kimi tool calls in model output -> OpenAI ``tool_calls``, whole or streamed.
 
-``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}
-<|tool_call_end|>...<|tool_calls_section_end|>`` after the answer text becomes ``{"id": "functions.NAME:IDX",
-"type": "function", "function": {"name", "arguments"}}`` (arguments as written). The parser never raises:
-a bad id, text between calls, a call cut off before its arguments and text after the section are
-content. `ChatOutputParser` chains the reasoning split and this parser; its streamed deltas follow
-OpenAI's chunk shape and concatenate to the whole output's `ParsedOutput`, whatever the chunking."""
+``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>
+{json}<|tool_call_end|>...<|tool_calls_section_end|>`` after the answer text becomes ``{"id":
+"functions.NAME:IDX", "type": "function", "function": {"name", "arguments"}}`` (arguments as
+written). The parser never raises: a bad id, text between calls, a call cut off before its arguments
+and text after the section are content. `ChatOutputParser` chains the reasoning split and this
+parser; its streamed deltas follow OpenAI's chunk shape and concatenate to the whole output's
+`ParsedOutput`, whatever the chunking."""
 from __future__ import annotations
 
 import dataclasses
@@ -45,7 +46,8 @@ def format_call_id(name: str, index: int) -> str:
 
 @dataclasses.dataclass
 class DeltaMessage:
-    """One streamed step: any of content / reasoning_content text and tool-call deltas (OpenAI shape)."""
+    """One streamed step: content / reasoning_content text and tool-call deltas (OpenAI shape)."""
+
     content: str = ""
     reasoning_content: str = ""
     tool_calls: list = dataclasses.field(default_factory=list)
@@ -69,11 +71,15 @@ class DeltaMessage:
 class ParsedOutput:
     content: str
     reasoning_content: str
-    tool_calls: list        # OpenAI tool_calls: [{"id", "type": "function", "function": {"name", "arguments"}}]
+    # OpenAI tool_calls: [{"id", "type": "function", "function": {"name", "arguments"}}]
+    tool_calls: list
 
     def message(self) -> dict:
         """An OpenAI assistant ``message`` (content None when empty and there are tool calls)."""
-        msg: dict = {"role": "assistant", "content": self.content if (self.content or not self.tool_calls) else None}
+        msg: dict = {
+            "role": "assistant",
+            "content": self.content if (self.content or not self.tool_calls) else None,
+        }
         if self.reasoning_content:
             msg["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
@@ -208,7 +214,9 @@ class ChatOutputParser:
     that does not think.
     """
 
-    def __init__(self, tokenizer=None, *, tools: bool = True, reasoning: Optional[ReasoningConfig] = None):
+    def __init__(
+        self, tokenizer=None, *, tools: bool = True, reasoning: Optional[ReasoningConfig] = None
+    ):
         markers: list[str] = list(TOOL_MARKERS) if tools else []
         self._reasoning = ReasoningStage(reasoning) if reasoning is not None else None
         if self._reasoning is not None and reasoning.enabled and not reasoning.keep_inline:
@@ -275,9 +283,14 @@ class ChatOutputParser:
 
     def result(self) -> ParsedOutput:
         """Everything so far as one output (call after `finish` for the final one)."""
-        return ParsedOutput(content="".join(self._content), reasoning_content="".join(self._reasoning_text),
-                            tool_calls=[{"id": c["id"], "type": c["type"], "function": dict(c["function"])}
-                                        for c in self._calls])
+        return ParsedOutput(
+            content="".join(self._content),
+            reasoning_content="".join(self._reasoning_text),
+            tool_calls=[
+                {"id": c["id"], "type": c["type"], "function": dict(c["function"])}
+                for c in self._calls
+            ],
+        )
 
 
 def parse_output(output, tokenizer=None, *, tools: bool = True,

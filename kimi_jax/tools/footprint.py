@@ -28,8 +28,12 @@ def padded_batch(batch: int, dp: int) -> int:
 
 
 def param_bytes(cfg: ModelConfig, layout: Layout, dtype_bytes: int = 2) -> dict[str, int]:
-    """Bytes of parameters one device holds, by group (same sharding rules as kimi_jax.parallel.sharding)."""
-    tp, dp, ep = layout.tensor_parallel_size, layout.data_parallel_size, layout.enable_expert_parallel
+    """Bytes of parameters a device holds, by group (kimi_jax.parallel.sharding's rules)."""
+    tp, dp, ep = (
+        layout.tensor_parallel_size,
+        layout.data_parallel_size,
+        layout.enable_expert_parallel,
+    )
     db = dtype_bytes
     D, V, N = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads
     H, R, A, U = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
@@ -47,7 +51,9 @@ def param_bytes(cfg: ModelConfig, layout: Layout, dtype_bytes: int = 2) -> dict[
         "dense_ffn": Ld * 3 * _cdiv(Fd, tp) * D * db,
         "router": Lm * (E * D + E) * ROUTER_BYTES,
         "shared_experts": Lm * 3 * _cdiv(cfg.shared_expert_width, tp) * D * db,
-        "routed_experts": Lm * expert_bytes_local(cfg, layout, dtype_bytes) * experts_local(cfg, layout),
+        "routed_experts": Lm
+        * expert_bytes_local(cfg, layout, dtype_bytes)
+        * experts_local(cfg, layout),
         "embedding": _cdiv(V, tp) * D * db,
         "lm_head": 0 if cfg.tie_word_embeddings else _cdiv(V, tp) * D * db,
     }
@@ -75,7 +81,7 @@ def expert_bytes_local(cfg: ModelConfig, layout: Layout, dtype_bytes: int = 2) -
 
 
 def param_bytes_from_model(cfg: ModelConfig, layout: Layout, dtype=None) -> int:
-    """sharding.per_device_bytes on the model's abstract state (shapes only; slow for big models)."""
+    """sharding.per_device_bytes of the model's abstract state (shapes only; slow for big ones)."""
     import jax.numpy as jnp
     from flax import nnx
     from kimi_jax.model.transformer import abstract_model
@@ -85,7 +91,8 @@ def param_bytes_from_model(cfg: ModelConfig, layout: Layout, dtype=None) -> int:
 
 
 def expected_touched(local: int, k: int, E: int, tokens: int) -> float:
-    """Expected distinct experts, of `local` held, that `tokens` tokens touch with top-k uniform over E."""
+    """Expected distinct experts, of `local` held, that `tokens` tokens touch with top-k uniform
+    over E."""
     if tokens <= 0:
         return 0.0
     return local * (1.0 - (1.0 - k / E) ** tokens)

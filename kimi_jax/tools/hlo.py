@@ -1,10 +1,12 @@
-"""A compiled program's HLO text: its computations, how often each runs, its collectives, op categories.
+"""A compiled program's HLO text: its computations, how often each runs, its collectives, op
+categories.
 
-Collectives count once per execution: a collective in a while-loop body runs once per trip (the loop's
-`known_trip_count`, else its condition's constant bound; nested loops multiply); an async pair counts
-once. Categories of an executed op (`categorize`): its collective kind; attention when its Python stack
-is inside MLA.__call__ / _softmax / the paged attention ops but not a projection; matmul for dots,
-gemm custom calls, fusions holding one, and INT4 dequantization; rest for everything else.
+Collectives count once per execution: a collective in a while-loop body runs once per trip (the
+loop's `known_trip_count`, else its condition's constant bound; nested loops multiply); an async
+pair counts once. Categories of an executed op (`categorize`): its collective kind; attention when
+its Python stack is inside MLA.__call__ / _softmax / the paged attention ops but not a projection;
+matmul for dots, gemm custom calls, fusions holding one, and INT4 dequantization; rest for
+everything else.
 """
 from __future__ import annotations
 
@@ -14,18 +16,46 @@ import re
 from collections import defaultdict
 from typing import Optional
 
-COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+COLLECTIVE_KINDS = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+)
 CATEGORIES = COLLECTIVE_KINDS + ("matmul", "attention", "rest")
 
-# ---- HLO text parsing ------------------------------------------------------------------------------
+# ---- HLO text parsing ----------------------------------------------------------------------------
 
 _COMP_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
-_SHAPE_RE = re.compile(r"\b(pred|s4|u4|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64|f8e4m3fn|f8e5m2|"
-                       r"f8e4m3|f8e3m4|f8e4m3fnuz|f8e5m2fnuz|c64|c128|token)\[([0-9,]*)\]")
-_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4,
-                "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16, "token": 0}
-_CALL_ATTRS = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_SHAPE_RE = re.compile(
+    r"\b(pred|s4|u4|s8|u8|s16|u16|s32|u32|s64|u64|f16|bf16|f32|f64|f8e4m3fn|f8e5m2|"
+    r"f8e4m3|f8e3m4|f8e4m3fnuz|f8e5m2fnuz|c64|c128|token)\[([0-9,]*)\]"
+)
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "s32": 4,
+    "u32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f16": 2,
+    "bf16": 2,
+    "f32": 4,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "token": 0,
+}
+_CALL_ATTRS = re.compile(
+    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
+)
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 _STACK_ID = re.compile(r"stack_frame_id=(\d+)")
@@ -241,12 +271,20 @@ class CollectiveCounts:
         return {k: self.count(k, trivial=trivial) for k in COLLECTIVE_KINDS}
 
     def static_by_kind(self) -> dict[str, int]:
-        return {k: sum(1 for o in self.ops if o.kind == k and not o.trivial) for k in COLLECTIVE_KINDS}
+        return {
+            k: sum(1 for o in self.ops if o.kind == k and not o.trivial) for k in COLLECTIVE_KINDS
+        }
 
     def to_json(self) -> dict:
-        return {"per_step": self.by_kind(), "total_per_step": self.count(),
-                "trivial_per_step": {k: self.count(k, trivial=True) - self.count(k) for k in COLLECTIVE_KINDS},
-                "static_ops": self.static_by_kind(), "ops": [dataclasses.asdict(o) for o in self.ops]}
+        return {
+            "per_step": self.by_kind(),
+            "total_per_step": self.count(),
+            "trivial_per_step": {
+                k: self.count(k, trivial=True) - self.count(k) for k in COLLECTIVE_KINDS
+            },
+            "static_ops": self.static_by_kind(),
+            "ops": [dataclasses.asdict(o) for o in self.ops],
+        }
 
 
 def collectives_of_hlo(text_or_module) -> CollectiveCounts:
@@ -267,17 +305,27 @@ def collectives_of_hlo(text_or_module) -> CollectiveCounts:
     return CollectiveCounts(ops)
 
 
-# ---- op categories -----------------------------------------------------------------------------------
+# ---- op categories -------------------------------------------------------------------------------
 
 _MATMUL_OPS = ("dot", "convolution", "ragged-dot")
-_GEMM_TARGET = re.compile(r'custom_call_target="[^"]*(gemm|cublas|matmul|triton|mosaic|pallas)[^"]*"', re.I)
+_GEMM_TARGET = re.compile(
+    r'custom_call_target="[^"]*(gemm|cublas|matmul|triton|mosaic|pallas)[^"]*"', re.I
+)
 _ATTN_FUNCS = ("MLA.__call__", "_softmax",
                # the paged step's attention ops (kimi_jax.ops and the kernel wrapper's XLA parts)
                "mla_paged_attention", "_mla_paged_attention_xla", "paged_keys", "gather_pages",
                "_new_token_part", "combine", "mla_decode_partials")
 _ATTN_EINSUM = re.compile(r"bnts|bsa->|bsr->")      # MLA's score / value einsums (mla.py)
-_PROJ_FUNCS = ("Linear.__call__", "linear", "MLA._queries", "MLA.latents", "MLA._kv_b", "RMSNorm.__call__",
-               "apply_rope", "rope_cos_sin")
+_PROJ_FUNCS = (
+    "Linear.__call__",
+    "linear",
+    "MLA._queries",
+    "MLA.latents",
+    "MLA._kv_b",
+    "RMSNorm.__call__",
+    "apply_rope",
+    "rope_cos_sin",
+)
 
 
 def _contains_matmul(comp: str, module: HloModule, depth=0) -> bool:
@@ -302,21 +350,30 @@ def categorize(instr: Optional[HloInstr], module: Optional[HloModule], event_nam
                         ("collective-permute", ("collective-permute", "sendrecv", "ppermute"))):
             if any(x in n for x in keys):
                 return k
-        # Pallas kernels run under their own names: the INT4 expert matmuls and the MLA decode kernel
-        if any(x in n for x in ("gemm", "dot", "cublas", "matmul", "ragged", "cutlass", "nvjet", "int4")):
+        # Pallas kernels run under their own names: the INT4 expert matmuls, the MLA decode kernel
+        if any(
+            x in n
+            for x in ("gemm", "dot", "cublas", "matmul", "ragged", "cutlass", "nvjet", "int4")
+        ):
             return "matmul"
         if any(x in n for x in ("softmax", "attention", "mla")):
             return "attention"
         return "rest"
     if instr.kind is not None:
         return instr.kind
-    for k in COLLECTIVE_KINDS:   # the -done half of an async pair, or a wrapped async collective
-        if instr.opcode == k + "-done" or (instr.opcode.startswith("async") and k in instr.rest[:400]):
+    for k in COLLECTIVE_KINDS:  # the -done half of an async pair, or a wrapped async collective
+        if instr.opcode == k + "-done" or (
+            instr.opcode.startswith("async") and k in instr.rest[:400]
+        ):
             return k
     stack = module.stack(instr.stack_frame_id) if module is not None else []
-    is_mm = instr.opcode in _MATMUL_OPS or (instr.opcode == "custom-call" and _GEMM_TARGET.search(instr.rest))
+    is_mm = instr.opcode in _MATMUL_OPS or (
+        instr.opcode == "custom-call" and _GEMM_TARGET.search(instr.rest)
+    )
     if not is_mm and instr.opcode == "fusion" and module is not None:
-        is_mm = any(_contains_matmul(c, module) for c in re.findall(r"\bcalls=%?([\w.\-]+)", instr.rest))
+        is_mm = any(
+            _contains_matmul(c, module) for c in re.findall(r"\bcalls=%?([\w.\-]+)", instr.rest)
+        )
     if stack and any(f in _ATTN_FUNCS for f in stack):
         inner = stack[: next(i for i, f in enumerate(stack) if f in _ATTN_FUNCS)]
         if not any(f in _PROJ_FUNCS for f in inner):

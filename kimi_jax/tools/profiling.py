@@ -1,6 +1,7 @@
-"""Where a decode step's time goes: collectives counted in the compiled program (`count_decode_collectives`),
-device op time by category from a profiler trace (`profile_decode`). On CPU a collective's time includes the
-wait for the slowest simulated device: CPU shares show the program's structure, not GPU timings."""
+"""Where a decode step's time goes: collectives counted in the compiled program
+(`count_decode_collectives`), device op time by category from a profiler trace (`profile_decode`).
+On CPU a collective's time includes the wait for the slowest simulated device: CPU shares show the
+program's structure, not GPU timings."""
 from __future__ import annotations
 
 import bisect
@@ -15,10 +16,22 @@ import time
 from collections import defaultdict
 from typing import Optional
 
-from kimi_jax.tools.hlo import (CATEGORIES, COLLECTIVE_KINDS, CollectiveCounts, HloModule,  # noqa: F401
-                                categorize, collectives_of_hlo, parse_hlo, summarize_counts)
-from kimi_jax.tools.png_chart import COLORS, read_png_size, stacked_bar_png, write_png_chart  # noqa: F401
-
+from kimi_jax.tools.hlo import (
+    CATEGORIES,
+    COLLECTIVE_KINDS,
+    CollectiveCounts,
+    HloModule,  # noqa: F401
+    categorize,
+    collectives_of_hlo,
+    parse_hlo,
+    summarize_counts,
+)
+from kimi_jax.tools.png_chart import (  # noqa: F401
+    COLORS,
+    read_png_size,
+    stacked_bar_png,
+    write_png_chart,
+)
 
 
 def cache_sharding(layout):
@@ -29,7 +42,8 @@ def cache_sharding(layout):
 
 
 def abstract_engine(cfg, layout, dtype=None):
-    """An ModelSteps over shapes only (sharded ShapeDtypeStructs): compiles any model without its weights."""
+    """An ModelSteps over shapes only (sharded ShapeDtypeStructs): compiles any model without its
+    weights."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -48,7 +62,9 @@ def abstract_engine(cfg, layout, dtype=None):
     return ModelSteps(nnx.merge(graphdef, state), cfg, layout)
 
 
-def decode_args(engine, layout, batch: int, cache_len: int, *, abstract: bool, temperature: float = 0.0):
+def decode_args(
+    engine, layout, batch: int, cache_len: int, *, abstract: bool, temperature: float = 0.0
+):
     """(cache, tokens, positions, sampling arrays, steps) for one decode step of `batch` rows."""
     import jax
     import jax.numpy as jnp
@@ -58,15 +74,20 @@ def decode_args(engine, layout, batch: int, cache_len: int, *, abstract: bool, t
     sh = cache_sharding(layout)
     sp = SamplingArrays.build([SamplingParams(temperature=temperature)] * batch, list(range(batch)))
     if abstract:
-        cache = {k: jax.ShapeDtypeStruct((n, batch, cache_len, cfg.latent_dim), engine.cache_dtype, sharding=sh)
-                 for k, n in (("dense", cfg.num_dense_layers), ("moe", cfg.num_moe_layers)) if n}
+        cache = {
+            k: jax.ShapeDtypeStruct(
+                (n, batch, cache_len, cfg.latent_dim), engine.cache_dtype, sharding=sh
+            )
+            for k, n in (("dense", cfg.num_dense_layers), ("moe", cfg.num_moe_layers))
+            if n
+        }
         vec = jax.ShapeDtypeStruct((batch,), jnp.int32)
         return cache, vec, vec, sp, vec
     cache = init_cache(cfg, batch, cache_len, engine.cache_dtype)
     if sh is not None:
         cache = {k: jax.device_put(v, sh) for k, v in cache.items()}
     z = jnp.zeros((batch,), jnp.int32)
-    # distinct tokens per row: identical rows route to the same 8 experts and understate the MoE read
+    # distinct tokens per row: identical rows route to the same 8 experts, understating MoE reads
     tokens = (jnp.arange(batch, dtype=jnp.int32) * 7919 + 11) % cfg.vocab_size
     return cache, tokens, z, sp, jnp.ones((batch,), jnp.int32)
 
@@ -85,11 +106,14 @@ def paged_args(engine, layout, batch: int, cache_len: int, page_size: int = PAGE
     pages = engine.init_pages(batch * P, page_size)
     sp = SamplingArrays.build([SamplingParams(temperature=0.0)] * batch, list(range(batch)))
     tokens = ((np.arange(batch, dtype=np.int32) * 7919 + 11) % cfg.vocab_size)[:, None]
-    table = np.arange(batch * P, dtype=np.int32).reshape(batch, P) % (batch * P // dp)   # local ids per rank
+    # local ids per rank
+    table = np.arange(batch * P, dtype=np.int32).reshape(batch, P) % (batch * P // dp)
     return pages, tokens, table, sp
 
 
-def compile_decode_step(engine, layout, batch: int, cache_len: int, *, abstract: Optional[bool] = None):
+def compile_decode_step(
+    engine, layout, batch: int, cache_len: int, *, abstract: Optional[bool] = None
+):
     """Lower and compile the contiguous-cache reference step (`step_adapters.decode_jit`) for this
     batch and cache length; returns the Compiled."""
     import jax
@@ -102,8 +126,10 @@ def compile_decode_step(engine, layout, batch: int, cache_len: int, *, abstract:
                                     plan=engine.exec_plan).compile()
 
 
-def count_decode_collectives(cfg, layout, batch: int = 8, cache_len: int = 64, dtype=None) -> CollectiveCounts:
-    """Collectives per decode step of `cfg` under `layout`, from the compiled program (shapes only)."""
+def count_decode_collectives(
+    cfg, layout, batch: int = 8, cache_len: int = 64, dtype=None
+) -> CollectiveCounts:
+    """Collectives per decode step of `cfg` under `layout`, from its compiled program (shapes)"""
     engine = abstract_engine(cfg, layout, dtype)
     text = compile_decode_step(engine, layout, batch, cache_len, abstract=True).as_text()
     counts = collectives_of_hlo(text)
@@ -112,20 +138,23 @@ def count_decode_collectives(cfg, layout, batch: int = 8, cache_len: int = 64, d
 
 
 def random_engine(cfg, layout, dtype=None, seed: int = 0, plan=None):
-    """An ModelSteps with the random weights `LLM(ModelConfig)` makes (kimi_jax.entrypoints.weights.random_model);
-    plan: its ExecPlan (default the backend's)."""
+    """An ModelSteps with the random weights `LLM(ModelConfig)` makes
+    (kimi_jax.entrypoints.weights.random_model); plan: its ExecPlan (default the backend's)."""
     import jax.numpy as jnp
     from kimi_jax.entrypoints.weights import random_model
     from kimi_jax.engine.steps import ModelSteps
     layout.check_divisible(cfg)
-    return ModelSteps(random_model(cfg, layout, dtype or jnp.bfloat16, seed), cfg, layout, plan=plan)
-
+    return ModelSteps(
+        random_model(cfg, layout, dtype or jnp.bfloat16, seed), cfg, layout, plan=plan
+    )
 
 
 def find_trace_file(trace_dir: str) -> str:
-    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
-                   + glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True),
-                   key=os.path.getmtime)
+    files = sorted(
+        glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+        + glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True),
+        key=os.path.getmtime,
+    )
     if not files:
         raise FileNotFoundError(f"no *.trace.json.gz / perfetto_trace.json.gz under {trace_dir}")
     return files[-1]
@@ -189,8 +218,10 @@ def drop_containers(ops: list[TraceOp], module: Optional[HloModule] = None) -> l
                 keep.append(o)
                 continue
             end = o.start_us + o.dur_us
-            inner = any(p.start_us + p.dur_us <= end
-                        for p in itertools.takewhile(lambda p: p.start_us < end, thread_ops[i + 1:]))
+            inner = any(
+                p.start_us + p.dur_us <= end
+                for p in itertools.takewhile(lambda p: p.start_us < end, thread_ops[i + 1 :])
+            )
             if not inner:
                 keep.append(o)
     return keep
@@ -207,11 +238,17 @@ def device_ops_per_call(compiled, args, calls: int) -> tuple[dict, float, str]:
     tdir = tempfile.mkdtemp(prefix="kimi_ops_")      # the caller's output stays free of deep trees
     with jax.profiler.trace(tdir):
         jax.block_until_ready(compiled(*args))
-    evs = [o for o in drop_containers(device_op_events(find_trace_file(tdir)), module) if o.dur_us > 0]
+    evs = [
+        o for o in drop_containers(device_op_events(find_trace_file(tdir)), module) if o.dur_us > 0
+    ]
     per_op = defaultdict(float)
     for o in evs:
         per_op[o.kernel or o.name] += o.dur_us / calls
-    span = (max(o.start_us + o.dur_us for o in evs) - min(o.start_us for o in evs)) / calls if evs else 0.0
+    span = (
+        (max(o.start_us + o.dur_us for o in evs) - min(o.start_us for o in evs)) / calls
+        if evs
+        else 0.0
+    )
     return dict(sorted(per_op.items(), key=lambda kv: -kv[1])), span, tdir
 
 
@@ -229,9 +266,12 @@ class ProfileReport:
     device_step_ms: float                    # device op time per step (mean over devices)
     ms_per_step: dict[str, float]            # category -> device ms per step (mean over devices)
     share: dict[str, float]                  # category -> fraction of device op time
-    collectives_program: dict[str, int]      # per step, from the compiled program (groups > 1 device)
-    collectives_trivial: dict[str, int]      # per step, program ops over groups of one device (no data moves)
-    collectives_trace: dict[str, float]      # per step per device, every collective op event in the trace
+    # per step, from the compiled program (groups > 1 device)
+    collectives_program: dict[str, int]
+    # per step, program ops over groups of one device (no data moves)
+    collectives_trivial: dict[str, int]
+    # per step per device, every collective op event in the trace
+    collectives_trace: dict[str, float]
     per_step_ms: list[dict[str, float]]      # each traced step's categories (mean over devices)
     trace_dir: str
     trace_file: str
@@ -242,25 +282,33 @@ class ProfileReport:
         return dataclasses.asdict(self)
 
     def table(self) -> str:
-        rows = [f"kimi-profile: {self.model}  layout {self.layout}  batch {self.batch}  context {self.context}  "
-                f"{self.steps} steps on {self.n_devices} x {self.backend}",
-                f"step: {self.step_ms:.3f} ms wall (host), {self.device_step_ms:.3f} ms of device ops "
-                f"(mean over devices)",
-                f"{'category':<20}{'ms/step':>10}{'share':>9}{'count/step':>12}{'in trace':>10}"]
+        rows = [
+            f"kimi-profile: {self.model}  layout {self.layout}  batch {self.batch}  context "
+            f"{self.context}  {self.steps} steps on {self.n_devices} x {self.backend}",
+            f"step: {self.step_ms:.3f} ms wall (host), {self.device_step_ms:.3f} ms of device ops "
+            f"(mean over devices)",
+            f"{'category':<20}{'ms/step':>10}{'share':>9}{'count/step':>12}{'in trace':>10}",
+        ]
         for c in CATEGORIES:
             cnt = self.collectives_program.get(c)
             tr = self.collectives_trace.get(c)
-            rows.append(f"{c:<20}{self.ms_per_step.get(c, 0.0):>10.3f}{100 * self.share.get(c, 0.0):>8.1f}%"
-                        f"{'' if cnt is None else cnt:>12}{'' if tr is None else format(tr, '.0f'):>10}")
+            rows.append(
+                f"{c:<20}{self.ms_per_step.get(c, 0.0):>10.3f}{100 * self.share.get(c, 0.0):>8.1f}%"
+                f"{'' if cnt is None else cnt:>12}{'' if tr is None else format(tr, '.0f'):>10}"
+            )
         triv = {k: v for k, v in self.collectives_trivial.items() if v}
         if triv:
-            rows.append("count/step: the compiled program's collectives over groups of more than one device; "
-                        "also executed over groups of one device (no data moves): "
-                        + ", ".join(f"{k} {v}" for k, v in triv.items()))
+            rows.append(
+                "count/step: the compiled program's collectives over groups of more than one "
+                "device; also executed over groups of one device (no data moves): "
+                + ", ".join(f"{k} {v}" for k, v in triv.items())
+            )
         if self.top_ops:
             rows.append("costliest ops (ms/step): " + "; ".join(
                 f"{t['op']} [{t['category']}] {t['ms_per_step']:.3f}" for t in self.top_ops[:6]))
-        rows.append(f"raw trace: {self.trace_dir}  (open {os.path.basename(self.trace_file)} in Perfetto)")
+        rows.append(
+            f"raw trace: {self.trace_dir}  (open {os.path.basename(self.trace_file)} in Perfetto)"
+        )
         rows += [f"note: {n}" for n in self.notes]
         return "\n".join(rows)
 
@@ -270,9 +318,9 @@ _OP_PREFIX = re.compile(r"^([a-z][a-z\-]*\.\d+)")
 
 
 class _Resolver:
-    """Trace event -> (HLO instruction or None, category), cached. In a CUDA-graph command buffer `hlo_op` names
-    the buffer; the kernel name is then the instruction's with '.' and '-' as '_' (gemm_fusion_dot_79), or
-    has it as a prefix (all-reduce.5.0-fusion.1)."""
+    """Trace event -> (HLO instruction or None, category), cached. In a CUDA-graph command buffer
+    `hlo_op` names the buffer; the kernel name is then the instruction's with '.' and '-' as '_'
+    (gemm_fusion_dot_79), or has it as a prefix (all-reduce.5.0-fusion.1)."""
 
     def __init__(self, module: HloModule):
         self.module = module
@@ -323,11 +371,15 @@ def _split_steps(ops: list[TraceOp], steps: int) -> list[list[TraceOp]]:
     return groups
 
 
-def analyze_trace(trace_file: str, module: HloModule, steps: int, *, module_name: Optional[str] = None):
+def analyze_trace(
+    trace_file: str, module: HloModule, steps: int, *, module_name: Optional[str] = None
+):
     """(category ms per step, per-step categories, collective executions per step per device,
     n_devices, top ops) from a trace of `steps` executions of the program compiled as `module`."""
     resolve = _Resolver(module)
-    ops = [o for o in device_op_events(trace_file) if module_name is None or o.module == module_name]
+    ops = [
+        o for o in device_op_events(trace_file) if module_name is None or o.module == module_name
+    ]
     ops = drop_containers(ops, module)
     devices = sorted({o.device for o in ops})
     if not ops:
@@ -360,9 +412,10 @@ def analyze_trace(trace_file: str, module: HloModule, steps: int, *, module_name
 
 def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_dir: str,
                    model_name: str = "?", warmup: int = 2, paged: bool = True) -> ProfileReport:
-    """Run `steps` decode steps (after `warmup`) under the JAX profiler; write report.json, breakdown.png and
-    out_dir/trace; return the report. paged: the serving step (`ModelSteps.step_jit`, kind 'decode'),
-    else the contiguous-cache reference step (`step_adapters.decode_jit`)."""
+    """Run `steps` decode steps (after `warmup`) under the JAX profiler; write report.json,
+    breakdown.png and out_dir/trace; return the report. paged: the serving step
+    (`ModelSteps.step_jit`, kind 'decode'), else the contiguous-cache reference step
+    (`step_adapters.decode_jit`)."""
     import jax
     import numpy as np
     from kimi_jax.engine.steps import StepBatch, bucket
@@ -378,8 +431,17 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
                                         plan=engine.exec_plan)
     else:
         cache, tok, _, sp, _ = decode_args(engine, layout, batch, cache_len, abstract=False)
-        lowered = decode_jit(engine).lower(engine.state, cache, tok, tok, sp, i32(ones),
-                                           n_logprobs=None, sample_mode="greedy", plan=engine.exec_plan)
+        lowered = decode_jit(engine).lower(
+            engine.state,
+            cache,
+            tok,
+            tok,
+            sp,
+            i32(ones),
+            n_logprobs=None,
+            sample_mode="greedy",
+            plan=engine.exec_plan,
+        )
     # the executable that runs is the one whose HLO is parsed (compiled once, called directly)
     compiled = lowered.compile()
     compiled_text = compiled.as_text()
@@ -396,7 +458,9 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
             inputs = rows(i32(tokens), i32(pos), i32(ones * (i + 1)))
             cache, out = compiled(engine.state, cache, inputs)
         else:
-            cache, out = compiled(engine.state, cache, i32(tokens), i32(pos), sp, i32(ones * (i + 1)))
+            cache, out = compiled(
+                engine.state, cache, i32(tokens), i32(pos), sp, i32(ones * (i + 1))
+            )
         jax.block_until_ready(out)
         return cache
 
@@ -408,30 +472,50 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
     opts = jax.profiler.ProfileOptions()
     opts.python_tracer_level = 0          # Python function events would dwarf the device ops
     if jax.default_backend() != "cpu":
-        opts.host_tracer_level = 1        # CPU needs level 2: its per-device op events are host events
+        # CPU needs level 2: its per-device op events are host events
+        opts.host_tracer_level = 1
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True, profiler_options=opts):
         for i in range(steps):
             t0 = time.perf_counter()
             cache = step(warmup + i, cache)
             walls.append(time.perf_counter() - t0)
     trace_file = find_trace_file(trace_dir)
-    ms, per_step, coll_trace, nd, top = analyze_trace(trace_file, module, steps, module_name=module_name)
+    ms, per_step, coll_trace, nd, top = analyze_trace(
+        trace_file, module, steps, module_name=module_name
+    )
     busy = sum(ms.values())
     notes = ["paged-cache decode step (ModelSteps.step_jit)" if paged
              else "contiguous-cache reference step (step_adapters.decode_jit)",
              "attention vs matmul split is a heuristic on the HLO instructions' Python stacks "
              "(MLA score/value einsums + softmax = attention)"]
     if jax.default_backend() == "cpu":
-        notes.append("CPU simulated devices: collective time includes waiting for the slowest device "
-                     "(all devices share the host cores); use the counts, not the CPU shares, for GPU planning")
+        notes.append(
+            "CPU simulated devices: collective time includes waiting for the slowest device (all "
+            "devices share the host cores); use the counts, not the CPU shares, for GPU planning"
+        )
     report = ProfileReport(
-        model=model_name, layout=layout.name, batch=batch, context=context, steps=steps,
-        backend=jax.default_backend(), n_devices=nd, step_ms=1000 * float(np.median(walls)),
-        device_step_ms=busy, ms_per_step=ms, share={c: (ms[c] / busy if busy else 0.0) for c in CATEGORIES},
+        model=model_name,
+        layout=layout.name,
+        batch=batch,
+        context=context,
+        steps=steps,
+        backend=jax.default_backend(),
+        n_devices=nd,
+        step_ms=1000 * float(np.median(walls)),
+        device_step_ms=busy,
+        ms_per_step=ms,
+        share={c: (ms[c] / busy if busy else 0.0) for c in CATEGORIES},
         collectives_program=program.by_kind(),
-        collectives_trivial={k: v - program.count(k) for k, v in program.by_kind(trivial=True).items()},
-        collectives_trace=coll_trace, per_step_ms=per_step,
-        trace_dir=trace_dir, trace_file=trace_file, top_ops=top, notes=notes)
+        collectives_trivial={
+            k: v - program.count(k) for k, v in program.by_kind(trivial=True).items()
+        },
+        collectives_trace=coll_trace,
+        per_step_ms=per_step,
+        trace_dir=trace_dir,
+        trace_file=trace_file,
+        top_ops=top,
+        notes=notes,
+    )
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "decode_step.hlo.txt"), "w") as f:
         f.write(compiled_text)
@@ -441,7 +525,21 @@ def profile_decode(engine, layout, *, batch: int, context: int, steps: int, out_
     return report
 
 
-__all__ = ["COLLECTIVE_KINDS", "CATEGORIES", "parse_hlo", "collectives_of_hlo", "CollectiveCounts",
-           "abstract_engine", "random_engine", "compile_decode_step", "paged_args", "count_decode_collectives",
-           "profile_decode", "analyze_trace", "ProfileReport", "write_png_chart", "stacked_bar_png",
-           "categorize"]
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "CATEGORIES",
+    "parse_hlo",
+    "collectives_of_hlo",
+    "CollectiveCounts",
+    "abstract_engine",
+    "random_engine",
+    "compile_decode_step",
+    "paged_args",
+    "count_decode_collectives",
+    "profile_decode",
+    "analyze_trace",
+    "ProfileReport",
+    "write_png_chart",
+    "stacked_bar_png",
+    "categorize",
+]

@@ -1,5 +1,5 @@
-"""The GPU's clocks and power while a benchmark runs (`nvidia-smi` sampled in the background, read-only), to
-tell a slow kernel from a power-capped one (BENCHMARKS.md "MLA decode attention")."""
+"""The GPU's clocks and power while a benchmark runs (`nvidia-smi` sampled in the background,
+read-only), to tell a slow kernel from a power-capped one (BENCHMARKS.md "MLA decode attention")."""
 from __future__ import annotations
 
 import os
@@ -33,7 +33,7 @@ def parse_samples(text: str) -> list[tuple[float, float, int]]:
 
 def summarize(samples: Sequence[tuple[float, float, int]], busy_w: float = 0.0) -> dict:
     """Clock and power statistics of the samples drawing more than busy_w watts (0: all): median and
-    lowest SM clock, median and highest power, and the fraction of samples under each kind of cap."""
+    lowest SM clock, median and highest power, and the share of samples under each kind of cap."""
     busy = [s for s in samples if s[1] > busy_w]
     if not busy:
         return {"samples": 0}
@@ -50,8 +50,9 @@ BUSY_W = 200.0          # an H200 idles at ~75-160 W: samples above this are the
 
 
 class GpuSampler:
-    """Context manager sampling GPU `gpu` every interval_ms; `summary` afterwards ({} without nvidia-smi).
-    busy_w: only samples above this draw count (idle gaps would dilute a kernel's window)."""
+    """Context manager sampling GPU `gpu` every interval_ms; `summary` afterwards ({} without
+    nvidia-smi). busy_w: only samples above this draw count (idle gaps would dilute a kernel's
+    window)."""
 
     def __init__(self, interval_ms: int = 50, gpu: int = 0, busy_w: float = BUSY_W,
                  command: Optional[str] = None):
@@ -66,9 +67,16 @@ class GpuSampler:
             self._file = tempfile.NamedTemporaryFile("w+", suffix=".csv", delete=False)
             try:
                 self._proc = subprocess.Popen(
-                    [self.command, f"--query-gpu={','.join(FIELDS)}", "--format=csv,noheader,nounits",
-                     f"--loop-ms={self.interval_ms}", f"--id={self.gpu}"],
-                    stdout=self._file, stderr=subprocess.DEVNULL)
+                    [
+                        self.command,
+                        f"--query-gpu={','.join(FIELDS)}",
+                        "--format=csv,noheader,nounits",
+                        f"--loop-ms={self.interval_ms}",
+                        f"--id={self.gpu}",
+                    ],
+                    stdout=self._file,
+                    stderr=subprocess.DEVNULL,
+                )
             except OSError:
                 self._proc = None
         return self

@@ -214,6 +214,15 @@ def test_library_doc_comment_share_at_most_15_percent():
     assert total[0] <= 0.15 * total[1], f"{total[0]}/{total[1]} = {total[0] / total[1]:.1%}; most: {worst}"
 
 
+def test_library_lines_at_most_100_characters():
+    """Every line of the library's Python files (kimi_jax/) is at most 100 characters; the message
+    lists the first few offenders as path:line."""
+    long = [f"{path}:{n}" for path in sorted(p for p in tracked() if p.startswith("kimi_jax/")
+                                              and p.endswith(".py"))
+            for n, line in enumerate(read(path).splitlines(), 1) if len(line) > 100]
+    assert not long, f"{len(long)} lines over 100 characters, first: {long[:10]}"
+
+
 def test_product_files_over_600_lines_say_why():
     """A product file longer than 600 lines carries a one-line reason ("# Over 600 lines: ..." or the
     same words in its docstring)."""

@@ -1,1 +1,1 @@
-"""The OpenAI-compatible server: protocol (request parsing, response bodies), server (aiohttp), metrics."""
+"""The OpenAI-compatible server: protocol (requests, response bodies), server (aiohttp), metrics."""

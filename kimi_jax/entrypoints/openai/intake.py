@@ -1,4 +1,5 @@
-"""Bounds on what a request may ask before any work is done for it: JSON depth, body size, choices."""
+"""Bounds on what a request may ask before any work is done: JSON depth, body size, choices."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -100,7 +101,9 @@ def text_chars(value) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class RequestLimits:
-    """What one HTTP request may ask: body bytes (413 beyond), choices = prompts x n and prompt characters (400)."""
+    """What one HTTP request may ask: body bytes (413 beyond), choices = prompts x n and prompt
+    characters (400)."""
+
     max_body_bytes: int = 64 * 2**20
     max_choices: int = 256
     max_prompt_chars: int = 8 * 2**20

@@ -6,20 +6,22 @@ models are kimi_jax.entrypoints.openai.protocol's (pydantic).
   GET  /v1/models, /v1/models/ID  the served model
   POST /v1/completions            prompt(s) -> text, streamed as SSE with "stream": true
   POST /v1/chat/completions       messages -> reply (the checkpoint's chat template, as LLM.chat)
-  POST /tokenize, /detokenize     {"prompt" | "messages" (+ "tools")} -> token ids; {"tokens"} -> text
-  GET  /health                    200 once the model is loaded and a warm-up request has run
+  POST /tokenize, /detokenize     {"prompt" | "messages" (+ "tools")} -> token ids; {"tokens"} ->
+  text GET  /health                    200 once the model is loaded and a warm-up request has run
   GET  /metrics                   Prometheus text (kimi_jax.entrypoints.openai.metrics)
   GET  /version                   {"version": kimi_jax's version}
 
 Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: bad input (a field, a
 prompt longer than the context, beyond the RequestLimits) 400, a body beyond them 413, unknown model
-404, a missing or wrong API key 401 (with a key set, on every route but OPEN_ROUTES; /metrics too when
-metrics_need_key), more than max_queue waiting 429 with Retry-After, shutting down 503. Intake
+404, a missing or wrong API key 401 (with a key set, on every route but OPEN_ROUTES; /metrics too
+when metrics_need_key), more than max_queue waiting 429 with Retry-After, shutting down 503. Intake
 (parsing, tokenizing, request building) runs on a thread pool, off the event loop. A client that
-disconnects has its requests aborted. Each request is logged at INFO (`access_log`): id, route, status,
-prompt / output tokens, time to first token and total. `serve` stops admitting on SIGTERM / SIGINT, gives
-in-flight requests a grace period, aborts the rest, closes every connection and returns.
+disconnects has its requests aborted. Each request is logged at INFO (`access_log`): id, route,
+status, prompt / output tokens, time to first token and total. `serve` stops admitting on SIGTERM /
+SIGINT, gives in-flight requests a grace period, aborts the rest, closes every connection and
+returns.
 """
+# Over 600 lines: the OpenAI server's routes, their checks and streaming.
 from __future__ import annotations
 
 import asyncio
@@ -63,7 +65,9 @@ class _Aborted(Exception):
 
 def _error(status: int, message: str, type: str = "invalid_request_error", param=None, code=None,
            headers=None) -> web.Response:
-    return web.json_response(P.error_body(message, type, param, code), status=status, headers=headers)
+    return web.json_response(
+        P.error_body(message, type, param, code), status=status, headers=headers
+    )
 
 
 class _JSONErrorHandler(web_protocol.RequestHandler):
@@ -98,9 +102,17 @@ class OpenAIServer:
     """The app's state: the model's Frontend (kimi_jax.entrypoints.frontend: its input and output
     processors), the AsyncLLM over an engine core of its own, names, key and metrics."""
 
-    def __init__(self, frontend, *, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
-                 max_queue: Optional[int] = None, limits: Optional[intake.RequestLimits] = None,
-                 metrics_need_key: bool = False, access_log: bool = True):
+    def __init__(
+        self,
+        frontend,
+        *,
+        served_model_name: Optional[str] = None,
+        api_key: Optional[str] = None,
+        max_queue: Optional[int] = None,
+        limits: Optional[intake.RequestLimits] = None,
+        metrics_need_key: bool = False,
+        access_log: bool = True,
+    ):
         self.frontend = fe = frontend
         self.access_log = access_log
         self.tokenizer = fe.tokenizer
@@ -112,14 +124,19 @@ class OpenAIServer:
         max_num_seqs = fe.scheduler_config.max_num_seqs
         queued = max_num_seqs + max_queue if max_queue is not None else self.limits.max_choices
         self.max_choices = min(self.limits.max_choices, queued)
-        # a longer text prompt cannot fit max_model_len tokens (a character is >= 1 byte, a token <= L bytes)
+        # a longer text prompt cannot fit max_model_len tokens (a char is >= 1 byte, a token <= L)
         longest = _longest_token(fe.tokenizer)
-        self.max_prompt_chars = min(self.limits.max_prompt_chars, fe.max_model_len * (longest or 2**62))
+        self.max_prompt_chars = min(
+            self.limits.max_prompt_chars, fe.max_model_len * (longest or 2**62)
+        )
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="kimi-jax-intake")
         import kimi_jax
         install = os.path.dirname(os.path.dirname(os.path.abspath(kimi_jax.__file__)))
-        model = [(os.path.abspath(fe.model_path), self.model_name), (fe.model_path, self.model_name)] \
-            if fe.model_path else []
+        model = (
+            [(os.path.abspath(fe.model_path), self.model_name), (fe.model_path, self.model_name)]
+            if fe.model_path
+            else []
+        )
         self._paths = [(p, n) for p, n in model + [(install, "<install>")] if p not in ("", "/")]
         self.metrics = ServerMetrics(self.async_llm, self.model_name)
         self.ready = False
@@ -138,9 +155,12 @@ class OpenAIServer:
     async def _warmup(self) -> None:
         """One short greedy request, so the first shapes are compiled before /health says ready."""
         ids = [self.frontend.config.bos_token_id or 1] * 4
-        samples = self.async_llm.make_request("warmup-" + uuid.uuid4().hex, ids,
-                                              SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
-                                              seed=0)
+        samples = self.async_llm.make_request(
+            "warmup-" + uuid.uuid4().hex,
+            ids,
+            SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+            seed=0,
+        )
         async for d in self.async_llm.generate(samples):
             if d.error:
                 raise RuntimeError(f"warm-up request failed: {d.error}")
@@ -151,23 +171,36 @@ class OpenAIServer:
         try:
             await asyncio.wait_for(self._idle.wait(), grace_s)
         except asyncio.TimeoutError:
-            log.warning("%d requests still in flight after %.1fs; aborting them", self.active, grace_s)
+            log.warning(
+                "%d requests still in flight after %.1fs; aborting them", self.active, grace_s
+            )
             self.async_llm.shutdown()
-            try:             # handlers see their aborts; one blocked on a client that never reads is closed
+            # handlers see their aborts; one blocked on a client that never reads is closed
+            try:
                 await asyncio.wait_for(self._idle.wait(), CLOSE_S)
             except asyncio.TimeoutError:
-                log.warning("%d requests still writing to clients; closing their connections", self.active)
+                log.warning(
+                    "%d requests still writing to clients; closing their connections", self.active
+                )
         self.async_llm.shutdown()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._access, self._errors, self._auth],
                               client_max_size=self.limits.max_body_bytes)
-        app.add_routes([web.get("/v1/models", self.models), web.get("/v1/models/{model:.+}", self.model),
-                        web.post("/v1/completions", self.completions),
-                        web.post("/v1/chat/completions", self.chat), web.post("/tokenize", self.tokenize),
-                        web.post("/detokenize", self.detokenize), web.get("/health", self.health),
-                        web.get("/metrics", self.metrics_endpoint), web.get("/version", self.version)])
+        app.add_routes(
+            [
+                web.get("/v1/models", self.models),
+                web.get("/v1/models/{model:.+}", self.model),
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat),
+                web.post("/tokenize", self.tokenize),
+                web.post("/detokenize", self.detokenize),
+                web.get("/health", self.health),
+                web.get("/metrics", self.metrics_endpoint),
+                web.get("/version", self.version),
+            ]
+        )
         return app
 
     # ---- middlewares ----------------------------------------------------------------------------
@@ -184,10 +217,17 @@ class OpenAIServer:
         finally:
             if self.access_log:
                 ttft = info.get("ttft")
-                log.info("%s %s %s %d prompt_tokens=%s output_tokens=%s ttft=%s total=%.3fs",
-                         info.get("id", "-"), request.method, request.path, status, info.get("prompt_tokens", "-"),
-                         info.get("output_tokens", "-"), "-" if ttft is None else f"{ttft:.3f}s",
-                         time.perf_counter() - t0)
+                log.info(
+                    "%s %s %s %d prompt_tokens=%s output_tokens=%s ttft=%s total=%.3fs",
+                    info.get("id", "-"),
+                    request.method,
+                    request.path,
+                    status,
+                    info.get("prompt_tokens", "-"),
+                    info.get("output_tokens", "-"),
+                    "-" if ttft is None else f"{ttft:.3f}s",
+                    time.perf_counter() - t0,
+                )
 
     @web.middleware
     async def _errors(self, request, handler):
@@ -197,38 +237,58 @@ class OpenAIServer:
             body = e.body()
             body["error"]["message"] = self._scrub(body["error"]["message"])
             return web.json_response(body, status=e.status)
-        except web_protocol.RequestPayloadError as e:      # a body its Content-Encoding cannot decode
+        # a body its Content-Encoding cannot decode
+        except web_protocol.RequestPayloadError as e:
             why = getattr(e.__cause__, "message", None) or str(e)
-            return _error(400, "the request body cannot be read: " + " ".join(str(why).split())[:MAX_ECHO],
-                          code="bad_body")
+            return _error(
+                400,
+                "the request body cannot be read: " + " ".join(str(why).split())[:MAX_ECHO],
+                code="bad_body",
+            )
         except web.HTTPRequestEntityTooLarge:
-            return _error(413, f"the request body is larger than max_body_bytes={self.limits.max_body_bytes}",
-                          code="body_too_large")
+            return _error(
+                413,
+                f"the request body is larger than max_body_bytes={self.limits.max_body_bytes}",
+                code="body_too_large",
+            )
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            return _error(e.status, f"{e.reason}: {request.method} {request.path}",
-                          "not_found_error" if e.status == 404 else "invalid_request_error")
+            return _error(
+                e.status,
+                f"{e.reason}: {request.method} {request.path}",
+                "not_found_error" if e.status == 404 else "invalid_request_error",
+            )
         except (ConnectionResetError, asyncio.CancelledError):
             raise
-        except Exception as e:              # a bug, not bad input: logged, the server goes on
+        except Exception as e:  # a bug, not bad input: logged, the server goes on
             log.exception("error serving %s", request.path)
-            return _error(500, f"internal error ({type(e).__name__}); the server log has the details", "server_error")
+            return _error(
+                500,
+                f"internal error ({type(e).__name__}); the server log has the details",
+                "server_error",
+            )
 
     def _scrub(self, message: str) -> str:
-        """An error text without the server's file paths (the checkpoint's, the installed package's)."""
+        """An error text without the server's file paths (the checkpoint's, the package's)."""
         for path, name in self._paths:
             message = message.replace(path, name)
         return message
 
     @web.middleware
     async def _auth(self, request, handler):
-        open_routes = tuple(r for r in OPEN_ROUTES if not (r == "/metrics" and self.metrics_need_key))
+        open_routes = tuple(
+            r for r in OPEN_ROUTES if not (r == "/metrics" and self.metrics_need_key)
+        )
         if self.api_key and request.path not in open_routes:
             got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(got, f"Bearer {self.api_key}".encode()):
-                return _error(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                              param=None, code="invalid_api_key")
+                return _error(
+                    401,
+                    "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                    param=None,
+                    code="invalid_api_key",
+                )
         return await handler(request)
 
     # ---- simple endpoints -----------------------------------------------------------------------
@@ -238,12 +298,19 @@ class OpenAIServer:
         return _error(503, "not ready" if not self.ready else "shutting down", "server_error")
 
     async def metrics_endpoint(self, request):
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(
+            body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
 
     def _model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "kimi_jax",
-                "root": self.frontend.model_path or self.model_name,
-                "max_model_len": self.frontend.max_model_len}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "kimi_jax",
+            "root": self.frontend.model_path or self.model_name,
+            "max_model_len": self.frontend.max_model_len,
+        }
 
     async def models(self, request):
         return web.json_response({"object": "list", "data": [self._model_card()]})
@@ -274,13 +341,16 @@ class OpenAIServer:
 
     def _need_tokenizer(self, what: str):
         if self.tokenizer is None:
-            raise P.ProtocolError(f"{what} needs a tokenizer and this model has none; send token ids", "prompt")
+            raise P.ProtocolError(
+                f"{what} needs a tokenizer and this model has none; send token ids", "prompt"
+            )
 
     def _chat_ids(self, messages, add_generation_prompt=True, tools=None) -> list[int]:
         self._need_tokenizer("chat")
         try:
-            return self.frontend.inputs.encode_chat(messages, add_generation_prompt=add_generation_prompt,
-                                                    tools=tools)
+            return self.frontend.inputs.encode_chat(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools
+            )
         except ValueError as e:                 # ChatTemplateError: a bad message, names its index
             raise P.ProtocolError(str(e), "messages") from None
 
@@ -294,7 +364,10 @@ class OpenAIServer:
         if "messages" in body:
             agp = body.get("add_generation_prompt", True)
             if not isinstance(agp, bool):
-                raise P.ProtocolError(f"'add_generation_prompt' must be a boolean, got {agp!r}", "add_generation_prompt")
+                raise P.ProtocolError(
+                    f"'add_generation_prompt' must be a boolean, got {agp!r}",
+                    "add_generation_prompt",
+                )
             tools = body.get("tools")
             if tools is not None and not isinstance(tools, list):
                 raise P.ProtocolError("'tools' must be a list", "tools")
@@ -313,7 +386,9 @@ class OpenAIServer:
     def _detokenize(self, raw: bytes) -> dict:
         body = self._loads(raw)
         toks = body.get("tokens") if isinstance(body, dict) else None
-        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+        if not isinstance(toks, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in toks
+        ):
             raise P.ProtocolError("'tokens' must be a list of token ids", "tokens")
         self._need_tokenizer("detokenize")
         vocab = self.frontend.config.vocab_size
@@ -331,19 +406,29 @@ class OpenAIServer:
 
     def _check_chars(self, n: int, field: str) -> None:
         if n > self.max_prompt_chars:
-            raise P.ProtocolError(f"the {field} has {n} characters, more than max_prompt_chars="
-                                  f"{self.max_prompt_chars} (it cannot fit max_model_len={self.frontend.max_model_len} "
-                                  "tokens, or is beyond the server's limit)", field, code="prompt_too_large")
+            raise P.ProtocolError(
+                f"the {field} has {n} characters, more than max_prompt_chars="
+                f"{self.max_prompt_chars} (it cannot fit "
+                f"max_model_len={self.frontend.max_model_len} "
+                "tokens, or is beyond the server's limit)",
+                field,
+                code="prompt_too_large",
+            )
 
     def _intake(self, raw: bytes, parse):
-        """A body -> (GenerationRequest, its id, [(choice index, engine request)]); ProtocolError on bad input."""
+        """A body -> (GenerationRequest, its id, [(choice index, engine request)]); ProtocolError on
+        bad input."""
         g = parse(self._loads(raw))
         P.check_model(g.model, [self.model_name])
         choices = (1 if g.kind == "chat" else len(g.prompts)) * g.n
         if choices > self.max_choices:
-            raise P.ProtocolError(f"the request asks for {choices} choices (prompts x n), more than the "
-                                  f"{self.max_choices} one request may have (max_choices, or max_num_seqs + "
-                                  "max_queue)", "n", code="too_many_choices")
+            raise P.ProtocolError(
+                f"the request asks for {choices} choices (prompts x n), more than the "
+                f"{self.max_choices} one request may have (max_choices, or max_num_seqs + "
+                "max_queue)",
+                "n",
+                code="too_many_choices",
+            )
         if g.kind == "chat":
             self._check_chars(intake.text_chars([g.messages, g.tools]), "messages")
         else:
@@ -379,12 +464,21 @@ class OpenAIServer:
     async def _generate(self, request, parse):
         raw = await request.read()
         if self.draining or not self.ready:
-            return _error(503, "the server is shutting down" if self.draining else "the server is starting",
-                          "server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
+            return _error(
+                503,
+                "the server is shutting down" if self.draining else "the server is starting",
+                "server_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         g, rid, reqs = await self._off_loop(self._intake, raw, parse)
         request[INFO]["id"] = rid
         if self.draining:
-            return _error(503, "the server is shutting down", "server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
+            return _error(
+                503,
+                "the server is shutting down",
+                "server_error",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         queue: asyncio.Queue = asyncio.Queue()
         submitted = []
         try:
@@ -395,8 +489,13 @@ class OpenAIServer:
         except QueueFull as e:
             for r in submitted:
                 self.async_llm.abort(r.request_id)
-            return _error(429, f"the server is busy: {e}", "rate_limit_error", code="rate_limit_exceeded",
-                          headers={"Retry-After": str(RETRY_AFTER_S)})
+            return _error(
+                429,
+                f"the server is busy: {e}",
+                "rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         except EngineDead as e:
             return _error(503, str(e), "server_error")
         self.active += 1
@@ -406,8 +505,10 @@ class OpenAIServer:
                 return await self._stream(request, g, rid, reqs, queue)
             return await self._collect(g, rid, reqs, queue, request[INFO])
         finally:
-            request[INFO].update(prompt_tokens=sum(len(r.prompt_ids) for k, r in reqs if k % g.n == 0),
-                                   output_tokens=sum(len(r.output_ids) for _, r in reqs))
+            request[INFO].update(
+                prompt_tokens=sum(len(r.prompt_ids) for k, r in reqs if k % g.n == 0),
+                output_tokens=sum(len(r.output_ids) for _, r in reqs),
+            )
             for _, r in reqs:
                 if r.finish_reason is None:
                     self.async_llm.abort(r.request_id)
@@ -424,10 +525,10 @@ class OpenAIServer:
 
     async def _deltas(self, reqs, queue, info: Optional[dict] = None):
         """The engine's deltas for `reqs` ((choice index, engine request) pairs) as they arrive on
-        `queue`, as (choice index, engine request, delta), until every request has finished. Each delta
-        is counted in the metrics (a request's prompt tokens with its first tokens); an aborted request
-        (an engine error, or the server shutting down) raises _Aborted with the message to send. info:
-        gets "ttft", seconds to the first token."""
+        `queue`, as (choice index, engine request, delta), until every request has finished. Each
+        delta is counted in the metrics (a request's prompt tokens with its first tokens); an
+        aborted request (an engine error, or the server shutting down) raises _Aborted with the
+        message to send. info: gets "ttft", seconds to the first token."""
         index = {r.request_id: (k, r) for k, r in reqs}
         t0 = time.perf_counter()
         started, left = set(), len(reqs)
@@ -450,8 +551,14 @@ class OpenAIServer:
             async for k, r, d in self._deltas(reqs, queue, info):
                 if d.finished:
                     out = self.frontend.outputs.completion(k, r)
-                    done[k] = P.Choice(k, out.text or "", out.token_ids, out.finish_reason, out.stop_reason,
-                                       out.logprobs)
+                    done[k] = P.Choice(
+                        k,
+                        out.text or "",
+                        out.token_ids,
+                        out.finish_reason,
+                        out.stop_reason,
+                        out.logprobs,
+                    )
                     if g.kind == "chat" and g.tools and self.tokenizer is not None:
                         P.with_tool_calls(done[k], self.tokenizer)      # Kimi's tool-call section
         except _Aborted as e:
@@ -460,14 +567,22 @@ class OpenAIServer:
         n_prompt = sum(len(r.prompt_ids) for k, r in reqs if k % g.n == 0)
         use = P.usage(n_prompt, sum(len(c.token_ids) for c in choices))
         build = P.chat_response if g.kind == "chat" else P.completion_response
-        return web.json_response(build(rid, P.now(), self.model_name, choices, use, self.tokenizer, g.logprobs))
+        return web.json_response(
+            build(rid, P.now(), self.model_name, choices, use, self.tokenizer, g.logprobs)
+        )
 
     async def _stream(self, request, g, rid, reqs, queue):
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await resp.prepare(request)
         created, chat = P.now(), g.kind == "chat"
-        streams = {r.request_id: P.TextStream(self.tokenizer, r.params.stop_strings) if self.tokenizer else None
-                   for _, r in reqs}
+        streams = {
+            r.request_id: P.TextStream(self.tokenizer, r.params.stop_strings)
+            if self.tokenizer
+            else None
+            for _, r in reqs
+        }
         # chat with tools: content and tool-call deltas from the parser (kimi_jax.text.tool_parser)
         calls = ({r.request_id: ChatOutputParser(self.tokenizer) for _, r in reqs}
                  if chat and g.tools and self.tokenizer is not None else None)
@@ -478,12 +593,22 @@ class OpenAIServer:
 
         if chat:
             for k, _ in reqs:
-                await send(P.chat_chunk(rid, created, self.model_name, P.Choice(k, "", []), first=True,
-                                        with_usage=g.include_usage))
+                await send(
+                    P.chat_chunk(
+                        rid,
+                        created,
+                        self.model_name,
+                        P.Choice(k, "", []),
+                        first=True,
+                        with_usage=g.include_usage,
+                    )
+                )
         try:
             async for k, r, d in self._deltas(reqs, queue, request[INFO]):
                 ts = streams[d.request_id]
-                c = P.Choice(k, "", d.token_ids, logprobs=d.logprobs if g.logprobs is not None else None)
+                c = P.Choice(
+                    k, "", d.token_ids, logprobs=d.logprobs if g.logprobs is not None else None
+                )
                 if calls is not None:
                     parser = calls[d.request_id]
                     delta = parser.feed_ids(d.token_ids)
@@ -498,29 +623,57 @@ class OpenAIServer:
                     c.text, c.tool_calls = delta.content, delta.tool_calls or None
                     if not d.finished and not delta and c.logprobs is None:
                         continue
-                elif d.finished:      # the engine's final text (a stop string cut off) completes what was sent
+                # the engine's final text (a stop string cut off) completes what was sent
+                elif d.finished:
                     out = self.frontend.outputs.completion(k, r)
                     c.text = ts.finish(out.text or "") if ts is not None else ""
                     c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
                 else:
                     c.text = ts.feed(d.token_ids) if ts is not None else ""
-                    # as vLLM: a chunk for every step with tokens, empty text too (tool calls: parsed deltas)
+                    # as vLLM: a chunk for every step with tokens, empty text too (tool calls:
+                    # parsed deltas)
                     if not c.text and c.logprobs is None and not d.token_ids:
                         continue
                 if chat:
-                    await send(P.chat_chunk(rid, created, self.model_name, c, self.tokenizer, g.logprobs,
-                                            with_usage=g.include_usage))
+                    await send(
+                        P.chat_chunk(
+                            rid,
+                            created,
+                            self.model_name,
+                            c,
+                            self.tokenizer,
+                            g.logprobs,
+                            with_usage=g.include_usage,
+                        )
+                    )
                 else:
-                    await send(P.completion_chunk(rid, created, self.model_name, c, self.tokenizer, g.logprobs,
-                                                  offsets[d.request_id], with_usage=g.include_usage))
+                    await send(
+                        P.completion_chunk(
+                            rid,
+                            created,
+                            self.model_name,
+                            c,
+                            self.tokenizer,
+                            g.logprobs,
+                            offsets[d.request_id],
+                            with_usage=g.include_usage,
+                        )
+                    )
                     offsets[d.request_id] += len(c.text)
         except _Aborted as e:
             await send(P.error_body(str(e), "server_error"))
         else:
             if g.include_usage:
                 n_prompt = sum(len(r.prompt_ids) for k, r in reqs if k % g.n == 0)
-                await send(P.usage_chunk(rid, created, self.model_name, g.kind,
-                                         P.usage(n_prompt, sum(len(r.output_ids) for _, r in reqs))))
+                await send(
+                    P.usage_chunk(
+                        rid,
+                        created,
+                        self.model_name,
+                        g.kind,
+                        P.usage(n_prompt, sum(len(r.output_ids) for _, r in reqs)),
+                    )
+                )
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -539,8 +692,13 @@ async def serve(server: OpenAIServer, *, host: str = "127.0.0.1", port: int = 80
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-    runner = _Runner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=CLOSE_S,
-                     keepalive_timeout=keepalive_s)
+    runner = _Runner(
+        server.app(),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=CLOSE_S,
+        keepalive_timeout=keepalive_s,
+    )
     await runner.setup()
     site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
     try:
@@ -562,7 +720,7 @@ async def serve(server: OpenAIServer, *, host: str = "127.0.0.1", port: int = 80
 
 
 def _longest_token(tokenizer) -> Optional[int]:
-    """Bytes one token may stand for at most (1 without a tokenizer: ids only; None when unknown)."""
+    """Bytes one token may stand for at most (1 without a tokenizer: ids only; None: unknown)."""
     if tokenizer is None:
         return 1
     ranks = getattr(tokenizer, "mergeable_ranks", None)
