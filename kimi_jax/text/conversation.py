@@ -4,10 +4,17 @@ at edges that could join one)."""
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Protocol, Sequence
 
 from kimi_jax.text.chat_template import ChatTemplate
-from kimi_jax.text.tokenizer import Tokenizer
+
+
+class Tokenizer(Protocol):
+    """What a conversation is encoded with (kimi_jax.text.tokenizer.Tokenizer)."""
+    special_tokens: Mapping[str, int]
+
+    def encode(self, text: str) -> list[int]: ...
+
 
 __all__ = ["encode_conversation", "TextEscaper", "MARK"]
 
