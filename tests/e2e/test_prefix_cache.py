@@ -134,7 +134,7 @@ def test_caching_gives_the_uncached_tokens(ckpt, layout):
     params = greedy(len(ps), m=5)
     kw = dict(dtype="float32", max_num_seqs=4, block_size=4, prefill_chunk=16, max_prefill_tokens=24, **layout)
     dp = layout.get("data_parallel_size", 1)
-    kw["num_pages"] = 24 * dp
+    kw["num_gpu_blocks_override"] = 24 * dp
     ref, _, _ = run(LLM(ckpt, enable_prefix_caching=False, **kw), ps, params)
     got, reqs, core = run(LLM(ckpt, enable_prefix_caching=True, **kw), ps, params, poison=True)
     assert got == ref
