@@ -19,12 +19,12 @@ def write_input(path):
                          "body": {"prompt": [5 + i, 6, 7, 8 + i % 5], "max_tokens": 4 + i % 7, "temperature": 0}})
              for i in range(N)]
     lines.insert(5, "{this is not json")
-    lines.insert(9, json.dumps({"custom_id": "unknown-field", "body": {"prompt": [1, 2], "colour": "red"}}))
+    lines.insert(9, json.dumps({"custom_id": "bad-type", "body": {"prompt": [1, 2], "top_k": "many"}}))
     lines.insert(13, json.dumps({"custom_id": "too-long", "body": {"prompt": list(range(2, 400))}}))
     lines.insert(17, json.dumps({"custom_id": "neg-temp", "body": {"prompt": [3, 4], "temperature": -0.5}}))
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
-    return [f"req-{i}" for i in range(N)] + ["line-6", "unknown-field", "too-long", "neg-temp"]
+    return [f"req-{i}" for i in range(N)] + ["line-6", "bad-type", "too-long", "neg-temp"]
 
 
 def command(inp, out):
@@ -93,10 +93,10 @@ def test_kill9_and_resume_gives_each_id_once(tmp_path):
     for r in got:
         assert stable(r) == stable(ref_by_id[r["custom_id"]])
     errors = {r["custom_id"]: message(r) for r in got if message(r)}
-    assert set(errors) == {"line-6", "unknown-field", "too-long", "neg-temp"}
-    assert "malformed JSON" in errors["line-6"] and "colour" in errors["unknown-field"]
+    assert set(errors) == {"line-6", "bad-type", "too-long", "neg-temp"}
+    assert "malformed JSON" in errors["line-6"] and "top_k" in errors["bad-type"]
     assert "maximum context length" in errors["too-long"] and "temperature" in errors["neg-temp"]
     by_id = {r["custom_id"]: r for r in got}
     assert by_id["line-6"]["response"] is None                 # not a request: the top-level error
-    for cid in ("unknown-field", "too-long", "neg-temp"):      # refused requests: a 400 and its body
+    for cid in ("bad-type", "too-long", "neg-temp"):      # refused requests: a 400 and its body
         assert by_id[cid]["error"] is None and by_id[cid]["response"]["status_code"] == 400
