@@ -149,6 +149,24 @@ class SampleInputs:
     mask_Bw: Optional[jax.Array] = None
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RaggedBatch:
+    """A ragged step's forward inputs: T tokens of any mix of rows on one flat axis and their B
+    rows (kimi_jax.ops.ragged: the data-parallel ranks' blocks in turn, indices local to each
+    rank). Its rows are sampled by the sampling half (`SampleInputs` over the B rows).
+    slots_T: the pool slot each token's latents are written to, page * p + offset with the page
+    local to the rank (padding: X / ranks * p or more, dropped). sample_B: the token whose logits
+    row b samples (an index into its rank's block). targets_T (prompt logprobs): each token's next
+    prompt token (< 0: none); None when no row asks."""
+    tokens_T: jax.Array
+    positions_T: jax.Array                # -1: padding
+    slots_T: jax.Array
+    rows: ops.RaggedRows
+    sample_B: jax.Array
+    targets_T: Optional[jax.Array] = None
+
+
 STEP_KINDS = ("prefill", "decode", "verify")
 
 
