@@ -395,8 +395,8 @@ def evaluate(path: str, bodies: list[dict]) -> list[dict]:
         os.makedirs(workdir, exist_ok=True)
         if FLAGS.batch_cli:
             extra = [f"--{k}={getattr(FLAGS, k)}" for k in ("tensor_parallel_size", "data_parallel_size",
-                                                            "compilation_cache_dir", "prefill_chunk",
-                                                            "max_prefill_tokens") if getattr(FLAGS, k) is not None]
+                                                            "compilation_cache_dir", *common.SCHEDULING_FLAGS)
+                     if getattr(FLAGS, k) is not None]
             extra += [f"--{'' if getattr(FLAGS, k) else 'no'}{k}" for k in ("enable_expert_parallel",
                                                                              "enable_prefix_caching")]
             extra += ["--noprogress"] if FLAGS.progress is False else []

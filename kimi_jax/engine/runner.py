@@ -21,7 +21,7 @@ from kimi_jax.engine import penalties
 from kimi_jax.engine.requests import StepPlan, n_logprobs, prompt_targets
 from kimi_jax.engine.sampling import SamplingArrays, SamplingParams
 from kimi_jax.engine.sampling import sample_mode as sample_mode_of
-from kimi_jax.engine.shapes import Limits, Shapes, bucket
+from kimi_jax.engine.shapes import Limits, RaggedShapes, Shapes, bucket
 from kimi_jax.engine.mla_schedule import can_balance, step_schedule
 from kimi_jax.engine.steps import ModelSteps, SampleInputs, StepBatch, StepOutput, is_fresh
 
@@ -477,6 +477,8 @@ class Runner:
         padded shape a greedy, a sampled and an extras program (sampler costs differ: BENCHMARKS.md,
         'Program set'), prefill shapes also extras with prompt logprobs, the balanced schedule where
         reachable."""
+        if limits.step_layout == "ragged":
+            return self.ragged_programs(limits)
         eng, plan = self.steps, self.steps.exec_plan
         shapes = Shapes.for_limits(limits, eng.dp, plan)
         batches = sorted(
@@ -513,6 +515,18 @@ class Runner:
                     out += [ProgramKey("prefill", B, T, P, fresh, s, lp, plp)
                             for s, lp, plp in (plain + prompt if widths else prompt)]
         return out + halves
+
+    def ragged_programs(self, limits: Limits) -> list[ProgramKey]:
+        """The ragged layout's programs (`RaggedShapes`): per ladder width T a forward and its
+        prompt-logprobs variant; per row count B(T) a greedy, a sampled and an extras sampling
+        half."""
+        shapes, n_lp = RaggedShapes.for_limits(limits, self.steps.dp), self._top(limits.max_logprobs)
+        ladder = shapes.ladder()
+        out = [ProgramKey("ragged", shapes.rows(T), T, shapes.pages(T), prompt_logprobs=plp,
+                          part="forward") for T in ladder for plp in (None, n_lp)]
+        return out + [ProgramKey("ragged", B, 1, 0, sampled=s, logprobs=lp, part="sample")
+                      for B in sorted({shapes.rows(T) for T in ladder})
+                      for s, lp in ((False, None), (True, None), (True, n_lp))]
 
     def precompile(
         self,

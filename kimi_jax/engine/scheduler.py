@@ -66,7 +66,9 @@ class Scheduler:
         self.spec = speculative
         self.drafter = speculative.drafter() if speculative else None
         # overlap scheduling; drafts need the tokens on the host, so not with speculation
-        self.overlap = bool(config.overlap_scheduling) and speculative is None
+        # (ragged steps run synchronously)
+        self.overlap = (bool(config.overlap_scheduling) and speculative is None
+                        and config.step_layout == "padded")
         self.shapes = Shapes.for_limits(self.limits(), dp, exec_plan)
         self.inflight: Optional[StepPlan] = None     # the overlapped decode plan not yet booked
         self.pass_costs = {} if pass_costs is None else pass_costs
@@ -78,7 +80,9 @@ class Scheduler:
         return Limits(self.max_num_seqs, self.max_model_len, self.page_size, self.prefill_chunk,
                       self.max_prefill_tokens, max_logprobs,
                       self.spec.num_speculative_tokens if self.spec else 0,
-                      pages_per_rank=self.pool.per_part, split_decode=self.overlap)
+                      pages_per_rank=self.pool.per_part, split_decode=self.overlap,
+                      step_layout=self.config.step_layout,
+                      max_num_batched_tokens=self.config.max_num_batched_tokens)
 
     # ---- planning -------------------------------------------------------------------------------
     def schedule(self) -> Optional[StepPlan]:

@@ -190,3 +190,35 @@ def test_a_decode_plan_never_scores_prompt_positions():
     core.run()
     assert seen[0].kind == "prefill" and seen[0].prompt_logprobs is not None
     assert all(k.prompt_logprobs is None for k in seen if k.kind == "decode")
+
+
+def ragged_limits(max_num_seqs, max_model_len, budget, page_size=16, pages_per_rank=None):
+    return shapes.Limits(max_num_seqs, max_model_len, page_size, 2048, 2048, 20,
+                         pages_per_rank=pages_per_rank, step_layout="ragged",
+                         max_num_batched_tokens=budget)
+
+
+@pytest.mark.parametrize("limits,dp,count", [
+    (ragged_limits(256, 131072, 8192), 1, 35),
+    (ragged_limits(256, 131072, 8192, pages_per_rank=4096), 8, 35),
+    (ragged_limits(64, 131072, 2048), 1, 25),           # kimi-serve's defaults (max_num_seqs 64)
+    (ragged_limits(256, 2048, 256), 2, 25),
+    (ragged_limits(1, 131072, 8192), 1, 23),
+    (ragged_limits(200, 4096, 8000, pages_per_rank=999), 3, 35),
+])
+def test_the_ragged_program_set_is_small_at_any_limits(limits, dp, count):
+    """Forward programs keyed by T alone (plus prompt logprobs), sampling halves by B: at most 40
+    programs up to 256 sequences, 131,072 tokens a row and 8,192 tokens a step."""
+    from kimi_jax.engine.runner import Runner
+    runner = Runner(FakeSteps(16, dp, ops.ExecPlan()), num_pages=64, page_size=16, cache_dtype=None,
+                    max_num_seqs=limits.max_num_seqs)
+    progs = runner.programs(limits)
+    assert len(progs) == len(set(progs)) == count <= 40
+    rs = shapes.RaggedShapes.for_limits(limits, dp)
+    forward = [k for k in progs if k.part == "forward"]
+    assert {k.width for k in forward} == set(rs.ladder()) and min(rs.ladder()) >= 16
+    assert max(rs.ladder()) <= shapes.bucket(limits.max_num_batched_tokens, 16) + dp
+    for k in forward:
+        assert k.width % dp == 0 and k.batch % dp == 0 and k.batch <= k.width
+        rank_pages = limits.pages_per_rank or k.batch // dp * rs.max_pages
+        assert k.table == dp * min(rank_pages, k.batch // dp * rs.max_pages)
