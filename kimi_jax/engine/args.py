@@ -180,9 +180,9 @@ class SchedulerConfig:
     """What the scheduler plans within: at most max_num_seqs running requests of max_model_len
     tokens, prompt chunks of at most prefill_chunk tokens and max_prefill_tokens a pass;
     max_logprobs the cap of a request's logprobs (-1: none); speculation; overlap scheduling.
-    step_layout "ragged": one step an iteration within max_num_batched_tokens (0: max_prefill_tokens),
-    prompt chunks of at most long_prefill_token_threshold tokens (0: the budget), prefill_chunk
-    unread."""
+    step_layout "ragged": one step an iteration within max_num_batched_tokens (0:
+    max_prefill_tokens), prompt chunks of at most long_prefill_token_threshold tokens (0: the
+    budget), prefill_chunk unread."""
     max_num_seqs: int
     max_model_len: int
     prefill_chunk: int

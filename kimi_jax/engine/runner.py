@@ -520,7 +520,8 @@ class Runner:
         """The ragged layout's programs (`RaggedShapes`): per ladder width T a forward and its
         prompt-logprobs variant; per row count B(T) a greedy, a sampled and an extras sampling
         half."""
-        shapes, n_lp = RaggedShapes.for_limits(limits, self.steps.dp), self._top(limits.max_logprobs)
+        shapes = RaggedShapes.for_limits(limits, self.steps.dp)
+        n_lp = self._top(limits.max_logprobs)
         ladder = shapes.ladder()
         out = [ProgramKey("ragged", shapes.rows(T), T, shapes.pages(T), prompt_logprobs=plp,
                           part="forward") for T in ladder for plp in (None, n_lp)]
