@@ -16,7 +16,8 @@ from kimi_jax.engine.shapes import Limits
 from kimi_jax.engine.steps import ModelSteps
 from kimi_jax.engine.validation import RequestError
 
-_PASSES = {"prefill": "prefill_passes", "decode": "decode_passes", "verify": "verify_passes"}
+_PASSES = {"prefill": "prefill_passes", "decode": "decode_passes", "verify": "verify_passes",
+           "ragged": "ragged_passes"}
 
 
 class EngineCore:
