@@ -10,8 +10,10 @@ model sees the token axis as [ranks, tokens per rank] (one "batch row" per rank)
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
+import jax.numpy as jnp
 
 
 @jax.tree_util.register_dataclass
@@ -30,3 +32,98 @@ class RaggedRows:
     cached_B: jax.Array
     page_start_B: jax.Array
     pages_X: jax.Array
+
+
+def mla_ragged_attention(
+    q_lat_ZTNA: jax.Array,
+    q_pe_ZTNR: jax.Array,
+    new_ZTC: jax.Array,
+    pool: jax.Array,
+    rows: RaggedRows,
+    positions_ZT: jax.Array,
+    scale: float,
+    *,
+    max_pages: int,
+    plan=None,
+    parallel=None,
+    layer=None,
+) -> jax.Array:
+    """Absorbed MLA for a ragged step -> o_lat [Z, T, N, A] (Z blocks of T tokens, one per rank).
+    q_lat = W_UK^T q; new_ZTC: this step's latents [c | k^R], not yet in the pool; pool as
+    `ops.gather_pages` (a stack [L, X, p, C] with `layer`); rows: fields [B] (the blocks' rows in
+    turn, B / Z each) and pages_X [X'] (X' / Z each); positions_ZT < 0: padding. Token t of row b
+    sees the row's cached positions < cached_B[b], read through pages_X[page_start_B[b] + j] for
+    j < max_pages (static: the most pages a row holds), and this step's tokens of row b at
+    positions <= its own; a padding token (in no row, or position < 0) gives 0.
+
+    One path for every plan: plain jnp with float32 scores (as `ops._mla_paged_attention_xla`);
+    under impl 'pallas' too, until a GPU kernel takes it. Each token's cached pages are gathered on
+    its own (Z x T x max_pages x p latents), so long prompt chunks over long contexts cost memory.
+    parallel (a MoEParallel): run per shard (shard_map) over its batch axes (each rank its blocks
+    and its part of a page-split pool, `ops.page_split`) and its heads axes."""
+    from kimi_jax import ops
+    pool_LXpC, layer = ops._stacked(pool, layer)
+    local = functools.partial(_ragged_local, scale=scale, max_pages=max_pages)
+    if parallel is not None and parallel.mesh.size > 1:
+        from jax.sharding import PartitionSpec as P
+        b, h = parallel.batch or None, parallel.heads or None
+        split = ops.page_split(parallel) or None
+        local = ops.shard_map(
+            local,
+            parallel.mesh,
+            in_specs=(
+                P(b, None, h, None),
+                P(b, None, h, None),
+                P(b, None, None),
+                P(None, split, None, None),
+                RaggedRows(P(b), P(b), P(b), P(b), P(b)),
+                P(b, None),
+                P(),
+            ),
+            out_specs=P(b, None, h, None),
+        )
+    return local(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, pool_LXpC, rows, positions_ZT,
+                 jnp.asarray(layer, jnp.int32))
+
+
+def _ragged_local(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, pool_LXpC, rows: RaggedRows, positions_ZT, layer,
+                  *, scale, max_pages):
+    """`mla_ragged_attention` on one device's blocks and pages."""
+    from kimi_jax.ops.impl import einsum_f32
+    Z, T, N, A = q_lat_ZTNA.shape
+    dtype = q_lat_ZTNA.dtype
+    L, X, page, C = pool_LXpC.shape
+    start_ZB, len_ZB, cached_ZB, first_page_ZB = (
+        f.reshape(Z, -1) for f in (rows.query_start_B, rows.query_len_B, rows.cached_B,
+                                   rows.page_start_B))
+    pages_ZX = rows.pages_X.reshape(Z, -1)
+    # each token's row: the one whose span [query_start, query_start + query_len) holds it
+    t = jnp.arange(T)[None, :, None]
+    member_ZTB = (t >= start_ZB[:, None, :]) & (t < (start_ZB + len_ZB)[:, None, :])
+    row_ZT = jnp.argmax(member_ZTB, axis=-1)
+    valid_ZT = member_ZTB.any(axis=-1) & (positions_ZT >= 0)
+    cached_ZT = jnp.where(valid_ZT, jnp.take_along_axis(cached_ZB, row_ZT, axis=1), 0)
+    # the row's cached pages, as a block table of one row per token
+    first_ZT = jnp.take_along_axis(first_page_ZB, row_ZT, axis=1)
+    at_ZTP = jnp.clip(first_ZT[..., None] + jnp.arange(max_pages), 0, pages_ZX.shape[1] - 1)
+    table_ZTP = jnp.take_along_axis(pages_ZX, at_ZTP.reshape(Z, -1), axis=1).reshape(at_ZTP.shape)
+    table_ZTP = jnp.clip(table_ZTP, 0, X - 1) + layer * X
+    old_ZTSC = pool_LXpC.reshape(L * X, page, C)[table_ZTP].reshape(Z, T, max_pages * page, C)
+    old_ZTSC = old_ZTSC.astype(dtype)
+    new_ZTC = new_ZTC.astype(dtype)
+    old_mask_ZTS = jnp.arange(max_pages * page) < cached_ZT[..., None]
+    # this step's tokens of the same row, causally
+    new_mask_ZTT = ((row_ZT[:, None, :] == row_ZT[:, :, None])
+                    & valid_ZT[:, None, :] & valid_ZT[:, :, None]
+                    & (positions_ZT[:, None, :] <= positions_ZT[:, :, None]))
+    s_old_ZNTS = (einsum_f32("ztna,ztsa->znts", q_lat_ZTNA, old_ZTSC[..., :A])
+                  + einsum_f32("ztnr,ztsr->znts", q_pe_ZTNR, old_ZTSC[..., A:]))
+    s_new_ZNTT = (einsum_f32("ztna,zsa->znts", q_lat_ZTNA, new_ZTC[..., :A])
+                  + einsum_f32("ztnr,zsr->znts", q_pe_ZTNR, new_ZTC[..., A:]))
+    s_ZNTS = jnp.concatenate([s_old_ZNTS, s_new_ZNTT], axis=-1) * scale
+    mask_ZTS = jnp.concatenate([old_mask_ZTS, new_mask_ZTT], axis=-1)
+    p_ZNTS = jax.nn.softmax(jnp.where(mask_ZTS[:, None], s_ZNTS, -1e30), axis=-1).astype(dtype)
+    S = max_pages * page
+    o_ZTNA = (einsum_f32("znts,ztsa->ztna", p_ZNTS[..., :S], old_ZTSC[..., :A])
+              + einsum_f32("znts,zsa->ztna", p_ZNTS[..., S:], new_ZTC[..., :A]))
+    return jnp.where(valid_ZT[..., None, None], o_ZTNA, 0).astype(dtype)
