@@ -685,7 +685,11 @@ class Runner:
                   for part in ("forward", "sample")}
         for key in [k for k in programs if k in first]:
             if key.kind == "ragged":
+                placed = [a.sharding for a in jax.tree.leaves(self.pages)]
                 jax.block_until_ready(self._call_ragged_dummy(key))
+                if placed != [a.sharding for a in jax.tree.leaves(self.pages)]:
+                    # the forward gave the pool another placement: once more, as later calls see it
+                    jax.block_until_ready(self._call_ragged_dummy(key))
             else:
                 jax.block_until_ready(self._call(self._dummy(key), key))
             done += 1

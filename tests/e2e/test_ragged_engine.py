@@ -15,6 +15,7 @@ import pytest
 
 from kimi_jax import LLM, SamplingParams
 from kimi_jax.config import preset
+from kimi_jax.engine import compiles
 from kimi_jax.engine.structured_params import StructuredOutputsParams
 
 # Both layouts compute the same float32 logits with attention summed in another order (the ragged
@@ -120,16 +121,21 @@ def test_ragged_gives_the_padded_tokens(ckpt, layout, pages):
             preempts=layout.get("data_parallel_size", 1) < 8)
 
 
-def test_the_ragged_programs_a_run_compiles_are_declared(ckpt):
-    """The forward and sampling programs the workload ran are in the declared ragged set."""
+def test_no_program_is_built_after_precompile(ckpt):
+    """EngineCore.precompile builds the declared ragged set (at most 40 programs, ragged only);
+    then the workload (but its n > 1 request, whose page copies are no step program) builds none,
+    though it runs prompt logprobs, logprobs, penalties and chunks."""
+    compiles.install()
     llm = LLM(ckpt, dtype="float32", max_num_seqs=3, block_size=4, max_model_len=128,
               **SCHED["ragged"])
     core = llm.frontend.make_core()
     declared = core.programs()
     assert len(declared) <= 40 and {k.kind for k in declared} == {"ragged"}
+    assert core.precompile() == len(declared)
+    built = compiles.compile_count()
     prompts, params = workload(preset("tiny").vocab_size, structured=False)
     for i, (p, sp) in enumerate(zip(prompts, params)):
-        core.add_request(str(i), p, sp, seed=i)
+        if sp.n == 1:
+            core.add_request(str(i), p, sp, seed=i)
     core.run()
-    used = {key for key, _ in core.runner.resident}
-    assert used and used <= set(declared)
+    assert compiles.compile_count() == built and core.stats["ragged_passes"] > 10
