@@ -7,6 +7,7 @@ graph again (docs/ARCHITECTURE.md, "Fixed buffers")."""
 # Over 600 lines: the one owner of the device state: batch layout, programs, buffers.
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import itertools
@@ -228,12 +229,26 @@ class Runner:
     # ---- a ragged step -------------------------------------------------------------------------
     def _run_ragged(self, plan: StepPlan) -> list[tuple[StepPlan, object]]:
         """A ragged plan's forward and sampling programs, run now; its host outputs with prompt
-        logprobs laid out [B, row's tokens] as a padded step's."""
-        batch, key = self.ragged_batch(plan)
+        logprobs laid out [B, row's tokens] as a padded step's. plan.overlap: dispatched, its
+        outputs read by the next run (chained: fed the step in flight's tokens, B = T, its
+        sampling inputs but the rows' steps) or by `drain`."""
+        f = self.inflight
+        if plan.chained:
+            batch, key = self._ragged_chained(plan, f)
+            inputs, skey = f.batch[1], f.key[1]
+            inputs = dataclasses.replace(inputs, step_B=self._ragged_steps(plan))
+        else:
+            batch, key = self.ragged_batch(plan)
+            inputs, skey = self._ragged_sample_inputs(plan)
         forward = self._call_ragged(batch, key)
         logits, prompt = forward if key.prompt_logprobs is not None else (forward, None)
-        inputs, skey = self._ragged_sample_inputs(plan)
-        out = self._call_sample(logits, inputs, skey, snapshot=False)
+        out = self._call_sample(logits, inputs, skey, snapshot=plan.overlap)
+        if plan.overlap:
+            for o in out.values():
+                if o.is_fully_addressable:
+                    o.copy_to_host_async()
+            self.inflight = _InFlight(plan, out, (batch, inputs), (key, skey))
+            return [] if f is None or not plan.chained else [(f.plan, _host(f.out))]
         host = _host(out)
         if prompt is not None:
             prompt = {k: np.asarray(v) for k, v in jax.device_get(prompt).items()}
@@ -241,6 +256,34 @@ class Runner:
             for k, v in prompt.items():
                 setattr(host, k, v[index])
         return [(plan, host)]
+
+    def _ragged_chained(self, plan: StepPlan, f: _InFlight) -> tuple[RaggedBatch, ProgramKey]:
+        """A chained ragged step: row b feeds token b of the step in flight (its sampled tokens, on
+        the device), one token at position start; rows ending with the step in flight: length 0."""
+        batch, key = f.batch[0], f.key[0]
+        B = T = plan.width
+        p, t, x = self.page_size, T // self.steps.dp, plan.table // self.steps.dp
+        positions = np.full((T,), -1, np.int32)
+        slots = np.full((T,), self.rank_pages * p, np.int32)
+        length, cached, page_start = (np.zeros((B,), np.int32) for _ in range(3))
+        pages = np.zeros((plan.table,), np.int32)
+        used = collections.Counter()
+        for row in plan.live:
+            g, k = row.batch_row, row.batch_row // t
+            held = row.pages[:row.start // p + 1]
+            positions[g], slots[g] = row.start, held[-1] * p + row.start % p
+            length[g], cached[g], page_start[g] = 1, row.start, used[k]
+            pages[k * x + used[k]:k * x + used[k] + len(held)] = held
+            used[k] += len(held)
+        rows = ops.RaggedRows(batch.rows.query_start_B, length, cached, page_start, pages)
+        return dataclasses.replace(batch, tokens_T=f.out["tokens"], positions_T=positions,
+                                   slots_T=slots, rows=rows), key
+
+    def _ragged_steps(self, plan: StepPlan) -> np.ndarray:
+        steps = np.zeros((plan.batch,), np.int32)
+        for row in plan.live:
+            steps[row.batch_row] = row.step
+        return steps
 
     def _ragged_spans(self, plan: StepPlan) -> list[tuple[object, int, int]]:
         """(row, its first token on the flat axis, its first entry in pages_X) of each live row:
@@ -291,7 +334,8 @@ class Runner:
                 targets_T[g:g + row.n] = targets[row.batch_row, :row.n]
         rows = ops.RaggedRows(start, length, cached, page_start, pages)
         key = ProgramKey("ragged", B, T, X, prompt_logprobs=self._top(n_plp), part="forward")
-        return RaggedBatch(tokens, positions, slots, rows, sample, targets_T), key
+        return RaggedBatch(self._decode_tokens(tokens), positions, slots, rows, sample,
+                           targets_T), key
 
     def _ragged_sample_inputs(self, plan: StepPlan) -> tuple[SampleInputs, ProgramKey]:
         """The sampling half of a ragged plan's rows: greedy, sampled or (logprobs, adjustments,
@@ -733,7 +777,7 @@ class Runner:
         B, T, X = key.batch, key.width, key.table
         z = np.zeros((B,), np.int32)
         return RaggedBatch(
-            np.zeros((T,), np.int32), np.full((T,), -1, np.int32),
+            self._decode_tokens(np.zeros((T,), np.int32)), np.full((T,), -1, np.int32),
             np.full((T,), self.rank_pages * self.page_size, np.int32),
             ops.RaggedRows(z, z, z, z, np.zeros((X,), np.int32)), z,
             np.full((T,), -1, np.int32) if key.prompt_logprobs is not None else None)
@@ -757,7 +801,6 @@ class Runner:
             if not self.fixed_buffers:
                 return steps.ragged_jit.lower(steps.weights, self.pages, batch, **kw)
             io, prev = self._ragged_resident(key, batch)
-            steps.snapshot(prev)
             return steps.ragged_jit.lower(steps.weights, self.pages, io, prev, **kw)
         if key.part == "forward":
             batch = StepBatch(self._decode_tokens(z), np.full((B, 1), -1, np.int32),

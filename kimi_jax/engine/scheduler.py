@@ -70,9 +70,7 @@ class Scheduler:
         self.spec = speculative
         self.drafter = speculative.drafter() if speculative else None
         # overlap scheduling; drafts need the tokens on the host, so not with speculation
-        # (ragged steps run synchronously)
-        self.overlap = (bool(config.overlap_scheduling) and speculative is None
-                        and config.step_layout == "padded")
+        self.overlap = bool(config.overlap_scheduling) and speculative is None
         self.shapes = Shapes.for_limits(self.limits(), dp, exec_plan)
         self.ragged_shapes = RaggedShapes.for_limits(self.limits(), dp)
         self.inflight: Optional[StepPlan] = None     # the overlapped decode plan not yet booked
@@ -99,6 +97,8 @@ class Scheduler:
             self._phase ^= 1
             if not self._phase:
                 return None
+            if self.inflight is not None:
+                return self._chain_plan()
             self.admission.admit()
             plan = self._ragged_plan()
             self._phase = int(plan is not None)
@@ -249,7 +249,13 @@ class Scheduler:
                 self._fills(r, n, filling)
         if not rows:
             return None
-        return self._ragged_layout(rows)
+        plan = self._ragged_layout(rows)
+        # overlap: a step of decode rows only, one row per token (B = T: the sampled tokens [B] are
+        # the next step's tokens_T), none needing its last token on the host, may be chained
+        if (self.overlap and plan.batch == plan.width and all(n == 1 for _, n in rows)
+                and not any(prompt_entries_left(r) or needs_host(r) for r, _ in rows)):
+            plan = self.inflight = dataclasses.replace(plan, overlap=True)
+        return plan
 
     def _ragged_layout(self, rows: list[tuple[Request, int]]) -> StepPlan:
         """The plan of a ragged step's rows: each rank's rows in its block of B / dp batch rows (in
@@ -352,6 +358,9 @@ class Scheduler:
             rows.append(
                 Row(r, row.batch_row, (), r.num_computed + 1, tuple(r.pages), len(r.output_ids) + 1)
             )
+        if f.kind == "ragged":         # the same rows, tokens and pages width
+            self.inflight = dataclasses.replace(f, rows=tuple(rows), chained=True)
+            return self.inflight
         P = self.shapes.table("decode", max(len(row.pages) for row in rows if row.live))
         self.inflight = StepPlan("decode", tuple(rows), f.batch, 1, P, chained=True, overlap=True,
                                  split=f.split)

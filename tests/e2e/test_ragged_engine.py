@@ -4,7 +4,8 @@ mixed workload, float32: prompts of different lengths admitted while others deco
 by long_prefill_token_threshold / prefill_chunk, a prefix-cache hit, preemption in a small pool,
 logprobs, prompt_logprobs, penalties, n > 1 and (the demo model, which has a tokenizer) a json_schema
 request. Tokens are equal; logprobs agree within LOGPROB_TOL. On one device and the 8 simulated
-devices' DP+TP+EP and DP+EP layouts."""
+devices' TP, DP+TP+EP and DP+EP layouts. Overlap scheduling chains steps of decode rows only and
+gives the synchronous ragged tokens."""
 from __future__ import annotations
 
 import json
@@ -119,6 +120,27 @@ def test_ragged_gives_the_padded_tokens(ckpt, layout, pages):
     """8 simulated devices; under dp8 each rank runs one request (nothing to preempt)."""
     compare(ckpt, layout, structured=False, pages=pages,
             preempts=layout.get("data_parallel_size", 1) < 8)
+
+
+def test_overlapped_ragged_steps_give_the_synchronous_tokens():
+    """At 16 sequences a step of decode rows has one row per token (B = T): under overlap the next
+    such step is fed the one in flight's tokens on the device, rows finishing mid-flight."""
+    llm = LLM(None, dtype="float32", max_num_seqs=16, block_size=4, max_model_len=128,
+              **SCHED["ragged"])
+    prompts, params = workload(llm.frontend.steps.cfg.vocab_size, structured=False)
+    runs = {}
+    for overlap in (False, True):
+        core = llm.frontend.make_core(overlap_scheduling=overlap)
+        groups = [core.add_request(str(i), p, sp, seed=i)
+                  for i, (p, sp) in enumerate(zip(prompts, params))]
+        core.run()
+        runs[overlap] = [r for g in groups for r in g], core.stats
+    (ref, ref_stats), (got, stats) = runs[False], runs[True]
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    for g, r in zip(got, ref):
+        same_logprobs(g.logprobs, r.logprobs)
+    assert ref_stats["overlapped_steps"] == 0 < stats["overlapped_steps"]
+    assert stats["steps"] == ref_stats["steps"]
 
 
 def test_no_program_is_built_after_precompile(ckpt):

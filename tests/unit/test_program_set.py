@@ -112,7 +112,8 @@ def random_params(rng, max_tokens: int) -> SamplingParams:
     return SamplingParams(**kw)
 
 
-def run_workload(seed: int, n_requests: int, vocab_size: int = 16, max_tokens: int = 24, **kw):
+def run_workload(seed: int, n_requests: int, vocab_size: int = 16, max_tokens: int = 24,
+                 stats: bool = False, **kw):
     """(keys the steps asked for, the engine's declared programs) of one random workload."""
     rng, seen = np.random.default_rng(seed), []
     core = fake_engine(rng, vocab_size, seen, **kw)
@@ -131,6 +132,8 @@ def run_workload(seed: int, n_requests: int, vocab_size: int = 16, max_tokens: i
 
     core.run(feed=feed)
     assert not core.has_unfinished()
+    if stats:
+        return seen, core.runner.programs(core.limits()), core.stats
     return seen, core.runner.programs(core.limits())
 
 
@@ -159,6 +162,9 @@ RAGGED = {
     "ragged": dict(num_pages=96, page_size=8, max_num_seqs=8, max_model_len=160, prefill_chunk=40,
                    max_prefill_tokens=64, enable_prefix_caching=True, step_layout="ragged",
                    max_num_batched_tokens=48, long_prefill_token_threshold=24),
+    "ragged_overlap": dict(num_pages=256, page_size=8, max_num_seqs=16, max_model_len=96,
+                           prefill_chunk=40, max_prefill_tokens=64, enable_prefix_caching=True,
+                           overlap=True, step_layout="ragged", max_num_batched_tokens=64),
     "ragged_dp2": dict(num_pages=80, page_size=4, max_num_seqs=6, max_model_len=120, prefill_chunk=32,
                        max_prefill_tokens=48, dp=2, step_layout="ragged", max_num_batched_tokens=64),
 }
@@ -256,12 +262,14 @@ def test_the_ragged_program_set_is_small_at_any_limits(limits, dp, count):
 
 @pytest.mark.parametrize("name", sorted(RAGGED))
 def test_every_program_a_ragged_workload_runs_is_declared(name):
-    reached = set()
+    reached, overlapped = set(), 0
     for seed in range(3):
-        seen, declared = run_workload(seed, 24, **RAGGED[name])
+        seen, declared, stats = run_workload(seed, 24, stats=True, **RAGGED[name])
         missing = sorted({k for k in seen if k not in set(declared)}, key=str)
         assert not missing, f"{len(missing)} undeclared programs, e.g. {missing[:3]}"
         reached |= set(seen)
+        overlapped += stats["overlapped_steps"]
     assert {k.kind for k in reached} == {"ragged"} and len(declared) <= 40
+    assert (overlapped > 0) == RAGGED[name].get("overlap", False)
     assert any(k.prompt_logprobs for k in reached) and any(k.logprobs for k in reached)
     assert len({k.width for k in reached if k.part == "forward"}) > 1
