@@ -43,7 +43,9 @@ class ProgramKey:
     logprobs (top-n, n <= logprobs), logits adjustments or a token mask: all rows get the
     adjustments (no-ops for rows without), a mask (all tokens for unconstrained rows) and the
     filtered sampler. prompt_logprobs: top-n of every position (extras programs of prefill steps
-    only). part: one half of a split decode step ('forward', 'sample'; None: the whole step)."""
+    only). part: one half of a split decode step ('forward', 'sample'; None: the whole step), or
+    of a ragged step (kind 'ragged': batch B, width T, table the pages_X width; see
+    `ragged_programs`)."""
     kind: str
     batch: int
     width: int
@@ -655,7 +657,7 @@ class Runner:
         """Every step program a workload within `limits` can run (the scheduler's `Shapes`): per
         padded shape a greedy, a sampled and an extras program (sampler costs differ: BENCHMARKS.md,
         'Program set'), prefill shapes also extras with prompt logprobs, the balanced schedule where
-        reachable."""
+        reachable. The ragged layout: `ragged_programs`."""
         if limits.step_layout == "ragged":
             return self.ragged_programs(limits)
         eng, plan = self.steps, self.steps.exec_plan
