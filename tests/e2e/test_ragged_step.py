@@ -26,7 +26,7 @@ LAYOUTS = {
     "dp2_tp4_ep": dict(data_parallel_size=2, tensor_parallel_size=4, enable_expert_parallel=True),
     "dp8_ep": dict(data_parallel_size=8, enable_expert_parallel=True),
 }
-SLOW = {"tp4_ep", "dp8_ep"}
+SLOW = {"tp4", "tp4_ep", "dp8_ep"}      # dp2_tp4_ep runs by default: DP, TP heads and EP at once
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +147,14 @@ def test_ragged_step_equals_the_padded_programs(ckpt, name):
                               fresh=fresh, n_logprobs=V, **extra)
         want[kind] = out
 
-    got_pages, logits, prompt = eng.ragged_jit(eng.weights, copy(pages), batch, plan=plan,
-                                               max_pages=max_pages, n_prompt_logprobs=N_PROMPT)
+    got_pages, logits = eng.ragged_jit(eng.weights, copy(pages), batch, plan=plan, max_pages=max_pages)
     assert logits.shape == (len(batch.sample_B), V)
+    # with prompt logprobs: the same pool and logits (the sampled rows' logits taken from every token's)
+    prompt_pages, prompt_logits, prompt = eng.ragged_jit(
+        eng.weights, copy(pages), batch, plan=plan, max_pages=max_pages, n_prompt_logprobs=N_PROMPT)
+    np.testing.assert_allclose(np.asarray(prompt_logits), np.asarray(logits), atol=1e-5, rtol=0)
+    for kind in got_pages:
+        np.testing.assert_array_equal(np.asarray(prompt_pages[kind]), np.asarray(got_pages[kind]))
     lp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     tokens = np.asarray(eng.sample_jit(logits, SampleInputs(greedy(len(batch.sample_B)),
                                                             np.zeros(len(batch.sample_B), np.int32)))["tokens"])
