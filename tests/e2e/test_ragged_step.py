@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kimi_jax import LLM, SamplingParams
+from kimi_jax import LLM, SamplingParams, ops
 from kimi_jax.config import preset
 from kimi_jax.engine.sampling import SamplingArrays
 from kimi_jax.engine.steps import RaggedBatch, SampleInputs, StepBatch
@@ -21,6 +21,9 @@ CFG = preset("tiny")
 PAGE, PAGES_PER_RANK, T_RANK, N_PROMPT = 4, 24, 16, 2
 LAYOUTS = {
     "1dev": dict(),
+    # the GPU plan's layer loop and weights (each layer a call of one jitted body) on the XLA ops
+    "1dev_unroll": dict(exec_plan=ops.ExecPlan(layer_loop="unroll", layer_weights="per_layer",
+                                               pack_vectors=True)),
     "tp4": dict(tensor_parallel_size=4),
     "tp4_ep": dict(tensor_parallel_size=4, enable_expert_parallel=True),
     "dp2_tp4_ep": dict(data_parallel_size=2, tensor_parallel_size=4, enable_expert_parallel=True),
