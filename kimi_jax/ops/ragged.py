@@ -62,6 +62,14 @@ def mla_ragged_attention(
     parallel (a MoEParallel): run per shard (shard_map) over its batch axes (each rank its blocks
     and its part of a page-split pool, `ops.page_split`) and its heads axes."""
     from kimi_jax import ops
+    if not isinstance(max_pages, int) or isinstance(max_pages, bool) or max_pages < 1:
+        raise ValueError(f"mla_ragged_attention: max_pages={max_pages!r} must be an int >= 1")
+    Z = q_lat_ZTNA.shape[0]
+    for name, n in (("query_start_B", rows.query_start_B.shape[0]),
+                    ("pages_X", rows.pages_X.shape[0])):
+        if n % Z:
+            raise ValueError(f"mla_ragged_attention: RaggedRows.{name} has {n} entries, not a "
+                             f"multiple of the {Z} blocks")
     pool_LXpC, layer = ops._stacked(pool, layer)
     local = functools.partial(_ragged_local, scale=scale, max_pages=max_pages)
     if parallel is not None and parallel.mesh.size > 1:

@@ -3,7 +3,8 @@ tokens on one flat token axis, padding rows and tokens) equals the padded progra
 prefill, chunk prefill and decode) run on the same rows from the same pool: the same next-token
 log-probabilities and prompt logprobs, the same greedy tokens through sample_jit, and the same pool
 contents afterwards; on one device and on the 8 simulated devices' TP, TP+EP and DP+EP layouts (under DP
-each rank's block holds its own rows over its own part of the pool, ids local to it)."""
+each rank's block holds its own rows over its own part of the pool, ids local to it, and no
+collective moves pool-sized bytes)."""
 from __future__ import annotations
 
 import jax
@@ -11,22 +12,26 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kimi_jax import LLM, SamplingParams
+from kimi_jax import LLM, SamplingParams, ops
 from kimi_jax.config import preset
 from kimi_jax.engine.sampling import SamplingArrays
 from kimi_jax.engine.steps import RaggedBatch, SampleInputs, StepBatch
 from kimi_jax.ops import RaggedRows
+from kimi_jax.tools import profiling
 
 CFG = preset("tiny")
-PAGE, PAGES_PER_RANK, T_RANK, N_PROMPT = 4, 24, 16, 2
+PAGE, PAGES_PER_RANK, T_RANK, N_PROMPT = 4, 128, 16, 2
 LAYOUTS = {
     "1dev": dict(),
+    # the GPU plan's layer loop and weights (each layer a call of one jitted body) on the XLA ops
+    "1dev_unroll": dict(exec_plan=ops.ExecPlan(layer_loop="unroll", layer_weights="per_layer",
+                                               pack_vectors=True)),
     "tp4": dict(tensor_parallel_size=4),
     "tp4_ep": dict(tensor_parallel_size=4, enable_expert_parallel=True),
     "dp2_tp4_ep": dict(data_parallel_size=2, tensor_parallel_size=4, enable_expert_parallel=True),
     "dp8_ep": dict(data_parallel_size=8, enable_expert_parallel=True),
 }
-SLOW = {"tp4_ep", "dp8_ep"}
+SLOW = {"1dev_unroll", "tp4", "tp4_ep", "dp8_ep"}   # by default: 1dev, and dp2_tp4_ep (DP, TP heads, EP)
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +152,23 @@ def test_ragged_step_equals_the_padded_programs(ckpt, name):
                               fresh=fresh, n_logprobs=V, **extra)
         want[kind] = out
 
-    got_pages, logits, prompt = eng.ragged_jit(eng.weights, copy(pages), batch, plan=plan,
-                                               max_pages=max_pages, n_prompt_logprobs=N_PROMPT)
+    args = (eng.weights, copy(pages), batch)
+    compiled = eng.ragged_jit.lower(*args, plan=plan, max_pages=max_pages).compile()
+    if dp > 1:
+        # each rank reads and writes its own part of the pool: no collective moves as many bytes as
+        # one layer's part (128 pages: 80 KiB; the step's largest collective, dp8's tokens: 32 KiB)
+        part = PAGES_PER_RANK * PAGE * CFG.latent_dim * 4
+        big = [(o.kind, o.bytes) for o in profiling.collectives_of_hlo(compiled.as_text()).ops
+               if not o.trivial and o.bytes >= part]
+        assert not big, big
+    got_pages, logits = compiled(*args)
     assert logits.shape == (len(batch.sample_B), V)
+    # with prompt logprobs: the same pool and logits (the sampled rows' logits taken from every token's)
+    prompt_pages, prompt_logits, prompt = eng.ragged_jit(
+        eng.weights, copy(pages), batch, plan=plan, max_pages=max_pages, n_prompt_logprobs=N_PROMPT)
+    np.testing.assert_allclose(np.asarray(prompt_logits), np.asarray(logits), atol=1e-5, rtol=0)
+    for kind in got_pages:
+        np.testing.assert_array_equal(np.asarray(prompt_pages[kind]), np.asarray(got_pages[kind]))
     lp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     tokens = np.asarray(eng.sample_jit(logits, SampleInputs(greedy(len(batch.sample_B)),
                                                             np.zeros(len(batch.sample_B), np.int32)))["tokens"])

@@ -92,6 +92,21 @@ def test_ragged_equals_the_paged_path_row_by_row(page, n_blocks):
     flat = ops.mla_ragged_attention(q_lat, q_pe, new, pool[layer], rows, positions, SCALE,
                                     max_pages=max_pages)
     np.testing.assert_allclose(np.asarray(flat), want, atol=2e-5, rtol=0)
+    # impl 'pallas' runs the same jnp path (no kernel yet)
+    pallas = ops.mla_ragged_attention(q_lat, q_pe, new, pool, rows, positions, SCALE,
+                                      max_pages=max_pages, plan=ops.ExecPlan(impl="pallas"), layer=layer)
+    np.testing.assert_allclose(np.asarray(pallas), want, atol=2e-5, rtol=0)
+
+
+def test_ragged_refuses_bad_sizes():
+    q_lat, q_pe, new, pool, rows, positions, max_pages = case(BLOCKS, 4, 32)
+    with pytest.raises(ValueError, match="max_pages=0 must be an int >= 1"):
+        ops.mla_ragged_attention(q_lat, q_pe, new, pool, rows, positions, SCALE, max_pages=0, layer=0)
+    odd = ops.RaggedRows(*(f[:-1] for f in (rows.query_start_B, rows.query_len_B, rows.cached_B,
+                                            rows.page_start_B)), rows.pages_X)
+    with pytest.raises(ValueError, match="query_start_B has 9 entries, not a multiple of the 2 blocks"):
+        ops.mla_ragged_attention(q_lat, q_pe, new, pool, odd, positions, SCALE, max_pages=max_pages,
+                                 layer=0)
 
 
 def test_ragged_per_shard_on_a_split_pool_equals_the_whole_pool():
