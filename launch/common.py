@@ -38,12 +38,13 @@ flags.DEFINE_bool("enable_expert_parallel", False, "whole experts per device (EP
 flags.DEFINE_integer("prefill_chunk", None, "prompt tokens of one request per prefill step (a longer prompt "
                      "takes several steps, interleaved with decode steps); default: LLM's")
 flags.DEFINE_integer("max_prefill_tokens", None, "prompt tokens of all requests per prefill step; default: LLM's")
-flags.DEFINE_enum("step_layout", None, ["padded", "ragged"], "padded: a prefill and a decode pass per "
-                  "iteration (padded programs); ragged: one step over a flat token axis; default: LLM's")
-flags.DEFINE_integer("max_num_batched_tokens", None, "tokens of one ragged step (decode rows and prompt chunks); "
-                     "default: max(max_prefill_tokens, max_num_seqs)")
-flags.DEFINE_integer("long_prefill_token_threshold", None, "a prompt chunk's most tokens in one ragged step "
-                     "(0: the step's budget); default: LLM's")
+flags.DEFINE_enum("step_layout", None, ["padded", "ragged"],
+                  "padded: a prefill and a decode pass per iteration (padded programs); ragged: "
+                  "one step over a flat token axis; default: LLM's")
+flags.DEFINE_integer("max_num_batched_tokens", None, "tokens of one ragged step (decode rows and "
+                     "prompt chunks); default: max(max_prefill_tokens, max_num_seqs)")
+flags.DEFINE_integer("long_prefill_token_threshold", None, "a prompt chunk's most tokens in one "
+                     "ragged step (0: the step's budget); default: LLM's")
 flags.DEFINE_bool("enable_prefix_caching", True, "reuse the cache pages of a prompt prefix seen before "
                   "(kimi-generate, kimi-batch, kimi-serve)")
 flags.DEFINE_bool("check_finite_weights", True, "check every loaded weight for NaN / Inf (on the host, as "

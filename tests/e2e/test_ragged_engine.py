@@ -2,8 +2,8 @@
 mixed within max_num_batched_tokens) against the padded layout (prefill and decode passes) on one
 mixed workload, float32: prompts of different lengths admitted while others decode, prompts chunked
 by long_prefill_token_threshold / prefill_chunk, a prefix-cache hit, preemption in a small pool,
-logprobs, prompt_logprobs, penalties, n > 1 and (the demo model, which has a tokenizer) a json_schema
-request. Tokens are equal; logprobs agree within LOGPROB_TOL. On one device and the 8 simulated
+logprobs, prompt_logprobs, penalties, n > 1 and (the demo model, which has a tokenizer) a
+json_schema request. Tokens are equal; logprobs agree within LOGPROB_TOL. On one device and the 8 simulated
 devices' TP, DP+TP+EP and DP+EP layouts. Overlap scheduling chains steps of decode rows only and
 gives the synchronous ragged tokens."""
 from __future__ import annotations

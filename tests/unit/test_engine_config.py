@@ -21,9 +21,11 @@ from kimi_jax.engine.speculative import SpeculativeConfig
     (dict(max_logprobs=-2), "max_logprobs"), (dict(precompile=1), "precompile"),
     (dict(trust_remote_code=1), "trust_remote_code"),
     (dict(enforce_eager=True, precompile=True), "enforce_eager"),
-    (dict(step_layout="flat"), "step_layout"), (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+    (dict(step_layout="flat"), "step_layout"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
     (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold"),
-    (dict(step_layout="ragged", max_num_seqs=64, max_num_batched_tokens=32), "max_num_batched_tokens"),
+    (dict(step_layout="ragged", max_num_seqs=64, max_num_batched_tokens=32),
+     "max_num_batched_tokens"),
     (dict(step_layout="ragged", speculative_config={"num_speculative_tokens": 2}), "step_layout"),
 ])
 def test_bad_field_is_one_line_naming_it(kw, field):

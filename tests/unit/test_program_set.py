@@ -165,8 +165,9 @@ RAGGED = {
     "ragged_overlap": dict(num_pages=256, page_size=8, max_num_seqs=16, max_model_len=96,
                            prefill_chunk=40, max_prefill_tokens=64, enable_prefix_caching=True,
                            overlap=True, step_layout="ragged", max_num_batched_tokens=64),
-    "ragged_dp2": dict(num_pages=80, page_size=4, max_num_seqs=6, max_model_len=120, prefill_chunk=32,
-                       max_prefill_tokens=48, dp=2, step_layout="ragged", max_num_batched_tokens=64),
+    "ragged_dp2": dict(num_pages=80, page_size=4, max_num_seqs=6, max_model_len=120,
+                       prefill_chunk=32, max_prefill_tokens=48, dp=2, step_layout="ragged",
+                       max_num_batched_tokens=64),
 }
 
 
