@@ -38,6 +38,13 @@ flags.DEFINE_bool("enable_expert_parallel", False, "whole experts per device (EP
 flags.DEFINE_integer("prefill_chunk", None, "prompt tokens of one request per prefill step (a longer prompt "
                      "takes several steps, interleaved with decode steps); default: LLM's")
 flags.DEFINE_integer("max_prefill_tokens", None, "prompt tokens of all requests per prefill step; default: LLM's")
+flags.DEFINE_enum("step_layout", None, ["padded", "ragged"],
+                  "padded: a prefill and a decode pass per iteration (padded programs); ragged: "
+                  "one step over a flat token axis; default: LLM's")
+flags.DEFINE_integer("max_num_batched_tokens", None, "tokens of one ragged step (decode rows and "
+                     "prompt chunks); default: max(max_prefill_tokens, max_num_seqs)")
+flags.DEFINE_integer("long_prefill_token_threshold", None, "a prompt chunk's most tokens in one "
+                     "ragged step (0: the step's budget); default: LLM's")
 flags.DEFINE_bool("enable_prefix_caching", True, "reuse the cache pages of a prompt prefix seen before "
                   "(kimi-generate, kimi-batch, kimi-serve)")
 flags.DEFINE_bool("check_finite_weights", True, "check every loaded weight for NaN / Inf (on the host, as "
@@ -140,9 +147,14 @@ def engine_config(**fixed):
         raise app.UsageError(f"--{FLAG_NAMES.get(field, field)} {rest}") from None
 
 
+#: the scheduling flags every launcher passes on to its engine
+SCHEDULING_FLAGS = ("prefill_chunk", "max_prefill_tokens", "step_layout", "max_num_batched_tokens",
+                    "long_prefill_token_threshold")
+
+
 def engine_kwargs() -> dict:
     """LLM(...) keywords of the layout and scheduling flags (launch/tool_eval.py)."""
-    sched = {k: getattr(FLAGS, k) for k in ("prefill_chunk", "max_prefill_tokens") if getattr(FLAGS, k) is not None}
+    sched = {k: getattr(FLAGS, k) for k in SCHEDULING_FLAGS if getattr(FLAGS, k) is not None}
     return dict(layout_kwargs(), **sched, check_finite_weights=FLAGS.check_finite_weights,
                 enable_prefix_caching=FLAGS.enable_prefix_caching)
 

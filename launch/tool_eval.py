@@ -394,9 +394,9 @@ def evaluate(path: str, bodies: list[dict]) -> list[dict]:
         workdir = FLAGS.batch_dir or tmp
         os.makedirs(workdir, exist_ok=True)
         if FLAGS.batch_cli:
-            extra = [f"--{k}={getattr(FLAGS, k)}" for k in ("tensor_parallel_size", "data_parallel_size",
-                                                            "compilation_cache_dir", "prefill_chunk",
-                                                            "max_prefill_tokens") if getattr(FLAGS, k) is not None]
+            names = ("tensor_parallel_size", "data_parallel_size", "compilation_cache_dir",
+                     *common.SCHEDULING_FLAGS)
+            extra = [f"--{k}={getattr(FLAGS, k)}" for k in names if getattr(FLAGS, k) is not None]
             extra += [f"--{'' if getattr(FLAGS, k) else 'no'}{k}" for k in ("enable_expert_parallel",
                                                                              "enable_prefix_caching")]
             extra += ["--noprogress"] if FLAGS.progress is False else []

@@ -14,6 +14,7 @@ from kimi_jax.config import PRESETS, ModelConfig
 from kimi_jax.engine.speculative import SpeculativeConfig
 
 DTYPES = ("bfloat16", "float32")
+STEP_LAYOUTS = ("padded", "ragged")
 _TORCH_DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float": "float32"}
 #: dtype="auto" on CPU (BENCHMARKS.md "CPU default dtype")
 CPU_AUTO_DTYPE = "float32"
@@ -31,6 +32,10 @@ class EngineConfig:
     compilation_cache_dir: the persistent JAX cache ('none': off). exec_plan: kimi_jax.ops.ExecPlan
     (None: this machine's). precompile: compile the serving programs before the first request.
     max_logprobs: the most logprobs / prompt_logprobs a request may ask for (-1: no cap).
+    step_layout: "padded" (a prefill and a decode pass an iteration, padded [B, T] programs) or
+    "ragged" (one step over a flat token axis, vLLM v1's: decode rows and prompt chunks mixed
+    within max_num_batched_tokens, a chunk at most long_prefill_token_threshold tokens (0: no cap);
+    max_num_batched_tokens None: max(max_prefill_tokens, max_num_seqs)).
     vLLM's trust_remote_code (no checkpoint code runs; warns), enforce_eager (no precompile)."""
     model: Union[str, ModelConfig, None] = None
     tensor_parallel_size: int = 1
@@ -56,6 +61,9 @@ class EngineConfig:
     max_logprobs: int = 20
     trust_remote_code: bool = False
     enforce_eager: bool = False
+    step_layout: str = "padded"
+    max_num_batched_tokens: Optional[int] = None
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self):
         m = self.model
@@ -71,6 +79,7 @@ class EngineConfig:
             ("block_size", 1),
             ("max_prefill_tokens", 1),
             ("max_logprobs", -1),
+            ("long_prefill_token_threshold", 0),
         ):
             v = getattr(self, name)
             if not _is_int(v) or v < low:
@@ -79,6 +88,7 @@ class EngineConfig:
             ("max_model_len", 1),
             ("num_gpu_blocks_override", 2),
             ("prefill_chunk", 1),
+            ("max_num_batched_tokens", 1),
         ):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < low):
@@ -118,6 +128,23 @@ class EngineConfig:
                 f"speculative_config must be a dict or JSON object, got {type(spec).__name__}"
             )
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_any(spec))
+        self._check_step_layout()
+
+    def _check_step_layout(self) -> None:
+        if self.step_layout not in STEP_LAYOUTS:
+            raise ValueError(f"step_layout={self.step_layout!r} is not one of {STEP_LAYOUTS}")
+        budget = self.max_num_batched_tokens
+        if self.step_layout == "ragged" and budget is not None and budget < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={budget} is below max_num_seqs="
+                             f"{self.max_num_seqs}: one step must hold every decode row")
+        if self.step_layout == "ragged" and self.speculative_config is not None:
+            raise ValueError("step_layout='ragged' does not run speculative decoding "
+                             "(speculative_config): use step_layout='padded'")
+
+    def batched_tokens(self) -> int:
+        """A ragged step's token budget: max_num_batched_tokens, else max(max_prefill_tokens,
+        max_num_seqs)."""
+        return self.max_num_batched_tokens or max(self.max_prefill_tokens, self.max_num_seqs)
 
     @property
     def model_path(self) -> Optional[str]:
@@ -152,7 +179,10 @@ class EngineConfig:
 class SchedulerConfig:
     """What the scheduler plans within: at most max_num_seqs running requests of max_model_len
     tokens, prompt chunks of at most prefill_chunk tokens and max_prefill_tokens a pass;
-    max_logprobs the cap of a request's logprobs (-1: none); speculation; overlap scheduling."""
+    max_logprobs the cap of a request's logprobs (-1: none); speculation; overlap scheduling.
+    step_layout "ragged": one step an iteration within max_num_batched_tokens (0:
+    max_prefill_tokens), prompt chunks of at most long_prefill_token_threshold tokens (0: the
+    budget), prefill_chunk unread."""
     max_num_seqs: int
     max_model_len: int
     prefill_chunk: int
@@ -160,6 +190,9 @@ class SchedulerConfig:
     max_logprobs: int = 20
     speculative_config: Optional[SpeculativeConfig] = None
     overlap_scheduling: bool = True
+    step_layout: str = "padded"
+    max_num_batched_tokens: int = 0
+    long_prefill_token_threshold: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

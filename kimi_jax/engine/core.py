@@ -16,7 +16,8 @@ from kimi_jax.engine.shapes import Limits
 from kimi_jax.engine.steps import ModelSteps
 from kimi_jax.engine.validation import RequestError
 
-_PASSES = {"prefill": "prefill_passes", "decode": "decode_passes", "verify": "verify_passes"}
+_PASSES = {"prefill": "prefill_passes", "decode": "decode_passes", "verify": "verify_passes",
+           "ragged": "ragged_passes"}
 
 
 class EngineCore:
@@ -56,7 +57,8 @@ class EngineCore:
                              page_size=cache_config.page_size, cache_dtype=cache_config.dtype,
                              max_num_seqs=scheduler_config.max_num_seqs,
                              max_logprobs=lp if lp is not None and lp >= 0 else 20,
-                             fixed_buffers=fixed_buffers, structured=structured)
+                             fixed_buffers=fixed_buffers, structured=structured,
+                             row_pages=self.scheduler.ragged_shapes.max_pages)
         self._seeds = random.Random(seed)
         self._seed_lock = threading.Lock()
 

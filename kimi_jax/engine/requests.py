@@ -290,7 +290,9 @@ class Row:
 class StepPlan:
     """One pass of the scheduler (kimi_jax.engine.runner runs it): 'prefill' (prompt chunks, T > 1),
     'decode' (one token per row) or 'verify' (the last token plus drafts), padded to [batch, width]
-    with a block table of `table` pages. chained: fed the step in flight's tokens on the device;
+    with a block table of `table` pages; or 'ragged' (any mix of rows on one flat axis of `width`
+    tokens, `batch` rows, `table` the width of its pages_X: kimi_jax.engine.shapes.RaggedShapes).
+    chained: fed the step in flight's tokens on the device;
     overlap: dispatched without waiting (its outputs come back with a later run); split: a decode
     step run as a forward half and a sampling half, laid out after the step before is booked (rows
     whose sampling needs their last token on the host: grammars, multi-token bad words)."""

@@ -7,6 +7,7 @@ graph again (docs/ARCHITECTURE.md, "Fixed buffers")."""
 # Over 600 lines: the one owner of the device state: batch layout, programs, buffers.
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import itertools
@@ -21,9 +22,11 @@ from kimi_jax.engine import penalties
 from kimi_jax.engine.requests import StepPlan, n_logprobs, prompt_targets
 from kimi_jax.engine.sampling import SamplingArrays, SamplingParams
 from kimi_jax.engine.sampling import sample_mode as sample_mode_of
-from kimi_jax.engine.shapes import Limits, Shapes, bucket
+from kimi_jax.engine.shapes import Limits, RaggedShapes, Shapes, bucket
 from kimi_jax.engine.mla_schedule import can_balance, step_schedule
-from kimi_jax.engine.steps import ModelSteps, SampleInputs, StepBatch, StepOutput, is_fresh
+from kimi_jax import ops
+from kimi_jax.engine.steps import (ModelSteps, RaggedBatch, SampleInputs, StepBatch, StepOutput,
+                                   is_fresh)
 
 # A constrained request with at most this many tokens left checks each step whether closing its
 # output (kimi_jax.engine.structured.StructuredBackend.bitmask_closing) must begin.
@@ -40,7 +43,9 @@ class ProgramKey:
     logprobs (top-n, n <= logprobs), logits adjustments or a token mask: all rows get the
     adjustments (no-ops for rows without), a mask (all tokens for unconstrained rows) and the
     filtered sampler. prompt_logprobs: top-n of every position (extras programs of prefill steps
-    only). part: one half of a split decode step ('forward', 'sample'; None: the whole step)."""
+    only). part: one half of a split decode step ('forward', 'sample'; None: the whole step), or
+    of a ragged step (kind 'ragged': batch B, width T, table the pages_X width; see
+    `ragged_programs`)."""
     kind: str
     batch: int
     width: int
@@ -77,8 +82,11 @@ class Runner:
         max_logprobs: int = 20,
         fixed_buffers: bool = True,
         structured=None,
+        row_pages: int = 1,
     ):
         self.steps, self.page_size, self.max_num_seqs = steps, page_size, max_num_seqs
+        # a ragged step: the most pages a row holds (static), a rank's pages (its padding slot)
+        self.row_pages, self.rank_pages = row_pages, num_pages // steps.dp
         self.structured = structured
         self.max_logprobs = max_logprobs
         self.fixed_buffers = fixed_buffers
@@ -128,6 +136,8 @@ class Runner:
         its own, none (dispatched), or, chained, the step in flight's. A split plan dispatches its
         forward half here and its sampling half at `sample`, once the outputs read here are
         booked."""
+        if plan.kind == "ragged":
+            return self._run_ragged(plan)
         if plan.split:
             return self._run_forward(plan)
         if plan.chained:
@@ -217,6 +227,173 @@ class Runner:
             part="sample",
         )
         return SampleInputs(sp, steps, self._mask(plan)), key
+
+    # ---- a ragged step -------------------------------------------------------------------------
+    def _run_ragged(self, plan: StepPlan) -> list[tuple[StepPlan, object]]:
+        """A ragged plan's forward and sampling programs, run now; its host outputs with prompt
+        logprobs laid out [B, row's tokens] as a padded step's. plan.overlap: dispatched, its
+        outputs read by the next run (chained: fed the step in flight's tokens, B = T, its
+        sampling inputs but the rows' steps) or by `drain`."""
+        f = self.inflight
+        if plan.chained:
+            batch, key = self._ragged_chained(plan, f)
+            inputs, skey = f.batch[1], f.key[1]
+            inputs = dataclasses.replace(inputs, step_B=self._ragged_steps(plan))
+        else:
+            batch, key = self.ragged_batch(plan)
+            inputs, skey = self._ragged_sample_inputs(plan)
+        forward = self._call_ragged(batch, key)
+        logits, prompt = forward if key.prompt_logprobs is not None else (forward, None)
+        out = self._call_sample(logits, inputs, skey, snapshot=plan.overlap)
+        if plan.overlap:
+            for o in out.values():
+                if o.is_fully_addressable:
+                    o.copy_to_host_async()
+            self.inflight = _InFlight(plan, out, (batch, inputs), (key, skey))
+            return [] if f is None or not plan.chained else [(f.plan, _host(f.out))]
+        host = _host(out)
+        if prompt is not None:
+            prompt = {k: np.asarray(v) for k, v in jax.device_get(prompt).items()}
+            index = self._ragged_index(plan)
+            for k, v in prompt.items():
+                setattr(host, k, v[index])
+        return [(plan, host)]
+
+    def _ragged_chained(self, plan: StepPlan, f: _InFlight) -> tuple[RaggedBatch, ProgramKey]:
+        """A chained ragged step: row b feeds token b of the step in flight (its sampled tokens, on
+        the device), one token at position start; rows ending with the step in flight: length 0."""
+        batch, key = f.batch[0], f.key[0]
+        B = T = plan.width
+        p, t, x = self.page_size, T // self.steps.dp, plan.table // self.steps.dp
+        positions = np.full((T,), -1, np.int32)
+        slots = np.full((T,), self.rank_pages * p, np.int32)
+        length, cached, page_start = (np.zeros((B,), np.int32) for _ in range(3))
+        pages = np.zeros((plan.table,), np.int32)
+        used = collections.Counter()
+        for row in plan.live:
+            g, k = row.batch_row, row.batch_row // t
+            held = row.pages[:row.start // p + 1]
+            positions[g], slots[g] = row.start, held[-1] * p + row.start % p
+            length[g], cached[g], page_start[g] = 1, row.start, used[k]
+            pages[k * x + used[k]:k * x + used[k] + len(held)] = held
+            used[k] += len(held)
+        rows = ops.RaggedRows(batch.rows.query_start_B, length, cached, page_start, pages)
+        return dataclasses.replace(batch, tokens_T=f.out["tokens"], positions_T=positions,
+                                   slots_T=slots, rows=rows), key
+
+    def _ragged_steps(self, plan: StepPlan) -> np.ndarray:
+        steps = np.zeros((plan.batch,), np.int32)
+        for row in plan.live:
+            steps[row.batch_row] = row.step
+        return steps
+
+    def _ragged_spans(self, plan: StepPlan) -> list[tuple[object, int, int]]:
+        """(row, its first token on the flat axis, its first entry in pages_X) of each live row:
+        each rank's rows one after another in its blocks."""
+        dp = self.steps.dp
+        t, b, x = plan.width // dp, plan.batch // dp, plan.table // dp
+        tok, pg, out = [0] * dp, [0] * dp, []
+        for row in sorted(plan.live, key=lambda row: row.batch_row):
+            k = row.batch_row // b
+            out.append((row, k * t + tok[k], k * x + pg[k]))
+            tok[k] += row.n
+            pg[k] += -(-(row.start + row.n) // self.page_size)
+        return out
+
+    def _ragged_index(self, plan: StepPlan) -> np.ndarray:
+        """[B, widest row] flat-axis index of each row's tokens (0 past a row's end)."""
+        spans = self._ragged_spans(plan)
+        index = np.zeros((plan.batch, max(row.n for row, _, _ in spans)), np.int32)
+        for row, g, _ in spans:
+            index[row.batch_row, :row.n] = np.arange(g, g + row.n)
+        return index
+
+    def ragged_batch(self, plan: StepPlan) -> tuple[RaggedBatch, ProgramKey]:
+        """A ragged plan's RaggedBatch (kimi_jax.engine.steps) and its forward program."""
+        B, T, X, dp, p = plan.batch, plan.width, plan.table, self.steps.dp, self.page_size
+        t, x = T // dp, X // dp
+        tokens, positions = np.zeros((T,), np.int32), np.full((T,), -1, np.int32)
+        slots = np.full((T,), self.rank_pages * p, np.int32)
+        start, length, cached, page_start, sample = (np.zeros((B,), np.int32) for _ in range(5))
+        pages = np.zeros((X,), np.int32)
+        spans = self._ragged_spans(plan)
+        for row, g, pg in spans:
+            b, n, k = row.batch_row, row.n, g // t
+            pos = np.arange(row.start, row.start + n)
+            held = np.asarray(row.pages[:-(-(row.start + n) // p)], np.int32)
+            tokens[g:g + n], positions[g:g + n] = row.tokens, pos
+            slots[g:g + n] = held[pos // p] * p + pos % p
+            start[b], length[b], cached[b] = g - k * t, n, row.start
+            page_start[b], sample[b] = pg - k * x, g - k * t + n - 1
+            pages[pg:pg + len(held)] = held
+        n_plp, targets = prompt_targets([(row.req, row.n) for row, _, _ in spans],
+                                        [row.batch_row for row, _, _ in spans],
+                                        (B, max(row.n for row, _, _ in spans)))
+        targets_T = None
+        if n_plp is not None:
+            targets_T = np.full((T,), -1, np.int32)
+            for row, g, _ in spans:
+                targets_T[g:g + row.n] = targets[row.batch_row, :row.n]
+        rows = ops.RaggedRows(start, length, cached, page_start, pages)
+        key = ProgramKey("ragged", B, T, X, prompt_logprobs=self._top(n_plp), part="forward")
+        return RaggedBatch(self._decode_tokens(tokens), positions, slots, rows, sample,
+                           targets_T), key
+
+    def _ragged_sample_inputs(self, plan: StepPlan) -> tuple[SampleInputs, ProgramKey]:
+        """The sampling half of a ragged plan's rows: greedy, sampled or (logprobs, adjustments,
+        masks) extras; a row inside its prompt samples a token no one reads."""
+        B = plan.batch
+        steps, keys = np.zeros((B,), np.int32), np.zeros((B, 2), np.uint32)
+        params, adjust = [SamplingParams(temperature=0.0)] * B, [None] * B
+        reqs = [row.req for row in plan.live]
+        for row in plan.live:
+            b, r = row.batch_row, row.req
+            steps[b], keys[b], params[b] = row.step, r.key, r.params
+            if r.adjust is not None:
+                adjust[b] = (r.adjust, penalties.banned_now(r.adjust.bad_words, r.output_ids),
+                             r.occ_row, int(row.start + row.n == len(r.tokens)))
+        n_lp = n_logprobs(reqs)
+        extras = (n_lp is not None or any(a is not None for a in adjust)
+                  or any(r.structured is not None for r in reqs))
+        adj = mask = None
+        if extras:
+            adj = penalties.build(
+                adjust, self.max_num_seqs, ADJUST_ENTRIES, ADJUST_STOPS, with_penalties=True
+            )
+            mask = self._mask(plan)
+        sp = SamplingArrays.build(params, None, keys=keys, adjust=adj)
+        key = ProgramKey("ragged", B, 1, 0, sampled=extras or sample_mode_of(sp) != "greedy",
+                         logprobs=self._top(n_lp or 0) if extras else None, part="sample")
+        return SampleInputs(sp, steps, mask), key
+
+    def _call_ragged(self, batch: RaggedBatch, key: ProgramKey):
+        """A ragged step's forward: its logits [B, V] (with prompt logprobs: (logits, their
+        dict)), the pool updated, in its program's fixed buffers."""
+        steps, kw = self.steps, self._ragged_kw(key)
+        if not self.fixed_buffers:
+            self.pages, *out = steps.ragged_jit(steps.weights, self.pages, batch, **kw)
+            return out[0] if len(out) == 1 else tuple(out)
+        io, prev = self._ragged_resident(key, batch)
+        self.pages, *out = steps.ragged_jit(steps.weights, self.pages, io, prev, **kw)
+        out = out[0] if len(out) == 1 else tuple(out)
+        self.resident[_buffer_key(key, batch)] = (io, out)
+        return out
+
+    def _ragged_kw(self, key: ProgramKey) -> dict:
+        return dict(plan=self.steps.exec_plan, max_pages=self.row_pages,
+                    n_prompt_logprobs=key.prompt_logprobs)
+
+    def _ragged_resident(self, key: ProgramKey, batch: RaggedBatch) -> tuple:
+        """batch in its ragged forward's fixed buffers: (inputs, outputs' buffers)."""
+        steps, kw = self.steps, self._ragged_kw(key)
+
+        def shape(io):
+            out = jax.eval_shape(lambda *a: steps.ragged_jit(*a, **kw)[1:], steps.weights,
+                                 self.pages, io)
+            return out[0] if len(out) == 1 else out
+        shardings = (steps.logits_sharding, steps.token_sharding)
+        return self._resident(key, batch, shape,
+                              shardings if key.prompt_logprobs is not None else shardings[0])
 
     def drain(self) -> list[tuple[StepPlan, object]]:
         """Read the step in flight, if any."""
@@ -405,7 +582,8 @@ class Runner:
         return logits
 
     def _call_sample(self, logits, inputs: SampleInputs, key: ProgramKey, snapshot: bool = True):
-        steps, occ = self.steps, self.occurrences().pool
+        steps = self.steps
+        occ = self.occurrences().pool if key.logprobs is not None else None
         kw = dict(n_logprobs=key.logprobs, sample_mode="filtered" if key.sampled else "greedy")
         if not self.fixed_buffers:
             return self._take_occ(steps.sample_jit(logits, inputs, occ, **kw))
@@ -427,9 +605,12 @@ class Runner:
             def place(a, sharding=steps.token_sharding):
                 return jax.device_put(np.zeros(a.shape, a.dtype), sharding)
             io = jax.tree.map(place, inputs)
-            out = jax.tree.map(
-                lambda a: place(a, out_sharding or steps.token_sharding), out_shape(io)
-            )
+            out = out_shape(io)
+            if isinstance(out_sharding, tuple):      # one sharding per output
+                out = tuple(jax.tree.map(lambda a, s=s: place(a, s), o)
+                            for s, o in zip(out_sharding, out))
+            else:
+                out = jax.tree.map(lambda a: place(a, out_sharding or steps.token_sharding), out)
             self.resident[bkey] = (io, out)
         io, prev = self.resident[bkey]
         io = steps.put_batch(io, inputs)
@@ -476,7 +657,9 @@ class Runner:
         """Every step program a workload within `limits` can run (the scheduler's `Shapes`): per
         padded shape a greedy, a sampled and an extras program (sampler costs differ: BENCHMARKS.md,
         'Program set'), prefill shapes also extras with prompt logprobs, the balanced schedule where
-        reachable."""
+        reachable. The ragged layout: `ragged_programs`."""
+        if limits.step_layout == "ragged":
+            return self.ragged_programs(limits)
         eng, plan = self.steps, self.steps.exec_plan
         shapes = Shapes.for_limits(limits, eng.dp, plan)
         batches = sorted(
@@ -514,6 +697,19 @@ class Runner:
                             for s, lp, plp in (plain + prompt if widths else prompt)]
         return out + halves
 
+    def ragged_programs(self, limits: Limits) -> list[ProgramKey]:
+        """The ragged layout's programs (`RaggedShapes`): per ladder width T a forward and its
+        prompt-logprobs variant; per row count B(T) a greedy, a sampled and an extras sampling
+        half."""
+        shapes = RaggedShapes.for_limits(limits, self.steps.dp)
+        n_lp = self._top(limits.max_logprobs)
+        ladder = shapes.ladder()
+        out = [ProgramKey("ragged", shapes.rows(T), T, shapes.pages(T), prompt_logprobs=plp,
+                          part="forward") for T in ladder for plp in (None, n_lp)]
+        return out + [ProgramKey("ragged", B, 1, 0, sampled=s, logprobs=lp, part="sample")
+                      for B in sorted({shapes.rows(T) for T in ladder})
+                      for s, lp in ((False, None), (True, None), (True, n_lp))]
+
     def precompile(
         self,
         programs: list[ProgramKey],
@@ -529,8 +725,19 @@ class Runner:
             next((k for k in programs if (k.logprobs is None) == plain and k.part is None), None)
             for plain in (True, False)
         }
+        # a ragged set: its first forward and extras sampling half by a call (nothing written)
+        first |= {next((k for k in programs if k.kind == "ragged" and k.part == part
+                        and (k.logprobs is not None) == (part == "sample")), None)
+                  for part in ("forward", "sample")}
         for key in [k for k in programs if k in first]:
-            jax.block_until_ready(self._call(self._dummy(key), key))
+            if key.kind == "ragged":
+                placed = [a.sharding for a in jax.tree.leaves(self.pages)]
+                jax.block_until_ready(self._call_ragged_dummy(key))
+                if placed != [a.sharding for a in jax.tree.leaves(self.pages)]:
+                    # the forward gave the pool another placement: once more, as later calls see it
+                    jax.block_until_ready(self._call_ragged_dummy(key))
+            else:
+                jax.block_until_ready(self._call(self._dummy(key), key))
             done += 1
             if progress is not None:
                 progress(done, n, key)
@@ -567,10 +774,36 @@ class Runner:
         eng.snapshot(prev)
         return eng.step_jit.lower(eng.weights, self.pages, io, *args, prev, **kw)
 
+    def _ragged_dummy(self, key: ProgramKey) -> RaggedBatch:
+        """Padding rows in the layout of a ragged forward program (no slot written)."""
+        B, T, X = key.batch, key.width, key.table
+        z = np.zeros((B,), np.int32)
+        return RaggedBatch(
+            self._decode_tokens(np.zeros((T,), np.int32)), np.full((T,), -1, np.int32),
+            np.full((T,), self.rank_pages * self.page_size, np.int32),
+            ops.RaggedRows(z, z, z, z, np.zeros((X,), np.int32)), z,
+            np.full((T,), -1, np.int32) if key.prompt_logprobs is not None else None)
+
+    def _call_ragged_dummy(self, key: ProgramKey):
+        """key's ragged program called on padding rows (a sampling half: on zero logits)."""
+        if key.part == "forward":
+            return self._call_ragged(self._ragged_dummy(key), key)
+        d = self._dummy(dataclasses.replace(key, part=None))
+        logits = jax.device_put(
+            np.zeros((key.batch, self.steps.cfg.vocab_size), np.float32),
+            self.steps.logits_sharding)
+        return self._call_sample(logits, SampleInputs(d.sp, d.step_B, d.mask_Bw), key)
+
     def _lower_half(self, key: ProgramKey):
         """A split step's half for key, lowered over padding rows (or its fixed buffers)."""
         steps, B = self.steps, key.batch
         z = np.zeros((B,), np.int32)
+        if key.kind == "ragged" and key.part == "forward":
+            batch, kw = self._ragged_dummy(key), self._ragged_kw(key)
+            if not self.fixed_buffers:
+                return steps.ragged_jit.lower(steps.weights, self.pages, batch, **kw)
+            io, prev = self._ragged_resident(key, batch)
+            return steps.ragged_jit.lower(steps.weights, self.pages, io, prev, **kw)
         if key.part == "forward":
             batch = StepBatch(self._decode_tokens(z), np.full((B, 1), -1, np.int32),
                               np.zeros((B, key.table), np.int32), z, z, None)
@@ -592,7 +825,7 @@ class Runner:
             np.zeros((B, steps.cfg.vocab_size), np.float32), steps.logits_sharding
         )
         kw = dict(n_logprobs=key.logprobs, sample_mode="filtered" if key.sampled else "greedy")
-        occ = self.occurrences().pool
+        occ = self.occurrences().pool if key.logprobs is not None else None
         if not self.fixed_buffers:
             return steps.sample_jit.lower(logits, inputs, occ, **kw)
 

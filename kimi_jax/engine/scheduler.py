@@ -14,7 +14,7 @@ from kimi_jax.engine.page_pool import chain_hashes
 from kimi_jax.engine.args import CacheConfig, SchedulerConfig
 from kimi_jax.engine.requests import (Request, Row, StepPlan, append_token, prefill_shape,
                                       prompt_entries_left, score_prompt)
-from kimi_jax.engine.shapes import Limits, Shapes
+from kimi_jax.engine.shapes import Limits, RaggedShapes, Shapes
 from kimi_jax.engine.speculative import propose_drafts
 
 
@@ -41,16 +41,20 @@ class Scheduler:
             config.max_prefill_tokens,
         )
         self.eos_ids = frozenset(eos_ids)
+        self.ragged = config.step_layout == "ragged"
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "preemptions": 0,
                       "drafted": 0, "accepted": 0, "prefill_passes": 0, "decode_passes": 0,
-                      "verify_passes": 0, "cost_calibrations": 0, "overlapped_steps": 0,
+                      "verify_passes": 0, "ragged_passes": 0, "cost_calibrations": 0,
+                      "overlapped_steps": 0,
                       "prefix_cache_queries": 0, "prefix_cache_hits": 0}   # tokens, as vLLM counts
         self.admission = adm = Admission(
             num_pages=cache.num_pages,
             page_size=cache.page_size,
             dp=dp,
             max_num_seqs=config.max_num_seqs,
-            prefill_chunk=config.prefill_chunk,
+            prefill_chunk=config.prefill_chunk if not self.ragged else (
+                config.long_prefill_token_threshold
+                or max(1, (config.max_num_batched_tokens or config.max_prefill_tokens) // dp)),
             vocab_size=vocab_size,
             caching=cache.enable_prefix_caching,
             stats=self.stats,
@@ -68,6 +72,7 @@ class Scheduler:
         # overlap scheduling; drafts need the tokens on the host, so not with speculation
         self.overlap = bool(config.overlap_scheduling) and speculative is None
         self.shapes = Shapes.for_limits(self.limits(), dp, exec_plan)
+        self.ragged_shapes = RaggedShapes.for_limits(self.limits(), dp)
         self.inflight: Optional[StepPlan] = None     # the overlapped decode plan not yet booked
         self.pass_costs = {} if pass_costs is None else pass_costs
         self.measure = measure
@@ -78,13 +83,26 @@ class Scheduler:
         return Limits(self.max_num_seqs, self.max_model_len, self.page_size, self.prefill_chunk,
                       self.max_prefill_tokens, max_logprobs,
                       self.spec.num_speculative_tokens if self.spec else 0,
-                      pages_per_rank=self.pool.per_part, split_decode=self.overlap)
+                      pages_per_rank=self.pool.per_part, split_decode=self.overlap,
+                      step_layout=self.config.step_layout,
+                      max_num_batched_tokens=self.config.max_num_batched_tokens)
 
     # ---- planning -------------------------------------------------------------------------------
     def schedule(self) -> Optional[StepPlan]:
         """The iteration's next pass: a chained decode step while the overlapped batch stays the
         same (`overlap_continues`), else admission and a prefill pass, then a decode and / or a
-        verification pass; None ends the iteration (the next call starts another)."""
+        verification pass; None ends the iteration (the next call starts another). The ragged
+        layout: admission and one ragged step (`_ragged_plan`)."""
+        if self.ragged:
+            self._phase ^= 1
+            if not self._phase:
+                return None
+            if self.inflight is not None:
+                return self._chain_plan()
+            self.admission.admit()
+            plan = self._ragged_plan()
+            self._phase = int(plan is not None)
+            return plan
         while True:
             phase, self._phase = self._phase, self._phase + 1
             if phase == 0:
@@ -147,21 +165,10 @@ class Scheduler:
         for r in [
             r for r in self.running if r.pending > 1 or (r.pending == 1 and prompt_entries_left(r))
         ]:
-            if (
-                self.pool.caching
-                and r.prompt_logprobs is None
-                and r.num_computed
-                == r.num_registered * self.page_size
-                == len(r.pages) * self.page_size
+            if self._waits_for_prefix(r, filling) or (
+                r.pending <= 1 and not prompt_entries_left(r)
             ):
-                # prefix caching: a request takes its cached prefix with its first chunk, or waits a
-                # step for a page another row computes (not one scoring a prompt: no cached logits)
-                self.admission.take_cached_prefix(r)
-                nxt = r.num_computed // self.page_size
-                if nxt < len(r.page_hashes) and r.page_hashes[nxt] in filling:
-                    continue
-                if r.pending <= 1 and not prompt_entries_left(r):
-                    continue
+                continue    # (a cached prefix leaving one token: a decode row)
             n = min(r.pending, self.prefill_chunk, budget)
             shape = prefill_shape(rows + [(r, n)], self.page_size)
             if (
@@ -177,14 +184,7 @@ class Scheduler:
             ):
                 rows.append((r, n))
                 budget -= n
-                if self.pool.caching:
-                    chain_hashes(r.tokens, self.page_size, r.page_hashes)
-                    filling.update(
-                        r.page_hashes[
-                            r.num_computed // self.page_size : (r.num_computed + n)
-                            // self.page_size
-                        ]
-                    )
+                self._fills(r, n, filling)
             elif r in self.running and self.admission.alone(r):
                 self.admission.stop(r)
         if not rows:
@@ -192,6 +192,87 @@ class Scheduler:
         T = prefill_shape(rows, self.page_size)[0]
         return self._plan("decode" if T == 1 else "prefill",
                           [(r, r.tokens[r.num_computed:r.num_computed + n]) for r, n in rows], T)
+
+    def _waits_for_prefix(self, r: Request, filling: set) -> bool:
+        """Prefix caching: r takes its cached prefix with its first chunk (True: it waits a step for
+        a page another row computes), not a row scoring a prompt (no cached logits)."""
+        if not (
+            self.pool.caching
+            and r.prompt_logprobs is None
+            and r.num_computed
+            == r.num_registered * self.page_size
+            == len(r.pages) * self.page_size
+        ):
+            return False
+        self.admission.take_cached_prefix(r)
+        nxt = r.num_computed // self.page_size
+        return nxt < len(r.page_hashes) and r.page_hashes[nxt] in filling
+
+    def _fills(self, r: Request, n: int, filling: set) -> None:
+        """Note the full pages r's chunk of n tokens computes (prefix caching)."""
+        if self.pool.caching:
+            chain_hashes(r.tokens, self.page_size, r.page_hashes)
+            p = self.page_size
+            filling.update(r.page_hashes[r.num_computed // p:(r.num_computed + n) // p])
+
+    def _ragged_plan(self) -> Optional[StepPlan]:
+        """One ragged step within the token budget, in vLLM v1's order: every running request with
+        one token pending (a decode row), then prompt chunks in running order (partial prompts
+        before newly admitted ones), each at most long_prefill_token_threshold tokens (0: the
+        budget); each data-parallel rank's rows within its share of the budget. Pages, preemption
+        and the prefix cache as the padded passes."""
+        shapes, adm = self.ragged_shapes, self.admission
+        left = [shapes.rank_tokens] * self.dp
+        cap = self.config.long_prefill_token_threshold or shapes.rank_tokens
+        rows: list[tuple[Request, int]] = []
+
+        def take(r: Request, n: int) -> bool:
+            if adm.ensure_pages(r, r.num_computed + n, [q for q, _ in rows]):
+                rows.append((r, n))
+                left[r.rank] -= n
+                return True
+            if r in self.running and adm.alone(r):
+                adm.stop(r)
+            return False
+
+        for r in [r for r in self.running if r.pending == 1 and r.finish_reason is None
+                  and not prompt_entries_left(r)]:
+            if r in self.running and left[r.rank] >= 1:
+                take(r, 1)
+        filling: set = set()
+        for r in [r for r in self.running
+                  if r.pending > 1 or (r.pending == 1 and prompt_entries_left(r))]:
+            if r not in self.running or left[r.rank] < 1 or self._waits_for_prefix(r, filling):
+                continue
+            n = min(r.pending, cap, left[r.rank])
+            if take(r, n):
+                self._fills(r, n, filling)
+        if not rows:
+            return None
+        plan = self._ragged_layout(rows)
+        # overlap: a step of decode rows only, one row per token (B = T: the sampled tokens [B] are
+        # the next step's tokens_T), none needing its last token on the host, may be chained
+        if (self.overlap and plan.batch == plan.width and all(n == 1 for _, n in rows)
+                and not any(prompt_entries_left(r) or needs_host(r) for r, _ in rows)):
+            plan = self.inflight = dataclasses.replace(plan, overlap=True)
+        return plan
+
+    def _ragged_layout(self, rows: list[tuple[Request, int]]) -> StepPlan:
+        """The plan of a ragged step's rows: each rank's rows in its block of B / dp batch rows (in
+        the order taken), T from the busiest rank's tokens."""
+        shapes = self.ragged_shapes
+        tokens = collections.Counter()
+        for r, n in rows:
+            tokens[r.rank] += n
+        T = shapes.tokens(max(tokens.values()))
+        B = shapes.rows(T)
+        per, seen, out = B // self.dp, collections.Counter(), []
+        for r, n in sorted(rows, key=lambda q: q[0].rank):
+            feed = tuple(int(t) for t in r.tokens[r.num_computed:r.num_computed + n])
+            out.append(Row(r, r.rank * per + seen[r.rank], feed, r.num_computed, tuple(r.pages),
+                           len(r.output_ids)))
+            seen[r.rank] += 1
+        return StepPlan("ragged", tuple(out), B, T, shapes.pages(T))
 
     def _decode_plans(self) -> Optional[StepPlan]:
         """The decode pass of the rows with one token pending; with speculation, when drafts pay,
@@ -277,6 +358,9 @@ class Scheduler:
             rows.append(
                 Row(r, row.batch_row, (), r.num_computed + 1, tuple(r.pages), len(r.output_ids) + 1)
             )
+        if f.kind == "ragged":         # the same rows, tokens and pages width
+            self.inflight = dataclasses.replace(f, rows=tuple(rows), chained=True)
+            return self.inflight
         P = self.shapes.table("decode", max(len(row.pages) for row in rows if row.live))
         self.inflight = StepPlan("decode", tuple(rows), f.batch, 1, P, chained=True, overlap=True,
                                  split=f.split)

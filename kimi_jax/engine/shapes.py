@@ -1,4 +1,5 @@
-"""Padded step shapes: one rule for the scheduler's plans and the runner's `Runner.programs`."""
+"""Step shapes, one rule for the scheduler's plans and the runner's `Runner.programs`: `Shapes`
+(padded [B, T] passes) and `RaggedShapes` (one step over a flat token axis)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ MIN_TABLE_TOKENS = 256
 # Decode and verification on the Pallas MLA kernel, which reads each row's length, take one
 # block-table width for rows up to this many pages: ~free (BENCHMARKS.md 'Program set').
 DECODE_TABLE_PAGES = 1024
+# A ragged step's token ladder starts here: steps of up to this many tokens share one program.
+RAGGED_MIN_TOKENS = 16
 
 
 def bucket(n: int, minimum: int = 8) -> int:
@@ -35,6 +38,8 @@ class Limits:
     speculative_tokens: int = 0           # drafts per verification pass (0: no speculation)
     pages_per_rank: Optional[int] = None  # a row can hold at most this many pages
     split_decode: bool = False            # overlap scheduling: decode steps may run in two halves
+    step_layout: str = "padded"           # "ragged": one step over a flat token axis
+    max_num_batched_tokens: int = 0       # a ragged step's token budget (0: max_prefill_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,3 +112,47 @@ class Shapes:
             or self.rank_pages is None
             or batch * table <= self.dp * self.rank_pages
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedShapes:
+    """The shapes of a ragged step (kimi_jax.engine.steps.RaggedBatch): T tokens from a power-of-two
+    ladder (RAGGED_MIN_TOKENS up to the budget, multiples of dp), B(T) = min(T, max_rows) rows
+    (a row feeds at least one token, so the forward program is keyed by T alone) and X(T) pages
+    (each rank's block: min(its pages, B / dp rows x the pages a row holds)). Each rank's rows
+    take at most `rank_tokens` of its block of T / dp tokens."""
+    dp: int
+    rank_tokens: int                      # a rank's token budget a step
+    max_rows: int                         # rows of the widest step: the padded max_num_seqs
+    max_pages: int                        # the most pages a row holds
+    rank_pages: Optional[int] = None      # pages of one data-parallel rank (None: no cap)
+
+    @classmethod
+    def for_limits(cls, limits: Limits, dp: int) -> "RaggedShapes":
+        budget = limits.max_num_batched_tokens or limits.max_prefill_tokens
+        per_rank = -(-limits.max_num_seqs // dp)
+        rows = -(-bucket(dp * per_rank, 1) // dp) * dp
+        pages = max(1, -(-(limits.max_model_len - 1) // limits.page_size))
+        if limits.pages_per_rank is not None:
+            pages = min(pages, limits.pages_per_rank)
+        rank_tokens = max(1, min(budget // dp, per_rank * max(1, limits.max_model_len - 1)))
+        return cls(dp, rank_tokens, rows, pages, limits.pages_per_rank)
+
+    def tokens(self, n: int) -> int:
+        """T of a step whose busiest rank feeds n tokens."""
+        return -(-bucket(self.dp * n, RAGGED_MIN_TOKENS) // self.dp) * self.dp
+
+    def rows(self, T: int) -> int:
+        return min(T, self.max_rows)
+
+    def pages(self, T: int) -> int:
+        block = self.rows(T) // self.dp * self.max_pages
+        return self.dp * (block if self.rank_pages is None else min(self.rank_pages, block))
+
+    def ladder(self) -> list[int]:
+        top, T, out = self.tokens(self.rank_tokens), RAGGED_MIN_TOKENS, []
+        while True:
+            out.append(-(-T // self.dp) * self.dp)
+            if out[-1] >= top:
+                return sorted(set(out))
+            T *= 2

@@ -149,6 +149,24 @@ class SampleInputs:
     mask_Bw: Optional[jax.Array] = None
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RaggedBatch:
+    """A ragged step's forward inputs: T tokens of any mix of rows on one flat axis and their B
+    rows (kimi_jax.ops.ragged: the data-parallel ranks' blocks in turn, indices local to each
+    rank). Its rows are sampled by the sampling half (`SampleInputs` over the B rows).
+    slots_T: the pool slot each token's latents are written to, page * p + offset with the page
+    local to the rank (padding: X / ranks * p or more, dropped). sample_B: the token whose logits
+    row b samples (an index into its rank's block). targets_T (prompt logprobs): each token's next
+    prompt token (< 0: none); None when no row asks."""
+    tokens_T: jax.Array
+    positions_T: jax.Array                # -1: padding
+    slots_T: jax.Array
+    rows: ops.RaggedRows
+    sample_B: jax.Array
+    targets_T: Optional[jax.Array] = None
+
+
 STEP_KINDS = ("prefill", "decode", "verify")
 
 
@@ -220,6 +238,45 @@ def _forward(graphdef, shard, state, pages, batch: StepBatch, prev=None, *, plan
                                        block_table_BP=batch.block_table_BP, plan=plan)
     pages = {k: _constrain(v, shard.get("pages")) for k, v in pages.items()}
     return pages, _constrain(model.logits(h_BTD, plan)[:, 0], shard.get("logits2"))
+
+
+def _ragged_forward(graphdef, shard, state, pages, batch: RaggedBatch, prev=None, *,
+                    plan: ops.ExecPlan, max_pages: int, n_prompt_logprobs=None, ranks: int = 1):
+    """A ragged step's forward half: the T tokens of any mix of rows (RaggedBatch) in one pass of
+    absorbed MLA (`Transformer.ragged_hidden_states`, the token axis as [Z, T / Z], Z = ranks) ->
+    (the pool with their latents written, each row's logits [B, V] at its sample_B token,
+    vocab-split as `_forward`'s); `_sample_half` samples them. With n_prompt_logprobs also
+    {prompt_logprob, prompt_rank [T], prompt_top_ids, prompt_top_vals [T, n]} of every token's
+    logits against targets_T (replicated), as a third output. max_pages (static): the most pages a
+    row holds. ranks: the data-parallel size (T, B and X' of pages_X multiples of it). prev:
+    unread, donated (the runner's fixed buffers)."""
+    T, B, X = (batch.tokens_T.shape[0], batch.sample_B.shape[0], batch.rows.pages_X.shape[0])
+    for name, n in (("tokens_T", T), ("sample_B", B), ("rows.pages_X", X)):
+        if n % ranks:
+            raise ValueError(f"RaggedBatch.{name}: {n} entries, not a multiple of the "
+                             f"data-parallel size {ranks}")
+    model = _merge(graphdef, state)
+    flat = lambda a: _constrain(a, shard.get("batch1"))                        # noqa: E731
+    blocks = lambda a: _constrain(flat(a).reshape(ranks, -1), shard.get("batch2"))  # noqa: E731
+    tokens_ZT, positions_ZT, slots_ZT, sample_ZB = (
+        blocks(a) for a in (batch.tokens_T, batch.positions_T, batch.slots_T, batch.sample_B))
+    h_ZTD, pages = model.ragged_hidden_states(
+        tokens_ZT, positions_ZT, pages, jax.tree.map(flat, batch.rows), slots_ZT,
+        max_pages=max_pages, plan=plan)
+    pages = {k: _constrain(v, shard.get("pages")) for k, v in pages.items()}
+    # each rank's block of Z (ranks) x B / Z rows: the hidden states of the tokens they sample
+    if n_prompt_logprobs is None:
+        h_ZBD = jnp.take_along_axis(h_ZTD, sample_ZB[..., None], axis=1, mode="clip")
+        logits_BV = model.logits(h_ZBD, plan).reshape(B, -1)
+        return pages, _constrain(logits_BV, shard.get("logits2"))
+    logits_ZTV = _constrain(model.logits(h_ZTD, plan), shard.get("logits3"))
+    logits_BV = jnp.take_along_axis(logits_ZTV, sample_ZB[..., None], axis=1, mode="clip")
+    logits_BV = _constrain(logits_BV.reshape(B, -1), shard.get("logits2"))
+    logits_TV = _constrain(logits_ZTV, shard.get("replicated")).reshape(T, -1)
+    prompt = top_logprobs(logits_TV, jnp.maximum(batch.targets_T, 0), n_prompt_logprobs)
+    names = ("prompt_logprob", "prompt_rank", "prompt_top_ids", "prompt_top_vals")
+    return pages, logits_BV, {k: _constrain(v, shard.get("replicated"))
+                              for k, v in zip(names, prompt)}
 
 
 def _sample_half(shard, logits_BV, inputs: SampleInputs, occ=None, prev=None, *, n_logprobs=None,
@@ -312,6 +369,13 @@ class ModelSteps:
         self.forward_jit = jax.jit(
             functools.partial(_forward, self.graphdef, shard),
             static_argnames=("plan",),
+            donate_argnames=("pages", "prev"),
+            keep_unused=True,
+        )
+        # one pass over a flat token axis of any mix of rows (RaggedBatch); sample_jit samples it
+        self.ragged_jit = jax.jit(
+            functools.partial(_ragged_forward, self.graphdef, shard, ranks=self.dp),
+            static_argnames=("plan", "max_pages", "n_prompt_logprobs"),
             donate_argnames=("pages", "prev"),
             keep_unused=True,
         )

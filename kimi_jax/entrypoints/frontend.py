@@ -154,7 +154,9 @@ class Frontend:
             max_num_seqs=ec.max_num_seqs, max_model_len=max_model_len,
             prefill_chunk=ec.prefill_chunk or default_prefill_chunk(cfg, dtype, steps.exec_plan),
             max_prefill_tokens=ec.max_prefill_tokens, max_logprobs=ec.max_logprobs,
-            speculative_config=ec.speculative_config, overlap_scheduling=ec.overlap_scheduling)
+            speculative_config=ec.speculative_config, overlap_scheduling=ec.overlap_scheduling,
+            step_layout=ec.step_layout, max_num_batched_tokens=ec.batched_tokens(),
+            long_prefill_token_threshold=ec.long_prefill_token_threshold)
         cc = CacheConfig(ec.block_size, num_pages, dtype, ec.enable_prefix_caching)
         return cls(
             ec,

@@ -139,6 +139,21 @@ class MLA(nnx.Module):
         o_BTNU = ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv)
         return self._out(o_BTNU, x_BTD), new_BTC
 
+    def ragged(self, x_BTD, positions_BT, pool_LXpC, rows, layer, *, max_pages, plan=None):
+        """Absorbed attention of a ragged step (`ops.mla_ragged_attention`): x_BTD holds one batch
+        row per data-parallel rank, its T tokens any mix of rows (`ops.RaggedRows`, indices local
+        to the rank's block); pool_LXpC and layer as `paged_decode`. Returns (output [B, T, D], the
+        new latents [B, T, C], written after all layers by `write_slots`)."""
+        q_nope_BTNH, q_pe_BTNR, new_BTC = self._project(x_BTD, positions_BT)
+        w_uk, w_uv = self._kv_b()
+        q_lat_BTNA = ops.einsum_f32("btnh,nah->btna", q_nope_BTNH, w_uk).astype(x_BTD.dtype)
+        o_lat_BTNA = ops.mla_ragged_attention(
+            q_lat_BTNA, q_pe_BTNR, new_BTC, pool_LXpC, rows, positions_BT, self.cfg.softmax_scale,
+            max_pages=max_pages, plan=plan, parallel=self.parallel, layer=layer,
+        ).astype(x_BTD.dtype)
+        o_BTNU = ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv)
+        return self._out(o_BTNU, x_BTD), new_BTC
+
     def fresh_prefill(self, x_BTD, positions_BT, *, plan=None):
         """Expanded attention over this step's tokens only: no row has cached tokens (its real
         tokens sit at positions 0, 1, ... from its first column, padding (< 0) after them), so the
@@ -290,6 +305,27 @@ def write_pages(pool_LXpC, block_table_BP, positions_BT, new_LBTC, parallel=None
         (None, "split", None, None),
     )
     return write(pool_LXpC, block_table_BP, positions_BT, new_LBTC)
+
+
+def write_slots(pool_LXpC, slots_BT, new_LBTC, parallel=None):
+    """Write every layer's new latents at their pool slots (page * p + offset; a slot < 0 or past
+    the pool is padding, dropped). parallel: a page-split pool (`ops.page_split`) is written per
+    shard, each data-parallel rank its batch rows' tokens into its own pages (slots local to it)."""
+
+    def write(pool_LXpC, slots_BT, new_LBTC):
+        n_layers, n_pages, page, C = pool_LXpC.shape
+        slot = jnp.where(slots_BT >= 0, slots_BT, n_pages * page).reshape(-1)
+        flat = pool_LXpC.reshape(n_layers, n_pages * page, C).at[:, slot].set(
+            new_LBTC.reshape(n_layers, -1, C).astype(pool_LXpC.dtype), mode="drop")
+        return flat.reshape(pool_LXpC.shape)
+
+    write = ops.per_page_shard(
+        write,
+        parallel,
+        ((None, "split", None, None), ("split", None), (None, "split", None, None)),
+        (None, "split", None, None),
+    )
+    return write(pool_LXpC, slots_BT, new_LBTC)
 
 
 def _softmax(scores_BNTS, mask_BTS):

@@ -19,7 +19,7 @@ from kimi_jax import ops
 from kimi_jax.config import ModelConfig
 from kimi_jax.model import layer_weights
 from kimi_jax.model.layers import MLP, RMSNorm, param
-from kimi_jax.model.mla import MLA, write_pages
+from kimi_jax.model.mla import MLA, write_pages, write_slots
 from kimi_jax.model.moe import MoE
 
 
@@ -47,12 +47,20 @@ class DecoderLayer(nnx.Module):
         layer=None,
         fresh=False,
         plan=None,
+        rows=None,
+        max_pages=None,
     ):
         """layer: this layer's index in its stack when the routed experts' weights are the whole
         stack [L, E, ...] (scan_layers); None when they are this layer's own [E, ...]. fresh: see
-        MLA. cache: as MLA's. plan: the ExecPlan the ops run."""
+        MLA. cache: as MLA's. plan: the ExecPlan the ops run. rows (an ops.RaggedRows): a ragged
+        step over the paged pool `cache` (`MLA.ragged`, max_pages static)."""
+        normed_BTD = self.input_layernorm(x_BTD, plan=plan)
+        if rows is not None:
+            a_BTD, kv = self.self_attn.ragged(normed_BTD, positions_BT, cache, rows, layer,
+                                              max_pages=max_pages, plan=plan)
+            return self._ffn(x_BTD, a_BTD, layer, plan), kv
         a_BTD, kv = self.self_attn(
-            self.input_layernorm(x_BTD, plan=plan),
+            normed_BTD,
             positions_BT,
             cache,
             absorbed=absorbed,
@@ -61,13 +69,17 @@ class DecoderLayer(nnx.Module):
             layer=layer if block_table_BP is not None else None,
             plan=plan,
         )
+        return self._ffn(x_BTD, a_BTD, layer, plan), kv
+
+    def _ffn(self, x_BTD, a_BTD, layer, plan):
+        """The layer's output: the residual after attention plus the FFN of its norm."""
         h_BTD, ffn_in = self.post_attention_layernorm(x_BTD, a_BTD, plan=plan)
         ffn = (
             self.mlp(ffn_in, layer=layer, plan=plan)
             if isinstance(self.mlp, MoE)
             else self.mlp(ffn_in)
         )
-        return h_BTD + ffn, kv
+        return h_BTD + ffn
 
 
 def stack_modules(make: Callable[[], nnx.Module], n: int) -> Optional[nnx.Module]:
@@ -93,6 +105,7 @@ def _layer_body(
     absorbed,
     fresh,
     plan,
+    **ragged,
 ):
     module = nnx.merge(graphdef, experts, layer_weights.unpacked(layer_state))
     return module(
@@ -104,10 +117,12 @@ def _layer_body(
         layer=layer,
         fresh=fresh,
         plan=plan,
+        **ragged,
     )
 
 
-_layer_call = jax.jit(_layer_body, static_argnums=0, static_argnames=("absorbed", "fresh", "plan"))
+_layer_call = jax.jit(_layer_body, static_argnums=0,
+                      static_argnames=("absorbed", "fresh", "plan", "max_pages"))
 
 
 def scan_layers(
@@ -120,10 +135,14 @@ def scan_layers(
     block_table_BP=None,
     fresh: bool = False,
     plan: Optional[ops.ExecPlan] = None,
+    rows: Optional[ops.RaggedRows] = None,
+    slots_BT=None,
+    max_pages: Optional[int] = None,
 ):
     """Run a stacked layer module over its leading axis; returns (x, per-layer cache or latents).
     cache_L: the stack's contiguous cache [L, B, S, C], its paged pool [L, X, p, C] (block_table_BP
-    given) or None.
+    given, or a ragged step's rows: `MLA.ragged`, the new latents written at slots_BT by
+    `write_slots`, max_pages static) or None.
 
     The routed experts' weights (9.5 GB per Kimi layer) and a paged pool enter the loop whole, never
     as per-layer slices, and each layer indexes them with its layer number (the MoE kernels take
@@ -143,7 +162,8 @@ def scan_layers(
     plan = ops.default_plan(plan)
     graphdef, experts, rest = nnx.split(stack, nnx.PathContains("experts"), ...)
     n_layers = layer_weights.num_layers(rest)
-    paged = block_table_BP is not None
+    paged = block_table_BP is not None or rows is not None
+    ragged = {} if rows is None else dict(rows=rows, max_pages=max_pages)
 
     def layer_fn(call, x, layer, layer_state, kv):
         # a paged step passes the whole stacked pool; attention reads its layer's (ops._layer_pages)
@@ -159,6 +179,7 @@ def scan_layers(
             absorbed=absorbed,
             fresh=fresh,
             plan=plan,
+            **ragged,
         )
 
     if plan.layer_loop == "unroll":
@@ -173,6 +194,8 @@ def scan_layers(
         per_layer_kv = None if paged else cache_L
         x_BTD, out_L = jax.lax.scan(lambda x, xs: layer_fn(_layer_body, x, *xs), x_BTD,
                                     (layers, layer_weights.stacked(rest), per_layer_kv))
+    if rows is not None:
+        return x_BTD, write_slots(cache_L, slots_BT, out_L, parallel=stack.self_attn.parallel)
     if paged:
         return x_BTD, write_pages(
             cache_L, block_table_BP, positions_BT, out_L, parallel=stack.self_attn.parallel
@@ -230,6 +253,24 @@ class Transformer(nnx.Module):
             x, new[kind] = scan_layers(stack, x, positions_BT, kv, absorbed=absorbed,
                                        block_table_BP=block_table_BP, fresh=fresh, plan=plan)
         return self.norm(x, plan=plan), new
+
+    def ragged_hidden_states(self, tokens_BT, positions_BT, pages, rows: ops.RaggedRows, slots_BT,
+                             *, max_pages: int, plan: Optional[ops.ExecPlan] = None):
+        """A ragged step: final-norm hidden states [B, T, D] and the paged pool {kind: [L, X, p, C]}
+        with every layer's new latents written at slots_BT. B: one batch row per data-parallel rank,
+        its T tokens any mix of rows (`rows`, ops.RaggedRows, indices local to the rank's block);
+        positions_BT < 0: padding. Every layer runs absorbed MLA (`MLA.ragged`); max_pages (static):
+        the most pages a row holds."""
+        plan = ops.default_plan(plan)
+        x = jnp.take(self.embed_tokens.weight[...], tokens_BT, axis=0)
+        out = {}
+        for kind, stack in self.layer_stacks:
+            if stack is None:
+                continue
+            x, out[kind] = scan_layers(stack, x, positions_BT, pages[kind], absorbed=True,
+                                       plan=plan, rows=rows, slots_BT=slots_BT,
+                                       max_pages=max_pages)
+        return self.norm(x, plan=plan), out
 
     def logits(self, h_BTD, plan: Optional[ops.ExecPlan] = None):
         w = (self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head).weight[...]

@@ -25,6 +25,7 @@ from kimi_jax.ops.plan import (  # noqa: F401
     ExecPlan,
     default_plan,
 )
+from kimi_jax.ops.ragged import RaggedRows, mla_ragged_attention  # noqa: F401
 from kimi_jax.ops.prefill_attention import (  # noqa: F401
     cudnn_attention_fits, mla_prefill_attention, prefill_attention_path)
 

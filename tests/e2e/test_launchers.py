@@ -77,6 +77,10 @@ def test_dash_spelling_is_the_same_flag(cli):
     ("launch.batch", ["--output=/tmp/kimi_never_written.jsonl"]),     # no --input
     ("launch.bench", ["int4", "--bogus"]),
     ("launch.bench", ["throughput", "--batches"]),                   # a flag without its value
+    ("launch.generate", ["--step_layout=flat"]),
+    ("launch.generate", ["--step_layout=ragged", "--max_num_batched_tokens=0"]),
+    ("launch.batch", ["--input=/dev/null", "--output=/tmp/kimi_never_written.jsonl",
+                      "--long_prefill_token_threshold=-1"]),
 ])
 def test_usage_errors_are_one_line_and_exit_2(cli, module, args):
     r = cli(module, *args)

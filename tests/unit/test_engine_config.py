@@ -21,6 +21,12 @@ from kimi_jax.engine.speculative import SpeculativeConfig
     (dict(max_logprobs=-2), "max_logprobs"), (dict(precompile=1), "precompile"),
     (dict(trust_remote_code=1), "trust_remote_code"),
     (dict(enforce_eager=True, precompile=True), "enforce_eager"),
+    (dict(step_layout="flat"), "step_layout"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+    (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold"),
+    (dict(step_layout="ragged", max_num_seqs=64, max_num_batched_tokens=32),
+     "max_num_batched_tokens"),
+    (dict(step_layout="ragged", speculative_config={"num_speculative_tokens": 2}), "step_layout"),
 ])
 def test_bad_field_is_one_line_naming_it(kw, field):
     with pytest.raises(ValueError) as e:
@@ -54,3 +60,9 @@ def test_max_logprobs_caps_logprobs_and_prompt_logprobs():
         SamplingParams(logprobs=25).validate(vocab_size=512, max_logprobs=20)
     with pytest.raises(ValueError, match="^prompt_logprobs 21 exceeds max_logprobs 20$"):
         SamplingParams(prompt_logprobs=21).validate(vocab_size=512, max_logprobs=20)
+
+
+def test_the_token_budget_defaults_to_the_prefill_budget():
+    assert EngineConfig().batched_tokens() == 2048 and EngineConfig().step_layout == "padded"
+    assert EngineConfig(max_num_seqs=4096).batched_tokens() == 4096
+    assert EngineConfig(step_layout="ragged", max_num_batched_tokens=512).batched_tokens() == 512

@@ -45,9 +45,12 @@ class FakeSteps:
 
 def fake_engine(rng, vocab_size, seen, *, num_pages, page_size, max_num_seqs, max_model_len,
                 prefill_chunk, max_prefill_tokens, dp=1, plan=ops.ExecPlan(),
-                enable_prefix_caching=False, overlap=False, speculative=None) -> EngineCore:
+                enable_prefix_caching=False, overlap=False, speculative=None, step_layout="padded",
+                max_num_batched_tokens=0, long_prefill_token_threshold=0) -> EngineCore:
     sc = SchedulerConfig(max_num_seqs, max_model_len, prefill_chunk, max_prefill_tokens,
-                         speculative_config=speculative, overlap_scheduling=overlap)
+                         speculative_config=speculative, overlap_scheduling=overlap,
+                         step_layout=step_layout, max_num_batched_tokens=max_num_batched_tokens,
+                         long_prefill_token_threshold=long_prefill_token_threshold)
     cc = CacheConfig(page_size, num_pages, enable_prefix_caching=enable_prefix_caching)
     core = EngineCore(FakeSteps(vocab_size, dp, plan), sc, cc)
 
@@ -69,7 +72,25 @@ def fake_engine(rng, vocab_size, seen, *, num_pages, page_size, max_num_seqs, ma
                        prompt_top_vals=jnp.zeros((B, T, n)))
         return out
 
+    def fake_ragged(batch, key):
+        """The forward: rows' token spans checked against the plan's shapes, stand-in logits."""
+        seen.append(key)
+        T, B = key.width, key.batch
+        assert batch.tokens_T.shape == (T,) and batch.sample_B.shape == (B,)
+        assert batch.rows.pages_X.shape == (key.table,)
+        if key.prompt_logprobs is None:
+            return None
+        n = key.prompt_logprobs
+        return None, dict(prompt_logprob=jnp.zeros((T,)), prompt_rank=jnp.ones((T,), jnp.int32),
+                          prompt_top_ids=jnp.asarray(rng.integers(0, vocab_size, (T, n))),
+                          prompt_top_vals=jnp.zeros((T, n)))
+
+    def fake_sample(logits, inputs, key, snapshot=True):
+        seen.append(key)
+        return fake_call(None, key)
+
     core.runner._call = fake_call
+    core.runner._call_ragged, core.runner._call_sample = fake_ragged, fake_sample
     return core
 
 
@@ -91,7 +112,8 @@ def random_params(rng, max_tokens: int) -> SamplingParams:
     return SamplingParams(**kw)
 
 
-def run_workload(seed: int, n_requests: int, vocab_size: int = 16, max_tokens: int = 24, **kw):
+def run_workload(seed: int, n_requests: int, vocab_size: int = 16, max_tokens: int = 24,
+                 stats: bool = False, **kw):
     """(keys the steps asked for, the engine's declared programs) of one random workload."""
     rng, seen = np.random.default_rng(seed), []
     core = fake_engine(rng, vocab_size, seen, **kw)
@@ -110,6 +132,8 @@ def run_workload(seed: int, n_requests: int, vocab_size: int = 16, max_tokens: i
 
     core.run(feed=feed)
     assert not core.has_unfinished()
+    if stats:
+        return seen, core.runner.programs(core.limits()), core.stats
     return seen, core.runner.programs(core.limits())
 
 
@@ -131,6 +155,19 @@ CONFIGS = {
     "pallas_speculative": dict(num_pages=64, page_size=8, max_num_seqs=4, max_model_len=128, prefill_chunk=16,
                                max_prefill_tokens=64, plan=ops.ExecPlan(impl="pallas", layer_loop="unroll"),
                                speculative=SpeculativeConfig(num_speculative_tokens=2, adaptive=False)),
+}
+
+
+RAGGED = {
+    "ragged": dict(num_pages=96, page_size=8, max_num_seqs=8, max_model_len=160, prefill_chunk=40,
+                   max_prefill_tokens=64, enable_prefix_caching=True, step_layout="ragged",
+                   max_num_batched_tokens=48, long_prefill_token_threshold=24),
+    "ragged_overlap": dict(num_pages=256, page_size=8, max_num_seqs=16, max_model_len=96,
+                           prefill_chunk=40, max_prefill_tokens=64, enable_prefix_caching=True,
+                           overlap=True, step_layout="ragged", max_num_batched_tokens=64),
+    "ragged_dp2": dict(num_pages=80, page_size=4, max_num_seqs=6, max_model_len=120,
+                       prefill_chunk=32, max_prefill_tokens=48, dp=2, step_layout="ragged",
+                       max_num_batched_tokens=64),
 }
 
 
@@ -190,3 +227,50 @@ def test_a_decode_plan_never_scores_prompt_positions():
     core.run()
     assert seen[0].kind == "prefill" and seen[0].prompt_logprobs is not None
     assert all(k.prompt_logprobs is None for k in seen if k.kind == "decode")
+
+
+def ragged_limits(max_num_seqs, max_model_len, budget, page_size=16, pages_per_rank=None):
+    return shapes.Limits(max_num_seqs, max_model_len, page_size, 2048, 2048, 20,
+                         pages_per_rank=pages_per_rank, step_layout="ragged",
+                         max_num_batched_tokens=budget)
+
+
+@pytest.mark.parametrize("limits,dp,count", [
+    (ragged_limits(256, 131072, 8192), 1, 35),
+    (ragged_limits(256, 131072, 8192, pages_per_rank=4096), 8, 35),
+    (ragged_limits(64, 131072, 2048), 1, 25),           # kimi-serve's defaults (max_num_seqs 64)
+    (ragged_limits(256, 2048, 256), 2, 25),
+    (ragged_limits(1, 131072, 8192), 1, 23),
+    (ragged_limits(200, 4096, 8000, pages_per_rank=999), 3, 35),
+])
+def test_the_ragged_program_set_is_small_at_any_limits(limits, dp, count):
+    """Forward programs keyed by T alone (plus prompt logprobs), sampling halves by B: at most 40
+    programs up to 256 sequences, 131,072 tokens a row and 8,192 tokens a step."""
+    from kimi_jax.engine.runner import Runner
+    runner = Runner(FakeSteps(16, dp, ops.ExecPlan()), num_pages=64, page_size=16, cache_dtype=None,
+                    max_num_seqs=limits.max_num_seqs)
+    progs = runner.programs(limits)
+    assert len(progs) == len(set(progs)) == count <= 40
+    rs = shapes.RaggedShapes.for_limits(limits, dp)
+    forward = [k for k in progs if k.part == "forward"]
+    assert {k.width for k in forward} == set(rs.ladder()) and min(rs.ladder()) >= 16
+    assert max(rs.ladder()) <= shapes.bucket(limits.max_num_batched_tokens, 16) + dp
+    for k in forward:
+        assert k.width % dp == 0 and k.batch % dp == 0 and k.batch <= k.width
+        rank_pages = limits.pages_per_rank or k.batch // dp * rs.max_pages
+        assert k.table == dp * min(rank_pages, k.batch // dp * rs.max_pages)
+
+
+@pytest.mark.parametrize("name", sorted(RAGGED))
+def test_every_program_a_ragged_workload_runs_is_declared(name):
+    reached, overlapped = set(), 0
+    for seed in range(3):
+        seen, declared, stats = run_workload(seed, 24, stats=True, **RAGGED[name])
+        missing = sorted({k for k in seen if k not in set(declared)}, key=str)
+        assert not missing, f"{len(missing)} undeclared programs, e.g. {missing[:3]}"
+        reached |= set(seen)
+        overlapped += stats["overlapped_steps"]
+    assert {k.kind for k in reached} == {"ragged"} and len(declared) <= 40
+    assert (overlapped > 0) == RAGGED[name].get("overlap", False)
+    assert any(k.prompt_logprobs for k in reached) and any(k.logprobs for k in reached)
+    assert len({k.width for k in reached if k.part == "forward"}) > 1

@@ -1,0 +1,163 @@
+"""step_layout="ragged" (one step an iteration over a flat token axis, decode rows and prompt chunks
+mixed within max_num_batched_tokens) against the padded layout (prefill and decode passes) on one
+mixed workload, float32: prompts of different lengths admitted while others decode, prompts chunked
+by long_prefill_token_threshold / prefill_chunk, a prefix-cache hit, preemption in a small pool,
+logprobs, prompt_logprobs, penalties, n > 1 and (the demo model, which has a tokenizer) a
+json_schema request. Tokens are equal; logprobs agree within LOGPROB_TOL. On one device and the 8 simulated
+devices' TP, DP+TP+EP and DP+EP layouts. Overlap scheduling chains steps of decode rows only and
+gives the synchronous ragged tokens."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+
+from kimi_jax import LLM, SamplingParams
+from kimi_jax.config import preset
+from kimi_jax.engine import compiles
+from kimi_jax.engine.structured_params import StructuredOutputsParams
+
+# Both layouts compute the same float32 logits with attention summed in another order (the ragged
+# kernel's online softmax over pages against the padded programs' expanded or absorbed MLA): the
+# logprobs differ by ~1e-6 on these models; 1e-4 leaves room and still catches a wrong row, position
+# or page (those move logprobs by far more than 1e-2).
+LOGPROB_TOL = 1e-4
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+SCHED = {"padded": dict(prefill_chunk=16, max_prefill_tokens=24),
+         "ragged": dict(step_layout="ragged", max_num_batched_tokens=24,
+                        long_prefill_token_threshold=16)}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_ckpt):
+    return tiny_ckpt
+
+
+def workload(vocab: int, structured: bool):
+    """(prompts, params): a shared 24-token prefix (6 pages of 4) in three prompts, short and long
+    prompts, every kind of request the layouts treat apart."""
+    rng = np.random.default_rng(0)
+    ids = lambda n: rng.integers(2, vocab, n).tolist()  # noqa: E731
+    prefix = ids(24)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    reqs = [
+        (prefix + ids(13), SamplingParams(max_tokens=6, logprobs=2, **greedy)),
+        (ids(5), SamplingParams(max_tokens=12, prompt_logprobs=1, **greedy)),
+        (ids(47), SamplingParams(max_tokens=4, **greedy)),                  # three chunks
+        (prefix + ids(5), SamplingParams(max_tokens=8, repetition_penalty=1.3,
+                                         frequency_penalty=0.5, **greedy)),
+        (ids(9), SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)),
+        (prefix + ids(3), SamplingParams(max_tokens=5, prompt_logprobs=2, logprobs=1, **greedy)),
+        (ids(2), SamplingParams(max_tokens=9, logit_bias={5: 3.0}, min_tokens=2, **greedy)),
+    ]
+    if structured:
+        reqs.append((ids(6), SamplingParams(
+            max_tokens=40, temperature=0.0,
+            structured_outputs=StructuredOutputsParams(json=SCHEMA))))
+    return [p for p, _ in reqs], [sp for _, sp in reqs]
+
+
+def run(llm, prompts, params):
+    """Every request through a fresh core of llm (three run at a time): (samples, stats)."""
+    core = llm.frontend.make_core()
+    groups = [core.add_request(str(i), p, sp, seed=i)
+              for i, (p, sp) in enumerate(zip(prompts, params))]
+    core.run()
+    pool = core.scheduler.pool
+    assert len(pool.free) == pool.num_pages                   # every page came back
+    return [r for g in groups for r in g], core.stats
+
+
+def same_logprobs(a: list, b: list):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            assert x is None and y is None
+            continue
+        assert set(x) == set(y)
+        for t in x:
+            assert abs(x[t].logprob - y[t].logprob) <= LOGPROB_TOL, (t, x[t], y[t])
+
+
+def compare(model, layout, structured, pages, preempts=True):
+    kw = dict(dtype="float32", max_num_seqs=3, block_size=4, max_model_len=128,
+              num_gpu_blocks_override=pages, enable_prefix_caching=True, **layout)
+    llms = {name: LLM(model, **kw, **sched) for name, sched in SCHED.items()}
+    vocab = llms["padded"].frontend.steps.cfg.vocab_size
+    prompts, params = workload(vocab, structured)
+    (ref, ref_stats), (got, stats) = (run(llms[n], prompts, params) for n in SCHED)
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    for g, r in zip(got, ref):
+        same_logprobs(g.logprobs, r.logprobs)
+        assert (g.prompt_logprobs is None) == (r.prompt_logprobs is None)
+        same_logprobs(g.prompt_logprobs or [], r.prompt_logprobs or [])
+        if g.params.logprobs is not None:
+            assert abs(g.cumulative_logprob - r.cumulative_logprob) <= 10 * LOGPROB_TOL
+    assert stats["ragged_passes"] == stats["steps"] > 0
+    assert stats["prefill_passes"] == stats["decode_passes"] == 0 < ref_stats["prefill_passes"]
+    assert (stats["preemptions"] > 0) == preempts and stats["prefix_cache_hits"] > 0
+    assert stats["prompt_tokens"] >= sum(len(p) for p in prompts) - stats["prefix_cache_hits"]
+    return llms["ragged"], got
+
+
+def test_ragged_gives_the_padded_tokens_on_the_demo_model():
+    llm, got = compare(None, {}, structured=True, pages=20)
+    jsonschema.validate(json.loads(llm.tokenizer.decode(got[-1].output_ids)), SCHEMA)
+
+
+@pytest.mark.parametrize("layout,pages", [
+    (dict(tensor_parallel_size=4), 20),
+    pytest.param(dict(data_parallel_size=2, tensor_parallel_size=4, enable_expert_parallel=True),
+                 2 * 14, marks=pytest.mark.slow),
+    pytest.param(dict(data_parallel_size=8, enable_expert_parallel=True), 8 * 16,
+                 marks=pytest.mark.slow),
+], ids=["tp4", "dp2tp4ep", "dp8ep"])
+def test_ragged_gives_the_padded_tokens(ckpt, layout, pages):
+    """8 simulated devices; under dp8 each rank runs one request (nothing to preempt)."""
+    compare(ckpt, layout, structured=False, pages=pages,
+            preempts=layout.get("data_parallel_size", 1) < 8)
+
+
+def test_overlapped_ragged_steps_give_the_synchronous_tokens():
+    """At 16 sequences a step of decode rows has one row per token (B = T): under overlap the next
+    such step is fed the one in flight's tokens on the device, rows finishing mid-flight."""
+    llm = LLM(None, dtype="float32", max_num_seqs=16, block_size=4, max_model_len=128,
+              **SCHED["ragged"])
+    prompts, params = workload(llm.frontend.steps.cfg.vocab_size, structured=False)
+    runs = {}
+    for overlap in (False, True):
+        core = llm.frontend.make_core(overlap_scheduling=overlap)
+        groups = [core.add_request(str(i), p, sp, seed=i)
+                  for i, (p, sp) in enumerate(zip(prompts, params))]
+        core.run()
+        runs[overlap] = [r for g in groups for r in g], core.stats
+    (ref, ref_stats), (got, stats) = runs[False], runs[True]
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    for g, r in zip(got, ref):
+        same_logprobs(g.logprobs, r.logprobs)
+    assert ref_stats["overlapped_steps"] == 0 < stats["overlapped_steps"]
+    assert stats["steps"] == ref_stats["steps"]
+
+
+def test_no_program_is_built_after_precompile(ckpt):
+    """EngineCore.precompile builds the declared ragged set (at most 40 programs, ragged only);
+    then the workload (but its n > 1 request, whose page copies are no step program) builds none,
+    though it runs prompt logprobs, logprobs, penalties and chunks."""
+    compiles.install()
+    llm = LLM(ckpt, dtype="float32", max_num_seqs=3, block_size=4, max_model_len=128,
+              **SCHED["ragged"])
+    core = llm.frontend.make_core()
+    declared = core.programs()
+    assert len(declared) <= 40 and {k.kind for k in declared} == {"ragged"}
+    assert core.precompile() == len(declared)
+    built = compiles.compile_count()
+    prompts, params = workload(preset("tiny").vocab_size, structured=False)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        if sp.n == 1:
+            core.add_request(str(i), p, sp, seed=i)
+    core.run()
+    assert compiles.compile_count() == built and core.stats["ragged_passes"] > 10
