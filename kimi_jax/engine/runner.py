@@ -87,6 +87,9 @@ class Runner:
         self.steps, self.page_size, self.max_num_seqs = steps, page_size, max_num_seqs
         # a ragged step: the most pages a row holds (static), a rank's pages (its padding slot)
         self.row_pages, self.rank_pages = row_pages, num_pages // steps.dp
+        # a ragged step's widest row count (RaggedShapes.max_rows): the sampled tokens' shape
+        self.ragged_rows = steps.batch_size(steps.dp * -(-max_num_seqs // steps.dp))
+        self._no_prev = None              # zeros [ragged_rows]: no token fed from a step in flight
         self.structured = structured
         self.max_logprobs = max_logprobs
         self.fixed_buffers = fixed_buffers
@@ -232,16 +235,11 @@ class Runner:
     def _run_ragged(self, plan: StepPlan) -> list[tuple[StepPlan, object]]:
         """A ragged plan's forward and sampling programs, run now; its host outputs with prompt
         logprobs laid out [B, row's tokens] as a padded step's. plan.overlap: dispatched, its
-        outputs read by the next run (chained: fed the step in flight's tokens, B = T, its
-        sampling inputs but the rows' steps) or by `drain`."""
+        outputs read by the next run (chained: rows without tokens fed the step in flight's
+        sampled tokens on the device) or by `drain`."""
         f = self.inflight
-        if plan.chained:
-            batch, key = self._ragged_chained(plan, f)
-            inputs, skey = f.batch[1], f.key[1]
-            inputs = dataclasses.replace(inputs, step_B=self._ragged_steps(plan))
-        else:
-            batch, key = self.ragged_batch(plan)
-            inputs, skey = self._ragged_sample_inputs(plan)
+        batch, key = self.ragged_batch(plan, f if plan.chained else None)
+        inputs, skey = self._ragged_sample_inputs(plan)
         forward = self._call_ragged(batch, key)
         logits, prompt = forward if key.prompt_logprobs is not None else (forward, None)
         out = self._call_sample(logits, inputs, skey, snapshot=plan.overlap)
@@ -250,8 +248,8 @@ class Runner:
                 if o.is_fully_addressable:
                     o.copy_to_host_async()
             self.inflight = _InFlight(plan, out, (batch, inputs), (key, skey))
-            return [] if f is None or not plan.chained else [(f.plan, _host(f.out))]
-        host = _host(out)
+            return [] if f is None or not plan.chained else [(f.plan, self._read(f))]
+        host = self._ragged_host(plan, out)
         if prompt is not None:
             prompt = {k: np.asarray(v) for k, v in jax.device_get(prompt).items()}
             index = self._ragged_index(plan)
@@ -259,33 +257,14 @@ class Runner:
                 setattr(host, k, v[index])
         return [(plan, host)]
 
-    def _ragged_chained(self, plan: StepPlan, f: _InFlight) -> tuple[RaggedBatch, ProgramKey]:
-        """A chained ragged step: row b feeds token b of the step in flight (its sampled tokens, on
-        the device), one token at position start; rows ending with the step in flight: length 0."""
-        batch, key = f.batch[0], f.key[0]
-        B = T = plan.width
-        p, t, x = self.page_size, T // self.steps.dp, plan.table // self.steps.dp
-        positions = np.full((T,), -1, np.int32)
-        slots = np.full((T,), self.rank_pages * p, np.int32)
-        length, cached, page_start = (np.zeros((B,), np.int32) for _ in range(3))
-        pages = np.zeros((plan.table,), np.int32)
-        used = collections.Counter()
-        for row in plan.live:
-            g, k = row.batch_row, row.batch_row // t
-            held = row.pages[:row.start // p + 1]
-            positions[g], slots[g] = row.start, held[-1] * p + row.start % p
-            length[g], cached[g], page_start[g] = 1, row.start, used[k]
-            pages[k * x + used[k]:k * x + used[k] + len(held)] = held
-            used[k] += len(held)
-        rows = ops.RaggedRows(batch.rows.query_start_B, length, cached, page_start, pages)
-        return dataclasses.replace(batch, tokens_T=f.out["tokens"], positions_T=positions,
-                                   slots_T=slots, rows=rows), key
+    def _ragged_host(self, plan: StepPlan, out) -> StepOutput:
+        """A ragged step's host outputs, its tokens [B] cut from the sampling half's wide ones."""
+        host, dp = _host(out), self.steps.dp
+        host.tokens = host.tokens.reshape(dp, -1)[:, :plan.batch // dp].reshape(-1)
+        return host
 
-    def _ragged_steps(self, plan: StepPlan) -> np.ndarray:
-        steps = np.zeros((plan.batch,), np.int32)
-        for row in plan.live:
-            steps[row.batch_row] = row.step
-        return steps
+    def _read(self, f: _InFlight):
+        return self._ragged_host(f.plan, f.out) if f.plan.kind == "ragged" else _host(f.out)
 
     def _ragged_spans(self, plan: StepPlan) -> list[tuple[object, int, int]]:
         """(row, its first token on the flat axis, its first entry in pages_X) of each live row:
@@ -308,11 +287,17 @@ class Runner:
             index[row.batch_row, :row.n] = np.arange(g, g + row.n)
         return index
 
-    def ragged_batch(self, plan: StepPlan) -> tuple[RaggedBatch, ProgramKey]:
-        """A ragged plan's RaggedBatch (kimi_jax.engine.steps) and its forward program."""
+    def ragged_batch(self, plan: StepPlan,
+                     f: Optional[_InFlight] = None) -> tuple[RaggedBatch, ProgramKey]:
+        """A ragged plan's RaggedBatch (kimi_jax.engine.steps) and its forward program; a row
+        without tokens (a chained plan's) is fed the token its request samples in f, the step in
+        flight: from_prev_T its row in f's plan, local to the rank's block."""
         B, T, X, dp, p = plan.batch, plan.width, plan.table, self.steps.dp, self.page_size
         t, x = T // dp, X // dp
         tokens, positions = np.zeros((T,), np.int32), np.full((T,), -1, np.int32)
+        from_prev = np.full((T,), -1, np.int32)
+        prev_rows = {} if f is None else {id(row.req): row.batch_row for row in f.plan.live}
+        prev_per = 1 if f is None else f.plan.batch // dp
         slots = np.full((T,), self.rank_pages * p, np.int32)
         start, length, cached, page_start, sample = (np.zeros((B,), np.int32) for _ in range(5))
         pages = np.zeros((X,), np.int32)
@@ -321,7 +306,11 @@ class Runner:
             b, n, k = row.batch_row, row.n, g // t
             pos = np.arange(row.start, row.start + n)
             held = np.asarray(row.pages[:-(-(row.start + n) // p)], np.int32)
-            tokens[g:g + n], positions[g:g + n] = row.tokens, pos
+            if row.tokens:
+                tokens[g:g + n] = row.tokens
+            else:           # the rows of rank k are in its block of f's rows too
+                from_prev[g] = prev_rows[id(row.req)] - k * prev_per
+            positions[g:g + n] = pos
             slots[g:g + n] = held[pos // p] * p + pos % p
             start[b], length[b], cached[b] = g - k * t, n, row.start
             page_start[b], sample[b] = pg - k * x, g - k * t + n - 1
@@ -336,8 +325,14 @@ class Runner:
                 targets_T[g:g + row.n] = targets[row.batch_row, :row.n]
         rows = ops.RaggedRows(start, length, cached, page_start, pages)
         key = ProgramKey("ragged", B, T, X, prompt_logprobs=self._top(n_plp), part="forward")
+        prev = self._zero_prev() if f is None else f.out["tokens"]
         return RaggedBatch(self._decode_tokens(tokens), positions, slots, rows, sample,
-                           targets_T), key
+                           targets_T, from_prev, prev), key
+
+    def _zero_prev(self) -> jax.Array:
+        if self._no_prev is None:
+            self._no_prev = self._decode_tokens(np.zeros((self.ragged_rows,), np.int32))
+        return self._no_prev
 
     def _ragged_sample_inputs(self, plan: StepPlan) -> tuple[SampleInputs, ProgramKey]:
         """The sampling half of a ragged plan's rows: greedy, sampled or (logprobs, adjustments,
@@ -350,8 +345,9 @@ class Runner:
             b, r = row.batch_row, row.req
             steps[b], keys[b], params[b] = row.step, r.key, r.params
             if r.adjust is not None:
+                # counts: the row samples its next token (a chained row: always)
                 adjust[b] = (r.adjust, penalties.banned_now(r.adjust.bad_words, r.output_ids),
-                             r.occ_row, int(row.start + row.n == len(r.tokens)))
+                             r.occ_row, int(not row.tokens or row.start + row.n == len(r.tokens)))
         n_lp = n_logprobs(reqs)
         extras = (n_lp is not None or any(a is not None for a in adjust)
                   or any(r.structured is not None for r in reqs))
@@ -398,7 +394,7 @@ class Runner:
     def drain(self) -> list[tuple[StepPlan, object]]:
         """Read the step in flight, if any."""
         f, self.inflight = self.inflight, None
-        return [] if f is None else [(f.plan, _host(f.out))]
+        return [] if f is None else [(f.plan, self._read(f))]
 
     def batch_for(self, plan: StepPlan) -> tuple[StepBatch, ProgramKey]:
         """The plan's padded StepBatch and the program that runs it."""
@@ -581,10 +577,16 @@ class Runner:
         self.resident[_buffer_key(key, batch)] = (io, logits)
         return logits
 
+    def _sample_kw(self, key: ProgramKey) -> dict:
+        """sample_jit's static arguments for key (a ragged step's: its tokens as wide as the
+        widest step's, `ragged_rows`)."""
+        kw = dict(n_logprobs=key.logprobs, sample_mode="filtered" if key.sampled else "greedy")
+        return {**kw, "rows": self.ragged_rows} if key.kind == "ragged" else kw
+
     def _call_sample(self, logits, inputs: SampleInputs, key: ProgramKey, snapshot: bool = True):
         steps = self.steps
         occ = self.occurrences().pool if key.logprobs is not None else None
-        kw = dict(n_logprobs=key.logprobs, sample_mode="filtered" if key.sampled else "greedy")
+        kw = self._sample_kw(key)
         if not self.fixed_buffers:
             return self._take_occ(steps.sample_jit(logits, inputs, occ, **kw))
 
@@ -782,7 +784,8 @@ class Runner:
             self._decode_tokens(np.zeros((T,), np.int32)), np.full((T,), -1, np.int32),
             np.full((T,), self.rank_pages * self.page_size, np.int32),
             ops.RaggedRows(z, z, z, z, np.zeros((X,), np.int32)), z,
-            np.full((T,), -1, np.int32) if key.prompt_logprobs is not None else None)
+            np.full((T,), -1, np.int32) if key.prompt_logprobs is not None else None,
+            np.full((T,), -1, np.int32), self._zero_prev())
 
     def _call_ragged_dummy(self, key: ProgramKey):
         """key's ragged program called on padding rows (a sampling half: on zero logits)."""
@@ -824,7 +827,7 @@ class Runner:
         logits = jax.device_put(
             np.zeros((B, steps.cfg.vocab_size), np.float32), steps.logits_sharding
         )
-        kw = dict(n_logprobs=key.logprobs, sample_mode="filtered" if key.sampled else "greedy")
+        kw = self._sample_kw(key)
         occ = self.occurrences().pool if key.logprobs is not None else None
         if not self.fixed_buffers:
             return steps.sample_jit.lower(logits, inputs, occ, **kw)

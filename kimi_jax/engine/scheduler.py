@@ -74,6 +74,7 @@ class Scheduler:
         self.shapes = Shapes.for_limits(self.limits(), dp, exec_plan)
         self.ragged_shapes = RaggedShapes.for_limits(self.limits(), dp)
         self.inflight: Optional[StepPlan] = None     # the overlapped decode plan not yet booked
+        self._next: Optional[StepPlan] = None        # the ragged plan chained onto it
         self.pass_costs = {} if pass_costs is None else pass_costs
         self.measure = measure
         self._phase, self._verify_plan = 0, None
@@ -250,16 +251,81 @@ class Scheduler:
         if not rows:
             return None
         plan = self._ragged_layout(rows)
-        # overlap: a step of decode rows only, one row per token (B = T: the sampled tokens [B] are
-        # the next step's tokens_T), none needing its last token on the host, may be chained
-        if (self.overlap and plan.batch == plan.width and all(n == 1 for _, n in rows)
-                and not any(prompt_entries_left(r) or needs_host(r) for r, _ in rows)):
+        # overlap: a step none of whose rows needs its last token on the host (or scores its
+        # prompt) is dispatched without waiting; the next one is planned while it runs
+        if self.overlap and self._overlaps(r for r, _ in rows):
             plan = self.inflight = dataclasses.replace(plan, overlap=True)
         return plan
 
-    def _ragged_layout(self, rows: list[tuple[Request, int]]) -> StepPlan:
+    @staticmethod
+    def _overlaps(reqs) -> bool:
+        return not any(prompt_entries_left(r) or needs_host(r) for r in reqs)
+
+    def _ragged_chain(self) -> Optional[StepPlan]:
+        """The next ragged step planned while the one in flight runs (None: it must be read
+        first): its rows that sample a token and do not end with it decode that token (fed on the
+        device), then the other running requests as `_ragged_plan` takes them (decode rows, then
+        prompt chunks; an in-flight chunk's request continues after it). None when a row needs its
+        last token on the host or scores its prompt, or pages run out but for requests in flight
+        (no preemption of a request in flight)."""
+        f, shapes, adm = self.inflight, self.ragged_shapes, self.admission
+        adm.admit()
+        flight = {id(row.req): row for row in f.live}
+        left = [shapes.rank_tokens] * self.dp
+        cap = self.config.long_prefill_token_threshold or shapes.rank_tokens
+        rows, at = [], {}
+        protected = [row.req for row in f.live]
+
+        def take(r: Request, start: int, n: int) -> bool:
+            if not adm.ensure_pages(r, start + n, protected + [q for q, _ in rows]):
+                return False
+            rows.append((r, n))
+            left[r.rank] -= n
+            return True
+
+        live = [r for r in self.running if r.finish_reason is None]
+        if not self._overlaps(live):
+            return None
+        for r in live:
+            row = flight.get(id(r))
+            if row is None or r.prefill_only or row.start + row.n < len(r.tokens):
+                continue                      # (not sampling in flight)
+            if row.step + 1 >= r.max_new or left[r.rank] < 1:
+                continue                      # ends with the step in flight
+            at[id(r)] = (row.start + row.n, row.step + 1, True)
+            if not take(r, row.start + row.n, 1):
+                return None
+        for r in live:
+            if r not in self.running:
+                continue                      # (preempted for a row taken above)
+            if id(r) not in flight and r.pending == 1 and not prompt_entries_left(r):
+                if left[r.rank] >= 1 and not take(r, r.num_computed, 1):
+                    return None
+        filling: set = set()
+        for r in live:
+            row = flight.get(id(r))
+            if r not in self.running or row is None and (
+                    r.pending <= 1 or self._waits_for_prefix(r, filling)):
+                continue                      # (preempted, or a decode row taken above)
+            start = r.num_computed if row is None else row.start + row.n
+            if start >= len(r.tokens) or left[r.rank] < 1:
+                continue                      # (sampling in flight: taken above)
+            n = min(len(r.tokens) - start, cap, left[r.rank])
+            at[id(r)] = (start, len(r.output_ids), False)
+            if not take(r, start, n):
+                return None
+            if row is None:
+                self._fills(r, n, filling)
+        if not rows:
+            return None
+        plan = self._ragged_layout(rows, at)
+        return dataclasses.replace(plan, chained=True, overlap=True)
+
+    def _ragged_layout(self, rows: list[tuple[Request, int]],
+                       at: Optional[dict] = None) -> StepPlan:
         """The plan of a ragged step's rows: each rank's rows in its block of B / dp batch rows (in
-        the order taken), T from the busiest rank's tokens."""
+        the order taken), T from the busiest rank's tokens. at: id(request) -> (its first position,
+        its step, fed by the step in flight: no tokens) where not its num_computed's."""
         shapes = self.ragged_shapes
         tokens = collections.Counter()
         for r, n in rows:
@@ -268,9 +334,9 @@ class Scheduler:
         B = shapes.rows(T)
         per, seen, out = B // self.dp, collections.Counter(), []
         for r, n in sorted(rows, key=lambda q: q[0].rank):
-            feed = tuple(int(t) for t in r.tokens[r.num_computed:r.num_computed + n])
-            out.append(Row(r, r.rank * per + seen[r.rank], feed, r.num_computed, tuple(r.pages),
-                           len(r.output_ids)))
+            start, step, fed = (at or {}).get(id(r), (r.num_computed, len(r.output_ids), False))
+            feed = () if fed else tuple(int(t) for t in r.tokens[start:start + n])
+            out.append(Row(r, r.rank * per + seen[r.rank], feed, start, tuple(r.pages), step))
             seen[r.rank] += 1
         return StepPlan("ragged", tuple(out), B, T, shapes.pages(T))
 
@@ -330,7 +396,11 @@ class Scheduler:
         """Whether the next decode step can run on the rows in flight before that step is read: none
         of them finished, no other request is running or could be admitted, some row is not certain
         to end with the step in flight, and every page the next step needs is free (no
-        preemption)."""
+        preemption). A ragged step in flight: whether `_ragged_chain` plans the next one (kept for
+        `_chain_plan`)."""
+        if self.inflight.kind == "ragged":
+            self._next = self._ragged_chain()
+            return self._next is not None
         rows = [row.req for row in self.inflight.rows]
         if len(rows) != len(self.running) or any(r.finish_reason is not None for r in rows):
             return False
@@ -344,8 +414,13 @@ class Scheduler:
 
     def _chain_plan(self) -> StepPlan:
         """The next decode step of the rows in flight, fed their tokens on the device; rows ending
-        with the step in flight are padding."""
+        with the step in flight are padding. The ragged layout: `_ragged_chain`'s plan."""
         f, rows = self.inflight, []
+        if f.kind == "ragged":         # planned by overlap_continues
+            plan, self._next = self._next or self._ragged_chain(), None
+            if plan is not None:
+                self.inflight = plan
+            return plan
         for row in f.rows:
             r = row.req
             if self._ends_in_flight(r):
@@ -358,9 +433,6 @@ class Scheduler:
             rows.append(
                 Row(r, row.batch_row, (), r.num_computed + 1, tuple(r.pages), len(r.output_ids) + 1)
             )
-        if f.kind == "ragged":         # the same rows, tokens and pages width
-            self.inflight = dataclasses.replace(f, rows=tuple(rows), chained=True)
-            return self.inflight
         P = self.shapes.table("decode", max(len(row.pages) for row in rows if row.live))
         self.inflight = StepPlan("decode", tuple(rows), f.batch, 1, P, chained=True, overlap=True,
                                  split=f.split)

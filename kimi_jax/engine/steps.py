@@ -158,13 +158,19 @@ class RaggedBatch:
     slots_T: the pool slot each token's latents are written to, page * p + offset with the page
     local to the rank (padding: X / ranks * p or more, dropped). sample_B: the token whose logits
     row b samples (an index into its rank's block). targets_T (prompt logprobs): each token's next
-    prompt token (< 0: none); None when no row asks."""
+    prompt token (< 0: none); None when no row asks. from_prev_T (overlap scheduling): the row of
+    the step in flight whose sampled token token t is, an index into its rank's block of
+    prev_tokens_B (< 0: tokens_T's); prev_tokens_B: that step's sampled tokens as the sampling
+    half returns them to a chain (`_sample_half`'s rows: each rank's block of the widest step's
+    B / ranks rows), zeros when no token is fed from it."""
     tokens_T: jax.Array
     positions_T: jax.Array                # -1: padding
     slots_T: jax.Array
     rows: ops.RaggedRows
     sample_B: jax.Array
     targets_T: Optional[jax.Array] = None
+    from_prev_T: Optional[jax.Array] = None
+    prev_tokens_B: Optional[jax.Array] = None
 
 
 STEP_KINDS = ("prefill", "decode", "verify")
@@ -260,6 +266,11 @@ def _ragged_forward(graphdef, shard, state, pages, batch: RaggedBatch, prev=None
     blocks = lambda a: _constrain(flat(a).reshape(ranks, -1), shard.get("batch2"))  # noqa: E731
     tokens_ZT, positions_ZT, slots_ZT, sample_ZB = (
         blocks(a) for a in (batch.tokens_T, batch.positions_T, batch.slots_T, batch.sample_B))
+    if batch.from_prev_T is not None:
+        # tokens sampled by the step in flight, each rank's from its own block (no collective)
+        from_ZT, prev_ZB = blocks(batch.from_prev_T), blocks(batch.prev_tokens_B)
+        fed_ZT = jnp.take_along_axis(prev_ZB, jnp.maximum(from_ZT, 0), axis=1, mode="clip")
+        tokens_ZT = jnp.where(from_ZT >= 0, fed_ZT, tokens_ZT)
     h_ZTD, pages = model.ragged_hidden_states(
         tokens_ZT, positions_ZT, pages, jax.tree.map(flat, batch.rows), slots_ZT,
         max_pages=max_pages, plan=plan)
@@ -280,10 +291,18 @@ def _ragged_forward(graphdef, shard, state, pages, batch: RaggedBatch, prev=None
 
 
 def _sample_half(shard, logits_BV, inputs: SampleInputs, occ=None, prev=None, *, n_logprobs=None,
-                 sample_mode=None):
-    """A split decode step's sampling half: `_step`'s sampler over the forward half's logits."""
-    return _sample_out(logits_BV, inputs.sp, inputs.step_B, n_logprobs, shard, sample_mode, occ,
-                       inputs.mask_Bw)
+                 sample_mode=None, rows=None, ranks: int = 1):
+    """A split decode step's sampling half: `_step`'s sampler over the forward half's logits. rows
+    (a ragged step's, static): the tokens [rows] with each of the ranks' blocks of B / ranks
+    padded to rows / ranks (zeros after), the one shape a chained ragged forward takes."""
+    out = _sample_out(logits_BV, inputs.sp, inputs.step_B, n_logprobs, shard, sample_mode, occ,
+                      inputs.mask_Bw)
+    B = logits_BV.shape[0]
+    if rows is not None and rows != B:
+        tok_ZB = out["tokens"].reshape(ranks, B // ranks)
+        tok_ZB = jnp.pad(tok_ZB, ((0, 0), (0, (rows - B) // ranks)))
+        out["tokens"] = _constrain(tok_ZB.reshape(rows), shard.get("replicated"))
+    return out
 
 
 def _all_logits(graphdef, shard, state, tokens_BT, *, plan: ops.ExecPlan):
@@ -380,8 +399,8 @@ class ModelSteps:
             keep_unused=True,
         )
         self.sample_jit = jax.jit(
-            functools.partial(_sample_half, shard),
-            static_argnames=("n_logprobs", "sample_mode"),
+            functools.partial(_sample_half, shard, ranks=self.dp),
+            static_argnames=("n_logprobs", "sample_mode", "rows"),
             donate_argnames=("occ", "prev"),
             keep_unused=True,
         )
