@@ -366,14 +366,20 @@ class Runner:
         """A ragged step's forward: its logits [B, V] (with prompt logprobs: (logits, their
         dict)), the pool updated, in its program's fixed buffers."""
         steps, kw = self.steps, self._ragged_kw(key)
+        self._commit_pages()
         if not self.fixed_buffers:
-            self.pages, *out = steps.ragged_jit(steps.weights, self.pages, batch, **kw)
-            return out[0] if len(out) == 1 else tuple(out)
+            self.pages, out = steps.ragged_jit(steps.weights, self.pages, batch, **kw)
+            return out
         io, prev = self._ragged_resident(key, batch)
-        self.pages, *out = steps.ragged_jit(steps.weights, self.pages, io, prev, **kw)
-        out = out[0] if len(out) == 1 else tuple(out)
+        self.pages, out = steps.ragged_jit(steps.weights, self.pages, io, prev, **kw)
         self.resident[_buffer_key(key, batch)] = (io, out)
         return out
+
+    def _commit_pages(self) -> None:
+        """The pool committed to `ModelSteps.pool_sharding`, as a ragged forward returns it (a
+        pool made on one device is not), so its first call runs the program of the rest."""
+        if not all(a.committed for a in jax.tree.leaves(self.pages)):
+            self.pages = jax.device_put(self.pages, self.steps.pool_sharding)
 
     def _ragged_kw(self, key: ProgramKey) -> dict:
         return dict(plan=self.steps.exec_plan, max_pages=self.row_pages,
@@ -384,9 +390,8 @@ class Runner:
         steps, kw = self.steps, self._ragged_kw(key)
 
         def shape(io):
-            out = jax.eval_shape(lambda *a: steps.ragged_jit(*a, **kw)[1:], steps.weights,
-                                 self.pages, io)
-            return out[0] if len(out) == 1 else out
+            return jax.eval_shape(lambda *a: steps.ragged_jit(*a, **kw)[1], steps.weights,
+                                  self.pages, io)
         shardings = (steps.logits_sharding, steps.token_sharding)
         return self._resident(key, batch, shape,
                               shardings if key.prompt_logprobs is not None else shardings[0])
@@ -733,11 +738,7 @@ class Runner:
                   for part in ("forward", "sample")}
         for key in [k for k in programs if k in first]:
             if key.kind == "ragged":
-                placed = [a.sharding for a in jax.tree.leaves(self.pages)]
                 jax.block_until_ready(self._call_ragged_dummy(key))
-                if placed != [a.sharding for a in jax.tree.leaves(self.pages)]:
-                    # the forward gave the pool another placement: once more, as later calls see it
-                    jax.block_until_ready(self._call_ragged_dummy(key))
             else:
                 jax.block_until_ready(self._call(self._dummy(key), key))
             done += 1
@@ -803,6 +804,7 @@ class Runner:
         z = np.zeros((B,), np.int32)
         if key.kind == "ragged" and key.part == "forward":
             batch, kw = self._ragged_dummy(key), self._ragged_kw(key)
+            self._commit_pages()
             if not self.fixed_buffers:
                 return steps.ragged_jit.lower(steps.weights, self.pages, batch, **kw)
             io, prev = self._ragged_resident(key, batch)

@@ -251,9 +251,9 @@ def _ragged_forward(graphdef, shard, state, pages, batch: RaggedBatch, prev=None
     """A ragged step's forward half: the T tokens of any mix of rows (RaggedBatch) in one pass of
     absorbed MLA (`Transformer.ragged_hidden_states`, the token axis as [Z, T / Z], Z = ranks) ->
     (the pool with their latents written, each row's logits [B, V] at its sample_B token,
-    vocab-split as `_forward`'s); `_sample_half` samples them. With n_prompt_logprobs also
-    {prompt_logprob, prompt_rank [T], prompt_top_ids, prompt_top_vals [T, n]} of every token's
-    logits against targets_T (replicated), as a third output. max_pages (static): the most pages a
+    vocab-split as `_forward`'s); `_sample_half` samples them. With n_prompt_logprobs the second
+    output is (those logits, {prompt_logprob, prompt_rank [T], prompt_top_ids, prompt_top_vals
+    [T, n]} of every token's logits against targets_T, replicated). max_pages (static): the most pages a
     row holds. ranks: the data-parallel size (T, B and X' of pages_X multiples of it). prev:
     unread, donated (the runner's fixed buffers)."""
     T, B, X = (batch.tokens_T.shape[0], batch.sample_B.shape[0], batch.rows.pages_X.shape[0])
@@ -286,8 +286,8 @@ def _ragged_forward(graphdef, shard, state, pages, batch: RaggedBatch, prev=None
     logits_TV = _constrain(logits_ZTV, shard.get("replicated")).reshape(T, -1)
     prompt = top_logprobs(logits_TV, jnp.maximum(batch.targets_T, 0), n_prompt_logprobs)
     names = ("prompt_logprob", "prompt_rank", "prompt_top_ids", "prompt_top_vals")
-    return pages, logits_BV, {k: _constrain(v, shard.get("replicated"))
-                              for k, v in zip(names, prompt)}
+    return pages, (logits_BV, {k: _constrain(v, shard.get("replicated"))
+                               for k, v in zip(names, prompt)})
 
 
 def _sample_half(shard, logits_BV, inputs: SampleInputs, occ=None, prev=None, *, n_logprobs=None,
@@ -391,11 +391,16 @@ class ModelSteps:
             donate_argnames=("pages", "prev"),
             keep_unused=True,
         )
-        # one pass over a flat token axis of any mix of rows (RaggedBatch); sample_jit samples it
+        # the pool's placement: `init_pages`'s (on one device, where that pool is uncommitted, the
+        # inputs' one: the runner commits the pool so before a ragged forward first takes it)
+        self.pool_sharding = shard.get("pages", self.token_sharding)
+        # one pass over a flat token axis of any mix of rows (RaggedBatch); sample_jit samples it;
+        # the pool comes back placed as it went in (one program from the first call on)
         self.ragged_jit = jax.jit(
             functools.partial(_ragged_forward, self.graphdef, shard, ranks=self.dp),
             static_argnames=("plan", "max_pages", "n_prompt_logprobs"),
             donate_argnames=("pages", "prev"),
+            out_shardings=(self.pool_sharding, None),
             keep_unused=True,
         )
         self.sample_jit = jax.jit(

@@ -164,7 +164,7 @@ def test_ragged_step_equals_the_padded_programs(ckpt, name):
     got_pages, logits = compiled(*args)
     assert logits.shape == (len(batch.sample_B), V)
     # with prompt logprobs: the same pool and logits (the sampled rows' logits taken from every token's)
-    prompt_pages, prompt_logits, prompt = eng.ragged_jit(
+    prompt_pages, (prompt_logits, prompt) = eng.ragged_jit(
         eng.weights, copy(pages), batch, plan=plan, max_pages=max_pages, n_prompt_logprobs=N_PROMPT)
     np.testing.assert_allclose(np.asarray(prompt_logits), np.asarray(logits), atol=1e-5, rtol=0)
     for kind in got_pages:
