@@ -253,9 +253,10 @@ def _ragged_forward(graphdef, shard, state, pages, batch: RaggedBatch, prev=None
     (the pool with their latents written, each row's logits [B, V] at its sample_B token,
     vocab-split as `_forward`'s); `_sample_half` samples them. With n_prompt_logprobs the second
     output is (those logits, {prompt_logprob, prompt_rank [T], prompt_top_ids, prompt_top_vals
-    [T, n]} of every token's logits against targets_T, replicated). max_pages (static): the most pages a
-    row holds. ranks: the data-parallel size (T, B and X' of pages_X multiples of it). prev:
-    unread, donated (the runner's fixed buffers)."""
+    [T, n]} of every token's logits against targets_T, replicated). max_pages (static): the most
+    pages a row holds. ranks: the data-parallel size (T, B and X' of pages_X multiples of it).
+    prev: unread, donated (the runner's fixed buffers). With from_prev_T a token marked so is the
+    step in flight's sampled token (prev_tokens_B, each rank's block read by that rank)."""
     T, B, X = (batch.tokens_T.shape[0], batch.sample_B.shape[0], batch.rows.pages_X.shape[0])
     for name, n in (("tokens_T", T), ("sample_B", B), ("rows.pages_X", X)):
         if n % ranks:
