@@ -4,8 +4,8 @@ mixed workload, float32: prompts of different lengths admitted while others deco
 by long_prefill_token_threshold / prefill_chunk, a prefix-cache hit, preemption in a small pool,
 logprobs, prompt_logprobs, penalties, n > 1 and (the demo model, which has a tokenizer) a
 json_schema request. Tokens are equal; logprobs agree within LOGPROB_TOL. On one device and the 8 simulated
-devices' TP, DP+TP+EP and DP+EP layouts. Overlap scheduling chains steps of decode rows only and
-gives the synchronous ragged tokens."""
+devices' TP, DP+TP+EP and DP+EP layouts. Overlap scheduling chains any ragged step onto the one in
+flight and gives the synchronous ragged tokens."""
 from __future__ import annotations
 
 import json
@@ -17,6 +17,7 @@ import pytest
 from kimi_jax import LLM, SamplingParams
 from kimi_jax.config import preset
 from kimi_jax.engine import compiles
+from kimi_jax.engine.requests import prompt_entries_left
 from kimi_jax.engine.structured_params import StructuredOutputsParams
 
 # Both layouts compute the same float32 logits with attention summed in another order (the ragged
@@ -122,25 +123,82 @@ def test_ragged_gives_the_padded_tokens(ckpt, layout, pages):
             preempts=layout.get("data_parallel_size", 1) < 8)
 
 
-def test_overlapped_ragged_steps_give_the_synchronous_tokens():
-    """At 16 sequences a step of decode rows has one row per token (B = T): under overlap the next
-    such step is fed the one in flight's tokens on the device, rows finishing mid-flight."""
-    llm = LLM(None, dtype="float32", max_num_seqs=16, block_size=4, max_model_len=128,
-              **SCHED["ragged"])
-    prompts, params = workload(llm.frontend.steps.cfg.vocab_size, structured=False)
-    runs = {}
-    for overlap in (False, True):
-        core = llm.frontend.make_core(overlap_scheduling=overlap)
-        groups = [core.add_request(str(i), p, sp, seed=i)
-                  for i, (p, sp) in enumerate(zip(prompts, params))]
-        core.run()
-        runs[overlap] = [r for g in groups for r in g], core.stats
-    (ref, ref_stats), (got, stats) = runs[False], runs[True]
+def chain_workload(llm, structured: bool):
+    """workload's requests plus (second) one ending at a stop token mid-chain (the greedy run's
+    fifth token of its prompt), and the index of one to abort (the penalised one)."""
+    prompts, params = workload(llm.frontend.steps.cfg.vocab_size, structured)
+    core = llm.frontend.make_core(overlap_scheduling=False)
+    (probe,) = core.add_request("probe", prompts[1], SamplingParams(max_tokens=6, temperature=0.0,
+                                                                    ignore_eos=True))
+    core.run()
+    stop = probe.output_ids[4]
+    prompts.insert(1, prompts[1])
+    params.insert(1, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                    stop_token_ids=[stop], logprobs=1))
+    return prompts, params, 4
+
+
+def chain_run(llm, prompts, params, abort: int, overlap: bool):
+    """Every request through a fresh core, stepped by hand: request `abort` is aborted once it has
+    three tokens (overlap: and a step is in flight). (samples, stats, each plan run and whether
+    every running request could overlap then)."""
+    core = llm.frontend.make_core(overlap_scheduling=overlap)
+    groups = [core.add_request(str(i), p, sp, seed=i)
+              for i, (p, sp) in enumerate(zip(prompts, params))]
+    plans, run, s = [], core.runner.run, core.scheduler
+    # each plan run, and whether every running request could overlap (no grammar, no prompt scored)
+    core.runner.run = lambda plan: plans.append((plan, all(
+        r.structured is None and not prompt_entries_left(r) for r in s.running))) or run(plan)
+    target = groups[abort][0]
+    while core.has_unfinished():
+        core.step()
+        if (target.finish_reason is None and len(target.output_ids) >= 3
+                and (s.inflight is not None) == overlap):
+            assert core.abort(target.request_id) is target
+    core.drain()
+    pool = core.scheduler.pool
+    assert len(pool.free) == pool.num_pages                   # every page came back
+    assert target.finish_reason == "abort"
+    return [r for g in groups for r in g], core.stats, plans
+
+
+@pytest.mark.parametrize("seqs,layout,structured", [
+    (4, {}, True),
+    (1, {}, False),
+    pytest.param(8, dict(data_parallel_size=8, enable_expert_parallel=True), False,
+                 marks=pytest.mark.slow),
+], ids=["seqs4-json", "seqs1", "dp8ep"])
+def test_overlapped_ragged_steps_give_the_synchronous_tokens(seqs, layout, structured):
+    """Under overlap every ragged step is planned while the one before runs, its decode rows fed
+    that step's sampled tokens on the device, whatever the mix (prompts admitted beside decode
+    rows, fewer than 16 rows, one stream, rows ending at max_tokens or a stop token, an abort with
+    a step in flight); steps with a json_schema row or a prompt scoring its logprobs run
+    synchronously. Tokens and logprobs equal the synchronous run's."""
+    llm = LLM(None, dtype="float32", max_num_seqs=seqs, block_size=4, max_model_len=128,
+              **SCHED["ragged"], **layout)
+    prompts, params, abort = chain_workload(llm, structured)
+    (ref, ref_stats, _), (got, stats, plans) = (
+        chain_run(llm, prompts, params, abort, overlap) for overlap in (False, True))
+    # the aborted request stops where each run was (sample `abort`: request 5 has two)
+    a, b = got[abort].output_ids, ref[abort].output_ids
+    assert got[abort].request_id == str(abort) and got[abort].finish_reason == "abort"
+    assert 3 <= len(a) < 8 and a[:len(b)] == b[:len(a)]
+    got, ref = got[:abort] + got[abort + 1:], ref[:abort] + ref[abort + 1:]
     assert [r.output_ids for r in got] == [r.output_ids for r in ref]
     for g, r in zip(got, ref):
         same_logprobs(g.logprobs, r.logprobs)
+        assert g.finish_reason == r.finish_reason
+    stopped = got[1]
+    assert stopped.finish_reason == "stop" and 1 < len(stopped.output_ids) < 12
     assert ref_stats["overlapped_steps"] == 0 < stats["overlapped_steps"]
-    assert stats["steps"] == ref_stats["steps"]
+    assert stats["overlapped_steps"] == sum(p.chained for p, _ in plans)
+    # the steps with a decode row while no running request is constrained or scores its prompt:
+    # most chained (not the first of a run of them)
+    free = [p for p, ok in plans if ok and any(not row.tokens or row.n == 1 for row in p.live)]
+    assert sum(p.chained for p in free) >= 0.75 * len(free) > 0, (stats, len(free))
+    if structured:
+        assert any(not p.overlap for p, ok in plans if not ok)
+        jsonschema.validate(json.loads(llm.tokenizer.decode(got[-1].output_ids)), SCHEMA)
 
 
 def test_no_program_is_built_after_precompile(ckpt):
