@@ -93,7 +93,8 @@ class Scheduler:
         """The iteration's next pass: a chained decode step while the overlapped batch stays the
         same (`overlap_continues`), else admission and a prefill pass, then a decode and / or a
         verification pass; None ends the iteration (the next call starts another). The ragged
-        layout: admission and one ragged step (`_ragged_plan`)."""
+        layout: admission and one ragged step (`_ragged_plan`; with a step in flight, the one
+        `overlap_continues` planned)."""
         if self.ragged:
             self._phase ^= 1
             if not self._phase:
@@ -288,7 +289,7 @@ class Scheduler:
             return None
         for r in live:
             row = flight.get(id(r))
-            if row is None or r.prefill_only or row.start + row.n < len(r.tokens):
+            if row is None or r.prefill_only or row.start + row.n < _known(r):
                 continue                      # (not sampling in flight)
             if row.step + 1 >= r.max_new or left[r.rank] < 1:
                 continue                      # ends with the step in flight
@@ -308,9 +309,9 @@ class Scheduler:
                     r.pending <= 1 or self._waits_for_prefix(r, filling)):
                 continue                      # (preempted, or a decode row taken above)
             start = r.num_computed if row is None else row.start + row.n
-            if start >= len(r.tokens) or left[r.rank] < 1:
+            if start >= _known(r) or left[r.rank] < 1:
                 continue                      # (sampling in flight: taken above)
-            n = min(len(r.tokens) - start, cap, left[r.rank])
+            n = min(_known(r) - start, cap, left[r.rank])
             at[id(r)] = (start, len(r.output_ids), False)
             if not take(r, start, n):
                 return None
@@ -571,3 +572,8 @@ class Scheduler:
 def needs_host(r: Request) -> bool:
     """r's next sampling needs its last token on the host (grammar mask, multi-token bad words)."""
     return r.structured is not None or (r.adjust is not None and bool(r.adjust.bad_words))
+
+
+def _known(r: Request) -> int:
+    """r's tokens known on the host (len(r.tokens), without building the list)."""
+    return len(r.prompt_ids) + len(r.output_ids)
