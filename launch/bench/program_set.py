@@ -23,7 +23,7 @@ import types
 from absl import flags
 
 DEFAULT_LIMITS = ["8:2048:16:128", "32:4096:32:256", "64:4096:256:2048", "64:4096:512:2048",
-                  "64:8192:d:2048", "256:131072:d:8192"]
+                  "64:4096:d:2048", "64:8192:d:2048", "256:131072:d:8192"]
 flags.DEFINE_list("limits", DEFAULT_LIMITS,
                   "SEQS:LEN[:CHUNK[:TOKENS]] entries (CHUNK d: the default)")
 flags.DEFINE_list("plans", ["gpu", "cpu"], "ExecPlan.for_backend backends to count under")
