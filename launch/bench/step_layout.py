@@ -1,7 +1,7 @@
 r"""kimi-bench step_layout: the padded and the ragged step layout on the demo model, one process a
 layout and a measurement, the same limits for both.
 
-  python3 -m launch.bench.step_layout                      # every part, both layouts (CPU: ~15 min)
+  python3 -m launch.bench.step_layout                      # every part, both layouts (CPU: ~10 min)
   python3 -m launch.bench.step_layout --parts=decode --layouts=ragged
   python3 -m launch.bench.step_layout --child=decode --layout=ragged --dry   # one part, here
 
