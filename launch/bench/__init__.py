@@ -53,6 +53,10 @@ SUITES = {
                                     "the jitted step alone"),
     "lowering": ("launch.bench.lowering", "seconds to trace and lower (not compile) the serving step at 1 to 61 "
                                           "layers, over shapes only"),
+    "step_layout": ("launch.bench.step_layout", "the padded and the ragged step layout on the demo model: cold "
+                                                "and warm start, precompile, kimi-generate, decode, kimi-serve"),
+    "program_set": ("launch.bench.program_set", "how many step programs the padded and the ragged step "
+                                                "layouts declare at given limits, GPU and CPU plans"),
 }
 HELP_ARGS = ("--help", "-h", "-help", "--helpshort", "--helpfull", "-?")
 

@@ -14,13 +14,15 @@ def test_kimi_bench_lists_its_suites_and_refuses_an_unknown_one(cli):
     r = cli("launch.bench", "--help")
     assert r.returncode == 0
     for suite in ("int4", "mla", "engine", "throughput", "spec", "loading", "prefix_cache", "program_costs",
-                  "full_depth", "gemv", "small_ops", "structured", "dtype", "lowering"):
+                  "full_depth", "gemv", "small_ops", "structured", "dtype", "lowering", "step_layout",
+                  "program_set"):
         assert f"\n  {suite} " in r.stdout, suite
     assert cli("launch.bench").stdout == r.stdout                # no suite: the list
     bad = cli("launch.bench", "nosuch")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "kimi-bench: error: unknown suite 'nosuch' (suites: int4, mla, engine, throughput, spec, loading, "
-        "prefix_cache, program_costs, full_depth, gemv, small_ops, constrained, structured, dtype, lowering)"]
+        "prefix_cache, program_costs, full_depth, gemv, small_ops, constrained, structured, dtype, lowering, "
+        "step_layout, program_set)"]
     # a suite's --help: its own flags, exit 0
     r = cli("launch.bench", "loading", "--help")
     assert r.returncode == 0 and "--orbax-dir" in r.stdout and "--raw-workers" in r.stdout
@@ -380,6 +382,46 @@ def test_bench_lowering_tiny_lowers_each_program_over_shapes(tmp_path, cli):
     rows = [json.loads(line) for line in open(tmp_path / "lowering_rows.jsonl")]
     assert [(x["program"], x["layers"]) for x in rows] == [(p, n) for n in (1, 3) for p in ("decode", "prefill", "chunk")]
     assert all(x["trace_s"] > 0 and x["lower_s"] > 0 and x["layer_weights"] == "per_layer" for x in rows)
+
+
+def test_bench_program_set_counts_each_layout_and_rejects_a_bad_entry(tmp_path, cli):
+    """kimi-bench program_set (no device work): the padded set grows with max_model_len and the
+    prefill chunk, the ragged set with the token budget only; a malformed entry is one line."""
+    r = cli("launch.bench", "program_set", "--limits=8:2048:16:128,8:8192:d:128", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {(x["plan"], x["max_model_len"]): x for x in json.load(open(tmp_path / "program_set.json"))["rows"]}
+    gpu = rows["gpu", 2048]
+    assert (gpu["padded"]["programs"], gpu["padded"]["whole"], gpu["ragged"]["programs"]) == (40, 28, 11)
+    assert gpu["ragged"]["widths"] == [16, 32, 64, 128] and gpu["ragged"]["kinds"] == {
+        "ragged forward": 8, "ragged sample": 3}
+    assert rows["gpu", 8192]["prefill_chunk"] == 2048 and rows["cpu", 8192]["prefill_chunk"] == 256
+    for plan in ("gpu", "cpu"):
+        assert rows[plan, 8192]["padded"]["programs"] > rows[plan, 2048]["padded"]["programs"]
+        assert rows[plan, 8192]["ragged"] == rows[plan, 2048]["ragged"]
+    bad = cli("launch.bench", "program_set", "--limits=8:x", "--out", str(tmp_path))
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "kimi-bench program_set: error: --limits entry '8:x': expected SEQS:LEN[:CHUNK[:TOKENS]] of "
+        "integers (CHUNK 'd': the default)"]
+
+
+def test_bench_step_layout_dry_decodes_the_same_tokens_in_both_layouts(tmp_path, cli):
+    """kimi-bench step_layout --child=decode --dry (the demo model, in this process): each case's
+    steps and rates per layout, and the ragged step's greedy tokens equal the padded step's."""
+    rows = {}
+    for layout in ("padded", "ragged"):
+        r = cli("launch.bench", "step_layout", "--child=decode", f"--layout={layout}", "--dry",
+                "--seqs=2", "--model_len=128", "--out", str(tmp_path))
+        assert r.returncode == 0, r.stderr[-2000:]
+        rows[layout] = json.loads(r.stdout.strip().splitlines()[-1])
+    for layout, row in rows.items():
+        assert [c["case"] for c in row["cases"]] == ["batch 1", "batch 2", "mixed"]
+        assert all(c["steps"] >= 4 and c["ms_per_step"] > 0 and c["out_tok_s"] > 0 for c in row["cases"])
+        assert [c["output_tokens"] for c in row["cases"]] == [4, 8, 8]
+    assert [c["tokens"] for c in rows["padded"]["cases"]] == [c["tokens"] for c in rows["ragged"]["cases"]]
+    bad = cli("launch.bench", "step_layout", "--parts=first,nosuch", "--out", str(tmp_path))
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "kimi-bench step_layout: error: --parts: 'nosuch' is not one of first, precompile, generate, "
+        "decode, serve"]
 
 
 def test_bench_program_costs_tiny_times_every_case_with_its_compile(tmp_path, cli):
