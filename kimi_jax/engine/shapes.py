@@ -10,8 +10,12 @@ MIN_TABLE_TOKENS = 256
 # Decode and verification on the Pallas MLA kernel, which reads each row's length, take one
 # block-table width for rows up to this many pages: ~free (BENCHMARKS.md 'Program set').
 DECODE_TABLE_PAGES = 1024
-# A ragged step's token ladder starts here: steps of up to this many tokens share one program.
-RAGGED_MIN_TOKENS = 16
+# A ragged step's token ladder starts here: steps of up to this many tokens share one program
+# (a decode step of a few rows runs a few tokens, not 16, through every layer).
+RAGGED_MIN_TOKENS = 4
+# Ragged steps of fewer tokens than this still take this many rows (as many as the ladder's step
+# of this width): the sampling halves keep one program per row count of a 16-token step up.
+RAGGED_MIN_ROWS = 16
 
 
 def bucket(n: int, minimum: int = 8) -> int:
@@ -117,8 +121,8 @@ class Shapes:
 @dataclasses.dataclass(frozen=True)
 class RaggedShapes:
     """The shapes of a ragged step (kimi_jax.engine.steps.RaggedBatch): T tokens from a power-of-two
-    ladder (RAGGED_MIN_TOKENS up to the budget, multiples of dp), B(T) = min(T, max_rows) rows
-    (a row feeds at least one token, so the forward program is keyed by T alone) and X(T) pages
+    ladder (RAGGED_MIN_TOKENS up to the budget, multiples of dp), B(T) = min(max(T, RAGGED_MIN_ROWS
+    rounded up to dp), max_rows) rows (the forward program is keyed by T alone) and X(T) pages
     (each rank's block: min(its pages, B / dp rows x the pages a row holds)). Each rank's rows
     take at most `rank_tokens` of its block of T / dp tokens."""
     dp: int
@@ -143,7 +147,7 @@ class RaggedShapes:
         return -(-bucket(self.dp * n, RAGGED_MIN_TOKENS) // self.dp) * self.dp
 
     def rows(self, T: int) -> int:
-        return min(T, self.max_rows)
+        return min(max(T, -(-RAGGED_MIN_ROWS // self.dp) * self.dp), self.max_rows)
 
     def pages(self, T: int) -> int:
         block = self.rows(T) // self.dp * self.max_pages

@@ -236,12 +236,12 @@ def ragged_limits(max_num_seqs, max_model_len, budget, page_size=16, pages_per_r
 
 
 @pytest.mark.parametrize("limits,dp,count", [
-    (ragged_limits(256, 131072, 8192), 1, 35),
-    (ragged_limits(256, 131072, 8192, pages_per_rank=4096), 8, 35),
-    (ragged_limits(64, 131072, 2048), 1, 25),           # kimi-serve's defaults (max_num_seqs 64)
-    (ragged_limits(256, 2048, 256), 2, 25),
-    (ragged_limits(1, 131072, 8192), 1, 23),
-    (ragged_limits(200, 4096, 8000, pages_per_rank=999), 3, 35),
+    (ragged_limits(256, 131072, 8192), 1, 39),
+    (ragged_limits(256, 131072, 8192, pages_per_rank=4096), 8, 37),
+    (ragged_limits(64, 131072, 2048), 1, 29),           # kimi-serve's defaults (max_num_seqs 64)
+    (ragged_limits(256, 2048, 256), 2, 29),
+    (ragged_limits(1, 131072, 8192), 1, 27),
+    (ragged_limits(200, 4096, 8000, pages_per_rank=999), 3, 39),
 ])
 def test_the_ragged_program_set_is_small_at_any_limits(limits, dp, count):
     """Forward programs keyed by T alone (plus prompt logprobs), sampling halves by B: at most 40
@@ -253,10 +253,12 @@ def test_the_ragged_program_set_is_small_at_any_limits(limits, dp, count):
     assert len(progs) == len(set(progs)) == count <= 40
     rs = shapes.RaggedShapes.for_limits(limits, dp)
     forward = [k for k in progs if k.part == "forward"]
-    assert {k.width for k in forward} == set(rs.ladder()) and min(rs.ladder()) >= 16
+    assert {k.width for k in forward} == set(rs.ladder())
+    assert min(rs.ladder()) == -(-shapes.RAGGED_MIN_TOKENS // dp) * dp
     assert max(rs.ladder()) <= shapes.bucket(limits.max_num_batched_tokens, 16) + dp
     for k in forward:
-        assert k.width % dp == 0 and k.batch % dp == 0 and k.batch <= k.width
+        assert k.width % dp == 0 and k.batch % dp == 0
+        assert k.batch == min(max(k.width, -(-shapes.RAGGED_MIN_ROWS // dp) * dp), rs.max_rows)
         rank_pages = limits.pages_per_rank or k.batch // dp * rs.max_pages
         assert k.table == dp * min(rank_pages, k.batch // dp * rs.max_pages)
 
