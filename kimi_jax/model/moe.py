@@ -119,9 +119,15 @@ class MoE(nnx.Module):
                                    dtype=dtype, rngs=rngs, ffn_axis="shared_mlp")
                                if cfg.n_shared_experts else None)
 
-    def __call__(self, x_BTD, layer=None, *, plan=None):
+    def __call__(self, x_BTD, layer=None, *, plan=None, valid_BT=None):
+        """valid_BT (a ragged step's positions >= 0): tokens where False select no expert (the
+        out-of-range id E, weight 0), so padding costs the routed experts nothing."""
         x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
         idx_TK, w_TK = self.gate(x_TD, plan=plan)
+        if valid_BT is not None:
+            valid_T1 = valid_BT.reshape(-1, 1)
+            idx_TK = jnp.where(valid_T1, idx_TK, self.gate.cfg.n_routed_experts)
+            w_TK = jnp.where(valid_T1, w_TK, 0.0)
         y_TD = self.experts(x_TD, idx_TK, w_TK, layer, plan=plan)
         if self.shared_experts is not None:
             y_TD = y_TD + self.shared_experts(x_TD)

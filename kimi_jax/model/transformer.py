@@ -58,7 +58,7 @@ class DecoderLayer(nnx.Module):
         if rows is not None:
             a_BTD, kv = self.self_attn.ragged(normed_BTD, positions_BT, cache, rows, layer,
                                               max_pages=max_pages, plan=plan)
-            return self._ffn(x_BTD, a_BTD, layer, plan), kv
+            return self._ffn(x_BTD, a_BTD, layer, plan, valid_BT=positions_BT >= 0), kv
         a_BTD, kv = self.self_attn(
             normed_BTD,
             positions_BT,
@@ -71,11 +71,12 @@ class DecoderLayer(nnx.Module):
         )
         return self._ffn(x_BTD, a_BTD, layer, plan), kv
 
-    def _ffn(self, x_BTD, a_BTD, layer, plan):
-        """The layer's output: the residual after attention plus the FFN of its norm."""
+    def _ffn(self, x_BTD, a_BTD, layer, plan, valid_BT=None):
+        """The layer's output: the residual after attention plus the FFN of its norm (valid_BT: a
+        ragged step's real tokens, the only ones routed to experts)."""
         h_BTD, ffn_in = self.post_attention_layernorm(x_BTD, a_BTD, plan=plan)
         ffn = (
-            self.mlp(ffn_in, layer=layer, plan=plan)
+            self.mlp(ffn_in, layer=layer, plan=plan, valid_BT=valid_BT)
             if isinstance(self.mlp, MoE)
             else self.mlp(ffn_in)
         )

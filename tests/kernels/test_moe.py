@@ -79,6 +79,24 @@ def test_moe_equals_per_expert_loop(quantized, groups):
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_tokens_marked_invalid_select_no_expert(impl):
+    """A ragged step's padding (valid_BT False) gets the shared experts' output alone; the real
+    tokens' outputs are those of the unmasked call."""
+    cfg = preset("tiny")
+    moe = MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(1))
+    x = jnp.asarray(np.random.default_rng(4).normal(0, 1, (1, 6, cfg.hidden_size)), jnp.float32)
+    valid = jnp.asarray([[True, False, True, False, False, True]])
+    plan = ops.ExecPlan(impl=impl)
+    got = np.asarray(moe(x, plan=plan, valid_BT=valid))
+    full = np.asarray(moe(x, plan=plan))
+    shared = np.asarray(moe.shared_experts(x.reshape(-1, cfg.hidden_size))).reshape(x.shape)
+    v = np.asarray(valid)
+    np.testing.assert_allclose(got[v], full[v], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[~v], shared[~v], rtol=1e-5, atol=1e-6)
+    assert np.abs(full[~v] - shared[~v]).max() > 1e-3     # the routed experts add something
+
+
 def test_routed_experts_tokens_on_one_expert_and_empty_experts():
     """All tokens choosing the same K experts leaves the others empty; the grouped path handles it."""
     rng = np.random.default_rng(5)
