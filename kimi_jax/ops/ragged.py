@@ -15,6 +15,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+# A ragged step reads each row's cached pages this many positions at a time, as many blocks as the
+# step's longest cached prefix needs (at least one page a block).
+BLOCK_TOKENS = 256
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +61,9 @@ def mla_ragged_attention(
     positions <= its own; a padding token (in no row, or position < 0) gives 0.
 
     One path for every plan: plain jnp with float32 scores (as `ops._mla_paged_attention_xla`);
-    under impl 'pallas' too, until a GPU kernel takes it. Each token's cached pages are gathered on
-    its own (Z x T x max_pages x p latents), so long prompt chunks over long contexts cost memory.
+    under impl 'pallas' too, until a GPU kernel takes it. Each token gathers its row's cached pages
+    on its own, BLOCK_TOKENS positions at a time (Z x T x BLOCK_TOKENS latents, online softmax), as
+    many blocks as the step's longest cached prefix needs (the rest skipped: one program).
     parallel (a MoEParallel): run per shard (shard_map) over its batch axes (each rank its blocks
     and its part of a page-split pool, `ops.page_split`) and its heads axes."""
     from kimi_jax import ops
@@ -111,27 +116,47 @@ def _ragged_local(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, pool_LXpC, rows: RaggedRows, p
     row_ZT = jnp.argmax(member_ZTB, axis=-1)
     valid_ZT = member_ZTB.any(axis=-1) & (positions_ZT >= 0)
     cached_ZT = jnp.where(valid_ZT, jnp.take_along_axis(cached_ZB, row_ZT, axis=1), 0)
-    # the row's cached pages, as a block table of one row per token
-    first_ZT = jnp.take_along_axis(first_page_ZB, row_ZT, axis=1)
-    at_ZTP = jnp.clip(first_ZT[..., None] + jnp.arange(max_pages), 0, pages_ZX.shape[1] - 1)
-    table_ZTP = jnp.take_along_axis(pages_ZX, at_ZTP.reshape(Z, -1), axis=1).reshape(at_ZTP.shape)
-    table_ZTP = jnp.clip(table_ZTP, 0, X - 1) + layer * X
-    old_ZTSC = pool_LXpC.reshape(L * X, page, C)[table_ZTP].reshape(Z, T, max_pages * page, C)
-    old_ZTSC = old_ZTSC.astype(dtype)
     new_ZTC = new_ZTC.astype(dtype)
-    old_mask_ZTS = jnp.arange(max_pages * page) < cached_ZT[..., None]
     # this step's tokens of the same row, causally
     new_mask_ZTT = ((row_ZT[:, None, :] == row_ZT[:, :, None])
                     & valid_ZT[:, None, :] & valid_ZT[:, :, None]
                     & (positions_ZT[:, None, :] <= positions_ZT[:, :, None]))
-    s_old_ZNTS = (einsum_f32("ztna,ztsa->znts", q_lat_ZTNA, old_ZTSC[..., :A])
-                  + einsum_f32("ztnr,ztsr->znts", q_pe_ZTNR, old_ZTSC[..., A:]))
     s_new_ZNTT = (einsum_f32("ztna,zsa->znts", q_lat_ZTNA, new_ZTC[..., :A])
-                  + einsum_f32("ztnr,zsr->znts", q_pe_ZTNR, new_ZTC[..., A:]))
-    s_ZNTS = jnp.concatenate([s_old_ZNTS, s_new_ZNTT], axis=-1) * scale
-    mask_ZTS = jnp.concatenate([old_mask_ZTS, new_mask_ZTT], axis=-1)
-    p_ZNTS = jax.nn.softmax(jnp.where(mask_ZTS[:, None], s_ZNTS, -1e30), axis=-1).astype(dtype)
-    S = max_pages * page
-    o_ZTNA = (einsum_f32("znts,ztsa->ztna", p_ZNTS[..., :S], old_ZTSC[..., :A])
-              + einsum_f32("znts,zsa->ztna", p_ZNTS[..., S:], new_ZTC[..., :A]))
+                  + einsum_f32("ztnr,zsr->znts", q_pe_ZTNR, new_ZTC[..., A:])) * scale
+    s_new_ZNTT = jnp.where(new_mask_ZTT[:, None], s_new_ZNTT, -1e30)
+    m_ZNT = s_new_ZNTT.max(axis=-1)
+    p_ZNTT = jnp.exp(s_new_ZNTT - m_ZNT[..., None])
+    l_ZNT = p_ZNTT.sum(axis=-1)
+    acc_ZTNA = einsum_f32("znts,zsa->ztna", p_ZNTT.astype(dtype), new_ZTC[..., :A])
+    # the row's cached pages, G at a time (online softmax), only as many blocks as the step's
+    # longest cached prefix needs: a short context reads a few pages, not max_pages
+    first_ZT = jnp.take_along_axis(first_page_ZB, row_ZT, axis=1)
+    G = max(1, min(max_pages, -(-BLOCK_TOKENS // page)))
+    n_blocks = jnp.minimum(-(-cached_ZT.max() // (G * page)), -(-max_pages // G))
+    flat_pool = pool_LXpC.reshape(L * X, page, C)
+
+    def block(j, carry):
+        m_ZNT, l_ZNT, acc_ZTNA = carry
+        at_ZTG = first_ZT[..., None] + j * G + jnp.arange(G)
+        at_ZTG = jnp.clip(at_ZTG, 0, pages_ZX.shape[1] - 1)
+        table_ZTG = jnp.take_along_axis(pages_ZX, at_ZTG.reshape(Z, -1), axis=1)
+        table_ZTG = jnp.clip(table_ZTG.reshape(at_ZTG.shape), 0, X - 1) + layer * X
+        old_ZTSC = flat_pool[table_ZTG].reshape(Z, T, G * page, C).astype(dtype)
+        mask_ZTS = j * G * page + jnp.arange(G * page) < cached_ZT[..., None]
+        s_ZNTS = (einsum_f32("ztna,ztsa->znts", q_lat_ZTNA, old_ZTSC[..., :A])
+                  + einsum_f32("ztnr,ztsr->znts", q_pe_ZTNR, old_ZTSC[..., A:])) * scale
+        s_ZNTS = jnp.where(mask_ZTS[:, None], s_ZNTS, -1e30)
+        m_new = jnp.maximum(m_ZNT, s_ZNTS.max(axis=-1))
+        p_ZNTS = jnp.exp(s_ZNTS - m_new[..., None])
+        c_ZNT = jnp.exp(m_ZNT - m_new)
+        acc_ZTNA = (acc_ZTNA * jnp.moveaxis(c_ZNT, 1, 2)[..., None]
+                    + einsum_f32("znts,ztsa->ztna", p_ZNTS.astype(dtype), old_ZTSC[..., :A]))
+        return m_new, l_ZNT * c_ZNT + p_ZNTS.sum(axis=-1), acc_ZTNA
+
+    # a loop of known trip count (what HLO tools count), its blocks past n_blocks skipped
+    m_ZNT, l_ZNT, acc_ZTNA = jax.lax.fori_loop(
+        0, -(-max_pages // G),
+        lambda j, c: jax.lax.cond(j < n_blocks, block, lambda j, c: c, j, c),
+        (m_ZNT, l_ZNT, acc_ZTNA))
+    o_ZTNA = acc_ZTNA / jnp.moveaxis(jnp.maximum(l_ZNT, 1e-30), 1, 2)[..., None]
     return jnp.where(valid_ZT[..., None, None], o_ZTNA, 0).astype(dtype)

@@ -98,6 +98,19 @@ def test_ragged_equals_the_paged_path_row_by_row(page, n_blocks):
     np.testing.assert_allclose(np.asarray(pallas), want, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("block_tokens", [1, 8])
+def test_ragged_reads_the_cached_pages_in_blocks(monkeypatch, block_tokens):
+    """Cached pages read a block at a time (one page, two pages of 4) give the one-block result."""
+    from kimi_jax.ops import ragged
+    q_lat, q_pe, new, pool, rows, positions, max_pages = case(BLOCKS[:2], 4, 32, seed=11)
+    assert max_pages * 4 > 2 * block_tokens            # several blocks per row
+    want = row_by_row(q_lat, q_pe, new, pool, rows, positions, max_pages, 1, [0, 0])
+    monkeypatch.setattr(ragged, "BLOCK_TOKENS", block_tokens)
+    got = ops.mla_ragged_attention(q_lat, q_pe, new, pool, rows, positions, SCALE,
+                                   max_pages=max_pages, layer=1)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=0)
+
+
 def test_ragged_refuses_bad_sizes():
     q_lat, q_pe, new, pool, rows, positions, max_pages = case(BLOCKS, 4, 32)
     with pytest.raises(ValueError, match="max_pages=0 must be an int >= 1"):
