@@ -20,8 +20,13 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # model, and identical programs then compile once instead of once per LLM instance.
 import tempfile  # noqa: E402
 
-jax.config.update("jax_compilation_cache_dir", os.environ.get("KIMI_JAX_TEST_CACHE",
-                                                              os.path.join(tempfile.gettempdir(), "kimi_jax_test_xla_cache")))
+# One directory per xdist worker: jax 0.10 writes a cache entry with a plain write and reads it
+# without a lock, so a worker sharing the directory could load another's half-written executable (a
+# segmentation fault in compilation_cache.get_executable_and_time).
+_CACHE_ROOT = os.environ.get("KIMI_JAX_TEST_CACHE",
+                             os.path.join(tempfile.gettempdir(), "kimi_jax_test_xla_cache"))
+jax.config.update("jax_compilation_cache_dir",
+                  os.path.join(_CACHE_ROOT, os.environ.get("PYTEST_XDIST_WORKER", "main")))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
