@@ -283,15 +283,13 @@ def write_pages(pool_LXpC, block_table_BP, positions_BT, new_LBTC, parallel=None
     shard: each data-parallel rank writes its own rows into its own pages."""
 
     def write(pool_LXpC, block_table_BP, positions_BT, new_LBTC):
-        n_layers, n_pages, page, C = pool_LXpC.shape
+        n_pages, page = pool_LXpC.shape[1:3]
         valid = positions_BT >= 0
         pos = jnp.where(valid, positions_BT, 0)
         page_of = jnp.take_along_axis(block_table_BP, pos // page, axis=1)
         # padding: dropped
         slot = jnp.where(valid, page_of * page + pos % page, n_pages * page).reshape(-1)
-        flat = pool_LXpC.reshape(n_layers, n_pages * page, C).at[:, slot].set(
-            new_LBTC.reshape(n_layers, -1, C).astype(pool_LXpC.dtype), mode="drop")
-        return flat.reshape(pool_LXpC.shape)
+        return _scatter_slots(pool_LXpC, slot, new_LBTC)
 
     write = ops.per_page_shard(
         write,
@@ -313,11 +311,9 @@ def write_slots(pool_LXpC, slots_BT, new_LBTC, parallel=None):
     shard, each data-parallel rank its batch rows' tokens into its own pages (slots local to it)."""
 
     def write(pool_LXpC, slots_BT, new_LBTC):
-        n_layers, n_pages, page, C = pool_LXpC.shape
+        n_pages, page = pool_LXpC.shape[1:3]
         slot = jnp.where(slots_BT >= 0, slots_BT, n_pages * page).reshape(-1)
-        flat = pool_LXpC.reshape(n_layers, n_pages * page, C).at[:, slot].set(
-            new_LBTC.reshape(n_layers, -1, C).astype(pool_LXpC.dtype), mode="drop")
-        return flat.reshape(pool_LXpC.shape)
+        return _scatter_slots(pool_LXpC, slot, new_LBTC)
 
     write = ops.per_page_shard(
         write,
@@ -326,6 +322,15 @@ def write_slots(pool_LXpC, slots_BT, new_LBTC, parallel=None):
         (None, "split", None, None),
     )
     return write(pool_LXpC, slots_BT, new_LBTC)
+
+
+def _scatter_slots(pool_LXpC, slot, new_LBTC):
+    """The pool with every layer's new latents at their flat slots (page * p + offset; slots past
+    the pool dropped): the one write of `write_pages` and `write_slots`."""
+    n_layers, n_pages, page, C = pool_LXpC.shape
+    flat = pool_LXpC.reshape(n_layers, n_pages * page, C).at[:, slot].set(
+        new_LBTC.reshape(n_layers, -1, C).astype(pool_LXpC.dtype), mode="drop")
+    return flat.reshape(pool_LXpC.shape)
 
 
 def _softmax(scores_BNTS, mask_BTS):
