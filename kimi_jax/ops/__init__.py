@@ -255,6 +255,32 @@ def per_page_shard(f, parallel, in_specs, out_specs):
                       out_specs=sub(out_specs))
 
 
+def per_attention_shard(f, parallel, rows_spec):
+    """f(q_lat, q_pe, new, pool, rows, positions, layer), an absorbed MLA op over a paged pool, run
+    per shard under a mesh of more than one device, else f itself: queries, new tokens and
+    positions split by the batch axes (heads by the heads axes), the pool by its page split
+    (`page_split`); rows_spec(P, b): the spec of its rows argument (a block table, RaggedRows)."""
+    if parallel is None or parallel.mesh.size <= 1:
+        return f
+    from jax.sharding import PartitionSpec as P
+    b, h = parallel.batch or None, parallel.heads or None
+    split = page_split(parallel) or None
+    return shard_map(
+        f,
+        parallel.mesh,
+        in_specs=(
+            P(b, None, h, None),
+            P(b, None, h, None),
+            P(b, None, None),
+            P(None, split, None, None),
+            rows_spec(P, b),
+            P(b, None),
+            P(),
+        ),
+        out_specs=P(b, None, h, None),
+    )
+
+
 def gather_pages(
     pool: jax.Array, block_table_BP: jax.Array, *, layer=None, parallel=None
 ) -> jax.Array:
@@ -345,24 +371,7 @@ def mla_paged_attention(
                 q_lat, q_pe, new, flat, table, positions, scale, config=cfg, **thresholds
             )
 
-        if parallel is not None and parallel.mesh.size > 1:
-            from jax.sharding import PartitionSpec as P
-            b, h = parallel.batch or None, parallel.heads or None
-            split = page_split(parallel) or None
-            kernel = shard_map(
-                kernel,
-                parallel.mesh,
-                in_specs=(
-                    P(b, None, h, None),
-                    P(b, None, h, None),
-                    P(b, None, None),
-                    P(None, split, None, None),
-                    P(b, None),
-                    P(b, None),
-                    P(),
-                ),
-                out_specs=P(b, None, h, None),
-            )
+        kernel = per_attention_shard(kernel, parallel, lambda P, b: P(b, None))
         return kernel(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_LXpC, block_table_BP, positions_BT,
                       jnp.asarray(layer, jnp.int32))
     return _mla_paged_attention_xla(

@@ -77,24 +77,8 @@ def mla_ragged_attention(
                              f"multiple of the {Z} blocks")
     pool_LXpC, layer = ops._stacked(pool, layer)
     local = functools.partial(_ragged_local, scale=scale, max_pages=max_pages)
-    if parallel is not None and parallel.mesh.size > 1:
-        from jax.sharding import PartitionSpec as P
-        b, h = parallel.batch or None, parallel.heads or None
-        split = ops.page_split(parallel) or None
-        local = ops.shard_map(
-            local,
-            parallel.mesh,
-            in_specs=(
-                P(b, None, h, None),
-                P(b, None, h, None),
-                P(b, None, None),
-                P(None, split, None, None),
-                RaggedRows(P(b), P(b), P(b), P(b), P(b)),
-                P(b, None),
-                P(),
-            ),
-            out_specs=P(b, None, h, None),
-        )
+    local = ops.per_attention_shard(local, parallel,
+                                    lambda P, b: RaggedRows(P(b), P(b), P(b), P(b), P(b)))
     return local(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, pool_LXpC, rows, positions_ZT,
                  jnp.asarray(layer, jnp.int32))
 
