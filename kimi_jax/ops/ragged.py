@@ -60,10 +60,16 @@ def mla_ragged_attention(
     j < max_pages (static: the most pages a row holds), and this step's tokens of row b at
     positions <= its own; a padding token (in no row, or position < 0) gives 0.
 
-    One path for every plan: plain jnp with float32 scores (as `ops._mla_paged_attention_xla`);
-    under impl 'pallas' too, until a GPU kernel takes it. Each token gathers its row's cached pages
-    on its own, BLOCK_TOKENS positions at a time (Z x T x BLOCK_TOKENS latents, online softmax), as
-    many blocks as the step's longest cached prefix needs (the rest skipped: one program).
+    Under impl 'pallas' (A and R powers of two >= 16) the cached part is the paged MLA decode
+    kernel (pallas_kernels/mla/decode.py, balanced schedule): every token is one of its rows,
+    reading its row's pages in place through the flat pages_X (no gather), the context split into
+    work items by length across all the step's tokens (a padding token gets none); this step's
+    tokens of the same row are the `_new_part` einsums, merged by log-sum-exp
+    (pallas_kernels/mla/combine.py). Under impl 'xla' plain jnp with float32 scores (as
+    `ops._mla_paged_attention_xla`): each token gathers its row's cached pages on its own,
+    BLOCK_TOKENS positions at a time (Z x T x BLOCK_TOKENS latents, online softmax), as many blocks
+    as the step's longest cached prefix needs (the rest skipped: one program; on a GPU each block's
+    skip is a host round trip, hence the kernel there).
     parallel (a MoEParallel): run per shard (shard_map) over its batch axes (each rank its blocks
     and its part of a page-split pool, `ops.page_split`) and its heads axes."""
     from kimi_jax import ops
@@ -76,11 +82,91 @@ def mla_ragged_attention(
             raise ValueError(f"mla_ragged_attention: RaggedRows.{name} has {n} entries, not a "
                              f"multiple of the {Z} blocks")
     pool_LXpC, layer = ops._stacked(pool, layer)
-    local = functools.partial(_ragged_local, scale=scale, max_pages=max_pages)
+    plan = ops.default_plan(plan)
+    A, R = q_lat_ZTNA.shape[-1], q_pe_ZTNR.shape[-1]
+    if (plan.pallas and all(v >= 16 and not v & (v - 1) for v in (A, R))
+            and pool_LXpC.dtype == q_lat_ZTNA.dtype):
+        local = functools.partial(_ragged_kernel_local, scale=scale, max_pages=max_pages,
+                                  xla_max_macs=plan.combine_xla_max_macs)
+    else:
+        local = functools.partial(_ragged_local, scale=scale, max_pages=max_pages)
     local = ops.per_attention_shard(local, parallel,
                                     lambda P, b: RaggedRows(P(b), P(b), P(b), P(b), P(b)))
     return local(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, pool_LXpC, rows, positions_ZT,
                  jnp.asarray(layer, jnp.int32))
+
+
+def _token_rows(rows: RaggedRows, positions_ZT):
+    """Per token of Z blocks of T: (its row's index in its block, whether it is a real token, its
+    row's cached tokens (0 for padding), where its row's pages begin in its block's pages_X)."""
+    Z, T = positions_ZT.shape
+    start_ZB, len_ZB, cached_ZB, first_page_ZB = (
+        f.reshape(Z, -1) for f in (rows.query_start_B, rows.query_len_B, rows.cached_B,
+                                   rows.page_start_B))
+    # each token's row: the one whose span [query_start, query_start + query_len) holds it
+    t = jnp.arange(T)[None, :, None]
+    member_ZTB = (t >= start_ZB[:, None, :]) & (t < (start_ZB + len_ZB)[:, None, :])
+    row_ZT = jnp.argmax(member_ZTB, axis=-1)
+    valid_ZT = member_ZTB.any(axis=-1) & (positions_ZT >= 0)
+    cached_ZT = jnp.where(valid_ZT, jnp.take_along_axis(cached_ZB, row_ZT, axis=1), 0)
+    return row_ZT, valid_ZT, cached_ZT, jnp.take_along_axis(first_page_ZB, row_ZT, axis=1)
+
+
+def _new_part(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, row_ZT, valid_ZT, positions_ZT, scale):
+    """Each token against this step's tokens of its row at positions <= its own, float32 scores:
+    (normalized output [Z, T, N, A] f32, log-sum-exp [Z, T, N]; a padding token: 0 and -inf)."""
+    from kimi_jax.ops.impl import einsum_f32
+    A = q_lat_ZTNA.shape[-1]
+    new_ZTC = new_ZTC.astype(q_lat_ZTNA.dtype)
+    mask_ZTT = ((row_ZT[:, None, :] == row_ZT[:, :, None])
+                & valid_ZT[:, None, :] & valid_ZT[:, :, None]
+                & (positions_ZT[:, None, :] <= positions_ZT[:, :, None]))
+    s_ZNTT = (einsum_f32("ztna,zsa->znts", q_lat_ZTNA, new_ZTC[..., :A])
+              + einsum_f32("ztnr,zsr->znts", q_pe_ZTNR, new_ZTC[..., A:])) * scale
+    s_ZNTT = jnp.where(mask_ZTT[:, None], s_ZNTT, -1e30)
+    m_ZNT = s_ZNTT.max(axis=-1)
+    p_ZNTT = jnp.exp(s_ZNTT - m_ZNT[..., None])
+    l_ZNT = p_ZNTT.sum(axis=-1)
+    o_ZTNA = einsum_f32("znts,zsa->ztna", p_ZNTT.astype(new_ZTC.dtype), new_ZTC[..., :A])
+    o_ZTNA = o_ZTNA / jnp.moveaxis(l_ZNT, 1, 2)[..., None]
+    valid_Z1T = valid_ZT[:, None, :]
+    lse_ZNT = jnp.where(valid_Z1T, m_ZNT + jnp.log(jnp.where(valid_Z1T, l_ZNT, 1.0)), -jnp.inf)
+    return (jnp.where(valid_ZT[..., None, None], o_ZTNA, 0.0), jnp.moveaxis(lse_ZNT, 1, 2))
+
+
+def _ragged_kernel_local(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, pool_LXpC, rows: RaggedRows,
+                         positions_ZT, layer, *, scale, max_pages, xla_max_macs):
+    """`mla_ragged_attention` on one device's blocks and pages with the paged decode kernel: each
+    token a row of the kernel over its row's cached tokens, then its `_new_part`, merged."""
+    from pallas_kernels.int4 import tile
+    from pallas_kernels.mla import combine as mla_combine
+    from pallas_kernels.mla import decode as mla_decode
+    Z, T, N, A = q_lat_ZTNA.shape
+    R = q_pe_ZTNR.shape[-1]
+    L, X, page, C = pool_LXpC.shape
+    dtype = q_lat_ZTNA.dtype
+    row_ZT, valid_ZT, cached_ZT, first_ZT = _token_rows(rows, positions_ZT)
+    x_per = rows.pages_X.shape[0] // Z
+    base_T = (first_ZT + jnp.arange(Z, dtype=jnp.int32)[:, None] * x_per).reshape(-1)
+    table_X = jnp.clip(rows.pages_X, 0, X - 1) + layer * X
+    interpret = tile.resolve_interpret(None)
+    cfg = mla_decode.resolve_config(mla_decode.MlaDecodeConfig(schedule="balanced"), Z * T, N,
+                                    max_pages * page, A)
+    cached_T = cached_ZT.reshape(-1)
+    work = mla_decode.balanced_items(cached_T, Z * T * cfg.num_splits, cfg.block_k)
+    o_TJNA, lse_TJN = mla_decode.mla_decode_partials(
+        q_lat_ZTNA.reshape(Z * T, N, A), q_pe_ZTNR.astype(dtype).reshape(Z * T, N, R),
+        pool_LXpC.reshape(L * X, page, C), table_X, cached_T, scale=scale,
+        config=cfg, interpret=interpret, work=work, page_base_B=base_T)
+    o_new_ZTNA, lse_new_ZTN = _new_part(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, row_ZT, valid_ZT,
+                                        positions_ZT, scale)
+    items = o_TJNA.shape[0] * o_TJNA.shape[1]
+    o_TNA, _ = mla_combine.combine(
+        o_TJNA.reshape(items, N, A), lse_TJN.reshape(items, N), work,
+        o_new_ZTNA.reshape(Z * T, N, A), lse_new_ZTN.reshape(Z * T, N), interpret=interpret,
+        xla_max_macs=xla_max_macs)
+    o_ZTNA = o_TNA.reshape(Z, T, N, A)
+    return jnp.where(valid_ZT[..., None, None], o_ZTNA, 0).astype(dtype)
 
 
 def _ragged_local(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, pool_LXpC, rows: RaggedRows, positions_ZT, layer,
@@ -90,31 +176,16 @@ def _ragged_local(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, pool_LXpC, rows: RaggedRows, p
     Z, T, N, A = q_lat_ZTNA.shape
     dtype = q_lat_ZTNA.dtype
     L, X, page, C = pool_LXpC.shape
-    start_ZB, len_ZB, cached_ZB, first_page_ZB = (
-        f.reshape(Z, -1) for f in (rows.query_start_B, rows.query_len_B, rows.cached_B,
-                                   rows.page_start_B))
     pages_ZX = rows.pages_X.reshape(Z, -1)
-    # each token's row: the one whose span [query_start, query_start + query_len) holds it
-    t = jnp.arange(T)[None, :, None]
-    member_ZTB = (t >= start_ZB[:, None, :]) & (t < (start_ZB + len_ZB)[:, None, :])
-    row_ZT = jnp.argmax(member_ZTB, axis=-1)
-    valid_ZT = member_ZTB.any(axis=-1) & (positions_ZT >= 0)
-    cached_ZT = jnp.where(valid_ZT, jnp.take_along_axis(cached_ZB, row_ZT, axis=1), 0)
-    new_ZTC = new_ZTC.astype(dtype)
-    # this step's tokens of the same row, causally
-    new_mask_ZTT = ((row_ZT[:, None, :] == row_ZT[:, :, None])
-                    & valid_ZT[:, None, :] & valid_ZT[:, :, None]
-                    & (positions_ZT[:, None, :] <= positions_ZT[:, :, None]))
-    s_new_ZNTT = (einsum_f32("ztna,zsa->znts", q_lat_ZTNA, new_ZTC[..., :A])
-                  + einsum_f32("ztnr,zsr->znts", q_pe_ZTNR, new_ZTC[..., A:])) * scale
-    s_new_ZNTT = jnp.where(new_mask_ZTT[:, None], s_new_ZNTT, -1e30)
-    m_ZNT = s_new_ZNTT.max(axis=-1)
-    p_ZNTT = jnp.exp(s_new_ZNTT - m_ZNT[..., None])
-    l_ZNT = p_ZNTT.sum(axis=-1)
-    acc_ZTNA = einsum_f32("znts,zsa->ztna", p_ZNTT.astype(dtype), new_ZTC[..., :A])
+    row_ZT, valid_ZT, cached_ZT, first_ZT = _token_rows(rows, positions_ZT)
+    # this step's tokens of the same row, causally: the online softmax starts from their part
+    o_new_ZTNA, lse_ZTN = _new_part(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, row_ZT, valid_ZT,
+                                    positions_ZT, scale)
+    m_ZNT = jnp.moveaxis(jnp.where(valid_ZT[..., None], lse_ZTN, -1e30), 1, 2)
+    l_ZNT = jnp.broadcast_to(valid_ZT[:, None, :], m_ZNT.shape).astype(jnp.float32)
+    acc_ZTNA = o_new_ZTNA
     # the row's cached pages, G at a time (online softmax), only as many blocks as the step's
     # longest cached prefix needs: a short context reads a few pages, not max_pages
-    first_ZT = jnp.take_along_axis(first_page_ZB, row_ZT, axis=1)
     G = max(1, min(max_pages, -(-BLOCK_TOKENS // page)))
     n_blocks = jnp.minimum(-(-cached_ZT.max() // (G * page)), -(-max_pages // G))
     flat_pool = pool_LXpC.reshape(L * X, page, C)

@@ -201,7 +201,10 @@ def resolve_config(cfg: Optional[MlaDecodeConfig], batch: int, rows: int, max_to
 # The kernel.
 
 def _kernel(*refs, bk: int, ba: int, splits: int, a_blocks: int, scale: float, n_heads: int,
-            fuse_new: bool, balanced: bool = False, block_m: int = 0):
+            fuse_new: bool, balanced: bool = False, block_m: int = 0, flat_table: bool = False):
+    base_ref = None
+    if flat_table:       # [B] where row b's pages begin in the flat table bt_ref [X']
+        base_ref, refs = refs[1], refs[:1] + refs[2:]
     if fuse_new:
         (len_ref,      # [B] int32 cached tokens per row
          bt_ref,       # [B, P] int32 page ids into the pool
@@ -252,6 +255,7 @@ def _kernel(*refs, bk: int, ba: int, splits: int, a_blocks: int, scale: float, n
         qls = [ql_ref[...]]
     qp = qp_ref[...]
     ids = jnp.arange(bk, dtype=jnp.int32)
+    base = tile.load(base_ref.at[b]) if flat_table else None
     qk_scale = scale * _LOG2E                         # scores in log2 units: exp2 in the loop
 
     def step(carry, cs, kr, valid, zero_masked):
@@ -275,7 +279,8 @@ def _kernel(*refs, bk: int, ba: int, splits: int, a_blocks: int, scale: float, n
         pos = start + kb * bk + ids                   # [bk] cached positions of this block
         valid = pos < end
         pos = jnp.minimum(pos, end - 1)               # tail lanes re-read the last row (no OOB)
-        pg = tile.load(bt_ref.at[b, pos // page])[:, None]
+        at = bt_ref.at[base + pos // page] if flat_table else bt_ref.at[b, pos // page]
+        pg = tile.load(at)[:, None]
         off = (pos % page)[:, None]
         cs = [tile.load(pool_ref.at[pg, off, c]) for c in cols]     # [bk, ba] each
         kr = tile.load(pool_ref.at[pg, off, cols_r])                # [bk, R]
@@ -333,9 +338,11 @@ def _check(q_lat_BTNA, q_pe_BTNR, new_BTC, pool_XpC, block_table_BP, positions_B
 
 def mla_decode_partials(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, lengths_B, *, scale: float,
                         config: MlaDecodeConfig, interpret: bool, new_BTC=None, positions_BT=None,
-                        work=None):
+                        work=None, page_base_B=None):
     """Kernel call over the cached tokens (and, with config.fuse_new, the new tokens new_BTC at
-    positions_BT, in the last split). q rows M = T * N (padded to block_m inside).
+    positions_BT, in the last split). q rows M = T * N (padded to block_m inside). With
+    page_base_B [B], block_table_BP is one flat table [X'] and row b's pages are
+    block_table[page_base_B[b]:] (rows sharing pages share entries: a ragged step's tokens).
     Returns o [B, splits, M, A] f32 (each split normalized) and lse [B, splits, M] f32; with
     config.schedule 'balanced' slot (b, j) holds work item b * splits + j of `work` (default
     `balanced_items(lengths_B, B * splits, block_k)`; its row: that table's row 0)."""
@@ -354,9 +361,13 @@ def mla_decode_partials(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, lengths_B
         T = new_BTC.shape[1]
         n_heads = M // T
     balanced = config.schedule == "balanced"
+    flat = page_base_B is not None
+    if flat and (fuse or block_table_BP.ndim != 1):
+        raise ValueError("mla_decode_partials: page_base_B needs a flat [X'] block table and no "
+                         "fuse_new")
     kernel = functools.partial(_kernel, bk=config.block_k, ba=ba, splits=splits, a_blocks=a_blocks,
                                scale=float(scale), n_heads=n_heads, fuse_new=fuse, balanced=balanced,
-                               block_m=bm)
+                               block_m=bm, flat_table=flat)
     whole = pl.no_block_spec
     if balanced:     # a program's row comes from the table: q whole, sliced in the kernel
         q_specs = [whole, whole]
@@ -367,6 +378,8 @@ def mla_decode_partials(q_lat_BMA, q_pe_BMR, pool_XpC, block_table_BP, lengths_B
         work = lengths_B.astype(jnp.int32)
     in_specs = [whole, whole, *q_specs, whole]
     args = [work, block_table_BP.astype(jnp.int32), q_lat_BMA, q_pe_BMR, pool_XpC]
+    if flat:
+        in_specs, args = [whole, *in_specs], [work, page_base_B.astype(jnp.int32), *args[1:]]
     if fuse:
         in_specs += [whole, whole]
         args += [new_BTC, positions_BT.astype(jnp.int32)]

@@ -92,10 +92,11 @@ def test_ragged_equals_the_paged_path_row_by_row(page, n_blocks):
     flat = ops.mla_ragged_attention(q_lat, q_pe, new, pool[layer], rows, positions, SCALE,
                                     max_pages=max_pages)
     np.testing.assert_allclose(np.asarray(flat), want, atol=2e-5, rtol=0)
-    # impl 'pallas' runs the same jnp path (no kernel yet)
+    # impl 'pallas': the paged decode kernel (interpreted here) over each token's row's pages
     pallas = ops.mla_ragged_attention(q_lat, q_pe, new, pool, rows, positions, SCALE,
                                       max_pages=max_pages, plan=ops.ExecPlan(impl="pallas"), layer=layer)
     np.testing.assert_allclose(np.asarray(pallas), want, atol=2e-5, rtol=0)
+    assert np.all(np.asarray(pallas)[positions < 0] == 0)
 
 
 @pytest.mark.parametrize("block_tokens", [1, 8])
@@ -122,9 +123,11 @@ def test_ragged_refuses_bad_sizes():
                                  layer=0)
 
 
-def test_ragged_per_shard_on_a_split_pool_equals_the_whole_pool():
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_ragged_per_shard_on_a_split_pool_equals_the_whole_pool(impl):
     """dp = 4 blocks, each over its own quarter of the pool with page ids local to it, heads split over
-    tp = 2: the same values as one device over the whole pool with global ids."""
+    tp = 2: the same values as one device over the whole pool with global ids (the jnp path and the
+    kernel's)."""
     from jax.sharding import PartitionSpec as P
     from kimi_jax.parallel.sharding import Layout
     lay = Layout(tensor_parallel_size=2, data_parallel_size=4)
@@ -134,8 +137,9 @@ def test_ragged_per_shard_on_a_split_pool_equals_the_whole_pool():
     q_lat, q_pe, new, pool, rows, positions, max_pages = case(blocks, page, per_rank, seed=7)
     put = lambda x, *spec: jax.device_put(x, lay.sharding(P(*spec)))       # noqa: E731
     split_rows = jax.tree.map(lambda a: put(a, "dp"), rows)
+    plan = ops.ExecPlan(impl=impl)
     got = jax.jit(lambda *a: ops.mla_ragged_attention(*a, SCALE, max_pages=max_pages, parallel=par,
-                                                      layer=layer))(
+                                                      plan=plan, layer=layer))(
         put(q_lat, "dp", None, "tp", None), put(q_pe, "dp", None, "tp", None), put(new, "dp", None, None),
         put(pool, None, "dp", None, None), split_rows, put(positions, "dp", None))
     want = row_by_row(q_lat, q_pe, new, pool, rows, positions, max_pages, layer,
