@@ -1,10 +1,12 @@
-"""kimi-serve --precompile (EngineConfig.precompile): the OpenAIServer compiles its engine core's
-program set before /health answers 200 (503 meanwhile, the engine thread not yet started), so a
-mixed workload through the `openai` client (greedy, sampled, logprobs, penalties, a one-token, a
-short and a chunked prompt, streamed, chat) builds no program after ready
-(kimi_jax:compiled_programs_total on /metrics). The ragged step layout at small limits: its set is
-about 15 programs."""
+"""EngineConfig.precompile in the front ends (kimi-serve / kimi-batch --precompile). The
+OpenAIServer compiles its engine core's program set before /health answers 200 (503 meanwhile, the
+engine thread not yet started), so a mixed workload through the `openai` client (greedy, sampled,
+logprobs, penalties, a one-token, a short and a chunked prompt, streamed, chat) builds no program
+after ready (kimi_jax:compiled_programs_total on /metrics); kimi-batch compiles it before its first
+line, and its lines then build none. The ragged step layout at small limits: its set is about 15
+programs."""
 import concurrent.futures
+import json
 import urllib.error
 import urllib.request
 
@@ -87,3 +89,36 @@ def test_no_program_is_built_after_the_server_is_ready():
         assert all(len(t.top_logprobs) == 3 for t in out[2].choices[0].logprobs.content)
         assert srv.async_llm.core.stats["ragged_passes"] > 10
         assert compiled_programs(url) == at_ready
+
+
+def test_kimi_batch_builds_no_program_after_precompile(cli, tmp_path, monkeypatch):
+    from kimi_jax.engine import compiles
+    from kimi_jax.entrypoints.frontend import Frontend
+    precompile, done = Frontend.precompile, []
+
+    def spy(self, core):
+        n = precompile(self, core)
+        done.append((n, compiles.compile_count()))
+        return n
+    monkeypatch.setattr(Frontend, "precompile", spy)
+    chat = [{"role": "user", "content": "Say hi"}]
+    bodies = [
+        ("/v1/completions", dict(prompt="The with statement", max_tokens=6, temperature=0,
+                                 logprobs=2)),
+        ("/v1/completions", dict(prompt=LONG, max_tokens=5, temperature=0.8, seed=1)),
+        ("/v1/chat/completions", dict(messages=chat, max_tokens=4, temperature=0, logprobs=True,
+                                      top_logprobs=3)),
+        ("/v1/completions", dict(prompt=[7], max_tokens=8, temperature=0, presence_penalty=0.5)),
+    ]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": u,
+                                       "body": b}) + "\n" for i, (u, b) in enumerate(bodies)))
+    limits = {k: v for k, v in LIMITS.items() if k != "block_size"}   # kimi-batch: 16 a page
+    res = cli("launch.batch", f"--input={inp}", f"--output={out}", "--precompile",
+              "--dtype=float32", *[f"--{k}={v}" for k, v in limits.items()])
+    assert res.returncode == 0, res
+    ((n, built),) = done
+    assert f"precompiled {n} / {n} programs" in res.stderr, res
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["response"]["status_code"] for r in got] == [200] * len(bodies), got
+    assert compiles.compile_count() == built
