@@ -33,6 +33,8 @@ flags.DEFINE_enum("dtype", "auto", ["auto", "bfloat16", "float32"], common.DTYPE
 flags.DEFINE_integer("max_num_seqs", 64, "requests decoded together")
 flags.DEFINE_integer("max_model_len", None, "longest prompt + output")
 flags.DEFINE_integer("default_max_tokens", 256, "max_tokens for lines that give none")
+flags.DEFINE_bool("precompile", False, "compile every program the limits can reach before the first line "
+                  "runs (README 'Start-up')")
 FLAGS = flags.FLAGS
 
 

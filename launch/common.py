@@ -140,6 +140,9 @@ def engine_config(**fixed):
         if name in FLAGS and FLAGS[name].value is not None:
             kw[f.name] = FLAGS[name].value
     kw.update(fixed)
+    if kw.get("enforce_eager") and kw.get("precompile"):
+        raise app.UsageError("--enforce_eager compiles each program on first use; it cannot be "
+                             "combined with --precompile")
     try:
         return EngineConfig(**kw)
     except (TypeError, ValueError) as e:

@@ -62,6 +62,8 @@ flags.DEFINE_string("tool_call_parser", "kimi_k2",
                     "accepted: kimi_k2 only (Kimi's tool-call section)")
 flags.DEFINE_string("reasoning_parser", "kimi_k2",
                     "accepted: kimi_k2 only (the reply's reasoning_content)")
+flags.DEFINE_bool("enforce_eager", False,
+                  "accepted: programs compile on first use (no --precompile)")
 flags.DEFINE_float("keepalive_s", 15.0, "close a connection that completes no request's headers this long "
                    "after opening or after its last response")
 flags.DEFINE_integer("max_prompt_chars", 8 * 2**20, "longest text prompt / conversation in characters (400 beyond)")

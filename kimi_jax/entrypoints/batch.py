@@ -412,14 +412,21 @@ def run_job(
 ) -> JobSummary:
     """Answer every line of `infile` (an open input file, binary or text) into `writer` with engine
     cores over `frontend` (kimi_jax.entrypoints.frontend.Frontend),
-    skipping the custom_ids the writer already holds; closes the writer. OutputWriteError (an
-    OSError) stops the job at the first line that cannot be written."""
+    skipping the custom_ids the writer already holds; closes the writer. With
+    EngineConfig.precompile the first core's program set is compiled before any line runs.
+    OutputWriteError (an OSError) stops the job at the first line that cannot be written."""
     from tqdm import tqdm
 
     from kimi_jax.engine.validation import RequestError
 
     inputs = frontend.inputs
     engine = [frontend.make_core()]
+    if frontend.engine_config.precompile:              # the program set before the first line
+        try:
+            frontend.precompile(engine[0])
+        except BaseException:
+            writer.close()
+            raise
     jobs: dict[str, _Job] = {}            # custom_id -> its job, until its output line is written
     by_rid: dict[str, tuple] = {}         # sample id -> (custom_id, choice index)
     seen: collections.Counter = collections.Counter()

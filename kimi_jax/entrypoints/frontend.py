@@ -102,6 +102,16 @@ class Frontend:
                           eos_ids=self.eos_ids, structured=self.structured_backend(),
                           seed=self.engine_config.seed)
 
+    def precompile(self, core: EngineCore) -> int:
+        """Compile `core`'s program set (`EngineCore.precompile`: LLM, the OpenAI server and
+        kimi-batch with `EngineConfig.precompile`), each program on the progress log; returns how
+        many."""
+        def report(i, n, key):
+            progress.log.info("precompiled %d / %d programs (%s)", i, n, key,
+                              extra={"kimi_done": i == n})
+        with progress.phase("precompiling the serving programs"):
+            return core.precompile(report)
+
     @classmethod
     def from_config(cls, ec: EngineConfig) -> "Frontend":
         """Load what `ec` names (the demo model when it names none): its config, tokenizer (before

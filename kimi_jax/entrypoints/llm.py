@@ -19,7 +19,6 @@ from kimi_jax.engine.core import EngineCore
 from kimi_jax.engine.sampling import SamplingParams
 from kimi_jax.engine.requests import validate_prompt
 from kimi_jax.engine.validation import RequestError
-from kimi_jax.entrypoints import progress
 from kimi_jax.entrypoints.frontend import (  # noqa: F401
     Frontend,
     default_prefill_chunk,
@@ -112,12 +111,8 @@ class LLM:
 
     def precompile(self) -> int:
         """Compile every program this LLM's engine core can reach (`Runner.programs`), reporting
-        each on the progress log; returns how many."""
-        def report(i, n, key):
-            progress.log.info("precompiled %d / %d programs (%s)", i, n, key,
-                              extra={"kimi_done": i == n})
-        with progress.phase("precompiling the serving programs"):
-            return self.engine_core().precompile(report)
+        each on the progress log (`Frontend.precompile`); returns how many."""
+        return self.frontend.precompile(self.engine_core())
 
     def engine_core(self) -> EngineCore:
         """generate()'s engine core: with prefix caching one kept (its cached pages serve later

@@ -14,10 +14,11 @@ def free_socket() -> socket.socket:
 
 
 @contextlib.contextmanager
-def serving(srv, ready_timeout: float = 300.0, grace_s: float = 5.0, **serve_kw):
-    """Serve `srv` (an OpenAIServer) until the block ends; yields its base URL (http://127.0.0.1:PORT)."""
+def serving(srv, ready_timeout: float = 300.0, grace_s: float = 5.0, sock=None, **serve_kw):
+    """Serve `srv` (an OpenAIServer) until the block ends; yields its base URL (http://127.0.0.1:PORT).
+    sock: the bound socket to listen on (default: `free_socket()`)."""
     from kimi_jax.entrypoints.openai.server import serve
-    sock = free_socket()
+    sock = sock or free_socket()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     loop = asyncio.new_event_loop()
     ready, box = threading.Event(), {}

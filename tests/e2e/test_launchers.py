@@ -184,6 +184,13 @@ def test_vllm_launch_flags_are_accepted_with_their_meaning_here(cli, monkeypatch
     assert seen.pop() == (False, "/dev/null")
 
 
+def test_precompile_and_enforce_eager_together_are_one_line_naming_both(cli):
+    r = cli("launch.serve", "--model=tiny", "--precompile", "--enforce-eager")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("kimi-serve: error: "), r
+    assert "--enforce_eager" in lines[0] and "--precompile" in lines[0], r
+
+
 def test_vllm_llm_keywords_and_a_max_model_len_past_the_model(cli, caplog):
     """LLM(trust_remote_code=True, enforce_eager=True) builds (one warning: no checkpoint code);
     a max_model_len past the model's positions is refused naming both, from LLM and kimi-serve."""

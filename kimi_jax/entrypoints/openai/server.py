@@ -7,7 +7,9 @@ models are kimi_jax.entrypoints.openai.protocol's (pydantic).
   POST /v1/completions            prompt(s) -> text, streamed as SSE with "stream": true
   POST /v1/chat/completions       messages -> reply (the checkpoint's chat template, as LLM.chat)
   POST /tokenize, /detokenize     {"prompt" | "messages" (+ "tools")} -> token ids; {"tokens"} ->
-  text GET  /health                    200 once the model is loaded and a warm-up request has run
+                                  text
+  GET  /health                    200 once the model is loaded, its program set compiled (with
+                                  EngineConfig.precompile) and a warm-up request has run
   GET  /metrics                   Prometheus text (kimi_jax.entrypoints.openai.metrics)
   GET  /version                   {"version": kimi_jax's version}
 
@@ -146,9 +148,13 @@ class OpenAIServer:
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
-        self.async_llm.start()
+        """With EngineConfig.precompile, compile the core's program set (on a thread: /health
+        answers 503 meanwhile) before the engine thread starts stepping it; then the warm-up."""
         self._idle = asyncio.Event()
         self._idle.set()
+        if self.frontend.engine_config.precompile:
+            await self._off_loop(self.frontend.precompile, self.async_llm.core)
+        self.async_llm.start()
         await self._warmup()
         self.ready = True
 
