@@ -10,7 +10,9 @@ async_scheduling: dispatch decode step N+1 before reading step N). It binds to 1
 says otherwise. SIGTERM / SIGINT stop admitting, give in-flight requests --shutdown_grace_s to finish,
 abort the rest and exit 0. The model may be given positionally (`kimi-serve MODEL`, as vLLM's `vllm
 serve MODEL`) or as --model. Each request is logged at INFO (--noaccess_log turns it off). A bad
-flag or model prints one line (`kimi-serve: error: ...`), exit status 2.
+flag or model prints one line (`kimi-serve: error: ...`), exit status 2. Unlike `LLM`, it runs the
+ragged step layout by default (the padded one with --speculative_config) and then compiles its
+whole program set before /health answers 200 (--enforce_eager: programs compile on first use).
 """
 from __future__ import annotations
 
@@ -47,8 +49,9 @@ flags.DEFINE_string("tokenizer", None, "tokenizer directory (default: the model'
 flags.DEFINE_string("speculative_config", None, "speculative decoding as JSON, e.g. "
                     "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'")
 flags.DEFINE_bool("async_scheduling", True, "overlap scheduling (off with speculation)")
-flags.DEFINE_bool("precompile", False, "compile every serving program the limits can reach before reporting "
-                  "ready (Runner.programs; README 'Start-up')")
+flags.DEFINE_bool("precompile", None, "compile every serving program the limits can reach before reporting "
+                  "ready (Runner.programs; README 'Start-up'); default: on with the ragged step layout "
+                  "unless --enforce_eager")
 flags.DEFINE_float("shutdown_grace_s", 30.0, "seconds in-flight requests get to finish after SIGTERM")
 flags.DEFINE_bool("metrics_need_key", False, "require the API key on /metrics too (it names the served model)")
 flags.DEFINE_integer("max_body_bytes", 64 * 2**20, "largest request body (413 beyond)")
@@ -63,7 +66,7 @@ flags.DEFINE_string("tool_call_parser", "kimi_k2",
 flags.DEFINE_string("reasoning_parser", "kimi_k2",
                     "accepted: kimi_k2 only (the reply's reasoning_content)")
 flags.DEFINE_bool("enforce_eager", False,
-                  "accepted: programs compile on first use (no --precompile)")
+                  "programs compile on first use (no precompile before ready)")
 flags.DEFINE_float("keepalive_s", 15.0, "close a connection that completes no request's headers this long "
                    "after opening or after its last response")
 flags.DEFINE_integer("max_prompt_chars", 8 * 2**20, "longest text prompt / conversation in characters (400 beyond)")
@@ -98,7 +101,7 @@ def main(argv):
     except ValueError as e:
         common.fail(PROG, f"--{e}")
     try:
-        ec = common.engine_config(model=model)
+        ec = common.engine_config(model=model, **serving_defaults())
     except (*common.user_errors(), ValueError, NotImplementedError, FileNotFoundError) as e:
         common.fail(PROG, e)
     sock = _bind(FLAGS.host, FLAGS.port)          # before the weights load: a taken port fails now
@@ -121,6 +124,21 @@ def main(argv):
     except ListenError as e:                # the port is taken, the address is not ours
         common.fail(PROG, e.strerror)
     print(f"{PROG}: stopped", file=sys.stderr, flush=True)
+
+
+def serving_defaults() -> dict:
+    """What kimi-serve sets where its flags are not given: the ragged step layout (its program set
+    does not grow with the limits; the padded one with speculative decoding, which the ragged step
+    does not run) and, with the ragged layout and unless --enforce_eager, its whole set compiled
+    before ready (the padded set at serving limits is hundreds of programs: compiled on first use
+    unless --precompile)."""
+    out = {}
+    if FLAGS.step_layout is None and FLAGS.speculative_config is None:
+        out["step_layout"] = "ragged"
+    if FLAGS.precompile is None:
+        ragged = out.get("step_layout", FLAGS.step_layout) == "ragged"
+        out["precompile"] = ragged and not FLAGS.enforce_eager
+    return out
 
 
 def _bind(host: str, port: int) -> socket.socket:

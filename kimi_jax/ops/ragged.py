@@ -60,12 +60,13 @@ def mla_ragged_attention(
     j < max_pages (static: the most pages a row holds), and this step's tokens of row b at
     positions <= its own; a padding token (in no row, or position < 0) gives 0.
 
-    Under impl 'pallas' (A and R powers of two >= 16) the cached part is the paged MLA decode
-    kernel (pallas_kernels/mla/decode.py, balanced schedule): every token is one of its rows,
-    reading its row's pages in place through the flat pages_X (no gather), the context split into
-    work items by length across all the step's tokens (a padding token gets none); this step's
-    tokens of the same row are the `_new_part` einsums, merged by log-sum-exp
-    (pallas_kernels/mla/combine.py). Under impl 'xla' plain jnp with float32 scores (as
+    Under impl 'pallas' (A and R powers of two >= 16, the pool in q's dtype) the cached part is
+    the paged MLA decode kernel (pallas_kernels/mla/decode.py): every token is one of its rows,
+    reading its row's pages in place through the flat pages_X (no gather), its cached tokens split
+    as the kernel splits a decode row (plan.mla_schedule, default 'rows': each token's own splits,
+    a padding token's programs reading nothing; 'balanced': work items shared by length); this
+    step's tokens of the same row are the `_new_part` einsums, merged with the splits by
+    log-sum-exp as the decode kernel's finish merges them. Under impl 'xla' plain jnp with float32 scores (as
     `ops._mla_paged_attention_xla`): each token gathers its row's cached pages on its own,
     BLOCK_TOKENS positions at a time (Z x T x BLOCK_TOKENS latents, online softmax), as many blocks
     as the step's longest cached prefix needs (the rest skipped: one program; on a GPU each block's
@@ -87,6 +88,7 @@ def mla_ragged_attention(
     if (plan.pallas and all(v >= 16 and not v & (v - 1) for v in (A, R))
             and pool_LXpC.dtype == q_lat_ZTNA.dtype):
         local = functools.partial(_ragged_kernel_local, scale=scale, max_pages=max_pages,
+                                  schedule=plan.mla_schedule or "rows",
                                   xla_max_macs=plan.combine_xla_max_macs)
     else:
         local = functools.partial(_ragged_local, scale=scale, max_pages=max_pages)
@@ -135,7 +137,7 @@ def _new_part(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, row_ZT, valid_ZT, positions_ZT, sc
 
 
 def _ragged_kernel_local(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, pool_LXpC, rows: RaggedRows,
-                         positions_ZT, layer, *, scale, max_pages, xla_max_macs):
+                         positions_ZT, layer, *, scale, max_pages, schedule, xla_max_macs):
     """`mla_ragged_attention` on one device's blocks and pages with the paged decode kernel: each
     token a row of the kernel over its row's cached tokens, then its `_new_part`, merged."""
     from pallas_kernels.int4 import tile
@@ -150,21 +152,28 @@ def _ragged_kernel_local(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, pool_LXpC, rows: Ragged
     base_T = (first_ZT + jnp.arange(Z, dtype=jnp.int32)[:, None] * x_per).reshape(-1)
     table_X = jnp.clip(rows.pages_X, 0, X - 1) + layer * X
     interpret = tile.resolve_interpret(None)
-    cfg = mla_decode.resolve_config(mla_decode.MlaDecodeConfig(schedule="balanced"), Z * T, N,
+    cfg = mla_decode.resolve_config(mla_decode.MlaDecodeConfig(schedule=schedule), Z * T, N,
                                     max_pages * page, A)
     cached_T = cached_ZT.reshape(-1)
-    work = mla_decode.balanced_items(cached_T, Z * T * cfg.num_splits, cfg.block_k)
+    work = (mla_decode.balanced_items(cached_T, Z * T * cfg.num_splits, cfg.block_k)
+            if schedule == "balanced" else None)
     o_TJNA, lse_TJN = mla_decode.mla_decode_partials(
         q_lat_ZTNA.reshape(Z * T, N, A), q_pe_ZTNR.astype(dtype).reshape(Z * T, N, R),
         pool_LXpC.reshape(L * X, page, C), table_X, cached_T, scale=scale,
         config=cfg, interpret=interpret, work=work, page_base_B=base_T)
     o_new_ZTNA, lse_new_ZTN = _new_part(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, row_ZT, valid_ZT,
                                         positions_ZT, scale)
-    items = o_TJNA.shape[0] * o_TJNA.shape[1]
-    o_TNA, _ = mla_combine.combine(
-        o_TJNA.reshape(items, N, A), lse_TJN.reshape(items, N), work,
-        o_new_ZTNA.reshape(Z * T, N, A), lse_new_ZTN.reshape(Z * T, N), interpret=interpret,
-        xla_max_macs=xla_max_macs)
+    o_new_TNA, lse_new_TN = o_new_ZTNA.reshape(Z * T, N, A), lse_new_ZTN.reshape(Z * T, N)
+    if work is None:    # each token's splits [T, J, N, .] merged as the decode finish merges them
+        o_TNA, _ = mla_decode.combine(
+            jnp.moveaxis(o_TJNA, 1, 2)[:, None], jnp.moveaxis(lse_TJN, 1, 2)[:, None],
+            o_new_TNA[:, None], lse_new_TN[:, None])
+        o_TNA = o_TNA[:, 0]
+    else:               # items of any token: merged by the item table
+        items = o_TJNA.shape[0] * o_TJNA.shape[1]
+        o_TNA, _ = mla_combine.combine(
+            o_TJNA.reshape(items, N, A), lse_TJN.reshape(items, N), work, o_new_TNA, lse_new_TN,
+            interpret=interpret, xla_max_macs=xla_max_macs)
     o_ZTNA = o_TNA.reshape(Z, T, N, A)
     return jnp.where(valid_ZT[..., None, None], o_ZTNA, 0).astype(dtype)
 

@@ -184,6 +184,31 @@ def test_vllm_launch_flags_are_accepted_with_their_meaning_here(cli, monkeypatch
     assert seen.pop() == (False, "/dev/null")
 
 
+def test_serve_runs_the_ragged_layout_compiled_before_ready_by_default(cli, monkeypatch):
+    """kimi-serve's defaults: step_layout 'ragged' and precompile on; --enforce-eager turns the
+    precompile off, --speculative-config keeps the padded layout (the ragged step does not
+    speculate) and the padded layout compiles on first use unless --precompile; given flags win
+    (LLM's own defaults are padded and lazy: not changed here)."""
+    from kimi_jax.engine.args import EngineConfig
+    from kimi_jax.entrypoints.frontend import Frontend
+    seen = []
+
+    def spy(cls, engine_config):
+        seen.append((engine_config.step_layout, engine_config.precompile))
+        raise ValueError("stopped by the test")
+    monkeypatch.setattr(Frontend, "from_config", classmethod(spy))
+    spec = '--speculative-config={"method": "ngram", "num_speculative_tokens": 2}'
+    for flags_, want in (([], ("ragged", True)), (["--enforce-eager"], ("ragged", False)),
+                         ([spec], ("padded", False)), (["--step_layout=padded"], ("padded", False)),
+                         (["--step_layout=padded", "--precompile"], ("padded", True)),
+                         (["--noprecompile"], ("ragged", False))):
+        r = cli("launch.serve", "--model=tiny", *flags_)
+        assert r.returncode == 2 and "stopped by the test" in r.stderr, (flags_, r)
+        assert seen.pop() == want, flags_
+    defaults = EngineConfig()
+    assert (defaults.step_layout, defaults.precompile) == ("padded", False)
+
+
 def test_precompile_and_enforce_eager_together_are_one_line_naming_both(cli):
     r = cli("launch.serve", "--model=tiny", "--precompile", "--enforce-eager")
     lines = r.stderr.strip().splitlines()

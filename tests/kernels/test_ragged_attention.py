@@ -97,6 +97,11 @@ def test_ragged_equals_the_paged_path_row_by_row(page, n_blocks):
                                       max_pages=max_pages, plan=ops.ExecPlan(impl="pallas"), layer=layer)
     np.testing.assert_allclose(np.asarray(pallas), want, atol=2e-5, rtol=0)
     assert np.all(np.asarray(pallas)[positions < 0] == 0)
+    # its balanced schedule (work items shared by length, merged by the item table)
+    balanced = ops.mla_ragged_attention(
+        q_lat, q_pe, new, pool, rows, positions, SCALE, max_pages=max_pages, layer=layer,
+        plan=ops.ExecPlan(impl="pallas", mla_schedule="balanced"))
+    np.testing.assert_allclose(np.asarray(balanced), want, atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("block_tokens", [1, 8])
