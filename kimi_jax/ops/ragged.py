@@ -67,10 +67,10 @@ def mla_ragged_attention(
     a padding token's programs reading nothing; 'balanced': work items shared by length); this
     step's tokens of the same row are the `_new_part` einsums, merged with the splits by
     log-sum-exp as the decode kernel's finish merges them. Under impl 'xla' plain jnp with float32
-    scores (as `ops._mla_paged_attention_xla`): each token gathers its row's cached pages on its own,
-    BLOCK_TOKENS positions at a time (Z x T x BLOCK_TOKENS latents, online softmax), as many blocks
-    as the step's longest cached prefix needs (the rest skipped: one program; on a GPU each block's
-    skip is a host round trip, hence the kernel there).
+    scores (as `ops._mla_paged_attention_xla`): each token gathers its row's cached pages on its
+    own, BLOCK_TOKENS positions at a time (Z x T x BLOCK_TOKENS latents, online softmax), as many
+    blocks as the step's longest cached prefix needs (the rest skipped: one program; on a GPU
+    each block's skip is a host round trip, hence the kernel there).
     parallel (a MoEParallel): run per shard (shard_map) over its batch axes (each rank its blocks
     and its part of a page-split pool, `ops.page_split`) and its heads axes."""
     from kimi_jax import ops
