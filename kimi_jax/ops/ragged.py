@@ -18,6 +18,8 @@ import jax.numpy as jnp
 # A ragged step reads each row's cached pages this many positions at a time, as many blocks as the
 # step's longest cached prefix needs (at least one page a block).
 BLOCK_TOKENS = 256
+# A step's own tokens are scored this many queries at a time (`_new_part`).
+NEW_BLOCK_TOKENS = 512
 
 
 @jax.tree_util.register_dataclass
@@ -116,24 +118,39 @@ def _token_rows(rows: RaggedRows, positions_ZT):
 
 def _new_part(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, row_ZT, valid_ZT, positions_ZT, scale):
     """Each token against this step's tokens of its row at positions <= its own, float32 scores:
-    (normalized output [Z, T, N, A] f32, log-sum-exp [Z, T, N]; a padding token: 0 and -inf)."""
+    (normalized output [Z, T, N, A] f32, log-sum-exp [Z, T, N]; a padding token: 0 and -inf).
+    Past NEW_BLOCK_TOKENS tokens, NEW_BLOCK_TOKENS queries at a time against the keys up to their
+    block's end (a row's tokens are consecutive, earlier ones first): scores of at most
+    NEW_BLOCK_TOKENS x T a head, not T x T."""
+    T = positions_ZT.shape[1]
+    if T <= NEW_BLOCK_TOKENS:
+        return _new_block(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, row_ZT, valid_ZT, positions_ZT, scale, 0, T)
+    parts = [_new_block(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, row_ZT, valid_ZT, positions_ZT, scale, t0,
+                        min(T, t0 + NEW_BLOCK_TOKENS)) for t0 in range(0, T, NEW_BLOCK_TOKENS)]
+    return tuple(jnp.concatenate(p, axis=1) for p in zip(*parts))
+
+
+def _new_block(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, row_ZT, valid_ZT, positions_ZT, scale, t0, t1):
+    """`_new_part` of the queries t0 <= t < t1 (keys: the tokens before t1)."""
     from kimi_jax.ops.impl import einsum_f32
     A = q_lat_ZTNA.shape[-1]
-    new_ZTC = new_ZTC.astype(q_lat_ZTNA.dtype)
-    mask_ZTT = ((row_ZT[:, None, :] == row_ZT[:, :, None])
-                & valid_ZT[:, None, :] & valid_ZT[:, :, None]
-                & (positions_ZT[:, None, :] <= positions_ZT[:, :, None]))
-    s_ZNTT = (einsum_f32("ztna,zsa->znts", q_lat_ZTNA, new_ZTC[..., :A])
-              + einsum_f32("ztnr,zsr->znts", q_pe_ZTNR, new_ZTC[..., A:])) * scale
-    s_ZNTT = jnp.where(mask_ZTT[:, None], s_ZNTT, -1e30)
-    m_ZNT = s_ZNTT.max(axis=-1)
-    p_ZNTT = jnp.exp(s_ZNTT - m_ZNT[..., None])
-    l_ZNT = p_ZNTT.sum(axis=-1)
-    o_ZTNA = einsum_f32("znts,zsa->ztna", p_ZNTT.astype(new_ZTC.dtype), new_ZTC[..., :A])
+    q_lat, q_pe = q_lat_ZTNA[:, t0:t1], q_pe_ZTNR[:, t0:t1]
+    keys_ZSC = new_ZTC[:, :t1].astype(q_lat_ZTNA.dtype)
+    row_q, valid_q, pos_q = row_ZT[:, t0:t1], valid_ZT[:, t0:t1], positions_ZT[:, t0:t1]
+    row_k, valid_k, pos_k = row_ZT[:, :t1], valid_ZT[:, :t1], positions_ZT[:, :t1]
+    mask_ZTS = ((row_k[:, None, :] == row_q[:, :, None]) & valid_k[:, None, :] & valid_q[..., None]
+                & (pos_k[:, None, :] <= pos_q[..., None]))
+    s_ZNTS = (einsum_f32("ztna,zsa->znts", q_lat, keys_ZSC[..., :A])
+              + einsum_f32("ztnr,zsr->znts", q_pe, keys_ZSC[..., A:])) * scale
+    s_ZNTS = jnp.where(mask_ZTS[:, None], s_ZNTS, -1e30)
+    m_ZNT = s_ZNTS.max(axis=-1)
+    p_ZNTS = jnp.exp(s_ZNTS - m_ZNT[..., None])
+    l_ZNT = p_ZNTS.sum(axis=-1)
+    o_ZTNA = einsum_f32("znts,zsa->ztna", p_ZNTS.astype(keys_ZSC.dtype), keys_ZSC[..., :A])
     o_ZTNA = o_ZTNA / jnp.moveaxis(l_ZNT, 1, 2)[..., None]
-    valid_Z1T = valid_ZT[:, None, :]
+    valid_Z1T = valid_q[:, None, :]
     lse_ZNT = jnp.where(valid_Z1T, m_ZNT + jnp.log(jnp.where(valid_Z1T, l_ZNT, 1.0)), -jnp.inf)
-    return (jnp.where(valid_ZT[..., None, None], o_ZTNA, 0.0), jnp.moveaxis(lse_ZNT, 1, 2))
+    return (jnp.where(valid_q[..., None, None], o_ZTNA, 0.0), jnp.moveaxis(lse_ZNT, 1, 2))
 
 
 def _ragged_kernel_local(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, pool_LXpC, rows: RaggedRows,

@@ -117,6 +117,19 @@ def test_ragged_reads_the_cached_pages_in_blocks(monkeypatch, block_tokens):
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_ragged_scores_its_own_tokens_in_query_blocks(monkeypatch, impl):
+    """The step's own tokens scored 3 queries at a time (blocks that cut rows) give the result of
+    scoring them all at once."""
+    from kimi_jax.ops import ragged
+    q_lat, q_pe, new, pool, rows, positions, max_pages = case(BLOCKS[:2], 4, 32, seed=13)
+    want = row_by_row(q_lat, q_pe, new, pool, rows, positions, max_pages, 1, [0, 0])
+    monkeypatch.setattr(ragged, "NEW_BLOCK_TOKENS", 3)
+    got = ops.mla_ragged_attention(q_lat, q_pe, new, pool, rows, positions, SCALE,
+                                   max_pages=max_pages, layer=1, plan=ops.ExecPlan(impl=impl))
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=0)
+
+
 def test_ragged_refuses_bad_sizes():
     q_lat, q_pe, new, pool, rows, positions, max_pages = case(BLOCKS, 4, 32)
     with pytest.raises(ValueError, match="max_pages=0 must be an int >= 1"):
