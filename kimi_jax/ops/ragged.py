@@ -123,10 +123,11 @@ def _new_part(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, row_ZT, valid_ZT, positions_ZT, sc
     block's end (a row's tokens are consecutive, earlier ones first): scores of at most
     NEW_BLOCK_TOKENS x T a head, not T x T."""
     T = positions_ZT.shape[1]
+    args = (q_lat_ZTNA, q_pe_ZTNR, new_ZTC, row_ZT, valid_ZT, positions_ZT, scale)
     if T <= NEW_BLOCK_TOKENS:
-        return _new_block(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, row_ZT, valid_ZT, positions_ZT, scale, 0, T)
-    parts = [_new_block(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, row_ZT, valid_ZT, positions_ZT, scale, t0,
-                        min(T, t0 + NEW_BLOCK_TOKENS)) for t0 in range(0, T, NEW_BLOCK_TOKENS)]
+        return _new_block(*args, 0, T)
+    parts = [_new_block(*args, t0, min(T, t0 + NEW_BLOCK_TOKENS))
+             for t0 in range(0, T, NEW_BLOCK_TOKENS)]
     return tuple(jnp.concatenate(p, axis=1) for p in zip(*parts))
 
 
