@@ -174,12 +174,14 @@ class Runner:
         """Dispatch a split plan's sampling half, laid out from the requests as booked now (masks,
         bans); rows that finished meanwhile sample unconstrained, their tokens discarded."""
         (logits, batch, key), self._forward = self._forward, None
-        inputs, skey = self._sample_inputs(plan)
+        ragged = plan.kind == "ragged"
+        inputs, skey = (self._ragged_sample_inputs if ragged else self._sample_inputs)(plan)
         out = self._call_sample(logits, inputs, skey)
         for o in out.values():
             if o.is_fully_addressable:
                 o.copy_to_host_async()
-        self.inflight = _InFlight(plan, out, batch, key)
+        self.inflight = (_InFlight(plan, out, (batch, inputs), (key, skey)) if ragged
+                         else _InFlight(plan, out, batch, key))
 
     def _forward_batch(self, plan: StepPlan) -> tuple[StepBatch, ProgramKey]:
         """A split decode plan's forward inputs (no sampling arrays) and program."""
@@ -239,6 +241,9 @@ class Runner:
         sampled tokens on the device) or by `drain`."""
         f = self.inflight
         batch, key = self.ragged_batch(plan, f if plan.chained else None)
+        if plan.split:        # sampled by `sample` once f's outputs, read here, are booked
+            self.inflight, self._forward = None, (self._call_ragged(batch, key), batch, key)
+            return [] if f is None or not plan.chained else [(f.plan, self._read(f))]
         inputs, skey = self._ragged_sample_inputs(plan)
         forward = self._call_ragged(batch, key)
         logits, prompt = forward if key.prompt_logprobs is not None else (forward, None)
@@ -340,8 +345,10 @@ class Runner:
         B = plan.batch
         steps, keys = np.zeros((B,), np.int32), np.zeros((B, 2), np.uint32)
         params, adjust = [SamplingParams(temperature=0.0)] * B, [None] * B
-        reqs = [row.req for row in plan.live]
-        for row in plan.live:
+        # a split step's rows whose request finished meanwhile sample unconstrained (discarded)
+        live = [row for row in plan.live if row.req.finish_reason is None]
+        reqs = [row.req for row in live]
+        for row in live:
             b, r = row.batch_row, row.req
             steps[b], keys[b], params[b] = row.step, r.key, r.params
             if r.adjust is not None:

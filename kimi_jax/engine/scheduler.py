@@ -252,23 +252,25 @@ class Scheduler:
         if not rows:
             return None
         plan = self._ragged_layout(rows)
-        # overlap: a step none of whose rows needs its last token on the host (or scores its
-        # prompt) is dispatched without waiting; the next one is planned while it runs
-        if self.overlap and self._overlaps(r for r, _ in rows):
-            plan = self.inflight = dataclasses.replace(plan, overlap=True)
+        # overlap: a step none of whose rows scores its prompt is dispatched without waiting; the
+        # next one is planned while it runs (split when a row needs its last token on the host)
+        if self.overlap and self._overlaps([r for r, _ in rows]):
+            plan = self.inflight = dataclasses.replace(plan, overlap=True,
+                                                       split=_splits(r for r, _ in rows))
         return plan
 
     @staticmethod
     def _overlaps(reqs) -> bool:
-        return not any(prompt_entries_left(r) or needs_host(r) for r in reqs)
+        return not any(prompt_entries_left(r) for r in reqs)
 
     def _ragged_chain(self) -> Optional[StepPlan]:
         """The next ragged step planned while the one in flight runs (None: it must be read
         first): its rows that sample a token and do not end with it decode that token (fed on the
         device), then the other running requests as `_ragged_plan` takes them (decode rows, then
-        prompt chunks; an in-flight chunk's request continues after it). None when a row needs its
-        last token on the host or scores its prompt, or pages run out but for requests in flight
-        (no preemption of a request in flight)."""
+        prompt chunks; an in-flight chunk's request continues after it). None when a row scores
+        its prompt, or pages run out but for requests in flight (no preemption of a request in
+        flight). Split (its sampling half dispatched once the step in flight is booked) when a
+        row needs its last token on the host: a grammar's mask, multi-token bad words."""
         f, shapes, adm = self.inflight, self.ragged_shapes, self.admission
         adm.admit()
         flight = {id(row.req): row for row in f.live}
@@ -320,7 +322,8 @@ class Scheduler:
         if not rows:
             return None
         plan = self._ragged_layout(rows, at)
-        return dataclasses.replace(plan, chained=True, overlap=True)
+        return dataclasses.replace(plan, chained=True, overlap=True,
+                                   split=_splits(r for r, _ in rows))
 
     def _ragged_layout(self, rows: list[tuple[Request, int]],
                        at: Optional[dict] = None) -> StepPlan:
@@ -567,6 +570,11 @@ class Scheduler:
     def _append(self, r: Request, t: int, out=None, b: int = 0) -> None:
         self.stats["generated_tokens"] += 1
         append_token(r, t, out, b, self.tokenizer)
+
+
+def _splits(reqs) -> bool:
+    """Whether an overlapped step of these requests samples only once the step before is booked."""
+    return any(needs_host(r) for r in reqs)
 
 
 def needs_host(r: Request) -> bool:

@@ -140,15 +140,21 @@ def chain_workload(llm, structured: bool):
 
 def chain_run(llm, prompts, params, abort: int, overlap: bool):
     """Every request through a fresh core, stepped by hand: request `abort` is aborted once it has
-    three tokens (overlap: and a step is in flight). (samples, stats, each plan run and whether
-    every running request could overlap then)."""
+    three tokens (overlap: and a step is in flight). (samples, stats, each plan run as `spy`
+    records it)."""
     core = llm.frontend.make_core(overlap_scheduling=overlap)
     groups = [core.add_request(str(i), p, sp, seed=i)
               for i, (p, sp) in enumerate(zip(prompts, params))]
     plans, run, s = [], core.runner.run, core.scheduler
-    # each plan run, and whether every running request could overlap (no grammar, no prompt scored)
-    core.runner.run = lambda plan: plans.append((plan, all(
-        r.structured is None and not prompt_entries_left(r) for r in s.running))) or run(plan)
+    def spy(plan):
+        """each plan run: whether every running request could overlap unsplit (no grammar, no
+        prompt scored), whether a row of it scores its prompt, whether one is constrained"""
+        plans.append((plan, all(r.structured is None and not prompt_entries_left(r)
+                                for r in s.running),
+                      any(prompt_entries_left(row.req) for row in plan.live),
+                      any(row.req.structured is not None for row in plan.live)))
+        return run(plan)
+    core.runner.run = spy
     target = groups[abort][0]
     while core.has_unfinished():
         core.step()
@@ -172,7 +178,8 @@ def test_overlapped_ragged_steps_give_the_synchronous_tokens(seqs, layout, struc
     """Under overlap every ragged step is planned while the one before runs, its decode rows fed
     that step's sampled tokens on the device, whatever the mix (prompts admitted beside decode
     rows, fewer than 16 rows, one stream, rows ending at max_tokens or a stop token, an abort with
-    a step in flight); steps with a json_schema row or a prompt scoring its logprobs run
+    a step in flight); a step with a json_schema row is split (sampled once the step before is
+    booked, its grammar advanced) and still chained; steps with a prompt scoring its logprobs run
     synchronously. Tokens and logprobs equal the synchronous run's."""
     llm = LLM(None, dtype="float32", max_num_seqs=seqs, block_size=4, max_model_len=128,
               **SCHED["ragged"], **layout)
@@ -191,13 +198,19 @@ def test_overlapped_ragged_steps_give_the_synchronous_tokens(seqs, layout, struc
     stopped = got[1]
     assert stopped.finish_reason == "stop" and 1 < len(stopped.output_ids) < 12
     assert ref_stats["overlapped_steps"] == 0 < stats["overlapped_steps"]
-    assert stats["overlapped_steps"] == sum(p.chained for p, _ in plans)
+    assert stats["overlapped_steps"] == sum(p[0].chained for p in plans)
     # the steps with a decode row while no running request is constrained or scores its prompt:
     # most chained (not the first of a run of them)
-    free = [p for p, ok in plans if ok and any(not row.tokens or row.n == 1 for row in p.live)]
+    free = [p for p, ok, _, _ in plans
+            if ok and any(not row.tokens or row.n == 1 for row in p.live)]
     assert sum(p.chained for p in free) >= 0.75 * len(free) > 0, (stats, len(free))
+    # (plan, no running request is constrained or scores its prompt, one of its rows scores its
+    # prompt, one of its rows is constrained) as each step was run
+    assert all(not p.overlap for p, _, scoring, _ in plans if scoring)
     if structured:
-        assert any(not p.overlap for p, ok in plans if not ok)
+        constrained = [p for p, _, scoring, grammar in plans if grammar and not scoring]
+        assert all(p.split for p in constrained if p.overlap)
+        assert sum(p.chained for p in constrained) >= 0.5 * len(constrained) > 0
         jsonschema.validate(json.loads(llm.tokenizer.decode(got[-1].output_ids)), SCHEMA)
 
 
