@@ -6,6 +6,7 @@ unconstrained and against the synchronous path (overlap off), in one process on 
   kimi-bench constrained --batches 1,16 --constrained 1,4 --steps 20                  # 61x16, one GPU
   kimi-bench constrained --preset kimi-k2.5-tp8-shard --layers 30 --batches 1,16 --constrained 1,4
   kimi-bench constrained --tiny --batches 1,4 --constrained 1,2 --context 256 --steps 4   # CPU
+  kimi-bench constrained --step_layout ragged --layers 8 --batches 1,16 --constrained 1,4
 
 Rows (ms per step = wall / engine steps, medians of --repeats runs): `mode` unconstrained (overlap on),
 overlap (c rows constrained, overlap on), sync (the same, overlap off), bad_words (c rows with a
@@ -24,6 +25,8 @@ import time
 
 from absl import flags
 
+# launch.common defines --step_layout (the engine's; ragged: a budget of max(256, batch) tokens)
+from launch import common  # noqa: F401
 from launch.bench.harness import write_json
 
 flags.DEFINE_string("preset", "kimi-k2.5-61x16", "model preset (kimi_jax.config.preset)")
@@ -78,7 +81,9 @@ def measure(steps, tok, backend, batch: int, constrained: int, mode: str, contex
     cfg = steps.cfg
     prompt_len = context - n_steps - 2 * PAGE_SIZE
     cache = CacheConfig(PAGE_SIZE, batch * (context // PAGE_SIZE), steps.cache_dtype)
-    sc = SchedulerConfig(batch, context, 256, 2048, overlap_scheduling=mode != "sync")
+    sc = SchedulerConfig(batch, context, 256, 2048, overlap_scheduling=mode != "sync",
+                         step_layout=FLAGS.step_layout or "padded",
+                         max_num_batched_tokens=max(256, batch))
     core = EngineCore(steps, sc, cache, tokenizer=tok, structured=backend)
     pool = core.scheduler.pool
     core.runner.pages = random_pages(steps, pool.num_pages)
@@ -146,6 +151,7 @@ def main(argv):
             gc.collect()                        # that row's core and its pool
             row.update(device=jax.devices()[0].device_kind, jax=jax.__version__,
                        layers=steps.cfg.num_hidden_layers, context=FLAGS.context,
+                       step_layout=FLAGS.step_layout or "padded",
                        preset="tiny" if FLAGS.tiny else FLAGS.preset)
             print({k: v for k, v in row.items() if k != "tokens"}, flush=True)
             rows.append(row)

@@ -15,14 +15,14 @@ def test_kimi_bench_lists_its_suites_and_refuses_an_unknown_one(cli):
     assert r.returncode == 0
     for suite in ("int4", "mla", "engine", "throughput", "spec", "loading", "prefix_cache", "program_costs",
                   "full_depth", "gemv", "small_ops", "structured", "dtype", "lowering", "step_layout",
-                  "program_set"):
+                  "layout_depth", "program_set"):
         assert f"\n  {suite} " in r.stdout, suite
     assert cli("launch.bench").stdout == r.stdout                # no suite: the list
     bad = cli("launch.bench", "nosuch")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "kimi-bench: error: unknown suite 'nosuch' (suites: int4, mla, engine, throughput, spec, loading, "
         "prefix_cache, program_costs, full_depth, gemv, small_ops, constrained, structured, dtype, lowering, "
-        "step_layout, program_set)"]
+        "step_layout, layout_depth, program_set)"]
     # a suite's --help: its own flags, exit 0
     r = cli("launch.bench", "loading", "--help")
     assert r.returncode == 0 and "--orbax-dir" in r.stdout and "--raw-workers" in r.stdout
@@ -437,13 +437,34 @@ def test_bench_program_costs_tiny_times_every_case_with_its_compile(tmp_path, cl
     assert all(x["ms"] > 0 and x["compile_s"] > 0 for x in rows)
 
 
-def test_bench_constrained_splits_the_step_and_keeps_the_tokens(tmp_path, cli):
-    """kimi-bench constrained's CPU dry run: the constrained batch overlaps every timed step (its
-    steps split) and its tokens equal the synchronous path's; the bad-words rows overlap too."""
+@pytest.mark.parametrize("layout", ["padded", "ragged"])
+def test_bench_constrained_splits_the_step_and_keeps_the_tokens(tmp_path, cli, layout):
+    """kimi-bench constrained's CPU dry run, either step layout: the constrained batch overlaps
+    every timed step (its steps split) and its tokens equal the synchronous path's; the bad-words
+    rows overlap too."""
     r = cli("launch.bench", "constrained", "--tiny", "--batches=2", "--constrained=1", "--context=256",
-            "--steps=3", "--repeats=1", "--out", str(tmp_path))
+            "--steps=3", "--repeats=1", f"--step_layout={layout}", "--out", str(tmp_path))
     assert r.returncode == 0, r
     rows = {row["mode"]: row for row in json.loads((tmp_path / "constrained.json").read_text())}
     assert set(rows) == {"unconstrained", "overlap", "sync", "bad_words"}
     assert rows["overlap"]["same_tokens"] and rows["overlap"]["overlapped_steps"] == 3
     assert rows["sync"]["overlapped_steps"] == 0 and rows["bad_words"]["overlapped_steps"] == 3
+
+
+def test_bench_layout_depth_times_both_layouts_and_lists_their_kernels(tmp_path, cli):
+    """kimi-bench layout_depth's CPU dry run: a row per layout and batch with its ms a step and
+    its profiler census; a malformed layout is one line before any work."""
+    r = cli("launch.bench", "layout_depth", "--tiny", "--layers=2", "--context=256", "--batches=1,2",
+            "--steps=3", "--profile_steps=2", "--layouts=padded,ragged:balanced", "--out",
+            str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [x for x in json.loads((tmp_path / "layout_depth.json").read_text()) if x["kind"] == "step"]
+    assert [(x["layout"], x["batch"]) for x in rows] == [
+        ("padded", 1), ("padded", 2), ("ragged:balanced", 1), ("ragged:balanced", 2)]
+    for x in rows:
+        assert x["ms_per_step"] > 0 and x["engine_steps"] >= 3 and x["kernels_per_step"] > 0
+        assert x["top"] and x["busy_ms_per_step"] > 0
+    bad = cli("launch.bench", "layout_depth", "--tiny", "--layouts=padded:rows")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "kimi-bench layout_depth: error: --layouts: 'padded:rows' is not padded, ragged or "
+        "ragged:SCHEDULE"], bad.stderr
