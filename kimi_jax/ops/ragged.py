@@ -65,8 +65,8 @@ def mla_ragged_attention(
     Under impl 'pallas' (A and R powers of two >= 16, the pool in q's dtype) the cached part is
     the paged MLA decode kernel (pallas_kernels/mla/decode.py): every token is one of its rows,
     reading its row's pages in place through the flat pages_X (no gather), its cached tokens split
-    as the kernel splits a decode row (plan.mla_schedule, default 'rows': each token's own splits,
-    a padding token's programs reading nothing; 'balanced': work items shared by length); this
+    as the kernel splits a decode row (plan.mla_schedule, default 'balanced': work items shared by
+    length, a padding token gets none; 'rows': each token's own splits); this
     step's tokens of the same row are the `_new_part` einsums, merged with the splits by
     log-sum-exp as the decode kernel's finish merges them. Under impl 'xla' plain jnp with float32
     scores (as `ops._mla_paged_attention_xla`): each token gathers its row's cached pages on its
@@ -90,7 +90,7 @@ def mla_ragged_attention(
     if (plan.pallas and all(v >= 16 and not v & (v - 1) for v in (A, R))
             and pool_LXpC.dtype == q_lat_ZTNA.dtype):
         local = functools.partial(_ragged_kernel_local, scale=scale, max_pages=max_pages,
-                                  schedule=plan.mla_schedule or "rows",
+                                  schedule=plan.mla_schedule or "balanced",
                                   xla_max_macs=plan.combine_xla_max_macs)
     else:
         local = functools.partial(_ragged_local, scale=scale, max_pages=max_pages)

@@ -92,16 +92,17 @@ def test_ragged_equals_the_paged_path_row_by_row(page, n_blocks):
     flat = ops.mla_ragged_attention(q_lat, q_pe, new, pool[layer], rows, positions, SCALE,
                                     max_pages=max_pages)
     np.testing.assert_allclose(np.asarray(flat), want, atol=2e-5, rtol=0)
-    # impl 'pallas': the paged decode kernel (interpreted here) over each token's row's pages
+    # impl 'pallas': the paged decode kernel (interpreted here) over each token's row's pages, its
+    # balanced schedule by default
     pallas = ops.mla_ragged_attention(q_lat, q_pe, new, pool, rows, positions, SCALE,
                                       max_pages=max_pages, plan=ops.ExecPlan(impl="pallas"), layer=layer)
     np.testing.assert_allclose(np.asarray(pallas), want, atol=2e-5, rtol=0)
     assert np.all(np.asarray(pallas)[positions < 0] == 0)
-    # its balanced schedule (work items shared by length, merged by the item table)
-    balanced = ops.mla_ragged_attention(
+    # its rows schedule (each token's own splits, merged as the decode finish merges them)
+    by_rows = ops.mla_ragged_attention(
         q_lat, q_pe, new, pool, rows, positions, SCALE, max_pages=max_pages, layer=layer,
-        plan=ops.ExecPlan(impl="pallas", mla_schedule="balanced"))
-    np.testing.assert_allclose(np.asarray(balanced), want, atol=2e-5, rtol=0)
+        plan=ops.ExecPlan(impl="pallas", mla_schedule="rows"))
+    np.testing.assert_allclose(np.asarray(by_rows), want, atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("block_tokens", [1, 8])
