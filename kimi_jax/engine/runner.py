@@ -203,20 +203,8 @@ class Runner:
 
     def _sample_inputs(self, plan: StepPlan) -> tuple[SampleInputs, ProgramKey]:
         B = plan.batch
-        steps, keys = np.zeros((B,), np.int32), np.zeros((B, 2), np.uint32)
-        params, adjust = [SamplingParams(temperature=0.0)] * B, [None] * B
         live = [row for row in plan.live if row.req.finish_reason is None]
-        for row in live:
-            b, r = row.batch_row, row.req
-            steps[b], keys[b], params[b] = row.step, r.key, r.params
-            # (adjustments, bans by the output so far, pool row, counts)
-            if r.adjust is not None:
-                adjust[b] = (
-                    r.adjust,
-                    penalties.banned_now(r.adjust.bad_words, r.output_ids),
-                    r.occ_row,
-                    1,
-                )
+        steps, keys, params, adjust = _sampling_rows(B, live, lambda row: 1)
         adj = penalties.build(
             adjust, self.max_num_seqs, ADJUST_ENTRIES, ADJUST_STOPS, with_penalties=True
         )
@@ -343,18 +331,12 @@ class Runner:
         """The sampling half of a ragged plan's rows: greedy, sampled or (logprobs, adjustments,
         masks) extras; a row inside its prompt samples a token no one reads."""
         B = plan.batch
-        steps, keys = np.zeros((B,), np.int32), np.zeros((B, 2), np.uint32)
-        params, adjust = [SamplingParams(temperature=0.0)] * B, [None] * B
         # a split step's rows whose request finished meanwhile sample unconstrained (discarded)
         live = [row for row in plan.live if row.req.finish_reason is None]
         reqs = [row.req for row in live]
-        for row in live:
-            b, r = row.batch_row, row.req
-            steps[b], keys[b], params[b] = row.step, r.key, r.params
-            if r.adjust is not None:
-                # counts: the row samples its next token (a chained row: always)
-                adjust[b] = (r.adjust, penalties.banned_now(r.adjust.bad_words, r.output_ids),
-                             r.occ_row, int(not row.tokens or row.start + row.n == len(r.tokens)))
+        # counts: the row samples its next token (a chained row: always)
+        steps, keys, params, adjust = _sampling_rows(
+            B, live, lambda row: int(not row.tokens or row.start + row.n == len(row.req.tokens)))
         n_lp = n_logprobs(reqs)
         extras = (n_lp is not None or any(a is not None for a in adjust)
                   or any(r.structured is not None for r in reqs))
@@ -414,24 +396,16 @@ class Runner:
         tokens = np.zeros((B, T), np.int32)
         positions = np.full((B, T), -1, np.int32)
         table = np.zeros((B, P), np.int32)
-        last, steps = np.zeros((B,), np.int32), np.zeros((B,), np.int32)
-        keys = np.zeros((B, 2), np.uint32)
-        params = [SamplingParams(temperature=0.0)] * B
-        adjust = [None] * B
+        last = np.zeros((B,), np.int32)
         for row in plan.live:
-            b, r = row.batch_row, row.req
+            b = row.batch_row
             tokens[b, :len(row.tokens)] = row.tokens
             positions[b, :row.n] = np.arange(row.start, row.start + row.n)
             table[b, :len(row.pages)] = row.pages
-            last[b], steps[b], keys[b], params[b] = row.n - 1, row.step, r.key, r.params
-            # (adjustments, bans by the output so far, pool row, counts)
-            if r.adjust is not None:
-                adjust[b] = (
-                    r.adjust,
-                    penalties.banned_now(r.adjust.bad_words, r.output_ids),
-                    r.occ_row,
-                    int(row.start + row.n == len(r.tokens)),
-                )
+            last[b] = row.n - 1
+        # counts: the row samples its next token (its last token is its request's last)
+        steps, keys, params, adjust = _sampling_rows(
+            B, plan.live, lambda row: int(row.start + row.n == len(row.req.tokens)))
         reqs = [row.req for row in plan.live]
         verify = plan.kind == "verify"
         n_plp, targets = (None, None) if verify else prompt_targets(
@@ -908,6 +882,21 @@ class Runner:
             from jax.experimental import multihost_utils
             costs = np.asarray(multihost_utils.broadcast_one_to_all(costs))
         return float(costs[0]), float(costs[1])
+
+
+def _sampling_rows(B: int, rows, counts: Callable) -> tuple:
+    """The per-row sampling inputs of `rows` in a batch of B: (steps [B], sample keys [B, 2],
+    SamplingParams [B], adjustments [B]: (adjustments, bans by the output so far, occurrence row,
+    counts(row): whether the row's token is counted) or None; padding rows greedy, unadjusted)."""
+    steps, keys = np.zeros((B,), np.int32), np.zeros((B, 2), np.uint32)
+    params, adjust = [SamplingParams(temperature=0.0)] * B, [None] * B
+    for row in rows:
+        b, r = row.batch_row, row.req
+        steps[b], keys[b], params[b] = row.step, r.key, r.params
+        if r.adjust is not None:
+            adjust[b] = (r.adjust, penalties.banned_now(r.adjust.bad_words, r.output_ids),
+                         r.occ_row, counts(row))
+    return steps, keys, params, adjust
 
 
 def _buffer_key(key: ProgramKey, batch: StepBatch) -> tuple:
