@@ -7,7 +7,6 @@ graph again (docs/ARCHITECTURE.md, "Fixed buffers")."""
 # Over 600 lines: the one owner of the device state: batch layout, programs, buffers.
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 import itertools
@@ -773,11 +772,15 @@ class Runner:
         """key's ragged program called on padding rows (a sampling half: on zero logits)."""
         if key.part == "forward":
             return self._call_ragged(self._ragged_dummy(key), key)
+        return self._call_sample(*self._sample_dummy(key), key)
+
+    def _sample_dummy(self, key: ProgramKey) -> tuple:
+        """A sampling half's inputs for key over padding rows: (zero logits, SampleInputs)."""
         d = self._dummy(dataclasses.replace(key, part=None))
         logits = jax.device_put(
             np.zeros((key.batch, self.steps.cfg.vocab_size), np.float32),
             self.steps.logits_sharding)
-        return self._call_sample(logits, SampleInputs(d.sp, d.step_B, d.mask_Bw), key)
+        return logits, SampleInputs(d.sp, d.step_B, d.mask_Bw)
 
     def _lower_half(self, key: ProgramKey):
         """A split step's half for key, lowered over padding rows (or its fixed buffers)."""
@@ -805,11 +808,7 @@ class Runner:
                 steps.logits_sharding,
             )
             return steps.forward_jit.lower(steps.weights, self.pages, io, prev, **kw)
-        d = self._dummy(dataclasses.replace(key, part=None))
-        inputs = SampleInputs(d.sp, d.step_B, d.mask_Bw)
-        logits = jax.device_put(
-            np.zeros((B, steps.cfg.vocab_size), np.float32), steps.logits_sharding
-        )
+        logits, inputs = self._sample_dummy(key)
         kw = self._sample_kw(key)
         occ = self.occurrences().pool if key.logprobs is not None else None
         if not self.fixed_buffers:
