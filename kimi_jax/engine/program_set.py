@@ -15,7 +15,7 @@ import numpy as np
 
 from kimi_jax import ops
 from kimi_jax.engine.mla_schedule import can_balance
-from kimi_jax.engine.sampling import SamplingArrays, SamplingParams
+from kimi_jax.engine.sampling import SamplingArrays, SamplingParams, key_data_for_seed
 from kimi_jax.engine.shapes import Limits, RaggedShapes, Shapes, bucket
 from kimi_jax.engine.steps import RaggedBatch, SampleInputs, StepBatch
 from kimi_jax.engine import penalties
@@ -114,7 +114,9 @@ class ProgramSet:
     ) -> None:
         """Build each program: the first plain and extras ones by a call on padding rows (so the
         pool and occurrences are step outputs, as later calls see them), the rest lowered here
-        (tracing holds the GIL) and compiled on `threads` threads into jax's executable cache.
+        (tracing holds the GIL) and compiled on `threads` threads into jax's executable cache; then
+        the occurrence row write, the pool's page copy and a sample's key, which requests call
+        between steps.
         progress(i, n, key)."""
         n, done, pending = len(programs), 0, {}
         first = {
@@ -153,6 +155,11 @@ class ProgramSet:
         self.steps.set_occurrences(
             occ, occ.pad_row, np.zeros((self.steps.cfg.vocab_size,), np.int32)
         )
+        # the pool's page copy (n > 1 forks), of a page onto itself: nothing changes; and a
+        # sample's own key (n > 1: jax.random.fold_in)
+        self._commit_pages()
+        self.pages = self.steps.copy_pages(self.pages, [0], [0])
+        key_data_for_seed(0, 1)
 
     def _lower(self, key: ProgramKey):
         """`_call`'s program for key, lowered over padding rows (or key's fixed buffers)."""

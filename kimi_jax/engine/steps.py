@@ -22,6 +22,10 @@ from kimi_jax.engine.sampling import SamplingArrays, sample, top_logprobs, verif
 from kimi_jax.engine.token_mask import apply_token_bitmask
 
 
+# Pages one call of the pool's page copy (`ModelSteps.copy_pages`, n > 1 forks) moves.
+COPY_PAGES = 64
+
+
 @dataclasses.dataclass
 class StepOutput:
     tokens: np.ndarray                      # [B] int32
@@ -463,12 +467,15 @@ class ModelSteps:
         occ.pool = self._set_occ_row(occ.pool, np.int32(row), np.asarray(row_V, np.int32))
 
     def copy_pages(self, pages, src: Sequence[int], dst: Sequence[int], rank: int = 0):
-        """The pool with pages dst holding copies of pages src (ids local to DP rank `rank`)."""
+        """The pool with pages dst holding copies of pages src (ids local to DP rank `rank`),
+        COPY_PAGES at a time: one program for any number of pages (precompiled with the set)."""
         per = next(iter(pages.values())).shape[1] // self.dp
-        n = bucket(len(src), 1)
-        src = [*src, *[src[-1]] * (n - len(src))]          # padding repeats the last copy
-        dst = [*dst, *[dst[-1]] * (n - len(dst))]
-        return self._copy_pages(pages, _i32(src) + rank * per, _i32(dst) + rank * per)
+        for i in range(0, len(src), COPY_PAGES):
+            s, d = list(src[i:i + COPY_PAGES]), list(dst[i:i + COPY_PAGES])
+            s += [s[-1]] * (COPY_PAGES - len(s))            # padding repeats the last copy
+            d += [d[-1]] * (COPY_PAGES - len(d))
+            pages = self._copy_pages(pages, _i32(s) + rank * per, _i32(d) + rank * per)
+        return pages
 
 def is_fresh(positions_BT) -> bool:
     """Host check (static for the step): every row's real tokens sit at positions 0, 1, ... from its

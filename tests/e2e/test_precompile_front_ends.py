@@ -17,9 +17,12 @@ from tests.e2e.serving import free_socket, serving
 openai = pytest.importorskip("openai")
 
 NAME = "demo"
-LIMITS = dict(max_num_seqs=3, block_size=4, max_model_len=128, step_layout="ragged",
+LIMITS = dict(max_num_seqs=3, block_size=4, max_model_len=256, step_layout="ragged",
               max_num_batched_tokens=24, long_prefill_token_threshold=16)
 LONG = " ".join(["The with statement closes the file it opened."] * 6)     # > 16 tokens: chunks
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+          "additionalProperties": False}
+TOOL = {"type": "function", "function": {"name": "get", "parameters": SCHEMA}}
 
 
 def _get(url: str) -> tuple[int, str]:
@@ -56,6 +59,15 @@ def _workload(client) -> list:
                                           **greedy),
         lambda: list(client.chat.completions.create(model=NAME, messages=chat, max_tokens=8,
                                                     temperature=1.0, seed=2, stream=True)),
+        # a grammar (split overlapped steps), a required tool, n = 2, a prompt near max_model_len
+        # (prompt logprobs, which the server does not take: the LLM test in test_ragged_engine.py)
+        lambda: client.chat.completions.create(messages=chat, max_tokens=24, response_format={
+            "type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}, **greedy),
+        lambda: client.chat.completions.create(messages=chat, max_tokens=24, tools=[TOOL],
+                                               tool_choice="required", **greedy),
+        lambda: client.completions.create(model=NAME, prompt="The sky", max_tokens=5, n=2,
+                                          temperature=0.9, seed=3),
+        lambda: client.completions.create(prompt=[7] * 248, max_tokens=4, **greedy),
     ]
     with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
         return [f.result() for f in [pool.submit(c) for c in calls]]
@@ -88,6 +100,7 @@ def test_no_program_is_built_after_the_server_is_ready():
         assert len(out[0].choices[0].logprobs.tokens) == 8
         assert all(len(t.top_logprobs) == 3 for t in out[2].choices[0].logprobs.content)
         assert srv.async_llm.core.stats["ragged_passes"] > 10
+        assert len(out[8].choices) == 2 and out[7].choices[0].message.tool_calls
         assert compiled_programs(url) == at_ready
 
 

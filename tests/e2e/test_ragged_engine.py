@@ -215,9 +215,9 @@ def test_overlapped_ragged_steps_give_the_synchronous_tokens(seqs, layout, struc
 
 
 def test_no_program_is_built_after_precompile(ckpt):
-    """EngineCore.precompile builds the declared ragged set (at most 40 programs, ragged only);
-    then the workload (but its n > 1 request, whose page copies are no step program) builds none,
-    though it runs prompt logprobs, logprobs, penalties and chunks."""
+    """EngineCore.precompile builds the declared ragged set (at most 40 programs, ragged only) and
+    the page copy; then the workload builds none, though it runs prompt logprobs, logprobs,
+    penalties, chunks and an n > 1 request (its samples start from copies of its pages)."""
     compiles.install()
     llm = LLM(ckpt, dtype="float32", max_num_seqs=3, block_size=4, max_model_len=128,
               **SCHED["ragged"])
@@ -227,8 +227,8 @@ def test_no_program_is_built_after_precompile(ckpt):
     assert core.precompile() == len(declared)
     built = compiles.compile_count()
     prompts, params = workload(preset("tiny").vocab_size, structured=False)
+    assert any(sp.n > 1 for sp in params)
     for i, (p, sp) in enumerate(zip(prompts, params)):
-        if sp.n == 1:
-            core.add_request(str(i), p, sp, seed=i)
+        core.add_request(str(i), p, sp, seed=i)
     core.run()
     assert compiles.compile_count() == built and core.stats["ragged_passes"] > 10
