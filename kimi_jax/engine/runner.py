@@ -9,6 +9,7 @@ graph again (docs/ARCHITECTURE.md, "Fixed buffers")."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from typing import Callable, Optional
 
@@ -260,35 +261,50 @@ class Runner(ProgramSet):
         flight: from_prev_T its row in f's plan, local to the rank's block."""
         B, T, X, dp, p = plan.batch, plan.width, plan.table, self.steps.dp, self.page_size
         t, x = T // dp, X // dp
-        tokens, positions = np.zeros((T,), np.int32), np.full((T,), -1, np.int32)
-        from_prev = np.full((T,), -1, np.int32)
-        prev_rows = {} if f is None else {id(row.req): row.batch_row for row in f.plan.live}
-        prev_per = 1 if f is None else f.plan.batch // dp
-        slots = np.full((T,), self.rank_pages * p, np.int32)
-        start, length, cached, page_start, sample = (np.zeros((B,), np.int32) for _ in range(5))
-        pages = np.zeros((X,), np.int32)
         spans = self._ragged_spans(plan)
-        for row, g, pg in spans:
-            b, n, k = row.batch_row, row.n, g // t
-            pos = np.arange(row.start, row.start + n)
-            held = np.asarray(row.pages[:-(-(row.start + n) // p)], np.int32)
-            if row.tokens:
-                tokens[g:g + n] = row.tokens
-            else:           # the rows of rank k are in its block of f's rows too
-                from_prev[g] = prev_rows[id(row.req)] - k * prev_per
-            positions[g:g + n] = pos
-            slots[g:g + n] = held[pos // p] * p + pos % p
-            start[b], length[b], cached[b] = g - k * t, n, row.start
-            page_start[b], sample[b] = pg - k * x, g - k * t + n - 1
-            pages[pg:pg + len(held)] = held
-        n_plp, targets = prompt_targets([(row.req, row.n) for row, _, _ in spans],
-                                        [row.batch_row for row, _, _ in spans],
-                                        (B, max(row.n for row, _, _ in spans)))
+        live, R = [row for row, _, _ in spans], len(spans)
+        # per row (R): its tokens, first position, first token on the flat axis, first entry
+        # in pages_X, batch row, rank, pages held through this step
+        n_R = np.fromiter((row.n for row in live), np.int32, R)
+        pos0_R = np.fromiter((row.start for row in live), np.int32, R)
+        g_R = np.fromiter((g for _, g, _ in spans), np.int32, R)
+        pg_R = np.fromiter((pg for _, _, pg in spans), np.int32, R)
+        b_R = np.fromiter((row.batch_row for row in live), np.int32, R)
+        k_R, held_R = g_R // t, -(-(pos0_R + n_R) // p)
+        held = np.fromiter(itertools.chain.from_iterable(
+            row.pages[:h] for row, h in zip(live, held_R.tolist())), np.int32, int(held_R.sum()))
+        held_at = np.cumsum(held_R) - held_R          # each row's first page in `held`
+        pages = np.zeros((X,), np.int32)
+        of_page = np.repeat(np.arange(R), held_R)
+        pages[pg_R[of_page] + np.arange(len(held)) - held_at[of_page]] = held
+        # per token of the rows (their tokens one after another): flat index, position, slot
+        of_tok = np.repeat(np.arange(R), n_R)
+        within = np.arange(int(n_R.sum())) - (np.cumsum(n_R) - n_R)[of_tok]
+        flat, pos = g_R[of_tok] + within, pos0_R[of_tok] + within
+        positions = np.full((T,), -1, np.int32)
+        positions[flat] = pos
+        slots = np.full((T,), self.rank_pages * p, np.int32)
+        slots[flat] = held[held_at[of_tok] + pos // p] * p + pos % p
+        fed = np.fromiter((bool(row.tokens) for row in live), bool, R)
+        tokens = np.zeros((T,), np.int32)
+        tokens[flat[fed[of_tok]]] = np.fromiter(itertools.chain.from_iterable(
+            row.tokens for row in live if row.tokens), np.int32, int(n_R[fed].sum()))
+        # a row without tokens: fed from its row in f's plan (rank k's rows in its block there too)
+        from_prev = np.full((T,), -1, np.int32)
+        if not fed.all():
+            prev_rows = {id(row.req): row.batch_row for row in f.plan.live}
+            prev_per = f.plan.batch // dp
+            from_prev[g_R[~fed]] = [prev_rows[id(row.req)] - int(k) * prev_per
+                                    for row, k in zip(live, k_R) if not row.tokens]
+        start, length, cached, page_start, sample = (np.zeros((B,), np.int32) for _ in range(5))
+        start[b_R], length[b_R], cached[b_R] = g_R - k_R * t, n_R, pos0_R
+        page_start[b_R], sample[b_R] = pg_R - k_R * x, g_R - k_R * t + n_R - 1
+        n_plp, targets = prompt_targets([(row.req, int(n)) for row, n in zip(live, n_R)],
+                                        b_R.tolist(), (B, int(n_R.max())))
         targets_T = None
         if n_plp is not None:
             targets_T = np.full((T,), -1, np.int32)
-            for row, g, _ in spans:
-                targets_T[g:g + row.n] = targets[row.batch_row, :row.n]
+            targets_T[flat] = targets[b_R[of_tok], within]
         rows = ops.RaggedRows(start, length, cached, page_start, pages)
         key = ProgramKey("ragged", B, T, X, prompt_logprobs=self._top(n_plp), part="forward")
         prev = self._zero_prev() if f is None else f.out["tokens"]
