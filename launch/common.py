@@ -40,7 +40,8 @@ flags.DEFINE_integer("prefill_chunk", None, "prompt tokens of one request per pr
 flags.DEFINE_integer("max_prefill_tokens", None, "prompt tokens of all requests per prefill step; default: LLM's")
 flags.DEFINE_enum("step_layout", None, ["padded", "ragged"],
                   "padded: a prefill and a decode pass per iteration (padded programs); ragged: "
-                  "one step over a flat token axis; default: LLM's")
+                  "one step over a flat token axis; default: LLM's (padded), kimi-serve's ragged "
+                  "(padded with --speculative_config)")
 flags.DEFINE_integer("max_num_batched_tokens", None, "tokens of one ragged step (decode rows and "
                      "prompt chunks); default: max(max_prefill_tokens, max_num_seqs)")
 flags.DEFINE_integer("long_prefill_token_threshold", None, "a prompt chunk's most tokens in one "
