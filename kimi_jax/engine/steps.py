@@ -87,13 +87,23 @@ def _merge(graphdef, state):
     return nnx.merge(graphdef, state)
 
 
-def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None, occ=None, mask_Bw=None):
+def _decodable(logits, vocab_limit: Optional[int]):
+    """logits with the ids the tokenizer cannot decode (>= vocab_limit: the model's padded
+    vocabulary rows) at -inf: no sampler picks one, and logprobs are over the ids that can be
+    returned (None: every id)."""
+    if vocab_limit is None:
+        return logits
+    return jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
+
+
+def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None, occ=None, mask_Bw=None,
+                vocab_limit=None):
     # pinned vocab-split first, so each device multiplies its own lm_head rows (BENCHMARKS.md,
     # 'ModelSteps decode step': otherwise the partitioner all-gathers the whole lm_head weight)
     logits_BV = _constrain(logits_BV, shard.get("logits2"))
     # one all-gather of the (vocab-split) logits; sorting / cumsum over a sharded vocab would
     # compile to sequential loops and many small collectives
-    logits_BV = _constrain(logits_BV, shard.get("replicated"))
+    logits_BV = _decodable(_constrain(logits_BV, shard.get("replicated")), vocab_limit)
     adjusted = logits_BV
     # logit_bias, bans, min_tokens, penalties (static: the pytree's shape)
     if sp.adjust is not None:
@@ -195,6 +205,7 @@ def _step(
     fresh: bool = False,
     sample_mode=None,
     plan: ops.ExecPlan,
+    vocab_limit: Optional[int] = None,
 ):
     """One continuous-batching step over the paged cache (kind static): 'decode' (T = 1) and
     'verify' (row b feeds [last token, drafts...]) run absorbed MLA, 'prefill' expanded MLA
@@ -222,10 +233,12 @@ def _step(
             _constrain(model.logits(h_BTD, plan), shard.get("logits3")), shard.get("replicated")
         )
         n_acc, nxt = verify_drafts(
-            logits_BTV, tokens_BT[:, 1:], batch.n_draft_B, batch.sp, batch.step_B
+            _decodable(logits_BTV, vocab_limit), tokens_BT[:, 1:], batch.n_draft_B, batch.sp,
+            batch.step_B
         )
         return pages, tuple(_constrain(o, shard.get("replicated")) for o in (n_acc, nxt))
-    sample_args = (batch.sp, batch.step_B, n_logprobs, shard, sample_mode, occ, batch.mask_Bw)
+    sample_args = (batch.sp, batch.step_B, n_logprobs, shard, sample_mode, occ, batch.mask_Bw,
+                   vocab_limit)
     if n_prompt_logprobs is None:
         logits_BV = model.logits(h_BTD[jnp.arange(B), batch.last_B][:, None], plan)[:, 0]
         return pages, _sample_out(logits_BV, *sample_args)
@@ -233,7 +246,8 @@ def _step(
         _constrain(model.logits(h_BTD, plan), shard.get("logits3")), shard.get("replicated")
     )
     out = _sample_out(logits_BTV[jnp.arange(B), batch.last_B], *sample_args)
-    prompt = top_logprobs(logits_BTV, jnp.maximum(batch.targets_BT, 0), n_prompt_logprobs)
+    prompt = top_logprobs(_decodable(logits_BTV, vocab_limit), jnp.maximum(batch.targets_BT, 0),
+                          n_prompt_logprobs)
     out.update(zip(("prompt_logprob", "prompt_rank", "prompt_top_ids", "prompt_top_vals"), prompt))
     return pages, out
 
@@ -251,7 +265,8 @@ def _forward(graphdef, shard, state, pages, batch: StepBatch, prev=None, *, plan
 
 
 def _ragged_forward(graphdef, shard, state, pages, batch: RaggedBatch, prev=None, *,
-                    plan: ops.ExecPlan, max_pages: int, n_prompt_logprobs=None, ranks: int = 1):
+                    plan: ops.ExecPlan, max_pages: int, n_prompt_logprobs=None, ranks: int = 1,
+                    vocab_limit=None):
     """A ragged step's forward half: the T tokens of any mix of rows (RaggedBatch) in one pass of
     absorbed MLA (`Transformer.ragged_hidden_states`, the token axis as [Z, T / Z], Z = ranks) ->
     (the pool with their latents written, each row's logits [B, V] at its sample_B token,
@@ -289,19 +304,20 @@ def _ragged_forward(graphdef, shard, state, pages, batch: RaggedBatch, prev=None
     logits_BV = jnp.take_along_axis(logits_ZTV, sample_ZB[..., None], axis=1, mode="clip")
     logits_BV = _constrain(logits_BV.reshape(B, -1), shard.get("logits2"))
     logits_TV = _constrain(logits_ZTV, shard.get("replicated")).reshape(T, -1)
-    prompt = top_logprobs(logits_TV, jnp.maximum(batch.targets_T, 0), n_prompt_logprobs)
+    prompt = top_logprobs(_decodable(logits_TV, vocab_limit), jnp.maximum(batch.targets_T, 0),
+                          n_prompt_logprobs)
     names = ("prompt_logprob", "prompt_rank", "prompt_top_ids", "prompt_top_vals")
     return pages, (logits_BV, {k: _constrain(v, shard.get("replicated"))
                                for k, v in zip(names, prompt)})
 
 
 def _sample_half(shard, logits_BV, inputs: SampleInputs, occ=None, prev=None, *, n_logprobs=None,
-                 sample_mode=None, rows=None, ranks: int = 1):
+                 sample_mode=None, rows=None, ranks: int = 1, vocab_limit=None):
     """A split decode step's sampling half: `_step`'s sampler over the forward half's logits. rows
     (a ragged step's, static): the tokens [rows] with each of the ranks' blocks of B / ranks
     padded to rows / ranks (zeros after), the one shape a chained ragged forward takes."""
     out = _sample_out(logits_BV, inputs.sp, inputs.step_B, n_logprobs, shard, sample_mode, occ,
-                      inputs.mask_Bw)
+                      inputs.mask_Bw, vocab_limit)
     B = logits_BV.shape[0]
     if rows is not None and rows != B:
         tok_ZB = out["tokens"].reshape(ranks, B // ranks)
@@ -329,17 +345,19 @@ class ModelSteps:
     """layout: a kimi_jax.parallel.sharding.Layout; the batch is split over its data-parallel axis.
     plan: the kimi_jax.ops.ExecPlan every step runs (default `ExecPlan.for_backend()`); a static
     argument of each jitted step, so assigning another plan to `engine.exec_plan` compiles steps for
-    it."""
+    it. vocab_limit: the ids a tokenizer decodes (< vocab_limit) where the model's vocabulary is
+    padded past them: the samplers never pick the others (None: every id)."""
 
-    def __init__(
-        self, model: Transformer, cfg: ModelConfig, layout=None, plan: Optional[ops.ExecPlan] = None
-    ):
+    def __init__(self, model: Transformer, cfg: ModelConfig, layout=None,
+                 plan: Optional[ops.ExecPlan] = None, vocab_limit: Optional[int] = None):
         if plan is not None and not isinstance(plan, ops.ExecPlan):
             raise TypeError(
                 f"ModelSteps: plan must be a kimi_jax.ops.ExecPlan, got {type(plan).__name__}"
             )
         self.exec_plan = ops.default_plan(plan)
         self.cfg = cfg
+        self.vocab_limit = (None if vocab_limit is None or vocab_limit >= cfg.vocab_size
+                            else int(vocab_limit))
         self.graphdef, self.state = nnx.split(model)
         if self.exec_plan.layer_weights == "per_layer":
             layer_weights.split_layers(self.state, cfg, pack=self.exec_plan.pack_vectors)
@@ -376,7 +394,7 @@ class ModelSteps:
         self.logits_sharding = shard.get("logits2", self.token_sharding)   # a split step's logits
         # the one step the runner (kimi_jax.engine.runner) drives: a StepBatch in, program by kind
         self.step_jit = jax.jit(
-            functools.partial(_step, self.graphdef, shard),
+            functools.partial(_step, self.graphdef, shard, vocab_limit=self.vocab_limit),
             static_argnames=(
                 "kind",
                 "n_logprobs",
@@ -402,14 +420,15 @@ class ModelSteps:
         # one pass over a flat token axis of any mix of rows (RaggedBatch); sample_jit samples it;
         # the pool comes back placed as it went in (one program from the first call on)
         self.ragged_jit = jax.jit(
-            functools.partial(_ragged_forward, self.graphdef, shard, ranks=self.dp),
+            functools.partial(_ragged_forward, self.graphdef, shard, ranks=self.dp,
+                              vocab_limit=self.vocab_limit),
             static_argnames=("plan", "max_pages", "n_prompt_logprobs"),
             donate_argnames=("pages", "prev"),
             out_shardings=(self.pool_sharding, None),
             keep_unused=True,
         )
         self.sample_jit = jax.jit(
-            functools.partial(_sample_half, shard, ranks=self.dp),
+            functools.partial(_sample_half, shard, ranks=self.dp, vocab_limit=self.vocab_limit),
             static_argnames=("n_logprobs", "sample_mode", "rows"),
             donate_argnames=("occ", "prev"),
             keep_unused=True,

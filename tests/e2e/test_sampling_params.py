@@ -209,3 +209,26 @@ def test_max_logprobs_is_enforced_by_generate_and_the_engine_core(pool_llm):
     sp, core = SamplingParams(max_tokens=1, prompt_logprobs=21), pool_llm.frontend.make_core()
     with pytest.raises(RequestError, match="prompt_logprobs 21 exceeds max_logprobs 20"):
         core.make_request("x", [1, 2], sp, seed=0)
+
+
+@pytest.mark.parametrize("layout", [{}, dict(step_layout="ragged")], ids=["padded", "ragged"])
+def test_a_vocabulary_padded_past_the_tokenizer_never_returns_an_undecodable_id(layout):
+    """A model of 8,192 vocabulary rows with the demo's tokenizer (4,098 ids; random weights, so the
+    padded rows get as much mass as any): no sampled, greedy, constrained, top-logprob or
+    prompt-top-logprob id is >= 4,098, and every output decodes (none did before: the first such id
+    raised in the detokenizer, losing the whole batch)."""
+    from kimi_jax import LLM
+    from kimi_jax.engine.structured_params import StructuredOutputsParams
+    llm = LLM(CFG.replace(vocab_size=8192), tokenizer="checkpoints/demo", dtype="float32",
+              max_num_seqs=4, max_model_len=128, **layout)
+    limit = llm.tokenizer.vocab_size
+    assert llm.frontend.steps.vocab_limit == limit == 4098
+    params = [SamplingParams(max_tokens=16, temperature=1.0, seed=1),
+              SamplingParams(max_tokens=16, temperature=0.0, logprobs=3, prompt_logprobs=3),
+              SamplingParams(max_tokens=24, temperature=0.0, structured_outputs=StructuredOutputsParams(
+                  json={"type": "array", "items": {"type": "string"}}))]
+    out = llm.generate(["hello there", "the world", "a list"], params)
+    for o in out:
+        assert max(o.outputs[0].token_ids) < limit and isinstance(o.outputs[0].text, str)
+    assert all(i < limit for d in out[1].outputs[0].logprobs for i in d)
+    assert all(i < limit for d in out[1].prompt_logprobs[1:] for i in d)
