@@ -94,17 +94,18 @@ class ProgramSet:
         return out + halves
 
     def ragged_programs(self, limits: Limits) -> list[ProgramKey]:
-        """The ragged layout's programs (`RaggedShapes`): per ladder width T a forward and its
-        prompt-logprobs variant; per row count B(T) a greedy, a sampled and an extras sampling
-        half."""
+        """The ragged layout's programs (`RaggedShapes`): per ladder width T a forward (and from
+        `RaggedShapes.prompt_tokens` up its prompt-logprobs variant); per row count B(T) a greedy
+        and a sampled sampling half, each plain and extras."""
         shapes = RaggedShapes.for_limits(limits, self.steps.dp)
         n_lp = self._top(limits.max_logprobs)
-        ladder = shapes.ladder()
+        ladder, wide = shapes.ladder(), shapes.prompt_tokens()
         out = [ProgramKey("ragged", shapes.rows(T), T, shapes.pages(T), prompt_logprobs=plp,
-                          part="forward") for T in ladder for plp in (None, n_lp)]
+                          part="forward")
+               for T in ladder for plp in ((None, n_lp) if T >= wide else (None,))]
         return out + [ProgramKey("ragged", B, 1, 0, sampled=s, logprobs=lp, part="sample")
                       for B in sorted({shapes.rows(T) for T in ladder})
-                      for s, lp in ((False, None), (True, None), (True, n_lp))]
+                      for s, lp in itertools.product((False, True), (None, n_lp))]
 
     def precompile(
         self,

@@ -336,7 +336,8 @@ class Runner(ProgramSet):
             )
             mask = self._mask(plan)
         sp = SamplingArrays.build(params, None, keys=keys, adjust=adj)
-        key = ProgramKey("ragged", B, 1, 0, sampled=extras or sample_mode_of(sp) != "greedy",
+        # greedy rows (adjusted, masked or not) sample by argmax: no sort of the vocabulary
+        key = ProgramKey("ragged", B, 1, 0, sampled=sample_mode_of(sp) != "greedy",
                          logprobs=self._top(n_lp or 0) if extras else None, part="sample")
         return SampleInputs(sp, steps, mask), key
 

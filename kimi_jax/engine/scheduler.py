@@ -334,7 +334,7 @@ class Scheduler:
         tokens = collections.Counter()
         for r, n in rows:
             tokens[r.rank] += n
-        T = shapes.tokens(max(tokens.values()))
+        T = shapes.tokens(max(tokens.values()), any(prompt_entries_left(r) for r, _ in rows))
         B = shapes.rows(T)
         per, seen, out = B // self.dp, collections.Counter(), []
         for r, n in sorted(rows, key=lambda q: q[0].rank):

@@ -16,6 +16,9 @@ RAGGED_MIN_TOKENS = 4
 # Ragged steps of fewer tokens than this still take this many rows (as many as the ladder's step
 # of this width): the sampling halves keep one program per row count of a 16-token step up.
 RAGGED_MIN_ROWS = 16
+# A ragged step that scores a prompt (prompt_logprobs) is at least this wide (or the ladder's
+# widest): the forward's prompt-logprobs variant exists from this width up, not at every width.
+RAGGED_MIN_PROMPT_TOKENS = 64
 
 
 def bucket(n: int, minimum: int = 8) -> int:
@@ -142,9 +145,15 @@ class RaggedShapes:
         rank_tokens = max(1, min(budget // dp, per_rank * max(1, limits.max_model_len - 1)))
         return cls(dp, rank_tokens, rows, pages, limits.pages_per_rank)
 
-    def tokens(self, n: int) -> int:
-        """T of a step whose busiest rank feeds n tokens."""
-        return -(-bucket(self.dp * n, RAGGED_MIN_TOKENS) // self.dp) * self.dp
+    def tokens(self, n: int, scores_prompt: bool = False) -> int:
+        """T of a step whose busiest rank feeds n tokens (scores_prompt: a row of it scores its
+        prompt, so it takes a width with the prompt-logprobs variant)."""
+        T = -(-bucket(self.dp * n, RAGGED_MIN_TOKENS) // self.dp) * self.dp
+        return max(T, self.prompt_tokens()) if scores_prompt else T
+
+    def prompt_tokens(self) -> int:
+        """The narrowest width whose forward has a prompt-logprobs variant."""
+        return min(self.tokens(-(-RAGGED_MIN_PROMPT_TOKENS // self.dp)), self.ladder()[-1])
 
     def rows(self, T: int) -> int:
         return min(max(T, -(-RAGGED_MIN_ROWS // self.dp) * self.dp), self.max_rows)

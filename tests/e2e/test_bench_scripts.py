@@ -391,9 +391,9 @@ def test_bench_program_set_counts_each_layout_and_rejects_a_bad_entry(tmp_path, 
     assert r.returncode == 0, r.stderr[-2000:]
     rows = {(x["plan"], x["max_model_len"]): x for x in json.load(open(tmp_path / "program_set.json"))["rows"]}
     gpu = rows["gpu", 2048]
-    assert (gpu["padded"]["programs"], gpu["padded"]["whole"], gpu["ragged"]["programs"]) == (40, 28, 15)
+    assert (gpu["padded"]["programs"], gpu["padded"]["whole"], gpu["ragged"]["programs"]) == (40, 28, 12)
     assert gpu["ragged"]["widths"] == [4, 8, 16, 32, 64, 128] and gpu["ragged"]["kinds"] == {
-        "ragged forward": 12, "ragged sample": 3}
+        "ragged forward": 8, "ragged sample": 4}
     assert rows["gpu", 8192]["prefill_chunk"] == 2048 and rows["cpu", 8192]["prefill_chunk"] == 256
     for plan in ("gpu", "cpu"):
         assert rows[plan, 8192]["padded"]["programs"] > rows[plan, 2048]["padded"]["programs"]

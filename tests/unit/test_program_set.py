@@ -236,16 +236,17 @@ def ragged_limits(max_num_seqs, max_model_len, budget, page_size=16, pages_per_r
 
 
 @pytest.mark.parametrize("limits,dp,count", [
-    (ragged_limits(256, 131072, 8192), 1, 39),
-    (ragged_limits(256, 131072, 8192, pages_per_rank=4096), 8, 37),
-    (ragged_limits(64, 131072, 2048), 1, 29),           # kimi-serve's defaults (max_num_seqs 64)
-    (ragged_limits(256, 2048, 256), 2, 29),
-    (ragged_limits(1, 131072, 8192), 1, 27),
+    (ragged_limits(256, 131072, 8192), 1, 40),
+    (ragged_limits(256, 131072, 8192, pages_per_rank=4096), 8, 39),
+    (ragged_limits(64, 131072, 2048), 1, 28),           # kimi-serve's defaults (max_num_seqs 64)
+    (ragged_limits(256, 2048, 256), 2, 30),
+    (ragged_limits(1, 131072, 8192), 1, 24),
     (ragged_limits(200, 4096, 8000, pages_per_rank=999), 3, 39),
 ])
 def test_the_ragged_program_set_is_small_at_any_limits(limits, dp, count):
-    """Forward programs keyed by T alone (plus prompt logprobs), sampling halves by B: at most 40
-    programs up to 256 sequences, 131,072 tokens a row and 8,192 tokens a step."""
+    """Forward programs keyed by T alone (plus prompt logprobs from RaggedShapes.prompt_tokens up),
+    sampling halves by B (greedy and sampled, plain and extras): at most 40 programs up to 256
+    sequences, 131,072 tokens a row and 8,192 tokens a step."""
     from kimi_jax.engine.runner import Runner
     runner = Runner(FakeSteps(16, dp, ops.ExecPlan()), num_pages=64, page_size=16, cache_dtype=None,
                     max_num_seqs=limits.max_num_seqs)
@@ -256,6 +257,9 @@ def test_the_ragged_program_set_is_small_at_any_limits(limits, dp, count):
     assert {k.width for k in forward} == set(rs.ladder())
     assert min(rs.ladder()) == -(-shapes.RAGGED_MIN_TOKENS // dp) * dp
     assert max(rs.ladder()) <= shapes.bucket(limits.max_num_batched_tokens, 16) + dp
+    assert {k.width for k in forward if k.prompt_logprobs is not None} == {
+        T for T in rs.ladder() if T >= rs.prompt_tokens()}
+    assert len([k for k in progs if k.part == "sample"]) == 4 * len({k.batch for k in forward})
     for k in forward:
         assert k.width % dp == 0 and k.batch % dp == 0
         assert k.batch == min(max(k.width, -(-shapes.RAGGED_MIN_ROWS // dp) * dp), rs.max_rows)
