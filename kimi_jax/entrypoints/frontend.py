@@ -155,7 +155,10 @@ class Frontend:
             )
         if tokenizer is not None and path is not None:
             tokenizer.template_dir = path
-        steps = ModelSteps(net, cfg, layout, plan=ops.default_plan(ec.exec_plan))
+        plan = ops.default_plan(ec.exec_plan)
+        if ec.batch_invariant:
+            plan = dataclasses.replace(plan, batch_invariant=True)
+        steps = ModelSteps(net, cfg, layout, plan=plan)
         max_model_len = ec.max_model_len or limit
         num_pages = ec.num_gpu_blocks_override or _default_num_pages(
             cfg, layout, dtype, ec, max_model_len

@@ -123,7 +123,8 @@ class MLA(nnx.Module):
         N, H, R, A, U = self.dims
         q_nope_BTNH, q_pe_BTNR, new_BTC = self._project(x_BTD, positions_BT)
         w_uk, w_uv = self._kv_b()
-        q_lat_BTNA = ops.einsum_f32("btnh,nah->btna", q_nope_BTNH, w_uk).astype(x_BTD.dtype)
+        q_lat_BTNA = ops.einsum_f32("btnh,nah->btna", q_nope_BTNH, w_uk,
+                                    two_rows=_two_rows(plan)).astype(x_BTD.dtype)
         o_lat_BTNA = ops.mla_paged_attention(
             q_lat_BTNA,
             q_pe_BTNR,
@@ -136,7 +137,7 @@ class MLA(nnx.Module):
             parallel=self.parallel,
             layer=layer,
         ).astype(x_BTD.dtype)
-        o_BTNU = ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv)
+        o_BTNU = ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv, two_rows=_two_rows(plan))
         return self._out(o_BTNU, x_BTD), new_BTC
 
     def ragged(self, x_BTD, positions_BT, pool_LXpC, rows, layer, *, max_pages, plan=None):
@@ -146,12 +147,13 @@ class MLA(nnx.Module):
         new latents [B, T, C], written after all layers by `write_slots`)."""
         q_nope_BTNH, q_pe_BTNR, new_BTC = self._project(x_BTD, positions_BT)
         w_uk, w_uv = self._kv_b()
-        q_lat_BTNA = ops.einsum_f32("btnh,nah->btna", q_nope_BTNH, w_uk).astype(x_BTD.dtype)
+        q_lat_BTNA = ops.einsum_f32("btnh,nah->btna", q_nope_BTNH, w_uk,
+                                    two_rows=_two_rows(plan)).astype(x_BTD.dtype)
         o_lat_BTNA = ops.mla_ragged_attention(
             q_lat_BTNA, q_pe_BTNR, new_BTC, pool_LXpC, rows, positions_BT, self.cfg.softmax_scale,
             max_pages=max_pages, plan=plan, parallel=self.parallel, layer=layer,
         ).astype(x_BTD.dtype)
-        o_BTNU = ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv)
+        o_BTNU = ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv, two_rows=_two_rows(plan))
         return self._out(o_BTNU, x_BTD), new_BTC
 
     def fresh_prefill(self, x_BTD, positions_BT, *, plan=None):
@@ -223,14 +225,17 @@ class MLA(nnx.Module):
             keys_BSC[..., :A].astype(x_BTD.dtype),
             keys_BSC[..., A:].astype(x_BTD.dtype),
         )
-        rope_BNTS = ops.einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR)
-        q_lat_BTNA = ops.einsum_f32("btnh,nah->btna", q_nope_BTNH, w_uk).astype(x_BTD.dtype)
-        nope_BNTS = ops.einsum_f32("btna,bsa->bnts", q_lat_BTNA, c_BSA)
+        rope_BNTS = ops.einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR, two_rows=_two_rows(plan))
+        q_lat_BTNA = ops.einsum_f32("btnh,nah->btna", q_nope_BTNH, w_uk,
+                                    two_rows=_two_rows(plan)).astype(x_BTD.dtype)
+        nope_BNTS = ops.einsum_f32("btna,bsa->bnts", q_lat_BTNA, c_BSA, two_rows=_two_rows(plan))
         p_BNTS = _softmax((nope_BNTS + rope_BNTS) * self.cfg.softmax_scale, mask_BTS).astype(
             x_BTD.dtype
         )
-        o_lat_BTNA = ops.einsum_f32("bnts,bsa->btna", p_BNTS, c_BSA).astype(x_BTD.dtype)
-        return self._out(ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv), x_BTD), out
+        o_lat_BTNA = ops.einsum_f32("bnts,bsa->btna", p_BNTS, c_BSA,
+                                    two_rows=_two_rows(plan)).astype(x_BTD.dtype)
+        return self._out(ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv,
+                                        two_rows=_two_rows(plan)), x_BTD), out
 
     def _project(self, x_BTD, positions_BT):
         """(q_nope [B, T, N, H], rotated q_pe [B, T, N, R], the new latents [B, T, C])."""
@@ -250,8 +255,10 @@ class MLA(nnx.Module):
             keys_BSC[..., :A].astype(x_BTD.dtype),
             keys_BSC[..., A:].astype(x_BTD.dtype),
         )
-        k_BSNH = ops.einsum_f32("bsa,nah->bsnh", c_BSA, w_uk).astype(x_BTD.dtype)
-        v_BSNU = ops.einsum_f32("bsa,nua->bsnu", c_BSA, w_uv).astype(x_BTD.dtype)
+        k_BSNH = ops.einsum_f32("bsa,nah->bsnh", c_BSA, w_uk,
+                                two_rows=_two_rows(plan)).astype(x_BTD.dtype)
+        v_BSNU = ops.einsum_f32("bsa,nua->bsnu", c_BSA, w_uv,
+                                two_rows=_two_rows(plan)).astype(x_BTD.dtype)
         o_BTNU = ops.mla_prefill_attention(
             q_nope_BTNH,
             q_pe_BTNR,
@@ -270,6 +277,10 @@ class MLA(nnx.Module):
     def _out(self, o_BTNU, x_BTD):
         N, _, _, _, U = self.dims
         return self.o_proj(o_BTNU.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * U))
+
+
+def _two_rows(plan) -> bool:
+    return ops.default_plan(plan).batch_invariant
 
 
 def _causal(positions_BT):
