@@ -83,7 +83,8 @@ def _merge(graphdef, state):
     return nnx.merge(graphdef, state)
 
 
-def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None, occ=None, mask_Bw=None):
+def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None, occ=None, mask_Bw=None,
+                invariant=False):
     # pinned vocab-split first, so each device multiplies its own lm_head rows (BENCHMARKS.md,
     # 'ModelSteps decode step': otherwise the partitioner all-gathers the whole lm_head weight)
     logits_BV = _constrain(logits_BV, shard.get("logits2"))
@@ -102,11 +103,8 @@ def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None, occ=None, m
     tok = sample(adjusted, sp, step_B, mode)
     out = {"tokens": tok}
     if n_logprobs is not None:  # of the raw logits (vLLM's default raw logprobs)
-        out.update(
-            zip(
-                ("logprob", "rank", "top_ids", "top_vals"), top_logprobs(logits_BV, tok, n_logprobs)
-            )
-        )
+        out.update(zip(("logprob", "rank", "top_ids", "top_vals"),
+                       top_logprobs(logits_BV, tok, n_logprobs, invariant=invariant)))
     # replicated, so every process (multi-host) can read the tokens
     out = {k: _constrain(o, shard.get("replicated")) for k, o in out.items()}
     if occ is not None:
@@ -221,7 +219,8 @@ def _step(
             logits_BTV, tokens_BT[:, 1:], batch.n_draft_B, batch.sp, batch.step_B
         )
         return pages, tuple(_constrain(o, shard.get("replicated")) for o in (n_acc, nxt))
-    sample_args = (batch.sp, batch.step_B, n_logprobs, shard, sample_mode, occ, batch.mask_Bw)
+    sample_args = (batch.sp, batch.step_B, n_logprobs, shard, sample_mode, occ, batch.mask_Bw,
+                   plan.batch_invariant)
     if n_prompt_logprobs is None:
         logits_BV = model.logits(h_BTD[jnp.arange(B), batch.last_B][:, None], plan)[:, 0]
         return pages, _sample_out(logits_BV, *sample_args)
@@ -229,7 +228,8 @@ def _step(
         _constrain(model.logits(h_BTD, plan), shard.get("logits3")), shard.get("replicated")
     )
     out = _sample_out(logits_BTV[jnp.arange(B), batch.last_B], *sample_args)
-    prompt = top_logprobs(logits_BTV, jnp.maximum(batch.targets_BT, 0), n_prompt_logprobs)
+    prompt = top_logprobs(logits_BTV, jnp.maximum(batch.targets_BT, 0), n_prompt_logprobs,
+                          invariant=plan.batch_invariant)
     out.update(zip(("prompt_logprob", "prompt_rank", "prompt_top_ids", "prompt_top_vals"), prompt))
     return pages, out
 
@@ -285,19 +285,20 @@ def _ragged_forward(graphdef, shard, state, pages, batch: RaggedBatch, prev=None
     logits_BV = jnp.take_along_axis(logits_ZTV, sample_ZB[..., None], axis=1, mode="clip")
     logits_BV = _constrain(logits_BV.reshape(B, -1), shard.get("logits2"))
     logits_TV = _constrain(logits_ZTV, shard.get("replicated")).reshape(T, -1)
-    prompt = top_logprobs(logits_TV, jnp.maximum(batch.targets_T, 0), n_prompt_logprobs)
+    prompt = top_logprobs(logits_TV, jnp.maximum(batch.targets_T, 0), n_prompt_logprobs,
+                          invariant=plan.batch_invariant)
     names = ("prompt_logprob", "prompt_rank", "prompt_top_ids", "prompt_top_vals")
     return pages, (logits_BV, {k: _constrain(v, shard.get("replicated"))
                                for k, v in zip(names, prompt)})
 
 
 def _sample_half(shard, logits_BV, inputs: SampleInputs, occ=None, prev=None, *, n_logprobs=None,
-                 sample_mode=None, rows=None, ranks: int = 1):
+                 sample_mode=None, rows=None, ranks: int = 1, invariant: bool = False):
     """A split decode step's sampling half: `_step`'s sampler over the forward half's logits. rows
     (a ragged step's, static): the tokens [rows] with each of the ranks' blocks of B / ranks
     padded to rows / ranks (zeros after), the one shape a chained ragged forward takes."""
     out = _sample_out(logits_BV, inputs.sp, inputs.step_B, n_logprobs, shard, sample_mode, occ,
-                      inputs.mask_Bw)
+                      inputs.mask_Bw, invariant)
     B = logits_BV.shape[0]
     if rows is not None and rows != B:
         tok_ZB = out["tokens"].reshape(ranks, B // ranks)
@@ -405,7 +406,8 @@ class ModelSteps:
             keep_unused=True,
         )
         self.sample_jit = jax.jit(
-            functools.partial(_sample_half, shard, ranks=self.dp),
+            functools.partial(_sample_half, shard, ranks=self.dp,
+                              invariant=self.exec_plan.batch_invariant),
             static_argnames=("n_logprobs", "sample_mode", "rows"),
             donate_argnames=("occ", "prev"),
             keep_unused=True,
