@@ -78,7 +78,7 @@ class DecoderLayer(nnx.Module):
         ffn = (
             self.mlp(ffn_in, layer=layer, plan=plan, valid_BT=valid_BT)
             if isinstance(self.mlp, MoE)
-            else self.mlp(ffn_in)
+            else self.mlp(ffn_in, plan=plan)
         )
         return h_BTD + ffn
 

@@ -76,6 +76,9 @@ def linear(x: jax.Array, w: Weight, *, plan: Optional[ExecPlan] = None) -> jax.A
         lead = x.shape[:-1]
         y = int4_matmul.int4_matmul(x.reshape(-1, x.shape[-1]), w.packed, w.scale)
         return y.reshape(*lead, y.shape[-1])
+    if plan is not None and plan.batch_invariant and x.ndim != 2:
+        # XLA:CPU sums a row of a 3-d dot [B, T, in] in an order that follows B; a 2-d one's not
+        return linear(x.reshape(-1, x.shape[-1]), w, plan=plan).reshape(*x.shape[:-1], -1)
     wd = dequantize(w, x.dtype)
     # f32 accumulation either way; the model dtype out keeps TP partial sums bf16 on the wire
     return jnp.einsum("...k,nk->...n", x, wd, preferred_element_type=x.dtype)
