@@ -34,8 +34,8 @@ class ExecPlan:
     mla_fuse_new: the Triton MLA kernel takes the new tokens in ('rows' schedule;
     `MlaDecodeConfig.fuse_new`). pack_vectors (with 'per_layer'): each layer's norm scales and
     router bias as one array (`layer_weights.pack_vectors`: fewer arguments for the host).
-    batch_invariant: each row's result does not depend on the other rows of a step (the float32
-    dots of `ops.einsum_f32` never run a single row: README "Sampling and determinism")."""
+    batch_invariant: a row's result does not depend on the other rows of its step (no dot of one
+    row, 2-d projections, sums as dot rows: docs/ARCHITECTURE.md "Batch invariance")."""
     impl: str = "xla"
     mla_decode_kernel: str = "auto"
     hopper: bool = False
