@@ -1,6 +1,6 @@
 """LLM(batch_invariant=True): a request's greedy tokens and logprobs (top-k included) are the same
 bits alone as among random neighbours, in batches of several sizes, on the CPU in bfloat16 (where
-the engine without the switch differs); padded layout."""
+the padded layout without the switch differs), padded and ragged layouts, no prefix-cache hit."""
 from __future__ import annotations
 
 import numpy as np
@@ -42,15 +42,17 @@ def _llm(ckpt, **kw):
                enable_prefix_caching=False, **kw)
 
 
-@pytest.mark.parametrize("chunk", [None, 8], ids=["default_chunk", "chunk8"])
-def test_alone_equals_batched_with_the_switch(tiny_ckpt, chunk):
-    llm = _llm(tiny_ckpt, batch_invariant=True, prefill_chunk=chunk)
-    for seed in (0, 10):
-        alone, batched = _alone_and_batched(llm, seed)
-        assert all(b == alone for b in batched), seed
+@pytest.mark.parametrize("layout,chunk,seed", [("padded", None, 0), ("padded", 8, 10),
+                                               ("ragged", None, 0)],
+                         ids=["padded", "padded-chunk8", "ragged"])
+def test_alone_equals_batched_with_the_switch(tiny_ckpt, layout, chunk, seed):
+    llm = _llm(tiny_ckpt, batch_invariant=True, prefill_chunk=chunk, step_layout=layout)
+    alone, batched = _alone_and_batched(llm, seed)
+    assert all(b == alone for b in batched)
 
 
 def test_without_the_switch_bfloat16_differs(tiny_ckpt):
-    """The case above without the switch: the logprobs of some batch differ from alone's."""
+    """The padded case above without the switch: the logprobs of some batch differ from alone's
+    (the ragged layout's agree without it on the CPU)."""
     alone, batched = _alone_and_batched(_llm(tiny_ckpt, batch_invariant=False), 0)
     assert any(b != alone for b in batched)
