@@ -216,14 +216,7 @@ class ProgramSet:
             kw = dict(plan=self._exec_plan(key))
             if not self.fixed_buffers:
                 return steps.forward_jit.lower(steps.weights, self.pages, batch, **kw)
-            io, prev = self._resident(
-                key,
-                batch,
-                lambda io: jax.eval_shape(
-                    lambda *a: steps.forward_jit(*a, **kw)[1], steps.weights, self.pages, io
-                ),
-                steps.logits_sharding,
-            )
+            io, prev = self._forward_resident(key, batch)
             return steps.forward_jit.lower(steps.weights, self.pages, io, prev, **kw)
         logits, inputs = self._sample_dummy(key)
         kw = self._sample_kw(key)

@@ -364,6 +364,15 @@ class Runner(ProgramSet):
         return dict(plan=self.steps.exec_plan, max_pages=self.row_pages,
                     n_prompt_logprobs=key.prompt_logprobs)
 
+    def _forward_resident(self, key: ProgramKey, batch: StepBatch) -> tuple:
+        """batch in its split decode forward's fixed buffers: (inputs, outputs' buffers)."""
+        steps, kw = self.steps, dict(plan=self._exec_plan(key))
+        return self._resident(
+            key, batch,
+            lambda io: jax.eval_shape(lambda *a: steps.forward_jit(*a, **kw)[1], steps.weights,
+                                      self.pages, io),
+            steps.logits_sharding)
+
     def _ragged_resident(self, key: ProgramKey, batch: RaggedBatch) -> tuple:
         """batch in its ragged forward's fixed buffers: (inputs, outputs' buffers)."""
         steps, kw = self.steps, self._ragged_kw(key)
@@ -541,14 +550,7 @@ class Runner(ProgramSet):
         if not self.fixed_buffers:
             self.pages, logits = steps.forward_jit(steps.weights, self.pages, batch, **kw)
             return logits
-        io, prev = self._resident(
-            key,
-            batch,
-            lambda io: jax.eval_shape(
-                lambda *a: steps.forward_jit(*a, **kw)[1], steps.weights, self.pages, io
-            ),
-            steps.logits_sharding,
-        )
+        io, prev = self._forward_resident(key, batch)
         self.pages, logits = steps.forward_jit(steps.weights, self.pages, io, prev, **kw)
         self.resident[_buffer_key(key, batch)] = (io, logits)
         return logits
