@@ -48,6 +48,8 @@ flags.DEFINE_integer("long_prefill_token_threshold", None, "a prompt chunk's mos
                      "ragged step (0: the step's budget); default: LLM's")
 flags.DEFINE_bool("enable_prefix_caching", True, "reuse the cache pages of a prompt prefix seen before "
                   "(kimi-generate, kimi-batch, kimi-serve)")
+flags.DEFINE_bool("batch_invariant", None, "a request's greedy tokens and logprobs do not depend on the "
+                  "other requests in its batch (default: on where VLLM_BATCH_INVARIANT=1)")
 flags.DEFINE_bool("check_finite_weights", True, "check every loaded weight for NaN / Inf (on the host, as "
                   "each tensor is read) and refuse a checkpoint that has one")
 flags.DEFINE_bool("xla_perf", True, "set XLA options that overlap collectives with compute (see launch/common.py)")

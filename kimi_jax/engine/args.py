@@ -24,6 +24,11 @@ def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
+def _batch_invariant_default() -> bool:
+    """EngineConfig.batch_invariant's default: the environment's VLLM_BATCH_INVARIANT=1 (vLLM's)."""
+    return os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1"
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """model: a checkpoint directory, a preset name, a ModelConfig (random weights) or None (the
@@ -36,7 +41,9 @@ class EngineConfig:
     "ragged" (one step over a flat token axis, vLLM v1's: decode rows and prompt chunks mixed
     within max_num_batched_tokens, a chunk at most long_prefill_token_threshold tokens (0: no cap);
     max_num_batched_tokens None: max(max_prefill_tokens, max_num_seqs)).
-    vLLM's trust_remote_code (no checkpoint code runs; warns), enforce_eager (no precompile)."""
+    vLLM's trust_remote_code (no checkpoint code runs; warns), enforce_eager (no precompile).
+    batch_invariant: a request's greedy tokens and logprobs do not depend on the other requests of
+    its steps (`ExecPlan.batch_invariant`; default on where VLLM_BATCH_INVARIANT=1)."""
     model: Union[str, ModelConfig, None] = None
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -64,6 +71,7 @@ class EngineConfig:
     step_layout: str = "padded"
     max_num_batched_tokens: Optional[int] = None
     long_prefill_token_threshold: int = 0
+    batch_invariant: bool = dataclasses.field(default_factory=_batch_invariant_default)
 
     def __post_init__(self):
         m = self.model
@@ -103,7 +111,8 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
         for name in ("enable_expert_parallel", "overlap_scheduling", "enable_prefix_caching",
-                     "check_finite_weights", "precompile", "trust_remote_code", "enforce_eager"):
+                     "check_finite_weights", "precompile", "trust_remote_code", "enforce_eager",
+                     "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.enforce_eager and self.precompile:

@@ -97,7 +97,7 @@ def _decodable(logits, vocab_limit: Optional[int]):
 
 
 def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None, occ=None, mask_Bw=None,
-                vocab_limit=None):
+                invariant=False, vocab_limit=None):
     # pinned vocab-split first, so each device multiplies its own lm_head rows (BENCHMARKS.md,
     # 'ModelSteps decode step': otherwise the partitioner all-gathers the whole lm_head weight)
     logits_BV = _constrain(logits_BV, shard.get("logits2"))
@@ -116,11 +116,8 @@ def _sample_out(logits_BV, sp, step_B, n_logprobs, shard, mode=None, occ=None, m
     tok = sample(adjusted, sp, step_B, mode)
     out = {"tokens": tok}
     if n_logprobs is not None:  # of the raw logits (vLLM's default raw logprobs)
-        out.update(
-            zip(
-                ("logprob", "rank", "top_ids", "top_vals"), top_logprobs(logits_BV, tok, n_logprobs)
-            )
-        )
+        out.update(zip(("logprob", "rank", "top_ids", "top_vals"),
+                       top_logprobs(logits_BV, tok, n_logprobs, invariant=invariant)))
     # replicated, so every process (multi-host) can read the tokens
     out = {k: _constrain(o, shard.get("replicated")) for k, o in out.items()}
     if occ is not None:
@@ -238,7 +235,7 @@ def _step(
         )
         return pages, tuple(_constrain(o, shard.get("replicated")) for o in (n_acc, nxt))
     sample_args = (batch.sp, batch.step_B, n_logprobs, shard, sample_mode, occ, batch.mask_Bw,
-                   vocab_limit)
+                   plan.batch_invariant, vocab_limit)
     if n_prompt_logprobs is None:
         logits_BV = model.logits(h_BTD[jnp.arange(B), batch.last_B][:, None], plan)[:, 0]
         return pages, _sample_out(logits_BV, *sample_args)
@@ -247,7 +244,7 @@ def _step(
     )
     out = _sample_out(logits_BTV[jnp.arange(B), batch.last_B], *sample_args)
     prompt = top_logprobs(_decodable(logits_BTV, vocab_limit), jnp.maximum(batch.targets_BT, 0),
-                          n_prompt_logprobs)
+                          n_prompt_logprobs, invariant=plan.batch_invariant)
     out.update(zip(("prompt_logprob", "prompt_rank", "prompt_top_ids", "prompt_top_vals"), prompt))
     return pages, out
 
@@ -305,19 +302,20 @@ def _ragged_forward(graphdef, shard, state, pages, batch: RaggedBatch, prev=None
     logits_BV = _constrain(logits_BV.reshape(B, -1), shard.get("logits2"))
     logits_TV = _constrain(logits_ZTV, shard.get("replicated")).reshape(T, -1)
     prompt = top_logprobs(_decodable(logits_TV, vocab_limit), jnp.maximum(batch.targets_T, 0),
-                          n_prompt_logprobs)
+                          n_prompt_logprobs, invariant=plan.batch_invariant)
     names = ("prompt_logprob", "prompt_rank", "prompt_top_ids", "prompt_top_vals")
     return pages, (logits_BV, {k: _constrain(v, shard.get("replicated"))
                                for k, v in zip(names, prompt)})
 
 
 def _sample_half(shard, logits_BV, inputs: SampleInputs, occ=None, prev=None, *, n_logprobs=None,
-                 sample_mode=None, rows=None, ranks: int = 1, vocab_limit=None):
+                 sample_mode=None, rows=None, ranks: int = 1, invariant: bool = False,
+                 vocab_limit=None):
     """A split decode step's sampling half: `_step`'s sampler over the forward half's logits. rows
     (a ragged step's, static): the tokens [rows] with each of the ranks' blocks of B / ranks
     padded to rows / ranks (zeros after), the one shape a chained ragged forward takes."""
     out = _sample_out(logits_BV, inputs.sp, inputs.step_B, n_logprobs, shard, sample_mode, occ,
-                      inputs.mask_Bw, vocab_limit)
+                      inputs.mask_Bw, invariant, vocab_limit)
     B = logits_BV.shape[0]
     if rows is not None and rows != B:
         tok_ZB = out["tokens"].reshape(ranks, B // ranks)
@@ -428,7 +426,9 @@ class ModelSteps:
             keep_unused=True,
         )
         self.sample_jit = jax.jit(
-            functools.partial(_sample_half, shard, ranks=self.dp, vocab_limit=self.vocab_limit),
+            functools.partial(_sample_half, shard, ranks=self.dp,
+                              invariant=self.exec_plan.batch_invariant,
+                              vocab_limit=self.vocab_limit),
             static_argnames=("n_logprobs", "sample_mode", "rows"),
             donate_argnames=("occ", "prev"),
             keep_unused=True,

@@ -155,8 +155,11 @@ class Frontend:
             )
         if tokenizer is not None and path is not None:
             tokenizer.template_dir = path
+        plan = ops.default_plan(ec.exec_plan)
+        if ec.batch_invariant:
+            plan = dataclasses.replace(plan, batch_invariant=True)
         # a vocabulary padded past the tokenizer's ids: those rows are never sampled
-        steps = ModelSteps(net, cfg, layout, plan=ops.default_plan(ec.exec_plan),
+        steps = ModelSteps(net, cfg, layout, plan=plan,
                            vocab_limit=None if tokenizer is None else tokenizer.vocab_size)
         max_model_len = ec.max_model_len or limit
         num_pages = ec.num_gpu_blocks_override or _default_num_pages(

@@ -39,8 +39,8 @@ class Linear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, axes: tuple, *, dtype, rngs: nnx.Rngs):
         self.weight = param(rngs, (out_features, in_features), dtype, axes)
 
-    def __call__(self, x):
-        return ops.linear(x, self.weight[...])
+    def __call__(self, x, plan=None):
+        return ops.linear(x, self.weight[...], plan=plan)
 
 
 class RMSNorm(nnx.Module):
@@ -67,13 +67,15 @@ class MLP(nnx.Module):
         self.up_proj = Linear(dim, hidden, (ffn_axis, "embed"), dtype=dtype, rngs=rngs)
         self.down_proj = Linear(hidden, dim, ("embed", ffn_axis), dtype=dtype, rngs=rngs)
 
-    def __call__(self, x):
+    def __call__(self, x, plan=None):
         w = self.gate_proj.weight.get_value()
         # one product for gate and up (kimi_jax.model.layer_weights)
         if isinstance(w, JointGateUp):
+            if plan is not None and plan.batch_invariant and x.ndim != 2:   # as ops.linear
+                return self(x.reshape(-1, x.shape[-1]), plan).reshape(x.shape)
             y = jnp.einsum("...d,kid->...ki", x, w.w_2ID, preferred_element_type=x.dtype)
-            return self.down_proj(jax.nn.silu(y[..., 0, :]) * y[..., 1, :])
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(jax.nn.silu(y[..., 0, :]) * y[..., 1, :], plan)
+        return self.down_proj(jax.nn.silu(self.gate_proj(x, plan)) * self.up_proj(x, plan), plan)
 
 
 # ---- rotary position embedding ------------------------------------------------------------------

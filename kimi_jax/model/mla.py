@@ -46,32 +46,32 @@ class MLA(nnx.Module):
         self.o_proj = Linear(N * U, D, ("embed", "o_heads"), dtype=dtype, rngs=rngs)
 
     # -- projections ------------------------------------------------------------------------------
-    def _down_projections(self, x_BTD):
+    def _down_projections(self, x_BTD, plan=None):
         """(q_a(x) [B, T, Q] or None without a q LoRA, kv_a(x) [B, T, A + R]): one product under a
         JointQKvA."""
         if self.cfg.q_lora_rank is None:
-            return None, self.kv_a_proj_with_mqa(x_BTD)
+            return None, self.kv_a_proj_with_mqa(x_BTD, plan)
         w = self.q_a_proj.weight.get_value()
         if isinstance(w, JointQKvA):
-            y = ops.linear(x_BTD, w.w_XD)
+            y = ops.linear(x_BTD, w.w_XD, plan=plan)
             return y[..., :w.q_rows], y[..., w.q_rows:]
-        return self.q_a_proj(x_BTD), self.kv_a_proj_with_mqa(x_BTD)
+        return self.q_a_proj(x_BTD, plan), self.kv_a_proj_with_mqa(x_BTD, plan)
 
-    def _queries(self, x_BTD, q_a_BTQ, cos, sin):
+    def _queries(self, x_BTD, q_a_BTQ, cos, sin, plan=None):
         N, H, R, _, _ = self.dims
         if self.cfg.q_lora_rank is None:
-            q = self.q_proj(x_BTD)
+            q = self.q_proj(x_BTD, plan)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(q_a_BTQ))
+            q = self.q_b_proj(self.q_a_layernorm(q_a_BTQ, plan=plan), plan)
         q_BTNW = q.reshape(*x_BTD.shape[:-1], N, H + R)
         q_nope_BTNH, q_pe_BTNR = q_BTNW[..., :H], q_BTNW[..., H:]
         return q_nope_BTNH, apply_rope(q_pe_BTNR, cos[..., None, :], sin[..., None, :])
 
-    def latents(self, kv_BTC, cos, sin):
+    def latents(self, kv_BTC, cos, sin, plan=None):
         """The cache's entries [c (A) | rotated k^R (R)] -> [B, T, A + R] of tokens whose kv_a(x) is
         kv_BTC."""
         _, _, _, A, _ = self.dims
-        c_BTA = self.kv_a_layernorm(kv_BTC[..., :A])
+        c_BTA = self.kv_a_layernorm(kv_BTC[..., :A], plan=plan)
         kpe_BTR = apply_rope(kv_BTC[..., A:], cos, sin)
         return jnp.concatenate([c_BTA, kpe_BTR], axis=-1)
 
@@ -121,9 +121,10 @@ class MLA(nnx.Module):
         `ops.page_split`). Returns (output [B, T, D], the new latents [B, T, C], written after all
         layers by `write_pages`)."""
         N, H, R, A, U = self.dims
-        q_nope_BTNH, q_pe_BTNR, new_BTC = self._project(x_BTD, positions_BT)
+        q_nope_BTNH, q_pe_BTNR, new_BTC = self._project(x_BTD, positions_BT, plan)
         w_uk, w_uv = self._kv_b()
-        q_lat_BTNA = ops.einsum_f32("btnh,nah->btna", q_nope_BTNH, w_uk).astype(x_BTD.dtype)
+        q_lat_BTNA = ops.einsum_f32("btnh,nah->btna", q_nope_BTNH, w_uk,
+                                    two_rows=_two_rows(plan)).astype(x_BTD.dtype)
         o_lat_BTNA = ops.mla_paged_attention(
             q_lat_BTNA,
             q_pe_BTNR,
@@ -136,30 +137,31 @@ class MLA(nnx.Module):
             parallel=self.parallel,
             layer=layer,
         ).astype(x_BTD.dtype)
-        o_BTNU = ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv)
-        return self._out(o_BTNU, x_BTD), new_BTC
+        o_BTNU = ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv, two_rows=_two_rows(plan))
+        return self._out(o_BTNU, x_BTD, plan), new_BTC
 
     def ragged(self, x_BTD, positions_BT, pool_LXpC, rows, layer, *, max_pages, plan=None):
         """Absorbed attention of a ragged step (`ops.mla_ragged_attention`): x_BTD holds one batch
         row per data-parallel rank, its T tokens any mix of rows (`ops.RaggedRows`, indices local
         to the rank's block); pool_LXpC and layer as `paged_decode`. Returns (output [B, T, D], the
         new latents [B, T, C], written after all layers by `write_slots`)."""
-        q_nope_BTNH, q_pe_BTNR, new_BTC = self._project(x_BTD, positions_BT)
+        q_nope_BTNH, q_pe_BTNR, new_BTC = self._project(x_BTD, positions_BT, plan)
         w_uk, w_uv = self._kv_b()
-        q_lat_BTNA = ops.einsum_f32("btnh,nah->btna", q_nope_BTNH, w_uk).astype(x_BTD.dtype)
+        q_lat_BTNA = ops.einsum_f32("btnh,nah->btna", q_nope_BTNH, w_uk,
+                                    two_rows=_two_rows(plan)).astype(x_BTD.dtype)
         o_lat_BTNA = ops.mla_ragged_attention(
             q_lat_BTNA, q_pe_BTNR, new_BTC, pool_LXpC, rows, positions_BT, self.cfg.softmax_scale,
             max_pages=max_pages, plan=plan, parallel=self.parallel, layer=layer,
         ).astype(x_BTD.dtype)
-        o_BTNU = ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv)
-        return self._out(o_BTNU, x_BTD), new_BTC
+        o_BTNU = ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv, two_rows=_two_rows(plan))
+        return self._out(o_BTNU, x_BTD, plan), new_BTC
 
     def fresh_prefill(self, x_BTD, positions_BT, *, plan=None):
         """Expanded attention over this step's tokens only: no row has cached tokens (its real
         tokens sit at positions 0, 1, ... from its first column, padding (< 0) after them), so the
         cache is not read; causal through `ops.mla_prefill_attention` (cuDNN flash attention on a
         GPU). Returns (output [B, T, D], the new latents [B, T, C])."""
-        q_nope_BTNH, q_pe_BTNR, new_BTC = self._project(x_BTD, positions_BT)
+        q_nope_BTNH, q_pe_BTNR, new_BTC = self._project(x_BTD, positions_BT, plan)
         return self._expanded(
             x_BTD, q_nope_BTNH, q_pe_BTNR, new_BTC, _causal(positions_BT), True, plan
         ), new_BTC
@@ -169,7 +171,7 @@ class MLA(nnx.Module):
         (positions before its first new token) plus its new tokens, causally (`ops.paged_keys`). New
         tokens of a row have consecutive positions, padding only after them. Returns (output [B, T,
         D], the new latents [B, T, C])."""
-        q_nope_BTNH, q_pe_BTNR, new_BTC = self._project(x_BTD, positions_BT)
+        q_nope_BTNH, q_pe_BTNR, new_BTC = self._project(x_BTD, positions_BT, plan)
         keys_BSC, mask_BTS = ops.paged_keys(
             pool_LXpC, block_table_BP, new_BTC, positions_BT, layer=layer, parallel=self.parallel
         )
@@ -194,7 +196,7 @@ class MLA(nnx.Module):
         latents are written at their positions (writes at S or beyond dropped) and each query sees
         slots up to its position. cache_BSC None: the new tokens only. fresh (expanded only): as
         `fresh_prefill`. Returns (output [B, T, D], the updated cache, or new latents [B, T, C])."""
-        q_nope_BTNH, q_pe_BTNR, new_BTC = self._project(x_BTD, positions_BT)
+        q_nope_BTNH, q_pe_BTNR, new_BTC = self._project(x_BTD, positions_BT, plan)
         fresh = fresh and not absorbed
         if cache_BSC is None:
             keys_BSC, key_pos_BS, out = new_BTC, positions_BT, new_BTC
@@ -223,22 +225,26 @@ class MLA(nnx.Module):
             keys_BSC[..., :A].astype(x_BTD.dtype),
             keys_BSC[..., A:].astype(x_BTD.dtype),
         )
-        rope_BNTS = ops.einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR)
-        q_lat_BTNA = ops.einsum_f32("btnh,nah->btna", q_nope_BTNH, w_uk).astype(x_BTD.dtype)
-        nope_BNTS = ops.einsum_f32("btna,bsa->bnts", q_lat_BTNA, c_BSA)
-        p_BNTS = _softmax((nope_BNTS + rope_BNTS) * self.cfg.softmax_scale, mask_BTS).astype(
+        rope_BNTS = ops.einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR, two_rows=_two_rows(plan))
+        q_lat_BTNA = ops.einsum_f32("btnh,nah->btna", q_nope_BTNH, w_uk,
+                                    two_rows=_two_rows(plan)).astype(x_BTD.dtype)
+        nope_BNTS = ops.einsum_f32("btna,bsa->bnts", q_lat_BTNA, c_BSA, two_rows=_two_rows(plan))
+        p_BNTS = _softmax((nope_BNTS + rope_BNTS) * self.cfg.softmax_scale, mask_BTS, plan).astype(
             x_BTD.dtype
         )
-        o_lat_BTNA = ops.einsum_f32("bnts,bsa->btna", p_BNTS, c_BSA).astype(x_BTD.dtype)
-        return self._out(ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv), x_BTD), out
+        o_lat_BTNA = ops.einsum_f32("bnts,bsa->btna", p_BNTS, c_BSA,
+                                    two_rows=_two_rows(plan)).astype(x_BTD.dtype)
+        return self._out(ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv,
+                                        two_rows=_two_rows(plan)), x_BTD, plan), out
 
-    def _project(self, x_BTD, positions_BT):
+    def _project(self, x_BTD, positions_BT, plan=None):
         """(q_nope [B, T, N, H], rotated q_pe [B, T, N, R], the new latents [B, T, C])."""
         cos, sin = rope_cos_sin(
             positions_BT, rope_inv_freq(self.cfg), self.cfg.rope_scaling.cos_sin_scale
         )
-        q_a_BTQ, kv_BTC = self._down_projections(x_BTD)
-        return (*self._queries(x_BTD, q_a_BTQ, cos, sin), self.latents(kv_BTC, cos, sin))
+        q_a_BTQ, kv_BTC = self._down_projections(x_BTD, plan)
+        return (*self._queries(x_BTD, q_a_BTQ, cos, sin, plan),
+                self.latents(kv_BTC, cos, sin, plan))
 
     def _expanded(
         self, x_BTD, q_nope_BTNH, q_pe_BTNR, keys_BSC, mask_BTS, causal, plan, chunk_lens=None
@@ -250,8 +256,10 @@ class MLA(nnx.Module):
             keys_BSC[..., :A].astype(x_BTD.dtype),
             keys_BSC[..., A:].astype(x_BTD.dtype),
         )
-        k_BSNH = ops.einsum_f32("bsa,nah->bsnh", c_BSA, w_uk).astype(x_BTD.dtype)
-        v_BSNU = ops.einsum_f32("bsa,nua->bsnu", c_BSA, w_uv).astype(x_BTD.dtype)
+        k_BSNH = ops.einsum_f32("bsa,nah->bsnh", c_BSA, w_uk,
+                                two_rows=_two_rows(plan)).astype(x_BTD.dtype)
+        v_BSNU = ops.einsum_f32("bsa,nua->bsnu", c_BSA, w_uv,
+                                two_rows=_two_rows(plan)).astype(x_BTD.dtype)
         o_BTNU = ops.mla_prefill_attention(
             q_nope_BTNH,
             q_pe_BTNR,
@@ -265,11 +273,15 @@ class MLA(nnx.Module):
             parallel=self.parallel,
             chunk_lens=chunk_lens,
         )
-        return self._out(o_BTNU, x_BTD)
+        return self._out(o_BTNU, x_BTD, plan)
 
-    def _out(self, o_BTNU, x_BTD):
+    def _out(self, o_BTNU, x_BTD, plan=None):
         N, _, _, _, U = self.dims
-        return self.o_proj(o_BTNU.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * U))
+        return self.o_proj(o_BTNU.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * U), plan)
+
+
+def _two_rows(plan) -> bool:
+    return ops.default_plan(plan).batch_invariant
 
 
 def _causal(positions_BT):
@@ -333,6 +345,6 @@ def _scatter_slots(pool_LXpC, slot, new_LBTC):
     return flat.reshape(pool_LXpC.shape)
 
 
-def _softmax(scores_BNTS, mask_BTS):
+def _softmax(scores_BNTS, mask_BTS, plan=None):
     s = jnp.where(mask_BTS[:, None], scores_BNTS, _NEG)
-    return jax.nn.softmax(s, axis=-1)
+    return ops.softmax(s, invariant=_two_rows(plan))

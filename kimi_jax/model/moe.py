@@ -130,5 +130,5 @@ class MoE(nnx.Module):
             w_TK = jnp.where(valid_T1, w_TK, 0.0)
         y_TD = self.experts(x_TD, idx_TK, w_TK, layer, plan=plan)
         if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_experts(x_TD)
+            y_TD = y_TD + self.shared_experts(x_TD, plan=plan)
         return y_TD.reshape(x_BTD.shape)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimi_jax.ops.fused import add_rms_norm, route  # noqa: F401
-from kimi_jax.ops.impl import einsum_f32, shard_map  # noqa: F401
+from kimi_jax.ops.impl import einsum_f32, row_sums, shard_map, softmax  # noqa: F401
 # re-exported: the engine, model and launchers call ops.*
 from kimi_jax.ops.plan import (  # noqa: F401
     CHUNK_ATTENTION_CHOICES,
@@ -76,6 +76,9 @@ def linear(x: jax.Array, w: Weight, *, plan: Optional[ExecPlan] = None) -> jax.A
         lead = x.shape[:-1]
         y = int4_matmul.int4_matmul(x.reshape(-1, x.shape[-1]), w.packed, w.scale)
         return y.reshape(*lead, y.shape[-1])
+    if plan is not None and plan.batch_invariant and x.ndim != 2:
+        # XLA:CPU sums a row of a 3-d dot [B, T, in] in an order that follows B; a 2-d one's not
+        return linear(x.reshape(-1, x.shape[-1]), w, plan=plan).reshape(*x.shape[:-1], -1)
     wd = dequantize(w, x.dtype)
     # f32 accumulation either way; the model dtype out keeps TP partial sums bf16 on the wire
     return jnp.einsum("...k,nk->...n", x, wd, preferred_element_type=x.dtype)
@@ -382,6 +385,7 @@ def mla_paged_attention(
         block_table_BP,
         positions_BT,
         scale,
+        invariant=default_plan(plan).batch_invariant,
         layer=layer,
         parallel=parallel,
     )
@@ -418,6 +422,7 @@ def _mla_paged_attention_xla(
     positions_BT,
     scale,
     *,
+    invariant=False,
     layer=None,
     parallel=None,
 ):
@@ -429,5 +434,5 @@ def _mla_paged_attention_xla(
     c_BSA, kpe_BSR = keys_BSC[..., :A], keys_BSC[..., A:]
     s_BNTS = (einsum_f32("btna,bsa->bnts", q_lat_BTNA, c_BSA)
               + einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR)) * scale
-    p_BNTS = jax.nn.softmax(jnp.where(mask_BTS[:, None], s_BNTS, -1e30), axis=-1).astype(dtype)
+    p_BNTS = softmax(jnp.where(mask_BTS[:, None], s_BNTS, -1e30), invariant=invariant).astype(dtype)
     return einsum_f32("bnts,bsa->btna", p_BNTS, c_BSA).astype(dtype)

@@ -7,6 +7,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from kimi_jax.ops import impl
 from kimi_jax.ops.impl import shard_map
 from kimi_jax.ops.plan import ExecPlan, default_plan
 
@@ -85,6 +86,12 @@ def comb_ids(wts_TK, experts: int):
 def add_rms_norm(x, residual, w_D, eps: float, *, plan: Optional[ExecPlan] = None, parallel=None):
     """(x + residual, its RMSNorm), or the norm of x alone (residual None); x [..., D]."""
     from pallas_kernels.norm import rms_norm
+    if default_plan(plan).batch_invariant:
+        h = x if residual is None else x + residual
+        h32 = h.astype(jnp.float32)
+        ms = impl.row_sums(h32 * h32) / h.shape[-1]
+        y = w_D * (h32 * jax.lax.rsqrt(ms + eps)).astype(h.dtype)
+        return y if residual is None else (h, y)
     if default_plan(plan).norm_kernel == "xla":
         return rms_norm.add_rms_norm_reference(x, residual, w_D, eps)
     D = x.shape[-1]

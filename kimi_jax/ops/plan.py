@@ -33,7 +33,9 @@ class ExecPlan:
     (benchmarks of random weights, whose routing concentrates): experts by `fused.comb_ids`.
     mla_fuse_new: the Triton MLA kernel takes the new tokens in ('rows' schedule;
     `MlaDecodeConfig.fuse_new`). pack_vectors (with 'per_layer'): each layer's norm scales and
-    router bias as one array (`layer_weights.pack_vectors`: fewer arguments for the host)."""
+    router bias as one array (`layer_weights.pack_vectors`: fewer arguments for the host).
+    batch_invariant: a row's result does not depend on the other rows of its step (no dot of one
+    row, 2-d projections, sums as dot rows: docs/ARCHITECTURE.md "Batch invariance")."""
     impl: str = "xla"
     mla_decode_kernel: str = "auto"
     hopper: bool = False
@@ -50,6 +52,7 @@ class ExecPlan:
     routing: str = "model"
     mla_fuse_new: bool = False
     pack_vectors: bool = False
+    batch_invariant: bool = False
 
     def __post_init__(self):
         for name, choices in (("impl", IMPLS), ("mla_decode_kernel", MLA_DECODE_KERNELS),
@@ -66,7 +69,8 @@ class ExecPlan:
             raise ValueError("ExecPlan.layer_weights='per_layer' needs layer_loop='unroll'")
         if self.pack_vectors and self.layer_weights != "per_layer":
             raise ValueError("ExecPlan.pack_vectors needs layer_weights='per_layer'")
-        for name in ("hopper", "one_new_token_elementwise", "mla_fuse_new", "pack_vectors"):
+        for name in ("hopper", "one_new_token_elementwise", "mla_fuse_new", "pack_vectors",
+                     "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ExecPlan.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("combine_xla_max_macs", "absorbed_chunk_tokens"):

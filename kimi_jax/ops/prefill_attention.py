@@ -9,7 +9,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from kimi_jax.ops.impl import einsum_f32, shard_map as _shard_map
+from kimi_jax.ops.impl import einsum_f32, shard_map as _shard_map, softmax
 from kimi_jax.ops.plan import (
     CHUNK_ATTENTION_CHOICES,
     PREFILL_ATTENTION_CHOICES,
@@ -98,16 +98,18 @@ def mla_prefill_attention(
         except (NotImplementedError, RuntimeError) as e:
             _warn_fallback(p, f"{type(e).__name__}: {e}")
     return _mla_prefill_attention_einsum(
-        q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNU, mask_BTS, scale
+        q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNU, mask_BTS, scale,
+        default_plan(plan).batch_invariant
     )
 
 
-def _mla_prefill_attention_einsum(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNU, mask_BTS, scale):
+def _mla_prefill_attention_einsum(q_nope_BTNH, q_pe_BTNR, k_BSNH, kpe_BSR, v_BSNU, mask_BTS, scale,
+                                  invariant=False):
     dtype = q_nope_BTNH.dtype
     rope_BNTS = einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR)
     nope_BNTS = einsum_f32("btnh,bsnh->bnts", q_nope_BTNH, k_BSNH)
     s_BNTS = jnp.where(mask_BTS[:, None], (nope_BNTS + rope_BNTS) * scale, -1e30)
-    p_BNTS = jax.nn.softmax(s_BNTS, axis=-1).astype(dtype)
+    p_BNTS = softmax(s_BNTS, invariant=invariant).astype(dtype)
     return einsum_f32("bnts,bsnu->btnu", p_BNTS, v_BSNU)
 
 

@@ -157,6 +157,28 @@ def test_enable_prefix_caching_flag_reaches_the_engine(cli, monkeypatch, tmp_pat
         assert seen.pop() is want
 
 
+
+@pytest.mark.parametrize("module,args", [("launch.generate", []), ("launch.serve", []),
+                                         ("launch.batch", ["--input=/dev/null", "--output=OUT"])])
+def test_batch_invariant_flag_reaches_the_engine(cli, monkeypatch, tmp_path, module, args):
+    """--batch-invariant / --no-batch-invariant is EngineConfig.batch_invariant; without the flag
+    VLLM_BATCH_INVARIANT=1 turns it on (the Frontend is stopped before it loads anything)."""
+    from kimi_jax.entrypoints.frontend import Frontend
+    seen = []
+
+    def spy(cls, engine_config):
+        seen.append(engine_config.batch_invariant)
+        raise ValueError("stopped by the test")
+    monkeypatch.setattr(Frontend, "from_config", classmethod(spy))
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    for env, flag, want in ((None, [], False), (None, ["--batch-invariant"], True),
+                            ("1", [], True), ("1", ["--no-batch_invariant"], False)):
+        if env:
+            monkeypatch.setenv("VLLM_BATCH_INVARIANT", env)
+        r = cli(module, "--model=tiny", *[a.replace("OUT", str(tmp_path / "out.jsonl")) for a in args], *flag)
+        assert r.returncode == 2 and "stopped by the test" in r.stderr, r
+        assert seen.pop() is want
+
 def test_vllm_launch_flags_are_accepted_with_their_meaning_here(cli, monkeypatch, tmp_path):
     """kimi-serve takes vLLM's --trust-remote-code / --enable-auto-tool-choice / --tool-call-parser
     kimi_k2 / --reasoning-parser kimi_k2 (another parser: one line, exit 2, before any loading);
