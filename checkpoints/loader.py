@@ -318,7 +318,12 @@ def _coalesce(reads: list[_Read]) -> Iterator[list[_Read]]:
         yield group
 
 
-def _read_group(reader: CheckpointReader, group: list[_Read], finite: Optional["FiniteCheck"]) -> None:
+def _read_group(reader: CheckpointReader, group: list[_Read], finite: Optional["FiniteCheck"],
+                touched=()) -> None:
+    """Read one coalesced group into its buffers, once the prefaults of those buffers (touched:
+    their futures) have written: a prefault after the read would zero a byte of each page."""
+    for t in touched:
+        t.result()
     if not group[0].direct:
         reader.read_slice(group[0].name, group[0].src, out=group[0].out)
     else:
@@ -482,7 +487,8 @@ def load_params(reader: CheckpointReader, cfg: layout_lib.ModelShape, specs: Par
     bar = _progress_bar(total, progress, f"loading {os.path.basename(reader.path.rstrip('/'))}")
     pool = cf.ThreadPoolExecutor(max(1, workers), thread_name_prefix="kimi-load")
     # One thread touches the pages of the buffers ahead of the reads (in the same order), so that the
-    # kernel's page zeroing overlaps disk waits instead of running inside the reads.
+    # kernel's page zeroing overlaps disk waits instead of running inside the reads. A read waits
+    # for its own buffers' touches (each writes a zero a page: after the read it would corrupt it).
     faulter = cf.ThreadPoolExecutor(1, thread_name_prefix="kimi-prefault")
     buffers = _HostBuffers(keep=readahead_bytes + chunk_bytes)
     finite = FiniteCheck(reader) if check_finite else None
@@ -504,10 +510,8 @@ def load_params(reader: CheckpointReader, cfg: layout_lib.ModelShape, specs: Par
             started.append((ch, hosts, futs))
         reads.sort(key=lambda r: (r.file, r.offset))
         for group in _coalesce(reads):
-            for r in group:
-                if r.out.nbytes >= 16 * _PAGE:
-                    faulter.submit(_touch, r.out)
-            fut = pool.submit(_read_group, reader, group, finite)
+            touched = [faulter.submit(_touch, r.out) for r in group if r.out.nbytes >= 16 * _PAGE]
+            fut = pool.submit(_read_group, reader, group, finite, touched)
             for futs in {id(r.futs): r.futs for r in group}.values():
                 futs.append(fut)
         return started

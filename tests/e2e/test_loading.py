@@ -373,3 +373,30 @@ def test_writer_streams_large_tensors_in_bounded_memory(tmp_path):
         assert _same_bits(ours, lib[1000:1010])
         w = lib.astype(np.float32)
         assert np.isfinite(w).all() and 0.005 < np.abs(w).mean() < 0.05
+
+
+
+
+def test_prefaulting_never_overwrites_what_was_read(ckpt, monkeypatch):
+    """The loader's prefault thread writes a zero in each page of a buffer that a read will fill:
+    held back (each touch 20 ms late) it still runs before that read, and every parameter is the
+    stored bits. (bfloat16, as LLM loads it: JAX's CPU arrays adopt the staging buffers, so a touch
+    after its read zeroed the low byte of a page's first value in the loaded model.)"""
+    import time
+    state = nnx.split(abstract_model(CFG, jnp.bfloat16, Layout().moe_parallel()))[1]
+    specs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in param_arrays(state).items()}
+    real, late = loader._touch, []
+
+    def slow_touch(arr):
+        time.sleep(0.02)
+        late.append(arr.nbytes)
+        real(arr)
+    monkeypatch.setattr(loader, "_touch", slow_touch)
+    got = loader.load_arrays(ckpt, specs, CFG)
+    assert late, "no buffer was large enough to be prefaulted"
+    with CheckpointReader(ckpt) as r:
+        for p, v in specs.items():
+            want = np.empty(v.shape, v.dtype)
+            for idx, name in layout_lib.hf_names_for(p, CFG.num_dense_layers, v.shape):
+                want[idx] = np.asarray(r.read(name)).astype(v.dtype)
+            assert _same_bits(got[p], want), p
