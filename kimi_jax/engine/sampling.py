@@ -10,6 +10,7 @@ import numpy as np
 
 from kimi_jax.engine.penalties import LogitsAdjust
 from kimi_jax.engine.structured_params import StructuredOutputsParams
+from kimi_jax.ops.impl import row_sums
 
 
 @dataclasses.dataclass
@@ -364,8 +365,8 @@ def verify_drafts(
 def top_logprobs(logits_BV: jax.Array, tokens_B: jax.Array, n: int, *, invariant: bool = False):
     """Raw log-softmax: (chosen token's logprob [...], its rank (1 = best) [...], top-n ids [...,
     n], top-n values [..., n]); any leading shape. invariant (ExecPlan.batch_invariant): each row's
-    sum of exponentials as a dot of >= 2 rows, whose rows XLA:CPU sums in one order whatever their
-    number (a reduction over [B, V] sums a row in an order that follows B)."""
+    sum of exponentials in one order (`ops.row_sums`; XLA's reduction over [B, V] sums a row in an
+    order that follows B)."""
     lp = (_log_softmax_rows(logits_BV.astype(jnp.float32)) if invariant
           else jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1))
     chosen = jnp.take_along_axis(lp, tokens_B[..., None], axis=-1)[..., 0]
@@ -375,15 +376,10 @@ def top_logprobs(logits_BV: jax.Array, tokens_B: jax.Array, n: int, *, invariant
 
 
 def _log_softmax_rows(x):
-    """log_softmax over the last axis, each row's sum a dot row (see top_logprobs)."""
+    """log_softmax over the last axis, its sum of exponentials by `ops.row_sums` (one order
+    whatever the batch; see top_logprobs)."""
     shifted = x - jax.lax.stop_gradient(x.max(axis=-1, keepdims=True))
-    e_RV = jnp.exp(shifted).reshape(-1, x.shape[-1])
-    rows = e_RV.shape[0]
-    if rows == 1:
-        e_RV = jnp.concatenate([e_RV, e_RV])
-    ones = jnp.ones((x.shape[-1], 2), jnp.float32)
-    total = jnp.dot(e_RV, ones, precision=jax.lax.Precision.HIGHEST)[:rows, 0]
-    return shifted - jnp.log(total).reshape(*x.shape[:-1], 1)
+    return shifted - jnp.log(row_sums(jnp.exp(shifted)))
 
 
 @dataclasses.dataclass

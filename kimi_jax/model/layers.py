@@ -71,9 +71,12 @@ class MLP(nnx.Module):
         w = self.gate_proj.weight.get_value()
         # one product for gate and up (kimi_jax.model.layer_weights)
         if isinstance(w, JointGateUp):
-            if plan is not None and plan.batch_invariant and x.ndim != 2:   # as ops.linear
-                return self(x.reshape(-1, x.shape[-1]), plan).reshape(x.shape)
-            y = jnp.einsum("...d,kid->...ki", x, w.w_2ID, preferred_element_type=x.dtype)
+            y_of = lambda x_: jnp.einsum("...d,kid->...ki", x_, w.w_2ID,  # noqa: E731
+                                         preferred_element_type=x.dtype)
+            if plan is not None and plan.batch_invariant:   # as ops.linear
+                y = ops.row_tiles(y_of, x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], 2, -1)
+            else:
+                y = y_of(x)
             return self.down_proj(jax.nn.silu(y[..., 0, :]) * y[..., 1, :], plan)
         return self.down_proj(jax.nn.silu(self.gate_proj(x, plan)) * self.up_proj(x, plan), plan)
 

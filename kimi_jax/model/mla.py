@@ -124,7 +124,7 @@ class MLA(nnx.Module):
         q_nope_BTNH, q_pe_BTNR, new_BTC = self._project(x_BTD, positions_BT, plan)
         w_uk, w_uv = self._kv_b()
         q_lat_BTNA = ops.einsum_f32("btnh,nah->btna", q_nope_BTNH, w_uk,
-                                    two_rows=_two_rows(plan)).astype(x_BTD.dtype)
+                                    invariant=_invariant(plan)).astype(x_BTD.dtype)
         o_lat_BTNA = ops.mla_paged_attention(
             q_lat_BTNA,
             q_pe_BTNR,
@@ -137,7 +137,7 @@ class MLA(nnx.Module):
             parallel=self.parallel,
             layer=layer,
         ).astype(x_BTD.dtype)
-        o_BTNU = ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv, two_rows=_two_rows(plan))
+        o_BTNU = ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv, invariant=_invariant(plan))
         return self._out(o_BTNU, x_BTD, plan), new_BTC
 
     def ragged(self, x_BTD, positions_BT, pool_LXpC, rows, layer, *, max_pages, plan=None):
@@ -148,12 +148,12 @@ class MLA(nnx.Module):
         q_nope_BTNH, q_pe_BTNR, new_BTC = self._project(x_BTD, positions_BT, plan)
         w_uk, w_uv = self._kv_b()
         q_lat_BTNA = ops.einsum_f32("btnh,nah->btna", q_nope_BTNH, w_uk,
-                                    two_rows=_two_rows(plan)).astype(x_BTD.dtype)
+                                    invariant=_invariant(plan)).astype(x_BTD.dtype)
         o_lat_BTNA = ops.mla_ragged_attention(
             q_lat_BTNA, q_pe_BTNR, new_BTC, pool_LXpC, rows, positions_BT, self.cfg.softmax_scale,
             max_pages=max_pages, plan=plan, parallel=self.parallel, layer=layer,
         ).astype(x_BTD.dtype)
-        o_BTNU = ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv, two_rows=_two_rows(plan))
+        o_BTNU = ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv, invariant=_invariant(plan))
         return self._out(o_BTNU, x_BTD, plan), new_BTC
 
     def fresh_prefill(self, x_BTD, positions_BT, *, plan=None):
@@ -225,17 +225,18 @@ class MLA(nnx.Module):
             keys_BSC[..., :A].astype(x_BTD.dtype),
             keys_BSC[..., A:].astype(x_BTD.dtype),
         )
-        rope_BNTS = ops.einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR, two_rows=_two_rows(plan))
+        rope_BNTS = ops.einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR,
+                                   invariant=_invariant(plan))
         q_lat_BTNA = ops.einsum_f32("btnh,nah->btna", q_nope_BTNH, w_uk,
-                                    two_rows=_two_rows(plan)).astype(x_BTD.dtype)
-        nope_BNTS = ops.einsum_f32("btna,bsa->bnts", q_lat_BTNA, c_BSA, two_rows=_two_rows(plan))
+                                    invariant=_invariant(plan)).astype(x_BTD.dtype)
+        nope_BNTS = ops.einsum_f32("btna,bsa->bnts", q_lat_BTNA, c_BSA, invariant=_invariant(plan))
         p_BNTS = _softmax((nope_BNTS + rope_BNTS) * self.cfg.softmax_scale, mask_BTS, plan).astype(
             x_BTD.dtype
         )
         o_lat_BTNA = ops.einsum_f32("bnts,bsa->btna", p_BNTS, c_BSA,
-                                    two_rows=_two_rows(plan)).astype(x_BTD.dtype)
+                                    invariant=_invariant(plan)).astype(x_BTD.dtype)
         return self._out(ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv,
-                                        two_rows=_two_rows(plan)), x_BTD, plan), out
+                                        invariant=_invariant(plan)), x_BTD, plan), out
 
     def _project(self, x_BTD, positions_BT, plan=None):
         """(q_nope [B, T, N, H], rotated q_pe [B, T, N, R], the new latents [B, T, C])."""
@@ -257,9 +258,9 @@ class MLA(nnx.Module):
             keys_BSC[..., A:].astype(x_BTD.dtype),
         )
         k_BSNH = ops.einsum_f32("bsa,nah->bsnh", c_BSA, w_uk,
-                                two_rows=_two_rows(plan)).astype(x_BTD.dtype)
+                                invariant=_invariant(plan)).astype(x_BTD.dtype)
         v_BSNU = ops.einsum_f32("bsa,nua->bsnu", c_BSA, w_uv,
-                                two_rows=_two_rows(plan)).astype(x_BTD.dtype)
+                                invariant=_invariant(plan)).astype(x_BTD.dtype)
         o_BTNU = ops.mla_prefill_attention(
             q_nope_BTNH,
             q_pe_BTNR,
@@ -280,7 +281,7 @@ class MLA(nnx.Module):
         return self.o_proj(o_BTNU.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * U), plan)
 
 
-def _two_rows(plan) -> bool:
+def _invariant(plan) -> bool:
     return ops.default_plan(plan).batch_invariant
 
 
@@ -347,4 +348,4 @@ def _scatter_slots(pool_LXpC, slot, new_LBTC):
 
 def _softmax(scores_BNTS, mask_BTS, plan=None):
     s = jnp.where(mask_BTS[:, None], scores_BNTS, _NEG)
-    return ops.softmax(s, invariant=_two_rows(plan))
+    return ops.softmax(s, invariant=_invariant(plan))

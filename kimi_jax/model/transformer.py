@@ -245,14 +245,6 @@ class Transformer(nnx.Module):
         tokens start at position 0, padding after them (see MLA). plan: the ExecPlan (None:
         `ExecPlan.for_backend()`)."""
         plan = ops.default_plan(plan)
-        paged = cache is None or block_table_BP is not None
-        if plan.batch_invariant and tokens_BT.size == 1 and paged:
-            # one token: XLA:CPU's one-row dots sum in another order than its dots of >= 2 rows
-            # (docs/ARCHITECTURE.md "Batch invariance"); a copy of the row makes every dot 2 rows
-            two = lambda a: None if a is None else jnp.concatenate([a, a])  # noqa: E731
-            h, new = self.hidden_states(two(tokens_BT), two(positions_BT), cache, absorbed=absorbed,
-                                        block_table_BP=two(block_table_BP), fresh=fresh, plan=plan)
-            return h[:1], (new if cache is not None else jax.tree.map(lambda a: a[:, :1], new))
         x = jnp.take(self.embed_tokens.weight[...], tokens_BT, axis=0)
         new = {}
         for kind, stack in self.layer_stacks:
@@ -283,13 +275,14 @@ class Transformer(nnx.Module):
 
     def logits(self, h_BTD, plan: Optional[ops.ExecPlan] = None):
         w = (self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head).weight[...]
-        if ops.default_plan(plan).batch_invariant and h_BTD.shape[0] * h_BTD.shape[1] == 1:
-            return self.logits(jnp.concatenate([h_BTD, h_BTD]), plan)[:1]    # as hidden_states
-        return (
-            ops.linear(h_BTD, w, plan=plan).astype(jnp.float32)
-            if h_BTD.dtype == jnp.float32
-            else jnp.einsum("btd,vd->btv", h_BTD, w, preferred_element_type=jnp.float32)
-        )
+        if ops.default_plan(plan).batch_invariant:   # its rows a few at a time (ops.row_tiles)
+            logits_RV = ops.row_tiles(lambda h: self._logits(h, w), h_BTD.reshape(-1, w.shape[1]))
+            return logits_RV.reshape(*h_BTD.shape[:-1], -1)
+        return self._logits(h_BTD, w)
+
+    @staticmethod
+    def _logits(h_D, w_VD):
+        return jnp.einsum("...d,vd->...v", h_D, w_VD, preferred_element_type=jnp.float32)
 
     def __call__(self, tokens_BT, positions_BT, cache=None, *, absorbed=False, fresh=False,
                  plan: Optional[ops.ExecPlan] = None):

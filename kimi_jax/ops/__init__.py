@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimi_jax.ops.fused import add_rms_norm, route  # noqa: F401
-from kimi_jax.ops.impl import einsum_f32, row_sums, shard_map, softmax  # noqa: F401
+from kimi_jax.ops.impl import einsum_f32, row_sums, row_tiles, shard_map, softmax  # noqa: F401
 # re-exported: the engine, model and launchers call ops.*
 from kimi_jax.ops.plan import (  # noqa: F401
     CHUNK_ATTENTION_CHOICES,
@@ -76,12 +76,13 @@ def linear(x: jax.Array, w: Weight, *, plan: Optional[ExecPlan] = None) -> jax.A
         lead = x.shape[:-1]
         y = int4_matmul.int4_matmul(x.reshape(-1, x.shape[-1]), w.packed, w.scale)
         return y.reshape(*lead, y.shape[-1])
-    if plan is not None and plan.batch_invariant and x.ndim != 2:
-        # XLA:CPU sums a row of a 3-d dot [B, T, in] in an order that follows B; a 2-d one's not
-        return linear(x.reshape(-1, x.shape[-1]), w, plan=plan).reshape(*x.shape[:-1], -1)
     wd = dequantize(w, x.dtype)
     # f32 accumulation either way; the model dtype out keeps TP partial sums bf16 on the wire
-    return jnp.einsum("...k,nk->...n", x, wd, preferred_element_type=x.dtype)
+    def product(x_):
+        return jnp.einsum("...k,nk->...n", x_, wd, preferred_element_type=x.dtype)
+    if plan is not None and plan.batch_invariant:
+        return row_tiles(product, x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+    return product(x)
 
 
 def routed_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array, experts: ExpertWeights,
@@ -89,14 +90,17 @@ def routed_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array, exp
     """sum_k weight[t, k] * down(silu(gate(x_t)) * up(x_t)) over the experts idx[t, k] -> [T, D] in
     x's dtype. idx_TK int32, weight_TK float32; layer: index into weights stacked [L, E, ...], read
     in place."""
-    pallas = default_plan(plan).pallas
+    plan = default_plan(plan)
+    pallas, invariant = plan.pallas, plan.batch_invariant
     if parallel is not None:
-        return _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts, parallel, pallas, layer)
-    return _routed_experts_local(x_TD, idx_TK, weight_TK, experts, pallas, layer)
+        return _routed_experts_sharded(x_TD, idx_TK, weight_TK, experts, parallel, pallas, layer,
+                                       invariant)
+    return _routed_experts_local(x_TD, idx_TK, weight_TK, experts, pallas, layer,
+                                 invariant=invariant)
 
 
 def _routed_experts_sharded(
-    x_TD, idx_TK, weight_TK, experts: ExpertWeights, par, pallas: bool, layer
+    x_TD, idx_TK, weight_TK, experts: ExpertWeights, par, pallas: bool, layer, invariant=False
 ):
     """Each device runs its experts (or slices) on its data-parallel group's tokens; partial sums
     are reduced. Pairs whose expert lives elsewhere get weight 0 and the out-of-range id E_local."""
@@ -142,7 +146,8 @@ def _routed_experts_sharded(
             mine = (lidx >= 0) & (lidx < e_local)
             idx = jnp.where(mine, lidx, e_local)
             wt = jnp.where(mine, wt, 0.0)
-        y = _routed_experts_local(x, idx, wt, ew, pallas, layer, held_share=1.0 / ep_degree)
+        y = _routed_experts_local(x, idx, wt, ew, pallas, layer, held_share=1.0 / ep_degree,
+                                  invariant=invariant)
         if gather:
             y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
         if psum_axes:
@@ -159,7 +164,7 @@ def _routed_experts_sharded(
 
 
 def _routed_experts_local(x_TD, idx_TK, weight_TK, experts: ExpertWeights, pallas: bool, layer=None,
-                          held_share: float = 1.0):
+                          held_share: float = 1.0, invariant: bool = False):
     pallas = pallas and isinstance(experts.gate, Int4Weight)
     if layer is not None:
         # [L, E, ...] -> [L*E, ...] (a bitcast) and ids offset into it; others stay out of range
@@ -187,6 +192,8 @@ def _routed_experts_local(x_TD, idx_TK, weight_TK, experts: ExpertWeights, palla
             held_share=held_share,
         )
         return y.astype(x_TD.dtype)
+    if invariant:
+        return _routed_experts_every(x_TD, idx_TK, weight_TK, experts)
     return _routed_experts_xla(x_TD, idx_TK, weight_TK, experts)
 
 
@@ -214,6 +221,36 @@ def _routed_experts_xla(x_TD, idx_TK, weight_TK, experts: ExpertWeights):
     w_sorted = jnp.where(flat_e[order] < E, w_sorted, 0.0)
     y_sorted = jnp.where((flat_e[order] < E)[:, None], y_sorted, 0.0)
     y = jnp.zeros((T, x_TD.shape[-1]), jnp.float32).at[token_of].add(y_sorted * w_sorted[:, None])
+    return y.astype(dtype)
+
+
+def _routed_experts_every(x_TD, idx_TK, weight_TK, experts: ExpertWeights):
+    """`_routed_experts_xla` with each token's result independent of the others
+    (ExecPlan.batch_invariant): every token through every expert (`row_tiles`, an expert a loop
+    iteration), then its K picks weighted and added in its own top-k order. The grouped form's
+    groups, and so its products' row counts, follow the batch's routing; this reads E / K times the
+    FLOPs (the XLA path serves small models)."""
+    T, K = idx_TK.shape
+    E = _num_experts(experts.gate)
+    dtype = x_TD.dtype
+
+    def expert(ew: ExpertWeights):
+        g, u, d = (dequantize(w, dtype) for w in (ew.gate, ew.up, ew.down))
+
+        def rows(x_tD):
+            gate = jnp.einsum("td,fd->tf", x_tD, g, preferred_element_type=jnp.float32)
+            up = jnp.einsum("td,fd->tf", x_tD, u, preferred_element_type=jnp.float32)
+            h = (jax.nn.silu(gate) * up).astype(dtype)
+            return jnp.einsum("tf,df->td", h, d, preferred_element_type=jnp.float32)
+        return row_tiles(rows, x_TD)
+
+    y_ETD = jax.lax.map(expert, experts)
+    y = jnp.zeros((T, x_TD.shape[-1]), jnp.float32)
+    for k in range(K):
+        e_T = idx_TK[:, k]
+        y_k = jnp.take_along_axis(y_ETD, jnp.clip(e_T, 0, E - 1)[None, :, None], axis=0)[0]
+        w_T = jnp.where(e_T < E, weight_TK[:, k].astype(jnp.float32), 0.0)
+        y = y + w_T[:, None] * y_k
     return y.astype(dtype)
 
 

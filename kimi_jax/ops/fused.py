@@ -39,9 +39,9 @@ def route(
     from pallas_kernels.router import sigmoid_topk as st
     plan = default_plan(plan)
     kernel = plan.router_kernel_for(x_TD.shape[0], w_ED.shape[0])
-    if kernel == "xla" or topk_group < n_group:
-        ids, wts = st.sigmoid_topk_reference(
-            x_TD,
+    if kernel == "xla" or topk_group < n_group or plan.batch_invariant:
+        ref = lambda x: st.sigmoid_topk_reference(  # noqa: E731
+            x,
             w_ED,
             bias_E,
             k=k,
@@ -50,6 +50,8 @@ def route(
             norm_topk_prob=norm_topk_prob,
             scaling=scaling,
         )
+        # batch_invariant: the scores' product a few rows at a time (impl.row_tiles)
+        ids, wts = impl.row_tiles(ref, x_TD) if plan.batch_invariant else ref(x_TD)
     else:
         config = st.RouterConfig(gemv="kernel" if kernel == "pallas_gemv" else "xla")
         f = lambda x, w, b: st.sigmoid_topk(

@@ -6,15 +6,16 @@ import jax
 import jax.numpy as jnp
 
 
-def einsum_f32(eq: str, a: jax.Array, b: jax.Array, *, two_rows: bool = False) -> jax.Array:
+# ExecPlan.batch_invariant: products over rows (tokens) run this many rows at a time
+INVARIANT_ROWS = 16
+
+
+def einsum_f32(eq: str, a: jax.Array, b: jax.Array, *, invariant: bool = False) -> jax.Array:
     """jnp.einsum returning float32 (on CPU operands are widened first: XLA:CPU lacks some bf16 ->
-    f32 dots). two_rows (ExecPlan.batch_invariant): where `a` has one row (its dims that are not
-    in `b`), it runs as two copies, so the dot sums as one of more rows does on XLA:CPU."""
-    lhs, rest = eq.split(",")
-    rhs, out = rest.split("->")
-    if two_rows and math.prod(n for c, n in zip(lhs, a.shape) if c not in rhs) == 1:
-        z = next(c for c in "zyxwvu" if c not in eq)
-        return einsum_f32(f"{z}{lhs},{rhs}->{z}{out}", jnp.stack([a, a]), b)[0]
+    f32 dots). invariant (ExecPlan.batch_invariant): `a`'s rows (its dims not in `b`) go through
+    `row_tiles`, so a row's result does not depend on how many rows come with it."""
+    if invariant:
+        return _row_tiled_einsum(eq, a, b, lambda e, x, y: einsum_f32(e, x, y))
     if jax.default_backend() == "cpu":
         a, b = (
             a.astype(jnp.promote_types(a.dtype, jnp.float32)),
@@ -23,16 +24,72 @@ def einsum_f32(eq: str, a: jax.Array, b: jax.Array, *, two_rows: bool = False) -
     return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
 
 
+def row_tiles(f, x_R):
+    """f over the rows of x_R [R, ...] (an array, or a pytree of arrays of R rows each)
+    INVARIANT_ROWS at a time (the last tile padded with zero rows), one tile an iteration of a loop
+    -> f's rows [R, ...] (each array of its pytree). Every tile is the same program, so a row's
+    bits do not depend on R or on its neighbours: XLA:CPU's dot emitters sum a row in an order that
+    follows the row count (one row, past 32-64 rows, a small batch) and the row's place in it."""
+    R = jax.tree.leaves(x_R)[0].shape[0]
+    t = INVARIANT_ROWS
+    tiles = -(-R // t)
+
+    def cut(a):
+        a = jnp.pad(a, [(0, tiles * t - R)] + [(0, 0)] * (a.ndim - 1))
+        return a.reshape(tiles, t, *a.shape[1:])
+    y = jax.lax.map(f, jax.tree.map(cut, x_R))
+    return jax.tree.map(lambda a: a.reshape(tiles * t, *a.shape[2:])[:R], y)
+
+
+def _row_tiled_einsum(eq: str, a: jax.Array, b: jax.Array, product) -> jax.Array:
+    """product(eq', a', b') with a's dims that are not in b (its rows) flattened and run by
+    `row_tiles`, and the dims both operands and the result share (a batch: MLA's heads) one at a
+    time in a loop around it: every product a 2-d one of fixed rows (XLA:CPU lays out and emits a
+    batched dot by its context). The result laid out as eq says."""
+    lhs, rest = eq.split(",")
+    rhs, out = rest.split("->")
+    batch = [c for c in lhs if c in rhs and c in out]
+    if batch:
+        others = lambda spec: "".join(c for c in spec if c not in batch)  # noqa: E731
+        a_N = jnp.transpose(a, [lhs.index(c) for c in batch] + [i for i, c in enumerate(lhs)
+                                                                  if c not in batch])
+        b_N = jnp.transpose(b, [rhs.index(c) for c in batch] + [i for i, c in enumerate(rhs)
+                                                                  if c not in batch])
+        n_shape = a_N.shape[:len(batch)]
+        sub = f"{others(lhs)},{others(rhs)}->{others(out)}"
+        y = jax.lax.map(lambda ab: _row_tiled_einsum(sub, ab[0], ab[1], product),
+                        (a_N.reshape(-1, *a_N.shape[len(batch):]),
+                         b_N.reshape(-1, *b_N.shape[len(batch):])))
+        y = y.reshape(*n_shape, *y.shape[1:])
+        have = batch + [c for c in out if c not in batch]
+        return jnp.transpose(y, [have.index(c) for c in out])
+    rows = [c for c in lhs if c not in rhs]
+    kept = [c for c in lhs if c in rhs]
+    z = next(c for c in "zyxwvutsrqponmlkjihgfedcba" if c not in eq)
+    a_RX = jnp.transpose(a, [lhs.index(c) for c in rows + kept])
+    row_shape = a_RX.shape[:len(rows)]
+    a_RX = a_RX.reshape(math.prod(row_shape), *a_RX.shape[len(rows):])
+    tile_out = z + "".join(c for c in out if c not in rows)
+    y = row_tiles(lambda x: product(f"{z}{''.join(kept)},{rhs}->{tile_out}", x, b), a_RX)
+    y = y.reshape(*row_shape, *y.shape[1:])
+    have = rows + [c for c in out if c not in rows]
+    return jnp.transpose(y, [have.index(c) for c in out])
+
+
 def row_sums(x: jax.Array) -> jax.Array:
-    """sum over the last axis [..., 1] as the rows of a float32 dot of >= 2 rows (a reduction's
-    order on XLA:CPU follows the number of rows; a dot's row does not: ExecPlan.batch_invariant)."""
-    x_RS = x.astype(jnp.float32).reshape(-1, x.shape[-1])
-    rows = x_RS.shape[0]
-    if rows == 1:
-        x_RS = jnp.concatenate([x_RS, x_RS])
-    ones = jnp.ones((x.shape[-1], 2), jnp.float32)
-    total = jnp.dot(x_RS, ones, precision=jax.lax.Precision.HIGHEST)[:rows, 0]
-    return total.reshape(*x.shape[:-1], 1)
+    """float32 sum over the last axis [..., 1] in one order whatever the leading shape and the
+    program around it (ExecPlan.batch_invariant): the axis zero-padded to a power of two, then
+    halved by elementwise adds (first half + second half) to one column. A reduction's order on
+    XLA:CPU follows the leading shape and fusion, and so does a dot's against ones, which XLA may
+    rewrite as a reduction; elementwise adds have no order to choose."""
+    x = x.astype(jnp.float32)
+    width = 1 << max(0, (x.shape[-1] - 1).bit_length())
+    if width != x.shape[-1]:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x
 
 
 def softmax(s: jax.Array, *, invariant: bool = False) -> jax.Array:

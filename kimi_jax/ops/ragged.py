@@ -73,6 +73,9 @@ def mla_ragged_attention(
     own, BLOCK_TOKENS positions at a time (Z x T x BLOCK_TOKENS latents, online softmax), as many
     blocks as the step's longest cached prefix needs (the rest skipped: one program; on a GPU
     each block's skip is a host round trip, hence the kernel there).
+    Under plan.batch_invariant (any backend) `_ragged_invariant_local`: a token's bits follow from
+    its row's keys alone, whatever else the step holds and wherever the row's cached / new boundary
+    falls (chunk size, prefix-cache hit, preemption).
     parallel (a MoEParallel): run per shard (shard_map) over its batch axes (each rank its blocks
     and its part of a page-split pool, `ops.page_split`) and its heads axes."""
     from kimi_jax import ops
@@ -87,7 +90,9 @@ def mla_ragged_attention(
     pool_LXpC, layer = ops._stacked(pool, layer)
     plan = ops.default_plan(plan)
     A, R = q_lat_ZTNA.shape[-1], q_pe_ZTNR.shape[-1]
-    if (plan.pallas and all(v >= 16 and not v & (v - 1) for v in (A, R))
+    if plan.batch_invariant:
+        local = functools.partial(_ragged_invariant_local, scale=scale, max_pages=max_pages)
+    elif (plan.pallas and all(v >= 16 and not v & (v - 1) for v in (A, R))
             and pool_LXpC.dtype == q_lat_ZTNA.dtype):
         local = functools.partial(_ragged_kernel_local, scale=scale, max_pages=max_pages,
                                   schedule=plan.mla_schedule or "balanced",
@@ -242,3 +247,67 @@ def _ragged_local(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, pool_LXpC, rows: RaggedRows, p
         (m_ZNT, l_ZNT, acc_ZTNA))
     o_ZTNA = acc_ZTNA / jnp.moveaxis(jnp.maximum(l_ZNT, 1e-30), 1, 2)[..., None]
     return jnp.where(valid_ZT[..., None, None], o_ZTNA, 0).astype(dtype)
+
+
+def _ragged_invariant_local(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, pool_LXpC, rows: RaggedRows,
+                            positions_ZT, layer, *, scale, max_pages):
+    """`mla_ragged_attention` with every token's result independent of the rest of its step: the
+    tokens run `impl.row_tiles` (a few at a time, one program a tile), each reading its row's keys
+    at positions 0 .. its own in blocks of BLOCK_TOKENS positions from position 0 (a key before the
+    row's cached count from its page, a later one from this step's latents, rounded to the pool's
+    dtype as the cache would hold it), merged block after block by online softmax, the sums by
+    `impl.row_sums`. So the products' shapes, the blocks, their keys and the order of every sum are
+    those of the token's position alone, not of T, the other rows, or how the row's earlier tokens
+    were split between the cache and this step (chunk size, prefix-cache hit, preemption); blocks
+    past a token's position (its tile's longest) leave it unchanged to the bit (scores masked)."""
+    from kimi_jax.ops.impl import einsum_f32, row_sums, row_tiles
+    Z, T, N, A = q_lat_ZTNA.shape
+    dtype = q_lat_ZTNA.dtype
+    L, X, page, C = pool_LXpC.shape
+    pages_ZX = rows.pages_X.reshape(Z, -1)
+    row_ZT, valid_ZT, cached_ZT, first_ZT = _token_rows(rows, positions_ZT)
+    start_ZT = jnp.take_along_axis(rows.query_start_B.reshape(Z, -1), row_ZT, axis=1)
+    block_ZT = jnp.broadcast_to(jnp.arange(Z, dtype=jnp.int32)[:, None], (Z, T))
+    new_ZTC = new_ZTC.astype(pool_LXpC.dtype).astype(dtype)
+    flat_pool = pool_LXpC.reshape(L * X, page, C)
+    # blocks of BLOCK_TOKENS positions whatever max_pages is (it follows the engine's limits)
+    G = max(1, BLOCK_TOKENS // page)
+    S = G * page
+
+    def tile(tok):
+        q_lat, q_pe, pos_t, valid_t, cached_t, first_t, start_t, z_t = tok
+        t = pos_t.shape[0]
+        n_blocks = -(-(jnp.where(valid_t, pos_t, 0).max() + 1) // S)
+
+        def block(j, carry):
+            m_tN, l_tN, acc_tNA = carry
+            pos_S = j * S + jnp.arange(S)
+            at_tG = jnp.clip(first_t[:, None] + j * G + jnp.arange(G), 0, pages_ZX.shape[1] - 1)
+            table_tG = jnp.clip(pages_ZX[z_t[:, None], at_tG], 0, X - 1) + layer * X
+            old_tSC = flat_pool[table_tG].reshape(t, S, C).astype(dtype)
+            at_tS = jnp.clip(start_t[:, None] + pos_S - cached_t[:, None], 0, T - 1)
+            keys_tSC = jnp.where((pos_S < cached_t[:, None])[..., None], old_tSC,
+                                 new_ZTC[z_t[:, None], at_tS])
+            mask_tS = (pos_S <= pos_t[:, None]) & valid_t[:, None]
+            s_tNS = (einsum_f32("tna,tsa->tns", q_lat, keys_tSC[..., :A])
+                     + einsum_f32("tnr,tsr->tns", q_pe, keys_tSC[..., A:])) * scale
+            s_tNS = jnp.where(mask_tS[:, None], s_tNS, -1e30)
+            m_new = jnp.maximum(m_tN, s_tNS.max(axis=-1))
+            p_tNS = jnp.exp(s_tNS - m_new[..., None])
+            c_tN = jnp.exp(m_tN - m_new)
+            acc_tNA = (acc_tNA * c_tN[..., None]
+                       + einsum_f32("tns,tsa->tna", p_tNS.astype(dtype), keys_tSC[..., :A]))
+            return m_new, l_tN * c_tN + row_sums(p_tNS)[..., 0], acc_tNA
+
+        init = (jnp.full((t, N), -1e30, jnp.float32), jnp.zeros((t, N), jnp.float32),
+                jnp.zeros((t, N, A), jnp.float32))
+        _, l_tN, acc_tNA = jax.lax.fori_loop(
+            0, -(-(max_pages * page) // S),
+            lambda j, c: jax.lax.cond(j < n_blocks, block, lambda j, c: c, j, c), init)
+        o_tNA = acc_tNA / jnp.maximum(l_tN, 1e-30)[..., None]
+        return jnp.where(valid_t[:, None, None], o_tNA, 0).astype(dtype)
+
+    flat = lambda a: a.reshape(Z * T, *a.shape[2:])  # noqa: E731
+    toks = tuple(flat(a) for a in (q_lat_ZTNA, q_pe_ZTNR.astype(dtype), positions_ZT, valid_ZT,
+                                   cached_ZT, first_ZT, start_ZT, block_ZT))
+    return row_tiles(tile, toks).reshape(Z, T, N, A)

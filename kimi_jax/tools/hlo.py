@@ -311,7 +311,7 @@ _MATMUL_OPS = ("dot", "convolution", "ragged-dot")
 _GEMM_TARGET = re.compile(
     r'custom_call_target="[^"]*(gemm|cublas|matmul|triton|mosaic|pallas)[^"]*"', re.I
 )
-_ATTN_FUNCS = ("MLA.__call__", "_softmax",
+_ATTN_FUNCS = ("MLA.__call__", "_softmax", "softmax",  # ops.softmax: attention's only
                # the paged step's attention ops (kimi_jax.ops and the kernel wrapper's XLA parts)
                "mla_paged_attention", "_mla_paged_attention_xla", "paged_keys", "gather_pages",
                "_new_token_part", "combine", "mla_decode_partials")

@@ -1,6 +1,6 @@
 """The batch-invariance switch: EngineConfig.batch_invariant (VLLM_BATCH_INVARIANT=1 its default),
-carried to the engine's ExecPlan; einsum_f32's two-row form, which XLA:CPU sums as any dot of
-several rows (a dot of one row sums in another order)."""
+carried to the engine's ExecPlan; einsum_f32's row tiles, which XLA:CPU sums the same whatever
+the number of rows (a dot of one row, or of many, sums in another order)."""
 from __future__ import annotations
 
 import jax
@@ -29,17 +29,26 @@ def test_llm_runs_the_invariant_plan(tiny_ckpt):
     assert not ops.ExecPlan().batch_invariant
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's dot emitters")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_one_row_sums_as_a_row_of_many(dtype):
-    """q_lat = q_nope . w_uk (MLA's absorbed query) for one token and for that token among 7
-    others: bit-identical with two_rows; without it the one-row dot differs on XLA:CPU."""
+@pytest.mark.parametrize("eq,a_shape,b_shape", [
+    ("btnh,nah->btna", (1, 64, 4, 16), (4, 32, 16)),     # MLA's absorbed query (W_UK)
+    ("tk,kn->tn", (64, 64), (64, 1024)),                 # a wide projection
+    ("ztna,zsa->znts", (1, 64, 4, 32), (1, 64, 32)),     # scores against the step's own keys
+])
+def test_a_row_gives_the_same_bits_alone_and_among_many(dtype, eq, a_shape, b_shape):
+    """With invariant (ExecPlan.batch_invariant) the first token's result is the same bits alone,
+    among 7 and among 63 others; without it XLA:CPU's emitters sum it in another order at some of
+    those counts (one row; past 32-64 rows), on these shapes."""
     rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.standard_normal((8, 1, 4, 64)), dtype)
-    w = jnp.asarray(0.1 * rng.standard_normal((4, 96, 64)), dtype)
-    eq = "btnh,nah->btna"
-    f = jax.jit(ops.einsum_f32, static_argnums=0, static_argnames="two_rows")
-    many = np.asarray(f(eq, q, w))[:1]
-    assert (np.asarray(f(eq, q[:1], w, two_rows=True)) == many).all()
-    assert (np.asarray(f(eq, q[1:], w, two_rows=True)) == np.asarray(f(eq, q, w))[1:]).all()
-    assert not (np.asarray(f(eq, q[:1], w)) == many).all()
+    a = jnp.asarray(rng.standard_normal(a_shape), dtype)
+    b = jnp.asarray(0.1 * rng.standard_normal(b_shape), dtype)
+    t_axis = eq.index("t")
+    out_t = eq.split("->")[1].index("t")
+    f = jax.jit(ops.einsum_f32, static_argnums=0, static_argnames="invariant")
+
+    def first(n, invariant):
+        y = f(eq, jax.lax.slice_in_dim(a, 0, n, axis=t_axis), b, invariant=invariant)
+        return np.asarray(jax.lax.index_in_dim(y, 0, out_t))
+    alone = first(1, True)
+    assert all((first(n, True) == alone).all() for n in (8, 64))
+    assert not all((first(n, False) == first(1, False)).all() for n in (8, 64))
