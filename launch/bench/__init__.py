@@ -55,6 +55,9 @@ SUITES = {
                                           "layers, over shapes only"),
     "step_layout": ("launch.bench.step_layout", "the padded and the ragged step layout on the demo model: cold "
                                                 "and warm start, precompile, kimi-generate, decode, kimi-serve"),
+    "invariance": ("launch.bench.invariance", "batch invariance checked and priced: every request alone "
+                                              "and in random batches, mismatches and tokens/s with "
+                                              "batch_invariant on and off"),
     "layout_depth": ("launch.bench.layout_depth", "the padded and the ragged step layout's decode step at "
                                                   "depth through the engine core: ms a step and a kernel "
                                                   "census"),

@@ -15,14 +15,14 @@ def test_kimi_bench_lists_its_suites_and_refuses_an_unknown_one(cli):
     assert r.returncode == 0
     for suite in ("int4", "mla", "engine", "throughput", "spec", "loading", "prefix_cache", "program_costs",
                   "full_depth", "gemv", "small_ops", "structured", "dtype", "lowering", "step_layout",
-                  "layout_depth", "program_set"):
+                  "layout_depth", "program_set", "invariance"):
         assert f"\n  {suite} " in r.stdout, suite
     assert cli("launch.bench").stdout == r.stdout                # no suite: the list
     bad = cli("launch.bench", "nosuch")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "kimi-bench: error: unknown suite 'nosuch' (suites: int4, mla, engine, throughput, spec, loading, "
         "prefix_cache, program_costs, full_depth, gemv, small_ops, constrained, structured, dtype, lowering, "
-        "step_layout, layout_depth, program_set)"]
+        "step_layout, invariance, layout_depth, program_set)"]
     # a suite's --help: its own flags, exit 0
     r = cli("launch.bench", "loading", "--help")
     assert r.returncode == 0 and "--orbax-dir" in r.stdout and "--raw-workers" in r.stdout
@@ -468,3 +468,17 @@ def test_bench_layout_depth_times_both_layouts_and_lists_their_kernels(tmp_path,
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "kimi-bench layout_depth: error: --layouts: 'padded:rows' is not padded, ragged or "
         "ragged:SCHEDULE"], bad.stderr
+
+
+def test_bench_invariance_finds_no_mismatch_with_the_switch(tmp_path, cli, tiny_ckpt):
+    """kimi-bench invariance's CPU dry run: with batch_invariant on, every request (greedy and
+    seeded samples, alone and then in random batches with prefix-cache hits) gives the same bits;
+    a row with its tokens/s."""
+    r = cli("launch.bench", "invariance", "--model", tiny_ckpt, "--requests=5", "--max_tokens=3",
+            "--max_num_seqs=3", "--max_prompt=24", "--settings=on", "--noprecompile", "--out",
+            str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "invariance.json").read_text())
+    assert row["batch_invariant"] and row["requests"] == 5 and row["batches"] >= 2
+    assert row["mismatched"] == 0 and row["first_mismatch"] is None
+    assert row["alone_tok_s"] > 0 and row["batched_tok_s"] > 0
