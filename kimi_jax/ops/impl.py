@@ -15,7 +15,7 @@ def einsum_f32(eq: str, a: jax.Array, b: jax.Array, *, invariant: bool = False) 
     f32 dots). invariant (ExecPlan.batch_invariant): `a`'s rows (its dims not in `b`) go through
     `row_tiles`, so a row's result does not depend on how many rows come with it."""
     if invariant:
-        return _row_tiled_einsum(eq, a, b, lambda e, x, y: einsum_f32(e, x, y))
+        return _row_tiled_einsum(eq, a, b)
     if jax.default_backend() == "cpu":
         a, b = (
             a.astype(jnp.promote_types(a.dtype, jnp.float32)),
@@ -41,8 +41,8 @@ def row_tiles(f, x_R):
     return jax.tree.map(lambda a: a.reshape(tiles * t, *a.shape[2:])[:R], y)
 
 
-def _row_tiled_einsum(eq: str, a: jax.Array, b: jax.Array, product) -> jax.Array:
-    """product(eq', a', b') with a's dims that are not in b (its rows) flattened and run by
+def _row_tiled_einsum(eq: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """einsum_f32(eq', a', b') with a's dims that are not in b (its rows) flattened and run by
     `row_tiles`, and the dims both operands and the result share (a batch: MLA's heads) one at a
     time in a loop around it: every product a 2-d one of fixed rows (XLA:CPU lays out and emits a
     batched dot by its context). The result laid out as eq says."""
@@ -57,7 +57,7 @@ def _row_tiled_einsum(eq: str, a: jax.Array, b: jax.Array, product) -> jax.Array
                                                                   if c not in batch])
         n_shape = a_N.shape[:len(batch)]
         sub = f"{others(lhs)},{others(rhs)}->{others(out)}"
-        y = jax.lax.map(lambda ab: _row_tiled_einsum(sub, ab[0], ab[1], product),
+        y = jax.lax.map(lambda ab: _row_tiled_einsum(sub, ab[0], ab[1]),
                         (a_N.reshape(-1, *a_N.shape[len(batch):]),
                          b_N.reshape(-1, *b_N.shape[len(batch):])))
         y = y.reshape(*n_shape, *y.shape[1:])
@@ -70,7 +70,7 @@ def _row_tiled_einsum(eq: str, a: jax.Array, b: jax.Array, product) -> jax.Array
     row_shape = a_RX.shape[:len(rows)]
     a_RX = a_RX.reshape(math.prod(row_shape), *a_RX.shape[len(rows):])
     tile_out = z + "".join(c for c in out if c not in rows)
-    y = row_tiles(lambda x: product(f"{z}{''.join(kept)},{rhs}->{tile_out}", x, b), a_RX)
+    y = row_tiles(lambda x: einsum_f32(f"{z}{''.join(kept)},{rhs}->{tile_out}", x, b), a_RX)
     y = y.reshape(*row_shape, *y.shape[1:])
     have = rows + [c for c in out if c not in rows]
     return jnp.transpose(y, [have.index(c) for c in out])
