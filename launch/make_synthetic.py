@@ -3,6 +3,7 @@ config.json), of any preset's geometry, any number of layers and experts.
 
   kimi-make-synthetic --model kimi-k2.5 --num-layers 2 --out /tmp/k25-2l --num-shards 4
   kimi-make-synthetic --model tiny --out /tmp/tiny --layout k25 --values normal   (--preset: --model)
+  kimi-make-synthetic --model kimi-k2.5 --noweights --synthetic_tokenizer --out /tmp/k25-tok
 
 Tensors are streamed to disk (checkpoints.synthetic.write_safetensors): memory stays at about one
 32 MB piece whatever the shard size. --values fast (default) fills large tensors from raw random bits
@@ -43,6 +44,11 @@ flags.DEFINE_enum("values", "fast", ["fast", "normal"], "random values: raw bits
 flags.DEFINE_bool("int4", None, "INT4 routed experts (default: as the preset)")
 flags.DEFINE_float("std", 0.02, "weight scale")
 flags.DEFINE_string("tokenizer_dir", None, "copy tokenizer files from this directory")
+flags.DEFINE_bool("synthetic_tokenizer", False, "write a Kimi-shaped tokenizer of the model's "
+                  "vocabulary into --out (vocab_size - 256 byte-level ranks: the demo's merges, then "
+                  "seeded random words; Kimi's special tokens above them)")
+flags.DEFINE_bool("weights", True, "write the weights (--noweights --synthetic_tokenizer: only the "
+                  "tokenizer, for kimi-serve --model PRESET --tokenizer DIR)")
 LARGE_GB = 4.0          # a size printed as a warning line, with how to make it smaller
 
 
@@ -76,17 +82,44 @@ def config():
 def main(argv):
     del argv
     from checkpoints import layout as layout_lib
-    from checkpoints.synthetic import write_checkpoint
-    from checkpoints.safetensors_io import CheckpointError
     from kimi_jax.config import ConfigError
 
     if not FLAGS.out:
         fail("--out is required")
+    if FLAGS.synthetic_tokenizer and FLAGS.tokenizer_dir:
+        fail("--synthetic_tokenizer and --tokenizer_dir both name the tokenizer; pass one")
+    if not FLAGS.weights and not FLAGS.synthetic_tokenizer:
+        fail("--noweights writes nothing without --synthetic_tokenizer")
     try:
         cfg = config()
         exp = layout_lib.expected_tensors(cfg)
     except (ConfigError, ValueError) as e:
         fail(e)
+    if FLAGS.weights:
+        write_weights(cfg, exp)
+    if FLAGS.synthetic_tokenizer:
+        write_tokenizer(cfg)
+
+
+def write_tokenizer(cfg) -> None:
+    """A synthetic Kimi-shaped tokenizer of cfg's vocabulary into --out."""
+    from checkpoints.bpe import write_tokenizer_files
+    from kimi_jax.text.tokenizer import NUM_RESERVED_SPECIAL_TOKENS
+    from launch.bench.harness import synthetic_ranks
+    n_base = cfg.vocab_size - NUM_RESERVED_SPECIAL_TOKENS
+    t0 = time.perf_counter()
+    try:
+        ranks = synthetic_ranks(n_base)
+        write_tokenizer_files(FLAGS.out, ranks, model_max_length=cfg.max_position_embeddings)
+    except (ValueError, OSError) as e:
+        fail(f"--synthetic_tokenizer: {e}")
+    print(f"{PROG}: wrote a synthetic tokenizer of {n_base} ranks and Kimi's special ids above "
+          f"them to {FLAGS.out} in {time.perf_counter() - t0:.1f}s", flush=True)
+
+
+def write_weights(cfg, exp) -> None:
+    from checkpoints.synthetic import write_checkpoint
+    from checkpoints.safetensors_io import CheckpointError
     size = {"bfloat16": 2, "float32": 4, "int32": 4}
     total = sum(math.prod(s) * size[d] for s, d in exp.values())
     shards = FLAGS.num_shards or max(1, math.ceil(total / (FLAGS.shard_gb * 1e9)))

@@ -87,17 +87,20 @@ def random_pages(engine, num_pages: int, seed: int = 0, page_size: int = 16):
     return jax.block_until_ready(fill(pages, jax.random.PRNGKey(seed)))
 
 
-def synthetic_tokenizer(n_base: int = 163_584, seed: int = 0):
-    """A Kimi-shaped tokenizer with n_base ranks (module docstring)."""
-    from checkpoints.bpe import KIMI_SPECIAL_TOKEN_OFFSETS, NON_SPECIAL_TOKENS
+def synthetic_ranks(n_base: int = 163_584, seed: int = 0) -> dict:
+    """The byte-level ranks of a Kimi-shaped tokenizer of n_base ranks: the 256 bytes, the demo
+    tokenizer's merges, then random words, CJK, numbers, punctuation and whitespace runs (seeded)."""
     from kimi_jax.entrypoints.llm import demo_model_path
-    from kimi_jax.text.tokenizer import NUM_RESERVED_SPECIAL_TOKENS, Tokenizer, load_tiktoken_ranks
+    from kimi_jax.text.tokenizer import load_tiktoken_ranks
     demo = os.path.join(demo_model_path(), "tiktoken.model")
     toks = [bytes([b]) for b in range(256)]
     seen = set(toks)
     for t, _ in sorted(load_tiktoken_ranks(demo).items(), key=lambda kv: kv[1]):
         if t not in seen:
             seen.add(t), toks.append(t)
+    if n_base < len(toks):
+        raise ValueError(f"{n_base} ranks are fewer than the 256 bytes and the demo tokenizer's "
+                         f"merges ({len(toks)}); a vocabulary of at least {len(toks) + 256} is needed")
     rng = random.Random(seed)
     lower = "etaoinshrdlcumwfgypbvkjxqz"
     weights = [12, 9, 8, 7.5, 7, 6.7, 6.3, 6, 5.9, 4.3, 4, 2.8, 2.8, 2.4, 2.4, 2.2, 2, 2, 1.9, 1.5, 1, .8, .2, .2, .1, .1]
@@ -122,7 +125,14 @@ def synthetic_tokenizer(n_base: int = 163_584, seed: int = 0):
         b = s.encode("utf-8")
         if b not in seen:
             seen.add(b), toks.append(b)
-    ranks = {t: i for i, t in enumerate(toks)}
+    return {t: i for i, t in enumerate(toks)}
+
+
+def synthetic_tokenizer(n_base: int = 163_584, seed: int = 0):
+    """A Kimi-shaped tokenizer with n_base ranks (`synthetic_ranks`) and Kimi's special tokens."""
+    from checkpoints.bpe import KIMI_SPECIAL_TOKEN_OFFSETS, NON_SPECIAL_TOKENS
+    from kimi_jax.text.tokenizer import NUM_RESERVED_SPECIAL_TOKENS, Tokenizer
+    ranks = synthetic_ranks(n_base, seed)
     named = {n_base + off: name for name, off in KIMI_SPECIAL_TOKEN_OFFSETS.items()}
     specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(n_base, n_base + NUM_RESERVED_SPECIAL_TOKENS + 2)}
     return Tokenizer(ranks, specials, pad_token="[PAD]", unk_token="[UNK]", non_special=NON_SPECIAL_TOKENS)

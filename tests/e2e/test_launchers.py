@@ -73,6 +73,9 @@ def test_dash_spelling_is_the_same_flag(cli):
     ("launch.profile", ["--model=tiny", "--tensor-parallel-size=3", "--compile_only"]),
     ("launch.make_synthetic", ["--model=nosuch", "--out=/tmp/kimi_never_written"]),
     ("launch.make_synthetic", ["--num-layers=2"]),                     # no --out
+    ("launch.make_synthetic", ["--noweights", "--out=/tmp/kimi_never_written"]),   # nothing to write
+    ("launch.make_synthetic", ["--model=tiny", "--noweights", "--synthetic_tokenizer",  # vocab too small
+                               "--out=/tmp/kimi_never_written"]),
     ("launch.convert", ["--model=/no/such/checkpoint", "--out=/tmp/kimi_never_written"]),
     ("launch.batch", ["--output=/tmp/kimi_never_written.jsonl"]),     # no --input
     ("launch.bench", ["int4", "--bogus"]),
@@ -104,6 +107,37 @@ def test_make_synthetic_takes_model_and_keeps_preset_as_its_alias(cli, tmp_path)
     assert _digest(a) == _digest(b) and "model.safetensors" in _digest(a)
     cfg = json.load(open(os.path.join(a, "config.json")))
     assert cfg["num_hidden_layers"] == 2 and cfg["n_routed_experts"] == 8 and cfg["vocab_size"] == 512
+
+
+def test_make_synthetic_writes_a_kimi_shaped_tokenizer_a_preset_serves_grammars_with(cli, tmp_path):
+    """--noweights --synthetic_tokenizer: only the tokenizer files, of the model's vocabulary (its
+    ranks, then Kimi's specials at their offsets, as the real tokenizer); text round-trips through
+    them, the same flags write the same bytes, and a preset given that tokenizer (kimi-serve --model
+    PRESET --tokenizer DIR) takes a json_schema request whose output validates."""
+    import jsonschema
+    from kimi_jax.config import preset
+    from kimi_jax.engine.sampling import SamplingParams
+    from kimi_jax.engine.structured_params import StructuredOutputsParams
+    from kimi_jax.entrypoints.inputs import load_tokenizer
+    from kimi_jax.entrypoints.llm import LLM
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    args = ["--model=tiny", "--vocab-size=8192", "--noweights", "--synthetic_tokenizer"]
+    ra, rb = cli("launch.make_synthetic", *args, f"--out={a}"), cli("launch.make_synthetic", *args, f"--out={b}")
+    assert ra.returncode == rb.returncode == 0, (ra, rb)
+    assert _digest(a) == _digest(b) and set(_digest(a)) == {"tiktoken.model", "tokenizer_config.json",
+                                                            "chat_template.jinja"}
+    tok = load_tokenizer(a, None)
+    assert tok.num_base_tokens == 8192 - 256 and tok.encode("[BOS]", allow_special=True) == [8192 - 256]
+    text = 'Some text, {"key": [1, 2]} and 汉字\n'
+    assert tok.decode(tok.encode(text)) == text
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    llm = LLM(preset("tiny").replace(vocab_size=8192), tokenizer=a, dtype="float32", max_num_seqs=2,
+              max_model_len=128)
+    sp = SamplingParams(temperature=0.0, max_tokens=24,
+                        structured_outputs=StructuredOutputsParams(json=schema))
+    out = llm.generate(["A number:"], sp)[0].outputs[0]
+    jsonschema.validate(json.loads(out.text), schema)
 
 
 def test_convert_keeps_tokenizer_and_template_files_and_its_output_generates_the_same_text(cli, tmp_path):
