@@ -18,14 +18,24 @@ __all__ = ["StructuredBackend", "RowMatcher"]
 
 
 class RowMatcher:
-    """One request's grammar state: `accept` (False: the token broke the grammar), `is_finished`."""
+    """One request's grammar state: `accept` (False: the token broke the grammar), `is_finished`.
+    It keeps its last greedy close (`closing_path`) while the row follows it: a row whose mask was
+    narrowed to the close's next token walks the close once, not once a step."""
 
     def __init__(self, matcher, grammar: str):
         self._m = matcher
         self.grammar = grammar
+        self._walk: Optional[_CloseWalk] = None
 
     def accept(self, token: int) -> bool:
-        return bool(self._m.consume_token(int(token)))
+        walk, self._walk = self._walk, None
+        ok = bool(self._m.consume_token(int(token)))
+        if ok and walk is not None and walk.path and walk.path[0] == int(token):
+            walk.path.pop(0)              # the rest of the close still closes from the new state
+            if walk.end == "stop":
+                walk.end_at -= 1
+            self._walk = walk
+        return ok
 
     def is_finished(self) -> bool:
         return bool(self._m.is_stopped())
@@ -41,34 +51,66 @@ class RowMatcher:
     ) -> Optional[list[int]]:
         """Tokens a greedy closer writes to a complete output (forced text, else `priority`'s first
         allowed, else the lowest id), None past `limit`; on a copy; `first`: taken before, not
-        counted."""
-        m = self._m.deep_copy()
-        if first is not None and not m.consume_token(int(first)):
-            return None
-        path: list[int] = []
-        while len(path) < limit:
+        counted. Without `first` the walk is kept (and continued for a larger limit) until the
+        row takes a token other than its next."""
+        if first is not None:
+            m = self._m.deep_copy()
+            if not m.consume_token(int(first)):
+                return None
+            return _CloseWalk(m).run(priority, stop_ids, limit)
+        if self._walk is None:
+            self._walk = _CloseWalk(self._m.deep_copy())
+        return self._walk.run(priority, stop_ids, limit)
+
+
+class _CloseWalk:
+    """A greedy close walked from one grammar state as far as it has been asked: its tokens, the
+    matcher at its end, and how it ended (None: not yet; 'stop' or 'fail')."""
+
+    def __init__(self, m):
+        self.m, self.path, self.end = m, [], None
+        self.end_at = 0             # 'stop': the least limit whose walk reaches the stop
+
+    def run(self, priority: Sequence[int], stop_ids, limit: int) -> Optional[list[int]]:
+        path, m = self.path, self.m
+        while self.end is None and len(path) < limit:
             if m.is_stopped():
-                return path
+                self.end, self.end_at = "stop", len(path) + 1     # seen while len(path) < limit
+                break
             forced = m.compute_ff_tokens()
             if forced:
                 if not m.consume_tokens(forced):
-                    return None
+                    self.end = "fail"
+                    break
                 path += forced
                 continue
-            bits = np.frombuffer(m.compute_bitmask(), np.uint8)
-            allowed = lambda t: t < bits.size * 8 and (bits[t >> 3] >> (t & 7)) & 1
-            pick = next((t for t in priority if allowed(t)), None)
+            # a priority token by itself (no mask of the whole vocabulary), else the lowest id
+            pick = next((t for t in priority if m.validate_tokens([t]) == 1), None)
             if pick is None:
-                nz = np.flatnonzero(np.unpackbits(bits, bitorder="little"))
-                if nz.size == 0:
-                    return None
-                pick = int(nz[0])
+                pick = _lowest_set_bit(m.compute_bitmask())
+                if pick is None:
+                    self.end = "fail"
+                    break
             path.append(pick)
             if pick in stop_ids:
-                return path
+                self.end, self.end_at = "stop", len(path)        # appended while len < limit
+                break
             if not m.consume_token(pick):
-                return None
+                self.end = "fail"
+                break
+        if self.end == "stop" and self.end_at <= limit:
+            return list(path)
         return None
+
+
+def _lowest_set_bit(mask: bytes) -> Optional[int]:
+    """The lowest token id a little-endian packed bitmask allows (None: none)."""
+    words = np.frombuffer(mask, np.uint8)
+    nz = np.flatnonzero(words)
+    if nz.size == 0:
+        return None
+    byte = int(words[nz[0]])
+    return int(nz[0]) * 8 + ((byte & -byte).bit_length() - 1)
 
 
 class StructuredBackend:
@@ -122,7 +164,8 @@ class StructuredBackend:
 
     @property
     def closing_priority(self) -> list[int]:
-        """`RowMatcher.closing_path`'s token order: stops, closing markers, JSON-closing bytes."""
+        """`RowMatcher.closing_path`'s token order: stops, closing markers, JSON-closing bytes, a
+        space (JSON's separators; each token tried alone, a mask only where none is allowed)."""
         if getattr(self, "_priority", None) is None:
             tok = self.tokenizer
             ids = list(tok.stop_token_ids)
@@ -133,7 +176,7 @@ class StructuredBackend:
             ]
             ids += [
                 tok.mergeable_ranks[bytes([c])]
-                for c in b'"}],:0[{tfn'
+                for c in b'"}],:0[{tfn '
                 if bytes([c]) in tok.mergeable_ranks
             ]
             self._priority = ids
@@ -145,7 +188,7 @@ class StructuredBackend:
     def bitmask_closing(self, mask_row: np.ndarray, row: RowMatcher, tokens_left: int) -> bool:
         """Narrow the row's mask to the greedy close's next token once the close needs all but
         `close_margin` of `tokens_left` (before that, forbid special tokens); True if it
-        narrowed."""
+        narrowed. A narrowed row follows its close, which is walked once (`RowMatcher`)."""
         stops = set(self.tokenizer.stop_token_ids)
         limit = 2 * tokens_left + 16
         path = row.closing_path(self.closing_priority, stops, limit)

@@ -11,7 +11,8 @@ seeded random words (ASCII with and without a leading space, capitalised), CJK r
 punctuation and whitespace runs, until 163,584 distinct tokens. Its token strings are not a trained
 vocabulary's; the mask cost depends on the vocabulary size and its prefix structure, which this
 reproduces roughly. Each matcher follows a valid instance of its schema token by token; a step's
-time is the fill of every row's mask (the token consumption after it is timed apart).
+time is the fill of every row's mask (the token consumption after it is timed apart; close_ms: the
+budget close's check of every row, as near the end of a request's max_tokens, on a copy of the mask).
 xgrammar needs torch (imported here only). Writes the results as JSON (--out: a directory, then
 structured.json in it, or a .json file).
 """
@@ -74,12 +75,14 @@ def _median_ms(xs):
 def bench_llguidance(tok, batches):
     import llguidance as llg
     import numpy as np
+    from kimi_jax.engine.runner import CLOSE_WINDOW
     from kimi_jax.engine.structured import StructuredBackend
     from kimi_jax.engine.structured_params import StructuredOutputsParams
     backend = StructuredBackend(tok, KIMI_VOCAB if tok.vocab_size > 100_000 else 4096)
     t0 = time.perf_counter()
     backend._lltok                                   # built on first use
-    out = {"tokenizer_build_s": round(time.perf_counter() - t0, 3), "compile_ms": {}, "mask_ms": {}, "consume_ms": {}}
+    out = {"tokenizer_build_s": round(time.perf_counter() - t0, 3), "compile_ms": {}, "mask_ms": {}, "consume_ms": {},
+           "close_ms": {}}
     grammars = {}
     for name, (schema, _) in SCHEMAS.items():
         g = StructuredOutputsParams(json=schema, disable_any_whitespace=True).to_grammar()
@@ -98,12 +101,19 @@ def bench_llguidance(tok, batches):
                 for b in range(B)]
         seq = [seqs[names[b % len(names)]] for b in range(B)]
         steps = min(len(s) for s in seq)
-        fill, consume = [], []
+        fill, consume, close = [], [], []
         buffer = np.empty((B, backend.words), np.int32)     # filled in place, as the runner's
+        scratch = np.empty_like(buffer)
         for k in range(steps):
             t0 = time.perf_counter()
             mask = backend.fill_bitmask(rows, out=buffer)
             fill.append(time.perf_counter() - t0)
+            # every row inside the runner's close window (its widest): the check on a copy
+            np.copyto(scratch, mask)
+            t0 = time.perf_counter()
+            for b in range(B):
+                backend.bitmask_closing(scratch[b], rows[b], CLOSE_WINDOW)
+            close.append(time.perf_counter() - t0)
             for b in range(B):       # the instance's token must be allowed
                 t = seq[b][k]
                 assert (mask[b, t // 32] >> (t % 32)) & 1, (names[b % len(names)], k)
@@ -112,6 +122,7 @@ def bench_llguidance(tok, batches):
                 assert rows[b].accept(seq[b][k]), rows[b].error()
             consume.append(time.perf_counter() - t0)
         out["mask_ms"][B], out["consume_ms"][B] = _median_ms(fill), _median_ms(consume)
+        out["close_ms"][B] = _median_ms(close)
     return out
 
 
@@ -122,7 +133,8 @@ def bench_xgrammar(tok, batches):
     t0 = time.perf_counter()
     info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=tok.vocab_size, stop_token_ids=tok.stop_token_ids)
     compiler = xgr.GrammarCompiler(info, cache_enabled=False)
-    out = {"tokenizer_build_s": round(time.perf_counter() - t0, 3), "compile_ms": {}, "mask_ms": {}, "consume_ms": {}}
+    out = {"tokenizer_build_s": round(time.perf_counter() - t0, 3), "compile_ms": {}, "mask_ms": {}, "consume_ms": {},
+           "close_ms": {}}
     compiled = {}
     for name, (schema, _) in SCHEMAS.items():
         times = []
@@ -153,6 +165,7 @@ def bench_xgrammar(tok, batches):
                 assert ms[b].accept_token(seq[b][k]), (names[b % len(names)], k)
             consume.append(time.perf_counter() - t0)
         out["mask_ms"][B], out["consume_ms"][B] = _median_ms(fill), _median_ms(consume)
+        out["close_ms"][B] = _median_ms(close)
     return out
 
 

@@ -195,6 +195,32 @@ def test_budget_close_ends_unbounded_outputs_complete(backend, tok, budget):
         jsonschema.validate(json.loads(tok.decode(out)), UNBOUNDED)
 
 
+def test_a_row_that_follows_its_close_walks_it_once(backend, tok, monkeypatch):
+    """A row narrowed to its greedy close from the first step on (a budget the close needs all but
+    `close_margin` of) follows it to a complete output with one walk of the close, not a walk a
+    step (each walk's token a grammar step, some a mask of the whole vocabulary)."""
+    from kimi_jax.engine import structured as S
+    walks = []
+    original = S._CloseWalk.__init__
+
+    def counted(self, m):
+        walks.append(1)
+        original(self, m)
+    monkeypatch.setattr(S._CloseWalk, "__init__", counted)
+    m = backend.matcher(StructuredOutputsParams(json=UNBOUNDED))
+    budget, out = 40, []        # the close from the start: 34 tokens and the stop
+    for k in range(budget):
+        mask = backend.fill_bitmask([m])
+        narrowed = backend.bitmask_closing(mask[0], m, budget - k)
+        allowed = np.flatnonzero(np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:V_DEMO])
+        if set(allowed.tolist()) <= set(tok.stop_token_ids):      # complete: only a stop is left
+            break
+        assert narrowed and allowed.size == 1 and m.accept(int(allowed[0])), k
+        out.append(int(allowed[0]))
+    jsonschema.validate(json.loads(tok.decode(out)), UNBOUNDED)
+    assert len(walks) == 1 and len(out) < budget
+
+
 def test_chat_body_with_tools_carries_the_constraint(tok):
     # the OpenAI chat body (server and kimi-batch parse it with kimi_jax.entrypoints.openai.protocol)
     from kimi_jax.entrypoints.openai import protocol as P
