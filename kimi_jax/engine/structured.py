@@ -26,6 +26,7 @@ class RowMatcher:
         self._m = matcher
         self.grammar = grammar
         self._walk: Optional[_CloseWalk] = None
+        self.close_backoff = self.close_wait = 0     # StructuredBackend.bitmask_closing's
 
     def accept(self, token: int) -> bool:
         walk, self._walk = self._walk, None
@@ -101,6 +102,10 @@ class _CloseWalk:
         if self.end == "stop" and self.end_at <= limit:
             return list(path)
         return None
+
+
+# the most steps a row with no close within reach goes between two looks (bitmask_closing)
+CLOSE_BACKOFF_MAX = 8
 
 
 def _lowest_set_bit(mask: bytes) -> Optional[int]:
@@ -188,11 +193,22 @@ class StructuredBackend:
     def bitmask_closing(self, mask_row: np.ndarray, row: RowMatcher, tokens_left: int) -> bool:
         """Narrow the row's mask to the greedy close's next token once the close needs all but
         `close_margin` of `tokens_left` (before that, forbid special tokens); True if it
-        narrowed. A narrowed row follows its close, which is walked once (`RowMatcher`)."""
+        narrowed. A narrowed row follows its close, which is walked once (`RowMatcher`); a row
+        with no close within reach (none in `2 * tokens_left + 16` tokens: its output ends by
+        length whatever) is looked at again after 1, 2, 4, ... CLOSE_BACKOFF_MAX steps, not every
+        step (a walk of that many tokens a step and row costs more than the step)."""
+        if row.close_wait > 0:           # no close within reach lately: looked at less often
+            row.close_wait -= 1
+            return False
         stops = set(self.tokenizer.stop_token_ids)
         limit = 2 * tokens_left + 16
         path = row.closing_path(self.closing_priority, stops, limit)
-        if path is None or not path:
+        if path is None:
+            row.close_backoff = min(2 * row.close_backoff or 1, CLOSE_BACKOFF_MAX)
+            row.close_wait = row.close_backoff - 1
+            return False
+        row.close_backoff = 0
+        if not path:
             return False
         if len(path) + self.close_margin >= tokens_left:
             t = path[0]

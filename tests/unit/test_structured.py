@@ -221,6 +221,28 @@ def test_a_row_that_follows_its_close_walks_it_once(backend, tok, monkeypatch):
     assert len(walks) == 1 and len(out) < budget
 
 
+def test_a_row_with_no_close_within_reach_is_looked_at_less_often(backend, tok, monkeypatch):
+    """An output whose shortest close is longer than the search reaches (an array of 200 items with
+    40 tokens left) ends by length whatever the mask: its close is walked after 1, 2, 4, 8, 8, ...
+    steps, not every step, and the mask is never narrowed."""
+    from kimi_jax.engine import structured as S
+    looks = []
+    original = S.RowMatcher.closing_path
+
+    def counted(self, priority, stop_ids, limit, first=None):
+        looks.append(limit)
+        return original(self, priority, stop_ids, limit, first)
+    monkeypatch.setattr(S.RowMatcher, "closing_path", counted)
+    long = {"type": "array", "items": {"type": "string"}, "minItems": 200}
+    m = backend.matcher(StructuredOutputsParams(json=long))
+    for k in range(40):
+        mask = backend.fill_bitmask([m])
+        assert not backend.bitmask_closing(mask[0], m, 40 - k)
+        allowed = np.flatnonzero(np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:V_DEMO])
+        assert m.accept(int(allowed[0]))
+    assert len(looks) == 8, looks          # steps 0, 1, 3, 7, 15, 23, 31, 39
+
+
 def test_chat_body_with_tools_carries_the_constraint(tok):
     # the OpenAI chat body (server and kimi-batch parse it with kimi_jax.entrypoints.openai.protocol)
     from kimi_jax.entrypoints.openai import protocol as P
