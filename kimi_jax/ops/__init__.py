@@ -190,6 +190,7 @@ def _routed_experts_local(x_TD, idx_TK, weight_TK, experts: ExpertWeights, palla
             d.packed,
             d.scale,
             held_share=held_share,
+            invariant=invariant,
         )
         return y.astype(x_TD.dtype)
     if invariant:

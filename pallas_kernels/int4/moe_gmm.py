@@ -167,6 +167,12 @@ def default_config(num_pairs: int, num_experts: int, held_share: float = 1.0,
                         block_k_down=128, num_warps=8, swap_ab=False)
 
 
+# ExecPlan.batch_invariant's config: every T through the sorted grouped kernels with the default's
+# tiles (8 rows, weights on the MMA's M side) and K steps; no pair tiles, split K or atomics, whose
+# choice follows T. A row's sums then run in one order whatever its neighbours and its tile.
+INVARIANT_CONFIG = MoeGmmConfig(pair_tiles_max_t=0)
+
+
 class Tiles(NamedTuple):
     expert: jax.Array   # [num_tiles] int32 (0 for empty tiles)
     start: jax.Array    # [num_tiles] int32 first sorted row
@@ -351,13 +357,13 @@ def _silu_mul_halves(gu: jax.Array, dtype) -> jax.Array:
     return (g / (1.0 + jnp.exp(-g)) * u).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "held_share"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "held_share", "invariant"))
 def moe_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array,
                 gate_packed: jax.Array, gate_scale: jax.Array,
                 up_packed: jax.Array, up_scale: jax.Array,
                 down_packed: jax.Array, down_scale: jax.Array, *,
                 config: Optional[MoeGmmConfig] = None, interpret: Optional[bool] = None,
-                held_share: float = 1.0) -> jax.Array:
+                held_share: float = 1.0, invariant: bool = False) -> jax.Array:
     """sum_k weight[t,k] * down(silu(gate(x_t)) * up(x_t)) over experts idx[t,k]. Returns [T, D] x.dtype.
 
     Pairs whose id lies outside [0, E) are skipped (contribute 0, read nothing): with expert
@@ -366,14 +372,21 @@ def moe_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array,
     single-launch decode path (decode='single', T <= pair_tiles_max_t); the other paths reject it (a
     grouped down kernel reading it, one contiguous [BN, 16] tile per F block, measured 3-5x slower at
     T >= 4: BENCHMARKS.md, "INT4 W4A16 kernels"). `held_share` (1 / the expert-parallel degree) only steers the
-    default config (`default_config`); the result does not depend on it.
+    default config (`default_config`); the result does not depend on it. `invariant`: a token's
+    result does not depend on the other tokens (INVARIANT_CONFIG unless `config` is given: its
+    tiles, K steps and path the same at every T; the K picks added in pick order).
     """
     interp = tile.resolve_interpret(interpret)
     t, d = x_TD.shape
     kk = idx_TK.shape[1]
     num_experts, f, _ = gate_packed.shape
     tk = t * kk
-    cfg = config or default_config(tk, num_experts, held_share, dims=(d, f))
+    if invariant and config is not None and (config.pair_tiles_max_t or config.split_k_down > 1
+                                             or config.stream_k_down):
+        raise ValueError("moe_experts(invariant=True): the config's path must not depend on T "
+                         "(pair_tiles_max_t=0, no split or stream K)")
+    cfg = config or (INVARIANT_CONFIG if invariant else
+                     default_config(tk, num_experts, held_share, dims=(d, f)))
     bm = cfg.block_m
 
     if down_packed.ndim == 4 and not (t <= cfg.pair_tiles_max_t and cfg.decode == "single"):
@@ -451,7 +464,10 @@ def moe_experts(x_TD: jax.Array, idx_TK: jax.Array, weight_TK: jax.Array,
                             bk=cfg.block_k_down, interp=interp, a_layout="perm", a_rows="direct",
                             out_mode="scatter", dest=row_dest, rw=row_w, name="moe_down_int4")
     y = jnp.where(held[:, None], y_pairs[:tk], 0.0)        # rows of skipped pairs are never written
-    return y.reshape(t, kk, d).sum(axis=1).astype(x_TD.dtype)
+    y = y.reshape(t, kk, d)
+    if invariant:                                          # pick by pick, whatever XLA's reduce
+        return functools.reduce(jnp.add, [y[:, j] for j in range(kk)]).astype(x_TD.dtype)
+    return y.sum(axis=1).astype(x_TD.dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -255,6 +255,23 @@ def test_moe_experts_configs(experts, name, t, cfg):
     assert _rel(y, mg.moe_experts_reference(x, idx, w, *g, *u, *dn)) <= 1e-2
 
 
+def test_moe_experts_invariant_gives_a_token_the_same_bits_in_any_batch(experts):
+    """invariant=True (ExecPlan.batch_invariant): three tokens alone and among 64 (whose default
+    config takes 64-row tiles and shorter K steps) give the same bits; without it they differ."""
+    g, u, dn = experts
+    x, idx, w = _moe_case(64, "random")
+    picks = [0, 17, 63]
+    for invariant in (True, False):
+        batched = np.asarray(mg.moe_experts(x, idx, w, *g, *u, *dn, invariant=invariant),
+                             np.float32)
+        alone = np.concatenate([np.asarray(mg.moe_experts(
+            x[i:i + 1], idx[i:i + 1], w[i:i + 1], *g, *u, *dn, invariant=invariant), np.float32)
+            for i in picks])
+        assert (alone == batched[picks]).all() == invariant, invariant
+    with pytest.raises(ValueError, match="must not depend on T"):
+        mg.moe_experts(x, idx, w, *g, *u, *dn, invariant=True, config=mg.MoeGmmConfig())
+
+
 FUSED = mg.MoeGmmConfig(decode="fused")
 SINGLE = mg.MoeGmmConfig(decode="single", block_n_down=128)
 
