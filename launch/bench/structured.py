@@ -133,8 +133,7 @@ def bench_xgrammar(tok, batches):
     t0 = time.perf_counter()
     info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=tok.vocab_size, stop_token_ids=tok.stop_token_ids)
     compiler = xgr.GrammarCompiler(info, cache_enabled=False)
-    out = {"tokenizer_build_s": round(time.perf_counter() - t0, 3), "compile_ms": {}, "mask_ms": {}, "consume_ms": {},
-           "close_ms": {}}
+    out = {"tokenizer_build_s": round(time.perf_counter() - t0, 3), "compile_ms": {}, "mask_ms": {}, "consume_ms": {}}
     compiled = {}
     for name, (schema, _) in SCHEMAS.items():
         times = []
@@ -165,7 +164,6 @@ def bench_xgrammar(tok, batches):
                 assert ms[b].accept_token(seq[b][k]), (names[b % len(names)], k)
             consume.append(time.perf_counter() - t0)
         out["mask_ms"][B], out["consume_ms"][B] = _median_ms(fill), _median_ms(consume)
-        out["close_ms"][B] = _median_ms(close)
     return out
 
 
