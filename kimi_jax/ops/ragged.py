@@ -259,7 +259,10 @@ def _ragged_invariant_local(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, pool_LXpC, rows: Rag
     `impl.row_sums`. So the products' shapes, the blocks, their keys and the order of every sum are
     those of the token's position alone, not of T, the other rows, or how the row's earlier tokens
     were split between the cache and this step (chunk size, prefix-cache hit, preemption); blocks
-    past a token's position (its tile's longest) leave it unchanged to the bit (scores masked)."""
+    past a token's position leave it unchanged to the bit (scores masked: the merge's factors are
+    exactly 1 and 0). Every tile runs every block that max_pages holds, a loop of fixed trip count
+    with no branch: a block skipped by a branch costs a host round trip on a GPU (the predicate is
+    read back), so the reads grow with max_model_len, not with the tile's longest position."""
     from kimi_jax.ops.impl import einsum_f32, row_sums, row_tiles
     Z, T, N, A = q_lat_ZTNA.shape
     dtype = q_lat_ZTNA.dtype
@@ -277,7 +280,6 @@ def _ragged_invariant_local(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, pool_LXpC, rows: Rag
     def tile(tok):
         q_lat, q_pe, pos_t, valid_t, cached_t, first_t, start_t, z_t = tok
         t = pos_t.shape[0]
-        n_blocks = -(-(jnp.where(valid_t, pos_t, 0).max() + 1) // S)
 
         def block(j, carry):
             m_tN, l_tN, acc_tNA = carry
@@ -301,9 +303,7 @@ def _ragged_invariant_local(q_lat_ZTNA, q_pe_ZTNR, new_ZTC, pool_LXpC, rows: Rag
 
         init = (jnp.full((t, N), -1e30, jnp.float32), jnp.zeros((t, N), jnp.float32),
                 jnp.zeros((t, N, A), jnp.float32))
-        _, l_tN, acc_tNA = jax.lax.fori_loop(
-            0, -(-(max_pages * page) // S),
-            lambda j, c: jax.lax.cond(j < n_blocks, block, lambda j, c: c, j, c), init)
+        _, l_tN, acc_tNA = jax.lax.fori_loop(0, -(-(max_pages * page) // S), block, init)
         o_tNA = acc_tNA / jnp.maximum(l_tN, 1e-30)[..., None]
         return jnp.where(valid_t[:, None, None], o_tNA, 0).astype(dtype)
 
