@@ -13,6 +13,8 @@ the kernels' busy time and their count a step, and the most expensive kernels by
 `ragged:SCHEDULE` runs the ragged step with `ExecPlan.mla_schedule` SCHEDULE (the decode kernel's
 work split); the padded rows keep the plan's own. The model is `--preset` with random weights
 (`kimi_jax.tools.profiling.random_engine`), bfloat16 (the tiny preset in float32 with --tiny).
+A layout with `+invariant` (`ragged+invariant`, `padded+invariant`, `ragged:rows+invariant`) runs
+it with `ExecPlan.batch_invariant` on: the switch's cost beside the same layout without it.
 `--check` first compares the ragged attention op under the plan's impl with its XLA path on random
 inputs (the largest absolute difference). Rows: stdout and OUT/layout_depth.json.
 """
@@ -88,6 +90,15 @@ def check_attention(plan) -> list[dict]:
     return out
 
 
+def parse_layout(spec: str) -> tuple[str, str, bool]:
+    """'LAYOUT[:SCHEDULE][+invariant]' -> (layout, schedule or '', batch_invariant)."""
+    head, plus, tail = spec.partition("+")
+    layout, _, schedule = head.partition(":")
+    if plus and tail != "invariant":
+        return "", "", False                  # not a layout: the caller names the spec
+    return layout, schedule, bool(plus)
+
+
 def measure(engine, layout: str, batch: int, context: int, steps: int, profile_steps: int,
             top: int) -> dict:
     """One row (see the module docstring)."""
@@ -101,7 +112,7 @@ def measure(engine, layout: str, batch: int, context: int, steps: int, profile_s
     prompt_len = context - max(steps, PAGE_SIZE) - 1
     cache = CacheConfig(PAGE_SIZE, batch * (-(-context // PAGE_SIZE)) + 8, engine.cache_dtype)
     sc = SchedulerConfig(batch, context, 256, 2048, overlap_scheduling=True,
-                         step_layout=layout.partition(":")[0], max_num_batched_tokens=256)
+                         step_layout=parse_layout(layout)[0], max_num_batched_tokens=256)
     core = EngineCore(engine, sc, cache)
     pool = core.scheduler.pool
     core.runner.pages = random_pages(engine, pool.num_pages)
@@ -123,7 +134,8 @@ def measure(engine, layout: str, batch: int, context: int, steps: int, profile_s
     one(steps, "v")
     wall, n = one(steps, "t")
     row = dict(kind="step", layout=layout, batch=batch, layers=cfg.num_hidden_layers,
-               context=context, ms_per_step=1e3 * wall / n, engine_steps=n)
+               context=context, batch_invariant=engine.exec_plan.batch_invariant,
+               ms_per_step=1e3 * wall / n, engine_steps=n)
     if profile_steps:
         tdir = tempfile.mkdtemp(prefix="kimi_layout_")
         with jax.profiler.trace(tdir):
@@ -152,10 +164,10 @@ def main(argv):
     from launch import common
     common.setup()
     for spec in FLAGS.layouts:
-        layout, _, schedule = spec.partition(":")
+        layout, schedule, _ = parse_layout(spec)
         if layout not in ("padded", "ragged") or (schedule and layout != "ragged"):
             common.fail("kimi-bench layout_depth", f"--layouts: {spec!r} is not padded, ragged "
-                        "or ragged:SCHEDULE")
+                        "or ragged:SCHEDULE, each with an optional +invariant")
     cfg = preset("tiny" if FLAGS.tiny else FLAGS.preset)
     if FLAGS.layers:
         cfg = cfg.replace(num_hidden_layers=FLAGS.layers)
@@ -170,9 +182,10 @@ def main(argv):
     if FLAGS.check:
         rows += [dict(r, **base) for r in check_attention(plan)]
     for spec in FLAGS.layouts:
-        layout, _, schedule = spec.partition(":")
-        engine.exec_plan = (dataclasses.replace(plan, mla_schedule=schedule or None)
-                            if layout == "ragged" else plan)
+        layout, schedule, invariant = parse_layout(spec)
+        engine.exec_plan = dataclasses.replace(
+            plan, batch_invariant=invariant,
+            mla_schedule=schedule or None if layout == "ragged" else plan.mla_schedule)
         for b in (int(x) for x in FLAGS.batches):
             rows.append(dict(measure(engine, spec, b, FLAGS.context, FLAGS.steps,
                                      FLAGS.profile_steps, FLAGS.top), **base))

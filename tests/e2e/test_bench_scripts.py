@@ -453,21 +453,24 @@ def test_bench_constrained_splits_the_step_and_keeps_the_tokens(tmp_path, cli, l
 
 def test_bench_layout_depth_times_both_layouts_and_lists_their_kernels(tmp_path, cli):
     """kimi-bench layout_depth's CPU dry run: a row per layout and batch with its ms a step and
-    its profiler census; a malformed layout is one line before any work."""
+    its profiler census, `+invariant` with the switch on; a malformed layout is one line before any
+    work."""
     r = cli("launch.bench", "layout_depth", "--tiny", "--layers=2", "--context=256", "--batches=1,2",
-            "--steps=3", "--profile_steps=2", "--layouts=padded,ragged:balanced", "--out",
+            "--steps=3", "--profile_steps=2", "--layouts=padded,ragged:balanced+invariant", "--out",
             str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [x for x in json.loads((tmp_path / "layout_depth.json").read_text()) if x["kind"] == "step"]
-    assert [(x["layout"], x["batch"]) for x in rows] == [
-        ("padded", 1), ("padded", 2), ("ragged:balanced", 1), ("ragged:balanced", 2)]
+    assert [(x["layout"], x["batch"], x["batch_invariant"]) for x in rows] == [
+        ("padded", 1, False), ("padded", 2, False), ("ragged:balanced+invariant", 1, True),
+        ("ragged:balanced+invariant", 2, True)]
     for x in rows:
         assert x["ms_per_step"] > 0 and x["engine_steps"] >= 3 and x["kernels_per_step"] > 0
         assert x["top"] and x["busy_ms_per_step"] > 0
-    bad = cli("launch.bench", "layout_depth", "--tiny", "--layouts=padded:rows")
-    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "kimi-bench layout_depth: error: --layouts: 'padded:rows' is not padded, ragged or "
-        "ragged:SCHEDULE"], bad.stderr
+    for spec in ("padded:rows", "ragged+fast"):
+        bad = cli("launch.bench", "layout_depth", "--tiny", f"--layouts={spec}")
+        assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+            f"kimi-bench layout_depth: error: --layouts: {spec!r} is not padded, ragged or "
+            "ragged:SCHEDULE, each with an optional +invariant"], bad.stderr
 
 
 def test_bench_invariance_finds_no_mismatch_with_the_switch(tmp_path, cli, tiny_ckpt):
