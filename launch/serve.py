@@ -11,7 +11,7 @@ says otherwise. SIGTERM / SIGINT stop admitting, give in-flight requests --shutd
 abort the rest and exit 0. The model may be given positionally (`kimi-serve MODEL`, as vLLM's `vllm
 serve MODEL`) or as --model. Each request is logged at INFO (--noaccess_log turns it off). A bad
 flag or model prints one line (`kimi-serve: error: ...`), exit status 2. Unlike `LLM`, it runs the
-ragged step layout by default (the padded one with --speculative_config) and then compiles its
+ragged step layout by default (drafts of --speculative_config verified inside it) and compiles its
 whole program set before /health answers 200 (--enforce_eager: programs compile on first use).
 """
 from __future__ import annotations
@@ -128,12 +128,11 @@ def main(argv):
 
 def serving_defaults() -> dict:
     """What kimi-serve sets where its flags are not given: the ragged step layout (its program set
-    does not grow with the limits; the padded one with speculative decoding, which the ragged step
-    does not run) and, with the ragged layout and unless --enforce_eager, its whole set compiled
-    before ready (the padded set at serving limits is hundreds of programs: compiled on first use
-    unless --precompile)."""
+    does not grow with the limits) and, with the ragged layout and unless --enforce_eager, its
+    whole set compiled before ready (the padded set at serving limits is hundreds of programs:
+    compiled on first use unless --precompile)."""
     out = {}
-    if FLAGS.step_layout is None and FLAGS.speculative_config is None:
+    if FLAGS.step_layout is None:
         out["step_layout"] = "ragged"
     if FLAGS.precompile is None:
         ragged = out.get("step_layout", FLAGS.step_layout) == "ragged"

@@ -146,9 +146,6 @@ class EngineConfig:
         if self.step_layout == "ragged" and budget is not None and budget < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens={budget} is below max_num_seqs="
                              f"{self.max_num_seqs}: one step must hold every decode row")
-        if self.step_layout == "ragged" and self.speculative_config is not None:
-            raise ValueError("step_layout='ragged' does not run speculative decoding "
-                             "(speculative_config): use step_layout='padded'")
 
     def batched_tokens(self) -> int:
         """A ragged step's token budget: max_num_batched_tokens, else max(max_prefill_tokens,

@@ -58,7 +58,8 @@ class EngineCore:
                              max_num_seqs=scheduler_config.max_num_seqs,
                              max_logprobs=lp if lp is not None and lp >= 0 else 20,
                              fixed_buffers=fixed_buffers, structured=structured,
-                             row_pages=self.scheduler.ragged_shapes.max_pages)
+                             row_pages=self.scheduler.ragged_shapes.max_pages,
+                             spec_width=self.scheduler.spec_width)
         self._seeds = random.Random(seed)
         self._seed_lock = threading.Lock()
 
@@ -180,6 +181,8 @@ class EngineCore:
 
     def _measure(self, decode, verify) -> tuple[float, float]:
         self.runner.apply(self.scheduler.pop_effects())
+        if decode.kind == "ragged":
+            return self.runner.measure_ragged(decode, verify)
         return self.runner.measure_passes(decode, verify)
 
     # ---- the program set ------------------------------------------------------------------------

@@ -181,7 +181,8 @@ class ProgramSet:
         return RaggedBatch(
             self._decode_tokens(np.zeros((T,), np.int32)), np.full((T,), -1, np.int32),
             np.full((T,), self.rank_pages * self.page_size, np.int32),
-            ops.RaggedRows(z, z, z, z, np.zeros((X,), np.int32)), z,
+            ops.RaggedRows(z, z, z, z, np.zeros((X,), np.int32)),
+            np.zeros((B * self.spec_width,), np.int32),
             np.full((T,), -1, np.int32) if key.prompt_logprobs is not None else None,
             np.full((T,), -1, np.int32), self._zero_prev())
 
@@ -194,10 +195,14 @@ class ProgramSet:
     def _sample_dummy(self, key: ProgramKey) -> tuple:
         """A sampling half's inputs for key over padding rows: (zero logits, SampleInputs)."""
         d = self._dummy(dataclasses.replace(key, part=None))
+        S = self.spec_width if key.kind == "ragged" else 1
         logits = jax.device_put(
-            np.zeros((key.batch, self.steps.cfg.vocab_size), np.float32),
+            np.zeros((key.batch * S, self.steps.cfg.vocab_size), np.float32),
             self.steps.logits_sharding)
-        return logits, SampleInputs(d.sp, d.step_B, d.mask_Bw)
+        drafts = n_draft = None
+        if S > 1 and key.logprobs is None:
+            drafts, n_draft = np.zeros((key.batch, S - 1), np.int32), d.step_B
+        return logits, SampleInputs(d.sp, d.step_B, d.mask_Bw, drafts, n_draft)
 
     def _lower_half(self, key: ProgramKey):
         """A split step's half for key, lowered over padding rows (or its fixed buffers)."""

@@ -279,6 +279,7 @@ class Row:
     pages: tuple[int, ...]
     step: int                               # tokens the request has sampled before this step
     live: bool = True                       # False: padding (it ends with the step in flight)
+    drafts: int = 0                         # its last this many tokens are drafts to verify
 
     @property
     def n(self) -> int:

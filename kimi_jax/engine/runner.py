@@ -57,8 +57,12 @@ class Runner(ProgramSet):
         fixed_buffers: bool = True,
         structured=None,
         row_pages: int = 1,
+        spec_width: int = 1,
     ):
         self.steps, self.page_size, self.max_num_seqs = steps, page_size, max_num_seqs
+        # a ragged step of an engine with speculation samples this many logits a row (its last
+        # token, then each draft: 1 + num_speculative_tokens)
+        self.spec_width = spec_width
         # a ragged step: the most pages a row holds (static), a rank's pages (its padding slot)
         self.row_pages, self.rank_pages = row_pages, num_pages // steps.dp
         # a ragged step's widest row count (RaggedShapes.max_rows): the sampled tokens' shape
@@ -228,6 +232,8 @@ class Runner(ProgramSet):
         """A ragged step's host outputs, its tokens [B] cut from the sampling half's wide ones."""
         host, dp = _host(out), self.steps.dp
         host.tokens = host.tokens.reshape(dp, -1)[:, :plan.batch // dp].reshape(-1)
+        if host.accepted is not None:
+            host.accepted = host.accepted[:plan.batch]
         return host
 
     def _read(self, f: _InFlight):
@@ -296,9 +302,17 @@ class Runner(ProgramSet):
             prev_per = f.plan.batch // dp
             from_prev[g_R[~fed]] = [prev_rows[id(row.req)] - int(k) * prev_per
                                     for row, k in zip(live, k_R) if not row.tokens]
-        start, length, cached, page_start, sample = (np.zeros((B,), np.int32) for _ in range(5))
+        start, length, cached, page_start = (np.zeros((B,), np.int32) for _ in range(4))
         start[b_R], length[b_R], cached[b_R] = g_R - k_R * t, n_R, pos0_R
-        page_start[b_R], sample[b_R] = pg_R - k_R * x, g_R - k_R * t + n_R - 1
+        page_start[b_R] = pg_R - k_R * x
+        # the tokens each row samples: its last; with speculation spec_width of them, a row
+        # verifying d drafts its last d + 1 (then its last again), any other its last each time
+        S = self.spec_width
+        sample = np.zeros((B, S), np.int32)
+        d_R = np.fromiter((row.drafts for row in live), np.int32, R)
+        last_R = g_R - k_R * t + n_R - 1
+        sample[b_R] = np.minimum(last_R[:, None] - d_R[:, None] + np.arange(S), last_R[:, None])
+        sample = sample.reshape(-1)
         n_plp, targets = prompt_targets([(row.req, int(n)) for row, n in zip(live, n_R)],
                                         b_R.tolist(), (B, int(n_R.max())))
         targets_T = None
@@ -339,7 +353,15 @@ class Runner(ProgramSet):
         # greedy rows (adjusted, masked or not) sample by argmax: no sort of the vocabulary
         key = ProgramKey("ragged", B, 1, 0, sampled=sample_mode_of(sp) != "greedy",
                          logprobs=self._top(n_lp or 0) if extras else None, part="sample")
-        return SampleInputs(sp, steps, mask), key
+        drafts = n_draft = None
+        if self.spec_width > 1 and not extras:     # the plain halves verify (rows without: 0)
+            drafts = np.zeros((B, self.spec_width - 1), np.int32)
+            n_draft = np.zeros((B,), np.int32)
+            for row in live:
+                if row.drafts:
+                    drafts[row.batch_row, :row.drafts] = row.tokens[-row.drafts:]
+                    n_draft[row.batch_row] = row.drafts
+        return SampleInputs(sp, steps, mask, drafts, n_draft), key
 
     def _call_ragged(self, batch: RaggedBatch, key: ProgramKey):
         """A ragged step's forward: its logits [B, V] (with prompt logprobs: (logits, their
@@ -559,7 +581,9 @@ class Runner(ProgramSet):
         """sample_jit's static arguments for key (a ragged step's: its tokens as wide as the
         widest step's, `ragged_rows`)."""
         kw = dict(n_logprobs=key.logprobs, sample_mode="filtered" if key.sampled else "greedy")
-        return {**kw, "rows": self.ragged_rows} if key.kind == "ragged" else kw
+        if key.kind != "ragged":
+            return kw
+        return {**kw, "rows": self.ragged_rows, "spec_width": self.spec_width}
 
     def _call_sample(self, logits, inputs: SampleInputs, key: ProgramKey, snapshot: bool = True):
         steps = self.steps
@@ -649,8 +673,27 @@ class Runner(ProgramSet):
             lambda: jax.block_until_ready(self._call(dec, dkey)),
             lambda: jax.block_until_ready(self._call(ver, vkey)),
         ]
+        return self._median_times(runs, reps)
+
+
+    def measure_ragged(self, plan0: StepPlan, plan1: StepPlan, reps: int = 5
+                       ) -> tuple[float, float]:
+        """(seconds, seconds) of two ragged plans of the same decode rows at two widths (medians
+        of forward and sampling half; each writes only its rows' last token's latents, as the
+        step that follows writes them)."""
+        def run(plan):
+            batch, key = self.ragged_batch(plan)
+            inputs, skey = self._ragged_sample_inputs(plan)
+            return lambda: jax.block_until_ready(
+                self._call_sample(self._call_ragged(batch, key), inputs, skey))
+        runs = [run(plan0), run(plan1)]
+        return self._median_times(runs, reps)
+
+    def _median_times(self, runs: list[Callable], reps: int) -> tuple[float, float]:
+        """Each of two calls' median seconds over reps (after a call that compiles), the same on
+        every process."""
         for f in runs:
-            f()                               # compile
+            f()
         times = [[], []]
         for _ in range(reps):
             for i, f in enumerate(runs):

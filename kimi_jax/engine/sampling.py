@@ -326,6 +326,7 @@ def verify_drafts(
     n_draft_B: jax.Array,
     sp: SamplingArrays,
     step_B: jax.Array,
+    greedy: bool = False,
 ):
     """Speculative verification (lossless). Position i of row b holds the target's next-token logits
     after draft i (position 0: after the last accepted token); Y = T - 1 drafts per row, n_draft_B
@@ -335,11 +336,16 @@ def verify_drafts(
     rejection rule for a deterministic drafter (q = a point mass on the draft): accept draft i with
     probability p_i(d_i); at the first rejection draw from p_i with d_i removed (the residual
     (p - q)+ normalized); if every draft is accepted draw a bonus token from p_n. The output then
-    has exactly the target's distribution. Returns (accepted count [B], next token [B]).
+    has exactly the target's distribution. Returns (accepted count [B], next token [B]). greedy
+    (static): every row is greedy (no probabilities computed).
     """
     B, T, V = logits_BTV.shape
     Y = T - 1
     greedy_BT = jnp.argmax(logits_BTV, axis=-1).astype(jnp.int32)
+    if greedy:
+        ok_BY = (drafts_BY == greedy_BT[:, :Y]) & (jnp.arange(Y)[None, :] < n_draft_B[:, None])
+        n_acc_B = jnp.cumprod(ok_BY.astype(jnp.int32), axis=1).sum(axis=1)
+        return n_acc_B.astype(jnp.int32), greedy_BT[jnp.arange(B), n_acc_B]
     sp_T = jax.tree.map(lambda a: jnp.repeat(a, T, axis=0), sp)
     probs_BTV = target_probs(logits_BTV.reshape(B * T, V), sp_T).reshape(B, T, V)
     sampled = sp.temperature > 0

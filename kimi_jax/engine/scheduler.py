@@ -12,8 +12,8 @@ from typing import Callable, Optional
 from kimi_jax.engine.admission import Admission
 from kimi_jax.engine.page_pool import chain_hashes
 from kimi_jax.engine.args import CacheConfig, SchedulerConfig
-from kimi_jax.engine.requests import (Request, Row, StepPlan, append_token, prefill_shape,
-                                      prompt_entries_left, score_prompt)
+from kimi_jax.engine.requests import (Request, Row, StepPlan, append_token, n_logprobs,
+                                      prefill_shape, prompt_entries_left, score_prompt)
 from kimi_jax.engine.shapes import Limits, RaggedShapes, Shapes
 from kimi_jax.engine.speculative import propose_drafts
 
@@ -71,6 +71,9 @@ class Scheduler:
         self.drafter = speculative.drafter() if speculative else None
         # overlap scheduling; drafts need the tokens on the host, so not with speculation
         self.overlap = bool(config.overlap_scheduling) and speculative is None
+        # a ragged step samples this many logits a row (its last token, then each draft)
+        self.spec_width = 1 + speculative.num_speculative_tokens if (
+            speculative and self.ragged) else 1
         self.shapes = Shapes.for_limits(self.limits(), dp, exec_plan)
         self.ragged_shapes = RaggedShapes.for_limits(self.limits(), dp)
         self.inflight: Optional[StepPlan] = None     # the overlapped decode plan not yet booked
@@ -241,6 +244,7 @@ class Scheduler:
                   and not prompt_entries_left(r)]:
             if r in self.running and left[r.rank] >= 1:
                 take(r, 1)
+        drafts = self._ragged_drafts(rows, left) if self.spec else {}
         filling: set = set()
         for r in [r for r in self.running
                   if r.pending > 1 or (r.pending == 1 and prompt_entries_left(r))]:
@@ -251,13 +255,60 @@ class Scheduler:
                 self._fills(r, n, filling)
         if not rows:
             return None
-        plan = self._ragged_layout(rows)
+        plan = self._ragged_layout(rows, drafts=drafts)
         # overlap: a step none of whose rows scores its prompt is dispatched without waiting; the
         # next one is planned while it runs (split when a row needs its last token on the host)
         if self.overlap and self._overlaps([r for r, _ in rows]):
             plan = self.inflight = dataclasses.replace(plan, overlap=True,
                                                        split=_splits(r for r, _ in rows))
         return plan
+
+    def _ragged_drafts(self, rows: list[tuple[Request, int]], left: list[int]) -> dict:
+        """Speculation in a ragged step: the decode rows taken so far (rows, one token each) verify
+        their drafts in it when drafts pay (`_ragged_verify_pays`) and no running request samples
+        with extras (logprobs, logits adjustments, a grammar: their sampling half reads one token a
+        row); each such row then feeds its last token and its drafts within its rank's token
+        budget. -> id(request) -> its drafts (rows extended in place, left charged)."""
+        if any(_extras(r) for r in self.running):
+            return {}
+        proposed = {id(r): propose_drafts(r, self.drafter, self.spec, self.max_model_len)
+                    for r, _ in rows}
+        if not any(proposed.values()) or not self._ragged_verify_pays(rows, proposed):
+            for r, _ in rows:
+                r.spec.offer_shadow(len(r.output_ids), proposed[id(r)])
+            return {}
+        out = {}
+        for i, (r, _) in enumerate(rows):
+            d = proposed[id(r)][:max(0, left[r.rank])]
+            if d and self.admission.ensure_pages(r, r.num_computed + 1 + len(d),
+                                                 [q for q, _ in rows]):
+                rows[i] = (r, 1 + len(d))
+                left[r.rank] -= len(d)
+                out[id(r)] = d
+        return out
+
+    def _ragged_verify_pays(self, rows: list[tuple[Request, int]], proposed: dict) -> bool:
+        """Verify when A > n (t1 / t0 - 1), as `_verify_pays`: t0 and t1 the ragged step of these
+        decode rows at the width of their tokens without and with the drafts (the same width:
+        free), measured once per pair of widths and kept in pass_costs."""
+        if not self.spec.adaptive:
+            return True
+        reqs = [r for r, _ in rows]
+        plan0 = self._ragged_layout(rows)
+        with_drafts = collections.Counter()
+        for r, n in rows:
+            with_drafts[r.rank] += n + len(proposed[id(r)])
+        plan1 = self._ragged_layout(rows, width=self.ragged_shapes.tokens(
+            max(with_drafts.values())))
+        if plan1.width == plan0.width:
+            return True
+        key = ("ragged", plan0.width, plan1.width)
+        if key not in self.pass_costs:
+            self.pass_costs[key] = self.measure(plan0, plan1)
+            self.stats["cost_calibrations"] += 1
+        t0, t1 = self.pass_costs[key]
+        gain = sum(r.spec.expected_accepted(len(proposed[id(r)])) for r in reqs)
+        return gain > len(reqs) * (t1 / t0 - 1.0)
 
     @staticmethod
     def _overlaps(reqs) -> bool:
@@ -325,22 +376,26 @@ class Scheduler:
         return dataclasses.replace(plan, chained=True, overlap=True,
                                    split=_splits(r for r, _ in rows))
 
-    def _ragged_layout(self, rows: list[tuple[Request, int]],
-                       at: Optional[dict] = None) -> StepPlan:
+    def _ragged_layout(self, rows: list[tuple[Request, int]], at: Optional[dict] = None,
+                       drafts: Optional[dict] = None, width: Optional[int] = None) -> StepPlan:
         """The plan of a ragged step's rows: each rank's rows in its block of B / dp batch rows (in
-        the order taken), T from the busiest rank's tokens. at: id(request) -> (its first position,
-        its step, fed by the step in flight: no tokens) where not its num_computed's."""
-        shapes = self.ragged_shapes
+        the order taken), T from the busiest rank's tokens (or width). at: id(request) -> (its
+        first position, its step, fed by the step in flight: no tokens) where not its
+        num_computed's; drafts: id(request) -> the drafts its row feeds after its last token."""
+        shapes, drafts = self.ragged_shapes, drafts or {}
         tokens = collections.Counter()
         for r, n in rows:
             tokens[r.rank] += n
-        T = shapes.tokens(max(tokens.values()), any(prompt_entries_left(r) for r, _ in rows))
+        T = width or shapes.tokens(max(tokens.values()),
+                                   any(prompt_entries_left(r) for r, _ in rows))
         B = shapes.rows(T)
         per, seen, out = B // self.dp, collections.Counter(), []
         for r, n in sorted(rows, key=lambda q: q[0].rank):
             start, step, fed = (at or {}).get(id(r), (r.num_computed, len(r.output_ids), False))
-            feed = () if fed else tuple(int(t) for t in r.tokens[start:start + n])
-            out.append(Row(r, r.rank * per + seen[r.rank], feed, start, tuple(r.pages), step))
+            d = drafts.get(id(r), [])
+            feed = () if fed else tuple(int(t) for t in r.tokens[start:start + n - len(d)] + d)
+            out.append(Row(r, r.rank * per + seen[r.rank], feed, start, tuple(r.pages), step,
+                           drafts=len(d)))
             seen[r.rank] += 1
         return StepPlan("ragged", tuple(out), B, T, shapes.pages(T))
 
@@ -502,6 +557,10 @@ class Scheduler:
             r, n, b = row.req, row.n, row.batch_row
             if r.finish_reason is not None:
                 continue
+            if row.drafts:
+                self._book_drafts(r, list(row.tokens[-row.drafts:]), int(out.accepted[b]),
+                                  int(out.tokens[b]), finished)
+                continue
             prompt_left = len(r.prompt_ids) - r.num_computed
             self.stats["prompt_tokens"] += max(0, min(n, prompt_left))
             if out.prompt_logprob is not None and prompt_entries_left(r):
@@ -522,20 +581,24 @@ class Scheduler:
     def _book_verify(self, plan: StepPlan, n_acc, nxt) -> list[Request]:
         finished = []
         for row in plan.rows:
-            r, b, drafts = row.req, row.batch_row, list(row.tokens[1:])
-            a = int(n_acc[b])
-            if drafts:
-                r.spec.record(len(drafts), a)
-            self.stats["drafted"] += len(drafts)
-            self.stats["accepted"] += a
-            r.num_computed += a + 1          # the last token and the accepted drafts are now cached
-            self.pool.register_filled(r, self.page_size)
-            for t in [*drafts[:a], int(nxt[b])]:
-                self._append(r, t)
-                if r.finish_reason is not None:
-                    finished.append(r)
-                    break
+            b = row.batch_row
+            self._book_drafts(row.req, list(row.tokens[1:]), int(n_acc[b]), int(nxt[b]), finished)
         return finished
+
+    def _book_drafts(self, r: Request, drafts: list[int], a: int, nxt: int,
+                     finished: list[Request]) -> None:
+        """A verifying row: its first a drafts accepted, then its token nxt."""
+        if drafts:
+            r.spec.record(len(drafts), a)
+        self.stats["drafted"] += len(drafts)
+        self.stats["accepted"] += a
+        r.num_computed += a + 1          # the last token and the accepted drafts are now cached
+        self.pool.register_filled(r, self.page_size)
+        for t in [*drafts[:a], nxt]:
+            self._append(r, t)
+            if r.finish_reason is not None:
+                finished.append(r)
+                break
 
     def _ends_in_flight(self, r: Request) -> bool:
         """The step in flight gives r its last token (max_tokens / max_model_len)."""
@@ -575,6 +638,12 @@ class Scheduler:
 def _splits(reqs) -> bool:
     """Whether an overlapped step of these requests samples only once the step before is booked."""
     return any(needs_host(r) for r in reqs)
+
+
+def _extras(r: Request) -> bool:
+    """r samples with extras (logprobs, best_of's chosen-token logprobs, logits adjustments, a
+    grammar's mask), as `Runner._ragged_sample_inputs` decides."""
+    return n_logprobs([r]) is not None or r.adjust is not None or r.structured is not None
 
 
 def needs_host(r: Request) -> bool:

@@ -38,6 +38,8 @@ class StepOutput:
     prompt_rank: Optional[np.ndarray] = None       # [B, T]
     prompt_top_ids: Optional[np.ndarray] = None    # [B, T, n]
     prompt_top_vals: Optional[np.ndarray] = None   # [B, T, n]
+    # a ragged step with speculation: each row's drafts accepted (its token follows them)
+    accepted: Optional[np.ndarray] = None   # [B]
 
 
 class Occurrences:
@@ -154,10 +156,13 @@ class StepBatch:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SampleInputs:
-    """A split decode step's sampling inputs, laid out once the step before is booked."""
+    """A split decode step's sampling inputs, laid out once the step before is booked; a ragged
+    step's with drafts to verify: drafts_BY [B, Y] (Y = spec_width - 1), n_draft_B [B] valid."""
     sp: SamplingArrays
     step_B: jax.Array
     mask_Bw: Optional[jax.Array] = None
+    drafts_BY: Optional[jax.Array] = None
+    n_draft_B: Optional[jax.Array] = None
 
 
 @jax.tree_util.register_dataclass
@@ -168,7 +173,8 @@ class RaggedBatch:
     rank). Its rows are sampled by the sampling half (`SampleInputs` over the B rows).
     slots_T: the pool slot each token's latents are written to, page * p + offset with the page
     local to the rank (padding: X / ranks * p or more, dropped). sample_B: the token whose logits
-    row b samples (an index into its rank's block). targets_T (prompt logprobs): each token's next
+    row b samples (an index into its rank's block; with speculation S of them a row, [B * S] row
+    after row, `_sample_half`'s spec_width). targets_T (prompt logprobs): each token's next
     prompt token (< 0: none); None when no row asks. from_prev_T (overlap scheduling): the row of
     the step in flight whose sampled token token t is, an index into its rank's block of
     prev_tokens_B (< 0: tokens_T's); prev_tokens_B: that step's sampled tokens as the sampling
@@ -266,7 +272,8 @@ def _ragged_forward(graphdef, shard, state, pages, batch: RaggedBatch, prev=None
                     vocab_limit=None):
     """A ragged step's forward half: the T tokens of any mix of rows (RaggedBatch) in one pass of
     absorbed MLA (`Transformer.ragged_hidden_states`, the token axis as [Z, T / Z], Z = ranks) ->
-    (the pool with their latents written, each row's logits [B, V] at its sample_B token,
+    (the pool with their latents written, each row's logits [B, V] at its sample_B token ([B * S, V]
+    with speculation's S a row),
     vocab-split as `_forward`'s); `_sample_half` samples them. With n_prompt_logprobs the second
     output is (those logits, {prompt_logprob, prompt_rank [T], prompt_top_ids, prompt_top_vals
     [T, n]} of every token's logits against targets_T, replicated). max_pages (static): the most
@@ -310,13 +317,31 @@ def _ragged_forward(graphdef, shard, state, pages, batch: RaggedBatch, prev=None
 
 def _sample_half(shard, logits_BV, inputs: SampleInputs, occ=None, prev=None, *, n_logprobs=None,
                  sample_mode=None, rows=None, ranks: int = 1, invariant: bool = False,
-                 vocab_limit=None):
+                 vocab_limit=None, spec_width: int = 1):
     """A split decode step's sampling half: `_step`'s sampler over the forward half's logits. rows
     (a ragged step's, static): the tokens [rows] with each of the ranks' blocks of B / ranks
-    padded to rows / ranks (zeros after), the one shape a chained ragged forward takes."""
+    padded to rows / ranks (zeros after), the one shape a chained ragged forward takes.
+    spec_width S (static, a ragged step of an engine with speculation): the logits [B * S, V],
+    S a row (its last token, then each draft); with inputs.drafts_BY the row's drafts are verified
+    (`verify_drafts`: 'accepted' [B] beside its next token), else its first is sampled."""
+    if spec_width > 1:
+        logits_BSV = logits_BV.reshape(-1, spec_width, logits_BV.shape[-1])
+        if inputs.drafts_BY is not None:
+            n_acc, nxt = verify_drafts(_decodable(logits_BSV, vocab_limit), inputs.drafts_BY,
+                                       inputs.n_draft_B, inputs.sp, inputs.step_B,
+                                       greedy=sample_mode == "greedy")
+            out = {"tokens": _constrain(nxt, shard.get("replicated")),
+                   "accepted": _constrain(n_acc, shard.get("replicated"))}
+            return _pad_rows(shard, out, rows, ranks)
+        logits_BV = logits_BSV[:, 0]
     out = _sample_out(logits_BV, inputs.sp, inputs.step_B, n_logprobs, shard, sample_mode, occ,
                       inputs.mask_Bw, invariant, vocab_limit)
-    B = logits_BV.shape[0]
+    return _pad_rows(shard, out, rows, ranks)
+
+
+def _pad_rows(shard, out: dict, rows, ranks: int) -> dict:
+    """`_sample_half`'s tokens [B] padded to [rows] (each rank's block to rows / ranks)."""
+    B = out["tokens"].shape[0]
     if rows is not None and rows != B:
         tok_ZB = out["tokens"].reshape(ranks, B // ranks)
         tok_ZB = jnp.pad(tok_ZB, ((0, 0), (0, (rows - B) // ranks)))
@@ -429,7 +454,7 @@ class ModelSteps:
             functools.partial(_sample_half, shard, ranks=self.dp,
                               invariant=self.exec_plan.batch_invariant,
                               vocab_limit=self.vocab_limit),
-            static_argnames=("n_logprobs", "sample_mode", "rows"),
+            static_argnames=("n_logprobs", "sample_mode", "rows", "spec_width"),
             donate_argnames=("occ", "prev"),
             keep_unused=True,
         )

@@ -242,8 +242,8 @@ def test_vllm_launch_flags_are_accepted_with_their_meaning_here(cli, monkeypatch
 
 def test_serve_runs_the_ragged_layout_compiled_before_ready_by_default(cli, monkeypatch):
     """kimi-serve's defaults: step_layout 'ragged' and precompile on; --enforce-eager turns the
-    precompile off, --speculative-config keeps the padded layout (the ragged step does not
-    speculate) and the padded layout compiles on first use unless --precompile; given flags win
+    precompile off, --speculative-config keeps both (drafts are verified in the ragged step) and
+    the padded layout compiles on first use unless --precompile; given flags win
     (LLM's own defaults are padded and lazy: not changed here)."""
     from kimi_jax.engine.args import EngineConfig
     from kimi_jax.entrypoints.frontend import Frontend
@@ -255,7 +255,7 @@ def test_serve_runs_the_ragged_layout_compiled_before_ready_by_default(cli, monk
     monkeypatch.setattr(Frontend, "from_config", classmethod(spy))
     spec = '--speculative-config={"method": "ngram", "num_speculative_tokens": 2}'
     for flags_, want in (([], ("ragged", True)), (["--enforce-eager"], ("ragged", False)),
-                         ([spec], ("padded", False)), (["--step_layout=padded"], ("padded", False)),
+                         ([spec], ("ragged", True)), (["--step_layout=padded"], ("padded", False)),
                          (["--step_layout=padded", "--precompile"], ("padded", True)),
                          (["--noprecompile"], ("ragged", False))):
         r = cli("launch.serve", "--model=tiny", *flags_)

@@ -71,9 +71,13 @@ def mixed_prompts():
     return rep + [list(rng.integers(2, 500, int(n))) for n in (5, 17, 30)]
 
 
-@pytest.mark.parametrize("layout", [{}, pytest.param({"data_parallel_size": 2, "tensor_parallel_size": 4,
-                                                      "enable_expert_parallel": True}, marks=pytest.mark.slow)],
-                         ids=["1dev", "dp2_tp4_ep"])
+@pytest.mark.parametrize("layout", [{}, {"step_layout": "ragged"},
+                                    pytest.param({"data_parallel_size": 2, "tensor_parallel_size": 4,
+                                                  "enable_expert_parallel": True, "step_layout": "ragged"},
+                                                 marks=pytest.mark.slow),
+                                    pytest.param({"data_parallel_size": 2, "tensor_parallel_size": 4,
+                                                  "enable_expert_parallel": True}, marks=pytest.mark.slow)],
+                         ids=["1dev", "ragged", "dp2_tp4_ep_ragged", "dp2_tp4_ep"])
 def test_greedy_identical_with_speculation(ckpt, layout):
     sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     base = [o.outputs[0].token_ids for o in LLM(ckpt, dtype="float32", **layout).generate(mixed_prompts(), sp)]
@@ -153,3 +157,47 @@ def test_gate_uses_measured_costs_once_and_is_deterministic(ckpt):
         llm.frontend.steps.pass_costs = {(b, p): (1.0, ratio) for b in (1, 2, 4, 8) for p in (4, 8, 16, 32)}
         out, st = _run(llm, prompts, sp)
         assert out == base and (st["verify_passes"] > 0) == verifies and st["cost_calibrations"] == 0, (ratio, st)
+
+
+def test_the_ragged_gate_measures_two_widths_once(ckpt):
+    """The ragged step verifies drafts inside its one step: the gate times the step of its decode
+    rows at the widths without and with the drafts (once per pair of widths, keys ('ragged', T0,
+    T1)); a second identical run measures nothing, compiles nothing and decides the same. With the
+    costs pinned, a ratio of 1.0 drafts more than 100 (which drafts only where the drafts leave the
+    width as it is: free); greedy output is the same each time."""
+    from jax import monitoring
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = mixed_prompts()
+    base, _ = _run(LLM(ckpt, dtype="float32", step_layout="ragged"), prompts, sp)
+    llm = LLM(ckpt, dtype="float32", step_layout="ragged",
+              speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    first, s1 = _run(llm, prompts, sp)
+    costs = llm.frontend.steps.pass_costs
+    assert first == base and s1["cost_calibrations"] == len(costs) > 0
+    assert all(k[0] == "ragged" and k[1] < k[2] for k in costs), costs
+    compiles = []
+    monitoring.register_event_duration_secs_listener(
+        lambda ev, d, **kw: compiles.append(ev) if ev.endswith("backend_compile_duration") else None)
+    second, s2 = _run(llm, prompts, sp)
+    assert second == base and not compiles and s2 == {**s1, "cost_calibrations": 0}
+    widths = [4, 8, 16, 32, 64, 128]
+    drafted = {}
+    for ratio in (1.0, 100.0):
+        llm.frontend.steps.pass_costs = {("ragged", a, b): (1.0, ratio) for a in widths for b in widths}
+        out, st = _run(llm, prompts, sp)
+        assert out == base and st["cost_calibrations"] == 0, (ratio, st)
+        assert st["ragged_passes"] > 0 and st["verify_passes"] == 0
+        drafted[ratio] = st["drafted"]
+    assert drafted[1.0] > drafted[100.0], drafted
+
+
+def test_ragged_speculation_samples_seeded_rows_the_same_each_run(ckpt):
+    """Seeded sampled rows (temperature 1, top-p 0.9) with drafts verified in the ragged step: two
+    runs give the same tokens, drafts are accepted, and every token is inside the vocabulary."""
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, ignore_eos=True)
+    llm = LLM(ckpt, dtype="float32", step_layout="ragged",
+              speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False})
+    a, sa = _run(llm, mixed_prompts(), sp)
+    b, _ = _run(llm, mixed_prompts(), sp)
+    assert a == b and sa["drafted"] > 0 and all(len(x) == 16 for x in a)
+    assert all(0 <= t < CFG.vocab_size for x in a for t in x)

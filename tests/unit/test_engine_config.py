@@ -26,7 +26,6 @@ from kimi_jax.engine.speculative import SpeculativeConfig
     (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold"),
     (dict(step_layout="ragged", max_num_seqs=64, max_num_batched_tokens=32),
      "max_num_batched_tokens"),
-    (dict(step_layout="ragged", speculative_config={"num_speculative_tokens": 2}), "step_layout"),
 ])
 def test_bad_field_is_one_line_naming_it(kw, field):
     with pytest.raises(ValueError) as e:

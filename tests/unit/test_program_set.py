@@ -76,7 +76,8 @@ def fake_engine(rng, vocab_size, seen, *, num_pages, page_size, max_num_seqs, ma
         """The forward: rows' token spans checked against the plan's shapes, stand-in logits."""
         seen.append(key)
         T, B = key.width, key.batch
-        assert batch.tokens_T.shape == (T,) and batch.sample_B.shape == (B,)
+        assert batch.tokens_T.shape == (T,)
+        assert batch.sample_B.shape == (B * core.runner.spec_width,)
         assert batch.rows.pages_X.shape == (key.table,)
         if key.prompt_logprobs is None:
             return None
@@ -87,7 +88,10 @@ def fake_engine(rng, vocab_size, seen, *, num_pages, page_size, max_num_seqs, ma
 
     def fake_sample(logits, inputs, key, snapshot=True):
         seen.append(key)
-        return fake_call(None, key)
+        out = fake_call(None, key)
+        if inputs.drafts_BY is not None:      # a ragged step verifying drafts
+            out["accepted"] = jnp.asarray(rng.integers(0, np.asarray(inputs.n_draft_B) + 1))
+        return out
 
     core.runner._call = fake_call
     core.runner._call_ragged, core.runner._call_sample = fake_ragged, fake_sample
@@ -168,6 +172,10 @@ RAGGED = {
     "ragged_dp2": dict(num_pages=80, page_size=4, max_num_seqs=6, max_model_len=120,
                        prefill_chunk=32, max_prefill_tokens=48, dp=2, step_layout="ragged",
                        max_num_batched_tokens=64),
+    "ragged_speculative": dict(num_pages=96, page_size=8, max_num_seqs=8, max_model_len=160,
+                               prefill_chunk=40, max_prefill_tokens=64, step_layout="ragged",
+                               max_num_batched_tokens=48,
+                               speculative=SpeculativeConfig(num_speculative_tokens=2, adaptive=False)),
 }
 
 
@@ -269,14 +277,16 @@ def test_the_ragged_program_set_is_small_at_any_limits(limits, dp, count):
 
 @pytest.mark.parametrize("name", sorted(RAGGED))
 def test_every_program_a_ragged_workload_runs_is_declared(name):
-    reached, overlapped = set(), 0
+    reached, overlapped, drafted = set(), 0, 0
     for seed in range(3):
         seen, declared, stats = run_workload(seed, 24, stats=True, **RAGGED[name])
         missing = sorted({k for k in seen if k not in set(declared)}, key=str)
         assert not missing, f"{len(missing)} undeclared programs, e.g. {missing[:3]}"
         reached |= set(seen)
         overlapped += stats["overlapped_steps"]
+        drafted += stats["drafted"]
     assert {k.kind for k in reached} == {"ragged"} and len(declared) <= 40
     assert (overlapped > 0) == RAGGED[name].get("overlap", False)
+    assert (drafted > 0) == ("speculative" in RAGGED[name])
     assert any(k.prompt_logprobs for k in reached) and any(k.logprobs for k in reached)
     assert len({k.width for k in reached if k.part == "forward"}) > 1
