@@ -214,13 +214,16 @@ def test_overlapped_ragged_steps_give_the_synchronous_tokens(seqs, layout, struc
         jsonschema.validate(json.loads(llm.tokenizer.decode(got[-1].output_ids)), SCHEMA)
 
 
-def test_no_program_is_built_after_precompile(ckpt):
+@pytest.mark.parametrize("speculation", [None, {"num_speculative_tokens": 2, "prompt_lookup_min": 1,
+                                                 "adaptive": False}], ids=["plain", "speculative"])
+def test_no_program_is_built_after_precompile(ckpt, speculation):
     """EngineCore.precompile builds the declared ragged set (at most 40 programs, ragged only) and
     the page copy; then the workload builds none, though it runs prompt logprobs, logprobs,
-    penalties, chunks and an n > 1 request (its samples start from copies of its pages)."""
+    penalties, chunks and an n > 1 request (its samples start from copies of its pages); with
+    speculation the same set, and repetitive greedy prompts then verify drafts in it."""
     compiles.install()
     llm = LLM(ckpt, dtype="float32", max_num_seqs=3, block_size=4, max_model_len=128,
-              **SCHED["ragged"])
+              speculative_config=speculation, **SCHED["ragged"])
     core = llm.frontend.make_core()
     declared = core.programs()
     assert len(declared) <= 40 and {k.kind for k in declared} == {"ragged"}
@@ -232,3 +235,9 @@ def test_no_program_is_built_after_precompile(ckpt):
         core.add_request(str(i), p, sp, seed=i)
     core.run()
     assert compiles.compile_count() == built and core.stats["ragged_passes"] > 10
+    if speculation:
+        greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        for i in range(3):
+            core.add_request(f"rep{i}", [5 + i, 9, 13] * 4, greedy, seed=i)
+        core.run()
+        assert compiles.compile_count() == built and core.stats["drafted"] > 0
