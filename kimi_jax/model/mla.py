@@ -124,7 +124,7 @@ class MLA(nnx.Module):
         q_nope_BTNH, q_pe_BTNR, new_BTC = self._project(x_BTD, positions_BT, plan)
         w_uk, w_uv = self._kv_b()
         q_lat_BTNA = ops.einsum_f32("btnh,nah->btna", q_nope_BTNH, w_uk,
-                                    invariant=_invariant(plan)).astype(x_BTD.dtype)
+                                    invariant=_invariant(plan), weight=True).astype(x_BTD.dtype)
         o_lat_BTNA = ops.mla_paged_attention(
             q_lat_BTNA,
             q_pe_BTNR,
@@ -137,7 +137,8 @@ class MLA(nnx.Module):
             parallel=self.parallel,
             layer=layer,
         ).astype(x_BTD.dtype)
-        o_BTNU = ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv, invariant=_invariant(plan))
+        o_BTNU = ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv, invariant=_invariant(plan),
+                                weight=True)
         return self._out(o_BTNU, x_BTD, plan), new_BTC
 
     def ragged(self, x_BTD, positions_BT, pool_LXpC, rows, layer, *, max_pages, plan=None):
@@ -148,12 +149,13 @@ class MLA(nnx.Module):
         q_nope_BTNH, q_pe_BTNR, new_BTC = self._project(x_BTD, positions_BT, plan)
         w_uk, w_uv = self._kv_b()
         q_lat_BTNA = ops.einsum_f32("btnh,nah->btna", q_nope_BTNH, w_uk,
-                                    invariant=_invariant(plan)).astype(x_BTD.dtype)
+                                    invariant=_invariant(plan), weight=True).astype(x_BTD.dtype)
         o_lat_BTNA = ops.mla_ragged_attention(
             q_lat_BTNA, q_pe_BTNR, new_BTC, pool_LXpC, rows, positions_BT, self.cfg.softmax_scale,
             max_pages=max_pages, plan=plan, parallel=self.parallel, layer=layer,
         ).astype(x_BTD.dtype)
-        o_BTNU = ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv, invariant=_invariant(plan))
+        o_BTNU = ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv, invariant=_invariant(plan),
+                                weight=True)
         return self._out(o_BTNU, x_BTD, plan), new_BTC
 
     def fresh_prefill(self, x_BTD, positions_BT, *, plan=None):
@@ -228,7 +230,7 @@ class MLA(nnx.Module):
         rope_BNTS = ops.einsum_f32("btnr,bsr->bnts", q_pe_BTNR, kpe_BSR,
                                    invariant=_invariant(plan))
         q_lat_BTNA = ops.einsum_f32("btnh,nah->btna", q_nope_BTNH, w_uk,
-                                    invariant=_invariant(plan)).astype(x_BTD.dtype)
+                                    invariant=_invariant(plan), weight=True).astype(x_BTD.dtype)
         nope_BNTS = ops.einsum_f32("btna,bsa->bnts", q_lat_BTNA, c_BSA, invariant=_invariant(plan))
         p_BNTS = _softmax((nope_BNTS + rope_BNTS) * self.cfg.softmax_scale, mask_BTS, plan).astype(
             x_BTD.dtype
@@ -236,7 +238,7 @@ class MLA(nnx.Module):
         o_lat_BTNA = ops.einsum_f32("bnts,bsa->btna", p_BNTS, c_BSA,
                                     invariant=_invariant(plan)).astype(x_BTD.dtype)
         return self._out(ops.einsum_f32("btna,nua->btnu", o_lat_BTNA, w_uv,
-                                        invariant=_invariant(plan)), x_BTD, plan), out
+                                        invariant=_invariant(plan), weight=True), x_BTD, plan), out
 
     def _project(self, x_BTD, positions_BT, plan=None):
         """(q_nope [B, T, N, H], rotated q_pe [B, T, N, R], the new latents [B, T, C])."""

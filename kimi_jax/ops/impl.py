@@ -10,12 +10,15 @@ import jax.numpy as jnp
 INVARIANT_ROWS = 16
 
 
-def einsum_f32(eq: str, a: jax.Array, b: jax.Array, *, invariant: bool = False) -> jax.Array:
+def einsum_f32(eq: str, a: jax.Array, b: jax.Array, *, invariant: bool = False,
+               weight: bool = False) -> jax.Array:
     """jnp.einsum returning float32 (on CPU operands are widened first: XLA:CPU lacks some bf16 ->
     f32 dots). invariant (ExecPlan.batch_invariant): `a`'s rows (its dims not in `b`) go through
-    `row_tiles`, so a row's result does not depend on how many rows come with it."""
+    `row_tiles`, so a row's result does not depend on how many rows come with it. weight: `b` is a
+    weight, so the dims it shares with `a` and the result (MLA's heads) are the model's, not the
+    step's (see `_row_tiled_einsum`)."""
     if invariant:
-        return _row_tiled_einsum(eq, a, b)
+        return _row_tiled_einsum(eq, a, b, weight)
     if jax.default_backend() == "cpu":
         a, b = (
             a.astype(jnp.promote_types(a.dtype, jnp.float32)),
@@ -41,15 +44,18 @@ def row_tiles(f, x_R):
     return jax.tree.map(lambda a: a.reshape(tiles * t, *a.shape[2:])[:R], y)
 
 
-def _row_tiled_einsum(eq: str, a: jax.Array, b: jax.Array) -> jax.Array:
+def _row_tiled_einsum(eq: str, a: jax.Array, b: jax.Array, weight: bool = False) -> jax.Array:
     """einsum_f32(eq', a', b') with a's dims that are not in b (its rows) flattened and run by
-    `row_tiles`, and the dims both operands and the result share (a batch: MLA's heads) one at a
-    time in a loop around it: every product a 2-d one of fixed rows (XLA:CPU lays out and emits a
-    batched dot by its context). The result laid out as eq says."""
+    `row_tiles`, and the dims both operands and the result share (a batch: MLA's heads, or the
+    step's rows) one at a time in a loop around it: every product a 2-d one of fixed rows (XLA:CPU
+    lays out and emits a batched dot by its context). Off the CPU, with b a weight (its batch dims
+    fixed by the model), a tile keeps them: one batched product of one shape whatever the step (a
+    GPU runs one kernel for one shape, and a loop over 64 heads would be 64 launches a product).
+    The result laid out as eq says."""
     lhs, rest = eq.split(",")
     rhs, out = rest.split("->")
     batch = [c for c in lhs if c in rhs and c in out]
-    if batch:
+    if batch and not (weight and jax.default_backend() != "cpu"):
         others = lambda spec: "".join(c for c in spec if c not in batch)  # noqa: E731
         a_N = jnp.transpose(a, [lhs.index(c) for c in batch] + [i for i, c in enumerate(lhs)
                                                                   if c not in batch])
@@ -57,7 +63,7 @@ def _row_tiled_einsum(eq: str, a: jax.Array, b: jax.Array) -> jax.Array:
                                                                   if c not in batch])
         n_shape = a_N.shape[:len(batch)]
         sub = f"{others(lhs)},{others(rhs)}->{others(out)}"
-        y = jax.lax.map(lambda ab: _row_tiled_einsum(sub, ab[0], ab[1]),
+        y = jax.lax.map(lambda ab: _row_tiled_einsum(sub, ab[0], ab[1], weight),
                         (a_N.reshape(-1, *a_N.shape[len(batch):]),
                          b_N.reshape(-1, *b_N.shape[len(batch):])))
         y = y.reshape(*n_shape, *y.shape[1:])

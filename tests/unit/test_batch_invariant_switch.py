@@ -52,3 +52,28 @@ def test_a_row_gives_the_same_bits_alone_and_among_many(dtype, eq, a_shape, b_sh
     alone = first(1, True)
     assert all((first(n, True) == alone).all() for n in (8, 64))
     assert not all((first(n, False) == first(1, False)).all() for n in (8, 64))
+
+
+def test_a_weights_heads_stay_in_the_tile_off_the_cpu(monkeypatch):
+    """einsum_f32(invariant, weight) of MLA's absorbed query: on the CPU a loop over the heads
+    around the row tiles (each product 2-d); on another backend the tile keeps the weight's heads
+    (one batched product of one shape: no loop of 64 launches a product), the same values; the
+    step's own batch dim (not a weight's) is looped over on every backend."""
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((2, 20, 4, 16)), jnp.float32)
+    w = jnp.asarray(0.1 * rng.standard_normal((4, 8, 16)), jnp.float32)
+    keys = jnp.asarray(rng.standard_normal((2, 5, 8)), jnp.float32)
+
+    def loops(eq, x, y, **kw):      # a new function each time: make_jaxpr keeps its traces
+        return str(jax.make_jaxpr(lambda x, y: ops.einsum_f32(eq, x, y, invariant=True, **kw))(
+            x, y)).count("scan[")
+    absorb = "btnh,nah->btna"
+    # float32 sums of 16 products: the tiled and the whole product differ in order only (~1e-7)
+    want = jnp.einsum(absorb, a, w)
+    assert loops(absorb, a, w, weight=True) == 2
+    np.testing.assert_allclose(ops.einsum_f32(absorb, a, w, invariant=True, weight=True), want,
+                               rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert loops(absorb, a, w, weight=True) == 1 and loops("btna,bsa->bnts", want, keys) == 2
+    np.testing.assert_allclose(ops.einsum_f32(absorb, a, w, invariant=True, weight=True), want,
+                               rtol=1e-6, atol=1e-6)
