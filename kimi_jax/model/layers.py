@@ -74,7 +74,8 @@ class MLP(nnx.Module):
             y_of = lambda x_: jnp.einsum("...d,kid->...ki", x_, w.w_2ID,  # noqa: E731
                                          preferred_element_type=x.dtype)
             if plan is not None and plan.batch_invariant:   # as ops.linear
-                y = ops.row_tiles(y_of, x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], 2, -1)
+                y = ops.row_tiles(y_of, x.reshape(-1, x.shape[-1]),
+                                  plan.row_tile).reshape(*x.shape[:-1], 2, -1)
             else:
                 y = y_of(x)
             return self.down_proj(jax.nn.silu(y[..., 0, :]) * y[..., 1, :], plan)

@@ -283,8 +283,9 @@ class MLA(nnx.Module):
         return self.o_proj(o_BTNU.astype(x_BTD.dtype).reshape(*x_BTD.shape[:-1], N * U), plan)
 
 
-def _invariant(plan) -> bool:
-    return ops.default_plan(plan).batch_invariant
+def _invariant(plan) -> int:
+    """einsum_f32's invariant: the plan's row tile (0: off)."""
+    return ops.default_plan(plan).row_tile
 
 
 def _causal(positions_BT):

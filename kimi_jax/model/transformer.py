@@ -276,7 +276,8 @@ class Transformer(nnx.Module):
     def logits(self, h_BTD, plan: Optional[ops.ExecPlan] = None):
         w = (self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head).weight[...]
         if ops.default_plan(plan).batch_invariant:   # its rows a few at a time (ops.row_tiles)
-            logits_RV = ops.row_tiles(lambda h: self._logits(h, w), h_BTD.reshape(-1, w.shape[1]))
+            logits_RV = ops.row_tiles(lambda h: self._logits(h, w), h_BTD.reshape(-1, w.shape[1]),
+                                      ops.default_plan(plan).row_tile)
             return logits_RV.reshape(*h_BTD.shape[:-1], -1)
         return self._logits(h_BTD, w)
 

@@ -81,7 +81,8 @@ def linear(x: jax.Array, w: Weight, *, plan: Optional[ExecPlan] = None) -> jax.A
     def product(x_):
         return jnp.einsum("...k,nk->...n", x_, wd, preferred_element_type=x.dtype)
     if plan is not None and plan.batch_invariant:
-        return row_tiles(product, x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        return row_tiles(product, x.reshape(-1, x.shape[-1]),
+                         plan.row_tile).reshape(*x.shape[:-1], -1)
     return product(x)
 
 

@@ -51,7 +51,7 @@ def route(
             scaling=scaling,
         )
         # batch_invariant: the scores' product a few rows at a time (impl.row_tiles)
-        ids, wts = impl.row_tiles(ref, x_TD) if plan.batch_invariant else ref(x_TD)
+        ids, wts = impl.row_tiles(ref, x_TD, plan.row_tile) if plan.batch_invariant else ref(x_TD)
     else:
         config = st.RouterConfig(gemv="kernel" if kernel == "pallas_gemv" else "xla")
         f = lambda x, w, b: st.sigmoid_topk(

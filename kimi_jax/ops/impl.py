@@ -10,15 +10,17 @@ import jax.numpy as jnp
 INVARIANT_ROWS = 16
 
 
-def einsum_f32(eq: str, a: jax.Array, b: jax.Array, *, invariant: bool = False,
+def einsum_f32(eq: str, a: jax.Array, b: jax.Array, *, invariant=False,
                weight: bool = False) -> jax.Array:
     """jnp.einsum returning float32 (on CPU operands are widened first: XLA:CPU lacks some bf16 ->
-    f32 dots). invariant (ExecPlan.batch_invariant): `a`'s rows (its dims not in `b`) go through
-    `row_tiles`, so a row's result does not depend on how many rows come with it. weight: `b` is a
-    weight, so the dims it shares with `a` and the result (MLA's heads) are the model's, not the
-    step's (see `_row_tiled_einsum`)."""
+    f32 dots). invariant (ExecPlan.batch_invariant; an int: `ExecPlan.row_tile`, the rows of a
+    tile; True: INVARIANT_ROWS): `a`'s rows (its dims not in `b`) go through `row_tiles`, so a
+    row's result does not depend on how many rows come with it. weight: `b` is a weight, so the
+    dims it shares with `a` and the result (MLA's heads) are the model's, not the step's (see
+    `_row_tiled_einsum`)."""
     if invariant:
-        return _row_tiled_einsum(eq, a, b, weight)
+        return _row_tiled_einsum(eq, a, b, weight,
+                                 INVARIANT_ROWS if invariant is True else int(invariant))
     if jax.default_backend() == "cpu":
         a, b = (
             a.astype(jnp.promote_types(a.dtype, jnp.float32)),
@@ -27,14 +29,14 @@ def einsum_f32(eq: str, a: jax.Array, b: jax.Array, *, invariant: bool = False,
     return jnp.einsum(eq, a, b, preferred_element_type=jnp.float32)
 
 
-def row_tiles(f, x_R):
+def row_tiles(f, x_R, rows: int = INVARIANT_ROWS):
     """f over the rows of x_R [R, ...] (an array, or a pytree of arrays of R rows each)
-    INVARIANT_ROWS at a time (the last tile padded with zero rows), one tile an iteration of a loop
+    `rows` at a time (the last tile padded with zero rows), one tile an iteration of a loop
     -> f's rows [R, ...] (each array of its pytree). Every tile is the same program, so a row's
     bits do not depend on R or on its neighbours: XLA:CPU's dot emitters sum a row in an order that
     follows the row count (one row, past 32-64 rows, a small batch) and the row's place in it."""
     R = jax.tree.leaves(x_R)[0].shape[0]
-    t = INVARIANT_ROWS
+    t = rows
     tiles = -(-R // t)
 
     def cut(a):
@@ -44,7 +46,8 @@ def row_tiles(f, x_R):
     return jax.tree.map(lambda a: a.reshape(tiles * t, *a.shape[2:])[:R], y)
 
 
-def _row_tiled_einsum(eq: str, a: jax.Array, b: jax.Array, weight: bool = False) -> jax.Array:
+def _row_tiled_einsum(eq: str, a: jax.Array, b: jax.Array, weight: bool = False,
+                      tile: int = INVARIANT_ROWS) -> jax.Array:
     """einsum_f32(eq', a', b') with a's dims that are not in b (its rows) flattened and run by
     `row_tiles`, and the dims both operands and the result share (a batch: MLA's heads, or the
     step's rows) one at a time in a loop around it: every product a 2-d one of fixed rows (XLA:CPU
@@ -63,7 +66,7 @@ def _row_tiled_einsum(eq: str, a: jax.Array, b: jax.Array, weight: bool = False)
                                                                   if c not in batch])
         n_shape = a_N.shape[:len(batch)]
         sub = f"{others(lhs)},{others(rhs)}->{others(out)}"
-        y = jax.lax.map(lambda ab: _row_tiled_einsum(sub, ab[0], ab[1], weight),
+        y = jax.lax.map(lambda ab: _row_tiled_einsum(sub, ab[0], ab[1], weight, tile),
                         (a_N.reshape(-1, *a_N.shape[len(batch):]),
                          b_N.reshape(-1, *b_N.shape[len(batch):])))
         y = y.reshape(*n_shape, *y.shape[1:])
@@ -76,7 +79,8 @@ def _row_tiled_einsum(eq: str, a: jax.Array, b: jax.Array, weight: bool = False)
     row_shape = a_RX.shape[:len(rows)]
     a_RX = a_RX.reshape(math.prod(row_shape), *a_RX.shape[len(rows):])
     tile_out = z + "".join(c for c in out if c not in rows)
-    y = row_tiles(lambda x: einsum_f32(f"{z}{''.join(kept)},{rhs}->{tile_out}", x, b), a_RX)
+    y = row_tiles(lambda x: einsum_f32(f"{z}{''.join(kept)},{rhs}->{tile_out}", x, b), a_RX,
+                  tile)
     y = y.reshape(*row_shape, *y.shape[1:])
     have = rows + [c for c in out if c not in rows]
     return jnp.transpose(y, [have.index(c) for c in out])

@@ -35,7 +35,10 @@ class ExecPlan:
     `MlaDecodeConfig.fuse_new`). pack_vectors (with 'per_layer'): each layer's norm scales and
     router bias as one array (`layer_weights.pack_vectors`: fewer arguments for the host).
     batch_invariant: a row's result does not depend on the other rows of its step (no dot of one
-    row, 2-d projections, sums as dot rows: docs/ARCHITECTURE.md "Batch invariance")."""
+    row, 2-d projections, sums as dot rows: docs/ARCHITECTURE.md "Batch invariance");
+    invariant_rows: under it, the rows of a product with a weight run this many at a time (a tile
+    reads the weight once; XLA:CPU's dots sum a row by the row count past 32-64 rows, so 16 there,
+    64 on a GPU, where a product of one shape is one kernel)."""
     impl: str = "xla"
     mla_decode_kernel: str = "auto"
     hopper: bool = False
@@ -53,6 +56,7 @@ class ExecPlan:
     mla_fuse_new: bool = False
     pack_vectors: bool = False
     batch_invariant: bool = False
+    invariant_rows: int = 16
 
     def __post_init__(self):
         for name, choices in (("impl", IMPLS), ("mla_decode_kernel", MLA_DECODE_KERNELS),
@@ -76,10 +80,18 @@ class ExecPlan:
         for name in ("combine_xla_max_macs", "absorbed_chunk_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"ExecPlan.{name}={getattr(self, name)!r} must be an int >= 0")
+        if (not isinstance(self.invariant_rows, int) or isinstance(self.invariant_rows, bool)
+                or self.invariant_rows < 1):
+            raise ValueError(f"ExecPlan.invariant_rows={self.invariant_rows!r} must be an int >= 1")
 
     @property
     def pallas(self) -> bool:
         return self.impl == "pallas"
+
+    @property
+    def row_tile(self) -> int:
+        """Rows a product with a weight runs at a time (0: as one product, not batch_invariant)."""
+        return self.invariant_rows if self.batch_invariant else 0
 
     def router_kernel_for(self, tokens: int, experts: int) -> str:
         """The router path of a step of `tokens` tokens over `experts` experts ('auto' resolved)."""
@@ -115,6 +127,7 @@ class ExecPlan:
         options.setdefault("absorbed_chunk_tokens", 64 if gpu else 0)
         # BENCHMARKS.md "The host's enqueue"
         options.setdefault("pack_vectors", weights == "per_layer")
+        options.setdefault("invariant_rows", 64 if gpu else 16)
         return cls(impl=("pallas" if gpu else "xla") if impl in (None, "auto") else impl,
                    layer_loop=loop, layer_weights=weights, hopper=bool(hopper), **options)
 
