@@ -4,6 +4,7 @@ serve both: only the scheduler's speculative config changes).
 
   kimi-bench spec --batches 1,16 --gen_tokens 48 --dtype float32                  # CPU, the demo model
   kimi-bench spec --model=kimi-k2.5 --num_layers=3 --batches=1,16 --out=$OUT/spec  # GPU
+  kimi-bench spec --step_layout ragged --batches 1,16                             # drafts in the ragged step
 
 Workloads. non-repetitive: distinct prompts (passages of the standard library's docs with the demo
 model's tokenizer; random token ids for a model without one). repetitive ("say it again"): each
@@ -71,15 +72,17 @@ def _generate(llm, prompts, sp, spec) -> dict:
 
 def spec_rows(model, batches, *, gen_tokens: int = 48, k: int = 4, dtype: str = "float32", reps: int = 3,
               max_model_len: int = 1024, prompt_len=(20, 80), budget_s: float = float("inf"),
-              log=print) -> list[dict]:
+              log=print, step_layout: str = "padded") -> list[dict]:
     """model: a checkpoint dir, preset name, ModelConfig (random weights) or None (the demo model).
-    Cases not started within budget_s seconds are skipped (logged)."""
+    Cases not started within budget_s seconds are skipped (logged). step_layout 'ragged': the drafts
+    verified inside the ragged step (its gate's costs keyed by the widths without and with them)."""
     from kimi_jax import LLM, SamplingParams
     from kimi_jax.engine.speculative import SpeculativeConfig
     spec = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=3)
     sp = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    llm = LLM(model, dtype=dtype, max_num_seqs=max(batches), max_model_len=max_model_len)
+    llm = LLM(model, dtype=dtype, max_num_seqs=max(batches), max_model_len=max_model_len,
+              step_layout=step_layout)
     log(f"[{time.perf_counter() - t0:6.1f}s] model built")
     compiles = _Compiles()
     rows = []
@@ -100,20 +103,23 @@ def spec_rows(model, batches, *, gen_tokens: int = 48, k: int = 4, dtype: str = 
             ratios = [(on["tokens"] / on["wall"]) / (off["tokens"] / off["wall"])
                       for off, on in zip(runs["off"], runs["on"])]
             on, off = runs["on"][-1], runs["off"][-1]
-            row = dict(batch=B, workload=name,
+            row = dict(batch=B, workload=name, step_layout=step_layout,
                        tok_s_off=statistics.median(r["tokens"] / r["wall"] for r in runs["off"]),
                        tok_s_on=statistics.median(r["tokens"] / r["wall"] for r in runs["on"]),
                        speedup=statistics.median(ratios), speedup_min=min(ratios), speedup_max=max(ratios),
                        mean_accepted_len=1 + on["accepted"] / on["verified_rows"] if on["verified_rows"] else 1.0,
                        drafted=on["drafted"], accepted=on["accepted"],
                        identical=all(r["ids"] == off["ids"] for r in runs["on"] + runs["off"]),
-                       verify_passes=on["stats"]["verify_passes"], decode_passes=on["stats"]["decode_passes"],
+                       verify_passes=on["stats"]["verify_passes"] or on["stats"]["ragged_passes"],
+                       decode_passes=on["stats"]["decode_passes"],
                        decode_passes_off=off["stats"]["decode_passes"], timed_compiles=compiles.n)
             rows.append(row)
             log(f"[{time.perf_counter() - t0:6.1f}s] " + json.dumps(row, default=float))
-    costs = {f"B{b}_P{p}": dict(decode_ms=d * 1e3, verify_ms=v * 1e3, ratio=v / d)
-             for (b, p), (d, v) in sorted(llm.frontend.steps.pass_costs.items())}
-    log("measured pass costs (batch bucket, page-table bucket): " + json.dumps(costs))
+    costs = {(f"T{k[1]}_T{k[2]}" if k[0] == "ragged" else f"B{k[0]}_P{k[1]}"):
+             dict(decode_ms=d * 1e3, verify_ms=v * 1e3, ratio=v / d)
+             for k, (d, v) in sorted(llm.frontend.steps.pass_costs.items(), key=str)}
+    log("measured pass costs (batch bucket, page-table bucket; ragged: the widths without and with "
+        "the drafts): " + json.dumps(costs))
     for r in rows:
         r["pass_costs"] = costs
     return rows
@@ -148,7 +154,8 @@ def main(argv):
         f"{FLAGS.model}{f' ({FLAGS.num_layers} layers)' if FLAGS.num_layers else ''}  dtype {FLAGS.dtype}")
     rows = spec_rows(model, [int(b) for b in FLAGS.batches], gen_tokens=FLAGS.gen_tokens, k=FLAGS.k,
                      dtype=FLAGS.dtype, reps=FLAGS.reps, max_model_len=FLAGS.max_model_len,
-                     prompt_len=(FLAGS.prompt_min, FLAGS.prompt_max), budget_s=FLAGS.budget_s, log=log)
+                     prompt_len=(FLAGS.prompt_min, FLAGS.prompt_max), budget_s=FLAGS.budget_s, log=log,
+                     step_layout=FLAGS.step_layout or "padded")
     path = write_json(FLAGS.out, "spec_rows.json",
                       dict(jax=jax.__version__, device=jax.devices()[0].device_kind, model=FLAGS.model,
                            num_layers=FLAGS.num_layers, dtype=FLAGS.dtype, rows=rows))

@@ -363,14 +363,17 @@ def test_bench_dtype_rows(tmp_path, cli):
     assert rows[0]["tok_s"] > 0 and rows[0]["step_ms"] > 0
 
 
-def test_bench_spec_compares_speculation_off_and_on(tmp_path, cli):
+@pytest.mark.parametrize("layout", ["padded", "ragged"])
+def test_bench_spec_compares_speculation_off_and_on(tmp_path, cli, layout):
     """kimi-bench spec on a 2-layer tiny model (random weights, random prompts): one row per workload
-    with speculation off and on, the same greedy tokens both ways, as JSON under --out."""
+    with speculation off and on, the same greedy tokens both ways, as JSON under --out; in either
+    step layout."""
     r = cli("launch.bench", "spec", "--model=tiny", "--num_layers=2", "--batches=2", "--gen_tokens=4", "--reps=1",
-            "--dtype=float32", "--max_model_len=256", "--out", str(tmp_path))
+            "--dtype=float32", "--max_model_len=256", f"--step_layout={layout}", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.load(open(tmp_path / "spec_rows.json"))["rows"]
-    assert [(x["batch"], x["workload"]) for x in rows] == [(2, "repetitive"), (2, "non-repetitive")]
+    assert [(x["batch"], x["workload"], x["step_layout"]) for x in rows] == [
+        (2, "repetitive", layout), (2, "non-repetitive", layout)]
     assert all(x["identical"] and x["tok_s_off"] > 0 and x["tok_s_on"] > 0 for x in rows)
     assert "| 2 | repetitive |" in r.stdout
 
