@@ -115,9 +115,9 @@ class ProgramSet:
     ) -> None:
         """Build each program: the first plain and extras ones by a call on padding rows (so the
         pool and occurrences are step outputs, as later calls see them), the rest lowered here
-        (tracing holds the GIL) and compiled on `threads` threads into jax's executable cache; then
-        the occurrence row write, the pool's page copy and a sample's key, which requests call
-        between steps.
+        (tracing holds the GIL) and compiled on `threads` threads into jax's executable cache (a
+        ragged set's then called once each on padding rows); then the occurrence row write, the
+        pool's page copy and a sample's key, which requests call between steps.
         progress(i, n, key)."""
         n, done, pending = len(programs), 0, {}
         first = {
@@ -152,6 +152,11 @@ class ProgramSet:
                 pending[f] = key_of[f] = key
                 report([f for f in list(pending) if f.done()])
             report(concurrent.futures.as_completed(list(pending)))
+        # a ragged set (a handful of programs): each of the rest run once on padding rows too, so
+        # what a program's first call does beyond its compile (its fixed buffers made, on a GPU its
+        # first execution's setup) happens before the engine says ready, not in a first request
+        for key in [k for k in programs if k.kind == "ragged" and k not in first]:
+            jax.block_until_ready(self._call_ragged_dummy(key))
         occ = self.occurrences()  # its row write, at the padding row (which stays zero)
         self.steps.set_occurrences(
             occ, occ.pad_row, np.zeros((self.steps.cfg.vocab_size,), np.int32)

@@ -229,6 +229,8 @@ def test_no_program_is_built_after_precompile(ckpt, speculation):
     assert len(declared) <= 40 and {k.kind for k in declared} == {"ragged"}
     assert core.precompile() == len(declared)
     built = compiles.compile_count()
+    # every program already called once (its fixed buffers made before any request)
+    assert {key for key, _ in core.runner.resident} == set(declared)
     prompts, params = workload(preset("tiny").vocab_size, structured=False)
     assert any(sp.n > 1 for sp in params)
     for i, (p, sp) in enumerate(zip(prompts, params)):
