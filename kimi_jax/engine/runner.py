@@ -232,8 +232,6 @@ class Runner(ProgramSet):
         """A ragged step's host outputs, its tokens [B] cut from the sampling half's wide ones."""
         host, dp = _host(out), self.steps.dp
         host.tokens = host.tokens.reshape(dp, -1)[:, :plan.batch // dp].reshape(-1)
-        if host.accepted is not None:
-            host.accepted = host.accepted[:plan.batch]
         return host
 
     def _read(self, f: _InFlight):
@@ -674,7 +672,6 @@ class Runner(ProgramSet):
             lambda: jax.block_until_ready(self._call(ver, vkey)),
         ]
         return self._median_times(runs, reps)
-
 
     def measure_ragged(self, plan0: StepPlan, plan1: StepPlan, reps: int = 5
                        ) -> tuple[float, float]:
