@@ -56,6 +56,9 @@ def test_alone_equals_batched_with_the_switch(tiny_ckpt, layout, chunk, seed):
     assert all(b == alone for b in batched)
 
 
+# the products that differ without the switch, op by op, run by default
+# (tests/unit/test_batch_invariant_switch.py, tests/kernels/test_pallas_int4.py)
+@pytest.mark.slow
 def test_without_the_switch_bfloat16_differs(tiny_ckpt):
     """The padded case above without the switch: the logprobs of some batch differ from alone's
     (the ragged layout's agree without it on the CPU)."""
