@@ -140,6 +140,7 @@ class EngineCore:
             s.stats["steps"] += 1
             s.stats[_PASSES[plan.kind]] += 1
             s.stats["overlapped_steps"] += plan.chained
+            s.stats["spec_steps"] += plan.kind == "verify" or any(r.drafts for r in plan.rows)
             for done, out in self.runner.run(plan):
                 finished += s.update(done, out)
             # sampled once the step before is booked (its grammars advanced)

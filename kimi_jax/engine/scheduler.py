@@ -46,6 +46,7 @@ class Scheduler(RaggedPlanning):
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "preemptions": 0,
                       "drafted": 0, "accepted": 0, "prefill_passes": 0, "decode_passes": 0,
                       "verify_passes": 0, "ragged_passes": 0, "cost_calibrations": 0,
+                      "spec_steps": 0,       # steps that verified drafts (either layout)
                       "overlapped_steps": 0,
                       "prefix_cache_queries": 0, "prefix_cache_hits": 0}   # tokens, as vLLM counts
         self.admission = adm = Admission(

@@ -187,6 +187,7 @@ def test_the_ragged_gate_measures_two_widths_once(ckpt):
         out, st = _run(llm, prompts, sp)
         assert out == base and st["cost_calibrations"] == 0, (ratio, st)
         assert st["ragged_passes"] > 0 and st["verify_passes"] == 0
+        assert (st["spec_steps"] > 0) == (st["drafted"] > 0)
         drafted[ratio] = st["drafted"]
     assert drafted[1.0] > drafted[100.0], drafted
 
