@@ -87,20 +87,31 @@ class RaggedPlanning:
 
     def _ragged_verify_pays(self, rows: list[tuple[Request, int]], proposed: dict) -> bool:
         """Verify when A > n (t1 / t0 - 1), as `_verify_pays`: t0 and t1 the ragged step of these
-        decode rows at the width of their tokens without and with the drafts (the same width:
-        free), measured once per pair of widths and kept in pass_costs."""
+        decode rows at the step's width without and with the drafts, measured once per pair of
+        widths and kept in pass_costs. The width counts the prompt chunks that would follow (each
+        running prompt's next chunk, within the rank's budget): when the drafts leave it as it is
+        (a step already wide with prompt tokens, or drafts within the width's padding), they are
+        free."""
         if not self.spec.adaptive:
             return True
-        reqs = [r for r, _ in rows]
-        plan0 = self._ragged_layout(rows)
-        with_drafts = collections.Counter()
+        reqs, shapes = [r for r, _ in rows], self.ragged_shapes
+        cap = self.config.long_prefill_token_threshold or shapes.rank_tokens
+        base, drafts = collections.Counter(), collections.Counter()
         for r, n in rows:
-            with_drafts[r.rank] += n + len(proposed[id(r)])
-        plan1 = self._ragged_layout(rows, width=self.ragged_shapes.tokens(
-            max(with_drafts.values())))
-        if plan1.width == plan0.width:
+            base[r.rank] += n
+            drafts[r.rank] += len(proposed[id(r)])
+        taken = {id(r) for r in reqs}
+        prompts = [r for r in self.running if id(r) not in taken and (
+            r.pending > 1 or (r.pending == 1 and prompt_entries_left(r)))]
+        for r in prompts:
+            base[r.rank] += min(r.pending, cap)
+        scores = any(prompt_entries_left(r) for r in prompts)
+        width = [shapes.tokens(max(min(shapes.rank_tokens, base[k] + extra[k]) for k in base),
+                               scores) for extra in (collections.Counter(), drafts)]
+        if width[0] == width[1]:
             return True
-        key = ("ragged", plan0.width, plan1.width)
+        plan0, plan1 = (self._ragged_layout(rows, width=w) for w in width)
+        key = ("ragged", *width)
         if key not in self.pass_costs:
             self.pass_costs[key] = self.measure(plan0, plan1)
             self.stats["cost_calibrations"] += 1

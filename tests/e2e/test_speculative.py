@@ -180,7 +180,7 @@ def test_the_ragged_gate_measures_two_widths_once(ckpt):
         lambda ev, d, **kw: compiles.append(ev) if ev.endswith("backend_compile_duration") else None)
     second, s2 = _run(llm, prompts, sp)
     assert second == base and not compiles and s2 == {**s1, "cost_calibrations": 0}
-    widths = [4, 8, 16, 32, 64, 128]
+    widths = llm.frontend.make_core().scheduler.ragged_shapes.ladder()
     drafted = {}
     for ratio in (1.0, 100.0):
         llm.frontend.steps.pass_costs = {("ragged", a, b): (1.0, ratio) for a in widths for b in widths}

@@ -119,3 +119,49 @@ def test_a_prefix_cache_hit_skips_the_cached_pages():
     b = add(s, "b", 13, max_tokens=1)        # the same prompt: 3 full pages of 4 cached
     plan, _ = step(s)
     assert [(row.start, row.n) for row in plan.rows] == [(12, 1)] and b.num_cached_tokens == 12
+
+
+def test_drafts_beside_a_long_prompt_are_free_and_alone_are_timed():
+    """Speculation in the ragged step: while a long prompt's chunks fill the budget, a decode row's
+    drafts leave the step's width as it is, so they are taken without timing anything; once only
+    decode rows remain (1 + 4 drafts: past the 4-token width), the gate times the two widths (here:
+    drafts never pay) and stops drafting. A verifying row's accepted drafts and token are booked."""
+    from kimi_jax.engine.speculative import SpeculativeConfig
+    sc = SchedulerConfig(4, 512, 16, 64, step_layout="ragged", max_num_batched_tokens=24,
+                         speculative_config=SpeculativeConfig(num_speculative_tokens=4,
+                                                              prompt_lookup_min=1))
+    timed = []
+    s = Scheduler(sc, CacheConfig(4, 128), vocab_size=32, batch_size=lambda n: bucket(n, 1),
+                  dp=1, exec_plan=ops.ExecPlan(),
+                  measure=lambda p0, p1: timed.append((p0.width, p1.width)) or (1.0, 100.0))
+    cycle = [11, 12, 13, 14, 15]
+    a = new_request("a", cycle * 3, SamplingParams(temperature=0.0, max_tokens=120,
+                                                     ignore_eos=True), 0, None, vocab_size=32,
+                    max_model_len=512, page_size=4, pages_per_rank=s.pool.per_part, dp=1,
+                    eos_ids=frozenset(), tokenizer=None)
+    s.add(a)            # a continues its cycle: its drafts are right, every one accepted
+    b = add(s, "b", 100, max_tokens=2, seed=1)
+    beside, after = [], []
+    while s.has_unfinished():
+        plan = s.schedule()
+        assert plan is not None and s.schedule() is None
+        check_layout(s, plan)
+        tokens, acc = np.full((plan.batch,), 7, np.int32), np.zeros((plan.batch,), np.int32)
+        for row in plan.rows:
+            acc[row.batch_row] = row.drafts
+            if row.req is a:
+                tokens[row.batch_row] = cycle[(len(a.output_ids) + row.drafts) % 5]
+        drafted = sum(row.drafts for row in plan.rows)
+        if (4, 8) in timed:
+            after.append((drafted, plan.width))
+        elif b.pending > 1:
+            beside.append(drafted)
+        s.update(plan, StepOutput(tokens=tokens, accepted=acc))
+    assert sum(beside) > 0                   # drafted while b's chunks filled the steps
+    # timed where the drafts widen the step (b's last chunk short, then a alone), once a pair
+    assert (4, 8) in timed and len(set(timed)) == len(timed) and all(t0 < t1 for t0, t1 in timed)
+    # a alone, timed: drafts never pay, but for the last ones that fit the 4-token width (free)
+    assert len(after) > 10 and all(w == 4 for d, w in after if d)
+    assert sum(d > 0 for d, _ in after) <= 2
+    assert a.output_ids == [cycle[i % 5] for i in range(120)] and len(b.output_ids) == 2
+    assert s.stats["accepted"] == s.stats["drafted"] >= sum(beside)
