@@ -202,3 +202,17 @@ def test_ragged_speculation_samples_seeded_rows_the_same_each_run(ckpt):
     b, _ = _run(llm, mixed_prompts(), sp)
     assert a == b and sa["drafted"] > 0 and all(len(x) == 16 for x in a)
     assert all(0 <= t < CFG.vocab_size for x in a for t in x)
+
+
+def test_ragged_drafts_under_preemption_and_prefix_caching(ckpt):
+    """The ragged step with speculation on a pool too small for its rows and prefix caching on:
+    drafts take pages (preempting others) and preempted rows recompute, greedy tokens as without
+    speculation on the same pool."""
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    kw = dict(dtype="float32", step_layout="ragged", max_num_seqs=3, block_size=4,
+              num_gpu_blocks_override=30, enable_prefix_caching=True)
+    prompts = mixed_prompts()
+    base, _ = _run(LLM(ckpt, **kw), prompts, sp)
+    got, st = _run(LLM(ckpt, speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                                 "adaptive": False}, **kw), prompts, sp)
+    assert got == base and st["drafted"] > 0 and st["preemptions"] > 0, st
