@@ -8,7 +8,8 @@ import collections
 import dataclasses
 from typing import Optional
 
-from kimi_jax.engine.requests import Request, Row, StepPlan, n_logprobs, prompt_entries_left
+from kimi_jax.engine.requests import (Request, Row, StepPlan, prompt_entries_left,
+                                      samples_with_extras, wants_chunk)
 from kimi_jax.engine.speculative import propose_drafts
 
 
@@ -26,7 +27,7 @@ class RaggedPlanning:
         and the prefix cache as the padded passes."""
         shapes, adm = self.ragged_shapes, self.admission
         left = [shapes.rank_tokens] * self.dp
-        cap = self.config.long_prefill_token_threshold or shapes.rank_tokens
+        cap = self._chunk_cap()
         rows: list[tuple[Request, int]] = []
 
         def take(r: Request, n: int) -> bool:
@@ -44,8 +45,7 @@ class RaggedPlanning:
                 take(r, 1)
         drafts = self._ragged_drafts(rows, left) if self.spec else {}
         filling: set = set()
-        for r in [r for r in self.running
-                  if r.pending > 1 or (r.pending == 1 and prompt_entries_left(r))]:
+        for r in [r for r in self.running if wants_chunk(r)]:
             if r not in self.running or left[r.rank] < 1 or self._waits_for_prefix(r, filling):
                 continue
             n = min(r.pending, cap, left[r.rank])
@@ -67,7 +67,7 @@ class RaggedPlanning:
         with extras (logprobs, logits adjustments, a grammar: their sampling half reads one token a
         row); each such row then feeds its last token and its drafts within its rank's token
         budget. -> id(request) -> its drafts (rows extended in place, left charged)."""
-        if any(_extras(r) for r in self.running):
+        if any(samples_with_extras(r) for r in self.running):
             return {}
         proposed = {id(r): propose_drafts(r, self.drafter, self.spec, self.max_model_len)
                     for r, _ in rows}
@@ -94,15 +94,13 @@ class RaggedPlanning:
         free."""
         if not self.spec.adaptive:
             return True
-        reqs, shapes = [r for r, _ in rows], self.ragged_shapes
-        cap = self.config.long_prefill_token_threshold or shapes.rank_tokens
+        reqs, shapes, cap = [r for r, _ in rows], self.ragged_shapes, self._chunk_cap()
         base, drafts = collections.Counter(), collections.Counter()
         for r, n in rows:
             base[r.rank] += n
             drafts[r.rank] += len(proposed[id(r)])
         taken = {id(r) for r in reqs}
-        prompts = [r for r in self.running if id(r) not in taken and (
-            r.pending > 1 or (r.pending == 1 and prompt_entries_left(r)))]
+        prompts = [r for r in self.running if id(r) not in taken and wants_chunk(r)]
         for r in prompts:
             base[r.rank] += min(r.pending, cap)
         scores = any(prompt_entries_left(r) for r in prompts)
@@ -118,6 +116,11 @@ class RaggedPlanning:
         t0, t1 = self.pass_costs[key]
         gain = sum(r.spec.expected_accepted(len(proposed[id(r)])) for r in reqs)
         return gain > len(reqs) * (t1 / t0 - 1.0)
+
+    def _chunk_cap(self) -> int:
+        """The most tokens of one prompt a ragged step takes (long_prefill_token_threshold; 0:
+        the rank's budget)."""
+        return self.config.long_prefill_token_threshold or self.ragged_shapes.rank_tokens
 
     @staticmethod
     def _overlaps(reqs) -> bool:
@@ -135,7 +138,7 @@ class RaggedPlanning:
         adm.admit()
         flight = {id(row.req): row for row in f.live}
         left = [shapes.rank_tokens] * self.dp
-        cap = self.config.long_prefill_token_threshold or shapes.rank_tokens
+        cap = self._chunk_cap()
         rows, at = [], {}
         protected = [row.req for row in f.live]
 
@@ -212,12 +215,6 @@ class RaggedPlanning:
 def _splits(reqs) -> bool:
     """Whether an overlapped step of these requests samples only once the step before is booked."""
     return any(needs_host(r) for r in reqs)
-
-
-def _extras(r: Request) -> bool:
-    """r samples with extras (logprobs, best_of's chosen-token logprobs, logits adjustments, a
-    grammar's mask), as `Runner._ragged_sample_inputs` decides."""
-    return n_logprobs([r]) is not None or r.adjust is not None or r.structured is not None
 
 
 def needs_host(r: Request) -> bool:

@@ -98,6 +98,18 @@ def prompt_entries_left(r: "Request") -> bool:
     )
 
 
+def wants_chunk(r: "Request") -> bool:
+    """r has prompt work left: more than one token to compute, or its last one while it still
+    scores prompt positions (a decode row otherwise)."""
+    return r.pending > 1 or (r.pending == 1 and prompt_entries_left(r))
+
+
+def samples_with_extras(r: "Request") -> bool:
+    """r's sampling needs the extras programs: logprobs (best_of's chosen-token ones too), logits
+    adjustments or a grammar's mask."""
+    return n_logprobs([r]) is not None or r.adjust is not None or r.structured is not None
+
+
 def prefill_shape(rows, page_size: int) -> tuple[int, int, bool]:
     """(width T, pages of the longest row once it holds its chunk, fresh) of a prefill pass over
     rows [(request, tokens fed)]. T = 1 (a decode-kind step) when each row feeds one token and

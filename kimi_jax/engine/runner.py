@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from kimi_jax.engine import penalties
-from kimi_jax.engine.requests import StepPlan, n_logprobs, prompt_targets
+from kimi_jax.engine.requests import StepPlan, n_logprobs, prompt_targets, samples_with_extras
 from kimi_jax.engine.sampling import SamplingArrays, SamplingParams
 from kimi_jax.engine.sampling import sample_mode as sample_mode_of
 from kimi_jax.engine.shapes import bucket
@@ -339,8 +339,7 @@ class Runner(ProgramSet):
         steps, keys, params, adjust = _sampling_rows(
             B, live, lambda row: int(not row.tokens or row.start + row.n == len(row.req.tokens)))
         n_lp = n_logprobs(reqs)
-        extras = (n_lp is not None or any(a is not None for a in adjust)
-                  or any(r.structured is not None for r in reqs))
+        extras = any(samples_with_extras(r) for r in reqs)
         adj = mask = None
         if extras:
             adj = penalties.build(

@@ -342,18 +342,20 @@ def verify_drafts(
     B, T, V = logits_BTV.shape
     Y = T - 1
     greedy_BT = jnp.argmax(logits_BTV, axis=-1).astype(jnp.int32)
+    matches_BY = drafts_BY == greedy_BT[:, :Y]
+
+    def accepted(ok_BY):          # the leading run of accepted drafts among the row's valid ones
+        ok_BY &= jnp.arange(Y)[None, :] < n_draft_B[:, None]
+        return jnp.cumprod(ok_BY.astype(jnp.int32), axis=1).sum(axis=1)
     if greedy:
-        ok_BY = (drafts_BY == greedy_BT[:, :Y]) & (jnp.arange(Y)[None, :] < n_draft_B[:, None])
-        n_acc_B = jnp.cumprod(ok_BY.astype(jnp.int32), axis=1).sum(axis=1)
+        n_acc_B = accepted(matches_BY)
         return n_acc_B.astype(jnp.int32), greedy_BT[jnp.arange(B), n_acc_B]
     sp_T = jax.tree.map(lambda a: jnp.repeat(a, T, axis=0), sp)
     probs_BTV = target_probs(logits_BTV.reshape(B * T, V), sp_T).reshape(B, T, V)
     sampled = sp.temperature > 0
     p_draft_BY = jnp.take_along_axis(probs_BTV[:, :Y], drafts_BY[..., None], axis=-1)[..., 0]
     u_BY = jax.vmap(lambda k, s: jax.random.uniform(_row_key(k, s, 1), (Y,)))(sp.key, step_B)
-    ok_BY = jnp.where(sampled[:, None], u_BY < p_draft_BY, drafts_BY == greedy_BT[:, :Y])
-    ok_BY &= jnp.arange(Y)[None, :] < n_draft_B[:, None]
-    n_acc_B = jnp.cumprod(ok_BY.astype(jnp.int32), axis=1).sum(axis=1)
+    n_acc_B = accepted(jnp.where(sampled[:, None], u_BY < p_draft_BY, matches_BY))
     rows = jnp.arange(B)
     p_next_BV = probs_BTV[rows, n_acc_B]
     rejected = n_acc_B < n_draft_B

@@ -14,7 +14,7 @@ from kimi_jax.engine.page_pool import chain_hashes
 from kimi_jax.engine.args import CacheConfig, SchedulerConfig
 from kimi_jax.engine.ragged_planning import RaggedPlanning, needs_host
 from kimi_jax.engine.requests import (Request, Row, StepPlan, append_token, prefill_shape,
-                                      prompt_entries_left, score_prompt)
+                                      prompt_entries_left, score_prompt, wants_chunk)
 from kimi_jax.engine.shapes import Limits, RaggedShapes, Shapes
 from kimi_jax.engine.speculative import propose_drafts
 
@@ -170,7 +170,7 @@ class Scheduler(RaggedPlanning):
         rows after the first while the pass `Shapes.prefill_fits`."""
         budget, rows, filling = self.max_prefill_tokens, [], set()
         for r in [
-            r for r in self.running if r.pending > 1 or (r.pending == 1 and prompt_entries_left(r))
+            r for r in self.running if wants_chunk(r)
         ]:
             if self._waits_for_prefix(r, filling) or (
                 r.pending <= 1 and not prompt_entries_left(r)
